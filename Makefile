@@ -1,0 +1,84 @@
+# fsdp.c - the one build entry point.
+#   make            library, tools, examples and tests (build/)
+#   make test       builds, then runs the whole suite (tests/run.sh)
+#   make WERROR=1   warnings are errors (CI)
+#   make asan | ubsan   sanitized builds in build-asan/ and build-ubsan/
+#   make install PREFIX=/usr/local   header, libfsdp.{a,so}, fsdp.pc, tools
+CC       ?= cc
+BUILD    ?= build
+PREFIX   ?= /usr/local
+ARCH     ?= -march=native
+OPT      ?= -O2
+WARN     := -Wall -Wextra -Wshadow -Wconversion -Wmissing-prototypes -Wstrict-prototypes \
+            -Wno-sign-conversion
+ifeq ($(WERROR),1)
+WARN     += -Werror
+endif
+MPI_CFLAGS := $(shell pkg-config --cflags ompi-c 2>/dev/null)
+MPI_LIBS   := $(shell pkg-config --libs ompi-c 2>/dev/null || echo -lmpi)
+DEP_CFLAGS := $(MPI_CFLAGS) $(shell pkg-config --cflags libcjson 2>/dev/null)
+DEP_LIBS   := -ldnnl $(MPI_LIBS) $(shell pkg-config --libs libcjson 2>/dev/null || echo -lcjson) -lm
+CFLAGS   += -std=c11 -D_GNU_SOURCE -fPIC -fopenmp $(OPT) $(ARCH) -g $(WARN) $(SAN) \
+            -Iinclude -Isrc $(DEP_CFLAGS)
+LDFLAGS  += -fopenmp $(SAN)
+
+LIB_SRC  := $(wildcard src/core/*.c src/nn/*.c src/comm/*.c src/io/*.c src/optim/*.c src/fsdp/*.c)
+LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o)
+TOOLS    := $(patsubst tools/%.c,$(BUILD)/%,$(wildcard tools/*.c))
+TESTS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
+EXAMPLES := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
+BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
+HDRS     := include/fsdp.h $(wildcard src/*/*.h) tests/harness.h
+
+all: $(BUILD)/libfsdp.a $(BUILD)/libfsdp.so $(TOOLS) $(TESTS) $(EXAMPLES) $(BENCHES)
+
+$(BUILD)/%.o: %.c $(HDRS)
+	@mkdir -p $(dir $@)
+	@echo "CC $<"
+	@$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/libfsdp.a: $(LIB_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/libfsdp.so: $(LIB_OBJ)
+	$(CC) -shared -o $@ $^ $(LDFLAGS) $(DEP_LIBS)
+
+$(BUILD)/%: $(BUILD)/tools/%.o $(BUILD)/libfsdp.a
+	$(CC) -o $@ $< $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
+
+$(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/libfsdp.a
+	$(CC) -o $@ $< $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
+
+$(BUILD)/examples/%: $(BUILD)/examples/%.o $(BUILD)/libfsdp.a
+	$(CC) -o $@ $< $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
+
+$(BUILD)/bench/%: $(BUILD)/bench/%.o $(BUILD)/libfsdp.a
+	$(CC) -o $@ $< $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
+
+test: all
+	BUILD=$(BUILD) tests/run.sh
+
+asan:
+	$(MAKE) BUILD=build-asan SAN="-fsanitize=address,undefined -fno-omit-frame-pointer" OPT=-O1
+
+ubsan:
+	$(MAKE) BUILD=build-ubsan SAN="-fsanitize=undefined -fno-sanitize-recover=undefined" OPT=-O1
+
+$(BUILD)/fsdp.pc: Makefile
+	@mkdir -p $(BUILD)
+	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: fsdp\nDescription: Fully Sharded Data Parallel training in C\nVersion: 0.1.0\nRequires.private: ompi-c libcjson\nLibs: -L$${libdir} -lfsdp\nLibs.private: -ldnnl -fopenmp -lm\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
+
+install: all $(BUILD)/fsdp.pc
+	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
+	install -m 644 include/fsdp.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 $(BUILD)/libfsdp.a $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(BUILD)/libfsdp.so $(DESTDIR)$(PREFIX)/lib/
+	install -m 644 $(BUILD)/fsdp.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+	install -m 755 $(TOOLS) $(DESTDIR)$(PREFIX)/bin/
+
+clean:
+	rm -rf build build-asan build-ubsan
+
+.PHONY: all test asan ubsan install clean
+.SECONDARY:

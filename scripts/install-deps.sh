@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs the Debian packages fsdp.c needs to build, test and run, when missing.
+# Idempotent: asks apt-get only for packages that dpkg does not list as installed.
+# Usage: scripts/install-deps.sh [--with-torch]   (--with-torch adds python3-torch,
+# the optional numerical reference some tests use when present)
+set -euo pipefail
+pkgs=(build-essential pkg-config libdnnl-dev libopenmpi-dev openmpi-bin libcjson-dev python3)
+if [ "${1:-}" = "--with-torch" ]; then pkgs+=(python3-torch python3-numpy); fi
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+echo "installing: ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2

@@ -1,0 +1,85 @@
+/*
+ * arena.c - the per-step activation arena: a bump allocator over a list of
+ * chunks. Marks are byte offsets into the logical sequence of allocations, so
+ * fsdp_arena_release(mark) frees everything allocated after the mark.
+ * Invariant: chunks are never freed during a step, so pointers stay valid
+ * until fsdp_arena_reset; after a reset the chunks are merged into one chunk
+ * of their total size, so a steady state has a single chunk and no mallocs.
+ */
+#include "core/core-impl.h"
+
+#include <string.h>
+
+struct fsdp__arena_chunk {
+    struct fsdp__arena_chunk *prev; /* older chunk */
+    size_t base;                    /* logical offset of this chunk's first byte */
+    size_t cap, used;               /* used is relative to this chunk */
+    char *mem;
+};
+
+#define ARENA_MIN_CHUNK ((size_t)1 << 20)
+
+static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+void *fsdp_arena_alloc(struct fsdp_ctx *ctx, size_t bytes) {
+    size_t need = round64(bytes ? bytes : 1);
+    struct fsdp__arena_chunk *c = ctx->arena;
+    if (!c || c->used + need > c->cap) {
+        size_t cap = need > ARENA_MIN_CHUNK ? need : ARENA_MIN_CHUNK;
+        if (c && cap < c->cap) cap = c->cap; /* grow geometrically-ish */
+        struct fsdp__arena_chunk *n = fsdp__alloc(ctx, sizeof *n, FSDP_MEM_ACT, "arena chunk header");
+        if (!n) return NULL;
+        n->mem = fsdp__alloc(ctx, cap, FSDP_MEM_ACT, "activations");
+        if (!n->mem) {
+            fsdp__free(ctx, n);
+            return NULL;
+        }
+        n->prev = c;
+        n->base = ctx->arena_used;
+        n->cap = cap;
+        n->used = 0;
+        ctx->arena = c = n;
+    }
+    void *p = c->mem + c->used;
+    c->used += need;
+    ctx->arena_used = c->base + c->used;
+    return p;
+}
+
+size_t fsdp_arena_mark(struct fsdp_ctx *ctx) { return ctx->arena_used; }
+
+void fsdp_arena_release(struct fsdp_ctx *ctx, size_t mark) {
+    struct fsdp__arena_chunk *c = ctx->arena;
+    /* chunks that start at or after the mark stay allocated (reused after reset);
+     * only the current chunk can be rewound if the mark falls inside it */
+    if (c && mark >= c->base && mark <= c->base + c->used) {
+        c->used = mark - c->base;
+        ctx->arena_used = mark;
+    }
+}
+
+void fsdp_arena_reset(struct fsdp_ctx *ctx) {
+    struct fsdp__arena_chunk *c = ctx->arena;
+    if (c && c->prev) { /* merge into one chunk of the total size */
+        size_t total = 0;
+        for (struct fsdp__arena_chunk *i = c; i; i = i->prev) total += i->cap;
+        fsdp__arena_free_all(ctx);
+        void *p = fsdp_arena_alloc(ctx, total);
+        (void)p;
+        c = ctx->arena;
+    }
+    if (c) c->used = 0;
+    ctx->arena_used = 0;
+}
+
+void fsdp__arena_free_all(struct fsdp_ctx *ctx) {
+    struct fsdp__arena_chunk *c = ctx->arena;
+    while (c) {
+        struct fsdp__arena_chunk *p = c->prev;
+        fsdp__free(ctx, c->mem);
+        fsdp__free(ctx, c);
+        c = p;
+    }
+    ctx->arena = NULL;
+    ctx->arena_used = 0;
+}

@@ -1,0 +1,181 @@
+/*
+ * core.c - status strings, the context's error message, logging, accounted
+ * allocation, dtype facts and the clock. The bottom of the dependency graph:
+ * knows nothing of models or communication.
+ * Invariant: every fsdp__alloc block carries a header with its size and kind,
+ * so fsdp__free can keep fsdp_mem_stats exact.
+ */
+#include "core/core-impl.h"
+
+#include <stdalign.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+
+const char *fsdp_status_str(enum fsdp_status st) {
+    static const char *const names[] = {
+#define FSDP_X_STR(name, str) str,
+        FSDP_STATUS_LIST(FSDP_X_STR)
+#undef FSDP_X_STR
+    };
+    if ((int)st < 0 || st >= FSDP_STATUS_COUNT) return "unknown status";
+    return names[st];
+}
+
+size_t fsdp_dtype_size(enum fsdp_dtype dt) {
+    switch (dt) {
+    case FSDP_F32: case FSDP_I32: return 4;
+    case FSDP_BF16: case FSDP_F16: case FSDP_U16: return 2;
+    case FSDP_U8: return 1;
+    }
+    return 0;
+}
+
+const char *fsdp_dtype_name(enum fsdp_dtype dt) {
+    switch (dt) {
+    case FSDP_F32: return "F32";
+    case FSDP_BF16: return "BF16";
+    case FSDP_F16: return "F16";
+    case FSDP_I32: return "I32";
+    case FSDP_U16: return "U16";
+    case FSDP_U8: return "U8";
+    }
+    return "?";
+}
+
+int64_t fsdp_tensor_numel(const struct fsdp_tensor *t) {
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+    return n;
+}
+
+/* ---- Context ---- */
+
+enum fsdp_status fsdp__ctx_alloc(struct fsdp_ctx **out) {
+    struct fsdp_ctx *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) return FSDP_ERR_NOMEM;
+    ctx->world = 1;
+    *out = ctx;
+    return FSDP_OK;
+}
+
+void fsdp__ctx_release(struct fsdp_ctx *ctx) {
+    if (!ctx) return;
+    fsdp__arena_free_all(ctx);
+    free(ctx);
+}
+
+int fsdp_ctx_rank(const struct fsdp_ctx *ctx) { return ctx->rank; }
+int fsdp_ctx_world(const struct fsdp_ctx *ctx) { return ctx->world; }
+const char *fsdp_errmsg(const struct fsdp_ctx *ctx) { return ctx ? ctx->errmsg : ""; }
+
+/* ---- Errors ---- */
+
+enum fsdp_status fsdp__err(struct fsdp_ctx *ctx, enum fsdp_status st, const char *fmt, ...) {
+    if (ctx) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(ctx->errmsg, sizeof ctx->errmsg, fmt, ap);
+        va_end(ap);
+    }
+    return st;
+}
+
+void (*fsdp__abort_hook)(int code);
+int fsdp__global_rank;
+
+_Noreturn void fsdp__assert_fail(const char *file, int line, const char *cond, const char *fmt, ...) {
+    fprintf(stderr, "rank %d: %s:%d: assertion failed: %s: ", fsdp__global_rank, file, line, cond);
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\n");
+    fflush(stderr);
+    if (fsdp__abort_hook) fsdp__abort_hook(134);
+    abort();
+}
+
+void fsdp__log(const struct fsdp_ctx *ctx, int level, const char *fmt, ...) {
+    if (ctx && level > ctx->verbose) return;
+    char buf[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (ctx && ctx->world > 1) fprintf(stderr, "[rank %d] %s\n", ctx->rank, buf);
+    else fprintf(stderr, "%s\n", buf);
+}
+
+/* ---- Accounted allocation ----
+ * Each block: [header (64 bytes): size, kind][payload, 64-byte aligned]. */
+
+struct alloc_hdr {
+    size_t bytes;
+    int kind;
+    char pad[64 - sizeof(size_t) - sizeof(int)];
+};
+
+static void mem_add(struct fsdp_ctx *ctx, int kind, size_t bytes) {
+    struct fsdp_mem_stats *m = &ctx->mem;
+    m->cur[kind] += bytes;
+    if (m->cur[kind] > m->peak[kind]) m->peak[kind] = m->cur[kind];
+    m->cur_total += bytes;
+    if (m->cur_total > m->peak_total) m->peak_total = m->cur_total;
+}
+
+void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
+    void *raw = NULL;
+    if (bytes > SIZE_MAX - 128 || posix_memalign(&raw, 64, sizeof(struct alloc_hdr) + bytes) != 0) {
+        fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory allocating %zu bytes for %s", bytes,
+                  what ? what : "?");
+        return NULL;
+    }
+    struct alloc_hdr *h = raw;
+    h->bytes = bytes;
+    h->kind = (int)kind;
+    if (ctx) mem_add(ctx, (int)kind, bytes);
+    return h + 1;
+}
+
+void *fsdp__calloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
+    void *p = fsdp__alloc(ctx, bytes, kind, what);
+    if (p) memset(p, 0, bytes);
+    return p;
+}
+
+void fsdp__free(struct fsdp_ctx *ctx, void *p) {
+    if (!p) return;
+    struct alloc_hdr *h = (struct alloc_hdr *)p - 1;
+    if (ctx) {
+        ctx->mem.cur[h->kind] -= h->bytes;
+        ctx->mem.cur_total -= h->bytes;
+    }
+    free(h);
+}
+
+char *fsdp__strdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = malloc(n);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+void fsdp_mem_get(const struct fsdp_ctx *ctx, struct fsdp_mem_stats *out) { *out = ctx->mem; }
+
+void fsdp_mem_reset_peak(struct fsdp_ctx *ctx) {
+    for (int k = 0; k < FSDP_MEM_KIND_COUNT; k++) ctx->mem.peak[k] = ctx->mem.cur[k];
+    ctx->mem.peak_total = ctx->mem.cur_total;
+}
+
+size_t fsdp_peak_rss_bytes(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
+    return (size_t)ru.ru_maxrss * 1024u;
+}
+
+double fsdp__now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
