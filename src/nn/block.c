@@ -1,0 +1,161 @@
+/*
+ * block.c - the composite layers of GPT-2: MLP (c_fc, gelu, c_proj) and the
+ * pre-LN transformer Block (x += attn(ln_1(x)); x += mlp(ln_2(x))), plus the
+ * naming-only containers ("Module", "ModuleList"). Composites call their
+ * children only through fsdp_module_forward/backward so unit hooks run; they
+ * save nothing themselves (each child saves what its backward needs).
+ */
+#include "nn/nn-impl.h"
+
+/* ---- MLP ---- */
+
+struct mlp {
+    struct fsdp_module *c_fc, *gelu, *c_proj; /* children */
+};
+
+static enum fsdp_status mlp_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                    const struct fsdp_tensor *in, struct fsdp_tensor *out) {
+    struct mlp *M = m->impl;
+    struct fsdp_tensor h = {0}, g = {0};                  /* (..., 4C) each */
+    FSDP_TRY(fsdp_module_forward(M->c_fc, ctx, in, &h));
+    FSDP_TRY(fsdp_module_forward(M->gelu, ctx, &h, &g));  /* gelu saves h */
+    return fsdp_module_forward(M->c_proj, ctx, &g, out);  /* c_proj saves g */
+}
+
+static enum fsdp_status mlp_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                     const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
+    struct mlp *M = m->impl;
+    struct fsdp_tensor dg = {0};                                  /* (..., 4C) */
+    FSDP_TRY(fsdp_module_backward(M->c_proj, ctx, dout, &dg));
+    struct fsdp_tensor dh = dg;                                   /* in place */
+    FSDP_TRY(fsdp_module_backward(M->gelu, ctx, &dg, &dh));
+    return fsdp_module_backward(M->c_fc, ctx, &dh, din);
+}
+
+static void composite_destroy(struct fsdp_module *m) { free(m->impl); }
+
+static const struct fsdp_module_ops mlp_ops = {"MLP", mlp_forward, mlp_backward, composite_destroy};
+
+enum fsdp_status fsdp__mlp_create(struct fsdp_ctx *ctx, const char *name, int64_t C, float proj_std,
+                                  struct fsdp_module **out_m) {
+    struct fsdp_module *m, *c;
+    FSDP_TRY(fsdp_module_create(ctx, &mlp_ops, name, &m));
+    struct mlp *M = calloc(1, sizeof *M);
+    if (!M) {
+        fsdp_module_free(m);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating MLP '%s'", name);
+    }
+    m->impl = M;
+    enum fsdp_status st = fsdp__adopt(ctx, m, fsdp__linear_create(ctx, "c_fc", C, 4 * C, 1, 0.02f, &c), &c,
+                                      &M->c_fc);
+    if (st == FSDP_OK) st = fsdp__adopt(ctx, m, fsdp__gelu_create(ctx, "gelu", &c), &c, &M->gelu);
+    if (st == FSDP_OK)
+        st = fsdp__adopt(ctx, m, fsdp__linear_create(ctx, "c_proj", 4 * C, C, 1, proj_std, &c), &c, &M->c_proj);
+    if (st != FSDP_OK) {
+        fsdp_module_free(m);
+        return st;
+    }
+    *out_m = m;
+    return FSDP_OK;
+}
+
+/* ---- Block ---- */
+
+struct block {
+    int64_t C;
+    struct fsdp_module *ln_1, *attn, *ln_2, *mlp; /* children */
+};
+
+static void add_into(float *dst, const float *src, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) dst[i] += src[i];
+}
+
+static enum fsdp_status block_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                      const struct fsdp_tensor *in, struct fsdp_tensor *out) {
+    struct block *K = m->impl;
+    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 3, K->C));
+    int64_t n = fsdp_tensor_numel(in);
+    struct fsdp_tensor a = {0}, x1 = {0}, c = {0};     /* (B, T, C) each */
+    FSDP_TRY(fsdp_module_forward(K->ln_1, ctx, in, &a)); /* ln_1 saves x: never written */
+    FSDP_TRY(fsdp_module_forward(K->attn, ctx, &a, &x1));
+    add_into(x1.data, in->data, n);                       /* x1 = x + attn(ln_1(x)) */
+    FSDP_TRY(fsdp_module_forward(K->ln_2, ctx, &x1, &c)); /* ln_2 saves x1 */
+    FSDP_TRY(fsdp_module_forward(K->mlp, ctx, &c, out));
+    add_into(out->data, x1.data, n);                      /* out = x1 + mlp(ln_2(x1)) */
+    return FSDP_OK;
+}
+
+/* dx1 = dy + ln_2'(mlp'(dy));  dx = dx1 + ln_1'(attn'(dx1)). Scratch is
+ * released at the end; din may equal dout (dout is consumed before din is
+ * written). */
+static enum fsdp_status block_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                       const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
+    struct block *K = m->impl;
+    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 3, K->C));
+    int64_t n = fsdp_tensor_numel(dout);
+    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 3, dout->shape, "Block input gradient"));
+    size_t mark = fsdp_arena_mark(ctx);
+    struct fsdp_tensor dc = {0}, dx1 = {0}; /* (B, T, C) each */
+    enum fsdp_status st = fsdp_module_backward(K->mlp, ctx, dout, &dc);
+    if (st == FSDP_OK) st = fsdp_module_backward(K->ln_2, ctx, &dc, &dx1);
+    if (st == FSDP_OK) {
+        add_into(dx1.data, dout->data, n);
+        struct fsdp_tensor da = dc;             /* reuses dc's buffer */
+        st = fsdp_module_backward(K->attn, ctx, &dx1, &da);
+        if (st == FSDP_OK) st = fsdp_module_backward(K->ln_1, ctx, &da, din);
+        if (st == FSDP_OK && din) add_into(din->data, dx1.data, n);
+    }
+    fsdp_arena_release(ctx, mark);
+    return st;
+}
+
+static const struct fsdp_module_ops block_ops = {"Block", block_forward, block_backward, composite_destroy};
+
+enum fsdp_status fsdp__block_create(struct fsdp_ctx *ctx, const char *name, int64_t C, int n_head,
+                                    float proj_std, struct fsdp_module **out_m) {
+    struct fsdp_module *m, *c;
+    FSDP_TRY(fsdp_module_create(ctx, &block_ops, name, &m));
+    struct block *K = calloc(1, sizeof *K);
+    if (!K) {
+        fsdp_module_free(m);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating Block '%s'", name);
+    }
+    m->impl = K;
+    K->C = C;
+    enum fsdp_status st = fsdp__adopt(ctx, m, fsdp__layernorm_create(ctx, "ln_1", C, &c), &c, &K->ln_1);
+    if (st == FSDP_OK)
+        st = fsdp__adopt(ctx, m, fsdp__attention_create(ctx, "attn", C, n_head, proj_std, &c), &c, &K->attn);
+    if (st == FSDP_OK) st = fsdp__adopt(ctx, m, fsdp__layernorm_create(ctx, "ln_2", C, &c), &c, &K->ln_2);
+    if (st == FSDP_OK) st = fsdp__adopt(ctx, m, fsdp__mlp_create(ctx, "mlp", C, proj_std, &c), &c, &K->mlp);
+    if (st != FSDP_OK) {
+        fsdp_module_free(m);
+        return st;
+    }
+    *out_m = m;
+    return FSDP_OK;
+}
+
+/* ---- Containers (naming only) ---- */
+
+static enum fsdp_status container_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                          const struct fsdp_tensor *in, struct fsdp_tensor *out) {
+    (void)in;
+    (void)out;
+    return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED, "%s '%s' is a container: run its children instead",
+                     m->ops->type, fsdp__mname(m));
+}
+
+static enum fsdp_status container_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                           const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
+    return container_forward(m, ctx, dout, din);
+}
+
+static const struct fsdp_module_ops module_ops = {"Module", container_forward, container_backward, NULL};
+static const struct fsdp_module_ops module_list_ops = {"ModuleList", container_forward, container_backward,
+                                                       NULL};
+
+enum fsdp_status fsdp__container_create(struct fsdp_ctx *ctx, const char *name, int is_list,
+                                        struct fsdp_module **out_m) {
+    return fsdp_module_create(ctx, is_list ? &module_list_ops : &module_ops, name, out_m);
+}

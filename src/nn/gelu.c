@@ -1,0 +1,74 @@
+/*
+ * gelu.c - GELU, tanh approximation as GPT-2:
+ *   y = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2 / pi).
+ * computed as y = x s with s = sigmoid(2u) = 0.5 (1 + tanh(u)), u = k (x + 0.044715 x^3),
+ * which keeps full relative accuracy in the tails; dy/dx = s + x 2 s (1 - s) du/dx.
+ * Elementwise on any F32 shape; saves x (arena). Backward may run in place.
+ */
+#include "nn/nn-impl.h"
+
+#define GELU_K 0.7978845608028654f
+#define GELU_A 0.044715f
+
+struct gelu {
+    const float *x; /* (n) saved input, borrowed from the arena */
+    int64_t n;
+};
+
+static enum fsdp_status gelu_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                     const struct fsdp_tensor *in, struct fsdp_tensor *out) {
+    struct gelu *G = m->impl;
+    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 0, 0));
+    FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim, in->shape, "GELU output"));
+    const float *x = in->data;
+    float *y = out->data;
+    int64_t n = fsdp_tensor_numel(in);
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i];
+        float sg = 1.0f / (1.0f + fsdp__expf(-2.0f * GELU_K * (v + GELU_A * v * v * v)));
+        y[i] = v * sg;
+    }
+    G->x = x;
+    G->n = n;
+    return FSDP_OK;
+}
+
+static enum fsdp_status gelu_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                      const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
+    struct gelu *G = m->impl;
+    if (!G->x) return fsdp__err(ctx, FSDP_ERR_STATE, "GELU '%s': backward without forward", fsdp__mname(m));
+    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 0, 0));
+    if (fsdp_tensor_numel(dout) != G->n)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "GELU '%s': gradient has %lld elements, forward had %lld",
+                         fsdp__mname(m), (long long)fsdp_tensor_numel(dout), (long long)G->n);
+    if (!din) return FSDP_OK;
+    FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, dout->shape, "GELU input gradient"));
+    const float *x = G->x, *dy = dout->data;
+    float *dx = din->data; /* may equal dy */
+    int64_t n = G->n;
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i];
+        float sg = 1.0f / (1.0f + fsdp__expf(-2.0f * GELU_K * (v + GELU_A * v * v * v)));
+        float d = sg + 2.0f * v * sg * (1.0f - sg) * GELU_K * (1.0f + 3.0f * GELU_A * v * v);
+        dx[i] = dy[i] * d;
+    }
+    return FSDP_OK;
+}
+
+static void gelu_destroy(struct fsdp_module *m) { free(m->impl); }
+
+static const struct fsdp_module_ops gelu_ops = {"GELU", gelu_forward, gelu_backward, gelu_destroy};
+
+enum fsdp_status fsdp__gelu_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out_m) {
+    struct fsdp_module *m;
+    FSDP_TRY(fsdp_module_create(ctx, &gelu_ops, name, &m));
+    m->impl = calloc(1, sizeof(struct gelu));
+    if (!m->impl) {
+        fsdp_module_free(m);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating GELU '%s'", name);
+    }
+    *out_m = m;
+    return FSDP_OK;
+}

@@ -1,0 +1,105 @@
+/*
+ * gemm.c - the GEMM wrapper over oneDNN's dnnl_sgemm, and the small helpers
+ * every layer shares (parameter readiness, output tensors, arena scratch).
+ * src/nn is the only place that calls the GEMM library, and every matrix
+ * product of the layers goes through fsdp__sgemm.
+ * oneDNN's sgemm is row-major and uses OpenMP: called inside a parallel
+ * region it runs on the calling thread only (attention uses that for its
+ * per-(batch, head) products).
+ */
+#include "nn/nn-impl.h"
+
+#include <oneapi/dnnl/dnnl.h>
+
+void fsdp__sgemm(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
+                 const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
+                 int64_t ldc) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) { /* no products: C = beta * C */
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+        return;
+    }
+    dnnl_status_t st = dnnl_sgemm(transa ? 'T' : 'N', transb ? 'T' : 'N', M, N, K, alpha, A, lda, B,
+                                  ldb, beta, C, ldc);
+    FSDP_ASSERT(st == dnnl_success, "dnnl_sgemm(%c%c, M=%lld N=%lld K=%lld, lda=%lld ldb=%lld ldc=%lld) "
+                "failed with status %d", transa ? 'T' : 'N', transb ? 'T' : 'N', (long long)M,
+                (long long)N, (long long)K, (long long)lda, (long long)ldb, (long long)ldc, (int)st);
+}
+
+enum fsdp_status fsdp__adopt(struct fsdp_ctx *ctx, struct fsdp_module *parent, enum fsdp_status st,
+                             struct fsdp_module **child, struct fsdp_module **slot) {
+    FSDP_TRY(st);
+    st = fsdp_module_add_child(ctx, parent, *child);
+    if (st != FSDP_OK) {
+        fsdp_module_free(*child);
+        return st;
+    }
+    if (slot) *slot = *child;
+    return FSDP_OK;
+}
+
+const char *fsdp__mname(const struct fsdp_module *m) {
+    if (!m->fqn) return m->name;
+    return m->fqn[0] ? m->fqn : "(root)";
+}
+
+enum fsdp_status fsdp__param_ready(struct fsdp_ctx *ctx, struct fsdp_param *p, int need_grad) {
+    const char *name = p->fqn ? p->fqn : p->name;
+    if (!fsdp__pdata(p))
+        return fsdp__err(ctx, FSDP_ERR_STATE,
+                         "parameter '%s' has no values (not materialized, or its unit is not gathered)", name);
+    if (need_grad && !fsdp__pgrad(p))
+        return fsdp__err(ctx, FSDP_ERR_STATE,
+                         "parameter '%s' has no gradient buffer (call fsdp_module_zero_grad)", name);
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp__tensor_prepare(struct fsdp_ctx *ctx, struct fsdp_tensor *t, enum fsdp_dtype dt,
+                                      int ndim, const int64_t *shape, const char *what) {
+    FSDP_ASSERT(ndim >= 1 && ndim <= FSDP_MAX_DIMS, "tensor rank %d for %s", ndim, what);
+    t->dtype = dt;
+    t->ndim = ndim;
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) {
+        t->shape[i] = shape[i];
+        n *= shape[i];
+    }
+    for (int i = ndim; i < FSDP_MAX_DIMS; i++) t->shape[i] = 0;
+    if (!t->data) {
+        t->data = fsdp_arena_alloc(ctx, (size_t)n * fsdp_dtype_size(dt));
+        if (!t->data)
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s (%lld elements) in the activation arena",
+                             what, (long long)n);
+    }
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp__check_input(struct fsdp_ctx *ctx, const struct fsdp_module *m,
+                                   const struct fsdp_tensor *t, enum fsdp_dtype dt, int ndim, int64_t last) {
+    const char *who = fsdp__mname(m);
+    if (!t || !t->data)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input tensor has no data", m->ops->type, who);
+    if (t->dtype != dt)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input dtype %s, expected %s", m->ops->type, who,
+                         fsdp_dtype_name(t->dtype), fsdp_dtype_name(dt));
+    if (t->ndim < 1 || t->ndim > FSDP_MAX_DIMS || (ndim > 0 && t->ndim != ndim))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input has %d dimensions, expected %d", m->ops->type,
+                         who, t->ndim, ndim);
+    for (int i = 0; i < t->ndim; i++)
+        if (t->shape[i] <= 0)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input dimension %d is %lld", m->ops->type, who,
+                             i, (long long)t->shape[i]);
+    if (last > 0 && t->shape[t->ndim - 1] != last)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input last dimension is %lld, expected %lld",
+                         m->ops->type, who, (long long)t->shape[t->ndim - 1], (long long)last);
+    return FSDP_OK;
+}
+
+float *fsdp__scratch(struct fsdp_ctx *ctx, int64_t n, const char *what) {
+    float *p = fsdp_arena_alloc(ctx, (size_t)n * sizeof(float));
+    if (!p)
+        fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s (%lld floats) in the activation arena", what,
+                  (long long)n);
+    return p;
+}

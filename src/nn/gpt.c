@@ -1,0 +1,278 @@
+/*
+ * gpt.c - GPT-2 as nanoGPT: the module tree, its forward/backward, the
+ * configuration presets and JSON loader, and the FLOP count.
+ *
+ * Tree (FQNs as nanoGPT's state dict):
+ *   ""            GPT          forward: tokens (B, T) I32 -> logits (B, T, V)
+ *   transformer   Module       naming only
+ *     wte         Embedding    (V, C)
+ *     wpe         Embedding    (block_size, C)
+ *     h           ModuleList   naming only
+ *       0..L-1    Block
+ *     ln_f        LayerNorm    (C)
+ *   lm_head       Linear       C -> V, no bias; weight tied to transformer.wte.weight
+ * The GPT module runs the children itself, through the dispatchers.
+ * Init as GPT-2: weights N(0, 0.02), c_proj weights N(0, 0.02 / sqrt(2 L)),
+ * biases 0, LayerNorm weight 1 / bias 0.
+ */
+#include "nn/nn-impl.h"
+
+#include <cJSON.h>
+#include <errno.h>
+#include <math.h>
+
+struct gpt {
+    struct fsdp_gpt_config cfg;
+    struct fsdp_module *wte, *wpe, *ln_f, *lm_head; /* children (in the tree) */
+    struct fsdp_module **h;                         /* (n_layer) blocks, owned by the tree */
+    struct fsdp_tensor pos;                         /* (T) I32 positions 0..T-1, arena */
+    int64_t B, T;
+};
+
+static enum fsdp_status gpt_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                    const struct fsdp_tensor *in, struct fsdp_tensor *out) {
+    struct gpt *G = m->impl;
+    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_I32, 2, 0));
+    int64_t B = in->shape[0], T = in->shape[1], C = G->cfg.n_embd;
+    if (T > G->cfg.block_size)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "GPT: sequence length T %lld exceeds block_size %d",
+                         (long long)T, G->cfg.block_size);
+    /* positions (T) */
+    memset(&G->pos, 0, sizeof G->pos);
+    int64_t tshape[1] = {T};
+    FSDP_TRY(fsdp__tensor_prepare(ctx, &G->pos, FSDP_I32, 1, tshape, "GPT positions"));
+    int32_t *pos = G->pos.data;
+    for (int64_t t = 0; t < T; t++) pos[t] = (int32_t)t;
+    /* x (B, T, C) = wte(tokens) + wpe(pos) */
+    struct fsdp_tensor x = {0}, pe = {0};
+    FSDP_TRY(fsdp_module_forward(G->wte, ctx, in, &x));
+    FSDP_TRY(fsdp_module_forward(G->wpe, ctx, &G->pos, &pe)); /* (T, C) */
+    float *xd = x.data;
+    const float *ped = pe.data;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < B * T; r++) {
+        float *row = xd + r * C;
+        const float *p = ped + (r % T) * C;
+        for (int64_t c = 0; c < C; c++) row[c] += p[c];
+    }
+    /* blocks: each output is a fresh buffer (each block's ln_1 saved its input) */
+    for (int l = 0; l < G->cfg.n_layer; l++) {
+        struct fsdp_tensor y = {0};
+        FSDP_TRY(fsdp_module_forward(G->h[l], ctx, &x, &y));
+        x = y;
+    }
+    struct fsdp_tensor xf = {0};
+    FSDP_TRY(fsdp_module_forward(G->ln_f, ctx, &x, &xf));
+    FSDP_TRY(fsdp_module_forward(G->lm_head, ctx, &xf, out)); /* (B, T, V) */
+    G->B = B;
+    G->T = T;
+    return FSDP_OK;
+}
+
+/* dout: dlogits (B, T, V); din is ignored (tokens have no gradient). Scratch
+ * is released at the end. */
+static enum fsdp_status gpt_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                     const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
+    (void)din;
+    struct gpt *G = m->impl;
+    if (!G->T) return fsdp__err(ctx, FSDP_ERR_STATE, "GPT: backward without forward");
+    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 3, G->cfg.vocab_size));
+    if (dout->shape[0] != G->B || dout->shape[1] != G->T)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "GPT: gradient is (%lld, %lld, V), forward was (%lld, %lld, V)",
+                         (long long)dout->shape[0], (long long)dout->shape[1], (long long)G->B, (long long)G->T);
+    int64_t B = G->B, T = G->T, C = G->cfg.n_embd;
+    size_t mark = fsdp_arena_mark(ctx);
+    struct fsdp_tensor g = {0}, g2 = {0}; /* (B, T, C) each: ping-pong through the blocks */
+    enum fsdp_status st = fsdp_module_backward(G->lm_head, ctx, dout, &g);
+    if (st == FSDP_OK) st = fsdp_module_backward(G->ln_f, ctx, &g, &g2);
+    for (int l = G->cfg.n_layer - 1; l >= 0 && st == FSDP_OK; l--) {
+        struct fsdp_tensor next = g;
+        st = fsdp_module_backward(G->h[l], ctx, &g2, &next);
+        g = g2;
+        g2 = next;
+    }
+    if (st == FSDP_OK) st = fsdp_module_backward(G->wte, ctx, &g2, NULL);
+    struct fsdp_tensor dpos = {0}; /* (T, C): the batch sum of the embedding gradient */
+    int64_t pshape[2] = {T, C};
+    if (st == FSDP_OK) st = fsdp__tensor_prepare(ctx, &dpos, FSDP_F32, 2, pshape, "GPT position gradient");
+    if (st == FSDP_OK) {
+        float *dp = dpos.data;
+        const float *gd = g2.data;
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *row = dp + t * C;
+            memcpy(row, gd + t * C, (size_t)C * sizeof(float));
+            for (int64_t b = 1; b < B; b++) {
+                const float *src = gd + (b * T + t) * C;
+                for (int64_t c = 0; c < C; c++) row[c] += src[c];
+            }
+        }
+        st = fsdp_module_backward(G->wpe, ctx, &dpos, NULL);
+    }
+    fsdp_arena_release(ctx, mark);
+    return st;
+}
+
+static void gpt_destroy(struct fsdp_module *m) {
+    struct gpt *G = m->impl;
+    if (G) free(G->h);
+    free(G);
+}
+
+static const struct fsdp_module_ops gpt_ops = {"GPT", gpt_forward, gpt_backward, gpt_destroy};
+
+static enum fsdp_status gpt_build(struct fsdp_ctx *ctx, struct fsdp_module *root, struct gpt *G) {
+    const struct fsdp_gpt_config *cfg = &G->cfg;
+    int64_t C = cfg->n_embd;
+    float proj_std = 0.02f / sqrtf(2.0f * (float)cfg->n_layer);
+    struct fsdp_module *tr, *hl, *c;
+    FSDP_TRY(fsdp__adopt(ctx, root, fsdp__container_create(ctx, "transformer", 0, &c), &c, &tr));
+    FSDP_TRY(fsdp__adopt(ctx, tr, fsdp__embedding_create(ctx, "wte", cfg->vocab_size, C, 0.02f, &c), &c, &G->wte));
+    FSDP_TRY(fsdp__adopt(ctx, tr, fsdp__embedding_create(ctx, "wpe", cfg->block_size, C, 0.02f, &c), &c, &G->wpe));
+    FSDP_TRY(fsdp__adopt(ctx, tr, fsdp__container_create(ctx, "h", 1, &c), &c, &hl));
+    for (int l = 0; l < cfg->n_layer; l++) {
+        char name[16];
+        snprintf(name, sizeof name, "%d", l);
+        FSDP_TRY(fsdp__adopt(ctx, hl, fsdp__block_create(ctx, name, C, cfg->n_head, proj_std, &c), &c, &G->h[l]));
+    }
+    FSDP_TRY(fsdp__adopt(ctx, tr, fsdp__layernorm_create(ctx, "ln_f", C, &c), &c, &G->ln_f));
+    FSDP_TRY(fsdp__adopt(ctx, root, fsdp__linear_create(ctx, "lm_head", C, cfg->vocab_size, 0, 0.02f, &c), &c,
+                         &G->lm_head));
+    /* weight tying (nanoGPT: lm_head.weight is wte.weight); both are (V, C) */
+    G->lm_head->params[0]->tied_to = G->wte->params[0];
+    return fsdp_module_finalize(ctx, root);
+}
+
+enum fsdp_status fsdp_gpt_create(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg,
+                                 struct fsdp_module **out) {
+    FSDP_TRY(fsdp_gpt_config_validate(ctx, cfg));
+    struct fsdp_module *root;
+    FSDP_TRY(fsdp_module_create(ctx, &gpt_ops, "", &root));
+    struct gpt *G = calloc(1, sizeof *G);
+    if (G) G->h = calloc((size_t)cfg->n_layer, sizeof *G->h);
+    if (!G || !G->h) {
+        if (G) free(G);
+        fsdp_module_free(root);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating GPT");
+    }
+    root->impl = G;
+    G->cfg = *cfg;
+    enum fsdp_status st = gpt_build(ctx, root, G);
+    if (st != FSDP_OK) {
+        fsdp_module_free(root);
+        return st;
+    }
+    *out = root;
+    return FSDP_OK;
+}
+
+/* Per token: 2 FLOPs per multiply-add of every matmul weight (12 C^2 per
+ * layer: c_attn 3, attn.c_proj 1, c_fc 4, mlp.c_proj 4; plus lm_head C V),
+ * and attention's q k^T and att v: 2 * 2 * T * C per layer (full T x T). */
+double fsdp_gpt_flops_per_token(const struct fsdp_gpt_config *cfg, int T) {
+    double L = cfg->n_layer, C = cfg->n_embd, V = cfg->vocab_size;
+    return 2.0 * (L * 12.0 * C * C + C * V) + 2.0 * 2.0 * L * (double)T * C;
+}
+
+/* ---- Configuration ---- */
+
+static const struct {
+    const char *name;
+    struct fsdp_gpt_config cfg; /* n_layer, n_head, n_embd, vocab_size, block_size */
+} presets[] = {
+    {"tiny", {2, 2, 32, 256, 64}},
+    {"small", {4, 4, 128, 256, 256}},
+    {"gpt2", {12, 12, 768, 50257, 1024}},
+    {"gpt2-medium", {24, 16, 1024, 50257, 1024}},
+    {"gpt2-large", {36, 20, 1280, 50257, 1024}},
+    {"gpt2-xl", {48, 25, 1600, 50257, 1024}},
+};
+
+enum fsdp_status fsdp_gpt_config_preset(const char *name, struct fsdp_gpt_config *cfg) {
+    for (size_t i = 0; name && i < sizeof presets / sizeof presets[0]; i++)
+        if (strcmp(presets[i].name, name) == 0) {
+            *cfg = presets[i].cfg;
+            return FSDP_OK;
+        }
+    return FSDP_ERR_INVALID;
+}
+
+enum fsdp_status fsdp_gpt_config_validate(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg) {
+    const char *names[5] = {"n_layer", "n_head", "n_embd", "vocab_size", "block_size"};
+    int vals[5] = {cfg->n_layer, cfg->n_head, cfg->n_embd, cfg->vocab_size, cfg->block_size};
+    for (int i = 0; i < 5; i++)
+        if (vals[i] <= 0)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "GPT config: %s must be positive (got %d)", names[i], vals[i]);
+    if (cfg->n_embd % cfg->n_head != 0)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "GPT config: n_embd %d is not divisible by n_head %d",
+                         cfg->n_embd, cfg->n_head);
+    return FSDP_OK;
+}
+
+#define CONFIG_MAX_BYTES (1 << 20)
+
+static enum fsdp_status config_parse(struct fsdp_ctx *ctx, const char *path, const cJSON *root,
+                                     struct fsdp_gpt_config *cfg) {
+    const char *keys[5] = {"n_layer", "n_head", "n_embd", "vocab_size", "block_size"};
+    int *slots[5] = {&cfg->n_layer, &cfg->n_head, &cfg->n_embd, &cfg->vocab_size, &cfg->block_size};
+    int seen[5] = {0};
+    if (!cJSON_IsObject(root))
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s': expected a JSON object", path);
+    for (const cJSON *it = root->child; it; it = it->next) {
+        int k = -1;
+        for (int i = 0; i < 5; i++)
+            if (it->string && strcmp(it->string, keys[i]) == 0) k = i;
+        if (k < 0)
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s': unknown key '%s' (expected n_layer, "
+                             "n_head, n_embd, vocab_size, block_size)", path, it->string ? it->string : "");
+        if (seen[k]) return fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s': key '%s' appears twice", path, keys[k]);
+        seen[k] = 1;
+        double v = cJSON_IsNumber(it) ? it->valuedouble : NAN;
+        if (!(v >= 1.0 && v <= 2147483647.0 && floor(v) == v))
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s': key '%s' must be a positive integer",
+                             path, keys[k]);
+        *slots[k] = (int)v;
+    }
+    for (int i = 0; i < 5; i++)
+        if (!seen[i]) return fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s': missing key '%s'", path, keys[i]);
+    if (fsdp_gpt_config_validate(ctx, cfg) != FSDP_OK) {
+        char msg[sizeof ctx->errmsg];
+        snprintf(msg, sizeof msg, "%s", fsdp_errmsg(ctx));
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "model config '%s': %s", path, msg);
+    }
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_gpt_config_load(struct fsdp_ctx *ctx, const char *path, struct fsdp_gpt_config *cfg) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return fsdp__err(ctx, FSDP_ERR_IO, "cannot open model config '%s': %s", path, strerror(errno));
+    char *buf = malloc(CONFIG_MAX_BYTES + 1);
+    if (!buf) {
+        fclose(f);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory reading model config '%s'", path);
+    }
+    size_t n = fread(buf, 1, CONFIG_MAX_BYTES + 1, f);
+    int rerr = ferror(f);
+    fclose(f);
+    if (rerr || n > CONFIG_MAX_BYTES) {
+        free(buf);
+        return rerr ? fsdp__err(ctx, FSDP_ERR_IO, "cannot read model config '%s'", path)
+                    : fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s' is larger than %d bytes", path,
+                                CONFIG_MAX_BYTES);
+    }
+    buf[n] = '\0';
+    cJSON *root = cJSON_Parse(buf);
+    enum fsdp_status st;
+    if (!root) {
+        const char *at = cJSON_GetErrorPtr();
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s': invalid JSON near byte %lld", path,
+                       at ? (long long)(at - buf) : -1LL);
+    } else {
+        struct fsdp_gpt_config tmp;
+        st = config_parse(ctx, path, root, &tmp);
+        if (st == FSDP_OK) *cfg = tmp;
+    }
+    cJSON_Delete(root);
+    free(buf);
+    return st;
+}

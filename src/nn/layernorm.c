@@ -1,0 +1,143 @@
+/*
+ * layernorm.c - LayerNorm over the last dimension C (eps 1e-5, as PyTorch):
+ * y = (x - mean) * rstd * weight + bias, per row of x (N, C). Saves x, the
+ * row means and the reciprocal standard deviations (arena) for backward.
+ */
+#include "nn/nn-impl.h"
+
+#include <math.h>
+
+#define LN_EPS 1e-5f
+
+struct layernorm {
+    int64_t dim;
+    struct fsdp_param *weight, *bias; /* (C) each */
+    const float *x;                   /* (N, C) saved input, borrowed from the arena */
+    float *mean, *rstd;               /* (N) each, in the arena */
+    int64_t n;
+};
+
+static enum fsdp_status layernorm_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                          const struct fsdp_tensor *in, struct fsdp_tensor *out) {
+    struct layernorm *L = m->impl;
+    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 0, L->dim));
+    FSDP_TRY(fsdp__param_ready(ctx, L->weight, 0));
+    FSDP_TRY(fsdp__param_ready(ctx, L->bias, 0));
+    int64_t C = L->dim, N = fsdp_tensor_numel(in) / C;
+    float *mean = fsdp__scratch(ctx, 2 * N, "LayerNorm statistics");
+    if (!mean) return FSDP_ERR_NOMEM;
+    FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim, in->shape, "LayerNorm output"));
+    float *rstd = mean + N;
+    const float *x = in->data, *w = fsdp__pdata(L->weight), *b = fsdp__pdata(L->bias);
+    float *y = out->data; /* (N, C) */
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < N; i++) {
+        const float *xi = x + i * C;
+        float *yi = y + i * C;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t c = 0; c < C; c++) s += xi[c];
+        float mu = s / (float)C, v = 0.0f;
+#pragma omp simd reduction(+ : v)
+        for (int64_t c = 0; c < C; c++) v += (xi[c] - mu) * (xi[c] - mu);
+        float r = 1.0f / sqrtf(v / (float)C + LN_EPS);
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) yi[c] = (xi[c] - mu) * r * w[c] + b[c];
+        mean[i] = mu;
+        rstd[i] = r;
+    }
+    L->x = x;
+    L->mean = mean;
+    L->rstd = rstd;
+    L->n = N;
+    return FSDP_OK;
+}
+
+/* dbias += sum_i dy; dweight += sum_i dy * xhat; dx = rstd * (dxhat - mean(dxhat)
+ * - xhat * mean(dxhat * xhat)) with dxhat = dy * weight and xhat the normalised x. */
+static enum fsdp_status layernorm_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                           const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
+    struct layernorm *L = m->impl;
+    if (!L->x)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "LayerNorm '%s': backward without forward", fsdp__mname(m));
+    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 0, L->dim));
+    if (fsdp_tensor_numel(dout) != L->n * L->dim)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "LayerNorm '%s': gradient has %lld rows, forward had %lld",
+                         fsdp__mname(m), (long long)(fsdp_tensor_numel(dout) / L->dim), (long long)L->n);
+    FSDP_TRY(fsdp__param_ready(ctx, L->weight, 1));
+    FSDP_TRY(fsdp__param_ready(ctx, L->bias, 1));
+    int64_t C = L->dim, N = L->n;
+    const float *x = L->x, *mean = L->mean, *rstd = L->rstd, *dy = dout->data;
+    const float *w = fsdp__pdata(L->weight);
+    float *dw = fsdp__pgrad(L->weight), *db = fsdp__pgrad(L->bias);
+    /* parameter gradients first (so din may alias dout), by column blocks */
+#pragma omp parallel for schedule(static)
+    for (int64_t c0 = 0; c0 < C; c0 += 64) {
+        int64_t c1 = c0 + 64 < C ? c0 + 64 : C;
+        float aw[64] = {0}, ab[64] = {0};
+        for (int64_t i = 0; i < N; i++) {
+            const float *xi = x + i * C, *gi = dy + i * C;
+            float mu = mean[i], r = rstd[i];
+            for (int64_t c = c0; c < c1; c++) {
+                aw[c - c0] += gi[c] * (xi[c] - mu) * r;
+                ab[c - c0] += gi[c];
+            }
+        }
+        for (int64_t c = c0; c < c1; c++) {
+            dw[c] += aw[c - c0];
+            db[c] += ab[c - c0];
+        }
+    }
+    if (!din) return FSDP_OK;
+    FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, dout->shape, "LayerNorm input gradient"));
+    float *dx = din->data; /* (N, C); may equal dy */
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < N; i++) {
+        const float *xi = x + i * C, *gi = dy + i * C;
+        float *dxi = dx + i * C;
+        float mu = mean[i], r = rstd[i], s1 = 0.0f, s2 = 0.0f;
+#pragma omp simd reduction(+ : s1, s2)
+        for (int64_t c = 0; c < C; c++) {
+            float g = gi[c] * w[c];
+            s1 += g;
+            s2 += g * (xi[c] - mu) * r;
+        }
+        s1 /= (float)C;
+        s2 /= (float)C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) dxi[c] = r * (gi[c] * w[c] - s1 - (xi[c] - mu) * r * s2);
+    }
+    return FSDP_OK;
+}
+
+static void layernorm_destroy(struct fsdp_module *m) { free(m->impl); }
+
+static const struct fsdp_module_ops layernorm_ops = {"LayerNorm", layernorm_forward, layernorm_backward,
+                                                     layernorm_destroy};
+
+enum fsdp_status fsdp__layernorm_create(struct fsdp_ctx *ctx, const char *name, int64_t dim,
+                                        struct fsdp_module **out_m) {
+    if (dim <= 0)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "LayerNorm '%s': size %lld must be positive", name, (long long)dim);
+    struct fsdp_module *m;
+    FSDP_TRY(fsdp_module_create(ctx, &layernorm_ops, name, &m));
+    struct layernorm *L = calloc(1, sizeof *L);
+    if (!L) {
+        fsdp_module_free(m);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating LayerNorm '%s'", name);
+    }
+    m->impl = L;
+    L->dim = dim;
+    int64_t shape[1] = {dim};
+    enum fsdp_status st = fsdp_module_add_param(ctx, m, "weight", 1, shape,
+                                                (struct fsdp_init){FSDP_INIT_ONES, 0.0f}, 1, &L->weight);
+    if (st == FSDP_OK)
+        st = fsdp_module_add_param(ctx, m, "bias", 1, shape, (struct fsdp_init){FSDP_INIT_ZEROS, 0.0f}, 1,
+                                   &L->bias);
+    if (st != FSDP_OK) {
+        fsdp_module_free(m);
+        return st;
+    }
+    *out_m = m;
+    return FSDP_OK;
+}

@@ -1,0 +1,111 @@
+/*
+ * linear.c - Linear: y (N, out) = x (N, in) W^T + b, with N the product of
+ * the input's leading dimensions. weight (out, in) row-major as PyTorch,
+ * optional bias (out). Saves a pointer to x (arena) for backward.
+ */
+#include "nn/nn-impl.h"
+
+struct linear {
+    int64_t in, out;
+    struct fsdp_param *weight; /* (out, in) */
+    struct fsdp_param *bias;   /* (out) or NULL */
+    const float *x;            /* (N, in) saved input, borrowed from the arena */
+    int64_t n;                 /* N of the saved input */
+};
+
+static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                       const struct fsdp_tensor *in, struct fsdp_tensor *out) {
+    struct linear *L = m->impl;
+    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 0, L->in));
+    FSDP_TRY(fsdp__param_ready(ctx, L->weight, 0));
+    if (L->bias) FSDP_TRY(fsdp__param_ready(ctx, L->bias, 0));
+    int64_t shape[FSDP_MAX_DIMS];
+    memcpy(shape, in->shape, sizeof shape);
+    shape[in->ndim - 1] = L->out;
+    FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim, shape, "Linear output"));
+    const float *x = in->data;   /* (N, in) */
+    float *y = out->data;        /* (N, out) */
+    const float *w = fsdp__pdata(L->weight); /* (out, in) */
+    int64_t N = fsdp_tensor_numel(in) / L->in, O = L->out;
+    float beta = 0.0f;
+    if (L->bias) { /* y starts as the bias in every row, then y += x W^T */
+        const float *b = fsdp__pdata(L->bias);
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < N; i++) memcpy(y + i * O, b, (size_t)O * sizeof(float));
+        beta = 1.0f;
+    }
+    fsdp__sgemm(0, 1, N, O, L->in, 1.0f, x, L->in, w, L->in, beta, y, O);
+    L->x = x;
+    L->n = N;
+    return FSDP_OK;
+}
+
+static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                        const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
+    struct linear *L = m->impl;
+    if (!L->x) return fsdp__err(ctx, FSDP_ERR_STATE, "Linear '%s': backward without forward", fsdp__mname(m));
+    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 0, L->out));
+    if (fsdp_tensor_numel(dout) != L->n * L->out)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "Linear '%s': gradient has %lld rows, forward had %lld",
+                         fsdp__mname(m), (long long)(fsdp_tensor_numel(dout) / L->out), (long long)L->n);
+    FSDP_TRY(fsdp__param_ready(ctx, L->weight, 1));
+    if (L->bias) FSDP_TRY(fsdp__param_ready(ctx, L->bias, 1));
+    int64_t N = L->n, I = L->in, O = L->out;
+    const float *dy = dout->data; /* (N, out) */
+    /* dW (out, in) += dy^T x */
+    fsdp__sgemm(1, 0, O, I, N, 1.0f, dy, O, L->x, I, 1.0f, fsdp__pgrad(L->weight), I);
+    if (L->bias) { /* db (out) += column sums of dy, in column blocks so threads never share a slot */
+        float *db = fsdp__pgrad(L->bias);
+#pragma omp parallel for schedule(static)
+        for (int64_t c0 = 0; c0 < O; c0 += 64) {
+            int64_t c1 = c0 + 64 < O ? c0 + 64 : O;
+            float acc[64] = {0};
+            for (int64_t i = 0; i < N; i++) {
+                const float *row = dy + i * O;
+                for (int64_t c = c0; c < c1; c++) acc[c - c0] += row[c];
+            }
+            for (int64_t c = c0; c < c1; c++) db[c] += acc[c - c0];
+        }
+    }
+    if (din) { /* dx (N, in) = dy W */
+        int64_t shape[FSDP_MAX_DIMS];
+        memcpy(shape, dout->shape, sizeof shape);
+        shape[dout->ndim - 1] = I;
+        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, shape, "Linear input gradient"));
+        fsdp__sgemm(0, 0, N, I, O, 1.0f, dy, O, fsdp__pdata(L->weight), I, 0.0f, din->data, I);
+    }
+    return FSDP_OK;
+}
+
+static void linear_destroy(struct fsdp_module *m) { free(m->impl); }
+
+static const struct fsdp_module_ops linear_ops = {"Linear", linear_forward, linear_backward, linear_destroy};
+
+enum fsdp_status fsdp__linear_create(struct fsdp_ctx *ctx, const char *name, int64_t in, int64_t out,
+                                     int bias, float init_std, struct fsdp_module **out_m) {
+    if (in <= 0 || out <= 0)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "Linear '%s': sizes (%lld, %lld) must be positive", name,
+                         (long long)in, (long long)out);
+    struct fsdp_module *m;
+    FSDP_TRY(fsdp_module_create(ctx, &linear_ops, name, &m));
+    struct linear *L = calloc(1, sizeof *L);
+    if (!L) {
+        fsdp_module_free(m);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating Linear '%s'", name);
+    }
+    m->impl = L;
+    L->in = in;
+    L->out = out;
+    int64_t wshape[2] = {out, in}, bshape[1] = {out};
+    enum fsdp_status st = fsdp_module_add_param(ctx, m, "weight", 2, wshape,
+                                                (struct fsdp_init){FSDP_INIT_NORMAL, init_std}, 0, &L->weight);
+    if (st == FSDP_OK && bias)
+        st = fsdp_module_add_param(ctx, m, "bias", 1, bshape, (struct fsdp_init){FSDP_INIT_ZEROS, 0.0f}, 1,
+                                   &L->bias);
+    if (st != FSDP_OK) {
+        fsdp_module_free(m);
+        return st;
+    }
+    *out_m = m;
+    return FSDP_OK;
+}

@@ -1,0 +1,259 @@
+/*
+ * module.c - the module tree: creation, parameters with fully qualified
+ * names, traversal, materialisation, and the forward/backward dispatchers
+ * that run the sharding layer's hooks around a module.
+ * Invariants: a module owns its children and its parameters; a tied
+ * parameter (tied_to != NULL) never has storage of its own and is skipped by
+ * traversals (PyTorch's named_parameters dedup).
+ */
+#include "core/core-impl.h"
+
+#include <string.h>
+
+static int grow(void **arr, int *cap, int need, size_t elem) {
+    if (need <= *cap) return 0;
+    int ncap = *cap ? *cap * 2 : 4;
+    while (ncap < need) ncap *= 2;
+    void *n = realloc(*arr, (size_t)ncap * elem);
+    if (!n) return -1;
+    *arr = n;
+    *cap = ncap;
+    return 0;
+}
+
+enum fsdp_status fsdp_module_create(struct fsdp_ctx *ctx, const struct fsdp_module_ops *ops,
+                                    const char *name, struct fsdp_module **out) {
+    if (!ops || !name || strlen(name) >= sizeof((struct fsdp_module *)0)->name)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "module name missing or too long: '%s'",
+                         name ? name : "(null)");
+    struct fsdp_module *m = calloc(1, sizeof *m);
+    if (!m) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating module '%s'", name);
+    m->ops = ops;
+    strcpy(m->name, name);
+    *out = m;
+    return FSDP_OK;
+}
+
+void fsdp_module_free(struct fsdp_module *m) {
+    if (!m) return;
+    for (int i = 0; i < m->n_children; i++) fsdp_module_free(m->children[i]);
+    free(m->children);
+    for (int i = 0; i < m->n_params; i++) {
+        struct fsdp_param *p = m->params[i];
+        if (p->owns_data) {
+            fsdp__free(NULL, p->data);
+            fsdp__free(NULL, p->grad);
+        }
+        free(p->fqn);
+        free(p);
+    }
+    free(m->params);
+    if (m->ops && m->ops->destroy) m->ops->destroy(m);
+    free(m->fqn);
+    free(m);
+}
+
+enum fsdp_status fsdp_module_add_child(struct fsdp_ctx *ctx, struct fsdp_module *parent,
+                                       struct fsdp_module *child) {
+    for (int i = 0; i < parent->n_children; i++)
+        if (strcmp(parent->children[i]->name, child->name) == 0)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "module '%s' already has a child named '%s'",
+                             parent->name, child->name);
+    if (grow((void **)&parent->children, &parent->cap_children, parent->n_children + 1,
+             sizeof(struct fsdp_module *)))
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory adding child '%s'", child->name);
+    parent->children[parent->n_children++] = child;
+    child->parent = parent;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_module_add_param(struct fsdp_ctx *ctx, struct fsdp_module *m, const char *name,
+                                       int ndim, const int64_t *shape, struct fsdp_init init,
+                                       int no_decay, struct fsdp_param **out) {
+    if (ndim < 1 || ndim > FSDP_MAX_DIMS || strlen(name) >= sizeof((struct fsdp_param *)0)->name)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "parameter '%s' of module '%s': bad name or rank %d",
+                         name, m->name, ndim);
+    int64_t numel = 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] <= 0)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "parameter '%s' of module '%s': dim %d is %lld",
+                             name, m->name, i, (long long)shape[i]);
+        numel *= shape[i];
+    }
+    for (int i = 0; i < m->n_params; i++)
+        if (strcmp(m->params[i]->name, name) == 0)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "module '%s' already has a parameter '%s'",
+                             m->name, name);
+    struct fsdp_param *p = calloc(1, sizeof *p);
+    if (!p || grow((void **)&m->params, &m->cap_params, m->n_params + 1, sizeof(struct fsdp_param *))) {
+        free(p);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory adding parameter '%s'", name);
+    }
+    strcpy(p->name, name);
+    p->owner = m;
+    p->ndim = ndim;
+    memcpy(p->shape, shape, (size_t)ndim * sizeof(int64_t));
+    p->numel = numel;
+    p->init = init;
+    p->no_decay = no_decay;
+    m->params[m->n_params++] = p;
+    if (out) *out = p;
+    return FSDP_OK;
+}
+
+static char *join_name(const char *prefix, const char *name) {
+    size_t a = strlen(prefix), b = strlen(name);
+    char *s = malloc(a + b + 2);
+    if (!s) return NULL;
+    if (a == 0) {
+        memcpy(s, name, b + 1);
+    } else {
+        memcpy(s, prefix, a);
+        s[a] = '.';
+        memcpy(s + a + 1, name, b + 1);
+    }
+    return s;
+}
+
+static enum fsdp_status finalize_rec(struct fsdp_ctx *ctx, struct fsdp_module *m, const char *fqn) {
+    free(m->fqn);
+    m->fqn = fsdp__strdup(fqn);
+    if (!m->fqn) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory naming modules");
+    for (int i = 0; i < m->n_params; i++) {
+        struct fsdp_param *p = m->params[i];
+        free(p->fqn);
+        p->fqn = join_name(fqn, p->name);
+        if (!p->fqn) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory naming parameters");
+    }
+    for (int i = 0; i < m->n_children; i++) {
+        char *c = join_name(fqn, m->children[i]->name);
+        if (!c) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory naming modules");
+        enum fsdp_status st = finalize_rec(ctx, m->children[i], c);
+        free(c);
+        FSDP_TRY(st);
+    }
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_module_finalize(struct fsdp_ctx *ctx, struct fsdp_module *root) {
+    return finalize_rec(ctx, root, "");
+}
+
+int fsdp_module_foreach_param(struct fsdp_module *m, int (*fn)(struct fsdp_param *p, void *ud),
+                              void *ud) {
+    for (int i = 0; i < m->n_params; i++) {
+        if (m->params[i]->tied_to) continue;
+        int r = fn(m->params[i], ud);
+        if (r) return r;
+    }
+    for (int i = 0; i < m->n_children; i++) {
+        int r = fsdp_module_foreach_param(m->children[i], fn, ud);
+        if (r) return r;
+    }
+    return 0;
+}
+
+static int add_numel(struct fsdp_param *p, void *ud) {
+    *(int64_t *)ud += p->numel;
+    return 0;
+}
+
+int64_t fsdp_module_numel(struct fsdp_module *m) {
+    int64_t n = 0;
+    fsdp_module_foreach_param(m, add_numel, &n);
+    return n;
+}
+
+/* Searches tied parameters too (lm_head.weight is found, and is tied). */
+struct fsdp_param *fsdp_module_find_param(struct fsdp_module *root, const char *fqn) {
+    for (int i = 0; i < root->n_params; i++)
+        if (root->params[i]->fqn && strcmp(root->params[i]->fqn, fqn) == 0) return root->params[i];
+    for (int i = 0; i < root->n_children; i++) {
+        struct fsdp_param *p = fsdp_module_find_param(root->children[i], fqn);
+        if (p) return p;
+    }
+    return NULL;
+}
+
+struct materialize_args {
+    struct fsdp_ctx *ctx;
+    uint64_t seed;
+    enum fsdp_status st;
+};
+
+static int materialize_one(struct fsdp_param *p, void *ud) {
+    struct materialize_args *a = ud;
+    if (!p->fqn) {
+        a->st = fsdp__err(a->ctx, FSDP_ERR_STATE, "parameter '%s' has no FQN: call fsdp_module_finalize",
+                          p->name);
+        return 1;
+    }
+    if (p->data && !p->owns_data) {
+        a->st = fsdp__err(a->ctx, FSDP_ERR_STATE, "parameter '%s' is managed by a sharded model", p->fqn);
+        return 1;
+    }
+    if (!p->data) {
+        /* owned storage is freed by fsdp_module_free without a context, so it is
+         * accounted to no context (kind PARAM is informational only here) */
+        p->data = fsdp__alloc(NULL, (size_t)p->numel * sizeof(float), FSDP_MEM_PARAM, p->fqn);
+        if (!p->data) {
+            a->st = fsdp__err(a->ctx, FSDP_ERR_NOMEM, "out of memory materializing '%s' (%lld floats)",
+                              p->fqn, (long long)p->numel);
+            return 1;
+        }
+        p->owns_data = 1;
+    }
+    fsdp__init_fill(p->init, a->seed, p->fqn, 0, p->data, (size_t)p->numel);
+    return 0;
+}
+
+enum fsdp_status fsdp_module_materialize(struct fsdp_ctx *ctx, struct fsdp_module *m, uint64_t seed) {
+    struct materialize_args a = {ctx, seed, FSDP_OK};
+    fsdp_module_foreach_param(m, materialize_one, &a);
+    return a.st;
+}
+
+/* A materialized parameter gets its own gradient buffer, freed with the
+ * module (owns_data covers both). */
+static int zero_grad_one(struct fsdp_param *p, void *ud) {
+    struct materialize_args *a = ud;
+    if (!p->owns_data) {
+        a->st = fsdp__err(a->ctx, FSDP_ERR_STATE, "parameter '%s' is not materialized", p->fqn);
+        return 1;
+    }
+    if (!p->grad) {
+        p->grad = fsdp__alloc(NULL, (size_t)p->numel * sizeof(float), FSDP_MEM_PARAM, p->fqn);
+        if (!p->grad) {
+            a->st = fsdp__err(a->ctx, FSDP_ERR_NOMEM, "out of memory for the gradient of '%s'", p->fqn);
+            return 1;
+        }
+    }
+    memset(p->grad, 0, (size_t)p->numel * sizeof(float));
+    return 0;
+}
+
+enum fsdp_status fsdp_module_zero_grad(struct fsdp_ctx *ctx, struct fsdp_module *m) {
+    struct materialize_args a = {ctx, 0, FSDP_OK};
+    fsdp_module_foreach_param(m, zero_grad_one, &a);
+    return a.st;
+}
+
+/* ---- Dispatchers ---- */
+
+enum fsdp_status fsdp_module_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                     const struct fsdp_tensor *in, struct fsdp_tensor *out) {
+    const struct fsdp_module_hooks *h = m->hooks;
+    if (h && h->pre_forward) FSDP_TRY(h->pre_forward(m->hook_data, ctx));
+    FSDP_TRY(m->ops->forward(m, ctx, in, out));
+    if (h && h->post_forward) FSDP_TRY(h->post_forward(m->hook_data, ctx));
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_module_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                      const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
+    const struct fsdp_module_hooks *h = m->hooks;
+    if (h && h->pre_backward) FSDP_TRY(h->pre_backward(m->hook_data, ctx));
+    FSDP_TRY(m->ops->backward(m, ctx, dout, din));
+    if (h && h->post_backward) FSDP_TRY(h->post_backward(m->hook_data, ctx));
+    return FSDP_OK;
+}

@@ -1,0 +1,118 @@
+/*
+ * nn-impl.h - internal API of src/nn: the GEMM wrapper (src/nn is the only
+ * place that calls the GEMM library), parameter access that honours ties,
+ * tensor helpers shared by the layers, fast vectorisable exp/tanh, and the
+ * layer constructors.
+ *
+ * Layer conventions (see struct fsdp_module_ops in fsdp.h):
+ *  - forward(m, ctx, in, out): out->data NULL -> allocated from the arena,
+ *    else overwritten; out's dtype/ndim/shape are set. Activations needed by
+ *    backward are saved in m->impl as pointers into the arena (valid for the
+ *    step), so a module instance runs at most once per step.
+ *  - backward(m, ctx, dout, din): accumulates (+=) into fsdp__pgrad(p) and
+ *    writes din (same allocate-or-overwrite rule) unless din is NULL.
+ *  - Parameter values exist only while a unit is gathered: read
+ *    fsdp__pdata(p) at the start of each forward/backward, never cache it.
+ *  - Composite modules call children only through fsdp_module_forward /
+ *    fsdp_module_backward, so the sharding hooks run.
+ */
+#ifndef FSDP_NN_IMPL_H
+#define FSDP_NN_IMPL_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "core/core-impl.h"
+
+/* ---- GEMM (gemm.c): the only caller of the GEMM library ---- */
+/* Row-major C (M, N) = alpha * op(A) op(B) + beta * C, with op(A) (M, K) and
+ * op(B) (K, N); transa/transb non-zero transposes the stored matrix. Leading
+ * dimensions are row strides of the stored matrices. beta == 0 ignores C's
+ * old contents (NaN-safe). Runs single-threaded inside an OpenMP parallel
+ * region, multi-threaded outside. A library failure is a broken invariant. */
+void fsdp__sgemm(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
+                 const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
+                 int64_t ldc);
+
+/* ---- Parameters (ties honoured) ---- */
+/* A tied parameter (tied_to != NULL) has no storage of its own: its values
+ * and gradient are those of the parameter it is tied to. */
+static inline float *fsdp__pdata(struct fsdp_param *p) { return p->tied_to ? p->tied_to->data : p->data; }
+static inline float *fsdp__pgrad(struct fsdp_param *p) { return p->tied_to ? p->tied_to->grad : p->grad; }
+/* FSDP_ERR_STATE naming the parameter if it has no values (or, with
+ * need_grad, no gradient buffer) right now. */
+enum fsdp_status fsdp__param_ready(struct fsdp_ctx *ctx, struct fsdp_param *p, int need_grad);
+
+/* ---- Tensors ---- */
+/* Sets t's dtype and shape and, if t->data is NULL, allocates it from the
+ * arena (`what` names it in the error). */
+enum fsdp_status fsdp__tensor_prepare(struct fsdp_ctx *ctx, struct fsdp_tensor *t, enum fsdp_dtype dt,
+                                      int ndim, const int64_t *shape, const char *what);
+/* FSDP_ERR_INVALID naming module m unless t has dtype dt, 1 <= ndim <=
+ * FSDP_MAX_DIMS (exactly `ndim` if ndim > 0), data, and last dimension
+ * `last` (if last > 0). */
+enum fsdp_status fsdp__check_input(struct fsdp_ctx *ctx, const struct fsdp_module *m,
+                                   const struct fsdp_tensor *t, enum fsdp_dtype dt, int ndim, int64_t last);
+/* n floats from the arena, or NULL with the error set naming `what`. */
+float *fsdp__scratch(struct fsdp_ctx *ctx, int64_t n, const char *what);
+/* Adds the child a constructor just made (st is that constructor's status;
+ * *child is freed if adding fails) and stores it in *slot (may be NULL):
+ *   st = fsdp__adopt(ctx, m, fsdp__gelu_create(ctx, "gelu", &c), &c, &impl->gelu); */
+enum fsdp_status fsdp__adopt(struct fsdp_ctx *ctx, struct fsdp_module *parent, enum fsdp_status st,
+                             struct fsdp_module **child, struct fsdp_module **slot);
+/* A module's FQN for messages ("(root)" for the root, its name if not finalized). */
+const char *fsdp__mname(const struct fsdp_module *m);
+
+/* ---- Fast math (branch-free, so loops under `omp simd` vectorise) ---- */
+/* exp(x) to about 2 ulp for x in [-87, 88]; clamps outside (never inf/0). */
+static inline float fsdp__expf(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float n = (x * 1.44269504f + magic) - magic;
+    float r = x - n * 0.693145752f; /* ln 2 in two parts (Cody-Waite) */
+    r = r - n * 1.42860677e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* ---- Layers (linear.c, embedding.c, layernorm.c, gelu.c, attention.c, block.c) ---- */
+/* Each constructor returns *out_m to the caller, who owns it until
+ * fsdp_module_add_child hands it to a parent. */
+/* Linear: y (..., out) = x (..., in) W^T + b; weight (out, in), bias (out). */
+enum fsdp_status fsdp__linear_create(struct fsdp_ctx *ctx, const char *name, int64_t in, int64_t out,
+                                     int bias, float init_std, struct fsdp_module **out_m);
+/* Embedding: ids I32 (...) -> (..., dim); weight (num, dim). */
+enum fsdp_status fsdp__embedding_create(struct fsdp_ctx *ctx, const char *name, int64_t num, int64_t dim,
+                                        float init_std, struct fsdp_module **out_m);
+/* LayerNorm over the last dimension (dim), eps 1e-5; weight and bias (dim). */
+enum fsdp_status fsdp__layernorm_create(struct fsdp_ctx *ctx, const char *name, int64_t dim,
+                                        struct fsdp_module **out_m);
+/* GELU, tanh approximation (GPT-2); no parameters. Backward may run in place
+ * (din->data == dout->data). */
+enum fsdp_status fsdp__gelu_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out_m);
+/* Causal self-attention on (B, T, C): children c_attn Linear(C, 3C) and
+ * c_proj Linear(C, C) (c_proj weight std proj_std). */
+enum fsdp_status fsdp__attention_create(struct fsdp_ctx *ctx, const char *name, int64_t C, int n_head,
+                                        float proj_std, struct fsdp_module **out_m);
+/* MLP: c_fc Linear(C, 4C), gelu, c_proj Linear(4C, C) (std proj_std). */
+enum fsdp_status fsdp__mlp_create(struct fsdp_ctx *ctx, const char *name, int64_t C, float proj_std,
+                                  struct fsdp_module **out_m);
+/* Pre-LN transformer block on (B, T, C): ln_1, attn, ln_2, mlp. */
+enum fsdp_status fsdp__block_create(struct fsdp_ctx *ctx, const char *name, int64_t C, int n_head,
+                                    float proj_std, struct fsdp_module **out_m);
+/* A container that exists for naming (forward/backward: FSDP_ERR_UNSUPPORTED),
+ * of type "ModuleList" if is_list, else "Module". */
+enum fsdp_status fsdp__container_create(struct fsdp_ctx *ctx, const char *name, int is_list,
+                                        struct fsdp_module **out_m);
+
+#endif
