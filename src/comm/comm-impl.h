@@ -1,0 +1,78 @@
+/*
+ * comm-impl.h - internal API of src/comm: the communicator, its vtable of
+ * collectives and the backends (MPI in mpi.c, a world of one in self.c).
+ * comm.c validates arguments, counts statistics and dispatches through the
+ * vtable, so a backend sees only well-formed calls:
+ *   - dtype and op are in range, root is in [0, size), buffers are non-NULL
+ *     when count > 0, and count * size * dtype size does not overflow;
+ *   - in-place calls arrive with send == NULL (see fsdp.h: allgather with
+ *     send == recv + rank*count, allreduce with send == recv);
+ *   - other overlaps between send and recv were rejected.
+ * comm/ knows nothing of models: it moves and reduces typed arrays.
+ */
+#ifndef FSDP_COMM_IMPL_H
+#define FSDP_COMM_IMPL_H
+
+#include "core/core-impl.h"
+
+/* A started collective. A backend embeds this as the first member of its
+ * own request struct; ops->wait completes the request and frees it. */
+struct fsdp_comm_req {
+    enum fsdp_coll coll; /* for the wait-time statistics */
+};
+
+struct fsdp_comm_ops {
+    /* Each start stores a new request in *req (returned; ops->wait frees it). */
+    enum fsdp_status (*allgather_start)(struct fsdp_comm *c, const void *send, void *recv,
+                                        size_t count, enum fsdp_dtype dt,
+                                        struct fsdp_comm_req **req);
+    enum fsdp_status (*reduce_scatter_start)(struct fsdp_comm *c, const void *send, void *recv,
+                                             size_t count, enum fsdp_dtype dt,
+                                             enum fsdp_red_op op, struct fsdp_comm_req **req);
+    enum fsdp_status (*allreduce_start)(struct fsdp_comm *c, const void *send, void *recv,
+                                        size_t count, enum fsdp_dtype dt, enum fsdp_red_op op,
+                                        struct fsdp_comm_req **req);
+    enum fsdp_status (*broadcast_start)(struct fsdp_comm *c, void *buf, size_t count,
+                                        enum fsdp_dtype dt, int root, struct fsdp_comm_req **req);
+    enum fsdp_status (*barrier_start)(struct fsdp_comm *c, struct fsdp_comm_req **req);
+    /* Completes req and frees it, also on failure. req is non-NULL. */
+    enum fsdp_status (*wait)(struct fsdp_comm *c, struct fsdp_comm_req *req);
+    /* Ends every rank of the job; may return if the backend cannot (caller exits). */
+    void (*abort)(struct fsdp_comm *c, int code);
+    /* Releases the backend state and the struct itself. COLLECTIVE: yes. */
+    void (*free)(struct fsdp_comm *c);
+};
+
+struct fsdp_comm {
+    const struct fsdp_comm_ops *ops;
+    struct fsdp_ctx *ctx;         /* borrowed: receives error messages, accounts memory */
+    int rank, size;
+    const char *backend;          /* static string: "mpi" or "self" */
+    struct fsdp_comm_stats stats; /* counted by comm.c */
+    void *state;                  /* the backend's own state */
+};
+
+/* ---- Creation (comm.c) ---- */
+/* Creates the communicator of `kind` (FSDP_COMM_AUTO: MPI when launched by
+ * mpirun, i.e. OMPI_COMM_WORLD_SIZE or PMIX_RANK is set, else SELF). *out is
+ * returned to the caller to free with fsdp__comm_free. COLLECTIVE: yes. */
+enum fsdp_status fsdp__comm_create(struct fsdp_ctx *ctx, enum fsdp_comm_kind kind,
+                                   struct fsdp_comm **out);
+/* COLLECTIVE: yes (finalizes MPI if fsdp__comm_create initialised it). NULL is a no-op. */
+void fsdp__comm_free(struct fsdp_comm *c);
+/* Ends every rank of the job with `code` when the backend can (MPI_Abort);
+ * returns otherwise, and the caller exits. */
+void fsdp__comm_abort(struct fsdp_comm *c, int code);
+
+/* ---- Backends ---- */
+enum fsdp_status fsdp__comm_self_create(struct fsdp_ctx *ctx, struct fsdp_comm **out);
+enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **out);
+
+/* ---- Helpers shared by the backends (comm.c) ---- */
+/* Allocates a zeroed request of `bytes` (>= sizeof(struct fsdp_comm_req)) for coll. */
+void *fsdp__comm_req_alloc(struct fsdp_comm *c, size_t bytes, enum fsdp_coll coll);
+void fsdp__comm_req_free(struct fsdp_comm *c, void *req);
+/* The name of a collective ("allgather", ...), for messages. */
+const char *fsdp__coll_name(enum fsdp_coll coll);
+
+#endif

@@ -1,0 +1,525 @@
+/*
+ * test_mpi_comm.c - conformance of the collectives (src/comm) at any world
+ * size: tests/run.sh runs it under mpirun at 1..4 ranks; run alone it tests a
+ * world of one (the "self" backend). Every collective at sizes 0, 1, 7, 1000
+ * and 2^20+3 elements, dtypes F32/I32 (and U16 for gather/broadcast), the
+ * in-place forms, several requests outstanding at once, argument validation
+ * and the statistics. Reductions are compared with a reference summed in rank
+ * order; inputs are small integers so that fp32 (and bf16/fp16) sums are
+ * exact, except in one test of non-exact floats that checks a tolerance and
+ * that every rank got the same bits.
+ */
+#include "fsdp.h"
+#include "harness.h"
+
+#include <mpi.h>
+
+static struct fsdp_ctx *ctx;
+
+static struct fsdp_ctx *get_ctx(void) {
+    if (!ctx) {
+        struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+        co.threads = 1;
+        co.comm = FSDP_COMM_AUTO; /* MPI under mpirun, else a world of one */
+        if (fsdp_ctx_create(&co, &ctx) != FSDP_OK) abort();
+    }
+    return ctx;
+}
+
+static int combine_max(int flag) {
+    int out = flag;
+    get_ctx(); /* MPI is initialised by the context */
+    MPI_Allreduce(&flag, &out, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    return out;
+}
+
+__attribute__((constructor(200))) static void setup_combine(void) { test_combine = combine_max; }
+__attribute__((destructor)) static void teardown(void) { fsdp_ctx_free(ctx); }
+
+static const size_t sizes[] = {0, 1, 7, 1000, (1u << 20) + 3};
+#define N_SIZES (sizeof sizes / sizeof sizes[0])
+
+/* ---- typed element access (values are small integers: exact in every dtype) ---- */
+
+static void put(void *b, enum fsdp_dtype dt, size_t k, double v) {
+    switch (dt) {
+    case FSDP_F32: ((float *)b)[k] = (float)v; break;
+    case FSDP_I32: ((int32_t *)b)[k] = (int32_t)v; break;
+    case FSDP_U16: ((uint16_t *)b)[k] = (uint16_t)v; break;
+    case FSDP_U8: ((uint8_t *)b)[k] = (uint8_t)v; break;
+    case FSDP_BF16: {
+        float f = (float)v;
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        ((uint16_t *)b)[k] = (uint16_t)(u >> 16); /* exact for small integers */
+        break;
+    }
+    case FSDP_F16: {
+        _Float16 h = (_Float16)v;
+        memcpy((uint16_t *)b + k, &h, 2);
+        break;
+    }
+    }
+}
+
+static double get(const void *b, enum fsdp_dtype dt, size_t k) {
+    switch (dt) {
+    case FSDP_F32: return ((const float *)b)[k];
+    case FSDP_I32: return ((const int32_t *)b)[k];
+    case FSDP_U16: return ((const uint16_t *)b)[k];
+    case FSDP_U8: return ((const uint8_t *)b)[k];
+    case FSDP_BF16: {
+        uint32_t u = (uint32_t)((const uint16_t *)b)[k] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    case FSDP_F16: {
+        _Float16 h;
+        memcpy(&h, (const uint16_t *)b + k, 2);
+        return (double)h;
+    }
+    }
+    return 0;
+}
+
+/* A value identifying (rank, index), for gathers and broadcasts. */
+static double gval(enum fsdp_dtype dt, int r, size_t i) {
+    switch (dt) {
+    case FSDP_F32: return (double)(r * 4096 + (int)(i % 4096));
+    case FSDP_I32: return (double)((size_t)r * 100003u + i);
+    default: return (double)(((size_t)r * 911u + i * 7u) & 0xffffu);
+    }
+}
+
+/* A small signed integer for reductions: sums over 4 ranks stay in [-44, 44]. */
+static double rval(int r, size_t i) { return (double)(((size_t)r * 7u + i * 13u) % 23u) - 11.0; }
+
+static double reduce_ref(enum fsdp_red_op op, int world, size_t j) {
+    double acc = rval(0, j);
+    for (int r = 1; r < world; r++) {
+        double v = rval(r, j);
+        acc = op == FSDP_SUM ? acc + v : op == FSDP_MAX ? (v > acc ? v : acc) : (v < acc ? v : acc);
+    }
+    return acc;
+}
+
+static void *xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) abort();
+    return p;
+}
+
+/* Counts mismatches of buf[0..n) against want_expr, a function of the index
+ * k_, printing the first. */
+#define EXPECT_ALL(buf, dt, n, want_expr, what)                                           \
+    do {                                                                                  \
+        size_t bad_ = 0;                                                                  \
+        for (size_t k_ = 0; k_ < (n); k_++) {                                             \
+            double got_ = get((buf), (dt), k_), want_ = (want_expr);                      \
+            if (got_ != want_) {                                                          \
+                if (bad_ == 0)                                                            \
+                    TEST_FAILF("%s %s n=%zu: element %zu is %g, want %g", what,           \
+                               fsdp_dtype_name(dt), (size_t)(n), k_, got_, want_);        \
+                bad_++;                                                                   \
+            }                                                                             \
+        }                                                                                 \
+        if (bad_ > 1) TEST_FAILF("  (%zu mismatches in all)", bad_);                      \
+    } while (0)
+
+/* ---- tests ---- */
+
+TEST(comm_basics) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    ASSERT(comm != NULL);
+    const char *ws = getenv("OMPI_COMM_WORLD_SIZE");
+    int want_world = ws ? atoi(ws) : 1;
+    CHECK_INT_EQ(fsdp_comm_size(comm), want_world);
+    CHECK_INT_EQ(fsdp_ctx_world(c), want_world);
+    CHECK_INT_EQ(fsdp_comm_rank(comm), test_rank);
+    CHECK_INT_EQ(fsdp_ctx_rank(c), test_rank);
+    CHECK_STR_EQ(fsdp_comm_backend(comm), ws ? "mpi" : "self");
+    CHECK_OK(fsdp_comm_barrier(comm), c);
+    CHECK_OK(fsdp_comm_wait(comm, NULL), c);
+}
+
+TEST(comm_allgather) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    const enum fsdp_dtype dts[] = {FSDP_F32, FSDP_I32, FSDP_U16};
+    for (size_t d = 0; d < 3; d++) {
+        enum fsdp_dtype dt = dts[d];
+        size_t esz = fsdp_dtype_size(dt);
+        for (size_t s = 0; s < N_SIZES; s++) {
+            size_t n = sizes[s];
+            void *send = xmalloc(n * esz), *recv = xmalloc(n * esz * (size_t)world);
+            for (size_t i = 0; i < n; i++) put(send, dt, i, gval(dt, rank, i));
+            memset(recv, 0xAB, n * esz * (size_t)world);
+            CHECK_OK(fsdp_comm_allgather(comm, send, recv, n, dt), c);
+            EXPECT_ALL(recv, dt, n * (size_t)world, gval(dt, (int)(k_ / n), k_ % n), "allgather");
+            /* in place: this rank's block already sits in recv */
+            memset(recv, 0xCD, n * esz * (size_t)world);
+            char *mine = (char *)recv + (size_t)rank * n * esz;
+            for (size_t i = 0; i < n; i++) put(mine, dt, i, gval(dt, rank, i));
+            CHECK_OK(fsdp_comm_allgather(comm, mine, recv, n, dt), c);
+            EXPECT_ALL(recv, dt, n * (size_t)world, gval(dt, (int)(k_ / n), k_ % n),
+                       "allgather in place");
+            free(send);
+            free(recv);
+        }
+    }
+}
+
+TEST(comm_reduce_scatter) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    const enum fsdp_dtype dts[] = {FSDP_F32, FSDP_I32};
+    const enum fsdp_red_op ops[] = {FSDP_SUM, FSDP_MAX, FSDP_MIN};
+    for (size_t d = 0; d < 2; d++) {
+        enum fsdp_dtype dt = dts[d];
+        size_t esz = fsdp_dtype_size(dt);
+        for (size_t s = 0; s < N_SIZES; s++) {
+            size_t n = sizes[s], total = n * (size_t)world;
+            void *send = xmalloc(total * esz), *recv = xmalloc(n * esz);
+            for (size_t j = 0; j < total; j++) put(send, dt, j, rval(rank, j));
+            for (size_t o = 0; o < 3; o++) {
+                if (ops[o] != FSDP_SUM && n > 1000) continue; /* keep the big size to SUM */
+                memset(recv, 0xAB, n * esz);
+                CHECK_OK(fsdp_comm_reduce_scatter(comm, send, recv, n, dt, ops[o]), c);
+                EXPECT_ALL(recv, dt, n, reduce_ref(ops[o], world, (size_t)rank * n + k_),
+                           ops[o] == FSDP_SUM ? "reduce-scatter sum" : "reduce-scatter max/min");
+            }
+            free(send);
+            free(recv);
+        }
+    }
+}
+
+TEST(comm_allreduce) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    const enum fsdp_dtype dts[] = {FSDP_F32, FSDP_I32};
+    const enum fsdp_red_op ops[] = {FSDP_SUM, FSDP_MAX, FSDP_MIN};
+    for (size_t d = 0; d < 2; d++) {
+        enum fsdp_dtype dt = dts[d];
+        size_t esz = fsdp_dtype_size(dt);
+        for (size_t s = 0; s < N_SIZES; s++) {
+            size_t n = sizes[s];
+            void *send = xmalloc(n * esz), *recv = xmalloc(n * esz);
+            for (size_t o = 0; o < 3; o++) {
+                if (ops[o] != FSDP_SUM && n > 1000) continue;
+                for (size_t i = 0; i < n; i++) put(send, dt, i, rval(rank, i));
+                memset(recv, 0xAB, n * esz);
+                CHECK_OK(fsdp_comm_allreduce(comm, send, recv, n, dt, ops[o]), c);
+                EXPECT_ALL(recv, dt, n, reduce_ref(ops[o], world, k_), "allreduce");
+                /* in place */
+                for (size_t i = 0; i < n; i++) put(recv, dt, i, rval(rank, i));
+                CHECK_OK(fsdp_comm_allreduce(comm, recv, recv, n, dt, ops[o]), c);
+                EXPECT_ALL(recv, dt, n, reduce_ref(ops[o], world, k_), "allreduce in place");
+            }
+            free(send);
+            free(recv);
+        }
+    }
+}
+
+TEST(comm_broadcast) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    const enum fsdp_dtype dts[] = {FSDP_F32, FSDP_I32, FSDP_U16};
+    for (size_t d = 0; d < 3; d++) {
+        enum fsdp_dtype dt = dts[d];
+        size_t esz = fsdp_dtype_size(dt);
+        for (size_t s = 0; s < N_SIZES; s++) {
+            size_t n = sizes[s];
+            void *buf = xmalloc(n * esz);
+            for (int root = 0; root < world; root++) {
+                if (n > 1000 && root != world - 1) continue;
+                if (rank == root) for (size_t i = 0; i < n; i++) put(buf, dt, i, gval(dt, root, i));
+                else memset(buf, 0xAB, n * esz);
+                CHECK_OK(fsdp_comm_broadcast(comm, buf, n, dt, root), c);
+                EXPECT_ALL(buf, dt, n, gval(dt, root, k_), "broadcast");
+            }
+            free(buf);
+        }
+    }
+}
+
+/* Several requests in flight at once, waited for in an order unlike the starts. */
+TEST(comm_async_outstanding) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    const size_t n = 1000;
+    enum { K = 4 };
+    float *ag_send[K], *ag_recv[K];
+    int32_t *ar[K];
+    float *rs_send = xmalloc(n * (size_t)world * sizeof(float)), *rs_recv = xmalloc(n * sizeof(float));
+    int32_t *bc = xmalloc(n * sizeof(int32_t));
+    struct fsdp_comm_req *reqs[2 * K + 3] = {0};
+    int nr = 0;
+    for (int k = 0; k < K; k++) {
+        ag_send[k] = xmalloc(n * sizeof(float));
+        ag_recv[k] = xmalloc(n * (size_t)world * sizeof(float));
+        ar[k] = xmalloc(n * sizeof(int32_t));
+        for (size_t i = 0; i < n; i++) {
+            ag_send[k][i] = (float)(gval(FSDP_F32, rank, i) + k);
+            ar[k][i] = (int32_t)(rval(rank, i) * (k + 1));
+        }
+        ASSERT_OK(fsdp_comm_allgather_start(comm, ag_send[k], ag_recv[k], n, FSDP_F32, &reqs[nr++]), c);
+        ASSERT_OK(fsdp_comm_allreduce_start(comm, ar[k], ar[k], n, FSDP_I32, FSDP_SUM, &reqs[nr++]), c);
+    }
+    for (size_t j = 0; j < n * (size_t)world; j++) rs_send[j] = (float)rval(rank, j);
+    ASSERT_OK(fsdp_comm_reduce_scatter_start(comm, rs_send, rs_recv, n, FSDP_F32, FSDP_SUM, &reqs[nr++]), c);
+    for (size_t i = 0; i < n; i++) bc[i] = rank == 0 ? (int32_t)(i * 3) : -1;
+    ASSERT_OK(fsdp_comm_broadcast_start(comm, bc, n, FSDP_I32, 0, &reqs[nr++]), c);
+    ASSERT_OK(fsdp_comm_barrier_start(comm, &reqs[nr++]), c);
+    for (int i = 0; i < nr; i++) CHECK(reqs[i] != NULL);
+    /* wait odd ones from the back, then even ones from the front */
+    for (int i = nr - 1; i >= 0; i--)
+        if (i % 2) CHECK_OK(fsdp_comm_wait(comm, reqs[i]), c);
+    for (int i = 0; i < nr; i++)
+        if (i % 2 == 0) CHECK_OK(fsdp_comm_wait(comm, reqs[i]), c);
+    for (int k = 0; k < K; k++) {
+        EXPECT_ALL(ag_recv[k], FSDP_F32, n * (size_t)world, gval(FSDP_F32, (int)(k_ / n), k_ % n) + k,
+                   "async allgather");
+        EXPECT_ALL(ar[k], FSDP_I32, n, reduce_ref(FSDP_SUM, world, k_) * (k + 1), "async allreduce");
+        free(ag_send[k]);
+        free(ag_recv[k]);
+        free(ar[k]);
+    }
+    EXPECT_ALL(rs_recv, FSDP_F32, n, reduce_ref(FSDP_SUM, world, (size_t)rank * n + k_),
+               "async reduce-scatter");
+    EXPECT_ALL(bc, FSDP_I32, n, (double)(k_ * 3), "async broadcast");
+    free(rs_send);
+    free(rs_recv);
+    free(bc);
+}
+
+/* Non-exact floats: close to the rank-order sum, and the same bits on every rank. */
+TEST(comm_allreduce_inexact) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    const size_t n = 100003;
+    float *x = xmalloc(n * sizeof(float)), *y = xmalloc(n * sizeof(float));
+    float *ref = xmalloc(n * sizeof(float));
+    /* value of (r, i): a fixed pseudo-random float of varying magnitude */
+    for (size_t i = 0; i < n; i++) ref[i] = 0.0f;
+    for (int r = 0; r < world; r++) {
+        for (size_t i = 0; i < n; i++) {
+            uint64_t h = (uint64_t)(r + 1) * 0x9E3779B97F4A7C15ull ^ (uint64_t)i * 0xBF58476D1CE4E5B9ull;
+            h ^= h >> 31;
+            h *= 0x94D049BB133111EBull;
+            h ^= h >> 29;
+            float v = (float)((double)(h >> 11) / 9007199254740992.0 - 0.5) * (float)(1 + (i % 7) * 100);
+            if (r == rank) x[i] = v;
+            ref[i] += v; /* rank order */
+        }
+    }
+    ASSERT_OK(fsdp_comm_allreduce(comm, x, y, n, FSDP_F32, FSDP_SUM), c);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        double scale = (double)(1 + (i % 7) * 100);
+        if (fabs((double)y[i] - (double)ref[i]) > 4e-7 * scale * world) {
+            if (!bad) TEST_FAILF("element %zu: %.9g vs rank-order %.9g", i, (double)y[i], (double)ref[i]);
+            bad++;
+        }
+    }
+    CHECK_INT_EQ(bad, 0);
+    /* every rank holds the same bits: compare a hash */
+    uint32_t h = 2166136261u;
+    const unsigned char *p = (const unsigned char *)y;
+    for (size_t i = 0; i < n * sizeof(float); i++) h = (h ^ p[i]) * 16777619u;
+    int32_t hs[2] = {(int32_t)(h & 0x7fffffff), -(int32_t)(h & 0x7fffffff)};
+    ASSERT_OK(fsdp_comm_allreduce(comm, hs, hs, 2, FSDP_I32, FSDP_MAX), c);
+    CHECK_INT_EQ(hs[0], -hs[1]); /* max == min */
+    free(x);
+    free(y);
+    free(ref);
+}
+
+/* BF16/F16: gathered as raw words, reduced in fp32 (exact for small integers),
+ * and every bit pattern survives the conversions (MAX of equal inputs). */
+TEST(comm_low_precision) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    const enum fsdp_dtype dts[] = {FSDP_BF16, FSDP_F16};
+    for (size_t d = 0; d < 2; d++) {
+        enum fsdp_dtype dt = dts[d];
+        const size_t n = 1000, total = n * (size_t)world;
+        uint16_t *send = xmalloc(total * 2), *recv = xmalloc(total * 2);
+        for (size_t j = 0; j < total; j++) put(send, dt, j, rval(rank, j));
+        CHECK_OK(fsdp_comm_reduce_scatter(comm, send, recv, n, dt, FSDP_SUM), c);
+        EXPECT_ALL(recv, dt, n, reduce_ref(FSDP_SUM, world, (size_t)rank * n + k_), "low reduce-scatter");
+        CHECK_OK(fsdp_comm_allreduce(comm, send, recv, n, dt, FSDP_SUM), c);
+        EXPECT_ALL(recv, dt, n, reduce_ref(FSDP_SUM, world, k_), "low allreduce");
+        CHECK_OK(fsdp_comm_allreduce(comm, send, send, n, dt, FSDP_MIN), c);
+        EXPECT_ALL(send, dt, n, reduce_ref(FSDP_MIN, world, k_), "low allreduce in place");
+        CHECK_OK(fsdp_comm_allgather(comm, send, recv, n, dt), c);
+        EXPECT_ALL(recv, dt, total, reduce_ref(FSDP_MIN, world, k_ % n), "low allgather");
+        free(send);
+        free(recv);
+        /* all 65536 patterns through f32 and back */
+        uint16_t *all = xmalloc(65536 * 2), *out = xmalloc(65536 * 2);
+        for (size_t i = 0; i < 65536; i++) all[i] = (uint16_t)i;
+        CHECK_OK(fsdp_comm_allreduce(comm, all, out, 65536, dt, FSDP_MAX), c);
+        size_t bad = 0;
+        for (size_t i = 0; i < 65536; i++) {
+            int nan = dt == FSDP_BF16 ? ((i & 0x7f80) == 0x7f80 && (i & 0x7f))
+                                      : ((i & 0x7c00) == 0x7c00 && (i & 0x3ff));
+            int ok = nan ? isnan(get(out, dt, i)) : out[i] == all[i];
+            if (!ok && bad++ == 0)
+                TEST_FAILF("%s pattern 0x%04zx came back as 0x%04x", fsdp_dtype_name(dt), i, out[i]);
+        }
+        CHECK_INT_EQ(bad, 0);
+        free(all);
+        free(out);
+    }
+}
+
+TEST(comm_stats) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    ASSERT(world <= 4); /* buffers below hold 4 blocks */
+    struct fsdp_comm_stats a, b;
+    fsdp_comm_stats_get(comm, &a);
+    float x[10] = {0}, all[40] = {0}, rs[40] = {0};
+    CHECK_OK(fsdp_comm_allgather(comm, x, all, 10, FSDP_F32), c);
+    CHECK_OK(fsdp_comm_allgather(comm, x, all, 10, FSDP_F32), c);
+    CHECK_OK(fsdp_comm_reduce_scatter(comm, rs, x, 10, FSDP_F32, FSDP_SUM), c);
+    CHECK_OK(fsdp_comm_allreduce(comm, x, x, 10, FSDP_F32, FSDP_SUM), c);
+    CHECK_OK(fsdp_comm_broadcast(comm, x, 10, FSDP_F32, 0), c);
+    CHECK_OK(fsdp_comm_barrier(comm), c);
+    fsdp_comm_stats_get(comm, &b);
+    CHECK_INT_EQ(b.calls[FSDP_COLL_ALLGATHER] - a.calls[FSDP_COLL_ALLGATHER], 2);
+    CHECK_INT_EQ(b.bytes[FSDP_COLL_ALLGATHER] - a.bytes[FSDP_COLL_ALLGATHER], 80);
+    CHECK_INT_EQ(b.calls[FSDP_COLL_REDUCE_SCATTER] - a.calls[FSDP_COLL_REDUCE_SCATTER], 1);
+    CHECK_INT_EQ(b.bytes[FSDP_COLL_REDUCE_SCATTER] - a.bytes[FSDP_COLL_REDUCE_SCATTER], 40 * world);
+    CHECK_INT_EQ(b.calls[FSDP_COLL_ALLREDUCE] - a.calls[FSDP_COLL_ALLREDUCE], 1);
+    CHECK_INT_EQ(b.bytes[FSDP_COLL_ALLREDUCE] - a.bytes[FSDP_COLL_ALLREDUCE], 40);
+    CHECK_INT_EQ(b.calls[FSDP_COLL_BROADCAST] - a.calls[FSDP_COLL_BROADCAST], 1);
+    CHECK_INT_EQ(b.bytes[FSDP_COLL_BROADCAST] - a.bytes[FSDP_COLL_BROADCAST], rank == 0 ? 40 : 0);
+    CHECK_INT_EQ(b.calls[FSDP_COLL_BARRIER] - a.calls[FSDP_COLL_BARRIER], 1);
+    for (int k = 0; k < FSDP_COLL_COUNT; k++) CHECK(b.wait_s[k] >= a.wait_s[k]);
+    /* a failed start counts nothing */
+    CHECK_INT_EQ(fsdp_comm_broadcast(comm, x, 10, FSDP_F32, world), FSDP_ERR_INVALID);
+    struct fsdp_comm_stats d;
+    fsdp_comm_stats_get(comm, &d);
+    CHECK_INT_EQ(d.calls[FSDP_COLL_BROADCAST], b.calls[FSDP_COLL_BROADCAST]);
+}
+
+/* Validation fails identically on every rank, before any communication. */
+TEST(comm_invalid_args) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    float buf[64] = {0};
+    struct fsdp_comm_req *r = NULL;
+    CHECK_INT_EQ(fsdp_comm_allgather(comm, NULL, buf, 4, FSDP_F32), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "send is NULL");
+    CHECK_INT_EQ(fsdp_comm_allgather(comm, buf, NULL, 4, FSDP_F32), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "recv is NULL");
+    CHECK_INT_EQ(fsdp_comm_reduce_scatter(comm, NULL, buf, 1, FSDP_F32, FSDP_SUM), FSDP_ERR_INVALID);
+    CHECK_INT_EQ(fsdp_comm_allreduce(comm, buf, NULL, 1, FSDP_F32, FSDP_SUM), FSDP_ERR_INVALID);
+    CHECK_INT_EQ(fsdp_comm_broadcast(comm, NULL, 3, FSDP_I32, 0), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "buf is NULL");
+    CHECK_INT_EQ(fsdp_comm_broadcast(comm, buf, 3, FSDP_I32, -1), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "root -1");
+    CHECK_INT_EQ(fsdp_comm_broadcast(comm, buf, 3, FSDP_I32, world), FSDP_ERR_INVALID);
+    CHECK_INT_EQ(fsdp_comm_allreduce(comm, buf, buf + 8, 4, (enum fsdp_dtype)42, FSDP_SUM),
+                 FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "dtype");
+    CHECK_INT_EQ(fsdp_comm_allreduce(comm, buf, buf + 8, 4, FSDP_F32, (enum fsdp_red_op)9),
+                 FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "op");
+    CHECK_INT_EQ(fsdp_comm_allreduce_start(comm, buf, buf + 8, 4, FSDP_F32, FSDP_SUM, NULL),
+                 FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "req is NULL");
+    /* overlaps that are not the documented in-place forms */
+    CHECK_INT_EQ(fsdp_comm_allreduce_start(comm, buf, buf + 1, 4, FSDP_F32, FSDP_SUM, &r),
+                 FSDP_ERR_INVALID);
+    CHECK(r == NULL);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "overlap");
+    CHECK_INT_EQ(fsdp_comm_reduce_scatter(comm, buf, buf, 2, FSDP_F32, FSDP_SUM), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "overlap");
+    if (world > 1) {
+        /* a block other than this rank's own */
+        float *other = buf + (size_t)((rank + 1) % world) * 4;
+        CHECK_INT_EQ(fsdp_comm_allgather(comm, other, buf, 4, FSDP_F32), FSDP_ERR_INVALID);
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), "overlap");
+    }
+    CHECK_INT_EQ(fsdp_comm_allgather(comm, buf, buf + 1, 4, FSDP_F32), FSDP_ERR_INVALID);
+    /* count 0 with NULL buffers is fine, and still collective */
+    CHECK_OK(fsdp_comm_allgather(comm, NULL, NULL, 0, FSDP_F32), c);
+    CHECK_OK(fsdp_comm_allreduce(comm, NULL, NULL, 0, FSDP_F32, FSDP_SUM), c);
+    CHECK_OK(fsdp_comm_reduce_scatter(comm, NULL, NULL, 0, FSDP_F32, FSDP_SUM), c);
+    CHECK_OK(fsdp_comm_broadcast(comm, NULL, 0, FSDP_F32, 0), c);
+    /* the communicator still works after all that */
+    buf[0] = 1.0f;
+    CHECK_OK(fsdp_comm_allreduce(comm, buf, buf, 1, FSDP_F32, FSDP_SUM), c);
+    CHECK_NEAR(buf[0], world, 0, 0);
+    CHECK_INT_EQ(fsdp_comm_barrier(NULL), FSDP_ERR_INVALID);
+}
+
+/* A second context on the self backend works next to the MPI one. */
+TEST(comm_self_backend) {
+    get_ctx();
+    struct fsdp_ctx *s;
+    struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+    co.comm = FSDP_COMM_SELF;
+    ASSERT_OK(fsdp_ctx_create(&co, &s), s);
+    struct fsdp_comm *comm = fsdp_ctx_comm(s);
+    CHECK_STR_EQ(fsdp_comm_backend(comm), "self");
+    CHECK_INT_EQ(fsdp_comm_size(comm), 1);
+    CHECK_INT_EQ(fsdp_comm_rank(comm), 0);
+    int32_t a[5] = {1, 2, 3, 4, 5}, b[5] = {0};
+    CHECK_OK(fsdp_comm_allgather(comm, a, b, 5, FSDP_I32), s);
+    EXPECT_ALL(b, FSDP_I32, 5, (double)(k_ + 1), "self allgather");
+    memset(b, 0, sizeof b);
+    CHECK_OK(fsdp_comm_reduce_scatter(comm, a, b, 5, FSDP_I32, FSDP_SUM), s);
+    EXPECT_ALL(b, FSDP_I32, 5, (double)(k_ + 1), "self reduce-scatter");
+    memset(b, 0, sizeof b);
+    CHECK_OK(fsdp_comm_allreduce(comm, a, b, 5, FSDP_I32, FSDP_MAX), s);
+    EXPECT_ALL(b, FSDP_I32, 5, (double)(k_ + 1), "self allreduce");
+    CHECK_OK(fsdp_comm_allreduce(comm, a, a, 5, FSDP_I32, FSDP_SUM), s);
+    EXPECT_ALL(a, FSDP_I32, 5, (double)(k_ + 1), "self allreduce in place");
+    CHECK_OK(fsdp_comm_broadcast(comm, a, 5, FSDP_I32, 0), s);
+    CHECK_INT_EQ(fsdp_comm_broadcast(comm, a, 5, FSDP_I32, 1), FSDP_ERR_INVALID);
+    CHECK_OK(fsdp_comm_barrier(comm), s);
+    struct fsdp_comm_stats st;
+    fsdp_comm_stats_get(comm, &st);
+    CHECK_INT_EQ(st.calls[FSDP_COLL_ALLREDUCE], 2);
+    CHECK_INT_EQ(st.calls[FSDP_COLL_BROADCAST], 1);
+    fsdp_ctx_free(s);
+}
+
+/* A second MPI context next to the first: freeing it must leave MPI usable
+ * (under mpirun); run alone, it initialises MPI as a singleton and
+ * finalizes it when freed. */
+TEST(comm_second_mpi_context) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_ctx *m;
+    struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+    co.comm = FSDP_COMM_MPI;
+    ASSERT_OK(fsdp_ctx_create(&co, &m), m);
+    struct fsdp_comm *comm = fsdp_ctx_comm(m);
+    CHECK_STR_EQ(fsdp_comm_backend(comm), "mpi");
+    CHECK_INT_EQ(fsdp_comm_size(comm), fsdp_ctx_world(c));
+    int32_t x = 1;
+    CHECK_OK(fsdp_comm_allreduce(comm, &x, &x, 1, FSDP_I32, FSDP_SUM), m);
+    CHECK_INT_EQ(x, fsdp_ctx_world(c));
+    fsdp_ctx_free(m);
+    x = 2;
+    CHECK_OK(fsdp_comm_allreduce(fsdp_ctx_comm(c), &x, &x, 1, FSDP_I32, FSDP_SUM), c);
+    CHECK_INT_EQ(x, 2 * fsdp_ctx_world(c));
+}
+
+TEST_MAIN()
