@@ -1,0 +1,25 @@
+/*
+ * optim-impl.h - internal API of src/optim: the optimizer's hidden state as
+ * the sharding layer (which decides decay per slice) and the checkpoint code
+ * (which saves and restores the step count) need to see it.
+ * optim/ touches only the local shards it is handed: no communication.
+ */
+#ifndef FSDP_OPTIM_IMPL_H
+#define FSDP_OPTIM_IMPL_H
+
+#include "core/core-impl.h"
+
+/* ---- Options ---- */
+/* Whether the caller should decay every slice (opts.decay_all): optim_step
+ * itself only reads each slice's `decay`. */
+int fsdp__optim_decay_all(const struct fsdp_optim *opt);
+/* The options the optimizer was created with (borrowed, owned by opt). */
+const struct fsdp_optim_opts *fsdp__optim_opts(const struct fsdp_optim *opt);
+
+/* ---- Step count (checkpoints) ---- */
+/* Sets the number of steps taken; the next fsdp_optim_step uses step + 1 for
+ * AdamW's bias correction, and SGD treats the momentum buffer as empty only
+ * when step is 0. */
+void fsdp__optim_set_step_count(struct fsdp_optim *opt, int64_t step);
+
+#endif

@@ -1,0 +1,250 @@
+/*
+ * optim.c - AdamW and SGD over the local shards, the gradient-clipping
+ * factor and the learning-rate schedules. Sits above core and below fsdp/:
+ * it sees only slices of floats (param, grad, state) and never communicates;
+ * the caller (src/fsdp/step.c) cuts shards into slices, decides which slices
+ * are decayed, and computes the global gradient norm for clipping.
+ * Invariants: the gradient buffers are read, never written (grad_scale is
+ * applied on the fly); every update is elementwise, so the result has the
+ * same bits for any thread count and any way the shard is cut into slices
+ * (see [Note: determinism]).
+ */
+#include "optim/optim-impl.h"
+
+#include <math.h>
+
+struct fsdp_optim {
+    struct fsdp_ctx *ctx;        /* borrowed; must outlive the optimizer */
+    struct fsdp_optim_opts opts; /* validated copy */
+    int64_t step;                /* steps taken so far (0 before the first) */
+};
+
+/* Slices at least this long are updated by an OpenMP team; shorter ones run
+ * on the calling thread (a parallel region costs more than it saves). */
+#define OPTIM_PAR_MIN 16384
+
+/* ---- Options ---- */
+
+struct fsdp_optim_opts fsdp_optim_opts_default(void) {
+    struct fsdp_optim_opts o;
+    o.kind = FSDP_OPTIM_ADAMW;
+    o.beta1 = 0.9f;
+    o.beta2 = 0.95f;
+    o.eps = 1e-8f;
+    o.momentum = 0.0f;
+    o.weight_decay = 0.1f;
+    o.decay_all = 0;
+    return o;
+}
+
+/* Written so that NaN fails every check. */
+static int in_unit_interval(float x) { return x >= 0.0f && x < 1.0f; }
+
+static enum fsdp_status validate(struct fsdp_ctx *ctx, const struct fsdp_optim_opts *o) {
+    if (o->kind != FSDP_OPTIM_ADAMW && o->kind != FSDP_OPTIM_SGD)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim: kind %d is not adamw (%d) or sgd (%d)",
+                         (int)o->kind, (int)FSDP_OPTIM_ADAMW, (int)FSDP_OPTIM_SGD);
+    if (!in_unit_interval(o->beta1))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim: beta1 = %g is not in [0, 1)", (double)o->beta1);
+    if (!in_unit_interval(o->beta2))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim: beta2 = %g is not in [0, 1)", (double)o->beta2);
+    if (!(o->eps > 0.0f) || isinf(o->eps))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim: eps = %g is not a finite value > 0",
+                         (double)o->eps);
+    if (!(o->weight_decay >= 0.0f) || isinf(o->weight_decay))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim: weight_decay = %g is not a finite value >= 0",
+                         (double)o->weight_decay);
+    if (!in_unit_interval(o->momentum))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim: momentum = %g is not in [0, 1)",
+                         (double)o->momentum);
+    return FSDP_OK;
+}
+
+/* Validates *opts (NULL: the defaults) and creates an optimizer with no
+ * state of its own: the state lives with the shards (fsdp_model_attach_optim).
+ * Every field is validated whichever kind is chosen. *out is returned to the
+ * caller to free with fsdp_optim_free; ctx is retained and must outlive it. */
+enum fsdp_status fsdp_optim_create(struct fsdp_ctx *ctx, const struct fsdp_optim_opts *opts,
+                                   struct fsdp_optim **out) {
+    if (!out) return fsdp__err(ctx, FSDP_ERR_INVALID, "optim_create: out is NULL");
+    *out = NULL;
+    struct fsdp_optim_opts def = fsdp_optim_opts_default();
+    if (!opts) opts = &def;
+    FSDP_TRY(validate(ctx, opts));
+    struct fsdp_optim *opt = fsdp__calloc(ctx, sizeof *opt, FSDP_MEM_OTHER, "the optimizer");
+    if (!opt) return FSDP_ERR_NOMEM;
+    opt->ctx = ctx;
+    opt->opts = *opts;
+    opt->step = 0;
+    *out = opt;
+    return FSDP_OK;
+}
+
+void fsdp_optim_free(struct fsdp_optim *opt) {
+    if (!opt) return;
+    fsdp__free(opt->ctx, opt);
+}
+
+int fsdp_optim_state_per_elem(const struct fsdp_optim *opt) {
+    if (opt->opts.kind == FSDP_OPTIM_ADAMW) return 2;        /* m, v */
+    return opt->opts.momentum > 0.0f ? 1 : 0;                /* momentum buffer */
+}
+
+int64_t fsdp_optim_step_count(const struct fsdp_optim *opt) { return opt->step; }
+
+int fsdp__optim_decay_all(const struct fsdp_optim *opt) { return opt->opts.decay_all; }
+
+const struct fsdp_optim_opts *fsdp__optim_opts(const struct fsdp_optim *opt) { return &opt->opts; }
+
+void fsdp__optim_set_step_count(struct fsdp_optim *opt, int64_t step) {
+    FSDP_ASSERT(step >= 0, "optimizer step count %lld < 0", (long long)step);
+    opt->step = step;
+}
+
+/* ---- The update ----
+ *
+ * [Note: AdamW as torch]
+ * torch.optim.AdamW (single-tensor path, torch 1.13) at step t, with g the
+ * gradient after clipping:
+ *     p  = p * (1 - lr*wd)                       decoupled decay, first
+ *     m  = b1*m + (1-b1)*g                        stored
+ *     v  = b2*v + (1-b2)*g*g                      stored
+ *     p -= (lr / (1-b1^t)) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+ * i.e. p -= lr * mhat / (sqrt(vhat) + eps). Each element is computed in
+ * double from its fp32 values and rounded once per stored quantity; like
+ * torch, the update uses m and v as stored (rounded to fp32). The gradient is
+ * multiplied by grad_scale on the fly (torch scales p.grad in place in
+ * clip_grad_norm_; we leave the grad buffer alone).
+ *
+ * [Note: SGD as torch]
+ * torch.optim.SGD (dampening 0, no Nesterov): d = g + wd*p (coupled decay);
+ * with momentum, buf = d on the first step, else buf = mu*buf + d, and d = buf;
+ * then p -= lr*d. "First step" is this optimizer's step count being 1 after
+ * the increment (torch: the buffer does not exist yet).
+ *
+ * [Note: determinism]
+ * Every element's new values depend only on that element's old values and on
+ * per-step scalars computed once before the loops, and the loops contain no
+ * reductions, so neither the OpenMP team size nor how the shard is cut into
+ * slices changes any bit. (-std=c11 keeps GCC from contracting into FMAs,
+ * and where it does contract it does so in scalar and vector code alike.)
+ */
+
+struct adamw_coef {
+    double b1, b2, eps;
+    double step_size;  /* lr / (1 - b1^t) */
+    double bc2_sqrt;   /* sqrt(1 - b2^t) */
+    double scale;      /* grad_scale */
+};
+
+static void adamw_slice(const struct fsdp_optim_slice *s, const struct adamw_coef *c, double decay) {
+    float *p = s->param, *m = s->state, *v = s->state + s->state_stride;
+    const float *g = s->grad;
+    const double b1 = c->b1, b2 = c->b2, eps = c->eps, step_size = c->step_size;
+    const double bc2_sqrt = c->bc2_sqrt, scale = c->scale;
+    const int64_t n = s->n;
+#pragma omp parallel for schedule(static) if (n >= OPTIM_PAR_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        double gi = (double)g[i] * scale;
+        float mf = (float)(b1 * (double)m[i] + (1.0 - b1) * gi);
+        float vf = (float)(b2 * (double)v[i] + (1.0 - b2) * gi * gi);
+        m[i] = mf;
+        v[i] = vf;
+        double pi = (double)p[i] * decay;
+        pi -= step_size * (double)mf / (sqrt((double)vf) / bc2_sqrt + eps);
+        p[i] = (float)pi;
+    }
+}
+
+static void sgd_slice(const struct fsdp_optim_slice *s, double lr, double wd, double mu,
+                      int first, double scale) {
+    float *p = s->param, *buf = s->state;
+    const float *g = s->grad;
+    const int64_t n = s->n;
+    if (mu > 0.0) {
+#pragma omp parallel for schedule(static) if (n >= OPTIM_PAR_MIN)
+        for (int64_t i = 0; i < n; i++) {
+            double d = (double)g[i] * scale + wd * (double)p[i];
+            float bf = first ? (float)d : (float)(mu * (double)buf[i] + d);
+            buf[i] = bf;
+            p[i] = (float)((double)p[i] - lr * (double)bf);
+        }
+    } else {
+#pragma omp parallel for schedule(static) if (n >= OPTIM_PAR_MIN)
+        for (int64_t i = 0; i < n; i++) {
+            double d = (double)g[i] * scale + wd * (double)p[i];
+            p[i] = (float)((double)p[i] - lr * d);
+        }
+    }
+}
+
+/* Slices are borrowed; their param and state arrays are updated in place,
+ * grad arrays only read. A broken slice (NULL arrays where needed, n < 0, a
+ * stride shorter than n with two states) is an invariant failure. */
+void fsdp_optim_step(struct fsdp_optim *opt, const struct fsdp_optim_slice *slices, int n_slices,
+                     float lr, float grad_scale) {
+    FSDP_ASSERT(opt != NULL, "fsdp_optim_step: opt is NULL");
+    FSDP_ASSERT(n_slices >= 0 && (n_slices == 0 || slices != NULL),
+                "fsdp_optim_step: %d slices at %p", n_slices, (const void *)slices);
+    const int k = fsdp_optim_state_per_elem(opt);
+    for (int j = 0; j < n_slices; j++) {
+        const struct fsdp_optim_slice *s = &slices[j];
+        FSDP_ASSERT(s->n >= 0, "optim slice %d: n = %lld", j, (long long)s->n);
+        if (s->n == 0) continue;
+        FSDP_ASSERT(s->param && s->grad, "optim slice %d: NULL param or grad", j);
+        FSDP_ASSERT(k == 0 || s->state, "optim slice %d: NULL state but %d state(s) per element", j, k);
+        FSDP_ASSERT(k < 2 || s->state_stride >= s->n,
+                    "optim slice %d: state_stride %lld < n %lld", j, (long long)s->state_stride,
+                    (long long)s->n);
+    }
+
+    opt->step++;
+    const struct fsdp_optim_opts *o = &opt->opts;
+    const double dlr = (double)lr, wd = (double)o->weight_decay, scale = (double)grad_scale;
+    if (o->kind == FSDP_OPTIM_ADAMW) {
+        struct adamw_coef c;
+        const double t = (double)opt->step;
+        c.b1 = (double)o->beta1;
+        c.b2 = (double)o->beta2;
+        c.eps = (double)o->eps;
+        c.step_size = dlr / (1.0 - pow(c.b1, t));
+        c.bc2_sqrt = sqrt(1.0 - pow(c.b2, t));
+        c.scale = scale;
+        const double decay = 1.0 - dlr * wd;
+        for (int j = 0; j < n_slices; j++)
+            if (slices[j].n > 0) adamw_slice(&slices[j], &c, slices[j].decay ? decay : 1.0);
+    } else {
+        const int first = opt->step == 1;
+        for (int j = 0; j < n_slices; j++)
+            if (slices[j].n > 0)
+                sgd_slice(&slices[j], dlr, slices[j].decay ? wd : 0.0, (double)o->momentum, first,
+                          scale);
+    }
+}
+
+/* ---- Clipping and schedules ---- */
+
+/* As torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), clamped to 1.
+ * A NaN norm gives 1 (nothing to clip to; the caller checks finiteness). */
+float fsdp_clip_scale(double norm, double max_norm) {
+    if (max_norm > 0.0 && norm > max_norm) return (float)(max_norm / (norm + 1e-6));
+    return 1.0f;
+}
+
+/* nanoGPT's get_lr: linear warmup lr*(step+1)/warmup for step < warmup; then
+ * the peak (constant) or a cosine from lr down to min_lr reached at `total`
+ * and held after it. A negative step counts as step 0; total <= warmup makes
+ * the cosine end at once (min_lr after warmup). */
+float fsdp_lr_at(const struct fsdp_lr_sched *s, int64_t step) {
+    const double lr = (double)s->lr, min_lr = (double)s->min_lr;
+    if (step < 0) step = 0;
+    if (step < s->warmup) return (float)(lr * (double)(step + 1) / (double)s->warmup);
+    if (s->kind == FSDP_LR_CONSTANT) return s->lr;
+    double ratio = 1.0;
+    if (s->total > s->warmup)
+        ratio = (double)(step - s->warmup) / (double)(s->total - s->warmup);
+    if (ratio > 1.0) ratio = 1.0;
+    if (ratio < 0.0) ratio = 0.0;
+    const double coeff = 0.5 * (1.0 + cos(M_PI * ratio));
+    return (float)(min_lr + coeff * (lr - min_lr));
+}
