@@ -1,0 +1,301 @@
+/*
+ * shard.c - turning a module tree into units (fsdp_fully_shard): the wrap
+ * policy picks unit roots, each parameter joins the unit of its nearest
+ * wrapped ancestor, tied parameters are hoisted to one unit, and each unit
+ * gets a flat layout padded to a multiple of the world size. Then this
+ * rank's shard is allocated and initialised from the counter-based RNG.
+ * Invariant: the layout is a pure function of (tree, policy, world), so
+ * every rank computes the same units without communicating.
+ *
+ * [Note: uneven shards] numel_padded = ceil(numel_full / world) * world;
+ * rank r owns flat [r*numel_shard, (r+1)*numel_shard). The padding tail is
+ * zero in params and grads and is never given to the optimizer, so norms and
+ * updates ignore it and every world size sees the same model.
+ */
+#include "fsdp/fsdp-impl.h"
+
+#include <string.h>
+
+enum fsdp_wrap fsdp_wrap_by_type(struct fsdp_module *m, void *ud) {
+    const char *type = ud ? (const char *)ud : "Block";
+    return strcmp(m->ops->type, type) == 0 ? FSDP_WRAP_UNIT : FSDP_WRAP_SKIP;
+}
+
+struct fsdp_shard_opts fsdp_shard_opts_default(void) {
+    struct fsdp_shard_opts o = {0};
+    o.wrap = fsdp_wrap_by_type;
+    o.wrap_ud = (void *)"Block";
+    o.reshard_after_forward = 1;
+    return o;
+}
+
+/* ---- Layout ---- */
+
+struct plan {
+    struct fsdp_module **unit_roots; /* pre-order */
+    int n_units, cap;
+};
+
+static enum fsdp_status collect_units(struct fsdp_ctx *ctx, struct fsdp_module *m, int is_root,
+                                      const struct fsdp_shard_opts *o, struct plan *pl) {
+    if (m->hooks)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "module '%s' is already part of a sharded model",
+                         m->fqn ? m->fqn : m->name);
+    if (is_root || (o->wrap && o->wrap(m, o->wrap_ud) == FSDP_WRAP_UNIT)) {
+        if (pl->n_units == pl->cap) {
+            int ncap = pl->cap ? 2 * pl->cap : 16;
+            void *n = realloc(pl->unit_roots, (size_t)ncap * sizeof *pl->unit_roots);
+            if (!n) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning units");
+            pl->unit_roots = n;
+            pl->cap = ncap;
+        }
+        pl->unit_roots[pl->n_units++] = m;
+    }
+    for (int i = 0; i < m->n_children; i++) FSDP_TRY(collect_units(ctx, m->children[i], 0, o, pl));
+    return FSDP_OK;
+}
+
+/* Index of the unit whose root is the nearest wrapped ancestor-or-self of m. */
+static int unit_index_of_module(const struct plan *pl, struct fsdp_module *m) {
+    for (; m; m = m->parent)
+        for (int i = 0; i < pl->n_units; i++)
+            if (pl->unit_roots[i] == m) return i;
+    return 0;
+}
+
+static int is_ancestor_unit(const struct fsdp_model *fm, int anc, int u) {
+    for (const struct fsdp__unit *x = &fm->units[u]; x; x = x->parent)
+        if (x->index == anc) return 1;
+    return 0;
+}
+
+struct assign_args {
+    struct fsdp_model *fm;
+    const struct plan *pl;
+    int *param_unit; /* per visited parameter, in visit order */
+    struct fsdp_param **visit;
+    int n;
+    int cap;
+    enum fsdp_status st;
+};
+
+static int assign_one(struct fsdp_param *p, void *ud) {
+    struct assign_args *a = ud;
+    if (p->data) {
+        a->st = fsdp__err(a->fm->ctx, FSDP_ERR_STATE,
+                          "parameter '%s' already has storage: shard a model built with shapes only",
+                          p->fqn);
+        return 1;
+    }
+    if (a->n == a->cap) {
+        int ncap = a->cap ? 2 * a->cap : 64;
+        void *v = realloc(a->visit, (size_t)ncap * sizeof *a->visit);
+        void *u = v ? realloc(a->param_unit, (size_t)ncap * sizeof *a->param_unit) : NULL;
+        if (v) a->visit = v;
+        if (u) a->param_unit = u;
+        if (!v || !u) {
+            a->st = fsdp__err(a->fm->ctx, FSDP_ERR_NOMEM, "out of memory assigning parameters");
+            return 1;
+        }
+        a->cap = ncap;
+    }
+    a->visit[a->n] = p;
+    a->param_unit[a->n] = unit_index_of_module(a->pl, p->owner);
+    a->n++;
+    return 0;
+}
+
+/* Finds, for each tied parameter below m, the unit of its user and hoists the
+ * shared parameter to the lowest unit enclosing both. */
+static void hoist_tied(struct assign_args *a, struct fsdp_module *m) {
+    for (int i = 0; i < m->n_params; i++) {
+        struct fsdp_param *p = m->params[i];
+        if (!p->tied_to) continue;
+        int user = unit_index_of_module(a->pl, m);
+        for (int j = 0; j < a->n; j++) {
+            if (a->visit[j] != p->tied_to) continue;
+            int u = a->param_unit[j];
+            while (!is_ancestor_unit(a->fm, u, user)) u = a->fm->units[u].parent->index;
+            if (u != a->param_unit[j])
+                fsdp__log(a->fm->ctx, 1, "fsdp: tied parameter '%s' (used by '%s') kept in unit '%s'",
+                          p->tied_to->fqn, p->fqn, a->fm->units[u].module->fqn);
+            a->param_unit[j] = u;
+        }
+    }
+    for (int i = 0; i < m->n_children; i++) hoist_tied(a, m->children[i]);
+}
+
+
+
+static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_shard_opts *o) {
+    struct fsdp_ctx *ctx = fm->ctx;
+    struct plan pl = {0};
+    enum fsdp_status st = collect_units(ctx, fm->root, 1, o, &pl);
+    if (st != FSDP_OK) {
+        free(pl.unit_roots);
+        return st;
+    }
+    fm->units = calloc((size_t)pl.n_units, sizeof *fm->units);
+    if (!fm->units) {
+        free(pl.unit_roots);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating units");
+    }
+    fm->n_units = pl.n_units;
+    for (int i = 0; i < pl.n_units; i++) {
+        struct fsdp__unit *u = &fm->units[i];
+        u->index = i;
+        u->model = fm;
+        u->module = pl.unit_roots[i];
+        u->parent = i == 0 ? NULL : &fm->units[unit_index_of_module(&pl, u->module->parent)];
+        /* the root unit keeps its parameters from forward to backward (FSDP2) */
+        u->reshard_after_forward = i == 0 ? 0 : o->reshard_after_forward;
+    }
+    struct assign_args a = {fm, &pl, NULL, NULL, 0, 0, FSDP_OK};
+    fsdp_module_foreach_param(fm->root, assign_one, &a);
+    if (a.st == FSDP_OK) hoist_tied(&a, fm->root);
+    /* lay out each unit's parameters in visit order */
+    int world = ctx->world;
+    for (int i = 0; i < fm->n_units && a.st == FSDP_OK; i++) {
+        struct fsdp__unit *u = &fm->units[i];
+        int n = 0;
+        for (int j = 0; j < a.n; j++) n += a.param_unit[j] == i;
+        u->params = calloc((size_t)n + 1, sizeof *u->params);
+        u->param_fqns = calloc((size_t)n + 1, sizeof *u->param_fqns);
+        u->offsets = calloc((size_t)n + 1, sizeof *u->offsets);
+        if (!u->params || !u->param_fqns || !u->offsets) {
+            a.st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory laying out units");
+            break;
+        }
+        int64_t off = 0;
+        for (int j = 0; j < a.n; j++) {
+            if (a.param_unit[j] != i) continue;
+            u->params[u->n_params] = a.visit[j];
+            u->param_fqns[u->n_params] = a.visit[j]->fqn;
+            u->offsets[u->n_params] = off;
+            a.visit[j]->fsdp_priv = u;
+            off += a.visit[j]->numel;
+            u->n_params++;
+        }
+        u->numel_full = off;
+        u->numel_shard = (off + world - 1) / world;
+        u->numel_padded = u->numel_shard * world;
+    }
+    free(a.visit);
+    free(a.param_unit);
+    free(pl.unit_roots);
+    return a.st;
+}
+
+enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit *u, int k_state) {
+    size_t n = (size_t)u->numel_shard;
+    float *mem = fsdp__calloc(ctx, (2 + (size_t)k_state) * n * sizeof(float) + 64, FSDP_MEM_SHARD,
+                              u->module->fqn[0] ? u->module->fqn : "root unit shards");
+    if (!mem) return FSDP_ERR_NOMEM;
+    if (u->shard_mem) memcpy(mem, u->shard, n * sizeof(float)); /* keep the values */
+    fsdp__free(ctx, u->shard_mem);
+    u->shard_mem = mem;
+    u->shard = mem;
+    u->grad_shard = mem + n;
+    u->state = k_state ? mem + 2 * n : NULL;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root,
+                                  const struct fsdp_shard_opts *opts, struct fsdp_model **out) {
+    struct fsdp_shard_opts def = fsdp_shard_opts_default();
+    if (!opts) opts = &def;
+    if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
+    struct fsdp_model *fm = calloc(1, sizeof *fm);
+    if (!fm) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating the sharded model");
+    fm->ctx = ctx;
+    fm->root = root;
+    enum fsdp_status st = build_units(fm, opts);
+    for (int i = 0; i < fm->n_units && st == FSDP_OK; i++)
+        st = fsdp__unit_alloc_shards(ctx, &fm->units[i], 0);
+    if (st != FSDP_OK) {
+        fsdp_model_free(fm);
+        return st;
+    }
+    for (int i = 0; i < fm->n_units; i++) {
+        fm->units[i].module->hooks = &fsdp__unit_hooks;
+        fm->units[i].module->hook_data = &fm->units[i];
+    }
+    *out = fm;
+    return FSDP_OK;
+}
+
+void fsdp_model_free(struct fsdp_model *fm) {
+    if (!fm) return;
+    struct fsdp_ctx *ctx = fm->ctx;
+    for (int i = 0; i < fm->n_units; i++) {
+        struct fsdp__unit *u = &fm->units[i];
+        if (u->req) fsdp_comm_wait(ctx->comm, u->req);
+        for (int j = 0; j < u->n_params; j++) {
+            u->params[j]->data = NULL;
+            u->params[j]->grad = NULL;
+            u->params[j]->fsdp_priv = NULL;
+        }
+        if (u->module && u->module->hook_data == u) {
+            u->module->hooks = NULL;
+            u->module->hook_data = NULL;
+        }
+        fsdp__free(ctx, u->shard_mem);
+        free(u->params);
+        free(u->param_fqns);
+        free(u->offsets);
+        free(u->slices);
+    }
+    for (int i = 0; i < fm->n_pool; i++) fsdp__free(ctx, fm->pool[i].mem);
+    free(fm->pool);
+    free(fm->units);
+    free(fm);
+}
+
+/* ---- Initialisation after sharding ---- */
+
+enum fsdp_status fsdp_model_init_params(struct fsdp_ctx *ctx, struct fsdp_model *fm, uint64_t seed) {
+    for (int i = 0; i < fm->n_units; i++) {
+        struct fsdp__unit *u = &fm->units[i];
+        if (u->state_ != UNIT_SHARDED)
+            return fsdp__err(ctx, FSDP_ERR_STATE, "init_params while unit '%s' is gathered",
+                             u->module->fqn);
+        int64_t lo = (int64_t)ctx->rank * u->numel_shard, hi = lo + u->numel_shard;
+        memset(u->shard, 0, (size_t)u->numel_shard * sizeof(float));
+        for (int j = 0; j < u->n_params; j++) {
+            int64_t a = u->offsets[j], b = a + u->params[j]->numel;
+            int64_t s = a > lo ? a : lo, e = b < hi ? b : hi;
+            if (s >= e) continue;
+            fsdp__init_fill(u->params[j]->init, seed, u->params[j]->fqn, (uint64_t)(s - a),
+                            u->shard + (s - lo), (size_t)(e - s));
+        }
+    }
+    return FSDP_OK;
+}
+
+/* ---- Queries ---- */
+
+int fsdp_model_n_units(const struct fsdp_model *fm) { return fm->n_units; }
+
+void fsdp_model_unit_info(const struct fsdp_model *fm, int i, struct fsdp_unit_info *out) {
+    const struct fsdp__unit *u = &fm->units[i];
+    out->fqn = u->module->fqn;
+    out->n_params = u->n_params;
+    out->param_fqns = u->param_fqns;
+    out->numel_full = u->numel_full;
+    out->numel_padded = u->numel_padded;
+    out->numel_shard = u->numel_shard;
+}
+
+struct fsdp__unit *fsdp__model_unit_of(struct fsdp_model *fm, const char *fqn, int *param_index) {
+    struct fsdp_param *p = fsdp_module_find_param(fm->root, fqn);
+    if (!p) return NULL;
+    while (p->tied_to) p = p->tied_to;
+    struct fsdp__unit *u = p->fsdp_priv;
+    if (!u) return NULL;
+    for (int j = 0; j < u->n_params; j++)
+        if (u->params[j] == p) {
+            if (param_index) *param_index = j;
+            return u;
+        }
+    return NULL;
+}

@@ -1,0 +1,216 @@
+/*
+ * step.c - the training step over a sharded model: forward through the
+ * unit hooks, the loss, backward (reduce-scatter per unit), the global
+ * gradient norm, clipping and the optimizer update on local shards; plus the
+ * global norms and per-parameter reads that gather one unit at a time.
+ * Invariant: between steps every unit is SHARDED and IDLE, and no full
+ * buffer is in use.
+ */
+#include "fsdp/fsdp-impl.h"
+#include "optim/optim-impl.h"
+
+#include <math.h>
+#include <string.h>
+
+/* ---- Optimizer binding ---- */
+
+/* Cuts the shard [rank*S, (rank+1)*S) into runs of one parameter each. */
+static enum fsdp_status build_slices(struct fsdp_ctx *ctx, struct fsdp__unit *u, int decay_all) {
+    free(u->slices);
+    u->slices = calloc((size_t)u->n_params + 1, sizeof *u->slices);
+    if (!u->slices) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for optimizer slices");
+    u->n_slices = 0;
+    int64_t lo = (int64_t)ctx->rank * u->numel_shard, hi = lo + u->numel_shard;
+    for (int j = 0; j < u->n_params; j++) {
+        int64_t a = u->offsets[j], b = a + u->params[j]->numel;
+        int64_t s = a > lo ? a : lo, e = b < hi ? b : hi;
+        if (s >= e) continue;
+        struct fsdp_optim_slice *sl = &u->slices[u->n_slices++];
+        sl->param = u->shard + (s - lo);
+        sl->grad = u->grad_shard + (s - lo);
+        sl->state = u->state ? u->state + (s - lo) : NULL;
+        sl->n = e - s;
+        sl->state_stride = u->numel_shard;
+        sl->decay = decay_all || !u->params[j]->no_decay;
+    }
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_model_attach_optim(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                         struct fsdp_optim *opt) {
+    int k = fsdp_optim_state_per_elem(opt);
+    for (int i = 0; i < fm->n_units; i++) {
+        FSDP_TRY(fsdp__unit_alloc_shards(ctx, &fm->units[i], k));
+        FSDP_TRY(build_slices(ctx, &fm->units[i], fsdp__optim_decay_all(opt)));
+    }
+    fm->optim = opt;
+    return FSDP_OK;
+}
+
+/* ---- Norms ---- */
+
+static enum fsdp_status global_sumsq(struct fsdp_ctx *ctx, struct fsdp_model *fm, int grads,
+                                     double *out) {
+    double local = 0.0;
+    for (int i = 0; i < fm->n_units; i++) {
+        const struct fsdp__unit *u = &fm->units[i];
+        const float *x = grads ? u->grad_shard : u->shard;
+        double s = 0.0;
+#pragma omp parallel for reduction(+ : s) schedule(static)
+        for (int64_t j = 0; j < u->numel_shard; j++) s += (double)x[j] * (double)x[j];
+        local += s;
+    }
+    /* gather every rank's partial sum (raw doubles) and add them in rank
+     * order, so every rank gets the same bits */
+    double *all = calloc((size_t)ctx->world, sizeof(double));
+    if (!all) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the norm");
+    enum fsdp_status st = fsdp_comm_allgather(ctx->comm, &local, all, sizeof(double), FSDP_U8);
+    if (st != FSDP_OK) {
+        free(all);
+        return st;
+    }
+    double total = 0.0;
+    for (int r = 0; r < ctx->world; r++) total += all[r];
+    free(all);
+    *out = total;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_model_grad_norm(struct fsdp_ctx *ctx, struct fsdp_model *fm, double *out) {
+    double s;
+    FSDP_TRY(global_sumsq(ctx, fm, 1, &s));
+    *out = sqrt(s);
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_model_param_norm(struct fsdp_ctx *ctx, struct fsdp_model *fm, double *out) {
+    double s;
+    FSDP_TRY(global_sumsq(ctx, fm, 0, &s));
+    *out = sqrt(s);
+    return FSDP_OK;
+}
+
+/* ---- Steps ---- */
+
+/* Applies the optimizer to every unit's slices as one step. */
+static enum fsdp_status optim_step_all(struct fsdp_model *fm, float lr, float grad_scale) {
+    int n = 0;
+    for (int i = 0; i < fm->n_units; i++) n += fm->units[i].n_slices;
+    struct fsdp_optim_slice *all = calloc((size_t)n + 1, sizeof *all);
+    if (!all) return fsdp__err(fm->ctx, FSDP_ERR_NOMEM, "out of memory for the optimizer step");
+    n = 0;
+    for (int i = 0; i < fm->n_units; i++) {
+        memcpy(all + n, fm->units[i].slices, (size_t)fm->units[i].n_slices * sizeof *all);
+        n += fm->units[i].n_slices;
+    }
+    fsdp_optim_step(fm->optim, all, n, lr, grad_scale);
+    free(all);
+    return FSDP_OK;
+}
+
+static enum fsdp_status check_idle(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
+    for (int i = 0; i < fm->n_units; i++)
+        if (fm->units[i].state_ == UNIT_ERROR)
+            return fsdp__err(ctx, FSDP_ERR_STATE, "unit '%s' is in the error state after a failed collective",
+                             fm->units[i].module->fqn);
+    return FSDP_OK;
+}
+
+static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const int32_t *inputs,
+                                    int B, int T, struct fsdp_tensor *logits) {
+    FSDP_TRY(check_idle(ctx, fm));
+    if (B <= 0 || T <= 0)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "batch shape (%d, %d) must be positive", B, T);
+    fsdp_arena_reset(ctx);
+    struct fsdp_tensor tok = {0};
+    tok.dtype = FSDP_I32;
+    tok.ndim = 2;
+    tok.shape[0] = B;
+    tok.shape[1] = T;
+    tok.data = fsdp_arena_alloc(ctx, (size_t)B * (size_t)T * sizeof(int32_t));
+    if (!tok.data) return FSDP_ERR_NOMEM;
+    memcpy(tok.data, inputs, (size_t)B * (size_t)T * sizeof(int32_t));
+    memset(logits, 0, sizeof *logits);
+    enum fsdp_status st = fsdp_module_forward(fm->root, ctx, &tok, logits);
+    if (st != FSDP_OK) fsdp__model_reshard_all(ctx, fm);
+    return st;
+}
+
+enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const int32_t *inputs,
+                                    int B, int T, float **logits) {
+    struct fsdp_tensor out;
+    FSDP_TRY(run_forward(ctx, fm, inputs, B, T, &out));
+    fsdp__model_reshard_all(ctx, fm); /* no backward follows */
+    *logits = out.data;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                       const int32_t *inputs, const int32_t *targets, int B, int T,
+                                       float lr, float clip, struct fsdp_step_result *res) {
+    if (!fm->optim)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: no optimizer attached (fsdp_model_attach_optim)");
+    struct fsdp_tensor logits;
+    FSDP_TRY(run_forward(ctx, fm, inputs, B, T, &logits));
+    int64_t N = (int64_t)B * T, V = logits.shape[logits.ndim - 1];
+    float local_loss = 0.0f;
+    enum fsdp_status st = fsdp_cross_entropy(ctx, logits.data, targets, N, V, 1.0f, &local_loss,
+                                             logits.data);
+    if (st != FSDP_OK) {
+        fsdp__model_reshard_all(ctx, fm);
+        return st;
+    }
+    for (int i = 0; i < fm->n_units; i++)
+        memset(fm->units[i].grad_shard, 0, (size_t)fm->units[i].numel_shard * sizeof(float));
+    st = fsdp_module_backward(fm->root, ctx, &logits, NULL);
+    if (st != FSDP_OK) {
+        fsdp__model_reshard_all(ctx, fm);
+        return st;
+    }
+    /* the global loss: mean of the ranks' means (equal shares), summed in rank order */
+    float *losses = calloc((size_t)ctx->world, sizeof(float));
+    if (!losses) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory gathering losses");
+    st = fsdp_comm_allgather(ctx->comm, &local_loss, losses, 1, FSDP_F32);
+    double loss = 0.0;
+    for (int r = 0; r < ctx->world; r++) loss += (double)losses[r];
+    free(losses);
+    FSDP_TRY(st);
+    loss /= ctx->world;
+    double gnorm;
+    FSDP_TRY(fsdp_model_grad_norm(ctx, fm, &gnorm));
+    if (!isfinite(loss) || !isfinite(gnorm))
+        return fsdp__err(ctx, FSDP_ERR_NUMERIC, "non-finite %s (loss %g, grad norm %g)",
+                         isfinite(loss) ? "gradient" : "loss", loss, gnorm);
+    float scale = fsdp_clip_scale(gnorm, clip);
+    st = optim_step_all(fm, lr, scale);
+    if (st != FSDP_OK) return st;
+    res->loss = loss;
+    res->grad_norm = gnorm;
+    return fsdp_model_param_norm(ctx, fm, &res->param_norm);
+}
+
+/* ---- Reading full values ---- */
+
+static enum fsdp_status read_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *fqn,
+                                  int grads, float *dst) {
+    int j;
+    struct fsdp__unit *u = fsdp__model_unit_of(fm, fqn, &j);
+    if (!u) return fsdp__err(ctx, FSDP_ERR_INVALID, "no parameter named '%s' in the sharded model", fqn);
+    float *tmp = fsdp__pool_get(fm, u->numel_padded, "full read");
+    if (!tmp) return FSDP_ERR_NOMEM;
+    enum fsdp_status st = fsdp_comm_allgather(ctx->comm, grads ? u->grad_shard : u->shard, tmp,
+                                              (size_t)u->numel_shard, FSDP_F32);
+    if (st == FSDP_OK) memcpy(dst, tmp + u->offsets[j], (size_t)u->params[j]->numel * sizeof(float));
+    fsdp__pool_put(fm, tmp);
+    return st;
+}
+
+enum fsdp_status fsdp_model_get_param(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *fqn,
+                                      float *dst) {
+    return read_full(ctx, fm, fqn, 0, dst);
+}
+
+enum fsdp_status fsdp_model_get_grad(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *fqn,
+                                     float *dst) {
+    return read_full(ctx, fm, fqn, 1, dst);
+}

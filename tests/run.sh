@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# tests/run.sh - runs the whole suite and prints "N passed, N failed, N skipped".
+#  - build/tests/test_*      C unit tests (the harness forks each test)
+#  - build/tests/test_mpi_*  run under mpirun at 1..4 ranks (TEST_RANKS overrides)
+#  - tests/t_*.sh            end-to-end checks of the tools; each prints its own
+#                            "N passed, N failed" line
+# Usage: tests/run.sh [FILTER]   (FILTER: substring of a test file name)
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+export BUILD
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
+filter=${1:-}
+P=0 F=0 S=0
+failed_names=()
+
+tally() { # $1 = name, $2 = output file, $3 = exit code
+  local line
+  line=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$2" | tail -n 1)
+  if [ -z "$line" ]; then
+    echo "FAIL $1 (no summary line, exit $3)"; F=$((F + 1)); failed_names+=("$1"); return
+  fi
+  local p f s
+  p=$(echo "$line" | sed -E 's/^([0-9]+) passed.*/\1/')
+  f=$(echo "$line" | sed -E 's/^[0-9]+ passed, ([0-9]+) failed.*/\1/')
+  s=$(echo "$line" | sed -nE 's/.*, ([0-9]+) skipped.*/\1/p'); s=${s:-0}
+  if [ "$3" -ne 0 ] && [ "$f" -eq 0 ]; then f=1; echo "FAIL $1 (exit $3)"; fi
+  P=$((P + p)); F=$((F + f)); S=$((S + s))
+  [ "$f" -ne 0 ] && failed_names+=("$1")
+}
+
+run_one() { # $1 = name, rest = command
+  local name=$1; shift
+  local out; out=$(mktemp)
+  echo "== $name"
+  timeout -k 10 "${SUITE_TIMEOUT:-600}" "$@" > "$out" 2>&1
+  local rc=$?
+  grep -vE '^ok ' "$out" | tail -n 60
+  tally "$name" "$out" "$rc"
+  rm -f "$out"
+}
+
+for t in "$BUILD"/tests/test_*; do
+  [ -x "$t" ] || continue
+  name=$(basename "$t")
+  [ -n "$filter" ] && [[ "$name" != *"$filter"* ]] && continue
+  case "$name" in
+    test_mpi_*)
+      for n in ${TEST_RANKS:-1 2 3 4}; do
+        run_one "$name -np $n" mpirun -np "$n" --oversubscribe "$t"
+      done ;;
+    *) run_one "$name" "$t" ;;
+  esac
+done
+for t in tests/t_*.sh; do
+  [ -f "$t" ] || continue
+  name=$(basename "$t")
+  [ -n "$filter" ] && [[ "$name" != *"$filter"* ]] && continue
+  run_one "$name" bash "$t"
+done
+
+echo
+[ ${#failed_names[@]} -gt 0 ] && echo "failed in: ${failed_names[*]}"
+echo "$P passed, $F failed, $S skipped"
+[ "$F" -eq 0 ]
