@@ -1,0 +1,41 @@
+/*
+ * gemm_rate.c - measures this machine's fp32 GEMM rate through the same
+ * wrapper the layers use (oneDNN), at GPT-2-like shapes, so step figures can
+ * be quoted as a fraction of it. Prints "gemm_gflops <median>".
+ * Usage: build/bench/gemm_rate [threads]
+ */
+#include "core/core-impl.h"
+#include "nn/nn-impl.h"
+
+#include <omp.h>
+#include <string.h>
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    int threads = argc > 1 ? atoi(argv[1]) : 2;
+    omp_set_num_threads(threads);
+    /* (tokens 1024) x (768) @ (768 x 3072): an MLP projection of GPT-2 124M */
+    const int64_t M = 1024, K = 768, N = 3072;
+    float *A = malloc((size_t)(M * K) * sizeof(float)), *B = malloc((size_t)(K * N) * sizeof(float));
+    float *C = malloc((size_t)(M * N) * sizeof(float));
+    for (int64_t i = 0; i < M * K; i++) A[i] = (float)(i % 13) * 0.01f;
+    for (int64_t i = 0; i < K * N; i++) B[i] = (float)(i % 7) * 0.01f;
+    double rates[9];
+    for (int r = 0; r < 9; r++) {
+        double t0 = fsdp__now();
+        for (int k = 0; k < 4; k++) fsdp__sgemm(0, 0, M, N, K, 1.0f, A, K, B, N, 0.0f, C, N);
+        double dt = fsdp__now() - t0;
+        rates[r] = 4.0 * 2.0 * (double)(M * N * K) / dt / 1e9;
+    }
+    qsort(rates, 9, sizeof(double), cmp_d);
+    printf("gemm_gflops %.1f (fp32, %d threads, %lldx%lldx%lld, median of 9)\n", rates[4], threads,
+           (long long)M, (long long)K, (long long)N);
+    free(A);
+    free(B);
+    free(C);
+    return 0;
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# bench/gpt2_step.sh - GPT-2 124M, global batch 4 x 256 tokens, fp32, AdamW:
+#  1. median step time at 1 rank x 2 threads, model FLOP/s, and its ratio to
+#     the fp32 GEMM rate measured in the same run (bench/gemm_rate);
+#  2. the same at 2 ranks x 1 thread and 4 ranks x 1 thread (oversubscribed,
+#     FULL_SHARD): step time relative to 1 rank and peak RSS per rank.
+# Usage: bench/gpt2_step.sh [STEPS]   (default 6; the first step is not timed)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+STEPS=${1:-6}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+gemm=$("$BUILD/bench/gemm_rate" 2 | awk '{print $2}')
+echo "fp32 GEMM rate (2 threads): $gemm GFLOP/s"
+run() { # name nproc threads
+  "$BUILD/fsdp-train" --model gpt2 --data synthetic --batch 4 --seq 256 --steps "$STEPS" --warmup 1 \
+    --threads "$3" --nproc "$2" --sample 0 --log "$tmp/$1.jsonl" > "$tmp/$1.out" 2>&1 || { cat "$tmp/$1.out"; exit 1; }
+}
+run r1 1 2
+run r2 2 1
+run r4 4 1
+python3 - "$tmp" "$gemm" <<'PY'
+import json, statistics, sys
+d, gemm = sys.argv[1], float(sys.argv[2])
+# forward FLOPs per token of GPT-2 124M at T=256 (matmuls incl. lm_head + attention), x3 for training
+L, C, V, T = 12, 768, 50257, 256
+fwd = 2 * (L * 12 * C * C + C * V) + 2 * 2 * L * T * C
+def med(name):
+    rows = [json.loads(l) for l in open(f"{d}/{name}.jsonl")][1:]
+    return statistics.median(r["step_ms"] for r in rows) / 1e3, max(r["peak_rss_mb"] for r in rows)
+t1, m1 = med("r1"); t2, m2 = med("r2"); t4, m4 = med("r4")
+flops = 3 * fwd * 4 * 256 / t1 / 1e9
+print(f"1 rank x 2 threads: {t1:.3f} s/step median, {flops:.1f} GFLOP/s model = {flops / gemm:.2f} of GEMM rate, peak RSS {m1:.0f} MB")
+print(f"2 ranks x 1 thread: {t2:.3f} s/step = {t2 / t1:.2f}x 1 rank, peak RSS {m2:.0f} MB per rank")
+print(f"4 ranks x 1 thread (oversubscribed): {t4:.3f} s/step = {t4 / t1:.2f}x 1 rank, peak RSS {m4:.0f} MB per rank")
+PY

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# t_trainer.sh - end-to-end checks of fsdp-train: the 1-rank run is the oracle
+# for 2, 3 and 4 ranks; bad input gives a clear message and a non-zero exit on
+# every rank without hanging; a rank killed mid-step ends the whole job.
+# Prints "N passed, N failed" at the end.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+TRAIN="$BUILD/fsdp-train"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+pass=0 fail=0
+ok() { echo "ok $1"; pass=$((pass + 1)); }
+bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "  $l"; done; fail=$((fail + 1)); }
+
+# expect_error NAME PATTERN -- ARGS...: exits non-zero within 60 s, stderr matches PATTERN
+expect_error() {
+  local name=$1 pat=$2; shift 3
+  local t0=$SECONDS
+  timeout -k 5 60 "$TRAIN" "$@" > "$tmp/out" 2> "$tmp/err"
+  local rc=$?
+  if [ $rc -eq 0 ]; then bad "$name" "exit 0, expected an error"
+  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then bad "$name" "hung (killed by timeout)"
+  elif ! grep -qE -- "$pat" "$tmp/err"; then bad "$name" "stderr lacks /$pat/:" "$(head -5 "$tmp/err")"
+  else ok "$name (exit $rc, $((SECONDS - t0)) s)"; fi
+}
+
+common=(--model tiny --data synthetic --batch 12 --seq 32 --steps 10 --lr 3e-3 --warmup 2 --threads 1 --sample 0)
+
+# ---- the 1-rank oracle ----
+"$TRAIN" "${common[@]}" --log "$tmp/r1.jsonl" > "$tmp/o1" 2>&1 || bad "1-rank run" "$(tail -5 "$tmp/o1")"
+for n in 2 3 4; do
+  if ! timeout -k 5 300 "$TRAIN" "${common[@]}" --nproc $n --log "$tmp/r$n.jsonl" > "$tmp/o$n" 2>&1; then
+    bad "$n-rank run" "$(tail -5 "$tmp/o$n")"; continue
+  fi
+  if msg=$(python3 - "$tmp/r1.jsonl" "$tmp/r$n.jsonl" <<'EOF'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b) == 10, f"step counts {len(a)} {len(b)}"
+for x, y in zip(a, b):
+    for k in ("loss", "param_norm", "grad_norm"):
+        r = abs(x[k] - y[k]) / abs(x[k])
+        assert r <= 1e-5, f"step {x['step']}: {k} {x[k]} vs {y[k]} (rel {r:.2e})"
+    for k in ("step", "lr", "step_ms", "tokens_per_s", "peak_rss_mb"):
+        assert k in y, f"log lacks {k}"
+assert a[-1]["loss"] < a[0]["loss"], "loss did not fall"
+EOF
+  2>&1); then ok "$n ranks reproduce the 1-rank run (loss, grad and param norms within 1e-5)"
+  else bad "$n ranks reproduce the 1-rank run" "$msg"; fi
+done
+
+# ---- help and flags ----
+"$TRAIN" --help > "$tmp/help" 2>&1
+if grep -q -- "--beta2 X .*default 0.95" "$tmp/help" && grep -q -- "--eps X .*default 1e-08" "$tmp/help" \
+   && grep -q -- "--nproc" "$tmp/help" && grep -q -- "--log FILE" "$tmp/help"; then ok "--help lists flags with defaults"
+else bad "--help lists flags with defaults" "$(head -3 "$tmp/help")"; fi
+
+# ---- bad input, on two ranks ----
+printf 'hello world, a small text file\n' > "$tmp/text.txt"
+python3 - "$tmp" <<'EOF'
+import struct, sys
+d = sys.argv[1]
+hdr = [0] * 256; hdr[0] = 12345; hdr[1] = 1; hdr[2] = 100
+open(f"{d}/badmagic.bin", "wb").write(struct.pack("<256i", *hdr) + struct.pack("<100H", *range(100)))
+hdr[0] = 20240520
+open(f"{d}/bigtok.bin", "wb").write(struct.pack("<256i", *hdr) + struct.pack("<100H", *([1] * 50 + [300] + [1] * 49)))
+open(f"{d}/short.bin", "wb").write(struct.pack("<256i", *hdr) + struct.pack("<10H", *range(10)))
+EOF
+expect_error "unknown flag" "unknown flag '--bogus'" -- --bogus 3
+expect_error "bad flag value" "--steps: 'ten'" -- --steps ten
+expect_error "missing data file" "no/such/file" -- --nproc 2 --model tiny --data "$tmp/no/such/file" --steps 2
+expect_error "wrong token-file header" "badmagic.bin" -- --nproc 2 --model tiny --data "$tmp/badmagic.bin" --steps 2
+expect_error "truncated token file" "short.bin" -- --nproc 2 --model tiny --data "$tmp/short.bin" --steps 2
+expect_error "token >= vocab" "300" -- --nproc 2 --model tiny --data "$tmp/bigtok.bin" --steps 2
+expect_error "batch not divisible by world" "not divisible by the world size 2" -- --nproc 2 --model tiny --batch 3 --steps 2
+expect_error "sequence longer than block_size" "block_size 64" -- --nproc 2 --model tiny --seq 65 --steps 2
+expect_error "unknown model preset" "gpt5" -- --model gpt5 --steps 1
+echo '{"n_layer": 2, "n_head": 3, "n_embd": 32, "vocab_size": 256, "block_size": 64}' > "$tmp/cfg.json"
+expect_error "bad model config" "n_head" -- --model-config "$tmp/cfg.json" --steps 1
+
+# ---- a rank killed mid-step ends the job ----
+"$TRAIN" --nproc 2 --model small --steps 100000 --threads 1 --sample 0 > "$tmp/kill.out" 2>&1 &
+job=$!
+for _ in $(seq 1 100); do grep -q "^step" "$tmp/kill.out" && break; sleep 0.2; done
+victim=$(pgrep -f "$BUILD/fsdp-train --model small" | tail -n 1)
+[ -z "$victim" ] && victim=$(pgrep -P "$(pgrep -n mpirun)" | tail -n 1)
+if [ -z "$victim" ]; then bad "killed rank ends the job" "no rank process found"; kill -9 $job 2>/dev/null
+else
+  kill -9 "$victim"
+  t0=$SECONDS
+  while kill -0 $job 2>/dev/null && [ $((SECONDS - t0)) -lt 30 ]; do sleep 0.5; done
+  if kill -0 $job 2>/dev/null; then bad "killed rank ends the job" "still running after 30 s"; pkill -9 -f "fsdp-train --model small"; kill -9 $job
+  else wait $job; rc=$?
+    if [ $rc -ne 0 ]; then ok "killed rank ends the job within $((SECONDS - t0)) s (exit $rc)"
+    else bad "killed rank ends the job" "exit 0"; fi
+  fi
+fi
+sleep 0.5
+if pgrep -f "fsdp-train --model small" >/dev/null; then bad "no process left behind"; pkill -9 -f "fsdp-train --model small"
+else ok "no process left behind"; fi
+
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ]
