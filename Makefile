@@ -65,16 +65,12 @@ asan:
 ubsan:
 	$(MAKE) BUILD=build-ubsan SAN="-fsanitize=undefined -fno-sanitize-recover=undefined" OPT=-O1
 
-$(BUILD)/fsdp.pc: Makefile
-	@mkdir -p $(BUILD)
-	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: fsdp\nDescription: Fully Sharded Data Parallel training in C\nVersion: 0.1.0\nRequires.private: ompi-c libcjson\nLibs: -L$${libdir} -lfsdp\nLibs.private: -ldnnl -fopenmp -lm\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
-
-install: all $(BUILD)/fsdp.pc
+install: all
 	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
 	install -m 644 include/fsdp.h $(DESTDIR)$(PREFIX)/include/
 	install -m 644 $(BUILD)/libfsdp.a $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(BUILD)/libfsdp.so $(DESTDIR)$(PREFIX)/lib/
-	install -m 644 $(BUILD)/fsdp.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: fsdp\nDescription: Fully Sharded Data Parallel training in C\nVersion: 0.1.0\nRequires.private: ompi-c libcjson\nLibs: -L$${libdir} -lfsdp\nLibs.private: -ldnnl -fopenmp -lm\nCflags: -I$${includedir}\n' '$(PREFIX)' > $(DESTDIR)$(PREFIX)/lib/pkgconfig/fsdp.pc
 	install -m 755 $(TOOLS) $(DESTDIR)$(PREFIX)/bin/
 
 clean:

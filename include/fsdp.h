@@ -447,6 +447,9 @@ struct fsdp_step_result {
     double loss;       /* mean over the global batch */
     double grad_norm;  /* global, before clipping */
     double param_norm; /* global, after the update */
+    double forward_s, backward_s, update_s; /* this rank's time in each phase
+                                               (forward includes the loss; update
+                                               includes the norms) */
 };
 
 /* One training step on this rank's share of the global batch: inputs and

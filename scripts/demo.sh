@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 make -j"$(nproc)" >/dev/null
-exec build/fsdp-train --nproc 2 --model small --data synthetic --batch 8 --seq 128 \
-  --steps 300 --lr 3e-3 --warmup 20 "$@"
+exec build/fsdp-train --nproc 2 --model small --data synthetic --batch 16 --seq 128 \
+  --steps 600 --lr 3e-3 --warmup 20 "$@"

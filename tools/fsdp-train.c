@@ -199,6 +199,8 @@ static void relaunch(int argc, char **argv, int nproc) {
     setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 0);
     /* single-copy via ptrace is often denied in containers */
     setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 0);
+    /* mpirun gives ranks a pty: pass on whether our stdout is a terminal */
+    setenv("FSDP_TRAIN_TTY", isatty(STDOUT_FILENO) ? "1" : "0", 1);
     fflush(NULL);
     execvp("mpirun", args);
     fprintf(stderr, "fsdp-train: --nproc %d: cannot run mpirun: %s (install openmpi-bin)\n", nproc,
@@ -394,7 +396,8 @@ int main(int argc, char **argv) {
     int32_t *inputs = malloc((size_t)Bl * (size_t)T * sizeof(int32_t));
     int32_t *targets = malloc((size_t)Bl * (size_t)T * sizeof(int32_t));
     if (!inputs || !targets) fail_rank("out of memory for the batch");
-    int tty = isatty(STDOUT_FILENO);
+    const char *tty_env = getenv("FSDP_TRAIN_TTY");
+    int tty = tty_env ? atoi(tty_env) : isatty(STDOUT_FILENO);
     double flops_tok = 3.0 * fsdp_gpt_flops_per_token(&cfg, T);
     double total_s = 0, first_loss = 0, last_loss = 0;
     int timed = 0;
@@ -421,8 +424,10 @@ int main(int argc, char **argv) {
             if (logf)
                 fprintf(logf,
                         "{\"step\": %d, \"loss\": %.9g, \"lr\": %.9g, \"grad_norm\": %.9g, \"param_norm\": %.9g, "
-                        "\"step_ms\": %.3f, \"tokens_per_s\": %.1f, \"peak_rss_mb\": %.1f}\n",
-                        step + 1, r.loss, (double)lr, r.grad_norm, r.param_norm, dt * 1e3, tps, (double)rss_max);
+                        "\"step_ms\": %.3f, \"forward_ms\": %.3f, \"backward_ms\": %.3f, \"update_ms\": %.3f, "
+                        "\"tokens_per_s\": %.1f, \"peak_rss_mb\": %.1f}\n",
+                        step + 1, r.loss, (double)lr, r.grad_norm, r.param_norm, dt * 1e3, r.forward_s * 1e3,
+                        r.backward_s * 1e3, r.update_s * 1e3, tps, (double)rss_max);
         }
     }
     if (tty && rank == 0) printf("\n");
@@ -437,9 +442,12 @@ int main(int argc, char **argv) {
         /* ZeRO-3: 16 bytes per parameter (param, grad, m, v) over the world,
          * plus a gathered unit's full parameters and gradients */
         double zero3 = (16.0 * (double)n_params / world + 8.0 * (double)largest_unit) / 1048576.0;
-        printf("summary: loss %.4f -> %.4f | %.0f tokens/s | %.2f GFLOP/s model | peak RSS %.0f MB per rank "
+        double fl = fsdp_data_loss_floor(data);
+        char floor_txt[48] = "";
+        if (fl >= 0) snprintf(floor_txt, sizeof floor_txt, " (floor %.3f)", fl);
+        printf("summary: loss %.4f -> %.4f%s | %.0f tokens/s | %.2f GFLOP/s model | peak RSS %.0f MB per rank "
                "(ZeRO-3 estimate for params+grads+AdamW: %.0f MB)\n",
-               first_loss, last_loss, tps, tps * flops_tok / 1e9, (double)rss_max, zero3);
+               first_loss, last_loss, floor_txt, tps, tps * flops_tok / 1e9, (double)rss_max, zero3);
     }
     free(inputs);
     free(targets);

@@ -151,6 +151,7 @@ enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *
     if (!fm->optim)
         return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: no optimizer attached (fsdp_model_attach_optim)");
     struct fsdp_tensor logits;
+    double t0 = fsdp__now();
     FSDP_TRY(run_forward(ctx, fm, inputs, B, T, &logits));
     int64_t N = (int64_t)B * T, V = logits.shape[logits.ndim - 1];
     float local_loss = 0.0f;
@@ -162,7 +163,9 @@ enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *
     }
     for (int i = 0; i < fm->n_units; i++)
         memset(fm->units[i].grad_shard, 0, (size_t)fm->units[i].numel_shard * sizeof(float));
+    double t1 = fsdp__now();
     st = fsdp_module_backward(fm->root, ctx, &logits, NULL);
+    double t2 = fsdp__now();
     if (st != FSDP_OK) {
         fsdp__model_reshard_all(ctx, fm);
         return st;
@@ -186,7 +189,11 @@ enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *
     if (st != FSDP_OK) return st;
     res->loss = loss;
     res->grad_norm = gnorm;
-    return fsdp_model_param_norm(ctx, fm, &res->param_norm);
+    st = fsdp_model_param_norm(ctx, fm, &res->param_norm);
+    res->forward_s = t1 - t0;
+    res->backward_s = t2 - t1;
+    res->update_s = fsdp__now() - t2;
+    return st;
 }
 
 /* ---- Reading full values ---- */

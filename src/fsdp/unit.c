@@ -72,6 +72,12 @@ static enum fsdp_status unit_fail(struct fsdp_ctx *ctx, struct fsdp__unit *u, co
 /* Starts the all-gather of u's parameters (SHARDED -> GATHERING). */
 static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
     FSDP_ASSERT(u->state_ == UNIT_SHARDED, "unit %s: gather in state %d", unit_name(u), u->state_);
+    if (ctx->world == 1) { /* the shard is the full buffer: nothing to move */
+        u->full = u->shard;
+        u->state_ = UNIT_UNSHARDED;
+        point_params(u);
+        return FSDP_OK;
+    }
     u->full = fsdp__pool_get(u->model, u->numel_padded, "full parameters");
     if (!u->full) return FSDP_ERR_NOMEM;
     /* in place: this rank's block of the full buffer is its shard */
@@ -106,7 +112,7 @@ enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
     if (u->state_ == UNIT_GATHERING) FSDP_TRY(unit_gather_wait(ctx, u));
     if (u->state_ != UNIT_UNSHARDED) return FSDP_OK;
     for (int j = 0; j < u->n_params; j++) u->params[j]->data = NULL;
-    fsdp__pool_put(u->model, u->full);
+    if (u->full != u->shard) fsdp__pool_put(u->model, u->full);
     u->full = NULL;
     u->state_ = UNIT_SHARDED;
     return FSDP_OK;
@@ -114,7 +120,7 @@ enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
 
 static void release_grad(struct fsdp__unit *u) {
     for (int j = 0; j < u->n_params; j++) u->params[j]->grad = NULL;
-    fsdp__pool_put(u->model, u->full_grad);
+    if (u->full_grad != u->grad_shard) fsdp__pool_put(u->model, u->full_grad);
     u->full_grad = NULL;
 }
 
@@ -149,7 +155,9 @@ static enum fsdp_status pre_backward(void *data, struct fsdp_ctx *ctx) {
                          unit_name(u));
     u->phase = PHASE_PRE_BACKWARD;
     FSDP_TRY(fsdp__unit_unshard(ctx, u));
-    u->full_grad = fsdp__pool_get(u->model, u->numel_padded, "full gradients");
+    /* a world of one accumulates straight into the gradient shard */
+    u->full_grad = ctx->world == 1 ? u->grad_shard
+                                   : fsdp__pool_get(u->model, u->numel_padded, "full gradients");
     if (!u->full_grad) return FSDP_ERR_NOMEM;
     memset(u->full_grad, 0, (size_t)u->numel_padded * sizeof(float));
     for (int j = 0; j < u->n_params; j++) u->params[j]->grad = u->full_grad + u->offsets[j];
@@ -162,9 +170,10 @@ static enum fsdp_status post_backward(void *data, struct fsdp_ctx *ctx) {
     struct fsdp__unit *u = data;
     u->phase = PHASE_POST_BACKWARD;
     struct fsdp_comm_req *req = NULL;
-    if (fsdp_comm_reduce_scatter_start(ctx->comm, u->full_grad, u->grad_shard, (size_t)u->numel_shard,
-                                       FSDP_F32, FSDP_SUM, &req) != FSDP_OK ||
-        fsdp_comm_wait(ctx->comm, req) != FSDP_OK)
+    if (ctx->world > 1 && fsdp_comm_reduce_scatter_start(ctx->comm, u->full_grad, u->grad_shard, (size_t)u->numel_shard,
+                                       FSDP_F32, FSDP_SUM, &req) != FSDP_OK)
+        return unit_fail(ctx, u, "reduce-scatter");
+    if (req && fsdp_comm_wait(ctx->comm, req) != FSDP_OK)
         return unit_fail(ctx, u, "reduce-scatter");
     if (ctx->world > 1) {
         float inv = 1.0f / (float)ctx->world;
