@@ -1,40 +1,73 @@
 /*
  * test_mpi_comm.c - conformance of the collectives (src/comm) at any world
- * size: tests/run.sh runs it under mpirun at 1..4 ranks; run alone it tests a
- * world of one (the "self" backend). Every collective at sizes 0, 1, 7, 1000
- * and 2^20+3 elements, dtypes F32/I32 (and U16 for gather/broadcast), the
- * in-place forms, several requests outstanding at once, argument validation
- * and the statistics. Reductions are compared with a reference summed in rank
- * order; inputs are small integers so that fp32 (and bf16/fp16) sums are
- * exact, except in one test of non-exact floats that checks a tolerance and
- * that every rank got the same bits.
+ * size, against EVERY backend that applies: "mpi" and "shm" always (run
+ * alone, they start a singleton MPI world of one), "self" in a world of one.
+ * tests/run.sh runs it under mpirun at 1..5 ranks. Every collective at sizes
+ * 0, 1, 7, 1000 and 2^20+3 elements, every dtype, the in-place forms, several
+ * requests outstanding at once, argument validation and the statistics.
+ * Reductions are compared with a reference summed in rank order; inputs are
+ * small integers so that every dtype's sums are exact, except in
+ * comm_reduce_rank_order, where non-exact floats must match the rank-order
+ * sum bit for bit on shm and self (the shm backend sums in rank order) and
+ * within a tolerance on MPI (Open MPI's reduction order depends on its
+ * algorithm; the test prints whether it happened to match).
  */
 #include "fsdp.h"
 #include "harness.h"
 
 #include <mpi.h>
+#include <time.h>
 
-static struct fsdp_ctx *ctx;
+static struct fsdp_ctx *ctx; /* FSDP_COMM_AUTO: what programs get by default */
+
+static struct fsdp_ctx *make_ctx(enum fsdp_comm_kind kind) {
+    struct fsdp_ctx *c;
+    struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+    co.threads = 1;
+    co.comm = kind;
+    if (fsdp_ctx_create(&co, &c) != FSDP_OK) abort();
+    return c;
+}
 
 static struct fsdp_ctx *get_ctx(void) {
-    if (!ctx) {
-        struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
-        co.threads = 1;
-        co.comm = FSDP_COMM_AUTO; /* MPI under mpirun, else a world of one */
-        if (fsdp_ctx_create(&co, &ctx) != FSDP_OK) abort();
-    }
+    if (!ctx) ctx = make_ctx(FSDP_COMM_AUTO); /* shm or MPI under mpirun, else a world of one */
     return ctx;
 }
 
+/* The backends under test, each context created once. */
+static const enum fsdp_comm_kind backends[] = {FSDP_COMM_MPI, FSDP_COMM_SHM, FSDP_COMM_SELF};
+#define N_BACKENDS 3
+static struct fsdp_ctx *backend_ctxs[N_BACKENDS];
+static const char *cur_backend = "?";
+
+/* The context of backend b, or NULL where it does not apply (self in a
+ * world of more than one). */
+static struct fsdp_ctx *backend_ctx(int b) {
+    const char *ws = getenv("OMPI_COMM_WORLD_SIZE");
+    if (backends[b] == FSDP_COMM_SELF && ws && atoi(ws) > 1) return NULL;
+    if (!backend_ctxs[b]) backend_ctxs[b] = make_ctx(backends[b]);
+    cur_backend = fsdp_comm_backend(fsdp_ctx_comm(backend_ctxs[b]));
+    return backend_ctxs[b];
+}
+
+/* Runs the block once per applicable backend with `c` its context. */
+#define FOR_EACH_BACKEND(c)                                                   \
+    for (int b_ = 0; b_ < N_BACKENDS; b_++)                                   \
+        for (struct fsdp_ctx *c = backend_ctx(b_); c; c = NULL)
+
 static int combine_max(int flag) {
     int out = flag;
-    get_ctx(); /* MPI is initialised by the context */
+    get_ctx();
+    backend_ctx(0); /* MPI is initialised by the MPI context */
     MPI_Allreduce(&flag, &out, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     return out;
 }
 
 __attribute__((constructor(200))) static void setup_combine(void) { test_combine = combine_max; }
-__attribute__((destructor)) static void teardown(void) { fsdp_ctx_free(ctx); }
+__attribute__((destructor)) static void teardown(void) {
+    for (int b = N_BACKENDS - 1; b >= 0; b--) fsdp_ctx_free(backend_ctxs[b]);
+    fsdp_ctx_free(ctx);
+}
 
 static const size_t sizes[] = {0, 1, 7, 1000, (1u << 20) + 3};
 #define N_SIZES (sizeof sizes / sizeof sizes[0])
@@ -88,20 +121,34 @@ static double gval(enum fsdp_dtype dt, int r, size_t i) {
     switch (dt) {
     case FSDP_F32: return (double)(r * 4096 + (int)(i % 4096));
     case FSDP_I32: return (double)((size_t)r * 100003u + i);
+    case FSDP_U8: return (double)(((size_t)r * 37u + i * 7u) & 0xffu);
     default: return (double)(((size_t)r * 911u + i * 7u) & 0xffffu);
     }
 }
 
-/* A small signed integer for reductions: sums over 4 ranks stay in [-44, 44]. */
-static double rval(int r, size_t i) { return (double)(((size_t)r * 7u + i * 13u) % 23u) - 11.0; }
+/* Gathers and broadcasts move raw words: check BF16/F16 as U16 patterns. */
+static enum fsdp_dtype raw_of(enum fsdp_dtype dt) {
+    return dt == FSDP_BF16 || dt == FSDP_F16 ? FSDP_U16 : dt;
+}
 
-static double reduce_ref(enum fsdp_red_op op, int world, size_t j) {
-    double acc = rval(0, j);
+/* A small signed integer for reductions: sums over 5 ranks stay in [-55, 55]. */
+static double rval(int r, size_t i) { return (double)(((size_t)r * 7u + i * 13u) % 23u) - 11.0; }
+/* ... made non-negative for the unsigned dtypes (sums in [0, 110]). */
+static double rvalt(enum fsdp_dtype dt, int r, size_t i) {
+    return rval(r, i) + (dt == FSDP_U16 || dt == FSDP_U8 ? 11.0 : 0.0);
+}
+
+static double reduce_ref_t(enum fsdp_dtype dt, enum fsdp_red_op op, int world, size_t j) {
+    double acc = rvalt(dt, 0, j);
     for (int r = 1; r < world; r++) {
-        double v = rval(r, j);
+        double v = rvalt(dt, r, j);
         acc = op == FSDP_SUM ? acc + v : op == FSDP_MAX ? (v > acc ? v : acc) : (v < acc ? v : acc);
     }
     return acc;
+}
+
+static double reduce_ref(enum fsdp_red_op op, int world, size_t j) {
+    return reduce_ref_t(FSDP_F32, op, world, j);
 }
 
 static void *xmalloc(size_t n) {
@@ -119,8 +166,8 @@ static void *xmalloc(size_t n) {
             double got_ = get((buf), (dt), k_), want_ = (want_expr);                      \
             if (got_ != want_) {                                                          \
                 if (bad_ == 0)                                                            \
-                    TEST_FAILF("%s %s n=%zu: element %zu is %g, want %g", what,           \
-                               fsdp_dtype_name(dt), (size_t)(n), k_, got_, want_);        \
+                    TEST_FAILF("[%s] %s %s n=%zu: element %zu is %g, want %g", cur_backend, \
+                               what, fsdp_dtype_name(dt), (size_t)(n), k_, got_, want_);  \
                 bad_++;                                                                   \
             }                                                                             \
         }                                                                                 \
@@ -139,120 +186,134 @@ TEST(comm_basics) {
     CHECK_INT_EQ(fsdp_ctx_world(c), want_world);
     CHECK_INT_EQ(fsdp_comm_rank(comm), test_rank);
     CHECK_INT_EQ(fsdp_ctx_rank(c), test_rank);
-    CHECK_STR_EQ(fsdp_comm_backend(comm), ws ? "mpi" : "self");
+    /* auto: shm for 2+ ranks on this one host, MPI for a world of one under mpirun */
+    CHECK_STR_EQ(fsdp_comm_backend(comm), !ws ? "self" : want_world > 1 ? "shm" : "mpi");
     CHECK_OK(fsdp_comm_barrier(comm), c);
     CHECK_OK(fsdp_comm_wait(comm, NULL), c);
+    const char *names[] = {"mpi", "shm", "self"};
+    for (int b = 0; b < N_BACKENDS; b++) {
+        struct fsdp_ctx *bc = backend_ctx(b);
+        if (!bc) continue;
+        CHECK_STR_EQ(fsdp_comm_backend(fsdp_ctx_comm(bc)), names[b]);
+        CHECK_INT_EQ(fsdp_ctx_world(bc), backends[b] == FSDP_COMM_SELF ? 1 : want_world);
+        CHECK_INT_EQ(fsdp_ctx_rank(bc), backends[b] == FSDP_COMM_SELF ? 0 : test_rank);
+        CHECK_OK(fsdp_comm_barrier(fsdp_ctx_comm(bc)), bc);
+    }
 }
 
+static const enum fsdp_dtype all_dts[] = {FSDP_F32, FSDP_BF16, FSDP_F16, FSDP_I32, FSDP_U16, FSDP_U8};
+#define N_DTS 6
+
 TEST(comm_allgather) {
-    struct fsdp_ctx *c = get_ctx();
-    struct fsdp_comm *comm = fsdp_ctx_comm(c);
-    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
-    const enum fsdp_dtype dts[] = {FSDP_F32, FSDP_I32, FSDP_U16};
-    for (size_t d = 0; d < 3; d++) {
-        enum fsdp_dtype dt = dts[d];
-        size_t esz = fsdp_dtype_size(dt);
-        for (size_t s = 0; s < N_SIZES; s++) {
-            size_t n = sizes[s];
-            void *send = xmalloc(n * esz), *recv = xmalloc(n * esz * (size_t)world);
-            for (size_t i = 0; i < n; i++) put(send, dt, i, gval(dt, rank, i));
-            memset(recv, 0xAB, n * esz * (size_t)world);
-            CHECK_OK(fsdp_comm_allgather(comm, send, recv, n, dt), c);
-            EXPECT_ALL(recv, dt, n * (size_t)world, gval(dt, (int)(k_ / n), k_ % n), "allgather");
-            /* in place: this rank's block already sits in recv */
-            memset(recv, 0xCD, n * esz * (size_t)world);
-            char *mine = (char *)recv + (size_t)rank * n * esz;
-            for (size_t i = 0; i < n; i++) put(mine, dt, i, gval(dt, rank, i));
-            CHECK_OK(fsdp_comm_allgather(comm, mine, recv, n, dt), c);
-            EXPECT_ALL(recv, dt, n * (size_t)world, gval(dt, (int)(k_ / n), k_ % n),
-                       "allgather in place");
-            free(send);
-            free(recv);
+    FOR_EACH_BACKEND(c) {
+        struct fsdp_comm *comm = fsdp_ctx_comm(c);
+        int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+        for (size_t d = 0; d < N_DTS; d++) {
+            enum fsdp_dtype dt = all_dts[d], rt = raw_of(dt);
+            size_t esz = fsdp_dtype_size(dt);
+            for (size_t s = 0; s < N_SIZES; s++) {
+                size_t n = sizes[s];
+                void *send = xmalloc(n * esz), *recv = xmalloc(n * esz * (size_t)world);
+                for (size_t i = 0; i < n; i++) put(send, rt, i, gval(rt, rank, i));
+                memset(recv, 0xAB, n * esz * (size_t)world);
+                CHECK_OK(fsdp_comm_allgather(comm, send, recv, n, dt), c);
+                EXPECT_ALL(recv, rt, n * (size_t)world, gval(rt, (int)(k_ / n), k_ % n), "allgather");
+                /* in place: this rank's block already sits in recv */
+                memset(recv, 0xCD, n * esz * (size_t)world);
+                char *mine = (char *)recv + (size_t)rank * n * esz;
+                for (size_t i = 0; i < n; i++) put(mine, rt, i, gval(rt, rank, i));
+                CHECK_OK(fsdp_comm_allgather(comm, mine, recv, n, dt), c);
+                EXPECT_ALL(recv, rt, n * (size_t)world, gval(rt, (int)(k_ / n), k_ % n),
+                           "allgather in place");
+                free(send);
+                free(recv);
+            }
         }
     }
 }
 
 TEST(comm_reduce_scatter) {
-    struct fsdp_ctx *c = get_ctx();
-    struct fsdp_comm *comm = fsdp_ctx_comm(c);
-    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
-    const enum fsdp_dtype dts[] = {FSDP_F32, FSDP_I32};
     const enum fsdp_red_op ops[] = {FSDP_SUM, FSDP_MAX, FSDP_MIN};
-    for (size_t d = 0; d < 2; d++) {
-        enum fsdp_dtype dt = dts[d];
-        size_t esz = fsdp_dtype_size(dt);
-        for (size_t s = 0; s < N_SIZES; s++) {
-            size_t n = sizes[s], total = n * (size_t)world;
-            void *send = xmalloc(total * esz), *recv = xmalloc(n * esz);
-            for (size_t j = 0; j < total; j++) put(send, dt, j, rval(rank, j));
-            for (size_t o = 0; o < 3; o++) {
-                if (ops[o] != FSDP_SUM && n > 1000) continue; /* keep the big size to SUM */
-                memset(recv, 0xAB, n * esz);
-                CHECK_OK(fsdp_comm_reduce_scatter(comm, send, recv, n, dt, ops[o]), c);
-                EXPECT_ALL(recv, dt, n, reduce_ref(ops[o], world, (size_t)rank * n + k_),
-                           ops[o] == FSDP_SUM ? "reduce-scatter sum" : "reduce-scatter max/min");
+    FOR_EACH_BACKEND(c) {
+        struct fsdp_comm *comm = fsdp_ctx_comm(c);
+        int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+        for (size_t d = 0; d < N_DTS; d++) {
+            enum fsdp_dtype dt = all_dts[d];
+            size_t esz = fsdp_dtype_size(dt);
+            for (size_t s = 0; s < N_SIZES; s++) {
+                size_t n = sizes[s], total = n * (size_t)world;
+                if (n > 1000 && dt != FSDP_F32 && dt != FSDP_BF16) continue; /* keep it quick */
+                void *send = xmalloc(total * esz), *recv = xmalloc(n * esz);
+                for (size_t j = 0; j < total; j++) put(send, dt, j, rvalt(dt, rank, j));
+                for (size_t o = 0; o < 3; o++) {
+                    if (ops[o] != FSDP_SUM && n > 1000) continue; /* keep the big size to SUM */
+                    memset(recv, 0xAB, n * esz);
+                    CHECK_OK(fsdp_comm_reduce_scatter(comm, send, recv, n, dt, ops[o]), c);
+                    EXPECT_ALL(recv, dt, n, reduce_ref_t(dt, ops[o], world, (size_t)rank * n + k_),
+                               ops[o] == FSDP_SUM ? "reduce-scatter sum" : "reduce-scatter max/min");
+                }
+                free(send);
+                free(recv);
             }
-            free(send);
-            free(recv);
         }
     }
 }
 
 TEST(comm_allreduce) {
-    struct fsdp_ctx *c = get_ctx();
-    struct fsdp_comm *comm = fsdp_ctx_comm(c);
-    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
-    const enum fsdp_dtype dts[] = {FSDP_F32, FSDP_I32};
     const enum fsdp_red_op ops[] = {FSDP_SUM, FSDP_MAX, FSDP_MIN};
-    for (size_t d = 0; d < 2; d++) {
-        enum fsdp_dtype dt = dts[d];
-        size_t esz = fsdp_dtype_size(dt);
-        for (size_t s = 0; s < N_SIZES; s++) {
-            size_t n = sizes[s];
-            void *send = xmalloc(n * esz), *recv = xmalloc(n * esz);
-            for (size_t o = 0; o < 3; o++) {
-                if (ops[o] != FSDP_SUM && n > 1000) continue;
-                for (size_t i = 0; i < n; i++) put(send, dt, i, rval(rank, i));
-                memset(recv, 0xAB, n * esz);
-                CHECK_OK(fsdp_comm_allreduce(comm, send, recv, n, dt, ops[o]), c);
-                EXPECT_ALL(recv, dt, n, reduce_ref(ops[o], world, k_), "allreduce");
-                /* in place */
-                for (size_t i = 0; i < n; i++) put(recv, dt, i, rval(rank, i));
-                CHECK_OK(fsdp_comm_allreduce(comm, recv, recv, n, dt, ops[o]), c);
-                EXPECT_ALL(recv, dt, n, reduce_ref(ops[o], world, k_), "allreduce in place");
+    FOR_EACH_BACKEND(c) {
+        struct fsdp_comm *comm = fsdp_ctx_comm(c);
+        int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+        for (size_t d = 0; d < N_DTS; d++) {
+            enum fsdp_dtype dt = all_dts[d];
+            size_t esz = fsdp_dtype_size(dt);
+            for (size_t s = 0; s < N_SIZES; s++) {
+                size_t n = sizes[s];
+                if (n > 1000 && dt != FSDP_F32 && dt != FSDP_I32) continue;
+                void *send = xmalloc(n * esz), *recv = xmalloc(n * esz);
+                for (size_t o = 0; o < 3; o++) {
+                    if (ops[o] != FSDP_SUM && n > 1000) continue;
+                    for (size_t i = 0; i < n; i++) put(send, dt, i, rvalt(dt, rank, i));
+                    memset(recv, 0xAB, n * esz);
+                    CHECK_OK(fsdp_comm_allreduce(comm, send, recv, n, dt, ops[o]), c);
+                    EXPECT_ALL(recv, dt, n, reduce_ref_t(dt, ops[o], world, k_), "allreduce");
+                    /* in place */
+                    for (size_t i = 0; i < n; i++) put(recv, dt, i, rvalt(dt, rank, i));
+                    CHECK_OK(fsdp_comm_allreduce(comm, recv, recv, n, dt, ops[o]), c);
+                    EXPECT_ALL(recv, dt, n, reduce_ref_t(dt, ops[o], world, k_), "allreduce in place");
+                }
+                free(send);
+                free(recv);
             }
-            free(send);
-            free(recv);
         }
     }
 }
 
 TEST(comm_broadcast) {
-    struct fsdp_ctx *c = get_ctx();
-    struct fsdp_comm *comm = fsdp_ctx_comm(c);
-    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
-    const enum fsdp_dtype dts[] = {FSDP_F32, FSDP_I32, FSDP_U16};
-    for (size_t d = 0; d < 3; d++) {
-        enum fsdp_dtype dt = dts[d];
-        size_t esz = fsdp_dtype_size(dt);
-        for (size_t s = 0; s < N_SIZES; s++) {
-            size_t n = sizes[s];
-            void *buf = xmalloc(n * esz);
-            for (int root = 0; root < world; root++) {
-                if (n > 1000 && root != world - 1) continue;
-                if (rank == root) for (size_t i = 0; i < n; i++) put(buf, dt, i, gval(dt, root, i));
-                else memset(buf, 0xAB, n * esz);
-                CHECK_OK(fsdp_comm_broadcast(comm, buf, n, dt, root), c);
-                EXPECT_ALL(buf, dt, n, gval(dt, root, k_), "broadcast");
+    FOR_EACH_BACKEND(c) {
+        struct fsdp_comm *comm = fsdp_ctx_comm(c);
+        int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+        for (size_t d = 0; d < N_DTS; d++) {
+            enum fsdp_dtype dt = all_dts[d], rt = raw_of(dt);
+            size_t esz = fsdp_dtype_size(dt);
+            for (size_t s = 0; s < N_SIZES; s++) {
+                size_t n = sizes[s];
+                void *buf = xmalloc(n * esz);
+                for (int root = 0; root < world; root++) {
+                    if (n > 1000 && root != world - 1) continue;
+                    if (rank == root) for (size_t i = 0; i < n; i++) put(buf, rt, i, gval(rt, root, i));
+                    else memset(buf, 0xAB, n * esz);
+                    CHECK_OK(fsdp_comm_broadcast(comm, buf, n, dt, root), c);
+                    EXPECT_ALL(buf, rt, n, gval(rt, root, k_), "broadcast");
+                }
+                free(buf);
             }
-            free(buf);
         }
     }
 }
 
 /* Several requests in flight at once, waited for in an order unlike the starts. */
-TEST(comm_async_outstanding) {
-    struct fsdp_ctx *c = get_ctx();
+static void body_async_outstanding(struct fsdp_ctx *c) {
     struct fsdp_comm *comm = fsdp_ctx_comm(c);
     int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
     const size_t n = 1000;
@@ -301,9 +362,12 @@ TEST(comm_async_outstanding) {
     free(bc);
 }
 
+TEST(comm_async_outstanding) {
+    FOR_EACH_BACKEND(c) body_async_outstanding(c);
+}
+
 /* Non-exact floats: close to the rank-order sum, and the same bits on every rank. */
-TEST(comm_allreduce_inexact) {
-    struct fsdp_ctx *c = get_ctx();
+static void body_allreduce_inexact(struct fsdp_ctx *c) {
     struct fsdp_comm *comm = fsdp_ctx_comm(c);
     int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
     const size_t n = 100003;
@@ -344,10 +408,120 @@ TEST(comm_allreduce_inexact) {
     free(ref);
 }
 
+TEST(comm_allreduce_inexact) {
+    FOR_EACH_BACKEND(c) body_allreduce_inexact(c);
+}
+
+/* [Note: rank order] shm and self must return exactly the rank-order sum
+ * acc = x0; acc += x1; ... (fp32, and for BF16/F16 in fp32 rounded once at
+ * the end), bit for bit, on every rank and every run; MPI within a
+ * tolerance (Open MPI's order depends on its algorithm and world size). */
+static float hval(int r, size_t i) {
+    uint64_t h = (uint64_t)(r + 1) * 0x9E3779B97F4A7C15ull ^ (uint64_t)i * 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 31;
+    h *= 0x94D049BB133111EBull;
+    h ^= h >> 29;
+    return (float)((double)(h >> 11) / 9007199254740992.0 - 0.5) * (float)(1 + (i % 7) * 100);
+}
+
+/* Rounds v to dt (F32, BF16 or F16, nearest even) and stores it. */
+static void put_round(void *b, enum fsdp_dtype dt, size_t k, float v) {
+    if (dt == FSDP_F32) { ((float *)b)[k] = v; return; }
+    if (dt == FSDP_F16) { _Float16 h = (_Float16)v; memcpy((uint16_t *)b + k, &h, 2); return; }
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    ((uint16_t *)b)[k] = (uint16_t)(u >> 16);
+}
+
+static size_t count_bit_mismatches(const void *a, const void *b, size_t n, enum fsdp_dtype dt,
+                                   const char *what) {
+    size_t esz = fsdp_dtype_size(dt), bad = 0;
+    for (size_t k = 0; k < n; k++)
+        if (memcmp((const char *)a + k * esz, (const char *)b + k * esz, esz) && bad++ == 0)
+            TEST_FAILF("[%s] %s %s: element %zu is %.9g, the rank-order sum is %.9g", cur_backend, what,
+                       fsdp_dtype_name(dt), k, get(a, dt, k), get(b, dt, k));
+    return bad;
+}
+
+static void body_reduce_rank_order(struct fsdp_ctx *c) {
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    int exact = strcmp(cur_backend, "mpi") != 0;
+    const enum fsdp_dtype dts[] = {FSDP_F32, FSDP_BF16, FSDP_F16};
+    const size_t n = 300007; /* odd; several rounds of a 1 MiB shm slot */
+    size_t total = n * (size_t)world;
+    float *acc = xmalloc(total * sizeof(float)), *tmp = xmalloc(sizeof(float));
+    for (size_t d = 0; d < 3; d++) {
+        enum fsdp_dtype dt = dts[d];
+        size_t esz = fsdp_dtype_size(dt);
+        void *send = xmalloc(total * esz), *ref = xmalloc(total * esz), *y = xmalloc(2 * n * esz);
+        void *y2 = xmalloc(total * esz);
+        /* reference: every rank's (rounded) input summed in rank order in fp32 */
+        for (int r = 0; r < world; r++) {
+            for (size_t j = 0; j < total; j++) {
+                put_round(tmp, dt, 0, hval(r, j));
+                float v = (float)get(tmp, dt, 0);
+                acc[j] = r == 0 ? v : acc[j] + v;
+                if (r == rank) put_round(send, dt, j, hval(r, j));
+            }
+        }
+        for (size_t j = 0; j < total; j++) put_round(ref, dt, j, acc[j]);
+        /* all-reduce of the first n, out of place, in place, and again */
+        CHECK_OK(fsdp_comm_allreduce(comm, send, y, n, dt, FSDP_SUM), c);
+        memcpy(y2, send, n * esz);
+        CHECK_OK(fsdp_comm_allreduce(comm, y2, y2, n, dt, FSDP_SUM), c);
+        if (exact) CHECK_INT_EQ(count_bit_mismatches(y2, ref, n, dt, "allreduce in place"), 0);
+        /* reduce-scatter of all world blocks: this rank's block of the sum */
+        void *rs = (char *)y + n * esz;
+        CHECK_OK(fsdp_comm_reduce_scatter(comm, send, rs, n, dt, FSDP_SUM), c);
+        const void *ref_rs = (const char *)ref + (size_t)rank * n * esz;
+        if (exact) {
+            CHECK_INT_EQ(count_bit_mismatches(y, ref, n, dt, "allreduce"), 0);
+            CHECK_INT_EQ(count_bit_mismatches(rs, ref_rs, n, dt, "reduce-scatter"), 0);
+            /* run to run: the same call again gives the same bits */
+            CHECK_OK(fsdp_comm_allreduce(comm, send, y2, n, dt, FSDP_SUM), c);
+            CHECK_INT_EQ(count_bit_mismatches(y2, y, n, dt, "allreduce repeated"), 0);
+        } else {
+            double ulp = dt == FSDP_F32 ? 0x1p-23 : dt == FSDP_BF16 ? 0x1p-7 : 0x1p-10;
+            size_t bad = 0, differ = 0;
+            for (size_t k = 0; k < n; k++) {
+                double scale = (double)(1 + (k % 7) * 100) * world;
+                double e1 = fabs(get(y, dt, k) - get(ref, dt, k));
+                double e3 = fabs(get(y2, dt, k) - get(ref, dt, k)); /* in place: Open MPI may differ */
+                e1 = e3 > e1 ? e3 : e1;
+                double e2 = fabs(get(rs, dt, k) - get(ref_rs, dt, (size_t)k));
+                size_t krs = (size_t)rank * n + k;
+                double e2s = (double)(1 + (krs % 7) * 100) * world;
+                if (e1 > 2 * ulp * scale || e2 > 2 * ulp * e2s) {
+                    if (bad++ == 0)
+                        TEST_FAILF("[mpi] %s element %zu: allreduce %.9g / reduce-scatter %.9g vs "
+                                   "rank-order %.9g / %.9g", fsdp_dtype_name(dt), k, get(y, dt, k),
+                                   get(rs, dt, k), get(ref, dt, k), get(ref_rs, dt, k));
+                }
+                differ += e1 != 0 || e2 != 0;
+            }
+            CHECK_INT_EQ(bad, 0);
+            if (rank == 0)
+                fprintf(stderr, "  note: mpi %s sums at world %d: %zu of %zu elements differ from the "
+                        "rank-order sum\n", fsdp_dtype_name(dt), world, differ, n);
+        }
+        free(send);
+        free(ref);
+        free(y);
+        free(y2);
+    }
+    free(acc);
+    free(tmp);
+}
+
+TEST(comm_reduce_rank_order) {
+    FOR_EACH_BACKEND(c) body_reduce_rank_order(c);
+}
+
 /* BF16/F16: gathered as raw words, reduced in fp32 (exact for small integers),
  * and every bit pattern survives the conversions (MAX of equal inputs). */
-TEST(comm_low_precision) {
-    struct fsdp_ctx *c = get_ctx();
+static void body_low_precision(struct fsdp_ctx *c) {
     struct fsdp_comm *comm = fsdp_ctx_comm(c);
     int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
     const enum fsdp_dtype dts[] = {FSDP_BF16, FSDP_F16};
@@ -384,14 +558,17 @@ TEST(comm_low_precision) {
     }
 }
 
-TEST(comm_stats) {
-    struct fsdp_ctx *c = get_ctx();
+TEST(comm_low_precision) {
+    FOR_EACH_BACKEND(c) body_low_precision(c);
+}
+
+static void body_stats(struct fsdp_ctx *c) {
     struct fsdp_comm *comm = fsdp_ctx_comm(c);
     int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
-    ASSERT(world <= 4); /* buffers below hold 4 blocks */
+    ASSERT(world <= 8); /* buffers below hold 8 blocks */
     struct fsdp_comm_stats a, b;
     fsdp_comm_stats_get(comm, &a);
-    float x[10] = {0}, all[40] = {0}, rs[40] = {0};
+    float x[10] = {0}, all[80] = {0}, rs[80] = {0};
     CHECK_OK(fsdp_comm_allgather(comm, x, all, 10, FSDP_F32), c);
     CHECK_OK(fsdp_comm_allgather(comm, x, all, 10, FSDP_F32), c);
     CHECK_OK(fsdp_comm_reduce_scatter(comm, rs, x, 10, FSDP_F32, FSDP_SUM), c);
@@ -416,9 +593,12 @@ TEST(comm_stats) {
     CHECK_INT_EQ(d.calls[FSDP_COLL_BROADCAST], b.calls[FSDP_COLL_BROADCAST]);
 }
 
+TEST(comm_stats) {
+    FOR_EACH_BACKEND(c) body_stats(c);
+}
+
 /* Validation fails identically on every rank, before any communication. */
-TEST(comm_invalid_args) {
-    struct fsdp_ctx *c = get_ctx();
+static void body_invalid_args(struct fsdp_ctx *c) {
     struct fsdp_comm *comm = fsdp_ctx_comm(c);
     int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
     float buf[64] = {0};
@@ -467,6 +647,93 @@ TEST(comm_invalid_args) {
     CHECK_OK(fsdp_comm_allreduce(comm, buf, buf, 1, FSDP_F32, FSDP_SUM), c);
     CHECK_NEAR(buf[0], world, 0, 0);
     CHECK_INT_EQ(fsdp_comm_barrier(NULL), FSDP_ERR_INVALID);
+}
+
+TEST(comm_invalid_args) {
+    FOR_EACH_BACKEND(c) body_invalid_args(c);
+}
+
+/* --check-collectives: diverged ranks fail alike, naming both sides, before
+ * any data moves; the communicator stays usable. */
+static void body_schedule_check(struct fsdp_ctx *c) {
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    float buf[64] = {0}, all[64 * 8] = {0};
+    ASSERT(world <= 8);
+    fsdp_comm_set_check(comm, 1);
+    buf[0] = 1.0f;
+    CHECK_OK(fsdp_comm_allreduce(comm, buf, buf, 1, FSDP_F32, FSDP_SUM), c);
+    CHECK_NEAR(buf[0], world, 0, 0);
+    if (world > 1) {
+        struct fsdp_comm_stats a, b;
+        fsdp_comm_stats_get(comm, &a);
+        /* another element count on ranks > 0 */
+        CHECK_INT_EQ(fsdp_comm_allgather(comm, buf, all, rank == 0 ? 4 : 5, FSDP_F32), FSDP_ERR_COMM);
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), "collective schedule diverged");
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), "rank 0 called allgather(#");
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), ", 4 x F32");
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), "rank 1 called allgather(#");
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), ", 5 x F32");
+        /* another collective: rank 0 skips ahead to a barrier */
+        enum fsdp_status st = rank == 0 ? fsdp_comm_barrier(comm)
+                                        : fsdp_comm_broadcast(comm, buf, 3, FSDP_I32, 0);
+        CHECK_INT_EQ(st, FSDP_ERR_COMM);
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), "rank 0 called barrier(#");
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), "rank 1 called broadcast(#");
+        /* the same collective on another unit (tag) */
+        fsdp_comm_set_tag(comm, rank == 0 ? "unit 3" : "unit 4");
+        CHECK_INT_EQ(fsdp_comm_allreduce(comm, buf, buf, 1, FSDP_F32, FSDP_SUM), FSDP_ERR_COMM);
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), "rank 0 called allreduce(#");
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), ", tag ");
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), rank == 0 ? "this rank's tag: unit 3" : "this rank's tag: unit 4");
+        fsdp_comm_set_tag(comm, NULL);
+        fsdp_comm_stats_get(comm, &b);
+        CHECK_INT_EQ(b.calls[FSDP_COLL_ALLGATHER], a.calls[FSDP_COLL_ALLGATHER]);
+        CHECK_INT_EQ(b.calls[FSDP_COLL_ALLREDUCE], a.calls[FSDP_COLL_ALLREDUCE]);
+    }
+    fsdp_comm_set_tag(comm, "unit 5"); /* equal tags pass */
+    /* still in step */
+    buf[0] = 2.0f;
+    CHECK_OK(fsdp_comm_allreduce(comm, buf, buf, 1, FSDP_F32, FSDP_SUM), c);
+    CHECK_NEAR(buf[0], 2 * world, 0, 0);
+    fsdp_comm_set_tag(comm, NULL);
+    fsdp_comm_set_check(comm, getenv("FSDP_CHECK_COLLECTIVES") != NULL); /* as before */
+}
+
+TEST(comm_schedule_check) {
+    FOR_EACH_BACKEND(c) body_schedule_check(c);
+}
+
+/* The watchdog: rank 0 waits on a barrier the others join 1.5 s late; with a
+ * 0.3 s limit it fails, naming the collective and the rank it waited on. shm
+ * only: a timed-out MPI request stays pending (the job must end), which a
+ * test cannot leave behind; tests/t_comm.sh covers both through a job. */
+TEST(comm_watchdog_shm) {
+    struct fsdp_ctx *g = get_ctx();
+    if (fsdp_ctx_world(g) < 2) SKIP("needs 2+ ranks");
+    struct fsdp_ctx *c = make_ctx(FSDP_COMM_SHM);
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm);
+    fsdp_comm_set_timeout(comm, 0.3);
+    fsdp_comm_set_check(comm, 0); /* the barrier itself must be what times out */
+    fsdp_comm_set_tag(comm, "unit 7 transformer.h.6");
+    if (rank != 0) usleep(1500 * 1000);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    enum fsdp_status st = fsdp_comm_barrier(comm);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double dt = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    if (rank == 0) {
+        CHECK_INT_EQ(st, FSDP_ERR_COMM);
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), "collective timeout: rank 0 waited");
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), "on rank 1 in barrier #1 (0 elements of U8, 0 bytes, "
+                                           "tag unit 7 transformer.h.6)");
+        CHECK(dt >= 0.3 && dt < 1.2);
+    } else {
+        CHECK_OK(st, c); /* rank 0 posted before it gave up */
+    }
+    fsdp_ctx_free(c);
+    CHECK_OK(fsdp_comm_barrier(fsdp_ctx_comm(g)), g);
 }
 
 /* A second context on the self backend works next to the MPI one. */

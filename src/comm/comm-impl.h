@@ -1,6 +1,7 @@
 /*
  * comm-impl.h - internal API of src/comm: the communicator, its vtable of
- * collectives and the backends (MPI in mpi.c, a world of one in self.c).
+ * collectives and the backends (MPI in mpi.c, shared memory between the ranks
+ * of one host in shm.c, a world of one in self.c).
  * comm.c validates arguments, counts statistics and dispatches through the
  * vtable, so a backend sees only well-formed calls:
  *   - dtype and op are in range, root is in [0, size), buffers are non-NULL
@@ -47,15 +48,22 @@ struct fsdp_comm {
     const struct fsdp_comm_ops *ops;
     struct fsdp_ctx *ctx;         /* borrowed: receives error messages, accounts memory */
     int rank, size;
-    const char *backend;          /* static string: "mpi" or "self" */
+    const char *backend;          /* static string: "mpi", "shm" or "self" */
     struct fsdp_comm_stats stats; /* counted by comm.c */
     void *state;                  /* the backend's own state */
+    uint64_t seq;                 /* collectives started so far (comm.c): the number of
+                                     the latest, for messages */
+    double timeout_s;             /* watchdog: a wait longer than this fails (0: never);
+                                     backends enforce it (fsdp_comm_set_timeout) */
+    int check;                    /* schedule check on (fsdp_comm_set_check) */
+    char tag[64];                 /* names the next collectives (fsdp_comm_set_tag) */
 };
 
 /* ---- Creation (comm.c) ---- */
-/* Creates the communicator of `kind` (FSDP_COMM_AUTO: MPI when launched by
- * mpirun, i.e. OMPI_COMM_WORLD_SIZE or PMIX_RANK is set, else SELF). *out is
- * returned to the caller to free with fsdp__comm_free. COLLECTIVE: yes. */
+/* Creates the communicator of `kind` (FSDP_COMM_AUTO: when launched by
+ * mpirun, i.e. OMPI_COMM_WORLD_SIZE or PMIX_RANK is set, SHM if the world has
+ * 2+ ranks all on one host, else MPI; without mpirun SELF). *out is returned
+ * to the caller to free with fsdp__comm_free. COLLECTIVE: yes. */
 enum fsdp_status fsdp__comm_create(struct fsdp_ctx *ctx, enum fsdp_comm_kind kind,
                                    struct fsdp_comm **out);
 /* COLLECTIVE: yes (finalizes MPI if fsdp__comm_create initialised it). NULL is a no-op. */
@@ -67,6 +75,14 @@ void fsdp__comm_abort(struct fsdp_comm *c, int code);
 /* ---- Backends ---- */
 enum fsdp_status fsdp__comm_self_create(struct fsdp_ctx *ctx, struct fsdp_comm **out);
 enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **out);
+/* Sets *local to the number of ranks of the MPI communicator c that share
+ * this rank's host (MPI_COMM_TYPE_SHARED). COLLECTIVE: yes. */
+enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local);
+/* The shared-memory backend over the ranks of `mpi` (an MPI communicator
+ * whose ranks all share one host), which it uses for the handshake and for
+ * aborting the job. Takes ownership of mpi, also on failure. COLLECTIVE: yes. */
+enum fsdp_status fsdp__comm_shm_create(struct fsdp_ctx *ctx, struct fsdp_comm *mpi,
+                                       struct fsdp_comm **out);
 
 /* ---- Helpers shared by the backends (comm.c) ---- */
 /* Allocates a zeroed request of `bytes` (>= sizeof(struct fsdp_comm_req)) for coll. */
@@ -74,5 +90,12 @@ void *fsdp__comm_req_alloc(struct fsdp_comm *c, size_t bytes, enum fsdp_coll col
 void fsdp__comm_req_free(struct fsdp_comm *c, void *req);
 /* The name of a collective ("allgather", ...), for messages. */
 const char *fsdp__coll_name(enum fsdp_coll coll);
+
+/* ---- 16-bit floats (half.c) ---- */
+/* BF16 or F16: the dtypes that reduce in fp32 and round once. */
+int fsdp__dtype_is_low(enum fsdp_dtype dt);
+/* n values of dt (BF16 or F16) to fp32 and back (round to nearest even). */
+void fsdp__low_to_f32(const void *src, float *dst, size_t n, enum fsdp_dtype dt);
+void fsdp__f32_to_low(const float *src, void *dst, size_t n, enum fsdp_dtype dt);
 
 #endif

@@ -1,7 +1,7 @@
 /*
  * comm.c - the public collectives of fsdp.h: argument validation, statistics
  * and dispatch through the communicator's vtable (comm-impl.h). Backends
- * (mpi.c, self.c) therefore only see well-formed calls; in-place calls reach
+ * (mpi.c, shm.c, self.c) therefore only see well-formed calls; in-place calls reach
  * them with send == NULL.
  * Statistics: calls and bytes count every successful start; bytes are the
  * caller's send buffer at its dtype (all-gather: count, reduce-scatter:
@@ -20,18 +20,59 @@ static int launched_by_mpirun(void) {
     return getenv("OMPI_COMM_WORLD_SIZE") != NULL || getenv("PMIX_RANK") != NULL;
 }
 
+static enum fsdp_status create_kind(struct fsdp_ctx *ctx, enum fsdp_comm_kind kind,
+                                    struct fsdp_comm **out) {
+    switch (kind) {
+    case FSDP_COMM_AUTO: {
+        if (!launched_by_mpirun()) return fsdp__comm_self_create(ctx, out);
+        struct fsdp_comm *m;
+        FSDP_TRY(fsdp__comm_mpi_create(ctx, &m));
+        int local = 0;
+        enum fsdp_status st = fsdp__comm_mpi_local_size(m, &local);
+        if (st != FSDP_OK) { fsdp__comm_free(m); return st; }
+        /* every rank computes the same answer: the world is on one host or not */
+        if (m->size < 2 || local != m->size) { *out = m; return FSDP_OK; }
+        /* a spare MPI communicator to fall back on (and to keep MPI initialised)
+         * if the segment cannot be set up, e.g. a container's /dev/shm is full */
+        struct fsdp_comm *spare;
+        st = fsdp__comm_mpi_create(ctx, &spare);
+        if (st != FSDP_OK) { fsdp__comm_free(m); return st; }
+        st = fsdp__comm_shm_create(ctx, m, out);
+        if (st == FSDP_OK) { fsdp__comm_free(spare); return FSDP_OK; }
+        if (spare->rank == 0) fprintf(stderr, "fsdp: %s; using MPI\n", ctx ? fsdp_errmsg(ctx) : "shm failed");
+        *out = spare;
+        return FSDP_OK;
+    }
+    case FSDP_COMM_MPI: return fsdp__comm_mpi_create(ctx, out);
+    case FSDP_COMM_SHM: {
+        struct fsdp_comm *m;
+        FSDP_TRY(fsdp__comm_mpi_create(ctx, &m));
+        int local = 0;
+        enum fsdp_status st = fsdp__comm_mpi_local_size(m, &local);
+        if (st == FSDP_OK && local != m->size)
+            st = fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
+                           "comm shm: the %d ranks are not all on one host (rank %d's host has %d); "
+                           "use --comm mpi or auto", m->size, m->rank, local);
+        if (st != FSDP_OK) { fsdp__comm_free(m); return st; }
+        return fsdp__comm_shm_create(ctx, m, out);
+    }
+    case FSDP_COMM_SELF: return fsdp__comm_self_create(ctx, out);
+    }
+    return fsdp__err(ctx, FSDP_ERR_INVALID, "comm create: unknown comm kind %d", (int)kind);
+}
+
+/* Env FSDP_CHECK_COLLECTIVES=1 turns the schedule check on for every
+ * communicator (tests/run.sh sets it); FSDP_COLLECTIVE_TIMEOUT=S sets the
+ * watchdog. Programs may override both afterwards. */
 enum fsdp_status fsdp__comm_create(struct fsdp_ctx *ctx, enum fsdp_comm_kind kind,
                                    struct fsdp_comm **out) {
     if (!out) return fsdp__err(ctx, FSDP_ERR_INVALID, "comm create: out is NULL");
     *out = NULL;
-    switch (kind) {
-    case FSDP_COMM_AUTO:
-        return launched_by_mpirun() ? fsdp__comm_mpi_create(ctx, out)
-                                    : fsdp__comm_self_create(ctx, out);
-    case FSDP_COMM_MPI: return fsdp__comm_mpi_create(ctx, out);
-    case FSDP_COMM_SELF: return fsdp__comm_self_create(ctx, out);
-    }
-    return fsdp__err(ctx, FSDP_ERR_INVALID, "comm create: unknown comm kind %d", (int)kind);
+    FSDP_TRY(create_kind(ctx, kind, out));
+    const char *chk = getenv("FSDP_CHECK_COLLECTIVES"), *to = getenv("FSDP_COLLECTIVE_TIMEOUT");
+    if (chk && atoi(chk) > 0) fsdp_comm_set_check(*out, 1);
+    if (to) fsdp_comm_set_timeout(*out, strtod(to, NULL));
+    return FSDP_OK;
 }
 
 void fsdp__comm_free(struct fsdp_comm *c) {
@@ -75,6 +116,18 @@ void fsdp_comm_stats_get(const struct fsdp_comm *c, struct fsdp_comm_stats *out)
     else memset(out, 0, sizeof *out);
 }
 
+void fsdp_comm_set_timeout(struct fsdp_comm *c, double seconds) {
+    if (c) c->timeout_s = seconds > 0 ? seconds : 0;
+}
+
+void fsdp_comm_set_check(struct fsdp_comm *c, int on) {
+    if (c) c->check = on != 0;
+}
+
+void fsdp_comm_set_tag(struct fsdp_comm *c, const char *tag) {
+    if (c) snprintf(c->tag, sizeof c->tag, "%s", tag ? tag : "");
+}
+
 /* ---- Validation ---- */
 
 static int dtype_ok(enum fsdp_dtype dt) { return (unsigned)dt <= (unsigned)FSDP_U8; }
@@ -109,6 +162,67 @@ static void count_start(struct fsdp_comm *c, enum fsdp_coll coll, size_t bytes) 
     c->stats.bytes[coll] += bytes;
 }
 
+/* [Note: schedule check]
+ * With c->check on, each start first all-gathers (through the backend, not
+ * counted in the statistics) a fingerprint of the collective: its sequence
+ * number, type, element count, dtype, op or root, and a hash of the tag
+ * (fsdp_comm_set_tag, e.g. the unit). Ranks that diverged (a
+ * skipped or extra collective, another batch shape) then disagree on some
+ * field; every rank sees the same table, so all fail the start alike, name
+ * the first rank that differs from rank 0, and no data has moved. The
+ * exchange has a fixed size, so it cannot itself deadlock on a mismatch; a
+ * rank that stops calling collectives altogether is the watchdog's case. */
+enum { FP_SEQ, FP_COLL, FP_COUNT_LO, FP_COUNT_HI, FP_DTYPE, FP_OPROOT, FP_TAG, FP_N };
+
+/* FNV-1a of the tag: equal tags, equal hashes ("" is 0). */
+static int32_t tag_hash(const char *t) {
+    if (!t[0]) return 0;
+    uint32_t h = 2166136261u;
+    for (; *t; t++) h = (h ^ (unsigned char)*t) * 16777619u;
+    return (int32_t)h;
+}
+
+static void fp_describe(const int32_t *f, char *buf, size_t n) {
+    uint64_t count = (uint64_t)(uint32_t)f[FP_COUNT_LO] | (uint64_t)(uint32_t)f[FP_COUNT_HI] << 32;
+    enum fsdp_coll coll = (enum fsdp_coll)f[FP_COLL];
+    const char *dt = (unsigned)f[FP_DTYPE] <= (unsigned)FSDP_U8 ? fsdp_dtype_name((enum fsdp_dtype)f[FP_DTYPE]) : "?";
+    char tag[32] = "";
+    if (f[FP_TAG]) snprintf(tag, sizeof tag, ", tag %08x", (unsigned)f[FP_TAG]);
+    if (coll == FSDP_COLL_BARRIER)
+        snprintf(buf, n, "barrier(#%u%s)", (unsigned)f[FP_SEQ], tag);
+    else if (coll == FSDP_COLL_BROADCAST)
+        snprintf(buf, n, "broadcast(#%u, %llu x %s, root %d%s)", (unsigned)f[FP_SEQ], (unsigned long long)count,
+                 dt, (int)f[FP_OPROOT], tag);
+    else
+        snprintf(buf, n, "%s(#%u, %llu x %s, op %d%s)", fsdp__coll_name(coll), (unsigned)f[FP_SEQ],
+                 (unsigned long long)count, dt, (int)f[FP_OPROOT], tag);
+}
+
+static enum fsdp_status check_schedule(struct fsdp_comm *c, enum fsdp_coll coll, size_t count,
+                                       enum fsdp_dtype dt, int op_or_root) {
+    if (!c->check || c->size == 1) return FSDP_OK;
+    int32_t mine[FP_N] = {(int32_t)(uint32_t)(c->seq + 1), (int32_t)coll, (int32_t)(uint32_t)count,
+                          (int32_t)(uint32_t)((uint64_t)count >> 32), (int32_t)dt, op_or_root,
+                          tag_hash(c->tag)};
+    int32_t *all = fsdp__alloc(c->ctx, sizeof mine * (size_t)c->size, FSDP_MEM_OTHER,
+                               "schedule check fingerprints");
+    if (!all) return FSDP_ERR_NOMEM;
+    struct fsdp_comm_req *r = NULL;
+    enum fsdp_status st = c->ops->allgather_start(c, mine, all, FP_N, FSDP_I32, &r);
+    if (st == FSDP_OK) st = c->ops->wait(c, r);
+    for (int k = 1; st == FSDP_OK && k < c->size; k++) {
+        if (memcmp(all, all + (size_t)k * FP_N, sizeof mine) == 0) continue;
+        char a[128], b[128];
+        fp_describe(all, a, sizeof a);
+        fp_describe(all + (size_t)k * FP_N, b, sizeof b);
+        st = fsdp__err(c->ctx, FSDP_ERR_COMM,
+                       "collective schedule diverged (--check-collectives): rank 0 called %s, rank %d "
+                       "called %s%s%s", a, k, b, c->tag[0] ? "; this rank's tag: " : "", c->tag);
+    }
+    fsdp__free(c->ctx, all);
+    return st;
+}
+
 /* ---- Asynchronous forms ---- */
 
 enum fsdp_status fsdp_comm_allgather_start(struct fsdp_comm *c, const void *send, void *recv,
@@ -125,6 +239,8 @@ enum fsdp_status fsdp_comm_allgather_start(struct fsdp_comm *c, const void *send
     else if (overlaps(send, bytes, recv, total))
         return fsdp__err(c->ctx, FSDP_ERR_INVALID,
                          "allgather: send overlaps recv but is not recv + rank*count (in place)");
+    FSDP_TRY(check_schedule(c, FSDP_COLL_ALLGATHER, count, dt, 0));
+    c->seq++;
     FSDP_TRY(c->ops->allgather_start(c, send, recv, count, dt, req));
     count_start(c, FSDP_COLL_ALLGATHER, bytes);
     return FSDP_OK;
@@ -144,6 +260,8 @@ enum fsdp_status fsdp_comm_reduce_scatter_start(struct fsdp_comm *c, const void 
     if (overlaps(send, total, recv, bytes))
         return fsdp__err(c->ctx, FSDP_ERR_INVALID,
                          "reduce-scatter: send and recv overlap (no in-place form)");
+    FSDP_TRY(check_schedule(c, FSDP_COLL_REDUCE_SCATTER, count, dt, (int)op));
+    c->seq++;
     FSDP_TRY(c->ops->reduce_scatter_start(c, send, recv, count, dt, op, req));
     count_start(c, FSDP_COLL_REDUCE_SCATTER, total);
     return FSDP_OK;
@@ -163,6 +281,8 @@ enum fsdp_status fsdp_comm_allreduce_start(struct fsdp_comm *c, const void *send
     else if (overlaps(send, bytes, recv, bytes))
         return fsdp__err(c->ctx, FSDP_ERR_INVALID,
                          "allreduce: send overlaps recv but is not equal to it (in place)");
+    FSDP_TRY(check_schedule(c, FSDP_COLL_ALLREDUCE, count, dt, (int)op));
+    c->seq++;
     FSDP_TRY(c->ops->allreduce_start(c, send, recv, count, dt, op, req));
     count_start(c, FSDP_COLL_ALLREDUCE, bytes);
     return FSDP_OK;
@@ -178,6 +298,8 @@ enum fsdp_status fsdp_comm_broadcast_start(struct fsdp_comm *c, void *buf, size_
                          c->size);
     if (count > 0 && !buf)
         return fsdp__err(c->ctx, FSDP_ERR_INVALID, "broadcast: buf is NULL with count %zu", count);
+    FSDP_TRY(check_schedule(c, FSDP_COLL_BROADCAST, count, dt, root));
+    c->seq++;
     FSDP_TRY(c->ops->broadcast_start(c, buf, count, dt, root, req));
     count_start(c, FSDP_COLL_BROADCAST, c->rank == root ? bytes : 0);
     return FSDP_OK;
@@ -187,6 +309,8 @@ enum fsdp_status fsdp_comm_barrier_start(struct fsdp_comm *c, struct fsdp_comm_r
     if (!c) return FSDP_ERR_INVALID;
     if (!req) return fsdp__err(c->ctx, FSDP_ERR_INVALID, "barrier: req is NULL");
     *req = NULL;
+    FSDP_TRY(check_schedule(c, FSDP_COLL_BARRIER, 0, FSDP_U8, 0));
+    c->seq++;
     FSDP_TRY(c->ops->barrier_start(c, req));
     count_start(c, FSDP_COLL_BARRIER, 0);
     return FSDP_OK;

@@ -13,11 +13,12 @@
  * another MPI one (FSDP_ERR_STATE says so).
  * Invariant: while a communicator lives, fsdp__abort_hook is MPI_Abort, so a
  * failed FSDP_ASSERT on one rank ends every rank instead of hanging them.
+ * The watchdog (c->timeout_s) turns MPI_Wait into MPI_Test polling; the shm
+ * backend (shm.c) uses an MPI communicator of this file for its handshake.
  */
 #include "comm/comm-impl.h"
 
 #include <limits.h>
-#include <math.h>
 #include <mpi.h>
 #include <string.h>
 
@@ -40,63 +41,15 @@ struct mpi_req {
     void *recv;
     size_t n_out;
     enum fsdp_dtype dt;
+    uint64_t seq;        /* for the watchdog's message */
+    size_t count;
+    enum fsdp_dtype count_dt;
+    double t_start;
+    char tag[64];        /* c->tag at the start */
 };
 
 static int mpi_live;     /* communicators alive in this process */
 static int mpi_we_init;  /* we called MPI_Init_thread, so we finalize */
-
-/* ---- Conversions (bit-exact, no dependence on compiler half types) ---- */
-
-static uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-static float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
-
-static uint16_t f32_to_bf16(float f) {
-    uint32_t x = f32_bits(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet NaN */
-    x += 0x7fffu + ((x >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(x >> 16);
-}
-
-/* IEEE half <-> single (after M. Dukhan's FP16 library: exact, handles
- * subnormals, infinities and NaN, round to nearest even). */
-static float f16_to_f32(uint16_t h) {
-    uint32_t w = (uint32_t)h << 16;
-    uint32_t sign = w & 0x80000000u;
-    uint32_t two_w = w + w;
-    float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-    float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
-    uint32_t r = sign | (two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized));
-    return bits_f32(r);
-}
-
-static uint16_t f32_to_f16(float f) {
-    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
-    uint32_t w = f32_bits(f);
-    uint32_t shl1_w = w + w;
-    uint32_t sign = w & 0x80000000u;
-    uint32_t bias = shl1_w & 0xFF000000u;
-    if (bias < 0x71000000u) bias = 0x71000000u;
-    base = bits_f32((bias >> 1) + 0x07800000u) + base;
-    uint32_t bits = f32_bits(base);
-    uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
-    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
-
-static void low_to_f32(const void *src, float *dst, size_t n, enum fsdp_dtype dt) {
-    const uint16_t *s = src;
-    if (dt == FSDP_BF16) for (size_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
-    else for (size_t i = 0; i < n; i++) dst[i] = f16_to_f32(s[i]);
-}
-
-static void f32_to_low(const float *src, void *dst, size_t n, enum fsdp_dtype dt) {
-    uint16_t *d = dst;
-    if (dt == FSDP_BF16) for (size_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
-    else for (size_t i = 0; i < n; i++) d[i] = f32_to_f16(src[i]);
-}
-
-static int is_low(enum fsdp_dtype dt) { return dt == FSDP_BF16 || dt == FSDP_F16; }
 
 /* ---- Helpers ---- */
 
@@ -139,8 +92,37 @@ static enum fsdp_status check_count(struct fsdp_comm *c, enum fsdp_coll coll, si
 
 static struct mpi_req *req_new(struct fsdp_comm *c, enum fsdp_coll coll) {
     struct mpi_req *q = fsdp__comm_req_alloc(c, sizeof *q, coll);
-    if (q) q->r = MPI_REQUEST_NULL;
+    if (q) {
+        q->r = MPI_REQUEST_NULL;
+        q->seq = c->seq;
+        q->t_start = fsdp__now();
+        q->count_dt = FSDP_U8;
+        memcpy(q->tag, c->tag, sizeof q->tag);
+    }
     return q;
+}
+
+/* Records what the watchdog names (elements and dtype). */
+static struct mpi_req *req_sized(struct mpi_req *q, size_t count, enum fsdp_dtype dt) {
+    if (q) { q->count = count; q->count_dt = dt; }
+    return q;
+}
+
+/* MPI_Wait with the watchdog: polls MPI_Test (which, like MPI_Wait, drives
+ * progress) until the request completes or c->timeout_s has passed since
+ * its start. On timeout the request is left pending (MPI cannot cancel a
+ * collective): the caller must end the job. */
+static int wait_timed(struct fsdp_comm *c, struct mpi_req *q, int *timed_out) {
+    *timed_out = 0;
+    if (c->timeout_s <= 0) return MPI_Wait(&q->r, MPI_STATUS_IGNORE);
+    for (unsigned i = 0;; i++) {
+        int flag = 0, rc = MPI_Test(&q->r, &flag, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS || flag) return rc;
+        if ((i & 1023) == 0 && fsdp__now() - q->t_start > c->timeout_s) {
+            *timed_out = 1;
+            return MPI_SUCCESS;
+        }
+    }
 }
 
 static void req_release(struct fsdp_comm *c, struct mpi_req *q) {
@@ -170,7 +152,7 @@ static enum fsdp_status stage(struct fsdp_comm *c, struct mpi_req *q, const void
     q->stage_out = fsdp__alloc(c->ctx, (n_out ? n_out : 1) * sizeof(float), FSDP_MEM_OTHER,
                                "fp32 staging of a low-precision reduction");
     if (!q->stage_in || !q->stage_out) return FSDP_ERR_NOMEM;
-    low_to_f32(in, q->stage_in, n_in, dt);
+    fsdp__low_to_f32(in, q->stage_in, n_in, dt);
     q->recv = recv;
     q->n_out = n_out;
     q->dt = dt;
@@ -183,7 +165,7 @@ static enum fsdp_status mpi_allgather_start(struct fsdp_comm *c, const void *sen
                                             size_t count, enum fsdp_dtype dt,
                                             struct fsdp_comm_req **req) {
     FSDP_TRY(check_count(c, FSDP_COLL_ALLGATHER, count));
-    struct mpi_req *q = req_new(c, FSDP_COLL_ALLGATHER);
+    struct mpi_req *q = req_sized(req_new(c, FSDP_COLL_ALLGATHER), count, dt);
     if (!q) return FSDP_ERR_NOMEM;
     MPI_Datatype t = mpi_type(dt);
     int rc = send ? MPI_Iallgather(send, (int)count, t, recv, (int)count, t, comm_of(c), &q->r)
@@ -196,10 +178,10 @@ static enum fsdp_status mpi_reduce_scatter_start(struct fsdp_comm *c, const void
                                                  size_t count, enum fsdp_dtype dt,
                                                  enum fsdp_red_op op, struct fsdp_comm_req **req) {
     FSDP_TRY(check_count(c, FSDP_COLL_REDUCE_SCATTER, count));
-    struct mpi_req *q = req_new(c, FSDP_COLL_REDUCE_SCATTER);
+    struct mpi_req *q = req_sized(req_new(c, FSDP_COLL_REDUCE_SCATTER), count, dt);
     if (!q) return FSDP_ERR_NOMEM;
     int rc;
-    if (is_low(dt)) {
+    if (fsdp__dtype_is_low(dt)) {
         enum fsdp_status st = stage(c, q, send, count * (size_t)c->size, recv, count, dt);
         if (st != FSDP_OK) { req_release(c, q); return st; }
         rc = MPI_Ireduce_scatter_block(q->stage_in, q->stage_out, (int)count, MPI_FLOAT,
@@ -215,10 +197,10 @@ static enum fsdp_status mpi_allreduce_start(struct fsdp_comm *c, const void *sen
                                             size_t count, enum fsdp_dtype dt, enum fsdp_red_op op,
                                             struct fsdp_comm_req **req) {
     FSDP_TRY(check_count(c, FSDP_COLL_ALLREDUCE, count));
-    struct mpi_req *q = req_new(c, FSDP_COLL_ALLREDUCE);
+    struct mpi_req *q = req_sized(req_new(c, FSDP_COLL_ALLREDUCE), count, dt);
     if (!q) return FSDP_ERR_NOMEM;
     int rc;
-    if (is_low(dt)) {
+    if (fsdp__dtype_is_low(dt)) {
         enum fsdp_status st = stage(c, q, send ? send : recv, count, recv, count, dt);
         if (st != FSDP_OK) { req_release(c, q); return st; }
         rc = MPI_Iallreduce(q->stage_in, q->stage_out, (int)count, MPI_FLOAT, mpi_op(op),
@@ -234,7 +216,7 @@ static enum fsdp_status mpi_broadcast_start(struct fsdp_comm *c, void *buf, size
                                             enum fsdp_dtype dt, int root,
                                             struct fsdp_comm_req **req) {
     FSDP_TRY(check_count(c, FSDP_COLL_BROADCAST, count));
-    struct mpi_req *q = req_new(c, FSDP_COLL_BROADCAST);
+    struct mpi_req *q = req_sized(req_new(c, FSDP_COLL_BROADCAST), count, dt);
     if (!q) return FSDP_ERR_NOMEM;
     int rc = MPI_Ibcast(buf, (int)count, mpi_type(dt), root, comm_of(c), &q->r);
     return started(c, q, rc, req);
@@ -249,17 +231,41 @@ static enum fsdp_status mpi_barrier_start(struct fsdp_comm *c, struct fsdp_comm_
 
 static enum fsdp_status mpi_wait(struct fsdp_comm *c, struct fsdp_comm_req *req) {
     struct mpi_req *q = (struct mpi_req *)req;
-    int rc = MPI_Wait(&q->r, MPI_STATUS_IGNORE);
+    int timed_out;
+    int rc = wait_timed(c, q, &timed_out);
     enum fsdp_status st = FSDP_OK;
+    if (timed_out) {
+        st = fsdp__err(c->ctx, FSDP_ERR_COMM,
+                       "collective timeout: rank %d waited %.1f s (limit %g s) in %s #%llu (%zu elements "
+                       "of %s, %zu bytes%s%s)", c->rank, fsdp__now() - q->t_start, c->timeout_s,
+                       fsdp__coll_name(q->base.coll), (unsigned long long)q->seq, q->count,
+                       fsdp_dtype_name(q->count_dt), q->count * fsdp_dtype_size(q->count_dt),
+                       q->tag[0] ? ", tag " : "", q->tag);
+        fprintf(stderr, "fsdp: %s\n", fsdp_errmsg(c->ctx));
+        fflush(stderr);
+        /* q stays allocated: MPI may still write its buffers; the job must end */
+        return st;
+    }
     if (rc != MPI_SUCCESS) {
         char what[64];
         snprintf(what, sizeof what, "%s wait", fsdp__coll_name(q->base.coll));
         st = mpi_fail(c->ctx, c->rank, c->size, rc, what);
     } else if (q->stage_out) {
-        f32_to_low(q->stage_out, q->recv, q->n_out, q->dt);
+        fsdp__f32_to_low(q->stage_out, q->recv, q->n_out, q->dt);
     }
     req_release(c, q);
     return st;
+}
+
+/* ---- Topology ---- */
+
+enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local) {
+    MPI_Comm node;
+    int rc = MPI_Comm_split_type(comm_of(c), MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &node);
+    if (rc != MPI_SUCCESS) return mpi_fail(c->ctx, c->rank, c->size, rc, "MPI_Comm_split_type");
+    MPI_Comm_size(node, local);
+    MPI_Comm_free(&node);
+    return FSDP_OK;
 }
 
 /* ---- Life ---- */

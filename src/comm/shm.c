@@ -1,0 +1,700 @@
+/*
+ * shm.c - the shared-memory backend for ranks on one host. Open MPI starts
+ * the job and does the handshake (an inner MPI communicator broadcasts the
+ * segment's name); after that every collective moves through one POSIX
+ * shared segment, without MPI, on a progress thread per rank.
+ *
+ * Segment (mapped by every rank, unlinked as soon as all have mapped it, so
+ * that nothing is left in /dev/shm however the job ends):
+ *   header | ctl[world] (one per rank, own cache lines) | data
+ *   data = world x SHM_NBUF slots of `slot` bytes: slot (r, b) is written
+ *   only by rank r and read by its peers. slot = 1 MiB, less for worlds
+ *   over 24 ranks so that the segment stays under 48 MiB (env FSDP_SHM_SLOT
+ *   overrides); rank 0 reserves it with posix_fallocate, so a full
+ *   /dev/shm is an error at creation (FSDP_COMM_AUTO then falls back to
+ *   MPI), never a SIGBUS later.
+ *
+ * [Note: rounds]
+ * Every collective is cut into rounds, the same number on every rank (it
+ * depends only on the type, count, dtype and world size, which all ranks
+ * agree on). Round g uses buffer b = g % SHM_NBUF of every slot:
+ *   1. wait until every rank has consumed round g - SHM_NBUF (the last user
+ *      of buffer b), i.e. ctl[k].consumed >= g + 1 - SHM_NBUF;
+ *   2. copy this rank's contribution into slot (me, b); ctl[me].posted = g+1;
+ *   3. for each peer whose data this rank needs: wait ctl[k].posted >= g+1,
+ *      then copy (or reduce) out of slot (k, b) straight into the user's
+ *      buffer; then ctl[me].consumed = g+1.
+ * So data moves with one copy in (by its owner) and one copy out per reader;
+ * with SHM_NBUF = 2 a rank fills the next buffer while slower peers still
+ * read the previous one. Counters are 32-bit (futex words) and compared
+ * modulo 2^32.
+ *
+ * [Note: reduction order]
+ * A reduction sums the contributions of ranks 0, 1, ..., world-1 in that
+ * order, element by element (acc = x0; acc += x1; ...), on every rank: the
+ * result is bit-identical run to run, on every rank, and equal to a reference
+ * summed in rank order. BF16/F16 accumulate in fp32 and round once, as in
+ * mpi.c. Integers wrap (unsigned arithmetic). An all-reduce is done by every
+ * rank reducing all contributions (world reads per element per rank): simple
+ * and exact; it is meant for small tensors (norms, losses), not for DDP-size
+ * gradients.
+ *
+ * [Note: progress and waiting]
+ * A start appends a request to this rank's FIFO and returns at once; the
+ * progress thread runs requests in start order (the order in which every
+ * rank starts its collectives, as MPI requires too), so communication
+ * advances while the compute thread computes. Waiting on a peer spins
+ * briefly, then sleeps on the peer's counter with a futex (the writer wakes
+ * sleepers), so oversubscribed ranks do not burn each other's cores.
+ *
+ * [Note: dead peers]
+ * While it waits on a peer, the progress thread checks every ~50 ms that the
+ * peer's process still exists (kill(pid, 0), and /proc/PID/stat is not a
+ * zombie) and that no rank has set the segment's abort flag. A dead peer
+ * fails the current and every later request with FSDP_ERR_COMM naming the
+ * rank, the collective, its sequence number and size; the message is printed
+ * at once too, since the job cannot go on. The caller then ends the job
+ * (fsdp_ctx_abort, i.e. MPI_Abort through the inner communicator). A rank
+ * that aborts sets the abort flag first, so that peers stop waiting on it.
+ * A stopped (SIGSTOP) peer is alive and is waited on until the watchdog
+ * (c->timeout_s, measured from the start of the collective) fails the
+ * request the same way, naming the collective and the rank waited on.
+ */
+#include "comm/comm-impl.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SHM_NBUF 2
+#define SHM_SLOT_DEFAULT ((size_t)1 << 20) /* env FSDP_SHM_SLOT overrides (bytes); 1 MiB
+                                              chunks stay in a core's L2 between the owner's
+                                              copy in and the readers' copy out, and beat
+                                              4 MiB ones at 16-64 MiB (bench/README.md) */
+#define SHM_MAGIC 0x46534d31u              /* "FSM1" */
+#define SHM_PREFIX "fsdp-shm-"
+#define SHM_NAME_MAX 64
+
+struct shm_header {
+    uint32_t magic, world;
+    uint64_t slot;
+    _Atomic uint32_t aborted; /* 1 + the rank that aborted the job, or 0 */
+};
+
+struct shm_ctl {
+    _Atomic uint32_t posted;   /* rounds whose contribution this rank has put in its slot */
+    _Atomic uint32_t posted_waiters;
+    char pad0[56];
+    _Atomic uint32_t consumed; /* rounds this rank has finished reading */
+    _Atomic uint32_t consumed_waiters;
+    char pad1[56];
+    int32_t pid;
+    char pad2[60];
+};
+
+struct shm_req {
+    struct fsdp_comm_req base;
+    struct shm_req *next;
+    const void *send; /* NULL: in place */
+    void *recv;
+    size_t count;
+    enum fsdp_dtype dt;
+    enum fsdp_red_op op;
+    int root;
+    uint64_t seq;     /* 1-based number of this collective on this communicator */
+    double t_start;   /* when it was started (the watchdog's clock) */
+    char tag[64];     /* c->tag at the start */
+    int done;         /* under mu */
+    enum fsdp_status st;
+    char err[256];
+};
+
+struct shm_state {
+    struct fsdp_comm *mpi; /* inner: handshake and abort */
+    unsigned char *map;
+    size_t map_bytes;
+    struct shm_header *hdr;
+    struct shm_ctl *ctl;
+    unsigned char *data;
+    size_t slot;
+    float *acc;            /* (2, slot / 8) fp32: accumulators and a conversion
+                              buffer for BF16/F16 reductions (slot bytes) */
+    uint32_t round;        /* progress thread only */
+    pthread_t thread;
+    int thread_started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work, cv_done;
+    struct shm_req *head, *tail; /* under mu */
+    int stop;                    /* under mu */
+    int failed;                  /* progress thread: a peer died or aborted */
+    int32_t *peer_pid;           /* (world) pids to watch; 0 where not visible from here
+                                    (another PID namespace): never declared dead */
+    char fail_msg[256];          /* progress thread: why */
+};
+
+/* ---- Waiting ---- */
+
+static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts) {
+    return syscall(SYS_futex, (uint32_t *)addr, op, val, ts, NULL, 0);
+}
+
+/* Is a - b >= 0 modulo 2^32? */
+static int ge32(uint32_t a, uint32_t b) { return (int32_t)(a - b) >= 0; }
+
+static void store_wake(_Atomic uint32_t *w, _Atomic uint32_t *waiters, uint32_t v) {
+    atomic_store(w, v);
+    if (atomic_load(waiters)) futex(w, FUTEX_WAKE, INT32_MAX, NULL);
+}
+
+static int pid_alive(int32_t pid) {
+    if (pid <= 0) return 1;
+    if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) return 0;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 1; /* no /proc: trust kill */
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 1;
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')');
+    return !(p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X'));
+}
+
+/* Waits until *w >= target (mod 2^32), w being a counter of rank `peer`.
+ * Returns 0, or -1 (with s->failed set) if the peer died or the job is being
+ * aborted. */
+static int wait_ge(struct shm_state *s, struct fsdp_comm *c, _Atomic uint32_t *w,
+                   _Atomic uint32_t *waiters, uint32_t target, int peer, const struct shm_req *q) {
+    if (s->failed) return -1;
+    for (int i = 0; i < 4000; i++) {
+        if (ge32(atomic_load_explicit(w, memory_order_acquire), target)) return 0;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+    double last_check = fsdp__now();
+    for (;;) {
+        atomic_fetch_add(waiters, 1);
+        uint32_t v = atomic_load(w);
+        if (!ge32(v, target)) {
+            struct timespec ts = {0, 20 * 1000 * 1000};
+            futex(w, FUTEX_WAIT, v, &ts);
+        }
+        atomic_fetch_sub(waiters, 1);
+        if (ge32(atomic_load_explicit(w, memory_order_acquire), target)) return 0;
+        double t = fsdp__now();
+        if (t - last_check < 0.05) continue;
+        last_check = t;
+        if (c->timeout_s > 0 && t - q->t_start > c->timeout_s) {
+            snprintf(s->fail_msg, sizeof s->fail_msg,
+                     "collective timeout: rank %d waited %.1f s (limit %g s) on rank %d in %s #%llu "
+                     "(%zu elements of %s, %zu bytes%s%s)",
+                     c->rank, t - q->t_start, c->timeout_s, peer, fsdp__coll_name(q->base.coll),
+                     (unsigned long long)q->seq, q->count, fsdp_dtype_name(q->dt),
+                     q->count * fsdp_dtype_size(q->dt), q->tag[0] ? ", tag " : "", q->tag);
+            fprintf(stderr, "fsdp: %s\n", s->fail_msg);
+            fflush(stderr);
+            s->failed = 1;
+            return -1;
+        }
+        uint32_t ab = atomic_load(&s->hdr->aborted);
+        if (ab) {
+            snprintf(s->fail_msg, sizeof s->fail_msg,
+                     "shm: rank %u aborted the job while rank %d waited on rank %d in %s #%llu "
+                     "(%zu elements of %s)",
+                     ab - 1, c->rank, peer, fsdp__coll_name(q->base.coll),
+                     (unsigned long long)q->seq, q->count, fsdp_dtype_name(q->dt));
+            s->failed = 1;
+            return -1;
+        }
+        int32_t pid = s->peer_pid[peer];
+        if (!pid_alive(pid)) {
+            snprintf(s->fail_msg, sizeof s->fail_msg,
+                     "shm: rank %d (pid %d) died during %s #%llu (%zu elements of %s); rank %d "
+                     "cannot go on, the job must end",
+                     peer, (int)pid, fsdp__coll_name(q->base.coll), (unsigned long long)q->seq,
+                     q->count, fsdp_dtype_name(q->dt), c->rank);
+            fprintf(stderr, "fsdp: rank %d: %s\n", c->rank, s->fail_msg);
+            fflush(stderr);
+            s->failed = 1;
+            return -1;
+        }
+    }
+}
+
+/* ---- Rounds (see [Note: rounds]) ---- */
+
+static unsigned char *slot_at(struct shm_state *s, int rank, uint32_t round) {
+    return s->data + ((size_t)rank * SHM_NBUF + round % SHM_NBUF) * s->slot;
+}
+
+/* Step 1 of a round: may this rank overwrite its buffer for round g? */
+static int round_begin(struct shm_state *s, struct fsdp_comm *c, const struct shm_req *q) {
+    uint32_t g = s->round;
+    uint32_t need = g + 1u - SHM_NBUF;
+    /* at the start need is -1 (mod 2^32) and consumed 0: no wait */
+    for (int k = 0; k < c->size; k++)
+        if (k != c->rank &&
+            wait_ge(s, c, &s->ctl[k].consumed, &s->ctl[k].consumed_waiters, need, k, q))
+            return -1;
+    return 0;
+}
+
+static void round_post(struct shm_state *s, struct fsdp_comm *c) {
+    struct shm_ctl *me = &s->ctl[c->rank];
+    store_wake(&me->posted, &me->posted_waiters, s->round + 1u);
+}
+
+static int round_wait_peer(struct shm_state *s, struct fsdp_comm *c, int k, const struct shm_req *q) {
+    if (k == c->rank) return 0;
+    return wait_ge(s, c, &s->ctl[k].posted, &s->ctl[k].posted_waiters, s->round + 1u, k, q);
+}
+
+static void round_end(struct shm_state *s, struct fsdp_comm *c) {
+    struct shm_ctl *me = &s->ctl[c->rank];
+    store_wake(&me->consumed, &me->consumed_waiters, s->round + 1u);
+    s->round++;
+}
+
+/* ---- Reductions (see [Note: reduction order]) ---- */
+
+/* dst = src (first contribution) or dst op= src, n elements of dt (not BF16/F16). */
+static void reduce_into(void *dst, const void *src, size_t n, enum fsdp_dtype dt,
+                        enum fsdp_red_op op, int first) {
+    if (first) { memcpy(dst, src, n * fsdp_dtype_size(dt)); return; }
+#define RED_LOOP(T, ADD)                                                     \
+    do {                                                                     \
+        T *d_ = dst;                                                         \
+        const T *s_ = src;                                                   \
+        if (op == FSDP_SUM) for (size_t i = 0; i < n; i++) d_[i] = ADD;      \
+        else if (op == FSDP_MAX)                                             \
+            for (size_t i = 0; i < n; i++) d_[i] = s_[i] > d_[i] ? s_[i] : d_[i]; \
+        else for (size_t i = 0; i < n; i++) d_[i] = s_[i] < d_[i] ? s_[i] : d_[i]; \
+    } while (0)
+    switch (dt) {
+    case FSDP_F32: RED_LOOP(float, d_[i] + s_[i]); break;
+    case FSDP_I32: RED_LOOP(int32_t, (int32_t)((uint32_t)d_[i] + (uint32_t)s_[i])); break;
+    case FSDP_U16: RED_LOOP(uint16_t, (uint16_t)(d_[i] + s_[i])); break;
+    case FSDP_U8: RED_LOOP(uint8_t, (uint8_t)(d_[i] + s_[i])); break;
+    case FSDP_BF16: case FSDP_F16: FSDP_ASSERT(0, "16-bit floats reduce through fp32"); break;
+    }
+#undef RED_LOOP
+}
+
+/* fp32 accumulation of a BF16/F16 contribution (acc = x or acc op= x). */
+static void reduce_low(float *acc, const void *src, size_t n, enum fsdp_dtype dt,
+                       enum fsdp_red_op op, int first, float *tmp) {
+    if (first) { fsdp__low_to_f32(src, acc, n, dt); return; }
+    fsdp__low_to_f32(src, tmp, n, dt);
+    reduce_into(acc, tmp, n, FSDP_F32, op, 0);
+}
+
+/* ---- Collectives on the progress thread ---- */
+
+static int run_allgather(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
+    size_t esz = fsdp_dtype_size(q->dt), bytes = q->count * esz;
+    unsigned char *recv = q->recv;
+    const unsigned char *mine = q->send ? q->send : recv + (size_t)c->rank * bytes;
+    if (q->send && bytes) memcpy(recv + (size_t)c->rank * bytes, q->send, bytes);
+    for (size_t off = 0; off < bytes; off += s->slot) {
+        size_t n = bytes - off < s->slot ? bytes - off : s->slot;
+        if (round_begin(s, c, q)) return -1;
+        memcpy(slot_at(s, c->rank, s->round), mine + off, n);
+        round_post(s, c);
+        for (int j = 1; j < c->size; j++) {
+            int k = (c->rank + j) % c->size; /* spread the readers over the slots */
+            if (round_wait_peer(s, c, k, q)) return -1;
+            memcpy(recv + (size_t)k * bytes + off, slot_at(s, k, s->round), n);
+        }
+        round_end(s, c);
+    }
+    return 0;
+}
+
+static int run_reduce_scatter(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
+    size_t esz = fsdp_dtype_size(q->dt), W = (size_t)c->size;
+    int low = fsdp__dtype_is_low(q->dt);
+    size_t per = s->slot / W / esz; /* elements of each destination's block per round */
+    if (low && per > s->slot / 8) per = s->slot / 8;
+    const unsigned char *send = q->send;
+    unsigned char *recv = q->recv;
+    for (size_t off = 0; off < q->count; off += per) {
+        size_t n = q->count - off < per ? q->count - off : per;
+        if (round_begin(s, c, q)) return -1;
+        unsigned char *my = slot_at(s, c->rank, s->round);
+        for (size_t k = 0; k < W; k++)
+            if ((int)k != c->rank) memcpy(my + k * per * esz, send + (k * q->count + off) * esz, n * esz);
+        round_post(s, c);
+        for (int k = 0; k < c->size; k++) {
+            if (round_wait_peer(s, c, k, q)) return -1;
+            const unsigned char *src = k == c->rank
+                                           ? send + ((size_t)c->rank * q->count + off) * esz
+                                           : slot_at(s, k, s->round) + (size_t)c->rank * per * esz;
+            if (low) reduce_low(s->acc, src, n, q->dt, q->op, k == 0, s->acc + s->slot / 8);
+            else reduce_into(recv + off * esz, src, n, q->dt, q->op, k == 0);
+        }
+        if (low) fsdp__f32_to_low(s->acc, recv + off * esz, n, q->dt);
+        round_end(s, c);
+    }
+    return 0;
+}
+
+static int run_allreduce(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
+    size_t esz = fsdp_dtype_size(q->dt);
+    int low = fsdp__dtype_is_low(q->dt);
+    size_t per = s->slot / esz;
+    if (low && per > s->slot / 8) per = s->slot / 8;
+    const unsigned char *in = q->send ? q->send : q->recv;
+    unsigned char *recv = q->recv;
+    for (size_t off = 0; off < q->count; off += per) {
+        size_t n = q->count - off < per ? q->count - off : per;
+        if (round_begin(s, c, q)) return -1;
+        memcpy(slot_at(s, c->rank, s->round), in + off * esz, n * esz);
+        round_post(s, c);
+        /* every contribution from the slots, this rank's too: recv may be the input */
+        for (int k = 0; k < c->size; k++) {
+            if (round_wait_peer(s, c, k, q)) return -1;
+            const unsigned char *src = slot_at(s, k, s->round);
+            if (low) reduce_low(s->acc, src, n, q->dt, q->op, k == 0, s->acc + s->slot / 8);
+            else reduce_into(recv + off * esz, src, n, q->dt, q->op, k == 0);
+        }
+        if (low) fsdp__f32_to_low(s->acc, recv + off * esz, n, q->dt);
+        round_end(s, c);
+    }
+    return 0;
+}
+
+static int run_broadcast(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
+    size_t bytes = q->count * fsdp_dtype_size(q->dt);
+    unsigned char *buf = q->recv;
+    for (size_t off = 0; off < bytes; off += s->slot) {
+        size_t n = bytes - off < s->slot ? bytes - off : s->slot;
+        if (round_begin(s, c, q)) return -1;
+        if (c->rank == q->root) memcpy(slot_at(s, c->rank, s->round), buf + off, n);
+        round_post(s, c);
+        if (c->rank != q->root) {
+            if (round_wait_peer(s, c, q->root, q)) return -1;
+            memcpy(buf + off, slot_at(s, q->root, s->round), n);
+        }
+        round_end(s, c);
+    }
+    return 0;
+}
+
+static int run_barrier(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
+    if (round_begin(s, c, q)) return -1;
+    round_post(s, c);
+    for (int k = 0; k < c->size; k++)
+        if (round_wait_peer(s, c, k, q)) return -1;
+    round_end(s, c);
+    return 0;
+}
+
+static void run_one(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
+    int rc = -1;
+    if (!s->failed) {
+        switch (q->base.coll) {
+        case FSDP_COLL_ALLGATHER: rc = run_allgather(s, c, q); break;
+        case FSDP_COLL_REDUCE_SCATTER: rc = run_reduce_scatter(s, c, q); break;
+        case FSDP_COLL_ALLREDUCE: rc = run_allreduce(s, c, q); break;
+        case FSDP_COLL_BROADCAST: rc = run_broadcast(s, c, q); break;
+        case FSDP_COLL_BARRIER: rc = run_barrier(s, c, q); break;
+        case FSDP_COLL_COUNT: break;
+        }
+    }
+    if (rc != 0) {
+        q->st = FSDP_ERR_COMM;
+        snprintf(q->err, sizeof q->err, "%s", s->fail_msg[0] ? s->fail_msg : "shm: internal error");
+    }
+}
+
+static void *progress_main(void *arg) {
+    struct fsdp_comm *c = arg;
+    struct shm_state *s = c->state;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->head && !s->stop) pthread_cond_wait(&s->cv_work, &s->mu);
+        if (!s->head) break; /* stop, and nothing left */
+        struct shm_req *q = s->head;
+        pthread_mutex_unlock(&s->mu);
+        run_one(s, c, q);
+        pthread_mutex_lock(&s->mu);
+        s->head = q->next;
+        if (!s->head) s->tail = NULL;
+        q->done = 1;
+        pthread_cond_broadcast(&s->cv_done);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+/* ---- The vtable ---- */
+
+static enum fsdp_status enqueue(struct fsdp_comm *c, enum fsdp_coll coll, const void *send,
+                                void *recv, size_t count, enum fsdp_dtype dt, enum fsdp_red_op op,
+                                int root, struct fsdp_comm_req **req) {
+    struct shm_state *s = c->state;
+    struct shm_req *q = fsdp__comm_req_alloc(c, sizeof *q, coll);
+    if (!q) return FSDP_ERR_NOMEM;
+    q->send = send;
+    q->recv = recv;
+    q->count = count;
+    q->dt = dt;
+    q->op = op;
+    q->root = root;
+    q->seq = c->seq;
+    q->t_start = fsdp__now();
+    memcpy(q->tag, c->tag, sizeof q->tag);
+    q->st = FSDP_OK;
+    pthread_mutex_lock(&s->mu);
+    if (s->tail) s->tail->next = q;
+    else s->head = q;
+    s->tail = q;
+    pthread_cond_signal(&s->cv_work);
+    pthread_mutex_unlock(&s->mu);
+    *req = &q->base;
+    return FSDP_OK;
+}
+
+static enum fsdp_status shm_allgather_start(struct fsdp_comm *c, const void *send, void *recv,
+                                            size_t count, enum fsdp_dtype dt,
+                                            struct fsdp_comm_req **req) {
+    return enqueue(c, FSDP_COLL_ALLGATHER, send, recv, count, dt, FSDP_SUM, 0, req);
+}
+
+static enum fsdp_status shm_reduce_scatter_start(struct fsdp_comm *c, const void *send, void *recv,
+                                                 size_t count, enum fsdp_dtype dt,
+                                                 enum fsdp_red_op op, struct fsdp_comm_req **req) {
+    return enqueue(c, FSDP_COLL_REDUCE_SCATTER, send, recv, count, dt, op, 0, req);
+}
+
+static enum fsdp_status shm_allreduce_start(struct fsdp_comm *c, const void *send, void *recv,
+                                            size_t count, enum fsdp_dtype dt, enum fsdp_red_op op,
+                                            struct fsdp_comm_req **req) {
+    return enqueue(c, FSDP_COLL_ALLREDUCE, send, recv, count, dt, op, 0, req);
+}
+
+static enum fsdp_status shm_broadcast_start(struct fsdp_comm *c, void *buf, size_t count,
+                                            enum fsdp_dtype dt, int root,
+                                            struct fsdp_comm_req **req) {
+    return enqueue(c, FSDP_COLL_BROADCAST, NULL, buf, count, dt, FSDP_SUM, root, req);
+}
+
+static enum fsdp_status shm_barrier_start(struct fsdp_comm *c, struct fsdp_comm_req **req) {
+    return enqueue(c, FSDP_COLL_BARRIER, NULL, NULL, 0, FSDP_U8, FSDP_SUM, 0, req);
+}
+
+static enum fsdp_status shm_wait(struct fsdp_comm *c, struct fsdp_comm_req *req) {
+    struct shm_state *s = c->state;
+    struct shm_req *q = (struct shm_req *)req;
+    pthread_mutex_lock(&s->mu);
+    while (!q->done) pthread_cond_wait(&s->cv_done, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+    enum fsdp_status st = q->st;
+    if (st != FSDP_OK) fsdp__err(c->ctx, st, "%s", q->err);
+    fsdp__comm_req_free(c, q);
+    return st;
+}
+
+/* ---- Life ---- */
+
+static void shm_abort(struct fsdp_comm *c, int code) {
+    struct shm_state *s = c->state;
+    if (s && s->hdr) {
+        uint32_t zero = 0;
+        atomic_compare_exchange_strong(&s->hdr->aborted, &zero, (uint32_t)c->rank + 1u);
+    }
+    if (s && s->mpi) s->mpi->ops->abort(s->mpi, code);
+}
+
+static void shm_free(struct fsdp_comm *c) {
+    struct shm_state *s = c->state;
+    if (s) {
+        if (s->thread_started) {
+            pthread_mutex_lock(&s->mu);
+            s->stop = 1;
+            pthread_cond_signal(&s->cv_work);
+            pthread_mutex_unlock(&s->mu);
+            pthread_join(s->thread, NULL);
+            pthread_mutex_destroy(&s->mu);
+            pthread_cond_destroy(&s->cv_work);
+            pthread_cond_destroy(&s->cv_done);
+        }
+        if (s->map) munmap(s->map, s->map_bytes);
+        fsdp__free(c->ctx, s->acc);
+        fsdp__free(c->ctx, s->peer_pid);
+        fsdp__comm_free(s->mpi);
+        fsdp__free(c->ctx, s);
+    }
+    fsdp__free(c->ctx, c);
+}
+
+static const struct fsdp_comm_ops shm_ops = {
+    .allgather_start = shm_allgather_start,
+    .reduce_scatter_start = shm_reduce_scatter_start,
+    .allreduce_start = shm_allreduce_start,
+    .broadcast_start = shm_broadcast_start,
+    .barrier_start = shm_barrier_start,
+    .wait = shm_wait,
+    .abort = shm_abort,
+    .free = shm_free,
+};
+
+/* Removes segments of earlier jobs whose creator is gone (a job killed
+ * during its handshake, the only time a segment has a name). */
+static void sweep_stale(void) {
+    DIR *d = opendir("/dev/shm");
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (strncmp(e->d_name, SHM_PREFIX, strlen(SHM_PREFIX)) != 0) continue;
+        long pid = strtol(e->d_name + strlen(SHM_PREFIX), NULL, 10);
+        if (pid > 0 && !pid_alive((int32_t)pid)) {
+            char name[300];
+            snprintf(name, sizeof name, "/%s", e->d_name);
+            shm_unlink(name);
+        }
+    }
+    closedir(d);
+}
+
+/* 1 MiB slots, smaller for big worlds so that the segment stays under
+ * 48 MiB (Docker's default /dev/shm is 64 MB); FSDP_SHM_SLOT overrides. */
+static size_t slot_bytes(int world) {
+    const char *e = getenv("FSDP_SHM_SLOT");
+    long v = e ? strtol(e, NULL, 10) : 0;
+    size_t b = SHM_SLOT_DEFAULT, cap = ((size_t)48 << 20) / SHM_NBUF / (size_t)world;
+    if (b > cap) b = cap;
+    if (b < ((size_t)64 << 10)) b = (size_t)64 << 10;
+    if (v >= 4096) b = (size_t)v;
+    return (b + 63) & ~(size_t)63;
+}
+
+/* The handshake: rank 0 creates and sizes the segment, broadcasts its name;
+ * everyone maps it; after a barrier rank 0 unlinks it. Every rank leaves
+ * with the same status (a failure anywhere is combined with a MAX). */
+static enum fsdp_status attach(struct fsdp_comm *c, struct shm_state *s) {
+    struct fsdp_comm *m = s->mpi;
+    char name[SHM_NAME_MAX] = {0};
+    int32_t err = 0;
+    size_t ctl_off = 4096, data_off = (ctl_off + (size_t)c->size * sizeof(struct shm_ctl) + 4095) & ~(size_t)4095;
+    s->map_bytes = data_off + (size_t)c->size * SHM_NBUF * s->slot;
+    if (c->rank == 0) {
+        static int counter;
+        sweep_stale();
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        snprintf(name, sizeof name, "/" SHM_PREFIX "%d-%d-%ld", (int)getpid(), counter++, (long)ts.tv_nsec);
+        int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        /* reserve the pages now: a sparse file on a full /dev/shm would SIGBUS later */
+        int rc = fd < 0 ? errno : posix_fallocate(fd, 0, (off_t)s->map_bytes);
+        if (rc != 0) {
+            err = rc;
+            fsdp__err(c->ctx, FSDP_ERR_IO,
+                      "comm shm: cannot create /dev/shm%s of %zu bytes: %s (a container may need a "
+                      "larger /dev/shm, e.g. docker --shm-size; or use --comm mpi)", name,
+                      s->map_bytes, strerror(err));
+            if (fd >= 0) { close(fd); shm_unlink(name); }
+            name[0] = 0;
+        } else {
+            close(fd);
+        }
+    }
+    FSDP_TRY(fsdp_comm_broadcast(m, name, sizeof name, FSDP_U8, 0));
+    name[SHM_NAME_MAX - 1] = 0;
+    if (!name[0]) {
+        if (c->rank != 0) fsdp__err(c->ctx, FSDP_ERR_IO, "comm shm: rank 0 could not create the segment");
+        return FSDP_ERR_IO;
+    }
+    int fd = shm_open(name, O_RDWR, 0600);
+    if (fd >= 0) {
+        void *p = mmap(NULL, s->map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) err = errno;
+        else s->map = p;
+        close(fd);
+    } else {
+        err = errno;
+    }
+    if (err) fsdp__err(c->ctx, FSDP_ERR_IO, "comm shm: rank %d cannot map /dev/shm%s (%zu bytes): %s",
+                       c->rank, name, s->map_bytes, strerror(err));
+    int32_t any = err;
+    FSDP_TRY(fsdp_comm_allreduce(m, &err, &any, 1, FSDP_I32, FSDP_MAX));
+    if (any) {
+        if (c->rank == 0) shm_unlink(name);
+        if (!err) fsdp__err(c->ctx, FSDP_ERR_IO, "comm shm: another rank could not map the segment");
+        return FSDP_ERR_IO;
+    }
+    s->hdr = (struct shm_header *)s->map;
+    s->ctl = (struct shm_ctl *)(s->map + ctl_off);
+    s->data = s->map + data_off;
+    if (c->rank == 0) {
+        s->hdr->magic = SHM_MAGIC;
+        s->hdr->world = (uint32_t)c->size;
+        s->hdr->slot = s->slot;
+    }
+    s->ctl[c->rank].pid = (int32_t)getpid();
+    /* posix_fallocate zeroed the counters; everyone has mapped and written its pid */
+    enum fsdp_status st = fsdp_comm_barrier(m);
+    if (c->rank == 0) shm_unlink(name);
+    if (st != FSDP_OK) return st;
+    s->peer_pid = fsdp__calloc(c->ctx, (size_t)c->size * sizeof(int32_t), FSDP_MEM_OTHER, "shm peer pids");
+    if (!s->peer_pid) return FSDP_ERR_NOMEM;
+    for (int k = 0; k < c->size; k++) {
+        int32_t pid = s->ctl[k].pid;
+        s->peer_pid[k] = k != c->rank && pid_alive(pid) && kill((pid_t)pid, 0) == 0 ? pid : 0;
+    }
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp__comm_shm_create(struct fsdp_ctx *ctx, struct fsdp_comm *mpi,
+                                       struct fsdp_comm **out) {
+    struct fsdp_comm *c = fsdp__calloc(ctx, sizeof *c, FSDP_MEM_OTHER, "communicator");
+    struct shm_state *s = fsdp__calloc(ctx, sizeof *s, FSDP_MEM_OTHER, "shm communicator state");
+    if (!c || !s) {
+        fsdp__free(ctx, c);
+        fsdp__free(ctx, s);
+        fsdp__comm_free(mpi);
+        return FSDP_ERR_NOMEM;
+    }
+    c->ops = &shm_ops;
+    c->ctx = ctx;
+    c->backend = "shm";
+    c->rank = mpi->rank;
+    c->size = mpi->size;
+    c->state = s;
+    s->mpi = mpi;
+    s->slot = slot_bytes(c->size);
+    /* from here shm_free undoes everything */
+    s->acc = fsdp__alloc(ctx, s->slot, FSDP_MEM_OTHER, "shm fp32 accumulators");
+    if (!s->acc) { shm_free(c); return FSDP_ERR_NOMEM; }
+    enum fsdp_status st = attach(c, s);
+    if (st != FSDP_OK) { shm_free(c); return st; }
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv_work, NULL);
+    pthread_cond_init(&s->cv_done, NULL);
+    if (pthread_create(&s->thread, NULL, progress_main, c) != 0) {
+        pthread_mutex_destroy(&s->mu);
+        pthread_cond_destroy(&s->cv_work);
+        pthread_cond_destroy(&s->cv_done);
+        /* the peers may have started theirs: end the job rather than hang it */
+        fsdp__err(ctx, FSDP_ERR_NOMEM, "comm shm: rank %d cannot start its progress thread", c->rank);
+        fprintf(stderr, "fsdp: %s\n", fsdp_errmsg(ctx));
+        shm_abort(c, 1);
+        shm_free(c);
+        return FSDP_ERR_NOMEM;
+    }
+    s->thread_started = 1;
+    *out = c;
+    return FSDP_OK;
+}
