@@ -1,0 +1,141 @@
+/*
+ * bf16_step.c - GPT-2 124M training step time with bf16 compute
+ * (fsdp_module_set_compute_dtype) against fp32, in one run: 1 rank (a world
+ * of one), global batch B x T (default 4 x 256), AdamW, the built-in
+ * synthetic corpus, the same seed and batches for both. Prints per precision
+ * the median step time over steps 2.. (the first step creates the oneDNN
+ * primitives and grows the arena), the median forward / backward / update
+ * phase times, the loss of the last step, model FLOP/s (3x the forward
+ * matmul FLOPs per token), and the bf16 / fp32 speedup. It also reports
+ * the median process CPU time per step (all threads), which moves less than
+ * wall time when other jobs share the cores (quote both on a busy machine).
+ * Usage: build/bench/bf16_step [steps] [threads] [model] [B] [T] [both|bf16|fp32]
+ *        (defaults 6, 2, gpt2, 4, 256, both; one precision alone is for profiling)
+ */
+#include "core/core-impl.h"
+#include "nn/nn-impl.h"
+
+#include <omp.h>
+#include <string.h>
+#include <time.h>
+
+static double cpu_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct result {
+    double step_s, fwd_s, bwd_s, upd_s, cpu_s, last_loss;
+};
+
+static void die(struct fsdp_ctx *ctx, const char *what) {
+    fprintf(stderr, "bf16_step: %s: %s\n", what, fsdp_errmsg(ctx));
+    exit(1);
+}
+
+static struct result run(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg, enum fsdp_dtype dt, int steps,
+                         int B, int T, struct fsdp_data *data) {
+    struct fsdp_module *g;
+    struct fsdp_model *fm;
+    struct fsdp_optim *opt;
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    if (fsdp_gpt_create(ctx, cfg, &g) != FSDP_OK) die(ctx, "gpt");
+    if (fsdp_module_set_compute_dtype(ctx, g, dt) != FSDP_OK) die(ctx, "compute dtype");
+    if (fsdp_fully_shard(ctx, g, NULL, &fm) != FSDP_OK) die(ctx, "shard");
+    if (fsdp_model_init_params(ctx, fm, 1337) != FSDP_OK) die(ctx, "init");
+    if (fsdp_optim_create(ctx, &oo, &opt) != FSDP_OK || fsdp_model_attach_optim(ctx, fm, opt) != FSDP_OK)
+        die(ctx, "optimizer");
+    int32_t *in = malloc((size_t)(B * T) * sizeof(int32_t)), *tg = malloc((size_t)(B * T) * sizeof(int32_t));
+    double *st = calloc((size_t)steps, sizeof(double)), *fw = calloc((size_t)steps, sizeof(double));
+    double *bw = calloc((size_t)steps, sizeof(double)), *up = calloc((size_t)steps, sizeof(double));
+    double *cp = calloc((size_t)steps, sizeof(double));
+    struct result res = {0};
+    for (int s = 0; s < steps; s++) {
+        fsdp_data_batch(data, s, B, T, 0, 1, in, tg);
+        struct fsdp_step_result r;
+        double t0 = fsdp__now(), c0 = cpu_now();
+        if (fsdp_model_train_step(ctx, fm, in, tg, B, T, 6e-4f, 1.0f, &r) != FSDP_OK) die(ctx, "step");
+        st[s] = fsdp__now() - t0;
+        cp[s] = cpu_now() - c0;
+        fw[s] = r.forward_s;
+        bw[s] = r.backward_s;
+        up[s] = r.update_s;
+        res.last_loss = r.loss;
+        fprintf(stderr, "  %s step %d: %.3f s, loss %.4f\n", fsdp_dtype_name(dt), s, st[s], r.loss);
+    }
+    int n = steps > 1 ? steps - 1 : 1, o = steps > 1 ? 1 : 0;
+    res.step_s = median(st + o, n);
+    res.fwd_s = median(fw + o, n);
+    res.bwd_s = median(bw + o, n);
+    res.upd_s = median(up + o, n);
+    res.cpu_s = median(cp + o, n);
+    free(cp);
+    free(st);
+    free(fw);
+    free(bw);
+    free(up);
+    free(in);
+    free(tg);
+    fsdp_model_free(fm);
+    fsdp_optim_free(opt);
+    fsdp_module_free(g);
+    return res;
+}
+
+int main(int argc, char **argv) {
+    int steps = argc > 1 ? atoi(argv[1]) : 6, threads = argc > 2 ? atoi(argv[2]) : 2;
+    const char *model = argc > 3 ? argv[3] : "gpt2";
+    int B = argc > 4 ? atoi(argv[4]) : 4, T = argc > 5 ? atoi(argv[5]) : 256;
+    const char *which = argc > 6 ? argv[6] : "both";
+    int do32 = strcmp(which, "bf16") != 0, do16 = strcmp(which, "fp32") != 0;
+    if (steps < 1 || threads < 1 || B < 1 || T < 1) {
+        fprintf(stderr, "usage: bf16_step [steps>=1] [threads>=1] [model] [B] [T]\n");
+        return 2;
+    }
+    struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+    co.comm = FSDP_COMM_SELF;
+    co.threads = threads;
+    struct fsdp_ctx *ctx;
+    if (fsdp_ctx_create(&co, &ctx) != FSDP_OK) return 1;
+    struct fsdp_gpt_config cfg;
+    if (fsdp_gpt_config_preset(model, &cfg) != FSDP_OK) {
+        fprintf(stderr, "bf16_step: unknown model preset '%s'\n", model);
+        return 2;
+    }
+    if (T > cfg.block_size) {
+        fprintf(stderr, "bf16_step: T %d exceeds block_size %d\n", T, cfg.block_size);
+        return 2;
+    }
+    struct fsdp_data *data;
+    if (fsdp_data_synthetic(ctx, 7, (size_t)1 << 22, &data) != FSDP_OK) die(ctx, "data");
+    double flops = 3.0 * fsdp_gpt_flops_per_token(&cfg, T) * B * T;
+    struct result r32 = {0}, r16 = {0};
+    if (do32) r32 = run(ctx, &cfg, FSDP_F32, steps, B, T, data);
+    if (do16) r16 = run(ctx, &cfg, FSDP_BF16, steps, B, T, data);
+    printf("model %s, batch %d x %d, 1 rank x %d threads, median of steps 2..%d\n", model, B, T, threads, steps);
+    const struct result *rs[2] = {&r32, &r16};
+    const char *names[2] = {"fp32", "bf16"};
+    for (int i = 0; i < 2; i++)
+        if (rs[i]->step_s > 0)
+            printf("%s: %.3f s/step (forward %.3f, backward %.3f, update %.3f; CPU %.3f s/step), %.1f GFLOP/s "
+                   "model, last loss %.4f\n", names[i], rs[i]->step_s, rs[i]->fwd_s, rs[i]->bwd_s, rs[i]->upd_s,
+                   rs[i]->cpu_s, flops / rs[i]->step_s / 1e9, rs[i]->last_loss);
+    if (do32 && do16)
+        printf("bf16_speedup %.2f (fp32 s/step / bf16 s/step; by CPU time %.2f)\n", r32.step_s / r16.step_s,
+               r32.cpu_s / r16.cpu_s);
+    if (do16) printf("bf16_model_gflops %.1f\n", flops / r16.step_s / 1e9);
+    fsdp_data_free(data);
+    fsdp_ctx_free(ctx);
+    return 0;
+}

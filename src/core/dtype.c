@@ -1,0 +1,167 @@
+/*
+ * dtype.c - conversion between fp32 and the 16-bit float formats bf16 and
+ * fp16 (IEEE binary16), element by element and over arrays.
+ * Invariants (tests/test_dtype.c checks all 65536 patterns of each format):
+ *  - fp32 -> bf16/fp16 rounds to nearest, ties to even; fp32 subnormals are
+ *    kept (never flushed), overflow gives inf of the right sign, and a NaN
+ *    stays a NaN of the same sign with the quiet bit set and its top payload
+ *    bits kept (as the x86 conversion instructions do).
+ *  - bf16/fp16 -> fp32 is exact (every value, subnormals included, is
+ *    representable in fp32); NaN payloads are kept.
+ *  - the array forms give exactly the bits of the scalar forms. With AVX-512
+ *    they run 16 lanes at a time (bf16 with integer arithmetic, because
+ *    vcvtneps2bf16 flushes subnormals; fp16 with vcvtps2ph/vcvtph2ps, which
+ *    round correctly); the scalar forms finish the tail and are the whole of
+ *    the fallback. Long arrays are split across OpenMP threads (outside a
+ *    parallel region; inside one they run on the calling thread).
+ */
+#include "core/core-impl.h"
+
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* ---- Scalar forms (the reference) ---- */
+
+uint16_t fsdp__f32_to_bf16(float f) {
+    uint32_t u = f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* NaN: quiet */
+    u += 0x7fffu + ((u >> 16) & 1u); /* ties to even; a carry moves into the exponent (inf on overflow) */
+    return (uint16_t)(u >> 16);
+}
+
+float fsdp__bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+uint16_t fsdp__f32_to_f16(float f) {
+    uint32_t u = f32_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x03ffu)); /* NaN: quiet */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 (incl. inf) rounds to inf */
+    if (a >= 0x38800000u) {                                   /* normal fp16: >= 2^-14 */
+        uint32_t r = a - (112u << 23);                        /* rebias the exponent 127 -> 15 */
+        r += 0x0fffu + ((r >> 13) & 1u);                      /* ties to even; carry is fine */
+        return (uint16_t)(sign | (r >> 13));
+    }
+    if (a <= 0x33000000u) return sign; /* <= 2^-25: rounds to zero (2^-25 is a tie, even is 0) */
+    /* subnormal fp16: value = m 2^(e-150), in units of 2^-24 that is m >> (126 - e) */
+    uint32_t e = a >> 23, m = (a & 0x007fffffu) | 0x00800000u;
+    uint32_t shift = 126u - e; /* 14..24 */
+    uint32_t q = m >> shift, rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u))) q++; /* q may reach 0x400: the smallest normal */
+    return (uint16_t)(sign | q);
+}
+
+float fsdp__f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x03ffu;
+    if (e == 0x1fu) return bits_f32(sign | 0x7f800000u | (m << 13)); /* inf, NaN (payload kept) */
+    if (e) return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+    if (!m) return bits_f32(sign);
+    e = 113; /* subnormal m 2^-24: normalise */
+    while (!(m & 0x0400u)) {
+        m <<= 1;
+        e--;
+    }
+    return bits_f32(sign | (e << 23) | ((m & 0x03ffu) << 13));
+}
+
+/* ---- Array forms ---- */
+
+/* Block size of the OpenMP split; arrays shorter than two blocks stay serial. */
+#define CVT_BLOCK 16384
+
+static void f32_to_bf16_run(const float *src, uint16_t *dst, size_t n) {
+    size_t i = 0;
+#ifdef __AVX512F__
+    const __m512i one = _mm512_set1_epi32(1), round = _mm512_set1_epi32(0x7fff);
+    const __m512i absmask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i quiet = _mm512_set1_epi32(0x00400000);
+    for (; i + 16 <= n; i += 16) {
+        __m512i u = _mm512_loadu_si512((const void *)(src + i));
+        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absmask), inf);
+        r = _mm512_mask_or_epi32(r, nan, u, quiet); /* NaN lanes: u | quiet bit, truncated */
+        _mm256_storeu_si256((__m256i *)(void *)(dst + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    }
+#endif
+    for (; i < n; i++) dst[i] = fsdp__f32_to_bf16(src[i]);
+}
+
+static void bf16_to_f32_run(const uint16_t *src, float *dst, size_t n) {
+    size_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(src + i)));
+        _mm512_storeu_si512((void *)(dst + i), _mm512_slli_epi32(h, 16));
+    }
+#endif
+    for (; i < n; i++) dst[i] = fsdp__bf16_to_f32(src[i]);
+}
+
+static void f32_to_f16_run(const float *src, uint16_t *dst, size_t n) {
+    size_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_storeu_si256((__m256i *)(void *)(dst + i), h);
+    }
+#endif
+    for (; i < n; i++) dst[i] = fsdp__f32_to_f16(src[i]);
+}
+
+static void f16_to_f32_run(const uint16_t *src, float *dst, size_t n) {
+    size_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = fsdp__f16_to_f32(src[i]);
+}
+
+/* Runs fn over [0, n) in CVT_BLOCK pieces, in parallel when n is large. */
+#define CVT_SPLIT(fn, src, dst, n)                                                       \
+    do {                                                                                 \
+        int64_t nb_ = (int64_t)(((n) + CVT_BLOCK - 1) / CVT_BLOCK);                      \
+        _Pragma("omp parallel for schedule(static) if (nb_ > 1)")                        \
+        for (int64_t b_ = 0; b_ < nb_; b_++) {                                           \
+            size_t lo_ = (size_t)b_ * CVT_BLOCK, len_ = (n) - lo_;                       \
+            fn((src) + lo_, (dst) + lo_, len_ < CVT_BLOCK ? len_ : CVT_BLOCK);          \
+        }                                                                                \
+    } while (0)
+
+void fsdp__cvt_f32_to_bf16(const float *src, uint16_t *dst, size_t n) { CVT_SPLIT(f32_to_bf16_run, src, dst, n); }
+void fsdp__cvt_bf16_to_f32(const uint16_t *src, float *dst, size_t n) { CVT_SPLIT(bf16_to_f32_run, src, dst, n); }
+void fsdp__cvt_f32_to_f16(const float *src, uint16_t *dst, size_t n) { CVT_SPLIT(f32_to_f16_run, src, dst, n); }
+void fsdp__cvt_f16_to_f32(const uint16_t *src, float *dst, size_t n) { CVT_SPLIT(f16_to_f32_run, src, dst, n); }
+
+void fsdp__cvt_from_f32(enum fsdp_dtype dt, const float *src, void *dst, size_t n) {
+    switch (dt) {
+    case FSDP_F32: if (n && (const void *)src != dst) memcpy(dst, src, n * sizeof(float)); return;
+    case FSDP_BF16: fsdp__cvt_f32_to_bf16(src, dst, n); return;
+    case FSDP_F16: fsdp__cvt_f32_to_f16(src, dst, n); return;
+    default: FSDP_ASSERT(0, "no conversion from f32 to %s", fsdp_dtype_name(dt));
+    }
+}
+
+void fsdp__cvt_to_f32(enum fsdp_dtype dt, const void *src, float *dst, size_t n) {
+    switch (dt) {
+    case FSDP_F32: if (n && src != (const void *)dst) memcpy(dst, src, n * sizeof(float)); return;
+    case FSDP_BF16: fsdp__cvt_bf16_to_f32(src, dst, n); return;
+    case FSDP_F16: fsdp__cvt_f16_to_f32(src, dst, n); return;
+    default: FSDP_ASSERT(0, "no conversion from %s to f32", fsdp_dtype_name(dt));
+    }
+}

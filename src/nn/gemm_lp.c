@@ -1,0 +1,226 @@
+/*
+ * gemm_lp.c - low-precision GEMM: 16-bit inputs, fp32 accumulation, fp32
+ * output (fsdp__gemm_lp). Part of src/nn's GEMM wrapper (gemm.c has fp32).
+ *  - bf16: oneDNN's matmul primitive with bf16 src/weights and f32 dst, which
+ *    runs on AMX on this CPU (brgemm). Transposes and leading dimensions are
+ *    expressed as memory strides, so nothing is copied.
+ *  - fp16: oneDNN 2.6 has no f16 matmul on CPU (primitive creation returns
+ *    dnnl_unimplemented), so both inputs are widened to fp32 in a per-thread
+ *    scratch buffer and multiplied with fsdp__sgemm. Correct, not fast.
+ * [Note: matmul cache] Creating a matmul primitive costs milliseconds (JIT),
+ * so primitives are kept in a process-wide table keyed by everything that
+ * shapes them: dtype, M, N, K, transposes, leading dimensions, alpha (output
+ * scale), beta (a sum post-op) and whether the call is inside an OpenMP
+ * parallel region (oneDNN sizes its thread split at creation). The table is
+ * guarded by a mutex and never evicts (a primitive may be executing on another
+ * thread); when it is full a call creates and destroys its own primitive.
+ * Execution is thread-safe: each call brings its own memory objects, stream
+ * (one per thread) and scratchpad (user-managed, one growing buffer per
+ * thread), so attention can run per-(batch, head) products in parallel.
+ * A oneDNN failure is a broken invariant (FSDP_ASSERT), as in fsdp__sgemm.
+ */
+#include "nn/nn-impl.h"
+
+#include <omp.h>
+#include <oneapi/dnnl/dnnl.h>
+#include <pthread.h>
+
+struct mm_key {
+    int dt, transa, transb, in_par;
+    int64_t M, N, K, lda, ldb, ldc;
+    uint32_t alpha_bits, beta_bits;
+};
+
+struct mm_entry {
+    struct mm_key key;
+    dnnl_primitive_t prim;
+    dnnl_memory_desc_t a, b, c, scratch; /* the descs the primitive was made for */
+    size_t scratch_bytes;
+};
+
+#define MM_CACHE_CAP 512
+
+static pthread_mutex_t mm_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct mm_entry mm_cache[MM_CACHE_CAP];
+static int mm_count;
+static dnnl_engine_t mm_engine;
+static pthread_once_t mm_once = PTHREAD_ONCE_INIT;
+
+static _Thread_local dnnl_stream_t tl_stream;
+static _Thread_local void *tl_scratch;   /* oneDNN scratchpad, this thread */
+static _Thread_local size_t tl_scratch_cap;
+static _Thread_local float *tl_wide;     /* fp16 path: widened A and B, this thread */
+static _Thread_local size_t tl_wide_cap; /* floats */
+
+static void mm_engine_init(void) {
+    dnnl_status_t st = dnnl_engine_create(&mm_engine, dnnl_cpu, 0);
+    FSDP_ASSERT(st == dnnl_success, "dnnl_engine_create(cpu) failed with status %d", (int)st);
+}
+
+static uint32_t fbits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* Creates the primitive for key k into *e (not yet in the table). */
+static void mm_create(const struct mm_key *k, float alpha, float beta, struct mm_entry *e) {
+    dnnl_data_type_t in_dt = k->dt == FSDP_BF16 ? dnnl_bf16 : dnnl_f16;
+    dnnl_dims_t ad = {k->M, k->K}, bd = {k->K, k->N}, cd = {k->M, k->N};
+    dnnl_dims_t as = {k->transa ? 1 : k->lda, k->transa ? k->lda : 1};
+    dnnl_dims_t bs = {k->transb ? 1 : k->ldb, k->transb ? k->ldb : 1};
+    dnnl_dims_t cs = {k->ldc, 1};
+    dnnl_status_t st = dnnl_memory_desc_init_by_strides(&e->a, 2, ad, in_dt, as);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_strides(&e->b, 2, bd, in_dt, bs);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_strides(&e->c, 2, cd, dnnl_f32, cs);
+    dnnl_matmul_desc_t md;
+    if (st == dnnl_success) st = dnnl_matmul_desc_init(&md, &e->a, &e->b, NULL, &e->c);
+    dnnl_primitive_attr_t attr = NULL;
+    dnnl_post_ops_t po = NULL;
+    if (st == dnnl_success) st = dnnl_primitive_attr_create(&attr);
+    if (st == dnnl_success) st = dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user);
+    if (st == dnnl_success && alpha != 1.0f) st = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &alpha);
+    if (st == dnnl_success && beta != 0.0f) {
+        st = dnnl_post_ops_create(&po);
+        if (st == dnnl_success) st = dnnl_post_ops_append_sum(po, beta);
+        if (st == dnnl_success) st = dnnl_primitive_attr_set_post_ops(attr, po);
+    }
+    dnnl_primitive_desc_t pd = NULL;
+    if (st == dnnl_success) st = dnnl_primitive_desc_create(&pd, &md, attr, mm_engine, NULL);
+    if (st == dnnl_success) st = dnnl_primitive_create(&e->prim, pd);
+    if (st == dnnl_success) {
+        e->scratch = *dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+        e->scratch_bytes = dnnl_memory_desc_get_size(&e->scratch);
+    }
+    dnnl_primitive_desc_destroy(pd);
+    dnnl_post_ops_destroy(po);
+    dnnl_primitive_attr_destroy(attr);
+    FSDP_ASSERT(st == dnnl_success, "oneDNN %s matmul (%c%c, M=%lld N=%lld K=%lld, lda=%lld ldb=%lld "
+                "ldc=%lld, alpha %g beta %g): creation failed with status %d", fsdp_dtype_name(k->dt),
+                k->transa ? 'T' : 'N', k->transb ? 'T' : 'N', (long long)k->M, (long long)k->N,
+                (long long)k->K, (long long)k->lda, (long long)k->ldb, (long long)k->ldc, (double)alpha,
+                (double)beta, (int)st);
+    e->key = *k;
+}
+
+/* Returns the cached entry for k, creating it (*owned = 0), or a private
+ * entry in *tmp when the table is full (*owned = 1: destroy after use). */
+static const struct mm_entry *mm_get(const struct mm_key *k, float alpha, float beta, struct mm_entry *tmp,
+                                     int *owned) {
+    pthread_once(&mm_once, mm_engine_init);
+    *owned = 0;
+    pthread_mutex_lock(&mm_lock);
+    for (int i = 0; i < mm_count; i++)
+        if (memcmp(&mm_cache[i].key, k, sizeof *k) == 0) {
+            pthread_mutex_unlock(&mm_lock);
+            return &mm_cache[i];
+        }
+    const struct mm_entry *e;
+    if (mm_count < MM_CACHE_CAP) { /* create under the lock: a shape is made once */
+        mm_create(k, alpha, beta, &mm_cache[mm_count]);
+        e = &mm_cache[mm_count++];
+    } else {
+        mm_create(k, alpha, beta, tmp);
+        *owned = 1;
+        e = tmp;
+    }
+    pthread_mutex_unlock(&mm_lock);
+    return e;
+}
+
+static void *tl_grow(void **buf, size_t *cap, size_t bytes) {
+    if (bytes > *cap) {
+        free(*buf);
+        *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        FSDP_ASSERT(*buf, "out of memory for %zu bytes of GEMM scratch", bytes);
+        *cap = (bytes + 63) / 64 * 64;
+    }
+    return *buf;
+}
+
+static void gemm_onednn(const struct mm_key *k, float alpha, float beta, const void *A, const void *B, float *C) {
+    struct mm_entry tmp;
+    int owned;
+    const struct mm_entry *e = mm_get(k, alpha, beta, &tmp, &owned);
+    if (!tl_stream) {
+        dnnl_status_t st = dnnl_stream_create(&tl_stream, mm_engine, dnnl_stream_default_flags);
+        FSDP_ASSERT(st == dnnl_success, "dnnl_stream_create failed with status %d", (int)st);
+    }
+    void *scratch = e->scratch_bytes ? tl_grow(&tl_scratch, &tl_scratch_cap, e->scratch_bytes) : NULL;
+    dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL;
+    dnnl_status_t st = dnnl_memory_create(&ma, &e->a, mm_engine, (void *)(uintptr_t)A);
+    if (st == dnnl_success) st = dnnl_memory_create(&mb, &e->b, mm_engine, (void *)(uintptr_t)B);
+    if (st == dnnl_success) st = dnnl_memory_create(&mc, &e->c, mm_engine, C);
+    if (st == dnnl_success && scratch) st = dnnl_memory_create(&ms, &e->scratch, mm_engine, scratch);
+    dnnl_exec_arg_t args[4] = {
+        {DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}};
+    if (st == dnnl_success) st = dnnl_primitive_execute(e->prim, tl_stream, scratch ? 4 : 3, args);
+    if (st == dnnl_success) st = dnnl_stream_wait(tl_stream);
+    dnnl_memory_destroy(ma);
+    dnnl_memory_destroy(mb);
+    dnnl_memory_destroy(mc);
+    dnnl_memory_destroy(ms);
+    if (owned) dnnl_primitive_destroy(tmp.prim);
+    FSDP_ASSERT(st == dnnl_success, "oneDNN %s matmul (M=%lld N=%lld K=%lld) failed with status %d",
+                fsdp_dtype_name(k->dt), (long long)k->M, (long long)k->N, (long long)k->K, (int)st);
+}
+
+/* fp16: widen the stored matrices (rows x cols with row stride ld) to fp32,
+ * densely, then fsdp__sgemm. */
+static void gemm_f16(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A,
+                     int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    int64_t ar = transa ? K : M, ac = transa ? M : K; /* stored A (ar, ac) */
+    int64_t br = transb ? N : K, bc = transb ? K : N; /* stored B (br, bc) */
+    float *w = tl_grow((void **)&tl_wide, &tl_wide_cap, (size_t)(ar * ac + br * bc) * sizeof(float));
+    float *a = w, *b = w + ar * ac;
+    for (int64_t i = 0; i < ar; i++) fsdp__cvt_f16_to_f32(A + i * lda, a + i * ac, (size_t)ac);
+    for (int64_t i = 0; i < br; i++) fsdp__cvt_f16_to_f32(B + i * ldb, b + i * bc, (size_t)bc);
+    fsdp__sgemm(transa, transb, M, N, K, alpha, a, ac, b, bc, beta, C, ldc);
+}
+
+void fsdp__gemm_lp(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
+                   const void *A, int64_t lda, const void *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (dt == FSDP_F32) {
+        fsdp__sgemm(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+    FSDP_ASSERT(dt == FSDP_BF16 || dt == FSDP_F16, "GEMM input dtype %s (want f32, bf16 or f16)",
+                fsdp_dtype_name(dt));
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) { /* no products: C = beta * C */
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+        return;
+    }
+    if (dt == FSDP_F16) {
+        gemm_f16(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+    struct mm_key k;
+    memset(&k, 0, sizeof k); /* padding bytes take part in the memcmp */
+    k.dt = (int)dt;
+    k.transa = transa != 0;
+    k.transb = transb != 0;
+    k.in_par = omp_in_parallel();
+    k.M = M;
+    k.N = N;
+    k.K = K;
+    k.lda = lda;
+    k.ldb = ldb;
+    k.ldc = ldc;
+    k.alpha_bits = fbits(alpha);
+    k.beta_bits = fbits(beta);
+    gemm_onednn(&k, alpha, beta, A, B, C);
+}
+
+void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A,
+                     int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    fsdp__gemm_lp(FSDP_BF16, transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+int fsdp__gemm_lp_cached(void) {
+    pthread_mutex_lock(&mm_lock);
+    int n = mm_count;
+    pthread_mutex_unlock(&mm_lock);
+    return n;
+}

@@ -1,0 +1,49 @@
+/*
+ * precision.c - the per-module compute precision switch
+ * (fsdp_module_set_compute_dtype) and the arena helper the layers use to cast
+ * fp32 operands to it.
+ *
+ * [Note: compute precision] Every module carries compute_dtype (FSDP_F32 by
+ * default: fsdp_module_create zero-fills). A layer that owns matrix products
+ * (Linear; CausalSelfAttention for q k^T and att v) reads its own field at
+ * each forward and backward: in FSDP_BF16 / FSDP_F16 it casts the weight from
+ * the fp32 full parameter into the arena (once per forward, once per
+ * backward; never cached, since values exist only while a unit is gathered)
+ * and the activations as they come, multiplies with fsdp__gemm_lp (fp32
+ * accumulation and output), and saves the 16-bit copy of its input for the
+ * weight gradient. Everything else (LayerNorm, softmax, GELU, embeddings, the
+ * loss, residual adds) is fp32, as are the tensors passed between modules
+ * and the gradients accumulated in p->grad. Composites (MLP, Block, GPT) have
+ * no products of their own; the setter reaches their children. A sharding
+ * unit sets the dtype on its root to cover its subtree; a nested unit that
+ * sets FSDP_F32 afterwards stays fp32 inside a bf16 parent (set parents first).
+ */
+#include "nn/nn-impl.h"
+
+enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp_module *m, enum fsdp_dtype dt) {
+    if (!m) return fsdp__err(ctx, FSDP_ERR_INVALID, "fsdp_module_set_compute_dtype: module is NULL");
+    if (dt != FSDP_F32 && dt != FSDP_BF16 && dt != FSDP_F16)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "module '%s': compute dtype %s is not one of f32, bf16, f16",
+                         fsdp__mname(m), fsdp_dtype_name(dt));
+    m->compute_dtype = dt;
+    for (int i = 0; i < m->n_children; i++) FSDP_TRY(fsdp_module_set_compute_dtype(ctx, m->children[i], dt));
+    return FSDP_OK;
+}
+
+void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what) {
+    void *p = fsdp_arena_alloc(ctx, (size_t)n * fsdp_dtype_size(dt));
+    if (!p) {
+        fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s (%lld %s elements) in the activation arena", what,
+                  (long long)n, fsdp_dtype_name(dt));
+        return NULL;
+    }
+    fsdp__cvt_from_f32(dt, src, p, (size_t)n);
+    return p;
+}
+
+const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp_dtype dt) {
+    if (dt == FSDP_F32) return fsdp__pdata(p);
+    char what[96];
+    snprintf(what, sizeof what, "%s in %s", p->fqn ? p->fqn : p->name, fsdp_dtype_name(dt));
+    return fsdp__lp_copy(ctx, dt, fsdp__pdata(p), p->numel, what);
+}
