@@ -1,0 +1,769 @@
+/*
+ * safetensors.c - the safetensors reader and writer, and the durable-file
+ * helpers the checkpoints use (CRC-32C, full writes, fsync of a folder, the
+ * crash-test hook). Sits in io/, below fsdp/ (which decides what to save) and
+ * above core/. Reads with pread, never mmap, so a file that shrinks under us
+ * is an i/o error and not a SIGBUS.
+ * Invariants: a parsed file's tensors are sorted by offset, do not overlap,
+ * lie inside the file, and have byte sizes equal to numel * dtype size; a
+ * tensor with checksums has exactly ceil(bytes / FSDP__ST_CHUNK) of them
+ * (one for an empty tensor).
+ *
+ * [Note: chunked checksums] A rank loading its slice of a big tensor must not
+ * have to read the whole tensor to verify it, so the CRC-32C is kept per
+ * 1 MiB chunk of each tensor (in the header's __metadata__, as hex, so other
+ * safetensors readers simply ignore it). A reader extends every read to whole
+ * chunks and verifies each: at most 2 MiB extra per tensor read. The writer
+ * reserves the checksum text in the header (fixed width) and fills it in at
+ * commit, so the data is streamed once.
+ */
+#include "io/io-impl.h"
+
+#include <cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#if defined(__SSE4_2__)
+#include <nmmintrin.h>
+#endif
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "safetensors.c writes tensors in host order; port it to swap bytes on big-endian hosts"
+#endif
+
+#define CRC_KEY "fsdp.crc32c."
+
+/* ---- CRC-32C (Castagnoli) ---- */
+
+#if !defined(__SSE4_2__)
+static uint32_t crc_table[256];
+
+static void crc_init_table(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        crc_table[i] = c;
+    }
+}
+#endif
+
+uint32_t fsdp__crc32c(uint32_t crc, const void *buf, size_t n) {
+    const uint8_t *p = buf;
+    crc = ~crc;
+#if defined(__SSE4_2__)
+    uint64_t c = crc;
+    for (; n >= 8; n -= 8, p += 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = _mm_crc32_u64(c, v);
+    }
+    crc = (uint32_t)c;
+    for (; n; n--, p++) crc = _mm_crc32_u8(crc, *p);
+#else
+    if (!crc_table[1]) crc_init_table();
+    for (; n; n--, p++) crc = crc_table[(crc ^ *p) & 0xff] ^ (crc >> 8);
+#endif
+    return ~crc;
+}
+
+/* ---- dtypes ---- */
+
+static const struct {
+    const char *name;
+    enum fsdp_dtype dt;
+} dtypes[] = {{"F32", FSDP_F32}, {"BF16", FSDP_BF16}, {"F16", FSDP_F16},
+              {"I32", FSDP_I32}, {"U16", FSDP_U16},   {"U8", FSDP_U8}};
+
+/* valid in the format but not representable here */
+static const char *const dtypes_other[] = {"F64", "I64", "U64", "I16", "I8", "U32", "BOOL",
+                                           "F8_E4M3", "F8_E5M2", "C64"};
+
+enum fsdp_status fsdp__st_dtype_parse(const char *s, enum fsdp_dtype *out) {
+    for (size_t i = 0; i < sizeof dtypes / sizeof dtypes[0]; i++)
+        if (!strcmp(s, dtypes[i].name)) {
+            *out = dtypes[i].dt;
+            return FSDP_OK;
+        }
+    for (size_t i = 0; i < sizeof dtypes_other / sizeof dtypes_other[0]; i++)
+        if (!strcmp(s, dtypes_other[i])) return FSDP_ERR_UNSUPPORTED;
+    return FSDP_ERR_FORMAT;
+}
+
+const char *fsdp__st_dtype_str(enum fsdp_dtype dt) {
+    for (size_t i = 0; i < sizeof dtypes / sizeof dtypes[0]; i++)
+        if (dtypes[i].dt == dt) return dtypes[i].name;
+    return "?";
+}
+
+/* ---- Parsing ---- */
+
+static void file_clear(struct fsdp__st_file *f) {
+    if (!f) return;
+    for (int i = 0; i < f->n; i++) {
+        free(f->t[i].name);
+        free(f->t[i].crc);
+    }
+    for (int i = 0; i < f->n_meta; i++) {
+        free(f->meta_key[i]);
+        free(f->meta_val[i]);
+    }
+    free(f->t);
+    free(f->meta_key);
+    free(f->meta_val);
+    free(f->path);
+    if (f->fd >= 0) close(f->fd);
+    memset(f, 0, sizeof *f);
+    f->fd = -1;
+}
+
+void fsdp__st_close(struct fsdp__st_file *f) { file_clear(f); }
+
+/* A JSON number that is an exact integer in [0, max]. */
+static int json_uint(const cJSON *j, uint64_t max, uint64_t *out) {
+    if (!cJSON_IsNumber(j)) return 0;
+    double v = j->valuedouble;
+    if (!(v >= 0) || v > (double)max || v != (double)(uint64_t)v) return 0;
+    *out = (uint64_t)v;
+    return 1;
+}
+
+static int hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+static int64_t n_chunks(uint64_t bytes) {
+    return bytes == 0 ? 1 : (int64_t)((bytes + FSDP__ST_CHUNK - 1) / FSDP__ST_CHUNK);
+}
+
+static int by_begin(const void *a, const void *b) {
+    const struct fsdp__st_tensor *x = a, *y = b;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    return x->end < y->end ? -1 : x->end > y->end;
+}
+
+static enum fsdp_status parse_tensor(struct fsdp_ctx *ctx, const char *name, const cJSON *e,
+                                     uint64_t data_size, struct fsdp__st_tensor *t) {
+    const char *tn = e->string;
+    if (!tn[0]) return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: a tensor has an empty name", name);
+    if (strlen(tn) > 4096)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: a tensor name is longer than 4096 bytes", name);
+    if (!cJSON_IsObject(e))
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': entry is not a JSON object", name, tn);
+    int n_fields = 0;
+    for (const cJSON *k = e->child; k; k = k->next) {
+        n_fields++;
+        if (strcmp(k->string, "dtype") && strcmp(k->string, "shape") && strcmp(k->string, "data_offsets"))
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': unknown field '%s'", name, tn,
+                             k->string);
+    }
+    const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
+    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
+    const cJSON *of = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
+    if (!dt || !sh || !of || n_fields != 3)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT,
+                         "%s: tensor '%s': needs exactly the fields dtype, shape and data_offsets", name, tn);
+    if (!cJSON_IsString(dt))
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': dtype is not a string", name, tn);
+    enum fsdp_status st = fsdp__st_dtype_parse(dt->valuestring, &t->dtype);
+    if (st == FSDP_ERR_UNSUPPORTED)
+        return fsdp__err(ctx, st, "%s: tensor '%s': dtype %s is not supported (F32 BF16 F16 I32 U16 U8)",
+                         name, tn, dt->valuestring);
+    if (st != FSDP_OK)
+        return fsdp__err(ctx, st, "%s: tensor '%s': unknown dtype '%.32s'", name, tn, dt->valuestring);
+    if (!cJSON_IsArray(sh))
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': shape is not an array", name, tn);
+    int nd = cJSON_GetArraySize(sh);
+    if (nd > FSDP_MAX_DIMS)
+        return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED, "%s: tensor '%s': %d dimensions (at most %d supported)",
+                         name, tn, nd, FSDP_MAX_DIMS);
+    t->ndim = nd;
+    uint64_t numel = 1;
+    int i = 0;
+    for (const cJSON *d = sh->child; d; d = d->next, i++) {
+        uint64_t v;
+        if (!json_uint(d, (uint64_t)1 << 50, &v))
+            return fsdp__err(ctx, FSDP_ERR_FORMAT,
+                             "%s: tensor '%s': shape[%d] is not an integer in [0, 2^50]", name, tn, i);
+        t->shape[i] = (int64_t)v;
+        if (v && numel > ((uint64_t)1 << 50) / v)
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': absurd size (more than 2^50 elements)",
+                             name, tn);
+        numel *= v;
+    }
+    t->numel = (int64_t)numel;
+    if (!cJSON_IsArray(of) || cJSON_GetArraySize(of) != 2 ||
+        !json_uint(of->child, (uint64_t)1 << 53, &t->begin) ||
+        !json_uint(of->child->next, (uint64_t)1 << 53, &t->end))
+        return fsdp__err(ctx, FSDP_ERR_FORMAT,
+                         "%s: tensor '%s': data_offsets is not [begin, end] with integers >= 0", name, tn);
+    if (t->end < t->begin)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': data_offsets [%llu, %llu] end before begin",
+                         name, tn, (unsigned long long)t->begin, (unsigned long long)t->end);
+    if (t->end > data_size)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT,
+                         "%s: tensor '%s': data_offsets [%llu, %llu] lie beyond the %llu data bytes "
+                         "(truncated file?)",
+                         name, tn, (unsigned long long)t->begin, (unsigned long long)t->end,
+                         (unsigned long long)data_size);
+    uint64_t want = numel * fsdp_dtype_size(t->dtype);
+    if (t->end - t->begin != want)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT,
+                         "%s: tensor '%s': data_offsets span %llu bytes but shape and dtype need %llu", name,
+                         tn, (unsigned long long)(t->end - t->begin), (unsigned long long)want);
+    t->name = fsdp__strdup(tn);
+    if (!t->name) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", name);
+    return FSDP_OK;
+}
+
+static enum fsdp_status parse_crc(struct fsdp_ctx *ctx, const char *name, struct fsdp__st_tensor *t,
+                                  const char *hex) {
+    int64_t n = n_chunks(t->end - t->begin);
+    if (strlen(hex) != (size_t)n * 8)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT,
+                         "%s: tensor '%s': checksum metadata has %zu hex digits, expected %lld", name,
+                         t->name, strlen(hex), (long long)n * 8);
+    t->crc = malloc((size_t)n * sizeof *t->crc);
+    if (!t->crc) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", name);
+    t->n_crc = n;
+    for (int64_t c = 0; c < n; c++) {
+        uint32_t v = 0;
+        for (int k = 0; k < 8; k++) {
+            int h = hexval(hex[c * 8 + k]);
+            if (h < 0)
+                return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': checksum metadata is not hex",
+                                 name, t->name);
+            v = v << 4 | (uint32_t)h;
+        }
+        t->crc[c] = v;
+    }
+    return FSDP_OK;
+}
+
+static enum fsdp_status parse_json(struct fsdp_ctx *ctx, const char *name, const cJSON *root,
+                                   uint64_t data_size, struct fsdp__st_file *f) {
+    if (!cJSON_IsObject(root))
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: the header is not a JSON object", name);
+    int n = 0;
+    const cJSON *meta = NULL;
+    for (const cJSON *e = root->child; e; e = e->next) {
+        if (!strcmp(e->string, "__metadata__")) {
+            if (meta) return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: __metadata__ appears twice", name);
+            meta = e;
+        } else {
+            n++;
+        }
+    }
+    f->t = calloc((size_t)n + 1, sizeof *f->t);
+    if (!f->t) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory for %d tensors", name, n);
+    for (const cJSON *e = root->child; e; e = e->next) {
+        if (e == meta) continue;
+        enum fsdp_status st = parse_tensor(ctx, name, e, data_size, &f->t[f->n]);
+        if (f->t[f->n].name) f->n++;
+        else free(f->t[f->n].crc);
+        if (st != FSDP_OK) return st;
+    }
+    qsort(f->t, (size_t)f->n, sizeof *f->t, by_begin);
+    for (int i = 1; i < f->n; i++)
+        if (f->t[i].begin < f->t[i - 1].end)
+            return fsdp__err(ctx, FSDP_ERR_FORMAT,
+                             "%s: tensors '%s' [%llu, %llu) and '%s' [%llu, %llu) overlap", name,
+                             f->t[i - 1].name, (unsigned long long)f->t[i - 1].begin,
+                             (unsigned long long)f->t[i - 1].end, f->t[i].name,
+                             (unsigned long long)f->t[i].begin, (unsigned long long)f->t[i].end);
+    /* duplicate names (JSON allows repeated keys) */
+    for (int i = 0; i < f->n; i++)
+        for (int j = i + 1; j < f->n && f->n <= 65536; j++)
+            if (!strcmp(f->t[i].name, f->t[j].name))
+                return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s' appears twice", name, f->t[i].name);
+    if (!meta) return FSDP_OK;
+    if (!cJSON_IsObject(meta))
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: __metadata__ is not an object", name);
+    int nm = cJSON_GetArraySize(meta);
+    f->meta_key = calloc((size_t)nm + 1, sizeof(char *));
+    f->meta_val = calloc((size_t)nm + 1, sizeof(char *));
+    if (!f->meta_key || !f->meta_val) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", name);
+    for (const cJSON *e = meta->child; e; e = e->next) {
+        if (!cJSON_IsString(e))
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: __metadata__ value of '%s' is not a string", name,
+                             e->string);
+        if (!strncmp(e->string, CRC_KEY, strlen(CRC_KEY))) {
+            int i = fsdp__st_find(f, e->string + strlen(CRC_KEY));
+            if (i < 0)
+                return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: checksum for '%s', which is not a tensor here",
+                                 name, e->string + strlen(CRC_KEY));
+            if (f->t[i].crc)
+                return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': two checksums", name, f->t[i].name);
+            FSDP_TRY(parse_crc(ctx, name, &f->t[i], e->valuestring));
+            continue;
+        }
+        f->meta_key[f->n_meta] = fsdp__strdup(e->string);
+        f->meta_val[f->n_meta] = fsdp__strdup(e->valuestring);
+        f->n_meta++;
+        if (!f->meta_key[f->n_meta - 1] || !f->meta_val[f->n_meta - 1])
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", name);
+    }
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp__safetensors_parse(struct fsdp_ctx *ctx, const char *name, const void *buf,
+                                         size_t len, uint64_t file_size, struct fsdp__st_file *out) {
+    memset(out, 0, sizeof *out);
+    out->fd = -1;
+    const uint8_t *b = buf;
+    if (len < 8 || file_size < 8)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: %llu bytes: too short for a safetensors header length",
+                         name, (unsigned long long)(len < file_size ? len : file_size));
+    uint64_t h = 0;
+    for (int i = 7; i >= 0; i--) h = h << 8 | b[i];
+    if (h < 2 || h > FSDP__ST_MAX_HEADER)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT,
+                         "%s: header length %llu is absurd (not a safetensors file?); at most %llu", name,
+                         (unsigned long long)h, (unsigned long long)FSDP__ST_MAX_HEADER);
+    if (8 + h > file_size)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT,
+                         "%s: header length %llu runs past the end of the %llu-byte file (truncated?)", name,
+                         (unsigned long long)h, (unsigned long long)file_size);
+    if (8 + h > len)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: only %zu header bytes given, %llu needed", name, len,
+                         (unsigned long long)(8 + h));
+    const char *js = (const char *)b + 8;
+    if (js[0] != '{')
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: the header does not start with '{'", name);
+    for (uint64_t i = 0; i < h; i++)
+        if (js[i] == 0)
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: the header contains a NUL byte at %llu", name,
+                             (unsigned long long)i);
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(js, (size_t)h, &end, 0);
+    if (!root) return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: the header is not valid JSON", name);
+    for (; end && end < js + h; end++)
+        if (*end != ' ' && *end != '\t' && *end != '\n' && *end != '\r') {
+            cJSON_Delete(root);
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: the header has bytes after its JSON object (at %lld)", name,
+                             (long long)(end - js));
+        }
+    out->file_size = file_size;
+    out->data_start = 8 + h;
+    out->path = fsdp__strdup(name);
+    enum fsdp_status st = out->path ? parse_json(ctx, name, root, file_size - out->data_start, out)
+                                    : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    cJSON_Delete(root);
+    if (st != FSDP_OK) file_clear(out);
+    return st;
+}
+
+enum fsdp_status fsdp__st_open(struct fsdp_ctx *ctx, const char *path, struct fsdp__st_file *out) {
+    memset(out, 0, sizeof *out);
+    out->fd = -1;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return fsdp__err(ctx, FSDP_ERR_IO, "%s: not a regular file", path);
+    }
+    uint64_t size = (uint64_t)sb.st_size;
+    uint8_t lenb[8];
+    ssize_t r = size >= 8 ? pread(fd, lenb, 8, 0) : 0;
+    if (r != 8) {
+        close(fd);
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: %llu bytes: too short for a safetensors header length",
+                         path, (unsigned long long)size);
+    }
+    uint64_t h = 0;
+    for (int i = 7; i >= 0; i--) h = h << 8 | lenb[i];
+    size_t want = h <= FSDP__ST_MAX_HEADER && 8 + h <= size ? (size_t)(8 + h) : 8;
+    uint8_t *buf = malloc(want);
+    if (!buf) {
+        close(fd);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory for the header", path);
+    }
+    memcpy(buf, lenb, 8);
+    if (want > 8 && pread(fd, buf + 8, want - 8, 8) != (ssize_t)(want - 8)) {
+        free(buf);
+        close(fd);
+        return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot read the header: %s", path, strerror(errno));
+    }
+    enum fsdp_status st = fsdp__safetensors_parse(ctx, path, buf, want, size, out);
+    free(buf);
+    if (st != FSDP_OK) {
+        close(fd);
+        return st;
+    }
+    out->fd = fd;
+    return FSDP_OK;
+}
+
+int fsdp__st_find(const struct fsdp__st_file *f, const char *name) {
+    for (int i = 0; i < f->n; i++)
+        if (!strcmp(f->t[i].name, name)) return i;
+    return -1;
+}
+
+const char *fsdp__st_meta(const struct fsdp__st_file *f, const char *key) {
+    for (int i = 0; i < f->n_meta; i++)
+        if (!strcmp(f->meta_key[i], key)) return f->meta_val[i];
+    return NULL;
+}
+
+static enum fsdp_status read_at(struct fsdp_ctx *ctx, const struct fsdp__st_file *f, const char *tn,
+                                void *dst, size_t n, uint64_t off) {
+    uint8_t *p = dst;
+    while (n) {
+        ssize_t r = pread(f->fd, p, n > ((size_t)1 << 30) ? (size_t)1 << 30 : n, (off_t)off);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0)
+            return fsdp__err(ctx, FSDP_ERR_IO, "%s: tensor '%s': cannot read %zu bytes at %llu: %s", f->path,
+                             tn, n, (unsigned long long)off, r < 0 ? strerror(errno) : "file shrank");
+        p += r;
+        n -= (size_t)r;
+        off += (uint64_t)r;
+    }
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp__st_read(struct fsdp_ctx *ctx, const struct fsdp__st_file *f, int i,
+                               uint64_t lo, uint64_t hi, void *dst) {
+    FSDP_ASSERT(i >= 0 && i < f->n, "tensor index %d of %d", i, f->n);
+    const struct fsdp__st_tensor *t = &f->t[i];
+    uint64_t size = t->end - t->begin;
+    FSDP_ASSERT(lo <= hi && hi <= size, "read [%llu, %llu) of %llu bytes", (unsigned long long)lo,
+                (unsigned long long)hi, (unsigned long long)size);
+    if (f->fd < 0) return fsdp__err(ctx, FSDP_ERR_STATE, "%s: parsed from memory; no data", f->path);
+    uint64_t base = f->data_start + t->begin;
+    if (!t->crc) return lo == hi ? FSDP_OK : read_at(ctx, f, t->name, dst, (size_t)(hi - lo), base + lo);
+    /* [Note: chunked checksums] */
+    uint64_t c0 = lo / FSDP__ST_CHUNK, c1 = hi > lo ? (hi - 1) / FSDP__ST_CHUNK + 1 : c0 + 1;
+    size_t cap = (size_t)(size < FSDP__ST_CHUNK ? size : FSDP__ST_CHUNK);
+    uint8_t *scratch = malloc(cap ? cap : 1);
+    if (!scratch) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory reading '%s'", f->path, t->name);
+    enum fsdp_status st = FSDP_OK;
+    for (uint64_t c = c0; c < c1 && st == FSDP_OK; c++) {
+        uint64_t a = c * FSDP__ST_CHUNK, b = a + FSDP__ST_CHUNK < size ? a + FSDP__ST_CHUNK : size;
+        /* a chunk wholly inside [lo, hi) is read in place, others via scratch */
+        int whole = a >= lo && b <= hi;
+        uint8_t *buf = whole ? (uint8_t *)dst + (a - lo) : scratch;
+        st = read_at(ctx, f, t->name, buf, (size_t)(b - a), base + a);
+        if (st != FSDP_OK) break;
+        uint32_t got = fsdp__crc32c(0, buf, (size_t)(b - a));
+        if (got != t->crc[c]) {
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT,
+                           "%s: tensor '%s': checksum mismatch in bytes [%llu, %llu) (crc32c %08x, header "
+                           "says %08x): the file is corrupted",
+                           f->path, t->name, (unsigned long long)a, (unsigned long long)b, got, t->crc[c]);
+            break;
+        }
+        uint64_t s = lo > a ? lo : a, e = hi < b ? hi : b;
+        if (!whole && s < e) memcpy((uint8_t *)dst + (s - lo), scratch + (s - a), (size_t)(e - s));
+    }
+    free(scratch);
+    return st;
+}
+
+enum fsdp_status fsdp__st_verify(struct fsdp_ctx *ctx, const struct fsdp__st_file *f, int *n_unchecked) {
+    int unchecked = 0;
+    uint8_t *buf = malloc((size_t)FSDP__ST_CHUNK);
+    if (!buf) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    enum fsdp_status st = FSDP_OK;
+    for (int i = 0; i < f->n && st == FSDP_OK; i++) {
+        const struct fsdp__st_tensor *t = &f->t[i];
+        if (!t->crc) unchecked++;
+        uint64_t size = t->end - t->begin;
+        for (uint64_t a = 0; a < size && st == FSDP_OK; a += FSDP__ST_CHUNK) {
+            uint64_t b = a + FSDP__ST_CHUNK < size ? a + FSDP__ST_CHUNK : size;
+            st = fsdp__st_read(ctx, f, i, a, b, buf);
+        }
+    }
+    free(buf);
+    if (n_unchecked) *n_unchecked = unchecked;
+    return st;
+}
+
+/* ---- Durable files ---- */
+
+enum fsdp_status fsdp__write_all(struct fsdp_ctx *ctx, int fd, const char *path, const void *buf,
+                                 size_t n, uint64_t off) {
+    const uint8_t *p = buf;
+    while (n) {
+        ssize_t w = pwrite(fd, p, n > ((size_t)1 << 30) ? (size_t)1 << 30 : n, (off_t)off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return fsdp__err(ctx, FSDP_ERR_IO, "%s: write failed: %s", path, strerror(errno));
+        p += w;
+        n -= (size_t)w;
+        off += (uint64_t)w;
+    }
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp__fsync_dir(struct fsdp_ctx *ctx, const char *dir_of_path) {
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof dir, "%s", dir_of_path);
+    char *slash = strrchr(dir, '/');
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (slash == dir) dir[1] = 0;
+    else *slash = 0;
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot open folder: %s", dir, strerror(errno));
+    int r = fsync(fd);
+    close(fd);
+    if (r != 0) return fsdp__err(ctx, FSDP_ERR_IO, "%s: fsync failed: %s", dir, strerror(errno));
+    return FSDP_OK;
+}
+
+void fsdp__ckpt_crash_point(const char *where) {
+    static long count, at = -1;
+    if (at < 0) {
+        const char *e = getenv("FSDP_CKPT_CRASH_AT");
+        at = e ? atol(e) : 0;
+    }
+    if (at > 0 && ++count == at) {
+        fprintf(stderr, "fsdp: FSDP_CKPT_CRASH_AT=%ld: exiting at '%s'\n", at, where);
+        _exit(86);
+    }
+}
+
+/* ---- Writer ---- */
+
+struct fsdp__st_writer {
+    struct fsdp_ctx *ctx;
+    char *path, *tmp;
+    int fd;
+    int n, cur;             /* tensors; the one being filled */
+    uint64_t *bytes;        /* (n) */
+    uint32_t **crc;         /* (n) per-chunk CRCs */
+    uint64_t filled;        /* bytes of tensor cur written */
+    uint64_t off;           /* file offset of the next byte */
+    uint64_t data_start;
+    struct fsdp__st_desc *desc; /* (n) copied, names owned */
+    int n_meta;
+    char **meta_kv;             /* (2 n_meta) copied */
+};
+
+/* The JSON header with the given checksums (NULL: zeros), padded with spaces
+ * to make 8 + length a multiple of 8. Returns malloc'd text. */
+static char *build_header(struct fsdp__st_writer *w, size_t *len) {
+    cJSON *root = cJSON_CreateObject();
+    cJSON *meta = cJSON_CreateObject();
+    if (!root || !meta) goto oom;
+    cJSON_AddItemToObject(root, "__metadata__", meta);
+    uint64_t off = 0;
+    for (int i = 0; i < w->n; i++) {
+        cJSON *e = cJSON_CreateObject();
+        if (!e) goto oom;
+        cJSON_AddItemToObject(root, w->desc[i].name, e);
+        cJSON_AddStringToObject(e, "dtype", fsdp__st_dtype_str(w->desc[i].dtype));
+        cJSON *sh = cJSON_AddArrayToObject(e, "shape");
+        for (int d = 0; sh && d < w->desc[i].ndim; d++)
+            cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)w->desc[i].shape[d]));
+        cJSON *of = cJSON_AddArrayToObject(e, "data_offsets");
+        if (of) {
+            cJSON_AddItemToArray(of, cJSON_CreateNumber((double)off));
+            cJSON_AddItemToArray(of, cJSON_CreateNumber((double)(off + w->bytes[i])));
+        }
+        off += w->bytes[i];
+    }
+    for (int i = 0; i < w->n_meta; i++)
+        cJSON_AddStringToObject(meta, w->meta_kv[2 * i], w->meta_kv[2 * i + 1]);
+    for (int i = 0; i < w->n; i++) {
+        int64_t nc = n_chunks(w->bytes[i]);
+        char *hex = malloc((size_t)nc * 8 + 1);
+        char *key = malloc(strlen(CRC_KEY) + strlen(w->desc[i].name) + 1);
+        if (!hex || !key) {
+            free(hex);
+            free(key);
+            goto oom;
+        }
+        for (int64_t c = 0; c < nc; c++) snprintf(hex + c * 8, 9, "%08x", w->crc[i][c]);
+        hex[nc * 8] = 0;
+        sprintf(key, "%s%s", CRC_KEY, w->desc[i].name);
+        cJSON_AddStringToObject(meta, key, hex);
+        free(hex);
+        free(key);
+    }
+    char *text = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    if (!text) return NULL;
+    size_t n = strlen(text), padded = (n + 7) / 8 * 8;
+    char *out = realloc(text, padded + 1);
+    if (!out) {
+        free(text);
+        return NULL;
+    }
+    memset(out + n, ' ', padded - n);
+    out[padded] = 0;
+    *len = padded;
+    return out;
+oom:
+    cJSON_Delete(root);
+    return NULL;
+}
+
+static void writer_free(struct fsdp__st_writer *w) {
+    if (!w) return;
+    for (int i = 0; i < w->n; i++) free(w->crc ? w->crc[i] : NULL);
+    for (int i = 0; w->desc && i < w->n; i++) free((char *)w->desc[i].name);
+    for (int i = 0; w->meta_kv && i < 2 * w->n_meta; i++) free(w->meta_kv[i]);
+    free(w->desc);
+    free(w->meta_kv);
+    free(w->crc);
+    free(w->bytes);
+    free(w->path);
+    free(w->tmp);
+    free(w);
+}
+
+enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, int n,
+                                      const struct fsdp__st_desc *desc, int n_meta,
+                                      const char *const *meta_kv, struct fsdp__st_writer **out) {
+    *out = NULL;
+    struct fsdp__st_writer *w = calloc(1, sizeof *w);
+    if (!w) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
+    w->ctx = ctx;
+    w->fd = -1;
+    w->n = n;
+    w->path = fsdp__strdup(path);
+    /* desc and meta_kv are borrowed for the call only: copy them */
+    w->desc = calloc((size_t)n + 1, sizeof *w->desc);
+    w->meta_kv = calloc(2 * (size_t)n_meta + 1, sizeof *w->meta_kv);
+    int copied = w->desc && w->meta_kv;
+    for (int i = 0; copied && i < n; i++) {
+        w->desc[i] = desc[i];
+        w->desc[i].name = fsdp__strdup(desc[i].name);
+        copied = w->desc[i].name != NULL;
+        w->n = i + 1;
+    }
+    for (int i = 0; copied && i < 2 * n_meta; i++) {
+        w->meta_kv[i] = fsdp__strdup(meta_kv[i]);
+        copied = w->meta_kv[i] != NULL;
+        w->n_meta = (i + 2) / 2;
+    }
+    if (!copied) {
+        writer_free(w);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
+    }
+    w->n = n;
+    w->n_meta = n_meta;
+    w->tmp = malloc(strlen(path) + 5);
+    w->bytes = calloc((size_t)n + 1, sizeof *w->bytes);
+    w->crc = calloc((size_t)n + 1, sizeof *w->crc);
+    if (!w->path || !w->tmp || !w->bytes || !w->crc) {
+        writer_free(w);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
+    }
+    sprintf(w->tmp, "%s.tmp", path);
+    for (int i = 0; i < n; i++) {
+        int64_t numel = 1;
+        for (int d = 0; d < desc[i].ndim; d++) numel *= desc[i].shape[d];
+        w->bytes[i] = (uint64_t)numel * fsdp_dtype_size(desc[i].dtype);
+        w->crc[i] = calloc((size_t)n_chunks(w->bytes[i]), sizeof(uint32_t));
+        if (!w->crc[i]) {
+            writer_free(w);
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
+        }
+    }
+    size_t hlen;
+    char *hdr = build_header(w, &hlen);
+    if (!hdr) {
+        writer_free(w);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory building the header", path);
+    }
+    w->fd = open(w->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (w->fd < 0) {
+        free(hdr);
+        enum fsdp_status st = fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot create: %s", w->tmp, strerror(errno));
+        writer_free(w);
+        return st;
+    }
+    uint8_t lenb[8];
+    for (int i = 0; i < 8; i++) lenb[i] = (uint8_t)((uint64_t)hlen >> (8 * i));
+    enum fsdp_status st = fsdp__write_all(ctx, w->fd, w->tmp, lenb, 8, 0);
+    if (st == FSDP_OK) st = fsdp__write_all(ctx, w->fd, w->tmp, hdr, hlen, 8);
+    free(hdr);
+    w->data_start = w->off = 8 + hlen;
+    if (st != FSDP_OK) {
+        fsdp__st_writer_abort(w);
+        return st;
+    }
+    while (w->cur < w->n && w->bytes[w->cur] == 0) {
+        w->crc[w->cur][0] = fsdp__crc32c(0, NULL, 0);
+        w->cur++;
+    }
+    *out = w;
+    return FSDP_OK;
+}
+
+uint64_t fsdp__st_writer_data_start(const struct fsdp__st_writer *w) { return w->data_start; }
+
+enum fsdp_status fsdp__st_writer_write(struct fsdp__st_writer *w, const void *data, size_t bytes) {
+    const uint8_t *p = data;
+    while (bytes) {
+        if (w->cur >= w->n)
+            return fsdp__err(w->ctx, FSDP_ERR_INVALID, "%s: more data than the declared tensors", w->path);
+        uint64_t room = w->bytes[w->cur] - w->filled;
+        size_t k = bytes < room ? bytes : (size_t)room;
+        /* checksum chunk by chunk as the bytes go by */
+        size_t done = 0;
+        while (done < k) {
+            uint64_t c = (w->filled + done) / FSDP__ST_CHUNK;
+            uint64_t chunk_end = (c + 1) * FSDP__ST_CHUNK;
+            size_t m = (size_t)(chunk_end - (w->filled + done));
+            if (m > k - done) m = k - done;
+            w->crc[w->cur][c] = fsdp__crc32c(w->crc[w->cur][c], p + done, m);
+            done += m;
+        }
+        FSDP_TRY(fsdp__write_all(w->ctx, w->fd, w->tmp, p, k, w->off));
+        w->off += k;
+        w->filled += k;
+        p += k;
+        bytes -= k;
+        while (w->cur < w->n && w->filled == w->bytes[w->cur]) {
+            w->cur++;
+            w->filled = 0;
+            if (w->cur < w->n && w->bytes[w->cur] == 0) w->crc[w->cur][0] = fsdp__crc32c(0, NULL, 0);
+            fsdp__ckpt_crash_point("safetensors tensor written");
+        }
+    }
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp__st_writer_commit(struct fsdp__st_writer *w) {
+    struct fsdp_ctx *ctx = w->ctx;
+    enum fsdp_status st = FSDP_OK;
+    if (w->cur != w->n)
+        st = fsdp__err(ctx, FSDP_ERR_INVALID, "%s: tensor '%s' incomplete at commit", w->path,
+                       w->desc[w->cur].name);
+    size_t hlen = 0;
+    char *hdr = st == FSDP_OK ? build_header(w, &hlen) : NULL;
+    if (st == FSDP_OK && !hdr) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", w->path);
+    FSDP_ASSERT(st != FSDP_OK || 8 + hlen == w->data_start, "header length changed: %zu", hlen);
+    if (st == FSDP_OK) st = fsdp__write_all(ctx, w->fd, w->tmp, hdr, hlen, 8);
+    free(hdr);
+    if (st == FSDP_OK && fsync(w->fd) != 0)
+        st = fsdp__err(ctx, FSDP_ERR_IO, "%s: fsync failed: %s", w->tmp, strerror(errno));
+    if (st == FSDP_OK) fsdp__ckpt_crash_point("safetensors before rename");
+    if (st == FSDP_OK && close(w->fd) != 0)
+        st = fsdp__err(ctx, FSDP_ERR_IO, "%s: close failed: %s", w->tmp, strerror(errno));
+    else if (st == FSDP_OK) w->fd = -1;
+    if (st == FSDP_OK && rename(w->tmp, w->path) != 0)
+        st = fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot rename to %s: %s", w->tmp, w->path, strerror(errno));
+    if (st == FSDP_OK) st = fsdp__fsync_dir(ctx, w->path);
+    if (st != FSDP_OK) {
+        fsdp__st_writer_abort(w);
+        return st;
+    }
+    writer_free(w);
+    return FSDP_OK;
+}
+
+void fsdp__st_writer_abort(struct fsdp__st_writer *w) {
+    if (!w) return;
+    if (w->fd >= 0) close(w->fd);
+    unlink(w->tmp);
+    writer_free(w);
+}

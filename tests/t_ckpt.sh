@@ -1,0 +1,311 @@
+#!/usr/bin/env bash
+# t_ckpt.sh - end-to-end checks of checkpoints with fsdp-train and fsdp-ckpt:
+#  - exact resume: 20 steps straight vs 10 + save + resume + 10 (same losses
+#    and bit-identical saved parameters and AdamW state);
+#  - resharding: saved at N in 1..4, loaded at every M in 1..4: parameters and
+#    optimizer state identical (read back by an independent Python reader),
+#    and continued training within 1e-5 of the 1-rank continuation;
+#  - full <-> sharded round trips are lossless; the safetensors output obeys
+#    the format (checked by the Python reader); --init-from takes our file and
+#    a Hugging Face GPT-2 style file (HF names, Conv1D transposed, buffers);
+#  - a save killed at several points leaves the previous checkpoint loadable;
+#  - truncations and byte corruptions are rejected with a clear message.
+# Prints "N passed, N failed" at the end.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+TRAIN="$BUILD/fsdp-train"
+CKPT="$BUILD/fsdp-ckpt"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+pass=0 fail=0
+ok() { echo "ok $1"; pass=$((pass + 1)); }
+bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "  $l"; done; fail=$((fail + 1)); }
+
+common=(--model tiny --data synthetic --batch 12 --seq 32 --lr 3e-3 --warmup 2 --threads 1 --sample 0)
+train() { timeout -k 5 120 "$TRAIN" "${common[@]}" "$@"; }
+
+# The independent reader: Python's standard library only.
+cat > "$tmp/st.py" <<'EOF'
+import json, struct, sys, array, os
+
+def read_st(path):
+    """Validates a safetensors file like any reader would; returns {name: (dtype, shape, bytes)}, metadata."""
+    b = open(path, 'rb').read()
+    n = struct.unpack('<Q', b[:8])[0]
+    assert (8 + n) % 8 == 0, f'{path}: data section not 8-byte aligned'
+    h = json.loads(b[8:8 + n].decode('utf-8'))
+    meta = h.pop('__metadata__', {})
+    data = b[8 + n:]
+    spans = sorted((v['data_offsets'][0], v['data_offsets'][1], k) for k, v in h.items())
+    at = 0
+    for s, e, k in spans:
+        assert s == at, f'{path}: {k} does not start where the previous tensor ended'
+        at = e
+    assert at == len(data), f'{path}: {len(data) - at} bytes after the last tensor'
+    out = {}
+    for k, v in h.items():
+        size = {'F32': 4, 'U8': 1, 'F16': 2, 'BF16': 2, 'I32': 4, 'U16': 2}[v['dtype']]
+        numel = 1
+        for d in v['shape']:
+            numel *= d
+        s, e = v['data_offsets']
+        assert e - s == numel * size, f'{path}: {k} size'
+        out[k] = (v['dtype'], v['shape'], data[s:e])
+    return out, meta
+
+def assemble(ckdir):
+    """Sharded folder -> {fqn or fqn#state: bytes} using meta.json's byte ranges, cross-checked with each file."""
+    m = json.load(open(os.path.join(ckdir, 'meta.json')))
+    raw = [open(os.path.join(ckdir, f['name']), 'rb').read() for f in m['files']]
+    files = [read_st(os.path.join(ckdir, f['name']))[0] for f in m['files']]
+    out = {}
+    for p in m['params']:
+        for suffix in [''] + ['#' + s for s in m['optim_state']]:
+            buf = bytearray()
+            for r in sorted(p['ranges'], key=lambda r: r['start']):
+                t = files[r['file']][p['fqn'] + suffix][2]
+                assert len(t) == 4 * (r['end'] - r['start'])
+                if suffix == '':
+                    b0, b1 = r['bytes']
+                    assert raw[r['file']][b0:b1] == t, 'meta.json byte range disagrees with the file header'
+                buf += t
+            n = 1
+            for d in p['shape']:
+                n *= d
+            assert len(buf) == 4 * n
+            out[p['fqn'] + suffix] = bytes(buf)
+    return m, out
+
+cmd = sys.argv[1]
+if cmd == 'same':            # two sharded folders hold identical params and optimizer state
+    (ma, a), (mb, b) = assemble(sys.argv[2]), assemble(sys.argv[3])
+    assert a.keys() == b.keys(), 'different tensors'
+    diff = [k for k in a if a[k] != b[k]]
+    assert not diff, f'{len(diff)} tensors differ, e.g. {diff[0]}'
+    assert ma['optim_step'] == mb['optim_step'] and ma['step'] == mb['step']
+    print(f'{len(a)} tensors identical')
+elif cmd == 'full-matches':  # a full safetensors file equals a sharded folder's parameters
+    t, meta = read_st(sys.argv[3])
+    m, a = assemble(sys.argv[2])
+    for p in m['params']:
+        dt, shape, data = t[p['fqn']]
+        assert dt == 'F32' and shape == p['shape'] and data == a[p['fqn']], p['fqn']
+    assert len(t) == len(m['params'])
+    print(f'{len(t)} tensors match')
+elif cmd == 'to-hf':         # our full file -> a Hugging Face GPT-2 style file
+    t, meta = read_st(sys.argv[2])
+    prefix = sys.argv[4] if len(sys.argv) > 4 else ''
+    conv = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+    items = []
+    for k, (dt, shape, data) in t.items():
+        name = k[len('transformer.'):] if k.startswith('transformer.') else k
+        if name.endswith(conv):
+            o, i = shape
+            a = array.array('f'); a.frombytes(data)
+            tr = array.array('f', [a[r * i + c] for c in range(i) for r in range(o)])
+            shape, data = [i, o], tr.tobytes()
+        items.append((prefix + name, shape, data))
+        if name.endswith('attn.c_attn.bias'):   # the causal-mask buffer HF files carry
+            items.append((prefix + name.replace('c_attn.bias', 'bias'), [1, 1, 4, 4], bytes(64)))
+    items.append(('lm_head.weight', t['transformer.wte.weight'][1], t['transformer.wte.weight'][2]))
+    hdr, off = {'__metadata__': {'format': 'pt'}}, 0
+    for k, shape, data in items:
+        hdr[k] = {'dtype': 'F32', 'shape': shape, 'data_offsets': [off, off + len(data)]}
+        off += len(data)
+    js = json.dumps(hdr).encode()
+    js += b' ' * (-(8 + len(js)) % 8)
+    with open(sys.argv[3], 'wb') as f:
+        f.write(struct.pack('<Q', len(js)) + js + b''.join(d for _, _, d in items))
+elif cmd == 'reseal':        # recompute meta.json's crc32c (Castagnoli) after an edit
+    path = sys.argv[2]
+    text = open(path).read()
+    pre = '{\n\t"crc32c":\t"'
+    assert text.startswith(pre)
+    body = text[:len(pre)] + '00000000' + text[len(pre) + 8:]
+    crc = 0xffffffff
+    for byte in body.encode():
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+    open(path, 'w').write(body[:len(pre)] + '%08x' % (crc ^ 0xffffffff) + body[len(pre) + 8:])
+elif cmd == 'losses':        # steps and losses of a --log file from a given step on
+    for l in open(sys.argv[2]):
+        j = json.loads(l)
+        if j['step'] > int(sys.argv[3]):
+            print(j['step'], repr(j['loss']), repr(j['param_norm']))
+elif cmd == 'close':         # two loss lists within 1e-5
+    a = [l.split() for l in open(sys.argv[2])]
+    b = [l.split() for l in open(sys.argv[3])]
+    assert len(a) == len(b) and len(a) > 0, f'{len(a)} vs {len(b)} steps'
+    worst = max(abs(float(x[1]) - float(y[1])) for x, y in zip(a, b))
+    assert worst <= 1e-5, f'loss differs by {worst}'
+    print(f'max loss difference {worst:.2e}')
+EOF
+py() { python3 "$tmp/st.py" "$@"; }
+
+# ---- exact resume at the same world size (2 ranks) ----
+train --nproc 2 --steps 20 --save-dir "$tmp/a" --save-every 10 --log "$tmp/a.jsonl" > "$tmp/o" 2>&1 ||
+  bad "20 straight steps" "$(tail -3 "$tmp/o")"
+train --nproc 2 --steps 20 --resume "$tmp/a/step-00000010" --save-dir "$tmp/b" --log "$tmp/b.jsonl" > "$tmp/o" 2>&1 ||
+  bad "resume after 10" "$(tail -3 "$tmp/o")"
+py losses "$tmp/a.jsonl" 10 > "$tmp/la"; py losses "$tmp/b.jsonl" 10 > "$tmp/lb"
+if [ -s "$tmp/la" ] && cmp -s "$tmp/la" "$tmp/lb" && [ "$(wc -l < "$tmp/lb")" -eq 10 ]; then
+  ok "exact resume: steps 11-20 have bit-identical losses and parameter norms"
+else bad "exact resume" "$(diff "$tmp/la" "$tmp/lb" | head -4)"; fi
+if msg=$(py same "$tmp/a/step-00000020" "$tmp/b/step-00000020" 2>&1); then ok "exact resume: step-20 checkpoints identical ($msg)"
+else bad "exact resume: step-20 checkpoints" "$msg"; fi
+
+# ---- resharding: save at N, load at M ----
+for n in 1 2 3 4; do
+  train --nproc $n --steps 6 --save-dir "$tmp/s$n" > "$tmp/o" 2>&1 || bad "save at $n" "$(tail -3 "$tmp/o")"
+done
+rf=0 rc=0
+for n in 1 2 3 4; do
+  for m in 1 2 3 4; do
+    # zero steps: load at M and save again at M
+    if ! train --nproc $m --steps 6 --resume "$tmp/s$n" --save-dir "$tmp/r$n$m" > "$tmp/o" 2>&1; then
+      bad "load $n -> $m" "$(tail -3 "$tmp/o")"; rf=1; continue
+    fi
+    if ! msg=$(py same "$tmp/s$n/step-00000006" "$tmp/r$n$m/step-00000006" 2>&1); then
+      bad "load $n -> $m: state differs" "$msg"; rf=1
+    fi
+    if ! train --nproc $m --steps 9 --resume "$tmp/s$n" --log "$tmp/c$n$m.jsonl" > "$tmp/o" 2>&1; then
+      bad "continue $n -> $m" "$(tail -3 "$tmp/o")"; rc=1; continue
+    fi
+    py losses "$tmp/c$n$m.jsonl" 6 | awk '{print $1, $2}' > "$tmp/l$n$m"
+  done
+done
+[ $rf -eq 0 ] && ok "resharding: saved at N, loaded at M (N, M in 1..4): parameters and AdamW state identical"
+for n in 1 2 3 4; do for m in 1 2 3 4; do
+  [ -f "$tmp/l$n$m" ] || continue
+  if ! msg=$(py close "$tmp/l11" "$tmp/l$n$m" 2>&1); then bad "continue $n -> $m vs 1 -> 1" "$msg"; rc=1; fi
+done; done
+[ $rc -eq 0 ] && ok "resharding: continued training at every (N, M) within 1e-5 of the 1-rank continuation"
+
+# ---- full <-> sharded ----
+src="$tmp/a/step-00000020"
+if "$CKPT" to-full "$src" "$tmp/full.safetensors" > "$tmp/o" 2>&1 &&
+   "$CKPT" to-sharded "$tmp/full.safetensors" "$tmp/sh3" 3 >> "$tmp/o" 2>&1 &&
+   "$CKPT" to-full "$tmp/sh3" "$tmp/full2.safetensors" >> "$tmp/o" 2>&1 &&
+   cmp -s "$tmp/full.safetensors" "$tmp/full2.safetensors" &&
+   msg=$(py full-matches "$src" "$tmp/full.safetensors" 2>&1); then
+  ok "sharded -> full -> sharded(3) -> full is lossless; Python reader agrees ($msg)"
+else bad "full <-> sharded round trip" "$(tail -3 "$tmp/o")" "${msg:-}"; fi
+# the trainer's --save-full (rank 0 writes one gathered unit at a time) equals the offline conversion
+train --nproc 3 --steps 20 --resume "$src" --save-full "$tmp/full3.safetensors" > "$tmp/o" 2>&1 &&
+  cmp -s "$tmp/full.safetensors" "$tmp/full3.safetensors" && ok "--save-full at 3 ranks equals fsdp-ckpt to-full" ||
+  bad "--save-full" "$(tail -3 "$tmp/o")"
+"$CKPT" verify "$tmp/sh3" > "$tmp/o" 2>&1 && grep -q "verified: ok" "$tmp/o" && ok "fsdp-ckpt verify of a converted folder" ||
+  bad "fsdp-ckpt verify" "$(tail -3 "$tmp/o")"
+
+# --init-from: ours and Hugging Face style give the same first loss, at 1 and 3 ranks
+py to-hf "$tmp/full.safetensors" "$tmp/hf.safetensors"
+py to-hf "$tmp/full.safetensors" "$tmp/hf2.safetensors" transformer.
+train --steps 1 --log "$tmp/fresh.jsonl" > /dev/null 2>&1
+declare -A first
+for f in full hf hf2; do
+  for n in 1 3; do
+    if train --nproc $n --steps 1 --init-from "$tmp/$f.safetensors" --log "$tmp/i$f$n.jsonl" > "$tmp/o" 2>&1; then
+      first[$f$n]=$(py losses "$tmp/i$f$n.jsonl" 0 | awk '{print $2}')
+    else bad "--init-from $f at $n ranks" "$(tail -3 "$tmp/o")"; fi
+  done
+done
+freshloss=$(py losses "$tmp/fresh.jsonl" 0 | awk '{print $2}')
+train --nproc 3 --steps 1 --init-from "$tmp/hf.safetensors" --init rank0 --log "$tmp/i0.jsonl" > "$tmp/o" 2>&1
+first[hf03]=$(py losses "$tmp/i0.jsonl" 0 | awk '{print $2}')
+train --steps 1 --resume "$tmp/sh3" --log "$tmp/rs.jsonl" > "$tmp/o" 2>&1
+rsloss=$(py losses "$tmp/rs.jsonl" 0 | awk '{print $2}')
+near() { python3 -c "import sys; sys.exit(not abs(float(sys.argv[1]) - float(sys.argv[2])) <= 1e-5)" "$1" "$2"; }
+if [ -n "${first[full1]:-}" ] && [ "${first[full1]}" = "${first[hf1]:-}" ] && [ "${first[full1]}" = "${first[hf21]:-}" ] &&
+   [ -n "${first[full3]:-}" ] && [ "${first[full3]}" = "${first[hf3]:-}" ] && [ "${first[full3]}" = "${first[hf23]:-}" ] && [ "${first[full3]}" = "${first[hf03]:-}" ] &&
+   near "${first[full1]}" "${first[full3]}" && [ "${first[full1]}" = "$rsloss" ] && [ "${first[full1]}" != "$freshloss" ]; then
+  ok "--init-from: our file and HF names (with and without transformer.), at 1 and 3 ranks, and read on rank 0 only (--init rank0): first loss ${first[full1]} (fresh init $freshloss)"
+else bad "--init-from" "full1=${first[full1]:-} hf1=${first[hf1]:-} hf21=${first[hf21]:-} full3=${first[full3]:-} hf3=${first[hf3]:-} hf23=${first[hf23]:-} hf03=${first[hf03]:-} resume=$rsloss fresh=$freshloss"; fi
+grep -q "no optimizer state" "$tmp/o" && ok "resume from a converted folder says it has no optimizer state" ||
+  bad "resume from converted folder" "$(tail -3 "$tmp/o")"
+
+# ---- a save killed part-way leaves the previous checkpoint loadable ----
+train --steps 4 --save-dir "$tmp/k" > /dev/null 2>&1
+cf=0
+for k in 1 40 84 85 86 87 88; do
+  FSDP_CKPT_CRASH_AT=$k train --steps 8 --resume "$tmp/k" --save-dir "$tmp/k" > "$tmp/o" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    # past the last crash point: the new checkpoint is complete
+    [ -f "$tmp/k/step-00000008/meta.json" ] || { bad "crash at $k: exit 0 without a checkpoint"; cf=1; }
+    rm -rf "$tmp/k/step-00000008"; continue
+  fi
+  [ $rc -eq 86 ] || { bad "crash at $k: exit $rc, expected 86" "$(tail -2 "$tmp/o")"; cf=1; continue; }
+  if ! train --steps 5 --resume "$tmp/k" > "$tmp/o" 2>&1 || ! grep -q "step-00000004" "$tmp/o"; then
+    bad "crash at $k: previous checkpoint not loadable" "$(tail -3 "$tmp/o")"; cf=1
+  fi
+done
+FSDP_CKPT_CRASH_AT=30 train --nproc 2 --steps 8 --resume "$tmp/k" --save-dir "$tmp/k" > /dev/null 2>&1
+"$CKPT" verify "$tmp/k/step-00000004" > /dev/null 2>&1 || { bad "2-rank crash: step-4 damaged"; cf=1; }
+[ -f "$tmp/k/step-00000008/meta.json" ] && { bad "2-rank crash left a complete-looking step-8"; cf=1; }
+train --nproc 2 --steps 5 --resume "$tmp/k" > "$tmp/o" 2>&1 || { bad "2-rank crash: resume" "$(tail -3 "$tmp/o")"; cf=1; }
+[ $cf -eq 0 ] && ok "saves killed at 7 points (1 rank) and mid-file (2 ranks) leave step-4 loadable"
+
+# --keep-last
+train --steps 6 --save-dir "$tmp/kl" --save-every 2 --keep-last 2 > /dev/null 2>&1
+[ "$(ls "$tmp/kl" | tr '\n' ' ')" = "step-00000004 step-00000006 " ] && ok "--keep-last 2 keeps the newest two" ||
+  bad "--keep-last" "$(ls "$tmp/kl")"
+
+# ---- corruption and truncation of a sharded checkpoint ----
+good="$tmp/s2/step-00000006"
+rankf="$good/rank-00001-of-00002.safetensors"
+size=$(stat -c %s "$rankf")
+hdr=$(python3 -c "import struct,sys; print(8 + struct.unpack('<Q', open(sys.argv[1],'rb').read(8))[0])" "$rankf")
+sf=0 n=0
+for cut in 0 4 8 $((hdr / 2)) $((hdr - 1)) $hdr $((hdr + 3)) $((size / 2)) $((size - 4)) $((size - 1)); do
+  rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"
+  truncate -s $cut "$tmp/bad/rank-00001-of-00002.safetensors"
+  n=$((n + 1))
+  if "$CKPT" verify "$tmp/bad" > /dev/null 2> "$tmp/e" || ! grep -q "rank-00001-of-00002.safetensors" "$tmp/e"; then
+    bad "truncation to $cut bytes not rejected with the file named" "$(cat "$tmp/e")"; sf=1
+  fi
+done
+for i in $(seq 1 24); do
+  off=$(( hdr + (size - hdr) * i / 25 ))
+  rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"
+  printf '\x5a' | dd of="$tmp/bad/rank-00001-of-00002.safetensors" bs=1 seek=$off conv=notrunc 2> /dev/null
+  cmp -s "$rankf" "$tmp/bad/rank-00001-of-00002.safetensors" && continue
+  n=$((n + 1))
+  if "$CKPT" verify "$tmp/bad" > /dev/null 2> "$tmp/e" || ! grep -q "checksum mismatch" "$tmp/e"; then
+    bad "corruption at byte $off not rejected" "$(cat "$tmp/e")"; sf=1
+  fi
+done
+[ $sf -eq 0 ] && ok "$n truncations and data corruptions of a rank file rejected, naming the file/tensor"
+
+# the trainer refuses them with a clear message and a non-zero exit, on every world size
+expect_resume_error() { # NAME PATTERN NPROC
+  local out; out=$(train --nproc $3 --steps 8 --resume "$tmp/bad" 2>&1); local rc=$?
+  if [ $rc -eq 0 ]; then bad "$1" "exit 0"
+  elif [ $rc -ge 124 ]; then bad "$1" "hung or killed (exit $rc)"
+  elif ! grep -qE -- "$2" <<< "$out"; then bad "$1" "lacks /$2/:" "$(tail -2 <<< "$out")"
+  else ok "$1 (exit $rc)"; fi
+}
+rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"
+printf '\x5a' | dd of="$tmp/bad/rank-00000-of-00002.safetensors" bs=1 seek=$((size - 100)) conv=notrunc 2> /dev/null
+expect_resume_error "resume: corrupted data at 3 ranks" "checksum mismatch" 3
+rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"; rm "$tmp/bad/rank-00001-of-00002.safetensors"
+expect_resume_error "resume: missing rank file at 2 ranks" "rank-00001-of-00002.safetensors: missing file of the checkpoint" 2
+rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"; truncate -s 300 "$tmp/bad/meta.json"
+expect_resume_error "resume: truncated meta.json" "meta.json: checksum mismatch" 1
+rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"; rm "$tmp/bad/meta.json"
+expect_resume_error "resume: folder without meta.json" "not a checkpoint folder|no meta.json" 2
+rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"; sed -i 's/"end":\t2048/"end":\t2047/' "$tmp/bad/meta.json"
+expect_resume_error "resume: an edited meta.json" "meta.json: checksum mismatch" 2
+py reseal "$tmp/bad/meta.json"
+expect_resume_error "resume: meta.json (resealed) whose ranges do not tile" "gap|cover|do not fit" 2
+out=$(train --model small --steps 8 --resume "$good" 2>&1); rc=$?
+[ $rc -ne 0 ] && grep -q "checkpoint shape" <<< "$out" && ok "resume into a different model names the parameter and shapes" ||
+  bad "model mismatch" "$(tail -2 <<< "$out")"
+out=$(train --steps 1 --init-from "$tmp/nonexistent.safetensors" 2>&1); rc=$?
+[ $rc -ne 0 ] && grep -q "nonexistent.safetensors: cannot open" <<< "$out" && ok "--init-from a missing file" ||
+  bad "--init-from missing" "$out"
+
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ]

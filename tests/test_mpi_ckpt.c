@@ -1,0 +1,315 @@
+/*
+ * test_mpi_ckpt.c - checkpoints of a sharded model (src/fsdp/ckpt.c), run by
+ * tests/run.sh at 1, 2, 3 and 4 ranks: a sharded save at this world size
+ * loads back bit for bit (parameters, AdamW m and v, step count) and training
+ * continues with identical losses; the same folder loads at world size 1 in
+ * every rank's own process (resharding N -> 1) with every parameter and
+ * state element equal; the full safetensors file round-trips in both load
+ * modes; mismatched models and missing files fail on every rank alike with a
+ * message naming the file or parameter. Resharding to every M in 1..4 is
+ * covered end to end by tests/t_ckpt.sh.
+ */
+#include "fsdp.h"
+#include "fsdp/fsdp-impl.h"
+#include "harness.h"
+
+#include <mpi.h>
+#include <sys/stat.h>
+
+static int combine_max(int flag) {
+    int out = flag;
+    MPI_Allreduce(&flag, &out, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    return out;
+}
+
+static struct fsdp_ctx *ctx;
+
+__attribute__((constructor(200))) static void setup_combine(void) { test_combine = combine_max; }
+
+static struct fsdp_ctx *get_ctx(void) {
+    if (!ctx) {
+        struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+        co.threads = 1;
+        co.comm = FSDP_COMM_MPI;
+        if (fsdp_ctx_create(&co, &ctx) != FSDP_OK) abort();
+    }
+    return ctx;
+}
+
+__attribute__((destructor)) static void teardown(void) { fsdp_ctx_free(ctx); }
+
+/* A folder name every rank agrees on. */
+static void shared_name(struct fsdp_ctx *c, const char *tag, char *buf, size_t n) {
+    int pid = (int)getpid();
+    fsdp_comm_broadcast(fsdp_ctx_comm(c), &pid, 1, FSDP_I32, 0);
+    snprintf(buf, n, "/tmp/fsdp-ckpt-test-%d-w%d-%s", pid, fsdp_ctx_world(c), tag);
+}
+
+static void rm_rf(const char *p) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s.tmp'", p, p);
+    if (system(cmd) != 0) fprintf(stderr, "  (could not remove %s)\n", p);
+}
+
+struct trained {
+    struct fsdp_module *gpt;
+    struct fsdp_model *fm;
+    struct fsdp_optim *opt;
+};
+
+static enum fsdp_status build(struct fsdp_ctx *c, const struct fsdp_gpt_config *cfg, struct trained *t) {
+    memset(t, 0, sizeof *t);
+    FSDP_TRY(fsdp_gpt_create(c, cfg, &t->gpt));
+    FSDP_TRY(fsdp_fully_shard(c, t->gpt, NULL, &t->fm));
+    FSDP_TRY(fsdp_model_init_params(c, t->fm, 7));
+    FSDP_TRY(fsdp_optim_create(c, NULL, &t->opt));
+    return fsdp_model_attach_optim(c, t->fm, t->opt);
+}
+
+static void destroy(struct trained *t) {
+    fsdp_model_free(t->fm);
+    fsdp_optim_free(t->opt);
+    fsdp_module_free(t->gpt);
+}
+
+enum { B = 12, T = 16 };
+
+static enum fsdp_status train(struct fsdp_ctx *c, struct trained *t, struct fsdp_data *d, int from, int to,
+                              double *losses) {
+    int world = fsdp_ctx_world(c), Bl = B / world;
+    int32_t in[B * T], tg[B * T];
+    for (int s = from; s < to; s++) {
+        fsdp_data_batch(d, s, B, T, fsdp_ctx_rank(c), world, in, tg);
+        struct fsdp_step_result r;
+        FSDP_TRY(fsdp_model_train_step(c, t->fm, in, tg, Bl, T, 3e-3f, 1.0f, &r));
+        losses[s - from] = r.loss;
+    }
+    return FSDP_OK;
+}
+
+static struct fsdp_gpt_config tiny(void) {
+    struct fsdp_gpt_config g;
+    fsdp_gpt_config_preset("tiny", &g);
+    return g;
+}
+
+/* Bit-identical shards and optimizer state of two models at the same world size. */
+static void check_same_shards(const struct trained *a, const struct trained *b) {
+    for (int i = 0; i < a->fm->n_units; i++) {
+        const struct fsdp__unit *u = &a->fm->units[i], *v = &b->fm->units[i];
+        size_t n = (size_t)u->numel_shard * sizeof(float);
+        if (memcmp(u->shard, v->shard, n)) TEST_FAILF("unit %d: parameter shard differs", i);
+        if (memcmp(u->state, v->state, 2 * n)) TEST_FAILF("unit %d: AdamW state differs", i);
+    }
+    CHECK_INT_EQ(fsdp_optim_step_count(a->opt), fsdp_optim_step_count(b->opt));
+}
+
+TEST(sharded_save_load_resume_bit_identical) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_gpt_config cfg = tiny();
+    struct fsdp_data *d;
+    ASSERT_OK(fsdp_data_synthetic(c, 3, 1 << 16, &d), c);
+    struct trained a, b;
+    ASSERT_OK(build(c, &cfg, &a), c);
+    ASSERT_OK(build(c, &cfg, &b), c);
+    double la[6], lb[3];
+    ASSERT_OK(train(c, &a, d, 0, 3, la), c);
+    char dir[256];
+    shared_name(c, "rt", dir, sizeof dir);
+    struct fsdp_ckpt_meta m = {0};
+    m.step = 3;
+    m.data_step = 3;
+    m.seed = 7;
+    m.has_config = 1;
+    m.config = cfg;
+    ASSERT_OK(fsdp_ckpt_save(c, a.fm, dir, &m), c);
+    /* saving again over it swaps the folders atomically */
+    ASSERT_OK(fsdp_ckpt_save(c, a.fm, dir, &m), c);
+    struct fsdp_ckpt_meta got;
+    ASSERT_OK(fsdp_ckpt_load(c, b.fm, dir, &got), c);
+    CHECK_INT_EQ(got.step, 3);
+    CHECK_INT_EQ(got.optim_step, 3);
+    CHECK_INT_EQ(got.world, fsdp_ctx_world(c));
+    CHECK_INT_EQ(got.seed, 7);
+    CHECK(got.has_config && got.config.n_embd == cfg.n_embd);
+    check_same_shards(&a, &b);
+    /* continued training: the same losses, bit for bit */
+    ASSERT_OK(train(c, &a, d, 3, 6, la + 3), c);
+    ASSERT_OK(train(c, &b, d, 3, 6, lb), c);
+    for (int i = 0; i < 3; i++)
+        if (memcmp(&la[3 + i], &lb[i], sizeof(double))) TEST_FAILF("step %d: loss %.17g vs resumed %.17g", 4 + i, la[3 + i], lb[i]);
+    check_same_shards(&a, &b);
+    /* resharding N -> 1: every rank loads the folder alone into a world of
+     * one and compares every element it owns at N */
+    struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+    co.comm = FSDP_COMM_SELF;
+    co.threads = 1;
+    struct fsdp_ctx *one;
+    ASSERT_OK(fsdp_ctx_create(&co, &one), c);
+    struct trained s1, sN;
+    ASSERT_OK(build(one, &cfg, &s1), one);
+    ASSERT_OK(build(c, &cfg, &sN), c);
+    ASSERT_OK(fsdp_ckpt_load(one, s1.fm, dir, NULL), one);
+    ASSERT_OK(fsdp_ckpt_load(c, sN.fm, dir, NULL), c);
+    CHECK_INT_EQ(fsdp_optim_step_count(s1.opt), 3);
+    int rank = fsdp_ctx_rank(c);
+    long compared = 0;
+    for (int i = 0; i < sN.fm->n_units; i++) {
+        const struct fsdp__unit *u = &sN.fm->units[i], *w = &s1.fm->units[i];
+        for (int64_t x = 0; x < u->numel_shard; x++) {
+            int64_t flat = (int64_t)rank * u->numel_shard + x;
+            if (flat >= u->numel_full) break;
+            for (int q = 0; q < 3; q++) {
+                const float *pa = q == 0 ? u->shard : u->state + (q - 1) * u->numel_shard;
+                const float *pb = q == 0 ? w->shard : w->state + (q - 1) * w->numel_shard;
+                if (memcmp(&pa[x], &pb[flat], sizeof(float))) {
+                    TEST_FAILF("unit %d flat %lld array %d: %g at world %d vs %g at world 1", i, (long long)flat, q,
+                               (double)pa[x], fsdp_ctx_world(c), (double)pb[flat]);
+                    x = u->numel_shard;
+                    break;
+                }
+                compared++;
+            }
+        }
+    }
+    CHECK(compared > 0);
+    destroy(&s1);
+    destroy(&sN);
+    fsdp_ctx_free(one);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (rank == 0) rm_rf(dir);
+    destroy(&a);
+    destroy(&b);
+    fsdp_data_free(d);
+}
+
+TEST(full_safetensors_round_trip_both_modes) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_gpt_config cfg = tiny();
+    struct trained a, b;
+    ASSERT_OK(build(c, &cfg, &a), c);
+    ASSERT_OK(build(c, &cfg, &b), c);
+    struct fsdp_data *d;
+    ASSERT_OK(fsdp_data_synthetic(c, 3, 1 << 16, &d), c);
+    double l[2];
+    ASSERT_OK(train(c, &a, d, 0, 2, l), c);
+    char path[256];
+    shared_name(c, "full.safetensors", path, sizeof path);
+    ASSERT_OK(fsdp_model_save_full(c, a.fm, path), c);
+    for (int mode = 0; mode < 2; mode++) {
+        ASSERT_OK(fsdp_model_init_params(c, b.fm, 99), c);
+        ASSERT_OK(fsdp_model_load_full(c, b.fm, path, mode), c);
+        for (int i = 0; i < a.fm->n_units; i++)
+            if (memcmp(a.fm->units[i].shard, b.fm->units[i].shard, (size_t)a.fm->units[i].numel_shard * sizeof(float)))
+                TEST_FAILF("mode %d: unit %d differs after load_full", mode, i);
+    }
+    /* all units are sharded again: a step still works */
+    ASSERT_OK(train(c, &b, d, 2, 3, l), c);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (fsdp_ctx_rank(c) == 0) unlink(path);
+    destroy(&a);
+    destroy(&b);
+    fsdp_data_free(d);
+}
+
+TEST(mismatches_fail_alike_on_every_rank) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_gpt_config cfg = tiny(), other = tiny();
+    other.n_embd = cfg.n_embd * 2;
+    struct trained a, b;
+    ASSERT_OK(build(c, &cfg, &a), c);
+    ASSERT_OK(build(c, &other, &b), c);
+    char dir[256], path[600];
+    shared_name(c, "mm", dir, sizeof dir);
+    ASSERT_OK(fsdp_ckpt_save(c, a.fm, dir, NULL), c);
+    CHECK_INT_EQ(fsdp_ckpt_load(c, b.fm, dir, NULL), FSDP_ERR_FORMAT);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "transformer.wte.weight': checkpoint shape [256, 32], model shape [256, 64]");
+    /* the last rank's file disappears: every rank fails, naming it */
+    int world = fsdp_ctx_world(c);
+    snprintf(path, sizeof path, "%s/rank-%05d-of-%05d.safetensors", dir, world - 1, world);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (fsdp_ctx_rank(c) == 0) unlink(path);
+    MPI_Barrier(MPI_COMM_WORLD);
+    CHECK(fsdp_ckpt_load(c, a.fm, dir, NULL) != FSDP_OK);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "missing file");
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), path);
+    /* not a checkpoint */
+    CHECK_INT_EQ(fsdp_ckpt_load(c, a.fm, "/nonexistent/ckpt", NULL), FSDP_ERR_IO);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "/nonexistent/ckpt");
+    /* a full file into the wrong model */
+    snprintf(path, sizeof path, "%s.safetensors", dir);
+    ASSERT_OK(fsdp_model_save_full(c, a.fm, path), c);
+    CHECK_INT_EQ(fsdp_model_load_full(c, b.fm, path, 0), FSDP_ERR_FORMAT);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "needs [256, 64]");
+    CHECK_INT_EQ(fsdp_model_load_full(c, b.fm, path, 1), FSDP_ERR_FORMAT);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), path);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (fsdp_ctx_rank(c) == 0) {
+        rm_rf(dir);
+        unlink(path);
+    }
+    destroy(&a);
+    destroy(&b);
+}
+
+/* Every byte of meta.json flipped (world 1 only: one process does it all):
+ * each load is rejected with a message naming meta.json, or (a flip that
+ * changes nothing, e.g. the case of a hex digit it accepts) loads the same
+ * values; never a silently different model or position. */
+TEST(meta_json_every_byte_flip_rejected) {
+    struct fsdp_ctx *c = get_ctx();
+    if (fsdp_ctx_world(c) != 1) return; /* the sweep needs no collective: run it once */
+    struct fsdp_gpt_config cfg = tiny();
+    struct trained a, b;
+    ASSERT_OK(build(c, &cfg, &a), c);
+    ASSERT_OK(build(c, &cfg, &b), c);
+    char dir[256], mpath[300];
+    shared_name(c, "flip", dir, sizeof dir);
+    struct fsdp_ckpt_meta m = {0};
+    m.step = m.data_step = 5;
+    ASSERT_OK(fsdp_ckpt_save(c, a.fm, dir, &m), c);
+    snprintf(mpath, sizeof mpath, "%s/meta.json", dir);
+    FILE *f = fopen(mpath, "r+b");
+    ASSERT(f);
+    static char orig[1 << 16];
+    size_t n = fread(orig, 1, sizeof orig, f);
+    ASSERT(n > 100 && n < sizeof orig);
+    int rejected = 0, same = 0;
+    /* every byte in the normal build; a sanitized build (about 100x slower per
+     * load) takes every 37th byte so the sweep stays within the test timeout */
+#if defined(__SANITIZE_ADDRESS__)
+    const size_t stride = 37;
+#else
+    const size_t stride = 1;
+#endif
+    for (size_t i = 0; i < n; i += stride) {
+        char x = (char)(orig[i] ^ 0x02);
+        fseek(f, (long)i, SEEK_SET);
+        fwrite(&x, 1, 1, f);
+        fflush(f);
+        struct fsdp_ckpt_meta got;
+        enum fsdp_status st = fsdp_ckpt_load(c, b.fm, dir, &got);
+        if (st != FSDP_OK) {
+            rejected++;
+            if (!strstr(fsdp_errmsg(c), "meta.json")) TEST_FAILF("flip at %zu: message lacks meta.json: %s", i, fsdp_errmsg(c));
+        } else {
+            same++;
+            int differs = got.step != 5 || got.data_step != 5;
+            for (int u = 0; u < a.fm->n_units; u++)
+                differs |= memcmp(a.fm->units[u].shard, b.fm->units[u].shard,
+                                  (size_t)a.fm->units[u].numel_shard * sizeof(float)) != 0;
+            if (differs) TEST_FAILF("flip at byte %zu of meta.json loaded a different checkpoint", i);
+        }
+        fseek(f, (long)i, SEEK_SET);
+        fwrite(&orig[i], 1, 1, f);
+        fflush(f);
+    }
+    fclose(f);
+    printf("  meta.json %zu bytes: %d flips rejected, %d harmless\n", n, rejected, same);
+    CHECK(rejected >= (int)((n + stride - 1) / stride) - 8);
+    rm_rf(dir);
+    destroy(&a);
+    destroy(&b);
+}
+
+TEST_MAIN()
