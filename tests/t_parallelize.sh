@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# t_parallelize.sh - end-to-end checks of the preparation API: the two
+# examples (a user-defined module type with a custom wrap policy; VISSL's
+# SwAV prototypes under summon_full_params) at 1, 2 and 3 ranks, whose losses
+# must agree with the 1-rank run; the activation-checkpointing benchmark on
+# a small 12-layer model (memory at least halved, gradients bit-identical);
+# fsdp-train's --wrap / --ac / --reshard-after-forward / --init flags against
+# the 1-rank oracle, and their usage errors.
+# Prints "N passed, N failed" at the end.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+TRAIN="$BUILD/fsdp-train"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+pass=0 fail=0
+ok() { echo "ok $1"; pass=$((pass + 1)); }
+bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "  $l"; done; fail=$((fail + 1)); }
+
+# same_losses A B: the "step N loss X" lines of two outputs agree to 1e-5 (relative)
+same_losses() {
+  python3 - "$1" "$2" <<'EOF'
+import re, sys
+def losses(p):
+    return [float(m.group(1)) for m in re.finditer(r"^step \d+ loss ([0-9.]+)", open(p).read(), re.M)]
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+if not a or len(a) != len(b):
+    sys.exit(f"{len(a)} vs {len(b)} loss lines")
+for i, (x, y) in enumerate(zip(a, b)):
+    if abs(x - y) > 1e-5 * abs(x):
+        sys.exit(f"step {i}: {x} vs {y}")
+EOF
+}
+
+# ---- examples ----
+for ex in custom_module vissl_swav; do
+  for n in 1 2 3; do
+    if timeout -k 5 120 mpirun -np $n --oversubscribe "$BUILD/examples/$ex" > "$tmp/$ex.$n" 2>&1 \
+       && grep -q "^$ex: OK (world $n)" "$tmp/$ex.$n"; then
+      if [ $n -eq 1 ]; then ok "$ex at 1 rank"
+      elif msg=$(same_losses "$tmp/$ex.1" "$tmp/$ex.$n" 2>&1); then ok "$ex at $n ranks reproduces the 1-rank losses"
+      else bad "$ex at $n ranks" "$msg"; fi
+    else
+      bad "$ex at $n ranks" "$(tail -5 "$tmp/$ex.$n")"
+    fi
+  done
+done
+if grep -q "summon inside forward: operation not valid" "$tmp/custom_module.2"; then
+  ok "summon_full_params inside a forward is refused"
+else bad "summon_full_params inside a forward" "$(grep summon "$tmp/custom_module.2")"; fi
+if grep -q "'heads.prototypes0' (ToyLinear)" "$tmp/vissl_swav.2" && grep -q "    unit 3 'heads.prototypes0'" "$tmp/vissl_swav.2"; then
+  ok "verbose prints prototypes as units nested in the head's unit"
+else bad "vissl plan" "$(grep unit "$tmp/vissl_swav.2" | head -8)"; fi
+
+# ---- activation checkpointing: memory at least halved, same gradients ----
+if timeout -k 5 120 "$BUILD/bench/ac_memory" 12 64 2 32 > "$tmp/ac" 2>&1; then
+  ok "ac_memory (12 layers): $(grep 'ac blocks' "$tmp/ac" | awk '{print $5, "of the activation memory"}')"
+else bad "ac_memory" "$(cat "$tmp/ac")"; fi
+
+# ---- fsdp-train flags: the 1-rank run is the oracle ----
+common=(--model tiny --data synthetic --batch 12 --seq 32 --steps 6 --lr 3e-3 --warmup 2 --threads 1 --sample 0)
+"$TRAIN" "${common[@]}" --log "$tmp/t1.jsonl" > "$tmp/t1" 2>&1 || bad "trainer 1-rank run" "$(tail -5 "$tmp/t1")"
+run_flags() { # NAME NPROC FLAGS...
+  local name=$1 n=$2; shift 2
+  if ! timeout -k 5 300 "$TRAIN" "${common[@]}" --nproc "$n" "$@" --log "$tmp/f.jsonl" > "$tmp/f" 2>&1; then
+    bad "$name" "$(tail -5 "$tmp/f")"; return
+  fi
+  if msg=$(python3 - "$tmp/t1.jsonl" "$tmp/f.jsonl" <<'EOF'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b), f"{len(a)} vs {len(b)} steps"
+for x, y in zip(a, b):
+    for k in ("loss", "grad_norm"):
+        if abs(x[k] - y[k]) > 1e-5 * abs(x[k]):
+            sys.exit(f"step {x['step']}: {k} {x[k]} vs {y[k]}")
+EOF
+  ); then ok "$name reproduces the 1-rank run"; else bad "$name" "$msg"; fi
+}
+run_flags "--wrap size:4000 --ac blocks --nproc 2" 2 --wrap size:4000 --ac blocks
+run_flags "--wrap none --ac every:2 --reshard-after-forward off --nproc 3" 3 --wrap none --ac every:2 --reshard-after-forward off
+if "$TRAIN" "${common[@]}" --steps 1 --verbose --wrap size:4000 --ac every:2 > "$tmp/v" 2>&1 \
+   && grep -q "unit 2 'transformer.h.0.attn' (CausalSelfAttention)" "$tmp/v" \
+   && grep -q "activation checkpointing: transformer.h.0$" "$tmp/v"; then
+  ok "--verbose prints the unit plan"
+else bad "--verbose plan" "$(grep -E 'unit|activation' "$tmp/v" | head -10)"; fi
+
+# ---- --init rank0: rank 0 reads --init-from and sends it unit by unit ----
+if "$TRAIN" "${common[@]}" --steps 2 --save-dir "$tmp/ck" > "$tmp/s" 2>&1 \
+   && "$BUILD/fsdp-ckpt" to-full "$tmp/ck/step-00000002" "$tmp/w.safetensors" > "$tmp/s" 2>&1; then
+  "$TRAIN" "${common[@]}" --init-from "$tmp/w.safetensors" --log "$tmp/t1.jsonl" > "$tmp/t1" 2>&1 \
+    || bad "--init-from at 1 rank" "$(tail -3 "$tmp/t1")"
+  run_flags "--init rank0 --init-from FILE --nproc 3" 3 --init rank0 --init-from "$tmp/w.safetensors"
+  if timeout -k 5 60 "$TRAIN" "${common[@]}" --nproc 2 --init rank0 --init-from "$tmp/none.safetensors" > "$tmp/e" 2>&1; then
+    bad "--init rank0 with a missing file" "exit 0"
+  elif grep -q "none.safetensors" "$tmp/e"; then ok "--init rank0 with a missing file names it"
+  else bad "--init rank0 with a missing file" "$(head -3 "$tmp/e")"; fi
+else
+  bad "making a safetensors file for --init-from" "$(tail -3 "$tmp/s")"
+fi
+
+# ---- usage errors (exit 2, one clear line) ----
+usage_err() { # NAME PATTERN ARGS...
+  local name=$1 pat=$2; shift 2
+  timeout -k 5 30 "$TRAIN" "$@" > "$tmp/u" 2>&1
+  local rc=$?
+  if [ $rc -eq 2 ] && grep -qE -- "$pat" "$tmp/u"; then ok "$name"
+  else bad "$name" "exit $rc" "$(head -3 "$tmp/u")"; fi
+}
+usage_err "--wrap bogus" "--wrap: 'bogus' is not block, size:N or none" --wrap bogus
+usage_err "--wrap size:0" "--wrap: '0' is not an integer" --wrap size:0
+usage_err "--ac every:x" "--ac: 'x' is not an integer" --ac every:x
+usage_err "--reshard-after-forward maybe" "is not on or off" --reshard-after-forward maybe
+usage_err "--init rank0 without --init-from" "--init rank0 needs --init-from" --init rank0
+usage_err "--init bogus" "--init: 'bogus' is not deferred or rank0" --init bogus
+
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ]
