@@ -1,0 +1,31 @@
+/*
+ * fuzz_config.c - libFuzzer target for the JSON model-config reader
+ * (fsdp_gpt_config_load through fsdp__gpt_config_parse). On success the
+ * config must pass fsdp_gpt_config_validate; on failure a message must name
+ * the problem.
+ */
+#include "fuzz.h"
+#include "nn/nn-impl.h"
+
+/* Returns the reader's status (FSDP_ERR_NOMEM if no context could be made). */
+static enum fsdp_status fuzz_config_one(const uint8_t *data, size_t size) {
+    struct fsdp_ctx *ctx;
+    if (fsdp__ctx_alloc(&ctx) != FSDP_OK) return FSDP_ERR_NOMEM;
+    struct fsdp_gpt_config cfg = {0, 0, 0, 0, 0};
+    enum fsdp_status st = fsdp__gpt_config_parse(ctx, "fuzz.json", (const char *)data, size, &cfg);
+    if (st == FSDP_OK)
+        FSDP_ASSERT(fsdp_gpt_config_validate(ctx, &cfg) == FSDP_OK, "accepted an invalid config: %s",
+                    fsdp_errmsg(ctx));
+    else
+        FSDP_ASSERT(fsdp_errmsg(ctx)[0] != '\0', "failure (%s) without a message",
+                    fsdp_status_str(st));
+    fsdp__ctx_release(ctx);
+    return st;
+}
+
+#ifndef FUZZ_NO_MAIN
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    (void)fuzz_config_one(data, size);
+    return 0;
+}
+#endif

@@ -1,0 +1,109 @@
+/*
+ * io-impl.h - internal API of src/io: entry points of the readers of outside
+ * data that parse from memory instead of a file, so that the fuzz targets
+ * (fuzz/) and the corpus regression test reach exactly the validation code
+ * the file readers run. Anything here is not API.
+ */
+#ifndef FSDP_IO_IMPL_H
+#define FSDP_IO_IMPL_H
+
+#include "core/core-impl.h"
+
+/* ---- Token sources (data.c) ---- */
+/* fsdp_data_open on the bytes buf[0..len) as if they were the file `name`
+ * (the name picks the format as in [Note: telling token files apart] and
+ * appears in messages). The bytes are copied into an aligned block the data
+ * owns, so buf is only borrowed for the call. *out is returned to the caller
+ * to free with fsdp_data_free. COLLECTIVE: no. */
+enum fsdp_status fsdp__data_open_mem(struct fsdp_ctx *ctx, const char *name, const void *buf,
+                                     size_t len, int vocab_size, struct fsdp_data **out);
+
+/* ---- safetensors (safetensors.c) ---- */
+/* A file is: 8-byte little-endian header length H, H bytes of JSON
+ * {"name": {"dtype": "F32", "shape": [..], "data_offsets": [b, e]}, ...,
+ *  "__metadata__": {"k": "v"}} padded with spaces to a multiple of 8, then the
+ * data section; offsets are relative to its start. Our writer adds metadata
+ * "fsdp.crc32c.<name>": one 8-hex-digit CRC-32C per FSDP__ST_CHUNK bytes of
+ * the tensor, which readers verify for every chunk they touch
+ * ([Note: chunked checksums] in safetensors.c). */
+#define FSDP__ST_CHUNK ((uint64_t)1 << 20)
+#define FSDP__ST_MAX_HEADER ((uint64_t)100 << 20)
+
+struct fsdp__st_tensor {
+    char *name;
+    enum fsdp_dtype dtype;
+    int ndim;
+    int64_t shape[FSDP_MAX_DIMS];
+    int64_t numel;
+    uint64_t begin, end;   /* byte offsets in the data section */
+    uint32_t *crc;         /* (n_crc) per-chunk CRC-32C, or NULL (not our file) */
+    int64_t n_crc;
+};
+
+struct fsdp__st_file {
+    char *path;            /* for messages */
+    int fd;                /* -1 when parsed from memory */
+    uint64_t file_size, data_start;
+    int n;
+    struct fsdp__st_tensor *t; /* (n) sorted by begin */
+    int n_meta;
+    char **meta_key, **meta_val; /* other __metadata__ entries */
+};
+
+/* Parses and validates the header in buf[0..len) (the first len bytes of a
+ * file of file_size bytes; len >= 8 + H is needed) as the file `name`. Every
+ * field is checked: header length, JSON, dtype, shape, offsets in range,
+ * sizes consistent with shape, no overlap, no duplicate names, checksum
+ * metadata. On failure the message names `name` and the tensor. Fills *out
+ * (caller frees with fsdp__st_close). COLLECTIVE: no. */
+enum fsdp_status fsdp__safetensors_parse(struct fsdp_ctx *ctx, const char *name, const void *buf,
+                                         size_t len, uint64_t file_size, struct fsdp__st_file *out);
+/* Opens and parses a file; reads nothing of the data. */
+enum fsdp_status fsdp__st_open(struct fsdp_ctx *ctx, const char *path, struct fsdp__st_file *out);
+void fsdp__st_close(struct fsdp__st_file *f);
+int fsdp__st_find(const struct fsdp__st_file *f, const char *name); /* index or -1 */
+const char *fsdp__st_meta(const struct fsdp__st_file *f, const char *key); /* NULL if absent */
+/* Reads bytes [lo, hi) of tensor i into dst, verifying the checksum of every
+ * chunk it touches (it reads whole chunks). */
+enum fsdp_status fsdp__st_read(struct fsdp_ctx *ctx, const struct fsdp__st_file *f, int i,
+                               uint64_t lo, uint64_t hi, void *dst);
+/* Reads every tensor and verifies every checksum; *n_unchecked counts tensors
+ * without one. */
+enum fsdp_status fsdp__st_verify(struct fsdp_ctx *ctx, const struct fsdp__st_file *f,
+                                 int *n_unchecked);
+enum fsdp_status fsdp__st_dtype_parse(const char *s, enum fsdp_dtype *out);
+const char *fsdp__st_dtype_str(enum fsdp_dtype dt);
+
+/* The writer: declare every tensor up front, then stream their bytes in
+ * declaration order; commit checks sizes, writes the checksums into the
+ * header, fsyncs and renames `path.tmp` to `path` (then fsyncs the folder),
+ * so `path` is either the old file or the complete new one. */
+struct fsdp__st_desc {
+    const char *name;
+    enum fsdp_dtype dtype;
+    int ndim;
+    int64_t shape[FSDP_MAX_DIMS];
+};
+struct fsdp__st_writer;
+enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, int n,
+                                      const struct fsdp__st_desc *desc, int n_meta,
+                                      const char *const *meta_kv, struct fsdp__st_writer **out);
+/* Appends bytes of the current tensor (tensors fill in declaration order). */
+enum fsdp_status fsdp__st_writer_write(struct fsdp__st_writer *w, const void *data, size_t bytes);
+enum fsdp_status fsdp__st_writer_commit(struct fsdp__st_writer *w); /* frees w */
+void fsdp__st_writer_abort(struct fsdp__st_writer *w);              /* frees w; NULL ok */
+/* Byte offset of tensor i's data in the file, as the writer lays it out. */
+uint64_t fsdp__st_writer_data_start(const struct fsdp__st_writer *w);
+
+/* ---- Durable files (safetensors.c) ---- */
+uint32_t fsdp__crc32c(uint32_t crc, const void *buf, size_t n);
+/* Writes all of buf at offset (pwrite, retrying short writes). */
+enum fsdp_status fsdp__write_all(struct fsdp_ctx *ctx, int fd, const char *path, const void *buf,
+                                 size_t n, uint64_t off);
+enum fsdp_status fsdp__fsync_dir(struct fsdp_ctx *ctx, const char *dir_of_path);
+/* Test hook for crash safety: when the environment sets FSDP_CKPT_CRASH_AT=k,
+ * the k-th call (counting from 1) in this process ends it at once with
+ * _exit(86), as a kill -9 would, leaving whatever is on disk. */
+void fsdp__ckpt_crash_point(const char *where);
+
+#endif

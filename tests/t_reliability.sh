@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# t_reliability.sh - end-to-end checks of fsdp-train's reliability flags:
+# --dry-run prints the memory plan per rank (shards checked against the
+# parameter count computed here from the config), --mem-limit refuses a plan
+# over the limit before any step, a bad size is a usage error, and a run
+# that diverges to nan stops with one message naming the step and the unit,
+# at 1 and 2 ranks. Prints "N passed, N failed" at the end.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+TRAIN="$BUILD/fsdp-train"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+pass=0 fail=0
+ok() { echo "ok $1"; pass=$((pass + 1)); }
+bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "  $l"; done; fail=$((fail + 1)); }
+
+# GPT-2 124M: V*C + block*C + L*(12 C^2 + 13 C) + 2 C parameters, 4 bytes each, per rank
+mib() { python3 -c "L,C,V,P=12,768,50257,1024; n=V*C+P*C+L*(12*C*C+13*C)+2*C; print('%.1f MiB' % (4*n/$1/2**20))"; }
+
+# ---- --dry-run ----
+if timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --dry-run > "$tmp/d1" 2>&1; then
+  p1=$(mib 1)
+  if grep -qE "^0 +$p1 +$p1 +$(python3 -c "print('%.1f MiB' % (2*float('${p1% MiB}')))")" "$tmp/d1" &&
+     ! grep -q "^step" "$tmp/d1"; then ok "dry-run gpt2, 1 rank: params = grads = $p1, AdamW twice that"
+  else bad "dry-run gpt2, 1 rank" "expected params $p1:" "$(cat "$tmp/d1")"; fi
+else bad "dry-run gpt2, 1 rank" "$(tail -5 "$tmp/d1")"; fi
+if timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --nproc 4 --dry-run > "$tmp/d4" 2>&1; then
+  p4=$(mib 4)  # padding adds < 0.05 MiB
+  rows=$(grep -cE "^[0-3] +$p4 +$p4 " "$tmp/d4")
+  if [ "$rows" -eq 4 ] && grep -q "world 4, 13 units .*batch 1 x 256" "$tmp/d4"; then
+    ok "dry-run gpt2, --nproc 4: 4 ranks of $p4 shards each, without starting ranks"
+  else bad "dry-run gpt2, --nproc 4" "expected 4 rows of $p4:" "$(cat "$tmp/d4")"; fi
+else bad "dry-run gpt2, --nproc 4" "$(tail -5 "$tmp/d4")"; fi
+
+# ---- --mem-limit ----
+t0=$SECONDS
+timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --steps 5 --mem-limit 1.5G > "$tmp/m1" 2> "$tmp/m1e"
+rc=$?
+if [ $rc -eq 1 ] && grep -q "mem-limit 1.5G: the plan needs 3.* MiB per rank .*activations .* more than the limit of 1536.0 MiB" "$tmp/m1e" &&
+   ! grep -q "^step" "$tmp/m1"; then ok "--mem-limit 1.5G refuses gpt2 at 1 rank before any step ($((SECONDS - t0)) s)"
+else bad "--mem-limit refusal" "exit $rc" "$(cat "$tmp/m1e" | head -3)"; fi
+if timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --nproc 4 --dry-run --mem-limit 1.5G > "$tmp/m4" 2>&1 &&
+   grep -q "fits" "$tmp/m4"; then ok "--mem-limit 1.5G fits gpt2 at 4 ranks"
+else bad "--mem-limit at 4 ranks" "$(tail -3 "$tmp/m4")"; fi
+if timeout 60 "$TRAIN" --model tiny --steps 3 --seq 32 --batch 4 --sample 0 --mem-limit 64M > "$tmp/m5" 2>&1 &&
+   [ "$(grep -c "^step" "$tmp/m5")" -eq 3 ]; then ok "--mem-limit 64M lets tiny train"
+else bad "--mem-limit 64M with tiny" "$(tail -3 "$tmp/m5")"; fi
+timeout 60 "$TRAIN" --model tiny --mem-limit 1.5Q > /dev/null 2> "$tmp/m6"
+rc=$?
+if [ $rc -ne 0 ] && grep -q "'1.5Q' is not a memory size" "$tmp/m6"; then ok "--mem-limit 1.5Q is rejected (exit $rc)"
+else bad "--mem-limit 1.5Q" "exit $rc" "$(head -3 "$tmp/m6")"; fi
+
+# ---- non-finite values: SGD at lr 10 diverges to nan (at step 10 today) ----
+div=(--model tiny --steps 30 --lr 10 --optim sgd --clip 0 --warmup 0 --lr-schedule constant --batch 4 --seq 32
+     --sample 0 --threads 1)
+for n in 1 2; do
+  timeout -k 5 120 "$TRAIN" "${div[@]}" --nproc $n > "$tmp/n$n" 2> "$tmp/n${n}e"
+  rc=$?
+  pat="step ([0-9]+): non-finite loss \(loss .*nan, grad norm .*nan\); first non-finite gradient in unit 'transformer.h.1' \(backward order\)"
+  msgs=$(grep -cE "$pat" "$tmp/n${n}e")
+  at=$(sed -nE "s/.*step ([0-9]+): non-finite.*/\1/p" "$tmp/n${n}e" | head -1)
+  if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$msgs" -eq 1 ] && [ "$(grep -c "^step" "$tmp/n$n")" -eq $((${at:-0} - 1)) ]; then
+    ok "nan at step $at stops the run at $n rank(s) with one message naming step and unit"
+  else bad "nan at $n rank(s)" "exit $rc, $msgs messages" "$(head -3 "$tmp/n${n}e")"; fi
+done
+
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]
