@@ -3,6 +3,7 @@
 #   make test       builds, then runs the whole suite (tests/run.sh)
 #   make WERROR=1   warnings are errors (CI)
 #   make asan | ubsan   sanitized builds in build-asan/ and build-ubsan/
+#   make fuzz       libFuzzer targets in build-fuzz/fuzz/ (clang; not part of all)
 #   make install PREFIX=/usr/local   header, libfsdp.{a,so}, fsdp.pc, tools
 CC       ?= cc
 BUILD    ?= build
@@ -65,6 +66,18 @@ asan:
 ubsan:
 	$(MAKE) BUILD=build-ubsan SAN="-fsanitize=undefined -fno-sanitize-recover=undefined" OPT=-O1
 
+# libFuzzer targets (fuzz/fuzz_*.c) in build-fuzz/fuzz/; needs clang and
+# libclang-rt-14-dev (scripts/install-deps.sh --with-fuzz). Not part of `all`;
+# scripts/fuzz.sh TARGET SECONDS runs one.
+FUZZ_BINS := $(patsubst fuzz/%.c,$(BUILD)/fuzz/%,$(wildcard fuzz/fuzz_*.c))
+fuzz:
+	$(MAKE) BUILD=build-fuzz CC=clang OPT=-O1 ARCH= \
+	    SAN="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -Wno-pass-failed" fuzz-bins
+fuzz-bins: $(FUZZ_BINS)
+$(BUILD)/fuzz/%: fuzz/%.c fuzz/fuzz.h $(BUILD)/libfsdp.a $(HDRS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -fsanitize=fuzzer -o $@ $< $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
+
 install: all
 	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
 	install -m 644 include/fsdp.h $(DESTDIR)$(PREFIX)/include/
@@ -74,7 +87,7 @@ install: all
 	install -m 755 $(TOOLS) $(DESTDIR)$(PREFIX)/bin/
 
 clean:
-	rm -rf build build-asan build-ubsan
+	rm -rf build build-asan build-ubsan build-fuzz
 
-.PHONY: all test asan ubsan install clean
+.PHONY: all test asan ubsan fuzz fuzz-bins install clean
 .SECONDARY:

@@ -33,6 +33,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -71,9 +72,12 @@ const char *fsdp_dtype_name(enum fsdp_dtype dt);
 /* ---- Context ----------------------------------------------------------- */
 
 enum fsdp_comm_kind {
-    FSDP_COMM_AUTO, /* MPI when launched by mpirun, else a world of one */
+    FSDP_COMM_AUTO, /* under mpirun: SHM if 2+ ranks all on one host, else MPI;
+                       without mpirun a world of one */
     FSDP_COMM_MPI,  /* Open MPI, always (MPI_Init even without mpirun) */
-    FSDP_COMM_SELF  /* a world of one, no MPI at all */
+    FSDP_COMM_SELF, /* a world of one, no MPI at all */
+    FSDP_COMM_SHM   /* shared memory between the ranks of one host (MPI only
+                       starts the job); an error if the ranks span hosts */
 };
 
 struct fsdp_ctx_opts {
@@ -200,8 +204,14 @@ struct fsdp_module {
     int n_params, cap_params;
     const struct fsdp_module_hooks *hooks;
     void *hook_data;
-    int checkpoint;             /* activation checkpointing requested */
+    int checkpoint;             /* activation checkpointing: forward keeps only its input,
+                                   backward recomputes the forward (module.c) */
+    struct fsdp_tensor ckpt_in; /* the saved input while checkpointed (arena) */
+    int ckpt_saved;             /* ckpt_in is valid (forward ran, backward not yet) */
     void *impl;                 /* type-specific state */
+    enum fsdp_dtype compute_dtype; /* inputs of this module's own matrix products:
+                                      FSDP_F32 (default), FSDP_BF16 or FSDP_F16;
+                                      see fsdp_module_set_compute_dtype */
 };
 
 /* Creates a module of the given ops with a local name. *out is returned to the
@@ -277,6 +287,20 @@ enum fsdp_status fsdp_cross_entropy(struct fsdp_ctx *ctx, const float *logits, c
                                     int64_t N, int64_t V, float scale, float *loss,
                                     float *dlogits);
 
+/* ---- Compute precision of layers (src/nn/precision.c) ------------------ */
+
+/* Sets the compute dtype of m and every module below it (a unit sets its
+ * subtree): FSDP_F32, FSDP_BF16 or FSDP_F16. In BF16/F16 the matrix products
+ * of Linear and attention take 16-bit inputs (weights cast from the fp32 full
+ * parameters once per forward and once per backward, activations as they
+ * come) and accumulate in fp32; LayerNorm, softmax, GELU, embeddings and the
+ * loss stay fp32; activations between layers, outputs and parameter
+ * gradients stay fp32. BF16 runs on oneDNN's AMX path; F16 widens to fp32
+ * internally (no f16 GEMM in oneDNN 2.6 on CPU) and gives no loss scaling by
+ * itself. Another dtype is FSDP_ERR_INVALID naming the module. COLLECTIVE: no. */
+enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp_module *m,
+                                               enum fsdp_dtype dt);
+
 /* ---- Collectives (src/comm) ------------------------------------------- */
 
 enum fsdp_red_op { FSDP_SUM, FSDP_MAX, FSDP_MIN };
@@ -332,16 +356,67 @@ enum fsdp_status fsdp_comm_broadcast(struct fsdp_comm *c, void *buf, size_t coun
                                      enum fsdp_dtype dt, int root);
 enum fsdp_status fsdp_comm_barrier(struct fsdp_comm *c);
 
+/* ---- Collective watchdog and schedule check (src/comm) ----------------- */
+
+/* Watchdog: a wait on a collective that has not completed `seconds` after
+ * its start fails with FSDP_ERR_COMM, naming the collective (type, sequence
+ * number, elements, dtype, bytes) and, on shm, the rank waited on; the
+ * message is printed at once too. The communicator is unusable afterwards:
+ * end the job (fsdp_ctx_abort). 0 (the default) = wait forever.
+ * COLLECTIVE: no (set it alike on every rank). */
+void fsdp_comm_set_timeout(struct fsdp_comm *c, double seconds);
+/* Schedule check: before each collective the ranks exchange its sequence
+ * number and fingerprint (type, element count, dtype, op, root); if they
+ * differ, the collective fails on every rank with FSDP_ERR_COMM naming both
+ * sides ("rank 0 called allgather(#7, 1024 x F32), rank 1 called
+ * reduce-scatter(#7, ...)") before any data moves, and the communicator stays
+ * usable. Costs one small blocking all-gather per collective.
+ * COLLECTIVE: no (set it alike on every rank). */
+void fsdp_comm_set_check(struct fsdp_comm *c, int on);
+/* Names the collectives started from now on (e.g. "unit 3 transformer.h.2"),
+ * until the next call; NULL or "" clears it. The watchdog prints the tag,
+ * and the schedule check compares it across ranks (as a hash) with the
+ * fingerprint. Copied (at most 63 bytes). COLLECTIVE: no. */
+void fsdp_comm_set_tag(struct fsdp_comm *c, const char *tag);
+
 /* ---- Sharding (src/fsdp) ---------------------------------------------- */
 
-enum fsdp_wrap { FSDP_WRAP_SKIP, FSDP_WRAP_UNIT };
+/* What a wrap policy answers for a module: not a unit root, a unit root, or a
+ * unit root whose config fields named in *ovr differ from the model's. */
+enum fsdp_wrap { FSDP_WRAP_SKIP, FSDP_WRAP_UNIT, FSDP_WRAP_UNIT_OVERRIDE };
 
-/* A wrap policy: asked for every module below the root (the root is always a
- * unit); returns FSDP_WRAP_UNIT to make the module a unit of its own. */
-typedef enum fsdp_wrap (*fsdp_wrap_fn)(struct fsdp_module *m, void *ud);
+/* Parameter and reduction precision (Composer's FSDP2Config.mixed_precision):
+ * DEFAULT: parameters in the low dtype, gradients reduced in fp32; PURE: both
+ * low; FULL: everything fp32. Only FULL is implemented yet: the others are
+ * FSDP_ERR_UNSUPPORTED. */
+enum fsdp_mixed_precision { FSDP_MP_DEFAULT, FSDP_MP_PURE, FSDP_MP_FULL };
+
+/* Per-unit overrides: `set` names (FSDP_OVR_* bits) the fields that replace
+ * the model-wide value for this unit; a later field gets a new bit, so old
+ * policies keep compiling and meaning the same. */
+#define FSDP_OVR_RESHARD_AFTER_FORWARD (1u << 0)
+#define FSDP_OVR_MIXED_PRECISION (1u << 1)
+struct fsdp_unit_overrides {
+    unsigned set;
+    int reshard_after_forward;
+    enum fsdp_mixed_precision mixed_precision; /* FULL only, until mixed precision exists */
+};
+
+/* A wrap policy: asked for every module below the root, parents before
+ * children (the root is always a unit). A unit may hold units (nested): each
+ * parameter belongs to the unit of its nearest wrapped ancestor. *ovr is
+ * zeroed before each call; fill it and return FSDP_WRAP_UNIT_OVERRIDE to
+ * override fields for this unit only. */
+typedef enum fsdp_wrap (*fsdp_wrap_fn)(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr);
 
 /* Built-in: a unit for every module whose ops->type equals (const char *)ud. */
-enum fsdp_wrap fsdp_wrap_by_type(struct fsdp_module *m, void *ud);
+enum fsdp_wrap fsdp_wrap_by_type(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr);
+/* Built-in (torch's size_based_auto_wrap_policy): a unit for every module
+ * whose parameters not already in a unit below it number at least
+ * *(const int64_t *)ud (tied parameters counted once, at their definition).
+ * Naming-only containers (types "Module", "ModuleList") never run, so they
+ * are never units. */
+enum fsdp_wrap fsdp_wrap_by_size(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr);
 
 struct fsdp_shard_opts {
     fsdp_wrap_fn wrap;          /* default: fsdp_wrap_by_type with "Block" */
@@ -417,7 +492,8 @@ int64_t fsdp_optim_step_count(const struct fsdp_optim *opt);
 struct fsdp_optim_slice {
     float *param, *grad, *state;
     int64_t n, state_stride;
-    int decay;
+    int decay; /* 0: no weight decay; 1: the optimizer's; 1 + g (g >= 1): parameter group g's
+                  weight decay and learning-rate scale (fsdp_optim_add_group) */
 };
 /* Updates the slices with learning rate lr, gradients multiplied by grad_scale
  * first (clipping). Advances the step count by one. COLLECTIVE: no. */
@@ -455,7 +531,10 @@ struct fsdp_step_result {
 /* One training step on this rank's share of the global batch: inputs and
  * targets are (B_local, T) token ids. Runs forward, loss, backward (gathers
  * and reduce-scatters by unit), global grad norm, clipping to `clip` (<= 0:
- * none) and the optimizer update with `lr`. COLLECTIVE: yes. */
+ * none) and the optimizer update with `lr`. A non-finite loss or gradient
+ * norm skips the update and returns FSDP_ERR_NUMERIC on every rank, the
+ * message naming the first unit (in backward order) whose reduced gradient
+ * holds inf or nan. COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                        const int32_t *inputs, const int32_t *targets, int B, int T,
                                        float lr, float clip, struct fsdp_step_result *res);
@@ -489,6 +568,226 @@ double fsdp_data_loss_floor(const struct fsdp_data *d);
  * sequences [r*B/world, (r+1)*B/world). inputs/targets are (B/world, T). */
 void fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int rank, int world,
                      int32_t *inputs, int32_t *targets);
+
+
+/* ---- Preparing a model: fsdp_parallelize_model (src/fsdp) --------------
+ *
+ * The one call that turns a module tree built with shapes only (or
+ * materialized on rank 0) into a sharded model, in Composer's order:
+ *   1. validate precision and the config;
+ *   2. mark the modules ac_check selects for activation checkpointing;
+ *   3. shard by the wrap policy (units may nest; a policy may override
+ *      per-unit fields);
+ *   4. initialise the shards unit by unit: from rank 0's values
+ *      (sync_module_states), else from each parameter's own storage if it has
+ *      one, else param_init (or the built-in init from `seed`);
+ *   5. re-point the optimizer (built before sharding, its groups naming
+ *      parameters by FQN) at the shards.
+ *
+ *   struct fsdp_parallel_config pc = fsdp_parallel_config_default();
+ *   struct fsdp_wrap_policy wp = {fsdp_wrap_by_type, (void *)"Block"};
+ *   struct fsdp_ac_check ac = {fsdp_ac_by_type, (void *)"Block"};
+ *   pc.activation_checkpointing = 1;
+ *   fsdp_parallelize_model(ctx, gpt, &pc, opt, FSDP_F32, &wp, &ac, NULL, &fm);
+ */
+
+enum fsdp_state_dict_type { FSDP_STATE_DICT_FULL, FSDP_STATE_DICT_SHARDED };
+
+struct fsdp_parallel_config {
+    int mesh[2];                 /* {0, 0} or {world, 0}: a 1-D mesh over every rank;
+                                    2-D (hybrid) meshes are FSDP_ERR_UNSUPPORTED */
+    int reshard_after_forward;   /* default 1 (the root unit never reshards after forward) */
+    int activation_checkpointing; /* default 0 */
+    int activation_cpu_offload;  /* default 0; a CPU-only run has nowhere to offload to:
+                                    FSDP_ERR_UNSUPPORTED */
+    enum fsdp_state_dict_type state_dict_type; /* default FULL; read by the checkpoint code */
+    int load_monolith_rank0_only; /* default 0; implies sync_module_states (as Composer) */
+    enum fsdp_mixed_precision mixed_precision; /* default FULL (the only one implemented) */
+    int sync_module_states;      /* default 0: 1 = rank 0's materialized values reach
+                                    every rank's shards, unit by unit */
+    int verbose;                 /* default 0: 1 = rank 0 prints the unit plan (stderr) */
+    uint64_t seed;               /* built-in init when param_init is NULL; default 1337 */
+};
+
+struct fsdp_parallel_config fsdp_parallel_config_default(void);
+
+struct fsdp_wrap_policy {
+    fsdp_wrap_fn fn;             /* NULL: the root is the only unit */
+    void *ud;
+};
+
+/* Selects the modules to checkpoint (non-zero: checkpoint m). Checkpointed
+ * forward keeps only the module's input (which the caller must not modify
+ * until backward); backward runs the forward again first. Gradients are
+ * bit-identical to a run without checkpointing. */
+typedef int (*fsdp_ac_check_fn)(struct fsdp_module *m, void *ud);
+struct fsdp_ac_check {
+    fsdp_ac_check_fn fn;
+    void *ud;
+};
+/* Built-in: modules whose ops->type equals (const char *)ud. */
+int fsdp_ac_by_type(struct fsdp_module *m, void *ud);
+
+/* Fills dst (p->numel floats, the full parameter, row-major) with p's initial
+ * values. Called for every parameter without storage, one unit at a time,
+ * on every rank: it must give every rank the same values (e.g. use the FQN
+ * and a seed). */
+typedef enum fsdp_status (*fsdp_param_init_fn)(struct fsdp_ctx *ctx, struct fsdp_param *p, float *dst,
+                                               void *ud);
+struct fsdp_param_init {
+    fsdp_param_init_fn fn;
+    void *ud;
+};
+
+/* Prepares `root` (see above). precision is the compute dtype: FSDP_F32 (bf16
+ * and f16 are FSDP_ERR_UNSUPPORTED until mixed precision exists). opt may be
+ * NULL; if it has taken steps its state is stale: cleared with a warning.
+ * wrap, ac and param_init may be NULL (wrap NULL: a unit per Block). Giving ac
+ * while both activation_checkpointing and activation_cpu_offload are 0 is
+ * FSDP_ERR_INVALID; activation_checkpointing without ac checkpoints every
+ * unit root but the model root. Materialized storage of root's parameters
+ * is consumed (freed) by this call. *out is returned to the caller.
+ * COLLECTIVE: yes (checks that every rank's model has the same parameter
+ * names and shapes, naming the first that differs, and broadcasts for
+ * sync_module_states). */
+enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module *root,
+                                        const struct fsdp_parallel_config *cfg, struct fsdp_optim *opt,
+                                        enum fsdp_dtype precision, const struct fsdp_wrap_policy *wrap,
+                                        const struct fsdp_ac_check *ac,
+                                        const struct fsdp_param_init *param_init, struct fsdp_model **out);
+
+/* The unit plan as text (rank 0 prints it when verbose): the tree of units
+ * with parameter counts, bytes per rank, dtypes, overrides, and the
+ * checkpointed modules. Writes at most cap bytes (NUL-terminated) and returns
+ * the length the whole text needs. COLLECTIVE: no. */
+size_t fsdp_model_plan(const struct fsdp_model *fm, char *buf, size_t cap);
+
+/* Registers an optimizer parameter group (torch's param_groups): the
+ * parameters named by fqns[0..n) (FQNs of the unsharded model; a tied alias
+ * such as lm_head.weight names the parameter it is tied to) are all decayed
+ * with weight_decay (whatever their no_decay flag) and use lr * lr_scale.
+ * Parameters in no group use the optimizer's options. Names are matched when
+ * the optimizer is attached to a model: a name matching no parameter is then
+ * an error naming it. A name in two groups is FSDP_ERR_INVALID. fqns are
+ * copied. COLLECTIVE: no. */
+enum fsdp_status fsdp_optim_add_group(struct fsdp_optim *opt, const char *const *fqns, int n,
+                                      float weight_decay, float lr_scale);
+int fsdp_optim_n_groups(const struct fsdp_optim *opt); /* registered groups (not counting 0) */
+
+/* Gathers the full fp32 values of every parameter below `module` (all units
+ * holding such a parameter) so they can be read or edited through
+ * fsdp_param.data, e.g. with fsdp_module_find_param. With writeback, every
+ * rank's edits of its own copy land in its shard at fsdp_summon_end (edit the
+ * same way on every rank, e.g. from a fixed seed); without, edits are
+ * discarded. rank0_only: only rank 0's parameters get values (others stay
+ * shapes only); it cannot be combined with writeback. Nesting, calling it
+ * from inside a forward or backward, and running the model while summoned
+ * are FSDP_ERR_STATE. Nothing needs resetting afterwards (no
+ * _reset_lazy_init): units keep no state derived from parameter values,
+ * and the summoned buffers are separate from the units' own, so the next
+ * forward simply gathers the (written-back) shards.
+ * COLLECTIVE: yes for fsdp_summon_full_params (it all-gathers); no for
+ * fsdp_summon_end (each rank copies its own slice back). */
+enum fsdp_status fsdp_summon_full_params(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                         struct fsdp_module *module, int writeback, int rank0_only);
+enum fsdp_status fsdp_summon_end(struct fsdp_ctx *ctx, struct fsdp_model *fm);
+
+/* ---- Checkpoints (src/fsdp/ckpt.c, src/io/safetensors.c) -------------- */
+
+/* Training position saved with a sharded checkpoint. */
+struct fsdp_ckpt_meta {
+    int64_t step;        /* training steps done (the LR schedule position) */
+    int64_t data_step;   /* index of the next global batch (fsdp_data_batch) */
+    uint64_t seed;       /* init and sampling seed: the counter-based RNG's whole state */
+    int has_config;      /* config is valid */
+    struct fsdp_gpt_config config;
+    /* filled by load and read_meta (ignored by save): */
+    int64_t optim_step;  /* the optimizer's step count at save time */
+    int world;           /* world size the checkpoint was saved with */
+    int has_optim_state; /* whether optimizer state was saved */
+};
+
+/* Sharded checkpoint: the folder `dir` gets one safetensors file per rank
+ * (that rank's slices of every parameter and of the optimizer state) and
+ * meta.json (per parameter: FQN, global shape, dtype and which element and
+ * byte ranges each file holds; the step, data position, seed, config and
+ * optimizer step count). Written under dir.tmp, fsync'd, then renamed over
+ * `dir`: a crash leaves the previous `dir` intact. No data moves between
+ * ranks. COLLECTIVE: yes (two small agreements on success). */
+enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
+                                const struct fsdp_ckpt_meta *meta);
+/* Loads a sharded checkpoint saved at any world size into fm (same model,
+ * any world size): each rank reads only the byte ranges (in 1 MiB checksum
+ * chunks) that overlap its shards, verifying checksums. The optimizer state
+ * and step count are restored when fm has an optimizer attached and the
+ * checkpoint has state of the same kind. *meta may be NULL.
+ * COLLECTIVE: yes (every rank returns the same status and message). */
+enum fsdp_status fsdp_ckpt_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
+                                struct fsdp_ckpt_meta *meta);
+/* Reads only meta.json (e.g. the model config before building the model).
+ * COLLECTIVE: no. */
+enum fsdp_status fsdp_ckpt_read_meta(struct fsdp_ctx *ctx, const char *dir, struct fsdp_ckpt_meta *meta);
+
+/* Full checkpoint: one safetensors file of every parameter under its FQN,
+ * written by rank 0 while units are gathered one at a time (rank 0 holds one
+ * unit beyond its shards). COLLECTIVE: yes. */
+enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path);
+/* Loads a full safetensors file: ours, or Hugging Face GPT-2 names
+ * ("h.0.attn.c_attn.weight", with or without "transformer.") whose Conv1D
+ * weights are (in, out) and get transposed; attn.bias / attn.masked_bias
+ * buffers and a tied lm_head.weight are ignored. Every rank reads only its
+ * own ranges; rank0_only: rank 0 reads each unit and broadcasts it.
+ * COLLECTIVE: yes. */
+enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path,
+                                      int rank0_only);
+
+/* Offline tools (no model needed). COLLECTIVE: no. */
+/* Prints a checkpoint's contents (a sharded folder or a safetensors file) to
+ * out; with verify, reads everything and checks every checksum. */
+enum fsdp_status fsdp_ckpt_describe(struct fsdp_ctx *ctx, const char *path, int verify, FILE *out);
+/* Sharded folder -> full safetensors file (parameters only), one parameter at a time. */
+enum fsdp_status fsdp_ckpt_to_full(struct fsdp_ctx *ctx, const char *dir, const char *path);
+/* Full safetensors file (ours) -> sharded folder of n_files files (no
+ * optimizer state; step 0). */
+enum fsdp_status fsdp_ckpt_from_full(struct fsdp_ctx *ctx, const char *path, const char *dir, int n_files);
+
+/* ---- Memory planning and limits (src/fsdp/plan.c, src/core) ----------- */
+
+/* A per-rank cap on the library's accounted memory (fsdp_mem_get's
+ * cur_total), as on an accelerator: an allocation that would pass it fails
+ * with FSDP_ERR_NOMEM and a message naming what it was for. 0 (the default)
+ * is no limit. COLLECTIVE: no. */
+void fsdp_mem_set_limit(struct fsdp_ctx *ctx, size_t bytes);
+size_t fsdp_mem_limit(const struct fsdp_ctx *ctx);
+/* Parses a size: a number with an optional suffix K, M, G or T (powers of
+ * 1024; "1.5G", "800M", "65536"). FSDP_ERR_INVALID naming the text if it is
+ * not one. */
+enum fsdp_status fsdp_mem_parse_size(struct fsdp_ctx *ctx, const char *text, size_t *out);
+
+/* Predicted bytes per rank of training, in fsdp_mem_get's accounting. */
+struct fsdp_mem_plan {
+    int world, rank;
+    int n_units;
+    size_t params, grads, optim; /* this rank's shards (FSDP_MEM_SHARD) */
+    size_t full;      /* pooled full parameter and gradient buffers (FSDP_MEM_FULL) */
+    size_t act;       /* activation arena at its peak, checkpointing included (FSDP_MEM_ACT) */
+    size_t workspace; /* the rest the library allocates: per-step transients (FSDP_MEM_OTHER) */
+    size_t total;     /* the sum: the predicted peak */
+};
+
+/* Plans FULL_SHARD training of `root` (built with shapes only, not yet
+ * sharded; checkpointing as set on its modules) at world size `world`, for
+ * rank `rank`, with an optimizer keeping `optim_state` floats per element
+ * (fsdp_optim_state_per_elem), on (B_local, T) tokens per rank with
+ * `threads` compute threads. Computes from the unit layout fsdp_fully_shard
+ * would make; allocates no shard, buffer or activation. Activations are
+ * known for the built-in GPT with fp32 compute only (another root, or a
+ * module with a 16-bit compute dtype, is FSDP_ERR_UNSUPPORTED).
+ * COLLECTIVE: no. */
+enum fsdp_status fsdp_plan_memory(struct fsdp_ctx *ctx, struct fsdp_module *root,
+                                  const struct fsdp_shard_opts *opts, int world, int rank,
+                                  int optim_state, int B_local, int T, int threads,
+                                  struct fsdp_mem_plan *out);
 
 #ifdef __cplusplus
 }

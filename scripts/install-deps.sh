@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # Installs the Debian packages fsdp.c needs to build, test and run, when missing.
 # Idempotent: asks apt-get only for packages that dpkg does not list as installed.
-# Usage: scripts/install-deps.sh [--with-torch]   (--with-torch adds python3-torch,
-# the optional numerical reference some tests use when present)
+# Usage: scripts/install-deps.sh [--with-torch] [--with-fuzz]   (--with-torch adds
+# python3-torch, the optional numerical reference some tests use when present;
+# --with-fuzz adds clang and libclang-rt-14-dev for `make fuzz` / scripts/fuzz.sh)
 set -euo pipefail
 pkgs=(build-essential pkg-config libdnnl-dev libopenmpi-dev openmpi-bin libcjson-dev python3)
-if [ "${1:-}" = "--with-torch" ]; then pkgs+=(python3-torch python3-numpy); fi
+for a in "$@"; do
+  case "$a" in
+    --with-torch) pkgs+=(python3-torch python3-numpy) ;;
+    --with-fuzz) pkgs+=(clang libclang-rt-14-dev libomp-14-dev) ;;
+    *) echo "install-deps.sh: unknown option '$a'" >&2; exit 2 ;;
+  esac
+done
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <dirent.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* ---- Options ---- */
@@ -25,7 +27,16 @@ struct opts {
     float lr, min_lr, weight_decay, clip, beta1, beta2, eps, momentum;
     const char *schedule, *optim, *comm;
     int decay_all;
+    int check_collectives;
+    float collective_timeout;
     uint64_t seed;
+    const char *save_dir, *resume, *init_from, *save_full; /* checkpoints */
+    int save_every, keep_last;
+    int dry_run;                /* --dry-run: print the memory plan and stop */
+    const char *mem_limit;      /* --mem-limit SIZE per rank, or NULL */
+    /* preparation (fsdp_parallelize_model) */
+    const char *wrap, *ac, *init; /* --wrap, --ac, --init */
+    int reshard_after_forward;    /* --reshard-after-forward on|off */
 };
 
 static struct opts opts_default(void) {
@@ -47,7 +58,12 @@ static struct opts opts_default(void) {
     o.optim = "adamw";
     o.comm = "auto";
     o.sample = 120;
+    o.collective_timeout = 300;
     o.seed = 1337;
+    o.wrap = "block";
+    o.ac = "none";
+    o.init = "deferred";
+    o.reshard_after_forward = 1;
     return o;
 }
 
@@ -79,14 +95,42 @@ static void usage(FILE *f) {
             "  --seed N              init and sampling seed (default %llu)\n"
             "  --threads N           compute threads per rank; 0 = cores / local ranks (default 0)\n"
             "  --nproc N             start N ranks on this host (mpirun) (default 1)\n"
-            "  --comm S              auto | mpi | self (default %s)\n"
+            "  --comm S              auto | mpi | shm | self: auto = shm for ranks all on one host,\n"
+            "                        else mpi (default %s)\n"
+            "  --collective-timeout S  a rank waiting on one collective longer than S seconds ends the\n"
+            "                        job naming it (type, sequence number, bytes); 0 = never (default %g)\n"
+            "  --check-collectives   compare each collective's sequence number and (type, count, dtype)\n"
+            "                        across ranks first; report diverged ranks (default off)\n"
             "  --log FILE            one JSON object per step (default none)\n"
             "  --sample N            tokens to generate at the end for text data; 0 = none (default %d)\n"
+            "  --save-dir DIR        save sharded checkpoints as DIR/step-NNNNNNNN (every --save-every\n"
+            "                        steps and at the end)\n"
+            "  --save-every K        steps between checkpoints; 0 = only at the end (default 0)\n"
+            "  --keep-last K         keep the newest K checkpoints in --save-dir; 0 = all (default 0)\n"
+            "  --resume DIR          continue from a checkpoint folder, or the newest one in a\n"
+            "                        --save-dir (saved at any world size)\n"
+            "  --save-full FILE      at the end, write the parameters as one safetensors file\n"
+            "  --init-from FILE      initial weights from a safetensors file (ours, or Hugging Face\n"
+            "                        GPT-2 model.safetensors)\n"
+            "  --wrap P              units: block (one per Block) | size:N (a unit per module with\n"
+            "                        >= N parameters not in a smaller unit) | none (default block)\n"
+            "  --ac P                activation checkpointing: none | blocks | every:K (Blocks 0, K,\n"
+            "                        2K, ...) (default none)\n"
+            "  --reshard-after-forward on|off  free a unit's gathered parameters after its forward\n"
+            "                        (default on)\n"
+            "  --init S              deferred (each rank initialises its shards; with --init-from each\n"
+            "                        rank reads its own ranges) | rank0 (rank 0 reads --init-from and\n"
+            "                        sends it unit by unit: sync_module_states) (default deferred)\n"
             "  --verbose             print the unit plan and debug information\n"
+            "  --dry-run             print the memory plan per rank (shards, full buffers, activations)\n"
+            "                        for this model, world (--nproc or the MPI world) and batch; no training\n"
+            "  --mem-limit SIZE      per-rank memory limit, e.g. 1.5G: refuse a plan over it before any\n"
+            "                        work, and stop the run if the library's allocations pass it (default none)\n"
             "  --help                this text\n",
             d.model, d.data, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
             (double)d.beta1, (double)d.beta2, (double)d.eps, (double)d.momentum,
-            (double)d.weight_decay, (double)d.clip, (unsigned long long)d.seed, d.comm, d.sample);
+            (double)d.weight_decay, (double)d.clip, (unsigned long long)d.seed, d.comm,
+            (double)d.collective_timeout, d.sample);
 }
 
 static int rank_env(void) {
@@ -134,6 +178,8 @@ static void parse_args(int argc, char **argv, struct opts *o) {
         }
         if (!strcmp(a, "--verbose")) { o->verbose = 1; continue; }
         if (!strcmp(a, "--decay-all")) { o->decay_all = 1; continue; }
+        if (!strcmp(a, "--check-collectives")) { o->check_collectives = 1; continue; }
+        if (!strcmp(a, "--dry-run")) { o->dry_run = 1; continue; }
         if (strncmp(a, "--", 2) != 0) usage_error("unexpected argument '%s'", a);
         if (i + 1 >= argc) usage_error("%s needs a value", a);
         const char *v = argv[++i];
@@ -141,6 +187,30 @@ static void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--model-config")) o->model_config = v;
         else if (!strcmp(a, "--data")) o->data = v;
         else if (!strcmp(a, "--log")) o->log_path = v;
+        else if (!strcmp(a, "--mem-limit")) o->mem_limit = v;
+        else if (!strcmp(a, "--save-dir")) o->save_dir = v;
+        else if (!strcmp(a, "--resume")) o->resume = v;
+        else if (!strcmp(a, "--init-from")) o->init_from = v;
+        else if (!strcmp(a, "--save-full")) o->save_full = v;
+        else if (!strcmp(a, "--wrap")) {
+            o->wrap = v;
+            if (strcmp(v, "block") && strcmp(v, "none") &&
+                (strncmp(v, "size:", 5) || parse_int(a, v + 5, 1, 0x7fffffffL) < 1))
+                usage_error("--wrap: '%s' is not block, size:N or none", v);
+        } else if (!strcmp(a, "--ac")) {
+            o->ac = v;
+            if (strcmp(v, "none") && strcmp(v, "blocks") &&
+                (strncmp(v, "every:", 6) || parse_int(a, v + 6, 1, 1 << 20) < 1))
+                usage_error("--ac: '%s' is not none, blocks or every:K", v);
+        } else if (!strcmp(a, "--reshard-after-forward")) {
+            if (strcmp(v, "on") && strcmp(v, "off")) usage_error("--reshard-after-forward: '%s' is not on or off", v);
+            o->reshard_after_forward = !strcmp(v, "on");
+        } else if (!strcmp(a, "--init")) {
+            if (strcmp(v, "deferred") && strcmp(v, "rank0")) usage_error("--init: '%s' is not deferred or rank0", v);
+            o->init = v;
+        }
+        else if (!strcmp(a, "--save-every")) o->save_every = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--keep-last")) o->keep_last = (int)parse_int(a, v, 0, 1 << 20);
         else if (!strcmp(a, "--batch")) o->batch = (int)parse_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--seq")) o->seq = (int)parse_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--steps")) o->steps = (int)parse_int(a, v, 0, 1 << 30);
@@ -148,6 +218,7 @@ static void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--threads")) o->threads = (int)parse_int(a, v, 0, 4096);
         else if (!strcmp(a, "--nproc")) o->nproc = (int)parse_int(a, v, 1, 4096);
         else if (!strcmp(a, "--sample")) o->sample = (int)parse_int(a, v, 0, 1 << 20);
+        else if (!strcmp(a, "--collective-timeout")) o->collective_timeout = parse_float(a, v, 0, 1e7);
         else if (!strcmp(a, "--seed")) o->seed = (uint64_t)parse_int(a, v, 0, 0x7fffffffL);
         else if (!strcmp(a, "--lr")) o->lr = parse_float(a, v, 0, 10);
         else if (!strcmp(a, "--min-lr")) o->min_lr = parse_float(a, v, 0, 10);
@@ -165,12 +236,16 @@ static void parse_args(int argc, char **argv, struct opts *o) {
             if (strcmp(v, "adamw") && strcmp(v, "sgd")) usage_error("--optim: '%s' is not adamw or sgd", v);
             o->optim = v;
         } else if (!strcmp(a, "--comm")) {
-            if (strcmp(v, "auto") && strcmp(v, "mpi") && strcmp(v, "self"))
-                usage_error("--comm: '%s' is not auto, mpi or self", v);
+            if (strcmp(v, "auto") && strcmp(v, "mpi") && strcmp(v, "shm") && strcmp(v, "self"))
+                usage_error("--comm: '%s' is not auto, mpi, shm or self", v);
             o->comm = v;
         } else usage_error("unknown flag '%s'", a);
     }
     if (o->min_lr < 0) o->min_lr = o->lr / 10;
+    if (o->resume && o->init_from) usage_error("--resume and --init-from exclude each other");
+    if (!strcmp(o->init, "rank0") && !o->init_from)
+        usage_error("--init rank0 needs --init-from FILE (the weights rank 0 reads and sends)");
+    if ((o->save_every || o->keep_last) && !o->save_dir) usage_error("--save-every and --keep-last need --save-dir");
 }
 
 /* --nproc N without mpirun: re-run this program under mpirun. */
@@ -208,6 +283,83 @@ static void relaunch(int argc, char **argv, int nproc) {
     exit(1);
 }
 
+/* ---- Checkpoint folders: DIR/step-NNNNNNNN, each complete only with meta.json ---- */
+
+/* The step numbers of the complete checkpoints in dir, ascending; returns the count. */
+static int list_ckpts(const char *dir, long **steps) {
+    *steps = NULL;
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        char *end;
+        if (strncmp(e->d_name, "step-", 5)) continue;
+        long st = strtol(e->d_name + 5, &end, 10);
+        if (*end || end == e->d_name + 5) continue; /* skips step-N.tmp and step-N.old */
+        char meta[4096];
+        struct stat sb;
+        snprintf(meta, sizeof meta, "%s/%s/meta.json", dir, e->d_name);
+        if (stat(meta, &sb) != 0) continue;
+        long *ns = realloc(*steps, (size_t)(n + 1) * sizeof **steps);
+        if (!ns) break;
+        *steps = ns;
+        int i = n++;
+        for (; i > 0 && (*steps)[i - 1] > st; i--) (*steps)[i] = (*steps)[i - 1];
+        (*steps)[i] = st;
+    }
+    closedir(d);
+    return n;
+}
+
+static void ckpt_path(char *buf, size_t n, const char *dir, long step) {
+    snprintf(buf, n, "%s/step-%08ld", dir, step);
+}
+
+/* --resume DIR: DIR itself if it holds meta.json, else its newest checkpoint. */
+static const char *resolve_resume(const char *dir, char *buf, size_t n) {
+    struct stat sb;
+    snprintf(buf, n, "%s/meta.json", dir);
+    if (stat(buf, &sb) == 0) {
+        snprintf(buf, n, "%s", dir);
+        return buf;
+    }
+    long *steps;
+    int k = list_ckpts(dir, &steps);
+    if (k == 0) {
+        free(steps);
+        return NULL;
+    }
+    ckpt_path(buf, n, dir, steps[k - 1]);
+    free(steps);
+    return buf;
+}
+
+static void remove_ckpt(const char *path) {
+    DIR *d = opendir(path);
+    if (!d) return;
+    struct dirent *e;
+    char f[4096];
+    while ((e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        if (snprintf(f, sizeof f, "%s/%s", path, e->d_name) < (int)sizeof f) unlink(f);
+    }
+    closedir(d);
+    rmdir(path);
+}
+
+/* Keeps the newest `keep` checkpoints of dir (rank 0 only). */
+static void prune_ckpts(const char *dir, int keep) {
+    long *steps;
+    int k = list_ckpts(dir, &steps);
+    for (int i = 0; i + keep < k; i++) {
+        char p[4096];
+        ckpt_path(p, sizeof p, dir, steps[i]);
+        remove_ckpt(p);
+    }
+    free(steps);
+}
+
 /* ---- Run ---- */
 
 static struct fsdp_ctx *g_ctx;
@@ -217,6 +369,27 @@ static double now_s(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
+
+/* This rank's communication between two snapshots of the statistics:
+ * bytes contributed and seconds blocked in waits (= exposed communication),
+ * per collective type, for the log and the summary. */
+struct comm_delta {
+    double wait_s[FSDP_COLL_COUNT], total_s;
+    uint64_t bytes[FSDP_COLL_COUNT], total_bytes;
+};
+
+static void comm_delta_add(struct comm_delta *d, const struct fsdp_comm_stats *a,
+                           const struct fsdp_comm_stats *b) {
+    for (int k = 0; k < FSDP_COLL_COUNT; k++) {
+        d->wait_s[k] += b->wait_s[k] - a->wait_s[k];
+        d->bytes[k] += b->bytes[k] - a->bytes[k];
+        d->total_s += b->wait_s[k] - a->wait_s[k];
+        d->total_bytes += b->bytes[k] - a->bytes[k];
+    }
+}
+
+static const char *const coll_names[FSDP_COLL_COUNT] = {"allgather", "reduce_scatter", "allreduce",
+                                                        "broadcast", "barrier"};
 
 /* An error every rank detects alike: rank 0 reports, all finish cleanly. */
 static _Noreturn void fail_all(const char *fmt, ...) {
@@ -230,6 +403,45 @@ static _Noreturn void fail_all(const char *fmt, ...) {
     }
     fsdp_ctx_free(g_ctx);
     exit(1);
+}
+
+/* ---- Preparation: --wrap, --ac, --reshard-after-forward, --init ---- */
+
+/* --ac every:K: Blocks whose index in transformer.h is a multiple of K. */
+static int ac_every(struct fsdp_module *m, void *ud) {
+    if (strcmp(m->ops->type, "Block")) return 0;
+    return atoi(m->name) % *(const int *)ud == 0;
+}
+
+static struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *gpt,
+                                        struct fsdp_optim *opt) {
+    struct fsdp_parallel_config pc = fsdp_parallel_config_default();
+    pc.reshard_after_forward = o->reshard_after_forward;
+    pc.verbose = o->verbose;
+    pc.seed = o->seed;
+    static int64_t min_size;
+    static int every;
+    struct fsdp_wrap_policy wp = {fsdp_wrap_by_type, (void *)"Block"};
+    if (!strcmp(o->wrap, "none")) wp.fn = NULL;
+    else if (!strncmp(o->wrap, "size:", 5)) {
+        min_size = atol(o->wrap + 5);
+        wp.fn = fsdp_wrap_by_size;
+        wp.ud = &min_size;
+    }
+    struct fsdp_ac_check ac = {fsdp_ac_by_type, (void *)"Block"}, *acp = NULL;
+    if (strcmp(o->ac, "none")) {
+        pc.activation_checkpointing = 1;
+        acp = &ac;
+        if (!strncmp(o->ac, "every:", 6)) {
+            every = atoi(o->ac + 6);
+            ac.fn = ac_every;
+            ac.ud = &every;
+        }
+    }
+    struct fsdp_model *fm;
+    if (fsdp_parallelize_model(ctx, gpt, &pc, opt, FSDP_F32, &wp, acp, NULL, &fm) != FSDP_OK)
+        fail_all("%s", fsdp_errmsg(ctx));
+    return fm;
 }
 
 /* An error of this rank alone: report and end every rank. */
@@ -255,6 +467,29 @@ static void progress(int step, int steps, double loss, double ms, double tps) {
     bar[width] = 0;
     printf("\r[%s] step %d/%d  loss %.4f  %.0f ms/step  %.0f tok/s ", bar, step, steps, loss, ms, tps);
     fflush(stdout);
+}
+
+/* Saves DIR/step-N (every rank), then keeps the newest --keep-last. */
+static void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
+                      const struct fsdp_gpt_config *cfg, int step, int tty) {
+    int rank = fsdp_ctx_rank(ctx);
+    char path[4096];
+    ckpt_path(path, sizeof path, o->save_dir, step);
+    if (rank == 0 && mkdir(o->save_dir, 0755) != 0 && errno != EEXIST)
+        fail_rank("--save-dir: cannot create '%s': %s", o->save_dir, strerror(errno));
+    struct fsdp_ckpt_meta m = {0};
+    m.step = m.data_step = step;
+    m.seed = o->seed;
+    m.has_config = 1;
+    m.config = *cfg;
+    double t0 = now_s();
+    /* the barrier: nobody writes into --save-dir before rank 0 made it */
+    if (fsdp_comm_barrier(fsdp_ctx_comm(ctx)) != FSDP_OK || fsdp_ckpt_save(ctx, fm, path, &m) != FSDP_OK)
+        fail_all("saving %s: %s", path, fsdp_errmsg(ctx));
+    if (rank == 0) {
+        if (o->keep_last) prune_ckpts(o->save_dir, o->keep_last);
+        if (!tty) printf("saved %s in %.2f s\n", path, now_s() - t0);
+    }
 }
 
 /* Generates n tokens after a newline, temperature 1 sampling with the counter
@@ -299,11 +534,110 @@ static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct f
     free(text);
 }
 
+/* ---- Memory plan (--dry-run, --mem-limit) ---- */
+
+static void mib(char *buf, size_t cap, size_t bytes) {
+    snprintf(buf, cap, "%.1f MiB", (double)bytes / 1048576.0);
+}
+
+/* Sets (on) or clears the checkpoint flag of the modules --ac selects below m. */
+static void plan_mark_ac(struct fsdp_module *m, const struct opts *o, int on) {
+    static int every;
+    for (int i = 0; i < m->n_children; i++) {
+        struct fsdp_module *c = m->children[i];
+        if (strcmp(o->ac, "none") != 0) {
+            every = !strncmp(o->ac, "every:", 6) ? atoi(o->ac + 6) : 0;
+            int sel = every > 0 ? ac_every(c, &every) : fsdp_ac_by_type(c, (void *)"Block");
+            if (sel) c->checkpoint = on;
+        }
+        plan_mark_ac(c, o, on);
+    }
+}
+
+/* Plans the run for `pworld` ranks: --dry-run prints the plan per rank and
+ * exits; --mem-limit refuses a plan over the limit before any work, then
+ * hands the limit to the library's allocator. Every rank computes the same. */
+static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *gpt, int pworld) {
+    if (!o->dry_run && !o->mem_limit) return;
+    size_t limit = 0;
+    if (o->mem_limit && fsdp_mem_parse_size(ctx, o->mem_limit, &limit) != FSDP_OK)
+        fail_all("--mem-limit: %s", fsdp_errmsg(ctx));
+    if (o->batch % pworld != 0)
+        fail_all("--batch %d (global) is not divisible by the world size %d", o->batch, pworld);
+    int k = !strcmp(o->optim, "sgd") ? (o->momentum > 0 ? 1 : 0) : 2;
+    int threads = o->threads;
+    if (threads == 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        threads = pworld > 1 && !getenv("OMPI_COMM_WORLD_SIZE") ? (int)(cores / pworld) : (int)(cores / local_ranks());
+        if (threads < 1) threads = 1;
+    }
+    /* the units and checkpointing prepare_model will ask fsdp_parallelize_model for */
+    struct fsdp_shard_opts so = fsdp_shard_opts_default();
+    so.reshard_after_forward = o->reshard_after_forward;
+    static int64_t min_size;
+    if (!strcmp(o->wrap, "none")) so.wrap = NULL;
+    else if (!strncmp(o->wrap, "size:", 5)) {
+        min_size = atol(o->wrap + 5);
+        so.wrap = fsdp_wrap_by_size;
+        so.wrap_ud = &min_size;
+    }
+    plan_mark_ac(gpt, o, 1);
+    struct fsdp_mem_stats held; /* the communicator and the data, already allocated */
+    fsdp_mem_get(ctx, &held);
+    int shown = pworld <= 8 ? pworld : 2;
+    int me = fsdp_ctx_rank(ctx);
+    struct fsdp_mem_plan p0;
+    memset(&p0, 0, sizeof p0);
+    for (int i = 0; i < shown; i++) {
+        int r = pworld <= 8 ? i : (i ? pworld - 1 : 0);
+        struct fsdp_mem_plan p;
+        enum fsdp_status pst = fsdp_plan_memory(ctx, gpt, &so, pworld, r, k, o->batch / pworld, o->seq, threads, &p);
+        if (pst != FSDP_OK) fail_all("memory plan: %s", fsdp_errmsg(ctx));
+        p.workspace += held.cur_total;
+        p.total += held.cur_total;
+        if (i == 0) p0 = p;
+        if (!o->dry_run || me != 0) continue;
+        if (i == 0) {
+            printf("memory plan: FULL_SHARD, world %d, %d units (--wrap %s), --ac %s, batch %d x %d tokens per "
+                   "rank, %s (%d state floats per element), %d threads per rank\n", pworld, p.n_units, o->wrap,
+                   o->ac, o->batch / pworld, o->seq, o->optim, k, threads);
+            printf("%-6s %12s %12s %12s %12s %12s %12s %12s\n", "rank", "params", "grads", "optimizer",
+                   "full bufs", "activations", "workspace", "total");
+        }
+        if (pworld > 8 && i == 1) printf("...\n");
+        char c[7][32];
+        size_t v[7] = {p.params, p.grads, p.optim, p.full, p.act, p.workspace, p.total};
+        for (int j = 0; j < 7; j++) mib(c[j], sizeof c[j], v[j]);
+        printf("%-6d %12s %12s %12s %12s %12s %12s %12s\n", r, c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
+    }
+    if (o->dry_run && me == 0) {
+        if (limit)
+            printf("--mem-limit %s (%.1f MiB): %s (%.0f%% of the limit)\n", o->mem_limit,
+                   (double)limit / 1048576.0, p0.total <= limit ? "fits" : "EXCEEDED",
+                   100.0 * (double)p0.total / (double)limit);
+        printf("(library accounting; the process also holds MPI, oneDNN and the program itself)\n");
+    }
+    plan_mark_ac(gpt, o, 0); /* fsdp_parallelize_model marks them itself */
+    if (limit && p0.total > limit)
+        fail_all("--mem-limit %s: the plan needs %.1f MiB per rank (shards %.1f, full buffers %.1f, activations "
+                 "%.1f, workspace %.1f MiB), more than the limit of %.1f MiB; use more ranks, a smaller "
+                 "--batch or --seq, or a larger limit",
+                 o->mem_limit, (double)p0.total / 1048576.0, (double)(p0.params + p0.grads + p0.optim) / 1048576.0,
+                 (double)p0.full / 1048576.0, (double)p0.act / 1048576.0, (double)p0.workspace / 1048576.0,
+                 (double)limit / 1048576.0);
+    if (o->dry_run) {
+        fsdp_module_free(gpt);
+        fsdp_ctx_free(ctx);
+        exit(0);
+    }
+    fsdp_mem_set_limit(ctx, limit);
+}
+
 int main(int argc, char **argv) {
     struct opts o = opts_default();
     parse_args(argc, argv, &o);
     int under_mpi = getenv("OMPI_COMM_WORLD_SIZE") != NULL;
-    if (o.nproc > 1 && !under_mpi) relaunch(argc, argv, o.nproc);
+    if (o.nproc > 1 && !under_mpi && !o.dry_run) relaunch(argc, argv, o.nproc); /* a plan needs no ranks */
 
     struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
     co.threads = o.threads;
@@ -313,14 +647,17 @@ int main(int argc, char **argv) {
         if (co.threads < 1) co.threads = 1;
     }
     co.verbose = o.verbose;
-    co.comm = !strcmp(o.comm, "mpi") ? FSDP_COMM_MPI : !strcmp(o.comm, "self") ? FSDP_COMM_SELF : FSDP_COMM_AUTO;
+    co.comm = !strcmp(o.comm, "mpi") ? FSDP_COMM_MPI : !strcmp(o.comm, "self") ? FSDP_COMM_SELF
+              : !strcmp(o.comm, "shm") ? FSDP_COMM_SHM : FSDP_COMM_AUTO;
     if (fsdp_ctx_create(&co, &g_ctx) != FSDP_OK) {
         fprintf(stderr, "fsdp-train: cannot start the communicator\n");
         return 1;
     }
     struct fsdp_ctx *ctx = g_ctx;
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
-    if (o.nproc > 1 && world != o.nproc)
+    fsdp_comm_set_timeout(fsdp_ctx_comm(ctx), o.collective_timeout);
+    if (o.check_collectives) fsdp_comm_set_check(fsdp_ctx_comm(ctx), 1);
+    if (o.nproc > 1 && world != o.nproc && !(o.dry_run && !under_mpi))
         fail_all("--nproc %d but the MPI world has %d ranks", o.nproc, world);
 
     /* model config */
@@ -336,6 +673,21 @@ int main(int argc, char **argv) {
     if (o.batch % world != 0)
         fail_all("--batch %d (global) is not divisible by the world size %d", o.batch, world);
 
+    /* --resume: the checkpoint's seed keys the data and sampling streams */
+    char resume_buf[4096];
+    const char *resume_dir = NULL;
+    struct fsdp_ckpt_meta ck = {0};
+    if (o.resume) {
+        if (!(resume_dir = resolve_resume(o.resume, resume_buf, sizeof resume_buf)))
+            fail_all("--resume: '%s' is neither a checkpoint (no meta.json) nor a folder holding step-N checkpoints",
+                     o.resume);
+        if (fsdp_ckpt_read_meta(ctx, resume_dir, &ck) != FSDP_OK) fail_all("--resume: %s", fsdp_errmsg(ctx));
+        if (ck.step > 0 && ck.seed != o.seed) { /* a converted folder (step 0) carries no data position */
+            if (rank == 0) printf("resume: using the checkpoint's seed %llu\n", (unsigned long long)ck.seed);
+            o.seed = ck.seed;
+        }
+    }
+
     /* data */
     struct fsdp_data *data;
     enum fsdp_status st = !strcmp(o.data, "synthetic")
@@ -348,10 +700,7 @@ int main(int argc, char **argv) {
     /* model, shards, optimizer */
     struct fsdp_module *gpt;
     if (fsdp_gpt_create(ctx, &cfg, &gpt) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
-    struct fsdp_shard_opts so = fsdp_shard_opts_default();
-    struct fsdp_model *fm;
-    if (fsdp_fully_shard(ctx, gpt, &so, &fm) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
-    if (fsdp_model_init_params(ctx, fm, o.seed) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
+    memory_plan(ctx, &o, gpt, !under_mpi && o.dry_run && o.nproc > 1 ? o.nproc : world);
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     oo.kind = !strcmp(o.optim, "sgd") ? FSDP_OPTIM_SGD : FSDP_OPTIM_ADAMW;
     oo.beta1 = o.beta1;
@@ -362,7 +711,22 @@ int main(int argc, char **argv) {
     oo.decay_all = o.decay_all;
     struct fsdp_optim *opt;
     if (fsdp_optim_create(ctx, &oo, &opt) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
-    if (fsdp_model_attach_optim(ctx, fm, opt) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
+    struct fsdp_model *fm = prepare_model(ctx, &o, gpt, opt);
+    int start_step = 0;
+    if (resume_dir) {
+        double t0 = now_s();
+        if (fsdp_ckpt_load(ctx, fm, resume_dir, &ck) != FSDP_OK) fail_all("--resume: %s", fsdp_errmsg(ctx));
+        start_step = (int)ck.step;
+        if (rank == 0)
+            printf("resumed from %s (saved at world %d): step %d, optimizer step %lld%s, %.2f s\n", resume_dir,
+                   ck.world, start_step, (long long)ck.optim_step,
+                   ck.has_optim_state ? "" : " (no optimizer state)", now_s() - t0);
+    } else if (o.init_from) {
+        /* --init rank0: rank 0 reads each unit and broadcasts it (sync_module_states) */
+        int rank0 = !strcmp(o.init, "rank0");
+        if (fsdp_model_load_full(ctx, fm, o.init_from, rank0) != FSDP_OK) fail_all("--init-from: %s", fsdp_errmsg(ctx));
+        if (rank == 0) printf("initial weights from %s%s\n", o.init_from, rank0 ? " (rank 0, sent unit by unit)" : "");
+    }
 
     int64_t n_params = fsdp_module_numel(gpt);
     int64_t largest_unit = 0;
@@ -401,16 +765,23 @@ int main(int argc, char **argv) {
     double flops_tok = 3.0 * fsdp_gpt_flops_per_token(&cfg, T);
     double total_s = 0, first_loss = 0, last_loss = 0;
     int timed = 0;
-    for (int step = 0; step < o.steps; step++) {
+    struct comm_delta comm_total = {0}; /* over the timed steps (all but the first) */
+    for (int step = start_step; step < o.steps; step++) {
         fsdp_data_batch(data, step, o.batch, T, rank, world, inputs, targets);
         float lr = fsdp_lr_at(&sched, step);
         struct fsdp_step_result r;
+        struct fsdp_comm_stats cs0, cs1;
+        fsdp_comm_stats_get(fsdp_ctx_comm(ctx), &cs0);
         double t0 = now_s();
         st = fsdp_model_train_step(ctx, fm, inputs, targets, Bl, T, lr, o.clip, &r);
         double dt = now_s() - t0;
+        fsdp_comm_stats_get(fsdp_ctx_comm(ctx), &cs1);
+        struct comm_delta cd = {0};
+        comm_delta_add(&cd, &cs0, &cs1);
+        if (st == FSDP_ERR_NUMERIC) fail_all("step %d: %s", step + 1, fsdp_errmsg(ctx)); /* every rank agrees */
         if (st != FSDP_OK) fail_rank("step %d: %s", step, fsdp_errmsg(ctx));
-        if (step > 0) { total_s += dt; timed++; }
-        if (step == 0) first_loss = r.loss;
+        if (step > 0) { total_s += dt; timed++; comm_delta_add(&comm_total, &cs0, &cs1); }
+        if (step == start_step) first_loss = r.loss;
         last_loss = r.loss;
         float rss = (float)((double)fsdp_peak_rss_bytes() / 1048576.0), rss_max = rss;
         if (fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &rss, &rss_max, 1, FSDP_F32, FSDP_MAX) != FSDP_OK)
@@ -421,18 +792,33 @@ int main(int argc, char **argv) {
             else
                 printf("step %4d/%d  loss %.4f  lr %.2e  grad_norm %.4f  %.1f ms  %.0f tok/s\n", step + 1,
                        o.steps, r.loss, (double)lr, r.grad_norm, dt * 1e3, tps);
-            if (logf)
+            if (logf) {
                 fprintf(logf,
                         "{\"step\": %d, \"loss\": %.9g, \"lr\": %.9g, \"grad_norm\": %.9g, \"param_norm\": %.9g, "
                         "\"step_ms\": %.3f, \"forward_ms\": %.3f, \"backward_ms\": %.3f, \"update_ms\": %.3f, "
-                        "\"tokens_per_s\": %.1f, \"peak_rss_mb\": %.1f}\n",
+                        "\"tokens_per_s\": %.1f, \"peak_rss_mb\": %.1f, \"comm_ms\": %.3f, \"comm_bytes\": %llu, "
+                        "\"comm\": {",
                         step + 1, r.loss, (double)lr, r.grad_norm, r.param_norm, dt * 1e3, r.forward_s * 1e3,
-                        r.backward_s * 1e3, r.update_s * 1e3, tps, (double)rss_max);
+                        r.backward_s * 1e3, r.update_s * 1e3, tps, (double)rss_max, cd.total_s * 1e3,
+                        (unsigned long long)cd.total_bytes);
+                for (int k = 0; k < FSDP_COLL_COUNT; k++)
+                    fprintf(logf, "%s\"%s\": {\"ms\": %.3f, \"bytes\": %llu}", k ? ", " : "", coll_names[k],
+                            cd.wait_s[k] * 1e3, (unsigned long long)cd.bytes[k]);
+                fprintf(logf, "}}\n");
+            }
         }
+        if (o.save_dir && ((o.save_every && (step + 1) % o.save_every == 0) || step + 1 == o.steps))
+            save_ckpt(ctx, fm, &o, &cfg, step + 1, tty);
     }
+    if (o.save_dir && start_step >= o.steps) save_ckpt(ctx, fm, &o, &cfg, start_step, tty);
     if (tty && rank == 0) printf("\n");
     if (logf) fclose(logf);
 
+    if (o.save_full) {
+        double t0 = now_s();
+        if (fsdp_model_save_full(ctx, fm, o.save_full) != FSDP_OK) fail_all("--save-full: %s", fsdp_errmsg(ctx));
+        if (rank == 0) printf("saved %s in %.2f s\n", o.save_full, now_s() - t0);
+    }
     if (o.sample > 0 && fsdp_data_is_text(data) && o.steps > 0) generate(ctx, fm, &cfg, o.sample, o.seed);
 
     float rss = (float)((double)fsdp_peak_rss_bytes() / 1048576.0), rss_max = rss;
@@ -448,6 +834,16 @@ int main(int argc, char **argv) {
         printf("summary: loss %.4f -> %.4f%s | %.0f tokens/s | %.2f GFLOP/s model | peak RSS %.0f MB per rank "
                "(ZeRO-3 estimate for params+grads+AdamW: %.0f MB)\n",
                first_loss, last_loss, floor_txt, tps, tps * flops_tok / 1e9, (double)rss_max, zero3);
+        /* exposed communication: time the compute thread sat in waits (rank 0) */
+        printf("comm (%s, rank 0, %d timed steps): exposed comm %.1f ms/step = %.1f%% of step time",
+               fsdp_comm_backend(fsdp_ctx_comm(ctx)), timed, timed ? comm_total.total_s * 1e3 / timed : 0.0,
+               total_s > 0 ? 100.0 * comm_total.total_s / total_s : 0.0);
+        for (int k = 0; k < FSDP_COLL_COUNT; k++)
+            if (comm_total.bytes[k] || comm_total.wait_s[k] > 0)
+                printf(" | %s %.1f MB/step, %.1f ms/step waited", coll_names[k],
+                       timed ? (double)comm_total.bytes[k] / 1e6 / timed : 0.0,
+                       timed ? comm_total.wait_s[k] * 1e3 / timed : 0.0);
+        printf("\n");
     }
     free(inputs);
     free(targets);

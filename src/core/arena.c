@@ -3,8 +3,9 @@
  * chunks. Marks are byte offsets into the logical sequence of allocations, so
  * fsdp_arena_release(mark) frees everything allocated after the mark.
  * Invariant: chunks are never freed during a step, so pointers stay valid
- * until fsdp_arena_reset; after a reset the chunks are merged into one chunk
- * of their total size, so a steady state has a single chunk and no mallocs.
+ * until fsdp_arena_reset (or a release below their allocation); after a reset
+ * the chunks are merged into one chunk of the step's high-water size, so a
+ * steady state has a single chunk and no mallocs.
  */
 #include "core/core-impl.h"
 
@@ -43,6 +44,7 @@ void *fsdp_arena_alloc(struct fsdp_ctx *ctx, size_t bytes) {
     void *p = c->mem + c->used;
     c->used += need;
     ctx->arena_used = c->base + c->used;
+    if (ctx->arena_used > ctx->arena_high) ctx->arena_high = ctx->arena_used;
     return p;
 }
 
@@ -50,8 +52,14 @@ size_t fsdp_arena_mark(struct fsdp_ctx *ctx) { return ctx->arena_used; }
 
 void fsdp_arena_release(struct fsdp_ctx *ctx, size_t mark) {
     struct fsdp__arena_chunk *c = ctx->arena;
-    /* chunks that start at or after the mark stay allocated (reused after reset);
-     * only the current chunk can be rewound if the mark falls inside it */
+    /* chunks that start after the mark are freed (the next reset sizes its one
+     * chunk by the high-water mark, so a steady state still never grows) */
+    while (c && c->prev && mark < c->base) {
+        struct fsdp__arena_chunk *p = c->prev;
+        fsdp__free(ctx, c->mem);
+        fsdp__free(ctx, c);
+        ctx->arena = c = p;
+    }
     if (c && mark >= c->base && mark <= c->base + c->used) {
         c->used = mark - c->base;
         ctx->arena_used = mark;
@@ -60,16 +68,16 @@ void fsdp_arena_release(struct fsdp_ctx *ctx, size_t mark) {
 
 void fsdp_arena_reset(struct fsdp_ctx *ctx) {
     struct fsdp__arena_chunk *c = ctx->arena;
-    if (c && c->prev) { /* merge into one chunk of the total size */
-        size_t total = 0;
-        for (struct fsdp__arena_chunk *i = c; i; i = i->prev) total += i->cap;
+    size_t high = ctx->arena_high; /* logical bytes at the high-water mark (no chunk tails) */
+    if (c && (c->prev || high > c->cap)) { /* merge into one chunk of the high-water size */
         fsdp__arena_free_all(ctx);
-        void *p = fsdp_arena_alloc(ctx, total);
+        void *p = fsdp_arena_alloc(ctx, high);
         (void)p;
         c = ctx->arena;
     }
     if (c) c->used = 0;
     ctx->arena_used = 0;
+    ctx->arena_high = 0;
 }
 
 void fsdp__arena_free_all(struct fsdp_ctx *ctx) {

@@ -23,9 +23,11 @@ struct fsdp_ctx {
     struct fsdp_comm *comm;          /* owned; created by fsdp_ctx_create */
     char errmsg[1024];
     struct fsdp_mem_stats mem;
+    size_t mem_limit;                /* fsdp__alloc refuses past this many bytes; 0 = none */
     /* activation arena: one growing list of chunks, reset per step */
     struct fsdp__arena_chunk *arena; /* current chunk (head of list) */
     size_t arena_used;               /* bytes handed out in total (mark) */
+    size_t arena_high;               /* largest arena_used since the last reset */
 };
 
 /* Allocates an empty context (world of one, no comm). */
@@ -66,10 +68,32 @@ void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, c
 void *fsdp__calloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);
 /* Frees memory from fsdp__alloc; NULL is a no-op. */
 void fsdp__free(struct fsdp_ctx *ctx, void *p);
+/* Allocation-failure injection (tests): every fsdp__alloc call increments
+ * fsdp__alloc_count; the call that makes it equal fsdp__alloc_fail_at (when
+ * > 0) fails as if out of memory. Not thread-safe; set from one thread. */
+extern long fsdp__alloc_count, fsdp__alloc_fail_at;
 char *fsdp__strdup(const char *s); /* plain malloc, unaccounted (names) */
 
 /* ---- Arena ---- */
 void fsdp__arena_free_all(struct fsdp_ctx *ctx);
+
+/* ---- Arena simulation (arena_plan.c), for the memory planner ---- */
+/* Replays allocations over sizes only with the arena's chunk policy; `peak`
+ * is the most bytes (chunks and their headers, plus transients) the real
+ * arena would hold. Start from a zeroed struct; free with _free. */
+struct fsdp__arena_sim_chunk { size_t base, cap, used; };
+struct fsdp__arena_sim {
+    struct fsdp__arena_sim_chunk *chunks; /* live chunks, oldest first */
+    int n, cap_chunks, failed;
+    size_t used, high;                    /* logical offset (mark) and its high-water */
+    size_t live, peak;                    /* bytes held now and at most */
+};
+void fsdp__arena_sim_alloc(struct fsdp__arena_sim *s, size_t bytes);
+void fsdp__arena_sim_release(struct fsdp__arena_sim *s, size_t mark); /* mark = s->used earlier */
+void fsdp__arena_sim_reset(struct fsdp__arena_sim *s);
+/* A short-lived FSDP_MEM_ACT block outside the arena (checkpointed outputs). */
+void fsdp__arena_sim_transient(struct fsdp__arena_sim *s, size_t bytes);
+void fsdp__arena_sim_free(struct fsdp__arena_sim *s);
 
 /* ---- Counter-based RNG (Philox4x32-10) ---- */
 /* Four 32-bit words for (key, counter): a pure function. */
@@ -85,6 +109,23 @@ float fsdp__init_value(struct fsdp_init init, uint64_t seed, const char *fqn, ui
 /* Fills dst[0..n) with elements [start, start+n) of a parameter. */
 void fsdp__init_fill(struct fsdp_init init, uint64_t seed, const char *fqn, uint64_t start,
                      float *dst, size_t n);
+
+/* ---- Dtype conversion (dtype.c) ---- */
+/* fp32 -> bf16 / fp16 round to nearest even (subnormals kept, overflow to inf,
+ * NaN stays NaN, quieted); bf16 / fp16 -> fp32 is exact. */
+uint16_t fsdp__f32_to_bf16(float f);
+float fsdp__bf16_to_f32(uint16_t h);
+uint16_t fsdp__f32_to_f16(float f);
+float fsdp__f16_to_f32(uint16_t h);
+/* The same over arrays of n elements (AVX-512 when built for it; bit-identical
+ * to the scalar forms); src and dst must not overlap. */
+void fsdp__cvt_f32_to_bf16(const float *src, uint16_t *dst, size_t n);
+void fsdp__cvt_bf16_to_f32(const uint16_t *src, float *dst, size_t n);
+void fsdp__cvt_f32_to_f16(const float *src, uint16_t *dst, size_t n);
+void fsdp__cvt_f16_to_f32(const uint16_t *src, float *dst, size_t n);
+/* Dispatch on dt (F32: a copy; BF16, F16 as above; others: FSDP_ASSERT). */
+void fsdp__cvt_from_f32(enum fsdp_dtype dt, const float *src, void *dst, size_t n);
+void fsdp__cvt_to_f32(enum fsdp_dtype dt, const void *src, float *dst, size_t n);
 
 /* ---- Time ---- */
 double fsdp__now(void); /* monotonic seconds */

@@ -124,9 +124,26 @@ static void mem_add(struct fsdp_ctx *ctx, int kind, size_t bytes) {
     if (m->cur_total > m->peak_total) m->peak_total = m->cur_total;
 }
 
+long fsdp__alloc_count, fsdp__alloc_fail_at;
+
+static const char *mem_kind_name(enum fsdp_mem_kind kind) {
+    static const char *const names[FSDP_MEM_KIND_COUNT] = {"shards", "full buffers", "activations",
+                                                           "unsharded parameters", "other"};
+    return (int)kind >= 0 && kind < FSDP_MEM_KIND_COUNT ? names[kind] : "?";
+}
+
 void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
     void *raw = NULL;
-    if (bytes > SIZE_MAX - 128 || posix_memalign(&raw, 64, sizeof(struct alloc_hdr) + bytes) != 0) {
+    fsdp__alloc_count++;
+    if (ctx && ctx->mem_limit && (bytes > ctx->mem_limit || ctx->mem.cur_total > ctx->mem_limit - bytes)) {
+        fsdp__err(ctx, FSDP_ERR_NOMEM,
+                  "memory limit of %zu bytes per rank exceeded allocating %zu bytes for %s (%s); "
+                  "%zu bytes in use", ctx->mem_limit, bytes, what ? what : "?", mem_kind_name(kind),
+                  ctx->mem.cur_total);
+        return NULL;
+    }
+    if (fsdp__alloc_count == fsdp__alloc_fail_at || bytes > SIZE_MAX - 128 ||
+        posix_memalign(&raw, 64, sizeof(struct alloc_hdr) + bytes) != 0) {
         fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory allocating %zu bytes for %s", bytes,
                   what ? what : "?");
         return NULL;
@@ -162,6 +179,9 @@ char *fsdp__strdup(const char *s) {
 }
 
 void fsdp_mem_get(const struct fsdp_ctx *ctx, struct fsdp_mem_stats *out) { *out = ctx->mem; }
+
+void fsdp_mem_set_limit(struct fsdp_ctx *ctx, size_t bytes) { ctx->mem_limit = bytes; }
+size_t fsdp_mem_limit(const struct fsdp_ctx *ctx) { return ctx->mem_limit; }
 
 void fsdp_mem_reset_peak(struct fsdp_ctx *ctx) {
     for (int k = 0; k < FSDP_MEM_KIND_COUNT; k++) ctx->mem.peak[k] = ctx->mem.cur[k];

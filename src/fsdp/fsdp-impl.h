@@ -32,6 +32,9 @@ struct fsdp__unit {
     int64_t *offsets;             /* flat offset of params[i] */
     int64_t numel_full, numel_padded, numel_shard;
     int reshard_after_forward;
+    enum fsdp_mixed_precision mixed_precision; /* FULL until mixed precision exists */
+    struct fsdp_unit_overrides overrides;      /* what the wrap policy overrode (plan) */
+    float *summoned;              /* (numel_padded) fsdp_summon_full_params buffer, or NULL */
     /* one allocation: param shard | grad shard | optimizer state (k x numel_shard) */
     float *shard_mem;
     float *shard;                 /* (numel_shard) this rank's slice of the flat params */
@@ -61,7 +64,19 @@ struct fsdp_model {
     int n_pool, cap_pool;
     struct fsdp__pool_buf *pool;
     struct fsdp_optim *optim;     /* borrowed */
+    /* fsdp_parallelize_model's config, for the state-dict code */
+    enum fsdp_state_dict_type state_dict_type;
+    int load_monolith_rank0_only;
+    /* fsdp_summon_full_params: active, and how it ends */
+    int summon_active, summon_writeback, summon_rank0_only;
 };
+
+/* ---- Layout only (shard.c), for the memory planner (plan.c) ---- */
+/* The units fsdp_fully_shard would make for ctx->world (flat offsets,
+ * padding, overrides) without allocating shards or installing hooks. Free
+ * with fsdp_model_free (which also clears the parameters' fsdp_priv). */
+enum fsdp_status fsdp__model_layout(struct fsdp_ctx *ctx, struct fsdp_module *root,
+                                    const struct fsdp_shard_opts *opts, struct fsdp_model **out);
 
 /* ---- Units ---- */
 enum fsdp_status fsdp__unit_unshard(struct fsdp_ctx *ctx, struct fsdp__unit *u);
@@ -75,6 +90,10 @@ extern const struct fsdp_module_hooks fsdp__unit_hooks;
 /* Allocates one block per unit: param shard | grad shard | k_state arrays,
  * keeping the current parameter values. */
 enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit *u, int k_state);
+
+/* Whether any unit is gathered or between forward and backward (summon and
+ * init refuse to run then). Returns the first such unit, or NULL. */
+struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
 
 /* ---- Pool ---- */
 float *fsdp__pool_get(struct fsdp_model *fm, int64_t numel, const char *what);

@@ -16,9 +16,41 @@
 
 #include <string.h>
 
-enum fsdp_wrap fsdp_wrap_by_type(struct fsdp_module *m, void *ud) {
+static const char *mod_name(const struct fsdp_module *m) {
+    return !m->fqn ? m->name : m->fqn[0] ? m->fqn : "(root)";
+}
+
+enum fsdp_wrap fsdp_wrap_by_type(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr) {
+    (void)ovr;
     const char *type = ud ? (const char *)ud : "Block";
     return strcmp(m->ops->type, type) == 0 ? FSDP_WRAP_UNIT : FSDP_WRAP_SKIP;
+}
+
+/* Naming-only containers never run (their parents call the children), so
+ * their hooks would never gather: they are not offered as units. */
+static int is_container(const struct fsdp_module *m) {
+    return !strcmp(m->ops->type, "Module") || !strcmp(m->ops->type, "ModuleList");
+}
+
+/* Parameters below m (own and children's) that no wrapped descendant takes,
+ * for a threshold of min: a child is wrapped when its own count reaches min. */
+static int64_t unwrapped_numel(struct fsdp_module *m, int64_t min) {
+    int64_t n = 0;
+    for (int i = 0; i < m->n_params; i++)
+        if (!m->params[i]->tied_to) n += m->params[i]->numel;
+    for (int i = 0; i < m->n_children; i++) {
+        int64_t c = unwrapped_numel(m->children[i], min);
+        if (c < min || is_container(m->children[i])) n += c;
+    }
+    return n;
+}
+
+enum fsdp_wrap fsdp_wrap_by_size(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr) {
+    (void)ovr;
+    if (is_container(m)) return FSDP_WRAP_SKIP;
+    int64_t min = ud ? *(const int64_t *)ud : 100000000;
+    if (min < 1) min = 1;
+    return unwrapped_numel(m, min) >= min ? FSDP_WRAP_UNIT : FSDP_WRAP_SKIP;
 }
 
 struct fsdp_shard_opts fsdp_shard_opts_default(void) {
@@ -33,6 +65,7 @@ struct fsdp_shard_opts fsdp_shard_opts_default(void) {
 
 struct plan {
     struct fsdp_module **unit_roots; /* pre-order */
+    struct fsdp_unit_overrides *ovr; /* per unit root (set == 0: none) */
     int n_units, cap;
 };
 
@@ -41,14 +74,31 @@ static enum fsdp_status collect_units(struct fsdp_ctx *ctx, struct fsdp_module *
     if (m->hooks)
         return fsdp__err(ctx, FSDP_ERR_STATE, "module '%s' is already part of a sharded model",
                          m->fqn ? m->fqn : m->name);
-    if (is_root || (o->wrap && o->wrap(m, o->wrap_ud) == FSDP_WRAP_UNIT)) {
+    struct fsdp_unit_overrides ovr = {0};
+    enum fsdp_wrap w = is_root ? FSDP_WRAP_UNIT : o->wrap ? o->wrap(m, o->wrap_ud, &ovr) : FSDP_WRAP_SKIP;
+    if (w != FSDP_WRAP_SKIP && w != FSDP_WRAP_UNIT && w != FSDP_WRAP_UNIT_OVERRIDE)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "wrap policy returned %d for module '%s'", (int)w,
+                         mod_name(m));
+    if (w != FSDP_WRAP_UNIT_OVERRIDE) ovr.set = 0;
+    if (ovr.set & ~(FSDP_OVR_RESHARD_AFTER_FORWARD | FSDP_OVR_MIXED_PRECISION))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "wrap policy: unknown override bits 0x%x for module '%s'",
+                         ovr.set, mod_name(m));
+    if ((ovr.set & FSDP_OVR_MIXED_PRECISION) && ovr.mixed_precision != FSDP_MP_FULL)
+        return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
+                         "wrap policy: unit '%s' overrides mixed_precision to %s, but only FULL (fp32) "
+                         "is implemented yet", mod_name(m),
+                         ovr.mixed_precision == FSDP_MP_DEFAULT ? "DEFAULT" : "PURE");
+    if (w != FSDP_WRAP_SKIP) {
         if (pl->n_units == pl->cap) {
             int ncap = pl->cap ? 2 * pl->cap : 16;
             void *n = realloc(pl->unit_roots, (size_t)ncap * sizeof *pl->unit_roots);
-            if (!n) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning units");
-            pl->unit_roots = n;
+            void *v = n ? realloc(pl->ovr, (size_t)ncap * sizeof *pl->ovr) : NULL;
+            if (n) pl->unit_roots = n;
+            if (v) pl->ovr = v;
+            if (!n || !v) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning units");
             pl->cap = ncap;
         }
+        pl->ovr[pl->n_units] = ovr;
         pl->unit_roots[pl->n_units++] = m;
     }
     for (int i = 0; i < m->n_children; i++) FSDP_TRY(collect_units(ctx, m->children[i], 0, o, pl));
@@ -133,11 +183,13 @@ static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_sha
     enum fsdp_status st = collect_units(ctx, fm->root, 1, o, &pl);
     if (st != FSDP_OK) {
         free(pl.unit_roots);
+        free(pl.ovr);
         return st;
     }
     fm->units = calloc((size_t)pl.n_units, sizeof *fm->units);
     if (!fm->units) {
         free(pl.unit_roots);
+        free(pl.ovr);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating units");
     }
     fm->n_units = pl.n_units;
@@ -149,6 +201,10 @@ static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_sha
         u->parent = i == 0 ? NULL : &fm->units[unit_index_of_module(&pl, u->module->parent)];
         /* the root unit keeps its parameters from forward to backward (FSDP2) */
         u->reshard_after_forward = i == 0 ? 0 : o->reshard_after_forward;
+        if (i > 0 && (pl.ovr[i].set & FSDP_OVR_RESHARD_AFTER_FORWARD))
+            u->reshard_after_forward = pl.ovr[i].reshard_after_forward != 0;
+        u->mixed_precision = FSDP_MP_FULL;
+        u->overrides = pl.ovr[i];
     }
     struct assign_args a = {fm, &pl, NULL, NULL, 0, 0, FSDP_OK};
     fsdp_module_foreach_param(fm->root, assign_one, &a);
@@ -183,6 +239,7 @@ static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_sha
     free(a.visit);
     free(a.param_unit);
     free(pl.unit_roots);
+    free(pl.ovr);
     return a.st;
 }
 
@@ -219,6 +276,24 @@ enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root
     for (int i = 0; i < fm->n_units; i++) {
         fm->units[i].module->hooks = &fsdp__unit_hooks;
         fm->units[i].module->hook_data = &fm->units[i];
+    }
+    *out = fm;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp__model_layout(struct fsdp_ctx *ctx, struct fsdp_module *root,
+                                    const struct fsdp_shard_opts *opts, struct fsdp_model **out) {
+    struct fsdp_shard_opts def = fsdp_shard_opts_default();
+    if (!opts) opts = &def;
+    if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
+    struct fsdp_model *fm = calloc(1, sizeof *fm);
+    if (!fm) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory laying out units");
+    fm->ctx = ctx;
+    fm->root = root;
+    enum fsdp_status st = build_units(fm, opts);
+    if (st != FSDP_OK) {
+        fsdp_model_free(fm);
+        return st;
     }
     *out = fm;
     return FSDP_OK;

@@ -14,8 +14,54 @@
 
 /* ---- Optimizer binding ---- */
 
+/* The optimizer's registered group names resolved to parameters. */
+struct group_map {
+    int n;
+    struct fsdp_param **p; /* (n) the parameter each name resolves to (ties followed) */
+    int *group;            /* (n) */
+};
+
+static int group_of_param(const struct group_map *gm, const struct fsdp_param *p) {
+    for (int i = 0; i < gm->n; i++)
+        if (gm->p[i] == p) return gm->group[i];
+    return 0;
+}
+
+/* Resolves every group name of opt in fm; a name matching no parameter, or
+ * two names of different groups meeting at one parameter, is an error. */
+static enum fsdp_status map_groups(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_optim *opt,
+                                   struct group_map *gm) {
+    int total = 0;
+    for (int g = 1; g <= fsdp_optim_n_groups(opt); g++)
+        for (int i = 0; fsdp__optim_group_name(opt, g, i); i++) total++;
+    gm->n = 0;
+    gm->p = calloc((size_t)total + 1, sizeof *gm->p);
+    gm->group = calloc((size_t)total + 1, sizeof *gm->group);
+    if (!gm->p || !gm->group) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory matching optimizer groups");
+    for (int g = 1; g <= fsdp_optim_n_groups(opt); g++) {
+        const char *name;
+        for (int i = 0; (name = fsdp__optim_group_name(opt, g, i)); i++) {
+            struct fsdp_param *p = fsdp_module_find_param(fm->root, name);
+            if (!p)
+                return fsdp__err(ctx, FSDP_ERR_INVALID,
+                                 "optimizer group %d names parameter '%s', which the model does not have", g,
+                                 name);
+            while (p->tied_to) p = p->tied_to;
+            int prev = group_of_param(gm, p);
+            if (prev && prev != g)
+                return fsdp__err(ctx, FSDP_ERR_INVALID,
+                                 "optimizer groups %d and %d both hold parameter '%s' (named '%s' in group %d)",
+                                 prev, g, p->fqn, name, g);
+            gm->p[gm->n] = p;
+            gm->group[gm->n++] = g;
+        }
+    }
+    return FSDP_OK;
+}
+
 /* Cuts the shard [rank*S, (rank+1)*S) into runs of one parameter each. */
-static enum fsdp_status build_slices(struct fsdp_ctx *ctx, struct fsdp__unit *u, int decay_all) {
+static enum fsdp_status build_slices(struct fsdp_ctx *ctx, struct fsdp__unit *u, int decay_all,
+                                     const struct group_map *gm) {
     free(u->slices);
     u->slices = calloc((size_t)u->n_params + 1, sizeof *u->slices);
     if (!u->slices) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for optimizer slices");
@@ -31,7 +77,8 @@ static enum fsdp_status build_slices(struct fsdp_ctx *ctx, struct fsdp__unit *u,
         sl->state = u->state ? u->state + (s - lo) : NULL;
         sl->n = e - s;
         sl->state_stride = u->numel_shard;
-        sl->decay = decay_all || !u->params[j]->no_decay;
+        int g = group_of_param(gm, u->params[j]);
+        sl->decay = g > 0 ? 1 + g : decay_all || !u->params[j]->no_decay;
     }
     return FSDP_OK;
 }
@@ -39,12 +86,16 @@ static enum fsdp_status build_slices(struct fsdp_ctx *ctx, struct fsdp__unit *u,
 enum fsdp_status fsdp_model_attach_optim(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                          struct fsdp_optim *opt) {
     int k = fsdp_optim_state_per_elem(opt);
-    for (int i = 0; i < fm->n_units; i++) {
-        FSDP_TRY(fsdp__unit_alloc_shards(ctx, &fm->units[i], k));
-        FSDP_TRY(build_slices(ctx, &fm->units[i], fsdp__optim_decay_all(opt)));
+    struct group_map gm = {0};
+    enum fsdp_status st = map_groups(ctx, fm, opt, &gm);
+    for (int i = 0; i < fm->n_units && st == FSDP_OK; i++) {
+        st = fsdp__unit_alloc_shards(ctx, &fm->units[i], k);
+        if (st == FSDP_OK) st = build_slices(ctx, &fm->units[i], fsdp__optim_decay_all(opt), &gm);
     }
-    fm->optim = opt;
-    return FSDP_OK;
+    free(gm.p);
+    free(gm.group);
+    if (st == FSDP_OK) fm->optim = opt;
+    return st;
 }
 
 /* ---- Norms ---- */
@@ -109,6 +160,9 @@ static enum fsdp_status optim_step_all(struct fsdp_model *fm, float lr, float gr
 }
 
 static enum fsdp_status check_idle(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
+    if (fm->summon_active)
+        return fsdp__err(ctx, FSDP_ERR_STATE,
+                         "the model runs while its parameters are summoned: call fsdp_summon_end first");
     for (int i = 0; i < fm->n_units; i++)
         if (fm->units[i].state_ == UNIT_ERROR)
             return fsdp__err(ctx, FSDP_ERR_STATE, "unit '%s' is in the error state after a failed collective",
@@ -143,6 +197,48 @@ enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
     fsdp__model_reshard_all(ctx, fm); /* no backward follows */
     *logits = out.data;
     return FSDP_OK;
+}
+
+/* ---- Non-finite values ---- */
+
+/* Appends unit u's subtree to order[] in the order backward reduces it
+ * (children last to first, each before its parent). */
+static void backward_order(const struct fsdp_model *fm, int u, int *order, int *n) {
+    for (int i = fm->n_units - 1; i > u; i--)
+        if (fm->units[i].parent == &fm->units[u]) backward_order(fm, i, order, n);
+    order[(*n)++] = u;
+}
+
+/* Writes "; first non-finite gradient in unit 'X' (backward order)" naming
+ * the first unit, in backward order, whose reduced gradient shard holds inf
+ * or nan on any rank (agreed by a MAX all-reduce), or "" if none does.
+ * COLLECTIVE: yes. */
+static enum fsdp_status first_nonfinite_unit(struct fsdp_ctx *ctx, struct fsdp_model *fm, char *buf,
+                                             size_t cap) {
+    int n = 0, *order = calloc((size_t)fm->n_units, sizeof *order);
+    int32_t *bad = calloc((size_t)fm->n_units, sizeof *bad), *any = calloc((size_t)fm->n_units, sizeof *any);
+    enum fsdp_status st = FSDP_OK;
+    if (!order || !bad || !any) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory checking gradients");
+    if (st == FSDP_OK) {
+        backward_order(fm, 0, order, &n);
+        for (int k = 0; k < n; k++) {
+            const struct fsdp__unit *u = &fm->units[order[k]];
+            for (int64_t j = 0; j < u->numel_shard && !bad[k]; j++) bad[k] = !isfinite(u->grad_shard[j]);
+        }
+        st = fsdp_comm_allreduce(ctx->comm, bad, any, (size_t)n, FSDP_I32, FSDP_MAX);
+    }
+    buf[0] = '\0';
+    for (int k = 0; st == FSDP_OK && k < n; k++)
+        if (any[k]) {
+            const char *name = fm->units[order[k]].module->fqn;
+            snprintf(buf, cap, "; first non-finite gradient in unit '%s' (backward order)",
+                     name[0] ? name : "(root)");
+            break;
+        }
+    free(order);
+    free(bad);
+    free(any);
+    return st;
 }
 
 enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *fm,
@@ -181,9 +277,12 @@ enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *
     loss /= ctx->world;
     double gnorm;
     FSDP_TRY(fsdp_model_grad_norm(ctx, fm, &gnorm));
-    if (!isfinite(loss) || !isfinite(gnorm))
-        return fsdp__err(ctx, FSDP_ERR_NUMERIC, "non-finite %s (loss %g, grad norm %g)",
-                         isfinite(loss) ? "gradient" : "loss", loss, gnorm);
+    if (!isfinite(loss) || !isfinite(gnorm)) { /* every rank sees the same loss and norm */
+        char where[256];
+        FSDP_TRY(first_nonfinite_unit(ctx, fm, where, sizeof where));
+        return fsdp__err(ctx, FSDP_ERR_NUMERIC, "non-finite %s (loss %g, grad norm %g)%s",
+                         isfinite(loss) ? "gradient" : "loss", loss, gnorm, where);
+    }
     float scale = fsdp_clip_scale(gnorm, clip);
     st = optim_step_all(fm, lr, scale);
     if (st != FSDP_OK) return st;

@@ -8,7 +8,7 @@
  * one of u8 / u16 is set. The byte order of token files is little-endian, as
  * llm.c and nanoGPT write them on x86, and this file assumes a little-endian host.
  */
-#include "core/core-impl.h"
+#include "io/io-impl.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -31,7 +31,7 @@ struct fsdp_data {
     double floor;           /* nats per token; < 0 when unknown */
     void *map;              /* the mmap'd file, or NULL */
     size_t map_len;
-    void *owned;            /* synthetic bytes from fsdp__alloc, or NULL */
+    void *owned;            /* synthetic or copied bytes from fsdp__alloc, or NULL */
 };
 
 /* llm.c token file: 256 int32 header words, then uint16 tokens. */
@@ -96,10 +96,9 @@ static enum fsdp_status check_tokens(struct fsdp_ctx *ctx, const char *path,
 /* Classifies the mapped file (see [Note: telling token files apart]) and
  * points d at its tokens. */
 static enum fsdp_status data_layout(struct fsdp_ctx *ctx, const char *path, struct fsdp_data *d,
-                                    int vocab_size) {
-    const unsigned char *base = d->map;
-    size_t bytes = d->map_len;
-    const int32_t *h = (const int32_t *)d->map; /* page-aligned */
+                                    const void *mem, size_t bytes, int vocab_size) {
+    const unsigned char *base = mem;
+    const int32_t *h = (const int32_t *)mem; /* page- or 64-byte aligned */
     if (bytes >= 4 && h[0] == LLMC_MAGIC) {
         if (bytes < LLMC_HEADER_BYTES)
             return fsdp__err(ctx, FSDP_ERR_FORMAT,
@@ -143,6 +142,22 @@ static enum fsdp_status data_layout(struct fsdp_ctx *ctx, const char *path, stru
     return FSDP_OK;
 }
 
+/* Lays out d over mem[0..bytes), validates it and hands it to *out; frees d on failure. */
+static enum fsdp_status data_finish(struct fsdp_ctx *ctx, const char *path, struct fsdp_data *d,
+                                    const void *mem, size_t bytes, int vocab_size,
+                                    struct fsdp_data **out) {
+    enum fsdp_status st = data_layout(ctx, path, d, mem, bytes, vocab_size);
+    if (st == FSDP_OK && d->ntok < 2)
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s' has %zu tokens; need at least 2", path, d->ntok);
+    if (st == FSDP_OK) st = check_tokens(ctx, path, d, vocab_size);
+    if (st != FSDP_OK) {
+        fsdp_data_free(d);
+        return st;
+    }
+    *out = d;
+    return FSDP_OK;
+}
+
 enum fsdp_status fsdp_data_open(struct fsdp_ctx *ctx, const char *path, int vocab_size,
                                 struct fsdp_data **out) {
     if (!out) return fsdp__err(ctx, FSDP_ERR_INVALID, "data open: out is NULL");
@@ -182,16 +197,30 @@ enum fsdp_status fsdp_data_open(struct fsdp_ctx *ctx, const char *path, int voca
     }
     d->map = map;
     d->map_len = bytes;
-    st = data_layout(ctx, path, d, vocab_size);
-    if (st == FSDP_OK && d->ntok < 2)
-        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s' has %zu tokens; need at least 2", path, d->ntok);
-    if (st == FSDP_OK) st = check_tokens(ctx, path, d, vocab_size);
-    if (st != FSDP_OK) {
+    return data_finish(ctx, path, d, map, bytes, vocab_size, out);
+}
+
+enum fsdp_status fsdp__data_open_mem(struct fsdp_ctx *ctx, const char *name, const void *buf,
+                                     size_t len, int vocab_size, struct fsdp_data **out) {
+    if (!out) return fsdp__err(ctx, FSDP_ERR_INVALID, "data open: out is NULL");
+    *out = NULL;
+    if (!name || (!buf && len))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "data open: name or buffer is NULL");
+    if (vocab_size <= 0)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "data open '%s': vocab_size %d must be positive",
+                         name, vocab_size);
+    if (len < 2)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s' has %zu bytes: too short to hold 2 tokens",
+                         name, len);
+    struct fsdp_data *d;
+    FSDP_TRY(data_new(ctx, &d));
+    d->owned = fsdp__alloc(ctx, len, FSDP_MEM_OTHER, "token buffer"); /* 64-byte aligned */
+    if (!d->owned) {
         fsdp_data_free(d);
-        return st;
+        return FSDP_ERR_NOMEM;
     }
-    *out = d;
-    return FSDP_OK;
+    memcpy(d->owned, buf, len);
+    return data_finish(ctx, name, d, d->owned, len, vocab_size, out);
 }
 
 /* ---- Batches ---- */

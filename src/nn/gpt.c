@@ -243,6 +243,24 @@ static enum fsdp_status config_parse(struct fsdp_ctx *ctx, const char *path, con
     return FSDP_OK;
 }
 
+/* Parses the NUL-terminated text buf; *cfg is written only on success. */
+static enum fsdp_status config_parse_text(struct fsdp_ctx *ctx, const char *path, const char *buf,
+                                          struct fsdp_gpt_config *cfg) {
+    cJSON *root = cJSON_Parse(buf);
+    enum fsdp_status st;
+    if (!root) {
+        const char *at = cJSON_GetErrorPtr();
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s': invalid JSON near byte %lld", path,
+                       at ? (long long)(at - buf) : -1LL);
+    } else {
+        struct fsdp_gpt_config tmp;
+        st = config_parse(ctx, path, root, &tmp);
+        if (st == FSDP_OK) *cfg = tmp;
+    }
+    cJSON_Delete(root);
+    return st;
+}
+
 enum fsdp_status fsdp_gpt_config_load(struct fsdp_ctx *ctx, const char *path, struct fsdp_gpt_config *cfg) {
     FILE *f = fopen(path, "rb");
     if (!f) return fsdp__err(ctx, FSDP_ERR_IO, "cannot open model config '%s': %s", path, strerror(errno));
@@ -261,18 +279,164 @@ enum fsdp_status fsdp_gpt_config_load(struct fsdp_ctx *ctx, const char *path, st
                                 CONFIG_MAX_BYTES);
     }
     buf[n] = '\0';
-    cJSON *root = cJSON_Parse(buf);
-    enum fsdp_status st;
-    if (!root) {
-        const char *at = cJSON_GetErrorPtr();
-        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s': invalid JSON near byte %lld", path,
-                       at ? (long long)(at - buf) : -1LL);
-    } else {
-        struct fsdp_gpt_config tmp;
-        st = config_parse(ctx, path, root, &tmp);
-        if (st == FSDP_OK) *cfg = tmp;
-    }
-    cJSON_Delete(root);
+    enum fsdp_status st = config_parse_text(ctx, path, buf, cfg);
     free(buf);
     return st;
+}
+
+enum fsdp_status fsdp__gpt_config_parse(struct fsdp_ctx *ctx, const char *name, const char *text,
+                                        size_t len, struct fsdp_gpt_config *cfg) {
+    if (len > CONFIG_MAX_BYTES)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s' is larger than %d bytes", name,
+                         CONFIG_MAX_BYTES);
+    char *buf = malloc(len + 1);
+    if (!buf) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory reading model config '%s'", name);
+    if (len) memcpy(buf, text, len);
+    buf[len] = '\0';
+    enum fsdp_status st = config_parse_text(ctx, name, buf, cfg);
+    free(buf);
+    return st;
+}
+
+/* ---- Activation planning ----
+ * [Note: activation trace] fsdp__gpt_act_trace replays, over sizes only, the
+ * arena allocations, marks and releases of one training step (forward, then
+ * backward) of the layers in this directory, as they run under the GPT: the
+ * same order, the same allocate-or-reuse decisions, checkpointed modules
+ * (module.c's ckpt_forward/ckpt_backward) included. Each tr_* function below
+ * mirrors the forward or backward of one layer; change them with the layer.
+ * Rows are tokens (B*T, or T for the position embedding); features are the
+ * last dimension. */
+
+struct tr {
+    struct fsdp__arena_sim *s;
+    int64_t B, T, nh;
+    int nthr;
+};
+
+static size_t f4(int64_t n) { return (size_t)n * 4u; }
+
+static struct fsdp_module *tr_child(struct fsdp_module *m, const char *name) {
+    for (int i = 0; i < m->n_children; i++)
+        if (strcmp(m->children[i]->name, name) == 0) return m->children[i];
+    FSDP_ASSERT(0, "activation trace: module '%s' has no child '%s'", m->name, name);
+}
+
+static int64_t tr_fwd(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int out_alloc);
+static void tr_bwd(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int64_t out_f,
+                   int din_alloc);
+
+/* Output features of m for in_f input features. */
+static int64_t tr_out_f(struct fsdp_module *m, int64_t in_f) {
+    const char *ty = m->ops->type;
+    if (!strcmp(ty, "Linear") || !strcmp(ty, "Embedding"))
+        return m->params[0]->shape[!strcmp(ty, "Linear") ? 0 : 1];
+    return in_f;
+}
+
+static int64_t tr_fwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int out_alloc) {
+    const char *ty = m->ops->type;
+    int64_t out_f = tr_out_f(m, in_f);
+    if (!strcmp(ty, "LayerNorm")) fsdp__arena_sim_alloc(t->s, f4(2 * rows)); /* statistics */
+    if (!strcmp(ty, "CausalSelfAttention")) {
+        int64_t C = in_f, B = rows / t->T;
+        tr_fwd(t, tr_child(m, "c_attn"), rows, C, 1);               /* qkv (N, 3C) */
+        fsdp__arena_sim_alloc(t->s, f4(B * t->nh * t->T * t->T));   /* probabilities */
+        fsdp__arena_sim_alloc(t->s, f4(rows * C));                  /* heads output y */
+        return tr_fwd(t, tr_child(m, "c_proj"), rows, C, out_alloc);
+    }
+    if (!strcmp(ty, "MLP")) {
+        int64_t h = tr_fwd(t, tr_child(m, "c_fc"), rows, in_f, 1);
+        tr_fwd(t, tr_child(m, "gelu"), rows, h, 1);
+        return tr_fwd(t, tr_child(m, "c_proj"), rows, h, out_alloc);
+    }
+    if (!strcmp(ty, "Block")) {
+        tr_fwd(t, tr_child(m, "ln_1"), rows, in_f, 1);
+        tr_fwd(t, tr_child(m, "attn"), rows, in_f, 1);
+        tr_fwd(t, tr_child(m, "ln_2"), rows, in_f, 1);
+        return tr_fwd(t, tr_child(m, "mlp"), rows, in_f, out_alloc);
+    }
+    if (out_alloc) fsdp__arena_sim_alloc(t->s, f4(rows * out_f)); /* Linear, LayerNorm, GELU, Embedding */
+    return out_f;
+}
+
+static void tr_bwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int64_t out_f,
+                       int din_alloc) {
+    const char *ty = m->ops->type;
+    if (!strcmp(ty, "CausalSelfAttention")) {
+        int64_t C = in_f;
+        tr_bwd(t, tr_child(m, "c_proj"), rows, C, C, 1);            /* dy */
+        fsdp__arena_sim_alloc(t->s, f4(rows * 3 * C));              /* dqkv */
+        fsdp__arena_sim_alloc(t->s, f4((int64_t)t->nthr * t->T * t->T)); /* scratch */
+        tr_bwd(t, tr_child(m, "c_attn"), rows, C, 3 * C, din_alloc);
+        return;
+    }
+    if (!strcmp(ty, "MLP")) {
+        struct fsdp_module *fc = tr_child(m, "c_fc");
+        int64_t h = tr_out_f(fc, in_f);
+        tr_bwd(t, tr_child(m, "c_proj"), rows, h, out_f, 1);        /* dg */
+        tr_bwd(t, tr_child(m, "gelu"), rows, h, h, 0);              /* in place */
+        tr_bwd(t, fc, rows, in_f, h, din_alloc);
+        return;
+    }
+    if (!strcmp(ty, "Block")) {
+        if (din_alloc) fsdp__arena_sim_alloc(t->s, f4(rows * in_f));
+        size_t mark = t->s->used;
+        tr_bwd(t, tr_child(m, "mlp"), rows, in_f, in_f, 1);         /* dc */
+        tr_bwd(t, tr_child(m, "ln_2"), rows, in_f, in_f, 1);        /* dx1 */
+        tr_bwd(t, tr_child(m, "attn"), rows, in_f, in_f, 0);        /* into dc */
+        tr_bwd(t, tr_child(m, "ln_1"), rows, in_f, in_f, 0);        /* into din */
+        fsdp__arena_sim_release(t->s, mark);
+        return;
+    }
+    if (din_alloc && strcmp(ty, "Embedding") != 0) fsdp__arena_sim_alloc(t->s, f4(rows * in_f));
+}
+
+/* fsdp_module_forward / _backward: checkpointed modules as module.c runs them. */
+static int64_t tr_fwd(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int out_alloc) {
+    if (!m->checkpoint) return tr_fwd_raw(t, m, rows, in_f, out_alloc);
+    size_t mark = t->s->used;
+    int64_t out_f = tr_fwd_raw(t, m, rows, in_f, out_alloc);
+    if (out_alloc) fsdp__arena_sim_transient(t->s, f4(rows * out_f)); /* the copy aside */
+    fsdp__arena_sim_release(t->s, mark);
+    if (out_alloc) fsdp__arena_sim_alloc(t->s, f4(rows * out_f));
+    return out_f;
+}
+
+static void tr_bwd(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int64_t out_f,
+                   int din_alloc) {
+    if (!m->checkpoint) {
+        tr_bwd_raw(t, m, rows, in_f, out_f, din_alloc);
+        return;
+    }
+    if (din_alloc) fsdp__arena_sim_alloc(t->s, f4(rows * in_f));
+    size_t mark = t->s->used;
+    tr_fwd_raw(t, m, rows, in_f, 1);
+    tr_bwd_raw(t, m, rows, in_f, out_f, 0);
+    fsdp__arena_sim_release(t->s, mark);
+}
+
+void fsdp__gpt_act_trace(struct fsdp_module *gpt, int64_t B, int64_t T, int nthr,
+                         struct fsdp__arena_sim *s) {
+    FSDP_ASSERT(!strcmp(gpt->ops->type, "GPT"), "activation trace of a %s", gpt->ops->type);
+    struct gpt *G = gpt->impl;
+    struct tr t = {s, B, T, G->cfg.n_head, nthr < 1 ? 1 : nthr};
+    int64_t N = B * T, C = G->cfg.n_embd, V = G->cfg.vocab_size;
+    FSDP_ASSERT(!gpt->checkpoint, "activation trace: checkpointing the whole GPT");
+    /* forward */
+    fsdp__arena_sim_alloc(s, f4(T));                               /* positions */
+    tr_fwd(&t, G->wte, N, 1, 1);
+    tr_fwd(&t, G->wpe, T, 1, 1);
+    for (int l = 0; l < G->cfg.n_layer; l++) tr_fwd(&t, G->h[l], N, C, 1);
+    tr_fwd(&t, G->ln_f, N, C, 1);
+    tr_fwd(&t, G->lm_head, N, C, 1);                               /* logits (N, V) */
+    /* backward: dlogits overwrite the logits */
+    size_t mark = s->used;
+    tr_bwd(&t, G->lm_head, N, C, V, 1);                            /* g */
+    tr_bwd(&t, G->ln_f, N, C, C, 1);                               /* g2 */
+    for (int l = G->cfg.n_layer - 1; l >= 0; l--) tr_bwd(&t, G->h[l], N, C, C, 0);
+    tr_bwd(&t, G->wte, N, 1, C, 0);
+    fsdp__arena_sim_alloc(s, f4(T * C));                           /* position gradient */
+    tr_bwd(&t, G->wpe, T, 1, C, 0);
+    fsdp__arena_sim_release(s, mark);
 }

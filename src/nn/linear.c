@@ -1,7 +1,10 @@
 /*
  * linear.c - Linear: y (N, out) = x (N, in) W^T + b, with N the product of
  * the input's leading dimensions. weight (out, in) row-major as PyTorch,
- * optional bias (out). Saves a pointer to x (arena) for backward.
+ * optional bias (out). Saves a pointer to x (arena) for backward; with a
+ * 16-bit compute dtype ([Note: compute precision]) it saves the 16-bit copy
+ * of x instead and multiplies with fsdp__gemm_lp, the weight cast into
+ * arena scratch that is released after each product.
  */
 #include "nn/nn-impl.h"
 
@@ -10,6 +13,8 @@ struct linear {
     struct fsdp_param *weight; /* (out, in) */
     struct fsdp_param *bias;   /* (out) or NULL */
     const float *x;            /* (N, in) saved input, borrowed from the arena */
+    const void *xl;            /* (N, in) saved input in dtype lp (arena), if lp != F32 */
+    enum fsdp_dtype lp;        /* compute dtype of the last forward */
     int64_t n;                 /* N of the saved input */
 };
 
@@ -34,7 +39,21 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
         for (int64_t i = 0; i < N; i++) memcpy(y + i * O, b, (size_t)O * sizeof(float));
         beta = 1.0f;
     }
-    fsdp__sgemm(0, 1, N, O, L->in, 1.0f, x, L->in, w, L->in, beta, y, O);
+    enum fsdp_dtype lp = fsdp__compute_dtype(m);
+    L->lp = lp;
+    L->xl = NULL;
+    if (lp == FSDP_F32) {
+        fsdp__sgemm(0, 1, N, O, L->in, 1.0f, x, L->in, w, L->in, beta, y, O);
+    } else {
+        void *xl = fsdp__lp_copy(ctx, lp, x, N * L->in, "Linear input (low precision)"); /* kept */
+        if (!xl) return FSDP_ERR_NOMEM;
+        size_t mark = fsdp_arena_mark(ctx);
+        const void *wl = fsdp__pdata_lp(ctx, L->weight, lp);
+        if (!wl) return FSDP_ERR_NOMEM;
+        fsdp__gemm_lp(lp, 0, 1, N, O, L->in, 1.0f, xl, L->in, wl, L->in, beta, y, O);
+        fsdp_arena_release(ctx, mark);
+        L->xl = xl;
+    }
     L->x = x;
     L->n = N;
     return FSDP_OK;
@@ -52,8 +71,26 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     if (L->bias) FSDP_TRY(fsdp__param_ready(ctx, L->bias, 1));
     int64_t N = L->n, I = L->in, O = L->out;
     const float *dy = dout->data; /* (N, out) */
+    enum fsdp_dtype lp = L->lp;
+    if (din) { /* prepared before any scratch, which is released below */
+        int64_t shape[FSDP_MAX_DIMS];
+        memcpy(shape, dout->shape, sizeof shape);
+        shape[dout->ndim - 1] = I;
+        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, shape, "Linear input gradient"));
+    }
+    size_t mark = fsdp_arena_mark(ctx);
+    const void *dyl = dy, *wl = fsdp__pdata(L->weight); /* operands in dtype lp */
+    if (lp != FSDP_F32) {
+        dyl = fsdp__lp_copy(ctx, lp, dy, N * O, "Linear output gradient (low precision)");
+        if (dyl && din) wl = fsdp__pdata_lp(ctx, L->weight, lp);
+        if (!dyl || !wl) {
+            fsdp_arena_release(ctx, mark);
+            return FSDP_ERR_NOMEM;
+        }
+    }
     /* dW (out, in) += dy^T x */
-    fsdp__sgemm(1, 0, O, I, N, 1.0f, dy, O, L->x, I, 1.0f, fsdp__pgrad(L->weight), I);
+    fsdp__gemm_lp(lp, 1, 0, O, I, N, 1.0f, dyl, O, lp == FSDP_F32 ? (const void *)L->x : L->xl, I, 1.0f,
+                  fsdp__pgrad(L->weight), I);
     if (L->bias) { /* db (out) += column sums of dy, in column blocks so threads never share a slot */
         float *db = fsdp__pgrad(L->bias);
 #pragma omp parallel for schedule(static)
@@ -67,13 +104,9 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
             for (int64_t c = c0; c < c1; c++) db[c] += acc[c - c0];
         }
     }
-    if (din) { /* dx (N, in) = dy W */
-        int64_t shape[FSDP_MAX_DIMS];
-        memcpy(shape, dout->shape, sizeof shape);
-        shape[dout->ndim - 1] = I;
-        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, shape, "Linear input gradient"));
-        fsdp__sgemm(0, 0, N, I, O, 1.0f, dy, O, fsdp__pdata(L->weight), I, 0.0f, din->data, I);
-    }
+    if (din) /* dx (N, in) = dy W */
+        fsdp__gemm_lp(lp, 0, 0, N, I, O, 1.0f, dyl, O, wl, I, 0.0f, din->data, I);
+    fsdp_arena_release(ctx, mark);
     return FSDP_OK;
 }
 

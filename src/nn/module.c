@@ -238,13 +238,80 @@ enum fsdp_status fsdp_module_zero_grad(struct fsdp_ctx *ctx, struct fsdp_module 
     return a.st;
 }
 
-/* ---- Dispatchers ---- */
+/* ---- Dispatchers ----
+ *
+ * [Note: activation checkpointing]
+ * A module with m->checkpoint set keeps only its input across the step:
+ *   forward:  mark the arena; ops->forward (children save what they need,
+ *             as usual); copy the output aside; release the arena to the
+ *             mark; put the output back in the arena (at the mark); save the
+ *             input tensor (it lies before the mark, so it survives).
+ *   backward: (the unit hooks have gathered m's unit) allocate din before
+ *             the mark; mark; ops->forward again on the saved input (the
+ *             children's hooks run again: nested units gather and reshard as
+ *             in a forward); ops->backward; release to the mark.
+ * The recompute runs the same code on the same values with the same thread
+ * count, so activations and gradients are bit-identical to a run without
+ * checkpointing. The caller must not modify the input in place before the
+ * backward (the same rule as for any module that saves its input).
+ * Live activations: the inputs of the checkpointed modules plus one
+ * module's internals at a time. */
+
+static enum fsdp_status ckpt_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                     const struct fsdp_tensor *in, struct fsdp_tensor *out) {
+    size_t mark = fsdp_arena_mark(ctx);
+    int alloc_out = out->data == NULL;
+    m->ckpt_saved = 0;
+    FSDP_TRY(m->ops->forward(m, ctx, in, out));
+    if (alloc_out) {
+        size_t bytes = (size_t)fsdp_tensor_numel(out) * fsdp_dtype_size(out->dtype);
+        void *tmp = fsdp__alloc(ctx, bytes, FSDP_MEM_ACT, "checkpointed output");
+        if (!tmp) return FSDP_ERR_NOMEM;
+        memcpy(tmp, out->data, bytes);
+        fsdp_arena_release(ctx, mark);
+        out->data = fsdp_arena_alloc(ctx, bytes);
+        if (out->data) memcpy(out->data, tmp, bytes);
+        fsdp__free(ctx, tmp);
+        if (!out->data)
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the output of checkpointed '%s'",
+                             m->fqn ? m->fqn : m->name);
+    } else {
+        fsdp_arena_release(ctx, mark);
+    }
+    m->ckpt_in = *in;
+    m->ckpt_saved = 1;
+    return FSDP_OK;
+}
+
+static enum fsdp_status ckpt_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
+                                      const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
+    if (!m->ckpt_saved)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "backward of checkpointed module '%s' without its forward",
+                         m->fqn ? m->fqn : m->name);
+    if (din && !din->data) { /* din outlives the recompute: place it before the mark */
+        din->dtype = FSDP_F32;
+        din->ndim = m->ckpt_in.ndim;
+        memcpy(din->shape, m->ckpt_in.shape, sizeof din->shape);
+        din->data = fsdp_arena_alloc(ctx, (size_t)fsdp_tensor_numel(&m->ckpt_in) * sizeof(float));
+        if (!din->data)
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the input gradient of '%s'",
+                             m->fqn ? m->fqn : m->name);
+    }
+    size_t mark = fsdp_arena_mark(ctx);
+    struct fsdp_tensor again = {0};
+    enum fsdp_status st = m->ops->forward(m, ctx, &m->ckpt_in, &again);
+    if (st == FSDP_OK) st = m->ops->backward(m, ctx, dout, din);
+    fsdp_arena_release(ctx, mark);
+    m->ckpt_saved = 0;
+    return st;
+}
 
 enum fsdp_status fsdp_module_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                      const struct fsdp_tensor *in, struct fsdp_tensor *out) {
     const struct fsdp_module_hooks *h = m->hooks;
     if (h && h->pre_forward) FSDP_TRY(h->pre_forward(m->hook_data, ctx));
-    FSDP_TRY(m->ops->forward(m, ctx, in, out));
+    if (m->checkpoint) FSDP_TRY(ckpt_forward(m, ctx, in, out));
+    else FSDP_TRY(m->ops->forward(m, ctx, in, out));
     if (h && h->post_forward) FSDP_TRY(h->post_forward(m->hook_data, ctx));
     return FSDP_OK;
 }
@@ -253,7 +320,8 @@ enum fsdp_status fsdp_module_backward(struct fsdp_module *m, struct fsdp_ctx *ct
                                       const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
     const struct fsdp_module_hooks *h = m->hooks;
     if (h && h->pre_backward) FSDP_TRY(h->pre_backward(m->hook_data, ctx));
-    FSDP_TRY(m->ops->backward(m, ctx, dout, din));
+    if (m->checkpoint) FSDP_TRY(ckpt_backward(m, ctx, dout, din));
+    else FSDP_TRY(m->ops->backward(m, ctx, dout, din));
     if (h && h->post_backward) FSDP_TRY(h->post_backward(m->hook_data, ctx));
     return FSDP_OK;
 }

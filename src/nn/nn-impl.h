@@ -33,6 +33,33 @@
 void fsdp__sgemm(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
                  const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
                  int64_t ldc);
+/* The same product with 16-bit inputs (gemm_lp.c): A and B hold dt elements
+ * (FSDP_BF16: oneDNN matmul on AMX; FSDP_F16: widened to fp32, then
+ * fsdp__sgemm, since oneDNN 2.6 has no f16 matmul on CPU; FSDP_F32: exactly
+ * fsdp__sgemm), accumulation and C in fp32. Thread-safe; inside an OpenMP
+ * parallel region each call runs on its calling thread. Primitives are cached
+ * by shape for the life of the process ([Note: matmul cache]). */
+void fsdp__gemm_lp(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
+                   const void *A, int64_t lda, const void *B, int64_t ldb, float beta, float *C, int64_t ldc);
+void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A,
+                     int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
+/* Number of matmul primitives in the cache (for tests and benchmarks). */
+int fsdp__gemm_lp_cached(void);
+
+/* ---- Compute precision (precision.c) ---- */
+/* The dtype a module's own matrix products take as inputs: m->compute_dtype
+ * (FSDP_F32, FSDP_BF16 or FSDP_F16), set for a subtree by
+ * fsdp_module_set_compute_dtype. See [Note: compute precision]. */
+static inline enum fsdp_dtype fsdp__compute_dtype(const struct fsdp_module *m) { return m->compute_dtype; }
+/* n elements of dt from the arena, converted from src (fp32), or NULL with
+ * the error set naming `what`. */
+void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what);
+/* The values of parameter p as dtype dt for a product: fsdp__pdata(p) for
+ * FSDP_F32, else a cast into the arena (NULL with the error set if the arena
+ * is full). The one place a layer gets its low-precision weight: when FSDP
+ * gathers parameters in param_dtype, this is where the gathered 16-bit copy
+ * will be returned instead of casting. */
+const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp_dtype dt);
 
 /* ---- Parameters (ties honoured) ---- */
 /* A tied parameter (tied_to != NULL) has no storage of its own: its values
@@ -64,8 +91,11 @@ enum fsdp_status fsdp__adopt(struct fsdp_ctx *ctx, struct fsdp_module *parent, e
 const char *fsdp__mname(const struct fsdp_module *m);
 
 /* ---- Fast math (branch-free, so loops under `omp simd` vectorise) ---- */
-/* exp(x) to about 2 ulp for x in [-87, 88]; clamps outside (never inf/0). */
-static inline float fsdp__expf(float x) {
+/* exp(x) to about 2 ulp for x in [-87, 88]; clamps outside (never inf/0);
+ * nan gives nan (selects, not branches, so loops still vectorise; a nan
+ * reaching the float -> int conversion below would be undefined behaviour). */
+static inline float fsdp__expf(float x0) {
+    float x = x0 != x0 ? 0.0f : x0;
     x = x < -87.0f ? -87.0f : x;
     x = x > 88.0f ? 88.0f : x;
     const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
@@ -82,7 +112,7 @@ static inline float fsdp__expf(float x) {
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return x0 != x0 ? x0 : p * scale;
 }
 
 /* ---- Layers (linear.c, embedding.c, layernorm.c, gelu.c, attention.c, block.c) ---- */
@@ -114,5 +144,18 @@ enum fsdp_status fsdp__block_create(struct fsdp_ctx *ctx, const char *name, int6
  * of type "ModuleList" if is_list, else "Module". */
 enum fsdp_status fsdp__container_create(struct fsdp_ctx *ctx, const char *name, int is_list,
                                         struct fsdp_module **out_m);
+
+/* ---- Model configs from memory (gpt.c) ---- */
+/* fsdp_gpt_config_load on text[0..len) (need not be NUL-terminated) as if it
+ * were the file `name`: the same checks and messages. For the fuzz targets. */
+enum fsdp_status fsdp__gpt_config_parse(struct fsdp_ctx *ctx, const char *name, const char *text,
+                                        size_t len, struct fsdp_gpt_config *cfg);
+
+/* ---- Activation planning (gpt.c) ---- */
+/* Replays on s the arena use of one training step of the GPT `gpt` on (B, T)
+ * tokens with nthr threads, checkpointed modules included, without running
+ * it ([Note: activation trace]). The caller allocates the token batch first. */
+void fsdp__gpt_act_trace(struct fsdp_module *gpt, int64_t B, int64_t T, int nthr,
+                         struct fsdp__arena_sim *s);
 
 #endif

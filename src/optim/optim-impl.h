@@ -16,6 +16,12 @@ int fsdp__optim_decay_all(const struct fsdp_optim *opt);
 /* The options the optimizer was created with (borrowed, owned by opt). */
 const struct fsdp_optim_opts *fsdp__optim_opts(const struct fsdp_optim *opt);
 
+/* ---- Parameter groups (fsdp_optim_add_group) ---- */
+/* The group registering `fqn` (exact name), 0 if none. */
+int fsdp__optim_group_of(const struct fsdp_optim *opt, const char *fqn);
+/* Name i of group `group` (borrowed), NULL past the end. */
+const char *fsdp__optim_group_name(const struct fsdp_optim *opt, int group, int i);
+
 /* ---- Step count (checkpoints) ---- */
 /* Sets the number of steps taken; the next fsdp_optim_step uses step + 1 for
  * AdamW's bias correction, and SGD treats the momentum buffer as empty only

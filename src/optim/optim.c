@@ -12,11 +12,21 @@
 #include "optim/optim-impl.h"
 
 #include <math.h>
+#include <string.h>
+
+/* A registered parameter group (index >= 1; 0 is the options). */
+struct optim_group {
+    float weight_decay, lr_scale;
+    int n;
+    char **fqns;                 /* (n) owned copies */
+};
 
 struct fsdp_optim {
     struct fsdp_ctx *ctx;        /* borrowed; must outlive the optimizer */
     struct fsdp_optim_opts opts; /* validated copy */
     int64_t step;                /* steps taken so far (0 before the first) */
+    int n_groups;                /* registered groups; groups[0] is unused */
+    struct optim_group *groups;  /* (n_groups + 1) */
 };
 
 /* Slices at least this long are updated by an OpenMP team; shorter ones run
@@ -82,7 +92,70 @@ enum fsdp_status fsdp_optim_create(struct fsdp_ctx *ctx, const struct fsdp_optim
 
 void fsdp_optim_free(struct fsdp_optim *opt) {
     if (!opt) return;
+    for (int g = 1; g <= opt->n_groups; g++) {
+        for (int i = 0; i < opt->groups[g].n; i++) free(opt->groups[g].fqns[i]);
+        free(opt->groups[g].fqns);
+    }
+    free(opt->groups);
     fsdp__free(opt->ctx, opt);
+}
+
+/* ---- Parameter groups ---- */
+
+enum fsdp_status fsdp_optim_add_group(struct fsdp_optim *opt, const char *const *fqns, int n,
+                                      float weight_decay, float lr_scale) {
+    struct fsdp_ctx *ctx = opt->ctx;
+    if (n < 1 || !fqns)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim_add_group: a group needs at least one parameter name");
+    if (!(weight_decay >= 0.0f) || isinf(weight_decay))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim_add_group: weight_decay = %g is not a finite value >= 0",
+                         (double)weight_decay);
+    if (!(lr_scale >= 0.0f) || isinf(lr_scale))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim_add_group: lr_scale = %g is not a finite value >= 0",
+                         (double)lr_scale);
+    for (int i = 0; i < n; i++) {
+        if (!fqns[i]) return fsdp__err(ctx, FSDP_ERR_INVALID, "optim_add_group: name %d is NULL", i);
+        for (int j = 0; j < i; j++)
+            if (!strcmp(fqns[i], fqns[j]))
+                return fsdp__err(ctx, FSDP_ERR_INVALID, "optim_add_group: '%s' is named twice", fqns[i]);
+        if (fsdp__optim_group_of(opt, fqns[i]))
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "optim_add_group: '%s' is already in group %d", fqns[i],
+                             fsdp__optim_group_of(opt, fqns[i]));
+    }
+    void *ng = realloc(opt->groups, (size_t)(opt->n_groups + 2) * sizeof *opt->groups);
+    if (!ng) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory adding an optimizer group");
+    opt->groups = ng;
+    struct optim_group *g = &opt->groups[opt->n_groups + 1];
+    memset(g, 0, sizeof *g);
+    g->fqns = calloc((size_t)n, sizeof *g->fqns);
+    if (!g->fqns) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory adding an optimizer group");
+    for (int i = 0; i < n; i++) {
+        g->fqns[i] = fsdp__strdup(fqns[i]);
+        if (!g->fqns[i]) {
+            for (int j = 0; j < i; j++) free(g->fqns[j]);
+            free(g->fqns);
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory adding an optimizer group");
+        }
+    }
+    g->n = n;
+    g->weight_decay = weight_decay;
+    g->lr_scale = lr_scale;
+    opt->n_groups++;
+    return FSDP_OK;
+}
+
+int fsdp_optim_n_groups(const struct fsdp_optim *opt) { return opt->n_groups; }
+
+int fsdp__optim_group_of(const struct fsdp_optim *opt, const char *fqn) {
+    for (int g = 1; g <= opt->n_groups; g++)
+        for (int i = 0; i < opt->groups[g].n; i++)
+            if (!strcmp(opt->groups[g].fqns[i], fqn)) return g;
+    return 0;
+}
+
+const char *fsdp__optim_group_name(const struct fsdp_optim *opt, int group, int i) {
+    if (group < 1 || group > opt->n_groups || i < 0 || i >= opt->groups[group].n) return NULL;
+    return opt->groups[group].fqns[i];
 }
 
 int fsdp_optim_state_per_elem(const struct fsdp_optim *opt) {
@@ -193,6 +266,8 @@ void fsdp_optim_step(struct fsdp_optim *opt, const struct fsdp_optim_slice *slic
         if (s->n == 0) continue;
         FSDP_ASSERT(s->param && s->grad, "optim slice %d: NULL param or grad", j);
         FSDP_ASSERT(k == 0 || s->state, "optim slice %d: NULL state but %d state(s) per element", j, k);
+        FSDP_ASSERT(s->decay >= 0 && s->decay <= 1 + opt->n_groups, "optim slice %d: decay %d with %d groups",
+                    j, s->decay, opt->n_groups);
         FSDP_ASSERT(k < 2 || s->state_stride >= s->n,
                     "optim slice %d: state_stride %lld < n %lld", j, (long long)s->state_stride,
                     (long long)s->n);
@@ -211,14 +286,29 @@ void fsdp_optim_step(struct fsdp_optim *opt, const struct fsdp_optim_slice *slic
         c.bc2_sqrt = sqrt(1.0 - pow(c.b2, t));
         c.scale = scale;
         const double decay = 1.0 - dlr * wd;
-        for (int j = 0; j < n_slices; j++)
-            if (slices[j].n > 0) adamw_slice(&slices[j], &c, slices[j].decay ? decay : 1.0);
+        for (int j = 0; j < n_slices; j++) {
+            if (slices[j].n <= 0) continue;
+            if (slices[j].decay > 1) { /* the group's lr and decay */
+                const struct optim_group *g = &opt->groups[slices[j].decay - 1];
+                struct adamw_coef cg = c;
+                const double glr = dlr * (double)g->lr_scale;
+                cg.step_size = glr / (1.0 - pow(c.b1, t));
+                adamw_slice(&slices[j], &cg, 1.0 - glr * (double)g->weight_decay);
+            } else {
+                adamw_slice(&slices[j], &c, slices[j].decay ? decay : 1.0);
+            }
+        }
     } else {
         const int first = opt->step == 1;
-        for (int j = 0; j < n_slices; j++)
-            if (slices[j].n > 0)
-                sgd_slice(&slices[j], dlr, slices[j].decay ? wd : 0.0, (double)o->momentum, first,
-                          scale);
+        for (int j = 0; j < n_slices; j++) {
+            if (slices[j].n <= 0) continue;
+            double glr = dlr, gwd = wd;
+            if (slices[j].decay > 1) {
+                glr = dlr * (double)opt->groups[slices[j].decay - 1].lr_scale;
+                gwd = (double)opt->groups[slices[j].decay - 1].weight_decay;
+            }
+            sgd_slice(&slices[j], glr, slices[j].decay ? gwd : 0.0, (double)o->momentum, first, scale);
+        }
     }
 }
 
