@@ -33,7 +33,13 @@ int main(void) {
 }
 C
 export PKG_CONFIG_PATH="$tmp/prefix/lib/pkgconfig"
-if cc -o "$tmp/prog" "$tmp/prog.c" $(pkg-config --cflags fsdp) $(pkg-config --libs --static fsdp) > "$tmp/cc" 2>&1 \
+# a sanitized library needs the sanitizer runtime in the program too
+case "$BUILD" in
+  *asan*) san="-fsanitize=address,undefined" ;;
+  *ubsan*) san="-fsanitize=undefined" ;;
+  *) san="" ;;
+esac
+if cc $san -o "$tmp/prog" "$tmp/prog.c" $(pkg-config --cflags fsdp) $(pkg-config --libs --static fsdp) > "$tmp/cc" 2>&1 \
    && out=$(LD_LIBRARY_PATH="$tmp/prefix/lib" "$tmp/prog") && [[ "$out" == params* ]]; then
   ok "a program builds with pkg-config fsdp and runs ($out)"
 else bad "a program builds with pkg-config fsdp and runs" "$(tail -5 "$tmp/cc")"; fi
