@@ -3,7 +3,7 @@
 # Usage: scripts/fuzz.sh TARGET SECONDS [JOBS]   TARGET: data | config (fuzz/fuzz_TARGET.c)
 # Builds `make fuzz` (clang, -fsanitize=fuzzer,address,undefined; install with
 # scripts/install-deps.sh --with-fuzz), starts from the seed corpus in
-# fuzz/corpus/TARGET/ (copied to build-fuzz/work/TARGET/, where new inputs
+# fuzz/corpus/TARGET/ (copied to build-fuzz/inputs/TARGET/, where new inputs
 # accumulate between runs) and writes crashers to build-fuzz/artifacts/TARGET/.
 # Exit 0: no finding. A finding: copy the crasher into fuzz/corpus/TARGET/
 # (tests/test_readers.c replays that directory in the normal suite) and fix it.
@@ -15,7 +15,7 @@ jobs=${3:-1}
 [ -f "fuzz/fuzz_$target.c" ] || { echo "fuzz.sh: no target fuzz/fuzz_$target.c" >&2; exit 2; }
 make -s fuzz >/dev/null
 bin=build-fuzz/fuzz/fuzz_$target
-work=build-fuzz/work/$target art=build-fuzz/artifacts/$target
+work=build-fuzz/inputs/$target art=build-fuzz/artifacts/$target
 mkdir -p "$work" "$art"
 cp -n fuzz/corpus/"$target"/* "$work"/ 2>/dev/null || true
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}
