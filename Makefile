@@ -29,7 +29,7 @@ TOOLS    := $(patsubst tools/%.c,$(BUILD)/%,$(wildcard tools/*.c))
 TESTS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 EXAMPLES := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
-HDRS     := include/fsdp.h $(wildcard src/*/*.h) tests/harness.h
+HDRS     := include/fsdp.h $(wildcard src/*/*.h) $(wildcard tests/*.h)
 
 all: $(BUILD)/libfsdp.a $(BUILD)/libfsdp.so $(TOOLS) $(TESTS) $(EXAMPLES) $(BENCHES)
 

@@ -13,27 +13,7 @@
 #include <math.h>
 #include <mpi.h>
 
-static int combine_max(int flag) {
-    int out = flag;
-    MPI_Allreduce(&flag, &out, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    return out;
-}
-
-static struct fsdp_ctx *ctx;
-
-__attribute__((constructor(200))) static void setup_combine(void) { test_combine = combine_max; }
-
-static struct fsdp_ctx *get_ctx(void) {
-    if (!ctx) {
-        struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
-        co.threads = 1;
-        co.comm = FSDP_COMM_MPI;
-        if (fsdp_ctx_create(&co, &ctx) != FSDP_OK) abort();
-    }
-    return ctx;
-}
-
-__attribute__((destructor)) static void teardown(void) { fsdp_ctx_free(ctx); }
+#include "mpi_harness.h"
 
 static struct fsdp_gpt_config tiny_cfg(void) {
     struct fsdp_gpt_config c;

@@ -1,0 +1,34 @@
+/*
+ * mpi_harness.h - what every test_mpi_* file shares on top of harness.h: one
+ * MPI context per process (get_ctx, created on first use, freed at exit) and
+ * test_combine set to an MPI_Allreduce(MAX), so all ranks agree on each
+ * test's result. Include after fsdp.h and harness.h.
+ */
+#ifndef FSDP_TEST_MPI_HARNESS_H
+#define FSDP_TEST_MPI_HARNESS_H
+
+#include <mpi.h>
+
+static int combine_max(int flag) {
+    int out = flag;
+    MPI_Allreduce(&flag, &out, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    return out;
+}
+
+static struct fsdp_ctx *ctx;
+
+__attribute__((constructor(200))) static void setup_combine(void) { test_combine = combine_max; }
+
+static struct fsdp_ctx *get_ctx(void) {
+    if (!ctx) {
+        struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+        co.threads = 1;
+        co.comm = FSDP_COMM_MPI;
+        if (fsdp_ctx_create(&co, &ctx) != FSDP_OK) abort();
+    }
+    return ctx;
+}
+
+__attribute__((destructor)) static void teardown(void) { fsdp_ctx_free(ctx); }
+
+#endif
