@@ -14,69 +14,12 @@
 #include <mpi.h>
 
 #include "mpi_harness.h"
+#include "ref_model.h"
 
 static struct fsdp_gpt_config tiny_cfg(void) {
     struct fsdp_gpt_config c;
     fsdp_gpt_config_preset("tiny", &c);
     return c;
-}
-
-/* ---- unsharded reference (the 1-rank computation, no sharding code) ---- */
-
-struct ref {
-    struct fsdp_module *gpt;
-    int n;
-    struct fsdp_param **p;
-    float **state;
-    struct fsdp_optim *opt;
-};
-
-static int collect(struct fsdp_param *p, void *ud) {
-    struct ref *r = ud;
-    r->p = realloc(r->p, (size_t)(r->n + 1) * sizeof *r->p);
-    r->p[r->n++] = p;
-    return 0;
-}
-
-static void ref_init(struct ref *r, struct fsdp_ctx *c, const struct fsdp_gpt_config *cfg, uint64_t seed) {
-    memset(r, 0, sizeof *r);
-    if (fsdp_gpt_create(c, cfg, &r->gpt) != FSDP_OK) abort();
-    if (fsdp_module_materialize(c, r->gpt, seed) != FSDP_OK) abort();
-    fsdp_module_foreach_param(r->gpt, collect, r);
-    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
-    fsdp_optim_create(c, &oo, &r->opt);
-    r->state = calloc((size_t)r->n, sizeof *r->state);
-    for (int i = 0; i < r->n; i++) r->state[i] = calloc(2 * (size_t)r->p[i]->numel, sizeof(float));
-}
-
-static void ref_free(struct ref *r) {
-    for (int i = 0; i < r->n; i++) free(r->state[i]);
-    free(r->state);
-    free(r->p);
-    fsdp_optim_free(r->opt);
-    fsdp_module_free(r->gpt);
-}
-
-static double ref_step(struct ref *r, struct fsdp_ctx *c, const int32_t *in, const int32_t *tg, int B, int T,
-                       float lr) {
-    fsdp_arena_reset(c);
-    fsdp_module_zero_grad(c, r->gpt);
-    struct fsdp_tensor tok = {(void *)in, FSDP_I32, 2, {B, T}}, logits = {0};
-    if (fsdp_module_forward(r->gpt, c, &tok, &logits) != FSDP_OK) abort();
-    float loss;
-    fsdp_cross_entropy(c, logits.data, tg, (int64_t)B * T, logits.shape[2], 1.0f, &loss, logits.data);
-    if (fsdp_module_backward(r->gpt, c, &logits, NULL) != FSDP_OK) abort();
-    struct fsdp_optim_slice *sl = calloc((size_t)r->n, sizeof *sl);
-    for (int i = 0; i < r->n; i++) {
-        sl[i].param = r->p[i]->data;
-        sl[i].grad = r->p[i]->grad;
-        sl[i].state = r->state[i];
-        sl[i].n = sl[i].state_stride = r->p[i]->numel;
-        sl[i].decay = !r->p[i]->no_decay;
-    }
-    fsdp_optim_step(r->opt, sl, r->n, lr, 1.0f);
-    free(sl);
-    return loss;
 }
 
 /* internal (core-impl.h): frees the activation arena, so that a test
@@ -176,7 +119,7 @@ static void check_training(const struct fsdp_wrap_policy *wp, const struct fsdp_
     struct fsdp_data *data;
     ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
     struct ref r;
-    ref_init(&r, c, &cfg, 5);
+    ref_init(&r, c, &cfg, 5, NULL);
     struct fsdp_parallel_config pc = fsdp_parallel_config_default();
     pc.seed = 5;
     pc.activation_checkpointing = ac != NULL;
@@ -191,7 +134,7 @@ static void check_training(const struct fsdp_wrap_policy *wp, const struct fsdp_
     for (int s = 0; s < steps; s++) {
         fsdp_data_batch(data, s, B, T, 0, 1, gin, gtg);
         fsdp_data_batch(data, s, B, T, rank, world, lin, ltg);
-        double want = ref_step(&r, c, gin, gtg, B, T, 1e-3f);
+        double want = ref_step(&r, c, gin, gtg, B, T, 1e-3f, 0.0f, NULL);
         struct fsdp_step_result got;
         ASSERT_OK(fsdp_model_train_step(c, fm, lin, ltg, B / world, T, 1e-3f, 0.0f, &got), c);
         CHECK_NEAR(got.loss, want, 1e-5, 0);
@@ -283,7 +226,7 @@ TEST(checkpointing_gradients_bit_identical) {
     ASSERT_OK(fsdp_gpt_create(c, &cfg, &ref), c);
     int64_t total = fsdp_module_numel(ref);
     struct ref names = {0};
-    fsdp_module_foreach_param(ref, collect, &names);
+    fsdp_module_foreach_param(ref, ref_collect, &names);
     for (int k = 0; k < 2; k++) {
         struct fsdp_wrap_policy wp = {wrap_block_and_mlp, NULL};
         struct fsdp_ac_check ac = {fsdp_ac_by_type, (void *)"Block"};
@@ -343,7 +286,7 @@ static int fill_my_init(struct fsdp_param *p, void *ud) {
 
 static void compare_to(struct fsdp_ctx *c, struct fsdp_model *fm, struct fsdp_module *want) {
     struct ref r = {0};
-    fsdp_module_foreach_param(want, collect, &r);
+    fsdp_module_foreach_param(want, ref_collect, &r);
     for (int i = 0; i < r.n; i++) {
         float *buf = malloc((size_t)r.p[i]->numel * sizeof(float));
         CHECK_OK(fsdp_model_get_param(c, fm, r.p[i]->fqn, buf), c);
