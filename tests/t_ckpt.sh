@@ -11,17 +11,8 @@
 #  - a save killed at several points leaves the previous checkpoint loadable;
 #  - truncations and byte corruptions are rejected with a clear message.
 # Prints "N passed, N failed" at the end.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-TRAIN="$BUILD/fsdp-train"
+. "$(dirname "$0")/lib.sh"
 CKPT="$BUILD/fsdp-ckpt"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-pass=0 fail=0
-ok() { echo "ok $1"; pass=$((pass + 1)); }
-bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "  $l"; done; fail=$((fail + 1)); }
 
 common=(--model tiny --data synthetic --batch 12 --seq 32 --lr 3e-3 --warmup 2 --threads 1 --sample 0)
 train() { timeout -k 5 120 "$TRAIN" "${common[@]}" "$@"; }
@@ -307,5 +298,4 @@ out=$(train --steps 1 --init-from "$tmp/nonexistent.safetensors" 2>&1); rc=$?
 [ $rc -ne 0 ] && grep -q "nonexistent.safetensors: cannot open" <<< "$out" && ok "--init-from a missing file" ||
   bad "--init-from missing" "$out"
 
-echo "$pass passed, $fail failed"
-[ $fail -eq 0 ]
+finish

@@ -6,18 +6,9 @@
 # "exposed comm" summary; shm training is bit-identical run to run and, at
 # 2 ranks, to MPI; a SIGSTOPped rank trips the collective watchdog on shm and
 # MPI. Prints "N passed, N failed" at the end.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-TRAIN="$BUILD/fsdp-train"
+. "$(dirname "$0")/lib.sh"
 BW="$BUILD/bench/comm_bw"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-pass=0 fail=0
-ok() { echo "ok $1"; pass=$((pass + 1)); }
-bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "  $l"; done; fail=$((fail + 1)); }
 
 # ---- a dead peer is detected, named, and ends the job ----
 for victim in 1 2; do
@@ -116,5 +107,4 @@ if [ -s "$tmp/s3_1.jsonl" ] && [ "$(losses "$tmp/s3_1.jsonl")" = "$(losses "$tmp
   ok "3 ranks: shm is bit-identical run to run"
 else bad "3 ranks: shm is bit-identical run to run" "$(paste <(losses "$tmp/s3_1.jsonl") <(losses "$tmp/s3_2.jsonl"))"; fi
 
-echo "$pass passed, $fail failed"
-[ $fail -eq 0 ]
+finish

@@ -2,13 +2,7 @@
 # t_install.sh - `make install` into a staging directory gives a header, the
 # libraries and a pkg-config file with which a C program builds and runs.
 # Prints "N passed, N failed".
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-pass=0 fail=0
-ok() { echo "ok $1"; pass=$((pass + 1)); }
-bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "  $l"; done; fail=$((fail + 1)); }
+. "$(dirname "$0")/lib.sh"
 
 if make -s BUILD="$BUILD" install PREFIX="$tmp/prefix" > "$tmp/log" 2>&1; then ok "make install"
 else bad "make install" "$(tail -5 "$tmp/log")"; fi
@@ -43,5 +37,4 @@ if cc $san -o "$tmp/prog" "$tmp/prog.c" $(pkg-config --cflags fsdp) $(pkg-config
    && out=$(LD_LIBRARY_PATH="$tmp/prefix/lib" "$tmp/prog") && [[ "$out" == params* ]]; then
   ok "a program builds with pkg-config fsdp and runs ($out)"
 else bad "a program builds with pkg-config fsdp and runs" "$(tail -5 "$tmp/cc")"; fi
-echo "$pass passed, $fail failed"
-[ $fail -eq 0 ]
+finish

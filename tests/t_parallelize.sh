@@ -7,16 +7,7 @@
 # fsdp-train's --wrap / --ac / --reshard-after-forward / --init flags against
 # the 1-rank oracle, and their usage errors.
 # Prints "N passed, N failed" at the end.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-TRAIN="$BUILD/fsdp-train"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-pass=0 fail=0
-ok() { echo "ok $1"; pass=$((pass + 1)); }
-bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "  $l"; done; fail=$((fail + 1)); }
+. "$(dirname "$0")/lib.sh"
 
 # same_losses A B: the "step N loss X" lines of two outputs agree to 1e-5 (relative)
 same_losses() {
@@ -115,5 +106,4 @@ usage_err "--reshard-after-forward maybe" "is not on or off" --reshard-after-for
 usage_err "--init rank0 without --init-from" "--init rank0 needs --init-from" --init rank0
 usage_err "--init bogus" "--init: 'bogus' is not deferred or rank0" --init bogus
 
-echo "$pass passed, $fail failed"
-[ $fail -eq 0 ]
+finish

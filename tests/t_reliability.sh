@@ -5,16 +5,7 @@
 # over the limit before any step, a bad size is a usage error, and a run
 # that diverges to nan stops with one message naming the step and the unit,
 # at 1 and 2 ranks. Prints "N passed, N failed" at the end.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-TRAIN="$BUILD/fsdp-train"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-pass=0 fail=0
-ok() { echo "ok $1"; pass=$((pass + 1)); }
-bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "  $l"; done; fail=$((fail + 1)); }
+. "$(dirname "$0")/lib.sh"
 
 # GPT-2 124M: V*C + block*C + L*(12 C^2 + 13 C) + 2 C parameters, 4 bytes each, per rank
 mib() { python3 -c "L,C,V,P=12,768,50257,1024; n=V*C+P*C+L*(12*C*C+13*C)+2*C; print('%.1f MiB' % (4*n/$1/2**20))"; }
@@ -66,5 +57,4 @@ for n in 1 2; do
   else bad "nan at $n rank(s)" "exit $rc, $msgs messages" "$(head -3 "$tmp/n${n}e")"; fi
 done
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+finish

@@ -3,16 +3,7 @@
 # for 2, 3 and 4 ranks; bad input gives a clear message and a non-zero exit on
 # every rank without hanging; a rank killed mid-step ends the whole job.
 # Prints "N passed, N failed" at the end.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-TRAIN="$BUILD/fsdp-train"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-pass=0 fail=0
-ok() { echo "ok $1"; pass=$((pass + 1)); }
-bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "  $l"; done; fail=$((fail + 1)); }
+. "$(dirname "$0")/lib.sh"
 
 # expect_error NAME PATTERN -- ARGS...: exits non-zero within 60 s, stderr matches PATTERN
 expect_error() {
@@ -101,5 +92,4 @@ sleep 0.5
 if pgrep -f "fsdp-train --model small" >/dev/null; then bad "no process left behind"; pkill -9 -f "fsdp-train --model small"
 else ok "no process left behind"; fi
 
-echo "$pass passed, $fail failed"
-[ $fail -eq 0 ]
+finish
