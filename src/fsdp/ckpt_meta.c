@@ -1,0 +1,245 @@
+/*
+ * ckpt_meta.c - reading and validating a sharded checkpoint's meta.json
+ * ([Note: sharded layout], [Note: sealed meta.json] in ckpt.c). Everything
+ * in it is outside data: every field is range-checked, every parameter's
+ * pieces must tile it exactly and fit their files, before any file is read.
+ */
+#include "fsdp/fsdp-impl.h"
+#include "io/io-impl.h"
+
+#include <cJSON.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define MAX_META_BYTES ((size_t)256 << 20)
+
+static char *read_text(struct fsdp_ctx *ctx, const char *path, enum fsdp_status *st) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        *st = fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+        return NULL;
+    }
+    struct stat sb;
+    size_t cap = fstat(fileno(f), &sb) == 0 && (uint64_t)sb.st_size <= MAX_META_BYTES ? (size_t)sb.st_size + 1
+                                                                                    : MAX_META_BYTES + 1;
+    char *buf = malloc(cap + 1);
+    size_t n = buf ? fread(buf, 1, cap, f) : 0; /* reads one byte more than stat said: growth shows */
+    fclose(f);
+    if (!buf) {
+        *st = fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
+        return NULL;
+    }
+    if (n > MAX_META_BYTES) {
+        free(buf);
+        *st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: larger than %zu bytes", path, MAX_META_BYTES);
+        return NULL;
+    }
+    buf[n] = 0;
+    *st = FSDP_OK;
+    return buf;
+}
+
+void fsdp__meta_free(struct fsdp__meta *mt) {
+    for (int i = 0; i < mt->n_params; i++) {
+        free(mt->params[i].fqn);
+        free(mt->params[i].ranges);
+    }
+    for (int i = 0; i < mt->n_files; i++) free(mt->files[i].name);
+    for (int i = 0; i < mt->n_state; i++) free(mt->state[i]);
+    free(mt->params);
+    free(mt->files);
+    free(mt->dir);
+    memset(mt, 0, sizeof *mt);
+}
+
+static int get_int(const cJSON *o, const char *key, int64_t lo, int64_t hi, int64_t *out) {
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!cJSON_IsNumber(j)) return 0;
+    double v = j->valuedouble;
+    if (!(v >= (double)lo && v <= (double)hi) || v != (double)(int64_t)v) return 0;
+    *out = (int64_t)v;
+    return 1;
+}
+
+static int by_start(const void *a, const void *b) {
+    const struct fsdp__meta_range *x = a, *y = b;
+    return x->start < y->start ? -1 : x->start > y->start;
+}
+
+#define BAD(...) (st = fsdp__err(ctx, FSDP_ERR_FORMAT, __VA_ARGS__))
+
+static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, const cJSON *root, struct fsdp__meta *mt) {
+    enum fsdp_status st = FSDP_OK;
+    const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(root, "format");
+    if (!cJSON_IsObject(root) || !cJSON_IsString(fmt) || strcmp(fmt->valuestring, FSDP__META_FORMAT))
+        return BAD("%s: not an fsdp.c checkpoint (\"format\" is not \"%s\")", mpath, FSDP__META_FORMAT);
+    int64_t v, world, step, dstep, ostep;
+    if (!get_int(root, "version", 1, 1, &v)) return BAD("%s: unsupported \"version\" (want 1)", mpath);
+    if (!get_int(root, "world", 1, 1 << 20, &world)) return BAD("%s: \"world\" is missing or invalid", mpath);
+    if (!get_int(root, "step", 0, INT64_C(1) << 52, &step) || !get_int(root, "data_step", 0, INT64_C(1) << 52, &dstep) ||
+        !get_int(root, "optim_step", 0, INT64_C(1) << 52, &ostep))
+        return BAD("%s: \"step\", \"data_step\" or \"optim_step\" is missing or invalid", mpath);
+    mt->m.world = (int)world;
+    mt->m.step = step;
+    mt->m.data_step = dstep;
+    mt->m.optim_step = ostep;
+    const cJSON *seed = cJSON_GetObjectItemCaseSensitive(root, "seed");
+    char *end;
+    if (!cJSON_IsString(seed) || !(mt->m.seed = strtoull(seed->valuestring, &end, 10), *end == 0 && end != seed->valuestring))
+        return BAD("%s: \"seed\" is not a decimal string", mpath);
+    const cJSON *cfg = cJSON_GetObjectItemCaseSensitive(root, "model_config");
+    if (cfg) {
+        int64_t x[5];
+        const char *names[5] = {"n_layer", "n_head", "n_embd", "vocab_size", "block_size"};
+        for (int i = 0; i < 5; i++)
+            if (!get_int(cfg, names[i], 1, 1 << 30, &x[i]))
+                return BAD("%s: model_config.%s is missing or invalid", mpath, names[i]);
+        mt->m.config = (struct fsdp_gpt_config){(int)x[0], (int)x[1], (int)x[2], (int)x[3], (int)x[4]};
+        mt->m.has_config = 1;
+    }
+    const cJSON *sn = cJSON_GetObjectItemCaseSensitive(root, "optim_state");
+    if (!cJSON_IsArray(sn) || cJSON_GetArraySize(sn) > 4) return BAD("%s: \"optim_state\" is not a list", mpath);
+    for (const cJSON *e = sn->child; e; e = e->next) {
+        if (!cJSON_IsString(e)) return BAD("%s: \"optim_state\" holds a non-string", mpath);
+        if (!(mt->state[mt->n_state] = fsdp__strdup(e->valuestring)))
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        mt->n_state++;
+    }
+    mt->m.has_optim_state = mt->n_state > 0;
+    const cJSON *fl = cJSON_GetObjectItemCaseSensitive(root, "files");
+    if (!cJSON_IsArray(fl) || cJSON_GetArraySize(fl) != world)
+        return BAD("%s: \"files\" must list %lld files", mpath, (long long)world);
+    mt->files = calloc((size_t)world, sizeof *mt->files);
+    if (!mt->files) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    for (const cJSON *e = fl->child; e; e = e->next) {
+        const cJSON *nm = cJSON_GetObjectItemCaseSensitive(e, "name");
+        int64_t b;
+        if (!cJSON_IsString(nm) || strchr(nm->valuestring, '/') || !nm->valuestring[0] ||
+            !strcmp(nm->valuestring, ".") || !strcmp(nm->valuestring, "..") ||
+            !get_int(e, "bytes", 8, INT64_C(1) << 52, &b))
+            return BAD("%s: files[%d] needs a plain \"name\" and \"bytes\"", mpath, mt->n_files);
+        for (int i = 0; i < mt->n_files; i++)
+            if (!strcmp(mt->files[i].name, nm->valuestring))
+                return BAD("%s: files[%d] and files[%d] are both '%s'", mpath, i, mt->n_files, nm->valuestring);
+        if (!(mt->files[mt->n_files].name = fsdp__strdup(nm->valuestring)))
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        mt->files[mt->n_files++].bytes = (uint64_t)b;
+    }
+    const cJSON *ps = cJSON_GetObjectItemCaseSensitive(root, "params");
+    if (!cJSON_IsArray(ps)) return BAD("%s: \"params\" is not a list", mpath);
+    int np = cJSON_GetArraySize(ps);
+    mt->params = calloc((size_t)np + 1, sizeof *mt->params);
+    if (!mt->params) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    for (const cJSON *e = ps->child; e; e = e->next) {
+        struct fsdp__meta_param *p = &mt->params[mt->n_params];
+        const cJSON *fq = cJSON_GetObjectItemCaseSensitive(e, "fqn");
+        if (!cJSON_IsString(fq) || !fq->valuestring[0]) return BAD("%s: params[%d] has no \"fqn\"", mpath, mt->n_params);
+        if (!(p->fqn = fsdp__strdup(fq->valuestring))) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        mt->n_params++;
+        const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
+        if (!cJSON_IsString(dt) || strcmp(dt->valuestring, "F32"))
+            return BAD("%s: parameter '%s': dtype is not F32", mpath, p->fqn);
+        const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
+        if (!cJSON_IsArray(sh) || cJSON_GetArraySize(sh) > FSDP_MAX_DIMS)
+            return BAD("%s: parameter '%s': bad shape", mpath, p->fqn);
+        p->numel = 1;
+        for (const cJSON *d = sh->child; d; d = d->next) {
+            double x = cJSON_IsNumber(d) ? d->valuedouble : -1;
+            if (!(x >= 0 && x <= (double)(INT64_C(1) << 40)) || x != (double)(int64_t)x || p->numel > (INT64_C(1) << 50) / ((int64_t)x + 1))
+                return BAD("%s: parameter '%s': bad shape", mpath, p->fqn);
+            p->shape[p->ndim++] = (int64_t)x;
+            p->numel *= (int64_t)x;
+        }
+        const cJSON *rg = cJSON_GetObjectItemCaseSensitive(e, "ranges");
+        if (!cJSON_IsArray(rg)) return BAD("%s: parameter '%s': no \"ranges\"", mpath, p->fqn);
+        p->ranges = calloc((size_t)cJSON_GetArraySize(rg) + 1, sizeof *p->ranges);
+        if (!p->ranges) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        for (const cJSON *r = rg->child; r; r = r->next) {
+            struct fsdp__meta_range *x = &p->ranges[p->n_ranges];
+            int64_t f, s, en, b0 = 0, b1 = 0;
+            const cJSON *b = cJSON_GetObjectItemCaseSensitive(r, "bytes");
+            if (!get_int(r, "file", 0, world - 1, &f) || !get_int(r, "start", 0, p->numel, &s) ||
+                !get_int(r, "end", s, p->numel, &en) || !cJSON_IsArray(b) || cJSON_GetArraySize(b) != 2 ||
+                !cJSON_IsNumber(b->child) || !cJSON_IsNumber(b->child->next) ||
+                !(b->child->valuedouble >= 0 && b->child->valuedouble <= 0x1p52) ||
+                !(b->child->next->valuedouble >= 0 && b->child->next->valuedouble <= 0x1p52))
+                return BAD("%s: parameter '%s': ranges[%d] is invalid", mpath, p->fqn, p->n_ranges);
+            b0 = (int64_t)b->child->valuedouble;
+            b1 = (int64_t)b->child->next->valuedouble;
+            if ((double)b0 != b->child->valuedouble || (double)b1 != b->child->next->valuedouble)
+                return BAD("%s: parameter '%s': ranges[%d] bytes are not whole numbers", mpath, p->fqn, p->n_ranges);
+            if (b0 < 8 || b1 - b0 != (en - s) * 4 || (uint64_t)b1 > mt->files[f].bytes)
+                return BAD("%s: parameter '%s': ranges[%d] bytes [%lld, %lld) do not fit", mpath, p->fqn,
+                           p->n_ranges, (long long)b0, (long long)b1);
+            *x = (struct fsdp__meta_range){(int)f, s, en, (uint64_t)b0, (uint64_t)b1};
+            p->n_ranges++;
+        }
+        qsort(p->ranges, (size_t)p->n_ranges, sizeof *p->ranges, by_start);
+        int64_t at = 0;
+        for (int i = 0; i < p->n_ranges; i++) {
+            if (p->ranges[i].start != at)
+                return BAD("%s: parameter '%s': ranges leave a gap or overlap at element %lld", mpath, p->fqn,
+                           (long long)at);
+            at = p->ranges[i].end;
+        }
+        if (at != p->numel)
+            return BAD("%s: parameter '%s': ranges cover %lld of %lld elements", mpath, p->fqn, (long long)at,
+                       (long long)p->numel);
+    }
+    for (int i = 0; i < mt->n_params; i++)
+        for (int j = i + 1; j < mt->n_params; j++)
+            if (!strcmp(mt->params[i].fqn, mt->params[j].fqn))
+                return BAD("%s: parameter '%s' is listed twice", mpath, mt->params[i].fqn);
+    return st;
+}
+
+enum fsdp_status fsdp__meta_parse_text(struct fsdp_ctx *ctx, const char *name, char *text, int sealed,
+                                       struct fsdp__meta *mt) {
+    memset(mt, 0, sizeof *mt);
+    if (sealed) FSDP_TRY(fsdp__meta_check_seal(ctx, name, text));
+    cJSON *root = cJSON_Parse(text);
+    enum fsdp_status st = root ? meta_parse(ctx, name, root, mt)
+                               : fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: not valid JSON", name);
+    cJSON_Delete(root);
+    if (st != FSDP_OK) fsdp__meta_free(mt);
+    return st;
+}
+
+enum fsdp_status fsdp__meta_load(struct fsdp_ctx *ctx, const char *dir, struct fsdp__meta *mt) {
+    memset(mt, 0, sizeof *mt);
+    char *mpath = fsdp__path_join(dir, FSDP__META_NAME);
+    if (!mpath) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    struct stat sb;
+    enum fsdp_status st;
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode)) {
+        st = fsdp__err(ctx, FSDP_ERR_IO, "%s: not a checkpoint folder: %s", dir,
+                       stat(dir, &sb) != 0 ? strerror(errno) : "not a folder");
+        free(mpath);
+        return st;
+    }
+    if (stat(mpath, &sb) != 0) {
+        st = fsdp__err(ctx, FSDP_ERR_IO,
+                       "%s: no %s: not a complete checkpoint (an interrupted save never has one)", dir, FSDP__META_NAME);
+        free(mpath);
+        return st;
+    }
+    char *text = read_text(ctx, mpath, &st);
+    if (text) st = fsdp__meta_parse_text(ctx, mpath, text, 1, mt);
+    free(text);
+    free(mpath);
+    if (st == FSDP_OK && !(mt->dir = fsdp__strdup(dir))) {
+        fsdp__meta_free(mt);
+        st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    }
+    return st;
+}
+
+enum fsdp_status fsdp_ckpt_read_meta(struct fsdp_ctx *ctx, const char *dir, struct fsdp_ckpt_meta *out) {
+    struct fsdp__meta mt;
+    FSDP_TRY(fsdp__meta_load(ctx, dir, &mt));
+    *out = mt.m;
+    fsdp__meta_free(&mt);
+    return FSDP_OK;
+}

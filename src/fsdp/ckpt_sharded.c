@@ -1,0 +1,368 @@
+/*
+ * ckpt_sharded.c - the sharded checkpoint: save (one file per rank, then
+ * meta.json by rank 0, then the folder swap) and load at any world size
+ * ([Note: sharded layout], [Note: atomic folder] in ckpt.c).
+ */
+#include "fsdp/fsdp-impl.h"
+#include "io/io-impl.h"
+#include "optim/optim-impl.h"
+
+#include <cJSON.h>
+#include <errno.h>
+#include <limits.h>
+#include <string.h>
+#include <sys/stat.h>
+
+/* ---- Sharded save ---- */
+
+struct piece { /* one tensor of a rank file */
+    struct fsdp__unit *u;
+    int j;          /* param index in u */
+    int state;      /* -1: parameter values, else state array index */
+    int64_t s, e;   /* flat range of u */
+};
+
+/* Lists the tensors rank r writes, in file order ([Note: sharded layout]).
+ * names: malloc'd strings, caller frees. */
+static enum fsdp_status plan_rank(struct fsdp_ctx *ctx, struct fsdp_model *fm, int r, int k,
+                                  const char *const *snames, struct piece **pieces,
+                                  struct fsdp__st_desc **desc, int *n) {
+    int cap = 0;
+    for (int i = 0; i < fm->n_units; i++) cap += fm->units[i].n_params * (1 + k);
+    *pieces = calloc((size_t)cap + 1, sizeof **pieces);
+    *desc = calloc((size_t)cap + 1, sizeof **desc);
+    if (!*pieces || !*desc) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning a checkpoint");
+    *n = 0;
+    for (int state = -1; state < k; state++)
+        for (int i = 0; i < fm->n_units; i++) {
+            struct fsdp__unit *u = &fm->units[i];
+            for (int j = 0; j < u->n_params; j++) {
+                int64_t s, e;
+                if (!fsdp__ckpt_overlap(u, r, j, &s, &e)) continue;
+                const char *fqn = u->params[j]->fqn;
+                size_t len = strlen(fqn) + (state >= 0 ? strlen(snames[state]) + 2 : 1);
+                char *name = malloc(len);
+                if (!name) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning a checkpoint");
+                if (state >= 0) snprintf(name, len, "%s#%s", fqn, snames[state]);
+                else snprintf(name, len, "%s", fqn);
+                (*pieces)[*n] = (struct piece){u, j, state, s, e};
+                (*desc)[*n] = (struct fsdp__st_desc){name, FSDP_F32, 1, {e - s, 0, 0, 0}};
+                (*n)++;
+            }
+        }
+    return FSDP_OK;
+}
+
+static void free_plan(struct piece *pieces, struct fsdp__st_desc *desc, int n) {
+    for (int i = 0; desc && i < n; i++) free((char *)desc[i].name);
+    free(pieces);
+    free(desc);
+}
+
+static enum fsdp_status save_rank_file(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *tmpdir) {
+    int k;
+    const char *const *snames = fsdp__ckpt_state_names(fm->optim, &k);
+    struct piece *pieces = NULL;
+    struct fsdp__st_desc *desc = NULL;
+    int n = 0;
+    /* the file of this rank's shard ([Note: sharding strategies]: replica 0's) */
+    enum fsdp_status st = plan_rank(ctx, fm, fm->shard_rank, k, snames, &pieces, &desc, &n);
+    char name[64], rankstr[16], worldstr[16];
+    fsdp__ckpt_rank_file_name(name, sizeof name, fm->shard_rank, fm->shard_size);
+    snprintf(rankstr, sizeof rankstr, "%d", fm->shard_rank);
+    snprintf(worldstr, sizeof worldstr, "%d", fm->shard_size);
+    const char *kv[] = {"format", "pt", "fsdp.rank", rankstr, "fsdp.world", worldstr};
+    char *path = fsdp__path_join(tmpdir, name);
+    if (st == FSDP_OK && !path) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    struct fsdp__st_writer *w = NULL;
+    if (st == FSDP_OK) st = fsdp__st_writer_open(ctx, path, n, desc, 3, kv, &w);
+    for (int i = 0; i < n && st == FSDP_OK; i++) {
+        struct piece *p = &pieces[i];
+        int64_t lo = (int64_t)fm->shard_rank * p->u->numel_shard;
+        const float *src = p->state < 0 ? p->u->shard : p->u->state + (int64_t)p->state * p->u->numel_shard;
+        st = fsdp__st_writer_write(w, src + (p->s - lo), (size_t)(p->e - p->s) * sizeof(float));
+    }
+    if (st == FSDP_OK) st = fsdp__st_writer_commit(w);
+    else fsdp__st_writer_abort(w);
+    free(path);
+    free_plan(pieces, desc, n);
+    return st;
+}
+
+static void add_config(cJSON *root, const struct fsdp_gpt_config *c) {
+    cJSON *o = cJSON_AddObjectToObject(root, "model_config");
+    if (!o) return;
+    cJSON_AddNumberToObject(o, "n_layer", c->n_layer);
+    cJSON_AddNumberToObject(o, "n_head", c->n_head);
+    cJSON_AddNumberToObject(o, "n_embd", c->n_embd);
+    cJSON_AddNumberToObject(o, "vocab_size", c->vocab_size);
+    cJSON_AddNumberToObject(o, "block_size", c->block_size);
+}
+
+/* meta.json, by rank 0 after every rank file exists: the layout is a pure
+ * function of (model, shard group size), and byte ranges come from the
+ * files' headers. Its "world" is the number of shards (files). */
+static enum fsdp_status write_meta(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *tmpdir,
+                                   const struct fsdp_ckpt_meta *m) {
+    int world = fm->shard_size;
+    int k;
+    const char *const *snames = fsdp__ckpt_state_names(fm->optim, &k);
+    struct fsdp__st_file *files = calloc((size_t)world, sizeof *files);
+    if (!files) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    for (int r = 0; r < world; r++) files[r].fd = -1;
+    enum fsdp_status st = FSDP_OK;
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddStringToObject(root, "crc32c", "00000000"); /* first: [Note: sealed meta.json] */
+    cJSON_AddStringToObject(root, "format", FSDP__META_FORMAT);
+    cJSON_AddNumberToObject(root, "version", 1);
+    cJSON_AddNumberToObject(root, "world", world);
+    cJSON_AddNumberToObject(root, "step", (double)m->step);
+    cJSON_AddNumberToObject(root, "data_step", (double)m->data_step);
+    cJSON_AddNumberToObject(root, "lr_step", (double)m->step);
+    char seed[32];
+    snprintf(seed, sizeof seed, "%llu", (unsigned long long)m->seed);
+    cJSON_AddStringToObject(root, "seed", seed);
+    cJSON_AddStringToObject(root, "rng", "philox4x32-10 keyed by (seed, fqn): the seed is the state");
+    cJSON_AddNumberToObject(root, "optim_step", fm->optim ? (double)fsdp_optim_step_count(fm->optim) : 0);
+    cJSON *sn = cJSON_AddArrayToObject(root, "optim_state");
+    for (int i = 0; i < k; i++) cJSON_AddItemToArray(sn, cJSON_CreateString(snames[i]));
+    if (m->has_config) add_config(root, &m->config);
+    cJSON *fl = cJSON_AddArrayToObject(root, "files");
+    for (int r = 0; r < world && st == FSDP_OK; r++) {
+        char name[64];
+        fsdp__ckpt_rank_file_name(name, sizeof name, r, world);
+        char *path = fsdp__path_join(tmpdir, name);
+        st = path ? fsdp__st_open(ctx, path, &files[r]) : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        free(path);
+        cJSON *fo = cJSON_CreateObject();
+        cJSON_AddItemToArray(fl, fo);
+        cJSON_AddStringToObject(fo, "name", name);
+        cJSON_AddNumberToObject(fo, "bytes", (double)files[r].file_size);
+    }
+    cJSON *params = cJSON_AddArrayToObject(root, "params");
+    for (int i = 0; i < fm->n_units && st == FSDP_OK; i++) {
+        struct fsdp__unit *u = &fm->units[i];
+        for (int j = 0; j < u->n_params; j++) {
+            struct fsdp_param *p = u->params[j];
+            cJSON *po = cJSON_CreateObject();
+            cJSON_AddItemToArray(params, po);
+            cJSON_AddStringToObject(po, "fqn", p->fqn);
+            cJSON *sh = cJSON_AddArrayToObject(po, "shape");
+            for (int d = 0; d < p->ndim; d++) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)p->shape[d]));
+            cJSON_AddStringToObject(po, "dtype", "F32");
+            cJSON *rg = cJSON_AddArrayToObject(po, "ranges");
+            for (int r = 0; r < world; r++) {
+                int64_t s, e;
+                if (!fsdp__ckpt_overlap(u, r, j, &s, &e)) continue;
+                int ti = fsdp__st_find(&files[r], p->fqn);
+                if (ti < 0) {
+                    st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: rank %d's file lacks '%s'", tmpdir, r, p->fqn);
+                    break;
+                }
+                cJSON *ro = cJSON_CreateObject();
+                cJSON_AddItemToArray(rg, ro);
+                cJSON_AddNumberToObject(ro, "file", r);
+                cJSON_AddNumberToObject(ro, "start", (double)(s - u->offsets[j]));
+                cJSON_AddNumberToObject(ro, "end", (double)(e - u->offsets[j]));
+                cJSON *b = cJSON_AddArrayToObject(ro, "bytes");
+                cJSON_AddItemToArray(b, cJSON_CreateNumber((double)(files[r].data_start + files[r].t[ti].begin)));
+                cJSON_AddItemToArray(b, cJSON_CreateNumber((double)(files[r].data_start + files[r].t[ti].end)));
+            }
+        }
+    }
+    for (int r = 0; r < world; r++) fsdp__st_close(&files[r]);
+    free(files);
+    char *text = st == FSDP_OK ? cJSON_Print(root) : NULL;
+    cJSON_Delete(root);
+    if (st == FSDP_OK && !text) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory writing meta.json");
+    char *mpath = fsdp__path_join(tmpdir, FSDP__META_NAME);
+    if (st == FSDP_OK) fsdp__ckpt_crash_point("before meta.json");
+    if (st == FSDP_OK) fsdp__meta_seal(text);
+    if (st == FSDP_OK) st = mpath ? fsdp__write_durable(ctx, mpath, text) : fsdp__err(ctx, FSDP_ERR_NOMEM, "oom");
+    free(mpath);
+    free(text);
+    return st;
+}
+
+
+enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
+                                const struct fsdp_ckpt_meta *meta) {
+    struct fsdp_ckpt_meta zero = {0};
+    if (!meta) meta = &zero;
+    char tmpdir[PATH_MAX];
+    enum fsdp_status st = fsdp__ckpt_check_idle(ctx, fm, "ckpt_save");
+    if (st == FSDP_OK && (!dir || !dir[0] || strlen(dir) > PATH_MAX - 64))
+        st = fsdp__err(ctx, FSDP_ERR_INVALID, "ckpt_save: bad folder name");
+    if (st == FSDP_OK) {
+        snprintf(tmpdir, sizeof tmpdir, "%s.tmp", dir);
+        if (mkdir(tmpdir, 0755) != 0 && errno != EEXIST)
+            st = fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot create: %s", tmpdir, strerror(errno));
+    }
+    if (st == FSDP_OK && fm->rep_rank == 0) st = save_rank_file(ctx, fm, tmpdir); /* replicas are equal */
+    st = fsdp__ckpt_agree(ctx, st);
+    if (st != FSDP_OK) return st;
+    if (ctx->rank == 0) {
+        st = write_meta(ctx, fm, tmpdir, meta);
+        if (st == FSDP_OK) st = fsdp__ckpt_commit_dir(ctx, dir, tmpdir, fm->shard_size);
+    }
+    return fsdp__ckpt_agree(ctx, st);
+}
+
+/* ---- Sharded load ---- */
+
+enum fsdp_status fsdp__fcache_get(struct fsdp_ctx *ctx, struct fsdp__fcache *c, int i, struct fsdp__st_file **out) {
+    if (!c->open[i]) {
+        char *path = fsdp__path_join(c->mt->dir, c->mt->files[i].name);
+        if (!path) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        struct stat sb;
+        enum fsdp_status st = FSDP_OK;
+        if (stat(path, &sb) != 0)
+            st = fsdp__err(ctx, FSDP_ERR_IO, "%s: missing file of the checkpoint: %s", path, strerror(errno));
+        else if ((uint64_t)sb.st_size != c->mt->files[i].bytes)
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: %llu bytes but meta.json says %llu (truncated or replaced)",
+                           path, (unsigned long long)sb.st_size, (unsigned long long)c->mt->files[i].bytes);
+        if (st == FSDP_OK) st = fsdp__st_open(ctx, path, &c->f[i]);
+        free(path);
+        if (st != FSDP_OK) return st;
+        c->open[i] = 1;
+    }
+    *out = &c->f[i];
+    return FSDP_OK;
+}
+
+/* Reads elements [s, e) of stored tensor `tname` (parameter p of the
+ * checkpoint, whose pieces are p->ranges) into dst. */
+enum fsdp_status fsdp__fcache_read(struct fsdp_ctx *ctx, struct fsdp__fcache *c, const struct fsdp__meta_param *p,
+                                   const char *tname, int64_t s, int64_t e, float *dst) {
+    for (int i = 0; i < p->n_ranges; i++) {
+        const struct fsdp__meta_range *r = &p->ranges[i];
+        int64_t a = s > r->start ? s : r->start, b = e < r->end ? e : r->end;
+        if (a >= b) continue;
+        struct fsdp__st_file *f;
+        FSDP_TRY(fsdp__fcache_get(ctx, c, r->file, &f));
+        int ti = fsdp__st_find(f, tname);
+        if (ti < 0)
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s' is missing (meta.json lists it)", f->path, tname);
+        const struct fsdp__st_tensor *t = &f->t[ti];
+        if (t->dtype != FSDP_F32 || t->numel != r->end - r->start)
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s' has %lld %s elements, meta.json says %lld F32",
+                             f->path, tname, (long long)t->numel, fsdp__st_dtype_str(t->dtype),
+                             (long long)(r->end - r->start));
+        if (!strchr(tname, '#') && f->data_start + t->begin != r->b0)
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s' starts at byte %llu, meta.json says %llu",
+                             f->path, tname, (unsigned long long)(f->data_start + t->begin),
+                             (unsigned long long)r->b0);
+        FSDP_TRY(fsdp__st_read(ctx, f, ti, (uint64_t)(a - r->start) * 4, (uint64_t)(b - r->start) * 4,
+                               dst + (a - s)));
+    }
+    return FSDP_OK;
+}
+
+/* Every model parameter is in the checkpoint with its shape, and nothing else is. */
+static enum fsdp_status match_model(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp__meta *mt,
+                                    const struct fsdp__meta_param **map) {
+    int total = 0;
+    for (int i = 0; i < fm->n_units; i++) {
+        struct fsdp__unit *u = &fm->units[i];
+        for (int j = 0; j < u->n_params; j++, total++) {
+            struct fsdp_param *p = u->params[j];
+            const struct fsdp__meta_param *q = NULL;
+            for (int k = 0; k < mt->n_params && !q; k++)
+                if (!strcmp(mt->params[k].fqn, p->fqn)) q = &mt->params[k];
+            if (!q)
+                return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: parameter '%s' of the model is not in the checkpoint",
+                                 mt->dir, p->fqn);
+            int same = q->ndim == p->ndim;
+            for (int d = 0; same && d < p->ndim; d++) same = q->shape[d] == p->shape[d];
+            if (!same) {
+                char a[96], b[96];
+                return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: parameter '%s': checkpoint shape %s, model shape %s",
+                                 mt->dir, p->fqn, fsdp__shape_str(a, sizeof a, q->ndim, q->shape),
+                                 fsdp__shape_str(b, sizeof b, p->ndim, p->shape));
+            }
+            map[total] = q;
+        }
+    }
+    if (total != mt->n_params)
+        for (int k = 0; k < mt->n_params; k++)
+            if (!fsdp__model_unit_of(fm, mt->params[k].fqn, NULL))
+                return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: the checkpoint has parameter '%s', which the model lacks",
+                                 mt->dir, mt->params[k].fqn);
+    if (total != mt->n_params)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: %d parameters in the checkpoint, %d in the model", mt->dir,
+                         mt->n_params, total);
+    return FSDP_OK;
+}
+
+static enum fsdp_status load_local(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp__meta *mt) {
+    int k;
+    const char *const *snames = fsdp__ckpt_state_names(fm->optim, &k);
+    int load_state = 0;
+    if (k && mt->n_state) {
+        int same = mt->n_state == k;
+        for (int i = 0; same && i < k; i++) same = !strcmp(mt->state[i], snames[i]);
+        if (!same)
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: optimizer state is %d arrays (%s...), the optimizer has %d (%s...)",
+                             mt->dir, mt->n_state, mt->state[0], k, snames[0]);
+        load_state = 1;
+    }
+    int total = 0;
+    for (int i = 0; i < fm->n_units; i++) total += fm->units[i].n_params;
+    const struct fsdp__meta_param **map = calloc((size_t)total + 1, sizeof *map);
+    struct fsdp__fcache c = {mt, calloc((size_t)mt->n_files, sizeof(struct fsdp__st_file)),
+                       calloc((size_t)mt->n_files, sizeof(int))};
+    enum fsdp_status st = map && c.f && c.open ? FSDP_OK : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    for (int i = 0; c.f && i < mt->n_files; i++) c.f[i].fd = -1;
+    if (st == FSDP_OK) st = match_model(ctx, fm, mt, map);
+    char tname[4200];
+    int idx = 0;
+    for (int i = 0; i < fm->n_units && st == FSDP_OK; i++) {
+        struct fsdp__unit *u = &fm->units[i];
+        int64_t lo = (int64_t)fm->shard_rank * u->numel_shard;
+        memset(u->shard, 0, (size_t)u->numel_shard * sizeof(float));
+        if (u->state) memset(u->state, 0, (size_t)(k * u->numel_shard) * sizeof(float));
+        for (int j = 0; j < u->n_params && st == FSDP_OK; j++, idx++) {
+            int64_t s, e;
+            if (!fsdp__ckpt_overlap(u, fm->shard_rank, j, &s, &e)) continue;
+            int64_t ps = s - u->offsets[j], pe = e - u->offsets[j];
+            st = fsdp__fcache_read(ctx, &c, map[idx], u->params[j]->fqn, ps, pe, u->shard + (s - lo));
+            for (int q = 0; load_state && q < k && st == FSDP_OK; q++) {
+                snprintf(tname, sizeof tname, "%s#%s", u->params[j]->fqn, snames[q]);
+                st = fsdp__fcache_read(ctx, &c, map[idx], tname, ps, pe, u->state + q * u->numel_shard + (s - lo));
+            }
+        }
+    }
+    if (st == FSDP_OK && fm->optim) fsdp__optim_set_step_count(fm->optim, load_state ? mt->m.optim_step : 0);
+    for (int i = 0; c.f && i < mt->n_files; i++) fsdp__st_close(&c.f[i]);
+    free(c.f);
+    free(c.open);
+    free(map);
+    return st;
+}
+
+enum fsdp_status fsdp_ckpt_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
+                                struct fsdp_ckpt_meta *meta) {
+    struct fsdp__meta mt;
+    memset(&mt, 0, sizeof mt);
+    enum fsdp_status st = fsdp__ckpt_check_idle(ctx, fm, "ckpt_load");
+    if (st == FSDP_OK) st = fsdp__meta_load(ctx, dir, &mt);
+    if (st == FSDP_OK) st = load_local(ctx, fm, &mt);
+    if (st == FSDP_OK && meta) *meta = mt.m;
+    fsdp__meta_free(&mt);
+    return fsdp__ckpt_agree(ctx, st);
+}
+
+enum fsdp_status fsdp__fcache_open(struct fsdp_ctx *ctx, struct fsdp__meta *mt, struct fsdp__fcache *c) {
+    c->mt = mt;
+    c->f = calloc((size_t)mt->n_files + 1, sizeof *c->f);
+    c->open = calloc((size_t)mt->n_files + 1, sizeof *c->open);
+    if (!c->f || !c->open) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < mt->n_files; i++) c->f[i].fd = -1;
+    return FSDP_OK;
+}
+
+void fsdp__fcache_close(struct fsdp__fcache *c) {
+    for (int i = 0; c->f && i < c->mt->n_files; i++) fsdp__st_close(&c->f[i]);
+    free(c->f);
+    free(c->open);
+}
