@@ -1,0 +1,67 @@
+/*
+ * fault.c - fault injection for the reliability tests ([Note: fault
+ * injection]): a rank kills or stops itself at a named point of the library,
+ * so that tests can end a rank at a precise place (in a unit's forward, in
+ * its backward, inside a reduce-scatter, inside a checkpoint save) instead of
+ * racing a `kill` from outside. Costs one branch per point when unset.
+ * Invariant: called from the compute thread only (not thread-safe).
+ *
+ * [Note: fault injection]
+ * FSDP_FAULT=POINT:RANK:STEP[:ACTION]
+ *   POINT  forward (a unit's pre-forward hook), backward (its pre-backward
+ *          hook), reduce-scatter (after the start, before the wait), ckpt-save
+ *          (the checkpoint writer's crash points, see fsdp__ckpt_crash_point)
+ *   RANK   the global rank that faults
+ *   STEP   fires at the first hit of POINT once this process has started its
+ *          STEP-th training step (fsdp_model_train_step calls, from 1; 0 = at
+ *          once), so ckpt-save:1:4 hits the save that follows step 4
+ *   ACTION kill (SIGKILL, the default: the process vanishes as in an OOM kill)
+ *          or stop (SIGSTOP: a stalled rank, for the watchdog)
+ * The rank prints one line naming the point before it raises the signal.
+ * The checkpoint writer's crash points (fsdp__ckpt_crash_point, io/) are this
+ * mechanism's ckpt-save point; their FSDP_CKPT_CRASH_AT=k (the k-th crash
+ * point ends the process with _exit(86)) stays for the crash-safety tests.
+ */
+#include "core/core-impl.h"
+
+#include <signal.h>
+#include <string.h>
+
+long fsdp__fault_step;
+
+static const char *const points[] = {"forward", "backward", "reduce-scatter", "ckpt-save"};
+
+static struct {
+    int parsed, on, fired;
+    char point[32];
+    int rank, sig;
+    long step;
+} F;
+
+static void parse(void) {
+    F.parsed = 1;
+    const char *e = getenv("FSDP_FAULT");
+    if (!e || !*e) return;
+    char action[16] = "kill";
+    int n = sscanf(e, "%31[^:]:%d:%ld:%15s", F.point, &F.rank, &F.step, action);
+    int known = 0;
+    for (size_t i = 0; i < sizeof points / sizeof *points; i++) known |= !strcmp(F.point, points[i]);
+    F.sig = !strcmp(action, "kill") ? SIGKILL : !strcmp(action, "stop") ? SIGSTOP : 0;
+    FSDP_ASSERT(n >= 3 && known && F.sig && F.rank >= 0 && F.step >= 0,
+                "FSDP_FAULT='%s': expected POINT:RANK:STEP[:kill|stop], POINT one of forward, backward, "
+                "reduce-scatter, ckpt-save", e);
+    F.on = 1;
+}
+
+void fsdp__fault_point(const char *point, const char *where) {
+    if (!F.parsed) parse();
+    if (!F.on || F.fired || fsdp__global_rank != F.rank || fsdp__fault_step < F.step ||
+        strcmp(point, F.point) != 0)
+        return;
+    F.fired = 1;
+    fprintf(stderr, "fsdp: FSDP_FAULT: rank %d raises %s at %s (step %ld%s%s)\n", fsdp__global_rank,
+            F.sig == SIGKILL ? "SIGKILL" : "SIGSTOP", point, fsdp__fault_step, where ? ", " : "",
+            where ? where : "");
+    fflush(NULL);
+    raise(F.sig);
+}
