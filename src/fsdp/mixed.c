@@ -1,0 +1,223 @@
+/*
+ * mixed.c - mixed precision for the sharded model: each unit's precision
+ * policy (param / reduce / output / compute dtype, from the model-wide
+ * precision and Composer's FULL / DEFAULT / PURE, or a unit's override), the
+ * casts around the unit's all-gather and reduce-scatter (see [Note:
+ * low-precision gather and reduce] in fsdp-impl.h), and dynamic loss
+ * scaling for the train step (torch's GradScaler).
+ * Invariant: shards, gradient shards and optimizer state are fp32 whatever
+ * the policy; only what moves and what the layers multiply is 16-bit.
+ */
+#include "fsdp/fsdp-impl.h"
+
+#include <ctype.h>
+#include <math.h>
+#include <string.h>
+
+/* ---- Policy ---- */
+
+static const char *mp_name(enum fsdp_mixed_precision mp) {
+    return mp == FSDP_MP_DEFAULT ? "DEFAULT" : mp == FSDP_MP_PURE ? "PURE" : mp == FSDP_MP_FULL ? "FULL" : "?";
+}
+
+enum fsdp_status fsdp__mp_resolve(struct fsdp_ctx *ctx, struct fsdp_model *fm, enum fsdp_dtype precision,
+                                  enum fsdp_mixed_precision mp) {
+    int any_f16 = 0;
+    for (int i = 0; i < fm->n_units; i++) { /* pre-order: parents set their subtree first */
+        struct fsdp__unit *u = &fm->units[i];
+        int ovr = (u->overrides.set & FSDP_OVR_MIXED_PRECISION) != 0;
+        enum fsdp_mixed_precision m = ovr ? u->overrides.mixed_precision : mp;
+        if (m != FSDP_MP_DEFAULT && m != FSDP_MP_PURE && m != FSDP_MP_FULL)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "unit '%s': mixed_precision %d is not DEFAULT, PURE or FULL",
+                             u->module->fqn[0] ? u->module->fqn : "(root)", (int)m);
+        u->mixed_precision = m;
+        u->param_dtype = u->reduce_dtype = u->output_dtype = u->compute_dtype = FSDP_F32;
+        if (precision != FSDP_F32 && !(ovr && m == FSDP_MP_FULL)) {
+            u->compute_dtype = precision;
+            if (m != FSDP_MP_FULL) u->param_dtype = precision;
+            if (m == FSDP_MP_PURE) u->reduce_dtype = precision;
+        }
+        any_f16 |= u->compute_dtype == FSDP_F16;
+        FSDP_TRY(fsdp_module_set_compute_dtype(ctx, u->module, u->compute_dtype));
+    }
+    struct fsdp_loss_scale_opts lo = fsdp_loss_scale_opts_default();
+    lo.enabled = any_f16;
+    return fsdp_model_set_loss_scale(ctx, fm, &lo);
+}
+
+void fsdp_model_unit_precision(const struct fsdp_model *fm, int i, struct fsdp_unit_precision *out) {
+    FSDP_ASSERT(i >= 0 && i < fm->n_units, "unit %d of %d", i, fm->n_units);
+    const struct fsdp__unit *u = &fm->units[i];
+    out->param_dtype = u->param_dtype;
+    out->reduce_dtype = u->reduce_dtype;
+    out->output_dtype = u->output_dtype;
+    out->compute_dtype = u->compute_dtype;
+    out->mixed_precision = u->mixed_precision;
+}
+
+enum fsdp_status fsdp_precision_parse(struct fsdp_ctx *ctx, const char *name, enum fsdp_dtype *out) {
+    static const struct {
+        const char *name;
+        enum fsdp_dtype dt;
+    } names[] = {{"FP32", FSDP_F32}, {"AMP_BF16", FSDP_BF16}, {"AMP_FP16", FSDP_F16}};
+    char up[16];
+    size_t n = name ? strlen(name) : 0;
+    if (name && n < sizeof up) {
+        for (size_t i = 0; i <= n; i++) up[i] = (char)toupper((unsigned char)name[i]);
+        for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
+            if (!strcmp(up, names[k].name)) {
+                *out = names[k].dt;
+                return FSDP_OK;
+            }
+    }
+    return fsdp__err(ctx, FSDP_ERR_INVALID, "precision '%s' is not one of FP32, AMP_BF16, AMP_FP16",
+                     name ? name : "(null)");
+}
+
+/* ---- Casts around the collectives ---- */
+
+/* Bytes [2n, 4n) of a buffer of n floats: its upper half as 16-bit elements. */
+static uint16_t *upper_half(float *buf, int64_t n) { return (uint16_t *)(void *)buf + n; }
+
+/* Below this many elements the in-place narrowing runs sequentially. */
+#define INPLACE_SEQ 4096
+
+/* Narrows buf[0..n) to 16-bit values at bytes [0, 2n), in place. Pass
+ * [a, b) writes bytes [2a, 2b) and reads [4a, 4b): safe while b <= 2a. */
+static void narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n) {
+    uint16_t *dst = (uint16_t *)(void *)buf;
+    int64_t head = n < INPLACE_SEQ ? n : INPLACE_SEQ;
+    for (int64_t i = 0; i < head; i++) /* sequential: each read before its write */
+        dst[i] = dt == FSDP_BF16 ? fsdp__f32_to_bf16(buf[i]) : fsdp__f32_to_f16(buf[i]);
+    for (int64_t a = head; a < n;) {
+        int64_t b = 2 * a < n ? 2 * a : n;
+        fsdp__cvt_from_f32(dt, buf + a, dst + a, (size_t)(b - a));
+        a = b;
+    }
+}
+
+enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct fsdp__unit *u,
+                                       struct fsdp_comm_req **req) {
+    FSDP_ASSERT(u->param_dtype == FSDP_BF16 || u->param_dtype == FSDP_F16, "unit %d: param dtype %s", u->index,
+                fsdp_dtype_name(u->param_dtype));
+    uint16_t *stage = (uint16_t *)(void *)(u->full + u->numel_padded); /* after the fp32 values */
+    uint16_t *mine = stage + (int64_t)rank * u->numel_shard;
+    fsdp__cvt_from_f32(u->param_dtype, u->shard, mine, (size_t)u->numel_shard);
+    *req = NULL;
+    if (!comm || fsdp_comm_size(comm) == 1) return FSDP_OK;
+    return fsdp_comm_allgather_start(comm, mine, stage, (size_t)u->numel_shard, u->param_dtype, req);
+}
+
+int64_t fsdp__mp_full_numel(const struct fsdp__unit *u) {
+    return u->numel_padded + (u->param_dtype == FSDP_F32 ? 0 : (u->numel_padded + 1) / 2);
+}
+
+void fsdp__mp_gather_finish(struct fsdp__unit *u) {
+    const uint16_t *stage = (const uint16_t *)(const void *)(u->full + u->numel_padded);
+    fsdp__cvt_to_f32(u->param_dtype, stage, u->full, (size_t)u->numel_padded);
+    for (int j = 0; j < u->n_params; j++) { /* the layers' 16-bit weights (fsdp__pdata_lp) */
+        u->params[j]->data_lp = stage + u->offsets[j];
+        u->params[j]->data_lp_dtype = u->param_dtype;
+    }
+}
+
+void *fsdp__mp_grad_send(struct fsdp__unit *u) {
+    if (u->reduce_dtype == FSDP_F32 || u->full_grad == u->grad_shard) return u->full_grad;
+    narrow_inplace(u->reduce_dtype, u->full_grad, u->numel_padded);
+    return u->full_grad;
+}
+
+void *fsdp__mp_grad_recv(struct fsdp__unit *u) {
+    if (u->reduce_dtype == FSDP_F32 || u->full_grad == u->grad_shard) return u->grad_shard;
+    return upper_half(u->full_grad, u->numel_padded);
+}
+
+void fsdp__mp_grad_land(struct fsdp__unit *u, const void *recv) {
+    if (u->reduce_dtype == FSDP_F32) return;
+    float *g = u->grad_shard;
+    if (recv == g) { /* a world of one: round the gradient as a reduction would */
+        int bf = u->reduce_dtype == FSDP_BF16;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < u->numel_shard; i++)
+            g[i] = bf ? fsdp__bf16_to_f32(fsdp__f32_to_bf16(g[i])) : fsdp__f16_to_f32(fsdp__f32_to_f16(g[i]));
+        return;
+    }
+    fsdp__cvt_to_f32(u->reduce_dtype, recv, g, (size_t)u->numel_shard);
+}
+
+/* ---- Loss scaling ---- */
+
+struct fsdp_loss_scale_opts fsdp_loss_scale_opts_default(void) {
+    struct fsdp_loss_scale_opts o;
+    memset(&o, 0, sizeof o);
+    o.init_scale = 65536.0;
+    o.growth_factor = 2.0;
+    o.backoff_factor = 0.5;
+    o.growth_interval = 2000;
+    o.inject_step = -1;
+    o.inject_rank = 0;
+    const char *s = getenv("FSDP_INJECT_OVERFLOW_STEP"), *r = getenv("FSDP_INJECT_OVERFLOW_RANK");
+    if (s && *s) o.inject_step = strtoll(s, NULL, 10);
+    if (r && *r) o.inject_rank = (int)strtol(r, NULL, 10);
+    return o;
+}
+
+enum fsdp_status fsdp_model_set_loss_scale(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                           const struct fsdp_loss_scale_opts *opts) {
+    const struct fsdp_loss_scale_opts *o = opts;
+    if (!(isfinite(o->init_scale) && o->init_scale > 0))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "loss scaling: init_scale %g must be positive", o->init_scale);
+    if (!(isfinite(o->growth_factor) && o->growth_factor >= 1))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "loss scaling: growth_factor %g must be >= 1", o->growth_factor);
+    if (!(isfinite(o->backoff_factor) && o->backoff_factor > 0 && o->backoff_factor < 1))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "loss scaling: backoff_factor %g must be in (0, 1)",
+                         o->backoff_factor);
+    if (o->growth_interval < 1)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "loss scaling: growth_interval %lld must be >= 1",
+                         (long long)o->growth_interval);
+    memset(&fm->scaler, 0, sizeof fm->scaler);
+    fm->scaler.opts = *o;
+    fm->scaler.scale = o->init_scale;
+    return FSDP_OK;
+}
+
+double fsdp_model_loss_scale(const struct fsdp_model *fm) { return fsdp__scaler_scale(fm); }
+
+int64_t fsdp_model_skipped_steps(const struct fsdp_model *fm) { return fm->scaler.skipped; }
+
+float fsdp__scaler_scale(const struct fsdp_model *fm) {
+    return fm->scaler.opts.enabled ? (float)fm->scaler.scale : 1.0f;
+}
+
+void fsdp__scaler_inject(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
+    const struct fsdp__scaler *sc = &fm->scaler;
+    if (sc->scale == 0 || sc->opts.inject_step < 0 || sc->calls != sc->opts.inject_step) return;
+    if (ctx->rank != sc->opts.inject_rank) return;
+    for (int i = 0; i < fm->n_units; i++)
+        if (fm->units[i].numel_shard > 0) {
+            fm->units[i].grad_shard[0] = INFINITY;
+            return;
+        }
+}
+
+int fsdp__scaler_update(struct fsdp_model *fm, double loss, double *gnorm, float *unscale) {
+    struct fsdp__scaler *sc = &fm->scaler;
+    sc->calls++;
+    *unscale = 1.0f;
+    if (!sc->opts.enabled) return 0;
+    if (!isfinite(loss) || !isfinite(*gnorm)) {
+        sc->skipped++;
+        sc->clean = 0;
+        sc->scale *= sc->opts.backoff_factor;
+        return 1;
+    }
+    *gnorm /= sc->scale;
+    *unscale = (float)(1.0 / sc->scale);
+    if (++sc->clean >= sc->opts.growth_interval) {
+        sc->scale *= sc->opts.growth_factor;
+        sc->clean = 0;
+    }
+    return 0;
+}
+
+const char *fsdp__mp_name(enum fsdp_mixed_precision mp) { return mp_name(mp); }

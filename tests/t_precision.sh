@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# t_precision.sh - fsdp-train's mixed precision flags end to end: AMP_BF16
+# at 2 ranks against its own 1-rank run (1e-3 relative loss), the verbose
+# plan's per-unit precision, AMP_FP16 with an overflow injected on one rank
+# (FSDP_INJECT_OVERFLOW_STEP/RANK): that step skipped on every rank, the
+# scale halved, the skip in the log and the summary; usage errors naming the
+# flag. Prints "N passed, N failed" at the end.
+. "$(dirname "$0")/lib.sh"
+
+common=(--model tiny --data synthetic --batch 12 --seq 32 --steps 6 --lr 3e-3 --warmup 2 --threads 1 --sample 0)
+
+# ---- AMP_BF16: 2 ranks reproduce the 1-rank bf16 run ----
+"$TRAIN" "${common[@]}" --precision AMP_BF16 --log "$tmp/b1.jsonl" > "$tmp/b1" 2>&1 || bad "AMP_BF16 1 rank" "$(tail -5 "$tmp/b1")"
+if timeout -k 5 300 "$TRAIN" "${common[@]}" --precision AMP_BF16 --nproc 2 --log "$tmp/b2.jsonl" > "$tmp/b2" 2>&1; then
+  if msg=$(python3 - "$tmp/b1.jsonl" "$tmp/b2.jsonl" <<'EOF'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b) == 6, f"{len(a)} vs {len(b)} steps"
+for x, y in zip(a, b):
+    assert x["precision"] == y["precision"] == "AMP_BF16", x["precision"]
+    if abs(x["loss"] - y["loss"]) > 1e-3 * abs(x["loss"]):
+        sys.exit(f"step {x['step']}: loss {x['loss']} vs {y['loss']}")
+EOF
+  ); then ok "AMP_BF16 at 2 ranks reproduces the 1-rank bf16 run"; else bad "AMP_BF16 2 ranks" "$msg"; fi
+else bad "AMP_BF16 2 ranks" "$(tail -5 "$tmp/b2")"; fi
+if grep -q "precision: AMP_BF16, mixed_precision DEFAULT: 3 of 3 units gather in 16 bits" "$tmp/b1" \
+   && grep -q "^precision: AMP_BF16 | 0 skipped steps" "$tmp/b1"; then ok "AMP_BF16 reported in the header and summary"
+else bad "AMP_BF16 report" "$(grep precision "$tmp/b1")"; fi
+
+# ---- the verbose plan names each unit's precision ----
+if "$TRAIN" "${common[@]}" --steps 1 --verbose --precision AMP_BF16 --mixed-precision PURE > "$tmp/v" 2>&1 \
+   && grep -q "unit 1 'transformer.h.0' (Block): .* precision PURE (param BF16, reduce BF16, compute BF16)" "$tmp/v"; then
+  ok "verbose plan prints each unit's precision"
+else bad "verbose plan precision" "$(grep "unit 1" "$tmp/v")"; fi
+
+# ---- AMP_FP16: an injected overflow on rank 1 skips step 3 on both ranks ----
+if FSDP_INJECT_OVERFLOW_STEP=2 FSDP_INJECT_OVERFLOW_RANK=1 timeout -k 5 300 "$TRAIN" "${common[@]}" --precision AMP_FP16 \
+     --loss-scale-init 1024 --nproc 2 --log "$tmp/h.jsonl" > "$tmp/h" 2>&1; then
+  if msg=$(python3 - "$tmp/h.jsonl" <<'EOF'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+skipped = [x["step"] for x in a if x["skipped"]]
+assert skipped == [3], f"skipped steps {skipped}"
+scales = [x["loss_scale"] for x in a]
+assert scales == [1024, 1024, 1024, 512, 512, 512], f"scales {scales}"
+assert a[2]["grad_norm"] is None and a[2]["param_norm"] == a[1]["param_norm"], a[2]
+assert a[-1]["skipped_total"] == 1
+EOF
+  ) && grep -q "SKIPPED (overflow" "$tmp/h" && grep -q "^precision: AMP_FP16 | 1 skipped steps | loss scale 512" "$tmp/h"; then
+    ok "AMP_FP16 injected overflow: step 3 skipped, scale 1024 -> 512, logged and summarised"
+  else bad "AMP_FP16 overflow" "$msg" "$(grep -E "SKIPPED|^precision" "$tmp/h")"; fi
+else bad "AMP_FP16 overflow run" "$(tail -5 "$tmp/h")"; fi
+
+# ---- usage errors name the flag ----
+check_usage() { # NAME EXPECTED FLAGS...
+  local name=$1 want=$2; shift 2
+  "$TRAIN" "$@" > "$tmp/u" 2>&1
+  local rc=$?
+  if [ $rc -eq 2 ] && grep -qF -- "$want" "$tmp/u"; then ok "$name"; else bad "$name" "exit $rc" "$(head -3 "$tmp/u")"; fi
+}
+check_usage "--precision bf16 is a usage error" "--precision: 'bf16' is not FP32, AMP_BF16 or AMP_FP16" --precision bf16
+check_usage "--mixed-precision HALF is a usage error" "--mixed-precision: 'HALF' is not FULL, DEFAULT or PURE" --mixed-precision HALF
+check_usage "--loss-scale-growth-interval 0 is a usage error" "--loss-scale-growth-interval: '0' is not an integer" --loss-scale-growth-interval 0
+finish

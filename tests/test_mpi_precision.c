@@ -1,0 +1,403 @@
+/*
+ * test_mpi_precision.c - mixed precision of the sharded model (src/fsdp/mixed.c),
+ * run by tests/run.sh at 1, 2, 3 and 4 ranks: bf16 training against the
+ * same configuration's 1-rank run (a world-of-one context in every process),
+ * fp16 dynamic loss scaling with an injected overflow, an fp32-override unit
+ * against the same unit of an all-fp32 model, and the all-gather and
+ * reduce-scatter byte counters.
+ */
+#include "fsdp.h"
+#include "harness.h"
+
+#include <math.h>
+#include <mpi.h>
+#include <string.h>
+
+#include "mpi_harness.h"
+
+static struct fsdp_gpt_config tiny_cfg(void) {
+    struct fsdp_gpt_config c;
+    fsdp_gpt_config_preset("tiny", &c);
+    return c;
+}
+
+/* A world of one in this process (no MPI): the 1-rank reference run. */
+static struct fsdp_ctx *self_ctx(void) {
+    struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+    co.threads = 1;
+    co.comm = FSDP_COMM_SELF;
+    struct fsdp_ctx *c = NULL;
+    if (fsdp_ctx_create(&co, &c) != FSDP_OK) abort();
+    return c;
+}
+
+struct run {
+    struct fsdp_module *g;
+    struct fsdp_optim *opt;
+    struct fsdp_model *fm;
+};
+
+static enum fsdp_status run_create(struct fsdp_ctx *c, enum fsdp_dtype prec, enum fsdp_mixed_precision mp,
+                                   const struct fsdp_wrap_policy *wp, struct run *r) {
+    struct fsdp_gpt_config cfg = tiny_cfg();
+    memset(r, 0, sizeof *r);
+    if (fsdp_gpt_create(c, &cfg, &r->g) != FSDP_OK) abort();
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    if (fsdp_optim_create(c, &oo, &r->opt) != FSDP_OK) abort();
+    struct fsdp_parallel_config pc = fsdp_parallel_config_default();
+    pc.seed = 5;
+    pc.mixed_precision = mp;
+    return fsdp_parallelize_model(c, r->g, &pc, r->opt, prec, wp, NULL, NULL, &r->fm);
+}
+
+static void run_free(struct run *r) {
+    fsdp_model_free(r->fm);
+    fsdp_optim_free(r->opt);
+    fsdp_module_free(r->g);
+}
+
+enum { B = 12, T = 16 };
+
+/* Trains `steps` steps of global batch (B, T) on context c; losses[s] etc. */
+static enum fsdp_status train(struct fsdp_ctx *c, struct run *r, const struct fsdp_data *data, int steps,
+                              struct fsdp_step_result *res) {
+    int world = fsdp_ctx_world(c), rank = fsdp_ctx_rank(c);
+    int32_t in[B * T], tg[B * T];
+    for (int s = 0; s < steps; s++) {
+        fsdp_data_batch(data, s, B, T, rank, world, in, tg);
+        enum fsdp_status st = fsdp_model_train_step(c, r->fm, in, tg, B / world, T, 1e-3f, 1.0f, &res[s]);
+        if (st != FSDP_OK) return st;
+    }
+    return FSDP_OK;
+}
+
+/* bf16 training at N ranks reproduces the 1-rank run of the same
+ * configuration within 1e-3 relative loss over 20 steps, for DEFAULT (bf16
+ * gather, fp32 reduce) and PURE (bf16 reduce too). */
+static void check_bf16_vs_one_rank(enum fsdp_mixed_precision mp) {
+    struct fsdp_ctx *c = get_ctx(), *one = self_ctx();
+    struct fsdp_data *data;
+    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
+    enum { STEPS = 20 };
+    struct fsdp_step_result got[STEPS], want[STEPS];
+    struct run rn, r1;
+    ASSERT_OK(run_create(c, FSDP_BF16, mp, NULL, &rn), c);
+    ASSERT_OK(run_create(one, FSDP_BF16, mp, NULL, &r1), one);
+    CHECK_OK(train(c, &rn, data, STEPS, got), c);
+    CHECK_OK(train(one, &r1, data, STEPS, want), one);
+    double worst = 0;
+    for (int s = 0; s < STEPS; s++) {
+        CHECK(isfinite(got[s].loss) && isfinite(got[s].grad_norm));
+        CHECK_INT_EQ(got[s].skipped, 0);
+        worst = fmax(worst, fabs(got[s].loss - want[s].loss) / fabs(want[s].loss));
+    }
+    if (worst > 1e-3) TEST_FAILF("bf16 loss differs from the 1-rank run by %g relative", worst);
+    CHECK(got[STEPS - 1].loss < got[0].loss - 0.1); /* it trains */
+    run_free(&rn);
+    run_free(&r1);
+    fsdp_data_free(data);
+    fsdp_ctx_free(one);
+}
+
+TEST(bf16_default_matches_one_rank_run) { check_bf16_vs_one_rank(FSDP_MP_DEFAULT); }
+TEST(bf16_pure_matches_one_rank_run) { check_bf16_vs_one_rank(FSDP_MP_PURE); }
+
+/* bf16 stays close to fp32 (the loss over 10 steps within 2%), as a sanity
+ * check that the low-precision path computes the same model. */
+TEST(bf16_close_to_fp32) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_data *data;
+    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
+    struct fsdp_step_result lp[10], fp[10];
+    struct run a, b;
+    ASSERT_OK(run_create(c, FSDP_BF16, FSDP_MP_PURE, NULL, &a), c);
+    ASSERT_OK(run_create(c, FSDP_F32, FSDP_MP_FULL, NULL, &b), c);
+    CHECK_OK(train(c, &a, data, 10, lp), c);
+    CHECK_OK(train(c, &b, data, 10, fp), c);
+    for (int s = 0; s < 10; s++) CHECK_NEAR(lp[s].loss, fp[s].loss, 2e-2, 0);
+    CHECK(lp[9].loss != fp[9].loss); /* bf16 really ran */
+    run_free(&a);
+    run_free(&b);
+    fsdp_data_free(data);
+}
+
+/* fp16 with dynamic loss scaling: an overflow injected on the last rank at
+ * step 4 skips exactly that step on every rank (no update: same parameter
+ * norm, one optimizer step fewer) and halves the scale; the scale grows
+ * after growth_interval clean steps. */
+TEST(fp16_injected_overflow_skips_that_step) {
+    struct fsdp_ctx *c = get_ctx();
+    int world = fsdp_ctx_world(c);
+    struct fsdp_data *data;
+    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
+    struct run r;
+    ASSERT_OK(run_create(c, FSDP_F16, FSDP_MP_DEFAULT, NULL, &r), c);
+    CHECK(fsdp_model_loss_scale(r.fm) == 65536.0); /* on by default for F16 */
+    struct fsdp_loss_scale_opts lo = fsdp_loss_scale_opts_default();
+    lo.enabled = 1;
+    lo.init_scale = 1024;
+    lo.growth_interval = 3;
+    lo.inject_step = 4;
+    lo.inject_rank = world - 1;
+    ASSERT_OK(fsdp_model_set_loss_scale(c, r.fm, &lo), c);
+    enum { STEPS = 8 };
+    struct fsdp_step_result res[STEPS];
+    ASSERT_OK(train(c, &r, data, STEPS, res), c);
+    /* scale used per step: 3 clean at 1024 -> 2048; step 4 overflows -> 1024; 3 clean -> 2048 */
+    const double want_scale[STEPS] = {1024, 1024, 1024, 2048, 2048, 1024, 1024, 1024};
+    for (int s = 0; s < STEPS; s++) {
+        CHECK_INT_EQ(res[s].skipped, s == 4);
+        if (res[s].loss_scale != want_scale[s])
+            TEST_FAILF("step %d: loss scale %g, want %g", s, res[s].loss_scale, want_scale[s]);
+        CHECK(isfinite(res[s].loss));
+        if (s != 4) CHECK(isfinite(res[s].grad_norm));
+    }
+    CHECK(res[4].param_norm == res[3].param_norm); /* nothing was updated */
+    CHECK(res[5].param_norm != res[4].param_norm);
+    CHECK(fsdp_model_loss_scale(r.fm) == 2048.0);
+    CHECK_INT_EQ(fsdp_model_skipped_steps(r.fm), 1);
+    CHECK_INT_EQ(fsdp_optim_step_count(r.opt), STEPS - 1);
+    /* every rank agrees on the skip (the harness combines, but say it outright) */
+    int skipped = res[4].skipped, all = 0;
+    MPI_Allreduce(&skipped, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    CHECK_INT_EQ(all, 1);
+    run_free(&r);
+    fsdp_data_free(data);
+}
+
+/* fp16 with the default scale (65536) and an fp32 reduce trains without
+ * skips and stays close to fp32. (With PURE, the fp16 reduce of 65536-scaled
+ * gradients summed over 3+ ranks overflows at the first step, which the
+ * scaler then skips, as torch's GradScaler would.) */
+TEST(fp16_trains_close_to_fp32) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_data *data;
+    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
+    struct fsdp_step_result h[6], f[6];
+    struct run a, b;
+    ASSERT_OK(run_create(c, FSDP_F16, FSDP_MP_DEFAULT, NULL, &a), c);
+    ASSERT_OK(run_create(c, FSDP_F32, FSDP_MP_FULL, NULL, &b), c);
+    CHECK_OK(train(c, &a, data, 6, h), c);
+    CHECK_OK(train(c, &b, data, 6, f), c);
+    for (int s = 0; s < 6; s++) {
+        CHECK_INT_EQ(h[s].skipped, 0);
+        CHECK_NEAR(h[s].loss, f[s].loss, 1e-2, 0);
+        CHECK_NEAR(h[s].grad_norm, f[s].grad_norm, 5e-2, 0); /* unscaled */
+    }
+    run_free(&a);
+    run_free(&b);
+    fsdp_data_free(data);
+}
+
+/* No NaN passes: without loss scaling (bf16), an overflow is an error on
+ * every rank naming the unit, and the parameters are not updated. */
+TEST(bf16_overflow_is_an_error_without_scaling) {
+    struct fsdp_ctx *c = get_ctx();
+    int world = fsdp_ctx_world(c);
+    struct fsdp_data *data;
+    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
+    struct run r;
+    ASSERT_OK(run_create(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, &r), c);
+    struct fsdp_loss_scale_opts lo = fsdp_loss_scale_opts_default();
+    lo.enabled = 0;
+    lo.inject_step = 1;
+    lo.inject_rank = world - 1;
+    ASSERT_OK(fsdp_model_set_loss_scale(c, r.fm, &lo), c);
+    struct fsdp_step_result res[2];
+    CHECK_INT_EQ(train(c, &r, data, 2, res), FSDP_ERR_NUMERIC);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "non-finite gradient");
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "first non-finite gradient in unit");
+    CHECK_INT_EQ(fsdp_optim_step_count(r.opt), 1);
+    run_free(&r);
+    fsdp_data_free(data);
+}
+
+/* ---- The fp32-override unit ---- */
+
+static enum fsdp_wrap wrap_h1_fp32(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr) {
+    (void)ud;
+    if (strcmp(m->ops->type, "Block")) return FSDP_WRAP_SKIP;
+    if (!strcmp(m->fqn, "transformer.h.1")) {
+        ovr->set = FSDP_OVR_MIXED_PRECISION;
+        ovr->mixed_precision = FSDP_MP_FULL;
+        return FSDP_WRAP_UNIT_OVERRIDE;
+    }
+    return FSDP_WRAP_UNIT;
+}
+
+static struct fsdp_module *find_module(struct fsdp_module *m, const char *fqn) {
+    if (!strcmp(m->fqn, fqn)) return m;
+    for (int i = 0; i < m->n_children; i++) {
+        struct fsdp_module *x = find_module(m->children[i], fqn);
+        if (x) return x;
+    }
+    return NULL;
+}
+
+/* Runs block `fqn` of r's model forward and backward directly (its unit's
+ * hooks gather and reduce-scatter) on x and dy; copies y, dx and the
+ * block's reduced gradients out (caller frees). */
+static void run_block(struct fsdp_ctx *c, struct run *r, const char *fqn, const float *x, const float *dy,
+                      int64_t n, float **y, float **dx, float **grads, int64_t *n_grads) {
+    struct fsdp_module *blk = find_module(r->g, fqn);
+    if (!blk) abort();
+    int64_t C = tiny_cfg().n_embd;
+    struct fsdp_tensor tx = {0}, ty = {0}, tdy = {0}, tdx = {0};
+    fsdp_arena_reset(c);
+    tx.dtype = tdy.dtype = FSDP_F32;
+    tx.ndim = tdy.ndim = 3;
+    tx.shape[0] = tdy.shape[0] = 2;
+    tx.shape[1] = tdy.shape[1] = n / (2 * C);
+    tx.shape[2] = tdy.shape[2] = C;
+    tx.data = fsdp_arena_alloc(c, (size_t)n * sizeof(float));
+    tdy.data = fsdp_arena_alloc(c, (size_t)n * sizeof(float));
+    memcpy(tx.data, x, (size_t)n * sizeof(float));
+    memcpy(tdy.data, dy, (size_t)n * sizeof(float));
+    if (fsdp_module_forward(blk, c, &tx, &ty) != FSDP_OK) abort();
+    if (fsdp_module_backward(blk, c, &tdy, &tdx) != FSDP_OK) abort();
+    *y = malloc((size_t)n * sizeof(float));
+    *dx = malloc((size_t)n * sizeof(float));
+    memcpy(*y, ty.data, (size_t)n * sizeof(float));
+    memcpy(*dx, tdx.data, (size_t)n * sizeof(float));
+    int ui = -1;
+    for (int i = 0; i < fsdp_model_n_units(r->fm); i++) {
+        struct fsdp_unit_info info;
+        fsdp_model_unit_info(r->fm, i, &info);
+        if (!strcmp(info.fqn, fqn)) ui = i;
+    }
+    struct fsdp_unit_info info;
+    fsdp_model_unit_info(r->fm, ui, &info);
+    *n_grads = info.numel_full;
+    *grads = malloc((size_t)info.numel_full * sizeof(float));
+    int64_t off = 0;
+    for (int j = 0; j < info.n_params; j++) {
+        struct fsdp_param *p = fsdp_module_find_param(r->g, info.param_fqns[j]);
+        if (fsdp_model_get_grad(c, r->fm, info.param_fqns[j], *grads + off) != FSDP_OK) abort();
+        off += p->numel;
+    }
+}
+
+/* A unit overridden to FULL inside a bf16 model stays fp32 (gather, compute,
+ * reduce): given the same input and output gradient, its output, input
+ * gradient and reduced parameter gradients equal, bit for bit, those of the
+ * same unit in an all-fp32 model; a bf16 unit of the same model does not. */
+TEST(fp32_override_unit_bit_identical_to_fp32_run) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_wrap_policy wp = {wrap_h1_fp32, NULL};
+    struct run mixed, full;
+    ASSERT_OK(run_create(c, FSDP_BF16, FSDP_MP_DEFAULT, &wp, &mixed), c);
+    ASSERT_OK(run_create(c, FSDP_F32, FSDP_MP_FULL, &wp, &full), c);
+    struct fsdp_unit_precision up;
+    fsdp_model_unit_precision(mixed.fm, 2, &up); /* transformer.h.1 */
+    CHECK(up.param_dtype == FSDP_F32 && up.reduce_dtype == FSDP_F32 && up.compute_dtype == FSDP_F32);
+    CHECK(up.mixed_precision == FSDP_MP_FULL);
+    fsdp_model_unit_precision(mixed.fm, 1, &up); /* transformer.h.0 */
+    CHECK(up.param_dtype == FSDP_BF16 && up.reduce_dtype == FSDP_F32 && up.compute_dtype == FSDP_BF16);
+    char plan[4096];
+    fsdp_model_plan(mixed.fm, plan, sizeof plan);
+    CHECK_STR_CONTAINS(plan, "'transformer.h.1' (Block): ");
+    CHECK_STR_CONTAINS(plan, "precision FULL (param F32, reduce F32, compute F32) (overridden)");
+    CHECK_STR_CONTAINS(plan, "precision DEFAULT (param BF16, reduce F32, compute BF16), ");
+    int64_t C = tiny_cfg().n_embd, n = 2 * 8 * C;
+    float *x = malloc((size_t)n * sizeof(float)), *dy = malloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = (float)sin(0.37 * (double)i + 0.1);
+        dy[i] = (float)cos(0.11 * (double)i) * 1e-2f;
+    }
+    const char *names[2] = {"transformer.h.1", "transformer.h.0"};
+    for (int k = 0; k < 2; k++) {
+        float *y1, *dx1, *g1, *y2, *dx2, *g2;
+        int64_t ng1, ng2;
+        run_block(c, &mixed, names[k], x, dy, n, &y1, &dx1, &g1, &ng1);
+        run_block(c, &full, names[k], x, dy, n, &y2, &dx2, &g2, &ng2);
+        ASSERT_INT_EQ(ng1, ng2);
+        int same = !memcmp(y1, y2, (size_t)n * 4) && !memcmp(dx1, dx2, (size_t)n * 4) &&
+                   !memcmp(g1, g2, (size_t)ng1 * 4);
+        if (k == 0 && !same) TEST_FAILF("the fp32-override unit differs from the all-fp32 run");
+        if (k == 1 && same) TEST_FAILF("the bf16 unit equals the all-fp32 run: bf16 did not run");
+        free(y1), free(dx1), free(g1), free(y2), free(dx2), free(g2);
+    }
+    free(x);
+    free(dy);
+    run_free(&mixed);
+    run_free(&full);
+}
+
+/* ---- Bytes on the wire ---- */
+
+static void comm_bytes(struct fsdp_ctx *c, uint64_t *ag, uint64_t *rs) {
+    struct fsdp_comm_stats st;
+    fsdp_comm_stats_get(fsdp_ctx_comm(c), &st);
+    *ag = st.bytes[FSDP_COLL_ALLGATHER];
+    *rs = st.bytes[FSDP_COLL_REDUCE_SCATTER];
+}
+
+/* A forward all-gathers every unit once: 4 bytes per shard element in fp32,
+ * exactly 2 for bf16 units; PURE reduce-scatters half the bytes of DEFAULT. */
+TEST(allgather_bytes_halve_for_bf16_units) {
+    struct fsdp_ctx *c = get_ctx();
+    int world = fsdp_ctx_world(c), rank = fsdp_ctx_rank(c);
+    struct fsdp_data *data;
+    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
+    int32_t in[B * T], tg[B * T];
+    fsdp_data_batch(data, 0, B, T, rank, world, in, tg);
+    const enum fsdp_dtype prec[3] = {FSDP_F32, FSDP_BF16, FSDP_BF16};
+    const enum fsdp_mixed_precision mp[3] = {FSDP_MP_FULL, FSDP_MP_DEFAULT, FSDP_MP_PURE};
+    uint64_t fwd[3], rs[3];
+    int64_t shard_elems = 0;
+    for (int k = 0; k < 3; k++) {
+        struct run r;
+        ASSERT_OK(run_create(c, prec[k], mp[k], NULL, &r), c);
+        if (k == 0)
+            for (int i = 0; i < fsdp_model_n_units(r.fm); i++) {
+                struct fsdp_unit_info info;
+                fsdp_model_unit_info(r.fm, i, &info);
+                shard_elems += info.numel_shard;
+            }
+        uint64_t a0, r0, a1, r1, a2, r2;
+        comm_bytes(c, &a0, &r0);
+        float *logits;
+        ASSERT_OK(fsdp_model_forward(c, r.fm, in, B / world, T, &logits), c);
+        comm_bytes(c, &a1, &r1);
+        struct fsdp_step_result res;
+        ASSERT_OK(fsdp_model_train_step(c, r.fm, in, tg, B / world, T, 1e-3f, 1.0f, &res), c);
+        comm_bytes(c, &a2, &r2);
+        fwd[k] = a1 - a0;
+        rs[k] = r2 - r1;
+        run_free(&r);
+    }
+    if (world == 1) {
+        CHECK_INT_EQ(fwd[0], 0);
+        CHECK_INT_EQ(fwd[1], 0);
+    } else {
+        CHECK_INT_EQ(fwd[0], 4 * shard_elems);
+        CHECK_INT_EQ(fwd[1], 2 * shard_elems);
+        CHECK_INT_EQ(fwd[2], 2 * shard_elems);
+        CHECK(rs[0] > 0);
+        CHECK_INT_EQ(rs[1], rs[0]); /* DEFAULT reduces in fp32 */
+        CHECK_INT_EQ(2 * rs[2], rs[0]);
+    }
+    fsdp_data_free(data);
+}
+
+TEST(precision_names_and_errors) {
+    struct fsdp_ctx *c = get_ctx();
+    enum fsdp_dtype dt;
+    CHECK_OK(fsdp_precision_parse(c, "FP32", &dt), c);
+    CHECK(dt == FSDP_F32);
+    CHECK_OK(fsdp_precision_parse(c, "amp_bf16", &dt), c);
+    CHECK(dt == FSDP_BF16);
+    CHECK_OK(fsdp_precision_parse(c, "AMP_FP16", &dt), c);
+    CHECK(dt == FSDP_F16);
+    CHECK_INT_EQ(fsdp_precision_parse(c, "bf16", &dt), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "precision 'bf16' is not one of FP32, AMP_BF16, AMP_FP16");
+    struct run r;
+    ASSERT_OK(run_create(c, FSDP_F16, FSDP_MP_DEFAULT, NULL, &r), c);
+    struct fsdp_loss_scale_opts lo = fsdp_loss_scale_opts_default();
+    lo.backoff_factor = 1.5;
+    CHECK_INT_EQ(fsdp_model_set_loss_scale(c, r.fm, &lo), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "backoff_factor 1.5");
+    run_free(&r);
+}
+
+TEST_MAIN()
