@@ -1,0 +1,520 @@
+/*
+ * test_mpi_strategy.c - sharding strategies, gradient accumulation and
+ * prefetch, run by tests/run.sh at 1, 2, 3 and 4 ranks. The oracle is the
+ * unsharded 1-rank computation (a plain training loop over a materialized
+ * model on the full global batch, in every rank's own process); gradient
+ * accumulation is checked against one step on the K-times batch.
+ */
+#include "fsdp.h"
+#include "harness.h"
+
+#include <mpi.h>
+
+#include "mpi_harness.h"
+
+static struct fsdp_gpt_config tiny_cfg(void) {
+    struct fsdp_gpt_config c;
+    fsdp_gpt_config_preset("tiny", &c);
+    return c;
+}
+
+/* ---- unsharded reference (as test_mpi_fsdp.c) ---- */
+
+struct ref {
+    struct fsdp_module *gpt;
+    int n;
+    struct fsdp_param **p;
+    float **state;
+    struct fsdp_optim *opt;
+};
+
+static int collect(struct fsdp_param *p, void *ud) {
+    struct ref *r = ud;
+    r->p = realloc(r->p, (size_t)(r->n + 1) * sizeof *r->p);
+    r->p[r->n++] = p;
+    return 0;
+}
+
+static void ref_init(struct ref *r, struct fsdp_ctx *c, const struct fsdp_gpt_config *cfg, uint64_t seed,
+                     const struct fsdp_optim_opts *oo) {
+    memset(r, 0, sizeof *r);
+    if (fsdp_gpt_create(c, cfg, &r->gpt) != FSDP_OK) abort();
+    fsdp_module_finalize(c, r->gpt);
+    if (fsdp_module_materialize(c, r->gpt, seed) != FSDP_OK) abort();
+    fsdp_module_foreach_param(r->gpt, collect, r);
+    fsdp_optim_create(c, oo, &r->opt);
+    int k = fsdp_optim_state_per_elem(r->opt);
+    r->state = calloc((size_t)r->n, sizeof *r->state);
+    for (int i = 0; i < r->n; i++)
+        r->state[i] = calloc((size_t)(k ? k : 1) * (size_t)r->p[i]->numel, sizeof(float));
+}
+
+static void ref_free(struct ref *r) {
+    for (int i = 0; i < r->n; i++) free(r->state[i]);
+    free(r->state);
+    free(r->p);
+    fsdp_optim_free(r->opt);
+    fsdp_module_free(r->gpt);
+}
+
+static void ref_step(struct ref *r, struct fsdp_ctx *c, const int32_t *in, const int32_t *tg, int B, int T,
+                     float lr, float clip, double out[3]) {
+    fsdp_arena_reset(c);
+    fsdp_module_zero_grad(c, r->gpt);
+    struct fsdp_tensor tok = {(void *)in, FSDP_I32, 2, {B, T}}, logits = {0};
+    if (fsdp_module_forward(r->gpt, c, &tok, &logits) != FSDP_OK) abort();
+    int64_t V = logits.shape[2];
+    float loss;
+    fsdp_cross_entropy(c, logits.data, tg, (int64_t)B * T, V, 1.0f, &loss, logits.data);
+    if (fsdp_module_backward(r->gpt, c, &logits, NULL) != FSDP_OK) abort();
+    double ss = 0;
+    for (int i = 0; i < r->n; i++)
+        for (int64_t j = 0; j < r->p[i]->numel; j++) ss += (double)r->p[i]->grad[j] * r->p[i]->grad[j];
+    double gn = sqrt(ss);
+    struct fsdp_optim_slice *sl = calloc(r->n > 0 ? (size_t)r->n : 1u, sizeof *sl);
+    for (int i = 0; i < r->n; i++)
+        sl[i] = (struct fsdp_optim_slice){r->p[i]->data, r->p[i]->grad, r->state[i], r->p[i]->numel,
+                                          r->p[i]->numel, !r->p[i]->no_decay};
+    fsdp_optim_step(r->opt, sl, r->n, lr, fsdp_clip_scale(gn, clip));
+    free(sl);
+    double ps = 0;
+    for (int i = 0; i < r->n; i++)
+        for (int64_t j = 0; j < r->p[i]->numel; j++) ps += (double)r->p[i]->data[j] * r->p[i]->data[j];
+    out[0] = loss;
+    out[1] = gn;
+    out[2] = sqrt(ps);
+}
+
+/* ---- helpers ---- */
+
+struct run {
+    struct fsdp_module *g;
+    struct fsdp_model *fm;
+    struct fsdp_optim *opt;
+};
+
+static enum fsdp_status run_open(struct fsdp_ctx *c, const struct fsdp_shard_opts *so, uint64_t seed,
+                                 const struct fsdp_optim_opts *oo, struct run *r) {
+    struct fsdp_gpt_config cfg = tiny_cfg();
+    memset(r, 0, sizeof *r);
+    if (fsdp_gpt_create(c, &cfg, &r->g) != FSDP_OK) abort();
+    enum fsdp_status st = fsdp_fully_shard(c, r->g, so, &r->fm);
+    if (st != FSDP_OK) return st;
+    st = fsdp_model_init_params(c, r->fm, seed);
+    if (st == FSDP_OK) st = fsdp_optim_create(c, oo, &r->opt);
+    if (st == FSDP_OK) st = fsdp_model_attach_optim(c, r->fm, r->opt);
+    return st;
+}
+
+static void run_close(struct run *r) {
+    fsdp_model_free(r->fm);
+    fsdp_optim_free(r->opt);
+    fsdp_module_free(r->g);
+}
+
+/* Trains `steps` steps of a global batch of 12 x 32 with the given options
+ * and compares loss, grad norm, param norm and the final parameters with the
+ * unsharded reference (1e-5). */
+static void check_strategy(struct fsdp_ctx *c, const struct fsdp_shard_opts *so, int steps) {
+    int rank = fsdp_comm_rank(fsdp_ctx_comm(c)), world = fsdp_comm_size(fsdp_ctx_comm(c));
+    struct fsdp_gpt_config cfg = tiny_cfg();
+    struct fsdp_data *data;
+    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
+    /* SGD with momentum: linear in the gradients, so the parameters can be
+     * compared element by element (AdamW divides tiny rounding differences
+     * of near-zero gradients by their own tiny magnitude) */
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    oo.kind = FSDP_OPTIM_SGD;
+    oo.momentum = 0.9f;
+    struct ref r;
+    ref_init(&r, c, &cfg, 5, &oo);
+    struct run x;
+    ASSERT_OK(run_open(c, so, 5, &oo, &x), c);
+    const int B = 12, T = 32;
+    int32_t *gin = malloc(B * T * sizeof(int32_t)), *gtg = malloc(B * T * sizeof(int32_t));
+    int32_t *lin = malloc(B * T * sizeof(int32_t)), *ltg = malloc(B * T * sizeof(int32_t));
+    for (int s = 0; s < steps; s++) {
+        float lr = 0.05f;
+        fsdp_data_batch(data, s, B, T, 0, 1, gin, gtg);
+        fsdp_data_batch(data, s, B, T, rank, world, lin, ltg);
+        double want[3];
+        ref_step(&r, c, gin, gtg, B, T, lr, 0.5f, want);
+        struct fsdp_step_result got;
+        ASSERT_OK(fsdp_model_train_step(c, x.fm, lin, ltg, B / world, T, lr, 0.5f, &got), c);
+        CHECK_NEAR(got.loss, want[0], 1e-5, 0);
+        CHECK_NEAR(got.grad_norm, want[1], 1e-5, 0);
+        CHECK_NEAR(got.param_norm, want[2], 1e-5, 0);
+        CHECK(got.comm_wait_s >= 0);
+    }
+    /* every parameter, element by element */
+    for (int i = 0; i < r.n; i++) {
+        float *buf = malloc((size_t)r.p[i]->numel * sizeof(float));
+        CHECK_OK(fsdp_model_get_param(c, x.fm, r.p[i]->fqn, buf), c);
+        double md = 0, mx = 0;
+        for (int64_t j = 0; j < r.p[i]->numel; j++) {
+            md = fmax(md, fabs((double)buf[j] - r.p[i]->data[j]));
+            mx = fmax(mx, fabs((double)r.p[i]->data[j]));
+        }
+        if (md > 1e-5 * mx + 1e-7) TEST_FAILF("%s differs: max diff %g (max %g)", r.p[i]->fqn, md, mx);
+        free(buf);
+    }
+    free(gin); free(gtg); free(lin); free(ltg);
+    run_close(&x);
+    ref_free(&r);
+    fsdp_data_free(data);
+}
+
+static struct fsdp_shard_opts opts_of(enum fsdp_sharding s, int k) {
+    struct fsdp_shard_opts so = fsdp_shard_opts_default();
+    so.sharding = s;
+    so.shard_group = k;
+    return so;
+}
+
+/* ---- strategies ---- */
+
+TEST(full_shard_matches_unsharded) {
+    struct fsdp_shard_opts so = opts_of(FSDP_FULL_SHARD, 0);
+    check_strategy(get_ctx(), &so, 3);
+}
+
+TEST(shard_grad_op_matches_unsharded) {
+    struct fsdp_shard_opts so = opts_of(FSDP_SHARD_GRAD_OP, 0);
+    check_strategy(get_ctx(), &so, 3);
+}
+
+TEST(no_shard_matches_unsharded) {
+    struct fsdp_shard_opts so = opts_of(FSDP_NO_SHARD, 0);
+    check_strategy(get_ctx(), &so, 3);
+}
+
+/* Hybrid with a shard group of 2 (the 4-rank case: 2 replicas x 2 shards),
+ * and of 1 (pure replication through the hybrid path) where 2 does not
+ * divide the world. */
+TEST(hybrid_shard_group_matches_unsharded) {
+    struct fsdp_ctx *c = get_ctx();
+    int world = fsdp_comm_size(fsdp_ctx_comm(c));
+    struct fsdp_shard_opts so = opts_of(FSDP_HYBRID_SHARD, world % 2 == 0 ? 2 : 1);
+    check_strategy(c, &so, 3);
+}
+
+/* Hybrid with the default group (the ranks of this host: all of them). */
+TEST(hybrid_default_group_is_the_host) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_shard_opts so = opts_of(FSDP_HYBRID_SHARD, 0);
+    struct run x;
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    ASSERT_OK(run_open(c, &so, 5, &oo, &x), c);
+    char buf[4096];
+    fsdp_model_plan(x.fm, buf, sizeof buf);
+    char want[96];
+    snprintf(want, sizeof want, "sharding: HYBRID_SHARD, mesh {1 replicas, %d shards}",
+             fsdp_comm_size(fsdp_ctx_comm(c)));
+    CHECK_STR_CONTAINS(buf, want);
+    run_close(&x);
+}
+
+/* The split on the shared-memory backend: a second context over shm, hybrid
+ * with a group of 2 where the world allows. */
+TEST(hybrid_on_shm_matches_unsharded) {
+    int world = fsdp_comm_size(fsdp_ctx_comm(get_ctx()));
+    if (world < 2) SKIP("needs 2+ ranks");
+    struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+    co.threads = 1;
+    co.comm = FSDP_COMM_SHM;
+    struct fsdp_ctx *c;
+    ASSERT_OK(fsdp_ctx_create(&co, &c), ctx);
+    CHECK_STR_EQ(fsdp_comm_backend(fsdp_ctx_comm(c)), "shm");
+    struct fsdp_shard_opts so = opts_of(FSDP_HYBRID_SHARD, world % 2 == 0 ? 2 : 1);
+    check_strategy(c, &so, 2);
+    fsdp_ctx_free(c);
+}
+
+TEST(comm_split_groups) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_comm *w = fsdp_ctx_comm(c), *s;
+    int rank = fsdp_comm_rank(w), world = fsdp_comm_size(w);
+    ASSERT_OK(fsdp_comm_split(w, rank % 2, -rank, &s), c); /* key reverses the order */
+    int n = (world - rank % 2 + 1) / 2;
+    CHECK_INT_EQ(fsdp_comm_size(s), n);
+    CHECK_INT_EQ(fsdp_comm_rank(s), n - 1 - rank / 2);
+    int32_t one = rank, sum = 0;
+    CHECK_OK(fsdp_comm_allreduce(s, &one, &sum, 1, FSDP_I32, FSDP_SUM), c);
+    int want = 0;
+    for (int r = rank % 2; r < world; r += 2) want += r;
+    CHECK_INT_EQ(sum, want);
+    fsdp_comm_free(s);
+}
+
+/* Composer's 2-D mesh {replicas, shard group} is HYBRID_SHARD; the plan says so. */
+TEST(parallelize_2d_mesh_is_hybrid) {
+    struct fsdp_ctx *c = get_ctx();
+    int world = fsdp_comm_size(fsdp_ctx_comm(c)), k = world % 2 == 0 ? 2 : 1;
+    struct fsdp_gpt_config cfg = tiny_cfg();
+    struct fsdp_module *g;
+    ASSERT_OK(fsdp_gpt_create(c, &cfg, &g), c);
+    struct fsdp_parallel_config pc = fsdp_parallel_config_default();
+    pc.mesh[0] = world / k;
+    pc.mesh[1] = k;
+    struct fsdp_model *fm;
+    ASSERT_OK(fsdp_parallelize_model(c, g, &pc, NULL, FSDP_F32, NULL, NULL, NULL, &fm), c);
+    char buf[4096], want[96];
+    fsdp_model_plan(fm, buf, sizeof buf);
+    snprintf(want, sizeof want, "sharding: HYBRID_SHARD, mesh {%d replicas, %d shards}", world / k, k);
+    CHECK_STR_CONTAINS(buf, want);
+    fsdp_model_free(fm);
+    fsdp_module_free(g);
+    pc = fsdp_parallel_config_default();
+    pc.sharding = FSDP_NO_SHARD;
+    pc.mesh[0] = world / k;
+    pc.mesh[1] = k;
+    ASSERT_OK(fsdp_gpt_create(c, &cfg, &g), c);
+    CHECK(fsdp_parallelize_model(c, g, &pc, NULL, FSDP_F32, NULL, NULL, NULL, &fm) == FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "2-D mesh means HYBRID_SHARD, but sharding is NO_SHARD");
+    fsdp_module_free(g);
+}
+
+/* ---- errors name the flag ---- */
+
+TEST(strategy_errors_name_the_flag) {
+    struct fsdp_ctx *c = get_ctx();
+    int world = fsdp_comm_size(fsdp_ctx_comm(c));
+    enum fsdp_sharding s;
+    CHECK(fsdp_sharding_parse(c, "ZERO3", &s) == FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD");
+    CHECK_OK(fsdp_sharding_parse(c, "hybrid_shard", &s), c);
+    CHECK_INT_EQ(s, FSDP_HYBRID_SHARD);
+    struct run x;
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    struct fsdp_shard_opts so = opts_of(FSDP_HYBRID_SHARD, world + 1);
+    CHECK(run_open(c, &so, 5, &oo, &x) == FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "--shard-group");
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "does not divide");
+    fsdp_module_free(x.g);
+    so = opts_of(FSDP_FULL_SHARD, 2);
+    CHECK(run_open(c, &so, 5, &oo, &x) == FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "only for HYBRID_SHARD");
+    fsdp_module_free(x.g);
+}
+
+/* ---- gradient accumulation ---- */
+
+/* K micro-batches of B/K rows equal one step on the B-row batch (1e-6), in
+ * both modes, under FULL_SHARD and HYBRID_SHARD. */
+static void check_accum(enum fsdp_sharding sh, enum fsdp_grad_accum mode) {
+    struct fsdp_ctx *c = get_ctx();
+    int rank = fsdp_comm_rank(fsdp_ctx_comm(c)), world = fsdp_comm_size(fsdp_ctx_comm(c));
+    struct fsdp_data *data;
+    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    struct fsdp_shard_opts so = opts_of(sh, sh == FSDP_HYBRID_SHARD ? (world % 2 == 0 ? 2 : 1) : 0);
+    struct run big, acc;
+    ASSERT_OK(run_open(c, &so, 9, &oo, &big), c);
+    ASSERT_OK(run_open(c, &so, 9, &oo, &acc), c);
+    const int K = 3, Bl = 6, T = 16; /* per rank: 3 micro-batches of 2 rows */
+    int32_t *in = malloc(Bl * T * sizeof(int32_t)), *tg = malloc(Bl * T * sizeof(int32_t));
+    for (int s = 0; s < 3; s++) {
+        fsdp_data_batch(data, s, Bl * world, T, rank, world, in, tg);
+        struct fsdp_step_result a, b;
+        ASSERT_OK(fsdp_model_train_step(c, big.fm, in, tg, Bl, T, 3e-3f, 0.5f, &a), c);
+        ASSERT_OK(fsdp_model_train_step_accum(c, acc.fm, in, tg, Bl / K, T, K, mode, 3e-3f, 0.5f, &b), c);
+        CHECK_NEAR(b.loss, a.loss, 1e-6, 0);
+        CHECK_NEAR(b.grad_norm, a.grad_norm, 1e-6, 0);
+        CHECK_NEAR(b.param_norm, a.param_norm, 1e-6, 0);
+    }
+    free(in); free(tg);
+    run_close(&big);
+    run_close(&acc);
+    fsdp_data_free(data);
+}
+
+TEST(grad_accum_reduce_each_equals_big_batch) { check_accum(FSDP_FULL_SHARD, FSDP_ACCUM_REDUCE_EACH); }
+TEST(grad_accum_no_sync_equals_big_batch) { check_accum(FSDP_FULL_SHARD, FSDP_ACCUM_NO_SYNC); }
+TEST(grad_accum_hybrid_both_modes) {
+    check_accum(FSDP_HYBRID_SHARD, FSDP_ACCUM_REDUCE_EACH);
+    check_accum(FSDP_HYBRID_SHARD, FSDP_ACCUM_NO_SYNC);
+}
+TEST(grad_accum_no_shard_no_sync) { check_accum(FSDP_NO_SHARD, FSDP_ACCUM_NO_SYNC); }
+
+TEST(grad_accum_bad_count) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_shard_opts so = opts_of(FSDP_FULL_SHARD, 0);
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    struct run x;
+    ASSERT_OK(run_open(c, &so, 9, &oo, &x), c);
+    int32_t in[16] = {0}, tg[16] = {0};
+    struct fsdp_step_result r;
+    CHECK(fsdp_model_train_step_accum(c, x.fm, in, tg, 1, 16, 0, FSDP_ACCUM_NO_SYNC, 1e-3f, 1, &r) ==
+          FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "--grad-accum");
+    run_close(&x);
+}
+
+/* ---- checkpoints: shard index and count from the shard group ---- */
+
+/* A sharded checkpoint saved under HYBRID_SHARD (replica 0 writes) or
+ * NO_SHARD loads into every other strategy with the same parameters and
+ * optimizer state (the next step's loss and norms agree). */
+TEST(checkpoint_across_strategies) {
+    struct fsdp_ctx *c = get_ctx();
+    int rank = fsdp_comm_rank(fsdp_ctx_comm(c)), world = fsdp_comm_size(fsdp_ctx_comm(c));
+    int pid = (int)getpid();
+    fsdp_comm_broadcast(fsdp_ctx_comm(c), &pid, 1, FSDP_I32, 0);
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    const int Bl = 2, T = 16;
+    int32_t in[2 * 16], tg[2 * 16];
+    for (int i = 0; i < Bl * T; i++) { in[i] = (i * 7 + 3 * rank) % 256; tg[i] = (i * 5 + rank) % 256; }
+    enum fsdp_sharding from[2] = {FSDP_HYBRID_SHARD, FSDP_NO_SHARD};
+    for (int f = 0; f < 2; f++) {
+        char dir[256];
+        snprintf(dir, sizeof dir, "/tmp/fsdp-strategy-test-%d-w%d-%d", pid, world, f);
+        struct fsdp_shard_opts so = opts_of(from[f], from[f] == FSDP_HYBRID_SHARD ? (world % 2 == 0 ? 2 : 1) : 0);
+        struct run a;
+        ASSERT_OK(run_open(c, &so, 11, &oo, &a), c);
+        struct fsdp_step_result r0, want;
+        ASSERT_OK(fsdp_model_train_step(c, a.fm, in, tg, Bl, T, 1e-3f, 1.0f, &r0), c);
+        struct fsdp_ckpt_meta m = {0};
+        m.step = 1;
+        ASSERT_OK(fsdp_ckpt_save(c, a.fm, dir, &m), c);
+        ASSERT_OK(fsdp_model_train_step(c, a.fm, in, tg, Bl, T, 1e-3f, 1.0f, &want), c);
+        run_close(&a);
+        for (int t = FSDP_FULL_SHARD; t <= FSDP_HYBRID_SHARD; t++) {
+            struct fsdp_shard_opts to = opts_of((enum fsdp_sharding)t, t == FSDP_HYBRID_SHARD ? 1 : 0);
+            struct run b;
+            ASSERT_OK(run_open(c, &to, 99, &oo, &b), c);
+            struct fsdp_ckpt_meta got = {0};
+            ASSERT_OK(fsdp_ckpt_load(c, b.fm, dir, &got), c);
+            CHECK_INT_EQ(got.step, 1);
+            struct fsdp_step_result r;
+            ASSERT_OK(fsdp_model_train_step(c, b.fm, in, tg, Bl, T, 1e-3f, 1.0f, &r), c);
+            CHECK_NEAR(r.loss, want.loss, 1e-5, 0);
+            CHECK_NEAR(r.grad_norm, want.grad_norm, 1e-5, 0);
+            CHECK_NEAR(r.param_norm, want.param_norm, 1e-5, 0);
+            run_close(&b);
+        }
+        fsdp_comm_barrier(fsdp_ctx_comm(c));
+        if (rank == 0) {
+            char cmd[600];
+            snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s.tmp'", dir, dir);
+            if (system(cmd) != 0) fprintf(stderr, "  (could not remove %s)\n", dir);
+        }
+    }
+}
+
+/* ---- the planner accounts each strategy and accumulation mode ---- */
+
+static void check_plan(enum fsdp_sharding sh, int accum, enum fsdp_grad_accum mode, int overlap, int inflight) {
+    struct fsdp_ctx *c = get_ctx();
+    int rank = fsdp_comm_rank(fsdp_ctx_comm(c)), world = fsdp_comm_size(fsdp_ctx_comm(c));
+    struct fsdp_shard_opts so = opts_of(sh, sh == FSDP_HYBRID_SHARD ? (world % 2 == 0 ? 2 : 1) : 0);
+    so.overlap = overlap;
+    so.max_inflight = inflight;
+    struct fsdp_gpt_config cfg = tiny_cfg();
+    struct fsdp_module *g;
+    ASSERT_OK(fsdp_gpt_create(c, &cfg, &g), c);
+    struct fsdp_mem_plan plan;
+    const int Bm = 2, T = 16;
+    ASSERT_OK(fsdp_plan_memory_accum(c, g, &so, world, rank, 2, Bm, T, 1, accum, mode, &plan), c);
+    fsdp_module_free(g);
+    struct fsdp_mem_stats m0, m;
+    fsdp_mem_get(c, &m0);
+    struct run x;
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    ASSERT_OK(run_open(c, &so, 3, &oo, &x), c);
+    int32_t *in = calloc((size_t)(accum * Bm * T), sizeof(int32_t)), *tg = calloc((size_t)(accum * Bm * T), sizeof(int32_t));
+    for (int i = 0; i < accum * Bm * T; i++) { in[i] = (i * 7 + rank) % 256; tg[i] = (i * 5 + 1) % 256; }
+    fsdp_mem_reset_peak(c);
+    for (int step = 0; step < 2; step++) {
+        struct fsdp_step_result res;
+        CHECK_OK(fsdp_model_train_step_accum(c, x.fm, in, tg, Bm, T, accum, mode, 1e-3f, 1.0f, &res), c);
+    }
+    fsdp_mem_get(c, &m);
+    CHECK_INT_EQ(m.cur[FSDP_MEM_SHARD] - m0.cur[FSDP_MEM_SHARD], plan.params + plan.grads + plan.optim);
+    if (m.peak[FSDP_MEM_FULL] != plan.full)
+        TEST_FAILF("%s, %d micro-batches (mode %d), overlap %d/%d: full buffers measured %zu, planned %zu",
+                   fsdp_sharding_name(sh), accum, (int)mode, overlap, inflight, m.peak[FSDP_MEM_FULL], plan.full);
+    free(in);
+    free(tg);
+    run_close(&x);
+}
+
+/* ---- overlap: prefetch and asynchronous reductions change no bit ---- */
+
+static void train_bits(enum fsdp_sharding sh, int overlap, int inflight, int accum, enum fsdp_grad_accum mode,
+                       double out[3], float *param, const char *fqn) {
+    struct fsdp_ctx *c = get_ctx();
+    int rank = fsdp_comm_rank(fsdp_ctx_comm(c)), world = fsdp_comm_size(fsdp_ctx_comm(c));
+    struct fsdp_shard_opts so = opts_of(sh, sh == FSDP_HYBRID_SHARD ? (world % 2 == 0 ? 2 : 1) : 0);
+    so.overlap = overlap;
+    so.max_inflight = inflight;
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    struct run x;
+    if (run_open(c, &so, 21, &oo, &x) != FSDP_OK) abort();
+    const int Bl = 4, T = 16;
+    int32_t in[4 * 16], tg[4 * 16];
+    for (int s = 0; s < 3; s++) {
+        for (int i = 0; i < Bl * T; i++) { in[i] = (i * 7 + 3 * rank + s) % 256; tg[i] = (i * 5 + rank + 2 * s) % 256; }
+        struct fsdp_step_result r;
+        if (fsdp_model_train_step_accum(c, x.fm, in, tg, Bl / accum, T, accum, mode, 1e-3f, 1.0f, &r) != FSDP_OK)
+            abort();
+        out[0] = r.loss, out[1] = r.grad_norm, out[2] = r.param_norm;
+    }
+    if (fsdp_model_get_param(c, x.fm, fqn, param) != FSDP_OK) abort();
+    run_close(&x);
+}
+
+TEST(overlap_on_off_bit_identical) {
+    const char *fqn = "transformer.h.1.mlp.c_fc.weight";
+    struct fsdp_gpt_config cfg = tiny_cfg();
+    size_t n = (size_t)(4 * cfg.n_embd * cfg.n_embd);
+    float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
+    for (int s = FSDP_FULL_SHARD; s <= FSDP_HYBRID_SHARD; s++)
+        for (int k = 0; k < 3; k++) {
+            int accum = k ? 2 : 1;
+            enum fsdp_grad_accum mode = k == 2 ? FSDP_ACCUM_NO_SYNC : FSDP_ACCUM_REDUCE_EACH;
+            double ra[3], rb[3], rc[3];
+            train_bits((enum fsdp_sharding)s, 0, 2, accum, mode, ra, a, fqn);
+            train_bits((enum fsdp_sharding)s, 1, 2, accum, mode, rb, b, fqn);
+            if (memcmp(ra, rb, sizeof ra) || memcmp(a, b, n * sizeof(float)))
+                TEST_FAILF("%s, accum %d mode %d: overlap on differs from off (loss %.9g vs %.9g)",
+                           fsdp_sharding_name((enum fsdp_sharding)s), accum, (int)mode, rb[0], ra[0]);
+            train_bits((enum fsdp_sharding)s, 1, 3, accum, mode, rc, b, fqn);
+            if (memcmp(ra, rc, sizeof ra) || memcmp(a, b, n * sizeof(float)))
+                TEST_FAILF("%s: max_inflight 3 differs from overlap off", fsdp_sharding_name((enum fsdp_sharding)s));
+        }
+    free(a);
+    free(b);
+}
+
+/* Under overlap, gathers really are issued ahead: the peak of full buffers
+ * grows by the units in flight, as planned. */
+TEST(overlap_holds_more_buffers) {
+    struct fsdp_ctx *c = get_ctx();
+    int world = fsdp_comm_size(fsdp_ctx_comm(c));
+    if (world < 2) SKIP("nothing is gathered in a world of one");
+    struct fsdp_gpt_config cfg = tiny_cfg();
+    size_t full[2];
+    for (int ov = 0; ov < 2; ov++) {
+        struct fsdp_module *g;
+        ASSERT_OK(fsdp_gpt_create(c, &cfg, &g), c);
+        struct fsdp_shard_opts so = opts_of(FSDP_FULL_SHARD, 0);
+        so.overlap = ov;
+        struct fsdp_mem_plan p;
+        ASSERT_OK(fsdp_plan_memory(c, g, &so, world, 0, 2, 2, 16, 1, &p), c);
+        full[ov] = p.full;
+        fsdp_module_free(g);
+    }
+    CHECK(full[1] > full[0]);
+}
+
+TEST(plan_equals_measured_per_strategy) {
+    for (int s = FSDP_FULL_SHARD; s <= FSDP_HYBRID_SHARD; s++) {
+        for (int ov = 0; ov < 3; ov++) { /* off; on, 2 in flight; on, 3 */
+            check_plan((enum fsdp_sharding)s, 1, FSDP_ACCUM_REDUCE_EACH, ov > 0, ov + 1);
+            check_plan((enum fsdp_sharding)s, 3, FSDP_ACCUM_REDUCE_EACH, ov > 0, ov + 1);
+            check_plan((enum fsdp_sharding)s, 3, FSDP_ACCUM_NO_SYNC, ov > 0, ov + 1);
+        }
+    }
+}
+
+TEST_MAIN()
