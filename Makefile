@@ -2,7 +2,7 @@
 #   make            library, tools, examples and tests (build/)
 #   make test       builds, then runs the whole suite (tests/run.sh)
 #   make WERROR=1   warnings are errors (CI)
-#   make asan | ubsan   sanitized builds in build-asan/ and build-ubsan/
+#   make asan | ubsan | tsan   sanitized builds in build-asan/, build-ubsan/, build-tsan/
 #   make fuzz       libFuzzer targets in build-fuzz/fuzz/ (clang; not part of all)
 #   make install PREFIX=/usr/local   header, libfsdp.{a,so}, fsdp.pc, tools
 CC       ?= cc
@@ -19,7 +19,8 @@ MPI_CFLAGS := $(shell pkg-config --cflags ompi-c 2>/dev/null)
 MPI_LIBS   := $(shell pkg-config --libs ompi-c 2>/dev/null || echo -lmpi)
 DEP_CFLAGS := $(MPI_CFLAGS) $(shell pkg-config --cflags libcjson 2>/dev/null)
 DEP_LIBS   := -ldnnl $(MPI_LIBS) $(shell pkg-config --libs libcjson 2>/dev/null || echo -lcjson) -lm
-CFLAGS   += -std=c11 -D_GNU_SOURCE -fPIC -fopenmp $(OPT) $(ARCH) -g $(WARN) $(SAN) \
+# -fno-math-errno: sqrt inlines and vectorizes (same values; nothing reads errno after math calls)
+CFLAGS   += -std=c11 -D_GNU_SOURCE -fPIC -fopenmp -fno-math-errno $(OPT) $(ARCH) -g $(WARN) $(SAN) \
             -Iinclude -Isrc $(DEP_CFLAGS)
 LDFLAGS  += -fopenmp $(SAN)
 
@@ -66,6 +67,12 @@ asan:
 ubsan:
 	$(MAKE) BUILD=build-ubsan SAN="-fsanitize=undefined -fno-sanitize-recover=undefined" OPT=-O1
 
+# ThreadSanitizer for the threaded parts (shm's progress thread): only what
+# tests/tsan.sh runs (the trainer and the collective conformance suite)
+tsan:
+	$(MAKE) BUILD=build-tsan SAN="-fsanitize=thread -fno-omit-frame-pointer" OPT=-O1 \
+	    build-tsan/fsdp-train build-tsan/tests/test_mpi_comm
+
 # libFuzzer targets (fuzz/fuzz_*.c) in build-fuzz/fuzz/; needs clang and
 # libclang-rt-14-dev (scripts/install-deps.sh --with-fuzz). Not part of `all`;
 # scripts/fuzz.sh TARGET SECONDS runs one.
@@ -87,7 +94,7 @@ install: all
 	install -m 755 $(TOOLS) $(DESTDIR)$(PREFIX)/bin/
 
 clean:
-	rm -rf build build-asan build-ubsan build-fuzz
+	rm -rf build build-asan build-ubsan build-tsan build-fuzz
 
-.PHONY: all test asan ubsan fuzz fuzz-bins install clean
+.PHONY: all test asan ubsan tsan fuzz fuzz-bins install clean
 .SECONDARY:

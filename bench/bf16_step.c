@@ -1,6 +1,8 @@
 /*
- * bf16_step.c - GPT-2 124M training step time with bf16 compute
- * (fsdp_module_set_compute_dtype) against fp32, in one run: 1 rank (a world
+ * bf16_step.c - GPT-2 124M training step time with bf16 mixed precision
+ * (fsdp_parallelize_model with FSDP_BF16 and mixed_precision DEFAULT: units
+ * gathered in bf16, products on AMX, gradients reduced in fp32, fp32 master
+ * weights and AdamW) against fp32, in one run: 1 rank (a world
  * of one), global batch B x T (default 4 x 256), AdamW, the built-in
  * synthetic corpus, the same seed and batches for both. Prints per precision
  * the median step time over steps 2.. (the first step creates the oneDNN
@@ -9,12 +11,15 @@
  * matmul FLOPs per token), and the bf16 / fp32 speedup. It also reports
  * the median process CPU time per step (all threads), which moves less than
  * wall time when other jobs share the cores (quote both on a busy machine).
- * Usage: build/bench/bf16_step [steps] [threads] [model] [B] [T] [both|bf16|fp32]
- *        (defaults 6, 2, gpt2, 4, 256, both; one precision alone is for profiling)
+ * With 10+ steps it also prints the mean loss of the last 10 steps of each
+ * and their relative difference (the issue's 200-step comparison: 2%).
+ * Usage: build/bench/bf16_step [steps] [threads] [model] [B] [T] [both|bf16|fp32] [FULL|DEFAULT|PURE]
+ *        (defaults 6, 2, gpt2, 4, 256, both, DEFAULT; one precision alone is for profiling)
  */
 #include "core/core-impl.h"
 #include "nn/nn-impl.h"
 
+#include <math.h>
 #include <omp.h>
 #include <string.h>
 #include <time.h>
@@ -36,8 +41,10 @@ static double median(double *v, int n) {
 }
 
 struct result {
-    double step_s, fwd_s, bwd_s, upd_s, cpu_s, last_loss;
+    double step_s, fwd_s, bwd_s, upd_s, cpu_s, last_loss, tail_loss; /* tail: mean of the last 10 */
 };
+
+static enum fsdp_mixed_precision g_mp = FSDP_MP_DEFAULT;
 
 static void die(struct fsdp_ctx *ctx, const char *what) {
     fprintf(stderr, "bf16_step: %s: %s\n", what, fsdp_errmsg(ctx));
@@ -51,11 +58,11 @@ static struct result run(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg
     struct fsdp_optim *opt;
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     if (fsdp_gpt_create(ctx, cfg, &g) != FSDP_OK) die(ctx, "gpt");
-    if (fsdp_module_set_compute_dtype(ctx, g, dt) != FSDP_OK) die(ctx, "compute dtype");
-    if (fsdp_fully_shard(ctx, g, NULL, &fm) != FSDP_OK) die(ctx, "shard");
-    if (fsdp_model_init_params(ctx, fm, 1337) != FSDP_OK) die(ctx, "init");
-    if (fsdp_optim_create(ctx, &oo, &opt) != FSDP_OK || fsdp_model_attach_optim(ctx, fm, opt) != FSDP_OK)
-        die(ctx, "optimizer");
+    if (fsdp_optim_create(ctx, &oo, &opt) != FSDP_OK) die(ctx, "optimizer");
+    struct fsdp_parallel_config pc = fsdp_parallel_config_default();
+    pc.seed = 1337;
+    pc.mixed_precision = g_mp;
+    if (fsdp_parallelize_model(ctx, g, &pc, opt, dt, NULL, NULL, NULL, &fm) != FSDP_OK) die(ctx, "parallelize");
     int32_t *in = malloc((size_t)(B * T) * sizeof(int32_t)), *tg = malloc((size_t)(B * T) * sizeof(int32_t));
     double *st = calloc((size_t)steps, sizeof(double)), *fw = calloc((size_t)steps, sizeof(double));
     double *bw = calloc((size_t)steps, sizeof(double)), *up = calloc((size_t)steps, sizeof(double));
@@ -72,6 +79,7 @@ static struct result run(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg
         bw[s] = r.backward_s;
         up[s] = r.update_s;
         res.last_loss = r.loss;
+        if (s >= steps - 10) res.tail_loss += r.loss / (steps < 10 ? steps : 10);
         fprintf(stderr, "  %s step %d: %.3f s, loss %.4f\n", fsdp_dtype_name(dt), s, st[s], r.loss);
     }
     int n = steps > 1 ? steps - 1 : 1, o = steps > 1 ? 1 : 0;
@@ -98,9 +106,12 @@ int main(int argc, char **argv) {
     const char *model = argc > 3 ? argv[3] : "gpt2";
     int B = argc > 4 ? atoi(argv[4]) : 4, T = argc > 5 ? atoi(argv[5]) : 256;
     const char *which = argc > 6 ? argv[6] : "both";
+    const char *mp = argc > 7 ? argv[7] : "DEFAULT";
+    g_mp = !strcmp(mp, "FULL") ? FSDP_MP_FULL : !strcmp(mp, "PURE") ? FSDP_MP_PURE : FSDP_MP_DEFAULT;
     int do32 = strcmp(which, "bf16") != 0, do16 = strcmp(which, "fp32") != 0;
     if (steps < 1 || threads < 1 || B < 1 || T < 1) {
-        fprintf(stderr, "usage: bf16_step [steps>=1] [threads>=1] [model] [B] [T]\n");
+        fprintf(stderr, "usage: bf16_step [steps>=1] [threads>=1] [model] [B] [T] [both|bf16|fp32] "
+                        "[FULL|DEFAULT|PURE]\n");
         return 2;
     }
     struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
@@ -123,7 +134,8 @@ int main(int argc, char **argv) {
     struct result r32 = {0}, r16 = {0};
     if (do32) r32 = run(ctx, &cfg, FSDP_F32, steps, B, T, data);
     if (do16) r16 = run(ctx, &cfg, FSDP_BF16, steps, B, T, data);
-    printf("model %s, batch %d x %d, 1 rank x %d threads, median of steps 2..%d\n", model, B, T, threads, steps);
+    printf("model %s, batch %d x %d, 1 rank x %d threads, median of steps 2..%d, bf16 mixed_precision %s\n", model,
+           B, T, threads, steps, mp);
     const struct result *rs[2] = {&r32, &r16};
     const char *names[2] = {"fp32", "bf16"};
     for (int i = 0; i < 2; i++)
@@ -135,6 +147,9 @@ int main(int argc, char **argv) {
         printf("bf16_speedup %.2f (fp32 s/step / bf16 s/step; by CPU time %.2f)\n", r32.step_s / r16.step_s,
                r32.cpu_s / r16.cpu_s);
     if (do16) printf("bf16_model_gflops %.1f\n", flops / r16.step_s / 1e9);
+    if (do32 && do16 && steps >= 10)
+        printf("loss over the last 10 steps: fp32 %.4f, bf16 %.4f, bf16_loss_rel_diff %.4f (target <= 0.02)\n",
+               r32.tail_loss, r16.tail_loss, fabs(r16.tail_loss - r32.tail_loss) / r32.tail_loss);
     fsdp_data_free(data);
     fsdp_ctx_free(ctx);
     return 0;

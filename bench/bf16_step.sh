@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# bench/bf16_step.sh - GPT-2 124M, global batch 4 x 256 tokens, AdamW, 1 rank x
-# 2 threads: median step time with bf16 compute (fsdp_module_set_compute_dtype:
-# Linear and attention products on oneDNN's AMX bf16 matmul, fp32 accumulation;
-# LayerNorm, softmax, GELU, loss and the fp32 master weights unchanged) against
-# fp32 in the same run, model FLOP/s, and both against the fp32 and bf16 GEMM
-# rates measured in the same run (bench/gemm_rate all).
-# Usage: bench/bf16_step.sh [STEPS]   (default 6; the first step is not timed)
+# bench/bf16_step.sh - issue 4's benchmark. GPT-2 124M, global batch 4 x 256
+# tokens, AdamW, 1 rank x 2 threads: median step time with bf16 mixed precision
+# (fsdp_parallelize_model with FSDP_BF16 and mixed_precision DEFAULT: units
+# gathered in bf16, Linear and attention products on oneDNN's AMX bf16 matmul
+# with fp32 accumulation; LayerNorm, softmax, GELU, loss, gradient reduction,
+# fp32 master weights and AdamW unchanged) against fp32 in the same run, model
+# FLOP/s, both against the fp32 and bf16 GEMM rates measured in the same run
+# (bench/gemm_rate all), and with 10+ steps the mean loss of the last 10 steps
+# of each (the issue asks for 200 steps within 2%).
+# Usage: bench/bf16_step.sh [STEPS] [FULL|DEFAULT|PURE]
+#   (default 6 DEFAULT; the first step is not timed; the full check is
+#    `bench/bf16_step.sh 200`, about 20 minutes on a quiet machine)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 STEPS=${1:-6}
+MP=${2:-DEFAULT}
 out=$("$BUILD/bench/gemm_rate" 2 all)
 echo "$out"
 gemm32=$(echo "$out" | awk '$1 == "gemm_gflops" {print $2}')
 gemm16=$(echo "$out" | awk '$1 == "gemm_bf16_gflops" {print $2}')
-res=$(OMP_NUM_THREADS=2 "$BUILD/bench/bf16_step" "$STEPS" 2 gpt2 4 256 2>/dev/null)
+res=$(OMP_NUM_THREADS=2 "$BUILD/bench/bf16_step" "$STEPS" 2 gpt2 4 256 both "$MP" 2>/dev/null)
 echo "$res"
 model16=$(echo "$res" | awk '$1 == "bf16_model_gflops" {print $2}')
 model32=$(echo "$res" | awk '$1 == "fp32:" {for (i = 1; i <= NF; i++) if ($i == "GFLOP/s") print $(i - 1)}')
 awk -v a="$model32" -v b="$gemm32" -v c="$model16" -v d="$gemm16" 'BEGIN {
   printf "fp32 model FLOP/s = %.2f of the fp32 GEMM rate; bf16 model FLOP/s = %.2f of the bf16 GEMM rate\n", a / b, c / d }'
+s16=$(echo "$res" | awk '$1 == "bf16:" {print $2}')
+speed=$(echo "$res" | awk '$1 == "bf16_speedup" {print $2}')
+awk -v s="$s16" -v x="$speed" 'BEGIN {
+  printf "targets: bf16 %.3f s/step (<= 1.2: %s), %.2fx fp32 (>= 2.5: %s)\n", s, s <= 1.2 ? "met" : "NOT met", x,
+         x >= 2.5 ? "met" : "NOT met" }'

@@ -14,9 +14,12 @@
  * (tests/t_parallelize.sh). Exit 0 and "vissl_swav: OK" when every check
  * passes.
  *
- * Mixed precision is not implemented yet: the whole model runs in fp32 and
- * the prototypes' override (FSDP_OVR_MIXED_PRECISION = FULL) states what
- * VISSL wants; it will keep them fp32 once the rest of the model is not.
+ * Mixed precision: the model is prepared in bf16 with DEFAULT (parameters
+ * gathered in bf16, gradients reduced in fp32); the prototypes' override
+ * (FSDP_OVR_MIXED_PRECISION = FULL) keeps them wholly fp32 (gather, compute,
+ * reduce), which the program checks with fsdp_model_unit_precision. The
+ * toy layers multiply in fp32 whatever their compute dtype, so here bf16
+ * shows in the gathered values of the trunk and the projection.
  */
 #include "toy.h"
 
@@ -144,9 +147,10 @@ int main(void) {
     struct fsdp_parallel_config pc = fsdp_parallel_config_default();
     pc.seed = 7;
     pc.verbose = 1;
+    pc.mixed_precision = FSDP_MP_DEFAULT;
     struct fsdp_wrap_policy wp = {swav_policy, NULL};
     struct fsdp_model *fm;
-    toy_check(ctx, fsdp_parallelize_model(ctx, root, &pc, opt, FSDP_F32, &wp, NULL, NULL, &fm), "parallelize");
+    toy_check(ctx, fsdp_parallelize_model(ctx, root, &pc, opt, FSDP_BF16, &wp, NULL, NULL, &fm), "parallelize");
 
     int fails = 0;
     const char *want[] = {"", "trunk", "heads", "heads.prototypes0", "heads.prototypes1", "heads.prototypes2"};
@@ -156,6 +160,17 @@ int main(void) {
         fsdp_model_unit_info(fm, i, &ui);
         if (strcmp(ui.fqn, want[i])) {
             fprintf(stderr, "rank %d: unit %d is '%s', want '%s'\n", rank, i, ui.fqn, want[i]);
+            fails++;
+        }
+        /* prototypes (units 3..5) stay fp32; the rest gathers bf16 and reduces fp32 */
+        struct fsdp_unit_precision up;
+        fsdp_model_unit_precision(fm, i, &up);
+        enum fsdp_dtype want_param = i >= 3 ? FSDP_F32 : FSDP_BF16;
+        if (up.param_dtype != want_param || up.reduce_dtype != FSDP_F32 ||
+            up.compute_dtype != (i >= 3 ? FSDP_F32 : FSDP_BF16)) {
+            fprintf(stderr, "rank %d: unit %d '%s' has param %s, reduce %s, compute %s\n", rank, i, ui.fqn,
+                    fsdp_dtype_name(up.param_dtype), fsdp_dtype_name(up.reduce_dtype),
+                    fsdp_dtype_name(up.compute_dtype));
             fails++;
         }
     }

@@ -159,6 +159,9 @@ struct fsdp_param {
     int64_t numel;
     float *data;         /* full values while usable, NULL while sharded (shapes only) */
     float *grad;         /* full gradient accumulator during backward, else NULL */
+    const void *data_lp; /* the same values as data in data_lp_dtype (BF16 / F16) while the
+                            sharding layer gathered them in that dtype, else NULL */
+    enum fsdp_dtype data_lp_dtype;
     struct fsdp_param *tied_to; /* shares values and gradient with this parameter */
     struct fsdp_init init;
     int no_decay;        /* exempt from weight decay (biases, LayerNorm, embeddings) */
@@ -356,6 +359,18 @@ enum fsdp_status fsdp_comm_broadcast(struct fsdp_comm *c, void *buf, size_t coun
                                      enum fsdp_dtype dt, int root);
 enum fsdp_status fsdp_comm_barrier(struct fsdp_comm *c);
 
+/* Splits c into disjoint communicators, one per distinct color (>= 0), ranks
+ * ordered by (key, rank in c), as MPI_Comm_split. The new communicator uses
+ * c's backend (a group of one rank: "self"), inherits its watchdog and
+ * schedule check, and counts its own statistics. *out is returned to the
+ * caller to free with fsdp_comm_free (COLLECTIVE: yes, over *out; NULL is a
+ * no-op) before c is freed. COLLECTIVE: yes (over c). */
+enum fsdp_status fsdp_comm_split(struct fsdp_comm *c, int color, int key, struct fsdp_comm **out);
+void fsdp_comm_free(struct fsdp_comm *c);
+/* Sets *out to the number of c's ranks on this rank's host (self: 1, shm:
+ * all). COLLECTIVE: yes. */
+enum fsdp_status fsdp_comm_local_size(struct fsdp_comm *c, int *out);
+
 /* ---- Collective watchdog and schedule check (src/comm) ----------------- */
 
 /* Watchdog: a wait on a collective that has not completed `seconds` after
@@ -387,8 +402,8 @@ enum fsdp_wrap { FSDP_WRAP_SKIP, FSDP_WRAP_UNIT, FSDP_WRAP_UNIT_OVERRIDE };
 
 /* Parameter and reduction precision (Composer's FSDP2Config.mixed_precision):
  * DEFAULT: parameters in the low dtype, gradients reduced in fp32; PURE: both
- * low; FULL: everything fp32. Only FULL is implemented yet: the others are
- * FSDP_ERR_UNSUPPORTED. */
+ * low; FULL: parameters and reduction fp32. The low dtype is
+ * fsdp_parallelize_model's precision (see "Mixed precision" below). */
 enum fsdp_mixed_precision { FSDP_MP_DEFAULT, FSDP_MP_PURE, FSDP_MP_FULL };
 
 /* Per-unit overrides: `set` names (FSDP_OVR_* bits) the fields that replace
@@ -399,7 +414,7 @@ enum fsdp_mixed_precision { FSDP_MP_DEFAULT, FSDP_MP_PURE, FSDP_MP_FULL };
 struct fsdp_unit_overrides {
     unsigned set;
     int reshard_after_forward;
-    enum fsdp_mixed_precision mixed_precision; /* FULL only, until mixed precision exists */
+    enum fsdp_mixed_precision mixed_precision; /* FULL here: this unit wholly fp32 */
 };
 
 /* A wrap policy: asked for every module below the root, parents before
@@ -418,10 +433,37 @@ enum fsdp_wrap fsdp_wrap_by_type(struct fsdp_module *m, void *ud, struct fsdp_un
  * are never units. */
 enum fsdp_wrap fsdp_wrap_by_size(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr);
 
+/* Sharding strategies (torch FSDP's ShardingStrategy). One mechanism: each
+ * unit shards its flat buffer over a shard group of K ranks and all-reduces
+ * its gradient shard over the world/K replicas of that group.
+ *   FULL_SHARD (0, default, ZeRO-3): K = world; gather before forward and
+ *     again before backward.
+ *   SHARD_GRAD_OP (ZeRO-2): K = world; parameters stay gathered from forward
+ *     to backward (reshard_after_forward off for every unit).
+ *   NO_SHARD (DDP): K = 1; every rank holds everything, gradients all-reduced.
+ *   HYBRID_SHARD: K = shard_group, by default the ranks of one host (ranks
+ *     numbered host by host); replicate across the world/K groups. */
+enum fsdp_sharding {
+    FSDP_FULL_SHARD, FSDP_SHARD_GRAD_OP, FSDP_NO_SHARD, FSDP_HYBRID_SHARD
+};
+/* "FULL_SHARD", ... ("?" if out of range). */
+const char *fsdp_sharding_name(enum fsdp_sharding s);
+/* Parses a name (case-insensitive); an unknown one is FSDP_ERR_INVALID
+ * listing the valid names. COLLECTIVE: no. */
+enum fsdp_status fsdp_sharding_parse(struct fsdp_ctx *ctx, const char *text, enum fsdp_sharding *out);
+
 struct fsdp_shard_opts {
     fsdp_wrap_fn wrap;          /* default: fsdp_wrap_by_type with "Block" */
     void *wrap_ud;
     int reshard_after_forward;  /* default 1; the root unit never reshards after forward */
+    enum fsdp_sharding sharding; /* default FSDP_FULL_SHARD */
+    int shard_group;            /* HYBRID_SHARD's K (0: the ranks of this host); must
+                                   divide the world; 0 for the other strategies */
+    int overlap;                /* default 1: forward and backward prefetch of the next
+                                   units' all-gathers and asynchronous reduce-scatters;
+                                   results are bit-identical either way */
+    int max_inflight;           /* default 2: units gathered or gathering at once, the
+                                   computing one included (bounds memory; 0 = 2) */
 };
 
 struct fsdp_shard_opts fsdp_shard_opts_default(void);
@@ -433,7 +475,8 @@ struct fsdp_model;
  * (zero-filled; call fsdp_model_init_params). Parameters must not be
  * materialized. Tied parameters land in one unit. *out is returned to the
  * caller; root stays owned by the caller and must outlive *out.
- * COLLECTIVE: no (pure layout; every rank computes the same). */
+ * COLLECTIVE: no (pure layout; every rank computes the same), except for
+ * HYBRID_SHARD, which splits the communicator into shard and replica groups. */
 enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root,
                                   const struct fsdp_shard_opts *opts, struct fsdp_model **out);
 void fsdp_model_free(struct fsdp_model *fm);
@@ -526,6 +569,10 @@ struct fsdp_step_result {
     double forward_s, backward_s, update_s; /* this rank's time in each phase
                                                (forward includes the loss; update
                                                includes the norms) */
+    int skipped;       /* 1: loss scaling found inf/nan; no update (see fsdp_loss_scale_opts) */
+    double loss_scale; /* the loss scale this step used (1 without loss scaling) */
+    double comm_wait_s; /* exposed communication: this rank's wall time blocked
+                           waiting on collectives during the step (all groups) */
 };
 
 /* One training step on this rank's share of the global batch: inputs and
@@ -534,15 +581,98 @@ struct fsdp_step_result {
  * none) and the optimizer update with `lr`. A non-finite loss or gradient
  * norm skips the update and returns FSDP_ERR_NUMERIC on every rank, the
  * message naming the first unit (in backward order) whose reduced gradient
- * holds inf or nan. COLLECTIVE: yes. */
+ * holds inf or nan; under loss scaling (fsdp_loss_scale_opts) it is an
+ * overflow instead: the update is skipped on every rank, res->skipped = 1,
+ * and FSDP_OK is returned. COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                        const int32_t *inputs, const int32_t *targets, int B, int T,
                                        float lr, float clip, struct fsdp_step_result *res);
+
+/* Gradient accumulation (FSDP2's two modes): how the micro-batches of one
+ * step reduce. REDUCE_EACH reduces every micro-batch into the fp32 gradient
+ * shard (full gradients live one unit at a time: less memory); NO_SYNC keeps
+ * every unit's unsharded gradient across the micro-batches and reduces once
+ * after the last (less communication, a full gradient per unit held). */
+enum fsdp_grad_accum { FSDP_ACCUM_REDUCE_EACH, FSDP_ACCUM_NO_SYNC };
+
+/* One training step over `accum` micro-batches: inputs and targets are
+ * (accum * B_local, T) token ids, micro-batch k being rows [k*B_local,
+ * (k+1)*B_local). The loss is the mean over all of them and the gradients
+ * equal one step on the (accum * B_local, T) batch (up to rounding); then
+ * norm, clipping and the update as fsdp_model_train_step (which is this with
+ * accum = 1). accum < 1 or an unknown mode is FSDP_ERR_INVALID.
+ * COLLECTIVE: yes. */
+enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                             const int32_t *inputs, const int32_t *targets, int B, int T,
+                                             int accum, enum fsdp_grad_accum mode, float lr, float clip,
+                                             struct fsdp_step_result *res);
+
+/* The sum of the statistics of every communicator the model uses (the
+ * context's, and the shard and replica groups a strategy split off).
+ * COLLECTIVE: no. */
+void fsdp_model_comm_stats(const struct fsdp_model *fm, struct fsdp_comm_stats *out);
 
 /* Forward only: logits (B, T, vocab) into the arena (valid until the next
  * step). Gathers and frees units as in training. COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                     const int32_t *inputs, int B, int T, float **logits);
+
+/* ---- Mixed precision: per-unit policy and loss scaling (src/fsdp/mixed.c) ----
+ *
+ * fsdp_parallelize_model's `precision` (compute) and config mixed_precision
+ * give each unit (PyTorch FSDP's MixedPrecision):
+ *   precision F32:          everything fp32 (mixed_precision is ignored)
+ *   low = BF16 or F16, FULL:    param fp32, reduce fp32, compute low
+ *                    DEFAULT: param low,  reduce fp32, compute low
+ *                    PURE:    param low,  reduce low,  compute low
+ * A unit's FSDP_OVR_MIXED_PRECISION override replaces mixed_precision for it;
+ * an override to FULL keeps the unit wholly fp32 (compute too): the VISSL
+ * prototypes head inside a bf16 model. Master weights, gradient shards and
+ * optimizer state are always fp32; param_dtype is what the all-gather moves
+ * (each rank casts its shard first) and what the layers see; the
+ * reduce-scatter runs in reduce_dtype and lands in the fp32 gradient shard.
+ * Tensors between modules (output_dtype) are fp32. */
+struct fsdp_unit_precision {
+    enum fsdp_dtype param_dtype, reduce_dtype, output_dtype, compute_dtype;
+    enum fsdp_mixed_precision mixed_precision; /* the unit's resolved mode */
+};
+void fsdp_model_unit_precision(const struct fsdp_model *fm, int i, struct fsdp_unit_precision *out);
+/* Composer's precision names: "FP32", "AMP_BF16", "AMP_FP16" (case-insensitive)
+ * -> FSDP_F32, FSDP_BF16, FSDP_F16; FSDP_ERR_INVALID naming the text otherwise. */
+enum fsdp_status fsdp_precision_parse(struct fsdp_ctx *ctx, const char *name, enum fsdp_dtype *out);
+
+/* Dynamic loss scaling (torch's GradScaler) in fsdp_model_train_step: the
+ * loss gradient is multiplied by the scale, gradients are unscaled in the
+ * optimizer update (clipping sees the true norm), and a non-finite loss or
+ * global gradient norm (every rank sees the same) skips the update on every
+ * rank and multiplies the scale by backoff_factor; after growth_interval
+ * clean steps in a row the scale is multiplied by growth_factor.
+ * fsdp_parallelize_model turns it on with these defaults when any unit
+ * computes in FSDP_F16. */
+struct fsdp_loss_scale_opts {
+    int enabled;             /* 0: scale 1 and a non-finite step is FSDP_ERR_NUMERIC */
+    double init_scale;       /* default 65536 */
+    double growth_factor;    /* default 2 */
+    double backoff_factor;   /* default 0.5 */
+    int64_t growth_interval; /* default 2000 */
+    /* test hook: at train step `inject_step` (0-based count of
+       fsdp_model_train_step calls since the options were set; -1 = never,
+       the default) rank `inject_rank` makes one gradient element +inf after
+       backward, as an overflow would. The environment variables
+       FSDP_INJECT_OVERFLOW_STEP and FSDP_INJECT_OVERFLOW_RANK set these
+       when the options are set from the defaults. */
+    int64_t inject_step;
+    int inject_rank;
+};
+struct fsdp_loss_scale_opts fsdp_loss_scale_opts_default(void);
+/* Sets (and resets: scale = init_scale, counters zero) the model's loss
+ * scaling. A non-positive or non-finite factor is FSDP_ERR_INVALID.
+ * COLLECTIVE: no (set it alike on every rank). */
+enum fsdp_status fsdp_model_set_loss_scale(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                           const struct fsdp_loss_scale_opts *opts);
+/* The current scale (1 when disabled) and the steps skipped so far. */
+double fsdp_model_loss_scale(const struct fsdp_model *fm);
+int64_t fsdp_model_skipped_steps(const struct fsdp_model *fm);
 
 /* ---- Data (src/io) ---------------------------------------------------- */
 
@@ -595,18 +725,24 @@ enum fsdp_state_dict_type { FSDP_STATE_DICT_FULL, FSDP_STATE_DICT_SHARDED };
 
 struct fsdp_parallel_config {
     int mesh[2];                 /* {0, 0} or {world, 0}: a 1-D mesh over every rank;
-                                    2-D (hybrid) meshes are FSDP_ERR_UNSUPPORTED */
+                                    2-D {replicas, shard group} (Composer's
+                                    data_parallel_replicate/shard degrees, product =
+                                    world): HYBRID_SHARD with that shard group */
     int reshard_after_forward;   /* default 1 (the root unit never reshards after forward) */
     int activation_checkpointing; /* default 0 */
     int activation_cpu_offload;  /* default 0; a CPU-only run has nowhere to offload to:
                                     FSDP_ERR_UNSUPPORTED */
     enum fsdp_state_dict_type state_dict_type; /* default FULL; read by the checkpoint code */
     int load_monolith_rank0_only; /* default 0; implies sync_module_states (as Composer) */
-    enum fsdp_mixed_precision mixed_precision; /* default FULL (the only one implemented) */
+    enum fsdp_mixed_precision mixed_precision; /* default FULL; with a 16-bit precision:
+                                    DEFAULT / PURE gather (and reduce) in it */
     int sync_module_states;      /* default 0: 1 = rank 0's materialized values reach
                                     every rank's shards, unit by unit */
     int verbose;                 /* default 0: 1 = rank 0 prints the unit plan (stderr) */
     uint64_t seed;               /* built-in init when param_init is NULL; default 1337 */
+    enum fsdp_sharding sharding; /* default FULL_SHARD (a 2-D mesh: HYBRID_SHARD) */
+    int overlap;                 /* default 1: prefetch and asynchronous reduce-scatters */
+    int max_inflight;            /* default 2: gathered units at once (fsdp_shard_opts) */
 };
 
 struct fsdp_parallel_config fsdp_parallel_config_default(void);
@@ -639,8 +775,9 @@ struct fsdp_param_init {
     void *ud;
 };
 
-/* Prepares `root` (see above). precision is the compute dtype: FSDP_F32 (bf16
- * and f16 are FSDP_ERR_UNSUPPORTED until mixed precision exists). opt may be
+/* Prepares `root` (see above). precision is the compute dtype: FSDP_F32,
+ * FSDP_BF16 or FSDP_F16 (see "Mixed precision" for what each unit then
+ * gathers, computes and reduces in; F16 turns on loss scaling). opt may be
  * NULL; if it has taken steps its state is stale: cleared with a warning.
  * wrap, ac and param_init may be NULL (wrap NULL: a unit per Block). Giving ac
  * while both activation_checkpointing and activation_cpu_offload are 0 is
@@ -692,7 +829,7 @@ enum fsdp_status fsdp_summon_full_params(struct fsdp_ctx *ctx, struct fsdp_model
                                          struct fsdp_module *module, int writeback, int rank0_only);
 enum fsdp_status fsdp_summon_end(struct fsdp_ctx *ctx, struct fsdp_model *fm);
 
-/* ---- Checkpoints (src/fsdp/ckpt.c, src/io/safetensors.c) -------------- */
+/* ---- Checkpoints (src/fsdp/ckpt*.c, src/io/safetensors.c) ------------- */
 
 /* Training position saved with a sharded checkpoint. */
 struct fsdp_ckpt_meta {
@@ -747,9 +884,18 @@ enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *f
 enum fsdp_status fsdp_ckpt_describe(struct fsdp_ctx *ctx, const char *path, int verify, FILE *out);
 /* Sharded folder -> full safetensors file (parameters only), one parameter at a time. */
 enum fsdp_status fsdp_ckpt_to_full(struct fsdp_ctx *ctx, const char *dir, const char *path);
-/* Full safetensors file (ours) -> sharded folder of n_files files (no
- * optimizer state; step 0). */
+/* Full safetensors file -> sharded folder of n_files files (no optimizer
+ * state; step 0). The file is ours (fsdp_model_save_full, fsdp_ckpt_to_full),
+ * any F32 file with our FQNs and (out, in) Linear weights, or Hugging Face
+ * GPT-2 (HF names, Conv1D weights transposed, buffers and the tied lm_head
+ * left out), as fsdp_model_load_full reads them. */
 enum fsdp_status fsdp_ckpt_from_full(struct fsdp_ctx *ctx, const char *path, const char *dir, int n_files);
+/* The same, for the GPT of `config` (NULL: as above): the file must hold
+ * exactly that model's parameters with its shapes (else an error naming the
+ * parameter and both shapes), and meta.json records config, so that
+ * fsdp-train --resume rebuilds the model without model flags. */
+enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *path, const char *dir, int n_files,
+                                           const struct fsdp_gpt_config *config);
 
 /* ---- Memory planning and limits (src/fsdp/plan.c, src/core) ----------- */
 
@@ -788,6 +934,14 @@ enum fsdp_status fsdp_plan_memory(struct fsdp_ctx *ctx, struct fsdp_module *root
                                   const struct fsdp_shard_opts *opts, int world, int rank,
                                   int optim_state, int B_local, int T, int threads,
                                   struct fsdp_mem_plan *out);
+/* The same for any sharding strategy (opts->sharding; HYBRID_SHARD without
+ * a shard_group is planned with one host: a group of `world`) and a step of
+ * `accum` micro-batches of (B_local, T) in `mode` (fsdp_model_train_step_accum).
+ * fsdp_plan_memory is this with accum = 1. COLLECTIVE: no. */
+enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module *root,
+                                        const struct fsdp_shard_opts *opts, int world, int rank,
+                                        int optim_state, int B_local, int T, int threads, int accum,
+                                        enum fsdp_grad_accum mode, struct fsdp_mem_plan *out);
 
 #ifdef __cplusplus
 }

@@ -11,19 +11,23 @@ BW="$BUILD/bench/comm_bw"
 export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 
 # ---- a dead peer is detected, named, and ends the job ----
-for victim in 1 2; do
+# (2.8 MB blocks: shm's single-copy path where permitted, for all-gathers too
+# with FSDP_SHM_CMA=2; "staged" forces the slot path with FSDP_SHM_CMA=0)
+for run in 1 2 2-staged; do
+  victim=${run%-staged} cma=2 path=""
+  [ "$run" != "$victim" ] && cma=0 path=" (staged)"
   coll=allgather; [ $victim = 2 ] && coll=reduce-scatter
   t0=$(date +%s%N)
-  timeout -k 5 60 mpirun -np 3 --oversubscribe --bind-to none "$BW" --kill-rank $victim --max 8388608 \
-    --fault-coll $([ $coll = allgather ] && echo ag || echo rs) > "$tmp/kill.out" 2>&1
+  timeout -k 5 60 mpirun -np 3 --oversubscribe --bind-to none -x FSDP_SHM_CMA=$cma "$BW" --kill-rank $victim \
+    --max 8388608 --fault-coll $([ $coll = allgather ] && echo ag || echo rs) > "$tmp/kill.out" 2>&1
   rc=$?
   ms=$((($(date +%s%N) - t0) / 1000000))
-  if [ $rc -eq 0 ]; then bad "kill rank $victim in $coll: job ends" "exit 0"
-  elif [ $rc -eq 124 ]; then bad "kill rank $victim in $coll: job ends" "still running after 60 s"
-  elif [ $ms -gt 30000 ]; then bad "kill rank $victim in $coll: job ends within 30 s" "took $ms ms"
+  if [ $rc -eq 0 ]; then bad "kill rank $victim in $coll$path: job ends" "exit 0"
+  elif [ $rc -eq 124 ]; then bad "kill rank $victim in $coll$path: job ends" "still running after 60 s"
+  elif [ $ms -gt 30000 ]; then bad "kill rank $victim in $coll$path: job ends within 30 s" "took $ms ms"
   elif ! grep -qE "shm: rank $victim \(pid [0-9]+\) died during $coll #5" "$tmp/kill.out"; then
-    bad "kill rank $victim in $coll: a survivor names the dead rank" "$(grep -v '^---' "$tmp/kill.out" | head -8)"
-  else ok "kill rank $victim in $coll: named and ended in $ms ms (exit $rc)"; fi
+    bad "kill rank $victim in $coll$path: a survivor names the dead rank" "$(grep -v '^---' "$tmp/kill.out" | head -8)"
+  else ok "kill rank $victim in $coll$path: named and ended in $ms ms (exit $rc)"; fi
 done
 sleep 1
 if pgrep -f "$BW --kill-rank" > /dev/null; then bad "no comm_bw left behind" "$(pgrep -fa "$BW --kill-rank")"

@@ -122,4 +122,48 @@ TEST(every_allocation_of_setup_fails_cleanly) {
 #endif
 }
 
+/* internal (core-impl.h): accounted allocation */
+void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);
+void fsdp__free(struct fsdp_ctx *ctx, void *p);
+
+/* Blocks on both sides of the 1 MiB line ([Note: large blocks are mapped]):
+ * 64-byte aligned, writable to the last byte, accounted and returned exactly;
+ * an injected failure and the memory limit refuse a large block cleanly. */
+TEST(large_blocks_are_accounted_and_fail_cleanly) {
+    struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+    co.comm = FSDP_COMM_SELF;
+    struct fsdp_ctx *ctx;
+    ASSERT_OK(fsdp_ctx_create(&co, &ctx), NULL);
+    struct fsdp_mem_stats m0, m;
+    fsdp_mem_get(ctx, &m0);
+    const size_t sizes[] = {((size_t)1 << 20) - 1, (size_t)1 << 20, ((size_t)3 << 20) + 5, 100};
+    void *p[4];
+    size_t sum = 0;
+    for (int i = 0; i < 4; i++) {
+        p[i] = fsdp__alloc(ctx, sizes[i], FSDP_MEM_OTHER, "test block");
+        ASSERT(p[i] != NULL);
+        CHECK_INT_EQ((long long)((uintptr_t)p[i] % 64), 0);
+        memset(p[i], 0x5a, sizes[i]);
+        sum += sizes[i];
+    }
+    for (int i = 0; i < 4; i++) CHECK_INT_EQ(((unsigned char *)p[i])[sizes[i] - 1], 0x5a);
+    fsdp_mem_get(ctx, &m);
+    CHECK_INT_EQ((long long)(m.cur_total - m0.cur_total), (long long)sum);
+    for (int i = 0; i < 4; i++) fsdp__free(ctx, p[i]);
+    fsdp_mem_get(ctx, &m);
+    CHECK_INT_EQ((long long)m.cur_total, (long long)m0.cur_total);
+    fsdp__alloc_fail_at = fsdp__alloc_count + 1;
+    void *q = fsdp__alloc(ctx, (size_t)8 << 20, FSDP_MEM_OTHER, "injected block");
+    fsdp__alloc_fail_at = 0;
+    CHECK(q == NULL);
+    CHECK(strstr(fsdp_errmsg(ctx), "out of memory allocating 8388608 bytes for injected block") != NULL);
+    fsdp_mem_set_limit(ctx, m0.cur_total + ((size_t)4 << 20));
+    q = fsdp__alloc(ctx, (size_t)8 << 20, FSDP_MEM_OTHER, "limited block");
+    CHECK(q == NULL);
+    CHECK(strstr(fsdp_errmsg(ctx), "limited block") != NULL);
+    fsdp_mem_get(ctx, &m);
+    CHECK_INT_EQ((long long)m.cur_total, (long long)m0.cur_total);
+    fsdp_ctx_free(ctx);
+}
+
 TEST_MAIN()

@@ -34,9 +34,13 @@ static struct fsdp_ctx *get_ctx(void) {
     return ctx;
 }
 
-/* The backends under test, each context created once. */
-static const enum fsdp_comm_kind backends[] = {FSDP_COMM_MPI, FSDP_COMM_SHM, FSDP_COMM_SELF};
-#define N_BACKENDS 3
+/* The backends under test, each context created once. The second shm one
+ * has its single-copy path off (FSDP_SHM_CMA=0 at creation): every
+ * collective staged through the segment's slots, the path of containers
+ * that forbid process_vm_readv. */
+static const enum fsdp_comm_kind backends[] = {FSDP_COMM_MPI, FSDP_COMM_SHM, FSDP_COMM_SHM, FSDP_COMM_SELF};
+#define N_BACKENDS 4
+#define B_STAGED 2
 static struct fsdp_ctx *backend_ctxs[N_BACKENDS];
 static const char *cur_backend = "?";
 
@@ -45,8 +49,18 @@ static const char *cur_backend = "?";
 static struct fsdp_ctx *backend_ctx(int b) {
     const char *ws = getenv("OMPI_COMM_WORLD_SIZE");
     if (backends[b] == FSDP_COMM_SELF && ws && atoi(ws) > 1) return NULL;
+    if (!backend_ctxs[b] && b == B_STAGED) {
+        const char *was = getenv("FSDP_SHM_CMA");
+        char keep[32];
+        snprintf(keep, sizeof keep, "%s", was ? was : "");
+        setenv("FSDP_SHM_CMA", "0", 1);
+        backend_ctxs[b] = make_ctx(backends[b]);
+        if (was) setenv("FSDP_SHM_CMA", keep, 1);
+        else unsetenv("FSDP_SHM_CMA");
+    }
     if (!backend_ctxs[b]) backend_ctxs[b] = make_ctx(backends[b]);
     cur_backend = fsdp_comm_backend(fsdp_ctx_comm(backend_ctxs[b]));
+    if (b == B_STAGED) cur_backend = "shm staged";
     return backend_ctxs[b];
 }
 
@@ -190,7 +204,7 @@ TEST(comm_basics) {
     CHECK_STR_EQ(fsdp_comm_backend(comm), !ws ? "self" : want_world > 1 ? "shm" : "mpi");
     CHECK_OK(fsdp_comm_barrier(comm), c);
     CHECK_OK(fsdp_comm_wait(comm, NULL), c);
-    const char *names[] = {"mpi", "shm", "self"};
+    const char *names[] = {"mpi", "shm", "shm", "self"};
     for (int b = 0; b < N_BACKENDS; b++) {
         struct fsdp_ctx *bc = backend_ctx(b);
         if (!bc) continue;
@@ -702,6 +716,60 @@ static void body_schedule_check(struct fsdp_ctx *c) {
 
 TEST(comm_schedule_check) {
     FOR_EACH_BACKEND(c) body_schedule_check(c);
+}
+
+/* shm's single-copy path (process_vm_readv) at every dtype and op, for
+ * all-gathers and broadcasts too (FSDP_SHM_CMA=2; by default only
+ * reduce-scatters take it), forced from 1-byte blocks (FSDP_SHM_CMA_MIN=1)
+ * with 4 KiB reduce-scatter chunks (FSDP_SHM_CHUNK), so that odd sizes cross
+ * chunk boundaries. Where the container forbids process_vm_readv this runs
+ * the staged path instead. */
+TEST(comm_shm_single_copy) {
+    struct fsdp_ctx *g = get_ctx();
+    if (fsdp_ctx_world(g) < 2) SKIP("needs 2+ ranks");
+    setenv("FSDP_SHM_CMA", "2", 1);
+    setenv("FSDP_SHM_CMA_MIN", "1", 1);
+    setenv("FSDP_SHM_CHUNK", "4096", 1);
+    struct fsdp_ctx *c = make_ctx(FSDP_COMM_SHM);
+    unsetenv("FSDP_SHM_CMA");
+    unsetenv("FSDP_SHM_CMA_MIN");
+    unsetenv("FSDP_SHM_CHUNK");
+    cur_backend = "shm single copy";
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    const enum fsdp_red_op ops[] = {FSDP_SUM, FSDP_MAX, FSDP_MIN};
+    const size_t ns[] = {1, 7, 5003};
+    for (size_t d = 0; d < N_DTS; d++) {
+        enum fsdp_dtype dt = all_dts[d], rt = raw_of(dt);
+        size_t esz = fsdp_dtype_size(dt);
+        for (size_t s = 0; s < 3; s++) {
+            size_t n = ns[s], total = n * (size_t)world;
+            void *send = xmalloc(total * esz), *recv = xmalloc(total * esz);
+            for (size_t j = 0; j < total; j++) put(send, dt, j, rvalt(dt, rank, j));
+            for (size_t o = 0; o < 3; o++) {
+                memset(recv, 0xAB, n * esz);
+                CHECK_OK(fsdp_comm_reduce_scatter(comm, send, recv, n, dt, ops[o]), c);
+                EXPECT_ALL(recv, dt, n, reduce_ref_t(dt, ops[o], world, (size_t)rank * n + k_),
+                           "single-copy reduce-scatter");
+            }
+            for (size_t i = 0; i < n; i++) put(send, rt, i, gval(rt, rank, i));
+            memset(recv, 0xAB, total * esz);
+            CHECK_OK(fsdp_comm_allgather(comm, send, recv, n, dt), c);
+            EXPECT_ALL(recv, rt, total, gval(rt, (int)(k_ / n), k_ % n), "single-copy allgather");
+            memset(recv, 0xCD, total * esz);
+            char *mine = (char *)recv + (size_t)rank * n * esz;
+            for (size_t i = 0; i < n; i++) put(mine, rt, i, gval(rt, rank, i));
+            CHECK_OK(fsdp_comm_allgather(comm, mine, recv, n, dt), c);
+            EXPECT_ALL(recv, rt, total, gval(rt, (int)(k_ / n), k_ % n), "single-copy allgather in place");
+            int root = world - 1;
+            for (size_t i = 0; i < n; i++) put(recv, rt, i, rank == root ? gval(rt, root, i) : 0.0);
+            CHECK_OK(fsdp_comm_broadcast(comm, recv, n, dt, root), c);
+            EXPECT_ALL(recv, rt, n, gval(rt, root, k_), "single-copy broadcast");
+            free(send);
+            free(recv);
+        }
+    }
+    fsdp_ctx_free(c);
 }
 
 /* The watchdog: rank 0 waits on a barrier the others join 1.5 s late; with a

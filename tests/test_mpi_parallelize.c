@@ -53,7 +53,7 @@ static enum fsdp_wrap wrap_bad_mp(struct fsdp_module *m, void *ud, struct fsdp_u
     (void)ud;
     if (strcmp(m->ops->type, "Block")) return FSDP_WRAP_SKIP;
     ovr->set = FSDP_OVR_MIXED_PRECISION;
-    ovr->mixed_precision = FSDP_MP_DEFAULT;
+    ovr->mixed_precision = (enum fsdp_mixed_precision)9;
     return FSDP_WRAP_UNIT_OVERRIDE;
 }
 
@@ -186,6 +186,7 @@ TEST(override_reshard_after_forward_applies) {
     for (int k = 0; k < 2; k++) {
         struct fsdp_wrap_policy wp = {k ? wrap_override_h1 : fsdp_wrap_by_type, (void *)"Block"};
         struct fsdp_parallel_config pc = fsdp_parallel_config_default();
+        pc.overlap = 0; /* a prefetched next Block would hide the difference */
         struct fsdp_optim *opt;
         struct fsdp_optim_opts oo = fsdp_optim_opts_default();
         ASSERT_OK(fsdp_optim_create(c, &oo, &opt), c);
@@ -537,28 +538,25 @@ TEST(config_errors_name_the_option) {
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "activation_cpu_offload: this is a CPU-only run");
     fsdp_module_free(g);
     pc = fsdp_parallel_config_default();
-    pc.mixed_precision = FSDP_MP_DEFAULT;
-    CHECK_INT_EQ(prepare(c, &g, NULL, &pc, NULL, NULL, &fm), FSDP_ERR_UNSUPPORTED);
-    CHECK_STR_CONTAINS(fsdp_errmsg(c), "mixed_precision DEFAULT is not implemented yet");
-    fsdp_module_free(g);
-    pc.mixed_precision = FSDP_MP_PURE;
-    CHECK_INT_EQ(prepare(c, &g, NULL, &pc, NULL, NULL, &fm), FSDP_ERR_UNSUPPORTED);
-    CHECK_STR_CONTAINS(fsdp_errmsg(c), "mixed_precision PURE");
+    pc.mixed_precision = (enum fsdp_mixed_precision)7;
+    CHECK_INT_EQ(prepare(c, &g, NULL, &pc, NULL, NULL, &fm), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "mixed_precision 7 is not DEFAULT, PURE or FULL");
     fsdp_module_free(g);
     pc = fsdp_parallel_config_default();
-    pc.mesh[0] = 2;
+    pc.mesh[0] = fsdp_ctx_world(c); /* {world replicas, 2 shards}: twice the world */
     pc.mesh[1] = 2;
-    CHECK_INT_EQ(prepare(c, &g, NULL, &pc, NULL, NULL, &fm), FSDP_ERR_UNSUPPORTED);
-    CHECK_STR_CONTAINS(fsdp_errmsg(c), "2-D (hybrid) mesh");
+    CHECK_INT_EQ(prepare(c, &g, NULL, &pc, NULL, NULL, &fm), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "2-D mesh");
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "does not cover the world");
     fsdp_module_free(g);
     pc = fsdp_parallel_config_default();
     struct fsdp_gpt_config cfg = tiny_cfg();
     ASSERT_OK(fsdp_gpt_create(c, &cfg, &g), c);
-    CHECK_INT_EQ(fsdp_parallelize_model(c, g, &pc, NULL, FSDP_BF16, NULL, NULL, NULL, &fm), FSDP_ERR_UNSUPPORTED);
-    CHECK_STR_CONTAINS(fsdp_errmsg(c), "precision BF16");
+    CHECK_INT_EQ(fsdp_parallelize_model(c, g, &pc, NULL, FSDP_I32, NULL, NULL, NULL, &fm), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "precision I32");
     struct fsdp_wrap_policy wp = {wrap_bad_mp, NULL};
-    CHECK_INT_EQ(fsdp_parallelize_model(c, g, &pc, NULL, FSDP_F32, &wp, NULL, NULL, &fm), FSDP_ERR_UNSUPPORTED);
-    CHECK_STR_CONTAINS(fsdp_errmsg(c), "unit 'transformer.h.0' overrides mixed_precision to DEFAULT");
+    CHECK_INT_EQ(fsdp_parallelize_model(c, g, &pc, NULL, FSDP_F32, &wp, NULL, NULL, &fm), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "unit 'transformer.h.0' overrides mixed_precision to 9");
     CHECK(fm == NULL);
     fsdp_module_free(g);
 }

@@ -10,6 +10,7 @@
 #include "../fuzz/fuzz_config.c"
 #include "../fuzz/fuzz_data.c"
 #include "../fuzz/fuzz_safetensors.c"
+#include "../fuzz/fuzz_ckpt_meta.c"
 
 #include <dirent.h>
 
@@ -58,6 +59,8 @@ TEST(corpus_data) { CHECK(replay("data", fuzz_data_one) >= 10); }
 TEST(corpus_config) { CHECK(replay("config", fuzz_config_one) >= 10); }
 
 TEST(corpus_safetensors) { CHECK(replay("safetensors", fuzz_safetensors_one) >= 10); }
+
+TEST(corpus_ckpt_meta) { CHECK(replay("ckpt_meta", fuzz_ckpt_meta_one) >= 10); }
 
 /* The from-memory entries give the same messages as the file readers. */
 TEST(mem_entries_name_the_input) {

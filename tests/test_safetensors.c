@@ -266,4 +266,35 @@ TEST(every_byte_flip_and_truncation_is_caught) {
     fsdp_ctx_free(c);
 }
 
+/* The three-way CRC-32C ([Note: three-way CRC]) against a bit-by-bit
+ * reference, for lengths around the 3 x 4 KiB block and in pieces. */
+static uint32_t crc_bitwise(uint32_t crc, const uint8_t *p, size_t n) {
+    crc = ~crc;
+    for (size_t i = 0; i < n; i++) {
+        crc ^= p[i];
+        for (int k = 0; k < 8; k++) crc = crc & 1 ? (crc >> 1) ^ 0x82F63B78u : crc >> 1;
+    }
+    return ~crc;
+}
+
+TEST(crc32c_matches_a_bitwise_reference) {
+    CHECK_INT_EQ(fsdp__crc32c(0, "123456789", 9), 0xE3069283u); /* the standard check value */
+    size_t cap = 3 * 4096 * 3 + 77;
+    uint8_t *buf = malloc(cap);
+    uint64_t x = 88172645463325252ull;
+    for (size_t i = 0; i < cap; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        buf[i] = (uint8_t)x;
+    }
+    const size_t lens[] = {0, 1, 7, 8, 4095, 12287, 12288, 12289, 24576 + 5, cap};
+    for (size_t i = 0; i < sizeof lens / sizeof *lens; i++) {
+        uint32_t want = crc_bitwise(0, buf, lens[i]);
+        CHECK_INT_EQ(fsdp__crc32c(0, buf, lens[i]), want);
+        for (size_t cut = 1; cut < lens[i]; cut += 5003) /* streamed in two pieces */
+            CHECK_INT_EQ(fsdp__crc32c(fsdp__crc32c(0, buf, cut), buf + cut, lens[i] - cut), want);
+        CHECK_INT_EQ(fsdp__crc32c(0x1234567u, buf, lens[i]), crc_bitwise(0x1234567u, buf, lens[i]));
+    }
+    free(buf);
+}
+
 TEST_MAIN()

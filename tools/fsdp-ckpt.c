@@ -1,5 +1,6 @@
 /*
- * fsdp-ckpt.c - inspects and converts checkpoints offline (no MPI, no model):
+ * fsdp-ckpt.c - inspects and converts checkpoints offline (no MPI; a model
+ * config only to check and record what to-sharded converts):
  * lists a sharded checkpoint folder or a safetensors file, verifies every
  * checksum and range, and converts sharded <-> full. One of the programs in
  * tools/, the only code that prints and exits.
@@ -17,9 +18,13 @@ static void usage(FILE *f) {
             "  list PATH                 contents of a sharded checkpoint folder or a safetensors file\n"
             "  verify PATH               list, then read everything and check every checksum and range\n"
             "  to-full DIR FILE          sharded folder -> one safetensors file of the parameters\n"
-            "  to-sharded FILE DIR [N]   safetensors file (ours) -> sharded folder of N files (default 1),\n"
-            "                            loadable with fsdp-train --resume at any world size (no\n"
-            "                            optimizer state)\n"
+            "  to-sharded FILE DIR [N] [--model NAME | --model-config FILE]\n"
+            "                            safetensors file (ours, any F32 file with our FQNs, or Hugging\n"
+            "                            Face GPT-2) -> sharded folder of N files (default 1), loadable\n"
+            "                            with fsdp-train --resume at any world size (no optimizer\n"
+            "                            state). With a model, the file must hold exactly its\n"
+            "                            parameters, and the folder records it: --resume then needs\n"
+            "                            no model flags\n"
             "Exit status: 0 ok, 1 a bad or unreadable checkpoint, 2 usage.\n");
 }
 
@@ -43,16 +48,38 @@ int main(int argc, char **argv) {
     } else if (!strcmp(cmd, "to-full") && argc == 4) {
         st = fsdp_ckpt_to_full(ctx, argv[2], argv[3]);
         if (st == FSDP_OK) printf("wrote %s\n", argv[3]);
-    } else if (!strcmp(cmd, "to-sharded") && (argc == 4 || argc == 5)) {
+    } else if (!strcmp(cmd, "to-sharded") && argc >= 4 && argc <= 7) {
+        /* optional N, then optional --model NAME | --model-config FILE */
+        int na = argc >= 5 && strncmp(argv[4], "--", 2) ? 5 : 4;
+        const char *flag = na < argc ? argv[na] : NULL, *arg = na + 1 < argc ? argv[na + 1] : NULL;
         char *end = NULL;
-        long n = argc == 5 ? strtol(argv[4], &end, 10) : 1;
-        if (argc == 5 && (*end || n < 1 || n > 4096)) {
+        long n = na == 5 ? strtol(argv[4], &end, 10) : 1;
+        if (na == 5 && (*end || n < 1 || n > 4096)) {
             fprintf(stderr, "fsdp-ckpt: to-sharded: N '%s' is not an integer in [1, 4096]\n", argv[4]);
             fsdp_ctx_free(ctx);
             return 2;
         }
-        st = fsdp_ckpt_from_full(ctx, argv[2], argv[3], (int)n);
-        if (st == FSDP_OK) printf("wrote %s (%ld files)\n", argv[3], n);
+        if (flag && (!arg || na + 2 != argc || (strcmp(flag, "--model") && strcmp(flag, "--model-config")))) {
+            fprintf(stderr, "fsdp-ckpt: to-sharded: expected --model NAME or --model-config FILE after DIR [N]\n");
+            fsdp_ctx_free(ctx);
+            return 2;
+        }
+        struct fsdp_gpt_config cfg;
+        st = FSDP_OK;
+        if (flag && !strcmp(flag, "--model") && fsdp_gpt_config_preset(arg, &cfg) != FSDP_OK) {
+            fprintf(stderr, "fsdp-ckpt: --model: unknown preset '%s' (tiny, small, gpt2, gpt2-medium, gpt2-large, "
+                            "gpt2-xl)\n", arg);
+            fsdp_ctx_free(ctx);
+            return 2;
+        }
+        if (flag && !strcmp(flag, "--model-config")) st = fsdp_gpt_config_load(ctx, arg, &cfg);
+        if (st == FSDP_OK) st = fsdp_ckpt_from_full_model(ctx, argv[2], argv[3], (int)n, flag ? &cfg : NULL);
+        if (st == FSDP_OK) printf("wrote %s (%ld files%s%s)\n", argv[3], n, flag ? ", model " : "", flag ? arg : "");
+        if (st != FSDP_OK && flag) {
+            fprintf(stderr, "fsdp-ckpt: error: %s %s: %s\n", flag, arg, fsdp_errmsg(ctx));
+            fsdp_ctx_free(ctx);
+            return 1;
+        }
     } else {
         fprintf(stderr, "fsdp-ckpt: bad command line\n");
         usage(stderr);

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 #include <dirent.h>
 #include <sys/stat.h>
@@ -37,11 +38,23 @@ struct opts {
     /* preparation (fsdp_parallelize_model) */
     const char *wrap, *ac, *init; /* --wrap, --ac, --init */
     int reshard_after_forward;    /* --reshard-after-forward on|off */
+    const char *sharding;         /* --sharding FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD */
+    int shard_group;              /* --shard-group K (HYBRID_SHARD), 0 = the ranks of a host */
+    int grad_accum;               /* --grad-accum K micro-batches per step */
+    const char *accum_mode;       /* --accum-mode reduce | no_sync */
+    int overlap, max_inflight;    /* --overlap on|off, --max-inflight N */
+    /* mixed precision */
+    const char *precision;        /* --precision FP32 | AMP_BF16 | AMP_FP16 */
+    const char *mixed_precision;  /* --mixed-precision FULL | DEFAULT | PURE */
+    double loss_scale_init;       /* --loss-scale-init (AMP_FP16) */
+    int loss_scale_growth;        /* --loss-scale-growth-interval (AMP_FP16) */
 };
+
+#define MODEL_DEFAULT "small"
 
 static struct opts opts_default(void) {
     struct opts o = {0};
-    o.model = "small";
+    o.model = NULL; /* MODEL_DEFAULT, or the checkpoint's with --resume */
     o.data = "synthetic";
     o.batch = 8;
     o.seq = 64;
@@ -64,6 +77,15 @@ static struct opts opts_default(void) {
     o.ac = "none";
     o.init = "deferred";
     o.reshard_after_forward = 1;
+    o.sharding = "FULL_SHARD";
+    o.grad_accum = 1;
+    o.accum_mode = "reduce";
+    o.overlap = 1;
+    o.max_inflight = 2;
+    o.precision = "FP32";
+    o.mixed_precision = "DEFAULT";
+    o.loss_scale_init = 65536;
+    o.loss_scale_growth = 2000;
     return o;
 }
 
@@ -73,7 +95,8 @@ static void usage(FILE *f) {
             "usage: fsdp-train [flags]\n"
             "Trains a GPT with fully sharded data parallelism (ZeRO-3).\n"
             "Run under `mpirun -np N`, or give --nproc N to start N local ranks.\n\n"
-            "  --model NAME          preset: tiny small gpt2 gpt2-medium gpt2-large gpt2-xl (default %s)\n"
+            "  --model NAME          preset: tiny small gpt2 gpt2-medium gpt2-large gpt2-xl (default %s;\n"
+            "                        with --resume, the checkpoint's model, which model flags must match)\n"
             "  --model-config FILE   JSON {n_layer,n_head,n_embd,vocab_size,block_size}; overrides --model\n"
             "  --data PATH           token file (llm.c .bin with header, raw uint16 .bin) or any text\n"
             "                        file as bytes; 'synthetic' = built-in corpus (default %s)\n"
@@ -118,16 +141,37 @@ static void usage(FILE *f) {
             "                        2K, ...) (default none)\n"
             "  --reshard-after-forward on|off  free a unit's gathered parameters after its forward\n"
             "                        (default on)\n"
+            "  --sharding S          FULL_SHARD (ZeRO-3) | SHARD_GRAD_OP (ZeRO-2: parameters stay gathered\n"
+            "                        from forward to backward) | NO_SHARD (DDP) | HYBRID_SHARD (shard in\n"
+            "                        a group, replicate across groups) (default FULL_SHARD)\n"
+            "  --shard-group K       HYBRID_SHARD's group size; must divide the world (default: the ranks\n"
+            "                        of one host)\n"
+            "  --grad-accum K        split each rank's share of --batch into K micro-batches per step\n"
+            "                        (default 1)\n"
+            "  --accum-mode M        reduce (reduce every micro-batch: less memory) | no_sync (keep\n"
+            "                        unsharded gradients, reduce once: less communication) (default reduce)\n"
+            "  --overlap on|off      prefetch the next units' all-gathers (forward and backward) and\n"
+            "                        run reduce-scatters asynchronously; same results (default on)\n"
+            "  --max-inflight N      units gathered or gathering at once, the computing one included;\n"
+            "                        bounds the full buffers (default 2)\n"
             "  --init S              deferred (each rank initialises its shards; with --init-from each\n"
             "                        rank reads its own ranges) | rank0 (rank 0 reads --init-from and\n"
             "                        sends it unit by unit: sync_module_states) (default deferred)\n"
+            "  --precision P         FP32 | AMP_BF16 | AMP_FP16 (Composer's names): the matrix products'\n"
+            "                        inputs; LayerNorm, softmax, the loss, master weights, gradient shards\n"
+            "                        and optimizer state stay fp32 (default FP32)\n"
+            "  --mixed-precision M   with AMP_*: FULL (gather and reduce fp32) | DEFAULT (gather in the low\n"
+            "                        dtype, reduce fp32) | PURE (both low) (default DEFAULT)\n"
+            "  --loss-scale-init X   AMP_FP16 dynamic loss scaling: initial scale (default 65536; halved\n"
+            "                        on overflow, the step skipped on every rank)\n"
+            "  --loss-scale-growth-interval N  AMP_FP16: double the scale after N clean steps (default 2000)\n"
             "  --verbose             print the unit plan and debug information\n"
             "  --dry-run             print the memory plan per rank (shards, full buffers, activations)\n"
             "                        for this model, world (--nproc or the MPI world) and batch; no training\n"
             "  --mem-limit SIZE      per-rank memory limit, e.g. 1.5G: refuse a plan over it before any\n"
             "                        work, and stop the run if the library's allocations pass it (default none)\n"
             "  --help                this text\n",
-            d.model, d.data, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
+            MODEL_DEFAULT, d.data, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
             (double)d.beta1, (double)d.beta2, (double)d.eps, (double)d.momentum,
             (double)d.weight_decay, (double)d.clip, (unsigned long long)d.seed, d.comm,
             (double)d.collective_timeout, d.sample);
@@ -205,6 +249,36 @@ static void parse_args(int argc, char **argv, struct opts *o) {
         } else if (!strcmp(a, "--reshard-after-forward")) {
             if (strcmp(v, "on") && strcmp(v, "off")) usage_error("--reshard-after-forward: '%s' is not on or off", v);
             o->reshard_after_forward = !strcmp(v, "on");
+        } else if (!strcmp(a, "--sharding")) {
+            if (strcasecmp(v, "FULL_SHARD") && strcasecmp(v, "SHARD_GRAD_OP") && strcasecmp(v, "NO_SHARD") &&
+                strcasecmp(v, "HYBRID_SHARD"))
+                usage_error("--sharding: '%s' is not FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD", v);
+            o->sharding = v;
+        } else if (!strcmp(a, "--shard-group")) {
+            o->shard_group = (int)parse_int(a, v, 1, 1 << 20);
+        } else if (!strcmp(a, "--grad-accum")) {
+            o->grad_accum = (int)parse_int(a, v, 1, 1 << 20);
+        } else if (!strcmp(a, "--overlap")) {
+            if (strcmp(v, "on") && strcmp(v, "off")) usage_error("--overlap: '%s' is not on or off", v);
+            o->overlap = !strcmp(v, "on");
+        } else if (!strcmp(a, "--max-inflight")) {
+            o->max_inflight = (int)parse_int(a, v, 1, 1 << 20);
+        } else if (!strcmp(a, "--accum-mode")) {
+            if (strcmp(v, "reduce") && strcmp(v, "no_sync"))
+                usage_error("--accum-mode: '%s' is not reduce or no_sync", v);
+            o->accum_mode = v;
+        } else if (!strcmp(a, "--precision")) {
+            if (strcasecmp(v, "FP32") && strcasecmp(v, "AMP_BF16") && strcasecmp(v, "AMP_FP16"))
+                usage_error("--precision: '%s' is not FP32, AMP_BF16 or AMP_FP16", v);
+            o->precision = v;
+        } else if (!strcmp(a, "--mixed-precision")) {
+            if (strcasecmp(v, "FULL") && strcasecmp(v, "DEFAULT") && strcasecmp(v, "PURE"))
+                usage_error("--mixed-precision: '%s' is not FULL, DEFAULT or PURE", v);
+            o->mixed_precision = v;
+        } else if (!strcmp(a, "--loss-scale-init")) {
+            o->loss_scale_init = parse_float(a, v, 1e-30, 1e30);
+        } else if (!strcmp(a, "--loss-scale-growth-interval")) {
+            o->loss_scale_growth = (int)parse_int(a, v, 1, 1 << 30);
         } else if (!strcmp(a, "--init")) {
             if (strcmp(v, "deferred") && strcmp(v, "rank0")) usage_error("--init: '%s' is not deferred or rank0", v);
             o->init = v;
@@ -413,12 +487,32 @@ static int ac_every(struct fsdp_module *m, void *ud) {
     return atoi(m->name) % *(const int *)ud == 0;
 }
 
+/* --sharding, --shard-group and --grad-accum against the world: every rank
+ * computes the same verdict. */
+static void check_strategy_flags(const struct opts *o, int world) {
+    int hybrid = !strcasecmp(o->sharding, "HYBRID_SHARD");
+    if (o->shard_group && !hybrid)
+        fail_all("--shard-group %d needs --sharding HYBRID_SHARD (not %s)", o->shard_group, o->sharding);
+    if (o->shard_group && world % o->shard_group != 0)
+        fail_all("--shard-group %d does not divide the world of %d ranks", o->shard_group, world);
+    if ((o->batch / world) % o->grad_accum != 0)
+        fail_all("--grad-accum %d does not divide the per-rank batch of %d sequences (--batch %d over %d ranks)",
+                 o->grad_accum, o->batch / world, o->batch, world);
+}
+
 static struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *gpt,
                                         struct fsdp_optim *opt) {
     struct fsdp_parallel_config pc = fsdp_parallel_config_default();
     pc.reshard_after_forward = o->reshard_after_forward;
     pc.verbose = o->verbose;
     pc.seed = o->seed;
+    fsdp_sharding_parse(ctx, o->sharding, &pc.sharding); /* validated with the flags */
+    pc.overlap = o->overlap;
+    pc.max_inflight = o->max_inflight;
+    if (o->shard_group) { /* a 2-D mesh {replicas, shard group}; divides the world (checked) */
+        pc.mesh[0] = fsdp_ctx_world(ctx) / o->shard_group;
+        pc.mesh[1] = o->shard_group;
+    }
     static int64_t min_size;
     static int every;
     struct fsdp_wrap_policy wp = {fsdp_wrap_by_type, (void *)"Block"};
@@ -438,10 +532,53 @@ static struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct opts 
             ac.ud = &every;
         }
     }
+    enum fsdp_dtype prec;
+    if (fsdp_precision_parse(ctx, o->precision, &prec) != FSDP_OK) fail_all("--precision: %s", fsdp_errmsg(ctx));
+    pc.mixed_precision = !strcasecmp(o->mixed_precision, "FULL")   ? FSDP_MP_FULL
+                         : !strcasecmp(o->mixed_precision, "PURE") ? FSDP_MP_PURE
+                                                                   : FSDP_MP_DEFAULT;
     struct fsdp_model *fm;
-    if (fsdp_parallelize_model(ctx, gpt, &pc, opt, FSDP_F32, &wp, acp, NULL, &fm) != FSDP_OK)
+    if (fsdp_parallelize_model(ctx, gpt, &pc, opt, prec, &wp, acp, NULL, &fm) != FSDP_OK)
         fail_all("%s", fsdp_errmsg(ctx));
+    if (prec == FSDP_F16) {
+        struct fsdp_loss_scale_opts lo = fsdp_loss_scale_opts_default();
+        lo.enabled = 1;
+        lo.init_scale = o->loss_scale_init;
+        lo.growth_interval = o->loss_scale_growth;
+        if (fsdp_model_set_loss_scale(ctx, fm, &lo) != FSDP_OK) fail_all("--loss-scale-*: %s", fsdp_errmsg(ctx));
+    }
     return fm;
+}
+
+static const char *json_num(char *buf, size_t cap, double x) {
+    if (isfinite(x)) snprintf(buf, cap, "%.9g", x);
+    else snprintf(buf, cap, "null");
+    return buf;
+}
+
+/* --precision as Composer spells it. */
+static const char *precision_name(const struct opts *o) {
+    return !strcasecmp(o->precision, "AMP_BF16") ? "AMP_BF16" : !strcasecmp(o->precision, "AMP_FP16") ? "AMP_FP16"
+                                                                                                  : "FP32";
+}
+
+/* One line: the precision, and how many units gather / reduce / compute in what. */
+static void precision_line(const struct opts *o, const struct fsdp_model *fm) {
+    int n = fsdp_model_n_units(fm), lp_param = 0, lp_reduce = 0, fp32_units = 0;
+    for (int i = 0; i < n; i++) {
+        struct fsdp_unit_precision up;
+        fsdp_model_unit_precision(fm, i, &up);
+        lp_param += up.param_dtype != FSDP_F32;
+        lp_reduce += up.reduce_dtype != FSDP_F32;
+        fp32_units += up.compute_dtype == FSDP_F32;
+    }
+    if (!strcasecmp(o->precision, "FP32")) {
+        printf("precision: FP32\n");
+        return;
+    }
+    printf("precision: %s, mixed_precision %s: %d of %d units gather in 16 bits, %d reduce in 16 bits, %d compute "
+           "in fp32%s\n", precision_name(o), o->mixed_precision, lp_param, n, lp_reduce, fp32_units,
+           !strcasecmp(o->precision, "AMP_FP16") ? "; dynamic loss scaling" : "");
 }
 
 /* An error of this rank alone: report and end every rank. */
@@ -574,6 +711,11 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
     /* the units and checkpointing prepare_model will ask fsdp_parallelize_model for */
     struct fsdp_shard_opts so = fsdp_shard_opts_default();
     so.reshard_after_forward = o->reshard_after_forward;
+    fsdp_sharding_parse(ctx, o->sharding, &so.sharding);
+    so.shard_group = o->shard_group;
+    so.overlap = o->overlap;
+    so.max_inflight = o->max_inflight;
+    check_strategy_flags(o, pworld);
     static int64_t min_size;
     if (!strcmp(o->wrap, "none")) so.wrap = NULL;
     else if (!strncmp(o->wrap, "size:", 5)) {
@@ -591,16 +733,21 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
     for (int i = 0; i < shown; i++) {
         int r = pworld <= 8 ? i : (i ? pworld - 1 : 0);
         struct fsdp_mem_plan p;
-        enum fsdp_status pst = fsdp_plan_memory(ctx, gpt, &so, pworld, r, k, o->batch / pworld, o->seq, threads, &p);
+        enum fsdp_status pst = fsdp_plan_memory_accum(
+            ctx, gpt, &so, pworld, r, k, o->batch / pworld / o->grad_accum, o->seq, threads, o->grad_accum,
+            !strcmp(o->accum_mode, "no_sync") ? FSDP_ACCUM_NO_SYNC : FSDP_ACCUM_REDUCE_EACH, &p);
         if (pst != FSDP_OK) fail_all("memory plan: %s", fsdp_errmsg(ctx));
         p.workspace += held.cur_total;
         p.total += held.cur_total;
         if (i == 0) p0 = p;
         if (!o->dry_run || me != 0) continue;
         if (i == 0) {
-            printf("memory plan: FULL_SHARD, world %d, %d units (--wrap %s), --ac %s, batch %d x %d tokens per "
-                   "rank, %s (%d state floats per element), %d threads per rank\n", pworld, p.n_units, o->wrap,
-                   o->ac, o->batch / pworld, o->seq, o->optim, k, threads);
+            printf("memory plan: %s, world %d, %d units (--wrap %s), --ac %s, batch %d x %d tokens per "
+                   "rank, %s (%d state floats per element), %d threads per rank\n", o->sharding, pworld,
+                   p.n_units, o->wrap, o->ac, o->batch / pworld, o->seq, o->optim, k, threads);
+            if (o->grad_accum > 1)
+                printf("  in %d micro-batches of %d (--accum-mode %s)\n", o->grad_accum,
+                       o->batch / pworld / o->grad_accum, o->accum_mode);
             printf("%-6s %12s %12s %12s %12s %12s %12s %12s\n", "rank", "params", "grads", "optimizer",
                    "full bufs", "activations", "workspace", "total");
         }
@@ -616,6 +763,10 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
                    (double)limit / 1048576.0, p0.total <= limit ? "fits" : "EXCEEDED",
                    100.0 * (double)p0.total / (double)limit);
         printf("(library accounting; the process also holds MPI, oneDNN and the program itself)\n");
+        if (strcasecmp(o->precision, "FP32"))
+            printf("(planned as FP32: --precision %s adds the 16-bit gather staging (half a unit's full "
+                   "buffer) and 16-bit copies of the products' inputs in the arena, not in this plan)\n",
+                   o->precision);
     }
     plan_mark_ac(gpt, o, 0); /* fsdp_parallelize_model marks them itself */
     if (limit && p0.total > limit)
@@ -660,20 +811,7 @@ int main(int argc, char **argv) {
     if (o.nproc > 1 && world != o.nproc && !(o.dry_run && !under_mpi))
         fail_all("--nproc %d but the MPI world has %d ranks", o.nproc, world);
 
-    /* model config */
-    struct fsdp_gpt_config cfg;
-    if (o.model_config) {
-        if (fsdp_gpt_config_load(ctx, o.model_config, &cfg) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
-    } else if (fsdp_gpt_config_preset(o.model, &cfg) != FSDP_OK) {
-        fail_all("--model: unknown preset '%s' (tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl)", o.model);
-    }
-    if (fsdp_gpt_config_validate(ctx, &cfg) != FSDP_OK) fail_all("model config: %s", fsdp_errmsg(ctx));
-    if (o.seq > cfg.block_size)
-        fail_all("--seq %d is longer than the model's block_size %d", o.seq, cfg.block_size);
-    if (o.batch % world != 0)
-        fail_all("--batch %d (global) is not divisible by the world size %d", o.batch, world);
-
-    /* --resume: the checkpoint's seed keys the data and sampling streams */
+    /* --resume: meta.json first, for its model config */
     char resume_buf[4096];
     const char *resume_dir = NULL;
     struct fsdp_ckpt_meta ck = {0};
@@ -682,6 +820,40 @@ int main(int argc, char **argv) {
             fail_all("--resume: '%s' is neither a checkpoint (no meta.json) nor a folder holding step-N checkpoints",
                      o.resume);
         if (fsdp_ckpt_read_meta(ctx, resume_dir, &ck) != FSDP_OK) fail_all("--resume: %s", fsdp_errmsg(ctx));
+    }
+
+    /* model config: the flags, else the checkpoint's, else the default preset */
+    struct fsdp_gpt_config cfg;
+    if (o.model_config) {
+        if (fsdp_gpt_config_load(ctx, o.model_config, &cfg) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
+    } else if (!o.model && resume_dir && ck.has_config) {
+        cfg = ck.config;
+    } else if (fsdp_gpt_config_preset(o.model ? o.model : MODEL_DEFAULT, &cfg) != FSDP_OK) {
+        fail_all("--model: unknown preset '%s' (tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl)", o.model);
+    }
+    if (fsdp_gpt_config_validate(ctx, &cfg) != FSDP_OK) fail_all("model config: %s", fsdp_errmsg(ctx));
+    if (resume_dir && ck.has_config && (o.model || o.model_config)) {
+        const char *what = o.model_config ? "--model-config" : "--model";
+        const char *arg = o.model_config ? o.model_config : o.model;
+        int a[5] = {cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.block_size};
+        int b[5] = {ck.config.n_layer, ck.config.n_head, ck.config.n_embd, ck.config.vocab_size, ck.config.block_size};
+        static const char *const names[5] = {"n_layer", "n_head", "n_embd", "vocab_size", "block_size"};
+        for (int i = 0; i < 5; i++)
+            if (a[i] != b[i])
+                fail_all("%s %s: %s %d, but the checkpoint %s was saved with %s %d (leave out %s to use the "
+                         "checkpoint's model)", what, arg, names[i], a[i], resume_dir, names[i], b[i], what);
+    } else if (resume_dir && !ck.has_config && !o.model && !o.model_config) {
+        fail_all("--resume: %s holds no model config (converted without one): give --model or --model-config",
+                 resume_dir);
+    }
+    if (o.seq > cfg.block_size)
+        fail_all("--seq %d is longer than the model's block_size %d", o.seq, cfg.block_size);
+    if (o.batch % world != 0)
+        fail_all("--batch %d (global) is not divisible by the world size %d", o.batch, world);
+    check_strategy_flags(&o, world);
+
+    /* --resume: the checkpoint's seed keys the data and sampling streams */
+    if (resume_dir) {
         if (ck.step > 0 && ck.seed != o.seed) { /* a converted folder (step 0) carries no data position */
             if (rank == 0) printf("resume: using the checkpoint's seed %llu\n", (unsigned long long)ck.seed);
             o.seed = ck.seed;
@@ -744,6 +916,16 @@ int main(int argc, char **argv) {
                fsdp_model_n_units(fm));
         printf("world %d (%s), %d threads per rank; batch %d x %d tokens; %d steps\n", world,
                fsdp_comm_backend(fsdp_ctx_comm(ctx)), co.threads, o.batch, o.seq, o.steps);
+        printf("sharding: %s", o.sharding);
+        if (!strcasecmp(o.sharding, "HYBRID_SHARD") && o.shard_group)
+            printf(" (groups of %d ranks, %d replicas)", o.shard_group, world / o.shard_group);
+        else if (!strcasecmp(o.sharding, "HYBRID_SHARD"))
+            printf(" (groups: the ranks of each host)");
+        if (o.grad_accum > 1)
+            printf("; %d micro-batches of %d x %d tokens per rank per step (%s)", o.grad_accum,
+                   o.batch / world / o.grad_accum, o.seq, o.accum_mode);
+        printf("\n");
+        precision_line(&o, fm);
         double floor_ = fsdp_data_loss_floor(data);
         if (floor_ >= 0) printf("data: %s, %zu tokens, loss floor %.3f nats/token\n", o.data,
                                 fsdp_data_ntokens(data), floor_);
@@ -764,23 +946,27 @@ int main(int argc, char **argv) {
     int tty = tty_env ? atoi(tty_env) : isatty(STDOUT_FILENO);
     double flops_tok = 3.0 * fsdp_gpt_flops_per_token(&cfg, T);
     double total_s = 0, first_loss = 0, last_loss = 0;
-    int timed = 0;
+    int timed = 0, skipped = 0;
     struct comm_delta comm_total = {0}; /* over the timed steps (all but the first) */
     for (int step = start_step; step < o.steps; step++) {
         fsdp_data_batch(data, step, o.batch, T, rank, world, inputs, targets);
         float lr = fsdp_lr_at(&sched, step);
         struct fsdp_step_result r;
         struct fsdp_comm_stats cs0, cs1;
-        fsdp_comm_stats_get(fsdp_ctx_comm(ctx), &cs0);
+        fsdp_model_comm_stats(fm, &cs0); /* all groups of the strategy */
         double t0 = now_s();
-        st = fsdp_model_train_step(ctx, fm, inputs, targets, Bl, T, lr, o.clip, &r);
+        st = fsdp_model_train_step_accum(ctx, fm, inputs, targets, Bl / o.grad_accum, T, o.grad_accum,
+                                         !strcmp(o.accum_mode, "no_sync") ? FSDP_ACCUM_NO_SYNC
+                                                                          : FSDP_ACCUM_REDUCE_EACH,
+                                         lr, o.clip, &r);
         double dt = now_s() - t0;
-        fsdp_comm_stats_get(fsdp_ctx_comm(ctx), &cs1);
+        fsdp_model_comm_stats(fm, &cs1);
         struct comm_delta cd = {0};
         comm_delta_add(&cd, &cs0, &cs1);
         if (st == FSDP_ERR_NUMERIC) fail_all("step %d: %s", step + 1, fsdp_errmsg(ctx)); /* every rank agrees */
-        if (st != FSDP_OK) fail_rank("step %d: %s", step, fsdp_errmsg(ctx));
+        if (st != FSDP_OK) fail_rank("step %d: %s", step + 1, fsdp_errmsg(ctx));
         if (step > 0) { total_s += dt; timed++; comm_delta_add(&comm_total, &cs0, &cs1); }
+        skipped += r.skipped;
         if (step == start_step) first_loss = r.loss;
         last_loss = r.loss;
         float rss = (float)((double)fsdp_peak_rss_bytes() / 1048576.0), rss_max = rss;
@@ -790,17 +976,22 @@ int main(int argc, char **argv) {
         if (rank == 0) {
             if (tty) progress(step + 1, o.steps, r.loss, dt * 1e3, tps);
             else
-                printf("step %4d/%d  loss %.4f  lr %.2e  grad_norm %.4f  %.1f ms  %.0f tok/s\n", step + 1,
-                       o.steps, r.loss, (double)lr, r.grad_norm, dt * 1e3, tps);
+                printf("step %4d/%d  loss %.4f  lr %.2e  grad_norm %.4f  %.1f ms  %.0f tok/s%s\n", step + 1,
+                       o.steps, r.loss, (double)lr, r.grad_norm, dt * 1e3, tps,
+                       r.skipped ? "  SKIPPED (overflow; loss scale halved)" : "");
             if (logf) {
+                char jl[32], jg[32]; /* a skipped step's norm is inf or nan: null in JSON */
                 fprintf(logf,
-                        "{\"step\": %d, \"loss\": %.9g, \"lr\": %.9g, \"grad_norm\": %.9g, \"param_norm\": %.9g, "
+                        "{\"step\": %d, \"loss\": %s, \"lr\": %.9g, \"grad_norm\": %s, \"param_norm\": %.9g, "
                         "\"step_ms\": %.3f, \"forward_ms\": %.3f, \"backward_ms\": %.3f, \"update_ms\": %.3f, "
-                        "\"tokens_per_s\": %.1f, \"peak_rss_mb\": %.1f, \"comm_ms\": %.3f, \"comm_bytes\": %llu, "
+                        "\"tokens_per_s\": %.1f, \"peak_rss_mb\": %.1f, \"comm_ms\": %.3f, \"exposed_comm_ms\": %.3f, "
+                        "\"comm_bytes\": %llu, "
+                        "\"precision\": \"%s\", \"skipped\": %d, \"skipped_total\": %d, \"loss_scale\": %.9g, "
                         "\"comm\": {",
-                        step + 1, r.loss, (double)lr, r.grad_norm, r.param_norm, dt * 1e3, r.forward_s * 1e3,
-                        r.backward_s * 1e3, r.update_s * 1e3, tps, (double)rss_max, cd.total_s * 1e3,
-                        (unsigned long long)cd.total_bytes);
+                        step + 1, json_num(jl, sizeof jl, r.loss), (double)lr,
+                        json_num(jg, sizeof jg, r.grad_norm), r.param_norm, dt * 1e3, r.forward_s * 1e3,
+                        r.backward_s * 1e3, r.update_s * 1e3, tps, (double)rss_max, cd.total_s * 1e3, r.comm_wait_s * 1e3,
+                        (unsigned long long)cd.total_bytes, precision_name(&o), r.skipped, skipped, r.loss_scale);
                 for (int k = 0; k < FSDP_COLL_COUNT; k++)
                     fprintf(logf, "%s\"%s\": {\"ms\": %.3f, \"bytes\": %llu}", k ? ", " : "", coll_names[k],
                             cd.wait_s[k] * 1e3, (unsigned long long)cd.bytes[k]);
@@ -834,6 +1025,8 @@ int main(int argc, char **argv) {
         printf("summary: loss %.4f -> %.4f%s | %.0f tokens/s | %.2f GFLOP/s model | peak RSS %.0f MB per rank "
                "(ZeRO-3 estimate for params+grads+AdamW: %.0f MB)\n",
                first_loss, last_loss, floor_txt, tps, tps * flops_tok / 1e9, (double)rss_max, zero3);
+        printf("precision: %s | %d skipped steps | loss scale %g\n", precision_name(&o), skipped,
+               fsdp_model_loss_scale(fm));
         /* exposed communication: time the compute thread sat in waits (rank 0) */
         printf("comm (%s, rank 0, %d timed steps): exposed comm %.1f ms/step = %.1f%% of step time",
                fsdp_comm_backend(fsdp_ctx_comm(ctx)), timed, timed ? comm_total.total_s * 1e3 / timed : 0.0,

@@ -78,6 +78,11 @@ enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **
 /* Sets *local to the number of ranks of the MPI communicator c that share
  * this rank's host (MPI_COMM_TYPE_SHARED). COLLECTIVE: yes. */
 enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local);
+/* MPI_Comm_split of the MPI communicator c: a new MPI communicator (any
+ * size) returned to the caller. COLLECTIVE: yes (over c). */
+enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, struct fsdp_comm **out);
+/* The inner MPI communicator of a shm communicator (borrowed), for splitting. */
+struct fsdp_comm *fsdp__comm_shm_mpi(struct fsdp_comm *c);
 /* The shared-memory backend over the ranks of `mpi` (an MPI communicator
  * whose ranks all share one host), which it uses for the handshake and for
  * aborting the job. Takes ownership of mpi, also on failure. COLLECTIVE: yes. */

@@ -79,6 +79,47 @@ void fsdp__comm_free(struct fsdp_comm *c) {
     if (c) c->ops->free(c);
 }
 
+void fsdp_comm_free(struct fsdp_comm *c) { fsdp__comm_free(c); }
+
+/* [Note: communicator split] The groups come from MPI_Comm_split over the
+ * MPI communicator underneath (a shm communicator's handshake one); a group
+ * of one rank becomes a "self" communicator, a shm group gets its own
+ * segment and progress thread. The new communicator inherits the watchdog
+ * and the schedule check; its statistics start at zero. */
+enum fsdp_status fsdp_comm_local_size(struct fsdp_comm *c, int *out) {
+    if (!c || !out) return FSDP_ERR_INVALID;
+    if (!strcmp(c->backend, "mpi")) return fsdp__comm_mpi_local_size(c, out);
+    *out = c->size; /* self: one rank; shm: one host */
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_comm_split(struct fsdp_comm *c, int color, int key, struct fsdp_comm **out) {
+    if (!c || !out) return FSDP_ERR_INVALID;
+    *out = NULL;
+    if (color < 0) return fsdp__err(c->ctx, FSDP_ERR_INVALID, "comm split: color %d is negative", color);
+    struct fsdp_comm *m = NULL, *n = NULL;
+    enum fsdp_status st = FSDP_OK;
+    if (!strcmp(c->backend, "self")) {
+        st = fsdp__comm_self_create(c->ctx, &n);
+    } else {
+        struct fsdp_comm *base = !strcmp(c->backend, "shm") ? fsdp__comm_shm_mpi(c) : c;
+        st = fsdp__comm_mpi_split(base, color, key, &m);
+        if (st == FSDP_OK && m->size == 1) {
+            fsdp__comm_free(m);
+            st = fsdp__comm_self_create(c->ctx, &n);
+        } else if (st == FSDP_OK && !strcmp(c->backend, "shm")) {
+            st = fsdp__comm_shm_create(c->ctx, m, &n); /* owns m, also on failure */
+        } else if (st == FSDP_OK) {
+            n = m;
+        }
+    }
+    if (st != FSDP_OK) return st;
+    n->timeout_s = c->timeout_s;
+    n->check = c->check;
+    *out = n;
+    return FSDP_OK;
+}
+
 void fsdp__comm_abort(struct fsdp_comm *c, int code) {
     if (c) c->ops->abort(c, code);
 }
@@ -207,8 +248,15 @@ static enum fsdp_status check_schedule(struct fsdp_comm *c, enum fsdp_coll coll,
     int32_t *all = fsdp__alloc(c->ctx, sizeof mine * (size_t)c->size, FSDP_MEM_OTHER,
                                "schedule check fingerprints");
     if (!all) return FSDP_ERR_NOMEM;
+    /* the exchange is tagged with what it checks, so that a watchdog timeout
+     * in it (a peer that stopped before its next collective) names that */
+    char tag[sizeof c->tag];
+    memcpy(tag, c->tag, sizeof tag);
+    snprintf(c->tag, sizeof c->tag, "schedule check of %s #%llu%s%s", fsdp__coll_name(coll),
+             (unsigned long long)(c->seq + 1), tag[0] ? ", " : "", tag);
     struct fsdp_comm_req *r = NULL;
     enum fsdp_status st = c->ops->allgather_start(c, mine, all, FP_N, FSDP_I32, &r);
+    memcpy(c->tag, tag, sizeof tag);
     if (st == FSDP_OK) st = c->ops->wait(c, r);
     for (int k = 1; st == FSDP_OK && k < c->size; k++) {
         if (memcmp(all, all + (size_t)k * FP_N, sizeof mine) == 0) continue;
@@ -264,6 +312,7 @@ enum fsdp_status fsdp_comm_reduce_scatter_start(struct fsdp_comm *c, const void 
     c->seq++;
     FSDP_TRY(c->ops->reduce_scatter_start(c, send, recv, count, dt, op, req));
     count_start(c, FSDP_COLL_REDUCE_SCATTER, total);
+    fsdp__fault_point("reduce-scatter", c->tag[0] ? c->tag : NULL); /* FSDP_FAULT (core/fault.c) */
     return FSDP_OK;
 }
 

@@ -270,6 +270,33 @@ enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local) {
 
 /* ---- Life ---- */
 
+static const struct fsdp_comm_ops mpi_ops;
+
+enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, struct fsdp_comm **out) {
+    MPI_Comm sub = MPI_COMM_NULL;
+    int rc = MPI_Comm_split(comm_of(c), color, key, &sub);
+    if (rc != MPI_SUCCESS) return mpi_fail(c->ctx, c->rank, c->size, rc, "MPI_Comm_split");
+    struct fsdp_comm *n = fsdp__calloc(c->ctx, sizeof *n, FSDP_MEM_OTHER, "communicator");
+    struct mpi_state *s = fsdp__calloc(c->ctx, sizeof *s, FSDP_MEM_OTHER, "MPI communicator state");
+    if (!n || !s) {
+        fsdp__free(c->ctx, n);
+        fsdp__free(c->ctx, s);
+        MPI_Comm_free(&sub);
+        return FSDP_ERR_NOMEM;
+    }
+    MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
+    s->comm = sub;
+    n->ops = &mpi_ops;
+    n->ctx = c->ctx;
+    n->backend = "mpi";
+    n->state = s;
+    MPI_Comm_rank(sub, &n->rank);
+    MPI_Comm_size(sub, &n->size);
+    mpi_live++;
+    *out = n;
+    return FSDP_OK;
+}
+
 static void mpi_abort_hook(int code) {
     int init = 0, fin = 0;
     MPI_Initialized(&init);

@@ -74,6 +74,15 @@ void fsdp__free(struct fsdp_ctx *ctx, void *p);
 extern long fsdp__alloc_count, fsdp__alloc_fail_at;
 char *fsdp__strdup(const char *s); /* plain malloc, unaccounted (names) */
 
+/* ---- Fault injection (fault.c, [Note: fault injection]) ---- */
+/* Env FSDP_FAULT=POINT:RANK:STEP[:kill|stop]: the named rank raises SIGKILL
+ * (or SIGSTOP) on itself at the first call with this `point` ("forward",
+ * "backward", "reduce-scatter", "ckpt-save") once fsdp__fault_step >= STEP.
+ * `where` (may be NULL) is printed with it, e.g. the unit. */
+void fsdp__fault_point(const char *point, const char *where);
+/* Training steps started in this process (fsdp_model_train_step counts them). */
+extern long fsdp__fault_step;
+
 /* ---- Arena ---- */
 void fsdp__arena_free_all(struct fsdp_ctx *ctx);
 

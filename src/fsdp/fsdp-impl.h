@@ -32,8 +32,13 @@ struct fsdp__unit {
     int64_t *offsets;             /* flat offset of params[i] */
     int64_t numel_full, numel_padded, numel_shard;
     int reshard_after_forward;
-    enum fsdp_mixed_precision mixed_precision; /* FULL until mixed precision exists */
+    enum fsdp_mixed_precision mixed_precision; /* resolved: the override or the model's (mixed.c) */
     struct fsdp_unit_overrides overrides;      /* what the wrap policy overrode (plan) */
+    /* precision policy (mixed.c; all FSDP_F32 = 0 unless fsdp__mp_resolve set them) */
+    enum fsdp_dtype param_dtype;   /* the all-gather's dtype and the values the compute sees */
+    enum fsdp_dtype reduce_dtype;  /* the reduce-scatter's dtype */
+    enum fsdp_dtype output_dtype;  /* tensors leaving the unit's modules: always F32 here */
+    enum fsdp_dtype compute_dtype; /* set on the unit's modules (fsdp_module_set_compute_dtype) */
     float *summoned;              /* (numel_padded) fsdp_summon_full_params buffer, or NULL */
     /* one allocation: param shard | grad shard | optimizer state (k x numel_shard) */
     float *shard_mem;
@@ -47,6 +52,12 @@ struct fsdp__unit {
     enum fsdp__unit_phase phase;
     int n_slices;
     struct fsdp_optim_slice *slices; /* optimizer view of the shard, per decay run */
+    /* overlap ([Note: prefetch and overlap], unit.c) */
+    int prefetched;               /* gathered ahead by a prefetch, its hook not yet run */
+    struct fsdp_comm_req *rs_req; /* the reduce-scatter in flight (post-backward), or NULL */
+    void *rs_recv;                /* where it lands (fsdp__mp_grad_recv) */
+    float *rs_prev;               /* (numel_shard) the accumulated shard to add back, or NULL */
+    int rs_pending;               /* reduction started, not yet finished */
 };
 
 /* A pooled full-size buffer. */
@@ -54,6 +65,15 @@ struct fsdp__pool_buf {
     float *mem;
     int64_t cap;
     int in_use;
+};
+
+/* Dynamic loss scaling state (torch's GradScaler), see mixed.c. */
+struct fsdp__scaler {
+    struct fsdp_loss_scale_opts opts; /* opts.enabled == 0: scale 1, non-finite is an error */
+    double scale;
+    int64_t calls;    /* train steps attempted (the injection's step index) */
+    int64_t clean;    /* consecutive finite steps since the last growth or skip */
+    int64_t skipped;  /* steps skipped on overflow */
 };
 
 struct fsdp_model {
@@ -69,6 +89,28 @@ struct fsdp_model {
     int load_monolith_rank0_only;
     /* fsdp_summon_full_params: active, and how it ends */
     int summon_active, summon_writeback, summon_rank0_only;
+    /* the sharding strategy ([Note: sharding strategies], shard.c): units shard
+     * over shard_comm (shard_size ranks; NULL when 1) and all-reduce gradient
+     * shards over rep_comm (rep_size replicas; NULL when 1). Each is ctx->comm
+     * (borrowed) when it spans the world, else split from it and owned. */
+    enum fsdp_sharding sharding;
+    struct fsdp_comm *shard_comm, *rep_comm;
+    int shard_rank, shard_size, rep_rank, rep_size;
+    int own_shard_comm, own_rep_comm;
+    /* gradient accumulation ([Note: gradient accumulation], step.c): no_sync
+     * keeps each unit's full gradient across backward passes without reducing;
+     * grad_accumulate adds the reduced gradient into the shard instead of
+     * overwriting it. Both 0 outside fsdp_model_train_step_accum. */
+    int no_sync, grad_accumulate;
+    /* overlap ([Note: prefetch and overlap], unit.c): prefetch and defer
+     * reduce-scatters when `overlap`; at most max_inflight units gathered or
+     * gathering at once counting the one computing; in_forward/in_backward
+     * are set by step.c around the passes (not during a recompute's forward
+     * inside backward, which runs with in_forward 0) */
+    int overlap, max_inflight, n_inflight, in_forward, in_backward;
+    int *bwd_order;               /* (n_units) pre-backward order of the units */
+    struct fsdp__unit *rs_last;   /* the unit whose reduction is still pending */
+    struct fsdp__scaler scaler;   /* dynamic loss scaling (mixed.c) */
 };
 
 /* ---- Layout only (shard.c), for the memory planner (plan.c) ---- */
@@ -77,6 +119,19 @@ struct fsdp_model {
  * with fsdp_model_free (which also clears the parameters' fsdp_priv). */
 enum fsdp_status fsdp__model_layout(struct fsdp_ctx *ctx, struct fsdp_module *root,
                                     const struct fsdp_shard_opts *opts, struct fsdp_model **out);
+
+/* ---- Sharding strategies (sharding.c) ---- */
+/* Sets fm's strategy, shard_size/rank and rep_size/rank for `world` ranks
+ * (`local`: ranks on this host, HYBRID_SHARD's default K; 0: the world).
+ * Bad options are FSDP_ERR_INVALID naming the flag. COLLECTIVE: no. */
+enum fsdp_status fsdp__sharding_layout(struct fsdp_ctx *ctx, const struct fsdp_shard_opts *o, int world,
+                                       int rank, int local, struct fsdp_model *fm);
+/* The layout for ctx's world plus the shard and replica communicators.
+ * COLLECTIVE: yes (for HYBRID_SHARD). */
+enum fsdp_status fsdp__sharding_comms(struct fsdp_ctx *ctx, const struct fsdp_shard_opts *o,
+                                      struct fsdp_model *fm);
+/* Frees the communicators fm owns. COLLECTIVE: yes when it owns any. */
+void fsdp__sharding_free(struct fsdp_model *fm);
 
 /* ---- Units ---- */
 enum fsdp_status fsdp__unit_unshard(struct fsdp_ctx *ctx, struct fsdp__unit *u);
@@ -95,8 +150,167 @@ enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit
  * init refuse to run then). Returns the first such unit, or NULL. */
 struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
 
+/* ---- Mixed precision (mixed.c) ----
+ * [Note: low-precision gather and reduce] A unit whose param_dtype is 16-bit
+ * gathers into a pooled buffer of fsdp__mp_full_numel(u) floats: the fp32
+ * full values (numel_padded floats) followed by the 16-bit staging area
+ * (numel_padded elements). Each rank casts its fp32 shard into its block of
+ * the staging area, the all-gather runs in place there in the 16-bit dtype
+ * (half the bytes), and fsdp__mp_gather_finish widens it into the fp32 part
+ * (what p->data shows) and leaves the 16-bit copy as p->data_lp, which the
+ * layers multiply with instead of casting the weight again
+ * (fsdp__pdata_lp). The reduce-scatter needs no extra memory:
+ * fsdp__mp_grad_send narrows the fp32 full gradient in place into its lower
+ * half (element i's 2 bytes never reach an unread fp32 element), the
+ * collective runs in reduce_dtype into the upper half (fsdp__mp_grad_recv),
+ * and fsdp__mp_grad_land widens the result into the fp32 gradient shard. A
+ * world of one takes the same casts (so that it computes what N ranks
+ * compute) and skips the collective. */
+/* Floats of pooled buffer a gather of u needs: numel_padded, plus the
+ * 16-bit staging area when param_dtype is BF16 / F16. */
+int64_t fsdp__mp_full_numel(const struct fsdp__unit *u);
+
+/* Resolves every unit's policy from the model-wide compute precision and
+ * mixed_precision, or the unit's FSDP_OVR_MIXED_PRECISION override (FULL
+ * there means fp32 compute too), and sets the compute dtype of the unit's
+ * modules, parents first. Enables loss scaling when any unit computes in
+ * FSDP_F16. */
+enum fsdp_status fsdp__mp_resolve(struct fsdp_ctx *ctx, struct fsdp_model *fm, enum fsdp_dtype precision,
+                                  enum fsdp_mixed_precision mp);
+/* Casts u's shard into its block of u->full (see the note) and starts the
+ * all-gather in param_dtype over comm, whose rank `rank` owns block `rank`
+ * (*req NULL when comm is NULL or of size 1). COLLECTIVE: yes. */
+enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct fsdp__unit *u,
+                                       struct fsdp_comm_req **req);
+/* After the gather's wait: widens u->full to fp32 in place. */
+void fsdp__mp_gather_finish(struct fsdp__unit *u);
+/* Narrows u->full_grad in place to reduce_dtype (no-op for F32) and returns
+ * the send buffer of the reduce-scatter (numel_padded elements). */
+void *fsdp__mp_grad_send(struct fsdp__unit *u);
+/* Where the reduce-scatter of block `rank` lands: u->grad_shard for F32,
+ * else the upper half of u->full_grad (numel_shard 16-bit elements). */
+void *fsdp__mp_grad_recv(struct fsdp__unit *u);
+/* After the reduce-scatter's wait: widens recv (from fsdp__mp_grad_recv)
+ * into u->grad_shard (no-op for F32). When the full gradient is the shard
+ * (a world of one), rounds the shard through reduce_dtype instead. */
+void fsdp__mp_grad_land(struct fsdp__unit *u, const void *recv);
+/* "DEFAULT", "PURE", "FULL" (the plan's text). */
+const char *fsdp__mp_name(enum fsdp_mixed_precision mp);
+/* The train step's loss scaling (step.c): the factor the loss gradient is
+ * multiplied by (1 when disabled). */
+float fsdp__scaler_scale(const struct fsdp_model *fm);
+/* Test hook: at the configured step, makes this rank's first gradient shard
+ * element +inf when this rank is the configured one. */
+void fsdp__scaler_inject(struct fsdp_ctx *ctx, struct fsdp_model *fm);
+/* After the global loss and (scaled) gradient norm: returns 1 if the step
+ * must be skipped (scaling on and either is non-finite; the scale backs off),
+ * else 0 with *gnorm unscaled, *unscale the factor the optimizer multiplies
+ * gradients by (1/scale), and the scale grown after growth_interval clean
+ * steps. Every rank sees the same loss and norm, so all decide alike. */
+int fsdp__scaler_update(struct fsdp_model *fm, double loss, double *gnorm, float *unscale);
+
+/* ---- Overlap (unit.c) ---- */
+/* Completes the pending reduction (end of backward) and releases units that
+ * were prefetched but never entered (end of a pass). COLLECTIVE: yes. */
+enum fsdp_status fsdp__model_finish_reduce(struct fsdp_ctx *ctx, struct fsdp_model *fm);
+void fsdp__model_drop_prefetched(struct fsdp_ctx *ctx, struct fsdp_model *fm);
+/* Fills order[] with the units in the order their pre-backward hooks run
+ * (a unit, then its child units last to first, each recursively). */
+void fsdp__model_bwd_order(const struct fsdp_model *fm, int *order);
+
 /* ---- Pool ---- */
 float *fsdp__pool_get(struct fsdp_model *fm, int64_t numel, const char *what);
 void fsdp__pool_put(struct fsdp_model *fm, float *mem);
+
+/* ---- Checkpoints (ckpt*.c) ----
+ * ckpt.c: shared helpers (agreement, paths, durable writes, the meta.json
+ * seal, the atomic folder swap); ckpt_meta.c: reading and validating
+ * meta.json; ckpt_sharded.c: the sharded save and load; ckpt_full.c: the
+ * full safetensors file and Hugging Face GPT-2 import; ckpt_offline.c:
+ * describe, verify and convert without a model. The notes [Note: sharded
+ * layout], [Note: atomic folder] and [Note: sealed meta.json] are in ckpt.c. */
+#define FSDP__META_NAME "meta.json"
+#define FSDP__META_FORMAT "fsdp.c sharded checkpoint"
+#define FSDP__LAYOUT_KEY "fsdp.linear_layout" /* "out,in" in our files; absent in HF files */
+
+struct fsdp__st_file;
+
+/* meta.json, parsed and validated (ckpt_meta.c): each parameter's pieces
+ * tile [0, numel) exactly, every byte range fits its file's size. */
+struct fsdp__meta_range {
+    int file;
+    int64_t start, end;   /* element range of the flattened parameter */
+    uint64_t b0, b1;      /* byte range of the parameter values in the file */
+};
+struct fsdp__meta_param {
+    char *fqn;
+    int ndim;
+    int64_t shape[FSDP_MAX_DIMS], numel;
+    int n_ranges;
+    struct fsdp__meta_range *ranges; /* sorted by start */
+};
+struct fsdp__meta_file {
+    char *name;
+    uint64_t bytes;
+};
+struct fsdp__meta {
+    char *dir;
+    struct fsdp_ckpt_meta m;
+    int n_state;
+    char *state[4];
+    int n_files;
+    struct fsdp__meta_file *files;
+    int n_params;
+    struct fsdp__meta_param *params;
+};
+
+/* Parses meta.json's text (NUL-terminated; name is for messages) into *mt,
+ * checking the seal first when `sealed`. On failure *mt is freed and empty.
+ * This is what the fuzz target fuzz/fuzz_ckpt_meta.c calls. */
+enum fsdp_status fsdp__meta_parse_text(struct fsdp_ctx *ctx, const char *name, char *text, int sealed,
+                                       struct fsdp__meta *mt);
+/* Reads and parses dir/meta.json. */
+enum fsdp_status fsdp__meta_load(struct fsdp_ctx *ctx, const char *dir, struct fsdp__meta *mt);
+void fsdp__meta_free(struct fsdp__meta *mt);
+/* [Note: sealed meta.json]: fills in / checks the "crc32c" field. */
+void fsdp__meta_seal(char *text);
+enum fsdp_status fsdp__meta_check_seal(struct fsdp_ctx *ctx, const char *path, char *text);
+
+/* Shared helpers (ckpt.c). */
+/* The optimizer's state array names (exp_avg, ...) and their count k. */
+const char *const *fsdp__ckpt_state_names(const struct fsdp_optim *opt, int *k);
+/* Every rank returns the first failing rank's status and message. COLLECTIVE. */
+enum fsdp_status fsdp__ckpt_agree(struct fsdp_ctx *ctx, enum fsdp_status st);
+enum fsdp_status fsdp__ckpt_check_idle(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *what);
+/* Rank's overlap [s, e) (flat) with parameter j of u; returns 0 if none. */
+int fsdp__ckpt_overlap(const struct fsdp__unit *u, int rank, int j, int64_t *s, int64_t *e);
+char *fsdp__path_join(const char *dir, const char *name); /* malloc'd */
+void fsdp__ckpt_rank_file_name(char *buf, size_t n, int r, int world);
+/* Writes text to path via path.tmp + fsync + rename. */
+enum fsdp_status fsdp__write_durable(struct fsdp_ctx *ctx, const char *path, const char *text);
+/* Rank 0: swaps the finished tmpdir in as dir ([Note: atomic folder]). */
+enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, const char *tmpdir, int nfiles);
+const char *fsdp__shape_str(char *buf, size_t n, int ndim, const int64_t *shape);
+
+/* Full files (ckpt_full.c): whether f is Hugging Face GPT-2 rather than ours
+ * ([Note: full file layouts]); HF Conv1D weights (in, out) to transpose;
+ * HF keys that are buffers or the tied lm_head, not parameters. */
+enum fsdp_status fsdp__full_is_hf(struct fsdp_ctx *ctx, const struct fsdp__st_file *f, int *hf);
+int fsdp__is_conv1d(const char *fqn);
+int fsdp__hf_ignorable(const char *name);
+
+/* A checkpoint's rank files, opened lazily, each checked against
+ * meta.json's size (ckpt_sharded.c). */
+struct fsdp__fcache {
+    struct fsdp__meta *mt;
+    struct fsdp__st_file *f;
+    int *open;
+};
+enum fsdp_status fsdp__fcache_open(struct fsdp_ctx *ctx, struct fsdp__meta *mt, struct fsdp__fcache *c);
+void fsdp__fcache_close(struct fsdp__fcache *c);
+enum fsdp_status fsdp__fcache_get(struct fsdp_ctx *ctx, struct fsdp__fcache *c, int i, struct fsdp__st_file **out);
+/* Elements [s, e) of stored tensor `tname` (parameter p's pieces) into dst. */
+enum fsdp_status fsdp__fcache_read(struct fsdp_ctx *ctx, struct fsdp__fcache *c, const struct fsdp__meta_param *p,
+                                   const char *tname, int64_t s, int64_t e, float *dst);
 
 #endif

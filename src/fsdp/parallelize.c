@@ -21,6 +21,8 @@ struct fsdp_parallel_config fsdp_parallel_config_default(void) {
     c.state_dict_type = FSDP_STATE_DICT_FULL;
     c.mixed_precision = FSDP_MP_FULL;
     c.seed = 1337;
+    c.overlap = 1;
+    c.max_inflight = 2;
     return c;
 }
 
@@ -36,25 +38,24 @@ static const char *mname(const struct fsdp_module *m) {
 
 static enum fsdp_status validate(struct fsdp_ctx *ctx, const struct fsdp_parallel_config *c,
                                  enum fsdp_dtype precision, const struct fsdp_ac_check *ac) {
-    if (c->mesh[1] != 0)
-        return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
-                         "parallelize: a 2-D (hybrid) mesh {%d, %d} is not supported: use a 1-D mesh {0, 0}",
-                         c->mesh[0], c->mesh[1]);
-    if (c->mesh[0] != 0 && c->mesh[0] != ctx->world)
+    if (c->mesh[1] != 0) { /* 2-D: {replicas, shard group} */
+        if (c->mesh[0] < 1 || c->mesh[1] < 1 || c->mesh[0] * c->mesh[1] != ctx->world)
+            return fsdp__err(ctx, FSDP_ERR_INVALID,
+                             "parallelize: 2-D mesh {%d replicas, %d shards} does not cover the world of %d ranks",
+                             c->mesh[0], c->mesh[1], ctx->world);
+        if (c->sharding != FSDP_FULL_SHARD && c->sharding != FSDP_HYBRID_SHARD)
+            return fsdp__err(ctx, FSDP_ERR_INVALID,
+                             "parallelize: a 2-D mesh means HYBRID_SHARD, but sharding is %s",
+                             fsdp_sharding_name(c->sharding));
+    } else if (c->mesh[0] != 0 && c->mesh[0] != ctx->world)
         return fsdp__err(ctx, FSDP_ERR_INVALID,
                          "parallelize: mesh {%d} does not cover the world of %d ranks (use {0, 0} or {%d, 0})",
                          c->mesh[0], ctx->world, ctx->world);
-    if (c->mixed_precision == FSDP_MP_DEFAULT || c->mixed_precision == FSDP_MP_PURE)
-        return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
-                         "parallelize: mixed_precision %s is not implemented yet: use FULL (fp32)",
-                         c->mixed_precision == FSDP_MP_DEFAULT ? "DEFAULT" : "PURE");
-    if (c->mixed_precision != FSDP_MP_FULL)
+    if (c->mixed_precision != FSDP_MP_FULL && c->mixed_precision != FSDP_MP_DEFAULT &&
+        c->mixed_precision != FSDP_MP_PURE)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "parallelize: mixed_precision %d is not DEFAULT, PURE or FULL",
                          (int)c->mixed_precision);
-    if (precision == FSDP_BF16 || precision == FSDP_F16)
-        return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
-                         "parallelize: precision %s is not implemented yet: use F32", fsdp_dtype_name(precision));
-    if (precision != FSDP_F32)
+    if (precision != FSDP_F32 && precision != FSDP_BF16 && precision != FSDP_F16)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "parallelize: precision %s is not a floating-point type",
                          fsdp_dtype_name(precision));
     if (c->state_dict_type != FSDP_STATE_DICT_FULL && c->state_dict_type != FSDP_STATE_DICT_SHARDED)
@@ -262,7 +263,7 @@ static void saved_free(struct saved *s) {
  * shard directly). */
 static enum fsdp_status init_unit(struct fsdp_ctx *ctx, struct fsdp__unit *u, const struct fsdp_parallel_config *c,
                                   const struct fsdp_param_init *pi, struct saved *sv, float *full) {
-    int64_t S = u->numel_shard, lo = (int64_t)ctx->rank * S, hi = lo + S;
+    int64_t S = u->numel_shard, lo = (int64_t)u->model->shard_rank * S, hi = lo + S;
     memset(u->shard, 0, (size_t)S * sizeof(float));
     enum fsdp_status st = FSDP_OK;
     if (c->sync_module_states) {
@@ -360,6 +361,11 @@ size_t fsdp_model_plan(const struct fsdp_model *fm, char *buf, size_t cap) {
     sb_printf(&b, "unit plan: %d units, %lld parameters, world %d; per rank %s of shards "
               "(params + grads + %d optimizer state%s, fp32)\n",
               fm->n_units, (long long)total, fm->ctx->world, h1, k, k == 1 ? "" : "s");
+    sb_printf(&b, "sharding: %s, mesh {%d replicas, %d shards}, this rank: shard %d, replica %d; overlap %s",
+              fsdp_sharding_name(fm->sharding), fm->rep_size, fm->shard_size, fm->shard_rank, fm->rep_rank,
+              fm->overlap ? "on" : "off");
+    if (fm->overlap) sb_printf(&b, " (at most %d units gathered at once)", fm->max_inflight);
+    sb_printf(&b, "\n");
     for (int i = 0; i < fm->n_units; i++) {
         const struct fsdp__unit *u = &fm->units[i];
         int depth = 0;
@@ -367,10 +373,12 @@ size_t fsdp_model_plan(const struct fsdp_model *fm, char *buf, size_t cap) {
         human((double)u->numel_shard * 4.0, h1, sizeof h1);
         human((double)u->numel_padded * 4.0, h2, sizeof h2);
         unsigned ov = u->overrides.set;
-        sb_printf(&b, "%*sunit %d '%s' (%s): %d params, %lld elements, shard %s/rank, full %s, fp32%s, "
-                  "reshard_after_forward %s%s%s\n",
+        sb_printf(&b, "%*sunit %d '%s' (%s): %d params, %lld elements, shard %s/rank, full %s, "
+                  "precision %s (param %s, reduce %s, compute %s)%s, reshard_after_forward %s%s%s\n",
                   2 + 2 * depth, "", i, mname(u->module), u->module->ops->type, u->n_params,
-                  (long long)u->numel_full, h1, h2, ov & FSDP_OVR_MIXED_PRECISION ? " (overridden)" : "",
+                  (long long)u->numel_full, h1, h2, fsdp__mp_name(u->mixed_precision),
+                  fsdp_dtype_name(u->param_dtype), fsdp_dtype_name(u->reduce_dtype),
+                  fsdp_dtype_name(u->compute_dtype), ov & FSDP_OVR_MIXED_PRECISION ? " (overridden)" : "",
                   u->reshard_after_forward ? "on" : "off", ov & FSDP_OVR_RESHARD_AFTER_FORWARD ? " (overridden)" : "",
                   u->module->checkpoint ? ", checkpointed" : "");
     }
@@ -425,6 +433,13 @@ enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module
         so.wrap_ud = wrap->ud;
     }
     so.reshard_after_forward = c.reshard_after_forward != 0;
+    so.sharding = c.sharding;
+    so.overlap = c.overlap;
+    so.max_inflight = c.max_inflight;
+    if (c.mesh[1] != 0) { /* validated: {replicas, shard group} */
+        so.sharding = FSDP_HYBRID_SHARD;
+        so.shard_group = c.mesh[1];
+    }
     struct fsdp_model *fm;
     enum fsdp_status st = fsdp_fully_shard(ctx, root, &so, &fm);
     if (st != FSDP_OK) {
@@ -433,6 +448,12 @@ enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module
     }
     fm->state_dict_type = c.state_dict_type;
     fm->load_monolith_rank0_only = c.load_monolith_rank0_only;
+    st = fsdp__mp_resolve(ctx, fm, precision, c.mixed_precision); /* per-unit dtypes (mixed.c) */
+    if (st != FSDP_OK) {
+        saved_free(&sv);
+        fsdp_model_free(fm);
+        return st;
+    }
     if (c.activation_checkpointing && !(ac && ac->fn))
         for (int i = 1; i < fm->n_units; i++) fm->units[i].module->checkpoint = 1;
     /* 4. initialise or sync, one unit at a time */
@@ -525,7 +546,10 @@ enum fsdp_status fsdp_summon_full_params(struct fsdp_ctx *ctx, struct fsdp_model
         if (!unit_touches(u, module)) continue;
         float *buf = fsdp__pool_get(fm, u->numel_padded, "summoned parameters");
         if (!buf) FSDP_ASSERT(0, "out of memory summoning unit '%s'", mname(u->module)); /* peers wait */
-        st = fsdp_comm_allgather(ctx->comm, u->shard, buf, (size_t)u->numel_shard, FSDP_F32);
+        if (fm->shard_comm)
+            st = fsdp_comm_allgather(fm->shard_comm, u->shard, buf, (size_t)u->numel_shard, FSDP_F32);
+        else
+            memcpy(buf, u->shard, (size_t)u->numel_shard * sizeof(float));
         if (st != FSDP_OK || (rank0_only && ctx->rank != 0)) {
             fsdp__pool_put(fm, buf);
             continue;
@@ -550,7 +574,7 @@ enum fsdp_status fsdp_summon_end(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
         for (int i = 0; i < fm->n_units; i++) {
             struct fsdp__unit *u = &fm->units[i];
             if (u->summoned)
-                memcpy(u->shard, u->summoned + (int64_t)ctx->rank * u->numel_shard,
+                memcpy(u->shard, u->summoned + (int64_t)fm->shard_rank * u->numel_shard,
                        (size_t)u->numel_shard * sizeof(float));
         }
     summon_release(fm);

@@ -89,27 +89,101 @@ static void pool_put(struct pool_sim *p, int i) {
     if (i >= 0) p->in_use[i] = 0;
 }
 
-/* Units directly below u, in pre-order (their forward order). */
-static void pool_forward(const struct fsdp_model *fm, const struct fsdp__unit *u, struct pool_sim *p,
-                         int *held) {
-    held[u->index] = pool_get(p, u->numel_padded); /* pre_forward: gather */
-    for (int i = u->index + 1; i < fm->n_units; i++)
-        if (fm->units[i].parent == u) pool_forward(fm, &fm->units[i], p, held);
-    if (u->reshard_after_forward) { /* post_forward */
-        pool_put(p, held[u->index]);
-        held[u->index] = -1;
+/* What the unit hooks do with the pool under a strategy, an accumulation
+ * mode and overlap (unit.c): params pooled when the shard group has 2+
+ * ranks, gradients when the world has ([Note: sharding strategies]);
+ * prefetches and deferred reductions as [Note: prefetch and overlap]. */
+struct pool_mode {
+    int params, grads;  /* full parameters / gradients come from the pool */
+    int no_sync;        /* this backward keeps its full gradients */
+    int accumulate;     /* this backward adds into the shard (a numel_shard buffer) */
+    int overlap;        /* prefetch and deferred reductions (shard group of 2+) */
+    int ahead;          /* units that may be gathered ahead (max_inflight - 1) */
+};
+
+/* The simulated state: per unit its full parameter buffer (held), full
+ * gradient (grad), accumulation buffer (prev), whether it was prefetched. */
+struct pool_state {
+    int *held, *grad, *prev, *pref, *bwd;
+    int inflight, last;
+};
+
+static void consume(struct pool_state *s, int u) {
+    if (s->pref[u]) {
+        s->pref[u] = 0;
+        s->inflight--;
     }
 }
 
+static void prefetch(const struct fsdp_model *fm, struct pool_sim *p, const struct pool_mode *m,
+                     struct pool_state *s, const int *order, int pos) {
+    for (int q = pos + 1; q < fm->n_units && s->inflight < m->ahead; q++) {
+        int v = order ? order[q] : q;
+        if (s->held[v] >= 0) continue;
+        s->held[v] = pool_get(p, fm->units[v].numel_padded);
+        s->pref[v] = 1;
+        s->inflight++;
+    }
+}
+
+/* Units directly below u, in pre-order (their forward order). */
+static void pool_forward(const struct fsdp_model *fm, const struct fsdp__unit *u, struct pool_sim *p,
+                         const struct pool_mode *m, struct pool_state *s) {
+    int i = u->index;
+    consume(s, i);
+    if (m->params && s->held[i] < 0) s->held[i] = pool_get(p, u->numel_padded); /* pre_forward: gather */
+    if (m->params && m->overlap) prefetch(fm, p, m, s, NULL, i);
+    for (int c = i + 1; c < fm->n_units; c++)
+        if (fm->units[c].parent == u) pool_forward(fm, &fm->units[c], p, m, s);
+    if (u->reshard_after_forward) { /* post_forward */
+        pool_put(p, s->held[i]);
+        s->held[i] = -1;
+    }
+}
+
+/* reduce_finish: the accumulation buffer, then the full gradient */
+static void finish(struct pool_sim *p, struct pool_state *s, int u) {
+    pool_put(p, s->prev[u]);
+    s->prev[u] = -1;
+    pool_put(p, s->grad[u]);
+    s->grad[u] = -1;
+}
+
 static void pool_backward(const struct fsdp_model *fm, const struct fsdp__unit *u, struct pool_sim *p,
-                          int *held) {
-    if (held[u->index] < 0) held[u->index] = pool_get(p, u->numel_padded); /* pre_backward */
-    int grad = pool_get(p, u->numel_padded);
-    for (int i = fm->n_units - 1; i > u->index; i--)
-        if (fm->units[i].parent == u) pool_backward(fm, &fm->units[i], p, held);
-    pool_put(p, grad); /* post_backward: release_grad, then reshard */
-    pool_put(p, held[u->index]);
-    held[u->index] = -1;
+                          const struct pool_mode *m, struct pool_state *s) {
+    int i = u->index;
+    consume(s, i);
+    if (m->params && s->held[i] < 0) s->held[i] = pool_get(p, u->numel_padded); /* pre_backward */
+    if (m->params && m->overlap) {
+        int pos = 0;
+        while (s->bwd[pos] != i) pos++;
+        prefetch(fm, p, m, s, s->bwd, pos);
+    }
+    if (m->grads && s->grad[i] < 0) s->grad[i] = pool_get(p, u->numel_padded);
+    for (int c = fm->n_units - 1; c > i; c--)
+        if (fm->units[c].parent == u) pool_backward(fm, &fm->units[c], p, m, s);
+    if (!m->no_sync && m->grads) { /* post_backward: reduce_start, then a finish */
+        if (m->accumulate) s->prev[i] = pool_get(p, u->numel_shard);
+        if (m->overlap) {
+            if (s->last >= 0) finish(p, s, s->last);
+            s->last = i;
+        } else {
+            finish(p, s, i);
+        }
+    }
+    pool_put(p, s->held[i]); /* reshard */
+    s->held[i] = -1;
+}
+
+/* Puts the units still prefetched (step.c's fsdp__model_drop_prefetched). */
+static void drop_prefetched(const struct fsdp_model *fm, struct pool_sim *p, struct pool_state *s) {
+    for (int i = 0; i < fm->n_units; i++)
+        if (s->pref[i]) {
+            pool_put(p, s->held[i]);
+            s->held[i] = -1;
+            s->pref[i] = 0;
+            s->inflight--;
+        }
 }
 
 /* ---- The plan ---- */
@@ -128,10 +202,18 @@ enum fsdp_status fsdp_plan_memory(struct fsdp_ctx *ctx, struct fsdp_module *root
                                   const struct fsdp_shard_opts *opts, int world, int rank,
                                   int optim_state, int B_local, int T, int threads,
                                   struct fsdp_mem_plan *out) {
-    if (world < 1 || rank < 0 || rank >= world || optim_state < 0 || B_local < 1 || T < 1)
+    return fsdp_plan_memory_accum(ctx, root, opts, world, rank, optim_state, B_local, T, threads, 1,
+                                  FSDP_ACCUM_REDUCE_EACH, out);
+}
+
+enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module *root,
+                                        const struct fsdp_shard_opts *opts, int world, int rank,
+                                        int optim_state, int B_local, int T, int threads, int accum,
+                                        enum fsdp_grad_accum mode, struct fsdp_mem_plan *out) {
+    if (world < 1 || rank < 0 || rank >= world || optim_state < 0 || B_local < 1 || T < 1 || accum < 1)
         return fsdp__err(ctx, FSDP_ERR_INVALID,
-                         "plan: world %d, rank %d, optimizer state %d, batch (%d, %d) are not valid",
-                         world, rank, optim_state, B_local, T);
+                         "plan: world %d, rank %d, optimizer state %d, batch (%d, %d), %d micro-batches are "
+                         "not valid", world, rank, optim_state, B_local, T, accum);
     if (strcmp(root->ops->type, "GPT") != 0)
         return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
                          "plan: activations are known for the built-in GPT only, not a %s root",
@@ -168,17 +250,36 @@ enum fsdp_status fsdp_plan_memory(struct fsdp_ctx *ctx, struct fsdp_module *root
         p.optim += (size_t)optim_state * n * sizeof(float);
         last_unit = 2 * n * sizeof(float) + 64;
     }
-    /* full buffers: a world of one uses its shards (unit.c) */
+    /* full buffers: a world of one uses its shards (unit.c), a shard group
+     * of one its parameter shards */
     struct pool_sim pool = {0};
     if (world > 1) {
-        int *held = malloc((size_t)fm->n_units * sizeof *held);
-        if (!held) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
-        for (int step = 0; step < 2 && held; step++) {
-            for (int i = 0; i < fm->n_units; i++) held[i] = -1;
-            pool_forward(fm, &fm->units[0], &pool, held);
-            pool_backward(fm, &fm->units[0], &pool, held);
+        size_t n = (size_t)fm->n_units;
+        struct pool_state ps = {malloc(n * sizeof(int)), malloc(n * sizeof(int)), malloc(n * sizeof(int)),
+                                malloc(n * sizeof(int)), malloc(n * sizeof(int)), 0, -1};
+        if (!ps.held || !ps.grad || !ps.prev || !ps.pref || !ps.bwd)
+            st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
+        else
+            fsdp__model_bwd_order(fm, ps.bwd);
+        for (int step = 0; step < 2 && st == FSDP_OK; step++) {
+            for (size_t i = 0; i < n; i++) ps.held[i] = ps.grad[i] = ps.prev[i] = -1, ps.pref[i] = 0;
+            for (int k = 0; k < accum; k++) { /* step.c's micro_batches */
+                struct pool_mode m = {fm->shard_size > 1, 1, mode == FSDP_ACCUM_NO_SYNC && k < accum - 1,
+                                      k > 0 && mode == FSDP_ACCUM_REDUCE_EACH,
+                                      fm->overlap && fm->shard_size > 1, fm->max_inflight - 1};
+                pool_forward(fm, &fm->units[0], &pool, &m, &ps);
+                drop_prefetched(fm, &pool, &ps);
+                pool_backward(fm, &fm->units[0], &pool, &m, &ps);
+                if (ps.last >= 0) finish(&pool, &ps, ps.last); /* fsdp__model_finish_reduce */
+                ps.last = -1;
+                drop_prefetched(fm, &pool, &ps);
+            }
         }
-        free(held);
+        free(ps.held);
+        free(ps.grad);
+        free(ps.prev);
+        free(ps.pref);
+        free(ps.bwd);
         if (pool.failed) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
     }
     p.full = pool.bytes;

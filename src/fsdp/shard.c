@@ -58,6 +58,8 @@ struct fsdp_shard_opts fsdp_shard_opts_default(void) {
     o.wrap = fsdp_wrap_by_type;
     o.wrap_ud = (void *)"Block";
     o.reshard_after_forward = 1;
+    o.overlap = 1;
+    o.max_inflight = 2;
     return o;
 }
 
@@ -83,11 +85,11 @@ static enum fsdp_status collect_units(struct fsdp_ctx *ctx, struct fsdp_module *
     if (ovr.set & ~(FSDP_OVR_RESHARD_AFTER_FORWARD | FSDP_OVR_MIXED_PRECISION))
         return fsdp__err(ctx, FSDP_ERR_INVALID, "wrap policy: unknown override bits 0x%x for module '%s'",
                          ovr.set, mod_name(m));
-    if ((ovr.set & FSDP_OVR_MIXED_PRECISION) && ovr.mixed_precision != FSDP_MP_FULL)
-        return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
-                         "wrap policy: unit '%s' overrides mixed_precision to %s, but only FULL (fp32) "
-                         "is implemented yet", mod_name(m),
-                         ovr.mixed_precision == FSDP_MP_DEFAULT ? "DEFAULT" : "PURE");
+    if ((ovr.set & FSDP_OVR_MIXED_PRECISION) && ovr.mixed_precision != FSDP_MP_FULL &&
+        ovr.mixed_precision != FSDP_MP_DEFAULT && ovr.mixed_precision != FSDP_MP_PURE)
+        return fsdp__err(ctx, FSDP_ERR_INVALID,
+                         "wrap policy: unit '%s' overrides mixed_precision to %d, which is not DEFAULT, PURE "
+                         "or FULL", mod_name(m), (int)ovr.mixed_precision);
     if (w != FSDP_WRAP_SKIP) {
         if (pl->n_units == pl->cap) {
             int ncap = pl->cap ? 2 * pl->cap : 16;
@@ -203,14 +205,17 @@ static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_sha
         u->reshard_after_forward = i == 0 ? 0 : o->reshard_after_forward;
         if (i > 0 && (pl.ovr[i].set & FSDP_OVR_RESHARD_AFTER_FORWARD))
             u->reshard_after_forward = pl.ovr[i].reshard_after_forward != 0;
+        if (fm->sharding == FSDP_SHARD_GRAD_OP) u->reshard_after_forward = 0; /* ZeRO-2 */
         u->mixed_precision = FSDP_MP_FULL;
         u->overrides = pl.ovr[i];
     }
+    fm->overlap = o->overlap != 0;
+    fm->max_inflight = o->max_inflight > 0 ? o->max_inflight : 2;
     struct assign_args a = {fm, &pl, NULL, NULL, 0, 0, FSDP_OK};
     fsdp_module_foreach_param(fm->root, assign_one, &a);
     if (a.st == FSDP_OK) hoist_tied(&a, fm->root);
-    /* lay out each unit's parameters in visit order */
-    int world = ctx->world;
+    /* lay out each unit's parameters in visit order, padded for the shard group */
+    int world = fm->shard_size;
     for (int i = 0; i < fm->n_units && a.st == FSDP_OK; i++) {
         struct fsdp__unit *u = &fm->units[i];
         int n = 0;
@@ -266,7 +271,8 @@ enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root
     if (!fm) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating the sharded model");
     fm->ctx = ctx;
     fm->root = root;
-    enum fsdp_status st = build_units(fm, opts);
+    enum fsdp_status st = fsdp__sharding_comms(ctx, opts, fm);
+    if (st == FSDP_OK) st = build_units(fm, opts);
     for (int i = 0; i < fm->n_units && st == FSDP_OK; i++)
         st = fsdp__unit_alloc_shards(ctx, &fm->units[i], 0);
     if (st != FSDP_OK) {
@@ -290,7 +296,8 @@ enum fsdp_status fsdp__model_layout(struct fsdp_ctx *ctx, struct fsdp_module *ro
     if (!fm) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory laying out units");
     fm->ctx = ctx;
     fm->root = root;
-    enum fsdp_status st = build_units(fm, opts);
+    enum fsdp_status st = fsdp__sharding_layout(ctx, opts, ctx->world, ctx->rank, 0, fm);
+    if (st == FSDP_OK) st = build_units(fm, opts);
     if (st != FSDP_OK) {
         fsdp_model_free(fm);
         return st;
@@ -304,7 +311,8 @@ void fsdp_model_free(struct fsdp_model *fm) {
     struct fsdp_ctx *ctx = fm->ctx;
     for (int i = 0; i < fm->n_units; i++) {
         struct fsdp__unit *u = &fm->units[i];
-        if (u->req) fsdp_comm_wait(ctx->comm, u->req);
+        if (u->req) fsdp_comm_wait(fm->shard_comm, u->req);
+        if (u->rs_req) fsdp_comm_wait(fm->shard_size > 1 ? fm->shard_comm : fm->rep_comm, u->rs_req);
         for (int j = 0; j < u->n_params; j++) {
             u->params[j]->data = NULL;
             u->params[j]->grad = NULL;
@@ -323,6 +331,8 @@ void fsdp_model_free(struct fsdp_model *fm) {
     for (int i = 0; i < fm->n_pool; i++) fsdp__free(ctx, fm->pool[i].mem);
     free(fm->pool);
     free(fm->units);
+    free(fm->bwd_order);
+    fsdp__sharding_free(fm);
     free(fm);
 }
 
@@ -334,7 +344,7 @@ enum fsdp_status fsdp_model_init_params(struct fsdp_ctx *ctx, struct fsdp_model 
         if (u->state_ != UNIT_SHARDED)
             return fsdp__err(ctx, FSDP_ERR_STATE, "init_params while unit '%s' is gathered",
                              u->module->fqn);
-        int64_t lo = (int64_t)ctx->rank * u->numel_shard, hi = lo + u->numel_shard;
+        int64_t lo = (int64_t)fm->shard_rank * u->numel_shard, hi = lo + u->numel_shard;
         memset(u->shard, 0, (size_t)u->numel_shard * sizeof(float));
         for (int j = 0; j < u->n_params; j++) {
             int64_t a = u->offsets[j], b = a + u->params[j]->numel;

@@ -66,7 +66,7 @@ static enum fsdp_status build_slices(struct fsdp_ctx *ctx, struct fsdp__unit *u,
     u->slices = calloc((size_t)u->n_params + 1, sizeof *u->slices);
     if (!u->slices) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for optimizer slices");
     u->n_slices = 0;
-    int64_t lo = (int64_t)ctx->rank * u->numel_shard, hi = lo + u->numel_shard;
+    int64_t lo = (int64_t)u->model->shard_rank * u->numel_shard, hi = lo + u->numel_shard;
     for (int j = 0; j < u->n_params; j++) {
         int64_t a = u->offsets[j], b = a + u->params[j]->numel;
         int64_t s = a > lo ? a : lo, e = b < hi ? b : hi;
@@ -111,17 +111,20 @@ static enum fsdp_status global_sumsq(struct fsdp_ctx *ctx, struct fsdp_model *fm
         for (int64_t j = 0; j < u->numel_shard; j++) s += (double)x[j] * (double)x[j];
         local += s;
     }
-    /* gather every rank's partial sum (raw doubles) and add them in rank
-     * order, so every rank gets the same bits */
-    double *all = calloc((size_t)ctx->world, sizeof(double));
+    /* gather the shard group's partial sums (raw doubles) and add them in
+     * rank order, so every rank gets the same bits; replicas hold the same
+     * shards, so each element counts once ([Note: sharding strategies]) */
+    double *all = calloc((size_t)fm->shard_size, sizeof(double));
     if (!all) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the norm");
-    enum fsdp_status st = fsdp_comm_allgather(ctx->comm, &local, all, sizeof(double), FSDP_U8);
+    all[0] = local;
+    enum fsdp_status st = fm->shard_comm ? fsdp_comm_allgather(fm->shard_comm, &local, all, sizeof(double), FSDP_U8)
+                                         : FSDP_OK;
     if (st != FSDP_OK) {
         free(all);
         return st;
     }
     double total = 0.0;
-    for (int r = 0; r < ctx->world; r++) total += all[r];
+    for (int r = 0; r < fm->shard_size; r++) total += all[r];
     free(all);
     *out = total;
     return FSDP_OK;
@@ -185,7 +188,10 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
     if (!tok.data) return FSDP_ERR_NOMEM;
     memcpy(tok.data, inputs, (size_t)B * (size_t)T * sizeof(int32_t));
     memset(logits, 0, sizeof *logits);
+    fm->in_forward = 1;
     enum fsdp_status st = fsdp_module_forward(fm->root, ctx, &tok, logits);
+    fm->in_forward = 0;
+    fsdp__model_drop_prefetched(ctx, fm); /* units gathered ahead that never ran */
     if (st != FSDP_OK) fsdp__model_reshard_all(ctx, fm);
     return st;
 }
@@ -241,31 +247,104 @@ static enum fsdp_status first_nonfinite_unit(struct fsdp_ctx *ctx, struct fsdp_m
     return st;
 }
 
+void fsdp_model_comm_stats(const struct fsdp_model *fm, struct fsdp_comm_stats *out) {
+    const struct fsdp_comm *cs[3] = {fm->ctx->comm, fm->own_shard_comm ? fm->shard_comm : NULL,
+                                     fm->own_rep_comm ? fm->rep_comm : NULL};
+    memset(out, 0, sizeof *out);
+    for (int k = 0; k < 3; k++) {
+        if (!cs[k]) continue;
+        struct fsdp_comm_stats s;
+        fsdp_comm_stats_get(cs[k], &s);
+        for (int c = 0; c < FSDP_COLL_COUNT; c++) {
+            out->calls[c] += s.calls[c];
+            out->bytes[c] += s.bytes[c];
+            out->wait_s[c] += s.wait_s[c];
+        }
+    }
+}
+
+/* Seconds blocked in collective waits so far, all communicators. */
+static double comm_wait_total(const struct fsdp_model *fm) {
+    struct fsdp_comm_stats s;
+    fsdp_model_comm_stats(fm, &s);
+    double t = 0;
+    for (int c = 0; c < FSDP_COLL_COUNT; c++) t += s.wait_s[c];
+    return t;
+}
+
+/* [Note: gradient accumulation]
+ * A step of K micro-batches runs K forward+backward passes. Each
+ * micro-batch's loss gradient is scaled by 1/K (the loss is the mean of the
+ * K micro-batch means, all of B*T tokens), so the sum of the K gradients is
+ * the gradient of the K-times batch. REDUCE_EACH reduces after every
+ * backward and adds into the gradient shard (fm->grad_accumulate for k > 0);
+ * NO_SYNC sets fm->no_sync for k < K-1, so each unit keeps its full gradient
+ * (pooled, one per unit) and the layers add into it, and reduces once in the
+ * last backward. A world of one accumulates straight into the shard. */
+static enum fsdp_status micro_batches(struct fsdp_ctx *ctx, struct fsdp_model *fm, const int32_t *inputs,
+                                      const int32_t *targets, int B, int T, int accum,
+                                      enum fsdp_grad_accum mode, float loss_scale, float *local_loss,
+                                      double *fwd_s, double *bwd_s) {
+    enum fsdp_status st = FSDP_OK;
+    *local_loss = 0.0f;
+    for (int k = 0; k < accum && st == FSDP_OK; k++) {
+        struct fsdp_tensor logits;
+        int64_t N = (int64_t)B * T;
+        double t0 = fsdp__now();
+        fm->no_sync = 0;
+        fm->grad_accumulate = 0;
+        st = run_forward(ctx, fm, inputs + (size_t)k * (size_t)N, B, T, &logits);
+        if (st != FSDP_OK) break;
+        int64_t V = logits.shape[logits.ndim - 1];
+        float loss = 0.0f;
+        st = fsdp_cross_entropy(ctx, logits.data, targets + (size_t)k * (size_t)N, N, V,
+                                loss_scale / (float)accum, &loss, logits.data);
+        if (st != FSDP_OK) break;
+        *local_loss += loss / (float)accum;
+        if (k == 0)
+            for (int i = 0; i < fm->n_units; i++)
+                memset(fm->units[i].grad_shard, 0, (size_t)fm->units[i].numel_shard * sizeof(float));
+        fm->no_sync = mode == FSDP_ACCUM_NO_SYNC && k < accum - 1;
+        fm->grad_accumulate = k > 0 && (mode == FSDP_ACCUM_REDUCE_EACH || ctx->world == 1);
+        double t1 = fsdp__now();
+        fm->in_backward = 1;
+        st = fsdp_module_backward(fm->root, ctx, &logits, NULL);
+        fm->in_backward = 0;
+        if (st == FSDP_OK) st = fsdp__model_finish_reduce(ctx, fm); /* the last reduction in flight */
+        fsdp__model_drop_prefetched(ctx, fm);
+        *fwd_s += t1 - t0;
+        *bwd_s += fsdp__now() - t1;
+    }
+    fm->no_sync = 0;
+    fm->grad_accumulate = 0;
+    if (st != FSDP_OK) fsdp__model_reshard_all(ctx, fm);
+    return st;
+}
+
 enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                        const int32_t *inputs, const int32_t *targets, int B, int T,
                                        float lr, float clip, struct fsdp_step_result *res) {
+    return fsdp_model_train_step_accum(ctx, fm, inputs, targets, B, T, 1, FSDP_ACCUM_REDUCE_EACH, lr, clip,
+                                       res);
+}
+
+enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                             const int32_t *inputs, const int32_t *targets, int B, int T,
+                                             int accum, enum fsdp_grad_accum mode, float lr, float clip,
+                                             struct fsdp_step_result *res) {
     if (!fm->optim)
         return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: no optimizer attached (fsdp_model_attach_optim)");
-    struct fsdp_tensor logits;
-    double t0 = fsdp__now();
-    FSDP_TRY(run_forward(ctx, fm, inputs, B, T, &logits));
-    int64_t N = (int64_t)B * T, V = logits.shape[logits.ndim - 1];
-    float local_loss = 0.0f;
-    enum fsdp_status st = fsdp_cross_entropy(ctx, logits.data, targets, N, V, 1.0f, &local_loss,
-                                             logits.data);
-    if (st != FSDP_OK) {
-        fsdp__model_reshard_all(ctx, fm);
-        return st;
-    }
-    for (int i = 0; i < fm->n_units; i++)
-        memset(fm->units[i].grad_shard, 0, (size_t)fm->units[i].numel_shard * sizeof(float));
-    double t1 = fsdp__now();
-    st = fsdp_module_backward(fm->root, ctx, &logits, NULL);
-    double t2 = fsdp__now();
-    if (st != FSDP_OK) {
-        fsdp__model_reshard_all(ctx, fm);
-        return st;
-    }
+    if (accum < 1 || (mode != FSDP_ACCUM_REDUCE_EACH && mode != FSDP_ACCUM_NO_SYNC))
+        return fsdp__err(ctx, FSDP_ERR_INVALID,
+                         "train_step: gradient accumulation (--grad-accum) %d with mode %d: need >= 1 "
+                         "micro-batches and REDUCE_EACH or NO_SYNC", accum, (int)mode);
+    double t0 = fsdp__now(), w0 = comm_wait_total(fm), fwd_s = 0, bwd_s = 0;
+    fsdp__fault_step++; /* FSDP_FAULT's step ([Note: fault injection]) */
+    float local_loss = 0.0f, loss_scale = fsdp__scaler_scale(fm); /* 1 without loss scaling */
+    enum fsdp_status st = micro_batches(ctx, fm, inputs, targets, B, T, accum, mode, loss_scale, &local_loss,
+                                        &fwd_s, &bwd_s);
+    if (st != FSDP_OK) return st;
+    double t1 = t0 + fwd_s, t2 = t1 + bwd_s;
     /* the global loss: mean of the ranks' means (equal shares), summed in rank order */
     float *losses = calloc((size_t)ctx->world, sizeof(float));
     if (!losses) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory gathering losses");
@@ -276,14 +355,28 @@ enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *
     FSDP_TRY(st);
     loss /= ctx->world;
     double gnorm;
+    fsdp__scaler_inject(ctx, fm); /* test hook (mixed.c) */
     FSDP_TRY(fsdp_model_grad_norm(ctx, fm, &gnorm));
+    float unscale;
+    res->skipped = fsdp__scaler_update(fm, loss, &gnorm, &unscale); /* unscales gnorm */
+    res->loss_scale = loss_scale;
+    if (res->skipped) { /* overflow under loss scaling: no update on any rank */
+        res->loss = loss;
+        res->grad_norm = gnorm;
+        st = fsdp_model_param_norm(ctx, fm, &res->param_norm);
+        res->forward_s = t1 - t0;
+        res->backward_s = t2 - t1;
+        res->update_s = fsdp__now() - t2;
+        res->comm_wait_s = comm_wait_total(fm) - w0;
+        return st;
+    }
     if (!isfinite(loss) || !isfinite(gnorm)) { /* every rank sees the same loss and norm */
         char where[256];
         FSDP_TRY(first_nonfinite_unit(ctx, fm, where, sizeof where));
         return fsdp__err(ctx, FSDP_ERR_NUMERIC, "non-finite %s (loss %g, grad norm %g)%s",
                          isfinite(loss) ? "gradient" : "loss", loss, gnorm, where);
     }
-    float scale = fsdp_clip_scale(gnorm, clip);
+    float scale = fsdp_clip_scale(gnorm, clip) * unscale;
     st = optim_step_all(fm, lr, scale);
     if (st != FSDP_OK) return st;
     res->loss = loss;
@@ -292,6 +385,7 @@ enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *
     res->forward_s = t1 - t0;
     res->backward_s = t2 - t1;
     res->update_s = fsdp__now() - t2;
+    res->comm_wait_s = comm_wait_total(fm) - w0;
     return st;
 }
 
@@ -304,7 +398,9 @@ static enum fsdp_status read_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, c
     if (!u) return fsdp__err(ctx, FSDP_ERR_INVALID, "no parameter named '%s' in the sharded model", fqn);
     float *tmp = fsdp__pool_get(fm, u->numel_padded, "full read");
     if (!tmp) return FSDP_ERR_NOMEM;
-    enum fsdp_status st = fsdp_comm_allgather(ctx->comm, grads ? u->grad_shard : u->shard, tmp,
+    enum fsdp_status st = FSDP_OK;
+    if (!fm->shard_comm) memcpy(tmp, grads ? u->grad_shard : u->shard, (size_t)u->numel_shard * sizeof(float));
+    else st = fsdp_comm_allgather(fm->shard_comm, grads ? u->grad_shard : u->shard, tmp,
                                               (size_t)u->numel_shard, FSDP_F32);
     if (st == FSDP_OK) memcpy(dst, tmp + u->offsets[j], (size_t)u->params[j]->numel * sizeof(float));
     fsdp__pool_put(fm, tmp);

@@ -58,6 +58,18 @@ static const char *unit_name(const struct fsdp__unit *u) {
     return u->module->fqn[0] ? u->module->fqn : "(root)";
 }
 
+/* Names the unit's next collective for the watchdog and the schedule check
+ * (fsdp_comm_set_tag); u == NULL clears the tag after the start. */
+static void unit_tag(struct fsdp_ctx *ctx, const struct fsdp__unit *u) {
+    char tag[64];
+    if (u) snprintf(tag, sizeof tag, "unit %s", unit_name(u));
+    fsdp_comm_set_tag(ctx->comm, u ? tag : NULL);
+    if (u) {
+        fsdp_comm_set_tag(u->model->shard_comm, tag);
+        fsdp_comm_set_tag(u->model->rep_comm, tag);
+    }
+}
+
 static void point_params(struct fsdp__unit *u) {
     for (int j = 0; j < u->n_params; j++) u->params[j]->data = u->full + u->offsets[j];
 }
@@ -72,20 +84,25 @@ static enum fsdp_status unit_fail(struct fsdp_ctx *ctx, struct fsdp__unit *u, co
 /* Starts the all-gather of u's parameters (SHARDED -> GATHERING). */
 static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
     FSDP_ASSERT(u->state_ == UNIT_SHARDED, "unit %s: gather in state %d", unit_name(u), u->state_);
-    if (ctx->world == 1) { /* the shard is the full buffer: nothing to move */
+    int lp = u->param_dtype != FSDP_F32; /* gathers 16-bit (mixed.c) */
+    struct fsdp_model *fm = u->model;
+    if (fm->shard_size == 1 && !lp) { /* the shard is the full buffer: nothing to move */
         u->full = u->shard;
         u->state_ = UNIT_UNSHARDED;
         point_params(u);
         return FSDP_OK;
     }
-    u->full = fsdp__pool_get(u->model, u->numel_padded, "full parameters");
+    u->full = fsdp__pool_get(u->model, fsdp__mp_full_numel(u), "full parameters");
     if (!u->full) return FSDP_ERR_NOMEM;
     /* in place: this rank's block of the full buffer is its shard */
-    float *mine = u->full + (int64_t)ctx->rank * u->numel_shard;
-    memcpy(mine, u->shard, (size_t)u->numel_shard * sizeof(float));
-    if (fsdp_comm_allgather_start(ctx->comm, mine, u->full, (size_t)u->numel_shard, FSDP_F32,
-                                  &u->req) != FSDP_OK)
-        return unit_fail(ctx, u, "all-gather");
+    float *mine = u->full + (int64_t)fm->shard_rank * u->numel_shard;
+    if (!lp) memcpy(mine, u->shard, (size_t)u->numel_shard * sizeof(float));
+    unit_tag(ctx, u);
+    enum fsdp_status st = lp ? fsdp__mp_gather_start(fm->shard_comm, fm->shard_rank, u, &u->req)
+                             : fsdp_comm_allgather_start(fm->shard_comm, mine, u->full, (size_t)u->numel_shard,
+                                                         FSDP_F32, &u->req);
+    unit_tag(ctx, NULL);
+    if (st != FSDP_OK) return unit_fail(ctx, u, "all-gather");
     u->state_ = UNIT_GATHERING;
     return FSDP_OK;
 }
@@ -94,7 +111,8 @@ static enum fsdp_status unit_gather_wait(struct fsdp_ctx *ctx, struct fsdp__unit
     FSDP_ASSERT(u->state_ == UNIT_GATHERING, "unit %s: wait in state %d", unit_name(u), u->state_);
     struct fsdp_comm_req *r = u->req;
     u->req = NULL;
-    if (fsdp_comm_wait(ctx->comm, r) != FSDP_OK) return unit_fail(ctx, u, "all-gather wait");
+    if (fsdp_comm_wait(u->model->shard_comm, r) != FSDP_OK) return unit_fail(ctx, u, "all-gather wait");
+    if (u->param_dtype != FSDP_F32) fsdp__mp_gather_finish(u);
     u->state_ = UNIT_UNSHARDED;
     point_params(u);
     return FSDP_OK;
@@ -111,7 +129,11 @@ enum fsdp_status fsdp__unit_unshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
 enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
     if (u->state_ == UNIT_GATHERING) FSDP_TRY(unit_gather_wait(ctx, u));
     if (u->state_ != UNIT_UNSHARDED) return FSDP_OK;
-    for (int j = 0; j < u->n_params; j++) u->params[j]->data = NULL;
+    if (u->prefetched) { /* gathered ahead, never entered */
+        u->prefetched = 0;
+        u->model->n_inflight--;
+    }
+    for (int j = 0; j < u->n_params; j++) u->params[j]->data = NULL, u->params[j]->data_lp = NULL;
     if (u->full != u->shard) fsdp__pool_put(u->model, u->full);
     u->full = NULL;
     u->state_ = UNIT_SHARDED;
@@ -124,14 +146,95 @@ static void release_grad(struct fsdp__unit *u) {
     u->full_grad = NULL;
 }
 
+static struct fsdp_comm *reduce_comm(const struct fsdp__unit *u) {
+    return u->model->shard_size > 1 ? u->model->shard_comm : u->model->rep_comm;
+}
+
 void fsdp__model_reshard_all(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
     for (int i = 0; i < fm->n_units; i++) {
         struct fsdp__unit *u = &fm->units[i];
+        if (u->rs_req) fsdp_comm_wait(reduce_comm(u), u->rs_req); /* buffers stay valid until done */
+        u->rs_req = NULL;
+        u->rs_pending = 0;
+        fsdp__pool_put(fm, u->rs_prev);
+        u->rs_prev = NULL;
         if (u->state_ == UNIT_ERROR) continue;
         if (u->full_grad) release_grad(u);
         fsdp__unit_reshard(ctx, u);
         u->phase = PHASE_IDLE;
     }
+    fm->rs_last = NULL;
+}
+
+/* ---- Prefetch and overlap ----
+ *
+ * [Note: prefetch and overlap]
+ * With fm->overlap on and a shard group of 2+ ranks:
+ *   forward prefetch: a unit's pre-forward starts its own all-gather, then
+ *     those of the next units in forward (pre-)order, then waits for its
+ *     own; the next unit's parameters move while this one computes.
+ *   backward prefetch: the same in pre-backward order (fsdp__model_bwd_order),
+ *     issued before the current unit's backward.
+ *   The ranks issue the same collectives in the same order (the orders are
+ *     functions of the layout), so no collective can cross another.
+ *   limit: at most max_inflight units are gathering or gathered counting
+ *     the one computing (max_inflight - 1 prefetched), which bounds the full
+ *     buffers; the planner (plan.c) replays the same gets and puts.
+ *   asynchronous reduce-scatter: post-backward starts its unit's
+ *     reduce-scatter (HYBRID: the all-reduce over replicas follows at the
+ *     finish; NO_SHARD: the all-reduce is the start) and finishes the
+ *     previous unit's: at most one reduction in flight besides the unit's
+ *     own; the last one is finished at the end of backward
+ *     (fsdp__model_finish_reduce). The full gradient stays until then.
+ * Results are bit-identical with overlap on or off: the same collectives
+ * reduce the same buffers; only the waits move.
+ * Progress: shm runs collectives on its progress thread, so a started
+ * gather completes while the compute thread works. MPI's non-blocking
+ * collectives advance only inside MPI calls (Open MPI has no asynchronous
+ * progress thread by default), so under MPI much of a prefetched gather
+ * still runs at its wait; the schedule stays correct, only less overlapped. */
+
+void fsdp__model_bwd_order(const struct fsdp_model *fm, int *order) {
+    int n = 0, *stack = calloc((size_t)fm->n_units + 1, sizeof *stack);
+    FSDP_ASSERT(stack, "out of memory ordering units");
+    int top = 0;
+    stack[top++] = 0;
+    while (top > 0) { /* a unit, then its children last to first (LIFO: push first to last) */
+        int u = stack[--top];
+        order[n++] = u;
+        for (int i = u + 1; i < fm->n_units; i++)
+            if (fm->units[i].parent == &fm->units[u]) stack[top++] = i;
+    }
+    free(stack);
+}
+
+static int overlap_on(const struct fsdp_model *fm) { return fm->overlap && fm->shard_size > 1; }
+
+/* The hook enters u: a prefetched unit stops counting as ahead. */
+static void consume(struct fsdp__unit *u) {
+    if (u->prefetched) {
+        u->prefetched = 0;
+        u->model->n_inflight--;
+    }
+}
+
+/* Starts the all-gathers of the units after position pos of order (NULL:
+ * pre-order) while fewer than max_inflight - 1 are ahead. */
+static enum fsdp_status prefetch(struct fsdp_ctx *ctx, struct fsdp_model *fm, const int *order, int pos) {
+    int ahead = (fm->max_inflight > 0 ? fm->max_inflight : 2) - 1;
+    for (int q = pos + 1; q < fm->n_units && fm->n_inflight < ahead; q++) {
+        struct fsdp__unit *v = &fm->units[order ? order[q] : q];
+        if (v->state_ != UNIT_SHARDED) continue;
+        FSDP_TRY(unit_gather_start(ctx, v));
+        v->prefetched = 1;
+        fm->n_inflight++;
+    }
+    return FSDP_OK;
+}
+
+void fsdp__model_drop_prefetched(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
+    for (int i = 0; i < fm->n_units; i++)
+        if (fm->units[i].prefetched) fsdp__unit_reshard(ctx, &fm->units[i]);
 }
 
 /* ---- Hooks ---- */
@@ -139,6 +242,13 @@ void fsdp__model_reshard_all(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
 static enum fsdp_status pre_forward(void *data, struct fsdp_ctx *ctx) {
     struct fsdp__unit *u = data;
     u->phase = PHASE_FORWARD;
+    fsdp__fault_point("forward", unit_name(u)); /* FSDP_FAULT (core/fault.c) */
+    struct fsdp_model *fm = u->model;
+    consume(u);
+    if (overlap_on(fm) && fm->in_forward) {
+        if (u->state_ == UNIT_SHARDED) FSDP_TRY(unit_gather_start(ctx, u));
+        FSDP_TRY(prefetch(ctx, fm, NULL, u->index));
+    }
     return fsdp__unit_unshard(ctx, u);
 }
 
@@ -154,32 +264,130 @@ static enum fsdp_status pre_backward(void *data, struct fsdp_ctx *ctx) {
         return fsdp__err(ctx, FSDP_ERR_STATE, "backward of unit '%s' without its forward",
                          unit_name(u));
     u->phase = PHASE_PRE_BACKWARD;
+    fsdp__fault_point("backward", unit_name(u));
+    struct fsdp_model *fm = u->model;
+    consume(u);
+    if (overlap_on(fm) && fm->in_backward) {
+        if (!fm->bwd_order) {
+            fm->bwd_order = calloc((size_t)fm->n_units, sizeof *fm->bwd_order);
+            if (!fm->bwd_order) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory ordering units");
+            fsdp__model_bwd_order(fm, fm->bwd_order);
+        }
+        int pos = 0;
+        while (fm->bwd_order[pos] != u->index) pos++;
+        if (u->state_ == UNIT_SHARDED) FSDP_TRY(unit_gather_start(ctx, u));
+        FSDP_TRY(prefetch(ctx, fm, fm->bwd_order, pos));
+    }
     FSDP_TRY(fsdp__unit_unshard(ctx, u));
-    /* a world of one accumulates straight into the gradient shard */
-    u->full_grad = ctx->world == 1 ? u->grad_shard
-                                   : fsdp__pool_get(u->model, u->numel_padded, "full gradients");
-    if (!u->full_grad) return FSDP_ERR_NOMEM;
-    memset(u->full_grad, 0, (size_t)u->numel_padded * sizeof(float));
+    /* a world of one accumulates straight into the gradient shard; a full
+     * gradient kept by no_sync is accumulated into as it is */
+    if (!u->full_grad) {
+        int direct = ctx->world == 1;
+        u->full_grad = direct ? u->grad_shard : fsdp__pool_get(fm, u->numel_padded, "full gradients");
+        if (!u->full_grad) return FSDP_ERR_NOMEM;
+        if (!direct || !fm->grad_accumulate) memset(u->full_grad, 0, (size_t)u->numel_padded * sizeof(float));
+    }
     for (int j = 0; j < u->n_params; j++) u->params[j]->grad = u->full_grad + u->offsets[j];
     return FSDP_OK;
 }
 
-/* Reduce-scatters the full gradient into the gradient shard (sum, then the
- * 1/world average), then releases both full buffers. */
+/* Starts the reduction of u's full gradient ([Note: sharding strategies]):
+ * a reduce-scatter over the shard group, or, for a group of one (the shard
+ * is the whole buffer), the all-reduce over the replicas, in place; in
+ * reduce_dtype (mixed.c). When accumulating, the shard so far is set aside
+ * first (the reduction lands in the shard). */
+static enum fsdp_status reduce_start(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
+    struct fsdp_model *fm = u->model;
+    if (fm->grad_accumulate) {
+        u->rs_prev = fsdp__pool_get(fm, u->numel_shard, "gradient accumulation");
+        if (!u->rs_prev) return FSDP_ERR_NOMEM;
+        memcpy(u->rs_prev, u->grad_shard, (size_t)u->numel_shard * sizeof(float));
+    }
+    /* in reduce_dtype: send and recv are 16-bit views for BF16/F16 (mixed.c) */
+    void *send = fsdp__mp_grad_send(u), *recv = fm->shard_size > 1 ? fsdp__mp_grad_recv(u) : send;
+    enum fsdp_status st;
+    unit_tag(ctx, u);
+    if (fm->shard_size > 1)
+        st = fsdp_comm_reduce_scatter_start(fm->shard_comm, send, recv, (size_t)u->numel_shard, u->reduce_dtype,
+                                            FSDP_SUM, &u->rs_req);
+    else
+        st = fsdp_comm_allreduce_start(fm->rep_comm, recv, recv, (size_t)u->numel_shard, u->reduce_dtype,
+                                       FSDP_SUM, &u->rs_req);
+    unit_tag(ctx, NULL);
+    u->rs_recv = recv;
+    u->rs_pending = 1;
+    if (st != FSDP_OK) return unit_fail(ctx, u, fm->shard_size > 1 ? "reduce-scatter" : "all-reduce");
+    return FSDP_OK;
+}
+
+/* Finishes u's reduction: waits, all-reduces the shard over the replicas
+ * (HYBRID), lands it in the fp32 gradient shard, averages by 1/world, adds
+ * the accumulated shard back, and releases the full gradient. */
+static enum fsdp_status reduce_finish(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
+    struct fsdp_model *fm = u->model;
+    struct fsdp_comm_req *req = u->rs_req;
+    u->rs_req = NULL;
+    u->rs_pending = 0;
+    enum fsdp_status st = fsdp_comm_wait(reduce_comm(u), req);
+    const char *what = fm->shard_size > 1 ? "reduce-scatter" : "all-reduce";
+    void *recv = u->rs_recv;
+    if (st == FSDP_OK && fm->shard_size > 1 && fm->rep_size > 1) {
+        what = "all-reduce";
+        unit_tag(ctx, u);
+        st = fsdp_comm_allreduce_start(fm->rep_comm, recv, recv, (size_t)u->numel_shard, u->reduce_dtype,
+                                       FSDP_SUM, &req);
+        unit_tag(ctx, NULL);
+        if (st == FSDP_OK) st = fsdp_comm_wait(fm->rep_comm, req);
+    }
+    if (st == FSDP_OK) {
+        if (recv != u->grad_shard) {
+            if (u->reduce_dtype == FSDP_F32) memcpy(u->grad_shard, recv, (size_t)u->numel_shard * sizeof(float));
+            else fsdp__mp_grad_land(u, recv);
+        }
+        float inv = 1.0f / (float)ctx->world;
+        float *g = u->grad_shard, *prev = u->rs_prev;
+        if (prev)
+            for (int64_t i = 0; i < u->numel_shard; i++) g[i] = g[i] * inv + prev[i];
+        else
+            for (int64_t i = 0; i < u->numel_shard; i++) g[i] *= inv;
+    }
+    fsdp__pool_put(fm, u->rs_prev);
+    u->rs_prev = NULL;
+    if (st != FSDP_OK) return unit_fail(ctx, u, what);
+    release_grad(u);
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp__model_finish_reduce(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
+    struct fsdp__unit *u = fm->rs_last;
+    fm->rs_last = NULL;
+    return u ? reduce_finish(ctx, u) : FSDP_OK;
+}
+
+/* Reduces the full gradient into the gradient shard (reduce_start, then
+ * reduce_finish: at once, or under overlap at the next unit's post-backward
+ * or the end of backward), added to what the shard holds when accumulating
+ * ([Note: gradient accumulation]), then releases the full buffers. Under
+ * no_sync the full gradient stays, unreduced, for the next backward. */
 static enum fsdp_status post_backward(void *data, struct fsdp_ctx *ctx) {
     struct fsdp__unit *u = data;
+    struct fsdp_model *fm = u->model;
     u->phase = PHASE_POST_BACKWARD;
-    struct fsdp_comm_req *req = NULL;
-    if (ctx->world > 1 && fsdp_comm_reduce_scatter_start(ctx->comm, u->full_grad, u->grad_shard, (size_t)u->numel_shard,
-                                       FSDP_F32, FSDP_SUM, &req) != FSDP_OK)
-        return unit_fail(ctx, u, "reduce-scatter");
-    if (req && fsdp_comm_wait(ctx->comm, req) != FSDP_OK)
-        return unit_fail(ctx, u, "reduce-scatter");
-    if (ctx->world > 1) {
-        float inv = 1.0f / (float)ctx->world;
-        for (int64_t i = 0; i < u->numel_shard; i++) u->grad_shard[i] *= inv;
+    if (fm->no_sync) {
+        for (int j = 0; j < u->n_params; j++) u->params[j]->grad = NULL;
+    } else if (u->full_grad == u->grad_shard) { /* a world of one */
+        fsdp__mp_grad_land(u, u->grad_shard);
+        release_grad(u);
+    } else {
+        for (int j = 0; j < u->n_params; j++) u->params[j]->grad = NULL;
+        FSDP_TRY(reduce_start(ctx, u));
+        if (overlap_on(fm)) {
+            FSDP_TRY(fsdp__model_finish_reduce(ctx, fm));
+            fm->rs_last = u;
+        } else {
+            FSDP_TRY(reduce_finish(ctx, u));
+        }
     }
-    release_grad(u);
     FSDP_TRY(fsdp__unit_reshard(ctx, u));
     u->phase = PHASE_IDLE;
     return FSDP_OK;

@@ -57,8 +57,7 @@ void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, 
 /* The values of parameter p as dtype dt for a product: fsdp__pdata(p) for
  * FSDP_F32, else a cast into the arena (NULL with the error set if the arena
  * is full). The one place a layer gets its low-precision weight: when FSDP
- * gathers parameters in param_dtype, this is where the gathered 16-bit copy
- * will be returned instead of casting. */
+ * gathered the parameter in dt (p->data_lp), that copy is returned as is. */
 const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp_dtype dt);
 
 /* ---- Parameters (ties honoured) ---- */

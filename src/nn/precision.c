@@ -43,6 +43,8 @@ void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, 
 
 const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp_dtype dt) {
     if (dt == FSDP_F32) return fsdp__pdata(p);
+    const struct fsdp_param *q = p->tied_to ? p->tied_to : p;
+    if (q->data_lp && q->data_lp_dtype == dt) return q->data_lp; /* gathered in dt: no cast */
     char what[96];
     snprintf(what, sizeof what, "%s in %s", p->fqn ? p->fqn : p->name, fsdp_dtype_name(dt));
     return fsdp__lp_copy(ctx, dt, fsdp__pdata(p), p->numel, what);

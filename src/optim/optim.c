@@ -216,7 +216,9 @@ static void adamw_slice(const struct fsdp_optim_slice *s, const struct adamw_coe
     const double b1 = c->b1, b2 = c->b2, eps = c->eps, step_size = c->step_size;
     const double bc2_sqrt = c->bc2_sqrt, scale = c->scale;
     const int64_t n = s->n;
-#pragma omp parallel for schedule(static) if (n >= OPTIM_PAR_MIN)
+    /* simd: vectorized IEEE double ops give the scalar loop's bits (no FMA
+     * contraction in ISO C mode); about 2x faster with -fno-math-errno */
+#pragma omp parallel for simd schedule(static) if (n >= OPTIM_PAR_MIN)
     for (int64_t i = 0; i < n; i++) {
         double gi = (double)g[i] * scale;
         float mf = (float)(b1 * (double)m[i] + (1.0 - b1) * gi);
