@@ -363,12 +363,7 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
     if (res->skipped) { /* overflow under loss scaling: no update on any rank */
         res->loss = loss;
         res->grad_norm = gnorm;
-        st = fsdp_model_param_norm(ctx, fm, &res->param_norm);
-        res->forward_s = t1 - t0;
-        res->backward_s = t2 - t1;
-        res->update_s = fsdp__now() - t2;
-        res->comm_wait_s = comm_wait_total(fm) - w0;
-        return st;
+        goto finish;
     }
     if (!isfinite(loss) || !isfinite(gnorm)) { /* every rank sees the same loss and norm */
         char where[256];
@@ -381,6 +376,7 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
     if (st != FSDP_OK) return st;
     res->loss = loss;
     res->grad_norm = gnorm;
+finish: /* a skipped step reports like an applied one */
     st = fsdp_model_param_norm(ctx, fm, &res->param_norm);
     res->forward_s = t1 - t0;
     res->backward_s = t2 - t1;
