@@ -252,7 +252,7 @@ static enum fsdp_status check_schedule(struct fsdp_comm *c, enum fsdp_coll coll,
      * in it (a peer that stopped before its next collective) names that */
     char tag[sizeof c->tag];
     memcpy(tag, c->tag, sizeof tag);
-    snprintf(c->tag, sizeof c->tag, "schedule check of %s #%llu%s%s", fsdp__coll_name(coll),
+    snprintf(c->tag, sizeof c->tag, "schedule check of %s #%llu%s%.24s", fsdp__coll_name(coll),
              (unsigned long long)(c->seq + 1), tag[0] ? ", " : "", tag);
     struct fsdp_comm_req *r = NULL;
     enum fsdp_status st = c->ops->allgather_start(c, mine, all, FP_N, FSDP_I32, &r);
