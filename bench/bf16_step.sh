@@ -29,5 +29,5 @@ awk -v a="$model32" -v b="$gemm32" -v c="$model16" -v d="$gemm16" 'BEGIN {
 s16=$(echo "$res" | awk '$1 == "bf16:" {print $2}')
 speed=$(echo "$res" | awk '$1 == "bf16_speedup" {print $2}')
 awk -v s="$s16" -v x="$speed" 'BEGIN {
-  printf "targets: bf16 %.3f s/step (<= 1.2: %s), %.2fx fp32 (>= 2.5: %s)\n", s, s <= 1.2 ? "met" : "NOT met", x,
-         x >= 2.5 ? "met" : "NOT met" }'
+  printf "targets: bf16 %.3f s/step (<= 1.2: %s), %.2fx fp32 (>= 2.5: %s)\n", s, (s <= 1.2) ? "met" : "NOT met", x,
+         (x >= 2.5) ? "met" : "NOT met" }'

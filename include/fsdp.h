@@ -162,6 +162,10 @@ struct fsdp_param {
     const void *data_lp; /* the same values as data in data_lp_dtype (BF16 / F16) while the
                             sharding layer gathered them in that dtype, else NULL */
     enum fsdp_dtype data_lp_dtype;
+    int lp_reader;       /* set by a built-in layer that reads these values only through data_lp
+                            when gathered 16-bit (Linear and Embedding weights); others get data */
+    int data_stale;      /* data not yet widened from data_lp (training passes, lp_reader only);
+                            the built-in layers widen on demand (fsdp__pdata) */
     struct fsdp_param *tied_to; /* shares values and gradient with this parameter */
     struct fsdp_init init;
     int no_decay;        /* exempt from weight decay (biases, LayerNorm, embeddings) */

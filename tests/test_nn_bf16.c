@@ -5,6 +5,8 @@
  *    beta, and calls from inside an OpenMP parallel region, against a double
  *    product of the same 16-bit inputs (so only fp32 accumulation error is
  *    allowed: 1e-5 of the row's magnitude);
+ *  - batched products (fsdp__gemm_lp_batched, attention's heads) entry by
+ *    entry against double, strides with gaps left untouched;
  *  - Linear in bf16/fp16 equals the double product of the rounded x and W
  *    (it really takes 16-bit inputs and accumulates in fp32);
  *  - each layer in bf16 (and the GPT in fp16) against its own fp32 result, forward output, input
@@ -125,6 +127,74 @@ TEST(gemm_lp_matches_double_on_16bit_inputs) {
     int before = fsdp__gemm_lp_cached();
     CHECK_INT_EQ(check_gemm(FSDP_BF16, 0, 1, 256, 384, 128, 0, 1.0f, 1.0f, 0), 0); /* cached: no new primitive */
     CHECK_INT_EQ(fsdp__gemm_lp_cached(), before);
+}
+
+/* Batched products (attention's heads): entry i of a batch with gaps between
+ * the entries (strides past the matrix) equals the double product of its
+ * 16-bit inputs, for every transpose pair, in bf16 (one oneDNN matmul), f16
+ * and f32 (per-entry loops); the gaps are untouched. Returns mismatches. */
+static int check_batched(enum fsdp_dtype dt, int ta, int tb, int64_t batch, int64_t M, int64_t N, int64_t K,
+                         float alpha, float beta) {
+    int64_t ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+    int64_t sa = ar * ac + 3, sb = br * bc + 5, sc = M * N + 7, es = (int64_t)fsdp_dtype_size(dt);
+    unsigned char *A = malloc((size_t)(batch * sa * es)), *B = malloc((size_t)(batch * sb * es));
+    double *Ad = malloc((size_t)(batch * sa) * sizeof(double)), *Bd = malloc((size_t)(batch * sb) * sizeof(double));
+    float *C = malloc((size_t)(batch * sc) * 4), *C0 = malloc((size_t)(batch * sc) * 4);
+    for (int64_t i = 0; i < batch * sa; i++) {
+        float v = urand();
+        Ad[i] = dt == FSDP_F32 ? v : round_to(dt, v);
+        if (dt == FSDP_F32) ((float *)(void *)A)[i] = v;
+        else ((uint16_t *)(void *)A)[i] = dt == FSDP_BF16 ? fsdp__f32_to_bf16(v) : fsdp__f32_to_f16(v);
+    }
+    for (int64_t i = 0; i < batch * sb; i++) {
+        float v = urand();
+        Bd[i] = dt == FSDP_F32 ? v : round_to(dt, v);
+        if (dt == FSDP_F32) ((float *)(void *)B)[i] = v;
+        else ((uint16_t *)(void *)B)[i] = dt == FSDP_BF16 ? fsdp__f32_to_bf16(v) : fsdp__f32_to_f16(v);
+    }
+    for (int64_t i = 0; i < batch * sc; i++) C0[i] = C[i] = urand();
+    fsdp__gemm_lp_batched(dt, batch, ta, tb, M, N, K, alpha, A, ac, sa, B, bc, sb, beta, C, N, sc);
+    int bad = 0;
+    for (int64_t e = 0; e < batch; e++)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) {
+                const double *a = Ad + e * sa, *b = Bd + e * sb;
+                double s = 0, mag = 0;
+                for (int64_t k = 0; k < K; k++) {
+                    double p = (ta ? a[k * ac + i] : a[i * ac + k]) * (tb ? b[j * bc + k] : b[k * bc + j]);
+                    s += p;
+                    mag += fabs(p);
+                }
+                float c0 = C0[e * sc + i * N + j], got = C[e * sc + i * N + j];
+                double want = alpha * s + beta * c0, tol = 1e-5 * (fabs(alpha) * mag + fabs(beta * c0)) + 1e-6;
+                if (!(fabs(got - want) <= tol) && bad++ < 3)
+                    TEST_FAILF("%s batch %lld %c%c M%lld N%lld K%lld: entry %lld C[%lld,%lld] %.7g want %.7g",
+                               fsdp_dtype_name(dt), (long long)batch, ta ? 'T' : 'N', tb ? 'T' : 'N', (long long)M,
+                               (long long)N, (long long)K, (long long)e, (long long)i, (long long)j, (double)got,
+                               want);
+            }
+    for (int64_t e = 0; e < batch; e++) /* the gap after each entry's C */
+        for (int64_t i = M * N; i < sc; i++)
+            if (memcmp(&C[e * sc + i], &C0[e * sc + i], 4) != 0) bad++;
+    free(A);
+    free(B);
+    free(Ad);
+    free(Bd);
+    free(C);
+    free(C0);
+    return bad;
+}
+
+TEST(gemm_lp_batched_matches_double_per_entry) {
+    rseed(4);
+    enum fsdp_dtype dts[3] = {FSDP_BF16, FSDP_F16, FSDP_F32};
+    for (int d = 0; d < 3; d++)
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++) {
+                CHECK_INT_EQ(check_batched(dts[d], ta, tb, 6, 32, 16, 24, 0.125f, 0.0f), 0);
+                CHECK_INT_EQ(check_batched(dts[d], ta, tb, 3, 17, 9, 40, -1.0f, 0.5f), 0);
+            }
+    CHECK_INT_EQ(check_batched(FSDP_BF16, 0, 1, 1, 20, 12, 8, 1.0f, 1.0f), 0); /* a batch of one */
 }
 
 /* ---- Linear takes 16-bit inputs ---- */

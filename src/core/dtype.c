@@ -17,6 +17,7 @@
  */
 #include "core/core-impl.h"
 
+#include <omp.h>
 #include <string.h>
 
 #ifdef __AVX512F__
@@ -132,11 +133,19 @@ static void f16_to_f32_run(const uint16_t *src, float *dst, size_t n) {
     for (; i < n; i++) dst[i] = fsdp__f16_to_f32(src[i]);
 }
 
-/* Runs fn over [0, n) in CVT_BLOCK pieces, in parallel when n is large. */
+/* Runs fn over [0, n) in CVT_BLOCK pieces, in parallel when n is large and
+ * the caller is not already inside a parallel region. A short array, or a
+ * call from a parallel loop (attention's per-head casts), runs straight
+ * through: even an if(false) parallel region costs a team setup (a malloc
+ * and a futex round) per call, which dominated per-row casts. */
 #define CVT_SPLIT(fn, src, dst, n)                                                       \
     do {                                                                                 \
         int64_t nb_ = (int64_t)(((n) + CVT_BLOCK - 1) / CVT_BLOCK);                      \
-        _Pragma("omp parallel for schedule(static) if (nb_ > 1)")                        \
+        if (nb_ <= 1 || omp_in_parallel()) {                                             \
+            fn((src), (dst), (n));                                                       \
+            break;                                                                       \
+        }                                                                                \
+        _Pragma("omp parallel for schedule(static)")                                     \
         for (int64_t b_ = 0; b_ < nb_; b_++) {                                           \
             size_t lo_ = (size_t)b_ * CVT_BLOCK, len_ = (n) - lo_;                       \
             fn((src) + lo_, (dst) + lo_, len_ < CVT_BLOCK ? len_ : CVT_BLOCK);          \

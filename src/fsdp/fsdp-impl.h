@@ -182,8 +182,10 @@ enum fsdp_status fsdp__mp_resolve(struct fsdp_ctx *ctx, struct fsdp_model *fm, e
  * (*req NULL when comm is NULL or of size 1). COLLECTIVE: yes. */
 enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct fsdp__unit *u,
                                        struct fsdp_comm_req **req);
-/* After the gather's wait: widens u->full to fp32 in place. */
-void fsdp__mp_gather_finish(struct fsdp__unit *u);
+/* After the gather's wait: widens u->full to fp32 in place; with lazy (a
+ * training pass), only the parameters that are not lp_reader, marking the
+ * others data_stale ([Note: lazy widening] in src/nn/precision.c). */
+void fsdp__mp_gather_finish(struct fsdp__unit *u, int lazy);
 /* Narrows u->full_grad in place to reduce_dtype (no-op for F32) and returns
  * the send buffer of the reduce-scatter (numel_padded elements). */
 void *fsdp__mp_grad_send(struct fsdp__unit *u);

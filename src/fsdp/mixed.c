@@ -112,12 +112,16 @@ int64_t fsdp__mp_full_numel(const struct fsdp__unit *u) {
     return u->numel_padded + (u->param_dtype == FSDP_F32 ? 0 : (u->numel_padded + 1) / 2);
 }
 
-void fsdp__mp_gather_finish(struct fsdp__unit *u) {
+void fsdp__mp_gather_finish(struct fsdp__unit *u, int lazy) {
     const uint16_t *stage = (const uint16_t *)(const void *)(u->full + u->numel_padded);
-    fsdp__cvt_to_f32(u->param_dtype, stage, u->full, (size_t)u->numel_padded);
+    if (!lazy) fsdp__cvt_to_f32(u->param_dtype, stage, u->full, (size_t)u->numel_padded);
     for (int j = 0; j < u->n_params; j++) { /* the layers' 16-bit weights (fsdp__pdata_lp) */
-        u->params[j]->data_lp = stage + u->offsets[j];
-        u->params[j]->data_lp_dtype = u->param_dtype;
+        struct fsdp_param *p = u->params[j];
+        p->data_lp = stage + u->offsets[j];
+        p->data_lp_dtype = u->param_dtype;
+        p->data_stale = lazy && p->lp_reader; /* [Note: lazy widening] (src/nn/precision.c) */
+        if (lazy && !p->lp_reader)
+            fsdp__cvt_to_f32(u->param_dtype, p->data_lp, u->full + u->offsets[j], (size_t)p->numel);
     }
 }
 

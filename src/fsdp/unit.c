@@ -112,7 +112,7 @@ static enum fsdp_status unit_gather_wait(struct fsdp_ctx *ctx, struct fsdp__unit
     struct fsdp_comm_req *r = u->req;
     u->req = NULL;
     if (fsdp_comm_wait(u->model->shard_comm, r) != FSDP_OK) return unit_fail(ctx, u, "all-gather wait");
-    if (u->param_dtype != FSDP_F32) fsdp__mp_gather_finish(u);
+    if (u->param_dtype != FSDP_F32) fsdp__mp_gather_finish(u, u->model->in_forward || u->model->in_backward);
     u->state_ = UNIT_UNSHARDED;
     point_params(u);
     return FSDP_OK;
@@ -133,7 +133,8 @@ enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
         u->prefetched = 0;
         u->model->n_inflight--;
     }
-    for (int j = 0; j < u->n_params; j++) u->params[j]->data = NULL, u->params[j]->data_lp = NULL;
+    for (int j = 0; j < u->n_params; j++)
+        u->params[j]->data = NULL, u->params[j]->data_lp = NULL, u->params[j]->data_stale = 0;
     if (u->full != u->shard) fsdp__pool_put(u->model, u->full);
     u->full = NULL;
     u->state_ = UNIT_SHARDED;

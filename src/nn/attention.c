@@ -2,25 +2,82 @@
  * attention.c - CausalSelfAttention as nanoGPT: qkv = c_attn(x) with q, k, v
  * in that order along the 3C axis; per (batch b, head h) with head size
  * hs = C / n_head:  att = softmax_causal(q k^T / sqrt(hs)),  y = att v;
- * out = c_proj(y). The per-(b, h) matrices are strided views into qkv (row
- * stride 3C) and y (row stride C), so no head is ever copied out.
+ * out = c_proj(y).
  * Saves: qkv (B, T, 3C) and the attention probabilities att (B, nh, T, T),
  * both in the arena; masked entries (j > t) of att are stored as zeros.
- * The (b, h) pairs run in parallel with single-threaded GEMMs each.
- * With a 16-bit compute dtype ([Note: compute precision]) each (b, h) casts
- * its q, k, v (and dY) head slices into dense (T, hs) per-thread scratch and
- * its probabilities into (T, T), and multiplies with fsdp__gemm_lp; the
- * softmax and its backward stay fp32, and what is saved is unchanged.
+ * fp32: the (b, h) pairs run in parallel with single-threaded GEMMs each, on
+ * strided views into qkv (row stride 3C) and y (row stride C), so no head is
+ * ever copied out.
+ * 16-bit compute ([Note: compute precision]): [Note: batched heads] q, k, v
+ * (and in backward dY) are cast once into head-major 16-bit copies (B*nh, T,
+ * hs), dense, and every product runs as one batched matmul over all B*nh
+ * heads (fsdp__gemm_lp_batched): oneDNN takes its AMX kernels only for dense
+ * operands, and one call per product instead of one per head removes a
+ * per-call setup that cost more than the arithmetic (48 heads x 6 products x
+ * 12 layers of 256 x 256 x 64 in GPT-2). The probabilities are cast as one
+ * block, and the heads' results (fp32, head-major) are scattered back into
+ * y / dqkv. The softmax and its backward stay fp32, and what is saved is
+ * unchanged (the backward casts qkv again rather than keeping a 16-bit copy
+ * alive). All 16-bit scratch is released before the layer returns.
  */
 #include "nn/nn-impl.h"
 
 #include <math.h>
 #include <omp.h>
 
-/* dst (rows, cols) dense in dtype lp (2-byte) from src (rows, cols), row stride ld. */
-static void rows_to_lp(enum fsdp_dtype lp, const float *src, int64_t ld, int64_t rows, int64_t cols,
-                       uint16_t *dst) {
-    for (int64_t r = 0; r < rows; r++) fsdp__cvt_from_f32(lp, src + r * ld, dst + r * cols, (size_t)cols);
+/* Causal softmax of row t (length T) in place: over j <= t, zeros after. */
+static void softmax_row(float *row, int64_t t, int64_t T) {
+    float mx = row[0];
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 1; j <= t; j++) mx = row[j] > mx ? row[j] : mx;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j <= t; j++) {
+        float e = fsdp__expf(row[j] - mx);
+        row[j] = e;
+        sum += e;
+    }
+    float inv = 1.0f / sum;
+    for (int64_t j = 0; j <= t; j++) row[j] *= inv;
+    for (int64_t j = t + 1; j < T; j++) row[j] = 0.0f;
+}
+
+/* Softmax backward of row t: d = a * (d - sum_j a_j d_j) over j <= t, zeros after. */
+static void softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T) {
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t j = 0; j <= t; j++) dot += a[j] * d[j];
+    for (int64_t j = 0; j <= t; j++) d[j] = a[j] * (d[j] - dot);
+    for (int64_t j = t + 1; j < T; j++) d[j] = 0.0f;
+}
+
+/* Head-major 16-bit copy: dst (B*nh, T, hs) dense from the columns
+ * [col0, col0 + nh*hs) of src (B*T rows, row stride ld). */
+static void heads_to_lp(enum fsdp_dtype lp, const float *src, int64_t ld, int64_t col0, int64_t B, int64_t T,
+                        int64_t nh, int64_t hs, uint16_t *dst) {
+#pragma omp parallel for schedule(static)
+    for (int64_t bt = 0; bt < B * T; bt++) {
+        int64_t b = bt / T, t = bt % T;
+        for (int64_t h = 0; h < nh; h++) /* inside the loop: a serial cast */
+            fsdp__cvt_from_f32(lp, src + bt * ld + col0 + h * hs, dst + ((b * nh + h) * T + t) * hs, (size_t)hs);
+    }
+}
+
+/* The inverse scatter, fp32: src (B*nh, T, hs) dense into the columns
+ * [col0, col0 + nh*hs) of dst (B*T rows, row stride ld). */
+static void heads_from(const float *src, int64_t B, int64_t T, int64_t nh, int64_t hs, float *dst, int64_t ld,
+                       int64_t col0) {
+#pragma omp parallel for schedule(static)
+    for (int64_t bt = 0; bt < B * T; bt++) {
+        int64_t b = bt / T, t = bt % T;
+        for (int64_t h = 0; h < nh; h++)
+            memcpy(dst + bt * ld + col0 + h * hs, src + ((b * nh + h) * T + t) * hs, (size_t)hs * sizeof(float));
+    }
+}
+
+static enum fsdp_status lp_nomem(struct fsdp_ctx *ctx, enum fsdp_dtype lp) {
+    return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for attention %s scratch in the activation arena",
+                     fsdp_dtype_name(lp));
 }
 
 struct attention {
@@ -32,6 +89,30 @@ struct attention {
     float *att;                          /* (B, nh, T, T) saved probabilities, arena */
     int64_t B, T;
 };
+
+/* att (B*nh, T, T) = softmax(scale q k^T), y = att v: the 16-bit path. */
+static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, const float *qkv, int64_t B,
+                                         int64_t T, int64_t nh, int64_t hs, float *att, float *y) {
+    int64_t C = nh * hs, BH = B * nh;
+    size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
+    uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(3 * BH * T * hs) * es); /* q, k, v head-major */
+    uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * es);
+    float *yh = fsdp_arena_alloc(ctx, (size_t)(BH * T * hs) * sizeof(float));
+    if (!q || !ab || !yh) return lp_nomem(ctx, lp);
+    uint16_t *k = q + BH * T * hs, *v = k + BH * T * hs;
+    heads_to_lp(lp, qkv, 3 * C, 0, B, T, nh, hs, q);
+    heads_to_lp(lp, qkv, 3 * C, C, B, T, nh, hs, k);
+    heads_to_lp(lp, qkv, 3 * C, 2 * C, B, T, nh, hs, v);
+    float scale = 1.0f / sqrtf((float)hs);
+    fsdp__gemm_lp_batched(lp, BH, 0, 1, T, T, hs, scale, q, hs, T * hs, k, hs, T * hs, 0.0f, att, T, T * T);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < BH * T; r++) softmax_row(att + r * T, r % T, T);
+    fsdp__cvt_from_f32(lp, att, ab, (size_t)(BH * T * T));
+    fsdp__gemm_lp_batched(lp, BH, 0, 0, T, hs, T, 1.0f, ab, T, T * T, v, hs, T * hs, 0.0f, yh, hs, T * hs);
+    heads_from(yh, B, T, nh, hs, y, C, 0);
+    fsdp_arena_release(ctx, mark);
+    return FSDP_OK;
+}
 
 static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                           const struct fsdp_tensor *in, struct fsdp_tensor *out) {
@@ -47,66 +128,60 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
     FSDP_TRY(fsdp__tensor_prepare(ctx, &y, FSDP_F32, 3, yshape, "attention heads output"));
     const float *q_all = qkv.data;
     float *y_all = y.data; /* (B, T, C), head h in columns [h*hs, (h+1)*hs) */
-    float scale = 1.0f / sqrtf((float)hs);
     enum fsdp_dtype lp = fsdp__compute_dtype(m);
-    size_t mark = fsdp_arena_mark(ctx);
-    int64_t per = 3 * T * hs + T * T; /* 16-bit scratch per thread: qb, kb, vb (T, hs), sb (T, T) */
-    uint16_t *lpbuf = NULL;
     if (lp != FSDP_F32) {
-        lpbuf = fsdp_arena_alloc(ctx, (size_t)(omp_get_max_threads() * per) * sizeof(uint16_t));
-        if (!lpbuf)
-            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for attention %s scratch in the activation arena",
-                             fsdp_dtype_name(lp));
-    }
+        FSDP_TRY(heads_forward_lp(ctx, lp, q_all, B, T, nh, hs, att, y_all));
+    } else {
+        float scale = 1.0f / sqrtf((float)hs);
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t bh = 0; bh < B * nh; bh++) {
-        int64_t b = bh / nh, h = bh % nh;
-        const float *q = q_all + b * T * 3 * C + h * hs; /* (T, hs), row stride 3C */
-        const float *k = q + C, *v = q + 2 * C;
-        float *s = att + bh * T * T; /* (T, T) */
-        uint16_t *qb = NULL, *kb = NULL, *vb = NULL, *sb = NULL;
-        if (lp != FSDP_F32) {
-            qb = lpbuf + (int64_t)omp_get_thread_num() * per;
-            kb = qb + T * hs;
-            vb = kb + T * hs;
-            sb = vb + T * hs;
-            rows_to_lp(lp, q, 3 * C, T, hs, qb);
-            rows_to_lp(lp, k, 3 * C, T, hs, kb);
-            rows_to_lp(lp, v, 3 * C, T, hs, vb);
-            fsdp__gemm_lp(lp, 0, 1, T, T, hs, scale, qb, hs, kb, hs, 0.0f, s, T);
-        } else {
+        for (int64_t bh = 0; bh < B * nh; bh++) {
+            int64_t b = bh / nh, h = bh % nh;
+            const float *q = q_all + b * T * 3 * C + h * hs; /* (T, hs), row stride 3C */
+            const float *k = q + C, *v = q + 2 * C;
+            float *s = att + bh * T * T; /* (T, T) */
             fsdp__sgemm(0, 1, T, T, hs, scale, q, 3 * C, k, 3 * C, 0.0f, s, T);
-        }
-        for (int64_t t = 0; t < T; t++) { /* causal softmax of row t over j <= t */
-            float *row = s + t * T;
-            float mx = row[0];
-#pragma omp simd reduction(max : mx)
-            for (int64_t j = 1; j <= t; j++) mx = row[j] > mx ? row[j] : mx;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j <= t; j++) {
-                float e = fsdp__expf(row[j] - mx);
-                row[j] = e;
-                sum += e;
-            }
-            float inv = 1.0f / sum;
-            for (int64_t j = 0; j <= t; j++) row[j] *= inv;
-            for (int64_t j = t + 1; j < T; j++) row[j] = 0.0f;
-        }
-        if (lp != FSDP_F32) {
-            rows_to_lp(lp, s, T, T, T, sb);
-            fsdp__gemm_lp(lp, 0, 0, T, hs, T, 1.0f, sb, T, vb, hs, 0.0f, y_all + b * T * C + h * hs, C);
-        } else {
+            for (int64_t t = 0; t < T; t++) softmax_row(s + t * T, t, T);
             fsdp__sgemm(0, 0, T, hs, T, 1.0f, s, T, v, 3 * C, 0.0f, y_all + b * T * C + h * hs, C);
         }
     }
-    fsdp_arena_release(ctx, mark);
     A->lp = lp;
     A->qkv = q_all;
     A->att = att;
     A->B = B;
     A->T = T;
     return fsdp_module_forward(A->c_proj, ctx, &y, out);
+}
+
+/* The backward products of all heads at once, 16-bit inputs ([Note: batched
+ * heads]); dqkv (B, T, 3C) is written whole. */
+static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, const float *qkv,
+                                          const float *att, const float *dy, int64_t B, int64_t T, int64_t nh,
+                                          int64_t hs, float *dqkv) {
+    int64_t C = nh * hs, BH = B * nh, n = BH * T * hs;
+    size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
+    uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(4 * n) * es); /* q, k, v, dY head-major */
+    uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * es);   /* att, then dS */
+    float *ds = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * sizeof(float));
+    float *dh = fsdp_arena_alloc(ctx, (size_t)(3 * n) * sizeof(float)); /* dq, dk, dv head-major */
+    if (!q || !ab || !ds || !dh) return lp_nomem(ctx, lp);
+    uint16_t *k = q + n, *v = k + n, *dyh = v + n;
+    for (int part = 0; part < 3; part++) heads_to_lp(lp, qkv, 3 * C, part * C, B, T, nh, hs, q + part * n);
+    heads_to_lp(lp, dy, C, 0, B, T, nh, hs, dyh);
+    fsdp__cvt_from_f32(lp, att, ab, (size_t)(BH * T * T));
+    float scale = 1.0f / sqrtf((float)hs);
+    /* datt = dY v^T;  dv = att^T dY */
+    fsdp__gemm_lp_batched(lp, BH, 0, 1, T, T, hs, 1.0f, dyh, hs, T * hs, v, hs, T * hs, 0.0f, ds, T, T * T);
+    fsdp__gemm_lp_batched(lp, BH, 1, 0, T, hs, T, 1.0f, ab, T, T * T, dyh, hs, T * hs, 0.0f, dh + 2 * n, hs,
+                          T * hs);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < BH * T; r++) softmax_bwd_row(att + r * T, ds + r * T, r % T, T);
+    fsdp__cvt_from_f32(lp, ds, ab, (size_t)(BH * T * T)); /* dS */
+    /* dq = scale dS k;  dk = scale dS^T q */
+    fsdp__gemm_lp_batched(lp, BH, 0, 0, T, hs, T, scale, ab, T, T * T, k, hs, T * hs, 0.0f, dh, hs, T * hs);
+    fsdp__gemm_lp_batched(lp, BH, 1, 0, T, hs, T, scale, ab, T, T * T, q, hs, T * hs, 0.0f, dh + n, hs, T * hs);
+    for (int part = 0; part < 3; part++) heads_from(dh + part * n, B, T, nh, hs, dqkv, 3 * C, part * C);
+    fsdp_arena_release(ctx, mark);
+    return FSDP_OK;
 }
 
 /* Per (b, h), with dY the gradient of y's head slice:
@@ -133,16 +208,11 @@ static enum fsdp_status attention_backward(struct fsdp_module *m, struct fsdp_ct
     if (!scratch) return FSDP_ERR_NOMEM;
     const float *q_all = A->qkv, *dy_all = dy.data;
     float *dq_all = dqkv.data;
-    float scale = 1.0f / sqrtf((float)hs);
-    enum fsdp_dtype lp = A->lp;
-    int64_t per = 4 * T * hs + T * T; /* 16-bit scratch per thread: qb, kb, vb, dyb (T, hs), ab (T, T) */
-    uint16_t *lpbuf = NULL;
-    if (lp != FSDP_F32) {
-        lpbuf = fsdp_arena_alloc(ctx, (size_t)(nthr * per) * sizeof(uint16_t));
-        if (!lpbuf)
-            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for attention %s scratch in the activation arena",
-                             fsdp_dtype_name(lp));
+    if (A->lp != FSDP_F32) {
+        FSDP_TRY(heads_backward_lp(ctx, A->lp, q_all, A->att, dy_all, B, T, nh, hs, dq_all));
+        return fsdp_module_backward(A->c_attn, ctx, &dqkv, din);
     }
+    float scale = 1.0f / sqrtf((float)hs);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < B * nh; bh++) {
         int64_t b = bh / nh, h = bh % nh;
@@ -151,41 +221,11 @@ static enum fsdp_status attention_backward(struct fsdp_module *m, struct fsdp_ct
         const float *dY = dy_all + b * T * C + h * hs; /* (T, hs), stride C */
         const float *att = A->att + bh * T * T;        /* (T, T) */
         float *ds = scratch + (int64_t)omp_get_thread_num() * T * T; /* (T, T) */
-        uint16_t *qb = NULL, *kb = NULL, *vb = NULL, *dyb = NULL, *ab = NULL;
-        if (lp != FSDP_F32) {
-            qb = lpbuf + (int64_t)omp_get_thread_num() * per;
-            kb = qb + T * hs;
-            vb = kb + T * hs;
-            dyb = vb + T * hs;
-            ab = dyb + T * hs;
-            rows_to_lp(lp, q, 3 * C, T, hs, qb);
-            rows_to_lp(lp, k, 3 * C, T, hs, kb);
-            rows_to_lp(lp, v, 3 * C, T, hs, vb);
-            rows_to_lp(lp, dY, C, T, hs, dyb);
-            rows_to_lp(lp, att, T, T, T, ab);
-            fsdp__gemm_lp(lp, 0, 1, T, T, hs, 1.0f, dyb, hs, vb, hs, 0.0f, ds, T);
-            fsdp__gemm_lp(lp, 1, 0, T, hs, T, 1.0f, ab, T, dyb, hs, 0.0f, dv, 3 * C);
-        } else {
-            fsdp__sgemm(0, 1, T, T, hs, 1.0f, dY, C, v, 3 * C, 0.0f, ds, T);
-            fsdp__sgemm(1, 0, T, hs, T, 1.0f, att, T, dY, C, 0.0f, dv, 3 * C);
-        }
-        for (int64_t t = 0; t < T; t++) {
-            const float *a = att + t * T;
-            float *d = ds + t * T;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t j = 0; j <= t; j++) dot += a[j] * d[j];
-            for (int64_t j = 0; j <= t; j++) d[j] = a[j] * (d[j] - dot);
-            for (int64_t j = t + 1; j < T; j++) d[j] = 0.0f;
-        }
-        if (lp != FSDP_F32) { /* dS in ab (att is no longer needed) */
-            rows_to_lp(lp, ds, T, T, T, ab);
-            fsdp__gemm_lp(lp, 0, 0, T, hs, T, scale, ab, T, kb, hs, 0.0f, dq, 3 * C);
-            fsdp__gemm_lp(lp, 1, 0, T, hs, T, scale, ab, T, qb, hs, 0.0f, dk, 3 * C);
-        } else {
-            fsdp__sgemm(0, 0, T, hs, T, scale, ds, T, k, 3 * C, 0.0f, dq, 3 * C);
-            fsdp__sgemm(1, 0, T, hs, T, scale, ds, T, q, 3 * C, 0.0f, dk, 3 * C);
-        }
+        fsdp__sgemm(0, 1, T, T, hs, 1.0f, dY, C, v, 3 * C, 0.0f, ds, T);
+        fsdp__sgemm(1, 0, T, hs, T, 1.0f, att, T, dY, C, 0.0f, dv, 3 * C);
+        for (int64_t t = 0; t < T; t++) softmax_bwd_row(att + t * T, ds + t * T, t, T);
+        fsdp__sgemm(0, 0, T, hs, T, scale, ds, T, k, 3 * C, 0.0f, dq, 3 * C);
+        fsdp__sgemm(1, 0, T, hs, T, scale, ds, T, q, 3 * C, 0.0f, dk, 3 * C);
     }
     return fsdp_module_backward(A->c_attn, ctx, &dqkv, din);
 }

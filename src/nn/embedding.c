@@ -31,10 +31,17 @@ static enum fsdp_status embedding_forward(struct fsdp_module *m, struct fsdp_ctx
     memcpy(shape, in->shape, sizeof shape);
     shape[in->ndim] = D;
     FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim + 1, shape, "Embedding output"));
-    const float *w = fsdp__pdata(E->weight); /* (num, dim) */
-    float *y = out->data;                    /* (n, dim) */
+    float *y = out->data; /* (n, dim) */
+    enum fsdp_dtype ldt;
+    const uint16_t *wl = fsdp__pdata_gathered_lp(E->weight, &ldt); /* (num, dim), if gathered 16-bit */
+    if (wl) { /* the rows looked up, widened: the values fsdp__pdata would show */
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) memcpy(y + i * D, w + (int64_t)ids[i] * D, (size_t)D * sizeof(float));
+        for (int64_t i = 0; i < n; i++) fsdp__cvt_to_f32(ldt, wl + (int64_t)ids[i] * D, y + i * D, (size_t)D);
+    } else {
+        const float *w = fsdp__pdata(E->weight); /* (num, dim) */
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n; i++) memcpy(y + i * D, w + (int64_t)ids[i] * D, (size_t)D * sizeof(float));
+    }
     E->ids = ids;
     E->n = n;
     return FSDP_OK;
@@ -94,6 +101,7 @@ enum fsdp_status fsdp__embedding_create(struct fsdp_ctx *ctx, const char *name, 
         fsdp_module_free(m);
         return st;
     }
+    E->weight->lp_reader = 1; /* rows widened from the 16-bit copy ([Note: lazy widening]) */
     *out_m = m;
     return FSDP_OK;
 }

@@ -46,7 +46,8 @@ const char *fsdp__mname(const struct fsdp_module *m) {
 
 enum fsdp_status fsdp__param_ready(struct fsdp_ctx *ctx, struct fsdp_param *p, int need_grad) {
     const char *name = p->fqn ? p->fqn : p->name;
-    if (!fsdp__pdata(p))
+    const struct fsdp_param *q = p->tied_to ? p->tied_to : p;
+    if (!q->data) /* not fsdp__pdata: a stale value is there, widened when read */
         return fsdp__err(ctx, FSDP_ERR_STATE,
                          "parameter '%s' has no values (not materialized, or its unit is not gathered)", name);
     if (need_grad && !fsdp__pgrad(p))

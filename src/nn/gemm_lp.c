@@ -28,6 +28,7 @@
 struct mm_key {
     int dt, transa, transb, in_par;
     int64_t M, N, K, lda, ldb, ldc;
+    int64_t batch, sa, sb, sc; /* batched products: count and element strides (batch 1: 2-D) */
     uint32_t alpha_bits, beta_bits;
 };
 
@@ -66,13 +67,20 @@ static uint32_t fbits(float f) {
 /* Creates the primitive for key k into *e (not yet in the table). */
 static void mm_create(const struct mm_key *k, float alpha, float beta, struct mm_entry *e) {
     dnnl_data_type_t in_dt = k->dt == FSDP_BF16 ? dnnl_bf16 : dnnl_f16;
-    dnnl_dims_t ad = {k->M, k->K}, bd = {k->K, k->N}, cd = {k->M, k->N};
-    dnnl_dims_t as = {k->transa ? 1 : k->lda, k->transa ? k->lda : 1};
-    dnnl_dims_t bs = {k->transb ? 1 : k->ldb, k->transb ? k->ldb : 1};
-    dnnl_dims_t cs = {k->ldc, 1};
-    dnnl_status_t st = dnnl_memory_desc_init_by_strides(&e->a, 2, ad, in_dt, as);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_strides(&e->b, 2, bd, in_dt, bs);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_strides(&e->c, 2, cd, dnnl_f32, cs);
+    /* 2-D, or 3-D with the batch as the outer dimension */
+    int nd = k->batch > 1 ? 3 : 2, o = nd - 2;
+    dnnl_dims_t ad = {0}, bd = {0}, cd = {0}, as = {0}, bs = {0}, cs = {0};
+    ad[0] = bd[0] = cd[0] = k->batch;
+    as[0] = k->sa;
+    bs[0] = k->sb;
+    cs[0] = k->sc;
+    ad[o] = k->M, ad[o + 1] = k->K, bd[o] = k->K, bd[o + 1] = k->N, cd[o] = k->M, cd[o + 1] = k->N;
+    as[o] = k->transa ? 1 : k->lda, as[o + 1] = k->transa ? k->lda : 1;
+    bs[o] = k->transb ? 1 : k->ldb, bs[o + 1] = k->transb ? k->ldb : 1;
+    cs[o] = k->ldc, cs[o + 1] = 1;
+    dnnl_status_t st = dnnl_memory_desc_init_by_strides(&e->a, nd, ad, in_dt, as);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_strides(&e->b, nd, bd, in_dt, bs);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_strides(&e->c, nd, cd, dnnl_f32, cs);
     dnnl_matmul_desc_t md;
     if (st == dnnl_success) st = dnnl_matmul_desc_init(&md, &e->a, &e->b, NULL, &e->c);
     dnnl_primitive_attr_t attr = NULL;
@@ -95,11 +103,11 @@ static void mm_create(const struct mm_key *k, float alpha, float beta, struct mm
     dnnl_primitive_desc_destroy(pd);
     dnnl_post_ops_destroy(po);
     dnnl_primitive_attr_destroy(attr);
-    FSDP_ASSERT(st == dnnl_success, "oneDNN %s matmul (%c%c, M=%lld N=%lld K=%lld, lda=%lld ldb=%lld "
-                "ldc=%lld, alpha %g beta %g): creation failed with status %d", fsdp_dtype_name(k->dt),
-                k->transa ? 'T' : 'N', k->transb ? 'T' : 'N', (long long)k->M, (long long)k->N,
-                (long long)k->K, (long long)k->lda, (long long)k->ldb, (long long)k->ldc, (double)alpha,
-                (double)beta, (int)st);
+    FSDP_ASSERT(st == dnnl_success, "oneDNN %s matmul (%c%c, batch %lld, M=%lld N=%lld K=%lld, lda=%lld "
+                "ldb=%lld ldc=%lld, alpha %g beta %g): creation failed with status %d", fsdp_dtype_name(k->dt),
+                k->transa ? 'T' : 'N', k->transb ? 'T' : 'N', (long long)k->batch, (long long)k->M,
+                (long long)k->N, (long long)k->K, (long long)k->lda, (long long)k->ldb, (long long)k->ldc,
+                (double)alpha, (double)beta, (int)st);
     e->key = *k;
 }
 
@@ -178,39 +186,60 @@ static void gemm_f16(int transa, int transb, int64_t M, int64_t N, int64_t K, fl
     fsdp__sgemm(transa, transb, M, N, K, alpha, a, ac, b, bc, beta, C, ldc);
 }
 
-void fsdp__gemm_lp(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
-                   const void *A, int64_t lda, const void *B, int64_t ldb, float beta, float *C, int64_t ldc) {
-    if (dt == FSDP_F32) {
-        fsdp__sgemm(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-        return;
-    }
-    FSDP_ASSERT(dt == FSDP_BF16 || dt == FSDP_F16, "GEMM input dtype %s (want f32, bf16 or f16)",
+void fsdp__gemm_lp_batched(enum fsdp_dtype dt, int64_t batch, int transa, int transb, int64_t M, int64_t N,
+                           int64_t K, float alpha, const void *A, int64_t lda, int64_t sa, const void *B,
+                           int64_t ldb, int64_t sb, float beta, float *C, int64_t ldc, int64_t sc) {
+    FSDP_ASSERT(dt == FSDP_F32 || dt == FSDP_BF16 || dt == FSDP_F16, "GEMM input dtype %s (want f32, bf16 or f16)",
                 fsdp_dtype_name(dt));
-    if (M <= 0 || N <= 0) return;
-    if (K <= 0) { /* no products: C = beta * C */
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+    if (batch <= 0 || M <= 0 || N <= 0) return;
+    size_t es = fsdp_dtype_size(dt);
+    if (dt != FSDP_BF16 || K <= 0 || batch == 1) { /* one product per batch entry, threads across them */
+        const char *a = A, *b = B;
+        int par = batch > 1 && !omp_in_parallel();
+#pragma omp parallel for schedule(dynamic, 1) if (par)
+        for (int64_t i = 0; i < batch; i++) {
+            const void *ai = a + (size_t)(i * sa) * es, *bi = b + (size_t)(i * sb) * es;
+            float *ci = C + i * sc;
+            if (dt == FSDP_F32) {
+                fsdp__sgemm(transa, transb, M, N, K, alpha, ai, lda, bi, ldb, beta, ci, ldc);
+            } else if (K <= 0) { /* no products: C = beta * C */
+                for (int64_t r = 0; r < M; r++)
+                    for (int64_t c = 0; c < N; c++) ci[r * ldc + c] = beta == 0.0f ? 0.0f : beta * ci[r * ldc + c];
+            } else if (dt == FSDP_F16) {
+                gemm_f16(transa, transb, M, N, K, alpha, ai, lda, bi, ldb, beta, ci, ldc);
+            } else {
+                struct mm_key k;
+                memset(&k, 0, sizeof k); /* padding bytes take part in the memcmp */
+                k.dt = (int)dt;
+                k.transa = transa != 0;
+                k.transb = transb != 0;
+                k.in_par = omp_in_parallel();
+                k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc, k.batch = 1;
+                k.alpha_bits = fbits(alpha);
+                k.beta_bits = fbits(beta);
+                gemm_onednn(&k, alpha, beta, ai, bi, ci);
+            }
+        }
         return;
     }
-    if (dt == FSDP_F16) {
-        gemm_f16(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-        return;
-    }
+    /* bf16, batch > 1: one oneDNN matmul over the whole batch, which threads
+     * across it; dense (T, hs)-like operands take the AMX brgemm kernels */
     struct mm_key k;
-    memset(&k, 0, sizeof k); /* padding bytes take part in the memcmp */
+    memset(&k, 0, sizeof k);
     k.dt = (int)dt;
     k.transa = transa != 0;
     k.transb = transb != 0;
     k.in_par = omp_in_parallel();
-    k.M = M;
-    k.N = N;
-    k.K = K;
-    k.lda = lda;
-    k.ldb = ldb;
-    k.ldc = ldc;
+    k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc;
+    k.batch = batch, k.sa = sa, k.sb = sb, k.sc = sc;
     k.alpha_bits = fbits(alpha);
     k.beta_bits = fbits(beta);
     gemm_onednn(&k, alpha, beta, A, B, C);
+}
+
+void fsdp__gemm_lp(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
+                   const void *A, int64_t lda, const void *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    fsdp__gemm_lp_batched(dt, 1, transa, transb, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0);
 }
 
 void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A,

@@ -30,7 +30,6 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
     FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim, shape, "Linear output"));
     const float *x = in->data;   /* (N, in) */
     float *y = out->data;        /* (N, out) */
-    const float *w = fsdp__pdata(L->weight); /* (out, in) */
     int64_t N = fsdp_tensor_numel(in) / L->in, O = L->out;
     float beta = 0.0f;
     if (L->bias) { /* y starts as the bias in every row, then y += x W^T */
@@ -43,6 +42,7 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
     L->lp = lp;
     L->xl = NULL;
     if (lp == FSDP_F32) {
+        const float *w = fsdp__pdata(L->weight); /* (out, in) */
         fsdp__sgemm(0, 1, N, O, L->in, 1.0f, x, L->in, w, L->in, beta, y, O);
     } else {
         void *xl = fsdp__lp_copy(ctx, lp, x, N * L->in, "Linear input (low precision)"); /* kept */
@@ -79,11 +79,13 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
         FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, shape, "Linear input gradient"));
     }
     size_t mark = fsdp_arena_mark(ctx);
-    const void *dyl = dy, *wl = fsdp__pdata(L->weight); /* operands in dtype lp */
-    if (lp != FSDP_F32) {
+    const void *dyl = dy, *wl = NULL; /* operands in dtype lp */
+    if (lp == FSDP_F32) {
+        wl = fsdp__pdata(L->weight);
+    } else {
         dyl = fsdp__lp_copy(ctx, lp, dy, N * O, "Linear output gradient (low precision)");
         if (dyl && din) wl = fsdp__pdata_lp(ctx, L->weight, lp);
-        if (!dyl || !wl) {
+        if (!dyl || (din && !wl)) {
             fsdp_arena_release(ctx, mark);
             return FSDP_ERR_NOMEM;
         }
@@ -139,6 +141,7 @@ enum fsdp_status fsdp__linear_create(struct fsdp_ctx *ctx, const char *name, int
         fsdp_module_free(m);
         return st;
     }
+    L->weight->lp_reader = 1; /* 16-bit compute reads only fsdp__pdata_lp ([Note: lazy widening]) */
     *out_m = m;
     return FSDP_OK;
 }

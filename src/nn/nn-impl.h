@@ -41,6 +41,13 @@ void fsdp__sgemm(int transa, int transb, int64_t M, int64_t N, int64_t K, float 
  * by shape for the life of the process ([Note: matmul cache]). */
 void fsdp__gemm_lp(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
                    const void *A, int64_t lda, const void *B, int64_t ldb, float beta, float *C, int64_t ldc);
+/* batch products C_i = alpha op(A_i) op(B_i) + beta C_i, with A_i = A + i*sa
+ * elements (B, C likewise); the same leading dimensions for every i. BF16:
+ * one oneDNN matmul (3-D, batch outermost), which threads across the batch;
+ * other dtypes: fsdp__gemm_lp per entry, in parallel. */
+void fsdp__gemm_lp_batched(enum fsdp_dtype dt, int64_t batch, int transa, int transb, int64_t M, int64_t N,
+                           int64_t K, float alpha, const void *A, int64_t lda, int64_t sa, const void *B,
+                           int64_t ldb, int64_t sb, float beta, float *C, int64_t ldc, int64_t sc);
 void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A,
                      int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
 /* Number of matmul primitives in the cache (for tests and benchmarks). */
@@ -63,7 +70,20 @@ const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp
 /* ---- Parameters (ties honoured) ---- */
 /* A tied parameter (tied_to != NULL) has no storage of its own: its values
  * and gradient are those of the parameter it is tied to. */
-static inline float *fsdp__pdata(struct fsdp_param *p) { return p->tied_to ? p->tied_to->data : p->data; }
+/* Widens q->data from q->data_lp (q->data_stale: see [Note: lazy widening]). */
+void fsdp__param_widen(struct fsdp_param *q);
+static inline float *fsdp__pdata(struct fsdp_param *p) {
+    struct fsdp_param *q = p->tied_to ? p->tied_to : p;
+    if (q->data_stale) fsdp__param_widen(q);
+    return q->data;
+}
+/* The 16-bit copy of p's values FSDP gathered (p->data_lp of the storage
+ * parameter) and its dtype in *dt, or NULL when there is none. */
+static inline const void *fsdp__pdata_gathered_lp(const struct fsdp_param *p, enum fsdp_dtype *dt) {
+    const struct fsdp_param *q = p->tied_to ? p->tied_to : p;
+    *dt = q->data_lp_dtype;
+    return q->data_lp;
+}
 static inline float *fsdp__pgrad(struct fsdp_param *p) { return p->tied_to ? p->tied_to->grad : p->grad; }
 /* FSDP_ERR_STATE naming the parameter if it has no values (or, with
  * need_grad, no gradient buffer) right now. */

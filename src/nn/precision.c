@@ -30,6 +30,20 @@ enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp
     return FSDP_OK;
 }
 
+/* [Note: lazy widening] A unit gathered 16-bit during a training pass
+ * leaves the fp32 values of its lp_reader parameters unwritten (data_stale):
+ * Linear multiplies with data_lp and Embedding widens just the rows it looks
+ * up, so widening the whole weight (GPT-2's tied wte alone is 38.6M
+ * elements, twice a step) would be written and never read. Anything that
+ * reads the values through fsdp__pdata (a Linear set to fp32 compute inside
+ * a 16-bit unit, a tied reader) widens them here first; every other path
+ * that gathers (summon, checkpoints, sync) widens eagerly. The values read
+ * are the same bits either way. */
+void fsdp__param_widen(struct fsdp_param *q) {
+    fsdp__cvt_to_f32(q->data_lp_dtype, q->data_lp, q->data, (size_t)q->numel);
+    q->data_stale = 0;
+}
+
 void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what) {
     void *p = fsdp_arena_alloc(ctx, (size_t)n * fsdp_dtype_size(dt));
     if (!p) {
