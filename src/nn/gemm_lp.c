@@ -186,40 +186,53 @@ static void gemm_f16(int transa, int transb, int64_t M, int64_t N, int64_t K, fl
     fsdp__sgemm(transa, transb, M, N, K, alpha, a, ac, b, bc, beta, C, ldc);
 }
 
+/* One product of 16-bit (or f32) operands, the 2-D case of fsdp__gemm_lp_batched. */
+static void gemm_one(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
+                     const void *A, int64_t lda, const void *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (dt == FSDP_F32) {
+        fsdp__sgemm(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    } else if (K <= 0) { /* no products: C = beta * C */
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t c = 0; c < N; c++) C[r * ldc + c] = beta == 0.0f ? 0.0f : beta * C[r * ldc + c];
+    } else if (dt == FSDP_F16) {
+        gemm_f16(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    } else {
+        struct mm_key k;
+        memset(&k, 0, sizeof k); /* padding bytes take part in the memcmp */
+        k.dt = (int)dt;
+        k.transa = transa != 0;
+        k.transb = transb != 0;
+        k.in_par = omp_in_parallel();
+        k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc, k.batch = 1;
+        k.alpha_bits = fbits(alpha);
+        k.beta_bits = fbits(beta);
+        gemm_onednn(&k, alpha, beta, A, B, C);
+    }
+}
+
 void fsdp__gemm_lp_batched(enum fsdp_dtype dt, int64_t batch, int transa, int transb, int64_t M, int64_t N,
                            int64_t K, float alpha, const void *A, int64_t lda, int64_t sa, const void *B,
                            int64_t ldb, int64_t sb, float beta, float *C, int64_t ldc, int64_t sc) {
     FSDP_ASSERT(dt == FSDP_F32 || dt == FSDP_BF16 || dt == FSDP_F16, "GEMM input dtype %s (want f32, bf16 or f16)",
                 fsdp_dtype_name(dt));
     if (batch <= 0 || M <= 0 || N <= 0) return;
+    const char *a = A, *b = B;
     size_t es = fsdp_dtype_size(dt);
-    if (dt != FSDP_BF16 || K <= 0 || batch == 1) { /* one product per batch entry, threads across them */
-        const char *a = A, *b = B;
-        int par = batch > 1 && !omp_in_parallel();
-#pragma omp parallel for schedule(dynamic, 1) if (par)
-        for (int64_t i = 0; i < batch; i++) {
-            const void *ai = a + (size_t)(i * sa) * es, *bi = b + (size_t)(i * sb) * es;
-            float *ci = C + i * sc;
-            if (dt == FSDP_F32) {
-                fsdp__sgemm(transa, transb, M, N, K, alpha, ai, lda, bi, ldb, beta, ci, ldc);
-            } else if (K <= 0) { /* no products: C = beta * C */
-                for (int64_t r = 0; r < M; r++)
-                    for (int64_t c = 0; c < N; c++) ci[r * ldc + c] = beta == 0.0f ? 0.0f : beta * ci[r * ldc + c];
-            } else if (dt == FSDP_F16) {
-                gemm_f16(transa, transb, M, N, K, alpha, ai, lda, bi, ldb, beta, ci, ldc);
-            } else {
-                struct mm_key k;
-                memset(&k, 0, sizeof k); /* padding bytes take part in the memcmp */
-                k.dt = (int)dt;
-                k.transa = transa != 0;
-                k.transb = transb != 0;
-                k.in_par = omp_in_parallel();
-                k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc, k.batch = 1;
-                k.alpha_bits = fbits(alpha);
-                k.beta_bits = fbits(beta);
-                gemm_onednn(&k, alpha, beta, ai, bi, ci);
-            }
+    if (batch == 1) { /* not inside a parallel construct: a team of one would make oneDNN nest a new team */
+        gemm_one(dt, transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+    if (dt != FSDP_BF16 || K <= 0) { /* one product per batch entry, threads across them */
+        if (omp_in_parallel()) {
+            for (int64_t i = 0; i < batch; i++)
+                gemm_one(dt, transa, transb, M, N, K, alpha, a + (size_t)(i * sa) * es, lda, b + (size_t)(i * sb) * es,
+                         ldb, beta, C + i * sc, ldc);
+            return;
         }
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t i = 0; i < batch; i++)
+            gemm_one(dt, transa, transb, M, N, K, alpha, a + (size_t)(i * sa) * es, lda, b + (size_t)(i * sb) * es,
+                     ldb, beta, C + i * sc, ldc);
         return;
     }
     /* bf16, batch > 1: one oneDNN matmul over the whole batch, which threads
