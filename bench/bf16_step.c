@@ -4,7 +4,9 @@
  * gathered in bf16, products on AMX, gradients reduced in fp32, fp32 master
  * weights and AdamW) against fp32, in one run: 1 rank (a world
  * of one), global batch B x T (default 4 x 256), AdamW, the built-in
- * synthetic corpus, the same seed and batches for both. Prints per precision
+ * synthetic corpus, the same seed and batches for both, learning rate 6e-4
+ * with the trainer's schedule (warmup over 10% of the steps up to 20, cosine
+ * decay to 6e-5). Prints per precision
  * the median step time over steps 2.. (the first step creates the oneDNN
  * primitives and grows the arena), the median forward / backward / update
  * phase times, the loss of the last step, model FLOP/s (3x the forward
@@ -68,11 +70,13 @@ static struct result run(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg
     double *bw = calloc((size_t)steps, sizeof(double)), *up = calloc((size_t)steps, sizeof(double));
     double *cp = calloc((size_t)steps, sizeof(double));
     struct result res = {0};
+    /* as the trainer: linear warmup (10% of the steps, at most 20), cosine to 10% */
+    struct fsdp_lr_sched sched = {FSDP_LR_COSINE, 6e-4f, 6e-5f, steps / 10 < 20 ? steps / 10 : 20, steps};
     for (int s = 0; s < steps; s++) {
         fsdp_data_batch(data, s, B, T, 0, 1, in, tg);
         struct fsdp_step_result r;
         double t0 = fsdp__now(), c0 = cpu_now();
-        if (fsdp_model_train_step(ctx, fm, in, tg, B, T, 6e-4f, 1.0f, &r) != FSDP_OK) die(ctx, "step");
+        if (fsdp_model_train_step(ctx, fm, in, tg, B, T, fsdp_lr_at(&sched, s), 1.0f, &r) != FSDP_OK) die(ctx, "step");
         st[s] = fsdp__now() - t0;
         cp[s] = cpu_now() - c0;
         fw[s] = r.forward_s;

@@ -136,6 +136,10 @@ void fsdp__cvt_f16_to_f32(const uint16_t *src, float *dst, size_t n);
 void fsdp__cvt_from_f32(enum fsdp_dtype dt, const float *src, void *dst, size_t n);
 void fsdp__cvt_to_f32(enum fsdp_dtype dt, const void *src, float *dst, size_t n);
 
+/* x[0..n) = 0, split over the OpenMP team when n is large (a serial memset
+ * of a GPT-2 gradient, 0.5 GB, left the other threads waiting). */
+void fsdp__zero(float *x, int64_t n);
+
 /* ---- Time ---- */
 double fsdp__now(void); /* monotonic seconds */
 

@@ -157,6 +157,15 @@ void fsdp__cvt_bf16_to_f32(const uint16_t *src, float *dst, size_t n) { CVT_SPLI
 void fsdp__cvt_f32_to_f16(const float *src, uint16_t *dst, size_t n) { CVT_SPLIT(f32_to_f16_run, src, dst, n); }
 void fsdp__cvt_f16_to_f32(const uint16_t *src, float *dst, size_t n) { CVT_SPLIT(f16_to_f32_run, src, dst, n); }
 
+static void zero_run(const float *unused, float *dst, size_t n) {
+    (void)unused;
+    memset(dst, 0, n * sizeof(float));
+}
+
+void fsdp__zero(float *x, int64_t n) {
+    if (n > 0) CVT_SPLIT(zero_run, (const float *)x, x, (size_t)n); /* src unused */
+}
+
 void fsdp__cvt_from_f32(enum fsdp_dtype dt, const float *src, void *dst, size_t n) {
     switch (dt) {
     case FSDP_F32: if (n && (const void *)src != dst) memcpy(dst, src, n * sizeof(float)); return;

@@ -9,6 +9,7 @@
  */
 #include "nn/nn-impl.h"
 
+#include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
 
 void fsdp__sgemm(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
@@ -42,6 +43,29 @@ enum fsdp_status fsdp__adopt(struct fsdp_ctx *ctx, struct fsdp_module *parent, e
 const char *fsdp__mname(const struct fsdp_module *m) {
     if (!m->fqn) return m->name;
     return m->fqn[0] ? m->fqn : "(root)";
+}
+
+#define COLSUM_RUN 2048
+
+void fsdp__colsum_add(const float *x, int64_t rows, int64_t cols, float *db) {
+#pragma omp parallel
+    {
+        int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t per = (cols + nt - 1) / nt;
+        per = (per + 15) / 16 * 16; /* whole cache lines per thread */
+        int64_t lo = t * per < cols ? t * per : cols, hi = lo + per < cols ? lo + per : cols;
+        float acc[COLSUM_RUN];
+        for (int64_t c0 = lo; c0 < hi; c0 += COLSUM_RUN) {
+            int64_t w = hi - c0 < COLSUM_RUN ? hi - c0 : COLSUM_RUN;
+            memset(acc, 0, (size_t)w * sizeof(float));
+            for (int64_t i = 0; i < rows; i++) {
+                const float *row = x + i * cols + c0;
+#pragma omp simd
+                for (int64_t c = 0; c < w; c++) acc[c] += row[c];
+            }
+            for (int64_t c = 0; c < w; c++) db[c0 + c] += acc[c];
+        }
+    }
 }
 
 enum fsdp_status fsdp__param_ready(struct fsdp_ctx *ctx, struct fsdp_param *p, int need_grad) {

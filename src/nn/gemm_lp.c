@@ -29,13 +29,14 @@ struct mm_key {
     int dt, transa, transb, in_par;
     int64_t M, N, K, lda, ldb, ldc;
     int64_t batch, sa, sb, sc; /* batched products: count and element strides (batch 1: 2-D) */
+    int64_t bias;              /* 1: a row vector of N fp32 added to every row (2-D only) */
     uint32_t alpha_bits, beta_bits;
 };
 
 struct mm_entry {
     struct mm_key key;
     dnnl_primitive_t prim;
-    dnnl_memory_desc_t a, b, c, scratch; /* the descs the primitive was made for */
+    dnnl_memory_desc_t a, b, c, bias, scratch; /* the descs the primitive was made for */
     size_t scratch_bytes;
 };
 
@@ -81,8 +82,12 @@ static void mm_create(const struct mm_key *k, float alpha, float beta, struct mm
     dnnl_status_t st = dnnl_memory_desc_init_by_strides(&e->a, nd, ad, in_dt, as);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_strides(&e->b, nd, bd, in_dt, bs);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_strides(&e->c, nd, cd, dnnl_f32, cs);
+    if (st == dnnl_success && k->bias) {
+        dnnl_dims_t vd = {1, k->N}, vs = {k->N, 1};
+        st = dnnl_memory_desc_init_by_strides(&e->bias, 2, vd, dnnl_f32, vs);
+    }
     dnnl_matmul_desc_t md;
-    if (st == dnnl_success) st = dnnl_matmul_desc_init(&md, &e->a, &e->b, NULL, &e->c);
+    if (st == dnnl_success) st = dnnl_matmul_desc_init(&md, &e->a, &e->b, k->bias ? &e->bias : NULL, &e->c);
     dnnl_primitive_attr_t attr = NULL;
     dnnl_post_ops_t po = NULL;
     if (st == dnnl_success) st = dnnl_primitive_attr_create(&attr);
@@ -146,7 +151,8 @@ static void *tl_grow(void **buf, size_t *cap, size_t bytes) {
     return *buf;
 }
 
-static void gemm_onednn(const struct mm_key *k, float alpha, float beta, const void *A, const void *B, float *C) {
+static void gemm_onednn(const struct mm_key *k, float alpha, float beta, const void *A, const void *B,
+                        const float *bias, float *C) {
     struct mm_entry tmp;
     int owned;
     const struct mm_entry *e = mm_get(k, alpha, beta, &tmp, &owned);
@@ -155,19 +161,23 @@ static void gemm_onednn(const struct mm_key *k, float alpha, float beta, const v
         FSDP_ASSERT(st == dnnl_success, "dnnl_stream_create failed with status %d", (int)st);
     }
     void *scratch = e->scratch_bytes ? tl_grow(&tl_scratch, &tl_scratch_cap, e->scratch_bytes) : NULL;
-    dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL;
+    dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL, mv = NULL;
     dnnl_status_t st = dnnl_memory_create(&ma, &e->a, mm_engine, (void *)(uintptr_t)A);
     if (st == dnnl_success) st = dnnl_memory_create(&mb, &e->b, mm_engine, (void *)(uintptr_t)B);
     if (st == dnnl_success) st = dnnl_memory_create(&mc, &e->c, mm_engine, C);
     if (st == dnnl_success && scratch) st = dnnl_memory_create(&ms, &e->scratch, mm_engine, scratch);
-    dnnl_exec_arg_t args[4] = {
-        {DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}};
-    if (st == dnnl_success) st = dnnl_primitive_execute(e->prim, tl_stream, scratch ? 4 : 3, args);
+    if (st == dnnl_success && k->bias) st = dnnl_memory_create(&mv, &e->bias, mm_engine, (void *)(uintptr_t)bias);
+    dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}};
+    int nargs = 3;
+    if (scratch) args[nargs++] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD, ms};
+    if (k->bias) args[nargs++] = (dnnl_exec_arg_t){DNNL_ARG_BIAS, mv};
+    if (st == dnnl_success) st = dnnl_primitive_execute(e->prim, tl_stream, nargs, args);
     if (st == dnnl_success) st = dnnl_stream_wait(tl_stream);
     dnnl_memory_destroy(ma);
     dnnl_memory_destroy(mb);
     dnnl_memory_destroy(mc);
     dnnl_memory_destroy(ms);
+    dnnl_memory_destroy(mv);
     if (owned) dnnl_primitive_destroy(tmp.prim);
     FSDP_ASSERT(st == dnnl_success, "oneDNN %s matmul (M=%lld N=%lld K=%lld) failed with status %d",
                 fsdp_dtype_name(k->dt), (long long)k->M, (long long)k->N, (long long)k->K, (int)st);
@@ -206,7 +216,7 @@ static void gemm_one(enum fsdp_dtype dt, int transa, int transb, int64_t M, int6
         k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc, k.batch = 1;
         k.alpha_bits = fbits(alpha);
         k.beta_bits = fbits(beta);
-        gemm_onednn(&k, alpha, beta, A, B, C);
+        gemm_onednn(&k, alpha, beta, A, B, NULL, C);
     }
 }
 
@@ -247,12 +257,32 @@ void fsdp__gemm_lp_batched(enum fsdp_dtype dt, int64_t batch, int transa, int tr
     k.batch = batch, k.sa = sa, k.sb = sb, k.sc = sc;
     k.alpha_bits = fbits(alpha);
     k.beta_bits = fbits(beta);
-    gemm_onednn(&k, alpha, beta, A, B, C);
+    gemm_onednn(&k, alpha, beta, A, B, NULL, C);
 }
 
 void fsdp__gemm_lp(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
                    const void *A, int64_t lda, const void *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     fsdp__gemm_lp_batched(dt, 1, transa, transb, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0);
+}
+
+void fsdp__gemm_lp_bias(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, const void *A,
+                        int64_t lda, const void *B, int64_t ldb, const float *bias, float *C, int64_t ldc) {
+    if (M <= 0 || N <= 0) return;
+    if (dt != FSDP_BF16 || K <= 0) { /* every row starts as the bias, then C += op(A) op(B) */
+#pragma omp parallel for schedule(static) if (!omp_in_parallel())
+        for (int64_t i = 0; i < M; i++) memcpy(C + i * ldc, bias, (size_t)N * sizeof(float));
+        fsdp__gemm_lp(dt, transa, transb, M, N, K, 1.0f, A, lda, B, ldb, 1.0f, C, ldc);
+        return;
+    }
+    struct mm_key k;
+    memset(&k, 0, sizeof k); /* padding bytes take part in the memcmp */
+    k.dt = (int)dt;
+    k.transa = transa != 0;
+    k.transb = transb != 0;
+    k.in_par = omp_in_parallel();
+    k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc, k.batch = 1, k.bias = 1;
+    k.alpha_bits = fbits(1.0f);
+    gemm_onednn(&k, 1.0f, 0.0f, A, B, bias, C);
 }
 
 void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A,

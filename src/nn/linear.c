@@ -31,17 +31,17 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
     const float *x = in->data;   /* (N, in) */
     float *y = out->data;        /* (N, out) */
     int64_t N = fsdp_tensor_numel(in) / L->in, O = L->out;
-    float beta = 0.0f;
-    if (L->bias) { /* y starts as the bias in every row, then y += x W^T */
-        const float *b = fsdp__pdata(L->bias);
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < N; i++) memcpy(y + i * O, b, (size_t)O * sizeof(float));
-        beta = 1.0f;
-    }
+    const float *b = L->bias ? fsdp__pdata(L->bias) : NULL;
     enum fsdp_dtype lp = fsdp__compute_dtype(m);
     L->lp = lp;
     L->xl = NULL;
     if (lp == FSDP_F32) {
+        float beta = 0.0f;
+        if (b) { /* y starts as the bias in every row, then y += x W^T */
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < N; i++) memcpy(y + i * O, b, (size_t)O * sizeof(float));
+            beta = 1.0f;
+        }
         const float *w = fsdp__pdata(L->weight); /* (out, in) */
         fsdp__sgemm(0, 1, N, O, L->in, 1.0f, x, L->in, w, L->in, beta, y, O);
     } else {
@@ -50,7 +50,8 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
         size_t mark = fsdp_arena_mark(ctx);
         const void *wl = fsdp__pdata_lp(ctx, L->weight, lp);
         if (!wl) return FSDP_ERR_NOMEM;
-        fsdp__gemm_lp(lp, 0, 1, N, O, L->in, 1.0f, xl, L->in, wl, L->in, beta, y, O);
+        if (b) fsdp__gemm_lp_bias(lp, 0, 1, N, O, L->in, xl, L->in, wl, L->in, b, y, O); /* bias in the product */
+        else fsdp__gemm_lp(lp, 0, 1, N, O, L->in, 1.0f, xl, L->in, wl, L->in, 0.0f, y, O);
         fsdp_arena_release(ctx, mark);
         L->xl = xl;
     }
@@ -93,19 +94,7 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     /* dW (out, in) += dy^T x */
     fsdp__gemm_lp(lp, 1, 0, O, I, N, 1.0f, dyl, O, lp == FSDP_F32 ? (const void *)L->x : L->xl, I, 1.0f,
                   fsdp__pgrad(L->weight), I);
-    if (L->bias) { /* db (out) += column sums of dy, in column blocks so threads never share a slot */
-        float *db = fsdp__pgrad(L->bias);
-#pragma omp parallel for schedule(static)
-        for (int64_t c0 = 0; c0 < O; c0 += 64) {
-            int64_t c1 = c0 + 64 < O ? c0 + 64 : O;
-            float acc[64] = {0};
-            for (int64_t i = 0; i < N; i++) {
-                const float *row = dy + i * O;
-                for (int64_t c = c0; c < c1; c++) acc[c - c0] += row[c];
-            }
-            for (int64_t c = c0; c < c1; c++) db[c] += acc[c - c0];
-        }
-    }
+    if (L->bias) fsdp__colsum_add(dy, N, O, fsdp__pgrad(L->bias)); /* db (out) += column sums of dy */
     if (din) /* dx (N, in) = dy W */
         fsdp__gemm_lp(lp, 0, 0, N, I, O, 1.0f, dyl, O, wl, I, 0.0f, din->data, I);
     fsdp_arena_release(ctx, mark);

@@ -48,6 +48,11 @@ void fsdp__gemm_lp(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_
 void fsdp__gemm_lp_batched(enum fsdp_dtype dt, int64_t batch, int transa, int transb, int64_t M, int64_t N,
                            int64_t K, float alpha, const void *A, int64_t lda, int64_t sa, const void *B,
                            int64_t ldb, int64_t sb, float beta, float *C, int64_t ldc, int64_t sc);
+/* C (M, N) = op(A) op(B) + bias in every row (bias: N fp32), 16-bit A and B:
+ * for BF16 oneDNN adds the bias in the matmul, so C is written once instead
+ * of filled with the bias and read back by a sum (Linear's forward). */
+void fsdp__gemm_lp_bias(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, const void *A,
+                        int64_t lda, const void *B, int64_t ldb, const float *bias, float *C, int64_t ldc);
 void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A,
                      int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
 /* Number of matmul primitives in the cache (for tests and benchmarks). */
@@ -66,6 +71,13 @@ void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, 
  * is full). The one place a layer gets its low-precision weight: when FSDP
  * gathered the parameter in dt (p->data_lp), that copy is returned as is. */
 const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp_dtype dt);
+
+/* db[c] += sum over rows i of x[i*cols + c], each column summed in row order
+ * in fp32 from zero, then added: the same bits whatever the team size. Each
+ * thread owns a contiguous range of columns and walks the rows in runs of
+ * up to COLSUM_RUN columns (gemm.c), so rows are read as contiguous runs,
+ * not 64-column strips a page apart. */
+void fsdp__colsum_add(const float *x, int64_t rows, int64_t cols, float *db);
 
 /* ---- Parameters (ties honoured) ---- */
 /* A tied parameter (tied_to != NULL) has no storage of its own: its values
