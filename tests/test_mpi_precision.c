@@ -102,23 +102,29 @@ static void check_bf16_vs_one_rank(enum fsdp_mixed_precision mp) {
 TEST(bf16_default_matches_one_rank_run) { check_bf16_vs_one_rank(FSDP_MP_DEFAULT); }
 TEST(bf16_pure_matches_one_rank_run) { check_bf16_vs_one_rank(FSDP_MP_PURE); }
 
-/* bf16 stays close to fp32 (the loss over 10 steps within 2%), as a sanity
- * check that the low-precision path computes the same model. */
-TEST(bf16_close_to_fp32) {
-    struct fsdp_ctx *c = get_ctx();
+/* Trains a run of compute precision dt and policy mp and an fp32 run side by
+ * side for `steps` steps: lo[] and fp[] hold their results. */
+static void train_pair(struct fsdp_ctx *c, enum fsdp_dtype dt, enum fsdp_mixed_precision mp, int steps,
+                       struct fsdp_step_result *lo, struct fsdp_step_result *fp) {
     struct fsdp_data *data;
     ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
-    struct fsdp_step_result lp[10], fp[10];
     struct run a, b;
-    ASSERT_OK(run_create(c, FSDP_BF16, FSDP_MP_PURE, NULL, &a), c);
+    ASSERT_OK(run_create(c, dt, mp, NULL, &a), c);
     ASSERT_OK(run_create(c, FSDP_F32, FSDP_MP_FULL, NULL, &b), c);
-    CHECK_OK(train(c, &a, data, 10, lp), c);
-    CHECK_OK(train(c, &b, data, 10, fp), c);
-    for (int s = 0; s < 10; s++) CHECK_NEAR(lp[s].loss, fp[s].loss, 2e-2, 0);
-    CHECK(lp[9].loss != fp[9].loss); /* bf16 really ran */
+    CHECK_OK(train(c, &a, data, steps, lo), c);
+    CHECK_OK(train(c, &b, data, steps, fp), c);
     run_free(&a);
     run_free(&b);
     fsdp_data_free(data);
+}
+
+/* bf16 stays close to fp32 (the loss over 10 steps within 2%), as a sanity
+ * check that the low-precision path computes the same model. */
+TEST(bf16_close_to_fp32) {
+    struct fsdp_step_result lp[10], fp[10];
+    train_pair(get_ctx(), FSDP_BF16, FSDP_MP_PURE, 10, lp, fp);
+    for (int s = 0; s < 10; s++) CHECK_NEAR(lp[s].loss, fp[s].loss, 2e-2, 0);
+    CHECK(lp[9].loss != fp[9].loss); /* bf16 really ran */
 }
 
 /* fp16 with dynamic loss scaling: an overflow injected on the last rank at
@@ -165,28 +171,21 @@ TEST(fp16_injected_overflow_skips_that_step) {
     fsdp_data_free(data);
 }
 
-/* fp16 with the default scale (65536) and an fp32 reduce trains without
- * skips and stays close to fp32. (With PURE, the fp16 reduce of 65536-scaled
- * gradients summed over 3+ ranks overflows at the first step, which the
- * scaler then skips, as torch's GradScaler would.) */
+/* fp16 with the default scale (65536) trains without skips and stays close
+ * to fp32, with an fp32 reduce (DEFAULT) and with an fp16 reduce (PURE),
+ * where the pre-division keeps the sum of 65536-scaled gradients of 3+
+ * ranks from overflowing ([Note: gradient pre-division]). */
 TEST(fp16_trains_close_to_fp32) {
-    struct fsdp_ctx *c = get_ctx();
-    struct fsdp_data *data;
-    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
-    struct fsdp_step_result h[6], f[6];
-    struct run a, b;
-    ASSERT_OK(run_create(c, FSDP_F16, FSDP_MP_DEFAULT, NULL, &a), c);
-    ASSERT_OK(run_create(c, FSDP_F32, FSDP_MP_FULL, NULL, &b), c);
-    CHECK_OK(train(c, &a, data, 6, h), c);
-    CHECK_OK(train(c, &b, data, 6, f), c);
-    for (int s = 0; s < 6; s++) {
-        CHECK_INT_EQ(h[s].skipped, 0);
-        CHECK_NEAR(h[s].loss, f[s].loss, 1e-2, 0);
-        CHECK_NEAR(h[s].grad_norm, f[s].grad_norm, 5e-2, 0); /* unscaled */
+    enum fsdp_mixed_precision mps[2] = {FSDP_MP_DEFAULT, FSDP_MP_PURE};
+    for (int m = 0; m < 2; m++) {
+        struct fsdp_step_result h[6], f[6];
+        train_pair(get_ctx(), FSDP_F16, mps[m], 6, h, f);
+        for (int s = 0; s < 6; s++) {
+            if (h[s].skipped) TEST_FAILF("fp16 %s: step %d skipped", m ? "PURE" : "DEFAULT", s);
+            CHECK_NEAR(h[s].loss, f[s].loss, 1e-2, 0);
+            CHECK_NEAR(h[s].grad_norm, f[s].grad_norm, 5e-2, 0); /* unscaled */
+        }
     }
-    run_free(&a);
-    run_free(&b);
-    fsdp_data_free(data);
 }
 
 /* No NaN passes: without loss scaling (bf16), an overflow is an error on

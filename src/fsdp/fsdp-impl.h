@@ -58,6 +58,7 @@ struct fsdp__unit {
     void *rs_recv;                /* where it lands (fsdp__mp_grad_recv) */
     float *rs_prev;               /* (numel_shard) the accumulated shard to add back, or NULL */
     int rs_pending;               /* reduction started, not yet finished */
+    int grad_fresh;               /* grad_shard written by this step's backward (step.c zeroes the rest) */
 };
 
 /* A pooled full-size buffer. */
@@ -188,7 +189,15 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
 void fsdp__mp_gather_finish(struct fsdp__unit *u, int lazy);
 /* Narrows u->full_grad in place to reduce_dtype (no-op for F32) and returns
  * the send buffer of the reduce-scatter (numel_padded elements). */
-void *fsdp__mp_grad_send(struct fsdp__unit *u);
+void *fsdp__mp_grad_send(struct fsdp__unit *u, int world);
+/* [Note: gradient pre-division] A 16-bit reduction of `world` ranks'
+ * gradients divides each by this power of two f before the collective
+ * (the smallest doubling past sqrt(world) or off world's factors, as torch
+ * FSDP's predivide factor: 2 at 2-5 ranks, 4 at 8) and the sum by
+ * world / f after it, so that neither the summands underflow nor the sum
+ * of fp16 gradients under a 65536 loss scale overflows at 3+ ranks. An
+ * fp32 reduction divides once, after (f = 1). */
+int fsdp__mp_predivide(enum fsdp_dtype reduce_dtype, int world);
 /* Where the reduce-scatter of block `rank` lands: u->grad_shard for F32,
  * else the upper half of u->full_grad (numel_shard 16-bit elements). */
 void *fsdp__mp_grad_recv(struct fsdp__unit *u);

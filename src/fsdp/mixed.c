@@ -125,8 +125,21 @@ void fsdp__mp_gather_finish(struct fsdp__unit *u, int lazy) {
     }
 }
 
-void *fsdp__mp_grad_send(struct fsdp__unit *u) {
+int fsdp__mp_predivide(enum fsdp_dtype reduce_dtype, int world) {
+    int f = 1;
+    if (reduce_dtype == FSDP_F32) return 1;
+    while (world % f == 0 && world > f * f) f *= 2; /* torch FSDP's factor */
+    return f;
+}
+
+void *fsdp__mp_grad_send(struct fsdp__unit *u, int world) {
     if (u->reduce_dtype == FSDP_F32 || u->full_grad == u->grad_shard) return u->full_grad;
+    int f = fsdp__mp_predivide(u->reduce_dtype, world);
+    if (f > 1) { /* a power of two: exact in fp32 */
+        float inv = 1.0f / (float)f, *g = u->full_grad;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < u->numel_padded; i++) g[i] *= inv;
+    }
     narrow_inplace(u->reduce_dtype, u->full_grad, u->numel_padded);
     return u->full_grad;
 }

@@ -304,8 +304,8 @@ static enum fsdp_status micro_batches(struct fsdp_ctx *ctx, struct fsdp_model *f
                                 loss_scale / (float)accum, &loss, logits.data);
         if (st != FSDP_OK) break;
         *local_loss += loss / (float)accum;
-        if (k == 0)
-            for (int i = 0; i < fm->n_units; i++) fsdp__zero(fm->units[i].grad_shard, fm->units[i].numel_shard);
+        if (k == 0) /* backward writes the shards it reaches; the rest are zeroed after it */
+            for (int i = 0; i < fm->n_units; i++) fm->units[i].grad_fresh = 0;
         fm->no_sync = mode == FSDP_ACCUM_NO_SYNC && k < accum - 1;
         fm->grad_accumulate = k > 0 && (mode == FSDP_ACCUM_REDUCE_EACH || ctx->world == 1);
         double t1 = fsdp__now();
@@ -313,6 +313,8 @@ static enum fsdp_status micro_batches(struct fsdp_ctx *ctx, struct fsdp_model *f
         st = fsdp_module_backward(fm->root, ctx, &logits, NULL);
         fm->in_backward = 0;
         if (st == FSDP_OK) st = fsdp__model_finish_reduce(ctx, fm); /* the last reduction in flight */
+        for (int i = 0; k == 0 && st == FSDP_OK && i < fm->n_units; i++)
+            if (!fm->units[i].grad_fresh) fsdp__zero(fm->units[i].grad_shard, fm->units[i].numel_shard);
         fsdp__model_drop_prefetched(ctx, fm);
         *fwd_s += t1 - t0;
         *bwd_s += fsdp__now() - t1;

@@ -60,14 +60,12 @@ static const char *unit_name(const struct fsdp__unit *u) {
 
 /* Names the unit's next collective for the watchdog and the schedule check
  * (fsdp_comm_set_tag); u == NULL clears the tag after the start. */
-static void unit_tag(struct fsdp_ctx *ctx, const struct fsdp__unit *u) {
+static void unit_tag(struct fsdp_ctx *ctx, const struct fsdp_model *fm, const struct fsdp__unit *u) {
     char tag[64];
     if (u) snprintf(tag, sizeof tag, "unit %s", unit_name(u));
     fsdp_comm_set_tag(ctx->comm, u ? tag : NULL);
-    if (u) {
-        fsdp_comm_set_tag(u->model->shard_comm, tag);
-        fsdp_comm_set_tag(u->model->rep_comm, tag);
-    }
+    fsdp_comm_set_tag(fm->shard_comm, u ? tag : NULL); /* the shard and replica groups alike */
+    fsdp_comm_set_tag(fm->rep_comm, u ? tag : NULL);
 }
 
 static void point_params(struct fsdp__unit *u) {
@@ -97,11 +95,11 @@ static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__uni
     /* in place: this rank's block of the full buffer is its shard */
     float *mine = u->full + (int64_t)fm->shard_rank * u->numel_shard;
     if (!lp) memcpy(mine, u->shard, (size_t)u->numel_shard * sizeof(float));
-    unit_tag(ctx, u);
+    unit_tag(ctx, u->model, u);
     enum fsdp_status st = lp ? fsdp__mp_gather_start(fm->shard_comm, fm->shard_rank, u, &u->req)
                              : fsdp_comm_allgather_start(fm->shard_comm, mine, u->full, (size_t)u->numel_shard,
                                                          FSDP_F32, &u->req);
-    unit_tag(ctx, NULL);
+    unit_tag(ctx, u->model, NULL);
     if (st != FSDP_OK) return unit_fail(ctx, u, "all-gather");
     u->state_ = UNIT_GATHERING;
     return FSDP_OK;
@@ -286,7 +284,8 @@ static enum fsdp_status pre_backward(void *data, struct fsdp_ctx *ctx) {
         int direct = ctx->world == 1;
         u->full_grad = direct ? u->grad_shard : fsdp__pool_get(fm, u->numel_padded, "full gradients");
         if (!u->full_grad) return FSDP_ERR_NOMEM;
-        if (!direct || !fm->grad_accumulate) memset(u->full_grad, 0, (size_t)u->numel_padded * sizeof(float));
+        if (!direct || !fm->grad_accumulate) fsdp__zero(u->full_grad, u->numel_padded);
+        if (direct) u->grad_fresh = 1;
     }
     for (int j = 0; j < u->n_params; j++) u->params[j]->grad = u->full_grad + u->offsets[j];
     return FSDP_OK;
@@ -305,16 +304,16 @@ static enum fsdp_status reduce_start(struct fsdp_ctx *ctx, struct fsdp__unit *u)
         memcpy(u->rs_prev, u->grad_shard, (size_t)u->numel_shard * sizeof(float));
     }
     /* in reduce_dtype: send and recv are 16-bit views for BF16/F16 (mixed.c) */
-    void *send = fsdp__mp_grad_send(u), *recv = fm->shard_size > 1 ? fsdp__mp_grad_recv(u) : send;
+    void *send = fsdp__mp_grad_send(u, ctx->world), *recv = fm->shard_size > 1 ? fsdp__mp_grad_recv(u) : send;
     enum fsdp_status st;
-    unit_tag(ctx, u);
+    unit_tag(ctx, u->model, u);
     if (fm->shard_size > 1)
         st = fsdp_comm_reduce_scatter_start(fm->shard_comm, send, recv, (size_t)u->numel_shard, u->reduce_dtype,
                                             FSDP_SUM, &u->rs_req);
     else
         st = fsdp_comm_allreduce_start(fm->rep_comm, recv, recv, (size_t)u->numel_shard, u->reduce_dtype,
                                        FSDP_SUM, &u->rs_req);
-    unit_tag(ctx, NULL);
+    unit_tag(ctx, u->model, NULL);
     u->rs_recv = recv;
     u->rs_pending = 1;
     if (st != FSDP_OK) return unit_fail(ctx, u, fm->shard_size > 1 ? "reduce-scatter" : "all-reduce");
@@ -334,10 +333,10 @@ static enum fsdp_status reduce_finish(struct fsdp_ctx *ctx, struct fsdp__unit *u
     void *recv = u->rs_recv;
     if (st == FSDP_OK && fm->shard_size > 1 && fm->rep_size > 1) {
         what = "all-reduce";
-        unit_tag(ctx, u);
+        unit_tag(ctx, u->model, u);
         st = fsdp_comm_allreduce_start(fm->rep_comm, recv, recv, (size_t)u->numel_shard, u->reduce_dtype,
                                        FSDP_SUM, &req);
-        unit_tag(ctx, NULL);
+        unit_tag(ctx, u->model, NULL);
         if (st == FSDP_OK) st = fsdp_comm_wait(fm->rep_comm, req);
     }
     if (st == FSDP_OK) {
@@ -345,8 +344,10 @@ static enum fsdp_status reduce_finish(struct fsdp_ctx *ctx, struct fsdp__unit *u
             if (u->reduce_dtype == FSDP_F32) memcpy(u->grad_shard, recv, (size_t)u->numel_shard * sizeof(float));
             else fsdp__mp_grad_land(u, recv);
         }
-        float inv = 1.0f / (float)ctx->world;
+        /* what the pre-division left: 1/world in all ([Note: gradient pre-division]) */
+        float inv = (float)fsdp__mp_predivide(u->reduce_dtype, ctx->world) / (float)ctx->world;
         float *g = u->grad_shard, *prev = u->rs_prev;
+        u->grad_fresh = 1;
         if (prev)
             for (int64_t i = 0; i < u->numel_shard; i++) g[i] = g[i] * inv + prev[i];
         else

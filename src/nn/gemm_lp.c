@@ -196,6 +196,22 @@ static void gemm_f16(int transa, int transb, int64_t M, int64_t N, int64_t K, fl
     fsdp__sgemm(transa, transb, M, N, K, alpha, a, ac, b, bc, beta, C, ldc);
 }
 
+/* The key of a 2-D bf16 product (batch 1, no bias), padding zeroed: the
+ * cache compares keys with memcmp. */
+static struct mm_key mm_key_2d(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K,
+                               int64_t lda, int64_t ldb, int64_t ldc, float alpha, float beta) {
+    struct mm_key k;
+    memset(&k, 0, sizeof k);
+    k.dt = (int)dt;
+    k.transa = transa != 0;
+    k.transb = transb != 0;
+    k.in_par = omp_in_parallel();
+    k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc, k.batch = 1;
+    k.alpha_bits = fbits(alpha);
+    k.beta_bits = fbits(beta);
+    return k;
+}
+
 /* One product of 16-bit (or f32) operands, the 2-D case of fsdp__gemm_lp_batched. */
 static void gemm_one(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
                      const void *A, int64_t lda, const void *B, int64_t ldb, float beta, float *C, int64_t ldc) {
@@ -207,15 +223,7 @@ static void gemm_one(enum fsdp_dtype dt, int transa, int transb, int64_t M, int6
     } else if (dt == FSDP_F16) {
         gemm_f16(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     } else {
-        struct mm_key k;
-        memset(&k, 0, sizeof k); /* padding bytes take part in the memcmp */
-        k.dt = (int)dt;
-        k.transa = transa != 0;
-        k.transb = transb != 0;
-        k.in_par = omp_in_parallel();
-        k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc, k.batch = 1;
-        k.alpha_bits = fbits(alpha);
-        k.beta_bits = fbits(beta);
+        struct mm_key k = mm_key_2d(dt, transa, transb, M, N, K, lda, ldb, ldc, alpha, beta);
         gemm_onednn(&k, alpha, beta, A, B, NULL, C);
     }
 }
@@ -233,13 +241,7 @@ void fsdp__gemm_lp_batched(enum fsdp_dtype dt, int64_t batch, int transa, int tr
         return;
     }
     if (dt != FSDP_BF16 || K <= 0) { /* one product per batch entry, threads across them */
-        if (omp_in_parallel()) {
-            for (int64_t i = 0; i < batch; i++)
-                gemm_one(dt, transa, transb, M, N, K, alpha, a + (size_t)(i * sa) * es, lda, b + (size_t)(i * sb) * es,
-                         ldb, beta, C + i * sc, ldc);
-            return;
-        }
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (!omp_in_parallel())
         for (int64_t i = 0; i < batch; i++)
             gemm_one(dt, transa, transb, M, N, K, alpha, a + (size_t)(i * sa) * es, lda, b + (size_t)(i * sb) * es,
                      ldb, beta, C + i * sc, ldc);
@@ -247,16 +249,8 @@ void fsdp__gemm_lp_batched(enum fsdp_dtype dt, int64_t batch, int transa, int tr
     }
     /* bf16, batch > 1: one oneDNN matmul over the whole batch, which threads
      * across it; dense (T, hs)-like operands take the AMX brgemm kernels */
-    struct mm_key k;
-    memset(&k, 0, sizeof k);
-    k.dt = (int)dt;
-    k.transa = transa != 0;
-    k.transb = transb != 0;
-    k.in_par = omp_in_parallel();
-    k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc;
+    struct mm_key k = mm_key_2d(dt, transa, transb, M, N, K, lda, ldb, ldc, alpha, beta);
     k.batch = batch, k.sa = sa, k.sb = sb, k.sc = sc;
-    k.alpha_bits = fbits(alpha);
-    k.beta_bits = fbits(beta);
     gemm_onednn(&k, alpha, beta, A, B, NULL, C);
 }
 
@@ -274,14 +268,8 @@ void fsdp__gemm_lp_bias(enum fsdp_dtype dt, int transa, int transb, int64_t M, i
         fsdp__gemm_lp(dt, transa, transb, M, N, K, 1.0f, A, lda, B, ldb, 1.0f, C, ldc);
         return;
     }
-    struct mm_key k;
-    memset(&k, 0, sizeof k); /* padding bytes take part in the memcmp */
-    k.dt = (int)dt;
-    k.transa = transa != 0;
-    k.transb = transb != 0;
-    k.in_par = omp_in_parallel();
-    k.M = M, k.N = N, k.K = K, k.lda = lda, k.ldb = ldb, k.ldc = ldc, k.batch = 1, k.bias = 1;
-    k.alpha_bits = fbits(1.0f);
+    struct mm_key k = mm_key_2d(dt, transa, transb, M, N, K, lda, ldb, ldc, 1.0f, 0.0f);
+    k.bias = 1;
     gemm_onednn(&k, 1.0f, 0.0f, A, B, bias, C);
 }
 
