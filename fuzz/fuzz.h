@@ -13,4 +13,20 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+/* Defines the entry point over a target's fuzz_<target>_one (its status is
+ * for the corpus replay, not the fuzzer); nothing under FUZZ_NO_MAIN. */
+#ifdef FUZZ_NO_MAIN
+#define FUZZ_ENTRY(one)
+#else
+#define FUZZ_ENTRY(one)                                               \
+    int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {    \
+        (void)one(data, size);                                        \
+        return 0;                                                     \
+    }
+#endif
+
+/* A reader that refuses its input must say why (status st, context ctx). */
+#define FUZZ_CHECK_REFUSAL(ctx, st) \
+    FSDP_ASSERT(fsdp_errmsg(ctx)[0] != '\0', "failure (%s) without a message", fsdp_status_str(st))
+
 #endif

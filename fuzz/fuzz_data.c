@@ -31,17 +31,11 @@ static enum fsdp_status fuzz_data_one(const uint8_t *data, size_t size) {
         }
     } else {
         FSDP_ASSERT(d == NULL, "failed open returned data");
-        FSDP_ASSERT(fsdp_errmsg(ctx)[0] != '\0', "failure (%s) without a message",
-                    fsdp_status_str(st));
+        FUZZ_CHECK_REFUSAL(ctx, st);
     }
     fsdp_data_free(d);
     fsdp__ctx_release(ctx);
     return st;
 }
 
-#ifndef FUZZ_NO_MAIN
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    (void)fuzz_data_one(data, size);
-    return 0;
-}
-#endif
+FUZZ_ENTRY(fuzz_data_one)

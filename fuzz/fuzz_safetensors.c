@@ -27,15 +27,10 @@ static enum fsdp_status fuzz_safetensors_one(const uint8_t *data, size_t size) {
         }
         fsdp__st_close(&f);
     } else {
-        FSDP_ASSERT(fsdp_errmsg(ctx)[0] != '\0', "failure (%s) without a message", fsdp_status_str(st));
+        FUZZ_CHECK_REFUSAL(ctx, st);
     }
     fsdp__ctx_release(ctx);
     return st;
 }
 
-#ifndef FUZZ_NO_MAIN
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    (void)fuzz_safetensors_one(data, size);
-    return 0;
-}
-#endif
+FUZZ_ENTRY(fuzz_safetensors_one)
