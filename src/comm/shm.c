@@ -116,6 +116,7 @@
 #include <immintrin.h>
 #endif
 #include <linux/futex.h>
+#include <omp.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -728,6 +729,9 @@ static void run_one(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q)
 static void *progress_main(void *arg) {
     struct fsdp_comm *c = arg;
     struct shm_state *s = c->state;
+    /* the 16-bit conversions (half.c over dtype.c) run on this thread alone:
+     * a team of its own would compete with the compute threads for the cores */
+    omp_set_num_threads(1);
     pthread_mutex_lock(&s->mu);
     for (;;) {
         while (!s->head && !s->stop) pthread_cond_wait(&s->cv_work, &s->mu);

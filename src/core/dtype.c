@@ -135,13 +135,13 @@ static void f16_to_f32_run(const uint16_t *src, float *dst, size_t n) {
 
 /* Runs fn over [0, n) in CVT_BLOCK pieces, in parallel when n is large and
  * the caller is not already inside a parallel region. A short array, or a
- * call from a parallel loop (attention's per-head casts), runs straight
- * through: even an if(false) parallel region costs a team setup (a malloc
+ * call from a parallel loop (attention's per-head casts) or from a thread
+ * limited to one (shm's progress thread), runs straight through: even an if(false) parallel region costs a team setup (a malloc
  * and a futex round) per call, which dominated per-row casts. */
 #define CVT_SPLIT(fn, src, dst, n)                                                       \
     do {                                                                                 \
         int64_t nb_ = (int64_t)(((n) + CVT_BLOCK - 1) / CVT_BLOCK);                      \
-        if (nb_ <= 1 || omp_in_parallel()) {                                             \
+        if (nb_ <= 1 || omp_in_parallel() || omp_get_max_threads() <= 1) {              \
             fn((src), (dst), (n));                                                       \
             break;                                                                       \
         }                                                                                \
