@@ -7,6 +7,8 @@
  *    allowed: 1e-5 of the row's magnitude);
  *  - batched products (fsdp__gemm_lp_batched, attention's heads) entry by
  *    entry against double, strides with gaps left untouched;
+ *  - gathered 16-bit weights left unwidened (lazy widening) read right from
+ *    an fp32 Linear (widened on demand) and from Embedding (rows only);
  *  - Linear in bf16/fp16 equals the double product of the rounded x and W
  *    (it really takes 16-bit inputs and accumulates in fp32);
  *  - each layer in bf16 (and the GPT in fp16) against its own fp32 result, forward output, input
@@ -195,6 +197,68 @@ TEST(gemm_lp_batched_matches_double_per_entry) {
                 CHECK_INT_EQ(check_batched(dts[d], ta, tb, 3, 17, 9, 40, -1.0f, 0.5f), 0);
             }
     CHECK_INT_EQ(check_batched(FSDP_BF16, 0, 1, 1, 20, 12, 8, 1.0f, 1.0f), 0); /* a batch of one */
+}
+
+/* [Note: lazy widening]: a gathered 16-bit weight whose fp32 values were not
+ * written (data_stale, data holding NaN here) is read right: an fp32 Linear
+ * widens it on demand, Embedding widens just the rows it looks up, and both
+ * give exactly what the widened values give. */
+TEST(stale_gathered_weights_are_widened_when_read) {
+    rseed(6);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_module *lin, *emb;
+    const int64_t I = 32, O = 24, N = 8, V = 50;
+    ASSERT_OK(fsdp__linear_create(ctx, "lin", I, O, 0, 0.02f, &lin), ctx);
+    ASSERT_OK(fsdp__embedding_create(ctx, "emb", V, I, 0.02f, &emb), ctx);
+    struct fsdp_module *ms[2] = {lin, emb};
+    uint16_t *lp[2];
+    float *want_w[2];
+    for (int k = 0; k < 2; k++) {
+        ASSERT_OK(fsdp_module_finalize(ctx, ms[k]), ctx);
+        ASSERT_OK(fsdp_module_materialize(ctx, ms[k], 3), ctx);
+        struct fsdp_param *p = ms[k]->params[0];
+        CHECK_INT_EQ(p->lp_reader, 1);
+        lp[k] = malloc((size_t)p->numel * 2);
+        want_w[k] = malloc((size_t)p->numel * sizeof(float));
+        for (int64_t i = 0; i < p->numel; i++) {
+            lp[k][i] = fsdp__f32_to_bf16(urand());
+            want_w[k][i] = fsdp__bf16_to_f32(lp[k][i]);
+            p->data[i] = NAN; /* what a lazily gathered unit leaves in the fp32 part */
+        }
+        p->data_lp = lp[k];
+        p->data_lp_dtype = FSDP_BF16;
+        p->data_stale = 1;
+    }
+    float x[8 * 32];
+    for (int64_t i = 0; i < N * I; i++) x[i] = urand();
+    struct fsdp_tensor in = {x, FSDP_F32, 2, {N, I}}, out = {0};
+    ASSERT_OK(fsdp_module_forward(lin, ctx, &in, &out), ctx); /* compute dtype F32: reads fsdp__pdata */
+    CHECK_INT_EQ(lin->params[0]->data_stale, 0);
+    int bad = 0;
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t o = 0; o < O; o++) {
+            double s = 0, mag = 0;
+            for (int64_t k = 0; k < I; k++) {
+                s += (double)x[r * I + k] * want_w[0][o * I + k];
+                mag += fabs((double)x[r * I + k] * want_w[0][o * I + k]);
+            }
+            bad += !(fabs(((float *)out.data)[r * O + o] - s) <= 1e-5 * mag + 1e-6);
+        }
+    CHECK_INT_EQ(bad, 0);
+    int32_t ids[8] = {0, 49, 7, 7, 13, 2, 31, 48};
+    struct fsdp_tensor tok = {ids, FSDP_I32, 1, {N}}, rows = {0};
+    ASSERT_OK(fsdp_module_forward(emb, ctx, &tok, &rows), ctx);
+    CHECK_INT_EQ(emb->params[0]->data_stale, 1); /* the rows only: the table stays unwidened */
+    for (int64_t r = 0; r < N; r++)
+        CHECK_INT_EQ(memcmp((float *)rows.data + r * I, want_w[1] + (int64_t)ids[r] * I, (size_t)I * sizeof(float)), 0);
+    for (int k = 0; k < 2; k++) {
+        ms[k]->params[0]->data_lp = NULL;
+        ms[k]->params[0]->data_stale = 0;
+        free(lp[k]);
+        free(want_w[k]);
+        fsdp_module_free(ms[k]);
+    }
+    fsdp_ctx_free(ctx);
 }
 
 /* ---- Linear takes 16-bit inputs ---- */
