@@ -468,6 +468,13 @@ struct fsdp_shard_opts {
                                    results are bit-identical either way */
     int max_inflight;           /* default 2: units gathered or gathering at once, the
                                    computing one included (bounds memory; 0 = 2) */
+    enum fsdp_dtype precision;  /* default FSDP_F32: the compute precision of the units
+                                   (fsdp_parallelize_model's precision); a 16-bit one
+                                   resolves each unit's policy with mixed_precision
+                                   and its FSDP_OVR_MIXED_PRECISION override, as
+                                   fsdp_parallelize_model does. FSDP_F32 leaves the
+                                   modules' compute dtypes as they are */
+    enum fsdp_mixed_precision mixed_precision; /* default FSDP_MP_DEFAULT; with precision */
 };
 
 struct fsdp_shard_opts fsdp_shard_opts_default(void);

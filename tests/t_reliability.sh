@@ -24,6 +24,14 @@ if timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --nproc 4 --dry-run > "
     ok "dry-run gpt2, --nproc 4: 4 ranks of $p4 shards each, without starting ranks"
   else bad "dry-run gpt2, --nproc 4" "expected 4 rows of $p4:" "$(cat "$tmp/d4")"; fi
 else bad "dry-run gpt2, --nproc 4" "$(tail -5 "$tmp/d4")"; fi
+# mixed precision is planned as it runs: the 16-bit gather staging enlarges the full buffers
+if timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --nproc 4 --precision AMP_BF16 --dry-run > "$tmp/d4b" 2>&1; then
+  f32=$(awk '/^0 /{print $8}' "$tmp/d4"); f16=$(awk '/^0 /{print $8}' "$tmp/d4b")
+  if grep -q "threads per rank, AMP_BF16 mixed_precision DEFAULT" "$tmp/d4b" && ! grep -q "planned as FP32" "$tmp/d4b" &&
+     [ -n "$f32" ] && [ -n "$f16" ] && python3 -c "import sys; sys.exit(not $f16 > $f32)"; then
+    ok "dry-run gpt2 AMP_BF16: full buffers $f16 MiB > $f32 MiB in FP32"
+  else bad "dry-run gpt2 AMP_BF16" "full buffers '$f16' vs FP32 '$f32'" "$(cat "$tmp/d4b")"; fi
+else bad "dry-run gpt2 AMP_BF16" "$(tail -5 "$tmp/d4b")"; fi
 
 # ---- --mem-limit ----
 t0=$SECONDS

@@ -2,9 +2,10 @@
  * test_mpi_plan.c - the memory planner (src/fsdp/plan.c) against real runs
  * at 1..4 ranks (tests/run.sh): the predicted shards, pooled full buffers
  * and activation arena must equal what fsdp_mem_get measures over two
- * training steps, with and without activation checkpointing, and
- * fsdp_mem_set_limit must stop a run that would pass it with a message
- * naming the allocation.
+ * training steps, with and without activation checkpointing, in fp32 and
+ * under mixed precision (AMP_BF16 with DEFAULT, PURE, FULL and a unit
+ * overridden to fp32; AMP_FP16), and fsdp_mem_set_limit must stop a run
+ * that would pass it with a message naming the allocation.
  */
 #include "fsdp.h"
 #include "harness.h"
@@ -36,9 +37,19 @@ static void run_free(struct run *r) {
     memset(r, 0, sizeof *r);
 }
 
-/* Builds the model (Blocks checkpointed if ckpt), returns the plan. */
-static enum fsdp_status setup(struct fsdp_ctx *c, const struct fsdp_gpt_config *cfg, int ckpt, int Bl, int T,
-                              struct run *r, struct fsdp_mem_plan *plan) {
+/* Units per Block; the second Block's unit overridden to fp32 (FULL). */
+static enum fsdp_wrap wrap_block1_fp32(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr) {
+    (void)ud;
+    if (strcmp(m->ops->type, "Block") != 0) return FSDP_WRAP_SKIP;
+    if (strcmp(m->name, "1") != 0) return FSDP_WRAP_UNIT;
+    ovr->set = FSDP_OVR_MIXED_PRECISION;
+    ovr->mixed_precision = FSDP_MP_FULL;
+    return FSDP_WRAP_UNIT_OVERRIDE;
+}
+
+/* Builds the model (Blocks checkpointed if ckpt), returns the plan; so NULL: fp32 defaults. */
+static enum fsdp_status setup_opts(struct fsdp_ctx *c, const struct fsdp_gpt_config *cfg, int ckpt, int Bl, int T,
+                                   const struct fsdp_shard_opts *so, struct run *r, struct fsdp_mem_plan *plan) {
     memset(r, 0, sizeof *r);
     TRY(fsdp_gpt_create(c, cfg, &r->gpt));
     if (ckpt)
@@ -47,12 +58,17 @@ static enum fsdp_status setup(struct fsdp_ctx *c, const struct fsdp_gpt_config *
             snprintf(fqn, sizeof fqn, "transformer.h.%d.ln_1.weight", l);
             fsdp_module_find_param(r->gpt, fqn)->owner->parent->checkpoint = 1;
         }
-    TRY(fsdp_plan_memory(c, r->gpt, NULL, fsdp_ctx_world(c), fsdp_ctx_rank(c), 2, Bl, T, 1, plan));
-    TRY(fsdp_fully_shard(c, r->gpt, NULL, &r->fm));
+    TRY(fsdp_plan_memory(c, r->gpt, so, fsdp_ctx_world(c), fsdp_ctx_rank(c), 2, Bl, T, 1, plan));
+    TRY(fsdp_fully_shard(c, r->gpt, so, &r->fm));
     TRY(fsdp_model_init_params(c, r->fm, 7));
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     TRY(fsdp_optim_create(c, &oo, &r->opt));
     return fsdp_model_attach_optim(c, r->fm, r->opt);
+}
+
+static enum fsdp_status setup(struct fsdp_ctx *c, const struct fsdp_gpt_config *cfg, int ckpt, int Bl, int T,
+                              struct run *r, struct fsdp_mem_plan *plan) {
+    return setup_opts(c, cfg, ckpt, Bl, T, NULL, r, plan);
 }
 
 static void batch(int n, int V, int32_t *in, int32_t *tg) {
@@ -62,7 +78,8 @@ static void batch(int n, int V, int32_t *in, int32_t *tg) {
     }
 }
 
-static void check_plan(int ckpt, int B, int T) {
+/* prec FSDP_F32: the default options; mp -1: Block 1 overridden to FULL. */
+static void check_plan_prec(int ckpt, int B, int T, enum fsdp_dtype prec, int mp) {
     struct fsdp_ctx *c = get_ctx();
     int world = fsdp_ctx_world(c);
     struct fsdp_gpt_config cfg;
@@ -74,8 +91,20 @@ static void check_plan(int ckpt, int B, int T) {
     fsdp_mem_get(c, &m0);
     struct run r;
     struct fsdp_mem_plan plan;
-    ASSERT_OK(setup(c, &cfg, ckpt, B / world, T, &r, &plan), c);
+    struct fsdp_shard_opts so = fsdp_shard_opts_default();
+    so.precision = prec;
+    so.mixed_precision = mp < 0 ? FSDP_MP_DEFAULT : (enum fsdp_mixed_precision)mp;
+    if (mp < 0) so.wrap = wrap_block1_fp32;
+    ASSERT_OK(setup_opts(c, &cfg, ckpt, B / world, T, prec == FSDP_F32 ? NULL : &so, &r, &plan), c);
     CHECK_INT_EQ(plan.world, world);
+    /* the plan leaves the modules as they were: fsdp_fully_shard set the compute dtypes */
+    int n_lp = 0;
+    for (int i = 0; i < fsdp_model_n_units(r.fm); i++) {
+        struct fsdp_unit_precision up;
+        fsdp_model_unit_precision(r.fm, i, &up);
+        n_lp += up.param_dtype != FSDP_F32;
+    }
+    CHECK_INT_EQ(n_lp, prec == FSDP_F32 || mp == FSDP_MP_FULL ? 0 : mp < 0 ? cfg.n_layer : cfg.n_layer + 1);
     int32_t *in = malloc(sizeof(int32_t) * (size_t)(B * T)), *tg = malloc(sizeof(int32_t) * (size_t)(B * T));
     batch(B / world * T, cfg.vocab_size, in, tg);
     fsdp_mem_reset_peak(c);
@@ -88,21 +117,63 @@ static void check_plan(int ckpt, int B, int T) {
     CHECK_INT_EQ(m.cur[FSDP_MEM_SHARD] - m0.cur[FSDP_MEM_SHARD], plan.params + plan.grads + plan.optim);
     CHECK_INT_EQ(m.peak[FSDP_MEM_FULL], plan.full);
     CHECK_INT_EQ(m.peak[FSDP_MEM_ACT], plan.act);
+    /* the workspace: comm requests within its 4096 bytes, plus the MPI
+     * backend's fp32 staging of 16-bit reductions (PURE) to the byte */
+    size_t other = m.peak[FSDP_MEM_OTHER] - m0.cur[FSDP_MEM_OTHER];
+    CHECK(other <= plan.workspace && other + 4096 > plan.workspace);
     double measured = (double)(m.peak_total - m0.cur_total);
-    CHECK(measured <= (double)plan.total && measured >= 0.97 * (double)plan.total);
+    /* the total sums the kinds' peaks: the staging (backward) need not meet the arena's peak */
+    double staging = (double)(plan.workspace - 4096);
+    CHECK(measured <= (double)plan.total && measured >= 0.97 * ((double)plan.total - staging));
     if (test_rank == 0 && world == 2)
-        fprintf(stderr, "  ckpt %d: plan %zu (shards %zu, full %zu, act %zu) vs measured peak %.0f\n", ckpt,
-                plan.total, plan.params + plan.grads + plan.optim, plan.full, plan.act, measured);
+        fprintf(stderr, "  %s mp %d ckpt %d: plan %zu (shards %zu, full %zu, act %zu) vs measured peak %.0f\n",
+                fsdp_dtype_name(prec), mp, ckpt, plan.total, plan.params + plan.grads + plan.optim, plan.full,
+                plan.act, measured);
     free(in);
     free(tg);
     run_free(&r);
 }
+
+static void check_plan(int ckpt, int B, int T) { check_plan_prec(ckpt, B, T, FSDP_F32, FSDP_MP_DEFAULT); }
 
 TEST(plan_equals_measured) { check_plan(0, 4, 32); }
 TEST(plan_equals_measured_checkpointed) { check_plan(1, 4, 32); }
 /* activations over several arena chunks */
 TEST(plan_equals_measured_many_chunks) { check_plan(0, 12, 64); }
 TEST(plan_equals_measured_many_chunks_checkpointed) { check_plan(1, 12, 64); }
+/* mixed precision: 16-bit gathers (staging in the full buffers, pooled even
+ * at one rank), the layers' 16-bit copies and scratch in the arena */
+TEST(plan_equals_measured_bf16) { check_plan_prec(0, 12, 64, FSDP_BF16, FSDP_MP_DEFAULT); }
+TEST(plan_equals_measured_bf16_checkpointed) { check_plan_prec(1, 4, 32, FSDP_BF16, FSDP_MP_DEFAULT); }
+TEST(plan_equals_measured_bf16_pure) { check_plan_prec(0, 12, 64, FSDP_BF16, FSDP_MP_PURE); }
+TEST(plan_equals_measured_bf16_pure_checkpointed) { check_plan_prec(1, 12, 64, FSDP_BF16, FSDP_MP_PURE); }
+TEST(plan_equals_measured_fp16) { check_plan_prec(0, 12, 64, FSDP_F16, FSDP_MP_DEFAULT); }
+TEST(plan_equals_measured_fp16_checkpointed) { check_plan_prec(1, 4, 32, FSDP_F16, FSDP_MP_DEFAULT); }
+/* fp32 gathers, 16-bit products: each product casts its weight in the arena */
+TEST(plan_equals_measured_bf16_full) { check_plan_prec(0, 12, 64, FSDP_BF16, FSDP_MP_FULL); }
+TEST(plan_equals_measured_bf16_fp32_unit_checkpointed) { check_plan_prec(1, 12, 64, FSDP_BF16, -1); }
+
+/* a 16-bit plan needs more full buffers than the fp32 one, and leaves the
+ * model's compute dtypes as they were */
+TEST(plan_bf16_larger_than_fp32) {
+    struct fsdp_ctx *c = get_ctx();
+    int world = fsdp_ctx_world(c);
+    struct fsdp_gpt_config cfg;
+    fsdp_gpt_config_preset("tiny", &cfg);
+    struct fsdp_module *gpt;
+    ASSERT_OK(fsdp_gpt_create(c, &cfg, &gpt), c);
+    struct fsdp_shard_opts so = fsdp_shard_opts_default();
+    struct fsdp_mem_plan p32, p16;
+    ASSERT_OK(fsdp_plan_memory(c, gpt, &so, world, 0, 2, 4, 32, 1, &p32), c);
+    so.precision = FSDP_BF16;
+    ASSERT_OK(fsdp_plan_memory(c, gpt, &so, world, 0, 2, 4, 32, 1, &p16), c);
+    CHECK(p16.full > p32.full);
+    CHECK(p16.act > p32.act);
+    CHECK_INT_EQ(p16.params, p32.params);
+    CHECK_INT_EQ(gpt->compute_dtype, FSDP_F32);
+    CHECK_INT_EQ(fsdp_module_find_param(gpt, "transformer.h.0.attn.c_attn.weight")->owner->compute_dtype, FSDP_F32);
+    fsdp_module_free(gpt);
+}
 
 /* A limit just below the plan stops the run with a message naming the
  * allocation; the same limit at the plan lets it run. */

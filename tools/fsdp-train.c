@@ -715,6 +715,11 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
     so.shard_group = o->shard_group;
     so.overlap = o->overlap;
     so.max_inflight = o->max_inflight;
+    if (fsdp_precision_parse(ctx, o->precision, &so.precision) != FSDP_OK)
+        fail_all("--precision: %s", fsdp_errmsg(ctx));
+    so.mixed_precision = !strcasecmp(o->mixed_precision, "FULL")   ? FSDP_MP_FULL
+                         : !strcasecmp(o->mixed_precision, "PURE") ? FSDP_MP_PURE
+                                                                   : FSDP_MP_DEFAULT;
     check_strategy_flags(o, pworld);
     static int64_t min_size;
     if (!strcmp(o->wrap, "none")) so.wrap = NULL;
@@ -743,8 +748,10 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
         if (!o->dry_run || me != 0) continue;
         if (i == 0) {
             printf("memory plan: %s, world %d, %d units (--wrap %s), --ac %s, batch %d x %d tokens per "
-                   "rank, %s (%d state floats per element), %d threads per rank\n", o->sharding, pworld,
-                   p.n_units, o->wrap, o->ac, o->batch / pworld, o->seq, o->optim, k, threads);
+                   "rank, %s (%d state floats per element), %d threads per rank, %s%s%s\n", o->sharding,
+                   pworld, p.n_units, o->wrap, o->ac, o->batch / pworld, o->seq, o->optim, k, threads,
+                   precision_name(o), so.precision != FSDP_F32 ? " mixed_precision " : "",
+                   so.precision != FSDP_F32 ? o->mixed_precision : "");
             if (o->grad_accum > 1)
                 printf("  in %d micro-batches of %d (--accum-mode %s)\n", o->grad_accum,
                        o->batch / pworld / o->grad_accum, o->accum_mode);
@@ -763,10 +770,6 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
                    (double)limit / 1048576.0, p0.total <= limit ? "fits" : "EXCEEDED",
                    100.0 * (double)p0.total / (double)limit);
         printf("(library accounting; the process also holds MPI, oneDNN and the program itself)\n");
-        if (strcasecmp(o->precision, "FP32"))
-            printf("(planned as FP32: --precision %s adds the 16-bit gather staging (half a unit's full "
-                   "buffer) and 16-bit copies of the products' inputs in the arena, not in this plan)\n",
-                   o->precision);
     }
     plan_mark_ac(gpt, o, 0); /* fsdp_parallelize_model marks them itself */
     if (limit && p0.total > limit)

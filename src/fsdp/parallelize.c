@@ -436,6 +436,8 @@ enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module
     so.sharding = c.sharding;
     so.overlap = c.overlap;
     so.max_inflight = c.max_inflight;
+    so.precision = precision;
+    so.mixed_precision = c.mixed_precision;
     if (c.mesh[1] != 0) { /* validated: {replicas, shard group} */
         so.sharding = FSDP_HYBRID_SHARD;
         so.shard_group = c.mesh[1];
@@ -448,7 +450,8 @@ enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module
     }
     fm->state_dict_type = c.state_dict_type;
     fm->load_monolith_rank0_only = c.load_monolith_rank0_only;
-    st = fsdp__mp_resolve(ctx, fm, precision, c.mixed_precision); /* per-unit dtypes (mixed.c) */
+    /* per-unit dtypes (mixed.c): fsdp_fully_shard resolved a 16-bit precision; fp32 sets them too */
+    st = precision == FSDP_F32 ? fsdp__mp_resolve(ctx, fm, precision, c.mixed_precision) : FSDP_OK;
     if (st != FSDP_OK) {
         saved_free(&sv);
         fsdp_model_free(fm);

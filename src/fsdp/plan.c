@@ -5,10 +5,17 @@
  * would make (fsdp__model_layout), pooled full buffers by replaying the
  * gather/release order of the unit hooks over a model of the pool (unit.c),
  * and activations by replaying the arena use of a step (fsdp__gpt_act_trace
- * over fsdp__arena_sim). Also the size parser behind --mem-limit.
+ * over fsdp__arena_sim). Mixed precision (opts->precision, mixed_precision)
+ * is resolved per unit as fsdp_fully_shard does (fsdp__mp_resolve on the
+ * shadow layout; the modules' compute dtypes are put back afterwards): a
+ * 16-bit gather pools fsdp__mp_full_numel floats, the trace follows each
+ * module's compute dtype and whether its weight is gathered in it, and the
+ * workspace holds the MPI backend's fp32 staging of 16-bit reductions.
+ * Also the size parser behind --mem-limit.
  * Invariant: every figure mirrors an allocation site: shards
  * fsdp__unit_alloc_shards, full buffers fsdp__pool_get, activations the
- * arena; tests/test_plan.c checks the prediction against a real run.
+ * arena, staging comm/mpi.c's stage(); tests/test_mpi_plan.c checks the
+ * prediction against a real run.
  */
 #include "fsdp/fsdp-impl.h"
 #include "nn/nn-impl.h"
@@ -56,8 +63,18 @@ struct pool_sim {
     int *in_use;
     int n, room;
     size_t bytes;
+    size_t stage, stage_peak; /* the MPI backend's fp32 staging of 16-bit reductions, live and peak */
     int failed;
 };
+
+static void stage_note(struct pool_sim *p, size_t extra) {
+    if (p->stage + extra > p->stage_peak) p->stage_peak = p->stage + extra;
+}
+
+/* Bytes of comm/mpi.c's stage() for a reduction of n_in inputs, n_out results. */
+static size_t stage_bytes(int64_t n_in, int64_t n_out) {
+    return (size_t)((n_in ? n_in : 1) + (n_out ? n_out : 1)) * sizeof(float);
+}
 
 static int pool_get(struct pool_sim *p, int64_t numel) {
     int best = -1;
@@ -91,10 +108,12 @@ static void pool_put(struct pool_sim *p, int i) {
 
 /* What the unit hooks do with the pool under a strategy, an accumulation
  * mode and overlap (unit.c): params pooled when the shard group has 2+
- * ranks, gradients when the world has ([Note: sharding strategies]);
- * prefetches and deferred reductions as [Note: prefetch and overlap]. */
+ * ranks or the unit gathers 16-bit (unit_gather_start; fsdp__mp_full_numel
+ * floats), gradients when the world has 2+ ranks ([Note: sharding
+ * strategies]); prefetches and deferred reductions as [Note: prefetch and
+ * overlap]. */
 struct pool_mode {
-    int params, grads;  /* full parameters / gradients come from the pool */
+    int params, grads;  /* full parameters of fp32 units / gradients come from the pool */
     int no_sync;        /* this backward keeps its full gradients */
     int accumulate;     /* this backward adds into the shard (a numel_shard buffer) */
     int overlap;        /* prefetch and deferred reductions (shard group of 2+) */
@@ -106,7 +125,13 @@ struct pool_mode {
 struct pool_state {
     int *held, *grad, *prev, *pref, *bwd;
     int inflight, last;
+    const struct fsdp_model *fm;
 };
+
+/* Whether u's full parameters come from the pool (unit_gather_start). */
+static int params_pooled(const struct pool_mode *m, const struct fsdp__unit *u) {
+    return m->params || u->param_dtype != FSDP_F32;
+}
 
 static void consume(struct pool_state *s, int u) {
     if (s->pref[u]) {
@@ -120,7 +145,7 @@ static void prefetch(const struct fsdp_model *fm, struct pool_sim *p, const stru
     for (int q = pos + 1; q < fm->n_units && s->inflight < m->ahead; q++) {
         int v = order ? order[q] : q;
         if (s->held[v] >= 0) continue;
-        s->held[v] = pool_get(p, fm->units[v].numel_padded);
+        s->held[v] = pool_get(p, fsdp__mp_full_numel(&fm->units[v]));
         s->pref[v] = 1;
         s->inflight++;
     }
@@ -131,8 +156,8 @@ static void pool_forward(const struct fsdp_model *fm, const struct fsdp__unit *u
                          const struct pool_mode *m, struct pool_state *s) {
     int i = u->index;
     consume(s, i);
-    if (m->params && s->held[i] < 0) s->held[i] = pool_get(p, u->numel_padded); /* pre_forward: gather */
-    if (m->params && m->overlap) prefetch(fm, p, m, s, NULL, i);
+    if (params_pooled(m, u) && s->held[i] < 0) s->held[i] = pool_get(p, fsdp__mp_full_numel(u)); /* gather */
+    if (m->overlap) prefetch(fm, p, m, s, NULL, i);
     for (int c = i + 1; c < fm->n_units; c++)
         if (fm->units[c].parent == u) pool_forward(fm, &fm->units[c], p, m, s);
     if (u->reshard_after_forward) { /* post_forward */
@@ -141,8 +166,23 @@ static void pool_forward(const struct fsdp_model *fm, const struct fsdp__unit *u
     }
 }
 
-/* reduce_finish: the accumulation buffer, then the full gradient */
+/* reduce_start's staging (comm/mpi.c [Note: low-precision reductions]): a
+ * 16-bit reduce-scatter of the full gradient, or all-reduce of the shard
+ * (a shard group of one), held until its wait. */
+static size_t reduce_stage(const struct fsdp_model *fm, const struct fsdp__unit *u) {
+    if (u->reduce_dtype == FSDP_F32) return 0;
+    return fm->shard_size > 1 ? stage_bytes(u->numel_padded, u->numel_shard)
+                              : stage_bytes(u->numel_shard, u->numel_shard);
+}
+
+/* reduce_finish: the staging of its reduction (HYBRID: then of the
+ * all-reduce over the replicas, while it runs), the accumulation buffer,
+ * then the full gradient */
 static void finish(struct pool_sim *p, struct pool_state *s, int u) {
+    const struct fsdp__unit *fu = &s->fm->units[u];
+    p->stage -= reduce_stage(s->fm, fu);
+    if (fu->reduce_dtype != FSDP_F32 && s->fm->shard_size > 1 && s->fm->rep_size > 1)
+        stage_note(p, stage_bytes(fu->numel_shard, fu->numel_shard));
     pool_put(p, s->prev[u]);
     s->prev[u] = -1;
     pool_put(p, s->grad[u]);
@@ -153,8 +193,8 @@ static void pool_backward(const struct fsdp_model *fm, const struct fsdp__unit *
                           const struct pool_mode *m, struct pool_state *s) {
     int i = u->index;
     consume(s, i);
-    if (m->params && s->held[i] < 0) s->held[i] = pool_get(p, u->numel_padded); /* pre_backward */
-    if (m->params && m->overlap) {
+    if (params_pooled(m, u) && s->held[i] < 0) s->held[i] = pool_get(p, fsdp__mp_full_numel(u)); /* pre_backward */
+    if (m->overlap) {
         int pos = 0;
         while (s->bwd[pos] != i) pos++;
         prefetch(fm, p, m, s, s->bwd, pos);
@@ -164,6 +204,8 @@ static void pool_backward(const struct fsdp_model *fm, const struct fsdp__unit *
         if (fm->units[c].parent == u) pool_backward(fm, &fm->units[c], p, m, s);
     if (!m->no_sync && m->grads) { /* post_backward: reduce_start, then a finish */
         if (m->accumulate) s->prev[i] = pool_get(p, u->numel_shard);
+        p->stage += reduce_stage(fm, u);
+        stage_note(p, 0);
         if (m->overlap) {
             if (s->last >= 0) finish(p, s, s->last);
             s->last = i;
@@ -188,14 +230,29 @@ static void drop_prefetched(const struct fsdp_model *fm, struct pool_sim *p, str
 
 /* ---- The plan ---- */
 
-/* The first module below m (or m) computing in a 16-bit dtype, or NULL. */
-static const struct fsdp_module *low_precision_module(const struct fsdp_module *m) {
-    if (m->compute_dtype != FSDP_F32) return m;
-    for (int i = 0; i < m->n_children; i++) {
-        const struct fsdp_module *x = low_precision_module(m->children[i]);
-        if (x) return x;
-    }
-    return NULL;
+/* Saves (save != 0) the compute dtypes of m's subtree into dt, pre-order,
+ * or puts them back; returns the next index. */
+static int keep_dtypes(struct fsdp_module *m, enum fsdp_dtype *dt, int i, int save) {
+    if (save) dt[i] = m->compute_dtype;
+    else m->compute_dtype = dt[i];
+    i++;
+    for (int c = 0; c < m->n_children; c++) i = keep_dtypes(m->children[c], dt, i, save);
+    return i;
+}
+
+static int count_modules(const struct fsdp_module *m) {
+    int n = 1;
+    for (int c = 0; c < m->n_children; c++) n += count_modules(m->children[c]);
+    return n;
+}
+
+/* The activation trace's `gathered`: the param_dtype of p's unit. */
+static enum fsdp_dtype unit_param_dtype(const struct fsdp_param *p, void *ud) {
+    const struct fsdp_model *fm = ud;
+    for (int i = 0; i < fm->n_units; i++)
+        for (int j = 0; j < fm->units[i].n_params; j++)
+            if (fm->units[i].params[j] == p) return fm->units[i].param_dtype;
+    return FSDP_F32;
 }
 
 enum fsdp_status fsdp_plan_memory(struct fsdp_ctx *ctx, struct fsdp_module *root,
@@ -218,11 +275,6 @@ enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module
         return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
                          "plan: activations are known for the built-in GPT only, not a %s root",
                          root->ops->type);
-    const struct fsdp_module *lp = low_precision_module(root);
-    if (lp)
-        return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
-                         "plan: module '%s' computes in %s; the planner models fp32 compute only",
-                         lp->fqn && lp->fqn[0] ? lp->fqn : "(root)", fsdp_dtype_name(lp->compute_dtype));
     /* the layout at `world`: a shadow context, so nothing of ctx changes */
     struct fsdp_ctx *sh = malloc(sizeof *sh);
     if (!sh) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
@@ -230,10 +282,33 @@ enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module
     sh->world = world;
     sh->rank = rank;
     sh->verbose = 0;
+    /* a 16-bit precision: the unit policies fsdp_fully_shard resolves, and
+     * the modules' compute dtypes it sets, put back after the trace */
+    enum fsdp_dtype precision = opts ? opts->precision : FSDP_F32;
+    enum fsdp_dtype *kept = NULL;
+    if (precision != FSDP_F32) {
+        if (!root->fqn) {
+            enum fsdp_status fst = fsdp_module_finalize(ctx, root);
+            if (fst != FSDP_OK) {
+                free(sh);
+                return fst;
+            }
+        }
+        kept = malloc((size_t)count_modules(root) * sizeof *kept);
+        if (!kept) {
+            free(sh);
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
+        }
+        keep_dtypes(root, kept, 0, 1);
+    }
     struct fsdp_model *fm = NULL;
     enum fsdp_status st = fsdp__model_layout(sh, root, opts, &fm);
+    if (st == FSDP_OK && precision != FSDP_F32) st = fsdp__mp_resolve(sh, fm, precision, opts->mixed_precision);
     if (st != FSDP_OK) {
         fsdp__err(ctx, st, "%s", sh->errmsg);
+        fsdp_model_free(fm);
+        if (kept) keep_dtypes(root, kept, 0, 0);
+        free(kept);
         free(sh);
         return st;
     }
@@ -251,12 +326,14 @@ enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module
         last_unit = 2 * n * sizeof(float) + 64;
     }
     /* full buffers: a world of one uses its shards (unit.c), a shard group
-     * of one its parameter shards */
+     * of one its parameter shards, except where a unit gathers 16-bit */
     struct pool_sim pool = {0};
-    if (world > 1) {
+    int lp_units = 0;
+    for (int i = 0; i < fm->n_units; i++) lp_units |= fm->units[i].param_dtype != FSDP_F32;
+    if (world > 1 || lp_units) {
         size_t n = (size_t)fm->n_units;
         struct pool_state ps = {malloc(n * sizeof(int)), malloc(n * sizeof(int)), malloc(n * sizeof(int)),
-                                malloc(n * sizeof(int)), malloc(n * sizeof(int)), 0, -1};
+                                malloc(n * sizeof(int)), malloc(n * sizeof(int)), 0, -1, fm};
         if (!ps.held || !ps.grad || !ps.prev || !ps.pref || !ps.bwd)
             st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
         else
@@ -264,7 +341,7 @@ enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module
         for (int step = 0; step < 2 && st == FSDP_OK; step++) {
             for (size_t i = 0; i < n; i++) ps.held[i] = ps.grad[i] = ps.prev[i] = -1, ps.pref[i] = 0;
             for (int k = 0; k < accum; k++) { /* step.c's micro_batches */
-                struct pool_mode m = {fm->shard_size > 1, 1, mode == FSDP_ACCUM_NO_SYNC && k < accum - 1,
+                struct pool_mode m = {fm->shard_size > 1, world > 1, mode == FSDP_ACCUM_NO_SYNC && k < accum - 1,
                                       k > 0 && mode == FSDP_ACCUM_REDUCE_EACH,
                                       fm->overlap && fm->shard_size > 1, fm->max_inflight - 1};
                 pool_forward(fm, &fm->units[0], &pool, &m, &ps);
@@ -283,23 +360,28 @@ enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module
         if (pool.failed) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
     }
     p.full = pool.bytes;
+    size_t staging = pool.stage_peak;
     free(pool.cap);
     free(pool.in_use);
-    fsdp_model_free(fm);
-    free(sh);
     /* activations: two steps (the second one runs in the merged chunk) */
     struct fsdp__arena_sim as = {0};
     for (int step = 0; step < 2 && st == FSDP_OK; step++) {
         fsdp__arena_sim_reset(&as);
         fsdp__arena_sim_alloc(&as, (size_t)B_local * (size_t)T * sizeof(int32_t)); /* tokens */
-        fsdp__gpt_act_trace(root, B_local, T, threads, &as);
+        fsdp__gpt_act_trace(root, B_local, T, threads, unit_param_dtype, fm, &as);
     }
     if (as.failed) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
+    fsdp_model_free(fm);
+    if (kept) keep_dtypes(root, kept, 0, 0);
+    free(kept);
+    free(sh);
     p.act = as.peak;
     fsdp__arena_sim_free(&as);
     if (st != FSDP_OK) return st;
-    /* workspace: per-step transients (comm requests, a few hundred bytes) */
-    p.workspace = 4096;
+    /* workspace: per-step transients (comm requests, a few hundred bytes) and
+     * the MPI backend's fp32 staging of 16-bit reductions (shm reduces in
+     * its communicator's own accumulators: none) */
+    p.workspace = 4096 + staging;
     size_t steady = p.params + p.grads + p.optim + p.full + p.act + p.workspace;
     /* attaching the optimizer holds the last unit's old shard block next to the new one */
     size_t attach = p.params + p.grads + p.optim + last_unit;

@@ -275,6 +275,8 @@ enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root
     if (st == FSDP_OK) st = build_units(fm, opts);
     for (int i = 0; i < fm->n_units && st == FSDP_OK; i++)
         st = fsdp__unit_alloc_shards(ctx, &fm->units[i], 0);
+    if (st == FSDP_OK && opts->precision != FSDP_F32) /* per-unit dtypes (mixed.c) */
+        st = fsdp__mp_resolve(ctx, fm, opts->precision, opts->mixed_precision);
     if (st != FSDP_OK) {
         fsdp_model_free(fm);
         return st;

@@ -306,15 +306,31 @@ enum fsdp_status fsdp__gpt_config_parse(struct fsdp_ctx *ctx, const char *name, 
  * (module.c's ckpt_forward/ckpt_backward) included. Each tr_* function below
  * mirrors the forward or backward of one layer; change them with the layer.
  * Rows are tokens (B*T, or T for the position embedding); features are the
- * last dimension. */
+ * last dimension. A module computing in 16 bits (fsdp__compute_dtype) adds
+ * what its layer takes then: Linear's kept 16-bit input, the cast of its
+ * weight unless gathered in that dtype (the caller's `gathered` says), the
+ * 16-bit output gradient in backward; attention's head-major scratch. */
 
 struct tr {
     struct fsdp__arena_sim *s;
     int64_t B, T, nh;
     int nthr;
+    enum fsdp_dtype (*gathered)(const struct fsdp_param *p, void *ud);
+    void *ud;
 };
 
 static size_t f4(int64_t n) { return (size_t)n * 4u; }
+
+/* n elements of dt */
+static size_t lpb(enum fsdp_dtype dt, int64_t n) { return (size_t)n * fsdp_dtype_size(dt); }
+
+/* fsdp__pdata_lp of Linear m's weight: a cast into the arena unless the
+ * weight (its tie's definition) is gathered in dt. */
+static void tr_weight_lp(struct tr *t, struct fsdp_module *m, enum fsdp_dtype dt) {
+    const struct fsdp_param *p = m->params[0], *q = p->tied_to ? p->tied_to : p;
+    enum fsdp_dtype g = t->gathered ? t->gathered(q, t->ud) : FSDP_F32;
+    if (g != dt) fsdp__arena_sim_alloc(t->s, lpb(dt, p->numel));
+}
 
 static struct fsdp_module *tr_child(struct fsdp_module *m, const char *name) {
     for (int i = 0; i < m->n_children; i++)
@@ -338,11 +354,19 @@ static int64_t tr_fwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int
     const char *ty = m->ops->type;
     int64_t out_f = tr_out_f(m, in_f);
     if (!strcmp(ty, "LayerNorm")) fsdp__arena_sim_alloc(t->s, f4(2 * rows)); /* statistics */
+    enum fsdp_dtype lp = fsdp__compute_dtype(m);
     if (!strcmp(ty, "CausalSelfAttention")) {
-        int64_t C = in_f, B = rows / t->T;
+        int64_t C = in_f, B = rows / t->T, BH = B * t->nh;
         tr_fwd(t, tr_child(m, "c_attn"), rows, C, 1);               /* qkv (N, 3C) */
-        fsdp__arena_sim_alloc(t->s, f4(B * t->nh * t->T * t->T));   /* probabilities */
+        fsdp__arena_sim_alloc(t->s, f4(BH * t->T * t->T));          /* probabilities */
         fsdp__arena_sim_alloc(t->s, f4(rows * C));                  /* heads output y */
+        if (lp != FSDP_F32) { /* heads_forward_lp: q k v, att in lp, y head-major; released */
+            size_t mark = t->s->used;
+            fsdp__arena_sim_alloc(t->s, lpb(lp, 3 * rows * C));
+            fsdp__arena_sim_alloc(t->s, lpb(lp, BH * t->T * t->T));
+            fsdp__arena_sim_alloc(t->s, f4(rows * C));
+            fsdp__arena_sim_release(t->s, mark);
+        }
         return tr_fwd(t, tr_child(m, "c_proj"), rows, C, out_alloc);
     }
     if (!strcmp(ty, "MLP")) {
@@ -357,17 +381,32 @@ static int64_t tr_fwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int
         return tr_fwd(t, tr_child(m, "mlp"), rows, in_f, out_alloc);
     }
     if (out_alloc) fsdp__arena_sim_alloc(t->s, f4(rows * out_f)); /* Linear, LayerNorm, GELU, Embedding */
+    if (!strcmp(ty, "Linear") && lp != FSDP_F32) {
+        fsdp__arena_sim_alloc(t->s, lpb(lp, rows * in_f)); /* the 16-bit input, kept */
+        size_t mark = t->s->used;
+        tr_weight_lp(t, m, lp); /* released after the product */
+        fsdp__arena_sim_release(t->s, mark);
+    }
     return out_f;
 }
 
 static void tr_bwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int64_t out_f,
                        int din_alloc) {
     const char *ty = m->ops->type;
+    enum fsdp_dtype lp = fsdp__compute_dtype(m);
     if (!strcmp(ty, "CausalSelfAttention")) {
-        int64_t C = in_f;
+        int64_t C = in_f, BH = rows / t->T * t->nh;
         tr_bwd(t, tr_child(m, "c_proj"), rows, C, C, 1);            /* dy */
         fsdp__arena_sim_alloc(t->s, f4(rows * 3 * C));              /* dqkv */
         fsdp__arena_sim_alloc(t->s, f4((int64_t)t->nthr * t->T * t->T)); /* scratch */
+        if (lp != FSDP_F32) { /* heads_backward_lp: q k v dY, att/dS in lp, dS, dq dk dv; released */
+            size_t mark = t->s->used;
+            fsdp__arena_sim_alloc(t->s, lpb(lp, 4 * rows * C));
+            fsdp__arena_sim_alloc(t->s, lpb(lp, BH * t->T * t->T));
+            fsdp__arena_sim_alloc(t->s, f4(BH * t->T * t->T));
+            fsdp__arena_sim_alloc(t->s, f4(3 * rows * C));
+            fsdp__arena_sim_release(t->s, mark);
+        }
         tr_bwd(t, tr_child(m, "c_attn"), rows, C, 3 * C, din_alloc);
         return;
     }
@@ -390,6 +429,12 @@ static void tr_bwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int64_
         return;
     }
     if (din_alloc && strcmp(ty, "Embedding") != 0) fsdp__arena_sim_alloc(t->s, f4(rows * in_f));
+    if (!strcmp(ty, "Linear") && lp != FSDP_F32) { /* 16-bit dy and weight, released */
+        size_t mark = t->s->used;
+        fsdp__arena_sim_alloc(t->s, lpb(lp, rows * out_f));
+        tr_weight_lp(t, m, lp);
+        fsdp__arena_sim_release(t->s, mark);
+    }
 }
 
 /* fsdp_module_forward / _backward: checkpointed modules as module.c runs them. */
@@ -417,10 +462,11 @@ static void tr_bwd(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in
 }
 
 void fsdp__gpt_act_trace(struct fsdp_module *gpt, int64_t B, int64_t T, int nthr,
+                         enum fsdp_dtype (*gathered)(const struct fsdp_param *p, void *ud), void *ud,
                          struct fsdp__arena_sim *s) {
     FSDP_ASSERT(!strcmp(gpt->ops->type, "GPT"), "activation trace of a %s", gpt->ops->type);
     struct gpt *G = gpt->impl;
-    struct tr t = {s, B, T, G->cfg.n_head, nthr < 1 ? 1 : nthr};
+    struct tr t = {s, B, T, G->cfg.n_head, nthr < 1 ? 1 : nthr, gathered, ud};
     int64_t N = B * T, C = G->cfg.n_embd, V = G->cfg.vocab_size;
     FSDP_ASSERT(!gpt->checkpoint, "activation trace: checkpointing the whole GPT");
     /* forward */
