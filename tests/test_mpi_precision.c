@@ -127,25 +127,35 @@ TEST(bf16_close_to_fp32) {
     CHECK(lp[9].loss != fp[9].loss); /* bf16 really ran */
 }
 
+/* A run of compute dtype dt (DEFAULT) whose gradient the last rank makes
+ * infinite at train step inject_step, with loss scaling on or off (scale
+ * 1024, growth after 3 clean steps); *default_scale is the scale the run had
+ * before; *data is the data to train on. */
+static void overflow_run(struct fsdp_ctx *c, enum fsdp_dtype dt, int scaling, int inject_step, struct run *r,
+                         struct fsdp_data **data, double *default_scale) {
+    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, data), c);
+    ASSERT_OK(run_create(c, dt, FSDP_MP_DEFAULT, NULL, r), c);
+    *default_scale = fsdp_model_loss_scale(r->fm);
+    struct fsdp_loss_scale_opts lo = fsdp_loss_scale_opts_default();
+    lo.enabled = scaling;
+    lo.init_scale = 1024;
+    lo.growth_interval = 3;
+    lo.inject_step = inject_step;
+    lo.inject_rank = fsdp_ctx_world(c) - 1;
+    ASSERT_OK(fsdp_model_set_loss_scale(c, r->fm, &lo), c);
+}
+
 /* fp16 with dynamic loss scaling: an overflow injected on the last rank at
  * step 4 skips exactly that step on every rank (no update: same parameter
  * norm, one optimizer step fewer) and halves the scale; the scale grows
  * after growth_interval clean steps. */
 TEST(fp16_injected_overflow_skips_that_step) {
     struct fsdp_ctx *c = get_ctx();
-    int world = fsdp_ctx_world(c);
-    struct fsdp_data *data;
-    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
     struct run r;
-    ASSERT_OK(run_create(c, FSDP_F16, FSDP_MP_DEFAULT, NULL, &r), c);
-    CHECK(fsdp_model_loss_scale(r.fm) == 65536.0); /* on by default for F16 */
-    struct fsdp_loss_scale_opts lo = fsdp_loss_scale_opts_default();
-    lo.enabled = 1;
-    lo.init_scale = 1024;
-    lo.growth_interval = 3;
-    lo.inject_step = 4;
-    lo.inject_rank = world - 1;
-    ASSERT_OK(fsdp_model_set_loss_scale(c, r.fm, &lo), c);
+    struct fsdp_data *data;
+    double scale0;
+    overflow_run(c, FSDP_F16, 1, 4, &r, &data, &scale0);
+    CHECK(scale0 == 65536.0); /* on by default for F16 */
     enum { STEPS = 8 };
     struct fsdp_step_result res[STEPS];
     ASSERT_OK(train(c, &r, data, STEPS, res), c);
@@ -192,16 +202,11 @@ TEST(fp16_trains_close_to_fp32) {
  * every rank naming the unit, and the parameters are not updated. */
 TEST(bf16_overflow_is_an_error_without_scaling) {
     struct fsdp_ctx *c = get_ctx();
-    int world = fsdp_ctx_world(c);
-    struct fsdp_data *data;
-    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
     struct run r;
-    ASSERT_OK(run_create(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, &r), c);
-    struct fsdp_loss_scale_opts lo = fsdp_loss_scale_opts_default();
-    lo.enabled = 0;
-    lo.inject_step = 1;
-    lo.inject_rank = world - 1;
-    ASSERT_OK(fsdp_model_set_loss_scale(c, r.fm, &lo), c);
+    struct fsdp_data *data;
+    double scale0;
+    overflow_run(c, FSDP_BF16, 0, 1, &r, &data, &scale0);
+    CHECK(scale0 == 1.0); /* off by default for BF16 */
     struct fsdp_step_result res[2];
     CHECK_INT_EQ(train(c, &r, data, 2, res), FSDP_ERR_NUMERIC);
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "non-finite gradient");

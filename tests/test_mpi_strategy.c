@@ -338,12 +338,19 @@ TEST(checkpoint_across_strategies) {
 
 /* ---- the planner accounts each strategy and accumulation mode ---- */
 
-static void check_plan(enum fsdp_sharding sh, int accum, enum fsdp_grad_accum mode, int overlap, int inflight) {
-    struct fsdp_ctx *c = get_ctx();
-    int rank = fsdp_comm_rank(fsdp_ctx_comm(c)), world = fsdp_comm_size(fsdp_ctx_comm(c));
+/* Options of strategy sh on this world (HYBRID: groups of 2 where the world
+ * is even), with overlap and the in-flight limit. */
+static struct fsdp_shard_opts strategy_opts(int world, enum fsdp_sharding sh, int overlap, int inflight) {
     struct fsdp_shard_opts so = opts_of(sh, sh == FSDP_HYBRID_SHARD ? (world % 2 == 0 ? 2 : 1) : 0);
     so.overlap = overlap;
     so.max_inflight = inflight;
+    return so;
+}
+
+static void check_plan(enum fsdp_sharding sh, int accum, enum fsdp_grad_accum mode, int overlap, int inflight) {
+    struct fsdp_ctx *c = get_ctx();
+    int rank = fsdp_comm_rank(fsdp_ctx_comm(c)), world = fsdp_comm_size(fsdp_ctx_comm(c));
+    struct fsdp_shard_opts so = strategy_opts(world, sh, overlap, inflight);
     struct fsdp_gpt_config cfg = tiny_cfg();
     struct fsdp_module *g;
     ASSERT_OK(fsdp_gpt_create(c, &cfg, &g), c);
@@ -379,9 +386,7 @@ static void train_bits(enum fsdp_sharding sh, int overlap, int inflight, int acc
                        double out[3], float *param, const char *fqn) {
     struct fsdp_ctx *c = get_ctx();
     int rank = fsdp_comm_rank(fsdp_ctx_comm(c)), world = fsdp_comm_size(fsdp_ctx_comm(c));
-    struct fsdp_shard_opts so = opts_of(sh, sh == FSDP_HYBRID_SHARD ? (world % 2 == 0 ? 2 : 1) : 0);
-    so.overlap = overlap;
-    so.max_inflight = inflight;
+    struct fsdp_shard_opts so = strategy_opts(world, sh, overlap, inflight);
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     struct run x;
     if (run_open(c, &so, 21, &oo, &x) != FSDP_OK) abort();
