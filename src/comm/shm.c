@@ -31,50 +31,9 @@
  * read the previous one. Counters are 32-bit (futex words) and compared
  * modulo 2^32.
  *
- * [Note: single copy]
- * Default (FSDP_SHM_CMA=1): reduce-scatters only; all-gathers and
- * broadcasts take it at FSDP_SHM_CMA=2. Measured on a 2-core VM, the
- * kernel's copy (4 KiB pages pinned and copied one by one) cost more CPU
- * than the staged all-gather whose copies into recv are streaming stores
- * (copy_nt), at 2 ranks and, twice over, at 4 (bench/README.md).
- * Where the kernel lets every rank read every other's memory with
- * process_vm_readv (cross-memory attach: same user, ptrace access mode
- * "attach" allowed by Yama's ptrace_scope and seccomp, all pids visible),
- * all-gathers, reduce-scatters and broadcasts whose per-rank block is at
- * least cma_min bytes (64 KiB; env FSDP_SHM_CMA_MIN) skip the slots: each
- * reader copies straight from the owner's own buffer, one copy per byte
- * instead of two. At creation every rank reads each peer's probe word
- * (SHM_MAGIC ^ pid) and the ranks agree with an MPI all-reduce (MIN), so all
- * take the same path or none does (env FSDP_SHM_CMA=0 turns it off; env
- * FSDP_SHM_VERBOSE=1 makes rank 0 say which path it got). Protocol, per
- * single-copy collective n (a counter of their own, xop, beside the rounds):
- *   1. publish: ctl[me].xaddr = the address of this rank's contribution
- *      (send, or its block of recv in place; the root's buffer for a
- *      broadcast), then ctl[me].xposted = n (release);
- *   2. for each peer k read from: wait ctl[k].xposted >= n, take xaddr and
- *      process_vm_readv from it in 1 MiB pieces (the abort flag is checked
- *      between pieces);
- *   3. ctl[me].xdone = n; then, if peers read this rank's buffer, wait
- *      ctl[k].xdone >= n for all of them before the request completes (the
- *      caller may then reuse the buffer, and this rank publish again).
- * All-gather: the owner's own block send -> recv is a memcpy, the W-1
- * others are read straight into recv. Reduce-scatter: each rank reduces only
- * its own block, reading every peer's part of it once, in chunks of 256 KiB
- * (env FSDP_SHM_CHUNK) that stay in L2: for each chunk, rank 0's part, then
- * 1's, ... are added in rank order into an fp32 accumulator; for an fp32 sum
- * the last addition writes recv with streaming (non-temporal) stores
- * (add_f32, AVX-512 where compiled for it, same IEEE additions as the scalar
- * loop). Waits are the same wait_ge as the rounds', so the watchdog and the
- * dead-peer checks apply; a read from a dead peer fails with ESRCH and names
- * it as well. A SIGSTOPped peer's memory stays readable: the others finish
- * their reads and the watchdog fires in step 3. All-reduce and barrier keep
- * the rounds (an in-place all-reduce overwrites the very buffer its peers
- * read; the slots give it the needed snapshot).
- * Copies per byte of all-gather, out of place, per rank: the staged path
- * does own block send -> recv, copy in, and W-1 copies out; single copy does
- * the first and the W-1 reads only (at 2 ranks 2 bytes of memcpy traffic
- * per bus byte instead of 3, i.e. at most 50% of one core's memcpy rate as
- * bus bandwidth, from about 33%).
+ * [Note: single copy] (shm_cma.c): where the kernel allows it, readers copy
+ * straight from the owner's buffer with process_vm_readv instead of through
+ * the slots.
  *
  * [Note: reduction order]
  * A reduction sums the contributions of ranks 0, 1, ..., world-1 in that
@@ -107,7 +66,7 @@
  * (c->timeout_s, measured from the start of the collective) fails the
  * request the same way, naming the collective and the rank waited on.
  */
-#include "comm/comm-impl.h"
+#include "comm/shm-impl.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -128,95 +87,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#define SHM_NBUF 2
-#define SHM_SLOT_DEFAULT ((size_t)1 << 20) /* env FSDP_SHM_SLOT overrides (bytes); 1 MiB
-                                              chunks stay in a core's L2 between the owner's
-                                              copy in and the readers' copy out, and beat
-                                              4 MiB ones at 16-64 MiB (bench/README.md) */
-#define SHM_CHUNK_DEFAULT ((size_t)256 << 10)   /* reduce-scatter chunk of a single-copy collective */
-#define SHM_CMA_MIN_DEFAULT ((size_t)64 << 10)  /* single copy from blocks of this many bytes */
-#define SHM_NT_MIN ((size_t)4 << 20)           /* streaming stores for blocks of this many bytes */
-#define SHM_MAGIC 0x46534d31u              /* "FSM1" */
-#define SHM_PREFIX "fsdp-shm-"
-#define SHM_NAME_MAX 64
-
-struct shm_header {
-    uint32_t magic, world;
-    uint64_t slot;
-    _Atomic uint32_t aborted; /* 1 + the rank that aborted the job, or 0 */
-};
-
-struct shm_ctl {
-    _Atomic uint32_t posted;   /* rounds whose contribution this rank has put in its slot */
-    _Atomic uint32_t posted_waiters;
-    char pad0[56];
-    _Atomic uint32_t consumed; /* rounds this rank has finished reading */
-    _Atomic uint32_t consumed_waiters;
-    char pad1[56];
-    int32_t pid;
-    int32_t pad2a;
-    uint64_t probe_addr;       /* address of this rank's probe word (single-copy check) */
-    char pad2[48];
-    /* single-copy collectives (see [Note: single copy]) */
-    _Atomic uint32_t xposted;  /* single-copy collectives whose buffer this rank has published */
-    _Atomic uint32_t xposted_waiters;
-    _Atomic uint64_t xaddr;    /* ... at this address of its address space */
-    char pad3[48];
-    _Atomic uint32_t xdone;    /* single-copy collectives this rank has finished reading */
-    _Atomic uint32_t xdone_waiters;
-    char pad4[56];
-};
-
-struct shm_req {
-    struct fsdp_comm_req base;
-    struct shm_req *next;
-    const void *send; /* NULL: in place */
-    void *recv;
-    size_t count;
-    enum fsdp_dtype dt;
-    enum fsdp_red_op op;
-    int root;
-    uint64_t seq;     /* 1-based number of this collective on this communicator */
-    double t_start;   /* when it was started (the watchdog's clock) */
-    char tag[64];     /* c->tag at the start */
-    int done;         /* under mu */
-    enum fsdp_status st;
-    char err[256];
-};
-
-struct shm_state {
-    struct fsdp_comm *mpi; /* inner: handshake and abort */
-    unsigned char *map;
-    size_t map_bytes;
-    struct shm_header *hdr;
-    struct shm_ctl *ctl;
-    unsigned char *data;
-    size_t slot;
-    float *acc;            /* (2, slot / 8) fp32: accumulators and a conversion
-                              buffer for BF16/F16 reductions (slot bytes) */
-    uint32_t round;        /* progress thread only */
-    pthread_t thread;
-    int thread_started;
-    pthread_mutex_t mu;
-    pthread_cond_t cv_work, cv_done;
-    struct shm_req *head, *tail; /* under mu */
-    int stop;                    /* under mu */
-    int failed;                  /* progress thread: a peer died or aborted */
-    int32_t *peer_pid;           /* (world) pids to watch; 0 where not visible from here
-                                    (another PID namespace): never declared dead */
-    char fail_msg[256];          /* progress thread: why */
-    /* single copy (see [Note: single copy]) */
-    int cma;                     /* every rank can process_vm_readv every other, and uses it
-                                    for: 0 nothing, 1 reduce-scatters, 2 also all-gathers
-                                    and broadcasts (env FSDP_SHM_CMA, default 1) */
-    size_t cma_min;              /* bytes per rank's block from which it is used */
-    size_t xchunk;               /* reduce-scatter chunk (bytes of xtmp) */
-    unsigned char *xtmp;         /* (xchunk) a peer's chunk, L2-resident, to reduce from */
-    uint64_t *xpeer;             /* (world) the peers' published addresses */
-    uint32_t xop;                /* single-copy collectives so far (progress thread) */
-    uint64_t probe;              /* SHM_MAGIC ^ pid, read by the peers at creation */
-};
-
 /* ---- Waiting ---- */
 
 static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts) {
@@ -226,12 +96,12 @@ static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct tim
 /* Is a - b >= 0 modulo 2^32? */
 static int ge32(uint32_t a, uint32_t b) { return (int32_t)(a - b) >= 0; }
 
-static void store_wake(_Atomic uint32_t *w, _Atomic uint32_t *waiters, uint32_t v) {
+void fsdp__shm_store_wake(_Atomic uint32_t *w, _Atomic uint32_t *waiters, uint32_t v) {
     atomic_store(w, v);
     if (atomic_load(waiters)) futex(w, FUTEX_WAKE, INT32_MAX, NULL);
 }
 
-static int pid_alive(int32_t pid) {
+int fsdp__shm_pid_alive(int32_t pid) {
     if (pid <= 0) return 1;
     if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) return 0;
     char path[64], buf[256];
@@ -247,7 +117,7 @@ static int pid_alive(int32_t pid) {
 }
 
 /* Fails the progress thread (s->failed) because rank `peer` died during q. */
-static int fail_dead(struct shm_state *s, struct fsdp_comm *c, int peer, const struct shm_req *q) {
+int fsdp__shm_fail_dead(struct shm_state *s, struct fsdp_comm *c, int peer, const struct shm_req *q) {
     snprintf(s->fail_msg, sizeof s->fail_msg,
              "shm: rank %d (pid %d) died during %s #%llu (%zu elements of %s); rank %d "
              "cannot go on, the job must end",
@@ -260,8 +130,8 @@ static int fail_dead(struct shm_state *s, struct fsdp_comm *c, int peer, const s
 }
 
 /* ... because rank ab - 1 set the abort flag. */
-static int fail_aborted(struct shm_state *s, struct fsdp_comm *c, uint32_t ab, int peer,
-                        const struct shm_req *q) {
+int fsdp__shm_fail_aborted(struct shm_state *s, struct fsdp_comm *c, uint32_t ab, int peer,
+                           const struct shm_req *q) {
     snprintf(s->fail_msg, sizeof s->fail_msg,
              "shm: rank %u aborted the job while rank %d waited on rank %d in %s #%llu "
              "(%zu elements of %s)",
@@ -274,8 +144,8 @@ static int fail_aborted(struct shm_state *s, struct fsdp_comm *c, uint32_t ab, i
 /* Waits until *w >= target (mod 2^32), w being a counter of rank `peer`.
  * Returns 0, or -1 (with s->failed set) if the peer died or the job is being
  * aborted. */
-static int wait_ge(struct shm_state *s, struct fsdp_comm *c, _Atomic uint32_t *w,
-                   _Atomic uint32_t *waiters, uint32_t target, int peer, const struct shm_req *q) {
+int fsdp__shm_wait_ge(struct shm_state *s, struct fsdp_comm *c, _Atomic uint32_t *w, _Atomic uint32_t *waiters,
+                      uint32_t target, int peer, const struct shm_req *q) {
     if (s->failed) return -1;
     for (int i = 0; i < 4000; i++) {
         if (ge32(atomic_load_explicit(w, memory_order_acquire), target)) return 0;
@@ -309,8 +179,8 @@ static int wait_ge(struct shm_state *s, struct fsdp_comm *c, _Atomic uint32_t *w
             return -1;
         }
         uint32_t ab = atomic_load(&s->hdr->aborted);
-        if (ab) return fail_aborted(s, c, ab, peer, q);
-        if (!pid_alive(s->peer_pid[peer])) return fail_dead(s, c, peer, q);
+        if (ab) return fsdp__shm_fail_aborted(s, c, ab, peer, q);
+        if (!fsdp__shm_pid_alive(s->peer_pid[peer])) return fsdp__shm_fail_dead(s, c, peer, q);
     }
 }
 
@@ -327,24 +197,24 @@ static int round_begin(struct shm_state *s, struct fsdp_comm *c, const struct sh
     /* at the start need is -1 (mod 2^32) and consumed 0: no wait */
     for (int k = 0; k < c->size; k++)
         if (k != c->rank &&
-            wait_ge(s, c, &s->ctl[k].consumed, &s->ctl[k].consumed_waiters, need, k, q))
+            fsdp__shm_wait_ge(s, c, &s->ctl[k].consumed, &s->ctl[k].consumed_waiters, need, k, q))
             return -1;
     return 0;
 }
 
 static void round_post(struct shm_state *s, struct fsdp_comm *c) {
     struct shm_ctl *me = &s->ctl[c->rank];
-    store_wake(&me->posted, &me->posted_waiters, s->round + 1u);
+    fsdp__shm_store_wake(&me->posted, &me->posted_waiters, s->round + 1u);
 }
 
 static int round_wait_peer(struct shm_state *s, struct fsdp_comm *c, int k, const struct shm_req *q) {
     if (k == c->rank) return 0;
-    return wait_ge(s, c, &s->ctl[k].posted, &s->ctl[k].posted_waiters, s->round + 1u, k, q);
+    return fsdp__shm_wait_ge(s, c, &s->ctl[k].posted, &s->ctl[k].posted_waiters, s->round + 1u, k, q);
 }
 
 static void round_end(struct shm_state *s, struct fsdp_comm *c) {
     struct shm_ctl *me = &s->ctl[c->rank];
-    store_wake(&me->consumed, &me->consumed_waiters, s->round + 1u);
+    fsdp__shm_store_wake(&me->consumed, &me->consumed_waiters, s->round + 1u);
     s->round++;
 }
 
@@ -382,7 +252,7 @@ static void copy_nt(void *dst, const void *src, size_t n) {
 
 /* A copy into the user's buffer of a collective moving `total` bytes per
  * rank: streaming from SHM_NT_MIN up. */
-static void copy_out(void *dst, const void *src, size_t n, size_t total) {
+void fsdp__shm_copy_out(void *dst, const void *src, size_t n, size_t total) {
     if (total >= SHM_NT_MIN) copy_nt(dst, src, n);
     else memcpy(dst, src, n);
 }
@@ -390,7 +260,7 @@ static void copy_out(void *dst, const void *src, size_t n, size_t total) {
 /* dst = a + b, n floats, each sum one IEEE single addition as in the scalar
  * loop (bit-identical; a may be dst). nt: stream the stores past the caches
  * (a final result not read again soon; saves reading dst's lines first). */
-static void add_f32(float *dst, const float *a, const float *b, size_t n, int nt) {
+void fsdp__shm_add_f32(float *dst, const float *a, const float *b, size_t n, int nt) {
     size_t i = 0;
 #if defined(__AVX512F__)
     if (nt) {
@@ -413,10 +283,10 @@ static void add_f32(float *dst, const float *a, const float *b, size_t n, int nt
 }
 
 /* dst = src (first contribution) or dst op= src, n elements of dt (not BF16/F16). */
-static void reduce_into(void *dst, const void *src, size_t n, enum fsdp_dtype dt,
-                        enum fsdp_red_op op, int first) {
+void fsdp__shm_reduce_into(void *dst, const void *src, size_t n, enum fsdp_dtype dt, enum fsdp_red_op op,
+                           int first) {
     if (first) { memcpy(dst, src, n * fsdp_dtype_size(dt)); return; }
-    if (dt == FSDP_F32 && op == FSDP_SUM) { add_f32(dst, dst, src, n, 0); return; }
+    if (dt == FSDP_F32 && op == FSDP_SUM) { fsdp__shm_add_f32(dst, dst, src, n, 0); return; }
 #define RED_LOOP(T, ADD)                                                     \
     do {                                                                     \
         T *d_ = dst;                                                         \
@@ -437,11 +307,11 @@ static void reduce_into(void *dst, const void *src, size_t n, enum fsdp_dtype dt
 }
 
 /* fp32 accumulation of a BF16/F16 contribution (acc = x or acc op= x). */
-static void reduce_low(float *acc, const void *src, size_t n, enum fsdp_dtype dt,
-                       enum fsdp_red_op op, int first, float *tmp) {
+void fsdp__shm_reduce_low(float *acc, const void *src, size_t n, enum fsdp_dtype dt, enum fsdp_red_op op,
+                          int first, float *tmp) {
     if (first) { fsdp__low_to_f32(src, acc, n, dt); return; }
     fsdp__low_to_f32(src, tmp, n, dt);
-    reduce_into(acc, tmp, n, FSDP_F32, op, 0);
+    fsdp__shm_reduce_into(acc, tmp, n, FSDP_F32, op, 0);
 }
 
 /* ---- Collectives on the progress thread ---- */
@@ -457,11 +327,11 @@ static int run_allgather(struct shm_state *s, struct fsdp_comm *c, struct shm_re
         memcpy(my, mine + off, n);
         round_post(s, c);
         /* out of place: this rank's own block from its slot, still in cache */
-        if (q->send) copy_out(recv + (size_t)c->rank * bytes + off, my, n, bytes);
+        if (q->send) fsdp__shm_copy_out(recv + (size_t)c->rank * bytes + off, my, n, bytes);
         for (int j = 1; j < c->size; j++) {
             int k = (c->rank + j) % c->size; /* spread the readers over the slots */
             if (round_wait_peer(s, c, k, q)) return -1;
-            copy_out(recv + (size_t)k * bytes + off, slot_at(s, k, s->round), n, bytes);
+            fsdp__shm_copy_out(recv + (size_t)k * bytes + off, slot_at(s, k, s->round), n, bytes);
         }
         round_end(s, c);
     }
@@ -487,8 +357,8 @@ static int run_reduce_scatter(struct shm_state *s, struct fsdp_comm *c, struct s
             const unsigned char *src = k == c->rank
                                            ? send + ((size_t)c->rank * q->count + off) * esz
                                            : slot_at(s, k, s->round) + (size_t)c->rank * per * esz;
-            if (low) reduce_low(s->acc, src, n, q->dt, q->op, k == 0, s->acc + s->slot / 8);
-            else reduce_into(recv + off * esz, src, n, q->dt, q->op, k == 0);
+            if (low) fsdp__shm_reduce_low(s->acc, src, n, q->dt, q->op, k == 0, s->acc + s->slot / 8);
+            else fsdp__shm_reduce_into(recv + off * esz, src, n, q->dt, q->op, k == 0);
         }
         if (low) fsdp__f32_to_low(s->acc, recv + off * esz, n, q->dt);
         round_end(s, c);
@@ -512,8 +382,8 @@ static int run_allreduce(struct shm_state *s, struct fsdp_comm *c, struct shm_re
         for (int k = 0; k < c->size; k++) {
             if (round_wait_peer(s, c, k, q)) return -1;
             const unsigned char *src = slot_at(s, k, s->round);
-            if (low) reduce_low(s->acc, src, n, q->dt, q->op, k == 0, s->acc + s->slot / 8);
-            else reduce_into(recv + off * esz, src, n, q->dt, q->op, k == 0);
+            if (low) fsdp__shm_reduce_low(s->acc, src, n, q->dt, q->op, k == 0, s->acc + s->slot / 8);
+            else fsdp__shm_reduce_into(recv + off * esz, src, n, q->dt, q->op, k == 0);
         }
         if (low) fsdp__f32_to_low(s->acc, recv + off * esz, n, q->dt);
         round_end(s, c);
@@ -538,162 +408,6 @@ static int run_broadcast(struct shm_state *s, struct fsdp_comm *c, struct shm_re
     return 0;
 }
 
-/* ---- Single copy (see [Note: single copy]) ---- */
-
-/* process_vm_readv pieces: an abort is seen within a fraction of a ms, and 1 MiB
- * pieces copy a little faster than larger ones (fewer pages pinned at once) */
-#define SHM_CMA_PIECE ((size_t)1 << 20)
-
-/* Copies n bytes at `addr` in rank peer's address space to dst. */
-static int cma_read(struct shm_state *s, struct fsdp_comm *c, const struct shm_req *q, int peer,
-                    void *dst, uint64_t addr, size_t n) {
-    unsigned char *d = dst;
-    while (n) {
-        uint32_t ab = atomic_load_explicit(&s->hdr->aborted, memory_order_relaxed);
-        if (ab) return fail_aborted(s, c, ab, peer, q);
-        size_t piece = n < SHM_CMA_PIECE ? n : SHM_CMA_PIECE;
-        struct iovec lo = {d, piece}, re = {(void *)(uintptr_t)addr, piece};
-        ssize_t got = process_vm_readv((pid_t)s->peer_pid[peer], &lo, 1, &re, 1, 0);
-        if (got < 0 && errno == EINTR) continue;
-        if (got <= 0) {
-            int err = got < 0 ? errno : EFAULT;
-            if (err == ESRCH || !pid_alive(s->peer_pid[peer])) return fail_dead(s, c, peer, q);
-            snprintf(s->fail_msg, sizeof s->fail_msg,
-                     "shm: rank %d cannot read rank %d's buffer (process_vm_readv: %s) in %s #%llu "
-                     "(%zu elements of %s)",
-                     c->rank, peer, strerror(err), fsdp__coll_name(q->base.coll),
-                     (unsigned long long)q->seq, q->count, fsdp_dtype_name(q->dt));
-            fprintf(stderr, "fsdp: %s\n", s->fail_msg);
-            fflush(stderr);
-            s->failed = 1;
-            return -1;
-        }
-        d += got;
-        addr += (uint64_t)got;
-        n -= (size_t)got;
-    }
-    return 0;
-}
-
-/* Step 1: publishes this rank's buffer for the next single-copy collective. */
-static void x_post(struct shm_state *s, struct fsdp_comm *c, const void *addr) {
-    struct shm_ctl *me = &s->ctl[c->rank];
-    s->xop++;
-    atomic_store_explicit(&me->xaddr, (uint64_t)(uintptr_t)addr, memory_order_relaxed);
-    store_wake(&me->xposted, &me->xposted_waiters, s->xop); /* releases xaddr */
-}
-
-/* Step 2: rank k's published address for this collective, in s->xpeer[k]. */
-static int x_peer(struct shm_state *s, struct fsdp_comm *c, int k, const struct shm_req *q) {
-    if (wait_ge(s, c, &s->ctl[k].xposted, &s->ctl[k].xposted_waiters, s->xop, k, q)) return -1;
-    s->xpeer[k] = atomic_load_explicit(&s->ctl[k].xaddr, memory_order_relaxed);
-    return 0;
-}
-
-/* Step 3: this rank has read all it needs; if the peers read this rank's
- * buffer, waits until every one of them has too (then the caller may reuse
- * it, and this rank may publish another address). */
-static int x_finish(struct shm_state *s, struct fsdp_comm *c, const struct shm_req *q, int read_by_peers) {
-    struct shm_ctl *me = &s->ctl[c->rank];
-    store_wake(&me->xdone, &me->xdone_waiters, s->xop);
-    if (!read_by_peers) return 0;
-    for (int k = 0; k < c->size; k++)
-        if (k != c->rank && wait_ge(s, c, &s->ctl[k].xdone, &s->ctl[k].xdone_waiters, s->xop, k, q))
-            return -1;
-    return 0;
-}
-
-static int run_allgather_cma(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
-    size_t bytes = q->count * fsdp_dtype_size(q->dt);
-    unsigned char *recv = q->recv;
-    const unsigned char *mine = q->send ? q->send : recv + (size_t)c->rank * bytes;
-    x_post(s, c, mine);
-    if (q->send) copy_out(recv + (size_t)c->rank * bytes, q->send, bytes, bytes);
-    for (int j = 1; j < c->size; j++) {
-        int k = (c->rank + j) % c->size; /* spread the readers over the owners */
-        /* (through an L2-sized buffer then streamed to recv measured no faster) */
-        if (x_peer(s, c, k, q) || cma_read(s, c, q, k, recv + (size_t)k * bytes, s->xpeer[k], bytes))
-            return -1;
-    }
-    return x_finish(s, c, q, 1);
-}
-
-/* The fp32 sum of run_reduce_scatter_cma (gradients): per chunk,
- * acc = x0 + x1 (+ x2 ...) in rank order in an L2-resident buffer, the last
- * addition storing straight to recv with streaming stores; a peer's
- * contribution lands in acc (rank 0's) or xtmp, this rank's is read in place. */
-static int reduce_scatter_f32_cma(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
-    int me = c->rank, W = c->size;
-    size_t per = s->xchunk / sizeof(float);
-    if (per > s->slot / sizeof(float)) per = s->slot / sizeof(float); /* acc holds slot bytes */
-    const float *send = q->send;
-    float *recv = q->recv, *acc = s->acc, *tmp = (float *)(void *)s->xtmp;
-    for (size_t off = 0; off < q->count; off += per) {
-        size_t n = q->count - off < per ? q->count - off : per;
-        size_t boff = (size_t)me * q->count + off; /* elements: this chunk in every send buffer */
-        const float *a = send + boff;
-        if (me != 0 && cma_read(s, c, q, 0, acc, s->xpeer[0] + boff * sizeof(float), n * sizeof(float)))
-            return -1;
-        if (me != 0) a = acc;
-        for (int k = 1; k < W; k++) {
-            const float *b = send + boff;
-            if (k != me) {
-                if (cma_read(s, c, q, k, tmp, s->xpeer[k] + boff * sizeof(float), n * sizeof(float)))
-                    return -1;
-                b = tmp;
-            }
-            int last = k == W - 1;
-            add_f32(last ? recv + off : acc, a, b, n, last);
-            a = acc;
-        }
-    }
-    return x_finish(s, c, q, 1);
-}
-
-/* Each rank reduces only its own block, reading every peer's part of it once,
- * chunk by chunk through an L2-sized buffer, in rank order. */
-static int run_reduce_scatter_cma(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
-    size_t esz = fsdp_dtype_size(q->dt);
-    int low = fsdp__dtype_is_low(q->dt), me = c->rank;
-    size_t per = s->xchunk / esz;
-    if (low && per > s->slot / 8) per = s->slot / 8;
-    const unsigned char *send = q->send;
-    unsigned char *recv = q->recv;
-    x_post(s, c, send);
-    for (int k = 0; k < c->size; k++)
-        if (k != me && x_peer(s, c, k, q)) return -1;
-    if (q->dt == FSDP_F32 && q->op == FSDP_SUM) return reduce_scatter_f32_cma(s, c, q);
-    for (size_t off = 0; off < q->count; off += per) {
-        size_t n = q->count - off < per ? q->count - off : per;
-        size_t boff = ((size_t)me * q->count + off) * esz; /* this chunk in every send buffer */
-        unsigned char *dst = recv + off * esz;
-        for (int k = 0; k < c->size; k++) {
-            const unsigned char *src = s->xtmp;
-            if (k == me) {
-                src = send + boff;
-            } else if (k == 0 && !low) { /* the first contribution straight into recv */
-                if (cma_read(s, c, q, k, dst, s->xpeer[k] + boff, n * esz)) return -1;
-                continue;
-            } else if (cma_read(s, c, q, k, s->xtmp, s->xpeer[k] + boff, n * esz)) {
-                return -1;
-            }
-            if (low) reduce_low(s->acc, src, n, q->dt, q->op, k == 0, s->acc + s->slot / 8);
-            else reduce_into(dst, src, n, q->dt, q->op, k == 0);
-        }
-        if (low) fsdp__f32_to_low(s->acc, dst, n, q->dt);
-    }
-    return x_finish(s, c, q, 1);
-}
-
-static int run_broadcast_cma(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
-    size_t bytes = q->count * fsdp_dtype_size(q->dt);
-    x_post(s, c, q->recv);
-    if (c->rank != q->root &&
-        (x_peer(s, c, q->root, q) || cma_read(s, c, q, q->root, q->recv, s->xpeer[q->root], bytes)))
-        return -1;
-    return x_finish(s, c, q, c->rank == q->root);
-}
-
 static int run_barrier(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
     if (round_begin(s, c, q)) return -1;
     round_post(s, c);
@@ -710,12 +424,12 @@ static void run_one(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q)
         int big = q->count * fsdp_dtype_size(q->dt) >= s->cma_min;
         int x = big && s->cma >= 1, xg = big && s->cma >= 2;
         switch (q->base.coll) {
-        case FSDP_COLL_ALLGATHER: rc = xg ? run_allgather_cma(s, c, q) : run_allgather(s, c, q); break;
+        case FSDP_COLL_ALLGATHER: rc = xg ? fsdp__shm_allgather_cma(s, c, q) : run_allgather(s, c, q); break;
         case FSDP_COLL_REDUCE_SCATTER:
-            rc = x ? run_reduce_scatter_cma(s, c, q) : run_reduce_scatter(s, c, q);
+            rc = x ? fsdp__shm_reduce_scatter_cma(s, c, q) : run_reduce_scatter(s, c, q);
             break;
         case FSDP_COLL_ALLREDUCE: rc = run_allreduce(s, c, q); break;
-        case FSDP_COLL_BROADCAST: rc = xg ? run_broadcast_cma(s, c, q) : run_broadcast(s, c, q); break;
+        case FSDP_COLL_BROADCAST: rc = xg ? fsdp__shm_broadcast_cma(s, c, q) : run_broadcast(s, c, q); break;
         case FSDP_COLL_BARRIER: rc = run_barrier(s, c, q); break;
         case FSDP_COLL_COUNT: break;
         }
@@ -872,7 +586,7 @@ static void sweep_stale(void) {
     while ((e = readdir(d))) {
         if (strncmp(e->d_name, SHM_PREFIX, strlen(SHM_PREFIX)) != 0) continue;
         long pid = strtol(e->d_name + strlen(SHM_PREFIX), NULL, 10);
-        if (pid > 0 && !pid_alive((int32_t)pid)) {
+        if (pid > 0 && !fsdp__shm_pid_alive((int32_t)pid)) {
             char name[300];
             snprintf(name, sizeof name, "/%s", e->d_name);
             shm_unlink(name);
@@ -890,54 +604,6 @@ static size_t slot_bytes(int world) {
     if (b > cap) b = cap;
     if (b < ((size_t)64 << 10)) b = (size_t)64 << 10;
     if (v >= 4096) b = (size_t)v;
-    return (b + 63) & ~(size_t)63;
-}
-
-/* Decides [Note: single copy] for every rank alike: on if every rank can
- * read every other's probe word with process_vm_readv (ptrace rules,
- * seccomp, PID namespaces allow it), at the lowest level FSDP_SHM_CMA any
- * rank asks for (0 off, 1 reduce-scatters, 2 all-gathers and broadcasts
- * too); the threshold FSDP_SHM_CMA_MIN (bytes per rank's block) is the
- * largest any rank asks for.
- * COLLECTIVE: yes (over the inner MPI communicator). */
-static enum fsdp_status probe_cma(struct fsdp_comm *c, struct shm_state *s) {
-    const char *e = getenv("FSDP_SHM_CMA"), *em = getenv("FSDP_SHM_CMA_MIN");
-    int32_t level = e ? (int32_t)atoi(e) : 1, ok = level > 0 && c->size > 1;
-    for (int k = 0; k < c->size && ok; k++) {
-        if (k == c->rank) continue;
-        uint64_t v = 0;
-        struct iovec lo = {&v, sizeof v}, re = {(void *)(uintptr_t)s->ctl[k].probe_addr, sizeof v};
-        ok = s->peer_pid[k] > 0 &&
-             process_vm_readv((pid_t)s->peer_pid[k], &lo, 1, &re, 1, 0) == (ssize_t)sizeof v &&
-             v == (SHM_MAGIC ^ (uint64_t)(uint32_t)s->ctl[k].pid);
-    }
-    ok = ok ? (level > 2 ? 2 : level) : 0;
-    int32_t all = ok, min = em ? (int32_t)strtol(em, NULL, 10) : (int32_t)SHM_CMA_MIN_DEFAULT, max = min;
-    if (min < 0) min = max = 0;
-    FSDP_TRY(fsdp_comm_allreduce(s->mpi, &ok, &all, 1, FSDP_I32, FSDP_MIN));
-    FSDP_TRY(fsdp_comm_allreduce(s->mpi, &min, &max, 1, FSDP_I32, FSDP_MAX));
-    s->cma = all;
-    s->cma_min = (size_t)max;
-    const char *verbose = getenv("FSDP_SHM_VERBOSE");
-    if (c->rank == 0 && verbose && atoi(verbose) > 0) {
-        if (s->cma) fprintf(stderr, "fsdp: shm: %d ranks, single copy (process_vm_readv) for %s from "
-                            "%zu-byte blocks, staged otherwise\n", c->size,
-                            s->cma >= 2 ? "reduce-scatters, all-gathers and broadcasts" : "reduce-scatters",
-                            s->cma_min);
-        else fprintf(stderr, "fsdp: shm: %d ranks, staged through %zu-byte slots (no single copy)\n",
-                     c->size, s->slot);
-    }
-    if (!s->cma) return FSDP_OK;
-    s->xpeer = fsdp__calloc(c->ctx, (size_t)c->size * sizeof(uint64_t), FSDP_MEM_OTHER, "shm peer addresses");
-    s->xtmp = fsdp__alloc(c->ctx, s->xchunk, FSDP_MEM_OTHER, "shm single-copy chunk");
-    return s->xpeer && s->xtmp ? FSDP_OK : FSDP_ERR_NOMEM;
-}
-
-/* The reduce-scatter chunk of [Note: single copy]; FSDP_SHM_CHUNK overrides. */
-static size_t chunk_bytes(void) {
-    const char *e = getenv("FSDP_SHM_CHUNK");
-    long v = e ? strtol(e, NULL, 10) : 0;
-    size_t b = v >= 4096 ? (size_t)v : SHM_CHUNK_DEFAULT;
     return (b + 63) & ~(size_t)63;
 }
 
@@ -1014,9 +680,9 @@ static enum fsdp_status attach(struct fsdp_comm *c, struct shm_state *s) {
     if (!s->peer_pid) return FSDP_ERR_NOMEM;
     for (int k = 0; k < c->size; k++) {
         int32_t pid = s->ctl[k].pid;
-        s->peer_pid[k] = k != c->rank && pid_alive(pid) && kill((pid_t)pid, 0) == 0 ? pid : 0;
+        s->peer_pid[k] = k != c->rank && fsdp__shm_pid_alive(pid) && kill((pid_t)pid, 0) == 0 ? pid : 0;
     }
-    return probe_cma(c, s);
+    return fsdp__shm_probe_cma(c, s);
 }
 
 struct fsdp_comm *fsdp__comm_shm_mpi(struct fsdp_comm *c) { return ((struct shm_state *)c->state)->mpi; }
@@ -1039,7 +705,7 @@ enum fsdp_status fsdp__comm_shm_create(struct fsdp_ctx *ctx, struct fsdp_comm *m
     c->state = s;
     s->mpi = mpi;
     s->slot = slot_bytes(c->size);
-    s->xchunk = chunk_bytes();
+    s->xchunk = fsdp__shm_chunk_bytes();
     /* from here shm_free undoes everything */
     s->acc = fsdp__alloc(ctx, s->slot, FSDP_MEM_OTHER, "shm fp32 accumulators");
     if (!s->acc) { shm_free(c); return FSDP_ERR_NOMEM; }

@@ -1,0 +1,143 @@
+/*
+ * shm-impl.h - internal to the shared-memory backend: the segment's layout,
+ * the per-communicator state and requests (shm.c), and what the single-copy
+ * collectives (shm_cma.c) share with the staged ones. The notes live in
+ * shm.c ([Note: rounds], [Note: reduction order], [Note: progress and
+ * waiting], [Note: dead peers]) and shm_cma.c ([Note: single copy]).
+ */
+#ifndef FSDP_SHM_IMPL_H
+#define FSDP_SHM_IMPL_H
+
+#include "comm/comm-impl.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define SHM_NBUF 2
+#define SHM_SLOT_DEFAULT ((size_t)1 << 20) /* env FSDP_SHM_SLOT overrides (bytes); 1 MiB
+                                              chunks stay in a core's L2 between the owner's
+                                              copy in and the readers' copy out, and beat
+                                              4 MiB ones at 16-64 MiB (bench/README.md) */
+#define SHM_CHUNK_DEFAULT ((size_t)256 << 10)   /* reduce-scatter chunk of a single-copy collective */
+#define SHM_CMA_MIN_DEFAULT ((size_t)64 << 10)  /* single copy from blocks of this many bytes */
+#define SHM_NT_MIN ((size_t)4 << 20)           /* streaming stores for blocks of this many bytes */
+#define SHM_MAGIC 0x46534d31u              /* "FSM1" */
+#define SHM_PREFIX "fsdp-shm-"
+#define SHM_NAME_MAX 64
+
+struct shm_header {
+    uint32_t magic, world;
+    uint64_t slot;
+    _Atomic uint32_t aborted; /* 1 + the rank that aborted the job, or 0 */
+};
+
+struct shm_ctl {
+    _Atomic uint32_t posted;   /* rounds whose contribution this rank has put in its slot */
+    _Atomic uint32_t posted_waiters;
+    char pad0[56];
+    _Atomic uint32_t consumed; /* rounds this rank has finished reading */
+    _Atomic uint32_t consumed_waiters;
+    char pad1[56];
+    int32_t pid;
+    int32_t pad2a;
+    uint64_t probe_addr;       /* address of this rank's probe word (single-copy check) */
+    char pad2[48];
+    /* single-copy collectives (see [Note: single copy]) */
+    _Atomic uint32_t xposted;  /* single-copy collectives whose buffer this rank has published */
+    _Atomic uint32_t xposted_waiters;
+    _Atomic uint64_t xaddr;    /* ... at this address of its address space */
+    char pad3[48];
+    _Atomic uint32_t xdone;    /* single-copy collectives this rank has finished reading */
+    _Atomic uint32_t xdone_waiters;
+    char pad4[56];
+};
+
+struct shm_req {
+    struct fsdp_comm_req base;
+    struct shm_req *next;
+    const void *send; /* NULL: in place */
+    void *recv;
+    size_t count;
+    enum fsdp_dtype dt;
+    enum fsdp_red_op op;
+    int root;
+    uint64_t seq;     /* 1-based number of this collective on this communicator */
+    double t_start;   /* when it was started (the watchdog's clock) */
+    char tag[64];     /* c->tag at the start */
+    int done;         /* under mu */
+    enum fsdp_status st;
+    char err[256];
+};
+
+struct shm_state {
+    struct fsdp_comm *mpi; /* inner: handshake and abort */
+    unsigned char *map;
+    size_t map_bytes;
+    struct shm_header *hdr;
+    struct shm_ctl *ctl;
+    unsigned char *data;
+    size_t slot;
+    float *acc;            /* (2, slot / 8) fp32: accumulators and a conversion
+                              buffer for BF16/F16 reductions (slot bytes) */
+    uint32_t round;        /* progress thread only */
+    pthread_t thread;
+    int thread_started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work, cv_done;
+    struct shm_req *head, *tail; /* under mu */
+    int stop;                    /* under mu */
+    int failed;                  /* progress thread: a peer died or aborted */
+    int32_t *peer_pid;           /* (world) pids to watch; 0 where not visible from here
+                                    (another PID namespace): never declared dead */
+    char fail_msg[256];          /* progress thread: why */
+    /* single copy (see [Note: single copy]) */
+    int cma;                     /* every rank can process_vm_readv every other, and uses it
+                                    for: 0 nothing, 1 reduce-scatters, 2 also all-gathers
+                                    and broadcasts (env FSDP_SHM_CMA, default 1) */
+    size_t cma_min;              /* bytes per rank's block from which it is used */
+    size_t xchunk;               /* reduce-scatter chunk (bytes of xtmp) */
+    unsigned char *xtmp;         /* (xchunk) a peer's chunk, L2-resident, to reduce from */
+    uint64_t *xpeer;             /* (world) the peers' published addresses */
+    uint32_t xop;                /* single-copy collectives so far (progress thread) */
+    uint64_t probe;              /* SHM_MAGIC ^ pid, read by the peers at creation */
+};
+
+/* ---- Shared by the staged and the single-copy collectives (shm.c) ---- */
+
+/* Stores v into *w and wakes its futex sleepers (release). */
+void fsdp__shm_store_wake(_Atomic uint32_t *w, _Atomic uint32_t *waiters, uint32_t v);
+/* 0 if process pid is gone (or a zombie); pids not visible here count as alive. */
+int fsdp__shm_pid_alive(int32_t pid);
+/* Fail the progress thread (returns -1) naming a dead peer / an aborted job. */
+int fsdp__shm_fail_dead(struct shm_state *s, struct fsdp_comm *c, int peer, const struct shm_req *q);
+int fsdp__shm_fail_aborted(struct shm_state *s, struct fsdp_comm *c, uint32_t ab, int peer,
+                           const struct shm_req *q);
+/* Waits until *w >= target (mod 2^32) set by rank peer: spin, then futex; the
+ * watchdog and dead-peer checks apply. 0, or -1 with the failure recorded. */
+int fsdp__shm_wait_ge(struct shm_state *s, struct fsdp_comm *c, _Atomic uint32_t *w, _Atomic uint32_t *waiters,
+                      uint32_t target, int peer, const struct shm_req *q);
+/* n bytes into the user's buffer, streaming stores when `total` is large. */
+void fsdp__shm_copy_out(void *dst, const void *src, size_t n, size_t total);
+/* dst = a + b (fp32), streaming stores with nt ([Note: reduction order]). */
+void fsdp__shm_add_f32(float *dst, const float *a, const float *b, size_t n, int nt);
+/* dst = src (first) or dst op= src, n elements of dt (not BF16/F16). */
+void fsdp__shm_reduce_into(void *dst, const void *src, size_t n, enum fsdp_dtype dt, enum fsdp_red_op op,
+                           int first);
+/* fp32 accumulation of a BF16/F16 contribution; tmp holds n floats. */
+void fsdp__shm_reduce_low(float *acc, const void *src, size_t n, enum fsdp_dtype dt, enum fsdp_red_op op,
+                          int first, float *tmp);
+
+/* ---- Single copy (shm_cma.c) ---- */
+
+/* The collectives of [Note: single copy]: 0, or -1 with s->fail_msg set. */
+int fsdp__shm_allgather_cma(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q);
+int fsdp__shm_reduce_scatter_cma(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q);
+int fsdp__shm_broadcast_cma(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q);
+/* Decides single copy for every rank alike at creation (s->cma, s->cma_min,
+ * s->xpeer, s->xtmp). COLLECTIVE: yes (over the inner MPI communicator). */
+enum fsdp_status fsdp__shm_probe_cma(struct fsdp_comm *c, struct shm_state *s);
+/* The reduce-scatter chunk (bytes); FSDP_SHM_CHUNK overrides. */
+size_t fsdp__shm_chunk_bytes(void);
+
+#endif
