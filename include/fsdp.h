@@ -464,7 +464,8 @@ struct fsdp_shard_opts {
     int shard_group;            /* HYBRID_SHARD's K (0: the ranks of this host); must
                                    divide the world; 0 for the other strategies */
     int overlap;                /* default 1: forward and backward prefetch of the next
-                                   units' all-gathers and asynchronous reduce-scatters;
+                                   units' all-gathers and asynchronous reduce-scatters
+                                   (and HYBRID_SHARD's replica all-reduces after them);
                                    results are bit-identical either way */
     int max_inflight;           /* default 2: units gathered or gathering at once, the
                                    computing one included (bounds memory; 0 = 2) */

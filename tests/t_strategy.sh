@@ -2,8 +2,9 @@
 # t_strategy.sh - fsdp-train's --sharding, --shard-group, --grad-accum,
 # --accum-mode, --overlap and --max-inflight end to end: every strategy
 # reproduces the 1-rank losses and gradient norms (1e-5), hybrid with a
-# shard group of 2 on 4 ranks likewise; K micro-batches give the losses of
-# the whole batch; overlap on and off give the same bits; a checkpoint saved
+# shard group of 2 on 4 ranks likewise (overlap on and off, the same bits);
+# K micro-batches give the losses of the whole batch; overlap on and off
+# give the same bits; a checkpoint saved
 # under HYBRID_SHARD resumes under NO_SHARD at another world size; the JSON
 # log carries the exposed communication time; bad values name their flag.
 # Prints "N passed, N failed" at the end.
@@ -33,6 +34,12 @@ for s in common:
 EOF
 }
 
+# bits NAME_A NAME_B: loss, grad_norm and param_norm of every logged step print the same
+bits() {
+  local show='import json,sys; [print(r["loss"], r["grad_norm"], r["param_norm"]) for r in map(json.loads, open(sys.argv[1]))]'
+  [ -s "$tmp/$1.json" ] && diff <(python3 -c "$show" "$tmp/$1.json") <(python3 -c "$show" "$tmp/$2.json") > /dev/null
+}
+
 if run ref 1; then ok "1-rank reference"; else bad "1-rank reference" "$(tail -5 "$tmp/ref.out")"; fi
 
 # ---- every strategy reproduces the 1-rank run ----
@@ -46,6 +53,11 @@ if run hyb4 4 --sharding HYBRID_SHARD --shard-group 2 && msg=$(same hyb4 ref 1e-
    && grep -q "sharding: HYBRID_SHARD (groups of 2 ranks, 2 replicas)" "$tmp/hyb4.out"; then
   ok "HYBRID_SHARD --shard-group 2 at 4 ranks"
 else bad "HYBRID_SHARD --shard-group 2 at 4 ranks" "${msg:-}" "$(tail -3 "$tmp/hyb4.out")"; fi
+# the replica all-reduces pipelined (overlap, the default) or waited at once
+if run hyb4.off 4 --sharding HYBRID_SHARD --shard-group 2 --overlap off && bits hyb4 hyb4.off \
+   && msg=$(same hyb4.off ref 1e-5 2>&1); then
+  ok "HYBRID_SHARD --shard-group 2 at 4 ranks: --overlap off gives the same bits"
+else bad "HYBRID_SHARD --shard-group 2 --overlap off" "${msg:-}" "$(tail -3 "$tmp/hyb4.off.out")"; fi
 
 # ---- gradient accumulation: the losses of the whole batch ----
 for m in reduce no_sync; do
@@ -58,9 +70,7 @@ done
 # ---- overlap: bit-identical, exposed communication logged ----
 run ov.on 2 --overlap on --max-inflight 3
 run ov.off 2 --overlap off
-if [ -s "$tmp/ov.on.json" ] && \
-   diff <(python3 -c 'import json,sys; [print(r["loss"], r["grad_norm"], r["param_norm"]) for r in map(json.loads, open(sys.argv[1]))]' "$tmp/ov.on.json") \
-        <(python3 -c 'import json,sys; [print(r["loss"], r["grad_norm"], r["param_norm"]) for r in map(json.loads, open(sys.argv[1]))]' "$tmp/ov.off.json") > /dev/null; then
+if bits ov.on ov.off; then
   ok "--overlap on and off give the same bits"
 else bad "--overlap on and off" "$(tail -3 "$tmp/ov.on.out")"; fi
 if grep -q '"exposed_comm_ms": [0-9.]*' "$tmp/ov.on.json" && grep -q "exposed comm .* ms/step" "$tmp/ov.on.out"; then

@@ -4,7 +4,8 @@
  * and activation arena must equal what fsdp_mem_get measures over two
  * training steps, with and without activation checkpointing, in fp32 and
  * under mixed precision (AMP_BF16 with DEFAULT, PURE, FULL and a unit
- * overridden to fp32; AMP_FP16), and fsdp_mem_set_limit must stop a run
+ * overridden to fp32; AMP_FP16), under FULL_SHARD and HYBRID_SHARD (fp32,
+ * bf16 PURE), and fsdp_mem_set_limit must stop a run
  * that would pass it with a message naming the allocation.
  */
 #include "fsdp.h"
@@ -78,8 +79,11 @@ static void batch(int n, int V, int32_t *in, int32_t *tg) {
     }
 }
 
-/* prec FSDP_F32: the default options; mp -1: Block 1 overridden to FULL. */
-static void check_plan_prec(int ckpt, int B, int T, enum fsdp_dtype prec, int mp) {
+/* prec FSDP_F32 and FULL_SHARD: the default options; mp -1: Block 1
+ * overridden to FULL; HYBRID_SHARD: shard groups of 2 where the world is
+ * even (at 4 ranks 2 replicas, whose all-reduces overlap pipelines), else
+ * of 1. */
+static void check_plan_sharded(int ckpt, int B, int T, enum fsdp_dtype prec, int mp, enum fsdp_sharding sh) {
     struct fsdp_ctx *c = get_ctx();
     int world = fsdp_ctx_world(c);
     struct fsdp_gpt_config cfg;
@@ -95,7 +99,10 @@ static void check_plan_prec(int ckpt, int B, int T, enum fsdp_dtype prec, int mp
     so.precision = prec;
     so.mixed_precision = mp < 0 ? FSDP_MP_DEFAULT : (enum fsdp_mixed_precision)mp;
     if (mp < 0) so.wrap = wrap_block1_fp32;
-    ASSERT_OK(setup_opts(c, &cfg, ckpt, B / world, T, prec == FSDP_F32 ? NULL : &so, &r, &plan), c);
+    so.sharding = sh;
+    if (sh == FSDP_HYBRID_SHARD) so.shard_group = world % 2 == 0 ? 2 : 1;
+    int defaults = prec == FSDP_F32 && sh == FSDP_FULL_SHARD;
+    ASSERT_OK(setup_opts(c, &cfg, ckpt, B / world, T, defaults ? NULL : &so, &r, &plan), c);
     CHECK_INT_EQ(plan.world, world);
     /* the plan leaves the modules as they were: fsdp_fully_shard set the compute dtypes */
     int n_lp = 0;
@@ -126,12 +133,16 @@ static void check_plan_prec(int ckpt, int B, int T, enum fsdp_dtype prec, int mp
     double staging = (double)(plan.workspace - 4096);
     CHECK(measured <= (double)plan.total && measured >= 0.97 * ((double)plan.total - staging));
     if (test_rank == 0 && world == 2)
-        fprintf(stderr, "  %s mp %d ckpt %d: plan %zu (shards %zu, full %zu, act %zu) vs measured peak %.0f\n",
-                fsdp_dtype_name(prec), mp, ckpt, plan.total, plan.params + plan.grads + plan.optim, plan.full,
+        fprintf(stderr, "  %s %s mp %d ckpt %d: plan %zu (shards %zu, full %zu, act %zu) vs measured peak %.0f\n",
+                fsdp_sharding_name(sh), fsdp_dtype_name(prec), mp, ckpt, plan.total, plan.params + plan.grads + plan.optim, plan.full,
                 plan.act, measured);
     free(in);
     free(tg);
     run_free(&r);
+}
+
+static void check_plan_prec(int ckpt, int B, int T, enum fsdp_dtype prec, int mp) {
+    check_plan_sharded(ckpt, B, T, prec, mp, FSDP_FULL_SHARD);
 }
 
 static void check_plan(int ckpt, int B, int T) { check_plan_prec(ckpt, B, T, FSDP_F32, FSDP_MP_DEFAULT); }
@@ -153,8 +164,16 @@ TEST(plan_equals_measured_fp16_checkpointed) { check_plan_prec(1, 4, 32, FSDP_F1
 TEST(plan_equals_measured_bf16_full) { check_plan_prec(0, 12, 64, FSDP_BF16, FSDP_MP_FULL); }
 TEST(plan_equals_measured_bf16_fp32_unit_checkpointed) { check_plan_prec(1, 12, 64, FSDP_BF16, -1); }
 
-/* a 16-bit plan needs more full buffers than the fp32 one, and leaves the
- * model's compute dtypes as they were */
+/* HYBRID_SHARD: the reduce-scatter's full gradient is released before the
+ * replica all-reduce, which overlap leaves in flight to the next unit's
+ * post-backward with its MPI staging (PURE) */
+TEST(plan_equals_measured_hybrid) { check_plan_sharded(0, 12, 64, FSDP_F32, FSDP_MP_DEFAULT, FSDP_HYBRID_SHARD); }
+TEST(plan_equals_measured_hybrid_bf16_pure) {
+    check_plan_sharded(0, 12, 64, FSDP_BF16, FSDP_MP_PURE, FSDP_HYBRID_SHARD);
+}
+
+/* a 16-bit plan needs more full buffers than the fp32 one and a 16-bit
+ * copy of each shard, and leaves the model's compute dtypes as they were */
 TEST(plan_bf16_larger_than_fp32) {
     struct fsdp_ctx *c = get_ctx();
     int world = fsdp_ctx_world(c);

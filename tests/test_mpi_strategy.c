@@ -28,9 +28,11 @@ struct run {
     struct fsdp_optim *opt;
 };
 
-static enum fsdp_status run_open(struct fsdp_ctx *c, const struct fsdp_shard_opts *so, uint64_t seed,
-                                 const struct fsdp_optim_opts *oo, struct run *r) {
+/* The tiny model with n_layer Blocks (0: the preset's). */
+static enum fsdp_status run_open_layers(struct fsdp_ctx *c, const struct fsdp_shard_opts *so, uint64_t seed,
+                                        const struct fsdp_optim_opts *oo, int n_layer, struct run *r) {
     struct fsdp_gpt_config cfg = tiny_cfg();
+    if (n_layer) cfg.n_layer = n_layer;
     memset(r, 0, sizeof *r);
     if (fsdp_gpt_create(c, &cfg, &r->g) != FSDP_OK) abort();
     enum fsdp_status st = fsdp_fully_shard(c, r->g, so, &r->fm);
@@ -39,6 +41,11 @@ static enum fsdp_status run_open(struct fsdp_ctx *c, const struct fsdp_shard_opt
     if (st == FSDP_OK) st = fsdp_optim_create(c, oo, &r->opt);
     if (st == FSDP_OK) st = fsdp_model_attach_optim(c, r->fm, r->opt);
     return st;
+}
+
+static enum fsdp_status run_open(struct fsdp_ctx *c, const struct fsdp_shard_opts *so, uint64_t seed,
+                                 const struct fsdp_optim_opts *oo, struct run *r) {
+    return run_open_layers(c, so, seed, oo, 0, r);
 }
 
 static void run_close(struct run *r) {
@@ -123,14 +130,18 @@ TEST(no_shard_matches_unsharded) {
     check_strategy(get_ctx(), &so, 3);
 }
 
-/* Hybrid with a shard group of 2 (the 4-rank case: 2 replicas x 2 shards),
- * and of 1 (pure replication through the hybrid path) where 2 does not
- * divide the world. */
+/* Hybrid with a shard group of 2 (the 4-rank case: 2 replicas x 2 shards,
+ * whose replica all-reduces overlap pipelines), and of 1 (pure replication
+ * through the hybrid path) where 2 does not divide the world; overlap on
+ * and off. */
 TEST(hybrid_shard_group_matches_unsharded) {
     struct fsdp_ctx *c = get_ctx();
     int world = fsdp_comm_size(fsdp_ctx_comm(c));
-    struct fsdp_shard_opts so = opts_of(FSDP_HYBRID_SHARD, world % 2 == 0 ? 2 : 1);
-    check_strategy(c, &so, 3);
+    for (int ov = 1; ov >= 0; ov--) {
+        struct fsdp_shard_opts so = opts_of(FSDP_HYBRID_SHARD, world % 2 == 0 ? 2 : 1);
+        so.overlap = ov;
+        check_strategy(c, &so, 3);
+    }
 }
 
 /* Hybrid with the default group (the ranks of this host: all of them). */
@@ -347,11 +358,14 @@ static struct fsdp_shard_opts strategy_opts(int world, enum fsdp_sharding sh, in
     return so;
 }
 
-static void check_plan(enum fsdp_sharding sh, int accum, enum fsdp_grad_accum mode, int overlap, int inflight) {
+/* n_layer: Blocks of the tiny model (0: the preset's) */
+static void check_plan_layers(enum fsdp_sharding sh, int accum, enum fsdp_grad_accum mode, int overlap,
+                              int inflight, int n_layer) {
     struct fsdp_ctx *c = get_ctx();
     int rank = fsdp_comm_rank(fsdp_ctx_comm(c)), world = fsdp_comm_size(fsdp_ctx_comm(c));
     struct fsdp_shard_opts so = strategy_opts(world, sh, overlap, inflight);
     struct fsdp_gpt_config cfg = tiny_cfg();
+    if (n_layer) cfg.n_layer = n_layer;
     struct fsdp_module *g;
     ASSERT_OK(fsdp_gpt_create(c, &cfg, &g), c);
     struct fsdp_mem_plan plan;
@@ -362,7 +376,7 @@ static void check_plan(enum fsdp_sharding sh, int accum, enum fsdp_grad_accum mo
     fsdp_mem_get(c, &m0);
     struct run x;
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
-    ASSERT_OK(run_open(c, &so, 3, &oo, &x), c);
+    ASSERT_OK(run_open_layers(c, &so, 3, &oo, n_layer, &x), c);
     int32_t *in = calloc((size_t)(accum * Bm * T), sizeof(int32_t)), *tg = calloc((size_t)(accum * Bm * T), sizeof(int32_t));
     for (int i = 0; i < accum * Bm * T; i++) { in[i] = (i * 7 + rank) % 256; tg[i] = (i * 5 + 1) % 256; }
     fsdp_mem_reset_peak(c);
@@ -378,6 +392,10 @@ static void check_plan(enum fsdp_sharding sh, int accum, enum fsdp_grad_accum mo
     free(in);
     free(tg);
     run_close(&x);
+}
+
+static void check_plan(enum fsdp_sharding sh, int accum, enum fsdp_grad_accum mode, int overlap, int inflight) {
+    check_plan_layers(sh, accum, mode, overlap, inflight, 0);
 }
 
 /* ---- overlap: prefetch and asynchronous reductions change no bit ---- */
@@ -426,6 +444,120 @@ TEST(overlap_on_off_bit_identical) {
     free(b);
 }
 
+/* internal (src/fsdp/fsdp-impl.h): replica all-reduces that post-backward
+ * hooks left in flight since the model was made */
+int64_t fsdp__model_rep_deferred(const struct fsdp_model *fm);
+
+/* Under HYBRID with 2+ ranks per shard group and 2+ replicas (4 ranks),
+ * overlap leaves each unit's all-reduce over the replicas in flight past its
+ * post-backward, to be waited at the next one (all but the last unit of
+ * each backward that reduces), and issues exactly the collectives (calls
+ * and bytes per type) that overlap off issues. Other strategies, other
+ * worlds and overlap off leave none in flight. */
+TEST(hybrid_replica_allreduce_left_in_flight) {
+    struct fsdp_ctx *c = get_ctx();
+    int rank = fsdp_comm_rank(fsdp_ctx_comm(c)), world = fsdp_comm_size(fsdp_ctx_comm(c));
+    int two_stage = world % 2 == 0 && world / 2 >= 2; /* strategy_opts' groups of 2 */
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    const int Bl = 4, T = 16;
+    int32_t in[4 * 16], tg[4 * 16];
+    for (int i = 0; i < Bl * T; i++) { in[i] = (i * 7 + 3 * rank) % 256; tg[i] = (i * 5 + rank) % 256; }
+    enum fsdp_sharding shs[2] = {FSDP_FULL_SHARD, FSDP_HYBRID_SHARD};
+    for (int k = 0; k < 2; k++) {
+        struct fsdp_comm_stats d[2];
+        for (int ov = 0; ov < 2; ov++) {
+            struct fsdp_shard_opts so = strategy_opts(world, shs[k], ov, 2);
+            struct run x;
+            ASSERT_OK(run_open(c, &so, 13, &oo, &x), c);
+            struct fsdp_comm_stats s0, s1;
+            fsdp_model_comm_stats(x.fm, &s0);
+            struct fsdp_step_result r;
+            /* backwards that reduce: 1, then 2 (reduce each), then 1 (no_sync's last) */
+            ASSERT_OK(fsdp_model_train_step(c, x.fm, in, tg, Bl, T, 1e-3f, 1.0f, &r), c);
+            ASSERT_OK(fsdp_model_train_step_accum(c, x.fm, in, tg, Bl / 2, T, 2, FSDP_ACCUM_REDUCE_EACH, 1e-3f,
+                                                  1.0f, &r), c);
+            ASSERT_OK(fsdp_model_train_step_accum(c, x.fm, in, tg, Bl / 2, T, 2, FSDP_ACCUM_NO_SYNC, 1e-3f, 1.0f,
+                                                  &r), c);
+            fsdp_model_comm_stats(x.fm, &s1);
+            for (int t = 0; t < FSDP_COLL_COUNT; t++) {
+                d[ov].calls[t] = s1.calls[t] - s0.calls[t];
+                d[ov].bytes[t] = s1.bytes[t] - s0.bytes[t];
+            }
+            int64_t want = shs[k] == FSDP_HYBRID_SHARD && ov && two_stage ? 4 * (fsdp_model_n_units(x.fm) - 1) : 0;
+            if (fsdp__model_rep_deferred(x.fm) != want)
+                TEST_FAILF("%s, overlap %d: %lld replica all-reduces left in flight, want %lld",
+                           fsdp_sharding_name(shs[k]), ov, (long long)fsdp__model_rep_deferred(x.fm),
+                           (long long)want);
+            run_close(&x);
+        }
+        for (int t = 0; t < FSDP_COLL_COUNT; t++)
+            if (d[0].calls[t] != d[1].calls[t] || d[0].bytes[t] != d[1].bytes[t])
+                TEST_FAILF("%s: collective type %d: overlap on issues %llu calls (%llu bytes), off %llu (%llu)",
+                           fsdp_sharding_name(shs[k]), t, (unsigned long long)d[1].calls[t],
+                           (unsigned long long)d[1].bytes[t], (unsigned long long)d[0].calls[t],
+                           (unsigned long long)d[0].bytes[t]);
+    }
+}
+
+/* internal (core-impl.h): the allocation-failure injection hook */
+extern long fsdp__alloc_count, fsdp__alloc_fail_at;
+
+/* A step that fails midway, with reductions in flight: for every k, the
+ * k-th library allocation of a steady-state step fails on every rank alike
+ * (the same allocations in the same order: mostly collective requests, so
+ * a collective start fails while earlier ones, such as a replica all-reduce
+ * the pipeline left in flight, are still running). The step reports it,
+ * every request and staging buffer comes back by the time it returns
+ * (reshard_all waits what is in flight), and freeing the model returns every
+ * accounted byte. */
+static void check_step_fails_cleanly(enum fsdp_sharding sh, int overlap) {
+    struct fsdp_ctx *c = get_ctx();
+    int rank = fsdp_comm_rank(fsdp_ctx_comm(c)), world = fsdp_comm_size(fsdp_ctx_comm(c));
+    struct fsdp_shard_opts so = strategy_opts(world, sh, overlap, 2);
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    const int Bl = 4, T = 16;
+    int32_t in[4 * 16], tg[4 * 16];
+    for (int i = 0; i < Bl * T; i++) { in[i] = (i * 7 + 3 * rank) % 256; tg[i] = (i * 5 + rank) % 256; }
+    struct fsdp_step_result r;
+    long n = -1;
+    for (long k = 0; k <= n || n < 0; k++) { /* k = 0: count the allocations */
+        struct fsdp_mem_stats m0, m1, m2;
+        fsdp_mem_get(c, &m0);
+        struct run x;
+        ASSERT_OK(run_open(c, &so, 17, &oo, &x), c);
+        ASSERT_OK(fsdp_model_train_step(c, x.fm, in, tg, Bl, T, 1e-3f, 1.0f, &r), c); /* the pool is warm */
+        fsdp_mem_get(c, &m1);
+        fsdp__alloc_count = 0;
+        fsdp__alloc_fail_at = k;
+        enum fsdp_status st = fsdp_model_train_step(c, x.fm, in, tg, Bl, T, 1e-3f, 1.0f, &r);
+        fsdp__alloc_fail_at = 0;
+        if (k == 0) {
+            ASSERT_OK(st, c);
+            n = fsdp__alloc_count;
+        } else if (st == FSDP_OK || !strstr(fsdp_errmsg(c), "out of memory")) {
+            TEST_FAILF("%s, overlap %d, allocation %ld of %ld: got %s (%s)", fsdp_sharding_name(sh), overlap, k, n,
+                       fsdp_status_str(st), fsdp_errmsg(c));
+        }
+        fsdp_mem_get(c, &m2);
+        if (m2.cur[FSDP_MEM_OTHER] != m1.cur[FSDP_MEM_OTHER])
+            TEST_FAILF("%s, overlap %d, allocation %ld of %ld: %lld bytes of requests or staging left after the "
+                       "step", fsdp_sharding_name(sh), overlap, k, n,
+                       (long long)m2.cur[FSDP_MEM_OTHER] - (long long)m1.cur[FSDP_MEM_OTHER]);
+        run_close(&x);
+        fsdp_mem_get(c, &m2);
+        long long left = (long long)(m2.cur_total - m2.cur[FSDP_MEM_ACT]) - (long long)(m0.cur_total - m0.cur[FSDP_MEM_ACT]);
+        if (left != 0)
+            TEST_FAILF("%s, overlap %d, allocation %ld of %ld: %lld accounted bytes not returned",
+                       fsdp_sharding_name(sh), overlap, k, n, left);
+        if (test_combine) test_combine(0); /* every rank finished the case */
+    }
+}
+
+TEST(hybrid_step_failing_midway_cleans_up) {
+    check_step_fails_cleanly(FSDP_HYBRID_SHARD, 1);
+    check_step_fails_cleanly(FSDP_HYBRID_SHARD, 0);
+}
+
 /* Under overlap, gathers really are issued ahead: the peak of full buffers
  * grows by the units in flight, as planned. */
 TEST(overlap_holds_more_buffers) {
@@ -445,6 +577,15 @@ TEST(overlap_holds_more_buffers) {
         fsdp_module_free(g);
     }
     CHECK(full[1] > full[0]);
+}
+
+/* HYBRID at 4 ranks with overlap keeps a unit's accumulation buffer until
+ * its replica all-reduce lands at the next post-backward: with 4 Blocks and
+ * 3 micro-batches reduced each, that buffer raises the peak of the pool, so
+ * the plan must follow the pipeline to match */
+TEST(plan_equals_measured_hybrid_pipeline_accum) {
+    check_plan_layers(FSDP_HYBRID_SHARD, 3, FSDP_ACCUM_REDUCE_EACH, 1, 2, 4);
+    check_plan_layers(FSDP_HYBRID_SHARD, 3, FSDP_ACCUM_REDUCE_EACH, 0, 2, 4);
 }
 
 TEST(plan_equals_measured_per_strategy) {

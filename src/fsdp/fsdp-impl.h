@@ -54,10 +54,12 @@ struct fsdp__unit {
     struct fsdp_optim_slice *slices; /* optimizer view of the shard, per decay run */
     /* overlap ([Note: prefetch and overlap], unit.c) */
     int prefetched;               /* gathered ahead by a prefetch, its hook not yet run */
-    struct fsdp_comm_req *rs_req; /* the reduce-scatter in flight (post-backward), or NULL */
-    void *rs_recv;                /* where it lands (fsdp__mp_grad_recv) */
+    struct fsdp_comm_req *rs_req; /* the reduce-scatter in flight (post-backward; a shard group
+                                     of one: the all-reduce over the replicas), or NULL */
+    struct fsdp_comm_req *ar_req; /* HYBRID's all-reduce of the result over the replicas in
+                                     flight (started when rs_req completed), or NULL */
+    void *rs_recv;                /* where both land (fsdp__mp_grad_recv) */
     float *rs_prev;               /* (numel_shard) the accumulated shard to add back, or NULL */
-    int rs_pending;               /* reduction started, not yet finished */
     int grad_fresh;               /* grad_shard written by this step's backward (step.c zeroes the rest) */
 };
 
@@ -110,7 +112,9 @@ struct fsdp_model {
      * inside backward, which runs with in_forward 0) */
     int overlap, max_inflight, n_inflight, in_forward, in_backward;
     int *bwd_order;               /* (n_units) pre-backward order of the units */
-    struct fsdp__unit *rs_last;   /* the unit whose reduction is still pending */
+    struct fsdp__unit *rs_last;   /* the unit whose reduce-scatter (rs_req) is still pending */
+    struct fsdp__unit *ar_last;   /* the unit whose replica all-reduce (ar_req) is still pending */
+    int64_t rep_deferred;         /* replica all-reduces a post-backward left in flight (tests) */
     struct fsdp__scaler scaler;   /* dynamic loss scaling (mixed.c) */
 };
 
@@ -163,10 +167,15 @@ struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
  * (fsdp__pdata_lp). The reduce-scatter needs no extra memory:
  * fsdp__mp_grad_send narrows the fp32 full gradient in place into its lower
  * half (element i's 2 bytes never reach an unread fp32 element), the
- * collective runs in reduce_dtype into the upper half (fsdp__mp_grad_recv),
- * and fsdp__mp_grad_land widens the result into the fp32 gradient shard. A
- * world of one takes the same casts (so that it computes what N ranks
- * compute) and skips the collective. */
+ * collective runs in reduce_dtype into the upper half of the fp32 gradient
+ * shard (fsdp__mp_grad_recv; the shard is overwritten by the result anyway,
+ * and an accumulated one was set aside first), and fsdp__mp_grad_land widens
+ * the result in place. The result lives outside the full gradient, so the
+ * full gradient is released as soon as the reduce-scatter completes, while
+ * HYBRID's replica all-reduce still runs on the result ([Note: prefetch and
+ * overlap], unit.c). A shard group of one all-reduces the narrowed full
+ * gradient in place instead. A world of one takes the same casts (so that
+ * it computes what N ranks compute) and skips the collective. */
 /* Floats of pooled buffer a gather of u needs: numel_padded, plus the
  * 16-bit staging area when param_dtype is BF16 / F16. */
 int64_t fsdp__mp_full_numel(const struct fsdp__unit *u);
@@ -199,11 +208,14 @@ void *fsdp__mp_grad_send(struct fsdp__unit *u, int world);
  * fp32 reduction divides once, after (f = 1). */
 int fsdp__mp_predivide(enum fsdp_dtype reduce_dtype, int world);
 /* Where the reduce-scatter of block `rank` lands: u->grad_shard for F32,
- * else the upper half of u->full_grad (numel_shard 16-bit elements). */
+ * else the upper half of u->grad_shard (bytes [2n, 4n) of its 4n: numel_shard
+ * 16-bit elements). */
 void *fsdp__mp_grad_recv(struct fsdp__unit *u);
-/* After the reduce-scatter's wait: widens recv (from fsdp__mp_grad_recv)
- * into u->grad_shard (no-op for F32). When the full gradient is the shard
- * (a world of one), rounds the shard through reduce_dtype instead. */
+/* After the reduction's last wait: widens recv (fsdp__mp_grad_recv's upper
+ * half of the shard, in place; or, for a shard group of one, the narrowed
+ * full gradient) into u->grad_shard (no-op for F32). When the full gradient
+ * is the shard (a world of one), rounds the shard through reduce_dtype
+ * instead. */
 void fsdp__mp_grad_land(struct fsdp__unit *u, const void *recv);
 /* "DEFAULT", "PURE", "FULL" (the plan's text). */
 const char *fsdp__mp_name(enum fsdp_mixed_precision mp);
@@ -221,13 +233,19 @@ void fsdp__scaler_inject(struct fsdp_ctx *ctx, struct fsdp_model *fm);
 int fsdp__scaler_update(struct fsdp_model *fm, double loss, double *gnorm, float *unscale);
 
 /* ---- Overlap (unit.c) ---- */
-/* Completes the pending reduction (end of backward) and releases units that
- * were prefetched but never entered (end of a pass). COLLECTIVE: yes. */
+/* Completes the reductions still in flight (end of backward): the pending
+ * replica all-reduce, then the last reduce-scatter and its all-reduce.
+ * COLLECTIVE: yes. fsdp__model_drop_prefetched releases units that were
+ * prefetched but never entered (end of a pass). */
 enum fsdp_status fsdp__model_finish_reduce(struct fsdp_ctx *ctx, struct fsdp_model *fm);
 void fsdp__model_drop_prefetched(struct fsdp_ctx *ctx, struct fsdp_model *fm);
 /* Fills order[] with the units in the order their pre-backward hooks run
  * (a unit, then its child units last to first, each recursively). */
 void fsdp__model_bwd_order(const struct fsdp_model *fm, int *order);
+/* How many replica all-reduces post-backward hooks have left in flight
+ * since fm was made (HYBRID_SHARD with overlap: all but the last of each
+ * backward); what tests observe of the pipeline. */
+int64_t fsdp__model_rep_deferred(const struct fsdp_model *fm);
 
 /* ---- Pool ---- */
 float *fsdp__pool_get(struct fsdp_model *fm, int64_t numel, const char *what);

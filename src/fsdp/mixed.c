@@ -79,7 +79,7 @@ enum fsdp_status fsdp_precision_parse(struct fsdp_ctx *ctx, const char *name, en
 /* Bytes [2n, 4n) of a buffer of n floats: its upper half as 16-bit elements. */
 static uint16_t *upper_half(float *buf, int64_t n) { return (uint16_t *)(void *)buf + n; }
 
-/* Below this many elements the in-place narrowing runs sequentially. */
+/* Below this many elements the in-place narrowing and widening run sequentially. */
 #define INPLACE_SEQ 4096
 
 /* Narrows buf[0..n) to 16-bit values at bytes [0, 2n), in place. Pass
@@ -144,9 +144,26 @@ void *fsdp__mp_grad_send(struct fsdp__unit *u, int world) {
     return u->full_grad;
 }
 
+/* Widens the 16-bit values at bytes [2n, 4n) of buf (its upper half) into
+ * buf[0..n), in place. Pass [a, b) reads bytes [2n + 2a, 2n + 2b) and writes
+ * [4a, 4b): safe while 4b <= 2n + 2a, so each pass takes half of what is
+ * left; the last INPLACE_SEQ elements go one by one, each read before its
+ * write (element i's write ends at byte 4i + 4 <= 2n + 2i + 2). */
+static void widen_inplace(enum fsdp_dtype dt, float *buf, int64_t n) {
+    const uint16_t *src = upper_half(buf, n);
+    int64_t a = 0;
+    while (n - a > INPLACE_SEQ) {
+        int64_t b = (n + a) / 2;
+        fsdp__cvt_to_f32(dt, src + a, buf + a, (size_t)(b - a));
+        a = b;
+    }
+    for (int64_t i = a; i < n; i++) /* sequential */
+        buf[i] = dt == FSDP_BF16 ? fsdp__bf16_to_f32(src[i]) : fsdp__f16_to_f32(src[i]);
+}
+
 void *fsdp__mp_grad_recv(struct fsdp__unit *u) {
     if (u->reduce_dtype == FSDP_F32 || u->full_grad == u->grad_shard) return u->grad_shard;
-    return upper_half(u->full_grad, u->numel_padded);
+    return upper_half(u->grad_shard, u->numel_shard);
 }
 
 void fsdp__mp_grad_land(struct fsdp__unit *u, const void *recv) {
@@ -159,7 +176,8 @@ void fsdp__mp_grad_land(struct fsdp__unit *u, const void *recv) {
             g[i] = bf ? fsdp__bf16_to_f32(fsdp__f32_to_bf16(g[i])) : fsdp__f16_to_f32(fsdp__f32_to_f16(g[i]));
         return;
     }
-    fsdp__cvt_to_f32(u->reduce_dtype, recv, g, (size_t)u->numel_shard);
+    if (recv == upper_half(g, u->numel_shard)) widen_inplace(u->reduce_dtype, g, u->numel_shard);
+    else fsdp__cvt_to_f32(u->reduce_dtype, recv, g, (size_t)u->numel_shard); /* a shard group of one */
 }
 
 /* ---- Loss scaling ---- */

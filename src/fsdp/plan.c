@@ -110,8 +110,8 @@ static void pool_put(struct pool_sim *p, int i) {
  * mode and overlap (unit.c): params pooled when the shard group has 2+
  * ranks or the unit gathers 16-bit (unit_gather_start; fsdp__mp_full_numel
  * floats), gradients when the world has 2+ ranks ([Note: sharding
- * strategies]); prefetches and deferred reductions as [Note: prefetch and
- * overlap]. */
+ * strategies]); prefetches and the pipelined reductions (reduce-scatter,
+ * then HYBRID's replica all-reduce) as [Note: prefetch and overlap]. */
 struct pool_mode {
     int params, grads;  /* full parameters of fp32 units / gradients come from the pool */
     int no_sync;        /* this backward keeps its full gradients */
@@ -121,10 +121,12 @@ struct pool_mode {
 };
 
 /* The simulated state: per unit its full parameter buffer (held), full
- * gradient (grad), accumulation buffer (prev), whether it was prefetched. */
+ * gradient (grad), accumulation buffer (prev), whether it was prefetched;
+ * the units whose reduce-scatter (last) and replica all-reduce (ar_last)
+ * are in flight, or -1. */
 struct pool_state {
     int *held, *grad, *prev, *pref, *bwd;
-    int inflight, last;
+    int inflight, last, ar_last;
     const struct fsdp_model *fm;
 };
 
@@ -166,27 +168,71 @@ static void pool_forward(const struct fsdp_model *fm, const struct fsdp__unit *u
     }
 }
 
-/* reduce_start's staging (comm/mpi.c [Note: low-precision reductions]): a
- * 16-bit reduce-scatter of the full gradient, or all-reduce of the shard
- * (a shard group of one), held until its wait. */
+/* The MPI backend's staging (comm/mpi.c [Note: low-precision reductions])
+ * of reduce_start's 16-bit collective, held from its start to its wait: a
+ * reduce-scatter of the full gradient, or all-reduce of the shard (a shard
+ * group of one). */
 static size_t reduce_stage(const struct fsdp_model *fm, const struct fsdp__unit *u) {
     if (u->reduce_dtype == FSDP_F32) return 0;
     return fm->shard_size > 1 ? stage_bytes(u->numel_padded, u->numel_shard)
                               : stage_bytes(u->numel_shard, u->numel_shard);
 }
 
-/* reduce_finish: the staging of its reduction (HYBRID: then of the
- * all-reduce over the replicas, while it runs), the accumulation buffer,
- * then the full gradient */
-static void finish(struct pool_sim *p, struct pool_state *s, int u) {
+/* Whether a reduce-scatter is followed by an all-reduce over the replicas
+ * (HYBRID with 2+ ranks per group and 2+ replicas). */
+static int two_stage(const struct fsdp_model *fm) { return fm->shard_size > 1 && fm->rep_size > 1; }
+
+/* The staging of that all-reduce, held from its start to its wait. */
+static size_t replica_stage(const struct fsdp__unit *u) {
+    return u->reduce_dtype == FSDP_F32 ? 0 : stage_bytes(u->numel_shard, u->numel_shard);
+}
+
+/* unit.c's reduce_start: the accumulation buffer, then the collective */
+static void reduce_start(struct pool_sim *p, struct pool_state *s, const struct pool_mode *m, int u) {
+    const struct fsdp__unit *fu = &s->fm->units[u];
+    if (m->accumulate) s->prev[u] = pool_get(p, fu->numel_shard);
+    p->stage += reduce_stage(s->fm, fu);
+    stage_note(p, 0);
+}
+
+/* reduce_scattered: the first collective's wait, the full gradient put when
+ * the result lies in the shard (a shard group of 2+), the replica
+ * all-reduce started */
+static void scattered(struct pool_sim *p, struct pool_state *s, int u) {
     const struct fsdp__unit *fu = &s->fm->units[u];
     p->stage -= reduce_stage(s->fm, fu);
-    if (fu->reduce_dtype != FSDP_F32 && s->fm->shard_size > 1 && s->fm->rep_size > 1)
-        stage_note(p, stage_bytes(fu->numel_shard, fu->numel_shard));
+    if (s->fm->shard_size > 1) {
+        pool_put(p, s->grad[u]);
+        s->grad[u] = -1;
+    }
+    if (two_stage(s->fm)) {
+        p->stage += replica_stage(fu);
+        stage_note(p, 0);
+    }
+}
+
+/* reduce_land: the replica all-reduce's wait, the accumulation buffer, then
+ * the full gradient if still held */
+static void land(struct pool_sim *p, struct pool_state *s, int u) {
+    const struct fsdp__unit *fu = &s->fm->units[u];
+    if (two_stage(s->fm)) p->stage -= replica_stage(fu);
     pool_put(p, s->prev[u]);
     s->prev[u] = -1;
     pool_put(p, s->grad[u]);
     s->grad[u] = -1;
+}
+
+/* reduce_advance ([Note: prefetch and overlap]): lands the all-reduce in
+ * flight, takes the last reduce-scatter through both stages, leaving its
+ * all-reduce in flight when `leave`. */
+static void advance(struct pool_sim *p, struct pool_state *s, int leave) {
+    int a = s->ar_last, r = s->last;
+    s->ar_last = s->last = -1;
+    if (a >= 0) land(p, s, a);
+    if (r < 0) return;
+    scattered(p, s, r);
+    if (leave && two_stage(s->fm)) s->ar_last = r;
+    else land(p, s, r);
 }
 
 static void pool_backward(const struct fsdp_model *fm, const struct fsdp__unit *u, struct pool_sim *p,
@@ -202,15 +248,14 @@ static void pool_backward(const struct fsdp_model *fm, const struct fsdp__unit *
     if (m->grads && s->grad[i] < 0) s->grad[i] = pool_get(p, u->numel_padded);
     for (int c = fm->n_units - 1; c > i; c--)
         if (fm->units[c].parent == u) pool_backward(fm, &fm->units[c], p, m, s);
-    if (!m->no_sync && m->grads) { /* post_backward: reduce_start, then a finish */
-        if (m->accumulate) s->prev[i] = pool_get(p, u->numel_shard);
-        p->stage += reduce_stage(fm, u);
-        stage_note(p, 0);
+    if (!m->no_sync && m->grads) { /* post_backward: reduce_start, then the stages */
+        reduce_start(p, s, m, i);
         if (m->overlap) {
-            if (s->last >= 0) finish(p, s, s->last);
+            advance(p, s, 1);
             s->last = i;
         } else {
-            finish(p, s, i);
+            scattered(p, s, i);
+            land(p, s, i);
         }
     }
     pool_put(p, s->held[i]); /* reshard */
@@ -333,7 +378,7 @@ enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module
     if (world > 1 || lp_units) {
         size_t n = (size_t)fm->n_units;
         struct pool_state ps = {malloc(n * sizeof(int)), malloc(n * sizeof(int)), malloc(n * sizeof(int)),
-                                malloc(n * sizeof(int)), malloc(n * sizeof(int)), 0, -1, fm};
+                                malloc(n * sizeof(int)), malloc(n * sizeof(int)), 0, -1, -1, fm};
         if (!ps.held || !ps.grad || !ps.prev || !ps.pref || !ps.bwd)
             st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
         else
@@ -347,8 +392,7 @@ enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module
                 pool_forward(fm, &fm->units[0], &pool, &m, &ps);
                 drop_prefetched(fm, &pool, &ps);
                 pool_backward(fm, &fm->units[0], &pool, &m, &ps);
-                if (ps.last >= 0) finish(&pool, &ps, ps.last); /* fsdp__model_finish_reduce */
-                ps.last = -1;
+                advance(&pool, &ps, 0); /* fsdp__model_finish_reduce */
                 drop_prefetched(fm, &pool, &ps);
             }
         }

@@ -315,6 +315,7 @@ void fsdp_model_free(struct fsdp_model *fm) {
         struct fsdp__unit *u = &fm->units[i];
         if (u->req) fsdp_comm_wait(fm->shard_comm, u->req);
         if (u->rs_req) fsdp_comm_wait(fm->shard_size > 1 ? fm->shard_comm : fm->rep_comm, u->rs_req);
+        if (u->ar_req) fsdp_comm_wait(fm->rep_comm, u->ar_req);
         for (int j = 0; j < u->n_params; j++) {
             u->params[j]->data = NULL;
             u->params[j]->grad = NULL;

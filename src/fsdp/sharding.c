@@ -11,7 +11,8 @@
  * Every unit pads its flat buffer to a multiple of K and shards it over its
  * shard group exactly as FULL_SHARD shards over the world (shard.c, unit.c);
  * after the reduce-scatter inside the group, the gradient shard is
- * all-reduced over the replica group, then divided by W, so every rank holds
+ * all-reduced over the replica group (under overlap a second pipeline stage,
+ * [Note: prefetch and overlap] in unit.c), then divided by W, so every rank holds
  * the average over the global batch. Replicas hold identical shards, so
  * global norms sum over the shard group only (each element once) and the
  * checkpoint code writes from replica 0 only.

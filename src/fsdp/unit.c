@@ -3,10 +3,11 @@
  * its full parameters into a pooled flat buffer before its forward and
  * backward, pointing every parameter at its view of that buffer (no copy),
  * reduce-scattering the full gradient into the gradient shard after its
- * backward, and releasing full buffers back to the pool.
+ * backward (then, for HYBRID, all-reducing the result over the replicas),
+ * and releasing full buffers back to the pool.
  * Invariant: a parameter's data is non-NULL exactly while its unit is
  * UNSHARDED; its grad is non-NULL exactly between PRE_BACKWARD and the
- * unit's reduce-scatter.
+ * unit's post-backward.
  */
 #include "fsdp/fsdp-impl.h"
 
@@ -149,12 +150,23 @@ static struct fsdp_comm *reduce_comm(const struct fsdp__unit *u) {
     return u->model->shard_size > 1 ? u->model->shard_comm : u->model->rep_comm;
 }
 
+/* A reduction failed (a start or a wait): the unit goes to ERROR naming the
+ * collective. The accumulation buffer goes back (no collective touches it);
+ * the full gradient stays with the unit, since a collective that failed its
+ * wait may still be reading it (MPI cannot cancel one). */
+static enum fsdp_status reduce_fail(struct fsdp_ctx *ctx, struct fsdp__unit *u, const char *what) {
+    fsdp__pool_put(u->model, u->rs_prev);
+    u->rs_prev = NULL;
+    return unit_fail(ctx, u, what);
+}
+
 void fsdp__model_reshard_all(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
     for (int i = 0; i < fm->n_units; i++) {
         struct fsdp__unit *u = &fm->units[i];
-        if (u->rs_req) fsdp_comm_wait(reduce_comm(u), u->rs_req); /* buffers stay valid until done */
-        u->rs_req = NULL;
-        u->rs_pending = 0;
+        /* buffers stay valid until done; the result is dropped (the step failed) */
+        if (u->rs_req) fsdp_comm_wait(reduce_comm(u), u->rs_req);
+        if (u->ar_req) fsdp_comm_wait(fm->rep_comm, u->ar_req);
+        u->rs_req = u->ar_req = NULL;
         fsdp__pool_put(fm, u->rs_prev);
         u->rs_prev = NULL;
         if (u->state_ == UNIT_ERROR) continue;
@@ -162,7 +174,7 @@ void fsdp__model_reshard_all(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
         fsdp__unit_reshard(ctx, u);
         u->phase = PHASE_IDLE;
     }
-    fm->rs_last = NULL;
+    fm->rs_last = fm->ar_last = NULL;
 }
 
 /* ---- Prefetch and overlap ----
@@ -179,14 +191,29 @@ void fsdp__model_reshard_all(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
  *   limit: at most max_inflight units are gathering or gathered counting
  *     the one computing (max_inflight - 1 prefetched), which bounds the full
  *     buffers; the planner (plan.c) replays the same gets and puts.
- *   asynchronous reduce-scatter: post-backward starts its unit's
- *     reduce-scatter (HYBRID: the all-reduce over replicas follows at the
- *     finish; NO_SHARD: the all-reduce is the start) and finishes the
- *     previous unit's: at most one reduction in flight besides the unit's
- *     own; the last one is finished at the end of backward
- *     (fsdp__model_finish_reduce). The full gradient stays until then.
+ *   asynchronous reductions, a pipeline (reduce_advance): post-backward
+ *     starts its unit's reduce-scatter (reduce_start), then
+ *       a. lands the replica all-reduce that the previous post-backward left
+ *          in flight (fm->ar_last, HYBRID with 2+ replicas; reduce_land):
+ *          waits, widens, averages, adds the accumulated shard back (rs_prev
+ *          is kept until here);
+ *       b. waits for the previous unit's reduce-scatter (fm->rs_last;
+ *          reduce_scattered), releases its full gradient (the result lies in
+ *          the gradient shard: fsdp__mp_grad_recv) and starts its all-reduce
+ *          over the replicas in place there, left in flight as the new
+ *          fm->ar_last; without replicas it lands at once.
+ *     So besides the unit's own start at most one reduce-scatter (shard
+ *     comm) and one all-reduce (replica comm) are in flight, and a comes
+ *     before b's start, so one all-reduce runs at a time. The end of
+ *     backward (fsdp__model_finish_reduce) does a, then b with its
+ *     all-reduce landed at once. Overlap off runs reduce_scattered and
+ *     reduce_land right after reduce_start. Full gradients held: the current
+ *     unit's and the previous unit's, as before the pipeline; plan.c replays
+ *     these gets and puts and the MPI backend's staging of each collective.
  * Results are bit-identical with overlap on or off: the same collectives
- * reduce the same buffers; only the waits move.
+ * reduce the same buffers, started in the same order on each communicator
+ * (the shard comm: gathers and reduce-scatters; the replica comm: the
+ * all-reduces, in backward order); only the waits move.
  * Progress: shm runs collectives on its progress thread, so a started
  * gather completes while the compute thread works. MPI's non-blocking
  * collectives advance only inside MPI calls (Open MPI has no asynchronous
@@ -292,10 +319,10 @@ static enum fsdp_status pre_backward(void *data, struct fsdp_ctx *ctx) {
 }
 
 /* Starts the reduction of u's full gradient ([Note: sharding strategies]):
- * a reduce-scatter over the shard group, or, for a group of one (the shard
- * is the whole buffer), the all-reduce over the replicas, in place; in
- * reduce_dtype (mixed.c). When accumulating, the shard so far is set aside
- * first (the reduction lands in the shard). */
+ * a reduce-scatter over the shard group into the gradient shard, or, for a
+ * group of one (the shard is the whole buffer), the all-reduce over the
+ * replicas, in place; in reduce_dtype (mixed.c). When accumulating, the
+ * shard so far is set aside first (the reduction lands in the shard). */
 static enum fsdp_status reduce_start(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
     struct fsdp_model *fm = u->model;
     if (fm->grad_accumulate) {
@@ -315,62 +342,87 @@ static enum fsdp_status reduce_start(struct fsdp_ctx *ctx, struct fsdp__unit *u)
                                        FSDP_SUM, &u->rs_req);
     unit_tag(ctx, u->model, NULL);
     u->rs_recv = recv;
-    u->rs_pending = 1;
-    if (st != FSDP_OK) return unit_fail(ctx, u, fm->shard_size > 1 ? "reduce-scatter" : "all-reduce");
+    if (st != FSDP_OK) return reduce_fail(ctx, u, fm->shard_size > 1 ? "reduce-scatter" : "all-reduce");
     return FSDP_OK;
 }
 
-/* Finishes u's reduction: waits, all-reduces the shard over the replicas
- * (HYBRID), lands it in the fp32 gradient shard, averages by 1/world, adds
- * the accumulated shard back, and releases the full gradient. */
-static enum fsdp_status reduce_finish(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
+/* The middle of u's reduction ([Note: prefetch and overlap]): waits for its
+ * reduce-scatter (or a shard group of one's all-reduce), releases the full
+ * gradient when the result lies in the shard, and with 2+ replicas starts
+ * the all-reduce of the result over them, in place (u->ar_req). */
+static enum fsdp_status reduce_scattered(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
     struct fsdp_model *fm = u->model;
     struct fsdp_comm_req *req = u->rs_req;
     u->rs_req = NULL;
-    u->rs_pending = 0;
-    enum fsdp_status st = fsdp_comm_wait(reduce_comm(u), req);
-    const char *what = fm->shard_size > 1 ? "reduce-scatter" : "all-reduce";
+    if (fsdp_comm_wait(reduce_comm(u), req) != FSDP_OK)
+        return reduce_fail(ctx, u, fm->shard_size > 1 ? "reduce-scatter" : "all-reduce");
+    if (fm->shard_size == 1) return FSDP_OK; /* the result is in the full gradient */
+    release_grad(u);
+    if (fm->rep_size == 1) return FSDP_OK;
+    unit_tag(ctx, fm, u);
+    enum fsdp_status st = fsdp_comm_allreduce_start(fm->rep_comm, u->rs_recv, u->rs_recv, (size_t)u->numel_shard,
+                                                    u->reduce_dtype, FSDP_SUM, &u->ar_req);
+    unit_tag(ctx, fm, NULL);
+    if (st != FSDP_OK) return reduce_fail(ctx, u, "all-reduce over the replicas");
+    return FSDP_OK;
+}
+
+/* The end of u's reduction: waits for the replica all-reduce if one runs,
+ * lands the result in the fp32 gradient shard, averages by 1/world, adds
+ * the accumulated shard back, and releases what is left (the accumulation
+ * buffer; the full gradient of a shard group of one). */
+static enum fsdp_status reduce_land(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
+    struct fsdp_model *fm = u->model;
+    struct fsdp_comm_req *req = u->ar_req;
+    u->ar_req = NULL;
+    if (req && fsdp_comm_wait(fm->rep_comm, req) != FSDP_OK)
+        return reduce_fail(ctx, u, "all-reduce over the replicas");
     void *recv = u->rs_recv;
-    if (st == FSDP_OK && fm->shard_size > 1 && fm->rep_size > 1) {
-        what = "all-reduce";
-        unit_tag(ctx, u->model, u);
-        st = fsdp_comm_allreduce_start(fm->rep_comm, recv, recv, (size_t)u->numel_shard, u->reduce_dtype,
-                                       FSDP_SUM, &req);
-        unit_tag(ctx, u->model, NULL);
-        if (st == FSDP_OK) st = fsdp_comm_wait(fm->rep_comm, req);
+    if (recv != u->grad_shard) {
+        if (u->reduce_dtype == FSDP_F32) memcpy(u->grad_shard, recv, (size_t)u->numel_shard * sizeof(float));
+        else fsdp__mp_grad_land(u, recv);
     }
-    if (st == FSDP_OK) {
-        if (recv != u->grad_shard) {
-            if (u->reduce_dtype == FSDP_F32) memcpy(u->grad_shard, recv, (size_t)u->numel_shard * sizeof(float));
-            else fsdp__mp_grad_land(u, recv);
-        }
-        /* what the pre-division left: 1/world in all ([Note: gradient pre-division]) */
-        float inv = (float)fsdp__mp_predivide(u->reduce_dtype, ctx->world) / (float)ctx->world;
-        float *g = u->grad_shard, *prev = u->rs_prev;
-        u->grad_fresh = 1;
-        if (prev)
-            for (int64_t i = 0; i < u->numel_shard; i++) g[i] = g[i] * inv + prev[i];
-        else
-            for (int64_t i = 0; i < u->numel_shard; i++) g[i] *= inv;
-    }
+    /* what the pre-division left: 1/world in all ([Note: gradient pre-division]) */
+    float inv = (float)fsdp__mp_predivide(u->reduce_dtype, ctx->world) / (float)ctx->world;
+    float *g = u->grad_shard, *prev = u->rs_prev;
+    u->grad_fresh = 1;
+    if (prev)
+        for (int64_t i = 0; i < u->numel_shard; i++) g[i] = g[i] * inv + prev[i];
+    else
+        for (int64_t i = 0; i < u->numel_shard; i++) g[i] *= inv;
     fsdp__pool_put(fm, u->rs_prev);
     u->rs_prev = NULL;
-    if (st != FSDP_OK) return unit_fail(ctx, u, what);
     release_grad(u);
     return FSDP_OK;
 }
 
-enum fsdp_status fsdp__model_finish_reduce(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
-    struct fsdp__unit *u = fm->rs_last;
-    fm->rs_last = NULL;
-    return u ? reduce_finish(ctx, u) : FSDP_OK;
+/* Lands the replica all-reduce left in flight, then takes the pending
+ * reduce-scatter through reduce_scattered and, unless `leave` and an
+ * all-reduce now runs, reduce_land. */
+static enum fsdp_status reduce_advance(struct fsdp_ctx *ctx, struct fsdp_model *fm, int leave) {
+    struct fsdp__unit *a = fm->ar_last, *r = fm->rs_last;
+    fm->ar_last = fm->rs_last = NULL; /* on failure the units keep their requests for reshard_all */
+    if (a) FSDP_TRY(reduce_land(ctx, a));
+    if (!r) return FSDP_OK;
+    FSDP_TRY(reduce_scattered(ctx, r));
+    if (!leave || !r->ar_req) return reduce_land(ctx, r);
+    fm->ar_last = r;
+    fm->rep_deferred++;
+    return FSDP_OK;
 }
 
+enum fsdp_status fsdp__model_finish_reduce(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
+    return reduce_advance(ctx, fm, 0);
+}
+
+int64_t fsdp__model_rep_deferred(const struct fsdp_model *fm) { return fm->rep_deferred; }
+
 /* Reduces the full gradient into the gradient shard (reduce_start, then
- * reduce_finish: at once, or under overlap at the next unit's post-backward
- * or the end of backward), added to what the shard holds when accumulating
- * ([Note: gradient accumulation]), then releases the full buffers. Under
- * no_sync the full gradient stays, unreduced, for the next backward. */
+ * both stages: at once, or under overlap pipelined over the next
+ * post-backwards and the end of backward), added to what the shard holds
+ * when accumulating ([Note: gradient accumulation]), then releases the full
+ * buffers. Under no_sync the full gradient stays, unreduced, for the next
+ * backward. */
 static enum fsdp_status post_backward(void *data, struct fsdp_ctx *ctx) {
     struct fsdp__unit *u = data;
     struct fsdp_model *fm = u->model;
@@ -384,10 +436,11 @@ static enum fsdp_status post_backward(void *data, struct fsdp_ctx *ctx) {
         for (int j = 0; j < u->n_params; j++) u->params[j]->grad = NULL;
         FSDP_TRY(reduce_start(ctx, u));
         if (overlap_on(fm)) {
-            FSDP_TRY(fsdp__model_finish_reduce(ctx, fm));
+            FSDP_TRY(reduce_advance(ctx, fm, 1));
             fm->rs_last = u;
         } else {
-            FSDP_TRY(reduce_finish(ctx, u));
+            FSDP_TRY(reduce_scattered(ctx, u));
+            FSDP_TRY(reduce_land(ctx, u));
         }
     }
     FSDP_TRY(fsdp__unit_reshard(ctx, u));
