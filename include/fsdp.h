@@ -549,6 +549,13 @@ struct fsdp_optim_slice {
     int64_t n, state_stride;
     int decay; /* 0: no weight decay; 1: the optimizer's; 1 + g (g >= 1): parameter group g's
                   weight decay and learning-rate scale (fsdp_optim_add_group) */
+    void *param_lp;          /* optional (NULL: none): n elements of lp_dtype that receive the
+                                updated parameters rounded to nearest even, written while they
+                                are still in cache (a 16-bit copy without a separate cast) */
+    enum fsdp_dtype lp_dtype; /* FSDP_BF16 or FSDP_F16 when param_lp is set */
+    double *sumsq;           /* optional (NULL: none): receives the sum of squares of the updated
+                                parameters, in double, per 8192-element chunk and the chunks in
+                                order (the same bits for any thread count) */
 };
 /* Updates the slices with learning rate lr, gradients multiplied by grad_scale
  * first (clipping). Advances the step count by one. COLLECTIVE: no. */
@@ -926,7 +933,8 @@ enum fsdp_status fsdp_mem_parse_size(struct fsdp_ctx *ctx, const char *text, siz
 struct fsdp_mem_plan {
     int world, rank;
     int n_units;
-    size_t params, grads, optim; /* this rank's shards (FSDP_MEM_SHARD) */
+    size_t params, grads, optim; /* this rank's shards (FSDP_MEM_SHARD); params includes the
+                                    16-bit copy a 16-bit unit keeps for its gathers */
     size_t full;      /* pooled full parameter and gradient buffers (FSDP_MEM_FULL) */
     size_t act;       /* activation arena at its peak, checkpointing included (FSDP_MEM_ACT) */
     size_t workspace; /* the rest the library allocates: per-step transients (FSDP_MEM_OTHER) */

@@ -69,8 +69,9 @@ static inline double ref_step(struct ref *r, struct fsdp_ctx *c, const int32_t *
     double gn = sqrt(ss);
     struct fsdp_optim_slice *sl = calloc(r->n > 0 ? (size_t)r->n : 1u, sizeof *sl);
     for (int i = 0; i < r->n; i++)
-        sl[i] = (struct fsdp_optim_slice){r->p[i]->data, r->p[i]->grad, r->state[i], r->p[i]->numel,
-                                          r->p[i]->numel, !r->p[i]->no_decay};
+        sl[i] = (struct fsdp_optim_slice){.param = r->p[i]->data, .grad = r->p[i]->grad, .state = r->state[i],
+                                          .n = r->p[i]->numel, .state_stride = r->p[i]->numel,
+                                          .decay = !r->p[i]->no_decay};
     fsdp_optim_step(r->opt, sl, r->n, lr, fsdp_clip_scale(gn, clip));
     free(sl);
     if (out) {

@@ -15,6 +15,8 @@ export OMPI_MCA_rmaps_base_oversubscribe=1
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 # every collective of the suite checks that all ranks call the same one (src/comm)
 export FSDP_CHECK_COLLECTIVES=${FSDP_CHECK_COLLECTIVES:-1}
+# every gather from a unit's 16-bit shard copy checks it against the shard (src/fsdp/mixed.c)
+export FSDP_CHECK_LP_COPY=${FSDP_CHECK_LP_COPY:-1}
 case "$BUILD" in *asan*) # sanitized suite: leaks of our code fail, Open MPI's own are
   # suppressed (tests/lsan.supp); the slow unwinder records 16 frames, so the
   # suppressions see the MPI frames under a leak made in an MPI plugin (Open MPI

@@ -11,7 +11,9 @@
 
 #include <math.h>
 #include <mpi.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "mpi_harness.h"
 
@@ -101,6 +103,83 @@ static void check_bf16_vs_one_rank(enum fsdp_mixed_precision mp) {
 
 TEST(bf16_default_matches_one_rank_run) { check_bf16_vs_one_rank(FSDP_MP_DEFAULT); }
 TEST(bf16_pure_matches_one_rank_run) { check_bf16_vs_one_rank(FSDP_MP_PURE); }
+
+/* The logits of a forward on batch 0, copied out of the arena. */
+static float *logits_of(struct fsdp_ctx *c, struct run *r, const struct fsdp_data *data) {
+    int world = fsdp_ctx_world(c), rank = fsdp_ctx_rank(c);
+    int32_t in[B * T], tg[B * T];
+    fsdp_data_batch(data, 0, B, T, rank, world, in, tg);
+    float *lg = NULL;
+    if (fsdp_model_forward(c, r->fm, in, B / world, T, &lg) != FSDP_OK) return NULL;
+    size_t n = (size_t)(B / world) * T * (size_t)tiny_cfg().vocab_size;
+    float *out = malloc(n * sizeof(float));
+    if (out) memcpy(out, lg, n * sizeof(float));
+    return out;
+}
+
+/* Halves every parameter through fsdp_summon_full_params with write-back. */
+static enum fsdp_status halve_params(struct fsdp_ctx *c, struct run *r) {
+    enum fsdp_status st = fsdp_summon_full_params(c, r->fm, r->g, 1, 0);
+    if (st != FSDP_OK) return st;
+    const char *names[] = {"transformer.wte.weight", "transformer.h.0.attn.c_attn.weight",
+                           "transformer.h.1.mlp.c_fc.weight", "transformer.ln_f.weight"};
+    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
+        struct fsdp_param *p = fsdp_module_find_param(r->g, names[k]);
+        if (!p) abort();
+        for (int64_t i = 0; i < p->numel; i++) p->data[i] *= 0.5f;
+    }
+    return fsdp_summon_end(c, r->fm);
+}
+
+/* A 16-bit unit gathers the 16-bit copy of its shard that AdamW writes
+ * ([Note: fused 16-bit copy]); every other writer of the shard must make the
+ * next gather cast the shard afresh. Run A: 2 steps, forward (logits L0),
+ * save, a 3rd step, load the save: a forward must give L0 again (a stale
+ * copy would carry step 3's weights). Run B: the same 2 steps, then halve
+ * weights by summon write-back; A, whose copy the load already dropped,
+ * halves the same weights: both forwards must agree (a stale copy in B would
+ * miss the halving). */
+TEST(shard_writers_refresh_16bit_copy) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_data *data;
+    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
+    char dir[256];
+    int pid = (int)getpid();
+    fsdp_comm_broadcast(fsdp_ctx_comm(c), &pid, 1, FSDP_I32, 0);
+    snprintf(dir, sizeof dir, "/tmp/fsdp-lpcopy-test-%d-w%d", pid, fsdp_ctx_world(c));
+    struct run a, b;
+    struct fsdp_step_result res[3];
+    ASSERT_OK(run_create(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, &a), c);
+    ASSERT_OK(run_create(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, &b), c);
+    CHECK_OK(train(c, &a, data, 2, res), c);
+    CHECK_OK(train(c, &b, data, 2, res), c);
+    float *l0 = logits_of(c, &a, data);
+    CHECK_OK(fsdp_ckpt_save(c, a.fm, dir, NULL), c);
+    CHECK_OK(train(c, &a, data, 3, res), c); /* steps 0..2 of the data again: new weights */
+    float *l3 = logits_of(c, &a, data);
+    CHECK_OK(fsdp_ckpt_load(c, a.fm, dir, NULL), c);
+    float *l0again = logits_of(c, &a, data);
+    CHECK_OK(halve_params(c, &a), c);
+    CHECK_OK(halve_params(c, &b), c);
+    float *la = logits_of(c, &a, data), *lb = logits_of(c, &b, data);
+    size_t n = (size_t)(B / fsdp_ctx_world(c)) * T * (size_t)tiny_cfg().vocab_size;
+    if (!l0 || !l3 || !l0again || !la || !lb) TEST_FAILF("a forward failed: %s", fsdp_errmsg(c));
+    else {
+        CHECK(memcmp(l0, l3, n * sizeof(float)) != 0);      /* step 3 changed the weights */
+        CHECK(memcmp(l0, l0again, n * sizeof(float)) == 0); /* the load is what is gathered */
+        CHECK(memcmp(l0, la, n * sizeof(float)) != 0);      /* halving changed them */
+        CHECK(memcmp(la, lb, n * sizeof(float)) == 0);      /* and reached B's gathers too */
+    }
+    free(l0), free(l3), free(l0again), free(la), free(lb);
+    if (fsdp_ctx_rank(c) == 0) {
+        char cmd[600];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s.tmp'", dir, dir);
+        if (system(cmd) != 0) fprintf(stderr, "  (could not remove %s)\n", dir);
+    }
+    run_free(&a);
+    run_free(&b);
+    fsdp_data_free(data);
+}
 
 /* Trains a run of compute precision dt and policy mp and an fp32 run side by
  * side for `steps` steps: lo[] and fp[] hold their results. */

@@ -191,8 +191,8 @@ TEST(adamw_first_step_closed_form) {
     float p0[4], state[8] = {0};
     memcpy(p0, p, sizeof p);
     struct fsdp_optim_slice sl[2] = {
-        {p, g, state, 2, 4, 1},          /* decayed */
-        {p + 2, g + 2, state + 2, 2, 4, 0}, /* not decayed */
+        {.param = p, .grad = g, .state = state, .n = 2, .state_stride = 4, .decay = 1}, /* decayed */
+        {.param = p + 2, .grad = g + 2, .state = state + 2, .n = 2, .state_stride = 4, .decay = 0},
     };
     double lr = 0.1, wd = (double)o.weight_decay, eps = (double)o.eps;
     fsdp_optim_step(opt, sl, 2, (float)lr, 1.0f);
@@ -232,7 +232,8 @@ TEST(adamw_matches_reference) {
     memcpy(rp, p, (size_t)total * sizeof(float));
     struct fsdp_optim_slice sl[NS];
     for (int j = 0; j < NS; j++)
-        sl[j] = (struct fsdp_optim_slice){p + off[j], g + off[j], state + off[j], len[j], total, dec[j]};
+        sl[j] = (struct fsdp_optim_slice){.param = p + off[j], .grad = g + off[j], .state = state + off[j],
+                                          .n = len[j], .state_stride = total, .decay = dec[j]};
 
     const float lrs[6] = {1e-3f, 3e-3f, 1e-2f, 1e-2f, 5e-3f, 2e-4f};
     const float scales[6] = {1.0f, 0.5f, 1.0f, 0.25f, 1.0f, 0.9f};
@@ -266,7 +267,7 @@ TEST(adamw_state_layout) {
     float state[2 * STRIDE + 3];
     for (int i = 0; i < 2 * STRIDE + 3; i++) state[i] = -7.0f; /* sentinel */
     for (int i = 0; i < N; i++) state[i] = state[STRIDE + i] = 0.0f;
-    struct fsdp_optim_slice sl = {p, g, state, N, STRIDE, 1};
+    struct fsdp_optim_slice sl = {.param = p, .grad = g, .state = state, .n = N, .state_stride = STRIDE, .decay = 1};
     fsdp_optim_step(opt, &sl, 1, 1e-2f, 2.0f);
     for (int i = 0; i < N; i++) {
         double gi = 2.0 * g[i];
@@ -299,7 +300,7 @@ TEST(step_count_and_setter) {
     memcpy(rp, p, sizeof p);
     float p0[N];
     memcpy(p0, p, sizeof p);
-    struct fsdp_optim_slice sl = {p, g, state, N, N, 1};
+    struct fsdp_optim_slice sl = {.param = p, .grad = g, .state = state, .n = N, .state_stride = N, .decay = 1};
     fsdp_optim_step(opt, &sl, 1, 1e-2f, 1.0f);
     CHECK_INT_EQ(fsdp_optim_step_count(opt), 11);
     ref_adamw(rp, g, rm, rv, N, 11, &o, 1e-2f, 1, 1.0);
@@ -340,8 +341,8 @@ static void sgd_case(float momentum) {
     memcpy(rp, p, (size_t)total * sizeof(float));
     struct fsdp_optim_slice sl[NS];
     for (int j = 0; j < NS; j++)
-        sl[j] = (struct fsdp_optim_slice){p + off[j], g + off[j], buf ? buf + off[j] : NULL,
-                                          len[j], total, dec[j]};
+        sl[j] = (struct fsdp_optim_slice){.param = p + off[j], .grad = g + off[j], .state = buf ? buf + off[j] : NULL,
+                                          .n = len[j], .state_stride = total, .decay = dec[j]};
     const float lrs[5] = {0.1f, 0.05f, 0.1f, 0.02f, 0.01f};
     const float scales[5] = {1.0f, 0.5f, 1.0f, 0.7f, 1.0f};
     for (int s = 0; s < 5; s++) {
@@ -370,7 +371,8 @@ TEST(sgd_plain) {
     struct fsdp_optim *opt;
     ASSERT_OK(fsdp_optim_create(ctx, &o, &opt), ctx);
     float p[2] = {2.0f, 2.0f}, g[2] = {1.0f, 1.0f};
-    struct fsdp_optim_slice sl[2] = {{p, g, NULL, 1, 1, 1}, {p + 1, g + 1, NULL, 1, 1, 0}};
+    struct fsdp_optim_slice sl[2] = {{.param = p, .grad = g, .n = 1, .state_stride = 1, .decay = 1},
+                                     {.param = p + 1, .grad = g + 1, .n = 1, .state_stride = 1, .decay = 0}};
     fsdp_optim_step(opt, sl, 2, 0.25f, 2.0f);
     CHECK_NEAR(p[0], 2.0 - 0.25 * (2.0 + 0.5 * 2.0), 0, 1e-7);
     CHECK_NEAR(p[1], 2.0 - 0.25 * 2.0, 0, 1e-7);
@@ -398,16 +400,16 @@ TEST(deterministic_threads_and_slicing) {
     const int64_t cut[4] = {0, 1, 50000, n};
     for (int s = 0; s < 3; s++) {
         fill(g, n, 0.2f);
-        struct fsdp_optim_slice a = {p1, g, s1, n, n, 1};
+        struct fsdp_optim_slice a = {.param = p1, .grad = g, .state = s1, .n = n, .state_stride = n, .decay = 1};
         omp_set_num_threads(1);
         fsdp_optim_step(o1, &a, 1, 1e-2f, 0.7f);
-        struct fsdp_optim_slice b = {p2, g, s2, n, n, 1};
+        struct fsdp_optim_slice b = {.param = p2, .grad = g, .state = s2, .n = n, .state_stride = n, .decay = 1};
         omp_set_num_threads(4);
         fsdp_optim_step(o2, &b, 1, 1e-2f, 0.7f);
         struct fsdp_optim_slice c[3];
         for (int j = 0; j < 3; j++)
-            c[j] = (struct fsdp_optim_slice){p3 + cut[j], g + cut[j], s3 + cut[j],
-                                             cut[j + 1] - cut[j], n, 1};
+            c[j] = (struct fsdp_optim_slice){.param = p3 + cut[j], .grad = g + cut[j], .state = s3 + cut[j],
+                                             .n = cut[j + 1] - cut[j], .state_stride = n, .decay = 1};
         omp_set_num_threads(3);
         fsdp_optim_step(o3, c, 3, 1e-2f, 0.7f);
     }
@@ -419,6 +421,53 @@ TEST(deterministic_threads_and_slicing) {
     fsdp_optim_free(o1), fsdp_optim_free(o2), fsdp_optim_free(o3);
     fsdp_ctx_free(ctx);
 }
+
+/* [Note: fused 16-bit copy]: a slice with param_lp gets the same fp32
+ * update as one without, and its copy equals the element-by-element cast
+ * of the result (dtype.c's scalar rounding, NaN included), for AdamW and
+ * SGD, bf16 and fp16, with slices that are not whole chunks. */
+static void lp_copy_case(enum fsdp_optim_kind kind, enum fsdp_dtype dt) {
+    struct fsdp_ctx *ctx = new_ctx();
+    struct fsdp_optim_opts o = fsdp_optim_opts_default();
+    o.kind = kind;
+    o.momentum = 0.9f;
+    struct fsdp_optim *oa, *ob;
+    ASSERT_OK(fsdp_optim_create(ctx, &o, &oa), ctx);
+    ASSERT_OK(fsdp_optim_create(ctx, &o, &ob), ctx);
+    const int64_t n = 3 * 8192 + 4099; /* chunks and a partial one */
+    float *pa = falloc(n), *pb = falloc(n), *g = falloc(n), *sa = falloc(2 * n), *sb = falloc(2 * n);
+    uint16_t *lp = calloc((size_t)n, sizeof *lp);
+    if (!lp) abort();
+    fill(pa, n, 3.0f);
+    pa[5] = NAN;              /* a NaN parameter stays NaN in the copy */
+    pa[6] = 1e-41f;           /* a subnormal rounds as dtype.c rounds it */
+    pa[7] = 65519.0f;         /* fp16's rounding edge */
+    memcpy(pb, pa, (size_t)n * sizeof(float));
+    const int64_t cut[3] = {0, 10001, n};
+    for (int s = 0; s < 3; s++) {
+        fill(g, n, 0.2f);
+        struct fsdp_optim_slice a[2], b = {.param = pb, .grad = g, .state = sb, .n = n, .state_stride = n, .decay = 1};
+        for (int j = 0; j < 2; j++)
+            a[j] = (struct fsdp_optim_slice){.param = pa + cut[j], .grad = g + cut[j], .state = sa + cut[j],
+                                             .n = cut[j + 1] - cut[j], .state_stride = n, .decay = 1,
+                                             .param_lp = lp + cut[j], .lp_dtype = dt};
+        fsdp_optim_step(oa, a, 2, 1e-2f, 0.5f);
+        fsdp_optim_step(ob, &b, 1, 1e-2f, 0.5f);
+        CHECK(memcmp(pa, pb, (size_t)n * sizeof(float)) == 0); /* the update is unchanged */
+        int64_t bad = 0;
+        for (int64_t i = 0; i < n; i++)
+            bad += lp[i] != (dt == FSDP_BF16 ? fsdp__f32_to_bf16(pa[i]) : fsdp__f32_to_f16(pa[i]));
+        CHECK_INT_EQ(bad, 0);
+    }
+    CHECK(isnan(pa[5]));
+    free(pa), free(pb), free(g), free(sa), free(sb), free(lp);
+    fsdp_optim_free(oa), fsdp_optim_free(ob);
+    fsdp_ctx_free(ctx);
+}
+
+TEST(adamw_bf16_copy) { lp_copy_case(FSDP_OPTIM_ADAMW, FSDP_BF16); }
+TEST(adamw_f16_copy) { lp_copy_case(FSDP_OPTIM_ADAMW, FSDP_F16); }
+TEST(sgd_bf16_copy) { lp_copy_case(FSDP_OPTIM_SGD, FSDP_BF16); }
 
 /* ---- Clipping and schedules ---- */
 
@@ -552,8 +601,8 @@ static void torch_case(enum fsdp_optim_kind kind) {
     snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s %s %s", py, in, out);
     int rc = system(cmd);
 
-    struct fsdp_optim_slice sl[2] = {{p, NULL, state, N1, N, 1},
-                                     {p + N1, NULL, state + N1, N2, N, 0}};
+    struct fsdp_optim_slice sl[2] = {{.param = p, .state = state, .n = N1, .state_stride = N, .decay = 1},
+                                     {.param = p + N1, .state = state + N1, .n = N2, .state_stride = N, .decay = 0}};
     for (int s = 0; s < STEPS; s++) {
         sl[0].grad = g[s];
         sl[1].grad = g[s] + N1;

@@ -176,6 +176,7 @@ static enum fsdp_status read_param_range(struct fsdp_ctx *ctx, const struct fsdp
 enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path,
                                       int rank0_only) {
     enum fsdp_status st = fsdp__ckpt_check_idle(ctx, fm, "load_full");
+    if (st == FSDP_OK) fsdp__model_shards_written(fm);
     struct fsdp__st_file f;
     memset(&f, 0, sizeof f);
     f.fd = -1;

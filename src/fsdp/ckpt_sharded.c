@@ -295,6 +295,7 @@ static enum fsdp_status match_model(struct fsdp_ctx *ctx, struct fsdp_model *fm,
 }
 
 static enum fsdp_status load_local(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp__meta *mt) {
+    fsdp__model_shards_written(fm);
     int k;
     const char *const *snames = fsdp__ckpt_state_names(fm->optim, &k);
     int load_state = 0;

@@ -40,11 +40,16 @@ struct fsdp__unit {
     enum fsdp_dtype output_dtype;  /* tensors leaving the unit's modules: always F32 here */
     enum fsdp_dtype compute_dtype; /* set on the unit's modules (fsdp_module_set_compute_dtype) */
     float *summoned;              /* (numel_padded) fsdp_summon_full_params buffer, or NULL */
-    /* one allocation: param shard | grad shard | optimizer state (k x numel_shard) */
+    /* one allocation: param shard | grad shard | optimizer state (k x numel_shard) | shard_lp */
     float *shard_mem;
     float *shard;                 /* (numel_shard) this rank's slice of the flat params */
     float *grad_shard;            /* (numel_shard) reduced, averaged gradient slice */
     float *state;                 /* (k, numel_shard) optimizer state, or NULL */
+    uint16_t *shard_lp;           /* (numel_shard) 16-bit copy of shard written by the optimizer
+                                     ([Note: fused 16-bit copy], mixed.c), or NULL */
+    int shard_lp_valid;           /* shard_lp == the cast of shard (cleared by every other writer:
+                                     fsdp__model_shards_written) */
+    int lp_direct;                /* the gather reads shard_lp in place (a shard group of one) */
     float *full;                  /* (numel_padded) gathered params while not SHARDED */
     float *full_grad;             /* (numel_padded) gradient accumulator during backward */
     struct fsdp_comm_req *req;    /* the all-gather in flight (GATHERING) */
@@ -151,6 +156,11 @@ extern const struct fsdp_module_hooks fsdp__unit_hooks;
  * keeping the current parameter values. */
 enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit *u, int k_state);
 
+/* Every writer of the parameter shards other than the optimizer step (init,
+ * checkpoint loads, summon write-back) calls this: the units' 16-bit copies
+ * ([Note: fused 16-bit copy], src/optim/optim.c) no longer match. */
+void fsdp__model_shards_written(struct fsdp_model *fm);
+
 /* Whether any unit is gathered or between forward and backward (summon and
  * init refuse to run then). Returns the first such unit, or NULL. */
 struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
@@ -160,7 +170,10 @@ struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
  * gathers into a pooled buffer of fsdp__mp_full_numel(u) floats: the fp32
  * full values (numel_padded floats) followed by the 16-bit staging area
  * (numel_padded elements). Each rank casts its fp32 shard into its block of
- * the staging area, the all-gather runs in place there in the 16-bit dtype
+ * the staging area (or, once the optimizer has written the shard's 16-bit
+ * copy u->shard_lp, sends that copy, and a shard group of one reads it in
+ * place: [Note: fused 16-bit copy] in src/optim/optim.c), the all-gather
+ * runs in place there in the 16-bit dtype
  * (half the bytes), and fsdp__mp_gather_finish widens it into the fp32 part
  * (what p->data shows) and leaves the 16-bit copy as p->data_lp, which the
  * layers multiply with instead of casting the weight again
@@ -189,7 +202,9 @@ enum fsdp_status fsdp__mp_resolve(struct fsdp_ctx *ctx, struct fsdp_model *fm, e
                                   enum fsdp_mixed_precision mp);
 /* Casts u's shard into its block of u->full (see the note) and starts the
  * all-gather in param_dtype over comm, whose rank `rank` owns block `rank`
- * (*req NULL when comm is NULL or of size 1). COLLECTIVE: yes. */
+ * (*req NULL when comm is NULL or of size 1). With a valid 16-bit copy of
+ * the shard (u->shard_lp_valid) it sends that instead of casting, and a
+ * shard group of one reads the copy in place (u->lp_direct). COLLECTIVE: yes. */
 enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct fsdp__unit *u,
                                        struct fsdp_comm_req **req);
 /* After the gather's wait: widens u->full to fp32 in place; with lazy (a

@@ -12,6 +12,7 @@
 
 #include <ctype.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* ---- Policy ---- */
@@ -96,15 +97,46 @@ static void narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n) {
     }
 }
 
+/* Env FSDP_CHECK_LP_COPY=1 (the test suite sets it): every gather from a
+ * valid 16-bit copy first checks it against a fresh cast of the shard, so a
+ * writer of the shard that forgot fsdp__model_shards_written fails loudly. */
+static void check_lp_copy(const struct fsdp__unit *u) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("FSDP_CHECK_LP_COPY");
+        on = e && e[0] == '1';
+    }
+    if (!on) return;
+    for (int64_t i = 0; i < u->numel_shard; i++) {
+        float x = u->shard[i];
+        uint16_t want = u->param_dtype == FSDP_BF16 ? fsdp__f32_to_bf16(x) : fsdp__f32_to_f16(x);
+        FSDP_ASSERT(u->shard_lp[i] == want,
+                    "unit '%s': the 16-bit copy of its shard is stale at element %lld (0x%04x, the shard's "
+                    "%g casts to 0x%04x): a writer of the shard did not call fsdp__model_shards_written",
+                    u->module->fqn[0] ? u->module->fqn : "(root)", (long long)i, u->shard_lp[i], (double)x,
+                    want);
+    }
+}
+
 enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct fsdp__unit *u,
                                        struct fsdp_comm_req **req) {
     FSDP_ASSERT(u->param_dtype == FSDP_BF16 || u->param_dtype == FSDP_F16, "unit %d: param dtype %s", u->index,
                 fsdp_dtype_name(u->param_dtype));
     uint16_t *stage = (uint16_t *)(void *)(u->full + u->numel_padded); /* after the fp32 values */
     uint16_t *mine = stage + (int64_t)rank * u->numel_shard;
-    fsdp__cvt_from_f32(u->param_dtype, u->shard, mine, (size_t)u->numel_shard);
+    int alone = !comm || fsdp_comm_size(comm) == 1;
     *req = NULL;
-    if (!comm || fsdp_comm_size(comm) == 1) return FSDP_OK;
+    u->lp_direct = 0;
+    if (u->shard_lp_valid) { /* the optimizer's copy ([Note: fused 16-bit copy]): no cast */
+        check_lp_copy(u);
+        if (alone) { /* the copy is the whole gathered buffer: read in place */
+            u->lp_direct = 1;
+            return FSDP_OK;
+        }
+        return fsdp_comm_allgather_start(comm, u->shard_lp, stage, (size_t)u->numel_shard, u->param_dtype, req);
+    }
+    fsdp__cvt_from_f32(u->param_dtype, u->shard, mine, (size_t)u->numel_shard);
+    if (alone) return FSDP_OK;
     return fsdp_comm_allgather_start(comm, mine, stage, (size_t)u->numel_shard, u->param_dtype, req);
 }
 
@@ -113,7 +145,7 @@ int64_t fsdp__mp_full_numel(const struct fsdp__unit *u) {
 }
 
 void fsdp__mp_gather_finish(struct fsdp__unit *u, int lazy) {
-    const uint16_t *stage = (const uint16_t *)(const void *)(u->full + u->numel_padded);
+    const uint16_t *stage = u->lp_direct ? u->shard_lp : (const uint16_t *)(const void *)(u->full + u->numel_padded);
     if (!lazy) fsdp__cvt_to_f32(u->param_dtype, stage, u->full, (size_t)u->numel_padded);
     for (int j = 0; j < u->n_params; j++) { /* the layers' 16-bit weights (fsdp__pdata_lp) */
         struct fsdp_param *p = u->params[j];

@@ -469,6 +469,7 @@ enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module
                            c.sync_module_states ? "a unit in flight (sync_module_states)" : "a unit being initialised");
         if (!full) FSDP_ASSERT(0, "%s", ctx->errmsg); /* peers would wait in the broadcast */
     }
+    fsdp__model_shards_written(fm);
     for (int i = 0; i < fm->n_units && st == FSDP_OK; i++)
         st = init_unit(ctx, &fm->units[i], &c, param_init, &sv, full);
     fsdp__free(ctx, full);
@@ -573,13 +574,15 @@ enum fsdp_status fsdp_summon_full_params(struct fsdp_ctx *ctx, struct fsdp_model
 enum fsdp_status fsdp_summon_end(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
     if (!fm->summon_active)
         return fsdp__err(ctx, FSDP_ERR_STATE, "summon_end without fsdp_summon_full_params");
-    if (fm->summon_writeback)
+    if (fm->summon_writeback) {
+        fsdp__model_shards_written(fm);
         for (int i = 0; i < fm->n_units; i++) {
             struct fsdp__unit *u = &fm->units[i];
             if (u->summoned)
                 memcpy(u->shard, u->summoned + (int64_t)fm->shard_rank * u->numel_shard,
                        (size_t)u->numel_shard * sizeof(float));
         }
+    }
     summon_release(fm);
     fm->summon_active = 0;
     return FSDP_OK;

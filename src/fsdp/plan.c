@@ -366,6 +366,7 @@ enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module
     for (int i = 0; i < fm->n_units; i++) { /* fsdp__unit_alloc_shards: one block per unit */
         size_t n = (size_t)fm->units[i].numel_shard;
         p.params += n * sizeof(float) + 64; /* + the block's padding */
+        if (fm->units[i].param_dtype != FSDP_F32) p.params += n * sizeof(uint16_t); /* shard_lp */
         p.grads += n * sizeof(float);
         p.optim += (size_t)optim_state * n * sizeof(float);
         last_unit = 2 * n * sizeof(float) + 64;

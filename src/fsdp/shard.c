@@ -250,7 +250,11 @@ static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_sha
 
 enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit *u, int k_state) {
     size_t n = (size_t)u->numel_shard;
-    float *mem = fsdp__calloc(ctx, (2 + (size_t)k_state) * n * sizeof(float) + 64, FSDP_MEM_SHARD,
+    /* a 16-bit unit's copy for its gathers (mixed.c): the optimizer writes
+     * it, and fsdp_fully_shard's first call runs before the dtypes resolve,
+     * so it comes with fsdp_model_attach_optim's call */
+    size_t lp = u->param_dtype != FSDP_F32 ? n * sizeof(uint16_t) : 0;
+    float *mem = fsdp__calloc(ctx, (2 + (size_t)k_state) * n * sizeof(float) + lp + 64, FSDP_MEM_SHARD,
                               u->module->fqn[0] ? u->module->fqn : "root unit shards");
     if (!mem) return FSDP_ERR_NOMEM;
     if (u->shard_mem) memcpy(mem, u->shard, n * sizeof(float)); /* keep the values */
@@ -259,6 +263,8 @@ enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit
     u->shard = mem;
     u->grad_shard = mem + n;
     u->state = k_state ? mem + 2 * n : NULL;
+    u->shard_lp = lp ? (uint16_t *)(void *)(mem + (2 + (size_t)k_state) * n) : NULL;
+    u->shard_lp_valid = 0;
     return FSDP_OK;
 }
 
@@ -339,9 +345,14 @@ void fsdp_model_free(struct fsdp_model *fm) {
     free(fm);
 }
 
+void fsdp__model_shards_written(struct fsdp_model *fm) {
+    for (int i = 0; i < fm->n_units; i++) fm->units[i].shard_lp_valid = 0;
+}
+
 /* ---- Initialisation after sharding ---- */
 
 enum fsdp_status fsdp_model_init_params(struct fsdp_ctx *ctx, struct fsdp_model *fm, uint64_t seed) {
+    fsdp__model_shards_written(fm);
     for (int i = 0; i < fm->n_units; i++) {
         struct fsdp__unit *u = &fm->units[i];
         if (u->state_ != UNIT_SHARDED)

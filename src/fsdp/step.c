@@ -77,6 +77,8 @@ static enum fsdp_status build_slices(struct fsdp_ctx *ctx, struct fsdp__unit *u,
         sl->state = u->state ? u->state + (s - lo) : NULL;
         sl->n = e - s;
         sl->state_stride = u->numel_shard;
+        sl->param_lp = u->shard_lp ? u->shard_lp + (s - lo) : NULL; /* [Note: fused 16-bit copy] */
+        sl->lp_dtype = u->param_dtype;
         int g = group_of_param(gm, u->params[j]);
         sl->decay = g > 0 ? 1 + g : decay_all || !u->params[j]->no_decay;
     }
@@ -100,12 +102,27 @@ enum fsdp_status fsdp_model_attach_optim(struct fsdp_ctx *ctx, struct fsdp_model
 
 /* ---- Norms ---- */
 
-static enum fsdp_status global_sumsq(struct fsdp_ctx *ctx, struct fsdp_model *fm, int grads,
-                                     double *out) {
+/* Sums the shard group's partial sums `local`: gathered as raw doubles and
+ * added in rank order, so every rank gets the same bits; replicas hold the
+ * same shards, so each element counts once ([Note: sharding strategies]). */
+static enum fsdp_status group_total(struct fsdp_ctx *ctx, struct fsdp_model *fm, double local, double *out) {
+    double *all = calloc((size_t)fm->shard_size, sizeof(double));
+    if (!all) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the norm");
+    all[0] = local;
+    enum fsdp_status st = fm->shard_comm ? fsdp_comm_allgather(fm->shard_comm, &local, all, sizeof(double), FSDP_U8)
+                                         : FSDP_OK;
+    double total = 0.0;
+    for (int r = 0; st == FSDP_OK && r < fm->shard_size; r++) total += all[r];
+    free(all);
+    *out = total;
+    return st;
+}
+
+enum fsdp_status fsdp_model_grad_norm(struct fsdp_ctx *ctx, struct fsdp_model *fm, double *out) {
     double local = 0.0;
     for (int i = 0; i < fm->n_units; i++) {
         const struct fsdp__unit *u = &fm->units[i];
-        const float *x = grads ? u->grad_shard : u->shard;
+        const float *x = u->grad_shard;
         double s = 0.0;
         /* simd: independent partial sums per lane (a single chain of double
          * adds is latency-bound at about a third of memory speed); the
@@ -114,35 +131,33 @@ static enum fsdp_status global_sumsq(struct fsdp_ctx *ctx, struct fsdp_model *fm
         for (int64_t j = 0; j < u->numel_shard; j++) s += (double)x[j] * (double)x[j];
         local += s;
     }
-    /* gather the shard group's partial sums (raw doubles) and add them in
-     * rank order, so every rank gets the same bits; replicas hold the same
-     * shards, so each element counts once ([Note: sharding strategies]) */
-    double *all = calloc((size_t)fm->shard_size, sizeof(double));
-    if (!all) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the norm");
-    all[0] = local;
-    enum fsdp_status st = fm->shard_comm ? fsdp_comm_allgather(fm->shard_comm, &local, all, sizeof(double), FSDP_U8)
-                                         : FSDP_OK;
-    if (st != FSDP_OK) {
-        free(all);
-        return st;
-    }
-    double total = 0.0;
-    for (int r = 0; r < fm->shard_size; r++) total += all[r];
-    free(all);
-    *out = total;
-    return FSDP_OK;
-}
-
-enum fsdp_status fsdp_model_grad_norm(struct fsdp_ctx *ctx, struct fsdp_model *fm, double *out) {
     double s;
-    FSDP_TRY(global_sumsq(ctx, fm, 1, &s));
+    FSDP_TRY(group_total(ctx, fm, local, &s));
     *out = sqrt(s);
     return FSDP_OK;
 }
 
+/* This rank's sum of squares of its parameters: per parameter run of each
+ * shard in order (the optimizer slices' runs), fsdp__sumsq of each, which
+ * is what the optimizer's fused sums give after an update
+ * (optim_step_all): a skipped step reports the bits the applied one did. */
+static double param_sumsq_local(const struct fsdp_model *fm) {
+    double local = 0.0;
+    for (int i = 0; i < fm->n_units; i++) {
+        const struct fsdp__unit *u = &fm->units[i];
+        int64_t lo = (int64_t)fm->shard_rank * u->numel_shard, hi = lo + u->numel_shard;
+        for (int j = 0; j < u->n_params; j++) {
+            int64_t a = u->offsets[j], b = a + u->params[j]->numel;
+            int64_t s = a > lo ? a : lo, e = b < hi ? b : hi;
+            if (s < e) local += fsdp__sumsq(u->shard + (s - lo), e - s);
+        }
+    }
+    return local;
+}
+
 enum fsdp_status fsdp_model_param_norm(struct fsdp_ctx *ctx, struct fsdp_model *fm, double *out) {
     double s;
-    FSDP_TRY(global_sumsq(ctx, fm, 0, &s));
+    FSDP_TRY(group_total(ctx, fm, param_sumsq_local(fm), &s));
     *out = sqrt(s);
     return FSDP_OK;
 }
@@ -150,18 +165,32 @@ enum fsdp_status fsdp_model_param_norm(struct fsdp_ctx *ctx, struct fsdp_model *
 /* ---- Steps ---- */
 
 /* Applies the optimizer to every unit's slices as one step. */
-static enum fsdp_status optim_step_all(struct fsdp_model *fm, float lr, float grad_scale) {
+/* The optimizer over every unit's slices; *sumsq gets this rank's sum of
+ * squares of the updated parameters, slice by slice in order (the same bits
+ * as param_sumsq_local, see [Note: fused 16-bit copy] in optim.c). */
+static enum fsdp_status optim_step_all(struct fsdp_model *fm, float lr, float grad_scale, double *sumsq) {
     int n = 0;
     for (int i = 0; i < fm->n_units; i++) n += fm->units[i].n_slices;
     struct fsdp_optim_slice *all = calloc((size_t)n + 1, sizeof *all);
-    if (!all) return fsdp__err(fm->ctx, FSDP_ERR_NOMEM, "out of memory for the optimizer step");
+    double *sums = calloc((size_t)n + 1, sizeof *sums);
+    if (!all || !sums) {
+        free(all);
+        free(sums);
+        return fsdp__err(fm->ctx, FSDP_ERR_NOMEM, "out of memory for the optimizer step");
+    }
     n = 0;
     for (int i = 0; i < fm->n_units; i++) {
         memcpy(all + n, fm->units[i].slices, (size_t)fm->units[i].n_slices * sizeof *all);
         n += fm->units[i].n_slices;
     }
+    for (int j = 0; j < n; j++) all[j].sumsq = &sums[j];
     fsdp_optim_step(fm->optim, all, n, lr, grad_scale);
+    *sumsq = 0.0;
+    for (int j = 0; j < n; j++) *sumsq += sums[j];
     free(all);
+    free(sums);
+    /* the slices cover every parameter element; the padding stays 0 in both */
+    for (int i = 0; i < fm->n_units; i++) fm->units[i].shard_lp_valid = fm->units[i].shard_lp != NULL;
     return FSDP_OK;
 }
 
@@ -364,24 +393,22 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
     float unscale;
     res->skipped = fsdp__scaler_update(fm, loss, &gnorm, &unscale); /* unscales gnorm */
     res->loss_scale = loss_scale;
-    if (res->skipped) { /* overflow under loss scaling: no update on any rank */
-        res->loss = loss;
-        res->grad_norm = gnorm;
-        goto finish;
-    }
-    if (!isfinite(loss) || !isfinite(gnorm)) { /* every rank sees the same loss and norm */
-        char where[256];
-        FSDP_TRY(first_nonfinite_unit(ctx, fm, where, sizeof where));
-        return fsdp__err(ctx, FSDP_ERR_NUMERIC, "non-finite %s (loss %g, grad norm %g)%s",
-                         isfinite(loss) ? "gradient" : "loss", loss, gnorm, where);
-    }
-    float scale = fsdp_clip_scale(gnorm, clip) * unscale;
-    st = optim_step_all(fm, lr, scale);
-    if (st != FSDP_OK) return st;
     res->loss = loss;
     res->grad_norm = gnorm;
-finish: /* a skipped step reports like an applied one */
-    st = fsdp_model_param_norm(ctx, fm, &res->param_norm);
+    double psq = 0.0; /* this rank's sum of squares of the parameters after the step */
+    if (res->skipped) { /* overflow under loss scaling: no update on any rank */
+        psq = param_sumsq_local(fm);
+    } else {
+        if (!isfinite(loss) || !isfinite(gnorm)) { /* every rank sees the same loss and norm */
+            char where[256];
+            FSDP_TRY(first_nonfinite_unit(ctx, fm, where, sizeof where));
+            return fsdp__err(ctx, FSDP_ERR_NUMERIC, "non-finite %s (loss %g, grad norm %g)%s",
+                             isfinite(loss) ? "gradient" : "loss", loss, gnorm, where);
+        }
+        FSDP_TRY(optim_step_all(fm, lr, fsdp_clip_scale(gnorm, clip) * unscale, &psq)); /* psq fused */
+    }
+    st = group_total(ctx, fm, psq, &res->param_norm);
+    res->param_norm = sqrt(res->param_norm);
     res->forward_s = t1 - t0;
     res->backward_s = t2 - t1;
     res->update_s = fsdp__now() - t2;

@@ -74,7 +74,7 @@ enum fsdp_status fsdp__param_ready(struct fsdp_ctx *ctx, struct fsdp_param *p, i
     if (!q->data) /* not fsdp__pdata: a stale value is there, widened when read */
         return fsdp__err(ctx, FSDP_ERR_STATE,
                          "parameter '%s' has no values (not materialized, or its unit is not gathered)", name);
-    if (need_grad && !fsdp__pgrad(p))
+    if (need_grad && !q->grad)
         return fsdp__err(ctx, FSDP_ERR_STATE,
                          "parameter '%s' has no gradient buffer (call fsdp_module_zero_grad)", name);
     return FSDP_OK;

@@ -22,6 +22,12 @@ int fsdp__optim_group_of(const struct fsdp_optim *opt, const char *fqn);
 /* Name i of group `group` (borrowed), NULL past the end. */
 const char *fsdp__optim_group_name(const struct fsdp_optim *opt, int group, int i);
 
+/* ---- Norms ---- */
+/* Sum of x[i]^2 in double, per chunk of 8192 elements (vectorized), the
+ * chunks added in order: the same bits for any thread count, and the same
+ * as a slice's fused sumsq ([Note: fused 16-bit copy] in optim.c). */
+double fsdp__sumsq(const float *x, int64_t n);
+
 /* ---- Step count (checkpoints) ---- */
 /* Sets the number of steps taken; the next fsdp_optim_step uses step + 1 for
  * AdamW's bias correction, and SGD treats the momentum buffer as empty only

@@ -12,6 +12,7 @@
 #include "optim/optim-impl.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* A registered parameter group (index >= 1; 0 is the options). */
@@ -210,16 +211,87 @@ struct adamw_coef {
     double scale;      /* grad_scale */
 };
 
-static void adamw_slice(const struct fsdp_optim_slice *s, const struct adamw_coef *c, double decay) {
+/* [Note: fused 16-bit copy]
+ * A slice with param_lp set also gets its updated parameters rounded to
+ * 16 bits (the copy a 16-bit unit all-gathers, src/fsdp/mixed.c), and one
+ * with sumsq set their sum of squares (the parameter norm). The update runs
+ * in chunks of OPTIM_CHUNK elements, each rounded and squared right after
+ * its update while it is still in L2: the copy costs its 2-byte writes and
+ * the norm nothing, instead of later passes that read the 4-byte parameters
+ * back from memory. Chunking changes nothing in the updated bits (every
+ * update is elementwise); the rounding is dtype.c's, so the copy equals a
+ * cast of the shard; the sum is fsdp__sumsq's (per chunk, then the chunks in
+ * order), so it equals fsdp__sumsq of the updated slice for any thread count. */
+#define OPTIM_CHUNK 8192
+
+/* One chunk's sum of squares in double. One copy of the code (noinline,
+ * noclone), so every caller gets the same vectorized grouping and bits. */
+__attribute__((noinline, noclone)) static double chunk_sumsq(const float *x, int64_t n) {
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += (double)x[i] * (double)x[i];
+    return s;
+}
+
+static int64_t n_chunks(int64_t n) { return (n + OPTIM_CHUNK - 1) / OPTIM_CHUNK; }
+static int64_t chunk_end(int64_t k, int64_t nc, int64_t n) { return k + 1 < nc ? (k + 1) * OPTIM_CHUNK : n; }
+
+double fsdp__sumsq(const float *x, int64_t n) {
+    const int64_t nc = n_chunks(n);
+    double *part = nc > 1 ? malloc((size_t)nc * sizeof *part) : NULL, t = 0.0;
+    if (!part) { /* serial: the same sums in the same order */
+        for (int64_t k = 0; k < nc; k++) t += chunk_sumsq(x + k * OPTIM_CHUNK, chunk_end(k, nc, n) - k * OPTIM_CHUNK);
+        return t;
+    }
+#pragma omp parallel for schedule(static) if (n >= OPTIM_PAR_MIN)
+    for (int64_t k = 0; k < nc; k++) part[k] = chunk_sumsq(x + k * OPTIM_CHUNK, chunk_end(k, nc, n) - k * OPTIM_CHUNK);
+    for (int64_t k = 0; k < nc; k++) t += part[k];
+    free(part);
+    return t;
+}
+
+/* An update of elements [a, b) of a slice, with its coefficients. */
+typedef void (*update_fn)(const struct fsdp_optim_slice *s, const void *coef, int64_t a, int64_t b);
+
+/* Runs `update` over the slice chunk by chunk (in parallel when long), each
+ * chunk followed by its 16-bit copy and sum of squares (see the note). */
+static void run_chunks(const struct fsdp_optim_slice *s, update_fn update, const void *coef) {
+    const int64_t n = s->n, nc = n_chunks(n);
+    double *part = s->sumsq ? malloc((size_t)(nc ? nc : 1) * sizeof *part) : NULL;
+#pragma omp parallel for schedule(static) if (n >= OPTIM_PAR_MIN)
+    for (int64_t k = 0; k < nc; k++) {
+        int64_t a = k * OPTIM_CHUNK, b = chunk_end(k, nc, n);
+        update(s, coef, a, b);
+        if (s->param_lp)
+            fsdp__cvt_from_f32(s->lp_dtype, s->param + a, (uint16_t *)s->param_lp + a, (size_t)(b - a));
+        if (part) part[k] = chunk_sumsq(s->param + a, b - a);
+    }
+    if (!s->sumsq) return;
+    if (!part) { /* no memory for the partial sums: a second pass, same bits */
+        *s->sumsq = fsdp__sumsq(s->param, n);
+        return;
+    }
+    double t = 0.0;
+    for (int64_t k = 0; k < nc; k++) t += part[k];
+    free(part);
+    *s->sumsq = t;
+}
+
+struct adamw_args {
+    const struct adamw_coef *c;
+    double decay;
+};
+
+static void adamw_update(const struct fsdp_optim_slice *s, const void *coef, int64_t a, int64_t b) {
+    const struct adamw_args *x = coef;
     float *p = s->param, *m = s->state, *v = s->state + s->state_stride;
     const float *g = s->grad;
-    const double b1 = c->b1, b2 = c->b2, eps = c->eps, step_size = c->step_size;
-    const double bc2_sqrt = c->bc2_sqrt, scale = c->scale;
-    const int64_t n = s->n;
+    const double b1 = x->c->b1, b2 = x->c->b2, eps = x->c->eps, step_size = x->c->step_size;
+    const double bc2_sqrt = x->c->bc2_sqrt, scale = x->c->scale, decay = x->decay;
     /* simd: vectorized IEEE double ops give the scalar loop's bits (no FMA
      * contraction in ISO C mode); about 2x faster with -fno-math-errno */
-#pragma omp parallel for simd schedule(static) if (n >= OPTIM_PAR_MIN)
-    for (int64_t i = 0; i < n; i++) {
+#pragma omp simd
+    for (int64_t i = a; i < b; i++) {
         double gi = (double)g[i] * scale;
         float mf = (float)(b1 * (double)m[i] + (1.0 - b1) * gi);
         float vf = (float)(b2 * (double)v[i] + (1.0 - b2) * gi * gi);
@@ -231,26 +303,39 @@ static void adamw_slice(const struct fsdp_optim_slice *s, const struct adamw_coe
     }
 }
 
-static void sgd_slice(const struct fsdp_optim_slice *s, double lr, double wd, double mu,
-                      int first, double scale) {
+static void adamw_slice(const struct fsdp_optim_slice *s, const struct adamw_coef *c, double decay) {
+    struct adamw_args x = {c, decay};
+    run_chunks(s, adamw_update, &x);
+}
+
+struct sgd_args {
+    double lr, wd, mu, scale;
+    int first;
+};
+
+static void sgd_update(const struct fsdp_optim_slice *s, const void *coef, int64_t a, int64_t b) {
+    const struct sgd_args *x = coef;
     float *p = s->param, *buf = s->state;
     const float *g = s->grad;
-    const int64_t n = s->n;
-    if (mu > 0.0) {
-#pragma omp parallel for schedule(static) if (n >= OPTIM_PAR_MIN)
-        for (int64_t i = 0; i < n; i++) {
-            double d = (double)g[i] * scale + wd * (double)p[i];
-            float bf = first ? (float)d : (float)(mu * (double)buf[i] + d);
+    if (x->mu > 0.0) {
+        for (int64_t i = a; i < b; i++) {
+            double d = (double)g[i] * x->scale + x->wd * (double)p[i];
+            float bf = x->first ? (float)d : (float)(x->mu * (double)buf[i] + d);
             buf[i] = bf;
-            p[i] = (float)((double)p[i] - lr * (double)bf);
+            p[i] = (float)((double)p[i] - x->lr * (double)bf);
         }
     } else {
-#pragma omp parallel for schedule(static) if (n >= OPTIM_PAR_MIN)
-        for (int64_t i = 0; i < n; i++) {
-            double d = (double)g[i] * scale + wd * (double)p[i];
-            p[i] = (float)((double)p[i] - lr * d);
+        for (int64_t i = a; i < b; i++) {
+            double d = (double)g[i] * x->scale + x->wd * (double)p[i];
+            p[i] = (float)((double)p[i] - x->lr * d);
         }
     }
+}
+
+static void sgd_slice(const struct fsdp_optim_slice *s, double lr, double wd, double mu,
+                      int first, double scale) {
+    struct sgd_args x = {lr, wd, mu, scale, first};
+    run_chunks(s, sgd_update, &x);
 }
 
 /* Slices are borrowed; their param and state arrays are updated in place,
@@ -268,6 +353,8 @@ void fsdp_optim_step(struct fsdp_optim *opt, const struct fsdp_optim_slice *slic
         if (s->n == 0) continue;
         FSDP_ASSERT(s->param && s->grad, "optim slice %d: NULL param or grad", j);
         FSDP_ASSERT(k == 0 || s->state, "optim slice %d: NULL state but %d state(s) per element", j, k);
+        FSDP_ASSERT(!s->param_lp || s->lp_dtype == FSDP_BF16 || s->lp_dtype == FSDP_F16,
+                    "optim slice %d: 16-bit copy of dtype %s", j, fsdp_dtype_name(s->lp_dtype));
         FSDP_ASSERT(s->decay >= 0 && s->decay <= 1 + opt->n_groups, "optim slice %d: decay %d with %d groups",
                     j, s->decay, opt->n_groups);
         FSDP_ASSERT(k < 2 || s->state_stride >= s->n,
