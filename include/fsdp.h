@@ -166,6 +166,11 @@ struct fsdp_param {
                             when gathered 16-bit (Linear and Embedding weights); others get data */
     int data_stale;      /* data not yet widened from data_lp (training passes, lp_reader only);
                             the built-in layers widen on demand (fsdp__pdata) */
+    int grad_writer;     /* set by a built-in layer whose backward takes this gradient only through
+                            the library's accessors, which honour grad_unset; cleared by sharding
+                            when a layer without it shares the parameter (tied_to) */
+    int grad_unset;      /* grad holds no values yet: the first writer overwrites it (set by the
+                            sharding layer on grad_writer parameters instead of zeroing) */
     struct fsdp_param *tied_to; /* shares values and gradient with this parameter */
     struct fsdp_init init;
     int no_decay;        /* exempt from weight decay (biases, LayerNorm, embeddings) */

@@ -11,6 +11,7 @@
 
 #include "mpi_harness.h"
 #include "ref_model.h"
+#include "nn/nn-impl.h"
 
 static struct fsdp_gpt_config tiny_cfg(void) {
     struct fsdp_gpt_config c;
@@ -207,6 +208,85 @@ TEST(tied_weight_hoisted_across_units) {
     fsdp_model_free(fm);
     fsdp_module_free(g);
     check_training("adamw", 4, "Embedding");
+}
+
+/* A container that runs a GPT (child 0) and, while extra_on, adds to its
+ * logits a Linear(1, vocab) (child 1) of a constant 1. */
+static int extra_on;
+
+static enum fsdp_status sometimes_forward(struct fsdp_module *m, struct fsdp_ctx *cx, const struct fsdp_tensor *in,
+                                          struct fsdp_tensor *out) {
+    enum fsdp_status st = fsdp_module_forward(m->children[0], cx, in, out);
+    if (st != FSDP_OK || !extra_on) return st;
+    int64_t v = out->shape[out->ndim - 1], n = fsdp_tensor_numel(out) / v;
+    struct fsdp_tensor x = {0}, y = {0};
+    x.data = fsdp_arena_alloc(cx, (size_t)n * sizeof(float));
+    if (!x.data) return FSDP_ERR_NOMEM;
+    x.dtype = FSDP_F32;
+    x.ndim = 2;
+    x.shape[0] = n;
+    x.shape[1] = 1;
+    for (int64_t i = 0; i < n; i++) ((float *)x.data)[i] = 1.0f;
+    st = fsdp_module_forward(m->children[1], cx, &x, &y);
+    for (int64_t i = 0; st == FSDP_OK && i < n * v; i++) ((float *)out->data)[i] += ((float *)y.data)[i];
+    return st;
+}
+
+static enum fsdp_status sometimes_backward(struct fsdp_module *m, struct fsdp_ctx *cx, const struct fsdp_tensor *dout,
+                                           struct fsdp_tensor *din) {
+    if (extra_on) {
+        enum fsdp_status st = fsdp_module_backward(m->children[1], cx, dout, NULL);
+        if (st != FSDP_OK) return st;
+    }
+    return fsdp_module_backward(m->children[0], cx, dout, din);
+}
+
+static const struct fsdp_module_ops sometimes_ops = {"Sometimes", sometimes_forward, sometimes_backward, NULL};
+
+/* [Note: unset gradients]: a parameter in a unit that backward does not
+ * reach this step gets gradient 0, not what an earlier step left in the
+ * pooled full gradient (or, at one rank, in the shard). The extra Linear
+ * shares the root unit with the GPT's embeddings and runs on odd steps. */
+TEST(unreached_gradient_is_zero) {
+    struct fsdp_ctx *c = get_ctx();
+    int world = fsdp_ctx_world(c), rank = fsdp_ctx_rank(c);
+    struct fsdp_gpt_config cfg = tiny_cfg();
+    struct fsdp_module *root, *g, *lin;
+    ASSERT_OK(fsdp_module_create(c, &sometimes_ops, "", &root), c);
+    ASSERT_OK(fsdp_gpt_create(c, &cfg, &g), c);
+    ASSERT_OK(fsdp__linear_create(c, "extra", 1, cfg.vocab_size, 1, 0.02f, &lin), c);
+    snprintf(g->name, sizeof g->name, "gpt");
+    ASSERT_OK(fsdp_module_add_child(c, root, g), c);
+    ASSERT_OK(fsdp_module_add_child(c, root, lin), c);
+    struct fsdp_model *fm;
+    ASSERT_OK(fsdp_fully_shard(c, root, NULL, &fm), c);
+    ASSERT_OK(fsdp_model_init_params(c, fm, 5), c);
+    struct fsdp_optim *opt;
+    ASSERT_OK(fsdp_optim_create(c, NULL, &opt), c);
+    ASSERT_OK(fsdp_model_attach_optim(c, fm, opt), c);
+    struct fsdp_data *data;
+    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
+    enum { B = 4, T = 16 };
+    int32_t in[B * T], tg[B * T];
+    float *gw = malloc((size_t)cfg.vocab_size * sizeof(float)), *gb = malloc((size_t)cfg.vocab_size * sizeof(float));
+    for (int s = 0; s < 4; s++) {
+        extra_on = s % 2;
+        fsdp_data_batch(data, s, B, T, rank, world, in, tg);
+        struct fsdp_step_result res;
+        ASSERT_OK(fsdp_model_train_step(c, fm, in, tg, B / world, T, 1e-3f, 1.0f, &res), c);
+        CHECK_OK(fsdp_model_get_grad(c, fm, "extra.weight", gw), c);
+        CHECK_OK(fsdp_model_get_grad(c, fm, "extra.bias", gb), c);
+        int nonzero = 0;
+        for (int64_t i = 0; i < cfg.vocab_size; i++) nonzero += gw[i] != 0.0f || gb[i] != 0.0f;
+        if (extra_on) CHECK(nonzero > 0);           /* it trains when used */
+        else CHECK_INT_EQ(nonzero, 0);              /* and is zero when not */
+    }
+    free(gw);
+    free(gb);
+    fsdp_data_free(data);
+    fsdp_model_free(fm);
+    fsdp_optim_free(opt);
+    fsdp_module_free(root);
 }
 
 /* reshard_after_forward=0 keeps block buffers gathered until backward: more

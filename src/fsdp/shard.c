@@ -163,6 +163,7 @@ static void hoist_tied(struct assign_args *a, struct fsdp_module *m) {
     for (int i = 0; i < m->n_params; i++) {
         struct fsdp_param *p = m->params[i];
         if (!p->tied_to) continue;
+        if (!p->grad_writer) p->tied_to->grad_writer = 0; /* its layer adds into grad directly */
         int user = unit_index_of_module(a->pl, m);
         for (int j = 0; j < a->n; j++) {
             if (a->visit[j] != p->tied_to) continue;

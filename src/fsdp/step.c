@@ -119,6 +119,7 @@ static enum fsdp_status group_total(struct fsdp_ctx *ctx, struct fsdp_model *fm,
 }
 
 enum fsdp_status fsdp_model_grad_norm(struct fsdp_ctx *ctx, struct fsdp_model *fm, double *out) {
+    FSDP_TRY(fsdp__model_finish_reduce(ctx, fm)); /* as in read_full */
     double local = 0.0;
     for (int i = 0; i < fm->n_units; i++) {
         const struct fsdp__unit *u = &fm->units[i];
@@ -423,6 +424,8 @@ static enum fsdp_status read_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, c
     int j;
     struct fsdp__unit *u = fsdp__model_unit_of(fm, fqn, &j);
     if (!u) return fsdp__err(ctx, FSDP_ERR_INVALID, "no parameter named '%s' in the sharded model", fqn);
+    /* a backward run on a module below the root leaves its last reduction in flight */
+    if (grads) FSDP_TRY(fsdp__model_finish_reduce(ctx, fm));
     float *tmp = fsdp__pool_get(fm, u->numel_padded, "full read");
     if (!tmp) return FSDP_ERR_NOMEM;
     enum fsdp_status st = FSDP_OK;

@@ -141,9 +141,31 @@ enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
 }
 
 static void release_grad(struct fsdp__unit *u) {
-    for (int j = 0; j < u->n_params; j++) u->params[j]->grad = NULL;
+    for (int j = 0; j < u->n_params; j++) u->params[j]->grad = NULL, u->params[j]->grad_unset = 0;
     if (u->full_grad != u->grad_shard) fsdp__pool_put(u->model, u->full_grad);
     u->full_grad = NULL;
+}
+
+/* Readies u's full gradient for a fresh backward ([Note: unset gradients]
+ * in src/nn/nn-impl.h): grad_writer parameters are marked unset (their
+ * layers write it, or zero it before adding), the others and the padding
+ * are zeroed. */
+static void grad_begin(struct fsdp__unit *u) {
+    for (int j = 0; j < u->n_params; j++) {
+        struct fsdp_param *p = u->params[j];
+        if (p->grad_writer) p->grad_unset = 1;
+        else fsdp__zero(u->full_grad + u->offsets[j], p->numel);
+    }
+    fsdp__zero(u->full_grad + u->numel_full, u->numel_padded - u->numel_full);
+}
+
+/* Zeroes the gradients backward left unset (parameters it did not reach). */
+static void grad_settle(struct fsdp__unit *u) {
+    for (int j = 0; j < u->n_params; j++)
+        if (u->params[j]->grad_unset) {
+            fsdp__zero(u->full_grad + u->offsets[j], u->params[j]->numel);
+            u->params[j]->grad_unset = 0;
+        }
 }
 
 static struct fsdp_comm *reduce_comm(const struct fsdp__unit *u) {
@@ -311,7 +333,7 @@ static enum fsdp_status pre_backward(void *data, struct fsdp_ctx *ctx) {
         int direct = ctx->world == 1;
         u->full_grad = direct ? u->grad_shard : fsdp__pool_get(fm, u->numel_padded, "full gradients");
         if (!u->full_grad) return FSDP_ERR_NOMEM;
-        if (!direct || !fm->grad_accumulate) fsdp__zero(u->full_grad, u->numel_padded);
+        if (!direct || !fm->grad_accumulate) grad_begin(u);
         if (direct) u->grad_fresh = 1;
     }
     for (int j = 0; j < u->n_params; j++) u->params[j]->grad = u->full_grad + u->offsets[j];
@@ -427,6 +449,7 @@ static enum fsdp_status post_backward(void *data, struct fsdp_ctx *ctx) {
     struct fsdp__unit *u = data;
     struct fsdp_model *fm = u->model;
     u->phase = PHASE_POST_BACKWARD;
+    grad_settle(u);
     if (fm->no_sync) {
         for (int j = 0; j < u->n_params; j++) u->params[j]->grad = NULL;
     } else if (u->full_grad == u->grad_shard) { /* a world of one */

@@ -102,6 +102,7 @@ enum fsdp_status fsdp__embedding_create(struct fsdp_ctx *ctx, const char *name, 
         return st;
     }
     E->weight->lp_reader = 1; /* rows widened from the 16-bit copy ([Note: lazy widening]) */
+    E->weight->grad_writer = 1; /* [Note: unset gradients] */
     *out_m = m;
     return FSDP_OK;
 }

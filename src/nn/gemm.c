@@ -68,6 +68,22 @@ void fsdp__colsum_add(const float *x, int64_t rows, int64_t cols, float *db) {
     }
 }
 
+float *fsdp__pgrad(struct fsdp_param *p) {
+    struct fsdp_param *q = p->tied_to ? p->tied_to : p;
+    if (q->grad_unset) {
+        fsdp__zero(q->grad, q->numel);
+        q->grad_unset = 0;
+    }
+    return q->grad;
+}
+
+float *fsdp__pgrad_first(struct fsdp_param *p, float *beta) {
+    struct fsdp_param *q = p->tied_to ? p->tied_to : p;
+    *beta = q->grad_unset ? 0.0f : 1.0f;
+    q->grad_unset = 0;
+    return q->grad;
+}
+
 enum fsdp_status fsdp__param_ready(struct fsdp_ctx *ctx, struct fsdp_param *p, int need_grad) {
     const char *name = p->fqn ? p->fqn : p->name;
     const struct fsdp_param *q = p->tied_to ? p->tied_to : p;

@@ -91,9 +91,9 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
             return FSDP_ERR_NOMEM;
         }
     }
-    /* dW (out, in) += dy^T x */
-    fsdp__gemm_lp(lp, 1, 0, O, I, N, 1.0f, dyl, O, lp == FSDP_F32 ? (const void *)L->x : L->xl, I, 1.0f,
-                  fsdp__pgrad(L->weight), I);
+    /* dW (out, in) += dy^T x, or = when unset ([Note: unset gradients]) */
+    float beta, *dw = fsdp__pgrad_first(L->weight, &beta);
+    fsdp__gemm_lp(lp, 1, 0, O, I, N, 1.0f, dyl, O, lp == FSDP_F32 ? (const void *)L->x : L->xl, I, beta, dw, I);
     if (L->bias) fsdp__colsum_add(dy, N, O, fsdp__pgrad(L->bias)); /* db (out) += column sums of dy */
     if (din) /* dx (N, in) = dy W */
         fsdp__gemm_lp(lp, 0, 0, N, I, O, 1.0f, dyl, O, wl, I, 0.0f, din->data, I);
@@ -131,6 +131,8 @@ enum fsdp_status fsdp__linear_create(struct fsdp_ctx *ctx, const char *name, int
         return st;
     }
     L->weight->lp_reader = 1; /* 16-bit compute reads only fsdp__pdata_lp ([Note: lazy widening]) */
+    L->weight->grad_writer = 1; /* [Note: unset gradients] */
+    if (L->bias) L->bias->grad_writer = 1;
     *out_m = m;
     return FSDP_OK;
 }

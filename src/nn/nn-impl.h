@@ -96,7 +96,23 @@ static inline const void *fsdp__pdata_gathered_lp(const struct fsdp_param *p, en
     *dt = q->data_lp_dtype;
     return q->data_lp;
 }
-static inline float *fsdp__pgrad(struct fsdp_param *p) { return p->tied_to ? p->tied_to->grad : p->grad; }
+/* [Note: unset gradients]
+ * Before a unit's backward the sharding layer marks the gradients of
+ * grad_writer parameters unset (p->grad_unset) instead of zeroing the whole
+ * full gradient: 496 MB of writes a step for GPT-2 124M, plus a read of
+ * every Linear weight gradient for a product that adds into zeros. A layer
+ * that can write its gradient outright takes it with fsdp__pgrad_first (its
+ * product then runs with beta 0); every other access goes through
+ * fsdp__pgrad, which zeroes an unset gradient first. A tied parameter's
+ * gradient is its target's, so the first of the two layers to run writes and
+ * the second adds. The sharding layer zeroes whatever is still unset when
+ * the unit's backward ends (unit.c). */
+/* p's gradient buffer (its tie target's, if tied) to add into; zeroed first
+ * if unset. */
+float *fsdp__pgrad(struct fsdp_param *p);
+/* p's gradient buffer to write: *beta 0 when it is unset (overwrite it, it
+ * is set from now on), else 1 (add). */
+float *fsdp__pgrad_first(struct fsdp_param *p, float *beta);
 /* FSDP_ERR_STATE naming the parameter if it has no values (or, with
  * need_grad, no gradient buffer) right now. */
 enum fsdp_status fsdp__param_ready(struct fsdp_ctx *ctx, struct fsdp_param *p, int need_grad);
