@@ -11,7 +11,10 @@
  * sum bit for bit on shm and self (the shm backend sums in rank order) and
  * within a tolerance on MPI (Open MPI's reduction order depends on its
  * algorithm; the test prints whether it happened to match).
+ * comm_mpi_progress checks that MPI collectives advance while the caller
+ * computes, through mpi.c's internal completion flag (comm/comm-impl.h).
  */
+#include "comm/comm-impl.h"
 #include "fsdp.h"
 #include "harness.h"
 
@@ -802,6 +805,83 @@ TEST(comm_watchdog_shm) {
     }
     fsdp_ctx_free(c);
     CHECK_OK(fsdp_comm_barrier(fsdp_ctx_comm(g)), g);
+}
+
+/* A context created with FSDP_MPI_PROGRESS=0 keeps its requests on the
+ * calling thread, and its collectives work. */
+static void check_progress_off(void) {
+    setenv("FSDP_MPI_PROGRESS", "0", 1);
+    struct fsdp_ctx *c = make_ctx(FSDP_COMM_MPI);
+    unsetenv("FSDP_MPI_PROGRESS");
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    CHECK_INT_EQ(fsdp__comm_mpi_progress(comm), 0);
+    int32_t x = fsdp_comm_rank(comm) + 1;
+    struct fsdp_comm_req *r = NULL;
+    CHECK_OK(fsdp_comm_allreduce_start(comm, &x, &x, 1, FSDP_I32, FSDP_SUM, &r), c);
+    if (r) {
+        CHECK_INT_EQ(fsdp__comm_mpi_req_done(comm, r), 0); /* not the thread's */
+        CHECK_OK(fsdp_comm_wait(comm, r), c);
+    }
+    int w = fsdp_comm_size(comm);
+    CHECK_INT_EQ(x, w * (w + 1) / 2);
+    fsdp_ctx_free(c);
+}
+
+static void check_overlapped(const float *ag_recv, size_t ag_n, const float *rs_recv, size_t rs_n,
+                             int rank, int world) {
+    EXPECT_ALL(ag_recv, FSDP_F32, ag_n * (size_t)world, gval(FSDP_F32, (int)(k_ / ag_n), k_ % ag_n),
+               "overlapped allgather");
+    EXPECT_ALL(rs_recv, FSDP_F32, rs_n, reduce_ref(FSDP_SUM, world, (size_t)rank * rs_n + k_),
+               "overlapped reduce-scatter");
+}
+
+/* The MPI backend's progress thread ([Note: MPI progress thread] in mpi.c):
+ * a 16 MiB all-gather and an 8 MiB reduce-scatter, started and then left
+ * alone while this thread computes, complete before their waits are called,
+ * their data in place. The compute loop makes no MPI (or fsdp) call; between
+ * slices of it the test reads the thread's completion flags, which call no
+ * MPI either, and gives up after 30 s. Under FSDP_MPI_PROGRESS=0 (requests
+ * advance only in MPI calls, here their waits) it fails. */
+TEST(comm_mpi_progress) {
+    struct fsdp_ctx *c = backend_ctx(0);
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
+    if (world < 2) SKIP("needs 2+ ranks");
+    if (fsdp__comm_mpi_progress(comm) < 0) SKIP("MPI gives less than MPI_THREAD_MULTIPLE");
+    size_t ag_n = (16u << 20) / sizeof(float) / (size_t)world, rs_n = (8u << 20) / sizeof(float) / (size_t)world;
+    float *ag_send = xmalloc(ag_n * sizeof(float)), *ag_recv = xmalloc(ag_n * (size_t)world * sizeof(float));
+    float *rs_send = xmalloc(rs_n * (size_t)world * sizeof(float)), *rs_recv = xmalloc(rs_n * sizeof(float));
+    for (size_t i = 0; i < ag_n; i++) ag_send[i] = (float)gval(FSDP_F32, rank, i);
+    for (size_t j = 0; j < rs_n * (size_t)world; j++) rs_send[j] = (float)rval(rank, j);
+    struct fsdp_comm_req *ag = NULL, *rs = NULL;
+    ASSERT_OK(fsdp_comm_allgather_start(comm, ag_send, ag_recv, ag_n, FSDP_F32, &ag), c);
+    ASSERT_OK(fsdp_comm_reduce_scatter_start(comm, rs_send, rs_recv, rs_n, FSDP_F32, FSDP_SUM, &rs), c);
+    double t0 = fsdp__now(), t = t0;
+    volatile double sink = 0;
+    int ag_done = 0, rs_done = 0;
+    while (!(ag_done && rs_done) && t - t0 < 30) {
+        for (int i = 0; i < 200000; i++) sink += 1e-9 * i; /* compute, no MPI */
+        ag_done = fsdp__comm_mpi_req_done(comm, ag);
+        rs_done = fsdp__comm_mpi_req_done(comm, rs);
+        t = fsdp__now();
+    }
+    int early = ag_done && rs_done;
+    const char *env = getenv("FSDP_MPI_PROGRESS");
+    if (!early)
+        TEST_FAILF("[mpi] after %.1f s of computing the all-gather was %s, the reduce-scatter %s "
+                   "(FSDP_MPI_PROGRESS=%s)", t - t0, ag_done ? "done" : "not done",
+                   rs_done ? "done" : "not done", env ? env : "unset");
+    else if (rank == 0)
+        fprintf(stderr, "  note: mpi at world %d: both done after %.2f s of computing\n", world, t - t0);
+    if (early) check_overlapped(ag_recv, ag_n, rs_recv, rs_n, rank, world); /* before any wait */
+    CHECK_OK(fsdp_comm_wait(comm, ag), c);
+    CHECK_OK(fsdp_comm_wait(comm, rs), c);
+    if (!early) check_overlapped(ag_recv, ag_n, rs_recv, rs_n, rank, world);
+    free(ag_send);
+    free(ag_recv);
+    free(rs_send);
+    free(rs_recv);
+    check_progress_off();
 }
 
 /* A second context on the self backend works next to the MPI one. */

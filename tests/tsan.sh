@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # tests/tsan.sh - ThreadSanitizer over the threaded parts (after `make tsan`):
-# the shm backend's progress thread against the compute thread, through the
-# collective conformance suite (tests/test_mpi_comm.c) at 2 and 4 ranks and
-# short fsdp-train runs on shm (2 and 3 ranks). Any report fails the run
-# (TSan exits 66). Prints "N passed, N failed" at the end.
+# the progress threads of the shm and MPI backends against the compute
+# thread, through the collective conformance suite (tests/test_mpi_comm.c,
+# every backend) at 2 and 4 ranks and short fsdp-train runs on shm (2 and 3
+# ranks) and MPI (2 ranks). Any report fails the run (TSan exits 66). Prints
+# "N passed, N failed" at the end.
 # Usage: BUILD=build-tsan tests/tsan.sh   (the default BUILD here is build-tsan)
 #
 # Caveats, each the reason for a setting below:
@@ -18,7 +19,14 @@
 #    locks two of its own mutexes in both orders while it adds and removes
 #    peers at MPI_Init (mca_btl_tcp_add_procs / _proc_remove), which TSan
 #    reports as a potential deadlock inside Open MPI.
-# With these two, no suppression file is needed: every report is ours.
+#  - Open MPI is not instrumented either: two threads inside it at once (the
+#    MPI backend's progress thread testing requests while the compute thread
+#    starts the next collective) hand its buffers over through lock-free lists
+#    TSan cannot see, and it reports a race between two memcpy's in Open MPI
+#    (seen in 1 of 4 runs at 4 ranks). mpi.c therefore makes its MPI calls one
+#    at a time under a mutex ([Note: MPI progress thread]), which TSan sees,
+#    and the progress thread stays on here (no FSDP_MPI_PROGRESS=0).
+# With these, no suppression file is needed: every report is ours.
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-tsan}
 export BUILD
@@ -39,14 +47,15 @@ for n in 2 4; do
            "$(grep -E 'FAIL|SUMMARY' "$tmp/comm$n" | sort | uniq -c | head -10)"; fi
 done
 
-for n in 2 3; do
+for run in shm:2 shm:3 mpi:2; do
+  comm=${run%:*} n=${run#*:}
   timeout -k 10 600 "$TRAIN" --model tiny --data synthetic --batch 6 --seq 32 --steps 4 --threads 1 --sample 0 \
-    --nproc $n --comm shm --log "$tmp/train$n.jsonl" > "$tmp/train$n" 2>&1
+    --nproc $n --comm $comm --log "$tmp/train$comm$n.jsonl" > "$tmp/train$comm$n" 2>&1
   rc=$?
-  if [ $rc -eq 0 ] && [ "$(reports "$tmp/train$n")" -eq 0 ] && [ "$(wc -l < "$tmp/train$n.jsonl")" -eq 4 ]; then
-    ok "fsdp-train --comm shm at $n ranks: 4 steps, no TSan report"
-  else bad "fsdp-train --comm shm at $n ranks" "exit $rc, $(reports "$tmp/train$n") TSan reports" \
-           "$(grep -E 'SUMMARY|error' "$tmp/train$n" | sort | uniq -c | head -10)"; fi
+  if [ $rc -eq 0 ] && [ "$(reports "$tmp/train$comm$n")" -eq 0 ] && [ "$(wc -l < "$tmp/train$comm$n.jsonl")" -eq 4 ]; then
+    ok "fsdp-train --comm $comm at $n ranks: 4 steps, no TSan report"
+  else bad "fsdp-train --comm $comm at $n ranks" "exit $rc, $(reports "$tmp/train$comm$n") TSan reports" \
+           "$(grep -E 'SUMMARY|error' "$tmp/train$comm$n" | sort | uniq -c | head -10)"; fi
 done
 
 finish

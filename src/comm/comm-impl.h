@@ -81,6 +81,14 @@ enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local);
 /* MPI_Comm_split of the MPI communicator c: a new MPI communicator (any
  * size) returned to the caller. COLLECTIVE: yes (over c). */
 enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, struct fsdp_comm **out);
+/* Whether the MPI communicator c hands its requests to the progress thread
+ * (mpi.c, [Note: MPI progress thread]): 1 yes; 0 no, FSDP_MPI_PROGRESS=0 at
+ * its creation; -1 no, MPI gives less than MPI_THREAD_MULTIPLE. */
+int fsdp__comm_mpi_progress(const struct fsdp_comm *c);
+/* Has the progress thread seen req, a request of the MPI communicator c not
+ * yet waited, complete? A flag read with no MPI call, so it drives nothing
+ * (tests observe overlap with it); 0 for a request the thread does not hold. */
+int fsdp__comm_mpi_req_done(const struct fsdp_comm *c, const struct fsdp_comm_req *req);
 /* The inner MPI communicator of a shm communicator (borrowed), for splitting. */
 struct fsdp_comm *fsdp__comm_shm_mpi(struct fsdp_comm *c);
 /* The shared-memory backend over the ranks of `mpi` (an MPI communicator

@@ -6,24 +6,35 @@
  * words (all-gather, broadcast) and reduce in fp32 (see [Note: low-precision
  * reductions]).
  * Life of MPI in the process: the first communicator initialises MPI
- * (MPI_THREAD_FUNNELED: only the thread that created the context calls MPI)
- * unless someone else already has; when the last communicator is freed, MPI
- * is finalized if and only if we initialised it. MPI cannot be initialised
- * again after that, so a process that lets its last context go cannot make
- * another MPI one (FSDP_ERR_STATE says so).
+ * (MPI_THREAD_MULTIPLE, for the progress thread) unless someone else already
+ * has; when the last communicator is freed, the progress thread is joined
+ * and MPI is finalized if and only if we initialised it. MPI cannot be
+ * initialised again after that, so a process that lets its last context go
+ * cannot make another MPI one (FSDP_ERR_STATE says so).
+ * Progress: a started request is handed to one progress thread per process,
+ * which drives it with MPI_Test while the compute thread computes; the wait
+ * sleeps until the thread has seen it complete ([Note: MPI progress thread]).
+ * Without MPI_THREAD_MULTIPLE, or with FSDP_MPI_PROGRESS=0, the compute
+ * thread waits with MPI_Wait as before, and collectives advance only inside
+ * MPI calls.
  * Invariant: while a communicator lives, fsdp__abort_hook is MPI_Abort, so a
  * failed FSDP_ASSERT on one rank ends every rank instead of hanging them.
- * The watchdog (c->timeout_s) turns MPI_Wait into MPI_Test polling; the shm
- * backend (shm.c) uses an MPI communicator of this file for its handshake.
+ * The watchdog (c->timeout_s) bounds either wait; the shm backend (shm.c)
+ * uses an MPI communicator of this file for its handshake.
  */
 #include "comm/comm-impl.h"
 
+#include <errno.h>
 #include <limits.h>
 #include <mpi.h>
+#include <pthread.h>
+#include <sched.h>
 #include <string.h>
+#include <time.h>
 
 struct mpi_state {
     MPI_Comm comm; /* dup of MPI_COMM_WORLD, errors return */
+    int progress;  /* starts hand requests to the progress thread */
 };
 
 /* [Note: low-precision reductions]
@@ -46,10 +57,87 @@ struct mpi_req {
     enum fsdp_dtype count_dt;
     double t_start;
     char tag[64];        /* c->tag at the start */
+    /* the progress thread's (see the note below), under prog.mu */
+    int on_thread;       /* handed to the thread: only it tests r */
+    int done;            /* the thread saw r complete, or fail */
+    int rc;              /* MPI's return code then */
+    struct mpi_req *next;
 };
 
 static int mpi_live;     /* communicators alive in this process */
 static int mpi_we_init;  /* we called MPI_Init_thread, so we finalize */
+static int mpi_multiple; /* MPI provides MPI_THREAD_MULTIPLE */
+
+/* [Note: MPI progress thread]
+ * Open MPI advances a non-blocking collective only inside MPI calls (this
+ * build has no asynchronous progress of its own), so a prefetched all-gather
+ * used to move mostly at its wait. With MPI_THREAD_MULTIPLE, one thread per
+ * process, shared by every MPI communicator of this file, drives them. It
+ * starts with the first request handed to it and is joined when the last
+ * MPI communicator is freed, before MPI_Comm_free and MPI_Finalize.
+ *   Ownership: a start hands its request to the thread (prog's list, in
+ *     start order) as soon as MPI_I* returns; from then on only the thread
+ *     calls MPI_Test on it, so no MPI_Request is ever tested by two threads.
+ *     When MPI_Test reports completion, or fails, the thread records done
+ *     and MPI's return code in the request, unlinks it and never touches it
+ *     again. The wait sleeps on prog.done until `done`, then converts the
+ *     low-precision staging and frees the request as before; a failed
+ *     MPI_Test becomes FSDP_ERR_COMM with MPI's message there.
+ *   Testing: the thread copies the handles of the PROG_BATCH oldest requests
+ *     under prog.mu and tests the copies without it, so that waits and the
+ *     bookkeeping of starts never queue behind MPI. Any MPI_Test runs Open
+ *     MPI's whole progress engine, so requests past the batch advance too;
+ *     they are tested once older ones have left.
+ *   One MPI call at a time: every MPI call of this file that communicates or
+ *     changes MPI's state (all but MPI_Abort, the queries, MPI_Init_thread and
+ *     MPI_Finalize, around which no thread runs) is made under mpi_mu, one
+ *     call per hold, so a start waits at most for one MPI_Test of the thread.
+ *     Unserialised, Open MPI hands its internal buffers from one thread to the
+ *     other through lock-free lists that ThreadSanitizer cannot see (a
+ *     fragment buffer emptied by a start and refilled by the thread was
+ *     reported as a race); serialised, every hand-over is ordered by mpi_mu,
+ *     so tests/tsan.sh checks our threads without reporting Open MPI's, and
+ *     we lean less on Open MPI's multi-threaded paths. MPI_THREAD_MULTIPLE is
+ *     still required: a program may call MPI itself next to the thread (the
+ *     tests do). Blocking calls (MPI_Comm_split, the MPI_Wait of a request
+ *     kept by the compute thread) hold mpi_mu throughout; they drive Open
+ *     MPI's progress themselves, so the thread's requests advance meanwhile.
+ *   Pace: with no request outstanding the thread sleeps on prog.work. With
+ *     some, it polls: sched_yield() after each pass, which keeps Open MPI's
+ *     pipelined transfers (fragments of tens of KiB) moving; after PROG_SPINS
+ *     passes in a row without a completion it naps PROG_NAP_NS between passes,
+ *     so that a collective waiting on a late peer costs an oversubscribed host
+ *     (the suite runs 5 ranks on 2 cores) little. While a compute thread
+ *     sleeps in a wait, its core is free: the thread does not nap then. Starts
+ *     and waits wake it from a nap.
+ *   Watchdog: a wait sleeps until t_start + c->timeout_s at most (prog.done
+ *     runs on CLOCK_MONOTONIC, as fsdp__now does) and then fails as it always
+ *     did. The request stays allocated and with the thread (MPI may still
+ *     write its buffers; the job must end): the thread keeps testing it, and
+ *     drops it without touching it when it stops.
+ *   Off: with FSDP_MPI_PROGRESS=0 at a communicator's creation (its splits
+ *     inherit the choice), or an MPI below MPI_THREAD_MULTIPLE (a verbose
+ *     context says so once), requests stay with the compute thread, which
+ *     waits in MPI_Wait, or polls MPI_Test under the watchdog (wait_timed).
+ *     Should the thread fail to start, a request stays there too. */
+enum { PROG_BATCH = 64, PROG_SPINS = 256 };
+#define PROG_NAP_NS 50000L
+
+static pthread_mutex_t mpi_mu = PTHREAD_MUTEX_INITIALIZER; /* one MPI call at a time */
+static void mpi_enter(void) { pthread_mutex_lock(&mpi_mu); }
+static void mpi_leave(void) { pthread_mutex_unlock(&mpi_mu); }
+
+static struct {
+    pthread_once_t once;
+    pthread_mutex_t mu;
+    pthread_cond_t work;         /* the thread sleeps here: idle, or a nap */
+    pthread_cond_t done;         /* waits sleep here */
+    pthread_t thread;
+    int running, stop;
+    int sleeping;                /* the thread is in a wait on work */
+    int waiters;                 /* compute threads asleep on done */
+    struct mpi_req *head, *tail; /* outstanding requests, oldest first */
+} prog = {.once = PTHREAD_ONCE_INIT, .mu = PTHREAD_MUTEX_INITIALIZER};
 
 /* ---- Helpers ---- */
 
@@ -108,21 +196,198 @@ static struct mpi_req *req_sized(struct mpi_req *q, size_t count, enum fsdp_dtyp
     return q;
 }
 
-/* MPI_Wait with the watchdog: polls MPI_Test (which, like MPI_Wait, drives
- * progress) until the request completes or c->timeout_s has passed since
- * its start. On timeout the request is left pending (MPI cannot cancel a
- * collective): the caller must end the job. */
+/* The wait of a request kept by the compute thread: MPI_Wait, or with the
+ * watchdog MPI_Test polling (which, like MPI_Wait, drives progress) until the
+ * request completes or c->timeout_s has passed since its start. On timeout
+ * the request is left pending (MPI cannot cancel a collective): the caller
+ * must end the job. */
 static int wait_timed(struct fsdp_comm *c, struct mpi_req *q, int *timed_out) {
     *timed_out = 0;
-    if (c->timeout_s <= 0) return MPI_Wait(&q->r, MPI_STATUS_IGNORE);
+    int rc;
+    if (c->timeout_s <= 0) {
+        mpi_enter();
+        rc = MPI_Wait(&q->r, MPI_STATUS_IGNORE);
+        mpi_leave();
+        return rc;
+    }
     for (unsigned i = 0;; i++) {
-        int flag = 0, rc = MPI_Test(&q->r, &flag, MPI_STATUS_IGNORE);
+        int flag = 0;
+        mpi_enter();
+        rc = MPI_Test(&q->r, &flag, MPI_STATUS_IGNORE);
+        mpi_leave();
         if (rc != MPI_SUCCESS || flag) return rc;
         if ((i & 1023) == 0 && fsdp__now() - q->t_start > c->timeout_s) {
             *timed_out = 1;
             return MPI_SUCCESS;
         }
     }
+}
+
+/* ---- The progress thread (see [Note: MPI progress thread]) ---- */
+
+static void prog_init(void) {
+    pthread_condattr_t a;
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    pthread_cond_init(&prog.work, &a);
+    pthread_cond_init(&prog.done, &a);
+    pthread_condattr_destroy(&a);
+}
+
+/* Time t of fsdp__now (CLOCK_MONOTONIC seconds) as a deadline for prog's conds. */
+static struct timespec mono_at(double t) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)t;
+    ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
+    if (ts.tv_nsec > 999999999L) ts.tv_nsec = 999999999L;
+    return ts;
+}
+
+/* Sleeps on prog.work (prog.mu held) until woken, or until *until if given. */
+static void prog_sleep(const struct timespec *until) {
+    prog.sleeping = 1;
+    if (until) pthread_cond_timedwait(&prog.work, &prog.mu, until);
+    else pthread_cond_wait(&prog.work, &prog.mu);
+    prog.sleeping = 0;
+}
+
+/* Unlinks the requests marked done (prog.mu held). */
+static void prog_unlink_done(void) {
+    struct mpi_req **pp = &prog.head, *last = NULL;
+    while (*pp) {
+        if ((*pp)->done) {
+            *pp = (*pp)->next;
+        } else {
+            last = *pp;
+            pp = &last->next;
+        }
+    }
+    prog.tail = last;
+}
+
+/* One pass: MPI_Test on copies of the oldest PROG_BATCH handles, with
+ * prog.mu released meanwhile (held on entry and on return). A listed request
+ * is not freed meanwhile: its wait frees it only once it is done, which only
+ * this thread sets. Returns how many requests finished. */
+static int prog_pass(void) {
+    struct mpi_req *qs[PROG_BATCH];
+    MPI_Request rs[PROG_BATCH];
+    int flags[PROG_BATCH], rcs[PROG_BATCH], n = 0, finished = 0;
+    for (struct mpi_req *q = prog.head; q && n < PROG_BATCH; q = q->next, n++) {
+        qs[n] = q;
+        rs[n] = q->r;
+    }
+    pthread_mutex_unlock(&prog.mu);
+    for (int i = 0; i < n; i++) {
+        flags[i] = 0;
+        mpi_enter();
+        rcs[i] = MPI_Test(&rs[i], &flags[i], MPI_STATUS_IGNORE);
+        mpi_leave();
+    }
+    pthread_mutex_lock(&prog.mu);
+    for (int i = 0; i < n; i++) {
+        if (rcs[i] == MPI_SUCCESS && !flags[i]) continue;
+        qs[i]->r = rs[i]; /* MPI_REQUEST_NULL once complete */
+        qs[i]->rc = rcs[i];
+        qs[i]->done = 1;
+        finished++;
+    }
+    if (finished) {
+        prog_unlink_done();
+        pthread_cond_broadcast(&prog.done);
+    }
+    return finished;
+}
+
+static void *prog_main(void *arg) {
+    (void)arg;
+    unsigned idle = 0; /* passes in a row without a completion */
+    pthread_mutex_lock(&prog.mu);
+    while (!prog.stop) {
+        if (!prog.head) {
+            idle = 0;
+            prog_sleep(NULL);
+        } else if (prog_pass() > 0) {
+            idle = 0;
+        } else if (++idle < PROG_SPINS || prog.waiters > 0) {
+            pthread_mutex_unlock(&prog.mu);
+            sched_yield();
+            pthread_mutex_lock(&prog.mu);
+        } else {
+            struct timespec nap = mono_at(fsdp__now() + 1e-9 * (double)PROG_NAP_NS);
+            prog_sleep(&nap);
+        }
+    }
+    pthread_mutex_unlock(&prog.mu);
+    return NULL;
+}
+
+/* Hands q, just started, to the progress thread, starting the thread if it
+ * is not running; if it cannot start, q stays with the compute thread. */
+static void prog_add(struct mpi_req *q) {
+    pthread_once(&prog.once, prog_init);
+    pthread_mutex_lock(&prog.mu);
+    if (!prog.running && pthread_create(&prog.thread, NULL, prog_main, NULL) == 0) prog.running = 1;
+    if (prog.running) {
+        q->on_thread = 1;
+        if (prog.tail) prog.tail->next = q;
+        else prog.head = q;
+        prog.tail = q;
+        if (prog.sleeping) pthread_cond_signal(&prog.work);
+    }
+    pthread_mutex_unlock(&prog.mu);
+}
+
+/* Stops and joins the thread: the last MPI communicator is being freed.
+ * Requests still listed were abandoned by a watchdog timeout; they are
+ * dropped, still allocated and untouched. */
+static void prog_stop(void) {
+    pthread_mutex_lock(&prog.mu);
+    int running = prog.running;
+    prog.stop = 1;
+    if (running) pthread_cond_signal(&prog.work);
+    pthread_mutex_unlock(&prog.mu);
+    if (running) pthread_join(prog.thread, NULL);
+    pthread_mutex_lock(&prog.mu);
+    prog.running = prog.stop = 0;
+    prog.head = prog.tail = NULL;
+    pthread_mutex_unlock(&prog.mu);
+}
+
+/* The wait of a request on the thread: sleeps until the thread has seen it
+ * finish, or past the watchdog's deadline (then *timed_out, and the request
+ * stays listed). Returns MPI's code from the thread's MPI_Test. */
+static int wait_thread(struct fsdp_comm *c, struct mpi_req *q, int *timed_out) {
+    struct timespec deadline = mono_at(q->t_start + c->timeout_s);
+    *timed_out = 0;
+    pthread_mutex_lock(&prog.mu);
+    prog.waiters++;
+    if (prog.sleeping) pthread_cond_signal(&prog.work); /* end its nap: this core is free now */
+    while (!q->done && !*timed_out) {
+        if (c->timeout_s <= 0) pthread_cond_wait(&prog.done, &prog.mu);
+        else if (pthread_cond_timedwait(&prog.done, &prog.mu, &deadline) == ETIMEDOUT)
+            *timed_out = !q->done;
+    }
+    prog.waiters--;
+    int rc = q->done ? q->rc : MPI_SUCCESS;
+    pthread_mutex_unlock(&prog.mu);
+    return rc;
+}
+
+int fsdp__comm_mpi_progress(const struct fsdp_comm *c) {
+    FSDP_ASSERT(!strcmp(c->backend, "mpi"), "not an MPI communicator (%s)", c->backend);
+    if (!mpi_multiple) return -1;
+    return ((const struct mpi_state *)c->state)->progress;
+}
+
+int fsdp__comm_mpi_req_done(const struct fsdp_comm *c, const struct fsdp_comm_req *req) {
+    FSDP_ASSERT(!strcmp(c->backend, "mpi"), "not an MPI communicator (%s)", c->backend);
+    const struct mpi_req *q = (const struct mpi_req *)req;
+    if (!q->on_thread) return 0;
+    pthread_mutex_lock(&prog.mu);
+    int done = q->done;
+    pthread_mutex_unlock(&prog.mu);
+    return done;
 }
 
 static void req_release(struct fsdp_comm *c, struct mpi_req *q) {
@@ -139,6 +404,7 @@ static enum fsdp_status started(struct fsdp_comm *c, struct mpi_req *q, int rc,
         req_release(c, q);
         return st;
     }
+    if (((struct mpi_state *)c->state)->progress) prog_add(q);
     *req = &q->base;
     return FSDP_OK;
 }
@@ -168,9 +434,11 @@ static enum fsdp_status mpi_allgather_start(struct fsdp_comm *c, const void *sen
     struct mpi_req *q = req_sized(req_new(c, FSDP_COLL_ALLGATHER), count, dt);
     if (!q) return FSDP_ERR_NOMEM;
     MPI_Datatype t = mpi_type(dt);
+    mpi_enter();
     int rc = send ? MPI_Iallgather(send, (int)count, t, recv, (int)count, t, comm_of(c), &q->r)
                   : MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, (int)count, t,
                                    comm_of(c), &q->r);
+    mpi_leave();
     return started(c, q, rc, req);
 }
 
@@ -180,16 +448,16 @@ static enum fsdp_status mpi_reduce_scatter_start(struct fsdp_comm *c, const void
     FSDP_TRY(check_count(c, FSDP_COLL_REDUCE_SCATTER, count));
     struct mpi_req *q = req_sized(req_new(c, FSDP_COLL_REDUCE_SCATTER), count, dt);
     if (!q) return FSDP_ERR_NOMEM;
-    int rc;
     if (fsdp__dtype_is_low(dt)) {
         enum fsdp_status st = stage(c, q, send, count * (size_t)c->size, recv, count, dt);
         if (st != FSDP_OK) { req_release(c, q); return st; }
-        rc = MPI_Ireduce_scatter_block(q->stage_in, q->stage_out, (int)count, MPI_FLOAT,
-                                       mpi_op(op), comm_of(c), &q->r);
-    } else {
-        rc = MPI_Ireduce_scatter_block(send, recv, (int)count, mpi_type(dt), mpi_op(op),
-                                       comm_of(c), &q->r);
     }
+    mpi_enter();
+    int rc = q->stage_in ? MPI_Ireduce_scatter_block(q->stage_in, q->stage_out, (int)count, MPI_FLOAT,
+                                                     mpi_op(op), comm_of(c), &q->r)
+                         : MPI_Ireduce_scatter_block(send, recv, (int)count, mpi_type(dt), mpi_op(op),
+                                                     comm_of(c), &q->r);
+    mpi_leave();
     return started(c, q, rc, req);
 }
 
@@ -199,16 +467,16 @@ static enum fsdp_status mpi_allreduce_start(struct fsdp_comm *c, const void *sen
     FSDP_TRY(check_count(c, FSDP_COLL_ALLREDUCE, count));
     struct mpi_req *q = req_sized(req_new(c, FSDP_COLL_ALLREDUCE), count, dt);
     if (!q) return FSDP_ERR_NOMEM;
-    int rc;
     if (fsdp__dtype_is_low(dt)) {
         enum fsdp_status st = stage(c, q, send ? send : recv, count, recv, count, dt);
         if (st != FSDP_OK) { req_release(c, q); return st; }
-        rc = MPI_Iallreduce(q->stage_in, q->stage_out, (int)count, MPI_FLOAT, mpi_op(op),
-                            comm_of(c), &q->r);
-    } else {
-        rc = MPI_Iallreduce(send ? send : MPI_IN_PLACE, recv, (int)count, mpi_type(dt),
-                            mpi_op(op), comm_of(c), &q->r);
     }
+    mpi_enter();
+    int rc = q->stage_in ? MPI_Iallreduce(q->stage_in, q->stage_out, (int)count, MPI_FLOAT, mpi_op(op),
+                                          comm_of(c), &q->r)
+                         : MPI_Iallreduce(send ? send : MPI_IN_PLACE, recv, (int)count, mpi_type(dt),
+                                          mpi_op(op), comm_of(c), &q->r);
+    mpi_leave();
     return started(c, q, rc, req);
 }
 
@@ -218,21 +486,25 @@ static enum fsdp_status mpi_broadcast_start(struct fsdp_comm *c, void *buf, size
     FSDP_TRY(check_count(c, FSDP_COLL_BROADCAST, count));
     struct mpi_req *q = req_sized(req_new(c, FSDP_COLL_BROADCAST), count, dt);
     if (!q) return FSDP_ERR_NOMEM;
+    mpi_enter();
     int rc = MPI_Ibcast(buf, (int)count, mpi_type(dt), root, comm_of(c), &q->r);
+    mpi_leave();
     return started(c, q, rc, req);
 }
 
 static enum fsdp_status mpi_barrier_start(struct fsdp_comm *c, struct fsdp_comm_req **req) {
     struct mpi_req *q = req_new(c, FSDP_COLL_BARRIER);
     if (!q) return FSDP_ERR_NOMEM;
+    mpi_enter();
     int rc = MPI_Ibarrier(comm_of(c), &q->r);
+    mpi_leave();
     return started(c, q, rc, req);
 }
 
 static enum fsdp_status mpi_wait(struct fsdp_comm *c, struct fsdp_comm_req *req) {
     struct mpi_req *q = (struct mpi_req *)req;
     int timed_out;
-    int rc = wait_timed(c, q, &timed_out);
+    int rc = q->on_thread ? wait_thread(c, q, &timed_out) : wait_timed(c, q, &timed_out);
     enum fsdp_status st = FSDP_OK;
     if (timed_out) {
         st = fsdp__err(c->ctx, FSDP_ERR_COMM,
@@ -243,7 +515,8 @@ static enum fsdp_status mpi_wait(struct fsdp_comm *c, struct fsdp_comm_req *req)
                        q->tag[0] ? ", tag " : "", q->tag);
         fprintf(stderr, "fsdp: %s\n", fsdp_errmsg(c->ctx));
         fflush(stderr);
-        /* q stays allocated: MPI may still write its buffers; the job must end */
+        /* q stays allocated (and with the progress thread, if it was): MPI may
+         * still write its buffers; the job must end */
         return st;
     }
     if (rc != MPI_SUCCESS) {
@@ -261,10 +534,14 @@ static enum fsdp_status mpi_wait(struct fsdp_comm *c, struct fsdp_comm_req *req)
 
 enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local) {
     MPI_Comm node;
+    mpi_enter();
     int rc = MPI_Comm_split_type(comm_of(c), MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &node);
+    if (rc == MPI_SUCCESS) {
+        MPI_Comm_size(node, local);
+        MPI_Comm_free(&node);
+    }
+    mpi_leave();
     if (rc != MPI_SUCCESS) return mpi_fail(c->ctx, c->rank, c->size, rc, "MPI_Comm_split_type");
-    MPI_Comm_size(node, local);
-    MPI_Comm_free(&node);
     return FSDP_OK;
 }
 
@@ -274,24 +551,34 @@ static const struct fsdp_comm_ops mpi_ops;
 
 enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, struct fsdp_comm **out) {
     MPI_Comm sub = MPI_COMM_NULL;
+    int rank = 0, size = 1;
+    mpi_enter();
     int rc = MPI_Comm_split(comm_of(c), color, key, &sub);
+    if (rc == MPI_SUCCESS) {
+        MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
+        MPI_Comm_rank(sub, &rank);
+        MPI_Comm_size(sub, &size);
+    }
+    mpi_leave();
     if (rc != MPI_SUCCESS) return mpi_fail(c->ctx, c->rank, c->size, rc, "MPI_Comm_split");
     struct fsdp_comm *n = fsdp__calloc(c->ctx, sizeof *n, FSDP_MEM_OTHER, "communicator");
     struct mpi_state *s = fsdp__calloc(c->ctx, sizeof *s, FSDP_MEM_OTHER, "MPI communicator state");
     if (!n || !s) {
         fsdp__free(c->ctx, n);
         fsdp__free(c->ctx, s);
+        mpi_enter();
         MPI_Comm_free(&sub);
+        mpi_leave();
         return FSDP_ERR_NOMEM;
     }
-    MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
     s->comm = sub;
+    s->progress = ((struct mpi_state *)c->state)->progress;
     n->ops = &mpi_ops;
     n->ctx = c->ctx;
     n->backend = "mpi";
     n->state = s;
-    MPI_Comm_rank(sub, &n->rank);
-    MPI_Comm_size(sub, &n->size);
+    n->rank = rank;
+    n->size = size;
     mpi_live++;
     *out = n;
     return FSDP_OK;
@@ -311,8 +598,13 @@ static void mpi_abort(struct fsdp_comm *c, int code) {
 
 static void mpi_free(struct fsdp_comm *c) {
     struct mpi_state *s = c->state;
+    if (mpi_live == 1) prog_stop(); /* the last MPI communicator: join before MPI lets go */
     if (s) {
-        if (s->comm != MPI_COMM_NULL) MPI_Comm_free(&s->comm);
+        if (s->comm != MPI_COMM_NULL) {
+            mpi_enter();
+            MPI_Comm_free(&s->comm);
+            mpi_leave();
+        }
         fsdp__free(c->ctx, s);
     }
     fsdp__free(c->ctx, c);
@@ -334,6 +626,22 @@ static const struct fsdp_comm_ops mpi_ops = {
     .free = mpi_free,
 };
 
+/* Env FSDP_MPI_PROGRESS=0 keeps requests on the compute thread. */
+static int progress_wanted(void) {
+    const char *e = getenv("FSDP_MPI_PROGRESS");
+    return !(e && *e && atoi(e) == 0);
+}
+
+/* A verbose context says once, on rank 0, that MPI's thread level rules the
+ * progress thread out. */
+static void note_no_progress(struct fsdp_ctx *ctx, int rank, int level) {
+    static int noted;
+    if (mpi_multiple || noted || rank != 0 || !ctx) return;
+    noted = 1;
+    fsdp__log(ctx, 1, "fsdp: mpi: MPI gives thread level %d, not MPI_THREAD_MULTIPLE: no progress "
+              "thread, collectives advance only inside MPI calls", level);
+}
+
 enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **out) {
     int init = 0, fin = 0, rc;
     MPI_Finalized(&fin);
@@ -344,10 +652,13 @@ enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **
     MPI_Initialized(&init);
     if (!init) {
         int provided = 0;
-        rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
+        rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &provided);
         if (rc != MPI_SUCCESS) return mpi_fail(ctx, 0, 1, rc, "MPI_Init_thread");
         mpi_we_init = 1;
     }
+    int level = MPI_THREAD_SINGLE; /* also when someone else initialised MPI */
+    MPI_Query_thread(&level);
+    mpi_multiple = level >= MPI_THREAD_MULTIPLE;
     struct fsdp_comm *c = fsdp__calloc(ctx, sizeof *c, FSDP_MEM_OTHER, "communicator");
     struct mpi_state *s = fsdp__calloc(ctx, sizeof *s, FSDP_MEM_OTHER, "MPI communicator state");
     if (!c || !s) {
@@ -363,16 +674,22 @@ enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **
     s->comm = MPI_COMM_NULL;
     mpi_live++;
     /* From here mpi_free undoes everything, including MPI_Init. */
+    mpi_enter();
     rc = MPI_Comm_dup(MPI_COMM_WORLD, &s->comm);
+    if (rc == MPI_SUCCESS) {
+        MPI_Comm_set_errhandler(s->comm, MPI_ERRORS_RETURN);
+        MPI_Comm_rank(s->comm, &c->rank);
+        MPI_Comm_size(s->comm, &c->size);
+    }
+    mpi_leave();
     if (rc != MPI_SUCCESS) {
         s->comm = MPI_COMM_NULL;
         enum fsdp_status st = mpi_fail(ctx, 0, 1, rc, "MPI_Comm_dup");
         mpi_free(c);
         return st;
     }
-    MPI_Comm_set_errhandler(s->comm, MPI_ERRORS_RETURN);
-    MPI_Comm_rank(s->comm, &c->rank);
-    MPI_Comm_size(s->comm, &c->size);
+    s->progress = mpi_multiple && progress_wanted();
+    note_no_progress(ctx, c->rank, level);
     fsdp__abort_hook = mpi_abort_hook;
     *out = c;
     return FSDP_OK;

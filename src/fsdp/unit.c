@@ -236,11 +236,14 @@ void fsdp__model_reshard_all(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
  * reduce the same buffers, started in the same order on each communicator
  * (the shard comm: gathers and reduce-scatters; the replica comm: the
  * all-reduces, in backward order); only the waits move.
- * Progress: shm runs collectives on its progress thread, so a started
- * gather completes while the compute thread works. MPI's non-blocking
- * collectives advance only inside MPI calls (Open MPI has no asynchronous
- * progress thread by default), so under MPI much of a prefetched gather
- * still runs at its wait; the schedule stays correct, only less overlapped. */
+ * Progress: both backends move a started gather while the compute thread
+ * works: shm runs collectives on its progress thread, and the MPI backend
+ * hands its requests to a progress thread that drives them with MPI_Test
+ * ([Note: MPI progress thread] in src/comm/mpi.c). Where that thread is off
+ * (FSDP_MPI_PROGRESS=0, or an MPI without MPI_THREAD_MULTIPLE), MPI's
+ * non-blocking collectives advance only inside MPI calls and much of a
+ * prefetched gather runs at its wait; the schedule stays correct, only less
+ * overlapped. */
 
 void fsdp__model_bwd_order(const struct fsdp_model *fm, int *order) {
     int n = 0, *stack = calloc((size_t)fm->n_units + 1, sizeof *stack);
