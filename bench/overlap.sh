@@ -5,7 +5,9 @@
 # communication fraction (time the compute thread waited on collectives /
 # step time), with --overlap on (prefetch + asynchronous reduce-scatters)
 # and off, all measured in the same run. Also HYBRID_SHARD and NO_SHARD on
-# 2 ranks for reference.
+# 2 ranks for reference, and FULL_SHARD on the MPI backend (--comm mpi) with
+# its progress thread forced on (FSDP_MPI_PROGRESS=1; by default it runs
+# only when a core is free for it) and off (FSDP_MPI_PROGRESS=0).
 # Usage: bench/overlap.sh [STEPS] [MODEL]   (defaults 6, gpt2; the first step
 # is not timed; MODEL tiny makes a smoke run)
 set -euo pipefail
@@ -28,6 +30,8 @@ run full_on 2 1 --sharding FULL_SHARD --overlap on
 run full_off 2 1 --sharding FULL_SHARD --overlap off
 run hybrid 2 1 --sharding HYBRID_SHARD --shard-group 1
 run ddp 2 1 --sharding NO_SHARD
+FSDP_MPI_PROGRESS=1 run mpi_on 2 1 --sharding FULL_SHARD --comm mpi
+FSDP_MPI_PROGRESS=0 run mpi_off 2 1 --sharding FULL_SHARD --comm mpi
 python3 - "$tmp" "$MODEL" <<'PY'
 import json, statistics, sys
 d, model = sys.argv[1], sys.argv[2]
@@ -39,7 +43,9 @@ def med(name):
 t1, _ = med("r1")
 print(f"{model}, global batch 4 sequences; 1 rank x 2 threads: {t1:.3f} s/step (reference)")
 for name, what in [("full_on", "FULL_SHARD, overlap on "), ("full_off", "FULL_SHARD, overlap off"),
-                   ("hybrid", "HYBRID_SHARD group 1 (replicated)"), ("ddp", "NO_SHARD (DDP)")]:
+                   ("hybrid", "HYBRID_SHARD group 1 (replicated)"), ("ddp", "NO_SHARD (DDP)"),
+                   ("mpi_on", "FULL_SHARD, --comm mpi, FSDP_MPI_PROGRESS=1"),
+                   ("mpi_off", "FULL_SHARD, --comm mpi, FSDP_MPI_PROGRESS=0")]:
     t, f = med(name)
     print(f"2 ranks x 1 thread, {what}: {t:.3f} s/step = {t / t1:.2f}x 1 rank "
           f"(target <= 1.10 for FULL_SHARD), exposed communication {100 * f:.1f}% of the step")

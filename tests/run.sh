@@ -17,6 +17,8 @@ export OMPI_MCA_btl_vader_single_copy_mechanism=none
 export FSDP_CHECK_COLLECTIVES=${FSDP_CHECK_COLLECTIVES:-1}
 # every gather from a unit's 16-bit shard copy checks it against the shard (src/fsdp/mixed.c)
 export FSDP_CHECK_LP_COPY=${FSDP_CHECK_LP_COPY:-1}
+# the MPI backend's progress thread on, though CI's 2 cores leave no core free for it (src/comm/mpi.c)
+export FSDP_MPI_PROGRESS=${FSDP_MPI_PROGRESS:-1}
 case "$BUILD" in *asan*) # sanitized suite: leaks of our code fail, Open MPI's own are
   # suppressed (tests/lsan.supp); the slow unwinder records 16 frames, so the
   # suppressions see the MPI frames under a leak made in an MPI plugin (Open MPI

@@ -840,14 +840,23 @@ static void check_overlapped(const float *ag_recv, size_t ag_n, const float *rs_
  * alone while this thread computes, complete before their waits are called,
  * their data in place. The compute loop makes no MPI (or fsdp) call; between
  * slices of it the test reads the thread's completion flags, which call no
- * MPI either, and gives up after 30 s. Under FSDP_MPI_PROGRESS=0 (requests
- * advance only in MPI calls, here their waits) it fails. */
+ * MPI either, and gives up after 30 s. The context asks for the thread
+ * (FSDP_MPI_PROGRESS=1: by default it runs only with a core free for it)
+ * unless the environment says otherwise; under FSDP_MPI_PROGRESS=0
+ * (requests advance only in MPI calls, here their waits) it fails. */
 TEST(comm_mpi_progress) {
-    struct fsdp_ctx *c = backend_ctx(0);
+    backend_ctx(0); /* keeps MPI initialised when this test's own context goes */
+    const char *env0 = getenv("FSDP_MPI_PROGRESS");
+    if (!env0) setenv("FSDP_MPI_PROGRESS", "1", 1);
+    struct fsdp_ctx *c = make_ctx(FSDP_COMM_MPI);
+    if (!env0) unsetenv("FSDP_MPI_PROGRESS");
     struct fsdp_comm *comm = fsdp_ctx_comm(c);
-    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
-    if (world < 2) SKIP("needs 2+ ranks");
-    if (fsdp__comm_mpi_progress(comm) < 0) SKIP("MPI gives less than MPI_THREAD_MULTIPLE");
+    int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm), level = fsdp__comm_mpi_progress(comm);
+    if (world < 2 || level < 0) {
+        fsdp_ctx_free(c);
+        if (world < 2) SKIP("needs 2+ ranks");
+        SKIP("MPI gives less than MPI_THREAD_MULTIPLE");
+    }
     size_t ag_n = (16u << 20) / sizeof(float) / (size_t)world, rs_n = (8u << 20) / sizeof(float) / (size_t)world;
     float *ag_send = xmalloc(ag_n * sizeof(float)), *ag_recv = xmalloc(ag_n * (size_t)world * sizeof(float));
     float *rs_send = xmalloc(rs_n * (size_t)world * sizeof(float)), *rs_recv = xmalloc(rs_n * sizeof(float));
@@ -881,6 +890,7 @@ TEST(comm_mpi_progress) {
     free(ag_recv);
     free(rs_send);
     free(rs_recv);
+    fsdp_ctx_free(c);
     check_progress_off();
 }
 

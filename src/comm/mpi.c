@@ -14,9 +14,10 @@
  * Progress: a started request is handed to one progress thread per process,
  * which drives it with MPI_Test while the compute thread computes; the wait
  * sleeps until the thread has seen it complete ([Note: MPI progress thread]).
- * Without MPI_THREAD_MULTIPLE, or with FSDP_MPI_PROGRESS=0, the compute
- * thread waits with MPI_Wait as before, and collectives advance only inside
- * MPI calls.
+ * Without MPI_THREAD_MULTIPLE, without a free core for the thread (unless
+ * FSDP_MPI_PROGRESS=1), or with FSDP_MPI_PROGRESS=0, the compute thread
+ * waits with MPI_Wait as before, and collectives advance only inside MPI
+ * calls.
  * Invariant: while a communicator lives, fsdp__abort_hook is MPI_Abort, so a
  * failed FSDP_ASSERT on one rank ends every rank instead of hanging them.
  * The watchdog (c->timeout_s) bounds either wait; the shm backend (shm.c)
@@ -27,10 +28,12 @@
 #include <errno.h>
 #include <limits.h>
 #include <mpi.h>
+#include <omp.h>
 #include <pthread.h>
 #include <sched.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 struct mpi_state {
     MPI_Comm comm; /* dup of MPI_COMM_WORLD, errors return */
@@ -116,7 +119,8 @@ static int mpi_multiple; /* MPI provides MPI_THREAD_MULTIPLE */
  *     write its buffers; the job must end): the thread keeps testing it, and
  *     drops it without touching it when it stops.
  *   Off: with FSDP_MPI_PROGRESS=0 at a communicator's creation (its splits
- *     inherit the choice), or an MPI below MPI_THREAD_MULTIPLE (a verbose
+ *     inherit the choice), by default when no core is free for the thread
+ *     (progress_wanted), or an MPI below MPI_THREAD_MULTIPLE (a verbose
  *     context says so once), requests stay with the compute thread, which
  *     waits in MPI_Wait, or polls MPI_Test under the watchdog (wait_timed).
  *     Should the thread fail to start, a request stays there too. */
@@ -626,10 +630,32 @@ static const struct fsdp_comm_ops mpi_ops = {
     .free = mpi_free,
 };
 
-/* Env FSDP_MPI_PROGRESS=0 keeps requests on the compute thread. */
-static int progress_wanted(void) {
+/* Env FSDP_MPI_PROGRESS=0 keeps requests on the compute thread, 1 hands
+ * them to the progress thread. Unset, the thread runs only when a core is
+ * free for it: this rank's OpenMP threads fewer than the CPUs it is bound
+ * to, or, unbound, the host's ranks (MPI_COMM_TYPE_SHARED of comm) times
+ * their threads fewer than its CPUs. Polling on a core the compute threads
+ * already fill takes their time: GPT-2 124M FULL_SHARD on 2 ranks x 1
+ * thread on 2 cores ran 4.7-5.1 s/step with the thread against 3.9-4.2
+ * without (bench/README.md). COLLECTIVE: yes (the split runs whatever the
+ * environment says, so ranks that disagree on it cannot deadlock). */
+static int progress_wanted(MPI_Comm comm) {
+    int local = 1;
+    MPI_Comm node;
+    mpi_enter();
+    if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+        MPI_Comm_size(node, &local);
+        MPI_Comm_free(&node);
+    }
+    mpi_leave();
     const char *e = getenv("FSDP_MPI_PROGRESS");
-    return !(e && *e && atoi(e) == 0);
+    if (e && *e) return atoi(e) != 0;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t set;
+    int mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : (int)online;
+    int threads = omp_get_max_threads();
+    if (mine < online) return threads < mine; /* bound by the launcher */
+    return (long)local * threads < online;
 }
 
 /* A verbose context says once, on rank 0, that MPI's thread level rules the
@@ -688,7 +714,7 @@ enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **
         mpi_free(c);
         return st;
     }
-    s->progress = mpi_multiple && progress_wanted();
+    s->progress = progress_wanted(s->comm) && mpi_multiple;
     note_no_progress(ctx, c->rank, level);
     fsdp__abort_hook = mpi_abort_hook;
     *out = c;
