@@ -298,6 +298,14 @@ TEST(grad_accum_bad_count) {
 
 /* ---- checkpoints: shard index and count from the shard group ---- */
 
+/* A fixed per-rank batch of n tokens and targets (vocab 256). */
+static void fixed_batch(int32_t *in, int32_t *tg, int n, int rank) {
+    for (int i = 0; i < n; i++) {
+        in[i] = (i * 7 + 3 * rank) % 256;
+        tg[i] = (i * 5 + rank) % 256;
+    }
+}
+
 /* A sharded checkpoint saved under HYBRID_SHARD (replica 0 writes) or
  * NO_SHARD loads into every other strategy with the same parameters and
  * optimizer state (the next step's loss and norms agree). */
@@ -309,7 +317,7 @@ TEST(checkpoint_across_strategies) {
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     const int Bl = 2, T = 16;
     int32_t in[2 * 16], tg[2 * 16];
-    for (int i = 0; i < Bl * T; i++) { in[i] = (i * 7 + 3 * rank) % 256; tg[i] = (i * 5 + rank) % 256; }
+    fixed_batch(in, tg, Bl * T, rank);
     enum fsdp_sharding from[2] = {FSDP_HYBRID_SHARD, FSDP_NO_SHARD};
     for (int f = 0; f < 2; f++) {
         char dir[256];
@@ -461,7 +469,7 @@ TEST(hybrid_replica_allreduce_left_in_flight) {
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     const int Bl = 4, T = 16;
     int32_t in[4 * 16], tg[4 * 16];
-    for (int i = 0; i < Bl * T; i++) { in[i] = (i * 7 + 3 * rank) % 256; tg[i] = (i * 5 + rank) % 256; }
+    fixed_batch(in, tg, Bl * T, rank);
     enum fsdp_sharding shs[2] = {FSDP_FULL_SHARD, FSDP_HYBRID_SHARD};
     for (int k = 0; k < 2; k++) {
         struct fsdp_comm_stats d[2];
@@ -517,7 +525,7 @@ static void check_step_fails_cleanly(enum fsdp_sharding sh, int overlap) {
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     const int Bl = 4, T = 16;
     int32_t in[4 * 16], tg[4 * 16];
-    for (int i = 0; i < Bl * T; i++) { in[i] = (i * 7 + 3 * rank) % 256; tg[i] = (i * 5 + rank) % 256; }
+    fixed_batch(in, tg, Bl * T, rank);
     struct fsdp_step_result r;
     long n = -1;
     for (long k = 0; k <= n || n < 0; k++) { /* k = 0: count the allocations */
