@@ -588,11 +588,24 @@ enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, s
     return FSDP_OK;
 }
 
+/* mpirun reads our stderr through a pipe, and when MPI_Abort makes it end
+ * the job it may kill us before reading what is still there ("you may or may
+ * not see output from other processes"): the message saying why the job ends
+ * was lost that way once (a rank naming a dead peer, then aborting). With
+ * other ranks around, a short pause lets the launcher drain the pipe first;
+ * shm.c sets its abort flag before calling us, so no peer waits on us. */
 static void mpi_abort_hook(int code) {
-    int init = 0, fin = 0;
+    int init = 0, fin = 0, size = 1;
     MPI_Initialized(&init);
     MPI_Finalized(&fin);
-    if (init && !fin) MPI_Abort(MPI_COMM_WORLD, code);
+    if (!init || fin) return;
+    fflush(NULL);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (size > 1) {
+        struct timespec ts = {0, 300 * 1000 * 1000};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+    }
+    MPI_Abort(MPI_COMM_WORLD, code);
 }
 
 static void mpi_abort(struct fsdp_comm *c, int code) {
