@@ -57,8 +57,9 @@ int main(int argc, char **argv) {
             rates[r] = 4.0 * 2.0 * (double)(M * N * K) / dt / 1e9;
         }
         qsort(rates, 9, sizeof(double), cmp_d);
-        printf("gemm_bf16_gflops %.1f (bf16 in, fp32 out, %d threads, %lldx%lldx%lld, median of 9)", rates[4],
-               threads, (long long)M, (long long)K, (long long)N);
+        printf("gemm_bf16_gflops %.1f (bf16 in, fp32 out, %d threads, %lldx%lldx%lld, median of 9, %s)", rates[4],
+               threads, (long long)M, (long long)K, (long long)N,
+               fsdp_gemm_native(FSDP_BF16) ? "native kernels" : "widened to fp32: no native bf16 here");
         if (do_f32) printf(" = %.2fx fp32", rates[4] / f32_rate);
         printf("\n");
         free(Ab);

@@ -576,9 +576,11 @@ static void precision_line(const struct opts *o, const struct fsdp_model *fm) {
         printf("precision: FP32\n");
         return;
     }
+    enum fsdp_dtype lp = !strcasecmp(o->precision, "AMP_FP16") ? FSDP_F16 : FSDP_BF16;
     printf("precision: %s, mixed_precision %s: %d of %d units gather in 16 bits, %d reduce in 16 bits, %d compute "
-           "in fp32%s\n", precision_name(o), o->mixed_precision, lp_param, n, lp_reduce, fp32_units,
-           !strcasecmp(o->precision, "AMP_FP16") ? "; dynamic loss scaling" : "");
+           "in fp32%s; %s products %s\n", precision_name(o), o->mixed_precision, lp_param, n, lp_reduce, fp32_units,
+           lp == FSDP_F16 ? "; dynamic loss scaling" : "", fsdp_dtype_name(lp),
+           fsdp_gemm_native(lp) ? "on the CPU's native kernels" : "widened to fp32 (no native kernels here)");
 }
 
 /* An error of this rank alone: report and end every rank. */

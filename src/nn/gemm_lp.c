@@ -2,11 +2,12 @@
  * gemm_lp.c - low-precision GEMM: 16-bit inputs, fp32 accumulation, fp32
  * output (fsdp__gemm_lp). Part of src/nn's GEMM wrapper (gemm.c has fp32).
  *  - bf16: oneDNN's matmul primitive with bf16 src/weights and f32 dst, which
- *    runs on AMX on this CPU (brgemm). Transposes and leading dimensions are
- *    expressed as memory strides, so nothing is copied.
- *  - fp16: oneDNN 2.6 has no f16 matmul on CPU (primitive creation returns
- *    dnnl_unimplemented), so both inputs are widened to fp32 in a per-thread
- *    scratch buffer and multiplied with fsdp__sgemm. Correct, not fast.
+ *    runs on AMX or AVX512-BF16 where the CPU has them (brgemm). Transposes and
+ *    leading dimensions are expressed as memory strides, so nothing is copied.
+ *  - fp16, and bf16 on a CPU without a bf16 matmul in oneDNN (AVX2 only, say:
+ *    creation returns dnnl_unimplemented there, and for f16 on every CPU in
+ *    oneDNN 2.6): both inputs are widened to fp32 in a per-thread scratch
+ *    buffer and multiplied with fsdp__sgemm ([Note: widened products]).
  * [Note: matmul cache] Creating a matmul primitive costs milliseconds (JIT),
  * so primitives are kept in a process-wide table keyed by everything that
  * shapes them: dtype, M, N, K, transposes, leading dimensions, alpha (output
@@ -54,9 +55,47 @@ static _Thread_local size_t tl_scratch_cap;
 static _Thread_local float *tl_wide;     /* fp16 path: widened A and B, this thread */
 static _Thread_local size_t tl_wide_cap; /* floats */
 
+/* [Note: widened products]
+ * A 16-bit product oneDNN cannot run natively is computed as the fp32 product
+ * of the widened inputs. Every product of two bf16 (or fp16) values is exact
+ * in fp32, so this is the same mathematical result with fp32 accumulation as
+ * the native kernel: only the summation order, hence the last bits, differ.
+ * What stays 16-bit is everything around the product (the gathered weights,
+ * the bytes moved, the rounding of the inputs), so a bf16 run on an AVX2 CPU
+ * trains like one on AMX, at fp32 GEMM speed plus the widening.
+ * Whether bf16 is native is decided once per process by creating a small
+ * probe primitive; FSDP_GEMM_BF16=widen forces the widened path (tests use it
+ * to cover it on CPUs that have the native one). */
+static int mm_bf16_native;
+
+static int mm_probe_bf16(void) {
+    const char *env = getenv("FSDP_GEMM_BF16");
+    if (env && !strcmp(env, "widen")) return 0;
+    dnnl_dims_t d = {16, 16};
+    dnnl_memory_desc_t a, b, c;
+    dnnl_matmul_desc_t md;
+    dnnl_primitive_desc_t pd = NULL;
+    dnnl_status_t st = dnnl_memory_desc_init_by_tag(&a, 2, d, dnnl_bf16, dnnl_ab);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&b, 2, d, dnnl_bf16, dnnl_ab);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&c, 2, d, dnnl_f32, dnnl_ab);
+    if (st == dnnl_success) st = dnnl_matmul_desc_init(&md, &a, &b, NULL, &c);
+    if (st == dnnl_success) st = dnnl_primitive_desc_create(&pd, &md, NULL, mm_engine, NULL);
+    dnnl_primitive_desc_destroy(pd);
+    return st == dnnl_success;
+}
+
 static void mm_engine_init(void) {
     dnnl_status_t st = dnnl_engine_create(&mm_engine, dnnl_cpu, 0);
     FSDP_ASSERT(st == dnnl_success, "dnnl_engine_create(cpu) failed with status %d", (int)st);
+    mm_bf16_native = mm_probe_bf16();
+}
+
+/* 1 if dt's products run on oneDNN's native 16-bit kernels (bf16 where the
+ * CPU has them), 0 if they are widened to fp32 */
+static int mm_native(enum fsdp_dtype dt) {
+    if (dt != FSDP_BF16) return 0;
+    pthread_once(&mm_once, mm_engine_init);
+    return mm_bf16_native;
 }
 
 static uint32_t fbits(float f) {
@@ -183,16 +222,17 @@ static void gemm_onednn(const struct mm_key *k, float alpha, float beta, const v
                 fsdp_dtype_name(k->dt), (long long)k->M, (long long)k->N, (long long)k->K, (int)st);
 }
 
-/* fp16: widen the stored matrices (rows x cols with row stride ld) to fp32,
- * densely, then fsdp__sgemm. */
-static void gemm_f16(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A,
-                     int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+/* A product oneDNN has no 16-bit kernel for: widen the stored matrices (rows
+ * x cols with row stride ld) to fp32, densely, then fsdp__sgemm. */
+static void gemm_widen(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
+                       const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C,
+                       int64_t ldc) {
     int64_t ar = transa ? K : M, ac = transa ? M : K; /* stored A (ar, ac) */
     int64_t br = transb ? N : K, bc = transb ? K : N; /* stored B (br, bc) */
     float *w = tl_grow((void **)&tl_wide, &tl_wide_cap, (size_t)(ar * ac + br * bc) * sizeof(float));
     float *a = w, *b = w + ar * ac;
-    for (int64_t i = 0; i < ar; i++) fsdp__cvt_f16_to_f32(A + i * lda, a + i * ac, (size_t)ac);
-    for (int64_t i = 0; i < br; i++) fsdp__cvt_f16_to_f32(B + i * ldb, b + i * bc, (size_t)bc);
+    for (int64_t i = 0; i < ar; i++) fsdp__cvt_to_f32(dt, A + i * lda, a + i * ac, (size_t)ac);
+    for (int64_t i = 0; i < br; i++) fsdp__cvt_to_f32(dt, B + i * ldb, b + i * bc, (size_t)bc);
     fsdp__sgemm(transa, transb, M, N, K, alpha, a, ac, b, bc, beta, C, ldc);
 }
 
@@ -220,8 +260,8 @@ static void gemm_one(enum fsdp_dtype dt, int transa, int transb, int64_t M, int6
     } else if (K <= 0) { /* no products: C = beta * C */
         for (int64_t r = 0; r < M; r++)
             for (int64_t c = 0; c < N; c++) C[r * ldc + c] = beta == 0.0f ? 0.0f : beta * C[r * ldc + c];
-    } else if (dt == FSDP_F16) {
-        gemm_f16(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    } else if (!mm_native(dt)) {
+        gemm_widen(dt, transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     } else {
         struct mm_key k = mm_key_2d(dt, transa, transb, M, N, K, lda, ldb, ldc, alpha, beta);
         gemm_onednn(&k, alpha, beta, A, B, NULL, C);
@@ -240,7 +280,7 @@ void fsdp__gemm_lp_batched(enum fsdp_dtype dt, int64_t batch, int transa, int tr
         gemm_one(dt, transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
         return;
     }
-    if (dt != FSDP_BF16 || K <= 0) { /* one product per batch entry, threads across them */
+    if (!mm_native(dt) || K <= 0) { /* one product per batch entry, threads across them */
 #pragma omp parallel for schedule(dynamic, 1) if (!omp_in_parallel())
         for (int64_t i = 0; i < batch; i++)
             gemm_one(dt, transa, transb, M, N, K, alpha, a + (size_t)(i * sa) * es, lda, b + (size_t)(i * sb) * es,
@@ -262,7 +302,7 @@ void fsdp__gemm_lp(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_
 void fsdp__gemm_lp_bias(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, const void *A,
                         int64_t lda, const void *B, int64_t ldb, const float *bias, float *C, int64_t ldc) {
     if (M <= 0 || N <= 0) return;
-    if (dt != FSDP_BF16 || K <= 0) { /* every row starts as the bias, then C += op(A) op(B) */
+    if (!mm_native(dt) || K <= 0) { /* every row starts as the bias, then C += op(A) op(B) */
 #pragma omp parallel for schedule(static) if (!omp_in_parallel())
         for (int64_t i = 0; i < M; i++) memcpy(C + i * ldc, bias, (size_t)N * sizeof(float));
         fsdp__gemm_lp(dt, transa, transb, M, N, K, 1.0f, A, lda, B, ldb, 1.0f, C, ldc);
@@ -277,6 +317,8 @@ void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, fl
                      int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     fsdp__gemm_lp(FSDP_BF16, transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
+
+int fsdp_gemm_native(enum fsdp_dtype dt) { return dt == FSDP_F32 || mm_native(dt); }
 
 int fsdp__gemm_lp_cached(void) {
     pthread_mutex_lock(&mm_lock);
