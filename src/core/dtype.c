@@ -11,8 +11,8 @@
  *  - the array forms give exactly the bits of the scalar forms. With AVX-512
  *    they run 16 lanes at a time (bf16 with integer arithmetic, because
  *    vcvtneps2bf16 flushes subnormals; fp16 with vcvtps2ph/vcvtph2ps, which
- *    round correctly); the scalar forms finish the tail and are the whole of
- *    the fallback. Long arrays are split across OpenMP threads (outside a
+ *    round correctly), with AVX2 (and F16C for fp16) 8 or 16 the same way;
+ *    the scalar forms finish the tail and are the whole of the fallback. Long arrays are split across OpenMP threads (outside a
  *    parallel region; inside one they run on the calling thread).
  */
 #include "core/core-impl.h"
@@ -20,7 +20,7 @@
 #include <omp.h>
 #include <string.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -98,6 +98,24 @@ static void f32_to_bf16_run(const float *src, uint16_t *dst, size_t n) {
         r = _mm512_mask_or_epi32(r, nan, u, quiet); /* NaN lanes: u | quiet bit, truncated */
         _mm256_storeu_si256((__m256i *)(void *)(dst + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
     }
+#elif defined(__AVX2__)
+    const __m256i one = _mm256_set1_epi32(1), round = _mm256_set1_epi32(0x7fff);
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i quiet = _mm256_set1_epi32(0x00400000);
+    for (; i + 16 <= n; i += 16) {
+        __m256i h[2];
+        for (int j = 0; j < 2; j++) {
+            __m256i u = _mm256_loadu_si256((const __m256i *)(const void *)(src + i + 8 * j));
+            __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+            /* |u| > inf as signed 32-bit: both sides are non-negative */
+            __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absmask), inf);
+            r = _mm256_blendv_epi8(r, _mm256_or_si256(u, quiet), nan);
+            h[j] = _mm256_srli_epi32(r, 16); /* 0..0xffff: packus keeps it */
+        }
+        /* packus interleaves 128-bit lanes (a0-3 b0-3 a4-7 b4-7): put them back in order */
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xd8);
+        _mm256_storeu_si256((__m256i *)(void *)(dst + i), p);
+    }
 #endif
     for (; i < n; i++) dst[i] = fsdp__f32_to_bf16(src[i]);
 }
@@ -108,6 +126,11 @@ static void bf16_to_f32_run(const uint16_t *src, float *dst, size_t n) {
     for (; i + 16 <= n; i += 16) {
         __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(src + i)));
         _mm512_storeu_si512((void *)(dst + i), _mm512_slli_epi32(h, 16));
+    }
+#elif defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+        __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(src + i)));
+        _mm256_storeu_si256((__m256i *)(void *)(dst + i), _mm256_slli_epi32(h, 16));
     }
 #endif
     for (; i < n; i++) dst[i] = fsdp__bf16_to_f32(src[i]);
@@ -120,6 +143,11 @@ static void f32_to_f16_run(const float *src, uint16_t *dst, size_t n) {
         __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm256_storeu_si256((__m256i *)(void *)(dst + i), h);
     }
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(void *)(dst + i), h);
+    }
 #endif
     for (; i < n; i++) dst[i] = fsdp__f32_to_f16(src[i]);
 }
@@ -129,6 +157,9 @@ static void f16_to_f32_run(const uint16_t *src, float *dst, size_t n) {
 #ifdef __AVX512F__
     for (; i + 16 <= n; i += 16)
         _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(src + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(src + i))));
 #endif
     for (; i < n; i++) dst[i] = fsdp__f16_to_f32(src[i]);
 }
