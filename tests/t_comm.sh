@@ -7,7 +7,8 @@
 # 2 ranks, to MPI; a SIGSTOPped rank trips the collective watchdog on shm and
 # MPI. Prints "N passed, N failed" at the end.
 . "$(dirname "$0")/lib.sh"
-BW="$BUILD/bench/comm_bw"
+# absolute: the leftover checks below must not match another checkout's jobs
+BW="$(cd "$BUILD" && pwd)/bench/comm_bw"
 export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 
 # ---- a dead peer is detected, named, and ends the job ----

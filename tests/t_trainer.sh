@@ -72,24 +72,26 @@ echo '{"n_layer": 2, "n_head": 3, "n_embd": 32, "vocab_size": 256, "block_size":
 expect_error "bad model config" "n_head" -- --model-config "$tmp/cfg.json" --steps 1
 
 # ---- a rank killed mid-step ends the job ----
-"$TRAIN" --nproc 2 --model small --steps 100000 --threads 1 --sample 0 > "$tmp/kill.out" 2>&1 &
+# the log's path marks this job's processes (launcher, mpirun, ranks) and no one else's
+mark="$tmp/kill.jsonl"
+"$TRAIN" --nproc 2 --model small --steps 100000 --threads 1 --sample 0 --log "$mark" > "$tmp/kill.out" 2>&1 &
 job=$!
 for _ in $(seq 1 100); do grep -q "^step" "$tmp/kill.out" && break; sleep 0.2; done
-victim=$(pgrep -f "$BUILD/fsdp-train --model small" | tail -n 1)
+victim=$(pgrep -f -- "$mark" | tail -n 1) # the newest: a rank
 [ -z "$victim" ] && victim=$(pgrep -P "$(pgrep -n mpirun)" | tail -n 1)
 if [ -z "$victim" ]; then bad "killed rank ends the job" "no rank process found"; kill -9 $job 2>/dev/null
 else
   kill -9 "$victim"
   t0=$SECONDS
   while kill -0 $job 2>/dev/null && [ $((SECONDS - t0)) -lt 30 ]; do sleep 0.5; done
-  if kill -0 $job 2>/dev/null; then bad "killed rank ends the job" "still running after 30 s"; pkill -9 -f "fsdp-train --model small"; kill -9 $job
+  if kill -0 $job 2>/dev/null; then bad "killed rank ends the job" "still running after 30 s"; pkill -9 -f -- "$mark"; kill -9 $job
   else wait $job; rc=$?
     if [ $rc -ne 0 ]; then ok "killed rank ends the job within $((SECONDS - t0)) s (exit $rc)"
     else bad "killed rank ends the job" "exit 0"; fi
   fi
 fi
 sleep 0.5
-if pgrep -f "fsdp-train --model small" >/dev/null; then bad "no process left behind"; pkill -9 -f "fsdp-train --model small"
+if pgrep -f -- "$mark" >/dev/null; then bad "no process left behind"; pkill -9 -f -- "$mark"
 else ok "no process left behind"; fi
 
 finish
