@@ -3,7 +3,7 @@
 # 1 MiB to 256 MiB at 2 and 4 ranks on this host: the shm backend vs Open MPI
 # vs a single-thread memcpy, all measured in the same run (bench/comm_bw.c).
 # Targets (issue 6): shm >= 3x Open MPI and >= 50% of memcpy at 64 MiB. Then,
-# for the all-gather, bench/ag_bound.c: the fastest any copy engine can be on
+# for the all-gather, bench/comm_bound.c: the fastest any copy engine can be on
 # this host (ideal single copy from a shared window) against Open MPI.
 # Usage: bench/comm_bw.sh [ITERS] [MAX_BYTES]   (default 5, 268435456)
 set -euo pipefail
@@ -18,6 +18,6 @@ export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy
 for np in 2 4; do
   mpirun -np $np --oversubscribe --bind-to none "$BUILD/bench/comm_bw" --iters "$ITERS" --max "$MAX"
   # the bound for any copy engine: one streaming copy per byte from the owners' memory
-  mpirun -np $np --oversubscribe --bind-to none "$BUILD/bench/ag_bound" "$ITERS" 16777216 "$MAX"
+  mpirun -np $np --oversubscribe --bind-to none "$BUILD/bench/comm_bound" "$ITERS" 16777216 "$MAX"
   echo
 done
