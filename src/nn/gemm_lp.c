@@ -52,7 +52,7 @@ static pthread_once_t mm_once = PTHREAD_ONCE_INIT;
 static _Thread_local dnnl_stream_t tl_stream;
 static _Thread_local void *tl_scratch;   /* oneDNN scratchpad, this thread */
 static _Thread_local size_t tl_scratch_cap;
-static _Thread_local float *tl_wide;     /* fp16 path: widened A and B, this thread */
+static _Thread_local float *tl_wide;     /* widened products: A and B in fp32, this thread */
 static _Thread_local size_t tl_wide_cap; /* floats */
 
 /* [Note: widened products]
