@@ -126,9 +126,24 @@ TEST(gemm_lp_matches_double_on_16bit_inputs) {
             }
     CHECK_INT_EQ(check_gemm(FSDP_BF16, 0, 1, 256, 384, 128, 0, 1.0f, 1.0f, 0), 0); /* a Linear-sized one */
     CHECK_INT_EQ(check_gemm(FSDP_BF16, 0, 0, 5, 7, 0, 0, 1.0f, 0.5f, 0), 0);       /* K = 0: C = beta C */
+
     int before = fsdp__gemm_lp_cached();
     CHECK_INT_EQ(check_gemm(FSDP_BF16, 0, 1, 256, 384, 128, 0, 1.0f, 1.0f, 0), 0); /* cached: no new primitive */
     CHECK_INT_EQ(fsdp__gemm_lp_cached(), before);
+}
+
+/* Widened products over several blocks of K: 64 KiB of scratch (set before
+ * this process's first product) is 16384 floats, 2048 columns of K for
+ * M + N = 8, so K = 5000 takes three blocks (the first with beta, the others
+ * adding) and K = 3000 with M + N = 100 the 256-column minimum. */
+TEST(widened_products_in_blocks_of_k) {
+    setenv("FSDP_WIDEN_SCRATCH", "65536", 1);
+    rseed(5);
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++) {
+            CHECK_INT_EQ(check_gemm(FSDP_F16, ta, tb, 3, 5, 5000, 2, 0.5f, ta == tb ? 0.0f : 1.0f, 0), 0);
+            CHECK_INT_EQ(check_gemm(FSDP_F16, ta, tb, 60, 40, 3000, 1, 1.0f, 1.0f, ta), 0);
+        }
 }
 
 /* Batched products (attention's heads): entry i of a batch with gaps between

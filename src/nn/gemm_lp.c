@@ -65,8 +65,11 @@ static _Thread_local size_t tl_wide_cap; /* floats */
  * trains like one on AMX, at fp32 GEMM speed plus the widening.
  * Whether bf16 is native is decided once per process by creating a small
  * probe primitive; FSDP_GEMM_BF16=widen forces the widened path (tests use it
- * to cover it on CPUs that have the native one). */
+ * to cover it on CPUs that have the native one). The widened inputs go
+ * through a per-thread scratch of about FSDP_WIDEN_SCRATCH bytes (default
+ * 32 MiB; gemm_widen), read once per process too. */
 static int mm_bf16_native;
+static size_t mm_widen_floats = ((size_t)32 << 20) / sizeof(float);
 
 static int mm_probe_bf16(void) {
     const char *env = getenv("FSDP_GEMM_BF16");
@@ -88,6 +91,9 @@ static void mm_engine_init(void) {
     dnnl_status_t st = dnnl_engine_create(&mm_engine, dnnl_cpu, 0);
     FSDP_ASSERT(st == dnnl_success, "dnnl_engine_create(cpu) failed with status %d", (int)st);
     mm_bf16_native = mm_probe_bf16();
+    const char *env = getenv("FSDP_WIDEN_SCRATCH");
+    long long v = env ? atoll(env) : 0;
+    if (v >= 4096) mm_widen_floats = (size_t)v / sizeof(float);
 }
 
 /* 1 if dt's products run on oneDNN's native 16-bit kernels (bf16 where the
@@ -222,18 +228,38 @@ static void gemm_onednn(const struct mm_key *k, float alpha, float beta, const v
                 fsdp_dtype_name(k->dt), (long long)k->M, (long long)k->N, (long long)k->K, (int)st);
 }
 
-/* A product oneDNN has no 16-bit kernel for: widen the stored matrices (rows
- * x cols with row stride ld) to fp32, densely, then fsdp__sgemm. */
+/* Widens rows [r0, r0 + nr) x columns [c0, c0 + nc) of a stored 16-bit
+ * matrix (row stride ld) into a dense nr x nc fp32 block; rows in parallel
+ * when it is large and we are not inside a parallel region already. */
+static void widen_block(enum fsdp_dtype dt, const uint16_t *X, int64_t ld, int64_t r0, int64_t nr, int64_t c0,
+                        int64_t nc, float *out) {
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && nr * nc >= (1 << 18))
+    for (int64_t i = 0; i < nr; i++) fsdp__cvt_to_f32(dt, X + (r0 + i) * ld + c0, out + i * nc, (size_t)nc);
+}
+
+/* A product oneDNN has no 16-bit kernel for ([Note: widened products]):
+ * fsdp__sgemm on the inputs widened to fp32, over blocks of K so that this
+ * thread's scratch stays near FSDP_WIDEN_SCRATCH (the lm_head's products would
+ * otherwise widen 150-200 MB at once): C = alpha op(A) op(B) + beta C for the
+ * first block, += for the next. Each input element is widened once. */
 static void gemm_widen(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
                        const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C,
                        int64_t ldc) {
-    int64_t ar = transa ? K : M, ac = transa ? M : K; /* stored A (ar, ac) */
-    int64_t br = transb ? N : K, bc = transb ? K : N; /* stored B (br, bc) */
-    float *w = tl_grow((void **)&tl_wide, &tl_wide_cap, (size_t)(ar * ac + br * bc) * sizeof(float));
-    float *a = w, *b = w + ar * ac;
-    for (int64_t i = 0; i < ar; i++) fsdp__cvt_to_f32(dt, A + i * lda, a + i * ac, (size_t)ac);
-    for (int64_t i = 0; i < br; i++) fsdp__cvt_to_f32(dt, B + i * ldb, b + i * bc, (size_t)bc);
-    fsdp__sgemm(transa, transb, M, N, K, alpha, a, ac, b, bc, beta, C, ldc);
+    pthread_once(&mm_once, mm_engine_init);
+    int64_t kb = (int64_t)mm_widen_floats / (M + N);
+    if (kb < 256) kb = 256; /* short blocks would cost sgemm more than the memory saves */
+    if (kb > K) kb = K;
+    float *a = tl_grow((void **)&tl_wide, &tl_wide_cap, (size_t)((M + N) * kb) * sizeof(float)), *b = a + M * kb;
+    for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        int64_t kn = K - k0 < kb ? K - k0 : kb;
+        /* op(A)[:, k0:k0+kn] and op(B)[k0:k0+kn, :], dense, stored as A and B are */
+        if (transa) widen_block(dt, A, lda, k0, kn, 0, M, a); /* stored (K, M): kn rows */
+        else widen_block(dt, A, lda, 0, M, k0, kn, a);        /* stored (M, K): kn columns */
+        if (transb) widen_block(dt, B, ldb, 0, N, k0, kn, b); /* stored (N, K) */
+        else widen_block(dt, B, ldb, k0, kn, 0, N, b);        /* stored (K, N) */
+        fsdp__sgemm(transa, transb, M, N, kn, alpha, a, transa ? M : kn, b, transb ? kn : N, k0 ? 1.0f : beta, C,
+                    ldc);
+    }
 }
 
 /* The key of a 2-D bf16 product (batch 1, no bias), padding zeroed: the
