@@ -19,6 +19,10 @@ export FSDP_CHECK_COLLECTIVES=${FSDP_CHECK_COLLECTIVES:-1}
 export FSDP_CHECK_LP_COPY=${FSDP_CHECK_LP_COPY:-1}
 # the MPI backend's progress thread on, though CI's 2 cores leave no core free for it (src/comm/mpi.c)
 export FSDP_MPI_PROGRESS=${FSDP_MPI_PROGRESS:-1}
+# OpenMP threads sleep at barriers instead of spinning: with another busy process on a shared
+# 2-core box, spinning threads took test_nn_bf16 from 0.9 s to 39 s (0.9 s passive); quiet, it
+# costs about 10%
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 case "$BUILD" in *asan*) # sanitized suite: leaks of our code fail, Open MPI's own are
   # suppressed (tests/lsan.supp); the slow unwinder records 16 frames, so the
   # suppressions see the MPI frames under a leak made in an MPI plugin (Open MPI
