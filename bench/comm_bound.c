@@ -19,62 +19,17 @@
  * reduce-scatter). Prints bus GB/s = S/t*(W-1)/W (median over ITERS of the
  * slowest rank) and the ratios.
  */
+#include "comm/shm-impl.h" /* the shm backend's own copy and sum */
+
 #include <mpi.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
-
-/* memcpy with streaming stores (the stores the shm backend uses for large
- * destinations); plain memcpy without AVX */
-static void copy_stream(void *dst, const void *src, size_t n) {
-#if defined(__AVX__)
-    unsigned char *d = dst;
-    const unsigned char *p = src;
-    size_t head = (32 - ((uintptr_t)d & 31)) & 31;
-    if (head > n) head = n;
-    memcpy(d, p, head);
-    d += head, p += head, n -= head;
-    for (; n >= 128; n -= 128, d += 128, p += 128) {
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)p);
-        __m256i x1 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 32));
-        __m256i x2 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 64));
-        __m256i x3 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 96));
-        _mm256_stream_si256((__m256i *)(void *)d, x0);
-        _mm256_stream_si256((__m256i *)(void *)(d + 32), x1);
-        _mm256_stream_si256((__m256i *)(void *)(d + 64), x2);
-        _mm256_stream_si256((__m256i *)(void *)(d + 96), x3);
-    }
-    memcpy(d, p, n);
-    _mm_sfence();
-#else
-    memcpy(dst, src, n);
-#endif
-}
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
-}
-
-/* dst = a + b over n floats, streamed into dst when nt (AVX), as the shm
- * backend's last addition */
-static void add_f32(float *dst, const float *a, const float *b, size_t n, int nt) {
-    size_t i = 0;
-#if defined(__AVX__)
-    if (nt) {
-        for (; i < n && ((uintptr_t)(dst + i) & 31); i++) dst[i] = a[i] + b[i];
-        for (; i + 8 <= n; i += 8)
-            _mm256_stream_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-        _mm_sfence();
-    }
-#else
-    (void)nt;
-#endif
-    for (; i < n; i++) dst[i] = a[i] + b[i];
 }
 
 /* the slowest rank's time of this iteration */
@@ -161,7 +116,7 @@ int main(int argc, char **argv) {
             t0 = MPI_Wtime();
             for (int j = 0; j < world; j++) {
                 int k = (rank + j) % world; /* spread the readers over the owners */
-                copy_stream(recv + (size_t)k * blk, base[k], blk);
+                fsdp__shm_copy_out(recv + (size_t)k * blk, base[k], blk, SHM_NT_MIN); /* streamed */
             }
             MPI_Barrier(MPI_COMM_WORLD); /* the owners may change their blocks after this */
             t = slowest(MPI_Wtime() - t0);
@@ -186,10 +141,10 @@ int main(int argc, char **argv) {
             for (size_t off = 0; off < per; off += piece) {
                 size_t n = per - off < piece ? per - off : piece;
                 const float *in0 = (const float *)(const void *)base[0] + (size_t)rank * per + off;
-                if (world == 1) { copy_stream(out + off, in0, n * sizeof(float)); continue; }
+                if (world == 1) { fsdp__shm_copy_out(out + off, in0, n * sizeof(float), SHM_NT_MIN); continue; }
                 for (int k = 1; k < world; k++) {
                     const float *ink = (const float *)(const void *)base[k] + (size_t)rank * per + off;
-                    add_f32(k == world - 1 ? out + off : acc, k == 1 ? in0 : acc, ink, n, k == world - 1);
+                    fsdp__shm_add_f32(k == world - 1 ? out + off : acc, k == 1 ? in0 : acc, ink, n, k == world - 1);
                 }
             }
             MPI_Barrier(MPI_COMM_WORLD);
