@@ -27,6 +27,12 @@ else bad "AMP_BF16 2 ranks" "$(tail -5 "$tmp/b2")"; fi
 if grep -q "precision: AMP_BF16, mixed_precision DEFAULT: 3 of 3 units gather in 16 bits" "$tmp/b1" \
    && grep -q "^precision: AMP_BF16 | 0 skipped steps" "$tmp/b1"; then ok "AMP_BF16 reported in the header and summary"
 else bad "AMP_BF16 report" "$(grep precision "$tmp/b1")"; fi
+# the header says where the products ran; FSDP_GEMM_BF16=widen forces the fp32 path
+if grep -qE "; BF16 products (on the CPU's native kernels|widened to fp32 \(no native kernels here\))$" "$tmp/b1" \
+   && FSDP_GEMM_BF16=widen "$TRAIN" "${common[@]}" --steps 1 --precision AMP_BF16 > "$tmp/w" 2>&1 \
+   && grep -q "; BF16 products widened to fp32 (no native kernels here)$" "$tmp/w"; then
+  ok "AMP_BF16 header names the products' path"
+else bad "AMP_BF16 products' path" "$(grep -h '^precision' "$tmp/b1" "$tmp/w")"; fi
 
 # ---- the verbose plan names each unit's precision ----
 if "$TRAIN" "${common[@]}" --steps 1 --verbose --precision AMP_BF16 --mixed-precision PURE > "$tmp/v" 2>&1 \
