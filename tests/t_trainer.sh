@@ -70,6 +70,13 @@ expect_error "sequence longer than block_size" "block_size 64" -- --nproc 2 --mo
 expect_error "unknown model preset" "gpt5" -- --model gpt5 --steps 1
 echo '{"n_layer": 2, "n_head": 3, "n_embd": 32, "vocab_size": 256, "block_size": 64}' > "$tmp/cfg.json"
 expect_error "bad model config" "n_head" -- --model-config "$tmp/cfg.json" --steps 1
+# a library variable set to a value it does not take stops the run, naming it (README.md)
+FSDP_SHM_SLOT=4M expect_error "bad FSDP_SHM_SLOT, 2 shm ranks" "FSDP_SHM_SLOT='4M': expected a whole number in \[4096," \
+  -- --nproc 2 --comm shm --model tiny --steps 2
+FSDP_COLLECTIVE_TIMEOUT=soon expect_error "bad FSDP_COLLECTIVE_TIMEOUT, 2 mpi ranks" \
+  "FSDP_COLLECTIVE_TIMEOUT='soon': expected a number" -- --nproc 2 --comm mpi --model tiny --steps 2
+FSDP_GEMM_BF16=fast expect_error "bad FSDP_GEMM_BF16" "FSDP_GEMM_BF16='fast': expected one of: auto, widen" \
+  -- --model tiny --precision AMP_BF16 --steps 1
 
 # ---- a rank killed mid-step ends the job ----
 # the log's path marks this job's processes (launcher, mpirun, ranks) and no one else's

@@ -4,7 +4,9 @@
  * replayed through the very code the libFuzzer targets run (fuzz/fuzz_*.c,
  * included with FUZZ_NO_MAIN). A crash, a sanitizer report (under
  * `make asan`) or a broken invariant fails the test; files named ok-* must
- * be accepted and bad-* rejected with a message.
+ * be accepted and bad-* rejected with a message. The readers of the
+ * library's environment variables (core/env.c) take their values in full or
+ * stop the process naming the variable.
  */
 #define FUZZ_NO_MAIN
 #include "../fuzz/fuzz_config.c"
@@ -80,6 +82,70 @@ TEST(mem_entries_name_the_input) {
     ASSERT_OK(fsdp__gpt_config_parse(ctx, "m.json", two, strlen(two) - 7, &cfg), ctx);
     CHECK_INT_EQ(cfg.n_embd, 32);
     fsdp__ctx_release(ctx);
+}
+
+/* Runs fn in a child with NAME=value; returns its exit status (-1 if it
+ * did not exit) and the first line it wrote to stderr in err. */
+static int env_child(const char *name, const char *value, void (*fn)(const char *), char *err, size_t cap) {
+    int fd[2];
+    if (pipe(fd) != 0) return -1;
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd[1], 2);
+        close(fd[0]);
+        setenv(name, value, 1);
+        fn(name);
+        _exit(0);
+    }
+    close(fd[1]);
+    ssize_t n = read(fd[0], err, cap - 1);
+    err[n > 0 ? n : 0] = 0;
+    close(fd[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static void env_bytes(const char *name) { (void)fsdp__env_int(name, 0, 4096, (long long)1 << 30); }
+static void env_seconds(const char *name) { (void)fsdp__env_real(name, -1, 0, 1e9); }
+static void env_mode(const char *name) {
+    static const char *const modes[] = {"auto", "widen"};
+    (void)fsdp__env_word(name, modes, 2, 0);
+}
+
+TEST(env_values_taken_in_full_or_refused) {
+    const char *v = "FSDP_TEST_VALUE";
+    unsetenv(v);
+    CHECK_INT_EQ(fsdp__env_int(v, 7, 0, 9), 7);
+    setenv(v, "", 1);
+    CHECK_INT_EQ(fsdp__env_int(v, 7, 0, 9), 7); /* empty is unset */
+    setenv(v, "4096", 1);
+    CHECK_INT_EQ(fsdp__env_int(v, 0, 4096, (long long)1 << 30), 4096);
+    setenv(v, "2.5", 1);
+    CHECK(fsdp__env_real(v, -1, 0, 1e9) == 2.5);
+    setenv(v, "widen", 1);
+    static const char *const modes[] = {"auto", "widen"};
+    CHECK_INT_EQ(fsdp__env_word(v, modes, 2, 0), 1);
+    struct { void (*fn)(const char *); const char *value, *msg; } bad[] = {
+        {env_bytes, "4M", "FSDP_TEST_VALUE='4M': expected a whole number in [4096, 1073741824]"},
+        {env_bytes, "4095", "'4095': expected a whole number in [4096, 1073741824]"},
+        {env_bytes, "99999999999999999999", "expected a whole number"},
+        {env_bytes, "1e4", "expected a whole number"},
+        {env_bytes, "65536k", "FSDP_TEST_VALUE='65536k': expected a whole number"},
+        {env_seconds, "soon", "FSDP_TEST_VALUE='soon': expected a number in [0, 1e+09]"},
+        {env_seconds, "-1", "expected a number in [0, 1e+09]"},
+        {env_seconds, "nan", "expected a number"},
+        {env_seconds, "30s", "FSDP_TEST_VALUE='30s': expected a number"},
+        {env_mode, "fast", "FSDP_TEST_VALUE='fast': expected one of: auto, widen"},
+        {env_mode, "Widen", "expected one of: auto, widen"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        char err[512];
+        int rc = env_child(v, bad[i].value, bad[i].fn, err, sizeof err);
+        if (rc != 2) TEST_FAILF("%s='%s': exit %d, expected 2", v, bad[i].value, rc);
+        CHECK_STR_CONTAINS(err, bad[i].msg);
+    }
 }
 
 TEST_MAIN()

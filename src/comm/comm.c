@@ -69,9 +69,9 @@ enum fsdp_status fsdp__comm_create(struct fsdp_ctx *ctx, enum fsdp_comm_kind kin
     if (!out) return fsdp__err(ctx, FSDP_ERR_INVALID, "comm create: out is NULL");
     *out = NULL;
     FSDP_TRY(create_kind(ctx, kind, out));
-    const char *chk = getenv("FSDP_CHECK_COLLECTIVES"), *to = getenv("FSDP_COLLECTIVE_TIMEOUT");
-    if (chk && atoi(chk) > 0) fsdp_comm_set_check(*out, 1);
-    if (to) fsdp_comm_set_timeout(*out, strtod(to, NULL));
+    if (fsdp__env_int("FSDP_CHECK_COLLECTIVES", 0, 0, 1)) fsdp_comm_set_check(*out, 1);
+    double to = fsdp__env_real("FSDP_COLLECTIVE_TIMEOUT", -1, 0, 1e9); /* 0: no watchdog */
+    if (to >= 0) fsdp_comm_set_timeout(*out, to);
     return FSDP_OK;
 }
 

@@ -661,8 +661,8 @@ static int progress_wanted(MPI_Comm comm) {
         MPI_Comm_free(&node);
     }
     mpi_leave();
-    const char *e = getenv("FSDP_MPI_PROGRESS");
-    if (e && *e) return atoi(e) != 0;
+    int forced = (int)fsdp__env_int("FSDP_MPI_PROGRESS", -1, 0, 1);
+    if (forced >= 0) return forced;
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     cpu_set_t set;
     int mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : (int)online;

@@ -617,12 +617,11 @@ static void sweep_stale(void) {
 /* 1 MiB slots, smaller for big worlds so that the segment stays under
  * 48 MiB (Docker's default /dev/shm is 64 MB); FSDP_SHM_SLOT overrides. */
 static size_t slot_bytes(int world) {
-    const char *e = getenv("FSDP_SHM_SLOT");
-    long v = e ? strtol(e, NULL, 10) : 0;
+    long long v = fsdp__env_int("FSDP_SHM_SLOT", 0, 4096, (long long)1 << 30);
     size_t b = SHM_SLOT_DEFAULT, cap = ((size_t)48 << 20) / SHM_NBUF / (size_t)world;
     if (b > cap) b = cap;
     if (b < ((size_t)64 << 10)) b = (size_t)64 << 10;
-    if (v >= 4096) b = (size_t)v;
+    if (v) b = (size_t)v;
     return (b + 63) & ~(size_t)63;
 }
 

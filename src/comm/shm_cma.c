@@ -220,8 +220,7 @@ int fsdp__shm_broadcast_cma(struct shm_state *s, struct fsdp_comm *c, struct shm
  * largest any rank asks for.
  * COLLECTIVE: yes (over the inner MPI communicator). */
 enum fsdp_status fsdp__shm_probe_cma(struct fsdp_comm *c, struct shm_state *s) {
-    const char *e = getenv("FSDP_SHM_CMA"), *em = getenv("FSDP_SHM_CMA_MIN");
-    int32_t level = e ? (int32_t)atoi(e) : 1, ok = level > 0 && c->size > 1;
+    int32_t level = (int32_t)fsdp__env_int("FSDP_SHM_CMA", 1, 0, 2), ok = level > 0 && c->size > 1;
     for (int k = 0; k < c->size && ok; k++) {
         if (k == c->rank) continue;
         uint64_t v = 0;
@@ -230,15 +229,13 @@ enum fsdp_status fsdp__shm_probe_cma(struct fsdp_comm *c, struct shm_state *s) {
              process_vm_readv((pid_t)s->peer_pid[k], &lo, 1, &re, 1, 0) == (ssize_t)sizeof v &&
              v == (SHM_MAGIC ^ (uint64_t)(uint32_t)s->ctl[k].pid);
     }
-    ok = ok ? (level > 2 ? 2 : level) : 0;
-    int32_t all = ok, min = em ? (int32_t)strtol(em, NULL, 10) : (int32_t)SHM_CMA_MIN_DEFAULT, max = min;
-    if (min < 0) min = max = 0;
+    ok = ok ? level : 0;
+    int32_t all = ok, min = (int32_t)fsdp__env_int("FSDP_SHM_CMA_MIN", SHM_CMA_MIN_DEFAULT, 0, INT32_MAX), max = min;
     FSDP_TRY(fsdp_comm_allreduce(s->mpi, &ok, &all, 1, FSDP_I32, FSDP_MIN));
     FSDP_TRY(fsdp_comm_allreduce(s->mpi, &min, &max, 1, FSDP_I32, FSDP_MAX));
     s->cma = all;
     s->cma_min = (size_t)max;
-    const char *verbose = getenv("FSDP_SHM_VERBOSE");
-    if (c->rank == 0 && verbose && atoi(verbose) > 0) {
+    if (c->rank == 0 && fsdp__env_int("FSDP_SHM_VERBOSE", 0, 0, 1)) {
         if (s->cma) fprintf(stderr, "fsdp: shm: %d ranks, single copy (process_vm_readv) for %s from "
                             "%zu-byte blocks, staged otherwise\n", c->size,
                             s->cma >= 2 ? "reduce-scatters, all-gathers and broadcasts" : "reduce-scatters",
@@ -254,8 +251,7 @@ enum fsdp_status fsdp__shm_probe_cma(struct fsdp_comm *c, struct shm_state *s) {
 
 /* The reduce-scatter chunk of [Note: single copy]; FSDP_SHM_CHUNK overrides. */
 size_t fsdp__shm_chunk_bytes(void) {
-    const char *e = getenv("FSDP_SHM_CHUNK");
-    long v = e ? strtol(e, NULL, 10) : 0;
-    size_t b = v >= 4096 ? (size_t)v : SHM_CHUNK_DEFAULT;
+    long long v = fsdp__env_int("FSDP_SHM_CHUNK", 0, 4096, (long long)1 << 30);
+    size_t b = v ? (size_t)v : SHM_CHUNK_DEFAULT;
     return (b + 63) & ~(size_t)63;
 }

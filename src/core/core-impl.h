@@ -51,6 +51,14 @@ _Noreturn void fsdp__assert_fail(const char *file, int line, const char *cond, c
 extern void (*fsdp__abort_hook)(int code);
 extern int fsdp__global_rank;
 
+/* ---- Environment variables ([Note: environment variables], env.c) ----
+ * The value of NAME, or def when unset or empty; any other value outside
+ * what the variable takes ends the process naming the variable. */
+long long fsdp__env_int(const char *name, long long def, long long lo, long long hi);
+double fsdp__env_real(const char *name, double def, double lo, double hi);
+/* The index of NAME's value in words[0..n) */
+int fsdp__env_word(const char *name, const char *const *words, int n, int def);
+
 /* Propagates a non-OK status. */
 #define FSDP_TRY(expr)                               \
     do {                                             \

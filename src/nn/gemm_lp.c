@@ -72,8 +72,8 @@ static int mm_bf16_native;
 static size_t mm_widen_floats = ((size_t)32 << 20) / sizeof(float);
 
 static int mm_probe_bf16(void) {
-    const char *env = getenv("FSDP_GEMM_BF16");
-    if (env && !strcmp(env, "widen")) return 0;
+    static const char *const modes[] = {"auto", "widen"};
+    if (fsdp__env_word("FSDP_GEMM_BF16", modes, 2, 0) == 1) return 0;
     dnnl_dims_t d = {16, 16};
     dnnl_memory_desc_t a, b, c;
     dnnl_matmul_desc_t md;
@@ -91,9 +91,8 @@ static void mm_engine_init(void) {
     dnnl_status_t st = dnnl_engine_create(&mm_engine, dnnl_cpu, 0);
     FSDP_ASSERT(st == dnnl_success, "dnnl_engine_create(cpu) failed with status %d", (int)st);
     mm_bf16_native = mm_probe_bf16();
-    const char *env = getenv("FSDP_WIDEN_SCRATCH");
-    long long v = env ? atoll(env) : 0;
-    if (v >= 4096) mm_widen_floats = (size_t)v / sizeof(float);
+    long long v = fsdp__env_int("FSDP_WIDEN_SCRATCH", 0, 4096, (long long)1 << 40);
+    if (v) mm_widen_floats = (size_t)v / sizeof(float);
 }
 
 /* 1 if dt's products run on oneDNN's native 16-bit kernels (bf16 where the
