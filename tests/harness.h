@@ -68,6 +68,21 @@ static int test_rank;
     if (test_in_child) { _exit(TEST_SKIP_CODE); } \
     test_skipped_flag = 1; return; } while (0)
 
+/* max |got[i] - ref[i]| over n elements, or INFINITY if any of them is not
+ * finite (fmax would drop a NaN, and a NaN difference would pass any
+ * tolerance); *ref_max (if not NULL) gets max |ref[i]|. */
+static inline double max_abs_diff(const float *got, const float *ref, int64_t n, double *ref_max) {
+    double md = 0, mx = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)got[i] - (double)ref[i]), r = fabs((double)ref[i]);
+        if (!isfinite(d) || !isfinite(r)) md = INFINITY;
+        else if (d > md) md = d;
+        if (r > mx) mx = r;
+    }
+    if (ref_max) *ref_max = mx;
+    return md;
+}
+
 static int test_in_child;
 static int test_skipped_flag;
 /* Under mpirun: combines a per-rank flag across ranks (max); an MPI test file

@@ -161,12 +161,8 @@ static void check_training(const char *optim, int steps, const char *wrap_type) 
             struct fsdp_param *p = fsdp_module_find_param(r.gpt, "transformer.wte.weight");
             float *gbuf = malloc((size_t)p->numel * sizeof(float));
             CHECK_OK(fsdp_model_get_grad(c, fm, "transformer.wte.weight", gbuf), c);
-            double md = 0, mx = 0;
-            for (int64_t j = 0; j < p->numel; j++) {
-                md = fmax(md, fabs((double)gbuf[j] - p->grad[j]));
-                mx = fmax(mx, fabs((double)p->grad[j]));
-            }
-            if (md > 1e-5 * mx + 1e-9) TEST_FAILF("wte grad differs: max diff %g (max %g)", md, mx);
+            double mx, md = max_abs_diff(gbuf, p->grad, p->numel, &mx);
+            if (!(md <= 1e-5 * mx + 1e-9)) TEST_FAILF("wte grad differs: max diff %g (max %g)", md, mx);
             free(gbuf);
         }
     }

@@ -142,9 +142,8 @@ static void check_training(const struct fsdp_wrap_policy *wp, const struct fsdp_
     for (int i = 0; i < r.n; i++) {
         float *buf = malloc((size_t)r.p[i]->numel * sizeof(float));
         CHECK_OK(fsdp_model_get_param(c, fm, r.p[i]->fqn, buf), c);
-        double md = 0;
-        for (int64_t j = 0; j < r.p[i]->numel; j++) md = fmax(md, fabs((double)buf[j] - r.p[i]->data[j]));
-        if (md > 1e-5) TEST_FAILF("%s differs from the 1-rank run by %g", r.p[i]->fqn, md);
+        double md = max_abs_diff(buf, r.p[i]->data, r.p[i]->numel, NULL);
+        if (!(md <= 1e-5)) TEST_FAILF("%s differs from the 1-rank run by %g", r.p[i]->fqn, md);
         free(buf);
     }
     fsdp_model_free(fm);
@@ -263,6 +262,18 @@ TEST(checkpointing_gradients_bit_identical) {
         fsdp_module_free(g);
     }
     CHECK(memcmp(grads[0], grads[1], (size_t)total * sizeof(float)) == 0);
+    /* and they are gradients: finite, and every parameter has some that are not zero */
+    int64_t off = 0, nonfinite = 0;
+    for (int i = 0; i < names.n; i++) {
+        int64_t nz = 0;
+        for (int64_t j = off; j < off + names.p[i]->numel; j++) {
+            nonfinite += !isfinite(grads[0][j]);
+            nz += grads[0][j] != 0.0f;
+        }
+        if (!nz) TEST_FAILF("%s: gradient is all zero", names.p[i]->fqn);
+        off += names.p[i]->numel;
+    }
+    CHECK_INT_EQ(nonfinite, 0);
     if (!(act[1] < act[0])) TEST_FAILF("activation peak %zu with checkpointing, %zu without", act[1], act[0]);
     free(grads[0]);
     free(grads[1]);

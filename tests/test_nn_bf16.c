@@ -104,9 +104,10 @@ static int check_gemm(enum fsdp_dtype dt, int ta, int tb, int64_t M, int64_t N, 
                            (long long)K, (long long)pad, (double)alpha, (double)beta, in_parallel, (long long)i,
                            (long long)j, (double)C[i * ldc + j], want);
         }
+    const float qnan = NAN; /* what beta 0 filled C with */
     for (int64_t i = 0; i < M; i++) /* the padding columns of C are untouched */
         for (int64_t j = N; j < ldc; j++)
-            if (memcmp(&C[i * ldc + j], beta == 0.0f ? &C[i * ldc + j] : &C0[i * ldc + j], 4) != 0) bad++;
+            if (memcmp(&C[i * ldc + j], beta == 0.0f ? &qnan : &C0[i * ldc + j], 4) != 0) bad++;
     free(A);
     free(B);
     free(C);

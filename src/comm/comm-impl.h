@@ -89,6 +89,10 @@ int fsdp__comm_mpi_progress(const struct fsdp_comm *c);
  * yet waited, complete? A flag read with no MPI call, so it drives nothing
  * (tests observe overlap with it); 0 for a request the thread does not hold. */
 int fsdp__comm_mpi_req_done(const struct fsdp_comm *c, const struct fsdp_comm_req *req);
+/* The single-copy level a shm communicator settled on at creation
+ * (shm_cma.c, [Note: single copy]): 0 staged only, 1 reduce-scatters,
+ * 2 all-gathers and broadcasts too. */
+int fsdp__comm_shm_cma(const struct fsdp_comm *c);
 /* The inner MPI communicator of a shm communicator (borrowed), for splitting. */
 struct fsdp_comm *fsdp__comm_shm_mpi(struct fsdp_comm *c);
 /* The shared-memory backend over the ranks of `mpi` (an MPI communicator

@@ -705,6 +705,11 @@ static enum fsdp_status attach(struct fsdp_comm *c, struct shm_state *s) {
 
 struct fsdp_comm *fsdp__comm_shm_mpi(struct fsdp_comm *c) { return ((struct shm_state *)c->state)->mpi; }
 
+int fsdp__comm_shm_cma(const struct fsdp_comm *c) {
+    FSDP_ASSERT(!strcmp(c->backend, "shm"), "not a shm communicator (%s)", c->backend);
+    return ((const struct shm_state *)c->state)->cma;
+}
+
 enum fsdp_status fsdp__comm_shm_create(struct fsdp_ctx *ctx, struct fsdp_comm *mpi,
                                        struct fsdp_comm **out) {
     struct fsdp_comm *c = fsdp__calloc(ctx, sizeof *c, FSDP_MEM_OTHER, "communicator");
