@@ -11,6 +11,10 @@
  *    an fp32 Linear (widened on demand) and from Embedding (rows only);
  *  - Linear in bf16/fp16 equals the double product of the rounded x and W
  *    (it really takes 16-bit inputs and accumulates in fp32);
+ *  - the 16-bit hand-off: LayerNorm, GELU and the attention heads asked for
+ *    a 16-bit output write the bits the cast of their fp32 output gives, a
+ *    Linear given its input in 16 bits computes the same bits as given it in
+ *    fp32, and a Block in 16 bits keeps less in the arena than in fp32;
  *  - each layer in bf16 (and the GPT in fp16) against its own fp32 result, forward output, input
  *    gradient and every parameter gradient, within a per-layer tolerance on
  *    the relative L2 error (tolerances stated at each test; about 3x what was
@@ -361,7 +365,7 @@ static enum fsdp_status run_layer(struct fsdp_ctx *ctx, struct fsdp_module *m, e
     memcpy(r->out, out.data, (size_t)r->nout * sizeof(float));
     struct fsdp_tensor dout = out;
     dout.data = (void *)(uintptr_t)dy;
-    int has_dx = in->dtype == FSDP_F32;
+    int has_dx = in->dtype != FSDP_I32; /* token ids have no gradient */
     FSDP_TRY(fsdp_module_backward(m, ctx, &dout, has_dx ? &din : NULL));
     if (has_dx) {
         r->nin = fsdp_tensor_numel(&din);
@@ -436,6 +440,143 @@ static struct fsdp_tensor rand_input(int64_t B, int64_t T, int64_t C, float *buf
     for (int64_t i = 0; i < B * T * C; i++) buf[i] = urand();
     struct fsdp_tensor t = {buf, FSDP_F32, 3, {B, T, C}};
     return t;
+}
+
+/* ---- the 16-bit hand-off ([Note: 16-bit hand-off]) ---- */
+
+/* m (finalized, materialized) asked for a bf16 and an f16 output writes the
+ * rounding of the fp32 output it gives unasked, bit for bit. */
+static void check_handoff_output(const char *layer, struct fsdp_ctx *ctx, struct fsdp_module *m,
+                                 const struct fsdp_tensor *in) {
+    enum fsdp_dtype dts[2] = {FSDP_BF16, FSDP_F16};
+    for (int d = 0; d < 2; d++) {
+        fsdp_arena_reset(ctx);
+        struct fsdp_tensor o32 = {0}, o16 = {0};
+        ASSERT_OK(fsdp_module_forward(m, ctx, in, &o32), ctx);
+        ASSERT_INT_EQ(o32.dtype, FSDP_F32);
+        o16.dtype = dts[d];
+        ASSERT_OK(fsdp_module_forward(m, ctx, in, &o16), ctx);
+        ASSERT_INT_EQ(o16.dtype, dts[d]);
+        int64_t n = fsdp_tensor_numel(&o32), bad = 0;
+        ASSERT_INT_EQ(fsdp_tensor_numel(&o16), n);
+        const float *y = o32.data;
+        const uint16_t *h = o16.data;
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t want = dts[d] == FSDP_BF16 ? fsdp__f32_to_bf16(y[i]) : fsdp__f32_to_f16(y[i]);
+            if (h[i] != want && bad++ < 3)
+                TEST_FAILF("%s %s output [%lld]: 0x%04x, the cast of %.9g is 0x%04x", layer,
+                           fsdp_dtype_name(dts[d]), (long long)i, h[i], (double)y[i], want);
+        }
+    }
+}
+
+static int randomize(struct fsdp_param *p, void *ud) {
+    (void)ud;
+    for (int64_t i = 0; i < p->numel; i++) p->data[i] = urand();
+    return 0;
+}
+
+TEST(producers_hand_off_the_rounding_of_their_fp32_output) {
+    rseed(31);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_module *ln, *gelu;
+    ASSERT_OK(fsdp__layernorm_create(ctx, "ln", 40, &ln), ctx);
+    ASSERT_OK(fsdp__gelu_create(ctx, "gelu", &gelu), ctx);
+    struct fsdp_module *ms[2] = {ln, gelu};
+    for (int k = 0; k < 2; k++) {
+        ASSERT_OK(fsdp_module_finalize(ctx, ms[k]), ctx);
+        ASSERT_OK(fsdp_module_materialize(ctx, ms[k], 3), ctx);
+        fsdp_module_foreach_param(ms[k], randomize, NULL);
+    }
+    float *x = malloc(3 * 7 * 40 * sizeof(float)), *g = malloc(5003 * sizeof(float));
+    struct fsdp_tensor in = rand_input(3, 7, 40, x);
+    for (int i = 0; i < 5003; i++) g[i] = 4 * urand();
+    struct fsdp_tensor gin = {g, FSDP_F32, 2, {1, 5003}}; /* blocks of 2048 and a tail */
+    check_handoff_output("LayerNorm", ctx, ln, &in);
+    check_handoff_output("GELU", ctx, gelu, &gin);
+    free(x);
+    free(g);
+    fsdp_module_free(ln);
+    fsdp_module_free(gelu);
+    fsdp_ctx_free(ctx);
+}
+
+/* A 16-bit Linear given x already rounded computes what it computes from x:
+ * output, input gradient and parameter gradients, bit for bit; an fp32
+ * Linear refuses a 16-bit input, naming it. */
+TEST(linear_takes_its_input_in_16_bits) {
+    rseed(32);
+    enum fsdp_dtype dts[2] = {FSDP_BF16, FSDP_F16};
+    const int64_t I = 48, O = 40, N = 24;
+    for (int d = 0; d < 2; d++) {
+        struct fsdp_ctx *ctx = make_ctx();
+        struct fsdp_module *m;
+        ASSERT_OK(fsdp__linear_create(ctx, "lin", I, O, 1, 0.02f, &m), ctx);
+        ASSERT_OK(fsdp_module_finalize(ctx, m), ctx);
+        ASSERT_OK(fsdp_module_materialize(ctx, m, 7), ctx);
+        fsdp_module_foreach_param(m, randomize, NULL);
+        float *x = malloc((size_t)(N * I) * sizeof(float)), *dy = malloc((size_t)(N * O) * sizeof(float));
+        uint16_t *xl = malloc((size_t)(N * I) * sizeof(uint16_t));
+        for (int64_t i = 0; i < N * I; i++) x[i] = urand();
+        for (int64_t i = 0; i < N * O; i++) dy[i] = urand();
+        fsdp__cvt_from_f32(dts[d], x, xl, (size_t)(N * I));
+        struct fsdp_tensor in32 = {x, FSDP_F32, 2, {N, I}}, in16 = {xl, dts[d], 2, {N, I}};
+        struct run_result a, b;
+        ASSERT_OK(run_layer(ctx, m, dts[d], &in32, dy, &a), ctx);
+        ASSERT_OK(run_layer(ctx, m, dts[d], &in16, dy, &b), ctx);
+        CHECK(memcmp(a.out, b.out, (size_t)a.nout * sizeof(float)) == 0);
+        ASSERT(a.din && b.din);
+        CHECK(memcmp(a.din, b.din, (size_t)a.nin * sizeof(float)) == 0);
+        ASSERT_INT_EQ(a.n_params, 2);
+        ASSERT_INT_EQ(b.n_params, 2);
+        for (int i = 0; i < 2; i++) CHECK(memcmp(a.grads[i], b.grads[i], (size_t)a.gn[i] * sizeof(float)) == 0);
+        free_result(&a);
+        free_result(&b);
+        ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, FSDP_F32), ctx);
+        struct fsdp_tensor out = {0};
+        CHECK_INT_EQ(fsdp_module_forward(m, ctx, &in16, &out), FSDP_ERR_INVALID);
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), dts[d] == FSDP_BF16 ? "input dtype BF16, expected F32"
+                                                                 : "input dtype F16, expected F32");
+        free(x);
+        free(xl);
+        free(dy);
+        fsdp_module_free(m);
+        fsdp_ctx_free(ctx);
+    }
+}
+
+/* A Block's forward in bf16 keeps ln_1, the heads' y, ln_2 and GELU (7 C
+ * per token) in 16 bits and nothing else extra: exactly 3.5 N C fp32 values
+ * less in the arena than in fp32 (every tensor here a multiple of the
+ * arena's alignment); without the hand-off the 16-bit copies came on top of
+ * the fp32 tensors (3.5 N C more). */
+TEST(block_in_16_bits_keeps_less_than_fp32) {
+    rseed(33);
+    const int64_t B = 2, T = 32, C = 64, N = B * T;
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_module *m;
+    ASSERT_OK(fsdp__block_create(ctx, "blk", C, 4, 0.02f, &m), ctx);
+    ASSERT_OK(fsdp_module_finalize(ctx, m), ctx);
+    ASSERT_OK(fsdp_module_materialize(ctx, m, 5), ctx);
+    float *x = malloc((size_t)(N * C) * sizeof(float));
+    struct fsdp_tensor in = rand_input(B, T, C, x);
+    size_t used[2];
+    enum fsdp_dtype dts[2] = {FSDP_F32, FSDP_BF16};
+    for (int d = 0; d < 2; d++) {
+        fsdp_arena_reset(ctx);
+        ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, dts[d]), ctx);
+        struct fsdp_tensor out = {0};
+        ASSERT_OK(fsdp_module_forward(m, ctx, &in, &out), ctx);
+        used[d] = fsdp_arena_mark(ctx);
+    }
+    fprintf(stderr, "  Block forward keeps %zu bytes in fp32, %zu in bf16 (N C = %lld)\n", used[0], used[1],
+            (long long)(N * C));
+    if (used[1] + (size_t)(7 * N * C / 2) * sizeof(float) != used[0])
+        TEST_FAILF("bf16 keeps %zu bytes, fp32 %zu: expected %lld less", used[1], used[0],
+                   (long long)(7 * N * C / 2 * 4));
+    free(x);
+    fsdp_module_free(m);
+    fsdp_ctx_free(ctx);
 }
 
 /* bf16 keeps 8 significant bits (relative rounding 2^-9 = 2e-3 per input);

@@ -19,6 +19,9 @@
  * y / dqkv. The softmax and its backward stay fp32, and what is saved is
  * unchanged (the backward casts qkv again rather than keeping a 16-bit copy
  * alive). All 16-bit scratch is released before the layer returns.
+ * [Note: 16-bit hand-off]: the input goes to c_attn as it comes (16-bit if
+ * c_attn computes in it), and on the 16-bit path the heads are scattered
+ * into y rounded to c_proj's compute dtype when c_proj takes it.
  */
 #include "nn/nn-impl.h"
 
@@ -63,15 +66,21 @@ static void heads_to_lp(enum fsdp_dtype lp, const float *src, int64_t ld, int64_
     }
 }
 
-/* The inverse scatter, fp32: src (B*nh, T, hs) dense into the columns
- * [col0, col0 + nh*hs) of dst (B*T rows, row stride ld). */
-static void heads_from(const float *src, int64_t B, int64_t T, int64_t nh, int64_t hs, float *dst, int64_t ld,
-                       int64_t col0) {
+/* The inverse scatter: src (B*nh, T, hs) dense into the columns
+ * [col0, col0 + nh*hs) of dst (B*T rows, row stride ld), elements of dtype
+ * dt (FSDP_F32: copied; 16-bit: rounded). */
+static void heads_from(const float *src, int64_t B, int64_t T, int64_t nh, int64_t hs, enum fsdp_dtype dt,
+                       void *dst, int64_t ld, int64_t col0) {
+    size_t es = fsdp_dtype_size(dt);
 #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < B * T; bt++) {
         int64_t b = bt / T, t = bt % T;
-        for (int64_t h = 0; h < nh; h++)
-            memcpy(dst + bt * ld + col0 + h * hs, src + ((b * nh + h) * T + t) * hs, (size_t)hs * sizeof(float));
+        for (int64_t h = 0; h < nh; h++) { /* inside the loop: a serial cast */
+            const float *s = src + ((b * nh + h) * T + t) * hs;
+            char *d = (char *)dst + (size_t)(bt * ld + col0 + h * hs) * es;
+            if (dt == FSDP_F32) memcpy(d, s, (size_t)hs * sizeof(float));
+            else fsdp__cvt_from_f32(dt, s, d, (size_t)hs);
+        }
     }
 }
 
@@ -90,9 +99,11 @@ struct attention {
     int64_t B, T;
 };
 
-/* att (B*nh, T, T) = softmax(scale q k^T), y = att v: the 16-bit path. */
+/* att (B*nh, T, T) = softmax(scale q k^T), y = att v: the 16-bit path; y
+ * (B, T, C) in dtype ydt. */
 static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, const float *qkv, int64_t B,
-                                         int64_t T, int64_t nh, int64_t hs, float *att, float *y) {
+                                         int64_t T, int64_t nh, int64_t hs, float *att, enum fsdp_dtype ydt,
+                                         void *y) {
     int64_t C = nh * hs, BH = B * nh;
     size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
     uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(3 * BH * T * hs) * es); /* q, k, v head-major */
@@ -109,7 +120,7 @@ static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype l
     for (int64_t r = 0; r < BH * T; r++) softmax_row(att + r * T, r % T, T);
     fsdp__cvt_from_f32(lp, att, ab, (size_t)(BH * T * T));
     fsdp__gemm_lp_batched(lp, BH, 0, 0, T, hs, T, 1.0f, ab, T, T * T, v, hs, T * hs, 0.0f, yh, hs, T * hs);
-    heads_from(yh, B, T, nh, hs, y, C, 0);
+    heads_from(yh, B, T, nh, hs, ydt, y, C, 0);
     fsdp_arena_release(ctx, mark);
     return FSDP_OK;
 }
@@ -117,7 +128,8 @@ static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype l
 static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                           const struct fsdp_tensor *in, struct fsdp_tensor *out) {
     struct attention *A = m->impl;
-    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 3, A->C));
+    enum fsdp_dtype idt = fsdp__linear_input_dtype(A->c_attn);
+    FSDP_TRY(fsdp__check_input(ctx, m, in, in && in->dtype == idt ? idt : FSDP_F32, 3, A->C));
     int64_t B = in->shape[0], T = in->shape[1], C = A->C, nh = A->n_head, hs = C / nh;
     struct fsdp_tensor qkv = {0};
     FSDP_TRY(fsdp_module_forward(A->c_attn, ctx, in, &qkv)); /* (B, T, 3C) */
@@ -125,12 +137,12 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
     if (!att) return FSDP_ERR_NOMEM;
     struct fsdp_tensor y = {0};
     int64_t yshape[3] = {B, T, C};
-    FSDP_TRY(fsdp__tensor_prepare(ctx, &y, FSDP_F32, 3, yshape, "attention heads output"));
+    enum fsdp_dtype lp = fsdp__compute_dtype(m), ydt = lp != FSDP_F32 ? fsdp__linear_input_dtype(A->c_proj) : FSDP_F32;
+    FSDP_TRY(fsdp__tensor_prepare(ctx, &y, ydt, 3, yshape, "attention heads output"));
     const float *q_all = qkv.data;
-    float *y_all = y.data; /* (B, T, C), head h in columns [h*hs, (h+1)*hs) */
-    enum fsdp_dtype lp = fsdp__compute_dtype(m);
+    float *y_all = y.data; /* (B, T, C), head h in columns [h*hs, (h+1)*hs); fp32 here unless handed off */
     if (lp != FSDP_F32) {
-        FSDP_TRY(heads_forward_lp(ctx, lp, q_all, B, T, nh, hs, att, y_all));
+        FSDP_TRY(heads_forward_lp(ctx, lp, q_all, B, T, nh, hs, att, ydt, y.data));
     } else {
         float scale = 1.0f / sqrtf((float)hs);
 #pragma omp parallel for schedule(dynamic, 1)
@@ -179,7 +191,7 @@ static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype 
     /* dq = scale dS k;  dk = scale dS^T q */
     fsdp__gemm_lp_batched(lp, BH, 0, 0, T, hs, T, scale, ab, T, T * T, k, hs, T * hs, 0.0f, dh, hs, T * hs);
     fsdp__gemm_lp_batched(lp, BH, 1, 0, T, hs, T, scale, ab, T, T * T, q, hs, T * hs, 0.0f, dh + n, hs, T * hs);
-    for (int part = 0; part < 3; part++) heads_from(dh + part * n, B, T, nh, hs, dqkv, 3 * C, part * C);
+    for (int part = 0; part < 3; part++) heads_from(dh + part * n, B, T, nh, hs, FSDP_F32, dqkv, 3 * C, part * C);
     fsdp_arena_release(ctx, mark);
     return FSDP_OK;
 }
@@ -234,6 +246,11 @@ static void attention_destroy(struct fsdp_module *m) { free(m->impl); }
 
 static const struct fsdp_module_ops attention_ops = {"CausalSelfAttention", attention_forward,
                                                      attention_backward, attention_destroy};
+
+enum fsdp_dtype fsdp__attention_input_dtype(const struct fsdp_module *m) {
+    return m->ops == &attention_ops ? fsdp__linear_input_dtype(((const struct attention *)m->impl)->c_attn)
+                                    : FSDP_F32;
+}
 
 enum fsdp_status fsdp__attention_create(struct fsdp_ctx *ctx, const char *name, int64_t C, int n_head,
                                         float proj_std, struct fsdp_module **out_m) {

@@ -3,7 +3,8 @@
  * pre-LN transformer Block (x += attn(ln_1(x)); x += mlp(ln_2(x))), plus the
  * naming-only containers ("Module", "ModuleList"). Composites call their
  * children only through fsdp_module_forward/backward so unit hooks run; they
- * save nothing themselves (each child saves what its backward needs).
+ * save nothing themselves (each child saves what its backward needs). They
+ * ask each producer for its consumer's input dtype ([Note: 16-bit hand-off]).
  */
 #include "nn/nn-impl.h"
 
@@ -17,6 +18,7 @@ static enum fsdp_status mlp_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                     const struct fsdp_tensor *in, struct fsdp_tensor *out) {
     struct mlp *M = m->impl;
     struct fsdp_tensor h = {0}, g = {0};                  /* (..., 4C) each */
+    g.dtype = fsdp__input_dtype(M->c_proj);
     FSDP_TRY(fsdp_module_forward(M->c_fc, ctx, in, &h));
     FSDP_TRY(fsdp_module_forward(M->gelu, ctx, &h, &g));  /* gelu saves h */
     return fsdp_module_forward(M->c_proj, ctx, &g, out);  /* c_proj saves g */
@@ -35,6 +37,10 @@ static enum fsdp_status mlp_backward(struct fsdp_module *m, struct fsdp_ctx *ctx
 static void composite_destroy(struct fsdp_module *m) { free(m->impl); }
 
 static const struct fsdp_module_ops mlp_ops = {"MLP", mlp_forward, mlp_backward, composite_destroy};
+
+enum fsdp_dtype fsdp__mlp_input_dtype(const struct fsdp_module *m) {
+    return m->ops == &mlp_ops ? fsdp__input_dtype(((const struct mlp *)m->impl)->c_fc) : FSDP_F32;
+}
 
 enum fsdp_status fsdp__mlp_create(struct fsdp_ctx *ctx, const char *name, int64_t C, float proj_std,
                                   struct fsdp_module **out_m) {
@@ -77,6 +83,8 @@ static enum fsdp_status block_forward(struct fsdp_module *m, struct fsdp_ctx *ct
     FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 3, K->C));
     int64_t n = fsdp_tensor_numel(in);
     struct fsdp_tensor a = {0}, x1 = {0}, c = {0};     /* (B, T, C) each */
+    a.dtype = fsdp__input_dtype(K->attn);
+    c.dtype = fsdp__input_dtype(K->mlp);
     FSDP_TRY(fsdp_module_forward(K->ln_1, ctx, in, &a)); /* ln_1 saves x: never written */
     FSDP_TRY(fsdp_module_forward(K->attn, ctx, &a, &x1));
     add_into(x1.data, in->data, n);                       /* x1 = x + attn(ln_1(x)) */

@@ -4,11 +4,24 @@
  * computed as y = x s with s = sigmoid(2u) = 0.5 (1 + tanh(u)), u = k (x + 0.044715 x^3),
  * which keeps full relative accuracy in the tails; dy/dx = s + x 2 s (1 - s) du/dx.
  * Elementwise on any F32 shape; saves x (arena). Backward may run in place.
+ * Writes y in 16 bits when asked ([Note: 16-bit hand-off]): blocks of
+ * GELU_BLOCK elements computed in fp32 by the same loop, then rounded.
  */
 #include "nn/nn-impl.h"
 
 #define GELU_K 0.7978845608028654f
 #define GELU_A 0.044715f
+#define GELU_BLOCK 2048
+
+/* y[i] = gelu(x[i]) for n elements (one block; both output paths use it) */
+static void gelu_run(const float *x, float *y, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i];
+        float sg = 1.0f / (1.0f + fsdp__expf(-2.0f * GELU_K * (v + GELU_A * v * v * v)));
+        y[i] = v * sg;
+    }
+}
 
 struct gelu {
     const float *x; /* (n) saved input, borrowed from the arena */
@@ -19,15 +32,26 @@ static enum fsdp_status gelu_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
                                      const struct fsdp_tensor *in, struct fsdp_tensor *out) {
     struct gelu *G = m->impl;
     FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 0, 0));
-    FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim, in->shape, "GELU output"));
+    enum fsdp_dtype odt = fsdp__wanted_dtype(out);
+    FSDP_TRY(fsdp__tensor_prepare(ctx, out, odt, in->ndim, in->shape, "GELU output"));
     const float *x = in->data;
-    float *y = out->data;
-    int64_t n = fsdp_tensor_numel(in);
-#pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        float v = x[i];
-        float sg = 1.0f / (1.0f + fsdp__expf(-2.0f * GELU_K * (v + GELU_A * v * v * v)));
-        y[i] = v * sg;
+    int64_t n = fsdp_tensor_numel(in), nb = (n + GELU_BLOCK - 1) / GELU_BLOCK;
+    if (odt == FSDP_F32) {
+        float *y = out->data;
+#pragma omp parallel for schedule(static)
+        for (int64_t k = 0; k < nb; k++) {
+            int64_t i0 = k * GELU_BLOCK, len = n - i0 < GELU_BLOCK ? n - i0 : GELU_BLOCK;
+            gelu_run(x + i0, y + i0, len);
+        }
+    } else {
+        uint16_t *y = out->data;
+#pragma omp parallel for schedule(static)
+        for (int64_t k = 0; k < nb; k++) {
+            float blk[GELU_BLOCK];
+            int64_t i0 = k * GELU_BLOCK, len = n - i0 < GELU_BLOCK ? n - i0 : GELU_BLOCK;
+            gelu_run(x + i0, blk, len);
+            fsdp__cvt_from_f32(odt, blk, y + i0, (size_t)len);
+        }
     }
     G->x = x;
     G->n = n;

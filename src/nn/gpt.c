@@ -62,6 +62,7 @@ static enum fsdp_status gpt_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
         x = y;
     }
     struct fsdp_tensor xf = {0};
+    xf.dtype = fsdp__input_dtype(G->lm_head); /* [Note: 16-bit hand-off] */
     FSDP_TRY(fsdp_module_forward(G->ln_f, ctx, &x, &xf));
     FSDP_TRY(fsdp_module_forward(G->lm_head, ctx, &xf, out)); /* (B, T, V) */
     G->B = B;
@@ -307,9 +308,11 @@ enum fsdp_status fsdp__gpt_config_parse(struct fsdp_ctx *ctx, const char *name, 
  * mirrors the forward or backward of one layer; change them with the layer.
  * Rows are tokens (B*T, or T for the position embedding); features are the
  * last dimension. A module computing in 16 bits (fsdp__compute_dtype) adds
- * what its layer takes then: Linear's kept 16-bit input, the cast of its
- * weight unless gathered in that dtype (the caller's `gathered` says), the
- * 16-bit output gradient in backward; attention's head-major scratch. */
+ * what its layer takes then: Linear's kept 16-bit input (unless handed to it
+ * in 16 bits, [Note: 16-bit hand-off], which makes the producer's output
+ * 16-bit instead), the cast of its weight unless gathered in that dtype (the
+ * caller's `gathered` says), the 16-bit output gradient in backward;
+ * attention's head-major scratch. */
 
 struct tr {
     struct fsdp__arena_sim *s;
@@ -338,9 +341,13 @@ static struct fsdp_module *tr_child(struct fsdp_module *m, const char *name) {
     FSDP_ASSERT(0, "activation trace: module '%s' has no child '%s'", m->name, name);
 }
 
-static int64_t tr_fwd(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int out_alloc);
+/* idt: the dtype of m's input; want: the dtype its caller asks of its
+ * output ([Note: 16-bit hand-off]); both also for a checkpointed module's
+ * recompute in backward. */
+static int64_t tr_fwd(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, enum fsdp_dtype idt,
+                      enum fsdp_dtype want, int out_alloc);
 static void tr_bwd(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int64_t out_f,
-                   int din_alloc);
+                   enum fsdp_dtype idt, enum fsdp_dtype want, int din_alloc);
 
 /* Output features of m for in_f input features. */
 static int64_t tr_out_f(struct fsdp_module *m, int64_t in_f) {
@@ -350,16 +357,27 @@ static int64_t tr_out_f(struct fsdp_module *m, int64_t in_f) {
     return in_f;
 }
 
-static int64_t tr_fwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int out_alloc) {
+/* The dtype m writes its output in when asked for `want`: the producers
+ * that honour the request (fsdp__wanted_dtype) give it, the rest fp32. */
+static enum fsdp_dtype tr_out_dt(struct fsdp_module *m, enum fsdp_dtype want) {
+    const char *ty = m->ops->type;
+    return !strcmp(ty, "LayerNorm") || !strcmp(ty, "GELU") ? want : FSDP_F32;
+}
+
+static int64_t tr_fwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, enum fsdp_dtype idt,
+                          enum fsdp_dtype want, int out_alloc) {
     const char *ty = m->ops->type;
     int64_t out_f = tr_out_f(m, in_f);
+    enum fsdp_dtype odt = tr_out_dt(m, want);
     if (!strcmp(ty, "LayerNorm")) fsdp__arena_sim_alloc(t->s, f4(2 * rows)); /* statistics */
     enum fsdp_dtype lp = fsdp__compute_dtype(m);
     if (!strcmp(ty, "CausalSelfAttention")) {
         int64_t C = in_f, B = rows / t->T, BH = B * t->nh;
-        tr_fwd(t, tr_child(m, "c_attn"), rows, C, 1);               /* qkv (N, 3C) */
+        struct fsdp_module *proj = tr_child(m, "c_proj");
+        enum fsdp_dtype ydt = lp != FSDP_F32 ? fsdp__input_dtype(proj) : FSDP_F32;
+        tr_fwd(t, tr_child(m, "c_attn"), rows, C, idt, FSDP_F32, 1); /* qkv (N, 3C) */
         fsdp__arena_sim_alloc(t->s, f4(BH * t->T * t->T));          /* probabilities */
-        fsdp__arena_sim_alloc(t->s, f4(rows * C));                  /* heads output y */
+        fsdp__arena_sim_alloc(t->s, lpb(ydt, rows * C));             /* heads output y */
         if (lp != FSDP_F32) { /* heads_forward_lp: q k v, att in lp, y head-major; released */
             size_t mark = t->s->used;
             fsdp__arena_sim_alloc(t->s, lpb(lp, 3 * rows * C));
@@ -367,22 +385,31 @@ static int64_t tr_fwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int
             fsdp__arena_sim_alloc(t->s, f4(rows * C));
             fsdp__arena_sim_release(t->s, mark);
         }
-        return tr_fwd(t, tr_child(m, "c_proj"), rows, C, out_alloc);
+        return tr_fwd(t, proj, rows, C, ydt, want, out_alloc);
     }
     if (!strcmp(ty, "MLP")) {
-        int64_t h = tr_fwd(t, tr_child(m, "c_fc"), rows, in_f, 1);
-        tr_fwd(t, tr_child(m, "gelu"), rows, h, 1);
-        return tr_fwd(t, tr_child(m, "c_proj"), rows, h, out_alloc);
+        struct fsdp_module *proj = tr_child(m, "c_proj");
+        enum fsdp_dtype gdt = fsdp__input_dtype(proj);
+        int64_t h = tr_fwd(t, tr_child(m, "c_fc"), rows, in_f, idt, FSDP_F32, 1);
+        tr_fwd(t, tr_child(m, "gelu"), rows, h, FSDP_F32, gdt, 1);
+        return tr_fwd(t, proj, rows, h, gdt, want, out_alloc);
     }
     if (!strcmp(ty, "Block")) {
-        tr_fwd(t, tr_child(m, "ln_1"), rows, in_f, 1);
-        tr_fwd(t, tr_child(m, "attn"), rows, in_f, 1);
-        tr_fwd(t, tr_child(m, "ln_2"), rows, in_f, 1);
-        return tr_fwd(t, tr_child(m, "mlp"), rows, in_f, out_alloc);
+        struct fsdp_module *attn = tr_child(m, "attn"), *mlp = tr_child(m, "mlp");
+        enum fsdp_dtype adt = fsdp__input_dtype(attn), cdt = fsdp__input_dtype(mlp);
+        tr_fwd(t, tr_child(m, "ln_1"), rows, in_f, FSDP_F32, adt, 1);
+        tr_fwd(t, attn, rows, in_f, adt, FSDP_F32, 1);
+        tr_fwd(t, tr_child(m, "ln_2"), rows, in_f, FSDP_F32, cdt, 1);
+        return tr_fwd(t, mlp, rows, in_f, cdt, want, out_alloc);
     }
-    if (out_alloc) fsdp__arena_sim_alloc(t->s, f4(rows * out_f)); /* Linear, LayerNorm, GELU, Embedding */
+    if (out_alloc) fsdp__arena_sim_alloc(t->s, lpb(odt, rows * out_f)); /* Linear, LayerNorm, GELU, Embedding */
+    if (!strcmp(ty, "LayerNorm") && odt != FSDP_F32) { /* a row per thread, released */
+        size_t mark = t->s->used;
+        fsdp__arena_sim_alloc(t->s, f4((int64_t)t->nthr * out_f));
+        fsdp__arena_sim_release(t->s, mark);
+    }
     if (!strcmp(ty, "Linear") && lp != FSDP_F32) {
-        fsdp__arena_sim_alloc(t->s, lpb(lp, rows * in_f)); /* the 16-bit input, kept */
+        if (idt != lp) fsdp__arena_sim_alloc(t->s, lpb(lp, rows * in_f)); /* the 16-bit input, kept */
         size_t mark = t->s->used;
         tr_weight_lp(t, m, lp); /* released after the product */
         fsdp__arena_sim_release(t->s, mark);
@@ -391,12 +418,14 @@ static int64_t tr_fwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int
 }
 
 static void tr_bwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int64_t out_f,
-                       int din_alloc) {
+                       enum fsdp_dtype idt, int din_alloc) {
     const char *ty = m->ops->type;
     enum fsdp_dtype lp = fsdp__compute_dtype(m);
     if (!strcmp(ty, "CausalSelfAttention")) {
         int64_t C = in_f, BH = rows / t->T * t->nh;
-        tr_bwd(t, tr_child(m, "c_proj"), rows, C, C, 1);            /* dy */
+        struct fsdp_module *proj = tr_child(m, "c_proj");
+        enum fsdp_dtype ydt = lp != FSDP_F32 ? fsdp__input_dtype(proj) : FSDP_F32;
+        tr_bwd(t, proj, rows, C, C, ydt, FSDP_F32, 1);             /* dy */
         fsdp__arena_sim_alloc(t->s, f4(rows * 3 * C));              /* dqkv */
         fsdp__arena_sim_alloc(t->s, f4((int64_t)t->nthr * t->T * t->T)); /* scratch */
         if (lp != FSDP_F32) { /* heads_backward_lp: q k v dY, att/dS in lp, dS, dq dk dv; released */
@@ -407,24 +436,27 @@ static void tr_bwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int64_
             fsdp__arena_sim_alloc(t->s, f4(3 * rows * C));
             fsdp__arena_sim_release(t->s, mark);
         }
-        tr_bwd(t, tr_child(m, "c_attn"), rows, C, 3 * C, din_alloc);
+        tr_bwd(t, tr_child(m, "c_attn"), rows, C, 3 * C, idt, FSDP_F32, din_alloc);
         return;
     }
     if (!strcmp(ty, "MLP")) {
-        struct fsdp_module *fc = tr_child(m, "c_fc");
+        struct fsdp_module *fc = tr_child(m, "c_fc"), *proj = tr_child(m, "c_proj");
+        enum fsdp_dtype gdt = fsdp__input_dtype(proj);
         int64_t h = tr_out_f(fc, in_f);
-        tr_bwd(t, tr_child(m, "c_proj"), rows, h, out_f, 1);        /* dg */
-        tr_bwd(t, tr_child(m, "gelu"), rows, h, h, 0);              /* in place */
-        tr_bwd(t, fc, rows, in_f, h, din_alloc);
+        tr_bwd(t, proj, rows, h, out_f, gdt, FSDP_F32, 1);          /* dg */
+        tr_bwd(t, tr_child(m, "gelu"), rows, h, h, FSDP_F32, gdt, 0); /* in place */
+        tr_bwd(t, fc, rows, in_f, h, idt, FSDP_F32, din_alloc);
         return;
     }
     if (!strcmp(ty, "Block")) {
+        struct fsdp_module *attn = tr_child(m, "attn"), *mlp = tr_child(m, "mlp");
+        enum fsdp_dtype adt = fsdp__input_dtype(attn), cdt = fsdp__input_dtype(mlp);
         if (din_alloc) fsdp__arena_sim_alloc(t->s, f4(rows * in_f));
         size_t mark = t->s->used;
-        tr_bwd(t, tr_child(m, "mlp"), rows, in_f, in_f, 1);         /* dc */
-        tr_bwd(t, tr_child(m, "ln_2"), rows, in_f, in_f, 1);        /* dx1 */
-        tr_bwd(t, tr_child(m, "attn"), rows, in_f, in_f, 0);        /* into dc */
-        tr_bwd(t, tr_child(m, "ln_1"), rows, in_f, in_f, 0);        /* into din */
+        tr_bwd(t, mlp, rows, in_f, in_f, cdt, FSDP_F32, 1);                      /* dc */
+        tr_bwd(t, tr_child(m, "ln_2"), rows, in_f, in_f, FSDP_F32, cdt, 1);      /* dx1 */
+        tr_bwd(t, attn, rows, in_f, in_f, adt, FSDP_F32, 0);                     /* into dc */
+        tr_bwd(t, tr_child(m, "ln_1"), rows, in_f, in_f, FSDP_F32, adt, 0);      /* into din */
         fsdp__arena_sim_release(t->s, mark);
         return;
     }
@@ -438,26 +470,28 @@ static void tr_bwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int64_
 }
 
 /* fsdp_module_forward / _backward: checkpointed modules as module.c runs them. */
-static int64_t tr_fwd(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int out_alloc) {
-    if (!m->checkpoint) return tr_fwd_raw(t, m, rows, in_f, out_alloc);
+static int64_t tr_fwd(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, enum fsdp_dtype idt,
+                      enum fsdp_dtype want, int out_alloc) {
+    if (!m->checkpoint) return tr_fwd_raw(t, m, rows, in_f, idt, want, out_alloc);
     size_t mark = t->s->used;
-    int64_t out_f = tr_fwd_raw(t, m, rows, in_f, out_alloc);
-    if (out_alloc) fsdp__arena_sim_transient(t->s, f4(rows * out_f)); /* the copy aside */
+    int64_t out_f = tr_fwd_raw(t, m, rows, in_f, idt, want, out_alloc);
+    size_t out_b = lpb(tr_out_dt(m, want), rows * out_f);
+    if (out_alloc) fsdp__arena_sim_transient(t->s, out_b); /* the copy aside */
     fsdp__arena_sim_release(t->s, mark);
-    if (out_alloc) fsdp__arena_sim_alloc(t->s, f4(rows * out_f));
+    if (out_alloc) fsdp__arena_sim_alloc(t->s, out_b);
     return out_f;
 }
 
 static void tr_bwd(struct tr *t, struct fsdp_module *m, int64_t rows, int64_t in_f, int64_t out_f,
-                   int din_alloc) {
+                   enum fsdp_dtype idt, enum fsdp_dtype want, int din_alloc) {
     if (!m->checkpoint) {
-        tr_bwd_raw(t, m, rows, in_f, out_f, din_alloc);
+        tr_bwd_raw(t, m, rows, in_f, out_f, idt, din_alloc);
         return;
     }
     if (din_alloc) fsdp__arena_sim_alloc(t->s, f4(rows * in_f));
     size_t mark = t->s->used;
-    tr_fwd_raw(t, m, rows, in_f, 1);
-    tr_bwd_raw(t, m, rows, in_f, out_f, 0);
+    tr_fwd_raw(t, m, rows, in_f, idt, want, 1);
+    tr_bwd_raw(t, m, rows, in_f, out_f, idt, 0);
     fsdp__arena_sim_release(t->s, mark);
 }
 
@@ -471,18 +505,19 @@ void fsdp__gpt_act_trace(struct fsdp_module *gpt, int64_t B, int64_t T, int nthr
     FSDP_ASSERT(!gpt->checkpoint, "activation trace: checkpointing the whole GPT");
     /* forward */
     fsdp__arena_sim_alloc(s, f4(T));                               /* positions */
-    tr_fwd(&t, G->wte, N, 1, 1);
-    tr_fwd(&t, G->wpe, T, 1, 1);
-    for (int l = 0; l < G->cfg.n_layer; l++) tr_fwd(&t, G->h[l], N, C, 1);
-    tr_fwd(&t, G->ln_f, N, C, 1);
-    tr_fwd(&t, G->lm_head, N, C, 1);                               /* logits (N, V) */
+    const enum fsdp_dtype F = FSDP_F32, xdt = fsdp__input_dtype(G->lm_head); /* ln_f's output */
+    tr_fwd(&t, G->wte, N, 1, F, F, 1);
+    tr_fwd(&t, G->wpe, T, 1, F, F, 1);
+    for (int l = 0; l < G->cfg.n_layer; l++) tr_fwd(&t, G->h[l], N, C, F, F, 1);
+    tr_fwd(&t, G->ln_f, N, C, F, xdt, 1);
+    tr_fwd(&t, G->lm_head, N, C, xdt, F, 1);                       /* logits (N, V) */
     /* backward: dlogits overwrite the logits */
     size_t mark = s->used;
-    tr_bwd(&t, G->lm_head, N, C, V, 1);                            /* g */
-    tr_bwd(&t, G->ln_f, N, C, C, 1);                               /* g2 */
-    for (int l = G->cfg.n_layer - 1; l >= 0; l--) tr_bwd(&t, G->h[l], N, C, C, 0);
-    tr_bwd(&t, G->wte, N, 1, C, 0);
+    tr_bwd(&t, G->lm_head, N, C, V, xdt, F, 1);                    /* g */
+    tr_bwd(&t, G->ln_f, N, C, C, F, xdt, 1);                       /* g2 */
+    for (int l = G->cfg.n_layer - 1; l >= 0; l--) tr_bwd(&t, G->h[l], N, C, C, F, F, 0);
+    tr_bwd(&t, G->wte, N, 1, C, F, F, 0);
     fsdp__arena_sim_alloc(s, f4(T * C));                           /* position gradient */
-    tr_bwd(&t, G->wpe, T, 1, C, 0);
+    tr_bwd(&t, G->wpe, T, 1, C, F, F, 0);
     fsdp__arena_sim_release(s, mark);
 }

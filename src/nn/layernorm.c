@@ -2,10 +2,13 @@
  * layernorm.c - LayerNorm over the last dimension C (eps 1e-5, as PyTorch):
  * y = (x - mean) * rstd * weight + bias, per row of x (N, C). Saves x, the
  * row means and the reciprocal standard deviations (arena) for backward.
+ * Writes y in 16 bits when asked ([Note: 16-bit hand-off]): each row is
+ * computed in fp32 as always, then rounded.
  */
 #include "nn/nn-impl.h"
 
 #include <math.h>
+#include <omp.h>
 
 #define LN_EPS 1e-5f
 
@@ -26,14 +29,19 @@ static enum fsdp_status layernorm_forward(struct fsdp_module *m, struct fsdp_ctx
     int64_t C = L->dim, N = fsdp_tensor_numel(in) / C;
     float *mean = fsdp__scratch(ctx, 2 * N, "LayerNorm statistics");
     if (!mean) return FSDP_ERR_NOMEM;
-    FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim, in->shape, "LayerNorm output"));
+    enum fsdp_dtype odt = fsdp__wanted_dtype(out);
+    FSDP_TRY(fsdp__tensor_prepare(ctx, out, odt, in->ndim, in->shape, "LayerNorm output"));
+    float *rows = NULL; /* a row per thread, rounded into out (16-bit output) */
+    size_t mark = fsdp_arena_mark(ctx);
+    if (odt != FSDP_F32 && !(rows = fsdp__scratch(ctx, (int64_t)omp_get_max_threads() * C, "LayerNorm rows")))
+        return FSDP_ERR_NOMEM;
     float *rstd = mean + N;
     const float *x = in->data, *w = fsdp__pdata(L->weight), *b = fsdp__pdata(L->bias);
-    float *y = out->data; /* (N, C) */
+    float *y = out->data; /* (N, C) in fp32, or 16-bit elements (rows) */
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < N; i++) {
         const float *xi = x + i * C;
-        float *yi = y + i * C;
+        float *yi = rows ? rows + (int64_t)omp_get_thread_num() * C : y + i * C;
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
         for (int64_t c = 0; c < C; c++) s += xi[c];
@@ -43,9 +51,11 @@ static enum fsdp_status layernorm_forward(struct fsdp_module *m, struct fsdp_ctx
         float r = 1.0f / sqrtf(v / (float)C + LN_EPS);
 #pragma omp simd
         for (int64_t c = 0; c < C; c++) yi[c] = (xi[c] - mu) * r * w[c] + b[c];
+        if (rows) fsdp__cvt_from_f32(odt, yi, (uint16_t *)out->data + i * C, (size_t)C);
         mean[i] = mu;
         rstd[i] = r;
     }
+    fsdp_arena_release(ctx, mark);
     L->x = x;
     L->mean = mean;
     L->rstd = rstd;

@@ -4,7 +4,9 @@
  * optional bias (out). Saves a pointer to x (arena) for backward; with a
  * 16-bit compute dtype ([Note: compute precision]) it saves the 16-bit copy
  * of x instead and multiplies with fsdp__gemm_lp, the weight cast into
- * arena scratch that is released after each product.
+ * arena scratch that is released after each product. In 16 bits it also
+ * takes x already in its compute dtype ([Note: 16-bit hand-off]) and keeps
+ * that tensor as the saved copy.
  */
 #include "nn/nn-impl.h"
 
@@ -12,7 +14,7 @@ struct linear {
     int64_t in, out;
     struct fsdp_param *weight; /* (out, in) */
     struct fsdp_param *bias;   /* (out) or NULL */
-    const float *x;            /* (N, in) saved input, borrowed from the arena */
+    const float *x;            /* (N, in) saved fp32 input, borrowed from the arena (fp32 compute) */
     const void *xl;            /* (N, in) saved input in dtype lp (arena), if lp != F32 */
     enum fsdp_dtype lp;        /* compute dtype of the last forward */
     int64_t n;                 /* N of the saved input */
@@ -21,7 +23,9 @@ struct linear {
 static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                        const struct fsdp_tensor *in, struct fsdp_tensor *out) {
     struct linear *L = m->impl;
-    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 0, L->in));
+    enum fsdp_dtype lp = fsdp__compute_dtype(m);
+    int handed = lp != FSDP_F32 && in && in->dtype == lp; /* [Note: 16-bit hand-off] */
+    FSDP_TRY(fsdp__check_input(ctx, m, in, handed ? lp : FSDP_F32, 0, L->in));
     FSDP_TRY(fsdp__param_ready(ctx, L->weight, 0));
     if (L->bias) FSDP_TRY(fsdp__param_ready(ctx, L->bias, 0));
     int64_t shape[FSDP_MAX_DIMS];
@@ -32,7 +36,6 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
     float *y = out->data;        /* (N, out) */
     int64_t N = fsdp_tensor_numel(in) / L->in, O = L->out;
     const float *b = L->bias ? fsdp__pdata(L->bias) : NULL;
-    enum fsdp_dtype lp = fsdp__compute_dtype(m);
     L->lp = lp;
     L->xl = NULL;
     if (lp == FSDP_F32) {
@@ -45,8 +48,8 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
         const float *w = fsdp__pdata(L->weight); /* (out, in) */
         fsdp__sgemm(0, 1, N, O, L->in, 1.0f, x, L->in, w, L->in, beta, y, O);
     } else {
-        void *xl = fsdp__lp_copy(ctx, lp, x, N * L->in, "Linear input (low precision)"); /* kept */
-        if (!xl) return FSDP_ERR_NOMEM;
+        const void *xl = handed ? in->data : fsdp__lp_copy(ctx, lp, x, N * L->in, "Linear input (low precision)");
+        if (!xl) return FSDP_ERR_NOMEM; /* kept either way */
         size_t mark = fsdp_arena_mark(ctx);
         const void *wl = fsdp__pdata_lp(ctx, L->weight, lp);
         if (!wl) return FSDP_ERR_NOMEM;
@@ -55,7 +58,7 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
         fsdp_arena_release(ctx, mark);
         L->xl = xl;
     }
-    L->x = x;
+    L->x = handed ? NULL : x;
     L->n = N;
     return FSDP_OK;
 }
@@ -63,7 +66,8 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
 static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                         const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
     struct linear *L = m->impl;
-    if (!L->x) return fsdp__err(ctx, FSDP_ERR_STATE, "Linear '%s': backward without forward", fsdp__mname(m));
+    if (!L->x && !L->xl)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "Linear '%s': backward without forward", fsdp__mname(m));
     FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 0, L->out));
     if (fsdp_tensor_numel(dout) != L->n * L->out)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "Linear '%s': gradient has %lld rows, forward had %lld",
@@ -104,6 +108,10 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
 static void linear_destroy(struct fsdp_module *m) { free(m->impl); }
 
 static const struct fsdp_module_ops linear_ops = {"Linear", linear_forward, linear_backward, linear_destroy};
+
+enum fsdp_dtype fsdp__linear_input_dtype(const struct fsdp_module *m) {
+    return m->ops == &linear_ops ? fsdp__compute_dtype(m) : FSDP_F32;
+}
 
 enum fsdp_status fsdp__linear_create(struct fsdp_ctx *ctx, const char *name, int64_t in, int64_t out,
                                      int bias, float init_std, struct fsdp_module **out_m) {

@@ -71,6 +71,19 @@ void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, 
  * is full). The one place a layer gets its low-precision weight: when FSDP
  * gathered the parameter in dt (p->data_lp), that copy is returned as is. */
 const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp_dtype dt);
+/* The dtype in which m's forward takes its input without casting it
+ * ([Note: 16-bit hand-off]): a Linear's 16-bit compute dtype, a
+ * CausalSelfAttention's or MLP's first Linear's; FSDP_F32 for anything else. */
+enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m);
+/* The output dtype a caller asked of a producer ([Note: 16-bit hand-off]):
+ * out->dtype if it is BF16 or F16 and out has no buffer yet, else FSDP_F32. */
+static inline enum fsdp_dtype fsdp__wanted_dtype(const struct fsdp_tensor *out) {
+    return !out->data && (out->dtype == FSDP_BF16 || out->dtype == FSDP_F16) ? out->dtype : FSDP_F32;
+}
+/* Per-module input dtypes for fsdp__input_dtype (each file knows its ops). */
+enum fsdp_dtype fsdp__linear_input_dtype(const struct fsdp_module *m);
+enum fsdp_dtype fsdp__attention_input_dtype(const struct fsdp_module *m);
+enum fsdp_dtype fsdp__mlp_input_dtype(const struct fsdp_module *m);
 
 /* db[c] += sum over rows i of x[i*cols + c], each column summed in row order
  * in fp32 from zero, then added: the same bits whatever the team size. Each

@@ -17,6 +17,22 @@
  * no products of their own; the setter reaches their children. A sharding
  * unit sets the dtype on its root to cover its subtree; a nested unit that
  * sets FSDP_F32 afterwards stays fp32 inside a bf16 parent (set parents first).
+ *
+ * [Note: 16-bit hand-off] A Linear computing in 16 bits needs only the
+ * 16-bit copy of its input: for backward (the weight gradient) as for the
+ * product. When that input is the fresh output of a LayerNorm, a GELU or the
+ * attention heads, the producer writes it in 16 bits directly instead of an
+ * fp32 tensor that the Linear casts and that would then sit unread in the
+ * arena until the step ends (ln_1, ln_2, the heads' y and GELU hold 7 of a
+ * Block's C-wide activations per token in fp32, 3.5 in 16 bits). The
+ * composite that wires them (Block, MLP, CausalSelfAttention, GPT) asks for
+ * it by setting the output tensor's dtype before the producer's forward, to
+ * fsdp__input_dtype(consumer); a producer that honours the request
+ * (fsdp__wanted_dtype) computes each row or block in fp32 as before and
+ * rounds it once, so the 16-bit values are the bits the cast gave, and
+ * training is bit-identical with or without the hand-off. Any other module
+ * ignores the request and returns fp32, which Linear casts as before. A
+ * consumer computing in fp32 (a per-unit override) is asked for fp32.
  */
 #include "nn/nn-impl.h"
 
@@ -42,6 +58,13 @@ enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp
 void fsdp__param_widen(struct fsdp_param *q) {
     fsdp__cvt_to_f32(q->data_lp_dtype, q->data_lp, q->data, (size_t)q->numel);
     q->data_stale = 0;
+}
+
+enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m) {
+    enum fsdp_dtype dt = fsdp__linear_input_dtype(m);
+    if (dt == FSDP_F32) dt = fsdp__attention_input_dtype(m);
+    if (dt == FSDP_F32) dt = fsdp__mlp_input_dtype(m);
+    return dt;
 }
 
 void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what) {
