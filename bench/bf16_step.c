@@ -45,6 +45,7 @@ static double median(double *v, int n) {
 struct result {
     double step_s, fwd_s, bwd_s, upd_s, cpu_s, last_loss, tail_loss; /* tail: mean of the last 10 */
     double act_mb, total_mb; /* peaks of the activation arena and of all accounted memory, MiB */
+    double act_steady_mb;    /* the arena after the last step: one chunk of a step's high-water mark */
 };
 
 static enum fsdp_mixed_precision g_mp = FSDP_MP_DEFAULT;
@@ -97,6 +98,7 @@ static struct result run(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg
     struct fsdp_mem_stats ms;
     fsdp_mem_get(ctx, &ms);
     res.act_mb = (double)ms.peak[FSDP_MEM_ACT] / (1 << 20);
+    res.act_steady_mb = (double)ms.cur[FSDP_MEM_ACT] / (1 << 20);
     res.total_mb = (double)ms.peak_total / (1 << 20);
     free(cp);
     free(st);
@@ -152,9 +154,10 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 2; i++)
         if (rs[i]->step_s > 0)
             printf("%s: %.3f s/step (forward %.3f, backward %.3f, update %.3f; CPU %.3f s/step), %.1f GFLOP/s "
-                   "model, last loss %.4f; peak memory: activations %.0f MiB, all accounted %.0f MiB\n", names[i],
-                   rs[i]->step_s, rs[i]->fwd_s, rs[i]->bwd_s, rs[i]->upd_s, rs[i]->cpu_s,
-                   flops / rs[i]->step_s / 1e9, rs[i]->last_loss, rs[i]->act_mb, rs[i]->total_mb);
+                   "model, last loss %.4f; memory: activations %.0f MiB steady (%.0f MiB peak, first step's "
+                   "chunks), all accounted %.0f MiB peak\n", names[i], rs[i]->step_s, rs[i]->fwd_s, rs[i]->bwd_s,
+                   rs[i]->upd_s, rs[i]->cpu_s, flops / rs[i]->step_s / 1e9, rs[i]->last_loss, rs[i]->act_steady_mb,
+                   rs[i]->act_mb, rs[i]->total_mb);
     if (do32 && do16)
         printf("bf16_speedup %.2f (fp32 s/step / bf16 s/step; by CPU time %.2f)\n", r32.step_s / r16.step_s,
                r32.cpu_s / r16.cpu_s);

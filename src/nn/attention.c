@@ -16,12 +16,15 @@
  * per-call setup that cost more than the arithmetic (48 heads x 6 products x
  * 12 layers of 256 x 256 x 64 in GPT-2). The probabilities are cast as one
  * block, and the heads' results (fp32, head-major) are scattered back into
- * y / dqkv. The softmax and its backward stay fp32, and what is saved is
- * unchanged (the backward casts qkv again rather than keeping a 16-bit copy
- * alive). All 16-bit scratch is released before the layer returns.
+ * y / dqkv. The softmax and its backward stay fp32; qkv is saved in 16
+ * bits (below) and the backward makes its head-major copies again rather
+ * than keeping them alive. All 16-bit scratch is released before the layer
+ * returns.
  * [Note: 16-bit hand-off]: the input goes to c_attn as it comes (16-bit if
- * c_attn computes in it), and on the 16-bit path the heads are scattered
- * into y rounded to c_proj's compute dtype when c_proj takes it.
+ * c_attn computes in it); on the 16-bit path c_attn is asked for qkv in 16
+ * bits (what the head-major copies round it to anyway, so that is what is
+ * saved), and the heads are scattered into y rounded to c_proj's compute
+ * dtype when c_proj takes it.
  */
 #include "nn/nn-impl.h"
 
@@ -55,14 +58,19 @@ static void softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T) {
 }
 
 /* Head-major 16-bit copy: dst (B*nh, T, hs) dense from the columns
- * [col0, col0 + nh*hs) of src (B*T rows, row stride ld). */
-static void heads_to_lp(enum fsdp_dtype lp, const float *src, int64_t ld, int64_t col0, int64_t B, int64_t T,
-                        int64_t nh, int64_t hs, uint16_t *dst) {
+ * [col0, col0 + nh*hs) of src (B*T rows, row stride ld) of dtype sdt: fp32
+ * (rounded to lp) or lp itself (copied). */
+static void heads_to_lp(enum fsdp_dtype lp, enum fsdp_dtype sdt, const void *src, int64_t ld, int64_t col0,
+                        int64_t B, int64_t T, int64_t nh, int64_t hs, uint16_t *dst) {
 #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < B * T; bt++) {
         int64_t b = bt / T, t = bt % T;
-        for (int64_t h = 0; h < nh; h++) /* inside the loop: a serial cast */
-            fsdp__cvt_from_f32(lp, src + bt * ld + col0 + h * hs, dst + ((b * nh + h) * T + t) * hs, (size_t)hs);
+        for (int64_t h = 0; h < nh; h++) { /* inside the loop: a serial cast */
+            uint16_t *d = dst + ((b * nh + h) * T + t) * hs;
+            int64_t at = bt * ld + col0 + h * hs;
+            if (sdt == lp) memcpy(d, (const uint16_t *)src + at, (size_t)hs * sizeof(uint16_t));
+            else fsdp__cvt_from_f32(lp, (const float *)src + at, d, (size_t)hs);
+        }
     }
 }
 
@@ -93,7 +101,8 @@ struct attention {
     int64_t C;
     int n_head;
     struct fsdp_module *c_attn, *c_proj; /* children, owned by the module */
-    const float *qkv;                    /* (B, T, 3C) saved, arena */
+    const void *qkv;                     /* (B, T, 3C) saved, arena, in dtype qkv_dt */
+    enum fsdp_dtype qkv_dt;              /* fp32, or lp when c_attn handed it in 16 bits */
     enum fsdp_dtype lp;                  /* compute dtype of the last forward */
     float *att;                          /* (B, nh, T, T) saved probabilities, arena */
     int64_t B, T;
@@ -101,9 +110,9 @@ struct attention {
 
 /* att (B*nh, T, T) = softmax(scale q k^T), y = att v: the 16-bit path; y
  * (B, T, C) in dtype ydt. */
-static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, const float *qkv, int64_t B,
-                                         int64_t T, int64_t nh, int64_t hs, float *att, enum fsdp_dtype ydt,
-                                         void *y) {
+static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
+                                         const void *qkv, int64_t B, int64_t T, int64_t nh, int64_t hs, float *att,
+                                         enum fsdp_dtype ydt, void *y) {
     int64_t C = nh * hs, BH = B * nh;
     size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
     uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(3 * BH * T * hs) * es); /* q, k, v head-major */
@@ -111,9 +120,9 @@ static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype l
     float *yh = fsdp_arena_alloc(ctx, (size_t)(BH * T * hs) * sizeof(float));
     if (!q || !ab || !yh) return lp_nomem(ctx, lp);
     uint16_t *k = q + BH * T * hs, *v = k + BH * T * hs;
-    heads_to_lp(lp, qkv, 3 * C, 0, B, T, nh, hs, q);
-    heads_to_lp(lp, qkv, 3 * C, C, B, T, nh, hs, k);
-    heads_to_lp(lp, qkv, 3 * C, 2 * C, B, T, nh, hs, v);
+    heads_to_lp(lp, qdt, qkv, 3 * C, 0, B, T, nh, hs, q);
+    heads_to_lp(lp, qdt, qkv, 3 * C, C, B, T, nh, hs, k);
+    heads_to_lp(lp, qdt, qkv, 3 * C, 2 * C, B, T, nh, hs, v);
     float scale = 1.0f / sqrtf((float)hs);
     fsdp__gemm_lp_batched(lp, BH, 0, 1, T, T, hs, scale, q, hs, T * hs, k, hs, T * hs, 0.0f, att, T, T * T);
 #pragma omp parallel for schedule(static)
@@ -131,18 +140,20 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
     enum fsdp_dtype idt = fsdp__linear_input_dtype(A->c_attn);
     FSDP_TRY(fsdp__check_input(ctx, m, in, in && in->dtype == idt ? idt : FSDP_F32, 3, A->C));
     int64_t B = in->shape[0], T = in->shape[1], C = A->C, nh = A->n_head, hs = C / nh;
+    enum fsdp_dtype lp = fsdp__compute_dtype(m);
     struct fsdp_tensor qkv = {0};
+    qkv.dtype = lp; /* asked in 16 bits on the 16-bit path; c_attn may still answer fp32 */
     FSDP_TRY(fsdp_module_forward(A->c_attn, ctx, in, &qkv)); /* (B, T, 3C) */
     float *att = fsdp__scratch(ctx, B * nh * T * T, "attention probabilities");
     if (!att) return FSDP_ERR_NOMEM;
     struct fsdp_tensor y = {0};
     int64_t yshape[3] = {B, T, C};
-    enum fsdp_dtype lp = fsdp__compute_dtype(m), ydt = lp != FSDP_F32 ? fsdp__linear_input_dtype(A->c_proj) : FSDP_F32;
+    enum fsdp_dtype ydt = lp != FSDP_F32 ? fsdp__linear_input_dtype(A->c_proj) : FSDP_F32;
     FSDP_TRY(fsdp__tensor_prepare(ctx, &y, ydt, 3, yshape, "attention heads output"));
-    const float *q_all = qkv.data;
+    const float *q_all = qkv.data; /* fp32 path: qkv is fp32 */
     float *y_all = y.data; /* (B, T, C), head h in columns [h*hs, (h+1)*hs); fp32 here unless handed off */
     if (lp != FSDP_F32) {
-        FSDP_TRY(heads_forward_lp(ctx, lp, q_all, B, T, nh, hs, att, ydt, y.data));
+        FSDP_TRY(heads_forward_lp(ctx, lp, qkv.dtype, qkv.data, B, T, nh, hs, att, ydt, y.data));
     } else {
         float scale = 1.0f / sqrtf((float)hs);
 #pragma omp parallel for schedule(dynamic, 1)
@@ -157,7 +168,8 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
         }
     }
     A->lp = lp;
-    A->qkv = q_all;
+    A->qkv = qkv.data;
+    A->qkv_dt = qkv.dtype;
     A->att = att;
     A->B = B;
     A->T = T;
@@ -166,7 +178,8 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
 
 /* The backward products of all heads at once, 16-bit inputs ([Note: batched
  * heads]); dqkv (B, T, 3C) is written whole. */
-static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, const float *qkv,
+static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
+                                          const void *qkv,
                                           const float *att, const float *dy, int64_t B, int64_t T, int64_t nh,
                                           int64_t hs, float *dqkv) {
     int64_t C = nh * hs, BH = B * nh, n = BH * T * hs;
@@ -177,8 +190,8 @@ static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype 
     float *dh = fsdp_arena_alloc(ctx, (size_t)(3 * n) * sizeof(float)); /* dq, dk, dv head-major */
     if (!q || !ab || !ds || !dh) return lp_nomem(ctx, lp);
     uint16_t *k = q + n, *v = k + n, *dyh = v + n;
-    for (int part = 0; part < 3; part++) heads_to_lp(lp, qkv, 3 * C, part * C, B, T, nh, hs, q + part * n);
-    heads_to_lp(lp, dy, C, 0, B, T, nh, hs, dyh);
+    for (int part = 0; part < 3; part++) heads_to_lp(lp, qdt, qkv, 3 * C, part * C, B, T, nh, hs, q + part * n);
+    heads_to_lp(lp, FSDP_F32, dy, C, 0, B, T, nh, hs, dyh);
     fsdp__cvt_from_f32(lp, att, ab, (size_t)(BH * T * T));
     float scale = 1.0f / sqrtf((float)hs);
     /* datt = dY v^T;  dv = att^T dY */
@@ -221,7 +234,7 @@ static enum fsdp_status attention_backward(struct fsdp_module *m, struct fsdp_ct
     const float *q_all = A->qkv, *dy_all = dy.data;
     float *dq_all = dqkv.data;
     if (A->lp != FSDP_F32) {
-        FSDP_TRY(heads_backward_lp(ctx, A->lp, q_all, A->att, dy_all, B, T, nh, hs, dq_all));
+        FSDP_TRY(heads_backward_lp(ctx, A->lp, A->qkv_dt, A->qkv, A->att, dy_all, B, T, nh, hs, dq_all));
         return fsdp_module_backward(A->c_attn, ctx, &dqkv, din);
     }
     float scale = 1.0f / sqrtf((float)hs);

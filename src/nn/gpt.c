@@ -361,6 +361,7 @@ static int64_t tr_out_f(struct fsdp_module *m, int64_t in_f) {
  * that honour the request (fsdp__wanted_dtype) give it, the rest fp32. */
 static enum fsdp_dtype tr_out_dt(struct fsdp_module *m, enum fsdp_dtype want) {
     const char *ty = m->ops->type;
+    if (!strcmp(ty, "Linear")) return fsdp__compute_dtype(m) != FSDP_F32 ? want : FSDP_F32;
     return !strcmp(ty, "LayerNorm") || !strcmp(ty, "GELU") ? want : FSDP_F32;
 }
 
@@ -375,7 +376,7 @@ static int64_t tr_fwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int
         int64_t C = in_f, B = rows / t->T, BH = B * t->nh;
         struct fsdp_module *proj = tr_child(m, "c_proj");
         enum fsdp_dtype ydt = lp != FSDP_F32 ? fsdp__input_dtype(proj) : FSDP_F32;
-        tr_fwd(t, tr_child(m, "c_attn"), rows, C, idt, FSDP_F32, 1); /* qkv (N, 3C) */
+        tr_fwd(t, tr_child(m, "c_attn"), rows, C, idt, lp, 1);      /* qkv (N, 3C), asked in lp */
         fsdp__arena_sim_alloc(t->s, f4(BH * t->T * t->T));          /* probabilities */
         fsdp__arena_sim_alloc(t->s, lpb(ydt, rows * C));             /* heads output y */
         if (lp != FSDP_F32) { /* heads_forward_lp: q k v, att in lp, y head-major; released */
@@ -411,6 +412,7 @@ static int64_t tr_fwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int
     if (!strcmp(ty, "Linear") && lp != FSDP_F32) {
         if (idt != lp) fsdp__arena_sim_alloc(t->s, lpb(lp, rows * in_f)); /* the 16-bit input, kept */
         size_t mark = t->s->used;
+        if (odt != FSDP_F32) fsdp__arena_sim_alloc(t->s, f4(rows * out_f)); /* the product before rounding */
         tr_weight_lp(t, m, lp); /* released after the product */
         fsdp__arena_sim_release(t->s, mark);
     }
@@ -436,7 +438,7 @@ static void tr_bwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int64_
             fsdp__arena_sim_alloc(t->s, f4(3 * rows * C));
             fsdp__arena_sim_release(t->s, mark);
         }
-        tr_bwd(t, tr_child(m, "c_attn"), rows, C, 3 * C, idt, FSDP_F32, din_alloc);
+        tr_bwd(t, tr_child(m, "c_attn"), rows, C, 3 * C, idt, lp, din_alloc);
         return;
     }
     if (!strcmp(ty, "MLP")) {

@@ -6,7 +6,8 @@
  * of x instead and multiplies with fsdp__gemm_lp, the weight cast into
  * arena scratch that is released after each product. In 16 bits it also
  * takes x already in its compute dtype ([Note: 16-bit hand-off]) and keeps
- * that tensor as the saved copy.
+ * that tensor as the saved copy, and writes y rounded to 16 bits when asked
+ * (the product lands in fp32 scratch first).
  */
 #include "nn/nn-impl.h"
 
@@ -31,9 +32,10 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
     int64_t shape[FSDP_MAX_DIMS];
     memcpy(shape, in->shape, sizeof shape);
     shape[in->ndim - 1] = L->out;
-    FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim, shape, "Linear output"));
+    enum fsdp_dtype odt = lp != FSDP_F32 ? fsdp__wanted_dtype(out) : FSDP_F32;
+    FSDP_TRY(fsdp__tensor_prepare(ctx, out, odt, in->ndim, shape, "Linear output"));
     const float *x = in->data;   /* (N, in) */
-    float *y = out->data;        /* (N, out) */
+    float *y = out->data;        /* (N, out); fp32 scratch below when out is 16-bit */
     int64_t N = fsdp_tensor_numel(in) / L->in, O = L->out;
     const float *b = L->bias ? fsdp__pdata(L->bias) : NULL;
     L->lp = lp;
@@ -51,10 +53,13 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
         const void *xl = handed ? in->data : fsdp__lp_copy(ctx, lp, x, N * L->in, "Linear input (low precision)");
         if (!xl) return FSDP_ERR_NOMEM; /* kept either way */
         size_t mark = fsdp_arena_mark(ctx);
+        if (odt != FSDP_F32 && !(y = fsdp__scratch(ctx, N * O, "Linear output before rounding")))
+            return FSDP_ERR_NOMEM;
         const void *wl = fsdp__pdata_lp(ctx, L->weight, lp);
         if (!wl) return FSDP_ERR_NOMEM;
         if (b) fsdp__gemm_lp_bias(lp, 0, 1, N, O, L->in, xl, L->in, wl, L->in, b, y, O); /* bias in the product */
         else fsdp__gemm_lp(lp, 0, 1, N, O, L->in, 1.0f, xl, L->in, wl, L->in, 0.0f, y, O);
+        if (odt != FSDP_F32) fsdp__cvt_from_f32(odt, y, out->data, (size_t)(N * O));
         fsdp_arena_release(ctx, mark);
         L->xl = xl;
     }

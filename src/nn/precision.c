@@ -23,16 +23,19 @@
  * product. When that input is the fresh output of a LayerNorm, a GELU or the
  * attention heads, the producer writes it in 16 bits directly instead of an
  * fp32 tensor that the Linear casts and that would then sit unread in the
- * arena until the step ends (ln_1, ln_2, the heads' y and GELU hold 7 of a
- * Block's C-wide activations per token in fp32, 3.5 in 16 bits). The
- * composite that wires them (Block, MLP, CausalSelfAttention, GPT) asks for
- * it by setting the output tensor's dtype before the producer's forward, to
- * fsdp__input_dtype(consumer); a producer that honours the request
- * (fsdp__wanted_dtype) computes each row or block in fp32 as before and
+ * arena until the step ends. Likewise attention's 16-bit path needs qkv only
+ * as the 16-bit copies it makes of it, so it asks c_attn for qkv in 16 bits.
+ * ln_1, qkv, the heads' y, ln_2 and GELU are 10 of a Block's C-wide
+ * activations per token: 10 fp32 values kept, and the 16-bit copies on top,
+ * became 5 fp32 values' worth. The composite that wires them (Block, MLP,
+ * CausalSelfAttention, GPT) asks for it by setting the output tensor's dtype
+ * before the producer's forward, to fsdp__input_dtype(consumer); a producer
+ * that honours the request (fsdp__wanted_dtype: LayerNorm, GELU, a Linear
+ * computing in 16 bits) computes each row or block in fp32 as before and
  * rounds it once, so the 16-bit values are the bits the cast gave, and
  * training is bit-identical with or without the hand-off. Any other module
- * ignores the request and returns fp32, which Linear casts as before. A
- * consumer computing in fp32 (a per-unit override) is asked for fp32.
+ * ignores the request and returns fp32, which the consumer casts as before.
+ * A consumer computing in fp32 (a per-unit override) is asked for fp32.
  */
 #include "nn/nn-impl.h"
 
