@@ -58,6 +58,10 @@ long long fsdp__env_int(const char *name, long long def, long long lo, long long
 double fsdp__env_real(const char *name, double def, double lo, double hi);
 /* The index of NAME's value in words[0..n) */
 int fsdp__env_word(const char *name, const char *const *words, int n, int def);
+/* Ends the process over NAME's value: "fsdp: environment variable
+ * NAME='value': expected <fmt...>", exit status 2 (the whole job under MPI). */
+_Noreturn void fsdp__env_refuse(const char *name, const char *value, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 /* Propagates a non-OK status. */
 #define FSDP_TRY(expr)                               \

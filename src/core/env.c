@@ -18,7 +18,7 @@
 #include <math.h>
 #include <string.h>
 
-_Noreturn static void env_fail(const char *name, const char *value, const char *fmt, ...) {
+void fsdp__env_refuse(const char *name, const char *value, const char *fmt, ...) {
     char want[320], line[768];
     va_list ap;
     va_start(ap, fmt);
@@ -40,7 +40,7 @@ long long fsdp__env_int(const char *name, long long def, long long lo, long long
     errno = 0;
     long long v = strtoll(e, &end, 10);
     if (errno || *end || end == e || v < lo || v > hi)
-        env_fail(name, e, "a whole number in [%lld, %lld]", lo, hi);
+        fsdp__env_refuse(name, e, "a whole number in [%lld, %lld]", lo, hi);
     return v;
 }
 
@@ -51,7 +51,7 @@ double fsdp__env_real(const char *name, double def, double lo, double hi) {
     errno = 0;
     double v = strtod(e, &end);
     if (errno || *end || end == e || !isfinite(v) || v < lo || v > hi)
-        env_fail(name, e, "a number in [%g, %g]", lo, hi);
+        fsdp__env_refuse(name, e, "a number in [%g, %g]", lo, hi);
     return v;
 }
 
@@ -63,5 +63,5 @@ int fsdp__env_word(const char *name, const char *const *words, int n, int def) {
     char list[256] = "";
     for (int i = 0; i < n; i++)
         snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? ", " : "", words[i]);
-    env_fail(name, e, "one of: %s", list);
+    fsdp__env_refuse(name, e, "one of: %s", list);
 }

@@ -47,9 +47,9 @@ static void parse(void) {
     int known = 0;
     for (size_t i = 0; i < sizeof points / sizeof *points; i++) known |= !strcmp(F.point, points[i]);
     F.sig = !strcmp(action, "kill") ? SIGKILL : !strcmp(action, "stop") ? SIGSTOP : 0;
-    FSDP_ASSERT(n >= 3 && known && F.sig && F.rank >= 0 && F.step >= 0,
-                "FSDP_FAULT='%s': expected POINT:RANK:STEP[:kill|stop], POINT one of forward, backward, "
-                "reduce-scatter, ckpt-save", e);
+    if (!(n >= 3 && known && F.sig && F.rank >= 0 && F.step >= 0))
+        fsdp__env_refuse("FSDP_FAULT", e, "POINT:RANK:STEP[:kill|stop], POINT one of forward, backward, "
+                         "reduce-scatter, ckpt-save");
     F.on = 1;
 }
 
