@@ -48,7 +48,8 @@ static enum fsdp_wrap wrap_block1_fp32(struct fsdp_module *m, void *ud, struct f
     return FSDP_WRAP_UNIT_OVERRIDE;
 }
 
-/* Builds the model (Blocks checkpointed if ckpt), returns the plan; so NULL: fp32 defaults. */
+/* Builds the model (ckpt 1: Blocks checkpointed; 2: each Block's
+ * CausalSelfAttention), returns the plan; so NULL: fp32 defaults. */
 static enum fsdp_status setup_opts(struct fsdp_ctx *c, const struct fsdp_gpt_config *cfg, int ckpt, int Bl, int T,
                                    const struct fsdp_shard_opts *so, struct run *r, struct fsdp_mem_plan *plan) {
     memset(r, 0, sizeof *r);
@@ -56,7 +57,8 @@ static enum fsdp_status setup_opts(struct fsdp_ctx *c, const struct fsdp_gpt_con
     if (ckpt)
         for (int l = 0; l < cfg->n_layer; l++) {
             char fqn[64];
-            snprintf(fqn, sizeof fqn, "transformer.h.%d.ln_1.weight", l);
+            snprintf(fqn, sizeof fqn, ckpt == 2 ? "transformer.h.%d.attn.c_attn.weight" : "transformer.h.%d.ln_1.weight",
+                     l);
             fsdp_module_find_param(r->gpt, fqn)->owner->parent->checkpoint = 1;
         }
     TRY(fsdp_plan_memory(c, r->gpt, so, fsdp_ctx_world(c), fsdp_ctx_rank(c), 2, Bl, T, 1, plan));
@@ -163,6 +165,10 @@ TEST(plan_equals_measured_fp16_checkpointed) { check_plan_prec(1, 4, 32, FSDP_F1
 /* fp32 gathers, 16-bit products: each product casts its weight in the arena */
 TEST(plan_equals_measured_bf16_full) { check_plan_prec(0, 12, 64, FSDP_BF16, FSDP_MP_FULL); }
 TEST(plan_equals_measured_bf16_fp32_unit_checkpointed) { check_plan_prec(1, 12, 64, FSDP_BF16, -1); }
+/* the attention alone checkpointed (fsdp-train --ac attn): in bf16 its saved
+ * input is ln_1's 16-bit output ([Note: 16-bit hand-off]) */
+TEST(plan_equals_measured_attention_checkpointed) { check_plan(2, 12, 64); }
+TEST(plan_equals_measured_bf16_attention_checkpointed) { check_plan_prec(2, 12, 64, FSDP_BF16, FSDP_MP_DEFAULT); }
 
 /* HYBRID_SHARD: the reduce-scatter's full gradient is released before the
  * replica all-reduce, which overlap leaves in flight to the next unit's

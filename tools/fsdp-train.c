@@ -138,7 +138,8 @@ static void usage(FILE *f) {
             "  --wrap P              units: block (one per Block) | size:N (a unit per module with\n"
             "                        >= N parameters not in a smaller unit) | none (default block)\n"
             "  --ac P                activation checkpointing: none | blocks | every:K (Blocks 0, K,\n"
-            "                        2K, ...) (default none)\n"
+            "                        2K, ...) | attn (each Block's attention only: its qkv, probabilities\n"
+            "                        and heads' output are recomputed in backward) (default none)\n"
             "  --reshard-after-forward on|off  free a unit's gathered parameters after its forward\n"
             "                        (default on)\n"
             "  --sharding S          FULL_SHARD (ZeRO-3) | SHARD_GRAD_OP (ZeRO-2: parameters stay gathered\n"
@@ -243,9 +244,9 @@ static void parse_args(int argc, char **argv, struct opts *o) {
                 usage_error("--wrap: '%s' is not block, size:N or none", v);
         } else if (!strcmp(a, "--ac")) {
             o->ac = v;
-            if (strcmp(v, "none") && strcmp(v, "blocks") &&
+            if (strcmp(v, "none") && strcmp(v, "blocks") && strcmp(v, "attn") &&
                 (strncmp(v, "every:", 6) || parse_int(a, v + 6, 1, 1 << 20) < 1))
-                usage_error("--ac: '%s' is not none, blocks or every:K", v);
+                usage_error("--ac: '%s' is not none, blocks, every:K or attn", v);
         } else if (!strcmp(a, "--reshard-after-forward")) {
             if (strcmp(v, "on") && strcmp(v, "off")) usage_error("--reshard-after-forward: '%s' is not on or off", v);
             o->reshard_after_forward = !strcmp(v, "on");
@@ -481,6 +482,9 @@ static _Noreturn void fail_all(const char *fmt, ...) {
 
 /* ---- Preparation: --wrap, --ac, --reshard-after-forward, --init ---- */
 
+/* The module type --ac checkpoints: "CausalSelfAttention" for attn, else "Block". */
+static const char *ac_type(const struct opts *o) { return !strcmp(o->ac, "attn") ? "CausalSelfAttention" : "Block"; }
+
 /* --ac every:K: Blocks whose index in transformer.h is a multiple of K. */
 static int ac_every(struct fsdp_module *m, void *ud) {
     if (strcmp(m->ops->type, "Block")) return 0;
@@ -522,7 +526,7 @@ static struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct opts 
         wp.fn = fsdp_wrap_by_size;
         wp.ud = &min_size;
     }
-    struct fsdp_ac_check ac = {fsdp_ac_by_type, (void *)"Block"}, *acp = NULL;
+    struct fsdp_ac_check ac = {fsdp_ac_by_type, (void *)ac_type(o)}, *acp = NULL;
     if (strcmp(o->ac, "none")) {
         pc.activation_checkpointing = 1;
         acp = &ac;
@@ -686,7 +690,7 @@ static void plan_mark_ac(struct fsdp_module *m, const struct opts *o, int on) {
         struct fsdp_module *c = m->children[i];
         if (strcmp(o->ac, "none") != 0) {
             every = !strncmp(o->ac, "every:", 6) ? atoi(o->ac + 6) : 0;
-            int sel = every > 0 ? ac_every(c, &every) : fsdp_ac_by_type(c, (void *)"Block");
+            int sel = every > 0 ? ac_every(c, &every) : fsdp_ac_by_type(c, (void *)ac_type(o));
             if (sel) c->checkpoint = on;
         }
         plan_mark_ac(c, o, on);
