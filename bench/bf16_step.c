@@ -67,7 +67,8 @@ static struct result run(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg
     pc.seed = 1337;
     pc.mixed_precision = g_mp;
     if (fsdp_parallelize_model(ctx, g, &pc, opt, dt, NULL, NULL, NULL, &fm) != FSDP_OK) die(ctx, "parallelize");
-    fsdp_mem_reset_peak(ctx); /* this run's peaks only */
+    fsdp__arena_free_all(ctx); /* an arena of its own: not the one an earlier run in this process sized */
+    fsdp_mem_reset_peak(ctx);  /* this run's peaks only */
     int32_t *in = malloc((size_t)(B * T) * sizeof(int32_t)), *tg = malloc((size_t)(B * T) * sizeof(int32_t));
     double *st = calloc((size_t)steps, sizeof(double)), *fw = calloc((size_t)steps, sizeof(double));
     double *bw = calloc((size_t)steps, sizeof(double)), *up = calloc((size_t)steps, sizeof(double));
