@@ -27,10 +27,11 @@ LDFLAGS  += -fopenmp $(SAN)
 LIB_SRC  := $(wildcard src/core/*.c src/nn/*.c src/comm/*.c src/io/*.c src/optim/*.c src/fsdp/*.c)
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o)
 TOOLS    := $(patsubst tools/%.c,$(BUILD)/%,$(wildcard tools/*.c))
+TRAIN_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tools/train/*.c)) # fsdp-train's other files
 TESTS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 EXAMPLES := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
-HDRS     := include/fsdp.h $(wildcard src/*/*.h) $(wildcard tests/*.h)
+HDRS     := include/fsdp.h $(wildcard src/*/*.h) $(wildcard tests/*.h) $(wildcard tools/*/*.h)
 
 all: $(BUILD)/libfsdp.a $(BUILD)/libfsdp.so $(TOOLS) $(TESTS) $(EXAMPLES) $(BENCHES)
 
@@ -48,6 +49,9 @@ $(BUILD)/libfsdp.so: $(LIB_OBJ)
 
 $(BUILD)/%: $(BUILD)/tools/%.o $(BUILD)/libfsdp.a
 	$(CC) -o $@ $< $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
+
+$(BUILD)/fsdp-train: $(BUILD)/tools/fsdp-train.o $(TRAIN_OBJ) $(BUILD)/libfsdp.a
+	$(CC) -o $@ $(filter %.o,$^) $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
 
 $(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/libfsdp.a
 	$(CC) -o $@ $< $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)

@@ -1,0 +1,284 @@
+/*
+ * options.c - fsdp-train's flags (options.h): defaults, --help, parsing and
+ * the checks between flags that need no model or world.
+ */
+#include "options.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+
+struct opts opts_default(void) {
+    struct opts o = {0};
+    o.model = NULL; /* MODEL_DEFAULT, or the checkpoint's with --resume */
+    o.data = "synthetic";
+    o.batch = 8;
+    o.seq = 64;
+    o.steps = 50;
+    o.warmup = 10;
+    o.lr = 1e-3f;
+    o.min_lr = -1.0f;
+    o.weight_decay = 0.1f;
+    o.clip = 1.0f;
+    o.beta1 = 0.9f;
+    o.beta2 = 0.95f;
+    o.eps = 1e-8f;
+    o.schedule = "cosine";
+    o.optim = "adamw";
+    o.comm = "auto";
+    o.sample = 120;
+    o.collective_timeout = 300;
+    o.seed = 1337;
+    o.wrap = "block";
+    o.ac = "none";
+    o.init = "deferred";
+    o.reshard_after_forward = 1;
+    o.sharding = "FULL_SHARD";
+    o.grad_accum = 1;
+    o.accum_mode = "reduce";
+    o.overlap = 1;
+    o.max_inflight = 2;
+    o.precision = "FP32";
+    o.mixed_precision = "DEFAULT";
+    o.loss_scale_init = 65536;
+    o.loss_scale_growth = 2000;
+    return o;
+}
+
+static void usage(FILE *f) {
+    struct opts d = opts_default();
+    fprintf(f,
+            "usage: fsdp-train [flags]\n"
+            "Trains a GPT with fully sharded data parallelism (ZeRO-3).\n"
+            "Run under `mpirun -np N`, or give --nproc N to start N local ranks.\n\n"
+            "  --model NAME          preset: tiny small gpt2 gpt2-medium gpt2-large gpt2-xl (default %s;\n"
+            "                        with --resume, the checkpoint's model, which model flags must match)\n"
+            "  --model-config FILE   JSON {n_layer,n_head,n_embd,vocab_size,block_size}; overrides --model\n"
+            "  --data PATH           token file (llm.c .bin with header, raw uint16 .bin) or any text\n"
+            "                        file as bytes; 'synthetic' = built-in corpus (default %s)\n"
+            "  --batch N             global batch in sequences, divisible by the world size (default %d)\n"
+            "  --seq T               sequence length, <= block_size (default %d)\n"
+            "  --steps N             training steps (default %d)\n"
+            "  --lr X                peak learning rate (default %g)\n"
+            "  --min-lr X            cosine floor (default lr/10)\n"
+            "  --warmup N            linear warmup steps (default %d)\n"
+            "  --lr-schedule S       cosine | constant (default %s)\n"
+            "  --optim S             adamw | sgd (default %s)\n"
+            "  --beta1 X             AdamW beta1 (default %g)\n"
+            "  --beta2 X             AdamW beta2 (default %g)\n"
+            "  --eps X               AdamW eps (default %g)\n"
+            "  --momentum X          SGD momentum (default %g)\n"
+            "  --weight-decay X      decoupled weight decay (default %g)\n"
+            "  --decay-all           also decay biases, LayerNorm and embeddings (default off)\n"
+            "  --clip X              clip the global gradient norm to X; 0 = off (default %g)\n"
+            "  --seed N              init and sampling seed (default %llu)\n"
+            "  --threads N           compute threads per rank; 0 = cores / local ranks (default 0)\n"
+            "  --nproc N             start N ranks on this host (mpirun) (default 1)\n"
+            "  --comm S              auto | mpi | shm | self: auto = shm for ranks all on one host,\n"
+            "                        else mpi (default %s)\n"
+            "  --collective-timeout S  a rank waiting on one collective longer than S seconds ends the\n"
+            "                        job naming it (type, sequence number, bytes); 0 = never (default %g)\n"
+            "  --check-collectives   compare each collective's sequence number and (type, count, dtype)\n"
+            "                        across ranks first; report diverged ranks (default off)\n"
+            "  --log FILE            one JSON object per step (default none)\n"
+            "  --sample N            tokens to generate at the end for text data; 0 = none (default %d)\n"
+            "  --save-dir DIR        save sharded checkpoints as DIR/step-NNNNNNNN (every --save-every\n"
+            "                        steps and at the end)\n"
+            "  --save-every K        steps between checkpoints; 0 = only at the end (default 0)\n"
+            "  --keep-last K         keep the newest K checkpoints in --save-dir; 0 = all (default 0)\n"
+            "  --resume DIR          continue from a checkpoint folder, or the newest one in a\n"
+            "                        --save-dir (saved at any world size)\n"
+            "  --save-full FILE      at the end, write the parameters as one safetensors file\n"
+            "  --init-from FILE      initial weights from a safetensors file (ours, or Hugging Face\n"
+            "                        GPT-2 model.safetensors)\n"
+            "  --wrap P              units: block (one per Block) | size:N (a unit per module with\n"
+            "                        >= N parameters not in a smaller unit) | none (default block)\n"
+            "  --ac P                activation checkpointing: none | blocks | every:K (Blocks 0, K,\n"
+            "                        2K, ...) | attn (each Block's attention only: its qkv, probabilities\n"
+            "                        and heads' output are recomputed in backward) (default none)\n"
+            "  --reshard-after-forward on|off  free a unit's gathered parameters after its forward\n"
+            "                        (default on)\n"
+            "  --sharding S          FULL_SHARD (ZeRO-3) | SHARD_GRAD_OP (ZeRO-2: parameters stay gathered\n"
+            "                        from forward to backward) | NO_SHARD (DDP) | HYBRID_SHARD (shard in\n"
+            "                        a group, replicate across groups) (default FULL_SHARD)\n"
+            "  --shard-group K       HYBRID_SHARD's group size; must divide the world (default: the ranks\n"
+            "                        of one host)\n"
+            "  --grad-accum K        split each rank's share of --batch into K micro-batches per step\n"
+            "                        (default 1)\n"
+            "  --accum-mode M        reduce (reduce every micro-batch: less memory) | no_sync (keep\n"
+            "                        unsharded gradients, reduce once: less communication) (default reduce)\n"
+            "  --overlap on|off      prefetch the next units' all-gathers (forward and backward) and\n"
+            "                        run reduce-scatters asynchronously; same results (default on)\n"
+            "  --max-inflight N      units gathered or gathering at once, the computing one included;\n"
+            "                        bounds the full buffers (default 2)\n"
+            "  --init S              deferred (each rank initialises its shards; with --init-from each\n"
+            "                        rank reads its own ranges) | rank0 (rank 0 reads --init-from and\n"
+            "                        sends it unit by unit: sync_module_states) (default deferred)\n"
+            "  --precision P         FP32 | AMP_BF16 | AMP_FP16 (Composer's names): the matrix products'\n"
+            "                        inputs; LayerNorm, softmax, the loss, master weights, gradient shards\n"
+            "                        and optimizer state stay fp32 (default FP32)\n"
+            "  --mixed-precision M   with AMP_*: FULL (gather and reduce fp32) | DEFAULT (gather in the low\n"
+            "                        dtype, reduce fp32) | PURE (both low) (default DEFAULT)\n"
+            "  --loss-scale-init X   AMP_FP16 dynamic loss scaling: initial scale (default 65536; halved\n"
+            "                        on overflow, the step skipped on every rank)\n"
+            "  --loss-scale-growth-interval N  AMP_FP16: double the scale after N clean steps (default 2000)\n"
+            "  --verbose             print the unit plan and debug information\n"
+            "  --dry-run             print the memory plan per rank (shards, full buffers, activations)\n"
+            "                        for this model, world (--nproc or the MPI world) and batch; no training\n"
+            "  --mem-limit SIZE      per-rank memory limit, e.g. 1.5G: refuse a plan over it before any\n"
+            "                        work, and stop the run if the library's allocations pass it (default none)\n"
+            "  --help                this text\n",
+            MODEL_DEFAULT, d.data, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
+            (double)d.beta1, (double)d.beta2, (double)d.eps, (double)d.momentum,
+            (double)d.weight_decay, (double)d.clip, (unsigned long long)d.seed, d.comm,
+            (double)d.collective_timeout, d.sample);
+}
+
+int rank_env(void) {
+    const char *r = getenv("OMPI_COMM_WORLD_RANK");
+    return r ? atoi(r) : 0;
+}
+
+/* Usage errors happen before MPI starts; every rank sees the same argv. */
+_Noreturn void usage_error(const char *fmt, ...) {
+    if (rank_env() == 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        fprintf(stderr, "fsdp-train: ");
+        vfprintf(stderr, fmt, ap);
+        fprintf(stderr, "\n(see fsdp-train --help)\n");
+        va_end(ap);
+    }
+    exit(2);
+}
+
+static long parse_int(const char *flag, const char *v, long lo, long hi) {
+    char *end;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (errno || *end || end == v || x < lo || x > hi)
+        usage_error("%s: '%s' is not an integer in [%ld, %ld]", flag, v, lo, hi);
+    return x;
+}
+
+static float parse_float(const char *flag, const char *v, double lo, double hi) {
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    if (errno || *end || end == v || !(x >= lo && x <= hi))
+        usage_error("%s: '%s' is not a number in [%g, %g]", flag, v, lo, hi);
+    return (float)x;
+}
+
+void parse_args(int argc, char **argv, struct opts *o) {
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            if (rank_env() == 0) usage(stdout);
+            exit(0);
+        }
+        if (!strcmp(a, "--verbose")) { o->verbose = 1; continue; }
+        if (!strcmp(a, "--decay-all")) { o->decay_all = 1; continue; }
+        if (!strcmp(a, "--check-collectives")) { o->check_collectives = 1; continue; }
+        if (!strcmp(a, "--dry-run")) { o->dry_run = 1; continue; }
+        if (strncmp(a, "--", 2) != 0) usage_error("unexpected argument '%s'", a);
+        if (i + 1 >= argc) usage_error("%s needs a value", a);
+        const char *v = argv[++i];
+        if (!strcmp(a, "--model")) o->model = v;
+        else if (!strcmp(a, "--model-config")) o->model_config = v;
+        else if (!strcmp(a, "--data")) o->data = v;
+        else if (!strcmp(a, "--log")) o->log_path = v;
+        else if (!strcmp(a, "--mem-limit")) o->mem_limit = v;
+        else if (!strcmp(a, "--save-dir")) o->save_dir = v;
+        else if (!strcmp(a, "--resume")) o->resume = v;
+        else if (!strcmp(a, "--init-from")) o->init_from = v;
+        else if (!strcmp(a, "--save-full")) o->save_full = v;
+        else if (!strcmp(a, "--wrap")) {
+            o->wrap = v;
+            if (strcmp(v, "block") && strcmp(v, "none") &&
+                (strncmp(v, "size:", 5) || parse_int(a, v + 5, 1, 0x7fffffffL) < 1))
+                usage_error("--wrap: '%s' is not block, size:N or none", v);
+        } else if (!strcmp(a, "--ac")) {
+            o->ac = v;
+            if (strcmp(v, "none") && strcmp(v, "blocks") && strcmp(v, "attn") &&
+                (strncmp(v, "every:", 6) || parse_int(a, v + 6, 1, 1 << 20) < 1))
+                usage_error("--ac: '%s' is not none, blocks, every:K or attn", v);
+        } else if (!strcmp(a, "--reshard-after-forward")) {
+            if (strcmp(v, "on") && strcmp(v, "off")) usage_error("--reshard-after-forward: '%s' is not on or off", v);
+            o->reshard_after_forward = !strcmp(v, "on");
+        } else if (!strcmp(a, "--sharding")) {
+            if (strcasecmp(v, "FULL_SHARD") && strcasecmp(v, "SHARD_GRAD_OP") && strcasecmp(v, "NO_SHARD") &&
+                strcasecmp(v, "HYBRID_SHARD"))
+                usage_error("--sharding: '%s' is not FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD", v);
+            o->sharding = v;
+        } else if (!strcmp(a, "--shard-group")) {
+            o->shard_group = (int)parse_int(a, v, 1, 1 << 20);
+        } else if (!strcmp(a, "--grad-accum")) {
+            o->grad_accum = (int)parse_int(a, v, 1, 1 << 20);
+        } else if (!strcmp(a, "--overlap")) {
+            if (strcmp(v, "on") && strcmp(v, "off")) usage_error("--overlap: '%s' is not on or off", v);
+            o->overlap = !strcmp(v, "on");
+        } else if (!strcmp(a, "--max-inflight")) {
+            o->max_inflight = (int)parse_int(a, v, 1, 1 << 20);
+        } else if (!strcmp(a, "--accum-mode")) {
+            if (strcmp(v, "reduce") && strcmp(v, "no_sync"))
+                usage_error("--accum-mode: '%s' is not reduce or no_sync", v);
+            o->accum_mode = v;
+        } else if (!strcmp(a, "--precision")) {
+            if (strcasecmp(v, "FP32") && strcasecmp(v, "AMP_BF16") && strcasecmp(v, "AMP_FP16"))
+                usage_error("--precision: '%s' is not FP32, AMP_BF16 or AMP_FP16", v);
+            o->precision = v;
+        } else if (!strcmp(a, "--mixed-precision")) {
+            if (strcasecmp(v, "FULL") && strcasecmp(v, "DEFAULT") && strcasecmp(v, "PURE"))
+                usage_error("--mixed-precision: '%s' is not FULL, DEFAULT or PURE", v);
+            o->mixed_precision = v;
+        } else if (!strcmp(a, "--loss-scale-init")) {
+            o->loss_scale_init = parse_float(a, v, 1e-30, 1e30);
+        } else if (!strcmp(a, "--loss-scale-growth-interval")) {
+            o->loss_scale_growth = (int)parse_int(a, v, 1, 1 << 30);
+        } else if (!strcmp(a, "--init")) {
+            if (strcmp(v, "deferred") && strcmp(v, "rank0")) usage_error("--init: '%s' is not deferred or rank0", v);
+            o->init = v;
+        }
+        else if (!strcmp(a, "--save-every")) o->save_every = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--keep-last")) o->keep_last = (int)parse_int(a, v, 0, 1 << 20);
+        else if (!strcmp(a, "--batch")) o->batch = (int)parse_int(a, v, 1, 1 << 20);
+        else if (!strcmp(a, "--seq")) o->seq = (int)parse_int(a, v, 1, 1 << 20);
+        else if (!strcmp(a, "--steps")) o->steps = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--warmup")) o->warmup = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--threads")) o->threads = (int)parse_int(a, v, 0, 4096);
+        else if (!strcmp(a, "--nproc")) o->nproc = (int)parse_int(a, v, 1, 4096);
+        else if (!strcmp(a, "--sample")) o->sample = (int)parse_int(a, v, 0, 1 << 20);
+        else if (!strcmp(a, "--collective-timeout")) o->collective_timeout = parse_float(a, v, 0, 1e7);
+        else if (!strcmp(a, "--seed")) o->seed = (uint64_t)parse_int(a, v, 0, 0x7fffffffL);
+        else if (!strcmp(a, "--lr")) o->lr = parse_float(a, v, 0, 10);
+        else if (!strcmp(a, "--min-lr")) o->min_lr = parse_float(a, v, 0, 10);
+        else if (!strcmp(a, "--weight-decay")) o->weight_decay = parse_float(a, v, 0, 10);
+        else if (!strcmp(a, "--clip")) o->clip = parse_float(a, v, 0, 1e9);
+        else if (!strcmp(a, "--beta1")) o->beta1 = parse_float(a, v, 0, 0.999999);
+        else if (!strcmp(a, "--beta2")) o->beta2 = parse_float(a, v, 0, 0.999999);
+        else if (!strcmp(a, "--eps")) o->eps = parse_float(a, v, 1e-30, 1);
+        else if (!strcmp(a, "--momentum")) o->momentum = parse_float(a, v, 0, 0.999999);
+        else if (!strcmp(a, "--lr-schedule")) {
+            if (strcmp(v, "cosine") && strcmp(v, "constant"))
+                usage_error("--lr-schedule: '%s' is not cosine or constant", v);
+            o->schedule = v;
+        } else if (!strcmp(a, "--optim")) {
+            if (strcmp(v, "adamw") && strcmp(v, "sgd")) usage_error("--optim: '%s' is not adamw or sgd", v);
+            o->optim = v;
+        } else if (!strcmp(a, "--comm")) {
+            if (strcmp(v, "auto") && strcmp(v, "mpi") && strcmp(v, "shm") && strcmp(v, "self"))
+                usage_error("--comm: '%s' is not auto, mpi, shm or self", v);
+            o->comm = v;
+        } else usage_error("unknown flag '%s'", a);
+    }
+    if (o->min_lr < 0) o->min_lr = o->lr / 10;
+    if (o->resume && o->init_from) usage_error("--resume and --init-from exclude each other");
+    if (!strcmp(o->init, "rank0") && !o->init_from)
+        usage_error("--init rank0 needs --init-from FILE (the weights rank 0 reads and sends)");
+    if ((o->save_every || o->keep_last) && !o->save_dir) usage_error("--save-every and --keep-last need --save-dir");
+}

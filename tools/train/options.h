@@ -1,0 +1,51 @@
+/*
+ * options.h - fsdp-train's flags: the options struct with its defaults, the
+ * --help text and the parser (options.c). Every rank parses the same argv
+ * before MPI starts; a bad flag is a usage error (exit 2, one line from
+ * rank 0).
+ */
+#ifndef FSDP_TRAIN_OPTIONS_H
+#define FSDP_TRAIN_OPTIONS_H
+
+#include <stdint.h>
+
+struct opts {
+    const char *model, *model_config, *data, *log_path;
+    int batch, seq, steps, warmup, threads, nproc, sample, verbose;
+    float lr, min_lr, weight_decay, clip, beta1, beta2, eps, momentum;
+    const char *schedule, *optim, *comm;
+    int decay_all;
+    int check_collectives;
+    float collective_timeout;
+    uint64_t seed;
+    const char *save_dir, *resume, *init_from, *save_full; /* checkpoints */
+    int save_every, keep_last;
+    int dry_run;                /* --dry-run: print the memory plan and stop */
+    const char *mem_limit;      /* --mem-limit SIZE per rank, or NULL */
+    /* preparation (fsdp_parallelize_model) */
+    const char *wrap, *ac, *init; /* --wrap, --ac, --init */
+    int reshard_after_forward;    /* --reshard-after-forward on|off */
+    const char *sharding;         /* --sharding FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD */
+    int shard_group;              /* --shard-group K (HYBRID_SHARD), 0 = the ranks of a host */
+    int grad_accum;               /* --grad-accum K micro-batches per step */
+    const char *accum_mode;       /* --accum-mode reduce | no_sync */
+    int overlap, max_inflight;    /* --overlap on|off, --max-inflight N */
+    /* mixed precision */
+    const char *precision;        /* --precision FP32 | AMP_BF16 | AMP_FP16 */
+    const char *mixed_precision;  /* --mixed-precision FULL | DEFAULT | PURE */
+    double loss_scale_init;       /* --loss-scale-init (AMP_FP16) */
+    int loss_scale_growth;        /* --loss-scale-growth-interval (AMP_FP16) */
+};
+
+#define MODEL_DEFAULT "small"
+
+/* The defaults (--help prints them). */
+struct opts opts_default(void);
+/* Parses argv into o (which holds the defaults); --help prints and exits 0. */
+void parse_args(int argc, char **argv, struct opts *o);
+/* This process's rank from the launcher's environment (0 when started alone). */
+int rank_env(void);
+/* "fsdp-train: <message>" on rank 0, exit 2. */
+_Noreturn void usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#endif
