@@ -37,11 +37,8 @@ for s in common:
 EOF
 }
 
-# bits NAME_A NAME_B: loss, grad_norm and param_norm of every logged step print the same
-bits() {
-  local show='import json,sys; [print(r["loss"], r["grad_norm"], r["param_norm"]) for r in map(json.loads, open(sys.argv[1]))]'
-  [ -s "$tmp/$1.json" ] && diff <(python3 -c "$show" "$tmp/$1.json") <(python3 -c "$show" "$tmp/$2.json") > /dev/null
-}
+# bits NAME_A NAME_B: the runs' logs print the same bits (lib.sh)
+bits() { same_bits "$tmp/$1.json" "$tmp/$2.json"; }
 
 if run ref 1; then ok "1-rank reference"; else bad "1-rank reference" "$(tail -5 "$tmp/ref.out")"; fi
 
