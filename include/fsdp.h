@@ -64,7 +64,7 @@ const char *fsdp_status_str(enum fsdp_status st);
 
 /* ---- Data types -------------------------------------------------------- */
 
-enum fsdp_dtype { FSDP_F32, FSDP_BF16, FSDP_F16, FSDP_I32, FSDP_U16, FSDP_U8 };
+enum fsdp_dtype { FSDP_F32, FSDP_BF16, FSDP_F16, FSDP_I32, FSDP_U16, FSDP_U8, FSDP_I64 };
 
 size_t fsdp_dtype_size(enum fsdp_dtype dt);
 const char *fsdp_dtype_name(enum fsdp_dtype dt);
@@ -184,6 +184,24 @@ struct fsdp_param {
     void *fsdp_priv;     /* bookkeeping of the sharding layer */
 };
 
+/* A buffer: a non-trainable tensor of a module, named by FQN like a
+ * parameter (batch norm's running_mean, running_var and num_batches_tracked,
+ * a queue, a counter). Buffers are never sharded: every rank holds the full
+ * values, in their own dtype (FSDP_F32 or FSDP_I64) whatever the mixed
+ * precision. Storage is allocated and initialised by fsdp_module_add_buffer. */
+struct fsdp_buffer {
+    char name[48];           /* local name in its module, e.g. "running_mean" */
+    char *fqn;               /* "layer1.0.bn1.running_mean"; set by fsdp_module_finalize */
+    struct fsdp_module *owner;
+    enum fsdp_dtype dtype;   /* FSDP_F32 or FSDP_I64 */
+    int ndim;                /* 0 for a scalar (numel 1) */
+    int64_t shape[FSDP_MAX_DIMS];
+    int64_t numel;
+    void *data;              /* numel values, owned by the buffer */
+    struct fsdp_init init;   /* FSDP_INIT_ZEROS or FSDP_INIT_ONES */
+    int persistent;          /* part of state dicts and checkpoints (PyTorch's persistent) */
+};
+
 /* ---- Modules ----------------------------------------------------------- */
 
 struct fsdp_module;
@@ -230,6 +248,10 @@ struct fsdp_module {
     enum fsdp_dtype compute_dtype; /* inputs of this module's own matrix products:
                                       FSDP_F32 (default), FSDP_BF16 or FSDP_F16;
                                       see fsdp_module_set_compute_dtype */
+    struct fsdp_buffer **buffers; /* buffers owned directly by this module */
+    int n_buffers, cap_buffers;
+    int training;               /* 1 (default) in train mode, 0 in eval mode:
+                                   fsdp_module_set_training */
 };
 
 /* Creates a module of the given ops with a local name. *out is returned to the
@@ -245,7 +267,22 @@ enum fsdp_status fsdp_module_add_child(struct fsdp_ctx *ctx, struct fsdp_module 
 enum fsdp_status fsdp_module_add_param(struct fsdp_ctx *ctx, struct fsdp_module *m, const char *name,
                                        int ndim, const int64_t *shape, struct fsdp_init init,
                                        int no_decay, struct fsdp_param **out);
-/* Computes FQNs of every module and parameter below root (call once the tree is built). */
+/* Declares a buffer of `dtype` (FSDP_F32 or FSDP_I64) and shape (ndim 0: a
+ * scalar) on m, allocated and filled per init (ZEROS or ONES). *out is
+ * borrowed (owned by m); out may be NULL. */
+enum fsdp_status fsdp_module_add_buffer(struct fsdp_ctx *ctx, struct fsdp_module *m, const char *name,
+                                        enum fsdp_dtype dtype, int ndim, const int64_t *shape,
+                                        struct fsdp_init init, int persistent, struct fsdp_buffer **out);
+/* Visits every buffer below m in definition order (own before children's);
+ * return non-zero from fn to stop. */
+int fsdp_module_foreach_buffer(struct fsdp_module *m, int (*fn)(struct fsdp_buffer *b, void *ud), void *ud);
+/* Finds a buffer by FQN below root, NULL if none. */
+struct fsdp_buffer *fsdp_module_find_buffer(struct fsdp_module *root, const char *fqn);
+/* Train mode (on = 1, the default) or eval mode (on = 0) for m and every
+ * module below it, as PyTorch's Module.train(on). */
+void fsdp_module_set_training(struct fsdp_module *m, int on);
+
+/* Computes FQNs of every module, parameter and buffer below root (call once the tree is built). */
 enum fsdp_status fsdp_module_finalize(struct fsdp_ctx *ctx, struct fsdp_module *root);
 
 /* Visits every parameter below m in definition order (depth-first, own

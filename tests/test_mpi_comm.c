@@ -97,6 +97,7 @@ static void put(void *b, enum fsdp_dtype dt, size_t k, double v) {
     case FSDP_I32: ((int32_t *)b)[k] = (int32_t)v; break;
     case FSDP_U16: ((uint16_t *)b)[k] = (uint16_t)v; break;
     case FSDP_U8: ((uint8_t *)b)[k] = (uint8_t)v; break;
+    case FSDP_I64: ((int64_t *)b)[k] = (int64_t)v; break;
     case FSDP_BF16: {
         float f = (float)v;
         uint32_t u;
@@ -118,6 +119,7 @@ static double get(const void *b, enum fsdp_dtype dt, size_t k) {
     case FSDP_I32: return ((const int32_t *)b)[k];
     case FSDP_U16: return ((const uint16_t *)b)[k];
     case FSDP_U8: return ((const uint8_t *)b)[k];
+    case FSDP_I64: return (double)((const int64_t *)b)[k];
     case FSDP_BF16: {
         uint32_t u = (uint32_t)((const uint16_t *)b)[k] << 16;
         float f;
@@ -137,7 +139,7 @@ static double get(const void *b, enum fsdp_dtype dt, size_t k) {
 static double gval(enum fsdp_dtype dt, int r, size_t i) {
     switch (dt) {
     case FSDP_F32: return (double)(r * 4096 + (int)(i % 4096));
-    case FSDP_I32: return (double)((size_t)r * 100003u + i);
+    case FSDP_I32: case FSDP_I64: return (double)((size_t)r * 100003u + i);
     case FSDP_U8: return (double)(((size_t)r * 37u + i * 7u) & 0xffu);
     default: return (double)(((size_t)r * 911u + i * 7u) & 0xffffu);
     }
@@ -218,8 +220,8 @@ TEST(comm_basics) {
     }
 }
 
-static const enum fsdp_dtype all_dts[] = {FSDP_F32, FSDP_BF16, FSDP_F16, FSDP_I32, FSDP_U16, FSDP_U8};
-#define N_DTS 6
+static const enum fsdp_dtype all_dts[] = {FSDP_F32, FSDP_BF16, FSDP_F16, FSDP_I32, FSDP_U16, FSDP_U8, FSDP_I64};
+#define N_DTS 7
 
 TEST(comm_allgather) {
     FOR_EACH_BACKEND(c) {

@@ -843,4 +843,57 @@ TEST(gpt_matches_pytorch_nanogpt) {
     fsdp_ctx_free(ctx);
 }
 
+/* Buffers: named by FQN at finalize, initialised, found, visited in order,
+ * kept apart from parameters; set_training reaches the whole tree. */
+static const struct fsdp_module_ops plain_ops = {"Plain", NULL, NULL, NULL};
+
+TEST(module_buffers_and_training_mode) {
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_module *root, *bn;
+    CHECK_OK(fsdp_module_create(ctx, &plain_ops, "root", &root), ctx);
+    CHECK_OK(fsdp_module_create(ctx, &plain_ops, "bn1", &bn), ctx);
+    CHECK_OK(fsdp_module_add_child(ctx, root, bn), ctx);
+    int64_t c = 3;
+    struct fsdp_buffer *mean, *var, *nbt;
+    CHECK_OK(fsdp_module_add_param(ctx, bn, "weight", 1, &c, (struct fsdp_init){FSDP_INIT_ONES, 0}, 1, NULL), ctx);
+    CHECK_OK(fsdp_module_add_buffer(ctx, bn, "running_mean", FSDP_F32, 1, &c, (struct fsdp_init){FSDP_INIT_ZEROS, 0},
+                                    1, &mean), ctx);
+    CHECK_OK(fsdp_module_add_buffer(ctx, bn, "running_var", FSDP_F32, 1, &c, (struct fsdp_init){FSDP_INIT_ONES, 0},
+                                    1, &var), ctx);
+    CHECK_OK(fsdp_module_add_buffer(ctx, bn, "num_batches_tracked", FSDP_I64, 0, NULL,
+                                    (struct fsdp_init){FSDP_INIT_ZEROS, 0}, 1, &nbt), ctx);
+    CHECK_OK(fsdp_module_finalize(ctx, root), ctx);
+    CHECK_STR_EQ(mean->fqn, "bn1.running_mean");
+    CHECK_STR_EQ(nbt->fqn, "bn1.num_batches_tracked");
+    CHECK_INT_EQ(nbt->numel, 1);
+    CHECK_INT_EQ(((int64_t *)nbt->data)[0], 0);
+    for (int i = 0; i < 3; i++) {
+        CHECK(((float *)mean->data)[i] == 0.0f);
+        CHECK(((float *)var->data)[i] == 1.0f);
+    }
+    CHECK(fsdp_module_find_buffer(root, "bn1.running_var") == var);
+    CHECK(fsdp_module_find_buffer(root, "bn1.weight") == NULL);
+    CHECK(fsdp_module_find_param(root, "bn1.running_var") == NULL);
+    CHECK_INT_EQ(fsdp_module_numel(root), 3); /* buffers are not parameters */
+    /* a name taken by a parameter or buffer, a float16 buffer, a normal init */
+    CHECK(fsdp_module_add_buffer(ctx, bn, "weight", FSDP_F32, 1, &c, (struct fsdp_init){FSDP_INIT_ZEROS, 0}, 1,
+                                 NULL) == FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "'weight'");
+    CHECK(fsdp_module_add_buffer(ctx, bn, "running_mean", FSDP_F32, 1, &c, (struct fsdp_init){FSDP_INIT_ZEROS, 0}, 1,
+                                 NULL) == FSDP_ERR_INVALID);
+    CHECK(fsdp_module_add_buffer(ctx, bn, "h", FSDP_F16, 1, &c, (struct fsdp_init){FSDP_INIT_ZEROS, 0}, 1, NULL) ==
+          FSDP_ERR_INVALID);
+    CHECK(fsdp_module_add_buffer(ctx, bn, "n", FSDP_F32, 1, &c, (struct fsdp_init){FSDP_INIT_NORMAL, 1}, 1, NULL) ==
+          FSDP_ERR_INVALID);
+    CHECK_INT_EQ(root->training, 1);
+    CHECK_INT_EQ(bn->training, 1);
+    fsdp_module_set_training(root, 0);
+    CHECK_INT_EQ(root->training, 0);
+    CHECK_INT_EQ(bn->training, 0);
+    fsdp_module_set_training(root, 1);
+    CHECK_INT_EQ(bn->training, 1);
+    fsdp_module_free(root);
+    fsdp_ctx_free(ctx);
+}
+
 TEST_MAIN()

@@ -171,7 +171,7 @@ void fsdp_comm_set_tag(struct fsdp_comm *c, const char *tag) {
 
 /* ---- Validation ---- */
 
-static int dtype_ok(enum fsdp_dtype dt) { return (unsigned)dt <= (unsigned)FSDP_U8; }
+static int dtype_ok(enum fsdp_dtype dt) { return (unsigned)dt <= (unsigned)FSDP_I64; }
 static int op_ok(enum fsdp_red_op op) { return (unsigned)op <= (unsigned)FSDP_MIN; }
 
 /* Do [a, a+na) and [b, b+nb) share a byte? */
@@ -226,7 +226,7 @@ static int32_t tag_hash(const char *t) {
 static void fp_describe(const int32_t *f, char *buf, size_t n) {
     uint64_t count = (uint64_t)(uint32_t)f[FP_COUNT_LO] | (uint64_t)(uint32_t)f[FP_COUNT_HI] << 32;
     enum fsdp_coll coll = (enum fsdp_coll)f[FP_COLL];
-    const char *dt = (unsigned)f[FP_DTYPE] <= (unsigned)FSDP_U8 ? fsdp_dtype_name((enum fsdp_dtype)f[FP_DTYPE]) : "?";
+    const char *dt = (unsigned)f[FP_DTYPE] <= (unsigned)FSDP_I64 ? fsdp_dtype_name((enum fsdp_dtype)f[FP_DTYPE]) : "?";
     char tag[32] = "";
     if (f[FP_TAG]) snprintf(tag, sizeof tag, ", tag %08x", (unsigned)f[FP_TAG]);
     if (coll == FSDP_COLL_BARRIER)

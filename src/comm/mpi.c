@@ -151,6 +151,7 @@ static MPI_Datatype mpi_type(enum fsdp_dtype dt) {
     case FSDP_I32: return MPI_INT32_T;
     case FSDP_BF16: case FSDP_F16: case FSDP_U16: return MPI_UINT16_T; /* raw words */
     case FSDP_U8: return MPI_UINT8_T;
+    case FSDP_I64: return MPI_INT64_T;
     }
     return MPI_DATATYPE_NULL;
 }

@@ -320,6 +320,7 @@ void fsdp__shm_reduce_into(void *dst, const void *src, size_t n, enum fsdp_dtype
     case FSDP_I32: RED_LOOP(int32_t, (int32_t)((uint32_t)d_[i] + (uint32_t)s_[i])); break;
     case FSDP_U16: RED_LOOP(uint16_t, (uint16_t)(d_[i] + s_[i])); break;
     case FSDP_U8: RED_LOOP(uint8_t, (uint8_t)(d_[i] + s_[i])); break;
+    case FSDP_I64: RED_LOOP(int64_t, (int64_t)((uint64_t)d_[i] + (uint64_t)s_[i])); break;
     case FSDP_BF16: case FSDP_F16: FSDP_ASSERT(0, "16-bit floats reduce through fp32"); break;
     }
 #undef RED_LOOP

@@ -28,6 +28,7 @@ size_t fsdp_dtype_size(enum fsdp_dtype dt) {
     case FSDP_F32: case FSDP_I32: return 4;
     case FSDP_BF16: case FSDP_F16: case FSDP_U16: return 2;
     case FSDP_U8: return 1;
+    case FSDP_I64: return 8;
     }
     return 0;
 }
@@ -40,6 +41,7 @@ const char *fsdp_dtype_name(enum fsdp_dtype dt) {
     case FSDP_I32: return "I32";
     case FSDP_U16: return "U16";
     case FSDP_U8: return "U8";
+    case FSDP_I64: return "I64";
     }
     return "?";
 }

@@ -131,10 +131,10 @@ static const struct {
     const char *name;
     enum fsdp_dtype dt;
 } dtypes[] = {{"F32", FSDP_F32}, {"BF16", FSDP_BF16}, {"F16", FSDP_F16},
-              {"I32", FSDP_I32}, {"U16", FSDP_U16},   {"U8", FSDP_U8}};
+              {"I32", FSDP_I32}, {"U16", FSDP_U16},   {"U8", FSDP_U8},  {"I64", FSDP_I64}};
 
 /* valid in the format but not representable here */
-static const char *const dtypes_other[] = {"F64", "I64", "U64", "I16", "I8", "U32", "BOOL",
+static const char *const dtypes_other[] = {"F64", "U64", "I16", "I8", "U32", "BOOL",
                                            "F8_E4M3", "F8_E5M2", "C64"};
 
 enum fsdp_status fsdp__st_dtype_parse(const char *s, enum fsdp_dtype *out) {

@@ -1,8 +1,9 @@
 /*
  * module.c - the module tree: creation, parameters with fully qualified
  * names, traversal, materialisation, and the forward/backward dispatchers
- * that run the sharding layer's hooks around a module.
- * Invariants: a module owns its children and its parameters; a tied
+ * that run the sharding layer's hooks around a module; buffers (replicated,
+ * never sharded) and the train/eval mode.
+ * Invariants: a module owns its children, its parameters and its buffers; a tied
  * parameter (tied_to != NULL) never has storage of its own and is skipped by
  * traversals (PyTorch's named_parameters dedup).
  */
@@ -29,6 +30,7 @@ enum fsdp_status fsdp_module_create(struct fsdp_ctx *ctx, const struct fsdp_modu
     struct fsdp_module *m = calloc(1, sizeof *m);
     if (!m) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating module '%s'", name);
     m->ops = ops;
+    m->training = 1;
     strcpy(m->name, name);
     *out = m;
     return FSDP_OK;
@@ -48,6 +50,12 @@ void fsdp_module_free(struct fsdp_module *m) {
         free(p);
     }
     free(m->params);
+    for (int i = 0; i < m->n_buffers; i++) {
+        free(m->buffers[i]->data);
+        free(m->buffers[i]->fqn);
+        free(m->buffers[i]);
+    }
+    free(m->buffers);
     if (m->ops && m->ops->destroy) m->ops->destroy(m);
     free(m->fqn);
     free(m);
@@ -101,6 +109,84 @@ enum fsdp_status fsdp_module_add_param(struct fsdp_ctx *ctx, struct fsdp_module 
     return FSDP_OK;
 }
 
+enum fsdp_status fsdp_module_add_buffer(struct fsdp_ctx *ctx, struct fsdp_module *m, const char *name,
+                                        enum fsdp_dtype dtype, int ndim, const int64_t *shape,
+                                        struct fsdp_init init, int persistent, struct fsdp_buffer **out) {
+    if (!name || ndim < 0 || ndim > FSDP_MAX_DIMS || strlen(name) >= sizeof((struct fsdp_buffer *)0)->name)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "buffer '%s' of module '%s': bad name or rank %d",
+                         name ? name : "(null)", m->name, ndim);
+    if (dtype != FSDP_F32 && dtype != FSDP_I64)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "buffer '%s' of module '%s': dtype %s (F32 or I64 only)", name,
+                         m->name, fsdp_dtype_name(dtype));
+    if (init.kind != FSDP_INIT_ZEROS && init.kind != FSDP_INIT_ONES)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "buffer '%s' of module '%s': init must be zeros or ones", name,
+                         m->name);
+    int64_t numel = 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] <= 0 || numel > INT64_MAX / 8 / shape[i])
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "buffer '%s' of module '%s': dim %d is %lld", name, m->name,
+                             i, (long long)shape[i]);
+        numel *= shape[i];
+    }
+    for (int i = 0; i < m->n_buffers; i++)
+        if (strcmp(m->buffers[i]->name, name) == 0)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "module '%s' already has a buffer '%s'", m->name, name);
+    for (int i = 0; i < m->n_params; i++)
+        if (strcmp(m->params[i]->name, name) == 0)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "module '%s' already has a parameter '%s'", m->name, name);
+    struct fsdp_buffer *b = calloc(1, sizeof *b);
+    void *data = malloc((size_t)numel * fsdp_dtype_size(dtype));
+    if (!b || !data ||
+        grow((void **)&m->buffers, &m->cap_buffers, m->n_buffers + 1, sizeof(struct fsdp_buffer *))) {
+        free(b);
+        free(data);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory adding buffer '%s'", name);
+    }
+    strcpy(b->name, name);
+    b->owner = m;
+    b->dtype = dtype;
+    b->ndim = ndim;
+    if (ndim) memcpy(b->shape, shape, (size_t)ndim * sizeof(int64_t));
+    b->numel = numel;
+    b->data = data;
+    b->init = init;
+    b->persistent = persistent;
+    for (int64_t i = 0; i < numel; i++) {
+        if (dtype == FSDP_F32) ((float *)data)[i] = init.kind == FSDP_INIT_ONES ? 1.0f : 0.0f;
+        else ((int64_t *)data)[i] = init.kind == FSDP_INIT_ONES ? 1 : 0;
+    }
+    m->buffers[m->n_buffers++] = b;
+    if (out) *out = b;
+    return FSDP_OK;
+}
+
+int fsdp_module_foreach_buffer(struct fsdp_module *m, int (*fn)(struct fsdp_buffer *b, void *ud), void *ud) {
+    for (int i = 0; i < m->n_buffers; i++) {
+        int r = fn(m->buffers[i], ud);
+        if (r) return r;
+    }
+    for (int i = 0; i < m->n_children; i++) {
+        int r = fsdp_module_foreach_buffer(m->children[i], fn, ud);
+        if (r) return r;
+    }
+    return 0;
+}
+
+struct fsdp_buffer *fsdp_module_find_buffer(struct fsdp_module *root, const char *fqn) {
+    for (int i = 0; i < root->n_buffers; i++)
+        if (root->buffers[i]->fqn && strcmp(root->buffers[i]->fqn, fqn) == 0) return root->buffers[i];
+    for (int i = 0; i < root->n_children; i++) {
+        struct fsdp_buffer *b = fsdp_module_find_buffer(root->children[i], fqn);
+        if (b) return b;
+    }
+    return NULL;
+}
+
+void fsdp_module_set_training(struct fsdp_module *m, int on) {
+    m->training = on ? 1 : 0;
+    for (int i = 0; i < m->n_children; i++) fsdp_module_set_training(m->children[i], on);
+}
+
 static char *join_name(const char *prefix, const char *name) {
     size_t a = strlen(prefix), b = strlen(name);
     char *s = malloc(a + b + 2);
@@ -124,6 +210,12 @@ static enum fsdp_status finalize_rec(struct fsdp_ctx *ctx, struct fsdp_module *m
         free(p->fqn);
         p->fqn = join_name(fqn, p->name);
         if (!p->fqn) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory naming parameters");
+    }
+    for (int i = 0; i < m->n_buffers; i++) {
+        struct fsdp_buffer *b = m->buffers[i];
+        free(b->fqn);
+        b->fqn = join_name(fqn, b->name);
+        if (!b->fqn) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory naming buffers");
     }
     for (int i = 0; i < m->n_children; i++) {
         char *c = join_name(fqn, m->children[i]->name);
