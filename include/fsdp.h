@@ -917,7 +917,12 @@ struct fsdp_ckpt_meta {
  * byte ranges each file holds; the step, data position, seed, config and
  * optimizer step count). Written under dir.tmp, fsync'd, then renamed over
  * `dir`: a crash leaves the previous `dir` intact. No data moves between
- * ranks. COLLECTIVE: yes (two small agreements on success). */
+ * ranks. Every checkpoint writer (this one, fsdp_model_save_full,
+ * fsdp_ckpt_to_full, fsdp_ckpt_from_full) replaces only what a checkpoint
+ * writer made: a `dir` (or dir.tmp) that is not a folder, or holds any other
+ * file or folder, and a full file `path` (or path.tmp) that fsdp.c did not
+ * write, are refused with FSDP_ERR_INVALID naming them, before anything is
+ * written. COLLECTIVE: yes (three small agreements on success). */
 enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
                                 const struct fsdp_ckpt_meta *meta);
 /* Loads a sharded checkpoint saved at any world size into fm (same model,
@@ -928,6 +933,10 @@ enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
  * COLLECTIVE: yes (every rank returns the same status and message). */
 enum fsdp_status fsdp_ckpt_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
                                 struct fsdp_ckpt_meta *meta);
+/* Removes a checkpoint folder: its meta.json and rank files, then the folder.
+ * Refuses (removing nothing) when `dir` holds anything else, naming it.
+ * COLLECTIVE: no. */
+enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir);
 /* Reads only meta.json (e.g. the model config before building the model).
  * COLLECTIVE: no. */
 enum fsdp_status fsdp_ckpt_read_meta(struct fsdp_ctx *ctx, const char *dir, struct fsdp_ckpt_meta *meta);

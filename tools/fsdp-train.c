@@ -109,27 +109,16 @@ static const char *resolve_resume(const char *dir, char *buf, size_t n) {
     return buf;
 }
 
-static void remove_ckpt(const char *path) {
-    DIR *d = opendir(path);
-    if (!d) return;
-    struct dirent *e;
-    char f[4096];
-    while ((e = readdir(d))) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-        if (snprintf(f, sizeof f, "%s/%s", path, e->d_name) < (int)sizeof f) unlink(f);
-    }
-    closedir(d);
-    rmdir(path);
-}
-
 /* Keeps the newest `keep` checkpoints of dir (rank 0 only). */
-static void prune_ckpts(const char *dir, int keep) {
+static void prune_ckpts(struct fsdp_ctx *ctx, const char *dir, int keep) {
     long *steps;
     int k = list_ckpts(dir, &steps);
     for (int i = 0; i + keep < k; i++) {
         char p[4096];
         ckpt_path(p, sizeof p, dir, steps[i]);
-        remove_ckpt(p);
+        /* removes only a checkpoint's own files; one holding others is kept */
+        if (fsdp_ckpt_remove(ctx, p) != FSDP_OK)
+            fprintf(stderr, "fsdp-train: --keep-last: keeping %s\n", fsdp_errmsg(ctx));
     }
     free(steps);
 }
@@ -329,7 +318,7 @@ static void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct 
     if (fsdp_comm_barrier(fsdp_ctx_comm(ctx)) != FSDP_OK || fsdp_ckpt_save(ctx, fm, path, &m) != FSDP_OK)
         fail_all("saving %s: %s", path, fsdp_errmsg(ctx));
     if (rank == 0) {
-        if (o->keep_last) prune_ckpts(o->save_dir, o->keep_last);
+        if (o->keep_last) prune_ckpts(ctx, o->save_dir, o->keep_last);
         if (!tty) printf("saved %s in %.2f s\n", path, now_s() - t0);
     }
 }

@@ -23,6 +23,8 @@
  * meta.json the same way, fsyncs, renames dir -> dir.old, dir.tmp -> dir,
  * removes dir.old and fsyncs the parent. A folder without meta.json is never
  * a checkpoint, so a crash at any point leaves the previous one loadable.
+ * Only files a checkpoint writer makes are ever replaced or removed
+ * ([Note: only our own files]).
  */
 #include "fsdp/fsdp-impl.h"
 #include "io/io-impl.h"
@@ -146,19 +148,86 @@ enum fsdp_status fsdp__meta_check_seal(struct fsdp_ctx *ctx, const char *path, c
     return FSDP_OK;
 }
 
-/* Removes a flat folder and the files in it (no recursion). */
-static void remove_flat_dir(const char *dir) {
+/* [Note: only our own files] A checkpoint writer deletes or replaces only
+ * what a checkpoint writer makes: meta.json, rank-NNNNN-of-NNNNN.safetensors
+ * and their ".tmp" names, in the target folder and in its ".tmp" sibling.
+ * Before anything is written, rank 0 refuses a target that is not a folder,
+ * or a folder (or .tmp sibling) holding anything else, naming it; so an
+ * existing --save-dir, a folder of notes or a regular file given as the
+ * target is left as it was. The removals below skip foreign names anyway,
+ * so a file that appears after the check survives (the folder then stays). */
+
+/* Whether `name` is a file a checkpoint writer makes (with or without ".tmp"). */
+static int owned_name(const char *name) {
+    size_t n = strlen(name);
+    if (n > 4 && !strcmp(name + n - 4, ".tmp")) n -= 4;
+    if (n == strlen(FSDP__META_NAME) && !strncmp(name, FSDP__META_NAME, n)) return 1;
+    static const char pat[] = "rank-#####-of-#####.safetensors";
+    if (n != sizeof pat - 1) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (pat[i] == '#' ? (name[i] < '0' || name[i] > '9') : name[i] != pat[i]) return 0;
+    return 1;
+}
+
+/* OK if dir does not exist, or is a folder holding only our regular files. */
+static enum fsdp_status check_owned_dir(struct fsdp_ctx *ctx, const char *dir, const char *role) {
+    struct stat sb;
+    if (lstat(dir, &sb) != 0) {
+        if (errno == ENOENT) return FSDP_OK;
+        return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot inspect %s: %s", dir, role, strerror(errno));
+    }
+    if (!S_ISDIR(sb.st_mode))
+        return fsdp__err(ctx, FSDP_ERR_INVALID,
+                         "%s: exists and is not a folder: refusing to replace it with a checkpoint (%s)", dir, role);
+    DIR *d = opendir(dir);
+    if (!d) return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot list %s: %s", dir, role, strerror(errno));
+    enum fsdp_status st = FSDP_OK;
+    struct dirent *e;
+    while (st == FSDP_OK && (e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char *p = fsdp__path_join(dir, e->d_name);
+        struct stat fb;
+        int regular = p && lstat(p, &fb) == 0 && S_ISREG(fb.st_mode);
+        free(p);
+        if (!owned_name(e->d_name) || !regular)
+            st = fsdp__err(ctx, FSDP_ERR_INVALID,
+                           "%s: holds '%s', which no checkpoint writer made: refusing to write the checkpoint "
+                           "there (%s; name a new or empty folder, or move '%s' away)",
+                           dir, e->d_name, role, e->d_name);
+    }
+    closedir(d);
+    return st;
+}
+
+enum fsdp_status fsdp__ckpt_check_target(struct fsdp_ctx *ctx, const char *dir, const char *tmpdir) {
+    FSDP_TRY(check_owned_dir(ctx, dir, "the checkpoint folder"));
+    return check_owned_dir(ctx, tmpdir, "the unfinished save's folder");
+}
+
+/* Removes the files of ours from a flat folder, then the folder if empty. */
+static void remove_owned(const char *dir) {
     DIR *d = opendir(dir);
     if (!d) return;
     struct dirent *e;
     while ((e = readdir(d))) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        if (!owned_name(e->d_name)) continue;
         char *p = fsdp__path_join(dir, e->d_name);
         if (p) unlink(p);
         free(p);
     }
     closedir(d);
     rmdir(dir);
+}
+
+enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir) {
+    struct stat sb;
+    if (!dir || stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return fsdp__err(ctx, FSDP_ERR_IO, "%s: not a checkpoint folder", dir ? dir : "(null)");
+    FSDP_TRY(check_owned_dir(ctx, dir, "removing a checkpoint"));
+    remove_owned(dir);
+    if (rmdir(dir) != 0 && errno != ENOENT)
+        return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot remove: %s", dir, strerror(errno));
+    return FSDP_OK;
 }
 
 /* Rank 0: removes files of dir.tmp that this save did not write (a crashed
@@ -168,7 +237,7 @@ enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, co
     if (d) {
         struct dirent *e;
         while ((e = readdir(d))) {
-            int keep = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || !strcmp(e->d_name, FSDP__META_NAME);
+            int keep = !owned_name(e->d_name) || !strcmp(e->d_name, FSDP__META_NAME);
             for (int r = 0; r < nfiles && !keep; r++) {
                 char name[64];
                 fsdp__ckpt_rank_file_name(name, sizeof name, r, nfiles);
@@ -193,7 +262,7 @@ enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, co
         if (renameat2(AT_FDCWD, tmpdir, AT_FDCWD, dir, RENAME_EXCHANGE) != 0)
             return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot swap in %s: %s", dir, tmpdir, strerror(errno));
         FSDP_TRY(fsdp__fsync_dir(ctx, dir));
-        remove_flat_dir(tmpdir);
+        remove_owned(tmpdir);
         return FSDP_OK;
     }
     if (rename(tmpdir, dir) != 0)

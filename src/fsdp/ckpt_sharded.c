@@ -193,8 +193,11 @@ enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
     enum fsdp_status st = fsdp__ckpt_check_idle(ctx, fm, "ckpt_save");
     if (st == FSDP_OK && (!dir || !dir[0] || strlen(dir) > PATH_MAX - 64))
         st = fsdp__err(ctx, FSDP_ERR_INVALID, "ckpt_save: bad folder name");
+    if (st == FSDP_OK) snprintf(tmpdir, sizeof tmpdir, "%s.tmp", dir);
+    /* rank 0 looks before anyone writes: [Note: only our own files] */
+    if (st == FSDP_OK && ctx->rank == 0) st = fsdp__ckpt_check_target(ctx, dir, tmpdir);
+    st = fsdp__ckpt_agree(ctx, st);
     if (st == FSDP_OK) {
-        snprintf(tmpdir, sizeof tmpdir, "%s.tmp", dir);
         if (mkdir(tmpdir, 0755) != 0 && errno != EEXIST)
             st = fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot create: %s", tmpdir, strerror(errno));
     }

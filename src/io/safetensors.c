@@ -673,6 +673,54 @@ static void writer_free(struct fsdp__st_writer *w) {
     free(w);
 }
 
+/* [Note: replace only our own files] The writer renames its ".tmp" file
+ * over `path`, so an existing `path` or `path.tmp` would be lost. It goes
+ * ahead only when each is absent or a safetensors file this writer made
+ * (its header carries our per-chunk checksums; a ".tmp" may also be empty,
+ * or cut short after the header: a crashed save's), and otherwise refuses,
+ * naming the file. */
+static int written_by_us(const char *path, int allow_empty) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return 0;
+    struct stat sb;
+    int ok = 0;
+    uint8_t lenb[8];
+    if (fstat(fd, &sb) == 0 && S_ISREG(sb.st_mode)) {
+        if (sb.st_size == 0) ok = allow_empty;
+        else if (pread(fd, lenb, 8, 0) == 8) {
+            uint64_t n = 0;
+            for (int i = 7; i >= 0; i--) n = n << 8 | lenb[i];
+            char *h = n <= (uint64_t)64 << 20 && n + 8 <= (uint64_t)sb.st_size ? malloc((size_t)n + 1) : NULL;
+            if (h && pread(fd, h, (size_t)n, 8) == (ssize_t)n) {
+                h[n] = 0;
+                cJSON *root = cJSON_Parse(h);
+                cJSON *meta = cJSON_GetObjectItemCaseSensitive(root, "__metadata__");
+                for (cJSON *e = meta ? meta->child : NULL; e && !ok; e = e->next)
+                    ok = e->string && !strncmp(e->string, CRC_KEY, strlen(CRC_KEY));
+                cJSON_Delete(root);
+            }
+            free(h);
+        }
+    }
+    close(fd);
+    return ok;
+}
+
+static enum fsdp_status check_replaceable(struct fsdp_ctx *ctx, const char *path, int is_tmp) {
+    struct stat sb;
+    if (lstat(path, &sb) != 0) {
+        if (errno == ENOENT) return FSDP_OK;
+        return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot inspect: %s", path, strerror(errno));
+    }
+    if (!S_ISREG(sb.st_mode))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: exists and is not a regular file: refusing to replace it", path);
+    if (!written_by_us(path, is_tmp))
+        return fsdp__err(ctx, FSDP_ERR_INVALID,
+                         "%s: exists and was not written by fsdp.c: refusing to replace it (choose another name, "
+                         "or move it away)", path);
+    return FSDP_OK;
+}
+
 enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, int n,
                                       const struct fsdp__st_desc *desc, int n_meta,
                                       const char *const *meta_kv, struct fsdp__st_writer **out) {
@@ -712,6 +760,12 @@ enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, in
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
     }
     sprintf(w->tmp, "%s.tmp", path);
+    enum fsdp_status chk = check_replaceable(ctx, path, 0);
+    if (chk == FSDP_OK) chk = check_replaceable(ctx, w->tmp, 1);
+    if (chk != FSDP_OK) {
+        writer_free(w);
+        return chk;
+    }
     for (int i = 0; i < n; i++) {
         int64_t numel = 1;
         for (int d = 0; d < desc[i].ndim; d++) numel *= desc[i].shape[d];

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# t_ckpt_foreign.sh - no checkpoint writer deletes or replaces a file it did not
+# make ([Note: only our own files], src/fsdp/ckpt.c and src/io/safetensors.c):
+# every writer (fsdp-ckpt to-sharded and to-full, fsdp-train --save-dir,
+# --save-full and --keep-last) is pointed at a target that already holds foreign
+# files, a regular file, an existing --save-dir, or a foreign ".tmp" sibling.
+# Each must exit non-zero (the trainer on every rank) naming the file, and
+# leave every foreign byte where it was; replacing our own output still works.
+# Prints "N passed, N failed" at the end.
+. "$(dirname "$0")/lib.sh"
+CKPT="$BUILD/fsdp-ckpt"
+common=(--model tiny --data synthetic --batch 4 --seq 16 --lr 1e-3 --threads 1 --sample 0)
+train() { timeout -k 5 120 "$TRAIN" "${common[@]}" "$@"; }
+cd "$tmp"
+BIN=$OLDPWD/$BUILD
+CKPT="$BIN/fsdp-ckpt" TRAIN="$BIN/fsdp-train"
+
+# a checkpoint of ours to convert, and the foreign things to protect
+train --steps 2 --save-full full.safetensors > train.out 2>&1 || bad "setup: --save-full" "$(tail -3 train.out)"
+intact() { # FILE CONTENT: the file still holds exactly CONTENT
+  [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]
+}
+refused() { # NAME EXPECTED-WORD OUTFILE RC
+  if [ "$4" -ne 0 ] && grep -q -- "$2" "$3"; then return 0; fi
+  bad "$1: exit $4, expected an error naming '$2'" "$(tail -3 "$3")"; return 1
+}
+
+# 1. to-sharded into a folder of notes
+mkdir u && echo "my notes" > u/notes.txt
+"$CKPT" to-sharded full.safetensors u 1 > o 2>&1; rc=$?
+refused to_sharded_foreign_folder notes.txt o $rc &&
+  { intact u/notes.txt "my notes" && [ "$(ls u)" = notes.txt ] && [ ! -e u.tmp ] && ok to_sharded_foreign_folder ||
+    bad to_sharded_foreign_folder "u holds: $(ls u)" "u.tmp: $(ls -d u.tmp 2>&1)"; }
+
+# 2. to-sharded onto a regular file
+echo "a file" > f
+"$CKPT" to-sharded full.safetensors f 1 > o 2>&1; rc=$?
+refused to_sharded_regular_file "f: exists and is not a folder" o $rc &&
+  { intact f "a file" && [ ! -e f.tmp ] && ok to_sharded_regular_file || bad to_sharded_regular_file "$(ls)"; }
+
+# 3. to-sharded onto an existing --save-dir (step folders inside)
+train --steps 2 --save-dir run --save-every 1 > o 2>&1 || bad "setup: --save-dir" "$(tail -3 o)"
+before=$(cd run && find . | sort | md5sum)
+"$CKPT" to-sharded full.safetensors run 1 > o 2>&1; rc=$?
+refused to_sharded_save_dir "step-0000000" o $rc &&
+  { [ "$(cd run && find . | sort | md5sum)" = "$before" ] && ok to_sharded_save_dir || bad to_sharded_save_dir "$(ls -R run)"; }
+
+# 4. to-sharded with a foreign folder at DIR.tmp
+mkdir w.tmp && echo "keep me" > w.tmp/data.csv
+"$CKPT" to-sharded full.safetensors w 1 > o 2>&1; rc=$?
+refused to_sharded_foreign_tmp data.csv o $rc &&
+  { intact w.tmp/data.csv "keep me" && [ ! -e w ] && ok to_sharded_foreign_tmp || bad to_sharded_foreign_tmp "$(ls -R)"; }
+
+# 5. to-sharded over our own checkpoint at another file count: replaced, stale files gone
+"$CKPT" to-sharded full.safetensors v 3 > o 2>&1 && "$CKPT" to-sharded full.safetensors v 2 > o2 2>&1 &&
+  [ "$(ls v | tr '\n' ' ')" = "meta.json rank-00000-of-00002.safetensors rank-00001-of-00002.safetensors " ] &&
+  "$CKPT" verify v > o3 2>&1 && ok to_sharded_replaces_own || bad to_sharded_replaces_own "$(cat o o2 o3 | tail -5)" "$(ls v)"
+
+# 6. to-full onto a foreign file, and with a foreign FILE.tmp
+echo "results" > g
+"$CKPT" to-full v g > o 2>&1; rc=$?
+refused to_full_foreign_file "g: exists and was not written by fsdp.c" o $rc &&
+  { intact g results && [ ! -e g.tmp ] && ok to_full_foreign_file || bad to_full_foreign_file "$(ls)"; }
+echo "draft" > h.tmp
+"$CKPT" to-full v h > o 2>&1; rc=$?
+refused to_full_foreign_tmp "h.tmp" o $rc && { intact h.tmp draft && [ ! -e h ] && ok to_full_foreign_tmp || bad to_full_foreign_tmp "$(ls)"; }
+mkfifo p.safetensors
+timeout 20 "$CKPT" to-full v p.safetensors > o 2>&1; rc=$?
+refused to_full_fifo "not a regular file" o $rc && { [ -p p.safetensors ] && ok to_full_fifo || bad to_full_fifo "$(ls -l)"; }
+
+# 7. to-full over our own file, and over a crashed save's .tmp: both replaced
+cut_after_header='import struct,sys; b=open(sys.argv[1],"rb").read(); n=struct.unpack("<Q",b[:8])[0]; open(sys.argv[2],"wb").write(b[:8+n+16])'
+"$CKPT" to-full v k > o 2>&1 && python3 -c "$cut_after_header" k k.tmp && "$CKPT" to-full v k > o2 2>&1 && [ ! -e k.tmp ] &&
+  "$CKPT" verify k > o3 2>&1 && ok to_full_replaces_own || bad to_full_replaces_own "$(cat o o2 o3 | tail -5)"
+
+# 8. fsdp-train --save-full onto a foreign file, at 2 ranks: every rank fails, the file stays
+echo "thesis" > t.safetensors
+train --nproc 2 --steps 1 --save-full t.safetensors > o 2>&1; rc=$?
+refused save_full_foreign "t.safetensors: exists and was not written by fsdp.c" o $rc &&
+  { intact t.safetensors thesis && ok save_full_foreign || bad save_full_foreign "$(ls)"; }
+
+# 9. fsdp-train --save-dir whose step folder holds a foreign file, at 2 ranks
+mkdir -p s/step-00000001 && echo "plot" > s/step-00000001/loss.png
+train --nproc 2 --steps 1 --save-dir s > o 2>&1; rc=$?
+refused save_dir_foreign_step loss.png o $rc &&
+  { intact s/step-00000001/loss.png plot && [ ! -e s/step-00000001/meta.json ] && ok save_dir_foreign_step ||
+    bad save_dir_foreign_step "$(ls -R s)"; }
+mkdir -p s2/step-00000001.tmp && echo "log" > s2/step-00000001.tmp/run.log
+train --steps 1 --save-dir s2 > o 2>&1; rc=$?
+refused save_dir_foreign_tmp run.log o $rc &&
+  { intact s2/step-00000001.tmp/run.log log && ok save_dir_foreign_tmp || bad save_dir_foreign_tmp "$(ls -R s2)"; }
+
+# 10. --keep-last keeps an old checkpoint folder that holds a foreign file (and says so)
+train --steps 3 --save-dir q --save-every 1 --keep-last 1 > o 2>&1 || bad "setup: --keep-last" "$(tail -3 o)"
+rm -rf q && train --steps 1 --save-dir q > o 2>&1 && echo "mine" > q/step-00000001/extra.txt &&
+  train --steps 3 --save-dir q --resume q --save-every 1 --keep-last 1 > o 2>&1; rc=$?
+if [ $rc -eq 0 ] && intact q/step-00000001/extra.txt mine && [ -f q/step-00000003/meta.json ] &&
+   [ ! -e q/step-00000002 ] && grep -q "extra.txt" o; then ok keep_last_keeps_foreign
+else bad keep_last_keeps_foreign "exit $rc" "$(ls -R q)" "$(tail -3 o)"; fi
+finish
