@@ -446,6 +446,36 @@ void fsdp_comm_set_check(struct fsdp_comm *c, int on);
  * fingerprint. Copied (at most 63 bytes). COLLECTIVE: no. */
 void fsdp_comm_set_tag(struct fsdp_comm *c, const char *tag);
 
+/* ---- SwAV's loss (src/nn/swav.c) ------------------------------------- */
+
+/* [Note: SwAV loss] in src/nn/swav.c has the formulas. */
+struct fsdp_swav_opts {
+    double temperature; /* tau of the softmax over prototype scores (0.1) */
+    double epsilon;     /* Sinkhorn's entropic regularisation (0.05) */
+    int sinkhorn_iters; /* Sinkhorn-Knopp iterations (3) */
+};
+struct fsdp_swav_opts fsdp_swav_opts_default(void);
+/* Codes (n, K) of scores (n, K) by Sinkhorn-Knopp over the rows of every rank
+ * of comm (NULL: this rank alone): each code row sums to 1, and every
+ * prototype gets an equal share of the global batch. codes may not alias
+ * scores. COLLECTIVE: yes on comm (3 + iters all-gathers). */
+enum fsdp_status fsdp_sinkhorn(struct fsdp_ctx *ctx, struct fsdp_comm *comm, const float *scores, int64_t n,
+                               int64_t K, double eps, int iters, float *codes);
+/* SwAV's swapped prediction loss. scores (n_crops * B, K) row-major: crop v
+ * of this rank's image b is row v * B + b (crops of one resolution may come
+ * from one batched forward). assign: the n_assign crops whose codes predict
+ * every other crop (SwAV's crops_for_assign, usually {0, 1}). queue: NULL, or
+ * per assigned crop NULL or (queue_len[a], K) scores of queued features,
+ * joined before this batch for Sinkhorn (their codes are not used).
+ * *loss: the mean over the global batch (every rank gets the same value);
+ * dscores (n_crops * B, K), may be NULL: d loss / d scores for this rank's
+ * rows (overwritten), so that summed over ranks it is the global gradient.
+ * Buffers are borrowed. COLLECTIVE: yes on comm. */
+enum fsdp_status fsdp_swav_loss(struct fsdp_ctx *ctx, struct fsdp_comm *comm, const struct fsdp_swav_opts *opts,
+                                const float *scores, int n_crops, int64_t B, int64_t K, const int *assign,
+                                int n_assign, const float *const *queue, const int64_t *queue_len, double *loss,
+                                float *dscores);
+
 /* ---- Sharding (src/fsdp) ---------------------------------------------- */
 
 /* What a wrap policy answers for a module: not a unit root, a unit root, or a

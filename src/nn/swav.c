@@ -1,0 +1,182 @@
+/*
+ * swav.c - SwAV's loss: online codes by Sinkhorn-Knopp over the data-parallel
+ * batch, and the swapped prediction loss with its gradient w.r.t. the
+ * prototype scores. A loss, not a module: it reads the scores a model
+ * produced (z . C^T per crop) and returns the mean loss and d loss / d scores.
+ * Sits in nn/; its collectives go through the communicator it is given
+ * (src/comm), never MPI directly.
+ *
+ * [Note: SwAV loss] For B images on this rank (Bg over all ranks), n_crops
+ * crops each, scores S_v (B, K) of crop v, and the crops `assign` whose codes
+ * are computed:
+ *   codes Q_c = sinkhorn(S_c) for c in assign (no gradient flows through them)
+ *   loss = 1/|assign| sum_c 1/(n_crops - 1) sum_{v != c}
+ *          -1/Bg sum_b sum_k Q_c[b,k] log softmax(S_v[b] / tau)[k]
+ * Since every row of Q_c sums to 1, d loss / d S_v[b] =
+ *   1/|assign| sum_{c in assign, c != v} (softmax(S_v[b] / tau) - Q_c[b]) / (tau (n_crops - 1) Bg).
+ * Sinkhorn-Knopp (the distributed form of the SwAV paper's code): with n the
+ * rows here (a queue's rows first, then the batch's), N their sum over ranks,
+ *   Q = exp((S - max) / eps)^T (K, n); Q /= sum(Q)            [all-reduce]
+ *   iters times: Q /= row sums [all-reduce]; Q /= K; Q /= column sums; Q /= N
+ *   Q *= N, so every column (an image's code) sums to 1.
+ * The global max (all-reduced) keeps exp in range and cancels in the first
+ * normalisation, so the codes equal the formula's. Arithmetic is in double,
+ * and each all-reduce sums per-rank partial sums, so N ranks give the
+ * 1-rank codes to within summation order.
+ */
+#include "nn/nn-impl.h"
+
+#include <math.h>
+
+struct fsdp_swav_opts fsdp_swav_opts_default(void) {
+    struct fsdp_swav_opts o = {0.1, 0.05, 3};
+    return o;
+}
+
+/* x (n) = op over ranks of x; COLLECTIVE on comm (NULL: one rank). */
+static enum fsdp_status allreduce_d(struct fsdp_ctx *ctx, struct fsdp_comm *comm, double *x, size_t n,
+                                    enum fsdp_red_op op, const char *what) {
+    if (!comm || fsdp_comm_size(comm) == 1 || n == 0) return FSDP_OK;
+    /* the collectives have no double: gather the values as bytes and reduce
+     * them here in rank order (the same bits on every rank) */
+    int world = fsdp_comm_size(comm);
+    double *all = malloc(n * (size_t)world * sizeof(double));
+    if (!all) return fsdp__err(ctx, FSDP_ERR_NOMEM, "swav: out of memory for %s", what);
+    enum fsdp_status st = fsdp_comm_allgather(comm, x, all, n * sizeof(double), FSDP_U8);
+    if (st != FSDP_OK) {
+        free(all);
+        return fsdp__err(ctx, st, "swav: all-gather of %s failed", what);
+    }
+    for (size_t i = 0; i < n; i++) {
+        double acc = all[i];
+        for (int r = 1; r < world; r++) {
+            double v = all[(size_t)r * n + i];
+            acc = op == FSDP_SUM ? acc + v : op == FSDP_MAX ? (v > acc ? v : acc) : (v < acc ? v : acc);
+        }
+        x[i] = acc;
+    }
+    free(all);
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_sinkhorn(struct fsdp_ctx *ctx, struct fsdp_comm *comm, const float *scores, int64_t n,
+                               int64_t K, double eps, int iters, float *codes) {
+    if (n < 0 || K <= 0 || !(eps > 0) || iters < 0 || (n && (!scores || !codes)))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "sinkhorn: bad arguments (rows %lld, K %lld, eps %g, iters %d)",
+                         (long long)n, (long long)K, eps, iters);
+    double N = (double)n, mx = -INFINITY;
+    FSDP_TRY(allreduce_d(ctx, comm, &N, 1, FSDP_SUM, "the row count"));
+    if (N <= 0) return fsdp__err(ctx, FSDP_ERR_INVALID, "sinkhorn: no rows on any rank");
+    int64_t bad = -1;
+    for (int64_t i = 0; i < n * K && bad < 0; i++) {
+        if (!isfinite(scores[i])) bad = i;
+        mx = scores[i] > mx ? scores[i] : mx;
+    }
+    if (bad >= 0) mx = INFINITY; /* every rank learns of it through the maximum */
+    FSDP_TRY(allreduce_d(ctx, comm, &mx, 1, FSDP_MAX, "the score maximum"));
+    if (bad >= 0)
+        return fsdp__err(ctx, FSDP_ERR_NUMERIC, "sinkhorn: score (%lld, %lld) is %g", (long long)(bad / K),
+                         (long long)(bad % K), (double)scores[bad]);
+    if (!isfinite(mx)) return fsdp__err(ctx, FSDP_ERR_NUMERIC, "sinkhorn: a score on another rank is not finite");
+    double *q = malloc((size_t)(n * K + 2 * K + 1) * sizeof(double)); /* (n, K) row-major: Q^T */
+    if (!q) return fsdp__err(ctx, FSDP_ERR_NOMEM, "sinkhorn: out of memory (%lld x %lld)", (long long)n, (long long)K);
+    double *rows = q + n * K; /* (K) sums over images of each prototype: Q's row sums */
+    double total = 0.0;
+    for (int64_t i = 0; i < n * K; i++) total += q[i] = exp(((double)scores[i] - mx) / eps);
+    enum fsdp_status st = allreduce_d(ctx, comm, &total, 1, FSDP_SUM, "the total");
+    for (int64_t i = 0; st == FSDP_OK && i < n * K; i++) q[i] /= total;
+    for (int it = 0; st == FSDP_OK && it < iters; it++) {
+        for (int64_t k = 0; k < K; k++) rows[k] = 0.0;
+        for (int64_t b = 0; b < n; b++)
+            for (int64_t k = 0; k < K; k++) rows[k] += q[b * K + k];
+        st = allreduce_d(ctx, comm, rows, (size_t)K, FSDP_SUM, "the prototype sums");
+        for (int64_t b = 0; st == FSDP_OK && b < n; b++) {
+            double *r = q + b * K, col = 0.0;
+            for (int64_t k = 0; k < K; k++) col += r[k] = r[k] / rows[k] / (double)K;
+            for (int64_t k = 0; k < K; k++) r[k] = r[k] / col / N;
+        }
+    }
+    for (int64_t b = 0; st == FSDP_OK && b < n; b++) {
+        double col = 0.0;
+        for (int64_t k = 0; k < K; k++) col += q[b * K + k];
+        /* Q *= N; after a column step col is 1/N already; with iters 0 normalise */
+        for (int64_t k = 0; k < K; k++) codes[b * K + k] = (float)(q[b * K + k] / col);
+    }
+    free(q);
+    return st;
+}
+
+enum fsdp_status fsdp_swav_loss(struct fsdp_ctx *ctx, struct fsdp_comm *comm, const struct fsdp_swav_opts *opts,
+                                const float *scores, int n_crops, int64_t B, int64_t K, const int *assign,
+                                int n_assign, const float *const *queue, const int64_t *queue_len, double *loss,
+                                float *dscores) {
+    struct fsdp_swav_opts o = opts ? *opts : fsdp_swav_opts_default();
+    if (n_crops < 2 || B < 0 || K <= 0 || n_assign < 1 || !assign || (B && !scores) || !(o.temperature > 0))
+        return fsdp__err(ctx, FSDP_ERR_INVALID,
+                         "swav_loss: bad arguments (%d crops, batch %lld, K %lld, %d assigned crops, temperature %g)",
+                         n_crops, (long long)B, (long long)K, n_assign, o.temperature);
+    for (int a = 0; a < n_assign; a++) {
+        if (assign[a] < 0 || assign[a] >= n_crops)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_loss: assigned crop %d is outside [0, %d)", assign[a],
+                             n_crops);
+        for (int a2 = 0; a2 < a; a2++)
+            if (assign[a2] == assign[a])
+                return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_loss: crop %d assigned twice", assign[a]);
+        int64_t lq = queue && queue_len ? queue_len[a] : 0;
+        if (lq < 0 || (lq && !queue[a]))
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_loss: queue %d: %lld rows", a, (long long)lq);
+    }
+    double Bg = (double)B;
+    FSDP_TRY(allreduce_d(ctx, comm, &Bg, 1, FSDP_SUM, "the batch size"));
+    if (Bg <= 0) return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_loss: empty batch on every rank");
+    size_t nBK = (size_t)(n_crops * B * K);
+    /* log softmax(S_v / tau) and softmax, per crop and row, kept as p (float) */
+    float *p = malloc((nBK + 1) * sizeof(float));
+    int64_t lq_max = 0;
+    for (int a = 0; queue && queue_len && a < n_assign; a++) lq_max = queue_len[a] > lq_max ? queue_len[a] : lq_max;
+    float *joined = malloc((size_t)((lq_max + B) * K + 1) * sizeof(float));
+    float *codes = malloc((size_t)((lq_max + B) * K + 1) * sizeof(float));
+    double *ls = malloc((size_t)(n_crops * B + 1) * sizeof(double)); /* logsumexp of each row / tau */
+    enum fsdp_status st = FSDP_OK;
+    if (!p || !joined || !codes || !ls) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "swav_loss: out of memory");
+    for (int64_t r = 0; st == FSDP_OK && r < n_crops * B; r++) {
+        const float *s = scores + r * K;
+        double mx = -INFINITY, sum = 0.0;
+        for (int64_t k = 0; k < K; k++) mx = s[k] / o.temperature > mx ? s[k] / o.temperature : mx;
+        for (int64_t k = 0; k < K; k++) sum += exp(s[k] / o.temperature - mx);
+        ls[r] = mx + log(sum);
+        for (int64_t k = 0; k < K; k++) p[r * K + k] = (float)exp(s[k] / o.temperature - ls[r]);
+    }
+    if (st == FSDP_OK && dscores) memset(dscores, 0, nBK * sizeof(float));
+    double total = 0.0;
+    double g = 1.0 / ((double)n_assign * (double)(n_crops - 1) * Bg);
+    for (int a = 0; st == FSDP_OK && a < n_assign; a++) {
+        int c = assign[a];
+        int64_t lq = queue && queue_len ? queue_len[a] : 0;
+        if (lq) memcpy(joined, queue[a], (size_t)(lq * K) * sizeof(float));
+        if (B) memcpy(joined + lq * K, scores + (int64_t)c * B * K, (size_t)(B * K) * sizeof(float));
+        st = fsdp_sinkhorn(ctx, comm, joined, lq + B, K, o.epsilon, o.sinkhorn_iters, codes);
+        const float *q = codes + lq * K; /* (B, K): this batch's codes */
+        for (int v = 0; st == FSDP_OK && v < n_crops; v++) {
+            if (v == c) continue;
+            for (int64_t b = 0; b < B; b++) {
+                int64_t r = (int64_t)v * B + b;
+                const float *s = scores + r * K;
+                double sub = 0.0;
+                for (int64_t k = 0; k < K; k++) sub -= (double)q[b * K + k] * ((double)s[k] / o.temperature - ls[r]);
+                total += sub;
+                if (dscores) {
+                    float gg = (float)(g / o.temperature);
+                    for (int64_t k = 0; k < K; k++) dscores[r * K + k] += gg * (p[r * K + k] - q[b * K + k]);
+                }
+            }
+        }
+    }
+    if (st == FSDP_OK) st = allreduce_d(ctx, comm, &total, 1, FSDP_SUM, "the loss");
+    if (st == FSDP_OK && loss) *loss = total * g;
+    free(p);
+    free(joined);
+    free(codes);
+    free(ls);
+    return st;
+}
