@@ -166,19 +166,10 @@ enum fsdp_status fsdp_data_open(struct fsdp_ctx *ctx, const char *path, int voca
     if (vocab_size <= 0)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "data open '%s': vocab_size %d must be positive",
                          path, vocab_size);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return fsdp__err(ctx, FSDP_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        int e = errno;
-        close(fd);
-        return fsdp__err(ctx, FSDP_ERR_IO, "cannot stat '%s': %s", path, strerror(e));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(fd);
-        return fsdp__err(ctx, FSDP_ERR_IO, "'%s' is not a regular file", path);
-    }
-    size_t bytes = (size_t)sb.st_size;
+    int fd;
+    uint64_t fsize;
+    FSDP_TRY(fsdp__open_regular(ctx, NULL, path, &fd, &fsize));
+    size_t bytes = (size_t)fsize;
     if (bytes < 2) { /* also keeps an empty file away from mmap */
         close(fd);
         return fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s' has %zu bytes: too short to hold 2 tokens",

@@ -263,23 +263,8 @@ static enum fsdp_status config_parse_text(struct fsdp_ctx *ctx, const char *path
 }
 
 enum fsdp_status fsdp_gpt_config_load(struct fsdp_ctx *ctx, const char *path, struct fsdp_gpt_config *cfg) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return fsdp__err(ctx, FSDP_ERR_IO, "cannot open model config '%s': %s", path, strerror(errno));
-    char *buf = malloc(CONFIG_MAX_BYTES + 1);
-    if (!buf) {
-        fclose(f);
-        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory reading model config '%s'", path);
-    }
-    size_t n = fread(buf, 1, CONFIG_MAX_BYTES + 1, f);
-    int rerr = ferror(f);
-    fclose(f);
-    if (rerr || n > CONFIG_MAX_BYTES) {
-        free(buf);
-        return rerr ? fsdp__err(ctx, FSDP_ERR_IO, "cannot read model config '%s'", path)
-                    : fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s' is larger than %d bytes", path,
-                                CONFIG_MAX_BYTES);
-    }
-    buf[n] = '\0';
+    char *buf;
+    FSDP_TRY(fsdp__read_file(ctx, "model config", path, CONFIG_MAX_BYTES, &buf, NULL));
     enum fsdp_status st = config_parse_text(ctx, path, buf, cfg);
     free(buf);
     return st;
