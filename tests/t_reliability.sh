@@ -2,9 +2,11 @@
 # t_reliability.sh - end-to-end checks of fsdp-train's reliability flags:
 # --dry-run prints the memory plan per rank (shards checked against the
 # parameter count computed here from the config), --mem-limit refuses a plan
-# over the limit before any step, a bad size is a usage error, and a run
-# that diverges to nan stops with one message naming the step and the unit,
-# at 1 and 2 ranks. Prints "N passed, N failed" at the end.
+# over the limit before any step (by default, the host's memory per rank), a
+# bad size is a usage error, a run that diverges to nan stops with one
+# message naming the step and the unit, at 1 and 2 ranks; and the probes of
+# reliability (a FIFO for every path read, --comm self with 2 ranks, ...).
+# Prints "N passed, N failed" at the end.
 . "$(dirname "$0")/lib.sh"
 
 # GPT-2 124M: V*C + block*C + L*(12 C^2 + 13 C) + 2 C parameters, 4 bytes each, per rank
@@ -46,10 +48,54 @@ else bad "--mem-limit at 4 ranks" "$(tail -3 "$tmp/m4")"; fi
 if timeout 60 "$TRAIN" --model tiny --steps 3 --seq 32 --batch 4 --sample 0 --mem-limit 64M > "$tmp/m5" 2>&1 &&
    [ "$(grep -c "^step" "$tmp/m5")" -eq 3 ]; then ok "--mem-limit 64M lets tiny train"
 else bad "--mem-limit 64M with tiny" "$(tail -3 "$tmp/m5")"; fi
-timeout 60 "$TRAIN" --model tiny --mem-limit 1.5Q > /dev/null 2> "$tmp/m6"
+# flag errors exit 2; a limit below 1 MiB (0 included) is no limit a run can keep
+for v in 1.5Q 10K 0; do
+  timeout 60 "$TRAIN" --model tiny --mem-limit $v > /dev/null 2> "$tmp/m6"
+  rc=$?
+  if [ $v = 1.5Q ]; then pat="'1.5Q' is not a memory size"; else pat="--mem-limit $v is [0-9]* bytes, below the smallest limit of 1 MiB"; fi
+  if [ $rc -eq 2 ] && grep -q -- "$pat" "$tmp/m6"; then ok "--mem-limit $v is a usage error (exit 2)"
+  else bad "--mem-limit $v" "exit $rc" "$(head -3 "$tmp/m6")"; fi
+done
+# --mem-limit auto (the default): a plan over the host's memory per rank is refused before any
+# work, naming its biggest parts and the override (this plan is about 600 GB of activations)
+t0=$SECONDS
+timeout -k 5 60 "$TRAIN" --model tiny --batch 1048576 --steps 2 --sample 0 > "$tmp/a1" 2> "$tmp/a1e"
 rc=$?
-if [ $rc -ne 0 ] && grep -q "'1.5Q' is not a memory size" "$tmp/m6"; then ok "--mem-limit 1.5Q is rejected (exit $rc)"
-else bad "--mem-limit 1.5Q" "exit $rc" "$(head -3 "$tmp/m6")"; fi
+if [ $rc -eq 1 ] && grep -q "the plan needs [0-9.]* MiB per rank, most of it activations [0-9.]* MiB, .*this host can give each rank [0-9.]* MiB (MemAvailable .* over 1 local rank).*--mem-limit off" "$tmp/a1e" &&
+   ! grep -q "^step" "$tmp/a1"; then ok "--mem-limit auto refuses a 600 GB plan before any work ($((SECONDS - t0)) s)"
+else bad "--mem-limit auto refusal" "exit $rc" "$(head -3 "$tmp/a1e")"; fi
+if timeout 60 "$TRAIN" --model tiny --batch 1048576 --dry-run > "$tmp/a2" 2>&1 &&
+   grep -q "host memory (--mem-limit auto): [0-9.]* MiB per rank (MemAvailable .*): EXCEEDED, a run would be refused" "$tmp/a2"
+then ok "--dry-run shows the host's memory per rank and that the run would be refused"
+else bad "--dry-run host memory line" "$(tail -3 "$tmp/a2")"; fi
+if timeout 60 "$TRAIN" --model tiny --steps 2 --seq 32 --batch 4 --sample 0 --mem-limit off > "$tmp/a3" 2>&1 &&
+   [ "$(grep -c "^step" "$tmp/a3")" -eq 2 ]; then ok "--mem-limit off is accepted"
+else bad "--mem-limit off" "$(tail -3 "$tmp/a3")"; fi
+
+# ---- non-regular files are refused at once, naming the path (a FIFO used to hang the reader) ----
+tiny=(--model tiny --steps 2 --seq 32 --batch 4 --sample 0 --threads 1)
+mkfifo "$tmp/fifo"; mkdir "$tmp/fck"; mkfifo "$tmp/fck/meta.json"
+fifo_case() { # NAME WHAT CMD...: WHAT is the text before ": not a regular file (a FIFO)"
+  local name=$1 what=$2; shift 2
+  timeout -k 2 15 "$@" > "$tmp/ff" 2>&1
+  local rc=$?
+  if [ $rc -ne 0 ] && [ $rc -lt 124 ] && grep -qF -- "$what: not a regular file (a FIFO)" "$tmp/ff"; then
+    ok "$name: a FIFO is refused, naming it (exit $rc)"
+  else bad "$name: a FIFO" "exit $rc" "$(head -3 "$tmp/ff")"; fi
+}
+fifo_case "--data" "$tmp/fifo" "$TRAIN" "${tiny[@]}" --data "$tmp/fifo"
+fifo_case "--model-config" "model config '$tmp/fifo'" "$TRAIN" "${tiny[@]}" --model-config "$tmp/fifo"
+fifo_case "--init-from" "$tmp/fifo" "$TRAIN" "${tiny[@]}" --init-from "$tmp/fifo"
+fifo_case "--resume (meta.json)" "$tmp/fck/meta.json" "$TRAIN" "${tiny[@]}" --resume "$tmp/fck"
+fifo_case "fsdp-ckpt verify (meta.json)" "$tmp/fck/meta.json" "$BUILD/fsdp-ckpt" verify "$tmp/fck"
+fifo_case "fsdp-ckpt verify (a safetensors path)" "$tmp/fifo" "$BUILD/fsdp-ckpt" verify "$tmp/fifo"
+
+# ---- a world of more than one rank on the self backend is an error, not N separate jobs ----
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --nproc 2 --comm self > "$tmp/s1" 2> "$tmp/s1e"
+rc=$?
+if [ $rc -eq 2 ] && grep -q -- "--comm self is a world of one rank, but 2 ranks were asked for" "$tmp/s1e" &&
+   ! grep -q "^step" "$tmp/s1"; then ok "--nproc 2 --comm self is a usage error"
+else bad "--nproc 2 --comm self" "exit $rc" "$(head -3 "$tmp/s1e")"; fi
 
 # ---- non-finite values: SGD at lr 10 diverges to nan (at step 10 today) ----
 div=(--model tiny --steps 30 --lr 10 --optim sgd --clip 0 --warmup 0 --lr-schedule constant --batch 4 --seq 32

@@ -396,14 +396,69 @@ static void plan_mark_ac(struct fsdp_module *m, const struct opts *o, int on) {
     }
 }
 
+/* The memory this host can give each of its `local` ranks: the least of
+ * MemAvailable and the cgroup's memory limit (v2, or v1), shared equally;
+ * per_rank = 0 when neither can be read. `how` says where it came from. */
+struct host_mem {
+    size_t per_rank;
+    char how[160];
+};
+
+static int read_u64_file(const char *path, unsigned long long *out) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    char line[64] = "";
+    int ok = fgets(line, sizeof line, f) != NULL;
+    fclose(f);
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(line, &end, 10);
+    if (!ok || end == line || errno) return 0; /* "max": no limit */
+    *out = v;
+    return 1;
+}
+
+static void host_memory(struct host_mem *hm, int local) {
+    unsigned long long avail = 0, cg = 0;
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char line[256];
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemAvailable: %llu kB", &avail) == 1) { avail *= 1024; break; }
+        fclose(f);
+    }
+    /* cgroup v2: the memory.max of this process's group (from /proc/self/cgroup), else the root's */
+    char path[4096] = "", grp[3800] = "";
+    if ((f = fopen("/proc/self/cgroup", "r"))) {
+        char line[3800];
+        while (fgets(line, sizeof line, f))
+            if (!strncmp(line, "0::", 3)) {
+                snprintf(grp, sizeof grp, "%s", line + 3);
+                grp[strcspn(grp, "\n")] = 0;
+            }
+        fclose(f);
+    }
+    snprintf(path, sizeof path, "/sys/fs/cgroup%s/memory.max", grp[0] == '/' && grp[1] ? grp : "");
+    if (!read_u64_file(path, &cg) && !read_u64_file("/sys/fs/cgroup/memory.max", &cg) &&
+        !read_u64_file("/sys/fs/cgroup/memory/memory.limit_in_bytes", &cg))
+        cg = 0;
+    if (cg >= (1ull << 60)) cg = 0; /* v1's "unlimited" */
+    unsigned long long host = avail && cg ? (avail < cg ? avail : cg) : avail ? avail : cg;
+    if (local < 1) local = 1;
+    hm->per_rank = (size_t)(host / (unsigned long long)local);
+    char a[48] = "", c[48] = "";
+    if (avail) snprintf(a, sizeof a, "MemAvailable %.1f MiB", (double)avail / 1048576.0);
+    if (cg) snprintf(c, sizeof c, "cgroup limit %.1f MiB", (double)cg / 1048576.0);
+    snprintf(hm->how, sizeof hm->how, "%s%s%s over %d local rank%s", a, avail && cg ? ", " : "", c, local,
+             local == 1 ? "" : "s");
+}
+
 /* Plans the run for `pworld` ranks: --dry-run prints the plan per rank and
  * exits; --mem-limit refuses a plan over the limit before any work, then
  * hands the limit to the library's allocator. Every rank computes the same. */
 static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *gpt, int pworld) {
-    if (!o->dry_run && !o->mem_limit) return;
-    size_t limit = 0;
-    if (o->mem_limit && fsdp_mem_parse_size(ctx, o->mem_limit, &limit) != FSDP_OK)
-        fail_all("--mem-limit: %s", fsdp_errmsg(ctx));
+    if (!o->dry_run && !o->mem_limit_bytes && !o->mem_limit_auto) return;
+    size_t limit = o->mem_limit_bytes;
     if (o->batch % pworld != 0)
         fail_all("--batch %d (global) is not divisible by the world size %d", o->batch, pworld);
     int k = !strcmp(o->optim, "sgd") ? (o->momentum > 0 ? 1 : 0) : 2;
@@ -440,7 +495,7 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
     int me = fsdp_ctx_rank(ctx);
     struct fsdp_mem_plan p0;
     memset(&p0, 0, sizeof p0);
-    for (int i = 0; i < shown; i++) {
+    for (int i = 0; i < (o->dry_run ? shown : 1); i++) {
         int r = pworld <= 8 ? i : (i ? pworld - 1 : 0);
         struct fsdp_mem_plan p;
         enum fsdp_status pst = fsdp_plan_memory_accum(
@@ -469,14 +524,46 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
         for (int j = 0; j < 7; j++) mib(c[j], sizeof c[j], v[j]);
         printf("%-6d %12s %12s %12s %12s %12s %12s %12s\n", r, c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
     }
+    /* --mem-limit auto: the host's memory per local rank, the smallest over
+     * the job's hosts so that every rank reaches the same verdict */
+    struct host_mem hm = {0};
+    if (o->mem_limit_auto) {
+        host_memory(&hm, pworld > 1 && !getenv("OMPI_COMM_WORLD_SIZE") ? pworld : local_ranks());
+        float mine = (float)((double)hm.per_rank / 1048576.0), least = mine;
+        if (fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &mine, &least, 1, FSDP_F32, FSDP_MIN) != FSDP_OK)
+            fail_rank("%s", fsdp_errmsg(ctx));
+        if (least < mine) hm.per_rank = (size_t)((double)least * 1048576.0);
+    }
     if (o->dry_run && me == 0) {
         if (limit)
             printf("--mem-limit %s (%.1f MiB): %s (%.0f%% of the limit)\n", o->mem_limit,
                    (double)limit / 1048576.0, p0.total <= limit ? "fits" : "EXCEEDED",
                    100.0 * (double)p0.total / (double)limit);
+        if (hm.per_rank)
+            printf("host memory (--mem-limit auto): %.1f MiB per rank (%s): %s\n", (double)hm.per_rank / 1048576.0,
+                   hm.how, p0.total <= hm.per_rank ? "fits" : "EXCEEDED, a run would be refused");
         printf("(library accounting; the process also holds MPI, oneDNN and the program itself)\n");
     }
     plan_mark_ac(gpt, o, 0); /* fsdp_parallelize_model marks them itself */
+    if (!o->dry_run && hm.per_rank && p0.total > hm.per_rank) {
+        /* the three biggest parts, largest first */
+        const char *name[6] = {"parameter shards", "gradient shards", "optimizer state", "full buffers",
+                               "activations", "workspace"};
+        size_t v[6] = {p0.params, p0.grads, p0.optim, p0.full, p0.act, p0.workspace};
+        int idx[6] = {0, 1, 2, 3, 4, 5};
+        for (int a = 1; a < 6; a++)
+            for (int b = a; b > 0 && v[idx[b]] > v[idx[b - 1]]; b--) {
+                int t = idx[b];
+                idx[b] = idx[b - 1];
+                idx[b - 1] = t;
+            }
+        fail_all("the plan needs %.1f MiB per rank, most of it %s %.1f MiB, %s %.1f MiB and %s %.1f MiB; this host "
+                 "can give each rank %.1f MiB (%s); use more ranks, a smaller --batch or --seq, --ac blocks or a "
+                 "smaller model, or override the check with --mem-limit off (or --mem-limit SIZE)",
+                 (double)p0.total / 1048576.0, name[idx[0]], (double)v[idx[0]] / 1048576.0, name[idx[1]],
+                 (double)v[idx[1]] / 1048576.0, name[idx[2]], (double)v[idx[2]] / 1048576.0,
+                 (double)hm.per_rank / 1048576.0, hm.how);
+    }
     if (limit && p0.total > limit)
         fail_all("--mem-limit %s: the plan needs %.1f MiB per rank (shards %.1f, full buffers %.1f, activations "
                  "%.1f, workspace %.1f MiB), more than the limit of %.1f MiB; use more ranks, a smaller "
