@@ -725,9 +725,12 @@ int fsdp_data_is_text(const struct fsdp_data *d);
 double fsdp_data_loss_floor(const struct fsdp_data *d);
 /* This rank's share of global batch `step`: sequence i (of B global) is the
  * T+1 tokens starting at (step*B + i)*T, wrapping at the end; rank r takes
- * sequences [r*B/world, (r+1)*B/world). inputs/targets are (B/world, T). */
-void fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int rank, int world,
-                     int32_t *inputs, int32_t *targets);
+ * sequences [r*B/world, (r+1)*B/world). inputs/targets are (B/world, T).
+ * A file's tokens are read from the file at each call: a file that shrank or
+ * changed since the open is FSDP_ERR_IO / FSDP_ERR_FORMAT naming it (the
+ * message is on the context given to the open). COLLECTIVE: no. */
+enum fsdp_status fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int rank, int world,
+                                 int32_t *inputs, int32_t *targets);
 
 
 /* ---- Preparing a model: fsdp_parallelize_model (src/fsdp) --------------

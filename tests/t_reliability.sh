@@ -90,6 +90,21 @@ fifo_case "--resume (meta.json)" "$tmp/fck/meta.json" "$TRAIN" "${tiny[@]}" --re
 fifo_case "fsdp-ckpt verify (meta.json)" "$tmp/fck/meta.json" "$BUILD/fsdp-ckpt" verify "$tmp/fck"
 fifo_case "fsdp-ckpt verify (a safetensors path)" "$tmp/fifo" "$BUILD/fsdp-ckpt" verify "$tmp/fifo"
 
+# ---- a token file that shrinks while training: an error naming it, not SIGBUS ----
+for n in 1 2; do
+  head -c 400000 /dev/urandom > "$tmp/shrink$n.txt"
+  timeout -k 5 120 "$TRAIN" --model tiny --data "$tmp/shrink$n.txt" --steps 100000 --seq 32 --batch 4 --sample 0 \
+    --threads 1 --nproc $n > "$tmp/sh$n" 2> "$tmp/sh${n}e" &
+  pid=$!
+  for _ in $(seq 200); do grep -q "^step *3/" "$tmp/sh$n" && break; sleep 0.1; done
+  truncate -s 1000 "$tmp/shrink$n.txt"
+  wait $pid
+  rc=$?
+  if [ $rc -ne 0 ] && [ $rc -lt 124 ] && grep -q "'$tmp/shrink$n.txt' shrank while in use: it has 1000 bytes, 400000 at open" "$tmp/sh${n}e"; then
+    ok "a token file truncated mid-run stops $n rank(s) naming it (exit $rc)"
+  else bad "token file truncated mid-run at $n rank(s)" "exit $rc" "$(head -3 "$tmp/sh${n}e")"; fi
+done
+
 # ---- a world of more than one rank on the self backend is an error, not N separate jobs ----
 timeout -k 5 60 "$TRAIN" "${tiny[@]}" --nproc 2 --comm self > "$tmp/s1" 2> "$tmp/s1e"
 rc=$?

@@ -744,7 +744,8 @@ int main(int argc, char **argv) {
     int timed = 0, skipped = 0;
     struct comm_delta comm_total = {0}; /* over the timed steps (all but the first) */
     for (int step = start_step; step < o.steps; step++) {
-        fsdp_data_batch(data, step, o.batch, T, rank, world, inputs, targets);
+        if (fsdp_data_batch(data, step, o.batch, T, rank, world, inputs, targets) != FSDP_OK)
+            fail_rank("step %d: --data: %s", step + 1, fsdp_errmsg(ctx));
         float lr = fsdp_lr_at(&sched, step);
         struct fsdp_step_result r;
         struct fsdp_comm_stats cs0, cs1;

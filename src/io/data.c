@@ -29,9 +29,16 @@ struct fsdp_data {
     size_t ntok;
     int is_text;
     double floor;           /* nats per token; < 0 when unknown */
-    void *map;              /* the mmap'd file, or NULL */
+    void *map;              /* the mmap'd file while it is validated, or NULL */
     size_t map_len;
     void *owned;            /* synthetic or copied bytes from fsdp__alloc, or NULL */
+    /* a file's tokens are read with pread ([Note: files change under us]) */
+    int fd;                 /* -1 for tokens in memory */
+    char *path;             /* for messages (plain malloc) */
+    uint64_t tok_off;       /* byte offset of token 0 in the file */
+    uint64_t file_bytes;    /* the size validated at open */
+    int tok_bytes;          /* 1 or 2 */
+    int vocab_size;
 };
 
 /* llm.c token file: 256 int32 header words, then uint16 tokens. */
@@ -43,6 +50,7 @@ static enum fsdp_status data_new(struct fsdp_ctx *ctx, struct fsdp_data **out) {
     if (!d) return FSDP_ERR_NOMEM;
     d->ctx = ctx;
     d->floor = -1.0;
+    d->fd = -1;
     *out = d;
     return FSDP_OK;
 }
@@ -50,6 +58,8 @@ static enum fsdp_status data_new(struct fsdp_ctx *ctx, struct fsdp_data **out) {
 void fsdp_data_free(struct fsdp_data *d) {
     if (!d) return;
     if (d->map) munmap(d->map, d->map_len);
+    if (d->fd >= 0) close(d->fd);
+    free(d->path);
     fsdp__free(d->ctx, d->owned);
     fsdp__free(d->ctx, d);
 }
@@ -177,18 +187,37 @@ enum fsdp_status fsdp_data_open(struct fsdp_ctx *ctx, const char *path, int voca
     }
     void *map = mmap(NULL, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
     int map_errno = errno;
-    close(fd);
-    if (map == MAP_FAILED)
+    if (map == MAP_FAILED) {
+        close(fd);
         return fsdp__err(ctx, FSDP_ERR_IO, "cannot map '%s': %s", path, strerror(map_errno));
+    }
     struct fsdp_data *d;
     enum fsdp_status st = data_new(ctx, &d);
     if (st != FSDP_OK) {
         munmap(map, bytes);
+        close(fd);
         return st;
     }
     d->map = map;
     d->map_len = bytes;
-    return data_finish(ctx, path, d, map, bytes, vocab_size, out);
+    d->fd = fd;
+    d->path = fsdp__strdup(path);
+    if (!d->path) {
+        fsdp_data_free(d);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory opening '%s'", path);
+    }
+    FSDP_TRY(data_finish(ctx, path, d, map, bytes, vocab_size, out));
+    /* validated: from now on the tokens are read from the file */
+    const uint8_t *first = d->u16 ? (const uint8_t *)d->u16 : d->u8;
+    d->tok_off = (uint64_t)(first - (const uint8_t *)map);
+    d->tok_bytes = d->u16 ? 2 : 1;
+    d->file_bytes = bytes;
+    d->vocab_size = vocab_size;
+    d->u16 = NULL;
+    d->u8 = NULL;
+    munmap(map, bytes);
+    d->map = NULL;
+    return FSDP_OK;
 }
 
 enum fsdp_status fsdp__data_open_mem(struct fsdp_ctx *ctx, const char *name, const void *buf,
@@ -220,8 +249,57 @@ static inline int32_t token_at(const struct fsdp_data *d, size_t i) {
     return d->u16 ? (int32_t)d->u16[i] : (int32_t)d->u8[i];
 }
 
-void fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int rank, int world,
-                     int32_t *inputs, int32_t *targets) {
+/* [Note: files change under us]
+ * A token file is validated once at open, but another program may rewrite
+ * or truncate it while we train. Pages of a mapping past a file's new end
+ * raise SIGBUS, which would kill the rank with no word of the file; so after
+ * the validation pass the mapping is dropped and batches read the tokens
+ * with pread. A short read (the file shrank) is an error naming the file and
+ * both sizes, and every token read is checked against the vocabulary again. */
+
+/* dst[0..n) = the n tokens from position pos on, wrapping at the end. */
+static enum fsdp_status file_tokens(const struct fsdp_data *d, size_t pos, size_t n, int32_t *dst) {
+    uint8_t buf[4096];
+    size_t per = sizeof buf / (size_t)d->tok_bytes;
+    while (n > 0) {
+        size_t take = n < per ? n : per;
+        if (take > d->ntok - pos) take = d->ntok - pos;
+        size_t want = take * (size_t)d->tok_bytes, got = 0;
+        uint64_t off = d->tok_off + (uint64_t)pos * (uint64_t)d->tok_bytes;
+        while (got < want) {
+            ssize_t r = pread(d->fd, buf + got, want - got, (off_t)(off + got));
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0)
+                return fsdp__err(d->ctx, FSDP_ERR_IO, "'%s': cannot read tokens at byte %llu: %s", d->path,
+                                 (unsigned long long)(off + got), strerror(errno));
+            if (r == 0) {
+                struct stat sb;
+                long long now = fstat(d->fd, &sb) == 0 ? (long long)sb.st_size : -1;
+                return fsdp__err(d->ctx, FSDP_ERR_IO,
+                                 "'%s' shrank while in use: it has %lld bytes, %llu at open (token %zu is "
+                                 "gone); a token file must not change while training", d->path, now,
+                                 (unsigned long long)d->file_bytes, pos + got / (size_t)d->tok_bytes);
+            }
+            got += (size_t)r;
+        }
+        for (size_t k = 0; k < take; k++) {
+            int32_t t = d->tok_bytes == 2 ? (int32_t)((uint16_t)buf[2 * k] | (uint16_t)buf[2 * k + 1] << 8)
+                                          : (int32_t)buf[k];
+            if (t >= d->vocab_size)
+                return fsdp__err(d->ctx, FSDP_ERR_FORMAT,
+                                 "'%s': token %d at position %zu is >= vocab_size %d (the file changed while "
+                                 "in use)", d->path, (int)t, pos + k, d->vocab_size);
+            dst[k] = t;
+        }
+        dst += take;
+        n -= take;
+        pos = pos + take == d->ntok ? 0 : pos + take;
+    }
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int rank, int world,
+                                 int32_t *inputs, int32_t *targets) {
     FSDP_ASSERT(d != NULL, "data is NULL");
     FSDP_ASSERT(step >= 0 && B > 0 && T > 0, "step %lld, B %d, T %d", (long long)step, B, T);
     FSDP_ASSERT(world > 0 && rank >= 0 && rank < world, "rank %d of world %d", rank, world);
@@ -231,6 +309,12 @@ void fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int 
     for (int64_t i = lo; i < hi; i++) {
         size_t pos = (size_t)((((unsigned __int128)step * (unsigned)B + (uint64_t)i) * (unsigned)T) % n);
         int32_t *in = inputs + (i - lo) * T, *tg = targets + (i - lo) * T;
+        if (d->fd >= 0) { /* inputs, then the one token after them; targets are inputs shifted by one */
+            FSDP_TRY(file_tokens(d, pos, (size_t)T, in));
+            FSDP_TRY(file_tokens(d, (size_t)(((unsigned __int128)pos + (unsigned)T) % n), 1, tg + T - 1));
+            memmove(tg, in + 1, (size_t)(T - 1) * sizeof *tg);
+            continue;
+        }
         int32_t cur = token_at(d, pos);
         for (int t = 0; t < T; t++) {
             pos = pos + 1 == d->ntok ? 0 : pos + 1;
@@ -240,6 +324,7 @@ void fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int 
             cur = next;
         }
     }
+    return FSDP_OK;
 }
 
 /* ---- The synthetic corpus ---- */
