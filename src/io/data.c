@@ -2,8 +2,9 @@
  * data.c - token sources for training: llm.c token files, raw uint16 .bin
  * files (nanoGPT), byte-level text, and the built-in synthetic corpus with an
  * exactly known entropy floor; and the global batch -> per-rank share mapping.
- * Files are mmap'd read-only and used in place (uint16 or uint8 tokens, never
- * widened), so opening a multi-GB shard costs one validation pass.
+ * A file is mmap'd read-only for one validation pass at open, then batches
+ * pread the tokens they need ([Note: files change under us]), so opening a
+ * multi-GB shard costs one pass and holds no copy.
  * Invariants: 2 <= ntok; every token < the vocab_size given at open; exactly
  * one of u8 / u16 is set. The byte order of token files is little-endian, as
  * llm.c and nanoGPT write them on x86, and this file assumes a little-endian host.
