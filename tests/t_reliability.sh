@@ -90,6 +90,25 @@ fifo_case "--resume (meta.json)" "$tmp/fck/meta.json" "$TRAIN" "${tiny[@]}" --re
 fifo_case "fsdp-ckpt verify (meta.json)" "$tmp/fck/meta.json" "$BUILD/fsdp-ckpt" verify "$tmp/fck"
 fifo_case "fsdp-ckpt verify (a safetensors path)" "$tmp/fifo" "$BUILD/fsdp-ckpt" verify "$tmp/fifo"
 
+# ---- the shape of the data: a damaged llm.c magic, a file shorter than one sequence ----
+python3 -c "
+import struct, sys
+n = 4000
+h = struct.pack('<3i', 12345678, 1, n) + bytes(1024 - 12)
+open(sys.argv[1], 'wb').write(h + struct.pack('<%dH' % n, *[i % 256 for i in range(n)]))
+" "$tmp/damaged.bin"
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --data "$tmp/damaged.bin" > "$tmp/dm" 2> "$tmp/dme"
+rc=$?
+if [ $rc -eq 1 ] && grep -q "'$tmp/damaged.bin': laid out as an llm.c token file (version 1, 4000 tokens .*) but its magic is 12345678, not 20240520" "$tmp/dme" &&
+   ! grep -q "^step" "$tmp/dm"; then ok "an llm.c file with a damaged magic is refused, not read as raw tokens"
+else bad "llm.c file with a damaged magic" "exit $rc" "$(head -3 "$tmp/dme")"; fi
+printf '0123456789abcdefghij' > "$tmp/short.txt"
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --data "$tmp/short.txt" > "$tmp/st" 2> "$tmp/ste"
+rc=$?
+if [ $rc -eq 1 ] && grep -q "'$tmp/short.txt' has 20 tokens, fewer than one sequence needs (--seq 32 + 1 = 33 tokens)" "$tmp/ste" &&
+   ! grep -q "^step" "$tmp/st"; then ok "a data file shorter than one sequence is refused, naming both sizes"
+else bad "data shorter than a sequence" "exit $rc" "$(head -3 "$tmp/ste")"; fi
+
 # ---- a token file that shrinks while training: an error naming it, not SIGBUS ----
 for n in 1 2; do
   head -c 400000 /dev/urandom > "$tmp/shrink$n.txt"

@@ -661,6 +661,9 @@ int main(int argc, char **argv) {
                               ? fsdp_data_synthetic(ctx, o.seed, (size_t)1 << 22, &data)
                               : fsdp_data_open(ctx, o.data, cfg.vocab_size, &data);
     if (st != FSDP_OK) fail_all("--data: %s", fsdp_errmsg(ctx));
+    if (fsdp_data_ntokens(data) < (size_t)o.seq + 1) /* a sequence would wrap around into itself */
+        fail_all("--data: '%s' has %zu tokens, fewer than one sequence needs (--seq %d + 1 = %d tokens)", o.data,
+                 fsdp_data_ntokens(data), o.seq, o.seq + 1);
     if (fsdp_data_is_text(data) && cfg.vocab_size < 256)
         fail_all("byte-level text needs vocab_size >= 256, the model has %d", cfg.vocab_size);
 

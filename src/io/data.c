@@ -82,10 +82,21 @@ static int ends_with(const char *s, const char *suffix) {
  * garbage, so a .bin whose first word is a 2024 date-like magic and whose
  * second word is a small version number is rejected as an unknown llm.c
  * format. Read as uint16 tokens, such a start is (x, 308 or 309, v, 0) with
- * 1 <= v <= 255: possible in a real token stream, but rare enough. */
+ * 1 <= v <= 255: possible in a real token stream, but rare enough.
+ * A .bin laid out as an llm.c token file in all but its magic (version word
+ * 1, and a token count word equal to the (size - 1024) / 2 tokens the file
+ * holds after a header) is a token file with a damaged magic, and rejected
+ * too: read as uint16 tokens that start is (x, y, 1, 0, n % 65536, n >> 16)
+ * with n the file's own length in tokens, which no real stream matches by
+ * chance. Any other .bin is raw tokens. */
 static int looks_like_llmc(const int32_t *h, size_t bytes) {
     return bytes >= LLMC_HEADER_BYTES && h[0] >= 20240000 && h[0] <= 20259999 && h[1] >= 1 &&
            h[1] <= 255;
+}
+
+static int damaged_llmc(const int32_t *h, size_t bytes) {
+    return bytes >= LLMC_HEADER_BYTES && h[1] == 1 && h[2] >= 0 &&
+           (uint64_t)LLMC_HEADER_BYTES + 2 * (uint64_t)h[2] == bytes;
 }
 
 /* Checks every token against vocab_size; reports the first one out of range. */
@@ -136,6 +147,11 @@ static enum fsdp_status data_layout(struct fsdp_ctx *ctx, const char *path, stru
             return fsdp__err(ctx, FSDP_ERR_FORMAT,
                              "'%s': unknown llm.c magic %d, version %d (token files have magic "
                              "%d, version 1)", path, (int)h[0], (int)h[1], LLMC_MAGIC);
+        if (damaged_llmc(h, bytes))
+            return fsdp__err(ctx, FSDP_ERR_FORMAT,
+                             "'%s': laid out as an llm.c token file (version 1, %d tokens after a %d-byte "
+                             "header, as its size says) but its magic is %d, not %d: a damaged header",
+                             path, (int)h[2], LLMC_HEADER_BYTES, (int)h[0], LLMC_MAGIC);
         if (bytes % 2)
             return fsdp__err(ctx, FSDP_ERR_FORMAT,
                              "'%s': raw uint16 token file has an odd size (%zu bytes)", path, bytes);
