@@ -288,6 +288,8 @@ enum fsdp_status fsdp_gpt_config_preset(const char *name, struct fsdp_gpt_config
 /* Reads {"n_layer":..,"n_head":..,"n_embd":..,"vocab_size":..,"block_size":..}. */
 enum fsdp_status fsdp_gpt_config_load(struct fsdp_ctx *ctx, const char *path,
                                       struct fsdp_gpt_config *cfg);
+/* Every field positive and at most: n_layer 4096, n_head 4096, n_embd 131072,
+ * vocab_size 16777216, block_size 1048576; n_embd divisible by n_head. */
 enum fsdp_status fsdp_gpt_config_validate(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg);
 
 /* GPT-2 as in nanoGPT: forward takes tokens (B, T) I32 and gives logits

@@ -90,6 +90,14 @@ fifo_case "--resume (meta.json)" "$tmp/fck/meta.json" "$TRAIN" "${tiny[@]}" --re
 fifo_case "fsdp-ckpt verify (meta.json)" "$tmp/fck/meta.json" "$BUILD/fsdp-ckpt" verify "$tmp/fck"
 fifo_case "fsdp-ckpt verify (a safetensors path)" "$tmp/fifo" "$BUILD/fsdp-ckpt" verify "$tmp/fifo"
 
+# ---- config values past the supported range are refused (n_embd 2^31-1 overflowed int64 sizes) ----
+echo '{"n_layer":2,"n_head":1,"n_embd":2147483647,"vocab_size":256,"block_size":64}' > "$tmp/huge.json"
+timeout -k 5 60 "$TRAIN" --model-config "$tmp/huge.json" --dry-run > "$tmp/hg" 2>&1
+rc=$?
+if [ $rc -eq 1 ] && grep -q "model config '$tmp/huge.json': GPT config: n_embd 2147483647 is above the largest supported, 131072" "$tmp/hg"
+then ok "n_embd 2147483647 is refused, naming the field and the bound"
+else bad "n_embd 2147483647" "exit $rc" "$(head -3 "$tmp/hg")"; fi
+
 # ---- the shape of the data: a damaged llm.c magic, a file shorter than one sequence ----
 python3 -c "
 import struct, sys
