@@ -132,6 +132,54 @@ for n in 1 2; do
   else bad "token file truncated mid-run at $n rank(s)" "exit $rc" "$(head -3 "$tmp/sh${n}e")"; fi
 done
 
+# ---- output locations are checked before step 1, creating nothing ----
+out_case() { # FLAG VALUE PATTERN
+  timeout -k 5 60 "$TRAIN" "${tiny[@]}" "$1" "$2" > "$tmp/oc" 2> "$tmp/oce"
+  local rc=$?
+  if [ $rc -eq 1 ] && grep -qF -- "$3" "$tmp/oce" && ! grep -q "^step" "$tmp/oc"; then ok "$1 $2: refused before step 1"
+  else bad "$1 $2 before step 1" "exit $rc" "$(head -3 "$tmp/oce")"; fi
+}
+out_case --save-full "$tmp/no/such/full.safetensors" "--save-full '$tmp/no/such/full.safetensors': the folder '$tmp/no/such' does not exist"
+out_case --save-full "$tmp" "--save-full '$tmp' is a folder"
+out_case --save-dir "$tmp/no/such" "--save-dir '$tmp/no/such': the folder '$tmp/no' does not exist"
+out_case --save-dir "$tmp/huge.json" "--save-dir '$tmp/huge.json' exists and is not a folder"
+out_case --log "$tmp/no/such.jsonl" "--log '$tmp/no/such.jsonl': the folder '$tmp/no' does not exist"
+[ ! -e "$tmp/no" ] && ok "the refused output paths created nothing" || bad "refused output paths created $tmp/no"
+
+# ---- two jobs on one --save-dir: the second stops at once, naming the first ----
+"$TRAIN" --model tiny --steps 100000 --seq 32 --batch 4 --sample 0 --threads 1 --save-dir "$tmp/shared" \
+  --save-every 100000 > "$tmp/j1" 2>&1 & # its pid is the trainer's (killed below)
+j1=$!
+for _ in $(seq 200); do grep -q "^step *2/" "$tmp/j1" && break; sleep 0.1; done
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --save-dir "$tmp/shared" > "$tmp/j2" 2> "$tmp/j2e"
+rc=$?
+kill $j1; wait $j1 2> /dev/null
+if [ $rc -eq 1 ] && grep -q -- "--save-dir '$tmp/shared' is in use by another training job (pid $j1 on " "$tmp/j2e" &&
+   ! grep -q "^step" "$tmp/j2" && [ "$(ls -A "$tmp/shared")" = ".lock" ]; then
+  ok "a second job on the same --save-dir is refused, naming the first one's pid"
+else bad "second job on one --save-dir" "exit $rc" "$(head -3 "$tmp/j2e")" "$(ls -A "$tmp/shared")"; fi
+if timeout -k 5 60 "$TRAIN" "${tiny[@]}" --save-dir "$tmp/shared" > "$tmp/j3" 2>&1 && [ -f "$tmp/shared/step-00000002/meta.json" ]
+then ok "the --save-dir is free again once the first job ended"
+else bad "--save-dir after the first job" "$(tail -3 "$tmp/j3")"; fi
+
+# ---- --resume with --steps at or below the checkpoint's step: nothing to train ----
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --resume "$tmp/shared" --steps 2 --log "$tmp/nl.jsonl" > "$tmp/nl" 2>&1
+rc=$?
+if [ $rc -eq 0 ] && grep -q "nothing left to train: $tmp/shared/step-00000002 is at step 2 and --steps is 2" "$tmp/nl" &&
+   ! grep -qE "^step|^summary" "$tmp/nl"; then ok "--resume at step 2 with --steps 2: nothing left to train, exit 0"
+else bad "--resume with nothing left" "exit $rc" "$(head -3 "$tmp/nl")"; fi
+
+# ---- smaller flag checks ----
+timeout 60 "$TRAIN" "${tiny[@]}" --lr 1e-3 --min-lr 1e-2 > /dev/null 2> "$tmp/ml"
+rc=$?
+[ $rc -eq 2 ] && grep -q -- "--min-lr 0.01 is above --lr 0.001" "$tmp/ml" && ok "--min-lr above --lr is a usage error" ||
+  bad "--min-lr above --lr" "exit $rc" "$(head -2 "$tmp/ml")"
+cpus=$(getconf _NPROCESSORS_ONLN)
+timeout 60 "$TRAIN" --model tiny --steps 1 --seq 32 --batch 4 --sample 0 --threads $((cpus * 8)) > /dev/null 2> "$tmp/th"
+rc=$?
+[ $rc -eq 0 ] && grep -q -- "warning: --threads $((cpus * 8)) is more than the $cpus CPUs of this host" "$tmp/th" &&
+  ok "--threads $((cpus * 8)) on $cpus CPUs warns" || bad "--threads far above the cores" "exit $rc" "$(head -2 "$tmp/th")"
+
 # ---- a world of more than one rank on the self backend is an error, not N separate jobs ----
 timeout -k 5 60 "$TRAIN" "${tiny[@]}" --nproc 2 --comm self > "$tmp/s1" 2> "$tmp/s1e"
 rc=$?

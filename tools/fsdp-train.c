@@ -17,6 +17,8 @@
 #include <strings.h>
 #include <time.h>
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -132,6 +134,83 @@ static void prune_ckpts(const char *dir, int keep) {
         remove_ckpt(p);
     }
     free(steps);
+}
+
+/* ---- Output locations, checked before step 1 ([Note: output preflight]) ----
+ * A bad --save-full used to fail after all the training, a bad --save-dir at
+ * the first save. Rank 0 checks every output location before any step and
+ * creates nothing but what the flags name: the --save-dir folder (one level,
+ * as the first save would) and its lock file DIR/.lock, which it holds with
+ * flock for the whole run so that a second job on the same folder stops at
+ * once, naming the first one's pid. The lock file stays (removing it would
+ * let a third job lock a new file while a second still waits on the old). */
+
+static int g_lock_fd = -1; /* DIR/.lock, held until exit */
+
+/* The folder holding path: "." for a bare name. */
+static void dir_of(const char *path, char *buf, size_t n) {
+    snprintf(buf, n, "%s", path);
+    char *sl = strrchr(buf, '/');
+    if (!sl) snprintf(buf, n, ".");
+    else if (sl == buf) buf[1] = 0;
+    else *sl = 0;
+}
+
+/* A file the run will write (created or replaced): its folder must exist and
+ * be writable, and the path must not be a folder. 0 or a message in err. */
+static int check_out_file(const char *flag, const char *path, char *err, size_t n) {
+    struct stat sb;
+    char dir[4096];
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode))
+        return snprintf(err, n, "%s '%s' is a folder; give a file path", flag, path), 1;
+    dir_of(path, dir, sizeof dir);
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return snprintf(err, n, "%s '%s': the folder '%s' does not exist", flag, path, dir), 1;
+    if (access(dir, W_OK | X_OK) != 0)
+        return snprintf(err, n, "%s '%s': cannot write in '%s': %s", flag, path, dir, strerror(errno)), 1;
+    if (access(path, F_OK) == 0 && access(path, W_OK) != 0)
+        return snprintf(err, n, "%s '%s': cannot write it: %s", flag, path, strerror(errno)), 1;
+    return 0;
+}
+
+/* --save-dir: an existing writable folder, or one level to create; then its lock. */
+static int check_save_dir(const char *dir, char *err, size_t n) {
+    struct stat sb;
+    if (stat(dir, &sb) == 0) {
+        if (!S_ISDIR(sb.st_mode)) return snprintf(err, n, "--save-dir '%s' exists and is not a folder", dir), 1;
+        if (access(dir, W_OK | X_OK) != 0)
+            return snprintf(err, n, "--save-dir '%s': cannot write in it: %s", dir, strerror(errno)), 1;
+    } else {
+        char parent[4096];
+        dir_of(dir, parent, sizeof parent);
+        if (stat(parent, &sb) != 0 || !S_ISDIR(sb.st_mode))
+            return snprintf(err, n, "--save-dir '%s': the folder '%s' does not exist", dir, parent), 1;
+        if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+            return snprintf(err, n, "--save-dir: cannot create '%s': %s", dir, strerror(errno)), 1;
+    }
+    char lock[4096];
+    snprintf(lock, sizeof lock, "%s/.lock", dir);
+    int fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) return snprintf(err, n, "--save-dir: cannot open its lock file '%s': %s", lock, strerror(errno)), 1;
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        char who[64] = "";
+        ssize_t r = pread(fd, who, sizeof who - 1, 0);
+        who[r > 0 ? r : 0] = 0;
+        who[strcspn(who, "\n")] = 0;
+        close(fd);
+        if (e == EWOULDBLOCK)
+            return snprintf(err, n, "--save-dir '%s' is in use by another training job (%s, holding %s); give "
+                            "another --save-dir or wait for it to end", dir, who[0] ? who : "pid unknown", lock), 1;
+        return snprintf(err, n, "--save-dir: cannot lock '%s': %s", lock, strerror(e)), 1;
+    }
+    char host[256] = "?", line[320];
+    gethostname(host, sizeof host - 1);
+    host[sizeof host - 1] = 0;
+    int len = snprintf(line, sizeof line, "pid %ld on %s\n", (long)getpid(), host);
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, line, (size_t)len, 0) != len) { /* only informs the other job */ }
+    g_lock_fd = fd;
+    return 0;
 }
 
 /* ---- Run ---- */
@@ -376,6 +455,21 @@ static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct f
     free(text);
 }
 
+/* Every rank: rank 0 checks --log, --save-full and --save-dir (and takes the
+ * lock), and all ranks end alike on a failure. */
+static void check_outputs(struct fsdp_ctx *ctx, const struct opts *o) {
+    char err[8192] = "";
+    int bad = 0;
+    if (fsdp_ctx_rank(ctx) == 0) {
+        bad = (o->log_path && check_out_file("--log", o->log_path, err, sizeof err)) ||
+              (o->save_full && check_out_file("--save-full", o->save_full, err, sizeof err)) ||
+              (o->save_dir && check_save_dir(o->save_dir, err, sizeof err));
+    }
+    int32_t v = bad;
+    if (fsdp_comm_broadcast(fsdp_ctx_comm(ctx), &v, 1, FSDP_I32, 0) != FSDP_OK) fail_rank("%s", fsdp_errmsg(ctx));
+    if (v) fail_all("%s", err); /* rank 0 prints it */
+}
+
 /* ---- Memory plan (--dry-run, --mem-limit) ---- */
 
 static void mib(char *buf, size_t cap, size_t bytes) {
@@ -605,6 +699,10 @@ int main(int argc, char **argv) {
     if (o.check_collectives) fsdp_comm_set_check(fsdp_ctx_comm(ctx), 1);
     if (o.nproc > 1 && world != o.nproc && !(o.dry_run && !under_mpi))
         fail_all("--nproc %d but the MPI world has %d ranks", o.nproc, world);
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    if (rank == 0 && cpus > 0 && o.threads > cpus)
+        fprintf(stderr, "fsdp-train: warning: --threads %d is more than the %ld CPUs of this host: the threads will "
+                "take turns on the cores (slower, same results)\n", o.threads, cpus);
 
     /* --resume: meta.json first, for its model config */
     char resume_buf[4096];
@@ -647,6 +745,16 @@ int main(int argc, char **argv) {
         fail_all("--batch %d (global) is not divisible by the world size %d", o.batch, world);
     check_strategy_flags(&o, world);
 
+    /* --resume at or past --steps: nothing to train (--save-full still writes the loaded model) */
+    int nothing_left = resume_dir && ck.step >= o.steps;
+    if (nothing_left && rank == 0)
+        printf("nothing left to train: %s is at step %lld and --steps is %d (give --steps above %lld to train "
+               "further)\n", resume_dir, (long long)ck.step, o.steps, (long long)ck.step);
+    if (nothing_left && !o.save_full) {
+        fsdp_ctx_free(ctx);
+        return 0;
+    }
+
     /* --resume: the checkpoint's seed keys the data and sampling streams */
     if (resume_dir) {
         if (ck.step > 0 && ck.seed != o.seed) { /* a converted folder (step 0) carries no data position */
@@ -671,6 +779,7 @@ int main(int argc, char **argv) {
     struct fsdp_module *gpt;
     if (fsdp_gpt_create(ctx, &cfg, &gpt) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
     memory_plan(ctx, &o, gpt, !under_mpi && o.dry_run && o.nproc > 1 ? o.nproc : world);
+    check_outputs(ctx, &o);
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     oo.kind = !strcmp(o.optim, "sgd") ? FSDP_OPTIM_SGD : FSDP_OPTIM_ADAMW;
     oo.beta1 = o.beta1;
@@ -800,7 +909,6 @@ int main(int argc, char **argv) {
         if (o.save_dir && ((o.save_every && (step + 1) % o.save_every == 0) || step + 1 == o.steps))
             save_ckpt(ctx, fm, &o, &cfg, step + 1, tty);
     }
-    if (o.save_dir && start_step >= o.steps) save_ckpt(ctx, fm, &o, &cfg, start_step, tty);
     if (tty && rank == 0) printf("\n");
     if (logf) fclose(logf);
 
@@ -809,11 +917,11 @@ int main(int argc, char **argv) {
         if (fsdp_model_save_full(ctx, fm, o.save_full) != FSDP_OK) fail_all("--save-full: %s", fsdp_errmsg(ctx));
         if (rank == 0) printf("saved %s in %.2f s\n", o.save_full, now_s() - t0);
     }
-    if (o.sample > 0 && fsdp_data_is_text(data) && o.steps > 0) generate(ctx, fm, &cfg, o.sample, o.seed);
+    if (o.sample > 0 && fsdp_data_is_text(data) && o.steps > 0 && !nothing_left) generate(ctx, fm, &cfg, o.sample, o.seed);
 
     float rss = (float)((double)fsdp_peak_rss_bytes() / 1048576.0), rss_max = rss;
     fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &rss, &rss_max, 1, FSDP_F32, FSDP_MAX);
-    if (rank == 0) {
+    if (rank == 0 && !nothing_left) {
         double tps = timed ? (double)o.batch * T * timed / total_s : 0;
         /* ZeRO-3: 16 bytes per parameter (param, grad, m, v) over the world,
          * plus a gathered unit's full parameters and gradients */
