@@ -180,6 +180,45 @@ rc=$?
 [ $rc -eq 0 ] && grep -q -- "warning: --threads $((cpus * 8)) is more than the $cpus CPUs of this host" "$tmp/th" &&
   ok "--threads $((cpus * 8)) on $cpus CPUs warns" || bad "--threads far above the cores" "exit $rc" "$(head -2 "$tmp/th")"
 
+# ---- fsdp-ckpt verify rejects what --resume rejects: a resealed meta.json at odds with its model ----
+reseal_edit() { # META PYTHON: edit the parsed meta.json `m`, write it back sealed
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+path, code = sys.argv[1], sys.argv[2]
+m = json.load(open(path))
+exec(code)
+def text(): return json.dumps(m, indent='\t', separators=(',', ':\t'))
+m['crc32c'] = '00000000'
+crc = 0xffffffff
+for b in text().encode():
+    crc ^= b
+    for _ in range(8): crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+m['crc32c'] = '%08x' % (crc ^ 0xffffffff)
+open(path, 'w').write(text())
+PY
+}
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --save-dir "$tmp/vck" > /dev/null 2>&1
+good="$tmp/vck/step-00000002"
+if "$BUILD/fsdp-ckpt" verify "$good" > "$tmp/v0" 2>&1 && grep -q "model_config: the parameters are exactly the model's" "$tmp/v0"
+then ok "fsdp-ckpt verify checks a checkpoint's parameters against its model_config"
+else bad "verify of a good checkpoint" "$(tail -3 "$tmp/v0")"; fi
+verify_case() { # NAME EDIT PATTERN
+  rm -rf "$tmp/vbad"; cp -r "$good" "$tmp/vbad"; reseal_edit "$tmp/vbad/meta.json" "$2"
+  "$BUILD/fsdp-ckpt" verify "$tmp/vbad" > "$tmp/v1" 2>&1
+  local rc=$?
+  timeout -k 5 60 "$TRAIN" --steps 4 --seq 32 --batch 4 --sample 0 --threads 1 --resume "$tmp/vbad" > "$tmp/v2" 2>&1
+  local rc2=$?
+  if [ $rc -eq 1 ] && grep -qE -- "$3" "$tmp/v1" && [ $rc2 -ne 0 ]; then ok "verify and --resume both reject $1"
+  else bad "verify vs --resume: $1" "verify exit $rc, resume exit $rc2" "$(tail -2 "$tmp/v1")" "$(tail -1 "$tmp/v2")"; fi
+}
+verify_case "a model_config with another n_layer" "m['model_config']['n_layer'] = 3" \
+  "meta.json: parameter 'transformer.h.2.[a-z0-9_.]*' of the model \(n_layer 3 .*\) is not in the file"
+verify_case "a model_config with another n_embd" "m['model_config']['n_embd'] = 64" \
+  "meta.json: parameter 'transformer.wte.weight' has shape \\[256, 32\\], the model \\(.*n_embd 64.*\\) needs \\[256, 64\\]"
+verify_case "a meta.json lacking a parameter" \
+  "m['params'] = [p for p in m['params'] if p['fqn'] != 'transformer.h.1.mlp.c_fc.weight']" \
+  "meta.json: parameter 'transformer.h.1.mlp.c_fc.weight' of the model .* is not in the file"
+
 # ---- a world of more than one rank on the self backend is an error, not N separate jobs ----
 timeout -k 5 60 "$TRAIN" "${tiny[@]}" --nproc 2 --comm self > "$tmp/s1" 2> "$tmp/s1e"
 rc=$?
