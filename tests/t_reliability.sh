@@ -219,6 +219,46 @@ verify_case "a meta.json lacking a parameter" \
   "m['params'] = [p for p in m['params'] if p['fqn'] != 'transformer.h.1.mlp.c_fc.weight']" \
   "meta.json: parameter 'transformer.h.1.mlp.c_fc.weight' of the model .* is not in the file"
 
+# ---- SIGKILL of mpirun: a rank notices its launcher's death itself, even inside a collective ----
+# Rank 1 stops itself (SIGSTOP) in step 3's forward, so rank 0 waits in a collective for a live
+# peer; then mpirun is killed and rank 1 continued. This script adopts the orphaned ranks
+# (PR_SET_CHILD_SUBREAPER) to read how they ended: exit 1 from their own launcher check (Open
+# MPI's own detection, a second or two later, ends them with exit 195 after training on).
+python3 - "$TRAIN" > "$tmp/pk" 2>&1 <<'PY'
+import ctypes, os, signal, subprocess, sys, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+env = dict(os.environ, FSDP_FAULT='forward:1:3:stop', OMPI_MCA_rmaps_base_oversubscribe='1')
+p = subprocess.Popen([sys.argv[1], '--model', 'tiny', '--steps', '100000', '--seq', '32', '--batch', '4', '--sample',
+                      '0', '--threads', '1', '--nproc', '2', '--collective-timeout', '120'], env=env,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # exec's mpirun: p.pid is mpirun
+ranks = {}
+for _ in range(600):
+    for r in os.popen('ps -o pid= --ppid %d' % p.pid).read().split():
+        try: env_r = open('/proc/%s/environ' % r, 'rb').read().split(b'\0')
+        except OSError: continue
+        for kv in env_r:
+            if kv.startswith(b'OMPI_COMM_WORLD_RANK='): ranks[int(kv.split(b'=')[1])] = int(r)
+    try:
+        if 1 in ranks and open('/proc/%d/stat' % ranks[1]).read().split()[2] == 'T': break
+    except OSError: pass
+    time.sleep(0.1)
+p.kill(); p.wait()
+if 1 in ranks: os.kill(ranks[1], signal.SIGCONT)
+res, t0 = {}, time.time()
+while len(res) < len(ranks) and time.time() - t0 < 60:
+    try: pid, st = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError: break
+    if pid == 0: time.sleep(0.05); continue
+    for k, v in ranks.items():
+        if v == pid: res[k] = 'exit %d' % os.WEXITSTATUS(st) if os.WIFEXITED(st) else 'signal %d' % os.WTERMSIG(st)
+for v in ranks.values():
+    try: os.kill(v, signal.SIGKILL)
+    except OSError: pass
+print('rank 0: %s; rank 1: %s' % (res.get(0), res.get(1)))
+PY
+if grep -q "^rank 0: exit 1; rank 1: exit 1$" "$tmp/pk"; then ok "after mpirun's SIGKILL both ranks end by their own launcher check ($(cat "$tmp/pk"))"
+else bad "ranks after mpirun's SIGKILL" "$(tail -3 "$tmp/pk")"; fi
+
 # ---- a world of more than one rank on the self backend is an error, not N separate jobs ----
 timeout -k 5 60 "$TRAIN" "${tiny[@]}" --nproc 2 --comm self > "$tmp/s1" 2> "$tmp/s1e"
 rc=$?

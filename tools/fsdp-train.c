@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +19,7 @@
 #include <time.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -57,6 +59,49 @@ static void relaunch(int argc, char **argv, int nproc) {
     fprintf(stderr, "fsdp-train: --nproc %d: cannot run mpirun: %s (install openmpi-bin)\n", nproc,
             strerror(errno));
     exit(1);
+}
+
+/* ---- The launcher's death ([Note: launcher watch]) ----
+ * A rank started by mpirun (directly, or by mpirun's daemon on another host)
+ * is its child. When mpirun is killed with SIGKILL, it cannot tell the ranks,
+ * which went on training, and saving checkpoints, until Open MPI noticed about
+ * two seconds later. A rank therefore records its parent at start and stops
+ * as soon as it is reparented: a thread polls getppid every 20 ms (for a rank
+ * busy in a long step or blocked in a collective), and the main loop checks
+ * before every step and every save, so a rank never starts either after the
+ * launcher is gone; it exits with status 1. Started alone (no launcher), a
+ * rank watches nothing. */
+static pid_t g_launcher; /* 0 = not watched */
+
+static void launcher_check(void) {
+    if (!g_launcher || getppid() == g_launcher) return;
+    const char *r = getenv("OMPI_COMM_WORLD_RANK");
+    signal(SIGPIPE, SIG_IGN); /* stderr went through the launcher: the message may have nowhere to go */
+    fprintf(stderr, "fsdp-train: rank %s: the launcher (pid %ld) is gone; stopping\n", r ? r : "?",
+            (long)g_launcher);
+    fflush(NULL); /* the --log lines written so far */
+    _exit(1);
+}
+
+static void *launcher_watch(void *arg) {
+    (void)arg;
+    for (;;) {
+        struct timespec ts = {0, 20 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        launcher_check();
+    }
+    return NULL;
+}
+
+static void launcher_watch_start(void) {
+    g_launcher = getppid();
+    pthread_t th;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&th, &at, launcher_watch, NULL) != 0) { /* the loop's checks remain */ }
+    pthread_attr_destroy(&at);
+    launcher_check();
 }
 
 /* ---- Checkpoint folders: DIR/step-NNNNNNNN, each complete only with meta.json ---- */
@@ -395,6 +440,7 @@ static void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct 
                       const struct fsdp_gpt_config *cfg, int step, int tty) {
     int rank = fsdp_ctx_rank(ctx);
     char path[4096];
+    launcher_check();
     ckpt_path(path, sizeof path, o->save_dir, step);
     if (rank == 0 && mkdir(o->save_dir, 0755) != 0 && errno != EEXIST)
         fail_rank("--save-dir: cannot create '%s': %s", o->save_dir, strerror(errno));
@@ -678,6 +724,7 @@ int main(int argc, char **argv) {
     parse_args(argc, argv, &o);
     int under_mpi = getenv("OMPI_COMM_WORLD_SIZE") != NULL;
     if (o.nproc > 1 && !under_mpi && !o.dry_run) relaunch(argc, argv, o.nproc); /* a plan needs no ranks */
+    if (under_mpi) launcher_watch_start();
 
     struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
     co.threads = o.threads;
@@ -856,6 +903,7 @@ int main(int argc, char **argv) {
     int timed = 0, skipped = 0;
     struct comm_delta comm_total = {0}; /* over the timed steps (all but the first) */
     for (int step = start_step; step < o.steps; step++) {
+        launcher_check();
         if (fsdp_data_batch(data, step, o.batch, T, rank, world, inputs, targets) != FSDP_OK)
             fail_rank("step %d: --data: %s", step + 1, fsdp_errmsg(ctx));
         float lr = fsdp_lr_at(&sched, step);
