@@ -4,8 +4,12 @@
 # parameter count computed here from the config), --mem-limit refuses a plan
 # over the limit before any step (by default, the host's memory per rank), a
 # bad size is a usage error, a run that diverges to nan stops with one
-# message naming the step and the unit, at 1 and 2 ranks; and the probes of
-# reliability (a FIFO for every path read, --comm self with 2 ranks, ...).
+# message naming the step and the unit, at 1 and 2 ranks; and what probing
+# as a user and as an adversary found: a FIFO for every path read, config
+# values past their bounds, damaged or short data, a data file truncated
+# mid-run, output paths checked before step 1, two jobs on one --save-dir,
+# a resume with nothing left to train, fsdp-ckpt verify against the model
+# config, SIGKILL of mpirun, --comm self with 2 ranks, small flag checks.
 # Prints "N passed, N failed" at the end.
 . "$(dirname "$0")/lib.sh"
 
