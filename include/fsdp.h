@@ -325,6 +325,8 @@ enum fsdp_status fsdp_gpt_config_preset(const char *name, struct fsdp_gpt_config
 /* Reads {"n_layer":..,"n_head":..,"n_embd":..,"vocab_size":..,"block_size":..}. */
 enum fsdp_status fsdp_gpt_config_load(struct fsdp_ctx *ctx, const char *path,
                                       struct fsdp_gpt_config *cfg);
+/* Every field positive and at most: n_layer 4096, n_head 4096, n_embd 131072,
+ * vocab_size 16777216, block_size 1048576; n_embd divisible by n_head. */
 enum fsdp_status fsdp_gpt_config_validate(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg);
 
 /* GPT-2 as in nanoGPT: forward takes tokens (B, T) I32 and gives logits
@@ -792,9 +794,12 @@ int fsdp_data_is_text(const struct fsdp_data *d);
 double fsdp_data_loss_floor(const struct fsdp_data *d);
 /* This rank's share of global batch `step`: sequence i (of B global) is the
  * T+1 tokens starting at (step*B + i)*T, wrapping at the end; rank r takes
- * sequences [r*B/world, (r+1)*B/world). inputs/targets are (B/world, T). */
-void fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int rank, int world,
-                     int32_t *inputs, int32_t *targets);
+ * sequences [r*B/world, (r+1)*B/world). inputs/targets are (B/world, T).
+ * A file's tokens are read from the file at each call: a file that shrank or
+ * changed since the open is FSDP_ERR_IO / FSDP_ERR_FORMAT naming it (the
+ * message is on the context given to the open). COLLECTIVE: no. */
+enum fsdp_status fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int rank, int world,
+                                 int32_t *inputs, int32_t *targets);
 
 
 /* ---- Preparing a model: fsdp_parallelize_model (src/fsdp) --------------

@@ -2,9 +2,15 @@
 # t_reliability.sh - end-to-end checks of fsdp-train's reliability flags:
 # --dry-run prints the memory plan per rank (shards checked against the
 # parameter count computed here from the config), --mem-limit refuses a plan
-# over the limit before any step, a bad size is a usage error, and a run
-# that diverges to nan stops with one message naming the step and the unit,
-# at 1 and 2 ranks. Prints "N passed, N failed" at the end.
+# over the limit before any step (by default, the host's memory per rank), a
+# bad size is a usage error, a run that diverges to nan stops with one
+# message naming the step and the unit, at 1 and 2 ranks; and what probing
+# as a user and as an adversary found: a FIFO for every path read, config
+# values past their bounds, damaged or short data, a data file truncated
+# mid-run, output paths checked before step 1, two jobs on one --save-dir,
+# a resume with nothing left to train, fsdp-ckpt verify against the model
+# config, SIGKILL of mpirun, --comm self with 2 ranks, small flag checks.
+# Prints "N passed, N failed" at the end.
 . "$(dirname "$0")/lib.sh"
 
 # GPT-2 124M: V*C + block*C + L*(12 C^2 + 13 C) + 2 C parameters, 4 bytes each, per rank
@@ -46,10 +52,223 @@ else bad "--mem-limit at 4 ranks" "$(tail -3 "$tmp/m4")"; fi
 if timeout 60 "$TRAIN" --model tiny --steps 3 --seq 32 --batch 4 --sample 0 --mem-limit 64M > "$tmp/m5" 2>&1 &&
    [ "$(grep -c "^step" "$tmp/m5")" -eq 3 ]; then ok "--mem-limit 64M lets tiny train"
 else bad "--mem-limit 64M with tiny" "$(tail -3 "$tmp/m5")"; fi
-timeout 60 "$TRAIN" --model tiny --mem-limit 1.5Q > /dev/null 2> "$tmp/m6"
+# flag errors exit 2; a limit below 1 MiB (0 included) is no limit a run can keep
+for v in 1.5Q 10K 0; do
+  timeout 60 "$TRAIN" --model tiny --mem-limit $v > /dev/null 2> "$tmp/m6"
+  rc=$?
+  if [ $v = 1.5Q ]; then pat="'1.5Q' is not a memory size"; else pat="--mem-limit $v is [0-9]* bytes, below the smallest limit of 1 MiB"; fi
+  if [ $rc -eq 2 ] && grep -q -- "$pat" "$tmp/m6"; then ok "--mem-limit $v is a usage error (exit 2)"
+  else bad "--mem-limit $v" "exit $rc" "$(head -3 "$tmp/m6")"; fi
+done
+# --mem-limit auto (the default): a plan over the host's memory per rank is refused before any
+# work, naming its biggest parts and the override (this plan is about 600 GB of activations)
+t0=$SECONDS
+timeout -k 5 60 "$TRAIN" --model tiny --batch 1048576 --steps 2 --sample 0 > "$tmp/a1" 2> "$tmp/a1e"
 rc=$?
-if [ $rc -ne 0 ] && grep -q "'1.5Q' is not a memory size" "$tmp/m6"; then ok "--mem-limit 1.5Q is rejected (exit $rc)"
-else bad "--mem-limit 1.5Q" "exit $rc" "$(head -3 "$tmp/m6")"; fi
+if [ $rc -eq 1 ] && grep -q "the plan needs [0-9.]* MiB per rank, most of it activations [0-9.]* MiB, .*this host can give each rank [0-9.]* MiB (MemAvailable .* over 1 local rank).*--mem-limit off" "$tmp/a1e" &&
+   ! grep -q "^step" "$tmp/a1"; then ok "--mem-limit auto refuses a 600 GB plan before any work ($((SECONDS - t0)) s)"
+else bad "--mem-limit auto refusal" "exit $rc" "$(head -3 "$tmp/a1e")"; fi
+if timeout 60 "$TRAIN" --model tiny --batch 1048576 --dry-run > "$tmp/a2" 2>&1 &&
+   grep -q "host memory (--mem-limit auto): [0-9.]* MiB per rank (MemAvailable .*): EXCEEDED, a run would be refused" "$tmp/a2"
+then ok "--dry-run shows the host's memory per rank and that the run would be refused"
+else bad "--dry-run host memory line" "$(tail -3 "$tmp/a2")"; fi
+if timeout 60 "$TRAIN" --model tiny --steps 2 --seq 32 --batch 4 --sample 0 --mem-limit off > "$tmp/a3" 2>&1 &&
+   [ "$(grep -c "^step" "$tmp/a3")" -eq 2 ]; then ok "--mem-limit off is accepted"
+else bad "--mem-limit off" "$(tail -3 "$tmp/a3")"; fi
+
+# ---- non-regular files are refused at once, naming the path (a FIFO used to hang the reader) ----
+tiny=(--model tiny --steps 2 --seq 32 --batch 4 --sample 0 --threads 1)
+mkfifo "$tmp/fifo"; mkdir "$tmp/fck"; mkfifo "$tmp/fck/meta.json"
+fifo_case() { # NAME WHAT CMD...: WHAT is the text before ": not a regular file (a FIFO)"
+  local name=$1 what=$2; shift 2
+  timeout -k 2 15 "$@" > "$tmp/ff" 2>&1
+  local rc=$?
+  if [ $rc -ne 0 ] && [ $rc -lt 124 ] && grep -qF -- "$what: not a regular file (a FIFO)" "$tmp/ff"; then
+    ok "$name: a FIFO is refused, naming it (exit $rc)"
+  else bad "$name: a FIFO" "exit $rc" "$(head -3 "$tmp/ff")"; fi
+}
+fifo_case "--data" "$tmp/fifo" "$TRAIN" "${tiny[@]}" --data "$tmp/fifo"
+fifo_case "--model-config" "model config '$tmp/fifo'" "$TRAIN" "${tiny[@]}" --model-config "$tmp/fifo"
+fifo_case "--init-from" "$tmp/fifo" "$TRAIN" "${tiny[@]}" --init-from "$tmp/fifo"
+fifo_case "--resume (meta.json)" "$tmp/fck/meta.json" "$TRAIN" "${tiny[@]}" --resume "$tmp/fck"
+fifo_case "fsdp-ckpt verify (meta.json)" "$tmp/fck/meta.json" "$BUILD/fsdp-ckpt" verify "$tmp/fck"
+fifo_case "fsdp-ckpt verify (a safetensors path)" "$tmp/fifo" "$BUILD/fsdp-ckpt" verify "$tmp/fifo"
+
+# ---- config values past the supported range are refused (n_embd 2^31-1 overflowed int64 sizes) ----
+echo '{"n_layer":2,"n_head":1,"n_embd":2147483647,"vocab_size":256,"block_size":64}' > "$tmp/huge.json"
+timeout -k 5 60 "$TRAIN" --model-config "$tmp/huge.json" --dry-run > "$tmp/hg" 2>&1
+rc=$?
+if [ $rc -eq 1 ] && grep -q "model config '$tmp/huge.json': GPT config: n_embd 2147483647 is above the largest supported, 131072" "$tmp/hg"
+then ok "n_embd 2147483647 is refused, naming the field and the bound"
+else bad "n_embd 2147483647" "exit $rc" "$(head -3 "$tmp/hg")"; fi
+
+# ---- the shape of the data: a damaged llm.c magic, a file shorter than one sequence ----
+python3 -c "
+import struct, sys
+n = 4000
+h = struct.pack('<3i', 12345678, 1, n) + bytes(1024 - 12)
+open(sys.argv[1], 'wb').write(h + struct.pack('<%dH' % n, *[i % 256 for i in range(n)]))
+" "$tmp/damaged.bin"
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --data "$tmp/damaged.bin" > "$tmp/dm" 2> "$tmp/dme"
+rc=$?
+if [ $rc -eq 1 ] && grep -q "'$tmp/damaged.bin': laid out as an llm.c token file (version 1, 4000 tokens .*) but its magic is 12345678, not 20240520" "$tmp/dme" &&
+   ! grep -q "^step" "$tmp/dm"; then ok "an llm.c file with a damaged magic is refused, not read as raw tokens"
+else bad "llm.c file with a damaged magic" "exit $rc" "$(head -3 "$tmp/dme")"; fi
+printf '0123456789abcdefghij' > "$tmp/short.txt"
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --data "$tmp/short.txt" > "$tmp/st" 2> "$tmp/ste"
+rc=$?
+if [ $rc -eq 1 ] && grep -q "'$tmp/short.txt' has 20 tokens, fewer than one sequence needs (--seq 32 + 1 = 33 tokens)" "$tmp/ste" &&
+   ! grep -q "^step" "$tmp/st"; then ok "a data file shorter than one sequence is refused, naming both sizes"
+else bad "data shorter than a sequence" "exit $rc" "$(head -3 "$tmp/ste")"; fi
+
+# ---- a token file that shrinks while training: an error naming it, not SIGBUS ----
+for n in 1 2; do
+  head -c 400000 /dev/urandom > "$tmp/shrink$n.txt"
+  timeout -k 5 120 "$TRAIN" --model tiny --data "$tmp/shrink$n.txt" --steps 100000 --seq 32 --batch 4 --sample 0 \
+    --threads 1 --nproc $n > "$tmp/sh$n" 2> "$tmp/sh${n}e" &
+  pid=$!
+  for _ in $(seq 200); do grep -q "^step *3/" "$tmp/sh$n" && break; sleep 0.1; done
+  truncate -s 1000 "$tmp/shrink$n.txt"
+  wait $pid
+  rc=$?
+  if [ $rc -ne 0 ] && [ $rc -lt 124 ] && grep -q "'$tmp/shrink$n.txt' shrank while in use: it has 1000 bytes, 400000 at open" "$tmp/sh${n}e"; then
+    ok "a token file truncated mid-run stops $n rank(s) naming it (exit $rc)"
+  else bad "token file truncated mid-run at $n rank(s)" "exit $rc" "$(head -3 "$tmp/sh${n}e")"; fi
+done
+
+# ---- output locations are checked before step 1, creating nothing ----
+out_case() { # FLAG VALUE PATTERN
+  timeout -k 5 60 "$TRAIN" "${tiny[@]}" "$1" "$2" > "$tmp/oc" 2> "$tmp/oce"
+  local rc=$?
+  if [ $rc -eq 1 ] && grep -qF -- "$3" "$tmp/oce" && ! grep -q "^step" "$tmp/oc"; then ok "$1 $2: refused before step 1"
+  else bad "$1 $2 before step 1" "exit $rc" "$(head -3 "$tmp/oce")"; fi
+}
+out_case --save-full "$tmp/no/such/full.safetensors" "--save-full '$tmp/no/such/full.safetensors': the folder '$tmp/no/such' does not exist"
+out_case --save-full "$tmp" "--save-full '$tmp' is a folder"
+out_case --save-dir "$tmp/no/such" "--save-dir '$tmp/no/such': the folder '$tmp/no' does not exist"
+out_case --save-dir "$tmp/huge.json" "--save-dir '$tmp/huge.json' exists and is not a folder"
+out_case --log "$tmp/no/such.jsonl" "--log '$tmp/no/such.jsonl': the folder '$tmp/no' does not exist"
+[ ! -e "$tmp/no" ] && ok "the refused output paths created nothing" || bad "refused output paths created $tmp/no"
+
+# ---- two jobs on one --save-dir: the second stops at once, naming the first ----
+"$TRAIN" --model tiny --steps 100000 --seq 32 --batch 4 --sample 0 --threads 1 --save-dir "$tmp/shared" \
+  --save-every 100000 > "$tmp/j1" 2>&1 & # its pid is the trainer's (killed below)
+j1=$!
+for _ in $(seq 200); do grep -q "^step *2/" "$tmp/j1" && break; sleep 0.1; done
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --save-dir "$tmp/shared" > "$tmp/j2" 2> "$tmp/j2e"
+rc=$?
+kill $j1; wait $j1 2> /dev/null
+if [ $rc -eq 1 ] && grep -q -- "--save-dir '$tmp/shared' is in use by another training job (pid $j1 on " "$tmp/j2e" &&
+   ! grep -q "^step" "$tmp/j2" && [ "$(ls -A "$tmp/shared")" = ".lock" ]; then
+  ok "a second job on the same --save-dir is refused, naming the first one's pid"
+else bad "second job on one --save-dir" "exit $rc" "$(head -3 "$tmp/j2e")" "$(ls -A "$tmp/shared")"; fi
+if timeout -k 5 60 "$TRAIN" "${tiny[@]}" --save-dir "$tmp/shared" > "$tmp/j3" 2>&1 && [ -f "$tmp/shared/step-00000002/meta.json" ]
+then ok "the --save-dir is free again once the first job ended"
+else bad "--save-dir after the first job" "$(tail -3 "$tmp/j3")"; fi
+
+# ---- --resume with --steps at or below the checkpoint's step: nothing to train ----
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --resume "$tmp/shared" --steps 2 --log "$tmp/nl.jsonl" > "$tmp/nl" 2>&1
+rc=$?
+if [ $rc -eq 0 ] && grep -q "nothing left to train: $tmp/shared/step-00000002 is at step 2 and --steps is 2" "$tmp/nl" &&
+   ! grep -qE "^step|^summary" "$tmp/nl"; then ok "--resume at step 2 with --steps 2: nothing left to train, exit 0"
+else bad "--resume with nothing left" "exit $rc" "$(head -3 "$tmp/nl")"; fi
+
+# ---- smaller flag checks ----
+timeout 60 "$TRAIN" "${tiny[@]}" --lr 1e-3 --min-lr 1e-2 > /dev/null 2> "$tmp/ml"
+rc=$?
+[ $rc -eq 2 ] && grep -q -- "--min-lr 0.01 is above --lr 0.001" "$tmp/ml" && ok "--min-lr above --lr is a usage error" ||
+  bad "--min-lr above --lr" "exit $rc" "$(head -2 "$tmp/ml")"
+cpus=$(getconf _NPROCESSORS_ONLN)
+timeout 60 "$TRAIN" --model tiny --steps 1 --seq 32 --batch 4 --sample 0 --threads $((cpus * 8)) > /dev/null 2> "$tmp/th"
+rc=$?
+[ $rc -eq 0 ] && grep -q -- "warning: --threads $((cpus * 8)) is more than the $cpus CPUs of this host" "$tmp/th" &&
+  ok "--threads $((cpus * 8)) on $cpus CPUs warns" || bad "--threads far above the cores" "exit $rc" "$(head -2 "$tmp/th")"
+
+# ---- fsdp-ckpt verify rejects what --resume rejects: a resealed meta.json at odds with its model ----
+reseal_edit() { # META PYTHON: edit the parsed meta.json `m`, write it back sealed
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+path, code = sys.argv[1], sys.argv[2]
+m = json.load(open(path))
+exec(code)
+def text(): return json.dumps(m, indent='\t', separators=(',', ':\t'))
+m['crc32c'] = '00000000'
+crc = 0xffffffff
+for b in text().encode():
+    crc ^= b
+    for _ in range(8): crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+m['crc32c'] = '%08x' % (crc ^ 0xffffffff)
+open(path, 'w').write(text())
+PY
+}
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --save-dir "$tmp/vck" > /dev/null 2>&1
+good="$tmp/vck/step-00000002"
+if "$BUILD/fsdp-ckpt" verify "$good" > "$tmp/v0" 2>&1 && grep -q "model_config: the parameters are exactly the model's" "$tmp/v0"
+then ok "fsdp-ckpt verify checks a checkpoint's parameters against its model_config"
+else bad "verify of a good checkpoint" "$(tail -3 "$tmp/v0")"; fi
+verify_case() { # NAME EDIT PATTERN
+  rm -rf "$tmp/vbad"; cp -r "$good" "$tmp/vbad"; reseal_edit "$tmp/vbad/meta.json" "$2"
+  "$BUILD/fsdp-ckpt" verify "$tmp/vbad" > "$tmp/v1" 2>&1
+  local rc=$?
+  timeout -k 5 60 "$TRAIN" --steps 4 --seq 32 --batch 4 --sample 0 --threads 1 --resume "$tmp/vbad" > "$tmp/v2" 2>&1
+  local rc2=$?
+  if [ $rc -eq 1 ] && grep -qE -- "$3" "$tmp/v1" && [ $rc2 -ne 0 ]; then ok "verify and --resume both reject $1"
+  else bad "verify vs --resume: $1" "verify exit $rc, resume exit $rc2" "$(tail -2 "$tmp/v1")" "$(tail -1 "$tmp/v2")"; fi
+}
+verify_case "a model_config with another n_layer" "m['model_config']['n_layer'] = 3" \
+  "meta.json: parameter 'transformer.h.2.[a-z0-9_.]*' of the model \(n_layer 3 .*\) is not in the file"
+verify_case "a model_config with another n_embd" "m['model_config']['n_embd'] = 64" \
+  "meta.json: parameter 'transformer.wte.weight' has shape \\[256, 32\\], the model \\(.*n_embd 64.*\\) needs \\[256, 64\\]"
+verify_case "a meta.json lacking a parameter" \
+  "m['params'] = [p for p in m['params'] if p['fqn'] != 'transformer.h.1.mlp.c_fc.weight']" \
+  "meta.json: parameter 'transformer.h.1.mlp.c_fc.weight' of the model .* is not in the file"
+
+# ---- SIGKILL of mpirun: a rank notices its launcher's death itself, even inside a collective ----
+# Rank 1 stops itself (SIGSTOP) in step 3's forward, so rank 0 waits in a collective for a live
+# peer; then mpirun is killed and rank 1 continued. This script adopts the orphaned ranks
+# (PR_SET_CHILD_SUBREAPER) to read how they ended: exit 1 from their own launcher check (Open
+# MPI's own detection, a second or two later, ends them with exit 195 after training on).
+python3 - "$TRAIN" > "$tmp/pk" 2>&1 <<'PY'
+import ctypes, os, signal, subprocess, sys, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+env = dict(os.environ, FSDP_FAULT='forward:1:3:stop', OMPI_MCA_rmaps_base_oversubscribe='1')
+p = subprocess.Popen([sys.argv[1], '--model', 'tiny', '--steps', '100000', '--seq', '32', '--batch', '4', '--sample',
+                      '0', '--threads', '1', '--nproc', '2', '--collective-timeout', '120'], env=env,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # exec's mpirun: p.pid is mpirun
+ranks = {}
+for _ in range(600):
+    for r in os.popen('ps -o pid= --ppid %d' % p.pid).read().split():
+        try: env_r = open('/proc/%s/environ' % r, 'rb').read().split(b'\0')
+        except OSError: continue
+        for kv in env_r:
+            if kv.startswith(b'OMPI_COMM_WORLD_RANK='): ranks[int(kv.split(b'=')[1])] = int(r)
+    try:
+        if 1 in ranks and open('/proc/%d/stat' % ranks[1]).read().split()[2] == 'T': break
+    except OSError: pass
+    time.sleep(0.1)
+p.kill(); p.wait()
+if 1 in ranks: os.kill(ranks[1], signal.SIGCONT)
+res, t0 = {}, time.time()
+while len(res) < len(ranks) and time.time() - t0 < 60:
+    try: pid, st = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError: break
+    if pid == 0: time.sleep(0.05); continue
+    for k, v in ranks.items():
+        if v == pid: res[k] = 'exit %d' % os.WEXITSTATUS(st) if os.WIFEXITED(st) else 'signal %d' % os.WTERMSIG(st)
+for v in ranks.values():
+    try: os.kill(v, signal.SIGKILL)
+    except OSError: pass
+print('rank 0: %s; rank 1: %s' % (res.get(0), res.get(1)))
+PY
+if grep -q "^rank 0: exit 1; rank 1: exit 1$" "$tmp/pk"; then ok "after mpirun's SIGKILL both ranks end by their own launcher check ($(cat "$tmp/pk"))"
+else bad "ranks after mpirun's SIGKILL" "$(tail -3 "$tmp/pk")"; fi
+
+# ---- a world of more than one rank on the self backend is an error, not N separate jobs ----
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --nproc 2 --comm self > "$tmp/s1" 2> "$tmp/s1e"
+rc=$?
+if [ $rc -eq 2 ] && grep -q -- "--comm self is a world of one rank, but 2 ranks were asked for" "$tmp/s1e" &&
+   ! grep -q "^step" "$tmp/s1"; then ok "--nproc 2 --comm self is a usage error"
+else bad "--nproc 2 --comm self" "exit $rc" "$(head -3 "$tmp/s1e")"; fi
 
 # ---- non-finite values: SGD at lr 10 diverges to nan (at step 10 today) ----
 div=(--model tiny --steps 30 --lr 10 --optim sgd --clip 0 --warmup 0 --lr-schedule constant --batch 4 --seq 32

@@ -202,6 +202,15 @@ TEST(data_open_errors_format) {
     EXPECT_OPEN_FAIL(c, p, 50257, FSDP_ERR_FORMAT, p, "truncated");
     p = write_llmc("hellaswag.bin", 20240522, 1, 64, tok, 64);
     EXPECT_OPEN_FAIL(c, p, 50257, FSDP_ERR_FORMAT, p, "magic 20240522");
+    /* an llm.c file in all but its magic: not read as raw tokens */
+    p = write_llmc("damaged.bin", 12345678, 1, 64, tok, 64);
+    EXPECT_OPEN_FAIL(c, p, 50257, FSDP_ERR_FORMAT, p, "its magic is 12345678, not 20240520");
+    /* a count that does not match the size: raw tokens after all */
+    p = write_llmc("raw-like.bin", 12345678, 1, 63, tok, 64);
+    struct fsdp_data *d;
+    ASSERT_OK(fsdp_data_open(c, p, 65536, &d), c);
+    CHECK_INT_EQ(fsdp_data_ntokens(d), (1024 + 2 * 64) / 2);
+    fsdp_data_free(d);
     p = write_file("odd.bin", tok, 17);
     EXPECT_OPEN_FAIL(c, p, 50257, FSDP_ERR_FORMAT, p, "odd size (17 bytes)");
     tmp_end();

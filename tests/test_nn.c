@@ -666,6 +666,29 @@ TEST(config_presets_and_flops) {
     bad.block_size = 0;
     CHECK_INT_EQ(fsdp_gpt_config_validate(ctx, &bad), FSDP_ERR_INVALID);
     CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "block_size");
+    /* every field has a ceiling, so no size derived from a config overflows */
+    struct fsdp_gpt_config huge[5] = {{4097, 1, 32, 256, 64}, {2, 4097, 4097 * 4, 256, 64},
+                                      {2, 1, 2147483647, 256, 64}, {2, 1, 32, (1 << 24) + 1, 64},
+                                      {2, 1, 32, 256, (1 << 20) + 1}};
+    const char *field[5] = {"n_layer 4097", "n_head 4097", "n_embd 2147483647", "vocab_size 16777217",
+                            "block_size 1048577"};
+    for (int i = 0; i < 5; i++) {
+        CHECK_INT_EQ(fsdp_gpt_config_validate(ctx, &huge[i]), FSDP_ERR_INVALID);
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), field[i]);
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "above the largest supported");
+    }
+    struct fsdp_gpt_config top = {4096, 4096, 1 << 17, 1 << 24, 1 << 20};
+    CHECK_INT_EQ(fsdp_gpt_config_validate(ctx, &top), FSDP_OK);
+    /* a parameter whose element count overflows int64 is refused */
+    struct fsdp_gpt_config tc;
+    fsdp_gpt_config_preset("tiny", &tc);
+    struct fsdp_module *g;
+    CHECK_INT_EQ(fsdp_gpt_create(ctx, &tc, &g), FSDP_OK);
+    int64_t shape[2] = {(int64_t)1 << 32, (int64_t)1 << 32};
+    struct fsdp_init z = {0};
+    CHECK_INT_EQ(fsdp_module_add_param(ctx, g, "w", 2, shape, z, 0, NULL), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "overflows");
+    fsdp_module_free(g);
     fsdp_ctx_free(ctx);
 }
 

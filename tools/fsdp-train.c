@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +18,9 @@
 #include <strings.h>
 #include <time.h>
 #include <dirent.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -55,6 +59,49 @@ static void relaunch(int argc, char **argv, int nproc) {
     fprintf(stderr, "fsdp-train: --nproc %d: cannot run mpirun: %s (install openmpi-bin)\n", nproc,
             strerror(errno));
     exit(1);
+}
+
+/* ---- The launcher's death ([Note: launcher watch]) ----
+ * A rank started by mpirun (directly, or by mpirun's daemon on another host)
+ * is its child. When mpirun is killed with SIGKILL, it cannot tell the ranks,
+ * which went on training, and saving checkpoints, until Open MPI noticed about
+ * two seconds later. A rank therefore records its parent at start and stops
+ * as soon as it is reparented: a thread polls getppid every 20 ms (for a rank
+ * busy in a long step or blocked in a collective), and the main loop checks
+ * before every step and every save, so a rank never starts either after the
+ * launcher is gone; it exits with status 1. Started alone (no launcher), a
+ * rank watches nothing. */
+static pid_t g_launcher; /* 0 = not watched */
+
+static void launcher_check(void) {
+    if (!g_launcher || getppid() == g_launcher) return;
+    const char *r = getenv("OMPI_COMM_WORLD_RANK");
+    signal(SIGPIPE, SIG_IGN); /* stderr went through the launcher: the message may have nowhere to go */
+    fprintf(stderr, "fsdp-train: rank %s: the launcher (pid %ld) is gone; stopping\n", r ? r : "?",
+            (long)g_launcher);
+    fflush(NULL); /* the --log lines written so far */
+    _exit(1);
+}
+
+static void *launcher_watch(void *arg) {
+    (void)arg;
+    for (;;) {
+        struct timespec ts = {0, 20 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        launcher_check();
+    }
+    return NULL;
+}
+
+static void launcher_watch_start(void) {
+    g_launcher = getppid();
+    pthread_t th;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&th, &at, launcher_watch, NULL) != 0) { /* the loop's checks remain */ }
+    pthread_attr_destroy(&at);
+    launcher_check();
 }
 
 /* ---- Checkpoint folders: DIR/step-NNNNNNNN, each complete only with meta.json ---- */
@@ -121,6 +168,83 @@ static void prune_ckpts(struct fsdp_ctx *ctx, const char *dir, int keep) {
             fprintf(stderr, "fsdp-train: --keep-last: keeping %s\n", fsdp_errmsg(ctx));
     }
     free(steps);
+}
+
+/* ---- Output locations, checked before step 1 ([Note: output preflight]) ----
+ * A bad --save-full used to fail after all the training, a bad --save-dir at
+ * the first save. Rank 0 checks every output location before any step and
+ * creates nothing but what the flags name: the --save-dir folder (one level,
+ * as the first save would) and its lock file DIR/.lock, which it holds with
+ * flock for the whole run so that a second job on the same folder stops at
+ * once, naming the first one's pid. The lock file stays (removing it would
+ * let a third job lock a new file while a second still waits on the old). */
+
+static int g_lock_fd = -1; /* DIR/.lock, held until exit */
+
+/* The folder holding path: "." for a bare name. */
+static void dir_of(const char *path, char *buf, size_t n) {
+    snprintf(buf, n, "%s", path);
+    char *sl = strrchr(buf, '/');
+    if (!sl) snprintf(buf, n, ".");
+    else if (sl == buf) buf[1] = 0;
+    else *sl = 0;
+}
+
+/* A file the run will write (created or replaced): its folder must exist and
+ * be writable, and the path must not be a folder. 0 or a message in err. */
+static int check_out_file(const char *flag, const char *path, char *err, size_t n) {
+    struct stat sb;
+    char dir[4096];
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode))
+        return snprintf(err, n, "%s '%s' is a folder; give a file path", flag, path), 1;
+    dir_of(path, dir, sizeof dir);
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return snprintf(err, n, "%s '%s': the folder '%s' does not exist", flag, path, dir), 1;
+    if (access(dir, W_OK | X_OK) != 0)
+        return snprintf(err, n, "%s '%s': cannot write in '%s': %s", flag, path, dir, strerror(errno)), 1;
+    if (access(path, F_OK) == 0 && access(path, W_OK) != 0)
+        return snprintf(err, n, "%s '%s': cannot write it: %s", flag, path, strerror(errno)), 1;
+    return 0;
+}
+
+/* --save-dir: an existing writable folder, or one level to create; then its lock. */
+static int check_save_dir(const char *dir, char *err, size_t n) {
+    struct stat sb;
+    if (stat(dir, &sb) == 0) {
+        if (!S_ISDIR(sb.st_mode)) return snprintf(err, n, "--save-dir '%s' exists and is not a folder", dir), 1;
+        if (access(dir, W_OK | X_OK) != 0)
+            return snprintf(err, n, "--save-dir '%s': cannot write in it: %s", dir, strerror(errno)), 1;
+    } else {
+        char parent[4096];
+        dir_of(dir, parent, sizeof parent);
+        if (stat(parent, &sb) != 0 || !S_ISDIR(sb.st_mode))
+            return snprintf(err, n, "--save-dir '%s': the folder '%s' does not exist", dir, parent), 1;
+        if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+            return snprintf(err, n, "--save-dir: cannot create '%s': %s", dir, strerror(errno)), 1;
+    }
+    char lock[4096];
+    snprintf(lock, sizeof lock, "%s/.lock", dir);
+    int fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) return snprintf(err, n, "--save-dir: cannot open its lock file '%s': %s", lock, strerror(errno)), 1;
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        char who[64] = "";
+        ssize_t r = pread(fd, who, sizeof who - 1, 0);
+        who[r > 0 ? r : 0] = 0;
+        who[strcspn(who, "\n")] = 0;
+        close(fd);
+        if (e == EWOULDBLOCK)
+            return snprintf(err, n, "--save-dir '%s' is in use by another training job (%s, holding %s); give "
+                            "another --save-dir or wait for it to end", dir, who[0] ? who : "pid unknown", lock), 1;
+        return snprintf(err, n, "--save-dir: cannot lock '%s': %s", lock, strerror(e)), 1;
+    }
+    char host[256] = "?", line[320];
+    gethostname(host, sizeof host - 1);
+    host[sizeof host - 1] = 0;
+    int len = snprintf(line, sizeof line, "pid %ld on %s\n", (long)getpid(), host);
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, line, (size_t)len, 0) != len) { /* only informs the other job */ }
+    g_lock_fd = fd;
+    return 0;
 }
 
 /* ---- Run ---- */
@@ -305,6 +429,7 @@ static void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct 
                       const struct fsdp_gpt_config *cfg, int step, int tty) {
     int rank = fsdp_ctx_rank(ctx);
     char path[4096];
+    launcher_check();
     ckpt_path(path, sizeof path, o->save_dir, step);
     if (rank == 0 && mkdir(o->save_dir, 0755) != 0 && errno != EEXIST)
         fail_rank("--save-dir: cannot create '%s': %s", o->save_dir, strerror(errno));
@@ -365,6 +490,21 @@ static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct f
     free(text);
 }
 
+/* Every rank: rank 0 checks --log, --save-full and --save-dir (and takes the
+ * lock), and all ranks end alike on a failure. */
+static void check_outputs(struct fsdp_ctx *ctx, const struct opts *o) {
+    char err[8192] = "";
+    int bad = 0;
+    if (fsdp_ctx_rank(ctx) == 0) {
+        bad = (o->log_path && check_out_file("--log", o->log_path, err, sizeof err)) ||
+              (o->save_full && check_out_file("--save-full", o->save_full, err, sizeof err)) ||
+              (o->save_dir && check_save_dir(o->save_dir, err, sizeof err));
+    }
+    int32_t v = bad;
+    if (fsdp_comm_broadcast(fsdp_ctx_comm(ctx), &v, 1, FSDP_I32, 0) != FSDP_OK) fail_rank("%s", fsdp_errmsg(ctx));
+    if (v) fail_all("%s", err); /* rank 0 prints it */
+}
+
 /* ---- Memory plan (--dry-run, --mem-limit) ---- */
 
 static void mib(char *buf, size_t cap, size_t bytes) {
@@ -385,14 +525,69 @@ static void plan_mark_ac(struct fsdp_module *m, const struct opts *o, int on) {
     }
 }
 
+/* The memory this host can give each of its `local` ranks: the least of
+ * MemAvailable and the cgroup's memory limit (v2, or v1), shared equally;
+ * per_rank = 0 when neither can be read. `how` says where it came from. */
+struct host_mem {
+    size_t per_rank;
+    char how[160];
+};
+
+static int read_u64_file(const char *path, unsigned long long *out) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    char line[64] = "";
+    int ok = fgets(line, sizeof line, f) != NULL;
+    fclose(f);
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(line, &end, 10);
+    if (!ok || end == line || errno) return 0; /* "max": no limit */
+    *out = v;
+    return 1;
+}
+
+static void host_memory(struct host_mem *hm, int local) {
+    unsigned long long avail = 0, cg = 0;
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char line[256];
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemAvailable: %llu kB", &avail) == 1) { avail *= 1024; break; }
+        fclose(f);
+    }
+    /* cgroup v2: the memory.max of this process's group (from /proc/self/cgroup), else the root's */
+    char path[4096] = "", grp[3800] = "";
+    if ((f = fopen("/proc/self/cgroup", "r"))) {
+        char line[3800];
+        while (fgets(line, sizeof line, f))
+            if (!strncmp(line, "0::", 3)) {
+                snprintf(grp, sizeof grp, "%s", line + 3);
+                grp[strcspn(grp, "\n")] = 0;
+            }
+        fclose(f);
+    }
+    snprintf(path, sizeof path, "/sys/fs/cgroup%s/memory.max", grp[0] == '/' && grp[1] ? grp : "");
+    if (!read_u64_file(path, &cg) && !read_u64_file("/sys/fs/cgroup/memory.max", &cg) &&
+        !read_u64_file("/sys/fs/cgroup/memory/memory.limit_in_bytes", &cg))
+        cg = 0;
+    if (cg >= (1ull << 60)) cg = 0; /* v1's "unlimited" */
+    unsigned long long host = avail && cg ? (avail < cg ? avail : cg) : avail ? avail : cg;
+    if (local < 1) local = 1;
+    hm->per_rank = (size_t)(host / (unsigned long long)local);
+    char a[48] = "", c[48] = "";
+    if (avail) snprintf(a, sizeof a, "MemAvailable %.1f MiB", (double)avail / 1048576.0);
+    if (cg) snprintf(c, sizeof c, "cgroup limit %.1f MiB", (double)cg / 1048576.0);
+    snprintf(hm->how, sizeof hm->how, "%s%s%s over %d local rank%s", a, avail && cg ? ", " : "", c, local,
+             local == 1 ? "" : "s");
+}
+
 /* Plans the run for `pworld` ranks: --dry-run prints the plan per rank and
  * exits; --mem-limit refuses a plan over the limit before any work, then
  * hands the limit to the library's allocator. Every rank computes the same. */
 static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *gpt, int pworld) {
-    if (!o->dry_run && !o->mem_limit) return;
-    size_t limit = 0;
-    if (o->mem_limit && fsdp_mem_parse_size(ctx, o->mem_limit, &limit) != FSDP_OK)
-        fail_all("--mem-limit: %s", fsdp_errmsg(ctx));
+    if (!o->dry_run && !o->mem_limit_bytes && !o->mem_limit_auto) return;
+    size_t limit = o->mem_limit_bytes;
     if (o->batch % pworld != 0)
         fail_all("--batch %d (global) is not divisible by the world size %d", o->batch, pworld);
     int k = !strcmp(o->optim, "sgd") ? (o->momentum > 0 ? 1 : 0) : 2;
@@ -429,7 +624,7 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
     int me = fsdp_ctx_rank(ctx);
     struct fsdp_mem_plan p0;
     memset(&p0, 0, sizeof p0);
-    for (int i = 0; i < shown; i++) {
+    for (int i = 0; i < (o->dry_run ? shown : 1); i++) {
         int r = pworld <= 8 ? i : (i ? pworld - 1 : 0);
         struct fsdp_mem_plan p;
         enum fsdp_status pst = fsdp_plan_memory_accum(
@@ -458,14 +653,46 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
         for (int j = 0; j < 7; j++) mib(c[j], sizeof c[j], v[j]);
         printf("%-6d %12s %12s %12s %12s %12s %12s %12s\n", r, c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
     }
+    /* --mem-limit auto: the host's memory per local rank, the smallest over
+     * the job's hosts so that every rank reaches the same verdict */
+    struct host_mem hm = {0};
+    if (o->mem_limit_auto) {
+        host_memory(&hm, pworld > 1 && !getenv("OMPI_COMM_WORLD_SIZE") ? pworld : local_ranks());
+        float mine = (float)((double)hm.per_rank / 1048576.0), least = mine;
+        if (fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &mine, &least, 1, FSDP_F32, FSDP_MIN) != FSDP_OK)
+            fail_rank("%s", fsdp_errmsg(ctx));
+        if (least < mine) hm.per_rank = (size_t)((double)least * 1048576.0);
+    }
     if (o->dry_run && me == 0) {
         if (limit)
             printf("--mem-limit %s (%.1f MiB): %s (%.0f%% of the limit)\n", o->mem_limit,
                    (double)limit / 1048576.0, p0.total <= limit ? "fits" : "EXCEEDED",
                    100.0 * (double)p0.total / (double)limit);
+        if (hm.per_rank)
+            printf("host memory (--mem-limit auto): %.1f MiB per rank (%s): %s\n", (double)hm.per_rank / 1048576.0,
+                   hm.how, p0.total <= hm.per_rank ? "fits" : "EXCEEDED, a run would be refused");
         printf("(library accounting; the process also holds MPI, oneDNN and the program itself)\n");
     }
     plan_mark_ac(gpt, o, 0); /* fsdp_parallelize_model marks them itself */
+    if (!o->dry_run && hm.per_rank && p0.total > hm.per_rank) {
+        /* the three biggest parts, largest first */
+        const char *name[6] = {"parameter shards", "gradient shards", "optimizer state", "full buffers",
+                               "activations", "workspace"};
+        size_t v[6] = {p0.params, p0.grads, p0.optim, p0.full, p0.act, p0.workspace};
+        int idx[6] = {0, 1, 2, 3, 4, 5};
+        for (int a = 1; a < 6; a++)
+            for (int b = a; b > 0 && v[idx[b]] > v[idx[b - 1]]; b--) {
+                int t = idx[b];
+                idx[b] = idx[b - 1];
+                idx[b - 1] = t;
+            }
+        fail_all("the plan needs %.1f MiB per rank, most of it %s %.1f MiB, %s %.1f MiB and %s %.1f MiB; this host "
+                 "can give each rank %.1f MiB (%s); use more ranks, a smaller --batch or --seq, --ac blocks or a "
+                 "smaller model, or override the check with --mem-limit off (or --mem-limit SIZE)",
+                 (double)p0.total / 1048576.0, name[idx[0]], (double)v[idx[0]] / 1048576.0, name[idx[1]],
+                 (double)v[idx[1]] / 1048576.0, name[idx[2]], (double)v[idx[2]] / 1048576.0,
+                 (double)hm.per_rank / 1048576.0, hm.how);
+    }
     if (limit && p0.total > limit)
         fail_all("--mem-limit %s: the plan needs %.1f MiB per rank (shards %.1f, full buffers %.1f, activations "
                  "%.1f, workspace %.1f MiB), more than the limit of %.1f MiB; use more ranks, a smaller "
@@ -486,6 +713,7 @@ int main(int argc, char **argv) {
     parse_args(argc, argv, &o);
     int under_mpi = getenv("OMPI_COMM_WORLD_SIZE") != NULL;
     if (o.nproc > 1 && !under_mpi && !o.dry_run) relaunch(argc, argv, o.nproc); /* a plan needs no ranks */
+    if (under_mpi) launcher_watch_start();
 
     struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
     co.threads = o.threads;
@@ -507,6 +735,10 @@ int main(int argc, char **argv) {
     if (o.check_collectives) fsdp_comm_set_check(fsdp_ctx_comm(ctx), 1);
     if (o.nproc > 1 && world != o.nproc && !(o.dry_run && !under_mpi))
         fail_all("--nproc %d but the MPI world has %d ranks", o.nproc, world);
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    if (rank == 0 && cpus > 0 && o.threads > cpus)
+        fprintf(stderr, "fsdp-train: warning: --threads %d is more than the %ld CPUs of this host: the threads will "
+                "take turns on the cores (slower, same results)\n", o.threads, cpus);
 
     /* --resume: meta.json first, for its model config */
     char resume_buf[4096];
@@ -549,6 +781,16 @@ int main(int argc, char **argv) {
         fail_all("--batch %d (global) is not divisible by the world size %d", o.batch, world);
     check_strategy_flags(&o, world);
 
+    /* --resume at or past --steps: nothing to train (--save-full still writes the loaded model) */
+    int nothing_left = resume_dir && ck.step >= o.steps;
+    if (nothing_left && rank == 0)
+        printf("nothing left to train: %s is at step %lld and --steps is %d (give --steps above %lld to train "
+               "further)\n", resume_dir, (long long)ck.step, o.steps, (long long)ck.step);
+    if (nothing_left && !o.save_full) {
+        fsdp_ctx_free(ctx);
+        return 0;
+    }
+
     /* --resume: the checkpoint's seed keys the data and sampling streams */
     if (resume_dir) {
         if (ck.step > 0 && ck.seed != o.seed) { /* a converted folder (step 0) carries no data position */
@@ -563,6 +805,9 @@ int main(int argc, char **argv) {
                               ? fsdp_data_synthetic(ctx, o.seed, (size_t)1 << 22, &data)
                               : fsdp_data_open(ctx, o.data, cfg.vocab_size, &data);
     if (st != FSDP_OK) fail_all("--data: %s", fsdp_errmsg(ctx));
+    if (fsdp_data_ntokens(data) < (size_t)o.seq + 1) /* a sequence would wrap around into itself */
+        fail_all("--data: '%s' has %zu tokens, fewer than one sequence needs (--seq %d + 1 = %d tokens)", o.data,
+                 fsdp_data_ntokens(data), o.seq, o.seq + 1);
     if (fsdp_data_is_text(data) && cfg.vocab_size < 256)
         fail_all("byte-level text needs vocab_size >= 256, the model has %d", cfg.vocab_size);
 
@@ -570,6 +815,7 @@ int main(int argc, char **argv) {
     struct fsdp_module *gpt;
     if (fsdp_gpt_create(ctx, &cfg, &gpt) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
     memory_plan(ctx, &o, gpt, !under_mpi && o.dry_run && o.nproc > 1 ? o.nproc : world);
+    check_outputs(ctx, &o);
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     oo.kind = !strcmp(o.optim, "sgd") ? FSDP_OPTIM_SGD : FSDP_OPTIM_ADAMW;
     oo.beta1 = o.beta1;
@@ -646,7 +892,9 @@ int main(int argc, char **argv) {
     int timed = 0, skipped = 0;
     struct comm_delta comm_total = {0}; /* over the timed steps (all but the first) */
     for (int step = start_step; step < o.steps; step++) {
-        fsdp_data_batch(data, step, o.batch, T, rank, world, inputs, targets);
+        launcher_check();
+        if (fsdp_data_batch(data, step, o.batch, T, rank, world, inputs, targets) != FSDP_OK)
+            fail_rank("step %d: --data: %s", step + 1, fsdp_errmsg(ctx));
         float lr = fsdp_lr_at(&sched, step);
         struct fsdp_step_result r;
         struct fsdp_comm_stats cs0, cs1;
@@ -698,7 +946,6 @@ int main(int argc, char **argv) {
         if (o.save_dir && ((o.save_every && (step + 1) % o.save_every == 0) || step + 1 == o.steps))
             save_ckpt(ctx, fm, &o, &cfg, step + 1, tty);
     }
-    if (o.save_dir && start_step >= o.steps) save_ckpt(ctx, fm, &o, &cfg, start_step, tty);
     if (tty && rank == 0) printf("\n");
     if (logf) fclose(logf);
 
@@ -707,11 +954,11 @@ int main(int argc, char **argv) {
         if (fsdp_model_save_full(ctx, fm, o.save_full) != FSDP_OK) fail_all("--save-full: %s", fsdp_errmsg(ctx));
         if (rank == 0) printf("saved %s in %.2f s\n", o.save_full, now_s() - t0);
     }
-    if (o.sample > 0 && fsdp_data_is_text(data) && o.steps > 0) generate(ctx, fm, &cfg, o.sample, o.seed);
+    if (o.sample > 0 && fsdp_data_is_text(data) && o.steps > 0 && !nothing_left) generate(ctx, fm, &cfg, o.sample, o.seed);
 
     float rss = (float)((double)fsdp_peak_rss_bytes() / 1048576.0), rss_max = rss;
     fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &rss, &rss_max, 1, FSDP_F32, FSDP_MAX);
-    if (rank == 0) {
+    if (rank == 0 && !nothing_left) {
         double tps = timed ? (double)o.batch * T * timed / total_s : 0;
         /* ZeRO-3: 16 bytes per parameter (param, grad, m, v) over the world,
          * plus a gathered unit's full parameters and gradients */

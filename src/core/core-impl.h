@@ -152,6 +152,20 @@ void fsdp__cvt_to_f32(enum fsdp_dtype dt, const void *src, float *dst, size_t n)
  * of a GPT-2 gradient, 0.5 GB, left the other threads waiting). */
 void fsdp__zero(float *x, int64_t n);
 
+/* ---- Files the library reads (file.c, [Note: regular files only]) ---- */
+/* Opens path read-only without blocking, refuses anything but a regular file
+ * (a FIFO would hang the open or the read), then makes the descriptor
+ * blocking. Messages read "<what> '<path>': ..." (or "<path>: ..." when what
+ * is NULL). On success *fd (O_CLOEXEC, the caller closes it) and *size (may
+ * be NULL). COLLECTIVE: no. */
+enum fsdp_status fsdp__open_regular(struct fsdp_ctx *ctx, const char *what, const char *path, int *fd,
+                                    uint64_t *size);
+/* Reads all of the regular file path into *out (malloc'd, NUL-terminated,
+ * returned to the caller to free; *len its length, may be NULL);
+ * FSDP_ERR_FORMAT if it holds more than max bytes. */
+enum fsdp_status fsdp__read_file(struct fsdp_ctx *ctx, const char *what, const char *path, size_t max,
+                                 char **out, size_t *len);
+
 /* ---- Time ---- */
 double fsdp__now(void); /* monotonic seconds */
 

@@ -16,28 +16,8 @@
 #define MAX_META_BYTES ((size_t)256 << 20)
 
 static char *read_text(struct fsdp_ctx *ctx, const char *path, enum fsdp_status *st) {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        *st = fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-        return NULL;
-    }
-    struct stat sb;
-    size_t cap = fstat(fileno(f), &sb) == 0 && (uint64_t)sb.st_size <= MAX_META_BYTES ? (size_t)sb.st_size + 1
-                                                                                    : MAX_META_BYTES + 1;
-    char *buf = malloc(cap + 1);
-    size_t n = buf ? fread(buf, 1, cap, f) : 0; /* reads one byte more than stat said: growth shows */
-    fclose(f);
-    if (!buf) {
-        *st = fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
-        return NULL;
-    }
-    if (n > MAX_META_BYTES) {
-        free(buf);
-        *st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: larger than %zu bytes", path, MAX_META_BYTES);
-        return NULL;
-    }
-    buf[n] = 0;
-    *st = FSDP_OK;
+    char *buf = NULL;
+    *st = fsdp__read_file(ctx, NULL, path, MAX_META_BYTES, &buf, NULL);
     return buf;
 }
 

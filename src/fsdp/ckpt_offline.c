@@ -13,6 +13,8 @@
 
 /* ---- Offline: describe, verify, convert ---- */
 
+static enum fsdp_status verify_model(struct fsdp_ctx *ctx, const struct fsdp__meta *mt);
+
 /* Verifies a sharded folder: every file, every checksum, every listed piece. */
 static enum fsdp_status verify_dir(struct fsdp_ctx *ctx, struct fsdp__meta *mt, FILE *out) {
     struct fsdp__fcache c;
@@ -36,7 +38,7 @@ static enum fsdp_status verify_dir(struct fsdp_ctx *ctx, struct fsdp__meta *mt, 
                 if (q < 0) snprintf(tname, sizeof tname, "%s", p->fqn);
                 else snprintf(tname, sizeof tname, "%s#%s", p->fqn, mt->state[q]);
                 int ti = fsdp__st_find(f, tname);
-                if (ti < 0 || f->t[ti].numel != p->ranges[r].end - p->ranges[r].start ||
+                if (ti < 0 || f->t[ti].dtype != FSDP_F32 || f->t[ti].numel != p->ranges[r].end - p->ranges[r].start ||
                     (q < 0 && f->data_start + f->t[ti].begin != p->ranges[r].b0))
                     st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s' is missing or differs from meta.json",
                                    f->path, tname);
@@ -73,6 +75,12 @@ enum fsdp_status fsdp_ckpt_describe(struct fsdp_ctx *ctx, const char *path, int 
         }
         fprintf(out, "%d parameters, %lld elements\n", mt.n_params, (long long)total);
         enum fsdp_status st = verify ? verify_dir(ctx, &mt, out) : FSDP_OK;
+        if (st == FSDP_OK && verify && mt.m.has_config) {
+            st = verify_model(ctx, &mt);
+            if (st == FSDP_OK) fprintf(out, "  model_config: the parameters are exactly the model's, names and shapes\n");
+        } else if (st == FSDP_OK && verify) {
+            fprintf(out, "  no model_config: names and shapes not checked against a model (--resume needs --model)\n");
+        }
         if (st == FSDP_OK && verify) fprintf(out, "verified: ok\n");
         fsdp__meta_free(&mt);
         return st;
@@ -217,6 +225,28 @@ static enum fsdp_status check_model(struct fsdp_ctx *ctx, const char *path, cons
                            out[k].fqn, cs);
     fsdp_module_free(gpt);
     free(seen);
+    return st;
+}
+
+/* verify: a checkpoint with a model_config holds exactly the parameters of
+ * that GPT, by name and shape, as fsdp_ckpt_load into that model checks. */
+static enum fsdp_status verify_model(struct fsdp_ctx *ctx, const struct fsdp__meta *mt) {
+    char *mpath = fsdp__path_join(mt->dir, FSDP__META_NAME);
+    struct out_tensor *ot = calloc((size_t)mt->n_params + 1, sizeof *ot);
+    enum fsdp_status st = mpath && ot ? FSDP_OK : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < mt->n_params && st == FSDP_OK; i++) {
+        const struct fsdp__meta_param *p = &mt->params[i];
+        ot[i] = (struct out_tensor){i, p->fqn, p->ndim, {0}, 0};
+        memcpy(ot[i].shape, p->shape, sizeof ot[i].shape);
+    }
+    if (st == FSDP_OK && fsdp_gpt_config_validate(ctx, &mt->m.config) != FSDP_OK) {
+        char msg[sizeof ctx->errmsg];
+        snprintf(msg, sizeof msg, "%s", fsdp_errmsg(ctx));
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: model_config: %s", mpath, msg);
+    }
+    if (st == FSDP_OK) st = check_model(ctx, mpath, &mt->m.config, ot, mt->n_params); /* names and shapes */
+    free(ot); /* the fqns belong to mt */
+    free(mpath);
     return st;
 }
 

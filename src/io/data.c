@@ -2,8 +2,9 @@
  * data.c - token sources for training: llm.c token files, raw uint16 .bin
  * files (nanoGPT), byte-level text, and the built-in synthetic corpus with an
  * exactly known entropy floor; and the global batch -> per-rank share mapping.
- * Files are mmap'd read-only and used in place (uint16 or uint8 tokens, never
- * widened), so opening a multi-GB shard costs one validation pass.
+ * A file is mmap'd read-only for one validation pass at open, then batches
+ * pread the tokens they need ([Note: files change under us]), so opening a
+ * multi-GB shard costs one pass and holds no copy.
  * Invariants: 2 <= ntok; every token < the vocab_size given at open; exactly
  * one of u8 / u16 is set. The byte order of token files is little-endian, as
  * llm.c and nanoGPT write them on x86, and this file assumes a little-endian host.
@@ -29,9 +30,16 @@ struct fsdp_data {
     size_t ntok;
     int is_text;
     double floor;           /* nats per token; < 0 when unknown */
-    void *map;              /* the mmap'd file, or NULL */
+    void *map;              /* the mmap'd file while it is validated, or NULL */
     size_t map_len;
     void *owned;            /* synthetic or copied bytes from fsdp__alloc, or NULL */
+    /* a file's tokens are read with pread ([Note: files change under us]) */
+    int fd;                 /* -1 for tokens in memory */
+    char *path;             /* for messages (plain malloc) */
+    uint64_t tok_off;       /* byte offset of token 0 in the file */
+    uint64_t file_bytes;    /* the size validated at open */
+    int tok_bytes;          /* 1 or 2 */
+    int vocab_size;
 };
 
 /* llm.c token file: 256 int32 header words, then uint16 tokens. */
@@ -43,6 +51,7 @@ static enum fsdp_status data_new(struct fsdp_ctx *ctx, struct fsdp_data **out) {
     if (!d) return FSDP_ERR_NOMEM;
     d->ctx = ctx;
     d->floor = -1.0;
+    d->fd = -1;
     *out = d;
     return FSDP_OK;
 }
@@ -50,6 +59,8 @@ static enum fsdp_status data_new(struct fsdp_ctx *ctx, struct fsdp_data **out) {
 void fsdp_data_free(struct fsdp_data *d) {
     if (!d) return;
     if (d->map) munmap(d->map, d->map_len);
+    if (d->fd >= 0) close(d->fd);
+    free(d->path);
     fsdp__free(d->ctx, d->owned);
     fsdp__free(d->ctx, d);
 }
@@ -71,10 +82,21 @@ static int ends_with(const char *s, const char *suffix) {
  * garbage, so a .bin whose first word is a 2024 date-like magic and whose
  * second word is a small version number is rejected as an unknown llm.c
  * format. Read as uint16 tokens, such a start is (x, 308 or 309, v, 0) with
- * 1 <= v <= 255: possible in a real token stream, but rare enough. */
+ * 1 <= v <= 255: possible in a real token stream, but rare enough.
+ * A .bin laid out as an llm.c token file in all but its magic (version word
+ * 1, and a token count word equal to the (size - 1024) / 2 tokens the file
+ * holds after a header) is a token file with a damaged magic, and rejected
+ * too: read as uint16 tokens that start is (x, y, 1, 0, n % 65536, n >> 16)
+ * with n the file's own length in tokens, which no real stream matches by
+ * chance. Any other .bin is raw tokens. */
 static int looks_like_llmc(const int32_t *h, size_t bytes) {
     return bytes >= LLMC_HEADER_BYTES && h[0] >= 20240000 && h[0] <= 20259999 && h[1] >= 1 &&
            h[1] <= 255;
+}
+
+static int damaged_llmc(const int32_t *h, size_t bytes) {
+    return bytes >= LLMC_HEADER_BYTES && h[1] == 1 && h[2] >= 0 &&
+           (uint64_t)LLMC_HEADER_BYTES + 2 * (uint64_t)h[2] == bytes;
 }
 
 /* Checks every token against vocab_size; reports the first one out of range. */
@@ -125,6 +147,11 @@ static enum fsdp_status data_layout(struct fsdp_ctx *ctx, const char *path, stru
             return fsdp__err(ctx, FSDP_ERR_FORMAT,
                              "'%s': unknown llm.c magic %d, version %d (token files have magic "
                              "%d, version 1)", path, (int)h[0], (int)h[1], LLMC_MAGIC);
+        if (damaged_llmc(h, bytes))
+            return fsdp__err(ctx, FSDP_ERR_FORMAT,
+                             "'%s': laid out as an llm.c token file (version 1, %d tokens after a %d-byte "
+                             "header, as its size says) but its magic is %d, not %d: a damaged header",
+                             path, (int)h[2], LLMC_HEADER_BYTES, (int)h[0], LLMC_MAGIC);
         if (bytes % 2)
             return fsdp__err(ctx, FSDP_ERR_FORMAT,
                              "'%s': raw uint16 token file has an odd size (%zu bytes)", path, bytes);
@@ -166,19 +193,10 @@ enum fsdp_status fsdp_data_open(struct fsdp_ctx *ctx, const char *path, int voca
     if (vocab_size <= 0)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "data open '%s': vocab_size %d must be positive",
                          path, vocab_size);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return fsdp__err(ctx, FSDP_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        int e = errno;
-        close(fd);
-        return fsdp__err(ctx, FSDP_ERR_IO, "cannot stat '%s': %s", path, strerror(e));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(fd);
-        return fsdp__err(ctx, FSDP_ERR_IO, "'%s' is not a regular file", path);
-    }
-    size_t bytes = (size_t)sb.st_size;
+    int fd;
+    uint64_t fsize;
+    FSDP_TRY(fsdp__open_regular(ctx, NULL, path, &fd, &fsize));
+    size_t bytes = (size_t)fsize;
     if (bytes < 2) { /* also keeps an empty file away from mmap */
         close(fd);
         return fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s' has %zu bytes: too short to hold 2 tokens",
@@ -186,18 +204,37 @@ enum fsdp_status fsdp_data_open(struct fsdp_ctx *ctx, const char *path, int voca
     }
     void *map = mmap(NULL, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
     int map_errno = errno;
-    close(fd);
-    if (map == MAP_FAILED)
+    if (map == MAP_FAILED) {
+        close(fd);
         return fsdp__err(ctx, FSDP_ERR_IO, "cannot map '%s': %s", path, strerror(map_errno));
+    }
     struct fsdp_data *d;
     enum fsdp_status st = data_new(ctx, &d);
     if (st != FSDP_OK) {
         munmap(map, bytes);
+        close(fd);
         return st;
     }
     d->map = map;
     d->map_len = bytes;
-    return data_finish(ctx, path, d, map, bytes, vocab_size, out);
+    d->fd = fd;
+    d->path = fsdp__strdup(path);
+    if (!d->path) {
+        fsdp_data_free(d);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory opening '%s'", path);
+    }
+    FSDP_TRY(data_finish(ctx, path, d, map, bytes, vocab_size, out));
+    /* validated: from now on the tokens are read from the file */
+    const uint8_t *first = d->u16 ? (const uint8_t *)d->u16 : d->u8;
+    d->tok_off = (uint64_t)(first - (const uint8_t *)map);
+    d->tok_bytes = d->u16 ? 2 : 1;
+    d->file_bytes = bytes;
+    d->vocab_size = vocab_size;
+    d->u16 = NULL;
+    d->u8 = NULL;
+    munmap(map, bytes);
+    d->map = NULL;
+    return FSDP_OK;
 }
 
 enum fsdp_status fsdp__data_open_mem(struct fsdp_ctx *ctx, const char *name, const void *buf,
@@ -229,8 +266,57 @@ static inline int32_t token_at(const struct fsdp_data *d, size_t i) {
     return d->u16 ? (int32_t)d->u16[i] : (int32_t)d->u8[i];
 }
 
-void fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int rank, int world,
-                     int32_t *inputs, int32_t *targets) {
+/* [Note: files change under us]
+ * A token file is validated once at open, but another program may rewrite
+ * or truncate it while we train. Pages of a mapping past a file's new end
+ * raise SIGBUS, which would kill the rank with no word of the file; so after
+ * the validation pass the mapping is dropped and batches read the tokens
+ * with pread. A short read (the file shrank) is an error naming the file and
+ * both sizes, and every token read is checked against the vocabulary again. */
+
+/* dst[0..n) = the n tokens from position pos on, wrapping at the end. */
+static enum fsdp_status file_tokens(const struct fsdp_data *d, size_t pos, size_t n, int32_t *dst) {
+    uint8_t buf[4096];
+    size_t per = sizeof buf / (size_t)d->tok_bytes;
+    while (n > 0) {
+        size_t take = n < per ? n : per;
+        if (take > d->ntok - pos) take = d->ntok - pos;
+        size_t want = take * (size_t)d->tok_bytes, got = 0;
+        uint64_t off = d->tok_off + (uint64_t)pos * (uint64_t)d->tok_bytes;
+        while (got < want) {
+            ssize_t r = pread(d->fd, buf + got, want - got, (off_t)(off + got));
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0)
+                return fsdp__err(d->ctx, FSDP_ERR_IO, "'%s': cannot read tokens at byte %llu: %s", d->path,
+                                 (unsigned long long)(off + got), strerror(errno));
+            if (r == 0) {
+                struct stat sb;
+                long long now = fstat(d->fd, &sb) == 0 ? (long long)sb.st_size : -1;
+                return fsdp__err(d->ctx, FSDP_ERR_IO,
+                                 "'%s' shrank while in use: it has %lld bytes, %llu at open (token %zu is "
+                                 "gone); a token file must not change while training", d->path, now,
+                                 (unsigned long long)d->file_bytes, pos + got / (size_t)d->tok_bytes);
+            }
+            got += (size_t)r;
+        }
+        for (size_t k = 0; k < take; k++) {
+            int32_t t = d->tok_bytes == 2 ? (int32_t)((uint16_t)buf[2 * k] | (uint16_t)buf[2 * k + 1] << 8)
+                                          : (int32_t)buf[k];
+            if (t >= d->vocab_size)
+                return fsdp__err(d->ctx, FSDP_ERR_FORMAT,
+                                 "'%s': token %d at position %zu is >= vocab_size %d (the file changed while "
+                                 "in use)", d->path, (int)t, pos + k, d->vocab_size);
+            dst[k] = t;
+        }
+        dst += take;
+        n -= take;
+        pos = pos + take == d->ntok ? 0 : pos + take;
+    }
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int rank, int world,
+                                 int32_t *inputs, int32_t *targets) {
     FSDP_ASSERT(d != NULL, "data is NULL");
     FSDP_ASSERT(step >= 0 && B > 0 && T > 0, "step %lld, B %d, T %d", (long long)step, B, T);
     FSDP_ASSERT(world > 0 && rank >= 0 && rank < world, "rank %d of world %d", rank, world);
@@ -240,6 +326,12 @@ void fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int 
     for (int64_t i = lo; i < hi; i++) {
         size_t pos = (size_t)((((unsigned __int128)step * (unsigned)B + (uint64_t)i) * (unsigned)T) % n);
         int32_t *in = inputs + (i - lo) * T, *tg = targets + (i - lo) * T;
+        if (d->fd >= 0) { /* inputs, then the one token after them; targets are inputs shifted by one */
+            FSDP_TRY(file_tokens(d, pos, (size_t)T, in));
+            FSDP_TRY(file_tokens(d, (size_t)(((unsigned __int128)pos + (unsigned)T) % n), 1, tg + T - 1));
+            memmove(tg, in + 1, (size_t)(T - 1) * sizeof *tg);
+            continue;
+        }
         int32_t cur = token_at(d, pos);
         for (int t = 0; t < T; t++) {
             pos = pos + 1 == d->ntok ? 0 : pos + 1;
@@ -249,6 +341,7 @@ void fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int 
             cur = next;
         }
     }
+    return FSDP_OK;
 }
 
 /* ---- The synthetic corpus ---- */

@@ -417,14 +417,9 @@ enum fsdp_status fsdp__safetensors_parse(struct fsdp_ctx *ctx, const char *name,
 enum fsdp_status fsdp__st_open(struct fsdp_ctx *ctx, const char *path, struct fsdp__st_file *out) {
     memset(out, 0, sizeof *out);
     out->fd = -1;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        close(fd);
-        return fsdp__err(ctx, FSDP_ERR_IO, "%s: not a regular file", path);
-    }
-    uint64_t size = (uint64_t)sb.st_size;
+    int fd;
+    uint64_t size;
+    FSDP_TRY(fsdp__open_regular(ctx, NULL, path, &fd, &size));
     uint8_t lenb[8];
     ssize_t r = size >= 8 ? pread(fd, lenb, 8, 0) : 0;
     if (r != 8) {

@@ -198,12 +198,24 @@ enum fsdp_status fsdp_gpt_config_preset(const char *name, struct fsdp_gpt_config
     return FSDP_ERR_INVALID;
 }
 
+/* [Note: config bounds]
+ * Each field has a ceiling far above any model this library can train, low
+ * enough that every size derived from a config (a parameter's elements, the
+ * model's, a layer's row times a sequence) fits in int64 with room to spare:
+ * the largest tensor, wte, has at most 2^24 * 2^17 = 2^41 elements, and the
+ * whole model at most 4096 * 12 * 2^34 + 2^41 + 2^37 < 2^50. */
+static const int config_max[5] = {4096, 4096, 1 << 17, 1 << 24, 1 << 20};
+
 enum fsdp_status fsdp_gpt_config_validate(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg) {
     const char *names[5] = {"n_layer", "n_head", "n_embd", "vocab_size", "block_size"};
     int vals[5] = {cfg->n_layer, cfg->n_head, cfg->n_embd, cfg->vocab_size, cfg->block_size};
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < 5; i++) {
         if (vals[i] <= 0)
             return fsdp__err(ctx, FSDP_ERR_INVALID, "GPT config: %s must be positive (got %d)", names[i], vals[i]);
+        if (vals[i] > config_max[i])
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "GPT config: %s %d is above the largest supported, %d",
+                             names[i], vals[i], config_max[i]);
+    }
     if (cfg->n_embd % cfg->n_head != 0)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "GPT config: n_embd %d is not divisible by n_head %d",
                          cfg->n_embd, cfg->n_head);
@@ -263,23 +275,8 @@ static enum fsdp_status config_parse_text(struct fsdp_ctx *ctx, const char *path
 }
 
 enum fsdp_status fsdp_gpt_config_load(struct fsdp_ctx *ctx, const char *path, struct fsdp_gpt_config *cfg) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return fsdp__err(ctx, FSDP_ERR_IO, "cannot open model config '%s': %s", path, strerror(errno));
-    char *buf = malloc(CONFIG_MAX_BYTES + 1);
-    if (!buf) {
-        fclose(f);
-        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory reading model config '%s'", path);
-    }
-    size_t n = fread(buf, 1, CONFIG_MAX_BYTES + 1, f);
-    int rerr = ferror(f);
-    fclose(f);
-    if (rerr || n > CONFIG_MAX_BYTES) {
-        free(buf);
-        return rerr ? fsdp__err(ctx, FSDP_ERR_IO, "cannot read model config '%s'", path)
-                    : fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s' is larger than %d bytes", path,
-                                CONFIG_MAX_BYTES);
-    }
-    buf[n] = '\0';
+    char *buf;
+    FSDP_TRY(fsdp__read_file(ctx, "model config", path, CONFIG_MAX_BYTES, &buf, NULL));
     enum fsdp_status st = config_parse_text(ctx, path, buf, cfg);
     free(buf);
     return st;

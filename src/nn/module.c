@@ -86,7 +86,9 @@ enum fsdp_status fsdp_module_add_param(struct fsdp_ctx *ctx, struct fsdp_module 
         if (shape[i] <= 0)
             return fsdp__err(ctx, FSDP_ERR_INVALID, "parameter '%s' of module '%s': dim %d is %lld",
                              name, m->name, i, (long long)shape[i]);
-        numel *= shape[i];
+        if (__builtin_mul_overflow(numel, shape[i], &numel))
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "parameter '%s' of module '%s': %d-d shape overflows "
+                             "int64 elements", name, m->name, ndim);
     }
     for (int i = 0; i < m->n_params; i++)
         if (strcmp(m->params[i]->name, name) == 0)

@@ -4,6 +4,8 @@
  */
 #include "options.h"
 
+#include "fsdp.h"
+
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -46,6 +48,8 @@ struct opts opts_default(void) {
     o.mixed_precision = "DEFAULT";
     o.loss_scale_init = 65536;
     o.loss_scale_growth = 2000;
+    o.mem_limit = "auto";
+    o.mem_limit_auto = 1;
     return o;
 }
 
@@ -129,8 +133,11 @@ static void usage(FILE *f) {
             "  --verbose             print the unit plan and debug information\n"
             "  --dry-run             print the memory plan per rank (shards, full buffers, activations)\n"
             "                        for this model, world (--nproc or the MPI world) and batch; no training\n"
-            "  --mem-limit SIZE      per-rank memory limit, e.g. 1.5G: refuse a plan over it before any\n"
-            "                        work, and stop the run if the library's allocations pass it (default none)\n"
+            "  --mem-limit SIZE      per-rank memory limit, at least 1M, e.g. 1.5G: refuse a plan over it\n"
+            "                        before any work, and stop the run if the library's allocations pass it;\n"
+            "                        auto = refuse a plan over the memory this host can give each of its ranks\n"
+            "                        (MemAvailable and the cgroup's limit, shared by the local ranks); off =\n"
+            "                        no check (default auto)\n"
             "  --help                this text\n",
             MODEL_DEFAULT, d.data, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
             (double)d.beta1, (double)d.beta2, (double)d.eps, (double)d.momentum,
@@ -172,6 +179,21 @@ static float parse_float(const char *flag, const char *v, double lo, double hi) 
     if (errno || *end || end == v || !(x >= lo && x <= hi))
         usage_error("%s: '%s' is not a number in [%g, %g]", flag, v, lo, hi);
     return (float)x;
+}
+
+/* --mem-limit auto | off | SIZE; a size below 1 MiB is no limit a run can keep. */
+static void parse_mem_limit(struct opts *o) {
+    o->mem_limit_auto = !strcmp(o->mem_limit, "auto");
+    o->mem_limit_bytes = 0;
+    if (o->mem_limit_auto || !strcmp(o->mem_limit, "off")) return;
+    size_t b;
+    if (fsdp_mem_parse_size(NULL, o->mem_limit, &b) != FSDP_OK)
+        usage_error("--mem-limit: '%s' is not a memory size (a number with an optional K, M, G or T suffix, e.g. "
+                    "1.5G), auto or off", o->mem_limit);
+    if (b < ((size_t)1 << 20))
+        usage_error("--mem-limit %s is %zu bytes, below the smallest limit of 1 MiB (give e.g. 512M, or off for "
+                    "no limit)", o->mem_limit, b);
+    o->mem_limit_bytes = b;
 }
 
 void parse_args(int argc, char **argv, struct opts *o) {
@@ -276,7 +298,18 @@ void parse_args(int argc, char **argv, struct opts *o) {
             o->comm = v;
         } else usage_error("unknown flag '%s'", a);
     }
+    parse_mem_limit(o);
     if (o->min_lr < 0) o->min_lr = o->lr / 10;
+    else if (o->min_lr > o->lr)
+        usage_error("--min-lr %g is above --lr %g (the cosine floor must not exceed the peak)", (double)o->min_lr,
+                    (double)o->lr);
+    /* a self world has one rank: N of them would be N independent jobs
+     * writing the same --save-dir and --log */
+    const char *ws = getenv("OMPI_COMM_WORLD_SIZE");
+    int mpi_world = ws ? atoi(ws) : 0;
+    if (!strcmp(o->comm, "self") && (o->nproc > 1 || mpi_world > 1))
+        usage_error("--comm self is a world of one rank, but %d ranks were asked for (%s); use --comm auto, shm "
+                    "or mpi", o->nproc > 1 ? o->nproc : mpi_world, o->nproc > 1 ? "--nproc" : "the MPI job");
     if (o->resume && o->init_from) usage_error("--resume and --init-from exclude each other");
     if (!strcmp(o->init, "rank0") && !o->init_from)
         usage_error("--init rank0 needs --init-from FILE (the weights rank 0 reads and sends)");

@@ -7,6 +7,7 @@
 #ifndef FSDP_TRAIN_OPTIONS_H
 #define FSDP_TRAIN_OPTIONS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 struct opts {
@@ -21,7 +22,9 @@ struct opts {
     const char *save_dir, *resume, *init_from, *save_full; /* checkpoints */
     int save_every, keep_last;
     int dry_run;                /* --dry-run: print the memory plan and stop */
-    const char *mem_limit;      /* --mem-limit SIZE per rank, or NULL */
+    const char *mem_limit;      /* --mem-limit auto | off | SIZE per rank (default auto) */
+    int mem_limit_auto;         /* auto: refuse a plan over the host's memory per local rank */
+    size_t mem_limit_bytes;     /* SIZE: refuse a plan over it and cap the allocator; 0 = none */
     /* preparation (fsdp_parallelize_model) */
     const char *wrap, *ac, *init; /* --wrap, --ac, --init */
     int reshard_after_forward;    /* --reshard-after-forward on|off */
