@@ -432,6 +432,16 @@ enum fsdp_status fsdp_global_avgpool2d_create(struct fsdp_ctx *ctx, const char *
  * gradient of the output gradient. */
 enum fsdp_status fsdp_flatten_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out);
 
+/* Sequential: runs its children in the order they were added (name them
+ * "0", "1", ... as PyTorch's nn.Sequential); type "Sequential". */
+enum fsdp_status fsdp_sequential_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out);
+/* ResNet's BasicBlock with torchvision's names, type "BasicBlock": conv1
+ * (3x3, stride, no bias), bn1, ReLU, conv2 (3x3, no bias), bn2, plus
+ * downsample = Sequential(0: Conv2d 1x1 stride, 1: BatchNorm2d) when stride
+ * != 1 or inplanes != planes; out = relu(bn2(...) + identity). */
+enum fsdp_status fsdp_basic_block_create(struct fsdp_ctx *ctx, const char *name, int64_t inplanes, int64_t planes,
+                                         int stride, struct fsdp_module **out);
+
 /* ---- Collectives (src/comm) ------------------------------------------- */
 
 enum fsdp_red_op { FSDP_SUM, FSDP_MAX, FSDP_MIN };

@@ -70,6 +70,15 @@ static int collect_param(struct fsdp_param *p, void *ud) {
     if (l->n < 64) l->p[l->n++] = p;
     return 0;
 }
+struct blist {
+    int n;
+    struct fsdp_buffer *b[64];
+};
+static int collect_buffer(struct fsdp_buffer *b, void *ud) {
+    struct blist *l = ud;
+    if (l->n < 64) l->b[l->n++] = b;
+    return 0;
+}
 static int randomize_one(struct fsdp_param *p, void *ud) {
     float s = *(float *)ud;
     for (int64_t i = 0; i < p->numel; i++) p->data[i] = (p->init.kind == FSDP_INIT_ONES ? 1.0f : 0.0f) + s * urand();
@@ -427,6 +436,31 @@ TEST(conv2d_16bit_matches_rounded_fp32) {
     fsdp_ctx_free(ctx);
 }
 
+TEST(gradcheck_basic_block) { /* through BN and two ReLUs: eps 1e-3, rtol 1e-2, atol 1e-3 */
+    rng_seed(8);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct { int64_t in, planes; int stride; int64_t shape[4]; } cases[] = {
+        {3, 4, 2, {2, 3, 6, 6}}, /* downsample: conv 1x1 stride 2 + bn */
+        {4, 4, 1, {2, 4, 4, 5}}, /* identity */
+    };
+    for (int k = 0; k < 2; k++) {
+        struct fsdp_module *m;
+        ASSERT_OK(fsdp_basic_block_create(ctx, "", cases[k].in, cases[k].planes, cases[k].stride, &m), ctx);
+        prepare(ctx, m, 0.3f);
+        CHECK((fsdp_module_find_param(m, "downsample.0.weight") != NULL) == (k == 0));
+        CHECK((fsdp_module_find_buffer(m, "downsample.1.running_mean") != NULL) == (k == 0));
+        CHECK(fsdp_module_find_param(m, "conv1.weight") && fsdp_module_find_param(m, "bn2.bias"));
+        CHECK(fsdp_module_find_buffer(m, "bn1.num_batches_tracked") != NULL);
+        struct fsdp_tensor x = make_input(4, cases[k].shape, 1.0f, 0.0f);
+        struct gc g = {.name = k ? "BasicBlock" : "BasicBlock(downsample)", .ctx = ctx, .m = m, .in = &x,
+                       .eps = 1e-3, .rtol = 1e-2, .atol = 1e-3, .coords = 40};
+        gradcheck(&g);
+        free(x.data);
+        fsdp_module_free(m);
+    }
+    fsdp_ctx_free(ctx);
+}
+
 TEST(vision_layers_reject_bad_input) {
     struct fsdp_ctx *ctx = make_ctx();
     struct fsdp_module *m;
@@ -510,17 +544,19 @@ static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, st
                      const int64_t *shape, int steps, int distinct) {
     char name[128];
     struct plist pl = {0};
+    struct blist bl = {0};
     fsdp_module_foreach_param(m, collect_param, &pl);
+    fsdp_module_foreach_buffer(m, collect_buffer, &bl);
     fprintf(js, "%s {\"spec\": %s, ", id ? "," : "", spec);
     json_shape(js, "shape", 4, shape);
     fprintf(js, ", \"steps\": %d, \"params\": [", steps);
     for (int i = 0; i < pl.n; i++) {
         snprintf(name, sizeof name, "c%d_p%d.bin", id, i);
         write_file(dir, name, pl.p[i]->data, (size_t)pl.p[i]->numel * sizeof(float));
-        fprintf(js, "%s\"%s\"", i ? ", " : "", pl.p[i]->name);
+        fprintf(js, "%s\"%s\"", i ? ", " : "", pl.p[i]->fqn);
     }
     fprintf(js, "], \"buffers\": [");
-    for (int i = 0; i < m->n_buffers; i++) fprintf(js, "%s\"%s\"", i ? ", " : "", m->buffers[i]->name);
+    for (int i = 0; i < bl.n; i++) fprintf(js, "%s\"%s\"", i ? ", " : "", bl.b[i]->fqn);
     fprintf(js, "]}\n");
     for (int s = 0; s <= steps; s++) { /* s == steps: eval */
         fsdp_module_set_training(m, s < steps);
@@ -550,9 +586,9 @@ static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, st
             snprintf(name, sizeof name, "c%d_s%d_g%d.bin", id, s, i);
             write_file(dir, name, pl.p[i]->grad, (size_t)pl.p[i]->numel * sizeof(float));
         }
-        for (int i = 0; i < m->n_buffers; i++) {
+        for (int i = 0; i < bl.n; i++) {
             snprintf(name, sizeof name, "c%d_s%d_b%d.bin", id, s, i);
-            write_file(dir, name, m->buffers[i]->data, (size_t)m->buffers[i]->numel * fsdp_dtype_size(m->buffers[i]->dtype));
+            write_file(dir, name, bl.b[i]->data, (size_t)bl.b[i]->numel * fsdp_dtype_size(bl.b[i]->dtype));
         }
         free(dy);
         free(x.data);
@@ -628,6 +664,18 @@ TEST(vision_layers_match_pytorch) {
     ASSERT_OK(fsdp_flatten_create(ctx, "fl", &m), ctx);
     prepare(ctx, m, 0);
     ref_case(js, dir, id++, ctx, m, "{\"kind\": \"flatten\"}", s6, 1, 0);
+    fsdp_module_free(m);
+    /* torchvision's BasicBlock, with and without downsample: 2 train steps, then eval */
+    ASSERT_OK(fsdp_basic_block_create(ctx, "", 4, 6, 2, &m), ctx);
+    prepare(ctx, m, 0.3f);
+    int64_t s7[4] = {3, 4, 8, 7};
+    ref_case(js, dir, id++, ctx, m, "{\"kind\": \"basicblock\", \"inplanes\": 4, \"planes\": 6, \"stride\": 2}", s7,
+             2, 0);
+    fsdp_module_free(m);
+    ASSERT_OK(fsdp_basic_block_create(ctx, "", 5, 5, 1, &m), ctx);
+    prepare(ctx, m, 0.3f);
+    ref_case(js, dir, id++, ctx, m, "{\"kind\": \"basicblock\", \"inplanes\": 5, \"planes\": 5, \"stride\": 1}", s5,
+             2, 0);
     fsdp_module_free(m);
     fprintf(js, "]\n");
     CHECK(fclose(js) == 0);

@@ -3,9 +3,9 @@
 
 Usage: torch_vision_ref.py DIR, where DIR was written by test_nn_vision's
 vision_layers_match_pytorch: index.json lists cases, each with the layer
-("spec": kind conv | bn | relu | maxpool | avgpool | flatten and its
-arguments), the input shape, its parameters' local names (values in
-c<i>_p<j>.bin) and buffers' names, and a number of train steps followed by
+("spec": kind conv | bn | relu | maxpool | avgpool | flatten | basicblock
+(torchvision's) and its arguments), the input shape, its parameters' FQNs (values in
+c<i>_p<j>.bin) and buffers' FQNs, and a number of train steps followed by
 one eval step. Step s of case i has raw float32 files c<i>_s<s>_{x,y,dy,dx}.bin,
 the parameter gradients of that step alone c<i>_s<s>_g<j>.bin and the
 buffers after it c<i>_s<s>_b<j>.bin (num_batches_tracked as int64).
@@ -49,6 +49,13 @@ def build(spec):
         return nn.AdaptiveAvgPool2d(1)
     if k == "flatten":
         return nn.Flatten()
+    if k == "basicblock":
+        from torchvision.models.resnet import BasicBlock
+        ds = None
+        if spec["stride"] != 1 or spec["inplanes"] != spec["planes"]:
+            ds = nn.Sequential(nn.Conv2d(spec["inplanes"], spec["planes"], 1, stride=spec["stride"], bias=False),
+                               nn.BatchNorm2d(spec["planes"]))
+        return BasicBlock(spec["inplanes"], spec["planes"], spec["stride"], ds)
     raise SystemExit("unknown kind " + k)
 
 
