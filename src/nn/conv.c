@@ -69,13 +69,30 @@ void fsdp__dnnl_exec(struct dnnl_primitive *prim, int n, const int *arg, const v
  * about as long, so each Conv2d keeps the three primitives it made for the
  * last (N, H, W, dtype) and remakes them only when that changes (a last,
  * smaller batch; train then eval with another batch size). Primitives use
- * oneDNN's own scratchpad; a module runs one forward or backward at a time. */
+ * oneDNN's own scratchpad; a module runs one forward or backward at a time.
+ * [Note: conv layouts] On plain NCHW tensors oneDNN 2.6 has only its
+ * im2col + GEMM convolution, whose backward-weights pass ran at a tenth of
+ * the direct kernels' rate; so each primitive is made with layouts of
+ * oneDNN's choice (format "any": blocked nChw16c and the like), and every
+ * operand whose chosen layout differs from the plain one goes through a
+ * reorder into arena scratch before (inputs) or after (outputs) the
+ * primitive. The tensors at the API stay NCHW. */
+struct xarg {                 /* one operand of a primitive */
+    dnnl_memory_desc_t md;    /* the layout the primitive runs on */
+    dnnl_memory_desc_t user;  /* the plain layout at the API */
+    dnnl_primitive_t reorder; /* user -> md (input) or md -> user (output); NULL when equal */
+    size_t bytes;             /* of md */
+    int output;
+};
+
+enum { FWD_SRC, FWD_WEI, FWD_DST, BD_DDST, BD_WEI, BD_DSRC, BW_SRC, BW_DDST, BW_DWEI, N_XARG };
+
 struct conv_prims {
     int64_t n, h, w;
-    enum fsdp_dtype dt;  /* FSDP_F32 or FSDP_BF16 (native); 0 entries: none made */
+    enum fsdp_dtype dt;  /* FSDP_F32 or FSDP_BF16 (native) */
     int made;
-    dnnl_memory_desc_t src, wei, bias, dst;       /* forward (src/wei in dt) */
-    dnnl_memory_desc_t dsrc, dwei, dbias, ddst;   /* backward: dsrc, dwei, dbias fp32; ddst in dt */
+    dnnl_memory_desc_t bias;    /* (out) fp32: the bias and its gradient */
+    struct xarg a[N_XARG];
     dnnl_primitive_t fwd, bwd_data, bwd_wei;
 };
 
@@ -95,7 +112,52 @@ static void prims_free(struct conv_prims *p) {
     if (p->fwd) dnnl_primitive_destroy(p->fwd);
     if (p->bwd_data) dnnl_primitive_destroy(p->bwd_data);
     if (p->bwd_wei) dnnl_primitive_destroy(p->bwd_wei);
+    for (int i = 0; i < N_XARG; i++)
+        if (p->a[i].reorder) dnnl_primitive_destroy(p->a[i].reorder);
     memset(p, 0, sizeof *p);
+}
+
+/* operand a of primitive pd (queried as q) against its plain layout user */
+static dnnl_status_t xarg_make(struct xarg *a, const_dnnl_primitive_desc_t pd, dnnl_query_t q,
+                               const dnnl_memory_desc_t *user, int output) {
+    a->md = *dnnl_primitive_desc_query_md(pd, q, 0);
+    a->user = *user;
+    a->output = output;
+    a->reorder = NULL;
+    if (dnnl_memory_desc_equal(&a->md, user)) return dnnl_success;
+    a->bytes = dnnl_memory_desc_get_size(&a->md);
+    dnnl_primitive_desc_t rpd = NULL;
+    dnnl_engine_t e = fsdp__dnnl_engine();
+    dnnl_status_t st = dnnl_reorder_primitive_desc_create(&rpd, output ? &a->md : user, e, output ? user : &a->md, e,
+                                                          NULL);
+    if (st == dnnl_success) st = dnnl_primitive_create(&a->reorder, rpd);
+    dnnl_primitive_desc_destroy(rpd);
+    return st;
+}
+
+/* The pointer the primitive takes for operand a whose plain data is at ptr:
+ * ptr itself, or arena scratch (an input reordered into it now). NULL when
+ * the arena is full. */
+static void *xarg_in(struct fsdp_ctx *ctx, const struct xarg *a, const void *ptr) {
+    if (!a->reorder) return (void *)ptr;
+    void *buf = fsdp_arena_alloc(ctx, a->bytes);
+    if (!buf) return NULL;
+    if (!a->output) {
+        int args[2] = {DNNL_ARG_FROM, DNNL_ARG_TO};
+        const void *mds[2] = {&a->user, &a->md};
+        void *ptrs[2] = {(void *)ptr, buf};
+        fsdp__dnnl_exec(a->reorder, 2, args, mds, ptrs);
+    }
+    return buf;
+}
+
+/* after the primitive: an output held in scratch goes to its plain place */
+static void xarg_out(const struct xarg *a, void *buf, void *ptr) {
+    if (!a->reorder) return;
+    int args[2] = {DNNL_ARG_FROM, DNNL_ARG_TO};
+    const void *mds[2] = {&a->md, &a->user};
+    void *ptrs[2] = {buf, ptr};
+    fsdp__dnnl_exec(a->reorder, 2, args, mds, ptrs);
 }
 
 static dnnl_status_t make_prim(dnnl_primitive_desc_t *pd_out, const void *desc, const_dnnl_primitive_desc_t hint,
@@ -103,13 +165,14 @@ static dnnl_status_t make_prim(dnnl_primitive_desc_t *pd_out, const void *desc, 
     dnnl_primitive_desc_t pd = NULL;
     dnnl_status_t st = dnnl_primitive_desc_create(&pd, desc, NULL, fsdp__dnnl_engine(), hint);
     if (st == dnnl_success) st = dnnl_primitive_create(prim, pd);
-    if (pd_out && st == dnnl_success) *pd_out = pd;
+    if (st == dnnl_success) *pd_out = pd;
     else dnnl_primitive_desc_destroy(pd);
     return st;
 }
 
 /* Makes the forward and both backward primitives for input (N, in, H, W) in
- * dtype dt (F32 or BF16); a failure leaves p empty and returns oneDNN's status. */
+ * dtype dt (F32 or BF16) with their operands ([Note: conv layouts]); a
+ * failure leaves p empty and returns oneDNN's status. */
 static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W, enum fsdp_dtype dt) {
     struct conv_prims *p = &C->p;
     prims_free(p);
@@ -121,33 +184,51 @@ static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W,
     dnnl_dims_t strides = {o->stride[0], o->stride[1]}, dil = {o->dilation[0] - 1, o->dilation[1] - 1};
     dnnl_dims_t pad = {o->padding[0], o->padding[1]};
     int wnd = G > 1 ? 5 : 4;
-    dnnl_format_tag_t wtag = G > 1 ? dnnl_goihw : dnnl_oihw;
+    dnnl_format_tag_t wtag = G > 1 ? dnnl_goihw : dnnl_oihw, any = dnnl_format_tag_any;
     const int64_t *wdims = G > 1 ? gwd : wd;
-    dnnl_status_t st = dnnl_memory_desc_init_by_tag(&p->src, 4, sd, ddt, dnnl_nchw);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&p->wei, wnd, wdims, ddt, wtag);
+    /* plain layouts (the API's) and "any" layouts (the primitives') */
+    dnnl_memory_desc_t src, wei, dst, dsrc, dwei, ddst, asrc, awei, adst, adsrc, adwei, addst;
+    dnnl_status_t st = dnnl_memory_desc_init_by_tag(&src, 4, sd, ddt, dnnl_nchw);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&wei, wnd, wdims, ddt, wtag);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dst, 4, dd, dnnl_f32, dnnl_nchw);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dsrc, 4, sd, dnnl_f32, dnnl_nchw);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dwei, wnd, wdims, dnnl_f32, wtag);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&ddst, 4, dd, ddt, dnnl_nchw);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&asrc, 4, sd, ddt, any);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&awei, wnd, wdims, ddt, any);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&adst, 4, dd, dnnl_f32, any);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&adsrc, 4, sd, dnnl_f32, any);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&adwei, wnd, wdims, dnnl_f32, any);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&addst, 4, dd, ddt, any);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&p->bias, 1, bd, dnnl_f32, dnnl_a);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&p->dst, 4, dd, dnnl_f32, dnnl_nchw);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&p->dsrc, 4, sd, dnnl_f32, dnnl_nchw);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&p->dwei, wnd, wdims, dnnl_f32, wtag);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&p->dbias, 1, bd, dnnl_f32, dnnl_a);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&p->ddst, 4, dd, ddt, dnnl_nchw);
     dnnl_convolution_desc_t fd, bdd, bwd;
-    dnnl_primitive_desc_t fpd = NULL;
+    dnnl_primitive_desc_t fpd = NULL, dpd = NULL, wpd = NULL;
     if (st == dnnl_success)
-        st = dnnl_dilated_convolution_forward_desc_init(&fd, dnnl_forward_training, dnnl_convolution_direct, &p->src,
-                                                        &p->wei, C->bias ? &p->bias : NULL, &p->dst, strides, dil,
-                                                        pad, pad);
+        st = dnnl_dilated_convolution_forward_desc_init(&fd, dnnl_forward_training, dnnl_convolution_direct, &asrc,
+                                                        &awei, C->bias ? &p->bias : NULL, &adst, strides, dil, pad,
+                                                        pad);
     if (st == dnnl_success) st = make_prim(&fpd, &fd, NULL, &p->fwd);
     if (st == dnnl_success)
-        st = dnnl_dilated_convolution_backward_data_desc_init(&bdd, dnnl_convolution_direct, &p->dsrc, &p->wei,
-                                                              &p->ddst, strides, dil, pad, pad);
-    if (st == dnnl_success) st = make_prim(NULL, &bdd, fpd, &p->bwd_data);
+        st = dnnl_dilated_convolution_backward_data_desc_init(&bdd, dnnl_convolution_direct, &adsrc, &awei, &addst,
+                                                              strides, dil, pad, pad);
+    if (st == dnnl_success) st = make_prim(&dpd, &bdd, fpd, &p->bwd_data);
     if (st == dnnl_success)
-        st = dnnl_dilated_convolution_backward_weights_desc_init(&bwd, dnnl_convolution_direct, &p->src, &p->dwei,
-                                                                 C->bias ? &p->dbias : NULL, &p->ddst, strides, dil,
+        st = dnnl_dilated_convolution_backward_weights_desc_init(&bwd, dnnl_convolution_direct, &asrc, &adwei,
+                                                                 C->bias ? &p->bias : NULL, &addst, strides, dil,
                                                                  pad, pad);
-    if (st == dnnl_success) st = make_prim(NULL, &bwd, fpd, &p->bwd_wei);
+    if (st == dnnl_success) st = make_prim(&wpd, &bwd, fpd, &p->bwd_wei);
+    if (st == dnnl_success) st = xarg_make(&p->a[FWD_SRC], fpd, dnnl_query_src_md, &src, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[FWD_WEI], fpd, dnnl_query_weights_md, &wei, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[FWD_DST], fpd, dnnl_query_dst_md, &dst, 1);
+    if (st == dnnl_success) st = xarg_make(&p->a[BD_DDST], dpd, dnnl_query_diff_dst_md, &ddst, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[BD_WEI], dpd, dnnl_query_weights_md, &wei, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[BD_DSRC], dpd, dnnl_query_diff_src_md, &dsrc, 1);
+    if (st == dnnl_success) st = xarg_make(&p->a[BW_SRC], wpd, dnnl_query_src_md, &src, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[BW_DDST], wpd, dnnl_query_diff_dst_md, &ddst, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[BW_DWEI], wpd, dnnl_query_diff_weights_md, &dwei, 1);
     dnnl_primitive_desc_destroy(fpd);
+    dnnl_primitive_desc_destroy(dpd);
+    dnnl_primitive_desc_destroy(wpd);
     if (st != dnnl_success) {
         prims_free(p);
         return st;
@@ -170,6 +251,39 @@ static enum fsdp_status prims_get(struct fsdp_ctx *ctx, struct fsdp_module *m, e
     return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED, "Conv2d '%s': oneDNN has no convolution for input (%lld, %lld, %lld, %lld) "
                      "(status %d)", fsdp__mname(m), (long long)C->n, (long long)C->o.in_channels, (long long)C->h,
                      (long long)C->w, (int)st);
+}
+
+/* Runs prim over operands a[0..n) at plain pointers ptr[] (inputs reordered
+ * before, outputs after), plus the bias (or its gradient) at bias if not NULL
+ * with argument bias_arg. FSDP_ERR_NOMEM when the arena cannot hold a
+ * reordered operand (scratch released either way). */
+static enum fsdp_status run_prim(struct fsdp_ctx *ctx, struct fsdp_module *m, dnnl_primitive_t prim,
+                                 const struct xarg *const *a, const int *arg, int n, void *const *ptr,
+                                 void *bias, int bias_arg) {
+    struct conv *C = m->impl;
+    size_t mark = fsdp_arena_mark(ctx);
+    int args[5];
+    const void *mds[5];
+    void *bufs[5];
+    for (int i = 0; i < n; i++) {
+        bufs[i] = xarg_in(ctx, a[i], ptr[i]);
+        if (!bufs[i]) {
+            fsdp_arena_release(ctx, mark);
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "Conv2d '%s': no memory for a reordered operand", fsdp__mname(m));
+        }
+        args[i] = arg[i];
+        mds[i] = &a[i]->md;
+    }
+    if (bias) {
+        args[n] = bias_arg;
+        mds[n] = &C->p.bias;
+        bufs[n] = bias;
+    }
+    fsdp__dnnl_exec(prim, n + (bias != NULL), args, mds, bufs);
+    for (int i = 0; i < n; i++)
+        if (a[i]->output) xarg_out(a[i], bufs[i], ptr[i]);
+    fsdp_arena_release(ctx, mark);
+    return FSDP_OK;
 }
 
 /* n values of src rounded to dt (BF16/F16) and widened back to fp32, in the arena */
@@ -230,11 +344,13 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     else if (C->widen) w = rounded_copy(ctx, lp, fsdp__pdata(C->weight), C->weight->numel, "Conv2d weight (rounded)");
     else w = fsdp__pdata(C->weight);
     if (!w) return FSDP_ERR_NOMEM;
-    int args[4] = {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST, DNNL_ARG_BIAS};
-    const void *mds[4] = {&C->p.src, &C->p.wei, &C->p.dst, &C->p.bias};
-    void *ptrs[4] = {(void *)x, (void *)w, out->data, C->bias ? fsdp__pdata(C->bias) : NULL};
-    fsdp__dnnl_exec(C->p.fwd, C->bias ? 4 : 3, args, mds, ptrs);
+    const struct xarg *a[3] = {&C->p.a[FWD_SRC], &C->p.a[FWD_WEI], &C->p.a[FWD_DST]};
+    int args[3] = {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST};
+    void *ptrs[3] = {(void *)x, (void *)w, out->data};
+    enum fsdp_status st = run_prim(ctx, m, C->p.fwd, a, args, 3, ptrs, C->bias ? fsdp__pdata(C->bias) : NULL,
+                                   DNNL_ARG_BIAS);
     fsdp_arena_release(ctx, mark);
+    FSDP_TRY(st);
     C->x = x;
     C->xdt = xdt;
     return FSDP_OK;
@@ -274,11 +390,13 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
         fsdp_arena_release(ctx, mark);
         return FSDP_ERR_NOMEM;
     }
-    {
-        int args[4] = {DNNL_ARG_SRC, DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_WEIGHTS, DNNL_ARG_DIFF_BIAS};
-        const void *mds[4] = {&C->p.src, &C->p.ddst, &C->p.dwei, &C->p.dbias};
-        void *ptrs[4] = {(void *)C->x, (void *)dy, tw, tb};
-        fsdp__dnnl_exec(C->p.bwd_wei, gb ? 4 : 3, args, mds, ptrs);
+    const struct xarg *aw[3] = {&C->p.a[BW_SRC], &C->p.a[BW_DDST], &C->p.a[BW_DWEI]};
+    int argw[3] = {DNNL_ARG_SRC, DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_WEIGHTS};
+    void *ptrw[3] = {(void *)C->x, (void *)dy, tw};
+    enum fsdp_status st = run_prim(ctx, m, C->p.bwd_wei, aw, argw, 3, ptrw, tb, DNNL_ARG_DIFF_BIAS);
+    if (st != FSDP_OK) {
+        fsdp_arena_release(ctx, mark);
+        return st;
     }
     if (tw != gw) {
         int64_t n = C->weight->numel;
@@ -296,13 +414,13 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
             fsdp_arena_release(ctx, mark);
             return FSDP_ERR_NOMEM;
         }
-        int args[3] = {DNNL_ARG_DIFF_DST, DNNL_ARG_WEIGHTS, DNNL_ARG_DIFF_SRC};
-        const void *mds[3] = {&C->p.ddst, &C->p.wei, &C->p.dsrc};
-        void *ptrs[3] = {(void *)dy, (void *)w, din->data};
-        fsdp__dnnl_exec(C->p.bwd_data, 3, args, mds, ptrs);
+        const struct xarg *ad[3] = {&C->p.a[BD_DDST], &C->p.a[BD_WEI], &C->p.a[BD_DSRC]};
+        int argd[3] = {DNNL_ARG_DIFF_DST, DNNL_ARG_WEIGHTS, DNNL_ARG_DIFF_SRC};
+        void *ptrd[3] = {(void *)dy, (void *)w, din->data};
+        st = run_prim(ctx, m, C->p.bwd_data, ad, argd, 3, ptrd, NULL, 0);
     }
     fsdp_arena_release(ctx, mark);
-    return FSDP_OK;
+    return st;
 }
 
 static void conv_destroy(struct fsdp_module *m) {
