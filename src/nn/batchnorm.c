@@ -218,11 +218,11 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
         dw[c] += (float)sdyx[c];
         db[c] += (float)sdy[c];
     }
-    if (!din) {
+    if (!din && !sync) {
         fsdp_arena_release(ctx, mark);
         return FSDP_OK;
     }
-    if (sync) {
+    if (sync) { /* even without din: every rank of comm joins, whatever it asked for */
         double *all = sums + 2 * C;
         enum fsdp_status st = gather_doubles(ctx, m, bn_comm(ctx, B), sums, 2 * C, all);
         if (st != FSDP_OK) {
@@ -234,6 +234,10 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
             for (int r = 0; r < world; r++) t += all[r * 2 * C + k];
             sums[k] = t;
         }
+    }
+    if (!din) {
+        fsdp_arena_release(ctx, mark);
+        return FSDP_OK;
     }
     float *dx = din->data; /* may equal dy: each element reads only its own dy */
     double M = B->count;
