@@ -461,6 +461,62 @@ TEST(gradcheck_basic_block) { /* through BN and two ReLUs: eps 1e-3, rtol 1e-2, 
     fsdp_ctx_free(ctx);
 }
 
+/* [Note: unset gradients]: under sharding a parameter's gradient may be
+ * marked unset (garbage inside); the first backward must overwrite it, the
+ * second add to it. */
+TEST(vision_layers_honour_unset_gradients) {
+    rng_seed(9);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_module *mods[2];
+    mods[0] = conv_with(ctx, "conv", 3, 4, 3, 3, 1, 1, 1, 1, 1, 1, 1);
+    struct fsdp_batchnorm_opts bo = fsdp_batchnorm_opts_default(3);
+    ASSERT_OK(fsdp_batchnorm2d_create(ctx, "bn", &bo, &mods[1]), ctx);
+    int64_t shape[4] = {2, 3, 5, 5};
+    for (int k = 0; k < 2; k++) {
+        struct fsdp_module *m = mods[k];
+        ASSERT(m);
+        prepare(ctx, m, 0.3f);
+        struct fsdp_tensor x = make_input(4, shape, 1.0f, 0.0f);
+        float *ref[2] = {0}, *dy = NULL;
+        for (int pass = 0; pass < 2; pass++) {
+            ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
+            for (int i = 0; i < m->n_params && pass == 1; i++) {
+                for (int64_t j = 0; j < m->params[i]->numel; j++) m->params[i]->grad[j] = NAN;
+                m->params[i]->grad_unset = 1;
+            }
+            for (int rep = 0; rep < 2; rep++) { /* twice: written, then added */
+                fsdp_arena_reset(ctx);
+                struct fsdp_tensor y = {0};
+                ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y), ctx);
+                int64_t ny = fsdp_tensor_numel(&y);
+                if (!dy) {
+                    dy = malloc((size_t)ny * sizeof(float));
+                    for (int64_t i = 0; i < ny; i++) dy[i] = urand();
+                }
+                struct fsdp_tensor d = y;
+                d.data = dy;
+                ASSERT_OK(fsdp_module_backward(m, ctx, &d, NULL), ctx);
+            }
+            for (int i = 0; i < m->n_params; i++) {
+                struct fsdp_param *p = m->params[i];
+                CHECK_INT_EQ(p->grad_unset, 0);
+                if (pass == 0) {
+                    ref[i] = malloc((size_t)p->numel * sizeof(float));
+                    memcpy(ref[i], p->grad, (size_t)p->numel * sizeof(float));
+                } else {
+                    double mx;
+                    CHECK(max_abs_diff(p->grad, ref[i], p->numel, &mx) <= 1e-6 * mx);
+                }
+            }
+        }
+        for (int i = 0; i < 2; i++) free(ref[i]);
+        free(dy);
+        free(x.data);
+        fsdp_module_free(m);
+    }
+    fsdp_ctx_free(ctx);
+}
+
 TEST(vision_layers_reject_bad_input) {
     struct fsdp_ctx *ctx = make_ctx();
     struct fsdp_module *m;
