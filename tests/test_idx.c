@@ -116,6 +116,41 @@ TEST(idx_reads_plain_and_gzip) {
     fsdp_ctx_free(ctx);
 }
 
+/* N x H x W x C images (4 dimensions): pixels HWC in the file, CHW in a batch,
+ * each channel with its own mean and std */
+TEST(idx_reads_colour_images) {
+    struct fsdp_ctx *ctx = make_ctx();
+    char dir[64];
+    make_set(dir);
+    char ip[256], lp[256];
+    snprintf(ip, sizeof ip, "%s/rgb-images.gz", dir);
+    snprintf(lp, sizeof lp, "%s/train-labels-idx1-ubyte", dir);
+    static uint8_t b[16 + 4 + N * H * W * 3];
+    uint32_t dims[4] = {N, H, W, 3};
+    size_t o = header(b, 0x08, 4, dims);
+    for (int i = 0; i < N * H * W * 3; i++) b[o++] = (uint8_t)(i * 7 + 1);
+    put(ip, b, o, 1);
+    struct fsdp_images *im;
+    ASSERT_OK(fsdp_images_open_idx(ctx, ip, lp, 3, &im), ctx);
+    struct fsdp_images_info a;
+    fsdp_images_info(im, &a);
+    CHECK(a.count == N && a.channels == 3 && a.height == H && a.width == W);
+    struct fsdp_image_batch_opts opt = plain_opts();
+    opt.mean[1] = 0.5f, opt.std[2] = 2.0f;
+    float x[3 * H * W];
+    int32_t y;
+    ASSERT_OK(fsdp_images_batch(ctx, im, &opt, 2, 1, 0, 1, x, &y), ctx); /* image 2 */
+    CHECK_INT_EQ(y, 2);
+    for (int c = 0; c < 3; c++)
+        for (int k = 0; k < H * W; k++) {
+            uint8_t p = (uint8_t)(((2 * H * W + k) * 3 + c) * 7 + 1);
+            CHECK(x[c * H * W + k] == ((float)p / 255.0f - opt.mean[c]) / opt.std[c]);
+        }
+    fsdp_images_free(im);
+    remove_dir(dir);
+    fsdp_ctx_free(ctx);
+}
+
 TEST(image_batch_exact_definition) { /* no shuffle, no augmentation: step s is images s*B .. s*B+B-1, wrapping */
     struct fsdp_ctx *ctx = make_ctx();
     char dir[64];
