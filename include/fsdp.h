@@ -441,6 +441,12 @@ enum fsdp_status fsdp_sequential_create(struct fsdp_ctx *ctx, const char *name, 
  * != 1 or inplanes != planes; out = relu(bn2(...) + identity). */
 enum fsdp_status fsdp_basic_block_create(struct fsdp_ctx *ctx, const char *name, int64_t inplanes, int64_t planes,
                                          int stride, struct fsdp_module **out);
+/* ResNet's Bottleneck (torchvision v1.5), type "Bottleneck": conv1 (1x1),
+ * bn1, conv2 (3x3, stride), bn2, conv3 (1x1, 4 planes wide), bn3, ReLUs
+ * after bn1, bn2 and the sum, downsample as BasicBlock's when stride != 1
+ * or inplanes != 4 planes. */
+enum fsdp_status fsdp_bottleneck_create(struct fsdp_ctx *ctx, const char *name, int64_t inplanes, int64_t planes,
+                                        int stride, struct fsdp_module **out);
 
 /* ---- Collectives (src/comm) ------------------------------------------- */
 

@@ -436,23 +436,33 @@ TEST(conv2d_16bit_matches_rounded_fp32) {
     fsdp_ctx_free(ctx);
 }
 
-TEST(gradcheck_basic_block) { /* through BN and two ReLUs: eps 1e-3, rtol 1e-2, atol 1e-3 */
+TEST(gradcheck_residual_blocks) { /* through 2-3 BNs and ReLUs: eps 1e-3, rtol 1e-2, atol 1e-3 */
     rng_seed(8);
     struct fsdp_ctx *ctx = make_ctx();
-    struct { int64_t in, planes; int stride; int64_t shape[4]; } cases[] = {
-        {3, 4, 2, {2, 3, 6, 6}}, /* downsample: conv 1x1 stride 2 + bn */
-        {4, 4, 1, {2, 4, 4, 5}}, /* identity */
+    struct { int bottleneck; int64_t in, planes; int stride; int64_t shape[4]; } cases[] = {
+        {0, 3, 4, 2, {2, 3, 6, 6}}, /* downsample: conv 1x1 stride 2 + bn */
+        {0, 4, 4, 1, {2, 4, 4, 5}}, /* identity */
+        {1, 4, 2, 2, {2, 4, 6, 5}}, /* Bottleneck, downsample */
+        /* not the identity Bottleneck: its 3 BNs and ReLUs in a row curve the loss so much at random
+           points that central differences need eps near 1e-4, where fp32 noise swamps them; the
+           identity path is BasicBlock's (checked above) and torchvision's Bottleneck checks it below */
     };
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 3; k++) {
         struct fsdp_module *m;
-        ASSERT_OK(fsdp_basic_block_create(ctx, "", cases[k].in, cases[k].planes, cases[k].stride, &m), ctx);
+        if (cases[k].bottleneck)
+            ASSERT_OK(fsdp_bottleneck_create(ctx, "", cases[k].in, cases[k].planes, cases[k].stride, &m), ctx);
+        else
+            ASSERT_OK(fsdp_basic_block_create(ctx, "", cases[k].in, cases[k].planes, cases[k].stride, &m), ctx);
         prepare(ctx, m, 0.3f);
-        CHECK((fsdp_module_find_param(m, "downsample.0.weight") != NULL) == (k == 0));
-        CHECK((fsdp_module_find_buffer(m, "downsample.1.running_mean") != NULL) == (k == 0));
+        CHECK((fsdp_module_find_param(m, "downsample.0.weight") != NULL) == (k % 2 == 0));
+        CHECK((fsdp_module_find_buffer(m, "downsample.1.running_mean") != NULL) == (k % 2 == 0));
         CHECK(fsdp_module_find_param(m, "conv1.weight") && fsdp_module_find_param(m, "bn2.bias"));
+        CHECK((fsdp_module_find_param(m, "conv3.weight") != NULL) == cases[k].bottleneck);
         CHECK(fsdp_module_find_buffer(m, "bn1.num_batches_tracked") != NULL);
         struct fsdp_tensor x = make_input(4, cases[k].shape, 1.0f, 0.0f);
-        struct gc g = {.name = k ? "BasicBlock" : "BasicBlock(downsample)", .ctx = ctx, .m = m, .in = &x,
+        char name[48];
+        snprintf(name, sizeof name, "%s case %d", m->ops->type, k);
+        struct gc g = {.name = name, .ctx = ctx, .m = m, .in = &x,
                        .eps = 1e-3, .rtol = 1e-2, .atol = 1e-3, .coords = 40};
         gradcheck(&g);
         free(x.data);
@@ -731,6 +741,17 @@ TEST(vision_layers_match_pytorch) {
     ASSERT_OK(fsdp_basic_block_create(ctx, "", 5, 5, 1, &m), ctx);
     prepare(ctx, m, 0.3f);
     ref_case(js, dir, id++, ctx, m, "{\"kind\": \"basicblock\", \"inplanes\": 5, \"planes\": 5, \"stride\": 1}", s5,
+             2, 0);
+    fsdp_module_free(m);
+    ASSERT_OK(fsdp_bottleneck_create(ctx, "", 4, 3, 2, &m), ctx);
+    prepare(ctx, m, 0.3f);
+    ref_case(js, dir, id++, ctx, m, "{\"kind\": \"bottleneck\", \"inplanes\": 4, \"planes\": 3, \"stride\": 2}", s7,
+             2, 0);
+    fsdp_module_free(m);
+    ASSERT_OK(fsdp_bottleneck_create(ctx, "", 8, 2, 1, &m), ctx);
+    prepare(ctx, m, 0.3f);
+    int64_t s8[4] = {2, 8, 4, 4};
+    ref_case(js, dir, id++, ctx, m, "{\"kind\": \"bottleneck\", \"inplanes\": 8, \"planes\": 2, \"stride\": 1}", s8,
              2, 0);
     fsdp_module_free(m);
     fprintf(js, "]\n");

@@ -3,8 +3,8 @@
 
 Usage: torch_vision_ref.py DIR, where DIR was written by test_nn_vision's
 vision_layers_match_pytorch: index.json lists cases, each with the layer
-("spec": kind conv | bn | relu | maxpool | avgpool | flatten | basicblock
-(torchvision's) and its arguments), the input shape, its parameters' FQNs (values in
+("spec": kind conv | bn | relu | maxpool | avgpool | flatten | basicblock |
+bottleneck (torchvision's) and its arguments), the input shape, its parameters' FQNs (values in
 c<i>_p<j>.bin) and buffers' FQNs, and a number of train steps followed by
 one eval step. Step s of case i has raw float32 files c<i>_s<s>_{x,y,dy,dx}.bin,
 the parameter gradients of that step alone c<i>_s<s>_g<j>.bin and the
@@ -56,6 +56,13 @@ def build(spec):
             ds = nn.Sequential(nn.Conv2d(spec["inplanes"], spec["planes"], 1, stride=spec["stride"], bias=False),
                                nn.BatchNorm2d(spec["planes"]))
         return BasicBlock(spec["inplanes"], spec["planes"], spec["stride"], ds)
+    if k == "bottleneck":
+        from torchvision.models.resnet import Bottleneck
+        ds = None
+        if spec["stride"] != 1 or spec["inplanes"] != 4 * spec["planes"]:
+            ds = nn.Sequential(nn.Conv2d(spec["inplanes"], 4 * spec["planes"], 1, stride=spec["stride"], bias=False),
+                               nn.BatchNorm2d(4 * spec["planes"]))
+        return Bottleneck(spec["inplanes"], spec["planes"], spec["stride"], ds)
     raise SystemExit("unknown kind " + k)
 
 

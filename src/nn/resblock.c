@@ -1,12 +1,13 @@
 /*
  * resblock.c - Sequential (children run in order; PyTorch's nn.Sequential,
- * children named "0", "1", ...) and ResNet's BasicBlock with torchvision's
- * names: conv1 (3x3, stride s), bn1, relu, conv2 (3x3), bn2, plus
- * downsample = Sequential(Conv2d 1x1 stride s, BatchNorm2d) when the stride
- * or the width changes; out = relu(bn2(conv2(relu(bn1(conv1(x))))) + id(x)).
- * The two ReLUs run inline (in place on bn1's and on the sum's output: each
- * BatchNorm saves its own input, so nothing overwritten is read again); the
- * block saves both ReLU outputs for backward.
+ * children named "0", "1", ...) and ResNet's residual blocks with
+ * torchvision's names: BasicBlock conv1 (3x3, stride s), bn1, relu, conv2
+ * (3x3), bn2; Bottleneck conv1 (1x1), bn1, conv2 (3x3, stride s), bn2, conv3
+ * (1x1, 4x wider), bn3; both with downsample = Sequential(Conv2d 1x1 stride
+ * s, BatchNorm2d) when the stride or the width changes, and out =
+ * relu(last bn + identity). The ReLUs run inline, in place on each bn's
+ * output and on the sum (a BatchNorm saves its own input, so nothing
+ * overwritten is read again); the block saves the ReLU outputs for backward.
  */
 #include "nn/nn-impl.h"
 
@@ -66,13 +67,19 @@ enum fsdp_status fsdp_sequential_create(struct fsdp_ctx *ctx, const char *name, 
     return FSDP_OK;
 }
 
-/* ---- BasicBlock ---- */
+/* ---- BasicBlock and Bottleneck ---- */
 
-struct basic_block {
-    int64_t inplanes, planes;
-    struct fsdp_module *conv1, *bn1, *conv2, *bn2, *downsample; /* children; downsample may be NULL */
-    const float *r1, *r2; /* saved ReLU outputs: after bn1, and the block's output (arena) */
-    int64_t n1, n2;
+/* A residual block: n (conv, bn) pairs with a ReLU after each bn but the
+ * last, then out = relu(that + identity), the identity being downsample(x)
+ * or x. BasicBlock: 3x3 (stride), 3x3; Bottleneck: 1x1, 3x3 (stride), 1x1
+ * to 4x the width (torchvision's v1.5: the stride on the 3x3). */
+#define RB_MAX 3
+
+struct resblock {
+    int n;
+    struct fsdp_module *conv[RB_MAX], *bn[RB_MAX], *downsample; /* children; downsample may be NULL */
+    const float *r[RB_MAX]; /* saved ReLU outputs: after bn[0..n-2], then the block's output (arena) */
+    int64_t nr[RB_MAX];
     int ndim;
     int64_t shape[FSDP_MAX_DIMS]; /* of the input */
 };
@@ -88,63 +95,73 @@ static void relu_mask(float *g, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) g[i] = y[i] > 0.0f ? g[i] : 0.0f;
 }
 
-static enum fsdp_status bb_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
+static enum fsdp_status rb_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
                                    struct fsdp_tensor *out) {
-    struct basic_block *K = m->impl;
+    struct resblock *K = m->impl;
     FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 4, 0));
     if (out->data && out->data == in->data)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "BasicBlock '%s': cannot run in place", fsdp__mname(m));
-    struct fsdp_tensor t1 = {0}, t2 = {0}, t3 = {0}, id = {0};
-    FSDP_TRY(fsdp_module_forward(K->conv1, ctx, in, &t1));
-    FSDP_TRY(fsdp_module_forward(K->bn1, ctx, &t1, &t2));
-    relu_inplace(t2.data, fsdp_tensor_numel(&t2));
-    FSDP_TRY(fsdp_module_forward(K->conv2, ctx, &t2, &t3));
-    FSDP_TRY(fsdp_module_forward(K->bn2, ctx, &t3, out));
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': cannot run in place", m->ops->type, fsdp__mname(m));
+    struct fsdp_tensor cur = *in, id = {0};
+    for (int i = 0; i < K->n; i++) {
+        struct fsdp_tensor t = {0}, u = {0};
+        int last = i + 1 == K->n;
+        FSDP_TRY(fsdp_module_forward(K->conv[i], ctx, &cur, &t));
+        FSDP_TRY(fsdp_module_forward(K->bn[i], ctx, &t, last ? out : &u));
+        if (!last) { /* bn saved its input, conv[i+1] saves this output: nothing reads it before the ReLU */
+            relu_inplace(u.data, fsdp_tensor_numel(&u));
+            K->r[i] = u.data;
+            K->nr[i] = fsdp_tensor_numel(&u);
+            cur = u;
+        }
+    }
     if (K->downsample) FSDP_TRY(fsdp_module_forward(K->downsample, ctx, in, &id));
     else id = *in;
     int64_t n = fsdp_tensor_numel(out);
     if (fsdp_tensor_numel(&id) != n)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "BasicBlock '%s': the identity has %lld values, the residual %lld",
-                         fsdp__mname(m), (long long)fsdp_tensor_numel(&id), (long long)n);
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': the identity has %lld values, the residual %lld",
+                         m->ops->type, fsdp__mname(m), (long long)fsdp_tensor_numel(&id), (long long)n);
     float *y = out->data;
     const float *s = id.data;
 #pragma omp parallel for simd schedule(static)
     for (int64_t i = 0; i < n; i++) y[i] = y[i] + s[i] > 0.0f ? y[i] + s[i] : 0.0f;
-    K->r1 = t2.data;
-    K->n1 = fsdp_tensor_numel(&t2);
-    K->r2 = y;
-    K->n2 = n;
+    K->r[K->n - 1] = y;
+    K->nr[K->n - 1] = n;
     K->ndim = in->ndim;
     memcpy(K->shape, in->shape, sizeof K->shape);
     return FSDP_OK;
 }
 
-/* g = dout masked by the output's ReLU; din = conv1'(bn1'(mask1(conv2'(bn2'(g))))) + (downsample'(g) or g) */
-static enum fsdp_status bb_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
+/* g = dout masked by the output's ReLU; back through bn, conv pairs with the
+ * inner ReLUs' masks; din = that + (downsample'(g) or g) */
+static enum fsdp_status rb_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
                                     struct fsdp_tensor *din) {
-    struct basic_block *K = m->impl;
-    if (!K->r2) return fsdp__err(ctx, FSDP_ERR_STATE, "BasicBlock '%s': backward without forward", fsdp__mname(m));
+    struct resblock *K = m->impl;
+    const float *yout = K->r[K->n - 1];
+    int64_t nout = K->nr[K->n - 1];
+    if (!yout) return fsdp__err(ctx, FSDP_ERR_STATE, "%s '%s': backward without forward", m->ops->type, fsdp__mname(m));
     FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 4, 0));
-    if (fsdp_tensor_numel(dout) != K->n2)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "BasicBlock '%s': gradient has %lld values, output had %lld",
-                         fsdp__mname(m), (long long)fsdp_tensor_numel(dout), (long long)K->n2);
-    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, K->ndim, K->shape, "BasicBlock input gradient"));
+    if (fsdp_tensor_numel(dout) != nout)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': gradient has %lld values, output had %lld", m->ops->type,
+                         fsdp__mname(m), (long long)fsdp_tensor_numel(dout), (long long)nout);
+    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, K->ndim, K->shape, "residual block input gradient"));
     size_t mark = fsdp_arena_mark(ctx);
-    float *g = fsdp__scratch(ctx, K->n2, "BasicBlock output gradient");
+    float *g = fsdp__scratch(ctx, nout, "residual block output gradient");
     if (!g) return FSDP_ERR_NOMEM;
-    memcpy(g, dout->data, (size_t)K->n2 * sizeof(float));
-    relu_mask(g, K->r2, K->n2);
-    struct fsdp_tensor gt = *dout, d3 = {0}, d2 = {0}, d1 = {0}, did = {0};
+    memcpy(g, dout->data, (size_t)nout * sizeof(float));
+    relu_mask(g, yout, nout);
+    struct fsdp_tensor gt = *dout, cur = *dout, did = {0};
     gt.data = g;
-    enum fsdp_status st = fsdp_module_backward(K->bn2, ctx, &gt, &d3);
-    if (st == FSDP_OK) st = fsdp_module_backward(K->conv2, ctx, &d3, &d2);
-    if (st == FSDP_OK) {
-        relu_mask(d2.data, K->r1, K->n1);
-        d1 = d3; /* reuses bn2's gradient buffer: same shape as bn1's output */
-        if (fsdp_tensor_numel(&d3) != K->n1) d1.data = NULL;
-        st = fsdp_module_backward(K->bn1, ctx, &d2, &d1);
+    cur.data = g;
+    enum fsdp_status st = FSDP_OK;
+    for (int i = K->n - 1; i >= 0 && st == FSDP_OK; i--) {
+        struct fsdp_tensor t = {0}, u = {0};
+        st = fsdp_module_backward(K->bn[i], ctx, &cur, &t);
+        if (st == FSDP_OK) st = fsdp_module_backward(K->conv[i], ctx, &t, i ? &u : din);
+        if (st == FSDP_OK && i) {
+            relu_mask(u.data, K->r[i - 1], K->nr[i - 1]);
+            cur = u;
+        }
     }
-    if (st == FSDP_OK) st = fsdp_module_backward(K->conv1, ctx, &d1, din);
     if (st == FSDP_OK && K->downsample) st = fsdp_module_backward(K->downsample, ctx, &gt, din ? &did : NULL);
     if (st == FSDP_OK && din) {
         const float *s = K->downsample ? did.data : g;
@@ -157,9 +174,10 @@ static enum fsdp_status bb_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     return st;
 }
 
-static void bb_destroy(struct fsdp_module *m) { free(m->impl); }
+static void rb_destroy(struct fsdp_module *m) { free(m->impl); }
 
-static const struct fsdp_module_ops bb_ops = {"BasicBlock", bb_forward, bb_backward, bb_destroy};
+static const struct fsdp_module_ops basic_ops = {"BasicBlock", rb_forward, rb_backward, rb_destroy};
+static const struct fsdp_module_ops bottleneck_ops = {"Bottleneck", rb_forward, rb_backward, rb_destroy};
 
 static enum fsdp_status add_conv(struct fsdp_ctx *ctx, struct fsdp_module *parent, const char *name, int64_t in,
                                  int64_t out, int k, int stride, struct fsdp_module **slot) {
@@ -178,30 +196,36 @@ static enum fsdp_status add_bn(struct fsdp_ctx *ctx, struct fsdp_module *parent,
     return fsdp__adopt(ctx, parent, fsdp_batchnorm2d_create(ctx, name, &o, &c), &c, slot);
 }
 
-enum fsdp_status fsdp_basic_block_create(struct fsdp_ctx *ctx, const char *name, int64_t inplanes, int64_t planes,
-                                         int stride, struct fsdp_module **out) {
-    if (inplanes <= 0 || planes <= 0 || stride <= 0)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "BasicBlock '%s': inplanes %lld, planes %lld and stride %d must be "
-                         "positive", name, (long long)inplanes, (long long)planes, stride);
+/* n pairs conv<i+1>/bn<i+1> of kernels k[i], widths w[i] -> w[i+1], the
+ * stride on pair `sp`; a downsample when the stride or the width changes */
+static enum fsdp_status rb_create(struct fsdp_ctx *ctx, const struct fsdp_module_ops *ops, const char *name, int n,
+                                  const int *k, const int64_t *w, int stride, int sp, struct fsdp_module **out) {
+    for (int i = 0; i <= n; i++)
+        if (w[i] <= 0 || stride <= 0)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': widths and the stride %d must be positive", ops->type,
+                             name, stride);
     struct fsdp_module *m;
-    FSDP_TRY(fsdp_module_create(ctx, &bb_ops, name, &m));
-    struct basic_block *K = calloc(1, sizeof *K);
+    FSDP_TRY(fsdp_module_create(ctx, ops, name, &m));
+    struct resblock *K = calloc(1, sizeof *K);
     if (!K) {
         fsdp_module_free(m);
-        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating BasicBlock '%s'", name);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating %s '%s'", ops->type, name);
     }
     m->impl = K;
-    K->inplanes = inplanes;
-    K->planes = planes;
-    enum fsdp_status st = add_conv(ctx, m, "conv1", inplanes, planes, 3, stride, &K->conv1);
-    if (st == FSDP_OK) st = add_bn(ctx, m, "bn1", planes, &K->bn1);
-    if (st == FSDP_OK) st = add_conv(ctx, m, "conv2", planes, planes, 3, 1, &K->conv2);
-    if (st == FSDP_OK) st = add_bn(ctx, m, "bn2", planes, &K->bn2);
-    if (st == FSDP_OK && (stride != 1 || inplanes != planes)) {
+    K->n = n;
+    enum fsdp_status st = FSDP_OK;
+    for (int i = 0; i < n && st == FSDP_OK; i++) {
+        char cn[8], bn[8];
+        snprintf(cn, sizeof cn, "conv%d", i + 1);
+        snprintf(bn, sizeof bn, "bn%d", i + 1);
+        st = add_conv(ctx, m, cn, w[i], w[i + 1], k[i], i == sp ? stride : 1, &K->conv[i]);
+        if (st == FSDP_OK) st = add_bn(ctx, m, bn, w[i + 1], &K->bn[i]);
+    }
+    if (st == FSDP_OK && (stride != 1 || w[0] != w[n])) {
         struct fsdp_module *ds = NULL;
         st = fsdp__adopt(ctx, m, fsdp_sequential_create(ctx, "downsample", &ds), &ds, &K->downsample);
-        if (st == FSDP_OK) st = add_conv(ctx, K->downsample, "0", inplanes, planes, 1, stride, NULL);
-        if (st == FSDP_OK) st = add_bn(ctx, K->downsample, "1", planes, NULL);
+        if (st == FSDP_OK) st = add_conv(ctx, K->downsample, "0", w[0], w[n], 1, stride, NULL);
+        if (st == FSDP_OK) st = add_bn(ctx, K->downsample, "1", w[n], NULL);
     }
     if (st != FSDP_OK) {
         fsdp_module_free(m);
@@ -209,4 +233,18 @@ enum fsdp_status fsdp_basic_block_create(struct fsdp_ctx *ctx, const char *name,
     }
     *out = m;
     return FSDP_OK;
+}
+
+enum fsdp_status fsdp_basic_block_create(struct fsdp_ctx *ctx, const char *name, int64_t inplanes, int64_t planes,
+                                         int stride, struct fsdp_module **out) {
+    int k[2] = {3, 3};
+    int64_t w[3] = {inplanes, planes, planes};
+    return rb_create(ctx, &basic_ops, name, 2, k, w, stride, 0, out);
+}
+
+enum fsdp_status fsdp_bottleneck_create(struct fsdp_ctx *ctx, const char *name, int64_t inplanes, int64_t planes,
+                                        int stride, struct fsdp_module **out) {
+    int k[3] = {1, 3, 1};
+    int64_t w[4] = {inplanes, planes, planes, 4 * planes};
+    return rb_create(ctx, &bottleneck_ops, name, 3, k, w, stride, 1, out);
 }
