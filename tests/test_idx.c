@@ -6,13 +6,18 @@
  * every epoch a permutation, augmented images that are crops/flips of their
  * source; bad files rejected with one error naming the file; and the real
  * Fashion-MNIST where Debian's dataset-fashion-mnist is installed (counts,
- * shapes, labels and CRC-32 checksums of images computed with Python's gzip).
+ * shapes, labels and CRC-32 checksums of images computed with Python's gzip);
+ * and the fuzz corpus fuzz/corpus/idx replayed through the fuzz target's
+ * code (ok-* accepted, bad-* refused with a message).
  */
-#include "fsdp.h"
-#include "harness.h"
+#define FUZZ_NO_MAIN
+#include "../fuzz/fuzz_idx.c"
 
+#include <dirent.h>
 #include <sys/stat.h>
 #include <zlib.h>
+
+#include "harness.h"
 
 enum { N = 10, H = 3, W = 4 };
 
@@ -419,6 +424,40 @@ TEST(fashion_mnist_from_debian) {
     fsdp_images_free(tr);
     fsdp_images_free(te);
     fsdp_ctx_free(ctx);
+}
+
+/* every file of fuzz/corpus/idx through fuzz/fuzz_idx.c's code */
+TEST(corpus_idx) {
+    const char *root = getenv("FUZZ_CORPUS");
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/idx", root ? root : "fuzz/corpus");
+    DIR *dp = opendir(dir);
+    if (!dp) {
+        TEST_FAILF("cannot open corpus directory '%s' (run from the repository root)", dir);
+        return;
+    }
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(dp))) {
+        if (e->d_name[0] == '.') continue;
+        char path[1024];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        FILE *f = fopen(path, "rb");
+        if (!f) {
+            TEST_FAILF("cannot open '%s'", path);
+            continue;
+        }
+        static uint8_t buf[1 << 20];
+        size_t got = fread(buf, 1, sizeof buf, f);
+        fclose(f);
+        enum fsdp_status st = fuzz_idx_one(buf, got);
+        if (!strncmp(e->d_name, "ok-", 3) && st != FSDP_OK)
+            TEST_FAILF("%s: expected to be accepted, got %s", path, fsdp_status_str(st));
+        if (!strncmp(e->d_name, "bad-", 4) && st == FSDP_OK) TEST_FAILF("%s: expected to be rejected", path);
+        n++;
+    }
+    closedir(dp);
+    CHECK(n >= 10);
 }
 
 TEST_MAIN()

@@ -1,6 +1,6 @@
 /*
  * idx.c - image sets in the IDX format of MNIST and Fashion-MNIST, plain or
- * gzip-compressed (read through zlib, which passes plain files through), and
+ * gzip-compressed (inflated by zlib, [Note: IDX bytes]), and
  * the world-size-independent image batch: per-epoch shuffle and
  * augmentations (random crop with zero padding, horizontal flip) drawn from
  * the counter-based RNG, normalisation to NCHW fp32.
@@ -18,7 +18,7 @@
  * (key'(seed), e * count + idx). Neither depends on the rank or the world
  * size, so the global batch is the same at every world size.
  */
-#include "core/core-impl.h"
+#include "data/data-impl.h"
 
 #include <errno.h>
 #include <string.h>
@@ -39,79 +39,144 @@ struct fsdp_images {
     uint64_t perm_seed;
 };
 
-/* An IDX file of unsigned bytes read whole: its dimensions and data (from
- * fsdp__alloc). ndim_lo..ndim_hi dimensions are accepted. */
-static enum fsdp_status idx_read(struct fsdp_ctx *ctx, const char *path, int ndim_lo, int ndim_hi, int *ndim,
-                                 int64_t dims[4], uint8_t **data) {
+/* [Note: IDX bytes] A file is read whole into memory and parsed from
+ * there (fsdp__images_open_mem: the fuzz target and the corpus replay run
+ * exactly this code). Bytes starting with gzip's magic (1f 8b) are inflated
+ * by zlib as they are parsed, member after member (gzip -c a b > c is one
+ * file), anything else is taken as plain IDX. The data's claimed size is
+ * checked against what the input can hold before it is allocated: plain,
+ * the bytes left; gzip, 1032 times them (deflate's largest ratio), so a
+ * short input cannot make the reader allocate gigabytes. */
+#define DEFLATE_MAX_RATIO 1032
+
+struct bytes_in {           /* a plain or gzip'd byte source in memory */
+    const uint8_t *buf;
+    size_t len, pos;        /* plain: the next byte; gzip: consumed by zlib */
+    int gz, zinit, zend;    /* gzip stream, inflate initialised, last member ended */
+    z_stream zs;
+};
+
+static void bytes_close(struct bytes_in *b) {
+    if (b->zinit) inflateEnd(&b->zs);
+    b->zinit = 0;
+}
+
+/* Reads up to n bytes into dst; *got is how many. FSDP_ERR_FORMAT naming
+ * `name` for a corrupt gzip stream or bytes after its last member. */
+static enum fsdp_status bytes_read(struct fsdp_ctx *ctx, const char *name, struct bytes_in *b, uint8_t *dst,
+                                   size_t n, size_t *got) {
+    *got = 0;
+    if (!b->gz) {
+        size_t k = n < b->len - b->pos ? n : b->len - b->pos;
+        if (k) memcpy(dst, b->buf + b->pos, k);
+        b->pos += k;
+        *got = k;
+        return FSDP_OK;
+    }
+    while (*got < n && !b->zend) {
+        size_t want = n - *got > (1u << 30) ? (1u << 30) : n - *got;
+        b->zs.next_out = dst + *got;
+        b->zs.avail_out = (uInt)want;
+        int r = inflate(&b->zs, Z_NO_FLUSH);
+        *got += want - b->zs.avail_out;
+        if (r == Z_STREAM_END) {
+            if (b->zs.avail_in == 0) b->zend = 1;
+            else if (b->zs.avail_in >= 2 && b->zs.next_in[0] == 0x1f && b->zs.next_in[1] == 0x8b)
+                inflateReset(&b->zs); /* the next member */
+            else
+                return fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %u bytes after the end of the gzip data", name,
+                                 b->zs.avail_in);
+        } else if (r == Z_BUF_ERROR) { /* no progress: the input is used up before the stream's end */
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': truncated gzip data", name);
+        } else if (r != Z_OK && r != Z_BUF_ERROR) {
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': corrupt gzip data (%s)", name,
+                             b->zs.msg ? b->zs.msg : "inflate failed");
+        }
+    }
+    return FSDP_OK;
+}
+
+/* An IDX file of unsigned bytes in buf[0..len) (the file `name`): its
+ * dimensions and data (from fsdp__alloc). ndim_lo..ndim_hi dimensions. */
+static enum fsdp_status idx_parse(struct fsdp_ctx *ctx, const char *name, const uint8_t *buf, size_t len,
+                                  int ndim_lo, int ndim_hi, int *ndim, int64_t dims[4], uint8_t **data) {
     *data = NULL;
-    gzFile f = gzopen(path, "rb");
-    if (!f) return fsdp__err(ctx, FSDP_ERR_IO, "cannot open '%s': %s", path, strerror(errno ? errno : ENOENT));
-    enum fsdp_status st = FSDP_OK;
-    unsigned char h[4 + 4 * 4];
-    int got = gzread(f, h, 4);
+    struct bytes_in b;
+    memset(&b, 0, sizeof b);
+    b.buf = buf;
+    b.len = len;
+    b.gz = len >= 2 && buf[0] == 0x1f && buf[1] == 0x8b;
+    if (b.gz) {
+        b.zs.next_in = (Bytef *)(uintptr_t)buf;
+        b.zs.avail_in = (uInt)(len > UINT32_MAX ? UINT32_MAX : len);
+        if (len > UINT32_MAX)
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': gzip'd files of 4 GiB and more are not read", name);
+        if (inflateInit2(&b.zs, 15 + 16) != Z_OK)
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "'%s': cannot start inflating", name);
+        b.zinit = 1;
+    }
+    enum fsdp_status st;
+    uint8_t h[4 + 4 * 4];
+    size_t got;
+    if ((st = bytes_read(ctx, name, &b, h, 4, &got)) != FSDP_OK) goto out;
     if (got < 4) {
-        int e;
-        const char *msg = gzerror(f, &e);
-        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %s", path, e < 0 ? msg : "too short for an IDX header");
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': too short for an IDX header", name);
         goto out;
     }
     if (h[0] != 0 || h[1] != 0 || h[2] != 0x08) {
         st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': not an IDX file of unsigned bytes (magic 0x%02x%02x%02x%02x)",
-                       path, h[0], h[1], h[2], h[3]);
+                       name, h[0], h[1], h[2], h[3]);
         goto out;
     }
     *ndim = h[3];
     if (*ndim < ndim_lo || *ndim > ndim_hi) {
         if (ndim_lo == ndim_hi)
-            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %d dimensions, expected %d", path, *ndim, ndim_lo);
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %d dimensions, expected %d", name, *ndim, ndim_lo);
         else
-            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %d dimensions, expected %d to %d", path, *ndim, ndim_lo,
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %d dimensions, expected %d to %d", name, *ndim, ndim_lo,
                            ndim_hi);
         goto out;
     }
-    if (gzread(f, h + 4, (unsigned)(4 * *ndim)) != 4 * *ndim) {
-        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': truncated in its header", path);
+    if ((st = bytes_read(ctx, name, &b, h + 4, (size_t)(4 * *ndim), &got)) != FSDP_OK) goto out;
+    if (got < (size_t)(4 * *ndim)) {
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': truncated in its header", name);
         goto out;
     }
     int64_t bytes = 1;
     for (int d = 0; d < *ndim; d++) {
-        const unsigned char *p = h + 4 + 4 * d;
+        const uint8_t *p = h + 4 + 4 * d;
         dims[d] = (int64_t)((uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3]);
         if (dims[d] <= 0 || dims[d] > IDX_MAX_BYTES / bytes) {
-            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': dimension %d is %lld (empty or too large)", path, d,
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': dimension %d is %lld (empty or too large)", name, d,
                            (long long)dims[d]);
             goto out;
         }
         bytes *= dims[d];
     }
-    *data = fsdp__alloc(ctx, (size_t)bytes, FSDP_MEM_OTHER, path);
-    if (!*data) {
+    /* [Note: IDX bytes]: no allocation the input cannot fill */
+    double room = b.gz ? (double)DEFLATE_MAX_RATIO * (double)len + 64.0 : (double)(len - b.pos);
+    if ((double)bytes > room) {
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': truncated: %lld data bytes announced, the file holds at most "
+                       "%.0f", name, (long long)bytes, room);
+        goto out;
+    }
+    if (!(*data = fsdp__alloc(ctx, (size_t)bytes, FSDP_MEM_OTHER, name))) {
         st = FSDP_ERR_NOMEM;
         goto out;
     }
-    int64_t done = 0;
-    while (done < bytes) {
-        int64_t want = bytes - done > (1 << 30) ? (1 << 30) : bytes - done;
-        int r = gzread(f, *data + done, (unsigned)want);
-        if (r < 0) {
-            int e;
-            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %s", path, gzerror(f, &e));
-            goto out;
-        }
-        if (r == 0) break;
-        done += r;
-    }
-    if (done < bytes) {
-        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': truncated: %lld of %lld data bytes", path, (long long)done,
+    if ((st = bytes_read(ctx, name, &b, *data, (size_t)bytes, &got)) != FSDP_OK) goto out;
+    if ((int64_t)got < bytes) {
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': truncated: %lld of %lld data bytes", name, (long long)got,
                        (long long)bytes);
         goto out;
     }
-    unsigned char extra;
-    if (gzread(f, &extra, 1) != 0)
-        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': longer than its header says (%lld data bytes)", path,
+    uint8_t extra;
+    if ((st = bytes_read(ctx, name, &b, &extra, 1, &got)) != FSDP_OK) goto out;
+    if (got)
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': longer than its header says (%lld data bytes)", name,
                        (long long)bytes);
 out:
-    gzclose(f);
+    bytes_close(&b);
     if (st != FSDP_OK) {
         fsdp__free(ctx, *data);
         *data = NULL;
@@ -119,34 +184,35 @@ out:
     return st;
 }
 
-enum fsdp_status fsdp_images_open_idx(struct fsdp_ctx *ctx, const char *images_path, const char *labels_path,
-                                      int num_classes, struct fsdp_images **out) {
+enum fsdp_status fsdp__images_open_mem(struct fsdp_ctx *ctx, const char *images_name, const void *images,
+                                       size_t images_len, const char *labels_name, const void *labels,
+                                       size_t labels_len, int num_classes, struct fsdp_images **out) {
     *out = NULL;
     if (num_classes < 1 || num_classes > 256)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "'%s': num_classes %d must be in [1, 256]", labels_path, num_classes);
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "'%s': num_classes %d must be in [1, 256]", labels_name, num_classes);
     int nd_i, nd_l;
     int64_t di[4] = {0}, dl[4] = {0};
     uint8_t *pix = NULL, *lab = NULL;
-    FSDP_TRY(idx_read(ctx, images_path, 3, 4, &nd_i, di, &pix));
-    enum fsdp_status st = idx_read(ctx, labels_path, 1, 1, &nd_l, dl, &lab);
+    FSDP_TRY(idx_parse(ctx, images_name, images, images_len, 3, 4, &nd_i, di, &pix));
+    enum fsdp_status st = idx_parse(ctx, labels_name, labels, labels_len, 1, 1, &nd_l, dl, &lab);
     struct fsdp_images *im = NULL;
     if (st == FSDP_OK && dl[0] != di[0])
-        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %lld labels for the %lld images of '%s'", labels_path,
-                       (long long)dl[0], (long long)di[0], images_path);
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %lld labels for the %lld images of '%s'", labels_name,
+                       (long long)dl[0], (long long)di[0], images_name);
     if (st == FSDP_OK && nd_i == 4 && di[3] > 4)
-        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %lld channels (at most 4)", images_path, (long long)di[3]);
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %lld channels (at most 4)", images_name, (long long)di[3]);
     if (st == FSDP_OK && (di[1] > 65536 || di[2] > 65536))
-        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': images of %lldx%lld are too large", images_path,
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': images of %lldx%lld are too large", images_name,
                        (long long)di[1], (long long)di[2]);
     if (st == FSDP_OK && di[0] > INT32_MAX)
-        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %lld images (at most 2^31 - 1)", images_path, (long long)di[0]);
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': %lld images (at most 2^31 - 1)", images_name, (long long)di[0]);
     for (int64_t i = 0; st == FSDP_OK && i < dl[0]; i++)
         if (lab[i] >= num_classes)
             st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': label %d of image %lld is not below num_classes %d",
-                           labels_path, lab[i], (long long)i, num_classes);
+                           labels_name, lab[i], (long long)i, num_classes);
     if (st == FSDP_OK && !(im = calloc(1, sizeof *im)))
-        st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory opening '%s'", images_path);
-    if (st == FSDP_OK && !(im->labels = fsdp__alloc(ctx, (size_t)dl[0] * sizeof(int32_t), FSDP_MEM_OTHER, labels_path)))
+        st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory opening '%s'", images_name);
+    if (st == FSDP_OK && !(im->labels = fsdp__alloc(ctx, (size_t)dl[0] * sizeof(int32_t), FSDP_MEM_OTHER, labels_name)))
         st = FSDP_ERR_NOMEM;
     if (st != FSDP_OK) {
         free(im);
@@ -166,6 +232,46 @@ enum fsdp_status fsdp_images_open_idx(struct fsdp_ctx *ctx, const char *images_p
     im->perm_epoch = -1;
     *out = im;
     return FSDP_OK;
+}
+
+/* The whole file at path (from fsdp__alloc) */
+static enum fsdp_status read_file(struct fsdp_ctx *ctx, const char *path, uint8_t **buf, size_t *len) {
+    *buf = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f) return fsdp__err(ctx, FSDP_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        fclose(f);
+        return fsdp__err(ctx, FSDP_ERR_IO, "'%s' is not a regular file", path);
+    }
+    size_t n = (size_t)sb.st_size;
+    if (!(*buf = fsdp__alloc(ctx, n ? n : 1, FSDP_MEM_OTHER, path))) {
+        fclose(f);
+        return FSDP_ERR_NOMEM;
+    }
+    size_t got = fread(*buf, 1, n, f);
+    int bad = ferror(f);
+    fclose(f);
+    if (got != n || bad) {
+        fsdp__free(ctx, *buf);
+        *buf = NULL;
+        return fsdp__err(ctx, FSDP_ERR_IO, "cannot read '%s': %s", path, bad ? strerror(errno) : "short read");
+    }
+    *len = n;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_images_open_idx(struct fsdp_ctx *ctx, const char *images_path, const char *labels_path,
+                                      int num_classes, struct fsdp_images **out) {
+    *out = NULL;
+    uint8_t *ib = NULL, *lb = NULL;
+    size_t il = 0, ll = 0;
+    enum fsdp_status st = read_file(ctx, images_path, &ib, &il);
+    if (st == FSDP_OK) st = read_file(ctx, labels_path, &lb, &ll);
+    if (st == FSDP_OK) st = fsdp__images_open_mem(ctx, images_path, ib, il, labels_path, lb, ll, num_classes, out);
+    fsdp__free(ctx, ib);
+    fsdp__free(ctx, lb);
+    return st;
 }
 
 /* dir/name if it exists, else dir/name.gz if that does, else an error */
