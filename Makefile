@@ -18,13 +18,14 @@ endif
 MPI_CFLAGS := $(shell pkg-config --cflags ompi-c 2>/dev/null)
 MPI_LIBS   := $(shell pkg-config --libs ompi-c 2>/dev/null || echo -lmpi)
 DEP_CFLAGS := $(MPI_CFLAGS) $(shell pkg-config --cflags libcjson 2>/dev/null)
-DEP_LIBS   := -ldnnl $(MPI_LIBS) $(shell pkg-config --libs libcjson 2>/dev/null || echo -lcjson) -lm
+DEP_LIBS   := -ldnnl $(MPI_LIBS) $(shell pkg-config --libs libcjson 2>/dev/null || echo -lcjson) -lz -lm
 # -fno-math-errno: sqrt inlines and vectorizes (same values; nothing reads errno after math calls)
 CFLAGS   += -std=c11 -D_GNU_SOURCE -fPIC -fopenmp -fno-math-errno $(OPT) $(ARCH) -g $(WARN) $(SAN) \
             -Iinclude -Isrc $(DEP_CFLAGS)
 LDFLAGS  += -fopenmp $(SAN)
 
-LIB_SRC  := $(wildcard src/core/*.c src/nn/*.c src/comm/*.c src/io/*.c src/optim/*.c src/fsdp/*.c)
+LIB_SRC  := $(wildcard src/core/*.c src/nn/*.c src/comm/*.c src/io/*.c src/optim/*.c src/fsdp/*.c \
+                      src/data/*.c)
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o)
 TOOLS    := $(patsubst tools/%.c,$(BUILD)/%,$(wildcard tools/*.c))
 TRAIN_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tools/train/*.c)) # fsdp-train's other files
@@ -94,7 +95,7 @@ install: all
 	install -m 644 include/fsdp.h $(DESTDIR)$(PREFIX)/include/
 	install -m 644 $(BUILD)/libfsdp.a $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(BUILD)/libfsdp.so $(DESTDIR)$(PREFIX)/lib/
-	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: fsdp\nDescription: Fully Sharded Data Parallel training in C\nVersion: 0.1.0\nRequires.private: ompi-c libcjson\nLibs: -L$${libdir} -lfsdp\nLibs.private: -ldnnl -fopenmp -lm\nCflags: -I$${includedir}\n' '$(PREFIX)' > $(DESTDIR)$(PREFIX)/lib/pkgconfig/fsdp.pc
+	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: fsdp\nDescription: Fully Sharded Data Parallel training in C\nVersion: 0.1.0\nRequires.private: ompi-c libcjson\nLibs: -L$${libdir} -lfsdp\nLibs.private: -ldnnl -fopenmp -lz -lm\nCflags: -I$${includedir}\n' '$(PREFIX)' > $(DESTDIR)$(PREFIX)/lib/pkgconfig/fsdp.pc
 	install -m 755 $(TOOLS) $(DESTDIR)$(PREFIX)/bin/
 
 clean:

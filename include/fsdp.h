@@ -358,6 +358,98 @@ enum fsdp_status fsdp_cross_entropy(struct fsdp_ctx *ctx, const float *logits, c
 enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp_module *m,
                                                enum fsdp_dtype dt);
 
+/* ---- Vision layers (src/nn) ------------------------------------------- */
+
+/* Image tensors are NCHW fp32 (batch, channels, height, width), as PyTorch.
+ * Each constructor returns *out to the caller, who owns it until
+ * fsdp_module_add_child hands it to a parent. Types (ops->type, for wrap
+ * policies): "Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d",
+ * "AdaptiveAvgPool2d", "Flatten". */
+
+/* Conv2d: (N, in, H, W) -> (N, out, OH, OW), OH = (H + 2 padding - dilation
+ * (kernel - 1) - 1) / stride + 1 (likewise OW); [0] is the height's, [1] the
+ * width's. weight (out, in/groups, kh, kw) initialised N(0, init_std^2),
+ * init_std 0 meaning torchvision ResNet's kaiming_normal fan_out, sqrt(2 /
+ * (out kh kw)); bias (out) zero-initialised, exempt from weight decay. With a
+ * 16-bit compute dtype (fsdp_module_set_compute_dtype) the convolution takes
+ * 16-bit input and weight and accumulates in fp32: oneDNN's bf16 kernels
+ * where fsdp_gemm_native(FSDP_BF16), else the rounded values in fp32. */
+struct fsdp_conv2d_opts {
+    int64_t in_channels, out_channels;
+    int kernel[2], stride[2], padding[2], dilation[2];
+    int groups;
+    int bias;       /* 1: add a bias (PyTorch's default), 0: none */
+    float init_std; /* weight init; 0: kaiming normal, fan_out */
+};
+/* kernel x kernel, stride 1, padding 0, dilation 1, groups 1, with a bias. */
+struct fsdp_conv2d_opts fsdp_conv2d_opts_default(int64_t in_channels, int64_t out_channels, int kernel);
+enum fsdp_status fsdp_conv2d_create(struct fsdp_ctx *ctx, const char *name, const struct fsdp_conv2d_opts *opts,
+                                    struct fsdp_module **out);
+
+/* BatchNorm2d over (N, C, H, W), per channel, as PyTorch: parameters weight
+ * (ones) and bias (zeros), exempt from weight decay; buffers running_mean
+ * (zeros), running_var (ones) and num_batches_tracked (I64 scalar). Train mode
+ * (m->training) normalises with the batch's mean and biased variance and
+ * updates running = (1 - momentum) running + momentum batch, with the
+ * unbiased variance (count / (count - 1)) for running_var, and counts the
+ * batch; eval mode normalises with the running statistics. Always fp32,
+ * whatever the compute dtype.
+ * sync (SyncBatchNorm): in train mode the per-channel sums of x and x^2
+ * (forward) and of dy and dy xhat (backward) are all-reduced over `comm`
+ * (NULL: the context's, fsdp_ctx_comm), so that N ranks with local batches
+ * use the statistics of the global batch: outputs, input gradients and
+ * running statistics are those of one rank holding the whole batch (up to
+ * rounding), and weight/bias gradients are each rank's share, summing to the
+ * 1-rank gradient as a data-parallel reduction expects. A sync BatchNorm's
+ * forward and backward in train mode are COLLECTIVE: yes (over comm). */
+struct fsdp_batchnorm_opts {
+    int64_t num_features;
+    float eps;               /* default 1e-5 */
+    float momentum;          /* default 0.1 */
+    int sync;                /* 1: SyncBatchNorm */
+    struct fsdp_comm *comm;  /* borrowed, must outlive the module; NULL: the context's */
+};
+struct fsdp_batchnorm_opts fsdp_batchnorm_opts_default(int64_t num_features);
+enum fsdp_status fsdp_batchnorm2d_create(struct fsdp_ctx *ctx, const char *name, const struct fsdp_batchnorm_opts *opts,
+                                         struct fsdp_module **out);
+/* Makes every BatchNorm2d below root synchronised (on != 0) over comm (NULL:
+ * the context's) or local (on == 0), as torch's convert_sync_batchnorm;
+ * *n_out (may be NULL) gets how many it changed. COLLECTIVE: no. */
+void fsdp_batchnorm_set_sync(struct fsdp_module *root, int on, struct fsdp_comm *comm, int *n_out);
+
+/* ReLU: max(x, 0) on any F32 shape. Runs in place when the caller passes
+ * out->data == in->data (then the input is overwritten: safe when nothing
+ * else reads it later, e.g. after a BatchNorm2d, which saves its own input);
+ * backward may run in place too (din->data == dout->data). */
+enum fsdp_status fsdp_relu_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out);
+/* MaxPool2d(kernel, stride, padding) on (N, C, H, W), padding as -inf,
+ * floor mode, through oneDNN's pooling (the first maximum of a window takes
+ * the gradient). stride 0 means stride = kernel (PyTorch's default). */
+enum fsdp_status fsdp_maxpool2d_create(struct fsdp_ctx *ctx, const char *name, int kernel, int stride, int padding,
+                                       struct fsdp_module **out);
+/* AdaptiveAvgPool2d(1): (N, C, H, W) -> (N, C, 1, 1), the mean of each plane. */
+enum fsdp_status fsdp_global_avgpool2d_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out);
+/* Flatten(start_dim=1): (N, d1, ..., dk) -> (N, d1 ... dk). When out->data
+ * is NULL the output is a view of the input (no copy), likewise the input
+ * gradient of the output gradient. */
+enum fsdp_status fsdp_flatten_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out);
+
+/* Sequential: runs its children in the order they were added (name them
+ * "0", "1", ... as PyTorch's nn.Sequential); type "Sequential". */
+enum fsdp_status fsdp_sequential_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out);
+/* ResNet's BasicBlock with torchvision's names, type "BasicBlock": conv1
+ * (3x3, stride, no bias), bn1, ReLU, conv2 (3x3, no bias), bn2, plus
+ * downsample = Sequential(0: Conv2d 1x1 stride, 1: BatchNorm2d) when stride
+ * != 1 or inplanes != planes; out = relu(bn2(...) + identity). */
+enum fsdp_status fsdp_basic_block_create(struct fsdp_ctx *ctx, const char *name, int64_t inplanes, int64_t planes,
+                                         int stride, struct fsdp_module **out);
+/* ResNet's Bottleneck (torchvision v1.5), type "Bottleneck": conv1 (1x1),
+ * bn1, conv2 (3x3, stride), bn2, conv3 (1x1, 4 planes wide), bn3, ReLUs
+ * after bn1, bn2 and the sum, downsample as BasicBlock's when stride != 1
+ * or inplanes != 4 planes. */
+enum fsdp_status fsdp_bottleneck_create(struct fsdp_ctx *ctx, const char *name, int64_t inplanes, int64_t planes,
+                                        int stride, struct fsdp_module **out);
+
 /* ---- Collectives (src/comm) ------------------------------------------- */
 
 enum fsdp_red_op { FSDP_SUM, FSDP_MAX, FSDP_MIN };
@@ -801,6 +893,65 @@ double fsdp_data_loss_floor(const struct fsdp_data *d);
 enum fsdp_status fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int rank, int world,
                                  int32_t *inputs, int32_t *targets);
 
+
+/* ---- Image data (src/data) -------------------------------------------- */
+
+/* An image set held in memory: count images of height x width x channels
+ * uint8 pixels (HWC) and an I32 label each. */
+struct fsdp_images;
+
+enum fsdp_split { FSDP_SPLIT_TRAIN, FSDP_SPLIT_TEST };
+
+/* Opens one split of a set stored as the MNIST distributions are: the folder
+ * `dir` holds train-images-idx3-ubyte and train-labels-idx1-ubyte (the train
+ * split), t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte (the test split),
+ * each plain or gzip-compressed (name.gz; the plain file is preferred when
+ * both exist). dir "fashion-mnist" is the folder of Debian's
+ * dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist).
+ * Every label must be < num_classes. A missing file, wrong magic, wrong
+ * dimension count, truncated or overlong data, a label count that is not the
+ * image count, or a label >= num_classes is one error naming the file.
+ * *out is returned to the caller to free. COLLECTIVE: no. */
+enum fsdp_status fsdp_images_open(struct fsdp_ctx *ctx, const char *dir, enum fsdp_split split, int num_classes,
+                                  struct fsdp_images **out);
+/* The same from an IDX image file (ubyte, 3 dimensions N x H x W, or 4:
+ * N x H x W x C) and an IDX label file (ubyte, 1 dimension N). */
+enum fsdp_status fsdp_images_open_idx(struct fsdp_ctx *ctx, const char *images_path, const char *labels_path,
+                                      int num_classes, struct fsdp_images **out);
+void fsdp_images_free(struct fsdp_images *im); /* NULL: no-op */
+struct fsdp_images_info {
+    int64_t count;
+    int channels, height, width, num_classes;
+};
+void fsdp_images_info(const struct fsdp_images *im, struct fsdp_images_info *out);
+/* Image i's pixels (height x width x channels, borrowed) and label. */
+const uint8_t *fsdp_images_pixels(const struct fsdp_images *im, int64_t i);
+int32_t fsdp_images_label(const struct fsdp_images *im, int64_t i);
+
+/* How batches are drawn. The training stream is epoch after epoch of the
+ * set: global position g is image perm_e[g mod count] of epoch e = g /
+ * count, perm_e the identity without shuffle, else a permutation drawn from
+ * (seed, e). Augmentations are drawn from (seed, epoch, image index), so a
+ * batch is the same at every world size. */
+struct fsdp_image_batch_opts {
+    uint64_t seed;
+    int shuffle;         /* 1: a new permutation each epoch */
+    int crop_padding;    /* > 0: a random height x width crop of the image zero-padded
+                            by this many pixels on each side (torchvision RandomCrop) */
+    int hflip;           /* 1: mirror left-right with probability 1/2 */
+    float mean[4], std[4]; /* per channel: x = (p / 255 - mean) / std */
+};
+/* seed 0, shuffle on, no augmentation, Fashion-MNIST's mean 0.2860 and std
+ * 0.3530 in every channel. */
+struct fsdp_image_batch_opts fsdp_image_batch_opts_default(void);
+/* This rank's share of global batch `step` of B images: positions step*B + i
+ * for i in [rank*B/world, (rank+1)*B/world), as normalised fp32 images x
+ * (n, channels, height, width) and labels (n), n = that share's size. With
+ * shuffle and augmentation off, step s is images s*B ... s*B+B-1 in order
+ * (wrapping at the end). Not thread-safe on one im (it caches the epoch's
+ * permutation). COLLECTIVE: no. */
+enum fsdp_status fsdp_images_batch(struct fsdp_ctx *ctx, struct fsdp_images *im, const struct fsdp_image_batch_opts *o,
+                                   int64_t step, int64_t B, int rank, int world, float *x, int32_t *labels);
 
 /* ---- Preparing a model: fsdp_parallelize_model (src/fsdp) --------------
  *

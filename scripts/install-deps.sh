@@ -2,13 +2,15 @@
 # Installs the Debian packages fsdp.c needs to build, test and run, when missing.
 # Idempotent: asks apt-get only for packages that dpkg does not list as installed.
 # Usage: scripts/install-deps.sh [--with-torch] [--with-fuzz]   (--with-torch adds
-# python3-torch, the optional numerical reference some tests use when present;
+# python3-torch and python3-torchvision, the optional numerical references some
+# tests use when present;
 # --with-fuzz adds clang and libclang-rt-14-dev for `make fuzz` / scripts/fuzz.sh)
 set -euo pipefail
-pkgs=(build-essential pkg-config libdnnl-dev libopenmpi-dev openmpi-bin libcjson-dev python3)
+pkgs=(build-essential pkg-config libdnnl-dev libopenmpi-dev openmpi-bin libcjson-dev zlib1g-dev python3
+      dataset-fashion-mnist)
 for a in "$@"; do
   case "$a" in
-    --with-torch) pkgs+=(python3-torch python3-numpy) ;;
+    --with-torch) pkgs+=(python3-torch python3-torchvision python3-numpy) ;;
     --with-fuzz) pkgs+=(clang libclang-rt-14-dev libomp-14-dev) ;;
     *) echo "install-deps.sh: unknown option '$a'" >&2; exit 2 ;;
   esac

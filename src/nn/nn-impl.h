@@ -58,6 +58,19 @@ void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, fl
 /* Number of matmul primitives in the cache (for tests and benchmarks). */
 int fsdp__gemm_lp_cached(void);
 
+/* ---- oneDNN primitives of the vision layers (conv.c) ---- */
+/* One CPU engine for the process and one stream per thread (oneDNN's
+ * dnnl_engine_t and dnnl_stream_t), made on first use. */
+struct dnnl_engine;
+struct dnnl_stream;
+struct dnnl_primitive;
+struct dnnl_engine *fsdp__dnnl_engine(void);
+struct dnnl_stream *fsdp__dnnl_stream(void);
+/* Runs prim on this thread's stream and waits: argument i is oneDNN's
+ * DNNL_ARG_* arg[i] over the memory described by md[i] (a const
+ * dnnl_memory_desc_t *) at ptr[i] (n <= 8). A failure is a broken invariant. */
+void fsdp__dnnl_exec(struct dnnl_primitive *prim, int n, const int *arg, const void *const *md, void *const *ptr);
+
 /* ---- Compute precision (precision.c) ---- */
 /* The dtype a module's own matrix products take as inputs: m->compute_dtype
  * (FSDP_F32, FSDP_BF16 or FSDP_F16), set for a subtree by

@@ -1,0 +1,318 @@
+/*
+ * batchnorm.c - BatchNorm2d and SyncBatchNorm over NCHW fp32, per channel,
+ * as PyTorch (eps 1e-5, momentum 0.1 by default):
+ *   train: y = (x - mean_B) / sqrt(var_B + eps) * weight + bias, with the
+ *          batch's mean and biased variance over (N, H, W); then
+ *          running_mean = (1 - mom) running_mean + mom mean_B,
+ *          running_var  = (1 - mom) running_var + mom var_B * M / (M - 1),
+ *          num_batches_tracked += 1   (M: the values per channel)
+ *   eval:  the same with running_mean and running_var, nothing updated.
+ * Plain loops (the layer is memory-bound), a thread per channel range;
+ * statistics in double. Saves x, the per-channel mean and 1/std (arena).
+ * Weight, bias and the buffers are fp32 whatever the compute dtype.
+ * [Note: synchronised statistics] A sync module's ranks all-gather, per
+ * channel, their count, mean and M2 = sum (x - mean)^2 as double-float
+ * pairs (hi + lo holds a double to about 48 bits), and every rank combines
+ * them in rank order with Chan's formula: the global statistics, the same
+ * bits on every rank, with no sum-of-squares cancellation. Backward
+ * all-gathers the sums of dy and dy xhat the same way. One all-gather per
+ * forward and one per backward, in train mode only.
+ */
+#include "nn/nn-impl.h"
+
+#include <math.h>
+
+struct bn {
+    struct fsdp_batchnorm_opts o;
+    struct fsdp_param *weight, *bias;                /* (C) each */
+    struct fsdp_buffer *rmean, *rvar, *nbt;          /* (C), (C) F32; () I64 */
+    const float *x;                                  /* (N, C, H, W) saved input (arena or the caller's) */
+    float *mean, *rstd;                              /* (C) each, in the arena */
+    int64_t n, hw;                                   /* of the saved input */
+    double count;                                    /* values per channel over the (global) batch */
+    int train;                                       /* the saved forward ran in train mode */
+};
+
+static const struct fsdp_module_ops bn_ops;
+
+/* double -> (hi, lo) floats with hi + lo == d to about 48 bits */
+static void split2(double d, float *hi, float *lo) {
+    *hi = (float)d;
+    *lo = (float)(d - (double)*hi);
+}
+
+/* Gathers n doubles per rank (as double-float pairs) over c: out[r * n + i]
+ * is rank r's v[i]. out: world * n doubles (caller's). */
+static enum fsdp_status gather_doubles(struct fsdp_ctx *ctx, struct fsdp_module *m, struct fsdp_comm *c,
+                                       const double *v, int64_t n, double *out) {
+    int world = fsdp_comm_size(c);
+    size_t mark = fsdp_arena_mark(ctx);
+    float *send = fsdp__scratch(ctx, 2 * n * (world + 1), "SyncBatchNorm statistics");
+    if (!send) return FSDP_ERR_NOMEM;
+    float *recv = send + 2 * n;
+    for (int64_t i = 0; i < n; i++) split2(v[i], &send[2 * i], &send[2 * i + 1]);
+    enum fsdp_status st = fsdp_comm_allgather(c, send, recv, (size_t)(2 * n), FSDP_F32);
+    if (st != FSDP_OK) {
+        fsdp_arena_release(ctx, mark);
+        return fsdp__err(ctx, st, "SyncBatchNorm '%s': all-gather of statistics failed: %s", fsdp__mname(m),
+                         fsdp_errmsg(ctx));
+    }
+    for (int64_t i = 0; i < world * n; i++) out[i] = (double)recv[2 * i] + (double)recv[2 * i + 1];
+    fsdp_arena_release(ctx, mark);
+    return FSDP_OK;
+}
+
+static struct fsdp_comm *bn_comm(struct fsdp_ctx *ctx, const struct bn *B) {
+    return B->o.comm ? B->o.comm : fsdp_ctx_comm(ctx);
+}
+
+static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
+                                   struct fsdp_tensor *out) {
+    struct bn *B = m->impl;
+    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 4, 0));
+    int64_t N = in->shape[0], C = B->o.num_features, HW = in->shape[2] * in->shape[3];
+    if (in->shape[1] != C)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': input has %lld channels, expected %lld",
+                         fsdp__mname(m), (long long)in->shape[1], (long long)C);
+    FSDP_TRY(fsdp__param_ready(ctx, B->weight, 0));
+    FSDP_TRY(fsdp__param_ready(ctx, B->bias, 0));
+    if (out->data && out->data == in->data)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': cannot run in place (backward needs the input)",
+                         fsdp__mname(m));
+    int train = m->training, sync = train && B->o.sync;
+    float *mean = fsdp__scratch(ctx, 2 * C, "BatchNorm2d statistics");
+    if (!mean) return FSDP_ERR_NOMEM;
+    float *rstd = mean + C;
+    FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, 4, in->shape, "BatchNorm2d output"));
+    const float *x = in->data, *w = fsdp__pdata(B->weight), *b = fsdp__pdata(B->bias);
+    float *rm = B->rmean->data, *rv = B->rvar->data;
+    double count = (double)N * (double)HW;
+    if (train) {
+        size_t mark = fsdp_arena_mark(ctx);
+        int world = sync ? fsdp_comm_size(bn_comm(ctx, B)) : 1;
+        double *loc = (double *)fsdp__scratch(ctx, 2 * (2 * C + 1) * (world + 1), "BatchNorm2d sums");
+        if (!loc) return FSDP_ERR_NOMEM;
+        double *lmean = loc + 1, *lm2 = loc + 1 + C; /* loc[0]: count */
+        loc[0] = count;
+#pragma omp parallel for schedule(static)
+        for (int64_t c = 0; c < C; c++) { /* two passes in double: mean, then M2 */
+            double s = 0.0, s2 = 0.0;
+            for (int64_t n = 0; n < N; n++) {
+                const float *p = x + (n * C + c) * HW;
+                for (int64_t i = 0; i < HW; i++) s += p[i];
+            }
+            double mu = count > 0 ? s / count : 0.0;
+            for (int64_t n = 0; n < N; n++) {
+                const float *p = x + (n * C + c) * HW;
+                for (int64_t i = 0; i < HW; i++) s2 += ((double)p[i] - mu) * ((double)p[i] - mu);
+            }
+            lmean[c] = mu;
+            lm2[c] = s2;
+        }
+        if (sync) { /* [Note: synchronised statistics] */
+            double *all = loc + 2 * C + 1;
+            enum fsdp_status st = gather_doubles(ctx, m, bn_comm(ctx, B), loc, 2 * C + 1, all);
+            if (st != FSDP_OK) {
+                fsdp_arena_release(ctx, mark);
+                return st;
+            }
+            double tot = 0.0;
+            for (int r = 0; r < world; r++) tot += all[r * (2 * C + 1)];
+            for (int64_t c = 0; c < C; c++) { /* Chan et al.: combine (n, mean, M2) in rank order */
+                double n_a = 0.0, mu = 0.0, m2 = 0.0;
+                for (int r = 0; r < world; r++) {
+                    const double *e = all + r * (2 * C + 1);
+                    double n_b = e[0];
+                    if (n_b <= 0) continue;
+                    double d = e[1 + c] - mu, n_ab = n_a + n_b;
+                    mu += d * n_b / n_ab;
+                    m2 += e[1 + C + c] + d * d * n_a * n_b / n_ab;
+                    n_a = n_ab;
+                }
+                lmean[c] = mu;
+                lm2[c] = m2;
+            }
+            count = tot;
+        }
+        if (count < 2) {
+            fsdp_arena_release(ctx, mark);
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': training needs more than 1 value per channel "
+                             "(input (%lld, %lld, %lld, %lld))", fsdp__mname(m), (long long)N, (long long)C,
+                             (long long)in->shape[2], (long long)in->shape[3]);
+        }
+        float mom = B->o.momentum;
+        for (int64_t c = 0; c < C; c++) {
+            double var = lm2[c] / count;
+            mean[c] = (float)lmean[c];
+            rstd[c] = (float)(1.0 / sqrt(var + (double)B->o.eps));
+            rm[c] = (1.0f - mom) * rm[c] + mom * (float)lmean[c];
+            rv[c] = (1.0f - mom) * rv[c] + mom * (float)(lm2[c] / (count - 1.0));
+        }
+        ((int64_t *)B->nbt->data)[0] += 1;
+        fsdp_arena_release(ctx, mark);
+    } else {
+        for (int64_t c = 0; c < C; c++) {
+            mean[c] = rm[c];
+            rstd[c] = (float)(1.0 / sqrt((double)rv[c] + (double)B->o.eps));
+        }
+    }
+    float *y = out->data; /* may equal x */
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t c = 0; c < C; c++) {
+            float sc = rstd[c] * w[c], sh = b[c] - mean[c] * sc;
+            const float *p = x + (n * C + c) * HW;
+            float *q = y + (n * C + c) * HW;
+#pragma omp simd
+            for (int64_t i = 0; i < HW; i++) q[i] = p[i] * sc + sh;
+        }
+    B->x = x;
+    B->mean = mean;
+    B->rstd = rstd;
+    B->n = N;
+    B->hw = HW;
+    B->count = count;
+    B->train = train;
+    return FSDP_OK;
+}
+
+/* train: dx = w rstd (dy - sum(dy) / M - xhat sum(dy xhat) / M), the sums
+ * over the (global) batch; eval: dx = w rstd dy. dweight += sum(dy xhat),
+ * dbias += sum(dy), over this rank's batch. */
+static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
+                                    struct fsdp_tensor *din) {
+    struct bn *B = m->impl;
+    if (!B->mean) return fsdp__err(ctx, FSDP_ERR_STATE, "BatchNorm2d '%s': backward without forward", fsdp__mname(m));
+    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 4, 0));
+    int64_t N = B->n, C = B->o.num_features, HW = B->hw;
+    if (dout->shape[0] != N || dout->shape[1] != C || dout->shape[2] * dout->shape[3] != HW)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': gradient shape differs from the forward's",
+                         fsdp__mname(m));
+    FSDP_TRY(fsdp__param_ready(ctx, B->weight, 1));
+    FSDP_TRY(fsdp__param_ready(ctx, B->bias, 1));
+    int sync = B->train && B->o.sync;
+    int world = sync ? fsdp_comm_size(bn_comm(ctx, B)) : 1;
+    /* before the scratch, which is released below; din may alias dout */
+    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 4, dout->shape, "BatchNorm2d input gradient"));
+    size_t mark = fsdp_arena_mark(ctx);
+    double *sums = (double *)fsdp__scratch(ctx, 2 * 2 * C * (world + 1), "BatchNorm2d gradient sums");
+    if (!sums) return FSDP_ERR_NOMEM;
+    double *sdy = sums, *sdyx = sums + C;
+    const float *x = B->x, *dy = dout->data, *mean = B->mean, *rstd = B->rstd, *w = fsdp__pdata(B->weight);
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < C; c++) {
+        double a = 0.0, s = 0.0;
+        float mu = mean[c], r = rstd[c];
+        for (int64_t n = 0; n < N; n++) {
+            const float *p = x + (n * C + c) * HW, *g = dy + (n * C + c) * HW;
+            for (int64_t i = 0; i < HW; i++) {
+                a += g[i];
+                s += (double)g[i] * (double)((p[i] - mu) * r);
+            }
+        }
+        sdy[c] = a;
+        sdyx[c] = s;
+    }
+    float *dw = fsdp__pgrad(B->weight), *db = fsdp__pgrad(B->bias);
+    for (int64_t c = 0; c < C; c++) {
+        dw[c] += (float)sdyx[c];
+        db[c] += (float)sdy[c];
+    }
+    if (!din && !sync) {
+        fsdp_arena_release(ctx, mark);
+        return FSDP_OK;
+    }
+    if (sync) { /* even without din: every rank of comm joins, whatever it asked for */
+        double *all = sums + 2 * C;
+        enum fsdp_status st = gather_doubles(ctx, m, bn_comm(ctx, B), sums, 2 * C, all);
+        if (st != FSDP_OK) {
+            fsdp_arena_release(ctx, mark);
+            return st;
+        }
+        for (int64_t k = 0; k < 2 * C; k++) {
+            double t = 0.0;
+            for (int r = 0; r < world; r++) t += all[r * 2 * C + k];
+            sums[k] = t;
+        }
+    }
+    if (!din) {
+        fsdp_arena_release(ctx, mark);
+        return FSDP_OK;
+    }
+    float *dx = din->data; /* may equal dy: each element reads only its own dy */
+    double M = B->count;
+    int train = B->train;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t c = 0; c < C; c++) {
+            float mu = mean[c], r = rstd[c], k = w[c] * r;
+            float a = train ? (float)(sdy[c] / M) : 0.0f, s = train ? (float)(sdyx[c] / M) : 0.0f;
+            const float *p = x + (n * C + c) * HW, *g = dy + (n * C + c) * HW;
+            float *q = dx + (n * C + c) * HW;
+#pragma omp simd
+            for (int64_t i = 0; i < HW; i++) q[i] = k * (g[i] - a - (p[i] - mu) * r * s);
+        }
+    fsdp_arena_release(ctx, mark);
+    return FSDP_OK;
+}
+
+static void bn_destroy(struct fsdp_module *m) { free(m->impl); }
+
+static const struct fsdp_module_ops bn_ops = {"BatchNorm2d", bn_forward, bn_backward, bn_destroy};
+
+struct fsdp_batchnorm_opts fsdp_batchnorm_opts_default(int64_t num_features) {
+    struct fsdp_batchnorm_opts o;
+    memset(&o, 0, sizeof o);
+    o.num_features = num_features;
+    o.eps = 1e-5f;
+    o.momentum = 0.1f;
+    return o;
+}
+
+enum fsdp_status fsdp_batchnorm2d_create(struct fsdp_ctx *ctx, const char *name, const struct fsdp_batchnorm_opts *opts,
+                                         struct fsdp_module **out_m) {
+    if (opts->num_features <= 0 || !(opts->eps > 0.0f) || !(opts->momentum >= 0.0f && opts->momentum <= 1.0f))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': num_features %lld must be positive, eps %g "
+                         "positive, momentum %g in [0, 1]", name, (long long)opts->num_features, (double)opts->eps,
+                         (double)opts->momentum);
+    struct fsdp_module *m;
+    FSDP_TRY(fsdp_module_create(ctx, &bn_ops, name, &m));
+    struct bn *B = calloc(1, sizeof *B);
+    if (!B) {
+        fsdp_module_free(m);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating BatchNorm2d '%s'", name);
+    }
+    m->impl = B;
+    B->o = *opts;
+    int64_t shape[1] = {opts->num_features};
+    struct fsdp_init ones = {FSDP_INIT_ONES, 0.0f}, zeros = {FSDP_INIT_ZEROS, 0.0f};
+    enum fsdp_status st = fsdp_module_add_param(ctx, m, "weight", 1, shape, ones, 1, &B->weight);
+    if (st == FSDP_OK) st = fsdp_module_add_param(ctx, m, "bias", 1, shape, zeros, 1, &B->bias);
+    if (st == FSDP_OK) st = fsdp_module_add_buffer(ctx, m, "running_mean", FSDP_F32, 1, shape, zeros, 1, &B->rmean);
+    if (st == FSDP_OK) st = fsdp_module_add_buffer(ctx, m, "running_var", FSDP_F32, 1, shape, ones, 1, &B->rvar);
+    if (st == FSDP_OK)
+        st = fsdp_module_add_buffer(ctx, m, "num_batches_tracked", FSDP_I64, 0, NULL, zeros, 1, &B->nbt);
+    if (st != FSDP_OK) {
+        fsdp_module_free(m);
+        return st;
+    }
+    B->weight->grad_writer = B->bias->grad_writer = 1; /* [Note: unset gradients] */
+    *out_m = m;
+    return FSDP_OK;
+}
+
+static void set_sync_rec(struct fsdp_module *m, int on, struct fsdp_comm *comm, int *n) {
+    if (m->ops == &bn_ops) {
+        struct bn *B = m->impl;
+        B->o.sync = on ? 1 : 0;
+        B->o.comm = on ? comm : NULL;
+        (*n)++;
+    }
+    for (int i = 0; i < m->n_children; i++) set_sync_rec(m->children[i], on, comm, n);
+}
+
+void fsdp_batchnorm_set_sync(struct fsdp_module *root, int on, struct fsdp_comm *comm, int *n_out) {
+    int n = 0;
+    set_sync_rec(root, on, comm, &n);
+    if (n_out) *n_out = n;
+}

@@ -1,0 +1,488 @@
+/*
+ * conv.c - Conv2d on NCHW fp32 tensors through oneDNN's convolution
+ * primitives (forward, backward data, backward weights), and the oneDNN
+ * engine, stream and execution helpers the other vision layers share.
+ * weight (out, in/groups, kh, kw) as PyTorch (oneDNN's oihw, or goihw with
+ * groups), optional bias (out). Tensors stay in the plain layout at the API;
+ * oneDNN runs on them in place (no reorders).
+ * Primitives are made for one input shape and kept in the module until the
+ * shape or the compute dtype changes ([Note: conv primitives]).
+ * 16-bit compute ([Note: compute precision]): with BF16 the input and the
+ * weight are cast to bf16 and oneDNN's bf16 convolution accumulates in fp32
+ * (output, gradients in fp32), where fsdp_gemm_native(FSDP_BF16) says the CPU
+ * runs bf16 kernels and oneDNN has the convolution; otherwise (F16 always,
+ * FSDP_GEMM_BF16=widen) the inputs are rounded to 16 bits and widened back,
+ * then convolved in fp32: the same products, fp32 speed ([Note: widened
+ * products] in gemm_lp.c). Forward saves x (fp32, or its 16-bit or rounded
+ * copy) in the arena for backward.
+ */
+#include "nn/nn-impl.h"
+
+#include <math.h>
+#include <oneapi/dnnl/dnnl.h>
+#include <pthread.h>
+
+/* ---- oneDNN helpers shared by the vision layers ---- */
+
+static dnnl_engine_t vis_engine;
+static pthread_once_t vis_once = PTHREAD_ONCE_INIT;
+static _Thread_local dnnl_stream_t vis_stream;
+
+static void vis_engine_init(void) {
+    dnnl_status_t st = dnnl_engine_create(&vis_engine, dnnl_cpu, 0);
+    FSDP_ASSERT(st == dnnl_success, "dnnl_engine_create(cpu) failed with status %d", (int)st);
+}
+
+struct dnnl_engine *fsdp__dnnl_engine(void) {
+    pthread_once(&vis_once, vis_engine_init);
+    return vis_engine;
+}
+
+struct dnnl_stream *fsdp__dnnl_stream(void) {
+    if (!vis_stream) {
+        dnnl_status_t st = dnnl_stream_create(&vis_stream, fsdp__dnnl_engine(), dnnl_stream_default_flags);
+        FSDP_ASSERT(st == dnnl_success, "dnnl_stream_create failed with status %d", (int)st);
+    }
+    return vis_stream;
+}
+
+void fsdp__dnnl_exec(struct dnnl_primitive *prim, int n, const int *arg, const void *const *md, void *const *ptr) {
+    dnnl_exec_arg_t args[8];
+    FSDP_ASSERT(n <= 8, "too many oneDNN arguments (%d)", n);
+    for (int i = 0; i < n; i++) {
+        dnnl_status_t st = dnnl_memory_create(&args[i].memory, (const dnnl_memory_desc_t *)md[i],
+                                              fsdp__dnnl_engine(), ptr[i]);
+        FSDP_ASSERT(st == dnnl_success, "dnnl_memory_create failed with status %d", (int)st);
+        args[i].arg = arg[i];
+    }
+    dnnl_stream_t s = fsdp__dnnl_stream();
+    dnnl_status_t st = dnnl_primitive_execute(prim, s, n, args);
+    if (st == dnnl_success) st = dnnl_stream_wait(s);
+    FSDP_ASSERT(st == dnnl_success, "oneDNN primitive failed with status %d", (int)st);
+    for (int i = 0; i < n; i++) dnnl_memory_destroy(args[i].memory);
+}
+
+/* ---- Conv2d ---- */
+
+/* [Note: conv primitives]
+ * Making a oneDNN primitive costs milliseconds (JIT), a convolution runs for
+ * about as long, so each Conv2d keeps the three primitives it made for the
+ * last (N, H, W, dtype) and remakes them only when that changes (a last,
+ * smaller batch; train then eval with another batch size). Primitives use
+ * oneDNN's own scratchpad; a module runs one forward or backward at a time.
+ * [Note: conv layouts] On plain NCHW tensors oneDNN 2.6 has only its
+ * im2col + GEMM convolution, whose backward-weights pass ran at a tenth of
+ * the direct kernels' rate; so each primitive is made with layouts of
+ * oneDNN's choice (format "any": blocked nChw16c and the like), and every
+ * operand whose chosen layout differs from the plain one goes through a
+ * reorder into arena scratch before (inputs) or after (outputs) the
+ * primitive. The tensors at the API stay NCHW. */
+struct xarg {                 /* one operand of a primitive */
+    dnnl_memory_desc_t md;    /* the layout the primitive runs on */
+    dnnl_memory_desc_t user;  /* the plain layout at the API */
+    dnnl_primitive_t reorder; /* user -> md (input) or md -> user (output); NULL when equal */
+    size_t bytes;             /* of md */
+    int output;
+};
+
+enum { FWD_SRC, FWD_WEI, FWD_DST, BD_DDST, BD_WEI, BD_DSRC, BW_SRC, BW_DDST, BW_DWEI, N_XARG };
+
+struct conv_prims {
+    int64_t n, h, w;
+    enum fsdp_dtype dt;  /* FSDP_F32 or FSDP_BF16 (native) */
+    int made;
+    dnnl_memory_desc_t bias;    /* (out) fp32: the bias and its gradient */
+    struct xarg a[N_XARG];
+    dnnl_primitive_t fwd, bwd_data, bwd_wei;
+};
+
+struct conv {
+    struct fsdp_conv2d_opts o;
+    struct fsdp_param *weight; /* (out, in/groups, kh, kw) */
+    struct fsdp_param *bias;   /* (out) or NULL */
+    const void *x;             /* (N, in, H, W) saved input in xdt (arena or the caller's) */
+    enum fsdp_dtype xdt;       /* FSDP_F32 or FSDP_BF16 */
+    enum fsdp_dtype lp;        /* compute dtype of the last forward */
+    int widen;                 /* the last forward rounded 16-bit values and ran in fp32 */
+    int64_t n, h, w, oh, ow;
+    struct conv_prims p;
+};
+
+static void prims_free(struct conv_prims *p) {
+    if (p->fwd) dnnl_primitive_destroy(p->fwd);
+    if (p->bwd_data) dnnl_primitive_destroy(p->bwd_data);
+    if (p->bwd_wei) dnnl_primitive_destroy(p->bwd_wei);
+    for (int i = 0; i < N_XARG; i++)
+        if (p->a[i].reorder) dnnl_primitive_destroy(p->a[i].reorder);
+    memset(p, 0, sizeof *p);
+}
+
+/* operand a of primitive pd (queried as q) against its plain layout user */
+static dnnl_status_t xarg_make(struct xarg *a, const_dnnl_primitive_desc_t pd, dnnl_query_t q,
+                               const dnnl_memory_desc_t *user, int output) {
+    a->md = *dnnl_primitive_desc_query_md(pd, q, 0);
+    a->user = *user;
+    a->output = output;
+    a->reorder = NULL;
+    if (dnnl_memory_desc_equal(&a->md, user)) return dnnl_success;
+    a->bytes = dnnl_memory_desc_get_size(&a->md);
+    dnnl_primitive_desc_t rpd = NULL;
+    dnnl_engine_t e = fsdp__dnnl_engine();
+    dnnl_status_t st = dnnl_reorder_primitive_desc_create(&rpd, output ? &a->md : user, e, output ? user : &a->md, e,
+                                                          NULL);
+    if (st == dnnl_success) st = dnnl_primitive_create(&a->reorder, rpd);
+    dnnl_primitive_desc_destroy(rpd);
+    return st;
+}
+
+/* The pointer the primitive takes for operand a whose plain data is at ptr:
+ * ptr itself, or arena scratch (an input reordered into it now). NULL when
+ * the arena is full. */
+static void *xarg_in(struct fsdp_ctx *ctx, const struct xarg *a, const void *ptr) {
+    if (!a->reorder) return (void *)ptr;
+    void *buf = fsdp_arena_alloc(ctx, a->bytes);
+    if (!buf) return NULL;
+    if (!a->output) {
+        int args[2] = {DNNL_ARG_FROM, DNNL_ARG_TO};
+        const void *mds[2] = {&a->user, &a->md};
+        void *ptrs[2] = {(void *)ptr, buf};
+        fsdp__dnnl_exec(a->reorder, 2, args, mds, ptrs);
+    }
+    return buf;
+}
+
+/* after the primitive: an output held in scratch goes to its plain place */
+static void xarg_out(const struct xarg *a, void *buf, void *ptr) {
+    if (!a->reorder) return;
+    int args[2] = {DNNL_ARG_FROM, DNNL_ARG_TO};
+    const void *mds[2] = {&a->md, &a->user};
+    void *ptrs[2] = {buf, ptr};
+    fsdp__dnnl_exec(a->reorder, 2, args, mds, ptrs);
+}
+
+static dnnl_status_t make_prim(dnnl_primitive_desc_t *pd_out, const void *desc, const_dnnl_primitive_desc_t hint,
+                               dnnl_primitive_t *prim) {
+    dnnl_primitive_desc_t pd = NULL;
+    dnnl_status_t st = dnnl_primitive_desc_create(&pd, desc, NULL, fsdp__dnnl_engine(), hint);
+    if (st == dnnl_success) st = dnnl_primitive_create(prim, pd);
+    if (st == dnnl_success) *pd_out = pd;
+    else dnnl_primitive_desc_destroy(pd);
+    return st;
+}
+
+/* Makes the forward and both backward primitives for input (N, in, H, W) in
+ * dtype dt (F32 or BF16) with their operands ([Note: conv layouts]); a
+ * failure leaves p empty and returns oneDNN's status. */
+static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W, enum fsdp_dtype dt) {
+    struct conv_prims *p = &C->p;
+    prims_free(p);
+    const struct fsdp_conv2d_opts *o = &C->o;
+    int64_t G = o->groups, O = o->out_channels, I = o->in_channels;
+    dnnl_data_type_t ddt = dt == FSDP_BF16 ? dnnl_bf16 : dnnl_f32;
+    dnnl_dims_t sd = {N, I, H, W}, dd = {N, O, C->oh, C->ow}, bd = {O};
+    dnnl_dims_t wd = {O, I, o->kernel[0], o->kernel[1]}, gwd = {G, O / G, I / G, o->kernel[0], o->kernel[1]};
+    dnnl_dims_t strides = {o->stride[0], o->stride[1]}, dil = {o->dilation[0] - 1, o->dilation[1] - 1};
+    dnnl_dims_t pad = {o->padding[0], o->padding[1]};
+    int wnd = G > 1 ? 5 : 4;
+    dnnl_format_tag_t wtag = G > 1 ? dnnl_goihw : dnnl_oihw, any = dnnl_format_tag_any;
+    const int64_t *wdims = G > 1 ? gwd : wd;
+    /* plain layouts (the API's) and "any" layouts (the primitives') */
+    dnnl_memory_desc_t src, wei, dst, dsrc, dwei, ddst, asrc, awei, adst, adsrc, adwei, addst;
+    dnnl_status_t st = dnnl_memory_desc_init_by_tag(&src, 4, sd, ddt, dnnl_nchw);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&wei, wnd, wdims, ddt, wtag);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dst, 4, dd, dnnl_f32, dnnl_nchw);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dsrc, 4, sd, dnnl_f32, dnnl_nchw);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dwei, wnd, wdims, dnnl_f32, wtag);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&ddst, 4, dd, ddt, dnnl_nchw);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&asrc, 4, sd, ddt, any);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&awei, wnd, wdims, ddt, any);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&adst, 4, dd, dnnl_f32, any);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&adsrc, 4, sd, dnnl_f32, any);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&adwei, wnd, wdims, dnnl_f32, any);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&addst, 4, dd, ddt, any);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&p->bias, 1, bd, dnnl_f32, dnnl_a);
+    dnnl_convolution_desc_t fd, bdd, bwd;
+    dnnl_primitive_desc_t fpd = NULL, dpd = NULL, wpd = NULL;
+    if (st == dnnl_success)
+        st = dnnl_dilated_convolution_forward_desc_init(&fd, dnnl_forward_training, dnnl_convolution_direct, &asrc,
+                                                        &awei, C->bias ? &p->bias : NULL, &adst, strides, dil, pad,
+                                                        pad);
+    if (st == dnnl_success) st = make_prim(&fpd, &fd, NULL, &p->fwd);
+    if (st == dnnl_success)
+        st = dnnl_dilated_convolution_backward_data_desc_init(&bdd, dnnl_convolution_direct, &adsrc, &awei, &addst,
+                                                              strides, dil, pad, pad);
+    if (st == dnnl_success) st = make_prim(&dpd, &bdd, fpd, &p->bwd_data);
+    if (st == dnnl_success)
+        st = dnnl_dilated_convolution_backward_weights_desc_init(&bwd, dnnl_convolution_direct, &asrc, &adwei,
+                                                                 C->bias ? &p->bias : NULL, &addst, strides, dil,
+                                                                 pad, pad);
+    if (st == dnnl_success) st = make_prim(&wpd, &bwd, fpd, &p->bwd_wei);
+    if (st == dnnl_success) st = xarg_make(&p->a[FWD_SRC], fpd, dnnl_query_src_md, &src, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[FWD_WEI], fpd, dnnl_query_weights_md, &wei, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[FWD_DST], fpd, dnnl_query_dst_md, &dst, 1);
+    if (st == dnnl_success) st = xarg_make(&p->a[BD_DDST], dpd, dnnl_query_diff_dst_md, &ddst, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[BD_WEI], dpd, dnnl_query_weights_md, &wei, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[BD_DSRC], dpd, dnnl_query_diff_src_md, &dsrc, 1);
+    if (st == dnnl_success) st = xarg_make(&p->a[BW_SRC], wpd, dnnl_query_src_md, &src, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[BW_DDST], wpd, dnnl_query_diff_dst_md, &ddst, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[BW_DWEI], wpd, dnnl_query_diff_weights_md, &dwei, 1);
+    dnnl_primitive_desc_destroy(fpd);
+    dnnl_primitive_desc_destroy(dpd);
+    dnnl_primitive_desc_destroy(wpd);
+    if (st != dnnl_success) {
+        prims_free(p);
+        return st;
+    }
+    p->n = N, p->h = H, p->w = W, p->dt = dt, p->made = 1;
+    return dnnl_success;
+}
+
+/* Primitives for this input in dt, made if needed; FSDP_ERR_UNSUPPORTED
+ * naming the module if oneDNN has none (fp32), or *ok = 0 (bf16: the caller
+ * widens instead). */
+static enum fsdp_status prims_get(struct fsdp_ctx *ctx, struct fsdp_module *m, enum fsdp_dtype dt, int *ok) {
+    struct conv *C = m->impl;
+    *ok = 1;
+    if (C->p.made && C->p.n == C->n && C->p.h == C->h && C->p.w == C->w && C->p.dt == dt) return FSDP_OK;
+    dnnl_status_t st = prims_make(C, C->n, C->h, C->w, dt);
+    if (st == dnnl_success) return FSDP_OK;
+    *ok = 0;
+    if (dt != FSDP_F32) return FSDP_OK;
+    return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED, "Conv2d '%s': oneDNN has no convolution for input (%lld, %lld, %lld, %lld) "
+                     "(status %d)", fsdp__mname(m), (long long)C->n, (long long)C->o.in_channels, (long long)C->h,
+                     (long long)C->w, (int)st);
+}
+
+/* Runs prim over operands a[0..n) at plain pointers ptr[] (inputs reordered
+ * before, outputs after), plus the bias (or its gradient) at bias if not NULL
+ * with argument bias_arg. FSDP_ERR_NOMEM when the arena cannot hold a
+ * reordered operand (scratch released either way). */
+static enum fsdp_status run_prim(struct fsdp_ctx *ctx, struct fsdp_module *m, dnnl_primitive_t prim,
+                                 const struct xarg *const *a, const int *arg, int n, void *const *ptr,
+                                 void *bias, int bias_arg) {
+    struct conv *C = m->impl;
+    size_t mark = fsdp_arena_mark(ctx);
+    int args[5];
+    const void *mds[5];
+    void *bufs[5];
+    for (int i = 0; i < n; i++) {
+        bufs[i] = xarg_in(ctx, a[i], ptr[i]);
+        if (!bufs[i]) {
+            fsdp_arena_release(ctx, mark);
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "Conv2d '%s': no memory for a reordered operand", fsdp__mname(m));
+        }
+        args[i] = arg[i];
+        mds[i] = &a[i]->md;
+    }
+    if (bias) {
+        args[n] = bias_arg;
+        mds[n] = &C->p.bias;
+        bufs[n] = bias;
+    }
+    fsdp__dnnl_exec(prim, n + (bias != NULL), args, mds, bufs);
+    for (int i = 0; i < n; i++)
+        if (a[i]->output) xarg_out(a[i], bufs[i], ptr[i]);
+    fsdp_arena_release(ctx, mark);
+    return FSDP_OK;
+}
+
+/* n values of src rounded to dt (BF16/F16) and widened back to fp32, in the arena */
+static float *rounded_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what) {
+    float *out = fsdp__scratch(ctx, n, what);
+    if (!out) return NULL;
+    if (dt == FSDP_BF16) {
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n; i++) out[i] = fsdp__bf16_to_f32(fsdp__f32_to_bf16(src[i]));
+    } else {
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n; i++) out[i] = fsdp__f16_to_f32(fsdp__f32_to_f16(src[i]));
+    }
+    return out;
+}
+
+static int64_t out_size(int64_t in, int k, int s, int p, int d) {
+    return (in + 2 * (int64_t)p - (int64_t)d * (k - 1) - 1) / s + 1;
+}
+
+static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
+                                     struct fsdp_tensor *out) {
+    struct conv *C = m->impl;
+    const struct fsdp_conv2d_opts *o = &C->o;
+    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 4, 0));
+    if (in->shape[1] != o->in_channels)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': input has %lld channels, expected %lld",
+                         fsdp__mname(m), (long long)in->shape[1], (long long)o->in_channels);
+    int64_t N = in->shape[0], H = in->shape[2], W = in->shape[3];
+    int64_t OH = out_size(H, o->kernel[0], o->stride[0], o->padding[0], o->dilation[0]);
+    int64_t OW = out_size(W, o->kernel[1], o->stride[1], o->padding[1], o->dilation[1]);
+    if (OH <= 0 || OW <= 0)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': input %lldx%lld is smaller than the kernel",
+                         fsdp__mname(m), (long long)H, (long long)W);
+    FSDP_TRY(fsdp__param_ready(ctx, C->weight, 0));
+    if (C->bias) FSDP_TRY(fsdp__param_ready(ctx, C->bias, 0));
+    int64_t oshape[4] = {N, o->out_channels, OH, OW};
+    FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, 4, oshape, "Conv2d output"));
+    C->n = N, C->h = H, C->w = W, C->oh = OH, C->ow = OW;
+    enum fsdp_dtype lp = fsdp__compute_dtype(m);
+    int ok = 0;
+    if (lp == FSDP_BF16 && fsdp_gemm_native(FSDP_BF16)) FSDP_TRY(prims_get(ctx, m, FSDP_BF16, &ok));
+    C->lp = lp;
+    C->widen = lp != FSDP_F32 && !ok;
+    const void *x = in->data, *w = NULL;
+    enum fsdp_dtype xdt = FSDP_F32;
+    int64_t nx = fsdp_tensor_numel(in);
+    if (ok) { /* native bf16: the 16-bit input is kept for backward */
+        x = fsdp__lp_copy(ctx, FSDP_BF16, in->data, nx, "Conv2d input (bf16)");
+        if (!x) return FSDP_ERR_NOMEM;
+        xdt = FSDP_BF16;
+    } else {
+        FSDP_TRY(prims_get(ctx, m, FSDP_F32, &ok));
+        if (C->widen && !(x = rounded_copy(ctx, lp, in->data, nx, "Conv2d input (rounded)"))) return FSDP_ERR_NOMEM;
+    }
+    size_t mark = fsdp_arena_mark(ctx);
+    if (xdt == FSDP_BF16) w = fsdp__pdata_lp(ctx, C->weight, FSDP_BF16);
+    else if (C->widen) w = rounded_copy(ctx, lp, fsdp__pdata(C->weight), C->weight->numel, "Conv2d weight (rounded)");
+    else w = fsdp__pdata(C->weight);
+    if (!w) return FSDP_ERR_NOMEM;
+    const struct xarg *a[3] = {&C->p.a[FWD_SRC], &C->p.a[FWD_WEI], &C->p.a[FWD_DST]};
+    int args[3] = {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST};
+    void *ptrs[3] = {(void *)x, (void *)w, out->data};
+    enum fsdp_status st = run_prim(ctx, m, C->p.fwd, a, args, 3, ptrs, C->bias ? fsdp__pdata(C->bias) : NULL,
+                                   DNNL_ARG_BIAS);
+    fsdp_arena_release(ctx, mark);
+    FSDP_TRY(st);
+    C->x = x;
+    C->xdt = xdt;
+    return FSDP_OK;
+}
+
+static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
+                                      struct fsdp_tensor *din) {
+    struct conv *C = m->impl;
+    const struct fsdp_conv2d_opts *o = &C->o;
+    if (!C->x) return fsdp__err(ctx, FSDP_ERR_STATE, "Conv2d '%s': backward without forward", fsdp__mname(m));
+    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 4, 0));
+    if (dout->shape[0] != C->n || dout->shape[1] != o->out_channels || dout->shape[2] != C->oh ||
+        dout->shape[3] != C->ow)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': gradient is (%lld, %lld, %lld, %lld), output was "
+                         "(%lld, %lld, %lld, %lld)", fsdp__mname(m), (long long)dout->shape[0],
+                         (long long)dout->shape[1], (long long)dout->shape[2], (long long)dout->shape[3],
+                         (long long)C->n, (long long)o->out_channels, (long long)C->oh, (long long)C->ow);
+    FSDP_TRY(fsdp__param_ready(ctx, C->weight, 1));
+    if (C->bias) FSDP_TRY(fsdp__param_ready(ctx, C->bias, 1));
+    int ok = 1;
+    FSDP_TRY(prims_get(ctx, m, C->xdt, &ok)); /* the forward's (remade if another shape ran since) */
+    if (!ok) return fsdp__err(ctx, FSDP_ERR_STATE, "Conv2d '%s': bf16 primitives vanished", fsdp__mname(m));
+    int64_t in_shape[4] = {C->n, o->in_channels, C->h, C->w};
+    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 4, in_shape, "Conv2d input gradient"));
+    size_t mark = fsdp_arena_mark(ctx);
+    int64_t ny = fsdp_tensor_numel(dout);
+    const void *dy = dout->data;
+    if (C->xdt == FSDP_BF16) dy = fsdp__lp_copy(ctx, FSDP_BF16, dout->data, ny, "Conv2d output gradient (bf16)");
+    else if (C->widen) dy = rounded_copy(ctx, C->lp, dout->data, ny, "Conv2d output gradient (rounded)");
+    if (!dy) return FSDP_ERR_NOMEM;
+    /* weights (and bias) gradient: written outright when unset, else via scratch and added */
+    float bw = 0.0f, bb = 0.0f;
+    float *gw = fsdp__pgrad_first(C->weight, &bw), *gb = C->bias ? fsdp__pgrad_first(C->bias, &bb) : NULL;
+    float *tw = bw != 0.0f ? fsdp__scratch(ctx, C->weight->numel, "Conv2d weight gradient") : gw;
+    float *tb = gb && bb != 0.0f ? fsdp__scratch(ctx, o->out_channels, "Conv2d bias gradient") : gb;
+    if (!tw || (gb && !tb)) {
+        fsdp_arena_release(ctx, mark);
+        return FSDP_ERR_NOMEM;
+    }
+    const struct xarg *aw[3] = {&C->p.a[BW_SRC], &C->p.a[BW_DDST], &C->p.a[BW_DWEI]};
+    int argw[3] = {DNNL_ARG_SRC, DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_WEIGHTS};
+    void *ptrw[3] = {(void *)C->x, (void *)dy, tw};
+    enum fsdp_status st = run_prim(ctx, m, C->p.bwd_wei, aw, argw, 3, ptrw, tb, DNNL_ARG_DIFF_BIAS);
+    if (st != FSDP_OK) {
+        fsdp_arena_release(ctx, mark);
+        return st;
+    }
+    if (tw != gw) {
+        int64_t n = C->weight->numel;
+#pragma omp parallel for simd schedule(static)
+        for (int64_t i = 0; i < n; i++) gw[i] += tw[i];
+    }
+    if (tb != gb)
+        for (int64_t i = 0; i < o->out_channels; i++) gb[i] += tb[i];
+    if (din) {
+        const void *w;
+        if (C->xdt == FSDP_BF16) w = fsdp__pdata_lp(ctx, C->weight, FSDP_BF16);
+        else if (C->widen) w = rounded_copy(ctx, C->lp, fsdp__pdata(C->weight), C->weight->numel, "Conv2d weight (rounded)");
+        else w = fsdp__pdata(C->weight);
+        if (!w) {
+            fsdp_arena_release(ctx, mark);
+            return FSDP_ERR_NOMEM;
+        }
+        const struct xarg *ad[3] = {&C->p.a[BD_DDST], &C->p.a[BD_WEI], &C->p.a[BD_DSRC]};
+        int argd[3] = {DNNL_ARG_DIFF_DST, DNNL_ARG_WEIGHTS, DNNL_ARG_DIFF_SRC};
+        void *ptrd[3] = {(void *)dy, (void *)w, din->data};
+        st = run_prim(ctx, m, C->p.bwd_data, ad, argd, 3, ptrd, NULL, 0);
+    }
+    fsdp_arena_release(ctx, mark);
+    return st;
+}
+
+static void conv_destroy(struct fsdp_module *m) {
+    struct conv *C = m->impl;
+    if (!C) return;
+    prims_free(&C->p);
+    free(C);
+}
+
+static const struct fsdp_module_ops conv_ops = {"Conv2d", conv_forward, conv_backward, conv_destroy};
+
+struct fsdp_conv2d_opts fsdp_conv2d_opts_default(int64_t in_channels, int64_t out_channels, int kernel) {
+    struct fsdp_conv2d_opts o;
+    memset(&o, 0, sizeof o);
+    o.in_channels = in_channels;
+    o.out_channels = out_channels;
+    o.kernel[0] = o.kernel[1] = kernel;
+    o.stride[0] = o.stride[1] = 1;
+    o.dilation[0] = o.dilation[1] = 1;
+    o.groups = 1;
+    o.bias = 1;
+    return o;
+}
+
+enum fsdp_status fsdp_conv2d_create(struct fsdp_ctx *ctx, const char *name, const struct fsdp_conv2d_opts *opts,
+                                    struct fsdp_module **out_m) {
+    const struct fsdp_conv2d_opts *o = opts;
+    if (o->in_channels <= 0 || o->out_channels <= 0 || o->groups <= 0 || o->in_channels % o->groups ||
+        o->out_channels % o->groups)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': channels (%lld, %lld) must be positive multiples of "
+                         "groups %d", name, (long long)o->in_channels, (long long)o->out_channels, o->groups);
+    for (int i = 0; i < 2; i++)
+        if (o->kernel[i] <= 0 || o->stride[i] <= 0 || o->dilation[i] <= 0 || o->padding[i] < 0)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': kernel %d, stride %d, dilation %d must be "
+                             "positive and padding %d not negative", name, o->kernel[i], o->stride[i],
+                             o->dilation[i], o->padding[i]);
+    if (!(o->init_std >= 0.0f))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': init_std %g is negative", name, (double)o->init_std);
+    struct fsdp_module *m;
+    FSDP_TRY(fsdp_module_create(ctx, &conv_ops, name, &m));
+    struct conv *C = calloc(1, sizeof *C);
+    if (!C) {
+        fsdp_module_free(m);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating Conv2d '%s'", name);
+    }
+    m->impl = C;
+    C->o = *o;
+    /* torchvision's ResNet init: kaiming_normal_(mode="fan_out", nonlinearity="relu") */
+    float std = o->init_std > 0.0f ? o->init_std
+                                   : sqrtf(2.0f / (float)(o->out_channels * o->kernel[0] * o->kernel[1]));
+    int64_t wshape[4] = {o->out_channels, o->in_channels / o->groups, o->kernel[0], o->kernel[1]};
+    int64_t bshape[1] = {o->out_channels};
+    enum fsdp_status st = fsdp_module_add_param(ctx, m, "weight", 4, wshape, (struct fsdp_init){FSDP_INIT_NORMAL, std},
+                                                0, &C->weight);
+    if (st == FSDP_OK && o->bias)
+        st = fsdp_module_add_param(ctx, m, "bias", 1, bshape, (struct fsdp_init){FSDP_INIT_ZEROS, 0.0f}, 1, &C->bias);
+    if (st != FSDP_OK) {
+        fsdp_module_free(m);
+        return st;
+    }
+    C->weight->grad_writer = 1; /* [Note: unset gradients] */
+    if (C->bias) C->bias->grad_writer = 1;
+    *out_m = m;
+    return FSDP_OK;
+}

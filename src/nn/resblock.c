@@ -1,0 +1,250 @@
+/*
+ * resblock.c - Sequential (children run in order; PyTorch's nn.Sequential,
+ * children named "0", "1", ...) and ResNet's residual blocks with
+ * torchvision's names: BasicBlock conv1 (3x3, stride s), bn1, relu, conv2
+ * (3x3), bn2; Bottleneck conv1 (1x1), bn1, conv2 (3x3, stride s), bn2, conv3
+ * (1x1, 4x wider), bn3; both with downsample = Sequential(Conv2d 1x1 stride
+ * s, BatchNorm2d) when the stride or the width changes, and out =
+ * relu(last bn + identity). The ReLUs run inline, in place on each bn's
+ * output and on the sum (a BatchNorm saves its own input, so nothing
+ * overwritten is read again); the block saves the ReLU outputs for backward.
+ */
+#include "nn/nn-impl.h"
+
+/* ---- Sequential ---- */
+
+struct sequential {
+    int ndim;
+    int64_t shape[FSDP_MAX_DIMS]; /* of the last input */
+};
+
+static enum fsdp_status seq_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
+                                    struct fsdp_tensor *out) {
+    struct sequential *S = m->impl;
+    if (!m->n_children) return fsdp__err(ctx, FSDP_ERR_STATE, "Sequential '%s' is empty", fsdp__mname(m));
+    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 0, 0));
+    S->ndim = in->ndim;
+    memcpy(S->shape, in->shape, sizeof S->shape);
+    struct fsdp_tensor cur = *in;
+    for (int i = 0; i < m->n_children; i++) {
+        struct fsdp_tensor next = {0};
+        struct fsdp_tensor *dst = i + 1 == m->n_children ? out : &next;
+        FSDP_TRY(fsdp_module_forward(m->children[i], ctx, &cur, dst));
+        cur = *dst;
+    }
+    return FSDP_OK;
+}
+
+static enum fsdp_status seq_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
+                                     struct fsdp_tensor *din) {
+    struct sequential *S = m->impl;
+    if (!S->ndim) return fsdp__err(ctx, FSDP_ERR_STATE, "Sequential '%s': backward without forward", fsdp__mname(m));
+    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, S->ndim, S->shape, "Sequential input gradient"));
+    size_t mark = fsdp_arena_mark(ctx);
+    struct fsdp_tensor cur = *dout;
+    enum fsdp_status st = FSDP_OK;
+    for (int i = m->n_children - 1; i >= 0 && st == FSDP_OK; i--) {
+        struct fsdp_tensor prev = {0};
+        st = fsdp_module_backward(m->children[i], ctx, &cur, i == 0 ? din : &prev);
+        cur = prev;
+    }
+    fsdp_arena_release(ctx, mark);
+    return st;
+}
+
+static void seq_destroy(struct fsdp_module *m) { free(m->impl); }
+
+static const struct fsdp_module_ops seq_ops = {"Sequential", seq_forward, seq_backward, seq_destroy};
+
+enum fsdp_status fsdp_sequential_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out) {
+    struct fsdp_module *m;
+    FSDP_TRY(fsdp_module_create(ctx, &seq_ops, name, &m));
+    if (!(m->impl = calloc(1, sizeof(struct sequential)))) {
+        fsdp_module_free(m);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating Sequential '%s'", name);
+    }
+    *out = m;
+    return FSDP_OK;
+}
+
+/* ---- BasicBlock and Bottleneck ---- */
+
+/* A residual block: n (conv, bn) pairs with a ReLU after each bn but the
+ * last, then out = relu(that + identity), the identity being downsample(x)
+ * or x. BasicBlock: 3x3 (stride), 3x3; Bottleneck: 1x1, 3x3 (stride), 1x1
+ * to 4x the width (torchvision's v1.5: the stride on the 3x3). */
+#define RB_MAX 3
+
+struct resblock {
+    int n;
+    struct fsdp_module *conv[RB_MAX], *bn[RB_MAX], *downsample; /* children; downsample may be NULL */
+    const float *r[RB_MAX]; /* saved ReLU outputs: after bn[0..n-2], then the block's output (arena) */
+    int64_t nr[RB_MAX];
+    int ndim;
+    int64_t shape[FSDP_MAX_DIMS]; /* of the input */
+};
+
+static void relu_inplace(float *x, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+
+/* g[i] = y[i] > 0 ? g[i] : 0 */
+static void relu_mask(float *g, const float *y, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) g[i] = y[i] > 0.0f ? g[i] : 0.0f;
+}
+
+static enum fsdp_status rb_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
+                                   struct fsdp_tensor *out) {
+    struct resblock *K = m->impl;
+    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 4, 0));
+    if (out->data && out->data == in->data)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': cannot run in place", m->ops->type, fsdp__mname(m));
+    struct fsdp_tensor cur = *in, id = {0};
+    for (int i = 0; i < K->n; i++) {
+        struct fsdp_tensor t = {0}, u = {0};
+        int last = i + 1 == K->n;
+        FSDP_TRY(fsdp_module_forward(K->conv[i], ctx, &cur, &t));
+        FSDP_TRY(fsdp_module_forward(K->bn[i], ctx, &t, last ? out : &u));
+        if (!last) { /* bn saved its input, conv[i+1] saves this output: nothing reads it before the ReLU */
+            relu_inplace(u.data, fsdp_tensor_numel(&u));
+            K->r[i] = u.data;
+            K->nr[i] = fsdp_tensor_numel(&u);
+            cur = u;
+        }
+    }
+    if (K->downsample) FSDP_TRY(fsdp_module_forward(K->downsample, ctx, in, &id));
+    else id = *in;
+    int64_t n = fsdp_tensor_numel(out);
+    if (fsdp_tensor_numel(&id) != n)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': the identity has %lld values, the residual %lld",
+                         m->ops->type, fsdp__mname(m), (long long)fsdp_tensor_numel(&id), (long long)n);
+    float *y = out->data;
+    const float *s = id.data;
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) y[i] = y[i] + s[i] > 0.0f ? y[i] + s[i] : 0.0f;
+    K->r[K->n - 1] = y;
+    K->nr[K->n - 1] = n;
+    K->ndim = in->ndim;
+    memcpy(K->shape, in->shape, sizeof K->shape);
+    return FSDP_OK;
+}
+
+/* g = dout masked by the output's ReLU; back through bn, conv pairs with the
+ * inner ReLUs' masks; din = that + (downsample'(g) or g) */
+static enum fsdp_status rb_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
+                                    struct fsdp_tensor *din) {
+    struct resblock *K = m->impl;
+    const float *yout = K->r[K->n - 1];
+    int64_t nout = K->nr[K->n - 1];
+    if (!yout) return fsdp__err(ctx, FSDP_ERR_STATE, "%s '%s': backward without forward", m->ops->type, fsdp__mname(m));
+    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 4, 0));
+    if (fsdp_tensor_numel(dout) != nout)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': gradient has %lld values, output had %lld", m->ops->type,
+                         fsdp__mname(m), (long long)fsdp_tensor_numel(dout), (long long)nout);
+    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, K->ndim, K->shape, "residual block input gradient"));
+    size_t mark = fsdp_arena_mark(ctx);
+    float *g = fsdp__scratch(ctx, nout, "residual block output gradient");
+    if (!g) return FSDP_ERR_NOMEM;
+    memcpy(g, dout->data, (size_t)nout * sizeof(float));
+    relu_mask(g, yout, nout);
+    struct fsdp_tensor gt = *dout, cur = *dout, did = {0};
+    gt.data = g;
+    cur.data = g;
+    enum fsdp_status st = FSDP_OK;
+    for (int i = K->n - 1; i >= 0 && st == FSDP_OK; i--) {
+        struct fsdp_tensor t = {0}, u = {0};
+        st = fsdp_module_backward(K->bn[i], ctx, &cur, &t);
+        if (st == FSDP_OK) st = fsdp_module_backward(K->conv[i], ctx, &t, i ? &u : din);
+        if (st == FSDP_OK && i) {
+            relu_mask(u.data, K->r[i - 1], K->nr[i - 1]);
+            cur = u;
+        }
+    }
+    if (st == FSDP_OK && K->downsample) st = fsdp_module_backward(K->downsample, ctx, &gt, din ? &did : NULL);
+    if (st == FSDP_OK && din) {
+        const float *s = K->downsample ? did.data : g;
+        float *dx = din->data;
+        int64_t n = fsdp_tensor_numel(din);
+#pragma omp parallel for simd schedule(static)
+        for (int64_t i = 0; i < n; i++) dx[i] += s[i];
+    }
+    fsdp_arena_release(ctx, mark);
+    return st;
+}
+
+static void rb_destroy(struct fsdp_module *m) { free(m->impl); }
+
+static const struct fsdp_module_ops basic_ops = {"BasicBlock", rb_forward, rb_backward, rb_destroy};
+static const struct fsdp_module_ops bottleneck_ops = {"Bottleneck", rb_forward, rb_backward, rb_destroy};
+
+static enum fsdp_status add_conv(struct fsdp_ctx *ctx, struct fsdp_module *parent, const char *name, int64_t in,
+                                 int64_t out, int k, int stride, struct fsdp_module **slot) {
+    struct fsdp_conv2d_opts o = fsdp_conv2d_opts_default(in, out, k);
+    o.stride[0] = o.stride[1] = stride;
+    o.padding[0] = o.padding[1] = k / 2;
+    o.bias = 0;
+    struct fsdp_module *c = NULL;
+    return fsdp__adopt(ctx, parent, fsdp_conv2d_create(ctx, name, &o, &c), &c, slot);
+}
+
+static enum fsdp_status add_bn(struct fsdp_ctx *ctx, struct fsdp_module *parent, const char *name, int64_t ch,
+                               struct fsdp_module **slot) {
+    struct fsdp_batchnorm_opts o = fsdp_batchnorm_opts_default(ch);
+    struct fsdp_module *c = NULL;
+    return fsdp__adopt(ctx, parent, fsdp_batchnorm2d_create(ctx, name, &o, &c), &c, slot);
+}
+
+/* n pairs conv<i+1>/bn<i+1> of kernels k[i], widths w[i] -> w[i+1], the
+ * stride on pair `sp`; a downsample when the stride or the width changes */
+static enum fsdp_status rb_create(struct fsdp_ctx *ctx, const struct fsdp_module_ops *ops, const char *name, int n,
+                                  const int *k, const int64_t *w, int stride, int sp, struct fsdp_module **out) {
+    for (int i = 0; i <= n; i++)
+        if (w[i] <= 0 || stride <= 0)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': widths and the stride %d must be positive", ops->type,
+                             name, stride);
+    struct fsdp_module *m;
+    FSDP_TRY(fsdp_module_create(ctx, ops, name, &m));
+    struct resblock *K = calloc(1, sizeof *K);
+    if (!K) {
+        fsdp_module_free(m);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating %s '%s'", ops->type, name);
+    }
+    m->impl = K;
+    K->n = n;
+    enum fsdp_status st = FSDP_OK;
+    for (int i = 0; i < n && st == FSDP_OK; i++) {
+        char cn[8], bn[8];
+        snprintf(cn, sizeof cn, "conv%d", i + 1);
+        snprintf(bn, sizeof bn, "bn%d", i + 1);
+        st = add_conv(ctx, m, cn, w[i], w[i + 1], k[i], i == sp ? stride : 1, &K->conv[i]);
+        if (st == FSDP_OK) st = add_bn(ctx, m, bn, w[i + 1], &K->bn[i]);
+    }
+    if (st == FSDP_OK && (stride != 1 || w[0] != w[n])) {
+        struct fsdp_module *ds = NULL;
+        st = fsdp__adopt(ctx, m, fsdp_sequential_create(ctx, "downsample", &ds), &ds, &K->downsample);
+        if (st == FSDP_OK) st = add_conv(ctx, K->downsample, "0", w[0], w[n], 1, stride, NULL);
+        if (st == FSDP_OK) st = add_bn(ctx, K->downsample, "1", w[n], NULL);
+    }
+    if (st != FSDP_OK) {
+        fsdp_module_free(m);
+        return st;
+    }
+    *out = m;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_basic_block_create(struct fsdp_ctx *ctx, const char *name, int64_t inplanes, int64_t planes,
+                                         int stride, struct fsdp_module **out) {
+    int k[2] = {3, 3};
+    int64_t w[3] = {inplanes, planes, planes};
+    return rb_create(ctx, &basic_ops, name, 2, k, w, stride, 0, out);
+}
+
+enum fsdp_status fsdp_bottleneck_create(struct fsdp_ctx *ctx, const char *name, int64_t inplanes, int64_t planes,
+                                        int stride, struct fsdp_module **out) {
+    int k[3] = {1, 3, 1};
+    int64_t w[4] = {inplanes, planes, planes, 4 * planes};
+    return rb_create(ctx, &bottleneck_ops, name, 3, k, w, stride, 1, out);
+}
