@@ -356,6 +356,31 @@ enum fsdp_status fsdp_cross_entropy(struct fsdp_ctx *ctx, const float *logits, c
 enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp_module *m,
                                                enum fsdp_dtype dt);
 
+/* ---- Custom modules: matrix products and errors (src/nn/gemm.c) -------- */
+
+/* Row-major C (M, N) = alpha * op(A) op(B) + beta * C, with op(A) (M, K) and
+ * op(B) (K, N); transa / transb non-zero transposes the stored matrix; lda,
+ * ldb, ldc are the row strides of the stored matrices. beta 0 ignores C's
+ * old contents (NaN-safe). The product runs in m's compute dtype
+ * (m->compute_dtype, set by fsdp_module_set_compute_dtype or the unit's
+ * mixed precision; m NULL: fp32) through the path the built-in Linear takes:
+ * FSDP_F32 is oneDNN's sgemm; FSDP_BF16 / FSDP_F16 round A and B to 16 bits
+ * into activation-arena scratch (released before it returns) and multiply
+ * with fp32 accumulation (oneDNN's bf16 matmul, or the widened fp32 product
+ * where there is none: fsdp_gemm_native). A, B, C are borrowed. Negative
+ * sizes, strides too small for the shapes or NULL matrices are
+ * FSDP_ERR_INVALID naming the module; a full arena FSDP_ERR_NOMEM. Call it
+ * from one thread (not inside an OpenMP parallel region: it threads itself).
+ * COLLECTIVE: no. */
+enum fsdp_status fsdp_gemm(struct fsdp_ctx *ctx, const struct fsdp_module *m, int transa, int transb, int64_t M,
+                           int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B,
+                           int64_t ldb, float beta, float *C, int64_t ldc);
+
+/* Records a message for fsdp_errmsg and returns st: for user modules and
+ * losses, so that their failures name what failed. COLLECTIVE: no. */
+enum fsdp_status fsdp_error(struct fsdp_ctx *ctx, enum fsdp_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
 /* ---- Collectives (src/comm) ------------------------------------------- */
 
 enum fsdp_red_op { FSDP_SUM, FSDP_MAX, FSDP_MIN };
