@@ -767,7 +767,9 @@ struct fsdp_loss {                /* all zero: cross-entropy, no smoothing, noth
                                      (1 - s) target + s / C (PyTorch's label_smoothing), [0, 1] */
     int ignore;                   /* CROSS_ENTROPY: rows whose target is ignore_index count for
                                      nothing (gradient 0); the mean is over the other rows of the
-                                     global batch, counted by one all-reduce (COLLECTIVE then) */
+                                     global micro-batch, counted by one all-reduce (COLLECTIVE
+                                     then); a step of K micro-batches has the mean of their K
+                                     means, as without `ignore` */
     int32_t ignore_index;         /* PyTorch's default is -100 */
     fsdp_loss_fn fn;              /* FSDP_LOSS_USER */
     void *ud;                     /* passed to fn */
