@@ -675,7 +675,10 @@ struct fsdp_step_result {
  * message naming the first unit (in backward order) whose reduced gradient
  * holds inf or nan; under loss scaling (fsdp_loss_scale_opts) it is an
  * overflow instead: the update is skipped on every rank, res->skipped = 1,
- * and FSDP_OK is returned. COLLECTIVE: yes. */
+ * and FSDP_OK is returned. It is fsdp_model_forward_tensor, fsdp_model_loss
+ * (cross-entropy), fsdp_model_backward and fsdp_model_optim_step in turn
+ * (see "Training step, split"); the model must be in train mode.
+ * COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                        const int32_t *inputs, const int32_t *targets, int B, int T,
                                        float lr, float clip, struct fsdp_step_result *res);
@@ -705,7 +708,9 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
 void fsdp_model_comm_stats(const struct fsdp_model *fm, struct fsdp_comm_stats *out);
 
 /* Forward only: logits (B, T, vocab) into the arena (valid until the next
- * step). Gathers and frees units as in training. COLLECTIVE: yes. */
+ * step). Gathers and frees units as in training, the activations kept as a
+ * train-mode forward keeps them (fsdp_model_forward_tensor in eval mode
+ * keeps none); no backward may follow. COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                     const int32_t *inputs, int B, int T, float **logits);
 

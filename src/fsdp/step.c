@@ -268,9 +268,10 @@ static enum fsdp_status eval_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm
 }
 
 /* Copies `in` into the freshly reset arena (so it lives as long as the
- * activations that point into it) and runs the forward. */
+ * activations that point into it) and runs the forward: a train-mode one
+ * (that opens a step if `step`) or an eval one. */
 static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_tensor *in,
-                                    struct fsdp_tensor *out) {
+                                    struct fsdp_tensor *out, int train, int step) {
     FSDP_TRY(check_idle(ctx, fm));
     if (!in || !in->data || in->ndim < 1 || in->ndim > FSDP_MAX_DIMS || (unsigned)in->dtype > FSDP_I64)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "forward: the input tensor needs data, a dtype and 1 to %d "
@@ -279,9 +280,8 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
         if (in->shape[i] <= 0)
             return fsdp__err(ctx, FSDP_ERR_INVALID, "forward: input dimension %d is %lld", i,
                              (long long)in->shape[i]);
-    int train = fm->root->training;
     fm->step.fwd_pending = 0; /* the reset below drops what a pending forward saved */
-    if (train && !fm->step.open) { /* the step's first forward opens it */
+    if (train && step && !fm->step.open) { /* the step's first forward opens it */
         fsdp__fault_step++; /* FSDP_FAULT's step ([Note: fault injection]) */
         fm->step.open = 1;
         fm->step.w0 = comm_wait_total(fm);
@@ -292,7 +292,7 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
     struct fsdp_tensor x = *in;
     size_t bytes = (size_t)fsdp_tensor_numel(in) * fsdp_dtype_size(in->dtype);
     x.data = fsdp_arena_alloc(ctx, bytes);
-    if (!x.data) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the input (%zu bytes) in the arena", bytes);
+    if (!x.data) return FSDP_ERR_NOMEM; /* the arena named it (a limit, or the allocation) */
     memcpy(x.data, in->data, bytes);
     memset(out, 0, sizeof *out);
     enum fsdp_status st;
@@ -309,7 +309,7 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
         if (train) step_abandon(fm);
         return st;
     }
-    if (!train) {
+    if (!train || !step) {
         fsdp__model_reshard_all(ctx, fm); /* no backward follows */
         return FSDP_OK;
     }
@@ -321,7 +321,7 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
 
 enum fsdp_status fsdp_model_forward_tensor(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                            const struct fsdp_tensor *in, struct fsdp_tensor *out) {
-    return run_forward(ctx, fm, in, out);
+    return run_forward(ctx, fm, in, out, fm->root->training, 1);
 }
 
 /* A (B, T) token batch as a tensor. */
@@ -342,17 +342,9 @@ enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
     struct fsdp_tensor tok, out;
     FSDP_TRY(check_idle(ctx, fm));
     FSDP_TRY(tokens(ctx, inputs, B, T, &tok));
-    /* as a train-mode forward (the same memory and bits as before the split),
-     * with no backward after it */
-    int train = fm->root->training, open = fm->step.open;
-    fm->root->training = 1;
-    fm->step.open = 1; /* not a training step of its own */
-    enum fsdp_status st = run_forward(ctx, fm, &tok, &out);
-    fm->root->training = train;
-    if (st != FSDP_OK) return st;
-    fm->step.open = open;
-    fm->step.fwd_pending = 0;
-    fsdp__model_reshard_all(ctx, fm); /* no backward follows */
+    /* a train-mode forward outside any step (the memory and bits it always
+     * had), with no backward after it */
+    FSDP_TRY(run_forward(ctx, fm, &tok, &out, 1, 0));
     *logits = out.data;
     return FSDP_OK;
 }
