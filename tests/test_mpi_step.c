@@ -675,4 +675,29 @@ TEST(gpt_refuses_float_input) {
     fsdp_module_free(g);
 }
 
+/* A module failing without a message still yields one naming the forward. */
+static enum fsdp_status silent_forward(struct fsdp_module *m, struct fsdp_ctx *c, const struct fsdp_tensor *in,
+                                       struct fsdp_tensor *out) {
+    (void)m, (void)c, (void)in, (void)out;
+    return FSDP_ERR_UNSUPPORTED;
+}
+static const struct fsdp_module_ops silent_ops = {"Silent", silent_forward, NULL, NULL};
+
+TEST(silent_module_failure_gets_a_message) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_module *m;
+    ASSERT_OK(fsdp_module_create(c, &silent_ops, "", &m), c);
+    int64_t shape[1] = {4};
+    ASSERT_OK(fsdp_module_add_param(c, m, "w", 1, shape, (struct fsdp_init){FSDP_INIT_ZEROS, 0}, 0, NULL), c);
+    ASSERT_OK(fsdp_module_finalize(c, m), c);
+    struct fsdp_model *fm;
+    ASSERT_OK(fsdp_fully_shard(c, m, NULL, &fm), c);
+    float x[4] = {0};
+    struct fsdp_tensor in = {x, FSDP_F32, 1, {4}}, out = {0};
+    CHECK_INT_EQ(fsdp_model_forward_tensor(c, fm, &in, &out), FSDP_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "forward of the model on an input F32 of 1 dimensions failed");
+    fsdp_model_free(fm);
+    fsdp_module_free(m);
+}
+
 TEST_MAIN()

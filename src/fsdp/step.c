@@ -295,6 +295,7 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
     if (!x.data) return FSDP_ERR_NOMEM; /* the arena named it (a limit, or the allocation) */
     memcpy(x.data, in->data, bytes);
     memset(out, 0, sizeof *out);
+    ctx->errmsg[0] = '\0'; /* a module failing without a message gets one below */
     enum fsdp_status st;
     if (train) {
         fm->in_forward = 1;
@@ -305,6 +306,9 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
     }
     fsdp__model_drop_prefetched(ctx, fm); /* units gathered ahead that never ran */
     if (st != FSDP_OK) {
+        if (!ctx->errmsg[0])
+            fsdp__err(ctx, st, "forward of the model on an input %s of %d dimensions failed: %s (a module gave "
+                      "no message)", fsdp_dtype_name(in->dtype), in->ndim, fsdp_status_str(st));
         fsdp__model_reshard_all(ctx, fm);
         if (train) step_abandon(fm);
         return st;
@@ -435,7 +439,10 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
     fm->grad_accumulate = !first && (sp->reduced || ctx->world == 1);
     fm->in_backward = 1;
     sp->fwd_pending = 0;
+    ctx->errmsg[0] = '\0';
     enum fsdp_status st = fsdp_module_backward(fm->root, ctx, dout, NULL);
+    if (st != FSDP_OK && !ctx->errmsg[0])
+        fsdp__err(ctx, st, "backward of the model failed: %s (a module gave no message)", fsdp_status_str(st));
     fm->in_backward = 0;
     if (st == FSDP_OK) st = fsdp__model_finish_reduce(ctx, fm); /* the last reduction in flight */
     for (int i = 0; first && st == FSDP_OK && i < fm->n_units; i++)
