@@ -780,17 +780,20 @@ struct fsdp_loss {                /* all zero: cross-entropy, no smoothing, noth
     void *ud;                     /* passed to fn */
 };
 
-/* Computes `loss` on out and target (both borrowed) and writes into *dout
- * (F32, out's shape; allocated from the arena when dout->data is NULL, and
- * dout->data == out->data is allowed: the output is then overwritten) the
- * gradient of value * loss_scale / accum, where loss_scale is the model's
- * fp16 loss scale (1 without one) and accum the number of micro-batches the
- * step will have. *value (may be NULL) gets this rank's mean loss; value /
- * accum is added to the step's loss, which fsdp_model_optim_step averages
- * over the ranks. A target whose dtype or shape does not fit out, a class id
- * outside [0, C), a smoothing outside [0, 1] or a USER kind without fn is
- * FSDP_ERR_INVALID naming it, on every rank alike. COLLECTIVE: no (yes with
- * `ignore`). */
+/* Computes `loss` (NULL: cross-entropy) on out and target (both borrowed)
+ * and, if dout is non-NULL, writes into *dout (F32, out's shape; allocated
+ * from the arena when dout->data is NULL, and dout->data == out->data is
+ * allowed: the output is then overwritten) the gradient of
+ * value * loss_scale / accum, where loss_scale is the model's fp16 loss
+ * scale (1 without one) and accum the number of micro-batches the step will
+ * have. *value (may be NULL) gets this rank's mean loss. After a train-mode
+ * forward, value / accum is added to the step's loss, which
+ * fsdp_model_optim_step averages over the ranks (after an eval forward it
+ * is only returned). A target whose dtype or shape does not fit out (the
+ * same on every rank, so every rank fails alike), a class id outside
+ * [0, C) (only the ranks holding it fail: agree on the status before the
+ * next collective), a smoothing outside [0, 1] or a USER kind without fn is
+ * FSDP_ERR_INVALID naming it. COLLECTIVE: no (yes with `ignore`). */
 enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_loss *loss,
                                  const struct fsdp_tensor *out, const struct fsdp_tensor *target, int accum,
                                  double *value, struct fsdp_tensor *dout);
