@@ -735,8 +735,9 @@ enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
 
 /* Runs the model on `in` (any dtype and shape the model takes: F32 images
  * (N, C, H, W), I32 tokens (B, T), ...; borrowed, copied into the activation
- * arena, which this call resets) and sets *out to its output, which lives in
- * the arena until the next forward. In train mode (the root module's
+ * arena, which this call resets first, so in->data must not point into the
+ * arena: copy an earlier output out before feeding it back) and sets *out to
+ * its output, which lives in the arena until the next forward. In train mode (the root module's
  * `training`, fsdp_module_set_training) the activations stay for
  * fsdp_model_backward. In eval mode it is an inference pass: every unit is
  * gathered, run and resharded (whatever its reshard_after_forward), what a
