@@ -731,7 +731,11 @@ enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
  * its share of the global batch; the shares of one micro-batch have the
  * same size on every rank (the loss of the global batch is the mean of the
  * ranks' means), except for a cross-entropy with `ignore`, which counts the
- * rows across ranks. Each call of the step is COLLECTIVE: yes unless said. */
+ * rows across ranks. Between a train-mode forward and its backward the
+ * units it gathered stay gathered: call only the loss, the backward, another
+ * forward (which drops the first) or read-only functions then (attaching an
+ * optimizer is FSDP_ERR_STATE). Each call of the step is COLLECTIVE: yes
+ * unless said. */
 
 /* Runs the model on `in` (any dtype and shape the model takes: F32 images
  * (N, C, H, W), I32 tokens (B, T), ...; borrowed, copied into the activation

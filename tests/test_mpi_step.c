@@ -654,7 +654,7 @@ TEST(bad_input_is_a_named_error) {
     fsdp_module_free(root);
 }
 
-/* The GPT refuses float images with its embedding's name. */
+/* The GPT refuses float images naming itself; its token train step refuses eval mode and an open split step. */
 TEST(gpt_refuses_float_input) {
     struct fsdp_ctx *c = get_ctx();
     struct fsdp_gpt_config cfg;
@@ -669,9 +669,32 @@ TEST(gpt_refuses_float_input) {
     CHECK_INT_EQ(fsdp_model_forward_tensor(c, fm, &in, &out), FSDP_ERR_INVALID);
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "GPT '(root)': input dtype F32, expected I32");
     int32_t t[2 * 8] = {0};
+    float *lg;
     struct fsdp_tensor tok = {t, FSDP_I32, 2, {2, 8}};
     CHECK_OK(fsdp_model_forward_tensor(c, fm, &tok, &out), c);
+    /* no optimizer is attached while a forward awaits its backward (it moves the shards) */
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    struct fsdp_optim *opt;
+    ASSERT_OK(fsdp_optim_create(c, &oo, &opt), c);
+    CHECK_INT_EQ(fsdp_model_attach_optim(c, fm, opt), FSDP_ERR_STATE);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "attach the optimizer between steps");
+    CHECK_OK(fsdp_model_forward(c, fm, t, 2, 8, &lg), c); /* the token forward reshards everything */
+    ASSERT_OK(fsdp_model_attach_optim(c, fm, opt), c);
+    /* the token train step refuses a model in eval mode, and an open split step */
+    struct fsdp_step_result r;
+    fsdp_module_set_training(g, 0);
+    CHECK_INT_EQ(fsdp_model_train_step(c, fm, t, t, 2, 8, 1e-3f, 1.0f, &r), FSDP_ERR_STATE);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "eval mode");
+    fsdp_module_set_training(g, 1);
+    CHECK_OK(fsdp_model_forward_tensor(c, fm, &tok, &out), c);
+    CHECK_INT_EQ(fsdp_model_train_step(c, fm, t, t, 2, 8, 1e-3f, 1.0f, &r), FSDP_ERR_STATE);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "is open");
+    CHECK_OK(fsdp_model_loss(c, fm, NULL, &out, &tok, 1, NULL, &out), c);
+    CHECK_OK(fsdp_model_backward(c, fm, &out), c);
+    CHECK_OK(fsdp_model_optim_step(c, fm, 1e-3f, 1.0f, &r), c);
+    CHECK_OK(fsdp_model_train_step(c, fm, t, t, 2, 8, 1e-3f, 1.0f, &r), c);
     fsdp_model_free(fm);
+    fsdp_optim_free(opt);
     fsdp_module_free(g);
 }
 

@@ -88,6 +88,11 @@ static enum fsdp_status build_slices(struct fsdp_ctx *ctx, struct fsdp__unit *u,
 
 enum fsdp_status fsdp_model_attach_optim(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                          struct fsdp_optim *opt) {
+    for (int i = 0; i < fm->n_units; i++) /* the shards are reallocated below */
+        if (fm->units[i].state_ != UNIT_SHARDED || fm->step.fwd_pending)
+            return fsdp__err(ctx, FSDP_ERR_STATE, "attach_optim: unit '%s' is gathered (a train-mode forward "
+                             "awaits its backward): attach the optimizer between steps",
+                             fm->units[i].module->fqn[0] ? fm->units[i].module->fqn : "(root)");
     int k = fsdp_optim_state_per_elem(opt);
     struct group_map gm = {0};
     enum fsdp_status st = map_groups(ctx, fm, opt, &gm);
@@ -613,11 +618,11 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
                          "train_step: gradient accumulation (--grad-accum) %d with mode %d: need >= 1 "
                          "micro-batches and REDUCE_EACH or NO_SYNC", accum, (int)mode);
     FSDP_TRY(check_idle(ctx, fm));
+    if (!fm->root->training)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: the model is in eval mode (fsdp_module_set_training)");
     if (fm->step.open)
         return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: a step of separate forward/backward calls is open "
                          "(end it with fsdp_model_optim_step)");
-    if (!fm->root->training)
-        return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: the model is in eval mode (fsdp_module_set_training)");
     int sync_off = fm->step.sync_off;
     enum fsdp_status st = FSDP_OK;
     for (int k = 0; k < accum && st == FSDP_OK; k++) {
