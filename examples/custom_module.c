@@ -7,7 +7,9 @@
  * The model: embed -> 4 x ResidualMLP (x + fc2(tanh(fc1(x)))) -> head.
  * The policy makes every ResidualMLP a unit and the head a unit that keeps
  * its parameters from forward to backward (an override); blocks 1 and 3 are
- * checkpointed. The program checks the units it gets, that calling
+ * checkpointed. It trains with the split step calls (forward, loss,
+ * backward, optimizer step) and ends with an eval-mode pass. The program
+ * checks the units it gets, that calling
  * fsdp_summon_full_params from inside a forward is a clear error, and that
  * the loss falls; it prints the losses so that runs at different world sizes
  * can be compared (tests/t_parallelize.sh). Exit 0 and "custom_module: OK"
@@ -137,11 +139,33 @@ int main(void) {
     double first = 0, last = 0;
     for (int s = 0; s < steps; s++) {
         toy_batch(s % 2, B, T, V, rank, world, in, tg);
+        /* fsdp_model_train_step(ctx, fm, in, tg, B / world, T, ...) spelled out as its split calls */
+        struct fsdp_tensor x = {in, FSDP_I32, 2, {B / world, T}}, t = {tg, FSDP_I32, 2, {B / world, T}};
+        struct fsdp_tensor y = {0};
+        struct fsdp_loss ce = {.kind = FSDP_LOSS_CROSS_ENTROPY};
         struct fsdp_step_result r;
-        toy_check(ctx, fsdp_model_train_step(ctx, fm, in, tg, B / world, T, 2e-2f, 1.0f, &r), "train step");
+        toy_check(ctx, fsdp_model_forward_tensor(ctx, fm, &x, &y), "forward");
+        toy_check(ctx, fsdp_model_loss(ctx, fm, &ce, &y, &t, 1, NULL, &y), "loss"); /* gradient over y */
+        toy_check(ctx, fsdp_model_backward(ctx, fm, &y), "backward");
+        toy_check(ctx, fsdp_model_optim_step(ctx, fm, 2e-2f, 1.0f, &r), "optimizer step");
         if (rank == 0) printf("step %d loss %.6f grad_norm %.6f\n", s, r.loss, r.grad_norm);
         if (s == 0) first = r.loss;
         last = r.loss;
+    }
+    /* an evaluation pass: eval mode keeps no activations; the loss without a gradient */
+    fsdp_module_set_training(root, 0);
+    toy_batch(0, B, T, V, rank, world, in, tg);
+    struct fsdp_tensor x = {in, FSDP_I32, 2, {B / world, T}}, t = {tg, FSDP_I32, 2, {B / world, T}}, y = {0};
+    double eval = 0;
+    float mine, sum = 0;
+    toy_check(ctx, fsdp_model_forward_tensor(ctx, fm, &x, &y), "eval forward");
+    toy_check(ctx, fsdp_model_loss(ctx, fm, NULL, &y, &t, 1, &eval, NULL), "eval loss");
+    mine = (float)eval;
+    fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &mine, &sum, 1, FSDP_F32, FSDP_SUM);
+    if (rank == 0) printf("eval loss %.6f\n", (double)sum / world);
+    if (!((double)sum / world < first)) {
+        fprintf(stderr, "rank %d: eval loss %g is not below the first step's %g\n", rank, (double)sum / world, first);
+        fails++;
     }
     if (!g_probe_ok) {
         fprintf(stderr, "rank %d: summon inside forward was not refused\n", rank);

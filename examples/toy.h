@@ -1,7 +1,8 @@
 /*
  * toy.h - small user-defined layers for the examples, written against the
  * public API only (include/fsdp.h): nothing here comes from src/nn. Each
- * layer is a struct fsdp_module_ops with forward/backward over fp32 rows;
+ * layer is a struct fsdp_module_ops with forward/backward over fp32 rows
+ * (Linear's products through fsdp_gemm, errors named with fsdp_error);
  * composite modules call their children through fsdp_module_forward /
  * fsdp_module_backward so that the sharding hooks run.
  *
@@ -46,47 +47,42 @@ struct toy_linear {
     struct fsdp_tensor x; /* saved input (arena) */
 };
 
+/* y = x W^T + b: the product through fsdp_gemm, which runs it in the
+ * module's compute dtype (bf16 under mixed precision) as the built-in Linear
+ * does. */
 static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
                                        struct fsdp_tensor *out) {
     struct toy_linear *L = m->impl;
-    if (in->dtype != FSDP_F32 || in->shape[in->ndim - 1] != L->in || !L->w->data) return FSDP_ERR_INVALID;
+    if (in->dtype != FSDP_F32 || in->shape[in->ndim - 1] != L->in)
+        return fsdp_error(ctx, FSDP_ERR_INVALID, "ToyLinear '%s': input %s with last dimension %lld, expected F32 "
+                          "with %lld", m->fqn, fsdp_dtype_name(in->dtype), (long long)in->shape[in->ndim - 1],
+                          (long long)L->in);
+    if (!L->w->data) return fsdp_error(ctx, FSDP_ERR_STATE, "ToyLinear '%s': weight not gathered", m->fqn);
     if (toy_prepare(ctx, out, in, L->out) != FSDP_OK) return FSDP_ERR_NOMEM;
     const float *x = in->data, *w = L->w->data, *b = L->b->data;
     float *y = out->data;
-    for (int64_t r = 0; r < toy_rows(in); r++)
-        for (int64_t o = 0; o < L->out; o++) {
-            float s = b[o];
-            for (int64_t i = 0; i < L->in; i++) s += x[r * L->in + i] * w[o * L->in + i];
-            y[r * L->out + o] = s;
-        }
+    int64_t R = toy_rows(in);
+    for (int64_t r = 0; r < R; r++) memcpy(y + r * L->out, b, (size_t)L->out * sizeof(float));
     L->x = *in;
-    return FSDP_OK;
+    return fsdp_gemm(ctx, m, 0, 1, R, L->out, L->in, 1.0f, x, L->in, w, L->in, 1.0f, y, L->out);
 }
 
 static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                         const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
     struct toy_linear *L = m->impl;
-    if (!L->w->grad || !L->x.data) return FSDP_ERR_STATE;
+    if (!L->w->grad || !L->x.data) return fsdp_error(ctx, FSDP_ERR_STATE, "ToyLinear '%s': backward without forward",
+                                                     m->fqn);
     const float *x = L->x.data, *w = L->w->data, *dy = dout->data;
     float *dw = L->w->grad, *db = L->b->grad;
     int64_t R = toy_rows(dout);
     for (int64_t r = 0; r < R; r++)
-        for (int64_t o = 0; o < L->out; o++) {
-            float g = dy[r * L->out + o];
-            db[o] += g;
-            for (int64_t i = 0; i < L->in; i++) dw[o * L->in + i] += g * x[r * L->in + i];
-        }
-    if (din) {
-        if (toy_prepare(ctx, din, dout, L->in) != FSDP_OK) return FSDP_ERR_NOMEM;
-        float *dx = din->data;
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t i = 0; i < L->in; i++) {
-                float s = 0;
-                for (int64_t o = 0; o < L->out; o++) s += dy[r * L->out + o] * w[o * L->in + i];
-                dx[r * L->in + i] = s;
-            }
-    }
-    return FSDP_OK;
+        for (int64_t o = 0; o < L->out; o++) db[o] += dy[r * L->out + o];
+    /* dW (out, in) += dy^T x */
+    enum fsdp_status st = fsdp_gemm(ctx, m, 1, 0, L->out, L->in, R, 1.0f, dy, L->out, x, L->in, 1.0f, dw, L->in);
+    if (st != FSDP_OK || !din) return st;
+    if (toy_prepare(ctx, din, dout, L->in) != FSDP_OK) return FSDP_ERR_NOMEM;
+    /* dx (R, in) = dy W */
+    return fsdp_gemm(ctx, m, 0, 0, R, L->in, L->out, 1.0f, dy, L->out, w, L->in, 0.0f, din->data, L->in);
 }
 
 static void toy_free_impl(struct fsdp_module *m) { free(m->impl); }
@@ -120,14 +116,19 @@ struct toy_embed {
 static enum fsdp_status embed_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
                                       struct fsdp_tensor *out) {
     struct toy_embed *E = m->impl;
-    if (in->dtype != FSDP_I32 || !E->w->data) return FSDP_ERR_INVALID;
+    if (in->dtype != FSDP_I32)
+        return fsdp_error(ctx, FSDP_ERR_INVALID, "ToyEmbed '%s': input dtype %s, expected I32", m->fqn,
+                          fsdp_dtype_name(in->dtype));
+    if (!E->w->data) return fsdp_error(ctx, FSDP_ERR_STATE, "ToyEmbed '%s': weight not gathered", m->fqn);
     struct fsdp_tensor shape = *in;
     shape.ndim = in->ndim + 1;
     shape.shape[in->ndim] = 1;
     if (toy_prepare(ctx, out, &shape, E->dim) != FSDP_OK) return FSDP_ERR_NOMEM;
     const int32_t *ids = in->data;
     for (int64_t t = 0; t < fsdp_tensor_numel(in); t++) {
-        if (ids[t] < 0 || ids[t] >= E->num) return FSDP_ERR_INVALID;
+        if (ids[t] < 0 || ids[t] >= E->num)
+            return fsdp_error(ctx, FSDP_ERR_INVALID, "ToyEmbed '%s': id %d outside [0, %lld)", m->fqn, (int)ids[t],
+                              (long long)E->num);
         memcpy((float *)out->data + t * E->dim, E->w->data + ids[t] * E->dim, (size_t)E->dim * sizeof(float));
     }
     E->ids = *in;

@@ -450,6 +450,31 @@ enum fsdp_status fsdp_basic_block_create(struct fsdp_ctx *ctx, const char *name,
 enum fsdp_status fsdp_bottleneck_create(struct fsdp_ctx *ctx, const char *name, int64_t inplanes, int64_t planes,
                                         int stride, struct fsdp_module **out);
 
+/* ---- Custom modules: matrix products and errors (src/nn/gemm.c) -------- */
+
+/* Row-major C (M, N) = alpha * op(A) op(B) + beta * C, with op(A) (M, K) and
+ * op(B) (K, N); transa / transb non-zero transposes the stored matrix; lda,
+ * ldb, ldc are the row strides of the stored matrices. beta 0 ignores C's
+ * old contents (NaN-safe). The product runs in m's compute dtype
+ * (m->compute_dtype, set by fsdp_module_set_compute_dtype or the unit's
+ * mixed precision; m NULL: fp32) through the path the built-in Linear takes:
+ * FSDP_F32 is oneDNN's sgemm; FSDP_BF16 / FSDP_F16 round A and B to 16 bits
+ * into activation-arena scratch (released before it returns) and multiply
+ * with fp32 accumulation (oneDNN's bf16 matmul, or the widened fp32 product
+ * where there is none: fsdp_gemm_native). A, B, C are borrowed. Negative
+ * sizes, strides too small for the shapes or NULL matrices are
+ * FSDP_ERR_INVALID naming the module; a full arena FSDP_ERR_NOMEM. Call it
+ * from one thread (not inside an OpenMP parallel region: it threads itself).
+ * COLLECTIVE: no. */
+enum fsdp_status fsdp_gemm(struct fsdp_ctx *ctx, const struct fsdp_module *m, int transa, int transb, int64_t M,
+                           int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B,
+                           int64_t ldb, float beta, float *C, int64_t ldc);
+
+/* Records a message for fsdp_errmsg and returns st: for user modules and
+ * losses, so that their failures name what failed. COLLECTIVE: no. */
+enum fsdp_status fsdp_error(struct fsdp_ctx *ctx, enum fsdp_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
 /* ---- Collectives (src/comm) ------------------------------------------- */
 
 enum fsdp_red_op { FSDP_SUM, FSDP_MAX, FSDP_MIN };
@@ -774,7 +799,10 @@ struct fsdp_step_result {
  * message naming the first unit (in backward order) whose reduced gradient
  * holds inf or nan; under loss scaling (fsdp_loss_scale_opts) it is an
  * overflow instead: the update is skipped on every rank, res->skipped = 1,
- * and FSDP_OK is returned. COLLECTIVE: yes. */
+ * and FSDP_OK is returned. It is fsdp_model_forward_tensor, fsdp_model_loss
+ * (cross-entropy), fsdp_model_backward and fsdp_model_optim_step in turn
+ * (see "Training step, split"); the model must be in train mode.
+ * COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                        const int32_t *inputs, const int32_t *targets, int B, int T,
                                        float lr, float clip, struct fsdp_step_result *res);
@@ -804,9 +832,126 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
 void fsdp_model_comm_stats(const struct fsdp_model *fm, struct fsdp_comm_stats *out);
 
 /* Forward only: logits (B, T, vocab) into the arena (valid until the next
- * step). Gathers and frees units as in training. COLLECTIVE: yes. */
+ * step). Gathers and frees units as in training, the activations kept as a
+ * train-mode forward keeps them (fsdp_model_forward_tensor in eval mode
+ * keeps none); no backward may follow. COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                     const int32_t *inputs, int B, int T, float **logits);
+
+/* ---- Training step, split (src/fsdp/step.c) ----------------------------
+ *
+ * fsdp_model_train_step is the composition of four calls a custom loop
+ * makes itself (PyTorch's forward, loss, backward, optimizer.step()):
+ *
+ *   fsdp_model_forward_tensor(ctx, fm, &x, &y);          // y in the arena
+ *   fsdp_model_loss(ctx, fm, &loss, &y, &target, 1, &value, &dy);
+ *   fsdp_model_backward(ctx, fm, &dy);                    // reduce-scatters
+ *   fsdp_model_optim_step(ctx, fm, lr, clip, &res);       // norm, clip, update
+ *
+ * A step is every forward, loss and backward since the last optimizer step:
+ * gradients add up over its backwards (gradient accumulation; with
+ * fsdp_model_set_grad_sync off a backward keeps the unsharded gradients and
+ * reduces nothing, FSDP2's set_requires_gradient_sync). Every rank passes
+ * its share of the global batch; the shares of one micro-batch have the
+ * same size on every rank (the loss of the global batch is the mean of the
+ * ranks' means), except for a cross-entropy with `ignore`, which counts the
+ * rows across ranks. Between a train-mode forward and its backward the
+ * units it gathered stay gathered: call only the loss, the backward, another
+ * forward (which drops the first) or read-only functions then (attaching an
+ * optimizer is FSDP_ERR_STATE). Each call of the step is COLLECTIVE: yes
+ * unless said. */
+
+/* Runs the model on `in` (any dtype and shape the model takes: F32 images
+ * (N, C, H, W), I32 tokens (B, T), ...; borrowed, copied into the activation
+ * arena, which this call resets first, so in->data must not point into the
+ * arena: copy an earlier output out before feeding it back) and sets *out to
+ * its output, which lives in the arena until the next forward. In train mode (the root module's
+ * `training`, fsdp_module_set_training) the activations stay for
+ * fsdp_model_backward. In eval mode it is an inference pass: every unit is
+ * gathered, run and resharded (whatever its reshard_after_forward), what a
+ * unit saved for backward is released as soon as the unit's forward ends, so
+ * the arena holds the input, the units' outputs and one unit's scratch at a
+ * time, and no backward may follow (evaluation loops use it). A failure is
+ * the module's error (fsdp_errmsg), every unit resharded. */
+enum fsdp_status fsdp_model_forward_tensor(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                           const struct fsdp_tensor *in, struct fsdp_tensor *out);
+
+/* A loss over the model output `out` (F32, read as rows (N, C) with C its
+ * last dimension) and a target. Built-in losses return the mean and write
+ * its gradient; a user function does both for its own loss. */
+enum fsdp_loss_kind {
+    FSDP_LOSS_CROSS_ENTROPY,      /* target I32 (N) class ids, shaped as out without its last
+                                     dimension (or flat); mean over rows of -log softmax */
+    FSDP_LOSS_SOFT_CROSS_ENTROPY, /* target F32 probability rows, out's shape; mean over rows of
+                                     -sum_j target_j log softmax_j */
+    FSDP_LOSS_MSE,                /* target F32, out's shape; mean over elements of (out - t)^2 */
+    FSDP_LOSS_USER                /* fn below */
+};
+/* A user loss: given the output and the target (as passed to
+ * fsdp_model_loss), sets *value to this rank's loss on its share and writes
+ * d(value)/d(out) into dout (F32, out's shape, allocated by the caller).
+ * It may set an error with fsdp_error. It may call collectives on the
+ * model's communicators only if every rank calls it alike. */
+typedef enum fsdp_status (*fsdp_loss_fn)(struct fsdp_ctx *ctx, const struct fsdp_tensor *out,
+                                         const struct fsdp_tensor *target, void *ud, double *value,
+                                         struct fsdp_tensor *dout);
+struct fsdp_loss {                /* all zero: cross-entropy, no smoothing, nothing ignored */
+    enum fsdp_loss_kind kind;
+    float label_smoothing;        /* cross-entropy kinds: the target becomes
+                                     (1 - s) target + s / C (PyTorch's label_smoothing), [0, 1] */
+    int ignore;                   /* CROSS_ENTROPY: rows whose target is ignore_index count for
+                                     nothing (gradient 0); the mean is over the other rows of the
+                                     global micro-batch, counted by one all-reduce (COLLECTIVE
+                                     then); a step of K micro-batches has the mean of their K
+                                     means, as without `ignore` */
+    int32_t ignore_index;         /* PyTorch's default is -100 */
+    fsdp_loss_fn fn;              /* FSDP_LOSS_USER */
+    void *ud;                     /* passed to fn */
+};
+
+/* Computes `loss` (NULL: cross-entropy) on out and target (both borrowed)
+ * and, if dout is non-NULL, writes into *dout (F32, out's shape; allocated
+ * from the arena when dout->data is NULL, and dout->data == out->data is
+ * allowed: the output is then overwritten) the gradient of
+ * value * loss_scale / accum, where loss_scale is the model's fp16 loss
+ * scale (1 without one) and accum the number of micro-batches the step will
+ * have. *value (may be NULL) gets this rank's mean loss. After a train-mode
+ * forward, value / accum is added to the step's loss, which
+ * fsdp_model_optim_step averages over the ranks (after an eval forward it
+ * is only returned). A target whose dtype or shape does not fit out (the
+ * same on every rank, so every rank fails alike), a class id outside
+ * [0, C) (only the ranks holding it fail: agree on the status before the
+ * next collective), a smoothing outside [0, 1] or a USER kind without fn is
+ * FSDP_ERR_INVALID naming it. COLLECTIVE: no (yes with `ignore`). */
+enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_loss *loss,
+                                 const struct fsdp_tensor *out, const struct fsdp_tensor *target, int accum,
+                                 double *value, struct fsdp_tensor *dout);
+
+/* Runs backward from dout (d loss / d output, F32, the shape of the last
+ * train-mode forward's output; borrowed): gathers each unit again, runs its
+ * backward and reduce-scatters its gradient into the gradient shard (adding
+ * to what earlier backwards of the step left), as fsdp_model_train_step
+ * does. Without a train-mode forward since the last backward it is
+ * FSDP_ERR_STATE; a dout of another shape or dtype is FSDP_ERR_INVALID. */
+enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_tensor *dout);
+
+/* Gradient synchronisation of the following backwards (on = 1, the default):
+ * off, a backward keeps every unit's unsharded gradient and adds the next
+ * backward's into it, reducing nothing (less communication, a full gradient
+ * per unit held); the step's last backward must run with it on.
+ * COLLECTIVE: no (set it alike on every rank). */
+void fsdp_model_set_grad_sync(struct fsdp_model *fm, int on);
+
+/* Ends the step: the step's loss averaged over the ranks, the global
+ * gradient norm, fp16 loss scaling (an overflow skips the update on every
+ * rank: res->skipped), clipping to `clip` (<= 0: none) and the optimizer
+ * update with `lr` on every shard; res gets what fsdp_model_train_step
+ * reports. A non-finite loss or norm without loss scaling is
+ * FSDP_ERR_NUMERIC naming the first unit (backward order) holding inf or
+ * nan. Without a backward in the step, or after a backward with gradient
+ * sync off, it is FSDP_ERR_STATE. */
+enum fsdp_status fsdp_model_optim_step(struct fsdp_ctx *ctx, struct fsdp_model *fm, float lr, float clip,
+                                       struct fsdp_step_result *res);
 
 /* ---- Mixed precision: per-unit policy and loss scaling (src/fsdp/mixed.c) ----
  *

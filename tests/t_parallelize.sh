@@ -9,9 +9,9 @@
 # Prints "N passed, N failed" at the end.
 . "$(dirname "$0")/lib.sh"
 
-# same_losses A B: the "step N loss X" lines of two outputs agree to 1e-5 (relative)
+# same_losses A B [TOL]: the "step N loss X" lines of two outputs agree to TOL (relative, default 1e-5)
 same_losses() {
-  python3 - "$1" "$2" <<'EOF'
+  python3 - "$1" "$2" "${3:-1e-5}" <<'EOF'
 import re, sys
 def losses(p):
     return [float(m.group(1)) for m in re.finditer(r"^step \d+ loss ([0-9.]+)", open(p).read(), re.M)]
@@ -19,18 +19,21 @@ a, b = losses(sys.argv[1]), losses(sys.argv[2])
 if not a or len(a) != len(b):
     sys.exit(f"{len(a)} vs {len(b)} loss lines")
 for i, (x, y) in enumerate(zip(a, b)):
-    if abs(x - y) > 1e-5 * abs(x):
+    if abs(x - y) > float(sys.argv[3]) * abs(x):
         sys.exit(f"step {i}: {x} vs {y}")
 EOF
 }
 
 # ---- examples ----
 for ex in custom_module vissl_swav; do
+  # vissl_swav's trunk multiplies in bf16 (fsdp_gemm in its module's compute dtype): at 3 ranks
+  # the loss gradient divided by 3 rounds to other bf16 values (measured 1.1e-5 at step 2)
+  tol=1e-5; [ $ex = vissl_swav ] && tol=1e-4
   for n in 1 2 3; do
     if timeout -k 5 120 mpirun -np $n --oversubscribe "$BUILD/examples/$ex" > "$tmp/$ex.$n" 2>&1 \
        && grep -q "^$ex: OK (world $n)" "$tmp/$ex.$n"; then
       if [ $n -eq 1 ]; then ok "$ex at 1 rank"
-      elif msg=$(same_losses "$tmp/$ex.1" "$tmp/$ex.$n" 2>&1); then ok "$ex at $n ranks reproduces the 1-rank losses"
+      elif msg=$(same_losses "$tmp/$ex.1" "$tmp/$ex.$n" $tol 2>&1); then ok "$ex at $n ranks reproduces the 1-rank losses"
       else bad "$ex at $n ranks" "$msg"; fi
     else
       bad "$ex at $n ranks" "$(tail -5 "$tmp/$ex.$n")"

@@ -84,6 +84,22 @@ struct fsdp__scaler {
     int64_t skipped;  /* steps skipped on overflow */
 };
 
+/* The split step's state between its calls ([Note: the split step], step.c):
+ * a step opens at its first train-mode forward and closes at the optimizer
+ * step. */
+struct fsdp__step {
+    int open;            /* a train-mode forward ran since the last optimizer step */
+    int fwd_pending;     /* the last train-mode forward awaits its backward */
+    int n_backward;      /* backwards in this step */
+    int reduced;         /* one of them reduced into the gradient shards */
+    int unsynced;        /* the last backward ran with gradient sync off */
+    int sync_off;        /* fsdp_model_set_grad_sync(fm, 0) */
+    struct fsdp_tensor out; /* the pending forward's output (shape and dtype; data in the arena) */
+    float loss;          /* this rank's step loss: sum of value / accum of the losses */
+    float loss_scale;    /* the loss scale of this step (1 without loss scaling) */
+    double w0, fwd_s, bwd_s; /* comm wait at the start, time in forward + loss, in backward */
+};
+
 struct fsdp_model {
     struct fsdp_ctx *ctx;
     struct fsdp_module *root;
@@ -108,7 +124,7 @@ struct fsdp_model {
     /* gradient accumulation ([Note: gradient accumulation], step.c): no_sync
      * keeps each unit's full gradient across backward passes without reducing;
      * grad_accumulate adds the reduced gradient into the shard instead of
-     * overwriting it. Both 0 outside fsdp_model_train_step_accum. */
+     * overwriting it. Both 0 outside fsdp_model_backward. */
     int no_sync, grad_accumulate;
     /* overlap ([Note: prefetch and overlap], unit.c): prefetch and defer
      * reduce-scatters when `overlap`; at most max_inflight units gathered or
@@ -121,6 +137,7 @@ struct fsdp_model {
     struct fsdp__unit *ar_last;   /* the unit whose replica all-reduce (ar_req) is still pending */
     int64_t rep_deferred;         /* replica all-reduces a post-backward left in flight (tests) */
     struct fsdp__scaler scaler;   /* dynamic loss scaling (mixed.c) */
+    struct fsdp__step step;       /* the split step (step.c) */
 };
 
 /* ---- Layout only (shard.c), for the memory planner (plan.c) ---- */

@@ -7,6 +7,7 @@
  * buffer is in use.
  */
 #include "fsdp/fsdp-impl.h"
+#include "nn/nn-impl.h"
 #include "optim/optim-impl.h"
 
 #include <math.h>
@@ -87,6 +88,11 @@ static enum fsdp_status build_slices(struct fsdp_ctx *ctx, struct fsdp__unit *u,
 
 enum fsdp_status fsdp_model_attach_optim(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                          struct fsdp_optim *opt) {
+    for (int i = 0; i < fm->n_units; i++) /* the shards are reallocated below */
+        if (fm->units[i].state_ != UNIT_SHARDED || fm->step.fwd_pending)
+            return fsdp__err(ctx, FSDP_ERR_STATE, "attach_optim: unit '%s' is gathered (a train-mode forward "
+                             "awaits its backward): attach the optimizer between steps",
+                             fm->units[i].module->fqn[0] ? fm->units[i].module->fqn : "(root)");
     int k = fsdp_optim_state_per_elem(opt);
     struct group_map gm = {0};
     enum fsdp_status st = map_groups(ctx, fm, opt, &gm);
@@ -206,35 +212,258 @@ static enum fsdp_status check_idle(struct fsdp_ctx *ctx, struct fsdp_model *fm) 
     return FSDP_OK;
 }
 
-static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const int32_t *inputs,
-                                    int B, int T, struct fsdp_tensor *logits) {
+/* [Note: the split step]
+ * fsdp_model_train_step(_accum) is a composition of the public calls
+ * fsdp_model_forward_tensor, fsdp_model_loss, fsdp_model_backward and
+ * fsdp_model_optim_step, which keep what a step needs between them in
+ * fm->step: a step opens at its first train-mode forward (the fault
+ * injection's step count, the loss scale it uses, its clocks) and closes at
+ * the optimizer step; each loss adds value / accum to the rank's step loss;
+ * each backward knows from the step's earlier backwards whether the
+ * reductions add into the gradient shards ([Note: gradient accumulation]).
+ * The composition makes the same calls in the same order as the step did
+ * before it was split, so a GPT trains to the same bits. On an error the
+ * step is abandoned: every unit is resharded and the next forward opens a
+ * new one. */
+
+/* Abandons the step after an error (the units were resharded). */
+static void step_abandon(struct fsdp_model *fm) {
+    fm->no_sync = 0;
+    fm->grad_accumulate = 0;
+    fm->in_forward = fm->in_backward = 0;
+    int sync_off = fm->step.sync_off;
+    memset(&fm->step, 0, sizeof fm->step);
+    fm->step.sync_off = sync_off;
+}
+
+static double comm_wait_total(const struct fsdp_model *fm);
+
+/* [Note: eval forward]
+ * An eval-mode forward runs the same hooks and layers with two settings
+ * changed for its duration: every unit reshards after its forward, and every
+ * unit root runs as an activation-checkpointed module does
+ * ([Note: activation checkpointing] in src/nn/module.c), so that when a
+ * unit's forward ends everything it allocated in the arena but its output is
+ * released. Afterwards no unit is in its forward phase and no checkpointed
+ * input is kept, so a backward is refused; the output bits are those of a
+ * train-mode forward (the same code on the same values). */
+static enum fsdp_status eval_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_tensor *in,
+                                     struct fsdp_tensor *out) {
+    int *saved = calloc(2 * (size_t)fm->n_units + 1, sizeof *saved);
+    if (!saved) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for an eval forward");
+    for (int i = 0; i < fm->n_units; i++) {
+        struct fsdp__unit *u = &fm->units[i];
+        saved[2 * i] = u->reshard_after_forward;
+        saved[2 * i + 1] = u->module->checkpoint;
+        u->reshard_after_forward = 1;
+        u->module->checkpoint = 1;
+    }
+    fm->in_forward = 1; /* forward prefetch as in training */
+    enum fsdp_status st = fsdp_module_forward(fm->root, ctx, in, out);
+    fm->in_forward = 0;
+    for (int i = 0; i < fm->n_units; i++) {
+        struct fsdp__unit *u = &fm->units[i];
+        u->reshard_after_forward = saved[2 * i];
+        u->module->checkpoint = saved[2 * i + 1];
+        u->module->ckpt_saved = 0;
+        u->phase = PHASE_IDLE;
+    }
+    free(saved);
+    return st;
+}
+
+/* Copies `in` into the freshly reset arena (so it lives as long as the
+ * activations that point into it) and runs the forward: a train-mode one
+ * (that opens a step if `step`) or an eval one. */
+static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_tensor *in,
+                                    struct fsdp_tensor *out, int train, int step) {
     FSDP_TRY(check_idle(ctx, fm));
+    if (!in || !in->data || in->ndim < 1 || in->ndim > FSDP_MAX_DIMS || (unsigned)in->dtype > FSDP_I64)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "forward: the input tensor needs data, a dtype and 1 to %d "
+                         "dimensions", FSDP_MAX_DIMS);
+    for (int i = 0; i < in->ndim; i++)
+        if (in->shape[i] <= 0)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "forward: input dimension %d is %lld", i,
+                             (long long)in->shape[i]);
+    fm->step.fwd_pending = 0; /* the reset below drops what a pending forward saved */
+    if (train && step && !fm->step.open) { /* the step's first forward opens it */
+        fsdp__fault_step++; /* FSDP_FAULT's step ([Note: fault injection]) */
+        fm->step.open = 1;
+        fm->step.w0 = comm_wait_total(fm);
+        fm->step.loss_scale = fsdp__scaler_scale(fm); /* 1 without loss scaling */
+    }
+    double t0 = fsdp__now();
+    fsdp_arena_reset(ctx);
+    struct fsdp_tensor x = *in;
+    size_t bytes = (size_t)fsdp_tensor_numel(in) * fsdp_dtype_size(in->dtype);
+    x.data = fsdp_arena_alloc(ctx, bytes);
+    if (!x.data) return FSDP_ERR_NOMEM; /* the arena named it (a limit, or the allocation) */
+    memcpy(x.data, in->data, bytes);
+    memset(out, 0, sizeof *out);
+    ctx->errmsg[0] = '\0'; /* a module failing without a message gets one below */
+    enum fsdp_status st;
+    if (train) {
+        fm->in_forward = 1;
+        st = fsdp_module_forward(fm->root, ctx, &x, out);
+        fm->in_forward = 0;
+    } else {
+        st = eval_forward(ctx, fm, &x, out);
+    }
+    fsdp__model_drop_prefetched(ctx, fm); /* units gathered ahead that never ran */
+    if (st != FSDP_OK) {
+        if (!ctx->errmsg[0])
+            fsdp__err(ctx, st, "forward of the model on an input %s of %d dimensions failed: %s (a module gave "
+                      "no message)", fsdp_dtype_name(in->dtype), in->ndim, fsdp_status_str(st));
+        fsdp__model_reshard_all(ctx, fm);
+        if (train) step_abandon(fm);
+        return st;
+    }
+    if (!train || !step) {
+        fsdp__model_reshard_all(ctx, fm); /* no backward follows */
+        return FSDP_OK;
+    }
+    fm->step.fwd_pending = 1;
+    fm->step.out = *out;
+    fm->step.fwd_s += fsdp__now() - t0;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_model_forward_tensor(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                           const struct fsdp_tensor *in, struct fsdp_tensor *out) {
+    return run_forward(ctx, fm, in, out, fm->root->training, 1);
+}
+
+/* A (B, T) token batch as a tensor. */
+static enum fsdp_status tokens(struct fsdp_ctx *ctx, const int32_t *inputs, int B, int T, struct fsdp_tensor *t) {
     if (B <= 0 || T <= 0)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "batch shape (%d, %d) must be positive", B, T);
-    fsdp_arena_reset(ctx);
-    struct fsdp_tensor tok = {0};
-    tok.dtype = FSDP_I32;
-    tok.ndim = 2;
-    tok.shape[0] = B;
-    tok.shape[1] = T;
-    tok.data = fsdp_arena_alloc(ctx, (size_t)B * (size_t)T * sizeof(int32_t));
-    if (!tok.data) return FSDP_ERR_NOMEM;
-    memcpy(tok.data, inputs, (size_t)B * (size_t)T * sizeof(int32_t));
-    memset(logits, 0, sizeof *logits);
-    fm->in_forward = 1;
-    enum fsdp_status st = fsdp_module_forward(fm->root, ctx, &tok, logits);
-    fm->in_forward = 0;
-    fsdp__model_drop_prefetched(ctx, fm); /* units gathered ahead that never ran */
-    if (st != FSDP_OK) fsdp__model_reshard_all(ctx, fm);
-    return st;
+    memset(t, 0, sizeof *t);
+    t->data = (void *)inputs;
+    t->dtype = FSDP_I32;
+    t->ndim = 2;
+    t->shape[0] = B;
+    t->shape[1] = T;
+    return FSDP_OK;
 }
 
 enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const int32_t *inputs,
                                     int B, int T, float **logits) {
-    struct fsdp_tensor out;
-    FSDP_TRY(run_forward(ctx, fm, inputs, B, T, &out));
-    fsdp__model_reshard_all(ctx, fm); /* no backward follows */
+    struct fsdp_tensor tok, out;
+    FSDP_TRY(check_idle(ctx, fm));
+    FSDP_TRY(tokens(ctx, inputs, B, T, &tok));
+    /* a train-mode forward outside any step (the memory and bits it always
+     * had), with no backward after it */
+    FSDP_TRY(run_forward(ctx, fm, &tok, &out, 1, 0));
     *logits = out.data;
+    return FSDP_OK;
+}
+
+/* ---- Loss ---- */
+
+enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_loss *loss,
+                                 const struct fsdp_tensor *out, const struct fsdp_tensor *target, int accum,
+                                 double *value, struct fsdp_tensor *dout) {
+    static const struct fsdp_loss ce = {0};
+    if (!loss) loss = &ce;
+    if (accum < 1) return fsdp__err(ctx, FSDP_ERR_INVALID, "loss: accum %d must be >= 1", accum);
+    int64_t count;
+    FSDP_TRY(fsdp__loss_check(ctx, loss, out, target, &count));
+    double t0 = fsdp__now();
+    float scale = (fm->step.fwd_pending ? fm->step.loss_scale : fsdp__scaler_scale(fm)) / (float)accum;
+    int64_t C = out->shape[out->ndim - 1], N = fsdp_tensor_numel(out) / C;
+    if (dout && !dout->data) {
+        dout->data = fsdp_arena_alloc(ctx, (size_t)(N * C) * sizeof(float));
+        if (!dout->data) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the loss gradient in the arena");
+    }
+    if (dout) {
+        dout->dtype = FSDP_F32;
+        dout->ndim = out->ndim;
+        memcpy(dout->shape, out->shape, sizeof dout->shape);
+    }
+    float *d = dout ? dout->data : NULL;
+    double v;
+    if (loss->kind == FSDP_LOSS_CROSS_ENTROPY && loss->label_smoothing == 0.0f && !loss->ignore) {
+        float l = 0.0f; /* the GPT's loss, unchanged */
+        FSDP_TRY(fsdp_cross_entropy(ctx, out->data, target->data, N, C, scale, &l, d));
+        v = (double)l;
+    } else if (loss->kind == FSDP_LOSS_USER) {
+        struct fsdp_tensor g = dout ? *dout : (struct fsdp_tensor){0};
+        if (!dout) {
+            g = *out;
+            g.data = fsdp_arena_alloc(ctx, (size_t)(N * C) * sizeof(float));
+            if (!g.data) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the loss gradient in the arena");
+        }
+        ctx->errmsg[0] = '\0';
+        enum fsdp_status st = loss->fn(ctx, out, target, loss->ud, &v, &g);
+        if (st != FSDP_OK) {
+            if (!ctx->errmsg[0]) fsdp__err(ctx, st, "user loss failed: %s", fsdp_status_str(st));
+            return st;
+        }
+        if (scale != 1.0f)
+            for (int64_t i = 0; i < N * C; i++) ((float *)g.data)[i] *= scale;
+    } else {
+        double world = 1.0, n = (double)count;
+        if (loss->kind == FSDP_LOSS_CROSS_ENTROPY && loss->ignore && ctx->world > 1) {
+            /* rows left after the ignored ones differ across ranks: the mean is the global batch's */
+            int64_t all = 0;
+            FSDP_TRY(fsdp_comm_allreduce(ctx->comm, &count, &all, 1, FSDP_I64, FSDP_SUM));
+            world = (double)ctx->world;
+            n = (double)all;
+        }
+        double sum;
+        float g = n > 0 ? (float)(world * (double)scale / n) : 0.0f;
+        fsdp__loss_builtin(loss, out, target, g, &sum, d);
+        v = n > 0 ? sum * world / n : 0.0;
+    }
+    if (fm->step.fwd_pending) fm->step.loss += (float)v / (float)accum; /* not an eval forward's */
+    if (value) *value = v;
+    fm->step.fwd_s += fsdp__now() - t0;
+    return FSDP_OK;
+}
+
+/* ---- Backward ---- */
+
+void fsdp_model_set_grad_sync(struct fsdp_model *fm, int on) { fm->step.sync_off = !on; }
+
+enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_tensor *dout) {
+    if (!fm->step.fwd_pending)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "backward without a train-mode forward before it (after an eval "
+                         "forward, a backward, or an error)");
+    const struct fsdp_tensor *o = &fm->step.out;
+    int same = dout && dout->data && dout->dtype == FSDP_F32 && dout->ndim == o->ndim;
+    for (int i = 0; same && i < o->ndim; i++) same = dout->shape[i] == o->shape[i];
+    if (!same)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "backward: the output gradient must be F32 shaped as the model "
+                         "output (%d dimensions, last %lld)", o->ndim, (long long)o->shape[o->ndim - 1]);
+    double t0 = fsdp__now();
+    struct fsdp__step *sp = &fm->step;
+    int first = sp->n_backward == 0;
+    if (first) /* backward writes the shards it reaches; the rest are zeroed after it */
+        for (int i = 0; i < fm->n_units; i++) fm->units[i].grad_fresh = 0;
+    fm->no_sync = sp->sync_off;
+    fm->grad_accumulate = !first && (sp->reduced || ctx->world == 1);
+    fm->in_backward = 1;
+    sp->fwd_pending = 0;
+    ctx->errmsg[0] = '\0';
+    enum fsdp_status st = fsdp_module_backward(fm->root, ctx, dout, NULL);
+    if (st != FSDP_OK && !ctx->errmsg[0])
+        fsdp__err(ctx, st, "backward of the model failed: %s (a module gave no message)", fsdp_status_str(st));
+    fm->in_backward = 0;
+    if (st == FSDP_OK) st = fsdp__model_finish_reduce(ctx, fm); /* the last reduction in flight */
+    for (int i = 0; first && st == FSDP_OK && i < fm->n_units; i++)
+        if (!fm->units[i].grad_fresh) fsdp__zero(fm->units[i].grad_shard, fm->units[i].numel_shard);
+    fsdp__model_drop_prefetched(ctx, fm);
+    fm->no_sync = 0;
+    fm->grad_accumulate = 0;
+    if (st != FSDP_OK) {
+        fsdp__model_reshard_all(ctx, fm);
+        step_abandon(fm);
+        return st;
+    }
+    sp->n_backward++;
+    sp->reduced |= !sp->sync_off;
+    sp->unsynced = sp->sync_off;
+    sp->bwd_s += fsdp__now() - t0;
     return FSDP_OK;
 }
 
@@ -313,76 +542,29 @@ static double comm_wait_total(const struct fsdp_model *fm) {
  * backward and adds into the gradient shard (fm->grad_accumulate for k > 0);
  * NO_SYNC sets fm->no_sync for k < K-1, so each unit keeps its full gradient
  * (pooled, one per unit) and the layers add into it, and reduces once in the
- * last backward. A world of one accumulates straight into the shard. */
-static enum fsdp_status micro_batches(struct fsdp_ctx *ctx, struct fsdp_model *fm, const int32_t *inputs,
-                                      const int32_t *targets, int B, int T, int accum,
-                                      enum fsdp_grad_accum mode, float loss_scale, float *local_loss,
-                                      double *fwd_s, double *bwd_s) {
-    enum fsdp_status st = FSDP_OK;
-    *local_loss = 0.0f;
-    for (int k = 0; k < accum && st == FSDP_OK; k++) {
-        struct fsdp_tensor logits;
-        int64_t N = (int64_t)B * T;
-        double t0 = fsdp__now();
-        fm->no_sync = 0;
-        fm->grad_accumulate = 0;
-        st = run_forward(ctx, fm, inputs + (size_t)k * (size_t)N, B, T, &logits);
-        if (st != FSDP_OK) break;
-        int64_t V = logits.shape[logits.ndim - 1];
-        float loss = 0.0f;
-        st = fsdp_cross_entropy(ctx, logits.data, targets + (size_t)k * (size_t)N, N, V,
-                                loss_scale / (float)accum, &loss, logits.data);
-        if (st != FSDP_OK) break;
-        *local_loss += loss / (float)accum;
-        if (k == 0) /* backward writes the shards it reaches; the rest are zeroed after it */
-            for (int i = 0; i < fm->n_units; i++) fm->units[i].grad_fresh = 0;
-        fm->no_sync = mode == FSDP_ACCUM_NO_SYNC && k < accum - 1;
-        fm->grad_accumulate = k > 0 && (mode == FSDP_ACCUM_REDUCE_EACH || ctx->world == 1);
-        double t1 = fsdp__now();
-        fm->in_backward = 1;
-        st = fsdp_module_backward(fm->root, ctx, &logits, NULL);
-        fm->in_backward = 0;
-        if (st == FSDP_OK) st = fsdp__model_finish_reduce(ctx, fm); /* the last reduction in flight */
-        for (int i = 0; k == 0 && st == FSDP_OK && i < fm->n_units; i++)
-            if (!fm->units[i].grad_fresh) fsdp__zero(fm->units[i].grad_shard, fm->units[i].numel_shard);
-        fsdp__model_drop_prefetched(ctx, fm);
-        *fwd_s += t1 - t0;
-        *bwd_s += fsdp__now() - t1;
-    }
-    fm->no_sync = 0;
-    fm->grad_accumulate = 0;
-    if (st != FSDP_OK) fsdp__model_reshard_all(ctx, fm);
-    return st;
-}
+ * last backward. A world of one accumulates straight into the shard.
+ * fsdp_model_backward derives both flags from the step's earlier backwards
+ * (fm->step.n_backward, .reduced) and fsdp_model_set_grad_sync, so a custom
+ * loop gets the same reductions. */
 
-enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *fm,
-                                       const int32_t *inputs, const int32_t *targets, int B, int T,
-                                       float lr, float clip, struct fsdp_step_result *res) {
-    return fsdp_model_train_step_accum(ctx, fm, inputs, targets, B, T, 1, FSDP_ACCUM_REDUCE_EACH, lr, clip,
-                                       res);
-}
-
-enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_model *fm,
-                                             const int32_t *inputs, const int32_t *targets, int B, int T,
-                                             int accum, enum fsdp_grad_accum mode, float lr, float clip,
-                                             struct fsdp_step_result *res) {
+enum fsdp_status fsdp_model_optim_step(struct fsdp_ctx *ctx, struct fsdp_model *fm, float lr, float clip,
+                                       struct fsdp_step_result *res) {
     if (!fm->optim)
         return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: no optimizer attached (fsdp_model_attach_optim)");
-    if (accum < 1 || (mode != FSDP_ACCUM_REDUCE_EACH && mode != FSDP_ACCUM_NO_SYNC))
-        return fsdp__err(ctx, FSDP_ERR_INVALID,
-                         "train_step: gradient accumulation (--grad-accum) %d with mode %d: need >= 1 "
-                         "micro-batches and REDUCE_EACH or NO_SYNC", accum, (int)mode);
-    double t0 = fsdp__now(), w0 = comm_wait_total(fm), fwd_s = 0, bwd_s = 0;
-    fsdp__fault_step++; /* FSDP_FAULT's step ([Note: fault injection]) */
-    float local_loss = 0.0f, loss_scale = fsdp__scaler_scale(fm); /* 1 without loss scaling */
-    enum fsdp_status st = micro_batches(ctx, fm, inputs, targets, B, T, accum, mode, loss_scale, &local_loss,
-                                        &fwd_s, &bwd_s);
-    if (st != FSDP_OK) return st;
-    double t1 = t0 + fwd_s, t2 = t1 + bwd_s;
+    struct fsdp__step *sp = &fm->step;
+    if (!sp->n_backward)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "optimizer step without a backward since the last one");
+    if (sp->unsynced && ctx->world > 1)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "optimizer step after a backward with gradient sync off: the "
+                         "step's last backward must reduce (fsdp_model_set_grad_sync(fm, 1))");
+    double t2 = fsdp__now();
+    float local_loss = sp->loss, loss_scale = sp->loss_scale;
+    double w0 = sp->w0, fwd_s = sp->fwd_s, bwd_s = sp->bwd_s;
+    step_abandon(fm); /* closed, whatever follows */
     /* the global loss: mean of the ranks' means (equal shares), summed in rank order */
     float *losses = calloc((size_t)ctx->world, sizeof(float));
     if (!losses) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory gathering losses");
-    st = fsdp_comm_allgather(ctx->comm, &local_loss, losses, 1, FSDP_F32);
+    enum fsdp_status st = fsdp_comm_allgather(ctx->comm, &local_loss, losses, 1, FSDP_F32);
     double loss = 0.0;
     for (int r = 0; r < ctx->world; r++) loss += (double)losses[r];
     free(losses);
@@ -410,10 +592,54 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
     }
     st = group_total(ctx, fm, psq, &res->param_norm);
     res->param_norm = sqrt(res->param_norm);
-    res->forward_s = t1 - t0;
-    res->backward_s = t2 - t1;
+    res->forward_s = fwd_s;
+    res->backward_s = bwd_s;
     res->update_s = fsdp__now() - t2;
     res->comm_wait_s = comm_wait_total(fm) - w0;
+    return st;
+}
+
+enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                       const int32_t *inputs, const int32_t *targets, int B, int T,
+                                       float lr, float clip, struct fsdp_step_result *res) {
+    return fsdp_model_train_step_accum(ctx, fm, inputs, targets, B, T, 1, FSDP_ACCUM_REDUCE_EACH, lr, clip,
+                                       res);
+}
+
+/* The composition of the split step ([Note: the split step]). */
+enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                             const int32_t *inputs, const int32_t *targets, int B, int T,
+                                             int accum, enum fsdp_grad_accum mode, float lr, float clip,
+                                             struct fsdp_step_result *res) {
+    if (!fm->optim)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: no optimizer attached (fsdp_model_attach_optim)");
+    if (accum < 1 || (mode != FSDP_ACCUM_REDUCE_EACH && mode != FSDP_ACCUM_NO_SYNC))
+        return fsdp__err(ctx, FSDP_ERR_INVALID,
+                         "train_step: gradient accumulation (--grad-accum) %d with mode %d: need >= 1 "
+                         "micro-batches and REDUCE_EACH or NO_SYNC", accum, (int)mode);
+    FSDP_TRY(check_idle(ctx, fm));
+    if (!fm->root->training)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: the model is in eval mode (fsdp_module_set_training)");
+    if (fm->step.open)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: a step of separate forward/backward calls is open "
+                         "(end it with fsdp_model_optim_step)");
+    int sync_off = fm->step.sync_off;
+    enum fsdp_status st = FSDP_OK;
+    for (int k = 0; k < accum && st == FSDP_OK; k++) {
+        struct fsdp_tensor tok, logits, tg;
+        int64_t N = (int64_t)B * T;
+        st = tokens(ctx, inputs + (size_t)k * (size_t)N, B, T, &tok);
+        if (st == FSDP_OK) st = fsdp_model_forward_tensor(ctx, fm, &tok, &logits);
+        if (st != FSDP_OK) break;
+        st = tokens(ctx, targets + (size_t)k * (size_t)N, B, T, &tg);
+        if (st == FSDP_OK) st = fsdp_model_loss(ctx, fm, NULL, &logits, &tg, accum, NULL, &logits);
+        fm->step.sync_off = mode == FSDP_ACCUM_NO_SYNC && k < accum - 1;
+        if (st == FSDP_OK) st = fsdp_model_backward(ctx, fm, &logits);
+    }
+    fm->step.sync_off = sync_off;
+    if (st == FSDP_OK) return fsdp_model_optim_step(ctx, fm, lr, clip, res);
+    fsdp__model_reshard_all(ctx, fm); /* a failed loss leaves the forward's units gathered */
+    step_abandon(fm);
     return st;
 }
 

@@ -6,10 +6,15 @@
  * oneDNN's sgemm is row-major and uses OpenMP: called inside a parallel
  * region it runs on the calling thread only (attention uses that for its
  * per-(batch, head) products).
+ * Custom modules reach the same products through the public fsdp_gemm (at
+ * the end), which takes the module's compute dtype as Linear does, and
+ * report their failures with fsdp_error.
  */
 #include "nn/nn-impl.h"
 
 #include <omp.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <oneapi/dnnl/dnnl.h>
 
 void fsdp__sgemm(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
@@ -143,4 +148,48 @@ float *fsdp__scratch(struct fsdp_ctx *ctx, int64_t n, const char *what) {
         fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s (%lld floats) in the activation arena", what,
                   (long long)n);
     return p;
+}
+
+/* ---- Public entry points for custom modules ---- */
+
+enum fsdp_status fsdp_error(struct fsdp_ctx *ctx, enum fsdp_status st, const char *fmt, ...) {
+    if (ctx && fmt) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(ctx->errmsg, sizeof ctx->errmsg, fmt, ap);
+        va_end(ap);
+    }
+    return st;
+}
+
+/* The elements a stored rows x cols matrix with row stride ld spans. */
+static int64_t span(int64_t rows, int64_t cols, int64_t ld) { return rows > 0 ? (rows - 1) * ld + cols : 0; }
+
+enum fsdp_status fsdp_gemm(struct fsdp_ctx *ctx, const struct fsdp_module *m, int transa, int transb, int64_t M,
+                           int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B,
+                           int64_t ldb, float beta, float *C, int64_t ldc) {
+    const char *who = m ? fsdp__mname(m) : "(no module)";
+    int64_t ar = transa ? K : M, ac = transa ? M : K; /* A as stored */
+    int64_t br = transb ? N : K, bc = transb ? K : N; /* B as stored */
+    if (M < 0 || N < 0 || K < 0)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "fsdp_gemm in '%s': sizes M %lld, N %lld, K %lld must not be "
+                         "negative", who, (long long)M, (long long)N, (long long)K);
+    if (lda < (ac > 1 ? ac : 1) || ldb < (bc > 1 ? bc : 1) || ldc < (N > 1 ? N : 1))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "fsdp_gemm in '%s': strides lda %lld, ldb %lld, ldc %lld are "
+                         "below the rows (%lld, %lld, %lld)", who, (long long)lda, (long long)ldb, (long long)ldc,
+                         (long long)ac, (long long)bc, (long long)N);
+    if (M == 0 || N == 0) return FSDP_OK;
+    if (!C || (K > 0 && (!A || !B)))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "fsdp_gemm in '%s': a NULL matrix", who);
+    enum fsdp_dtype dt = m ? fsdp__compute_dtype(m) : FSDP_F32;
+    if (dt == FSDP_F32 || K == 0) {
+        fsdp__sgemm(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return FSDP_OK;
+    }
+    size_t mark = fsdp_arena_mark(ctx);
+    const void *al = fsdp__lp_copy(ctx, dt, A, span(ar, ac, lda), "fsdp_gemm's A (low precision)");
+    const void *bl = al ? fsdp__lp_copy(ctx, dt, B, span(br, bc, ldb), "fsdp_gemm's B (low precision)") : NULL;
+    if (bl) fsdp__gemm_lp(dt, transa, transb, M, N, K, alpha, al, lda, bl, ldb, beta, C, ldc);
+    fsdp_arena_release(ctx, mark);
+    return bl ? FSDP_OK : FSDP_ERR_NOMEM;
 }

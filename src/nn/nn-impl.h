@@ -218,6 +218,19 @@ enum fsdp_status fsdp__block_create(struct fsdp_ctx *ctx, const char *name, int6
 enum fsdp_status fsdp__container_create(struct fsdp_ctx *ctx, const char *name, int is_list,
                                         struct fsdp_module **out_m);
 
+/* ---- Losses of fsdp_model_loss (loss.c) ---- */
+/* FSDP_ERR_INVALID naming the mismatch unless `target` fits `out` for the
+ * loss (kind, dtype, shape, class ids in range, smoothing in [0, 1], a
+ * function for FSDP_LOSS_USER); *count gets the items the mean divides by on
+ * this rank: rows not ignored (cross-entropy), rows (soft cross-entropy,
+ * user), elements (MSE). */
+enum fsdp_status fsdp__loss_check(struct fsdp_ctx *ctx, const struct fsdp_loss *loss, const struct fsdp_tensor *out,
+                                  const struct fsdp_tensor *target, int64_t *count);
+/* A built-in loss (checked): *sum = the sum of the item losses, and, if dout
+ * is non-NULL, dout (out's shape; may be out->data) = g * d(sum)/d(out). */
+void fsdp__loss_builtin(const struct fsdp_loss *loss, const struct fsdp_tensor *out, const struct fsdp_tensor *target,
+                        float g, double *sum, float *dout);
+
 /* ---- Model configs from memory (gpt.c) ---- */
 /* fsdp_gpt_config_load on text[0..len) (need not be NUL-terminated) as if it
  * were the file `name`: the same checks and messages. For the fuzz targets. */
