@@ -726,6 +726,8 @@ struct fsdp_optim_opts {
     float momentum;            /* SGD; default 0 */
     float weight_decay;        /* default 0.1 (decoupled for AdamW) */
     int decay_all;             /* 1: decay biases, LayerNorm, embeddings too (default 0) */
+    int nesterov;              /* SGD: Nesterov momentum as torch.optim.SGD's (needs momentum > 0);
+                                  default 0 */
 };
 
 struct fsdp_optim_opts fsdp_optim_opts_default(void);
@@ -1236,6 +1238,8 @@ struct fsdp_ckpt_meta {
     uint64_t seed;       /* init and sampling seed: the counter-based RNG's whole state */
     int has_config;      /* config is valid */
     struct fsdp_gpt_config config;
+    char model_json[1024]; /* another model's config as the text of a JSON object ("" = none),
+                              kept as meta.json's "model" (fsdp-train's image models) */
     /* filled by load and read_meta (ignored by save): */
     int64_t optim_step;  /* the optimizer's step count at save time */
     int world;           /* world size the checkpoint was saved with */
