@@ -386,7 +386,7 @@ struct fsdp_conv2d_opts fsdp_conv2d_opts_default(int64_t in_channels, int64_t ou
 enum fsdp_status fsdp_conv2d_create(struct fsdp_ctx *ctx, const char *name, const struct fsdp_conv2d_opts *opts,
                                     struct fsdp_module **out);
 
-/* BatchNorm2d over (N, C, H, W), per channel, as PyTorch: parameters weight
+/* BatchNorm2d over (N, C, H, W) (or BatchNorm1d's (N, C)), per channel, as PyTorch: parameters weight
  * (ones) and bias (zeros), exempt from weight decay; buffers running_mean
  * (zeros), running_var (ones) and num_batches_tracked (I64 scalar). Train mode
  * (m->training) normalises with the batch's mean and biased variance and
@@ -564,6 +564,34 @@ void fsdp_comm_set_check(struct fsdp_comm *c, int on);
  * and the schedule check compares it across ranks (as a hash) with the
  * fingerprint. Copied (at most 63 bytes). COLLECTIVE: no. */
 void fsdp_comm_set_tag(struct fsdp_comm *c, const char *tag);
+
+/* ---- SwAV's head (src/models/swav_head.c) ------------------------------ */
+
+/* L2Norm, type "L2Norm": each row of an (N, D) input divided by its norm,
+ * y = x / max(||x||, eps) (torch.nn.functional.normalize with dim 1). */
+enum fsdp_status fsdp_l2norm_create(struct fsdp_ctx *ctx, const char *name, float eps, struct fsdp_module **out);
+
+/* SwAV's head (VISSL's SwAVPrototypesHead), type "SwAVHead": input (N, in_dim)
+ * trunk features; children projection_head = Sequential(0 Linear(in_dim,
+ * hidden_dim), 1 BatchNorm (N, C), 2 ReLU, 3 Linear(hidden_dim, out_dim))
+ * (hidden_dim 0: only 0 Linear(in_dim, out_dim)), l2norm, and prototypes0 ..
+ * prototypes<n_heads-1>, each Linear(out_dim, n_prototypes) without bias.
+ * Output (N, out_dim + n_heads n_prototypes): the normalised embedding z,
+ * then each head's scores z C_j^T, along dim 1. Linear weights start N(0,
+ * 1 / (3 fan_in)), the variance of PyTorch's default uniform init; VISSL then
+ * re-initialises the head under fsdp_summon_full_params with a fixed seed.
+ * To keep each prototype layer an fp32 unit of its own inside the head's
+ * unit, as VISSL does, wrap "<head>.prototypes<j>" with
+ * FSDP_WRAP_UNIT_OVERRIDE and precision FSDP_F32. *out is returned to the
+ * caller. */
+struct fsdp_swav_head_config {
+    int64_t in_dim, hidden_dim, out_dim, n_prototypes;
+    int n_heads;
+};
+/* SwAV's ImageNet head: hidden 2048, out 128, 3000 prototypes, 1 head. */
+struct fsdp_swav_head_config fsdp_swav_head_config_default(int64_t in_dim);
+enum fsdp_status fsdp_swav_head_create(struct fsdp_ctx *ctx, const char *name, const struct fsdp_swav_head_config *cfg,
+                                       struct fsdp_module **out);
 
 /* ---- SwAV's loss (src/nn/swav.c) ------------------------------------- */
 
