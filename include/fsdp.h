@@ -445,6 +445,8 @@ void fsdp_comm_set_check(struct fsdp_comm *c, int on);
  * and the schedule check compares it across ranks (as a hash) with the
  * fingerprint. Copied (at most 63 bytes). COLLECTIVE: no. */
 void fsdp_comm_set_tag(struct fsdp_comm *c, const char *tag);
+/* The current tag ("" if none; borrowed until the next fsdp_comm_set_tag). */
+const char *fsdp_comm_tag(const struct fsdp_comm *c);
 
 /* ---- Sharding (src/fsdp) ---------------------------------------------- */
 
