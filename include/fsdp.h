@@ -880,6 +880,31 @@ enum fsdp_status fsdp_optim_add_group(struct fsdp_optim *opt, const char *const 
                                       float weight_decay, float lr_scale);
 int fsdp_optim_n_groups(const struct fsdp_optim *opt); /* registered groups (not counting 0) */
 
+/* A group's settings, changeable between steps (VISSL freezes the SwAV
+ * prototypes for the first iterations, then lets them train). Groups are
+ * numbered 1.. in the order fsdp_optim_add_group registered them (the group
+ * just added is fsdp_optim_n_groups(opt)). A change applies from the next
+ * optimizer step; the slices need no re-attaching.
+ * frozen: the group's parameters and optimizer state stay bit-identical:
+ * backward still runs through its layers (the gradients of their inputs
+ * flow on), but its reduced gradients are zeroed once every reduction has
+ * landed (as torch parameters whose grad is None: they count in neither the
+ * global gradient norm nor clipping; fsdp_model_get_grad reads zeros), and
+ * the optimizer skips it (no update, no weight decay, no state change).
+ * AdamW's bias correction uses the optimizer's step count, which advances
+ * while a group is frozen: a group unfrozen at step t is corrected as at t
+ * (torch's per-parameter count would restart at 1). Bad group numbers or
+ * values are FSDP_ERR_INVALID naming them. COLLECTIVE: no (set alike on
+ * every rank). */
+struct fsdp_optim_group_settings {
+    float weight_decay, lr_scale;
+    int frozen;
+};
+enum fsdp_status fsdp_optim_group_get(const struct fsdp_optim *opt, int group,
+                                      struct fsdp_optim_group_settings *out);
+enum fsdp_status fsdp_optim_group_set(struct fsdp_optim *opt, int group,
+                                      const struct fsdp_optim_group_settings *s);
+
 /* Gathers the full fp32 values of every parameter below `module` (all units
  * holding such a parameter) so they can be read or edited through
  * fsdp_param.data, e.g. with fsdp_module_find_param. With writeback, every
