@@ -448,6 +448,35 @@ void fsdp_comm_set_tag(struct fsdp_comm *c, const char *tag);
 /* The current tag ("" if none; borrowed until the next fsdp_comm_set_tag). */
 const char *fsdp_comm_tag(const struct fsdp_comm *c);
 
+/* ---- Collectives inside a module's forward, backward or a loss ---------
+ *
+ * [Note: collectives in modules] A module may communicate inside its
+ * forward or backward (SyncBatchNorm's per-channel sums) and a loss inside
+ * its computation (SwAV's Sinkhorn sums), on the context's communicator
+ * fsdp_ctx_comm(ctx): every data-parallel rank, for every sharding
+ * strategy (HYBRID_SHARD included: it spans the replicas as well as the
+ * shard group; the model's own shard and replica groups are split from it
+ * and never handed out). This is safe with overlap on: the sharding
+ * layer's prefetched all-gathers and asynchronous reduce-scatters are issued
+ * in the same order on every rank, each communicator runs its collectives
+ * in start order, and the backends progress them while a rank blocks in
+ * another (shm: one progress thread per communicator; MPI: its progress
+ * thread, or MPI's own progress inside the blocking wait), so a module's
+ * blocking collective waits behind the in-flight ones without deadlock.
+ * The rule is the usual one: every rank calls the same collectives in the
+ * same order, so a module must take the same branch on every rank (train
+ * or eval mode, batch present or not). Under activation checkpointing a
+ * checkpointed module's forward runs again inside backward (and calls its
+ * collectives again, on every rank alike). */
+
+/* All-reduces buf (count elements of dt, in place) over fsdp_ctx_comm(ctx)
+ * for module m, naming it: the collective is tagged "module FQN" (the tag
+ * in force before is restored after), so the schedule check and the
+ * watchdog name the module when ranks diverge. A world of one returns at
+ * once. COLLECTIVE: yes. */
+enum fsdp_status fsdp_module_allreduce(struct fsdp_ctx *ctx, struct fsdp_module *m, void *buf, size_t count,
+                                       enum fsdp_dtype dt, enum fsdp_red_op op);
+
 /* ---- Sharding (src/fsdp) ---------------------------------------------- */
 
 /* What a wrap policy answers for a module: not a unit root, a unit root, or a
@@ -922,6 +951,26 @@ enum fsdp_status fsdp_optim_group_set(struct fsdp_optim *opt, int group,
 enum fsdp_status fsdp_summon_full_params(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                          struct fsdp_module *module, int writeback, int rank0_only);
 enum fsdp_status fsdp_summon_end(struct fsdp_ctx *ctx, struct fsdp_model *fm);
+
+/* A hook run after each optimizer update of the training step, on every
+ * rank, in registration order (torch's optimizer step post-hooks; VISSL
+ * renormalises the SwAV prototype rows to unit L2 norm there). `m` is the
+ * module it was registered on. It runs with every unit sharded and idle, so
+ * it may call fsdp_summon_full_params on a small module with write-back,
+ * edit fsdp_param.data alike on every rank, and fsdp_summon_end (a summon
+ * the hook leaves open is ended for it, honouring its write-back). It does
+ * not run when a step was skipped (loss-scaling overflow, a non-finite
+ * step). A hook is COLLECTIVE by contract: every rank runs it, so whatever
+ * collectives it calls must be called on every rank; they are tagged
+ * "post-step hook FQN", so the schedule check (FSDP_CHECK_COLLECTIVES /
+ * fsdp_comm_set_check) or the watchdog names the hook when one rank calls a
+ * collective the others do not. A hook's failure ends the step with its
+ * status, the message naming the hook. The step's param_norm is measured
+ * after the hooks. COLLECTIVE: no (registering; do it alike on every rank). */
+typedef enum fsdp_status (*fsdp_post_step_fn)(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_module *m,
+                                              void *ud);
+enum fsdp_status fsdp_model_add_post_step_hook(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                               struct fsdp_module *m, fsdp_post_step_fn fn, void *ud);
 
 /* ---- Checkpoints (src/fsdp/ckpt*.c, src/io/safetensors.c) ------------- */
 

@@ -121,6 +121,8 @@ struct fsdp_model {
     struct fsdp__unit *ar_last;   /* the unit whose replica all-reduce (ar_req) is still pending */
     int64_t rep_deferred;         /* replica all-reduces a post-backward left in flight (tests) */
     struct fsdp__scaler scaler;   /* dynamic loss scaling (mixed.c) */
+    int n_post_step, cap_post_step;
+    struct fsdp__post_step_hook *post_step; /* (n_post_step) hooks.c, in registration order */
 };
 
 /* ---- Layout only (shard.c), for the memory planner (plan.c) ---- */
@@ -261,6 +263,14 @@ void fsdp__model_bwd_order(const struct fsdp_model *fm, int *order);
  * since fm was made (HYBRID_SHARD with overlap: all but the last of each
  * backward); what tests observe of the pipeline. */
 int64_t fsdp__model_rep_deferred(const struct fsdp_model *fm);
+
+/* ---- Post-step hooks (hooks.c) ---- */
+/* Runs every registered hook in order, each with its collectives tagged
+ * "post-step hook FQN"; the first failure is returned naming the hook (a
+ * summon the hook left open is ended first). The training step calls it
+ * right after an applied optimizer update. COLLECTIVE: as the hooks. */
+enum fsdp_status fsdp__run_post_step_hooks(struct fsdp_ctx *ctx, struct fsdp_model *fm);
+void fsdp__post_step_hooks_free(struct fsdp_model *fm);
 
 /* ---- Pool ---- */
 float *fsdp__pool_get(struct fsdp_model *fm, int64_t numel, const char *what);
