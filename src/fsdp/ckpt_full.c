@@ -38,20 +38,26 @@ enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *f
         const char *kv[] = {"format", "pt", FSDP__LAYOUT_KEY, "out,in"};
         if (st == FSDP_OK) st = fsdp__st_writer_open(ctx, path, n, desc, 2, kv, &w);
     }
-    /* every rank gathers each unit in turn; rank 0 writes while it is
+    /* every rank gathers each unit's fp32 shards in turn (the master weights,
+     * not a 16-bit unit's training gather); rank 0 writes while it is
      * gathered. A write failure on rank 0 does not stop the gathers (peers
      * would hang): it stops the writing, and the status is agreed at the end. */
     for (int i = 0; i < fm->n_units; i++) {
         struct fsdp__unit *u = &fm->units[i];
-        enum fsdp_status g = fsdp__unit_unshard(ctx, u);
+        float *full = fsdp__pool_get(fm, u->numel_padded, "full parameters (save)");
+        enum fsdp_status g = full ? FSDP_OK : FSDP_ERR_NOMEM;
+        if (!full) FSDP_ASSERT(0, "%s", ctx->errmsg); /* peers would wait in the gather */
+        if (!fm->shard_comm) memcpy(full, u->shard, (size_t)u->numel_shard * sizeof(float));
+        else g = fsdp_comm_allgather(fm->shard_comm, u->shard, full, (size_t)u->numel_shard, FSDP_F32);
         if (g != FSDP_OK) {
+            fsdp__pool_put(fm, full);
             fsdp__st_writer_abort(w);
             free(desc);
             return g; /* a failed collective: the unit is in ERROR on every rank */
         }
         for (int j = 0; j < u->n_params && w && st == FSDP_OK; j++)
-            st = fsdp__st_writer_write(w, u->full + u->offsets[j], (size_t)u->params[j]->numel * sizeof(float));
-        FSDP_TRY(fsdp__unit_reshard(ctx, u));
+            st = fsdp__st_writer_write(w, full + u->offsets[j], (size_t)u->params[j]->numel * sizeof(float));
+        fsdp__pool_put(fm, full);
     }
     if (w) {
         if (st == FSDP_OK) st = fsdp__st_writer_commit(w);
