@@ -835,7 +835,8 @@ struct fsdp_parallel_config {
     enum fsdp_mixed_precision mixed_precision; /* default FULL; with a 16-bit precision:
                                     DEFAULT / PURE gather (and reduce) in it */
     int sync_module_states;      /* default 0: 1 = rank 0's materialized values reach
-                                    every rank's shards, unit by unit */
+                                    every rank's shards, unit by unit, and rank 0's
+                                    buffers every rank's buffers */
     int verbose;                 /* default 0: 1 = rank 0 prints the unit plan (stderr) */
     uint64_t seed;               /* built-in init when param_init is NULL; default 1337 */
     enum fsdp_sharding sharding; /* default FULL_SHARD (a 2-D mesh: HYBRID_SHARD) */
@@ -883,7 +884,8 @@ struct fsdp_param_init {
  * unit root but the model root. Materialized storage of root's parameters
  * is consumed (freed) by this call. *out is returned to the caller.
  * COLLECTIVE: yes (checks that every rank's model has the same parameter
- * names and shapes, naming the first that differs, and broadcasts for
+ * names and shapes, and the same buffers (names, dtypes, shapes,
+ * persistence), naming the first that differs, and broadcasts for
  * sync_module_states). */
 enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module *root,
                                         const struct fsdp_parallel_config *cfg, struct fsdp_optim *opt,
@@ -946,6 +948,10 @@ enum fsdp_status fsdp_optim_group_set(struct fsdp_optim *opt, int group,
  * _reset_lazy_init): units keep no state derived from parameter values,
  * and the summoned buffers are separate from the units' own, so the next
  * forward simply gathers the (written-back) shards.
+ * Buffers (struct fsdp_buffer) are never sharded, so there is nothing to
+ * summon: b->data always holds the full values on every rank, and an edit
+ * of it takes effect at once on the rank that makes it, with or without
+ * writeback (edit alike on every rank to keep the replicas equal).
  * COLLECTIVE: yes for fsdp_summon_full_params (it all-gathers); no for
  * fsdp_summon_end (each rank copies its own slice back). */
 enum fsdp_status fsdp_summon_full_params(struct fsdp_ctx *ctx, struct fsdp_model *fm,
@@ -987,18 +993,27 @@ struct fsdp_ckpt_meta {
     int has_optim_state; /* whether optimizer state was saved */
 };
 
+/* Buffers in checkpoints: the persistent buffers (fsdp_module_add_buffer's
+ * persistent; non-persistent ones are never saved nor read) travel with the
+ * parameters, whole, under their FQN and in their dtype (F32, or I64 for
+ * counters such as num_batches_tracked). Loading a checkpoint, full or
+ * sharded, that lacks a persistent buffer of the model is FSDP_ERR_FORMAT
+ * naming the buffer; so is a dtype or shape that differs. */
+
 /* Sharded checkpoint: the folder `dir` gets one safetensors file per rank
- * (that rank's slices of every parameter and of the optimizer state) and
- * meta.json (per parameter: FQN, global shape, dtype and which element and
- * byte ranges each file holds; the step, data position, seed, config and
- * optimizer step count). Written under dir.tmp, fsync'd, then renamed over
+ * (that rank's slices of every parameter and of the optimizer state; rank
+ * 0's file also holds the persistent buffers, whole) and meta.json (per
+ * parameter: FQN, global shape, dtype and which element and byte ranges each
+ * file holds; per buffer: FQN, dtype, shape, file and byte range; the step,
+ * data position, seed, config and optimizer step count). Written under dir.tmp, fsync'd, then renamed over
  * `dir`: a crash leaves the previous `dir` intact. No data moves between
  * ranks. COLLECTIVE: yes (two small agreements on success). */
 enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
                                 const struct fsdp_ckpt_meta *meta);
 /* Loads a sharded checkpoint saved at any world size into fm (same model,
  * any world size): each rank reads only the byte ranges (in 1 MiB checksum
- * chunks) that overlap its shards, verifying checksums. The optimizer state
+ * chunks) that overlap its shards, verifying checksums, and every buffer
+ * whole (every rank gets the buffers). The optimizer state
  * and step count are restored when fm has an optimizer attached and the
  * checkpoint has state of the same kind. *meta may be NULL.
  * COLLECTIVE: yes (every rank returns the same status and message). */
@@ -1008,16 +1023,21 @@ enum fsdp_status fsdp_ckpt_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
  * COLLECTIVE: no. */
 enum fsdp_status fsdp_ckpt_read_meta(struct fsdp_ctx *ctx, const char *dir, struct fsdp_ckpt_meta *meta);
 
-/* Full checkpoint: one safetensors file of every parameter under its FQN,
- * written by rank 0 while units are gathered one at a time (rank 0 holds one
- * unit beyond its shards). COLLECTIVE: yes. */
+/* Full checkpoint: one safetensors file of every parameter under its FQN
+ * (the fp32 values of the shards, whatever the units gather in), then every
+ * persistent buffer (rank 0's values; the header key "fsdp.buffers" lists
+ * their FQNs), written by rank 0 while units are gathered one at a time
+ * (rank 0 holds one unit beyond its shards). COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path);
 /* Loads a full safetensors file: ours, or Hugging Face GPT-2 names
  * ("h.0.attn.c_attn.weight", with or without "transformer.") whose Conv1D
  * weights are (in, out) and get transposed; attn.bias / attn.masked_bias
- * buffers and a tied lm_head.weight are ignored. Every rank reads only its
- * own ranges; rank0_only: rank 0 reads each unit and broadcasts it.
- * COLLECTIVE: yes. */
+ * buffers and a tied lm_head.weight are ignored. Buffers of the model are
+ * read by FQN (e.g. "bn1.running_mean", an I64 "bn1.num_batches_tracked"
+ * from a PyTorch state dict), whole, in their own dtype; a non-persistent
+ * buffer's tensor in the file is skipped. Every rank reads only its own
+ * ranges (and every buffer); rank0_only: rank 0 reads each unit and
+ * broadcasts it, then the buffers. COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path,
                                       int rank0_only);
 
@@ -1025,13 +1045,17 @@ enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *f
 /* Prints a checkpoint's contents (a sharded folder or a safetensors file) to
  * out; with verify, reads everything and checks every checksum. */
 enum fsdp_status fsdp_ckpt_describe(struct fsdp_ctx *ctx, const char *path, int verify, FILE *out);
-/* Sharded folder -> full safetensors file (parameters only), one parameter at a time. */
+/* Sharded folder -> full safetensors file (parameters, then the buffers), one
+ * tensor at a time. */
 enum fsdp_status fsdp_ckpt_to_full(struct fsdp_ctx *ctx, const char *dir, const char *path);
 /* Full safetensors file -> sharded folder of n_files files (no optimizer
  * state; step 0). The file is ours (fsdp_model_save_full, fsdp_ckpt_to_full),
  * any F32 file with our FQNs and (out, in) Linear weights, or Hugging Face
  * GPT-2 (HF names, Conv1D weights transposed, buffers and the tied lm_head
- * left out), as fsdp_model_load_full reads them. */
+ * left out), as fsdp_model_load_full reads them. Buffers (the tensors our
+ * "fsdp.buffers" key lists; in a file without that key, I64 tensors and
+ * names ending in running_mean, running_var or num_batches_tracked) go
+ * whole into file 0, F32 or I64. */
 enum fsdp_status fsdp_ckpt_from_full(struct fsdp_ctx *ctx, const char *path, const char *dir, int n_files);
 /* The same, for the GPT of `config` (NULL: as above): the file must hold
  * exactly that model's parameters with its shapes (else an error naming the
