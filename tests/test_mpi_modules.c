@@ -291,4 +291,23 @@ TEST(hook_collective_on_one_rank_is_named) {
     fsdp_comm_set_check(comm, getenv("FSDP_CHECK_COLLECTIVES") != NULL);
 }
 
+/* A module whose forward skips its all-reduce on one rank: with the
+ * schedule check on, every rank's step fails naming the module (its tag),
+ * with overlap's prefetched gathers in flight; no rank hangs. */
+TEST(module_collective_on_one_rank_is_named) {
+    struct fsdp_ctx *c = get_ctx();
+    if (fsdp_ctx_world(c) < 2) SKIP("needs 2+ ranks");
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    fsdp_comm_set_check(comm, 1);
+    struct run r;
+    ASSERT_OK(prepare(c, &r, FSDP_FULL_SHARD, 1, 0, FSDP_OPTIM_ADAMW, 0), c);
+    sn_skip_rank = 1;
+    CHECK_INT_EQ(train(c, &r, 0, 1), FSDP_ERR_COMM);
+    sn_skip_rank = -1;
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "collective schedule diverged");
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "tag 'module norm'");
+    finish(&r);
+    fsdp_comm_set_check(comm, getenv("FSDP_CHECK_COLLECTIVES") != NULL);
+}
+
 TEST_MAIN()

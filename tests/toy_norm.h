@@ -17,6 +17,8 @@
  * running_mean, running_var (unbiased, momentum 0.1) and num_batches_tracked
  * (I64), as PyTorch's BatchNorm. Eval: the running statistics, no
  * collective. */
+static int sn_skip_rank = -1; /* this rank skips forward's first all-reduce (tests of bad input) */
+
 struct syncnorm {
     int64_t C;
     struct fsdp_param *w, *b;
@@ -44,7 +46,8 @@ static enum fsdp_status sn_forward(struct fsdp_module *m, struct fsdp_ctx *c, co
         for (int64_t r = 0; r < R; r++)
             for (int64_t k = 0; k < C; k++) mean[k] += x[r * C + k];
         stat[2 * C] = (float)R;
-        TN_TRY(fsdp_module_allreduce(c, m, stat, (size_t)C, FSDP_F32, FSDP_SUM));
+        if (fsdp_ctx_rank(c) != sn_skip_rank) /* bad input: a rank that skips the collective */
+            TN_TRY(fsdp_module_allreduce(c, m, stat, (size_t)C, FSDP_F32, FSDP_SUM));
         TN_TRY(fsdp_module_allreduce(c, m, stat + 2 * C, 1, FSDP_F32, FSDP_SUM));
         float n = stat[2 * C];
         for (int64_t k = 0; k < C; k++) mean[k] /= n;
