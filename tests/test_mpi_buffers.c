@@ -13,6 +13,7 @@
 #include "../examples/toy.h" /* before mpi_harness.h, whose global ctx its parameters would shadow */
 #pragma GCC diagnostic pop
 #include "toy_norm.h"
+#include "io/io-impl.h"
 #include "harness.h"
 #include "mpi_harness.h"
 
@@ -359,6 +360,60 @@ TEST(offline_tools_and_missing_buffer) {
         rm_rf(dir);
         rm_rf(dir3);
         remove(full);
+    }
+    fsdp_ctx_free(one);
+}
+
+/* A state dict exported from PyTorch: no fsdp.buffers key, batch norm's
+ * statistics F32 and num_batches_tracked an I64 scalar. load_full imports
+ * the buffers by FQN; to-sharded tells them from parameters by dtype and
+ * name. */
+TEST(pytorch_state_dict_import) {
+    struct fsdp_ctx *c = get_ctx(), *one = self_ctx();
+    char path[256], dir[256];
+    tmp_name(c, path, sizeof path, "torch.safetensors");
+    tmp_name(c, dir, sizeof dir, "torch_sharded");
+    float emb[V * C], hw[V * C], hb[V], nw[C], nb[C], rm[C], rv[C];
+    for (int i = 0; i < V * C; i++) emb[i] = 0.01f * (float)i, hw[i] = -0.02f * (float)i;
+    for (int i = 0; i < V; i++) hb[i] = (float)i;
+    for (int k = 0; k < C; k++) nw[k] = 1.5f, nb[k] = 0.25f, rm[k] = (float)k / 3.0f, rv[k] = 2.0f + (float)k;
+    int64_t count = 12345;
+    const void *data[8] = {emb, nw, nb, rm, rv, &count, hw, hb};
+    struct fsdp__st_desc d[8] = {{"embed.weight", FSDP_F32, 2, {V, C}}, {"norm.weight", FSDP_F32, 1, {C}},
+                                 {"norm.bias", FSDP_F32, 1, {C}}, {"norm.running_mean", FSDP_F32, 1, {C}},
+                                 {"norm.running_var", FSDP_F32, 1, {C}}, {"norm.num_batches_tracked", FSDP_I64, 0, {0}},
+                                 {"head.weight", FSDP_F32, 2, {V, C}}, {"head.bias", FSDP_F32, 1, {V}}};
+    if (fsdp_ctx_rank(c) == 0) {
+        const char *kv[] = {"format", "pt", "fsdp.linear_layout", "out,in"};
+        struct fsdp__st_writer *w = NULL;
+        CHECK_OK(fsdp__st_writer_open(one, path, 8, d, 2, kv, &w), one);
+        for (int i = 0; i < 8 && w; i++) {
+            int64_t n = 1;
+            for (int k = 0; k < d[i].ndim; k++) n *= d[i].shape[k];
+            CHECK_OK(fsdp__st_writer_write(w, data[i], (size_t)n * fsdp_dtype_size(d[i].dtype)), one);
+        }
+        if (w) CHECK_OK(fsdp__st_writer_commit(w), one);
+        CHECK_OK(fsdp_ckpt_from_full(one, path, dir, 2), one);
+    }
+    fsdp_comm_barrier(fsdp_ctx_comm(c));
+    struct prep p = {FSDP_FULL_SHARD, 0, 0, 0, FSDP_F32};
+    for (int how = 0; how < 2; how++) {
+        struct run r;
+        ASSERT_OK(prepare(c, &r, &p, NULL), c);
+        if (how == 0) CHECK_OK(fsdp_model_load_full(c, r.fm, path, 0), c);
+        else CHECK_OK(fsdp_ckpt_load(c, r.fm, dir, NULL), c);
+        CHECK_INT_EQ(nbt(&r), 12345);
+        CHECK(memcmp(fsdp_module_find_buffer(r.root, "norm.running_var")->data, rv, sizeof rv) == 0);
+        CHECK(memcmp(fsdp_module_find_buffer(r.root, "norm.running_mean")->data, rm, sizeof rm) == 0);
+        float x[V * C];
+        CHECK_OK(fsdp_model_get_param(c, r.fm, "head.weight", x), c);
+        CHECK(memcmp(x, hw, sizeof hw) == 0);
+        finish(&r);
+    }
+    fsdp_comm_barrier(fsdp_ctx_comm(c));
+    if (fsdp_ctx_rank(c) == 0) {
+        remove(path);
+        rm_rf(dir);
     }
     fsdp_ctx_free(one);
 }
