@@ -386,7 +386,7 @@ struct fsdp_conv2d_opts fsdp_conv2d_opts_default(int64_t in_channels, int64_t ou
 enum fsdp_status fsdp_conv2d_create(struct fsdp_ctx *ctx, const char *name, const struct fsdp_conv2d_opts *opts,
                                     struct fsdp_module **out);
 
-/* BatchNorm2d over (N, C, H, W), per channel, as PyTorch: parameters weight
+/* BatchNorm2d over (N, C, H, W) (or BatchNorm1d's (N, C)), per channel, as PyTorch: parameters weight
  * (ones) and bias (zeros), exempt from weight decay; buffers running_mean
  * (zeros), running_var (ones) and num_batches_tracked (I64 scalar). Train mode
  * (m->training) normalises with the batch's mean and biased variance and
@@ -564,6 +564,65 @@ void fsdp_comm_set_check(struct fsdp_comm *c, int on);
  * and the schedule check compares it across ranks (as a hash) with the
  * fingerprint. Copied (at most 63 bytes). COLLECTIVE: no. */
 void fsdp_comm_set_tag(struct fsdp_comm *c, const char *tag);
+/* The current tag ("" if none; borrowed until the next fsdp_comm_set_tag). */
+const char *fsdp_comm_tag(const struct fsdp_comm *c);
+
+/* ---- Collectives inside a module's forward, backward or a loss ---------
+ *
+ * [Note: collectives in modules] A module may communicate inside its
+ * forward or backward (SyncBatchNorm's per-channel sums) and a loss inside
+ * its computation (SwAV's Sinkhorn sums), on the context's communicator
+ * fsdp_ctx_comm(ctx): every data-parallel rank, for every sharding
+ * strategy (HYBRID_SHARD included: it spans the replicas as well as the
+ * shard group; the model's own shard and replica groups are split from it
+ * and never handed out). This is safe with overlap on: the sharding
+ * layer's prefetched all-gathers and asynchronous reduce-scatters are issued
+ * in the same order on every rank, each communicator runs its collectives
+ * in start order, and the backends progress them while a rank blocks in
+ * another (shm: one progress thread per communicator; MPI: its progress
+ * thread, or MPI's own progress inside the blocking wait), so a module's
+ * blocking collective waits behind the in-flight ones without deadlock.
+ * The rule is the usual one: every rank calls the same collectives in the
+ * same order, so a module must take the same branch on every rank (train
+ * or eval mode, batch present or not). Under activation checkpointing a
+ * checkpointed module's forward runs again inside backward (and calls its
+ * collectives again, on every rank alike). */
+
+/* All-reduces buf (count elements of dt, in place) over fsdp_ctx_comm(ctx)
+ * for module m, naming it: the collective is tagged "module FQN" (the tag
+ * in force before is restored after), so the schedule check and the
+ * watchdog name the module when ranks diverge. A world of one returns at
+ * once. COLLECTIVE: yes. */
+enum fsdp_status fsdp_module_allreduce(struct fsdp_ctx *ctx, struct fsdp_module *m, void *buf, size_t count,
+                                       enum fsdp_dtype dt, enum fsdp_red_op op);
+
+/* ---- SwAV's head (src/models/swav_head.c) ------------------------------ */
+
+/* L2Norm, type "L2Norm": each row of an (N, D) input divided by its norm,
+ * y = x / max(||x||, eps) (torch.nn.functional.normalize with dim 1). */
+enum fsdp_status fsdp_l2norm_create(struct fsdp_ctx *ctx, const char *name, float eps, struct fsdp_module **out);
+
+/* SwAV's head (VISSL's SwAVPrototypesHead), type "SwAVHead": input (N, in_dim)
+ * trunk features; children projection_head = Sequential(0 Linear(in_dim,
+ * hidden_dim), 1 BatchNorm (N, C), 2 ReLU, 3 Linear(hidden_dim, out_dim))
+ * (hidden_dim 0: only 0 Linear(in_dim, out_dim)), l2norm, and prototypes0 ..
+ * prototypes<n_heads-1>, each Linear(out_dim, n_prototypes) without bias.
+ * Output (N, out_dim + n_heads n_prototypes): the normalised embedding z,
+ * then each head's scores z C_j^T, along dim 1. Linear weights start N(0,
+ * 1 / (3 fan_in)), the variance of PyTorch's default uniform init; VISSL then
+ * re-initialises the head under fsdp_summon_full_params with a fixed seed.
+ * To keep each prototype layer an fp32 unit of its own inside the head's
+ * unit, as VISSL does, wrap "<head>.prototypes<j>" with
+ * FSDP_WRAP_UNIT_OVERRIDE and precision FSDP_F32. *out is returned to the
+ * caller. */
+struct fsdp_swav_head_config {
+    int64_t in_dim, hidden_dim, out_dim, n_prototypes;
+    int n_heads;
+};
+/* SwAV's ImageNet head: hidden 2048, out 128, 3000 prototypes, 1 head. */
+struct fsdp_swav_head_config fsdp_swav_head_config_default(int64_t in_dim);
+enum fsdp_status fsdp_swav_head_create(struct fsdp_ctx *ctx, const char *name, const struct fsdp_swav_head_config *cfg,
+                                       struct fsdp_module **out);
 
 /* ---- SwAV's loss (src/nn/swav.c) ------------------------------------- */
 
@@ -1137,7 +1196,8 @@ struct fsdp_parallel_config {
     enum fsdp_mixed_precision mixed_precision; /* default FULL; with a 16-bit precision:
                                     DEFAULT / PURE gather (and reduce) in it */
     int sync_module_states;      /* default 0: 1 = rank 0's materialized values reach
-                                    every rank's shards, unit by unit */
+                                    every rank's shards, unit by unit, and rank 0's
+                                    buffers every rank's buffers */
     int verbose;                 /* default 0: 1 = rank 0 prints the unit plan (stderr) */
     uint64_t seed;               /* built-in init when param_init is NULL; default 1337 */
     enum fsdp_sharding sharding; /* default FULL_SHARD (a 2-D mesh: HYBRID_SHARD) */
@@ -1185,7 +1245,8 @@ struct fsdp_param_init {
  * unit root but the model root. Materialized storage of root's parameters
  * is consumed (freed) by this call. *out is returned to the caller.
  * COLLECTIVE: yes (checks that every rank's model has the same parameter
- * names and shapes, naming the first that differs, and broadcasts for
+ * names and shapes, and the same buffers (names, dtypes, shapes,
+ * persistence), naming the first that differs, and broadcasts for
  * sync_module_states). */
 enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module *root,
                                         const struct fsdp_parallel_config *cfg, struct fsdp_optim *opt,
@@ -1211,6 +1272,31 @@ enum fsdp_status fsdp_optim_add_group(struct fsdp_optim *opt, const char *const 
                                       float weight_decay, float lr_scale);
 int fsdp_optim_n_groups(const struct fsdp_optim *opt); /* registered groups (not counting 0) */
 
+/* A group's settings, changeable between steps (VISSL freezes the SwAV
+ * prototypes for the first iterations, then lets them train). Groups are
+ * numbered 1.. in the order fsdp_optim_add_group registered them (the group
+ * just added is fsdp_optim_n_groups(opt)). A change applies from the next
+ * optimizer step; the slices need no re-attaching.
+ * frozen: the group's parameters and optimizer state stay bit-identical:
+ * backward still runs through its layers (the gradients of their inputs
+ * flow on), but its reduced gradients are zeroed once every reduction has
+ * landed (as torch parameters whose grad is None: they count in neither the
+ * global gradient norm nor clipping; fsdp_model_get_grad reads zeros), and
+ * the optimizer skips it (no update, no weight decay, no state change).
+ * AdamW's bias correction uses the optimizer's step count, which advances
+ * while a group is frozen: a group unfrozen at step t is corrected as at t
+ * (torch's per-parameter count would restart at 1). Bad group numbers or
+ * values are FSDP_ERR_INVALID naming them. COLLECTIVE: no (set alike on
+ * every rank). */
+struct fsdp_optim_group_settings {
+    float weight_decay, lr_scale;
+    int frozen;
+};
+enum fsdp_status fsdp_optim_group_get(const struct fsdp_optim *opt, int group,
+                                      struct fsdp_optim_group_settings *out);
+enum fsdp_status fsdp_optim_group_set(struct fsdp_optim *opt, int group,
+                                      const struct fsdp_optim_group_settings *s);
+
 /* Gathers the full fp32 values of every parameter below `module` (all units
  * holding such a parameter) so they can be read or edited through
  * fsdp_param.data, e.g. with fsdp_module_find_param. With writeback, every
@@ -1223,11 +1309,35 @@ int fsdp_optim_n_groups(const struct fsdp_optim *opt); /* registered groups (not
  * _reset_lazy_init): units keep no state derived from parameter values,
  * and the summoned buffers are separate from the units' own, so the next
  * forward simply gathers the (written-back) shards.
+ * Buffers (struct fsdp_buffer) are never sharded, so there is nothing to
+ * summon: b->data always holds the full values on every rank, and an edit
+ * of it takes effect at once on the rank that makes it, with or without
+ * writeback (edit alike on every rank to keep the replicas equal).
  * COLLECTIVE: yes for fsdp_summon_full_params (it all-gathers); no for
  * fsdp_summon_end (each rank copies its own slice back). */
 enum fsdp_status fsdp_summon_full_params(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                          struct fsdp_module *module, int writeback, int rank0_only);
 enum fsdp_status fsdp_summon_end(struct fsdp_ctx *ctx, struct fsdp_model *fm);
+
+/* A hook run after each optimizer update of the training step, on every
+ * rank, in registration order (torch's optimizer step post-hooks; VISSL
+ * renormalises the SwAV prototype rows to unit L2 norm there). `m` is the
+ * module it was registered on. It runs with every unit sharded and idle, so
+ * it may call fsdp_summon_full_params on a small module with write-back,
+ * edit fsdp_param.data alike on every rank, and fsdp_summon_end (a summon
+ * the hook leaves open is ended for it, honouring its write-back). It does
+ * not run when a step was skipped (loss-scaling overflow, a non-finite
+ * step). A hook is COLLECTIVE by contract: every rank runs it, so whatever
+ * collectives it calls must be called on every rank; they are tagged
+ * "post-step hook FQN", so the schedule check (FSDP_CHECK_COLLECTIVES /
+ * fsdp_comm_set_check) or the watchdog names the hook when one rank calls a
+ * collective the others do not. A hook's failure ends the step with its
+ * status, the message naming the hook. The step's param_norm is measured
+ * after the hooks. COLLECTIVE: no (registering; do it alike on every rank). */
+typedef enum fsdp_status (*fsdp_post_step_fn)(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_module *m,
+                                              void *ud);
+enum fsdp_status fsdp_model_add_post_step_hook(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                               struct fsdp_module *m, fsdp_post_step_fn fn, void *ud);
 
 /* ---- Checkpoints (src/fsdp/ckpt*.c, src/io/safetensors.c) ------------- */
 
@@ -1246,11 +1356,19 @@ struct fsdp_ckpt_meta {
     int has_optim_state; /* whether optimizer state was saved */
 };
 
+/* Buffers in checkpoints: the persistent buffers (fsdp_module_add_buffer's
+ * persistent; non-persistent ones are never saved nor read) travel with the
+ * parameters, whole, under their FQN and in their dtype (F32, or I64 for
+ * counters such as num_batches_tracked). Loading a checkpoint, full or
+ * sharded, that lacks a persistent buffer of the model is FSDP_ERR_FORMAT
+ * naming the buffer; so is a dtype or shape that differs. */
+
 /* Sharded checkpoint: the folder `dir` gets one safetensors file per rank
- * (that rank's slices of every parameter and of the optimizer state) and
- * meta.json (per parameter: FQN, global shape, dtype and which element and
- * byte ranges each file holds; the step, data position, seed, config and
- * optimizer step count). Written under dir.tmp, fsync'd, then renamed over
+ * (that rank's slices of every parameter and of the optimizer state; rank
+ * 0's file also holds the persistent buffers, whole) and meta.json (per
+ * parameter: FQN, global shape, dtype and which element and byte ranges each
+ * file holds; per buffer: FQN, dtype, shape, file and byte range; the step,
+ * data position, seed, config and optimizer step count). Written under dir.tmp, fsync'd, then renamed over
  * `dir`: a crash leaves the previous `dir` intact. No data moves between
  * ranks. Every checkpoint writer (this one, fsdp_model_save_full,
  * fsdp_ckpt_to_full, fsdp_ckpt_from_full) replaces only what a checkpoint
@@ -1262,7 +1380,8 @@ enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
                                 const struct fsdp_ckpt_meta *meta);
 /* Loads a sharded checkpoint saved at any world size into fm (same model,
  * any world size): each rank reads only the byte ranges (in 1 MiB checksum
- * chunks) that overlap its shards, verifying checksums. The optimizer state
+ * chunks) that overlap its shards, verifying checksums, and every buffer
+ * whole (every rank gets the buffers). The optimizer state
  * and step count are restored when fm has an optimizer attached and the
  * checkpoint has state of the same kind. *meta may be NULL.
  * COLLECTIVE: yes (every rank returns the same status and message). */
@@ -1276,16 +1395,21 @@ enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir);
  * COLLECTIVE: no. */
 enum fsdp_status fsdp_ckpt_read_meta(struct fsdp_ctx *ctx, const char *dir, struct fsdp_ckpt_meta *meta);
 
-/* Full checkpoint: one safetensors file of every parameter under its FQN,
- * written by rank 0 while units are gathered one at a time (rank 0 holds one
- * unit beyond its shards). COLLECTIVE: yes. */
+/* Full checkpoint: one safetensors file of every parameter under its FQN
+ * (the fp32 values of the shards, whatever the units gather in), then every
+ * persistent buffer (rank 0's values; the header key "fsdp.buffers" lists
+ * their FQNs), written by rank 0 while units are gathered one at a time
+ * (rank 0 holds one unit beyond its shards). COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path);
 /* Loads a full safetensors file: ours, or Hugging Face GPT-2 names
  * ("h.0.attn.c_attn.weight", with or without "transformer.") whose Conv1D
  * weights are (in, out) and get transposed; attn.bias / attn.masked_bias
- * buffers and a tied lm_head.weight are ignored. Every rank reads only its
- * own ranges; rank0_only: rank 0 reads each unit and broadcasts it.
- * COLLECTIVE: yes. */
+ * buffers and a tied lm_head.weight are ignored. Buffers of the model are
+ * read by FQN (e.g. "bn1.running_mean", an I64 "bn1.num_batches_tracked"
+ * from a PyTorch state dict), whole, in their own dtype; a non-persistent
+ * buffer's tensor in the file is skipped. Every rank reads only its own
+ * ranges (and every buffer); rank0_only: rank 0 reads each unit and
+ * broadcasts it, then the buffers. COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path,
                                       int rank0_only);
 
@@ -1293,13 +1417,17 @@ enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *f
 /* Prints a checkpoint's contents (a sharded folder or a safetensors file) to
  * out; with verify, reads everything and checks every checksum. */
 enum fsdp_status fsdp_ckpt_describe(struct fsdp_ctx *ctx, const char *path, int verify, FILE *out);
-/* Sharded folder -> full safetensors file (parameters only), one parameter at a time. */
+/* Sharded folder -> full safetensors file (parameters, then the buffers), one
+ * tensor at a time. */
 enum fsdp_status fsdp_ckpt_to_full(struct fsdp_ctx *ctx, const char *dir, const char *path);
 /* Full safetensors file -> sharded folder of n_files files (no optimizer
  * state; step 0). The file is ours (fsdp_model_save_full, fsdp_ckpt_to_full),
  * any F32 file with our FQNs and (out, in) Linear weights, or Hugging Face
  * GPT-2 (HF names, Conv1D weights transposed, buffers and the tied lm_head
- * left out), as fsdp_model_load_full reads them. */
+ * left out), as fsdp_model_load_full reads them. Buffers (the tensors our
+ * "fsdp.buffers" key lists; in a file without that key, I64 tensors and
+ * names ending in running_mean, running_var or num_batches_tracked) go
+ * whole into file 0, F32 or I64. */
 enum fsdp_status fsdp_ckpt_from_full(struct fsdp_ctx *ctx, const char *path, const char *dir, int n_files);
 /* The same, for the GPT of `config` (NULL: as above): the file must hold
  * exactly that model's parameters with its shapes (else an error naming the

@@ -373,6 +373,11 @@ TEST(idx_rejects_bad_labels_and_missing_files) {
     im = NULL;
     CHECK(fsdp_images_open_idx(ctx, bad, lab, 3, &im) != FSDP_OK);
     CHECK_STR_CONTAINS(fsdp_errmsg(ctx), bad);
+    /* a FIFO is refused at once, not waited on (no writer ever comes) */
+    snprintf(bad, sizeof bad, "%s/fifo", dir);
+    ASSERT(mkfifo(bad, 0600) == 0);
+    CHECK(fsdp_images_open_idx(ctx, bad, lab, 3, &im) != FSDP_OK);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "not a regular file (a FIFO)");
     remove_dir(dir);
     fsdp_ctx_free(ctx);
 }

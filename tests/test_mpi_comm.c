@@ -704,6 +704,8 @@ static void body_schedule_check(struct fsdp_ctx *c) {
         CHECK_INT_EQ(fsdp_comm_allreduce(comm, buf, buf, 1, FSDP_F32, FSDP_SUM), FSDP_ERR_COMM);
         CHECK_STR_CONTAINS(fsdp_errmsg(c), "rank 0 called allreduce(#");
         CHECK_STR_CONTAINS(fsdp_errmsg(c), ", tag ");
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), ", tag 'unit 3')"); /* both sides named in full */
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), ", tag 'unit 4')");
         CHECK_STR_CONTAINS(fsdp_errmsg(c), rank == 0 ? "this rank's tag: unit 3" : "this rank's tag: unit 4");
         fsdp_comm_set_tag(comm, NULL);
         fsdp_comm_stats_get(comm, &b);

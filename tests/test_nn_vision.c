@@ -474,6 +474,82 @@ TEST(gradcheck_residual_blocks) { /* through 2-3 BNs and ReLUs: eps 1e-3, rtol 1
 /* [Note: unset gradients]: under sharding a parameter's gradient may be
  * marked unset (garbage inside); the first backward must overwrite it, the
  * second add to it. */
+/* SwAV's head and its parts: L2Norm (also at a row below eps), BatchNorm on
+ * (N, C), the whole head with two prototype heads; its FQNs are VISSL's */
+TEST(gradcheck_swav_head) { /* through a BN and normalisation: eps 1e-3, rtol 1e-2, atol 2e-4 */
+    rng_seed(11);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_module *m;
+    ASSERT_OK(fsdp_l2norm_create(ctx, "norm", 1e-12f, &m), ctx);
+    prepare(ctx, m, 0);
+    int64_t s2[2] = {4, 6};
+    struct fsdp_tensor x = make_input(2, s2, 1.0f, 0.2f);
+    struct gc g = {.name = "L2Norm", .ctx = ctx, .m = m, .in = &x, .eps = 1e-3, .rtol = 1e-2, .atol = 1e-4,
+                   .coords = 24};
+    gradcheck(&g);
+    /* a tiny row is divided by eps, linearly */
+    fsdp_module_free(m);
+    ASSERT_OK(fsdp_l2norm_create(ctx, "norm", 0.5f, &m), ctx);
+    prepare(ctx, m, 0);
+    for (int j = 0; j < 6; j++) ((float *)x.data)[j] = 0.01f * (float)(j + 1);
+    struct gc g1 = {.name = "L2Norm(eps)", .ctx = ctx, .m = m, .in = &x, .eps = 1e-3, .rtol = 1e-2, .atol = 1e-4,
+                    .coords = 24};
+    gradcheck(&g1);
+    fsdp_module_free(m);
+    struct fsdp_batchnorm_opts bo = fsdp_batchnorm_opts_default(6);
+    ASSERT_OK(fsdp_batchnorm2d_create(ctx, "bn", &bo, &m), ctx);
+    prepare(ctx, m, 0.5f);
+    struct gc g2 = {.name = "BatchNorm(N, C)", .ctx = ctx, .m = m, .in = &x, .eps = 1e-2, .rtol = 1e-2,
+                    .atol = 2e-4, .coords = 24};
+    gradcheck(&g2);
+    fsdp_module_free(m);
+    free(x.data);
+    struct fsdp_swav_head_config hc = {6, 8, 5, 7, 2};
+    ASSERT_OK(fsdp_swav_head_create(ctx, "head", &hc, &m), ctx);
+    prepare(ctx, m, 0.4f);
+    const char *want[] = {"head.projection_head.0.weight", "head.projection_head.0.bias",
+                          "head.projection_head.1.weight", "head.projection_head.1.bias",
+                          "head.projection_head.3.weight", "head.projection_head.3.bias",
+                          "head.prototypes0.weight", "head.prototypes1.weight"};
+    struct plist pl = {0};
+    fsdp_module_finalize(ctx, m); /* names as a child "head" of a root would have */
+    char fq[64];
+    fsdp_module_foreach_param(m, collect_param, &pl);
+    ASSERT_INT_EQ(pl.n, 8);
+    for (int i = 0; i < 8; i++) {
+        snprintf(fq, sizeof fq, "head.%s", pl.p[i]->fqn);
+        CHECK_STR_EQ(fq, want[i]);
+    }
+    CHECK(fsdp_module_find_buffer(m, "projection_head.1.running_mean") != NULL);
+    int64_t s3[2] = {5, 6};
+    x = make_input(2, s3, 1.0f, 0.3f);
+    struct fsdp_tensor y = {0};
+    fsdp_arena_reset(ctx);
+    ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y), ctx);
+    ASSERT_INT_EQ(y.ndim, 2);
+    ASSERT_INT_EQ(y.shape[1], 5 + 2 * 7);
+    for (int i = 0; i < 5; i++) { /* z has unit rows; scores are z . prototype rows */
+        double nz = 0, s = 0;
+        const float *r = (const float *)y.data + i * 19;
+        for (int j = 0; j < 5; j++) nz += (double)r[j] * r[j];
+        CHECK_NEAR(nz, 1.0, 1e-5, 1e-6);
+        const float *c1 = pl.p[7]->data + 3 * 5; /* prototypes1 row 3 */
+        for (int j = 0; j < 5; j++) s += (double)r[j] * c1[j];
+        CHECK_NEAR(r[5 + 7 + 3], s, 1e-5, 1e-6);
+    }
+    struct gc g3 = {.name = "SwAVHead", .ctx = ctx, .m = m, .in = &x, .eps = 1e-3, .rtol = 1e-2, .atol = 2e-4,
+                    .coords = 30};
+    gradcheck(&g3);
+    struct fsdp_swav_head_config bad = hc;
+    bad.n_heads = 0;
+    struct fsdp_module *m2 = NULL;
+    CHECK(fsdp_swav_head_create(ctx, "head", &bad, &m2) == FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "n_heads 0");
+    free(x.data);
+    fsdp_module_free(m);
+    fsdp_ctx_free(ctx);
+}
+
 TEST(vision_layers_honour_unset_gradients) {
     rng_seed(9);
     struct fsdp_ctx *ctx = make_ctx();
@@ -606,15 +682,15 @@ static void json_shape(FILE *f, const char *key, int ndim, const int64_t *shape)
 /* Runs module m for `steps` train steps (fresh input and dy each) and one eval
  * forward, writing case `id`'s files and its JSON entry: spec is the
  * module's constructor arguments for the script. */
-static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, struct fsdp_module *m, const char *spec,
-                     const int64_t *shape, int steps, int distinct) {
+static void ref_case_nd(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, struct fsdp_module *m,
+                        const char *spec, int ndim, const int64_t *shape, int steps, int distinct) {
     char name[128];
     struct plist pl = {0};
     struct blist bl = {0};
     fsdp_module_foreach_param(m, collect_param, &pl);
     fsdp_module_foreach_buffer(m, collect_buffer, &bl);
     fprintf(js, "%s {\"spec\": %s, ", id ? "," : "", spec);
-    json_shape(js, "shape", 4, shape);
+    json_shape(js, "shape", ndim, shape);
     fprintf(js, ", \"steps\": %d, \"params\": [", steps);
     for (int i = 0; i < pl.n; i++) {
         snprintf(name, sizeof name, "c%d_p%d.bin", id, i);
@@ -626,7 +702,7 @@ static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, st
     fprintf(js, "]}\n");
     for (int s = 0; s <= steps; s++) { /* s == steps: eval */
         fsdp_module_set_training(m, s < steps);
-        struct fsdp_tensor x = distinct ? make_distinct(4, shape, 0.01f) : make_input(4, shape, 1.5f, 0.5f);
+        struct fsdp_tensor x = distinct ? make_distinct(ndim, shape, 0.01f) : make_input(ndim, shape, 1.5f, 0.5f);
         struct fsdp_tensor y = {0}, dx = {0};
         fsdp_arena_reset(ctx);
         if (fsdp_module_zero_grad(ctx, m) != FSDP_OK || fsdp_module_forward(m, ctx, &x, &y) != FSDP_OK) {
@@ -659,6 +735,11 @@ static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, st
         free(dy);
         free(x.data);
     }
+}
+
+static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, struct fsdp_module *m, const char *spec,
+                     const int64_t *shape, int steps, int distinct) {
+    ref_case_nd(js, dir, id, ctx, m, spec, 4, shape, steps, distinct);
 }
 
 TEST(vision_layers_match_pytorch) {
@@ -753,6 +834,32 @@ TEST(vision_layers_match_pytorch) {
     int64_t s8[4] = {2, 8, 4, 4};
     ref_case(js, dir, id++, ctx, m, "{\"kind\": \"bottleneck\", \"inplanes\": 8, \"planes\": 2, \"stride\": 1}", s8,
              2, 0);
+    fsdp_module_free(m);
+    /* SwAV's head and its parts on (N, C): BatchNorm1d, L2Norm, the whole head (two heads) */
+    struct fsdp_batchnorm_opts b1 = fsdp_batchnorm_opts_default(6);
+    ASSERT_OK(fsdp_batchnorm2d_create(ctx, "", &b1, &m), ctx);
+    prepare(ctx, m, 0.5f);
+    int64_t s9[2] = {5, 6};
+    ref_case_nd(js, dir, id++, ctx, m, "{\"kind\": \"bn1d\", \"c\": 6, \"eps\": 1e-5, \"momentum\": 0.1}", 2, s9, 3,
+                0);
+    fsdp_module_free(m);
+    ASSERT_OK(fsdp_l2norm_create(ctx, "", 1e-12f, &m), ctx);
+    prepare(ctx, m, 0);
+    ref_case_nd(js, dir, id++, ctx, m, "{\"kind\": \"l2norm\"}", 2, s9, 1, 0);
+    fsdp_module_free(m);
+    struct fsdp_swav_head_config hc = {7, 9, 5, 4, 2};
+    ASSERT_OK(fsdp_swav_head_create(ctx, "", &hc, &m), ctx);
+    prepare(ctx, m, 0.4f);
+    int64_t s10[2] = {6, 7};
+    ref_case_nd(js, dir, id++, ctx, m, "{\"kind\": \"swavhead\", \"in\": 7, \"hidden\": 9, \"out\": 5, \"k\": 4, "
+                "\"heads\": 2}", 2, s10, 2, 0);
+    fsdp_module_free(m);
+    hc.hidden_dim = 0;
+    hc.n_heads = 1;
+    ASSERT_OK(fsdp_swav_head_create(ctx, "", &hc, &m), ctx);
+    prepare(ctx, m, 0.4f);
+    ref_case_nd(js, dir, id++, ctx, m, "{\"kind\": \"swavhead\", \"in\": 7, \"hidden\": 0, \"out\": 5, \"k\": 4, "
+                "\"heads\": 1}", 2, s10, 1, 0);
     fsdp_module_free(m);
     fprintf(js, "]\n");
     CHECK(fclose(js) == 0);

@@ -3,7 +3,7 @@
 
 Usage: torch_vision_ref.py DIR, where DIR was written by test_nn_vision's
 vision_layers_match_pytorch: index.json lists cases, each with the layer
-("spec": kind conv | bn | relu | maxpool | avgpool | flatten | basicblock |
+("spec": kind conv | bn | bn1d | l2norm | swavhead | relu | maxpool | avgpool | flatten | basicblock |
 bottleneck (torchvision's) and its arguments), the input shape, its parameters' FQNs (values in
 c<i>_p<j>.bin) and buffers' FQNs, and a number of train steps followed by
 one eval step. Step s of case i has raw float32 files c<i>_s<s>_{x,y,dy,dx}.bin,
@@ -63,6 +63,32 @@ def build(spec):
             ds = nn.Sequential(nn.Conv2d(spec["inplanes"], 4 * spec["planes"], 1, stride=spec["stride"], bias=False),
                                nn.BatchNorm2d(4 * spec["planes"]))
         return Bottleneck(spec["inplanes"], spec["planes"], spec["stride"], ds)
+    if k == "bn1d":
+        return nn.BatchNorm1d(spec["c"], eps=spec["eps"], momentum=spec["momentum"])
+    if k == "l2norm":
+        class L2Norm(nn.Module):
+            def forward(self, x):
+                return nn.functional.normalize(x, dim=1, p=2)
+        return L2Norm()
+    if k == "swavhead":
+        # VISSL's SwAVPrototypesHead, as its paper and config describe it:
+        # an MLP projection, L2 normalisation, bias-free prototype layers;
+        # the output is [z, scores_0, ...] concatenated along dim 1
+        class SwAVHead(nn.Module):
+            def __init__(self, s):
+                super().__init__()
+                layers = [nn.Linear(s["in"], s["hidden"] or s["out"])]
+                if s["hidden"]:
+                    layers += [nn.BatchNorm1d(s["hidden"]), nn.ReLU(), nn.Linear(s["hidden"], s["out"])]
+                self.projection_head = nn.Sequential(*layers)
+                for j in range(s["heads"]):
+                    self.add_module(f"prototypes{j}", nn.Linear(s["out"], s["k"], bias=False))
+                self.heads = s["heads"]
+
+            def forward(self, x):
+                z = nn.functional.normalize(self.projection_head(x), dim=1, p=2)
+                return torch.cat([z] + [getattr(self, f"prototypes{j}")(z) for j in range(self.heads)], dim=1)
+        return SwAVHead(spec)
     raise SystemExit("unknown kind " + k)
 
 

@@ -784,12 +784,13 @@ int main(int argc, char **argv) {
         fail_all("--batch %d (global) is not divisible by the world size %d", o.batch, world);
     check_strategy_flags(&o, world);
 
-    /* --resume at or past the last step: nothing to train (--save-full still writes the loaded model) */
+    /* --resume at or past the last step: nothing to train; --save-dir and --save-full
+     * still write the loaded model (saving at another world size reshards) */
     int nothing_left = resume_dir && ck.step >= steps;
     if (nothing_left && rank == 0)
         printf("nothing left to train: %s is at step %lld and --steps is %d (give --steps above %lld to train "
                "further)\n", resume_dir, (long long)ck.step, steps, (long long)ck.step);
-    if (nothing_left && !o.save_full) {
+    if (nothing_left && !o.save_full && !o.save_dir) {
         task.ops->free(&task);
         fsdp_ctx_free(ctx);
         return 0;
@@ -943,6 +944,7 @@ int main(int argc, char **argv) {
         if (o.save_dir && ((o.save_every && (step + 1) % o.save_every == 0) || step + 1 == steps))
             save_ckpt(ctx, fm, &o, &task, step + 1, tty);
     }
+    if (o.save_dir && nothing_left) save_ckpt(ctx, fm, &o, &task, start_step, tty);
     if (tty && rank == 0) printf("\n");
     if (logf) fclose(logf);
 

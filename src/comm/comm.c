@@ -169,6 +169,8 @@ void fsdp_comm_set_tag(struct fsdp_comm *c, const char *tag) {
     if (c) snprintf(c->tag, sizeof c->tag, "%s", tag ? tag : "");
 }
 
+const char *fsdp_comm_tag(const struct fsdp_comm *c) { return c ? c->tag : ""; }
+
 /* ---- Validation ---- */
 
 static int dtype_ok(enum fsdp_dtype dt) { return (unsigned)dt <= (unsigned)FSDP_I64; }
@@ -213,7 +215,9 @@ static void count_start(struct fsdp_comm *c, enum fsdp_coll coll, size_t bytes) 
  * the first rank that differs from rank 0, and no data has moved. The
  * exchange has a fixed size, so it cannot itself deadlock on a mismatch; a
  * rank that stops calling collectives altogether is the watchdog's case. */
-enum { FP_SEQ, FP_COLL, FP_COUNT_LO, FP_COUNT_HI, FP_DTYPE, FP_OPROOT, FP_TAG, FP_N };
+enum { FP_SEQ, FP_COLL, FP_COUNT_LO, FP_COUNT_HI, FP_DTYPE, FP_OPROOT, FP_TAG, FP_TEXT, FP_N = FP_TEXT + 10 };
+/* FP_TEXT..FP_N: the tag's first 39 bytes, NUL-padded, so that a mismatch
+ * names what each rank called ("post-step hook proto", "unit h.2"). */
 
 /* FNV-1a of the tag: equal tags, equal hashes ("" is 0). */
 static int32_t tag_hash(const char *t) {
@@ -227,8 +231,10 @@ static void fp_describe(const int32_t *f, char *buf, size_t n) {
     uint64_t count = (uint64_t)(uint32_t)f[FP_COUNT_LO] | (uint64_t)(uint32_t)f[FP_COUNT_HI] << 32;
     enum fsdp_coll coll = (enum fsdp_coll)f[FP_COLL];
     const char *dt = (unsigned)f[FP_DTYPE] <= (unsigned)FSDP_I64 ? fsdp_dtype_name((enum fsdp_dtype)f[FP_DTYPE]) : "?";
-    char tag[32] = "";
-    if (f[FP_TAG]) snprintf(tag, sizeof tag, ", tag %08x", (unsigned)f[FP_TAG]);
+    char text[4 * (FP_N - FP_TEXT)], tag[sizeof text + 16] = "";
+    memcpy(text, f + FP_TEXT, sizeof text);
+    text[sizeof text - 1] = '\0';
+    if (f[FP_TAG]) snprintf(tag, sizeof tag, ", tag '%s'", text);
     if (coll == FSDP_COLL_BARRIER)
         snprintf(buf, n, "barrier(#%u%s)", (unsigned)f[FP_SEQ], tag);
     else if (coll == FSDP_COLL_BROADCAST)
@@ -245,6 +251,10 @@ static enum fsdp_status check_schedule(struct fsdp_comm *c, enum fsdp_coll coll,
     int32_t mine[FP_N] = {(int32_t)(uint32_t)(c->seq + 1), (int32_t)coll, (int32_t)(uint32_t)count,
                           (int32_t)(uint32_t)((uint64_t)count >> 32), (int32_t)dt, op_or_root,
                           tag_hash(c->tag)};
+    char *text = (char *)(mine + FP_TEXT); /* NUL-padded: bytes after the NUL must agree too */
+    size_t tl = strnlen(c->tag, 4 * (FP_N - FP_TEXT) - 1);
+    memset(text, 0, 4 * (FP_N - FP_TEXT));
+    memcpy(text, c->tag, tl);
     int32_t *all = fsdp__alloc(c->ctx, sizeof mine * (size_t)c->size, FSDP_MEM_OTHER,
                                "schedule check fingerprints");
     if (!all) return FSDP_ERR_NOMEM;

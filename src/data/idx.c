@@ -23,6 +23,7 @@
 #include <errno.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #define FASHION_MNIST_DIR "/usr/share/datasets/fashion-mnist"
@@ -237,25 +238,30 @@ enum fsdp_status fsdp__images_open_mem(struct fsdp_ctx *ctx, const char *images_
 /* The whole file at path (from fsdp__alloc) */
 static enum fsdp_status read_file(struct fsdp_ctx *ctx, const char *path, uint8_t **buf, size_t *len) {
     *buf = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return fsdp__err(ctx, FSDP_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        fclose(f);
-        return fsdp__err(ctx, FSDP_ERR_IO, "'%s' is not a regular file", path);
-    }
-    size_t n = (size_t)sb.st_size;
+    int fd;
+    uint64_t size;
+    FSDP_TRY(fsdp__open_regular(ctx, NULL, path, &fd, &size)); /* a FIFO is refused, not waited on */
+    size_t n = (size_t)size;
     if (!(*buf = fsdp__alloc(ctx, n ? n : 1, FSDP_MEM_OTHER, path))) {
-        fclose(f);
+        close(fd);
         return FSDP_ERR_NOMEM;
     }
-    size_t got = fread(*buf, 1, n, f);
-    int bad = ferror(f);
-    fclose(f);
-    if (got != n || bad) {
+    size_t got = 0;
+    int err = 0;
+    while (got < n) {
+        ssize_t r = read(fd, *buf + got, n - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            err = r < 0 ? errno : 0;
+            break;
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    if (got != n) {
         fsdp__free(ctx, *buf);
         *buf = NULL;
-        return fsdp__err(ctx, FSDP_ERR_IO, "cannot read '%s': %s", path, bad ? strerror(errno) : "short read");
+        return fsdp__err(ctx, FSDP_ERR_IO, "cannot read '%s': %s", path, err ? strerror(err) : "short read");
     }
     *len = n;
     return FSDP_OK;

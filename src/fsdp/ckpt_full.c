@@ -23,9 +23,20 @@ enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *f
     if (st != FSDP_OK) return st;
     struct fsdp__st_writer *w = NULL;
     struct fsdp__st_desc *desc = NULL;
+    struct fsdp__buflist bl;
+    FSDP_TRY(fsdp__buffers_list(ctx, fm->root, 1, &bl)); /* after the parameters ([Note: buffers]) */
+    char *names = NULL;                                  /* fsdp.buffers: their FQNs, comma-separated */
     if (ctx->rank == 0) {
         int n = n_model_params(fm), t = 0;
-        desc = calloc((size_t)n + 1, sizeof *desc);
+        desc = calloc((size_t)(n + bl.n) + 1, sizeof *desc);
+        size_t len = 1;
+        for (int i = 0; i < bl.n; i++) len += strlen(bl.b[i]->fqn) + 1;
+        names = calloc(len, 1);
+        if (!names) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        for (int i = 0; i < bl.n && names; i++) {
+            if (i) strcat(names, ",");
+            strcat(names, bl.b[i]->fqn);
+        }
         if (!desc) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
         for (int i = 0; i < fm->n_units && desc; i++)
             for (int j = 0; j < fm->units[i].n_params; j++, t++) {
@@ -35,29 +46,47 @@ enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *f
                 desc[t].ndim = p->ndim;
                 memcpy(desc[t].shape, p->shape, sizeof p->shape);
             }
-        const char *kv[] = {"format", "pt", FSDP__LAYOUT_KEY, "out,in"};
-        if (st == FSDP_OK) st = fsdp__st_writer_open(ctx, path, n, desc, 2, kv, &w);
+        for (int i = 0; i < bl.n && desc; i++, t++) {
+            desc[t].name = bl.b[i]->fqn;
+            desc[t].dtype = bl.b[i]->dtype;
+            desc[t].ndim = bl.b[i]->ndim;
+            memcpy(desc[t].shape, bl.b[i]->shape, sizeof bl.b[i]->shape);
+        }
+        const char *kv[] = {"format", "pt", FSDP__LAYOUT_KEY, "out,in", FSDP__BUFFERS_KEY, names ? names : ""};
+        if (st == FSDP_OK) st = fsdp__st_writer_open(ctx, path, n + bl.n, desc, bl.n ? 3 : 2, kv, &w);
     }
-    /* every rank gathers each unit in turn; rank 0 writes while it is
+    /* every rank gathers each unit's fp32 shards in turn (the master weights,
+     * not a 16-bit unit's training gather); rank 0 writes while it is
      * gathered. A write failure on rank 0 does not stop the gathers (peers
      * would hang): it stops the writing, and the status is agreed at the end. */
     for (int i = 0; i < fm->n_units; i++) {
         struct fsdp__unit *u = &fm->units[i];
-        enum fsdp_status g = fsdp__unit_unshard(ctx, u);
+        float *full = fsdp__pool_get(fm, u->numel_padded, "full parameters (save)");
+        enum fsdp_status g = full ? FSDP_OK : FSDP_ERR_NOMEM;
+        if (!full) FSDP_ASSERT(0, "%s", ctx->errmsg); /* peers would wait in the gather */
+        if (!fm->shard_comm) memcpy(full, u->shard, (size_t)u->numel_shard * sizeof(float));
+        else g = fsdp_comm_allgather(fm->shard_comm, u->shard, full, (size_t)u->numel_shard, FSDP_F32);
         if (g != FSDP_OK) {
+            fsdp__pool_put(fm, full);
             fsdp__st_writer_abort(w);
             free(desc);
+            free(names);
+            fsdp__buffers_list_free(&bl);
             return g; /* a failed collective: the unit is in ERROR on every rank */
         }
         for (int j = 0; j < u->n_params && w && st == FSDP_OK; j++)
-            st = fsdp__st_writer_write(w, u->full + u->offsets[j], (size_t)u->params[j]->numel * sizeof(float));
-        FSDP_TRY(fsdp__unit_reshard(ctx, u));
+            st = fsdp__st_writer_write(w, full + u->offsets[j], (size_t)u->params[j]->numel * sizeof(float));
+        fsdp__pool_put(fm, full);
     }
+    for (int i = 0; i < bl.n && w && st == FSDP_OK; i++)
+        st = fsdp__st_writer_write(w, bl.b[i]->data, fsdp__buffer_bytes(bl.b[i]));
     if (w) {
         if (st == FSDP_OK) st = fsdp__st_writer_commit(w);
         else fsdp__st_writer_abort(w);
     }
     free(desc);
+    free(names);
+    fsdp__buffers_list_free(&bl);
     return fsdp__ckpt_agree(ctx, st);
 }
 
@@ -113,7 +142,7 @@ enum fsdp_status fsdp__full_is_hf(struct fsdp_ctx *ctx, const struct fsdp__st_fi
 }
 
 static enum fsdp_status map_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp__st_file *f,
-                                 struct src *map) {
+                                 struct src *map, const struct fsdp__buflist *bl, int *bmap) {
     int hf;
     FSDP_TRY(fsdp__full_is_hf(ctx, f, &hf));
     int ours = !hf;
@@ -148,10 +177,37 @@ static enum fsdp_status map_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
             }
             map[t] = (struct src){ti, tr};
         }
+    /* persistent buffers by FQN, whole, in their dtype ([Note: buffers] in buffers.c) */
+    for (int i = 0; i < bl->n && st == FSDP_OK; i++) {
+        const struct fsdp_buffer *b = bl->b[i];
+        int ti = fsdp__st_find(f, b->fqn);
+        const char *bare = !strncmp(b->fqn, "transformer.", 12) ? b->fqn + 12 : b->fqn;
+        if (ti < 0 && !ours) ti = fsdp__st_find(f, bare);
+        if (ti < 0) {
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: buffer '%s' is not in the file", f->path, b->fqn);
+            break;
+        }
+        const struct fsdp__st_tensor *x = &f->t[ti];
+        int same = x->ndim == b->ndim && x->dtype == b->dtype;
+        for (int d = 0; same && d < b->ndim; d++) same = x->shape[d] == b->shape[d];
+        if (!same) {
+            char a[96], c[96];
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s' is %s %s, buffer '%s' needs %s %s", f->path, x->name,
+                           fsdp__st_dtype_str(x->dtype), fsdp__shape_str(a, sizeof a, x->ndim, x->shape), b->fqn,
+                           fsdp_dtype_name(b->dtype), fsdp__shape_str(c, sizeof c, b->ndim, b->shape));
+        }
+        used[ti] = 1;
+        bmap[i] = ti;
+    }
+    /* a model's non-persistent buffers are derived values: a file may hold them, they are not read */
+    for (int i = 0; i < f->n && st == FSDP_OK; i++) {
+        const struct fsdp_buffer *b = fsdp_module_find_buffer(fm->root, f->t[i].name);
+        if (b && !b->persistent) used[i] = 1;
+    }
     for (int i = 0; i < f->n && st == FSDP_OK; i++)
         if (!used[i] && (ours || !fsdp__hf_ignorable(f->t[i].name)))
-            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s' matches no parameter of the model", f->path,
-                           f->t[i].name);
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s' matches no parameter or buffer of the model",
+                           f->path, f->t[i].name);
     free(used);
     return st;
 }
@@ -182,9 +238,13 @@ enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *f
     f.fd = -1;
     int reader = !rank0_only || ctx->rank == 0;
     struct src *map = calloc((size_t)n_model_params(fm) + 1, sizeof *map);
+    struct fsdp__buflist bl = {0};
     if (!map) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    if (st == FSDP_OK) st = fsdp__buffers_list(ctx, fm->root, 1, &bl);
+    int *bmap = calloc((size_t)bl.n + 1, sizeof *bmap);
+    if (!bmap && st == FSDP_OK) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     if (st == FSDP_OK && reader) st = fsdp__st_open(ctx, path, &f);
-    if (st == FSDP_OK && reader) st = map_full(ctx, fm, &f, map);
+    if (st == FSDP_OK && reader) st = map_full(ctx, fm, &f, map, &bl, bmap);
     st = fsdp__ckpt_agree(ctx, st);
     int t = 0;
     for (int i = 0; i < fm->n_units && st == FSDP_OK; i++) {
@@ -216,7 +276,22 @@ enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *f
         }
         t += u->n_params;
     }
+    /* buffers: every rank reads them whole, or rank 0 reads and broadcasts */
+    if (!rank0_only || ctx->world == 1) {
+        for (int i = 0; i < bl.n && st == FSDP_OK; i++)
+            st = fsdp__st_read(ctx, &f, bmap[i], 0, fsdp__buffer_bytes(bl.b[i]), bl.b[i]->data);
+    } else if (st == FSDP_OK) {
+        enum fsdp_status rd = FSDP_OK;
+        for (int i = 0; i < bl.n && rd == FSDP_OK && ctx->rank == 0; i++)
+            rd = fsdp__st_read(ctx, &f, bmap[i], 0, fsdp__buffer_bytes(bl.b[i]), bl.b[i]->data);
+        st = fsdp__ckpt_agree(ctx, rd);
+        for (int i = 0; i < bl.n && st == FSDP_OK; i++)
+            if (fsdp_comm_broadcast(ctx->comm, bl.b[i]->data, (size_t)bl.b[i]->numel, bl.b[i]->dtype, 0) != FSDP_OK)
+                st = FSDP_ERR_COMM;
+    }
     fsdp__st_close(&f);
     free(map);
+    free(bmap);
+    fsdp__buffers_list_free(&bl);
     return rank0_only && ctx->world > 1 ? st : fsdp__ckpt_agree(ctx, st);
 }

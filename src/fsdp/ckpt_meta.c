@@ -28,6 +28,8 @@ void fsdp__meta_free(struct fsdp__meta *mt) {
     }
     for (int i = 0; i < mt->n_files; i++) free(mt->files[i].name);
     for (int i = 0; i < mt->n_state; i++) free(mt->state[i]);
+    for (int i = 0; i < mt->n_buffers; i++) free(mt->buffers[i].fqn);
+    free(mt->buffers);
     free(mt->params);
     free(mt->files);
     free(mt->dir);
@@ -49,6 +51,65 @@ static int by_start(const void *a, const void *b) {
 }
 
 #define BAD(...) (st = fsdp__err(ctx, FSDP_ERR_FORMAT, __VA_ARGS__))
+
+/* "buffers" (optional: checkpoints of models without buffers may lack it):
+ * each whole in one file, F32 or I64, its byte range fitting the file and
+ * its element count ([Note: buffers] in src/fsdp/buffers.c). */
+static enum fsdp_status parse_buffers(struct fsdp_ctx *ctx, const char *mpath, const cJSON *root,
+                                      struct fsdp__meta *mt) {
+    enum fsdp_status st = FSDP_OK;
+    const cJSON *bs = cJSON_GetObjectItemCaseSensitive(root, "buffers");
+    if (!bs) return FSDP_OK;
+    if (!cJSON_IsArray(bs)) return BAD("%s: \"buffers\" is not a list", mpath);
+    mt->buffers = calloc((size_t)cJSON_GetArraySize(bs) + 1, sizeof *mt->buffers);
+    if (!mt->buffers) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    for (const cJSON *e = bs->child; e; e = e->next) {
+        struct fsdp__meta_buffer *b = &mt->buffers[mt->n_buffers];
+        const cJSON *fq = cJSON_GetObjectItemCaseSensitive(e, "fqn");
+        if (!cJSON_IsString(fq) || !fq->valuestring[0])
+            return BAD("%s: buffers[%d] has no \"fqn\"", mpath, mt->n_buffers);
+        if (!(b->fqn = fsdp__strdup(fq->valuestring))) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        mt->n_buffers++;
+        const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
+        if (cJSON_IsString(dt) && !strcmp(dt->valuestring, "F32")) b->dtype = FSDP_F32;
+        else if (cJSON_IsString(dt) && !strcmp(dt->valuestring, "I64")) b->dtype = FSDP_I64;
+        else return BAD("%s: buffer '%s': dtype is not F32 or I64", mpath, b->fqn);
+        const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
+        if (!cJSON_IsArray(sh) || cJSON_GetArraySize(sh) > FSDP_MAX_DIMS)
+            return BAD("%s: buffer '%s': bad shape", mpath, b->fqn);
+        b->numel = 1;
+        for (const cJSON *d = sh->child; d; d = d->next) {
+            double x = cJSON_IsNumber(d) ? d->valuedouble : -1;
+            if (!(x >= 0 && x <= (double)(INT64_C(1) << 40)) || x != (double)(int64_t)x ||
+                b->numel > (INT64_C(1) << 50) / ((int64_t)x + 1))
+                return BAD("%s: buffer '%s': bad shape", mpath, b->fqn);
+            b->shape[b->ndim++] = (int64_t)x;
+            b->numel *= (int64_t)x;
+        }
+        int64_t f;
+        const cJSON *by = cJSON_GetObjectItemCaseSensitive(e, "bytes");
+        if (!get_int(e, "file", 0, mt->n_files - 1, &f) || !cJSON_IsArray(by) || cJSON_GetArraySize(by) != 2 ||
+            !cJSON_IsNumber(by->child) || !cJSON_IsNumber(by->child->next) ||
+            !(by->child->valuedouble >= 8 && by->child->valuedouble <= 0x1p52) ||
+            !(by->child->next->valuedouble >= 0 && by->child->next->valuedouble <= 0x1p52))
+            return BAD("%s: buffer '%s': \"file\" or \"bytes\" is invalid", mpath, b->fqn);
+        b->file = (int)f;
+        b->b0 = (uint64_t)by->child->valuedouble;
+        b->b1 = (uint64_t)by->child->next->valuedouble;
+        if ((double)b->b0 != by->child->valuedouble || (double)b->b1 != by->child->next->valuedouble ||
+            b->b1 < b->b0 || b->b1 - b->b0 != (uint64_t)b->numel * fsdp_dtype_size(b->dtype) ||
+            b->b1 > mt->files[f].bytes)
+            return BAD("%s: buffer '%s': bytes [%llu, %llu) do not fit %lld %s elements in its file", mpath, b->fqn,
+                       (unsigned long long)b->b0, (unsigned long long)b->b1, (long long)b->numel,
+                       fsdp_dtype_name(b->dtype));
+        for (int i = 0; i < mt->n_buffers - 1; i++)
+            if (!strcmp(mt->buffers[i].fqn, b->fqn)) return BAD("%s: buffer '%s' is listed twice", mpath, b->fqn);
+        for (int i = 0; i < mt->n_params; i++)
+            if (!strcmp(mt->params[i].fqn, b->fqn))
+                return BAD("%s: '%s' is listed both as a parameter and as a buffer", mpath, b->fqn);
+    }
+    return st;
+}
 
 static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, const cJSON *root, struct fsdp__meta *mt) {
     enum fsdp_status st = FSDP_OK;
@@ -181,7 +242,7 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
         for (int j = i + 1; j < mt->n_params; j++)
             if (!strcmp(mt->params[i].fqn, mt->params[j].fqn))
                 return BAD("%s: parameter '%s' is listed twice", mpath, mt->params[i].fqn);
-    return st;
+    return parse_buffers(ctx, mpath, root, mt);
 }
 
 enum fsdp_status fsdp__meta_parse_text(struct fsdp_ctx *ctx, const char *name, char *text, int sealed,

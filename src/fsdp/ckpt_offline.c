@@ -45,6 +45,12 @@ static enum fsdp_status verify_dir(struct fsdp_ctx *ctx, struct fsdp__meta *mt, 
             }
         }
     }
+    for (int i = 0; i < mt->n_buffers && st == FSDP_OK; i++) {
+        void *tmp = malloc((size_t)(mt->buffers[i].b1 - mt->buffers[i].b0) + 1);
+        st = tmp ? fsdp__fcache_read_buffer(ctx, &c, &mt->buffers[i], tmp)
+                 : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for buffer '%s'", mt->buffers[i].fqn);
+        free(tmp);
+    }
     fsdp__fcache_close(&c);
     return st;
 }
@@ -74,6 +80,12 @@ enum fsdp_status fsdp_ckpt_describe(struct fsdp_ctx *ctx, const char *path, int 
                     p->n_ranges);
         }
         fprintf(out, "%d parameters, %lld elements\n", mt.n_params, (long long)total);
+        for (int i = 0; i < mt.n_buffers; i++) {
+            struct fsdp__meta_buffer *b = &mt.buffers[i];
+            fprintf(out, "  %-44s %-3s %-16s buffer (file %d)\n", b->fqn, fsdp_dtype_name(b->dtype),
+                    fsdp__shape_str(sh, sizeof sh, b->ndim, b->shape), b->file);
+        }
+        if (mt.n_buffers) fprintf(out, "%d buffers\n", mt.n_buffers);
         enum fsdp_status st = verify ? verify_dir(ctx, &mt, out) : FSDP_OK;
         if (st == FSDP_OK && verify && mt.m.has_config) {
             st = verify_model(ctx, &mt);
@@ -110,17 +122,30 @@ enum fsdp_status fsdp_ckpt_to_full(struct fsdp_ctx *ctx, const char *dir, const 
     FSDP_TRY(fsdp__meta_load(ctx, dir, &mt));
     struct fsdp__fcache c;
     enum fsdp_status st = fsdp__fcache_open(ctx, &mt, &c);
-    struct fsdp__st_desc *desc = calloc((size_t)mt.n_params + 1, sizeof *desc);
-    if (!desc && st == FSDP_OK) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    struct fsdp__st_desc *desc = calloc((size_t)(mt.n_params + mt.n_buffers) + 1, sizeof *desc);
+    size_t len = 1;
+    for (int i = 0; i < mt.n_buffers; i++) len += strlen(mt.buffers[i].fqn) + 1;
+    char *names = calloc(len, 1); /* FSDP__BUFFERS_KEY ([Note: buffers] in buffers.c) */
+    if ((!desc || !names) && st == FSDP_OK) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     for (int i = 0; desc && i < mt.n_params; i++) {
         desc[i].name = mt.params[i].fqn;
         desc[i].dtype = FSDP_F32;
         desc[i].ndim = mt.params[i].ndim;
         memcpy(desc[i].shape, mt.params[i].shape, sizeof desc[i].shape);
     }
-    const char *kv[] = {"format", "pt", FSDP__LAYOUT_KEY, "out,in"};
+    for (int i = 0; desc && names && i < mt.n_buffers; i++) {
+        struct fsdp__st_desc *d = &desc[mt.n_params + i];
+        d->name = mt.buffers[i].fqn;
+        d->dtype = mt.buffers[i].dtype;
+        d->ndim = mt.buffers[i].ndim;
+        memcpy(d->shape, mt.buffers[i].shape, sizeof d->shape);
+        if (i) strcat(names, ",");
+        strcat(names, mt.buffers[i].fqn);
+    }
+    const char *kv[] = {"format", "pt", FSDP__LAYOUT_KEY, "out,in", FSDP__BUFFERS_KEY, names ? names : ""};
     struct fsdp__st_writer *w = NULL;
-    if (st == FSDP_OK) st = fsdp__st_writer_open(ctx, path, mt.n_params, desc, 2, kv, &w);
+    if (st == FSDP_OK)
+        st = fsdp__st_writer_open(ctx, path, mt.n_params + mt.n_buffers, desc, mt.n_buffers ? 3 : 2, kv, &w);
     for (int i = 0; i < mt.n_params && st == FSDP_OK; i++) {
         struct fsdp__meta_param *p = &mt.params[i];
         float *buf = malloc((size_t)p->numel * sizeof(float) + 1);
@@ -129,12 +154,21 @@ enum fsdp_status fsdp_ckpt_to_full(struct fsdp_ctx *ctx, const char *dir, const 
         if (st == FSDP_OK) st = fsdp__st_writer_write(w, buf, (size_t)p->numel * sizeof(float));
         free(buf);
     }
+    for (int i = 0; i < mt.n_buffers && st == FSDP_OK; i++) {
+        size_t bytes = (size_t)(mt.buffers[i].b1 - mt.buffers[i].b0);
+        void *buf = malloc(bytes + 1);
+        st = buf ? fsdp__fcache_read_buffer(ctx, &c, &mt.buffers[i], buf)
+                 : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for buffer '%s'", mt.buffers[i].fqn);
+        if (st == FSDP_OK) st = fsdp__st_writer_write(w, buf, bytes);
+        free(buf);
+    }
     if (w) {
         if (st == FSDP_OK) st = fsdp__st_writer_commit(w);
         else fsdp__st_writer_abort(w);
     }
     fsdp__fcache_close(&c);
     free(desc);
+    free(names);
     fsdp__meta_free(&mt);
     return st;
 }
@@ -147,7 +181,32 @@ struct out_tensor {
     int ndim;
     int64_t shape[FSDP_MAX_DIMS];
     int transpose;
+    int buffer;             /* a buffer: whole in file 0, in its dtype ([Note: buffers] in buffers.c) */
+    enum fsdp_dtype dtype;
 };
+
+static int ends_with(const char *s, const char *suf) {
+    size_t a = strlen(s), b = strlen(suf);
+    return a >= b && !strcmp(s + a - b, suf);
+}
+
+/* Whether tensor `name` of f is a buffer: listed in our FSDP__BUFFERS_KEY,
+ * or, in a file without that key (exported from PyTorch), an I64 tensor or
+ * batch norm's running statistics. */
+static int is_buffer(const struct fsdp__st_file *f, const struct fsdp__st_tensor *t) {
+    const char *list = fsdp__st_meta(f, FSDP__BUFFERS_KEY);
+    if (!list)
+        return t->dtype == FSDP_I64 || ends_with(t->name, ".running_mean") || ends_with(t->name, ".running_var") ||
+               ends_with(t->name, ".num_batches_tracked");
+    size_t n = strlen(t->name);
+    for (const char *p = list; *p;) {
+        const char *e = strchr(p, ',');
+        size_t k = e ? (size_t)(e - p) : strlen(p);
+        if (k == n && !strncmp(p, t->name, n)) return 1;
+        p += k + (e != NULL);
+    }
+    return 0;
+}
 
 /* Maps the input's tensors to ours: HF names get "transformer.", HF buffers
  * and the tied lm_head are left out, Conv1D weights are transposed. */
@@ -158,17 +217,21 @@ static enum fsdp_status map_input(struct fsdp_ctx *ctx, const struct fsdp__st_fi
     for (int i = 0; i < f->n; i++) {
         const struct fsdp__st_tensor *t = &f->t[i];
         if (hf && fsdp__hf_ignorable(t->name)) continue;
-        if (t->dtype != FSDP_F32)
-            return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED, "%s: tensor '%s' is %s; only F32 is converted", f->path,
-                             t->name, fsdp__st_dtype_str(t->dtype));
+        int buffer = is_buffer(f, t);
+        if (buffer ? t->dtype != FSDP_F32 && t->dtype != FSDP_I64 : t->dtype != FSDP_F32)
+            return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED, "%s: %s '%s' is %s; only %s is converted", f->path,
+                             buffer ? "buffer" : "tensor", t->name, fsdp__st_dtype_str(t->dtype),
+                             buffer ? "F32 or I64" : "F32");
         struct out_tensor *o = &out[(*n)++];
+        o->buffer = buffer;
+        o->dtype = t->dtype;
         int bare = hf && strncmp(t->name, "transformer.", 12);
         size_t len = strlen(t->name) + 13;
         if (!(o->fqn = malloc(len))) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
         snprintf(o->fqn, len, "%s%s", bare ? "transformer." : "", t->name);
         o->ti = i;
         o->ndim = t->ndim;
-        o->transpose = hf && t->ndim == 2 && fsdp__is_conv1d(o->fqn);
+        o->transpose = hf && !buffer && t->ndim == 2 && fsdp__is_conv1d(o->fqn);
         for (int d = 0; d < t->ndim; d++) o->shape[d] = t->shape[o->transpose ? 1 - d : d];
         for (int k = 0; k < *n - 1; k++)
             if (!strcmp(out[k].fqn, o->fqn))
@@ -311,7 +374,9 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
     }
     cJSON *fl = cJSON_AddArrayToObject(root, "files");
     cJSON *params = cJSON_AddArrayToObject(root, "params");
+    cJSON *bufs = cJSON_AddArrayToObject(root, "buffers");
     for (int i = 0; i < nt; i++) {
+        if (ot[i].buffer) continue;
         cJSON *po = cJSON_CreateObject();
         cJSON_AddItemToArray(params, po);
         cJSON_AddStringToObject(po, "fqn", ot[i].fqn);
@@ -326,7 +391,12 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
         int n = 0;
         for (int i = 0; i < nt; i++) {
             int64_t numel = f.t[ot[i].ti].numel, s = numel * r / n_files, e = numel * (r + 1) / n_files;
-            if (s < e) desc[n++] = (struct fsdp__st_desc){ot[i].fqn, FSDP_F32, 1, {e - s, 0, 0, 0}};
+            if (ot[i].buffer && r == 0) {
+                desc[n] = (struct fsdp__st_desc){ot[i].fqn, ot[i].dtype, ot[i].ndim, {0}};
+                memcpy(desc[n++].shape, ot[i].shape, sizeof ot[i].shape);
+            } else if (!ot[i].buffer && s < e) {
+                desc[n++] = (struct fsdp__st_desc){ot[i].fqn, FSDP_F32, 1, {e - s, 0, 0, 0}};
+            }
         }
         char name[64];
         fsdp__ckpt_rank_file_name(name, sizeof name, r, n_files);
@@ -336,6 +406,15 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
         st = fpath ? fsdp__st_writer_open(ctx, fpath, n, desc, 1, kv, &w) : fsdp__err(ctx, FSDP_ERR_NOMEM, "oom");
         for (int i = 0; i < nt && st == FSDP_OK; i++) {
             int64_t numel = f.t[ot[i].ti].numel, s = numel * r / n_files, e = numel * (r + 1) / n_files;
+            if (ot[i].buffer) { /* whole, in file 0 */
+                if (r) continue;
+                size_t bytes = (size_t)(f.t[ot[i].ti].end - f.t[ot[i].ti].begin);
+                void *bb = malloc(bytes + 1);
+                st = bb ? fsdp__st_read(ctx, &f, ot[i].ti, 0, bytes, bb) : fsdp__err(ctx, FSDP_ERR_NOMEM, "oom");
+                if (st == FSDP_OK) st = fsdp__st_writer_write(w, bb, bytes);
+                free(bb);
+                continue;
+            }
             if (s >= e) continue;
             float *nb = realloc(buf, (size_t)(e - s) * sizeof(float));
             if (!nb) {
@@ -358,12 +437,29 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
             cJSON_AddStringToObject(fo, "name", name);
             cJSON_AddNumberToObject(fo, "bytes", (double)g.file_size);
             cJSON *po = params->child;
-            for (int i = 0; i < nt; i++, po = po->next) {
+            for (int i = 0; i < nt; i++) {
+                int ti = fsdp__st_find(&g, ot[i].fqn);
+                if (!ot[i].buffer || r || ti < 0) continue;
+                cJSON *bo = cJSON_CreateObject();
+                cJSON_AddItemToArray(bufs, bo);
+                cJSON_AddStringToObject(bo, "fqn", ot[i].fqn);
+                cJSON *sh = cJSON_AddArrayToObject(bo, "shape");
+                for (int d = 0; d < ot[i].ndim; d++) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)ot[i].shape[d]));
+                cJSON_AddStringToObject(bo, "dtype", fsdp_dtype_name(ot[i].dtype));
+                cJSON_AddNumberToObject(bo, "file", 0);
+                cJSON *b = cJSON_AddArrayToObject(bo, "bytes");
+                cJSON_AddItemToArray(b, cJSON_CreateNumber((double)(g.data_start + g.t[ti].begin)));
+                cJSON_AddItemToArray(b, cJSON_CreateNumber((double)(g.data_start + g.t[ti].end)));
+            }
+            for (int i = 0; i < nt; i++) {
+                if (ot[i].buffer) continue;
+                cJSON *pcur = po; /* params lists the non-buffers in order */
+                po = po->next;
                 int64_t numel = f.t[ot[i].ti].numel, s = numel * r / n_files, e = numel * (r + 1) / n_files;
                 int ti = fsdp__st_find(&g, ot[i].fqn);
                 if (s >= e || ti < 0) continue;
                 cJSON *ro = cJSON_CreateObject();
-                cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(po, "ranges"), ro);
+                cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(pcur, "ranges"), ro);
                 cJSON_AddNumberToObject(ro, "file", r);
                 cJSON_AddNumberToObject(ro, "start", (double)s);
                 cJSON_AddNumberToObject(ro, "end", (double)e);

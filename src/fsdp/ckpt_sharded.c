@@ -16,6 +16,7 @@
 /* ---- Sharded save ---- */
 
 struct piece { /* one tensor of a rank file */
+    struct fsdp_buffer *b; /* a buffer, whole (file 0 only; u NULL), or NULL */
     struct fsdp__unit *u;
     int j;          /* param index in u */
     int state;      /* -1: parameter values, else state array index */
@@ -25,9 +26,9 @@ struct piece { /* one tensor of a rank file */
 /* Lists the tensors rank r writes, in file order ([Note: sharded layout]).
  * names: malloc'd strings, caller frees. */
 static enum fsdp_status plan_rank(struct fsdp_ctx *ctx, struct fsdp_model *fm, int r, int k,
-                                  const char *const *snames, struct piece **pieces,
-                                  struct fsdp__st_desc **desc, int *n) {
-    int cap = 0;
+                                  const char *const *snames, const struct fsdp__buflist *bl,
+                                  struct piece **pieces, struct fsdp__st_desc **desc, int *n) {
+    int cap = bl->n;
     for (int i = 0; i < fm->n_units; i++) cap += fm->units[i].n_params * (1 + k);
     *pieces = calloc((size_t)cap + 1, sizeof **pieces);
     *desc = calloc((size_t)cap + 1, sizeof **desc);
@@ -45,11 +46,21 @@ static enum fsdp_status plan_rank(struct fsdp_ctx *ctx, struct fsdp_model *fm, i
                 if (!name) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning a checkpoint");
                 if (state >= 0) snprintf(name, len, "%s#%s", fqn, snames[state]);
                 else snprintf(name, len, "%s", fqn);
-                (*pieces)[*n] = (struct piece){u, j, state, s, e};
+                (*pieces)[*n] = (struct piece){NULL, u, j, state, s, e};
                 (*desc)[*n] = (struct fsdp__st_desc){name, FSDP_F32, 1, {e - s, 0, 0, 0}};
                 (*n)++;
             }
         }
+    /* file 0 ends with the persistent buffers, whole ([Note: buffers] in buffers.c) */
+    for (int i = 0; r == 0 && i < bl->n; i++) {
+        struct fsdp_buffer *b = bl->b[i];
+        char *name = fsdp__strdup(b->fqn);
+        if (!name) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning a checkpoint");
+        (*pieces)[*n] = (struct piece){b, NULL, 0, -1, 0, b->numel};
+        (*desc)[*n] = (struct fsdp__st_desc){name, b->dtype, b->ndim, {0}};
+        memcpy((*desc)[*n].shape, b->shape, sizeof b->shape);
+        (*n)++;
+    }
     return FSDP_OK;
 }
 
@@ -65,8 +76,10 @@ static enum fsdp_status save_rank_file(struct fsdp_ctx *ctx, struct fsdp_model *
     struct piece *pieces = NULL;
     struct fsdp__st_desc *desc = NULL;
     int n = 0;
+    struct fsdp__buflist bl;
+    FSDP_TRY(fsdp__buffers_list(ctx, fm->root, 1, &bl));
     /* the file of this rank's shard ([Note: sharding strategies]: replica 0's) */
-    enum fsdp_status st = plan_rank(ctx, fm, fm->shard_rank, k, snames, &pieces, &desc, &n);
+    enum fsdp_status st = plan_rank(ctx, fm, fm->shard_rank, k, snames, &bl, &pieces, &desc, &n);
     char name[64], rankstr[16], worldstr[16];
     fsdp__ckpt_rank_file_name(name, sizeof name, fm->shard_rank, fm->shard_size);
     snprintf(rankstr, sizeof rankstr, "%d", fm->shard_rank);
@@ -78,6 +91,10 @@ static enum fsdp_status save_rank_file(struct fsdp_ctx *ctx, struct fsdp_model *
     if (st == FSDP_OK) st = fsdp__st_writer_open(ctx, path, n, desc, 3, kv, &w);
     for (int i = 0; i < n && st == FSDP_OK; i++) {
         struct piece *p = &pieces[i];
+        if (p->b) {
+            st = fsdp__st_writer_write(w, p->b->data, fsdp__buffer_bytes(p->b));
+            continue;
+        }
         int64_t lo = (int64_t)fm->shard_rank * p->u->numel_shard;
         const float *src = p->state < 0 ? p->u->shard : p->u->state + (int64_t)p->state * p->u->numel_shard;
         st = fsdp__st_writer_write(w, src + (p->s - lo), (size_t)(p->e - p->s) * sizeof(float));
@@ -86,6 +103,7 @@ static enum fsdp_status save_rank_file(struct fsdp_ctx *ctx, struct fsdp_model *
     else fsdp__st_writer_abort(w);
     free(path);
     free_plan(pieces, desc, n);
+    fsdp__buffers_list_free(&bl);
     return st;
 }
 
@@ -180,6 +198,28 @@ static enum fsdp_status write_meta(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
             }
         }
     }
+    struct fsdp__buflist bl = {0};
+    if (st == FSDP_OK) st = fsdp__buffers_list(ctx, fm->root, 1, &bl);
+    cJSON *bufs = cJSON_AddArrayToObject(root, "buffers");
+    for (int i = 0; i < bl.n && st == FSDP_OK; i++) {
+        struct fsdp_buffer *b = bl.b[i];
+        int ti = fsdp__st_find(&files[0], b->fqn);
+        if (ti < 0) {
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: rank 0's file lacks buffer '%s'", tmpdir, b->fqn);
+            break;
+        }
+        cJSON *bo = cJSON_CreateObject();
+        cJSON_AddItemToArray(bufs, bo);
+        cJSON_AddStringToObject(bo, "fqn", b->fqn);
+        cJSON *sh = cJSON_AddArrayToObject(bo, "shape");
+        for (int d = 0; d < b->ndim; d++) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)b->shape[d]));
+        cJSON_AddStringToObject(bo, "dtype", fsdp_dtype_name(b->dtype));
+        cJSON_AddNumberToObject(bo, "file", 0);
+        cJSON *by = cJSON_AddArrayToObject(bo, "bytes");
+        cJSON_AddItemToArray(by, cJSON_CreateNumber((double)(files[0].data_start + files[0].t[ti].begin)));
+        cJSON_AddItemToArray(by, cJSON_CreateNumber((double)(files[0].data_start + files[0].t[ti].end)));
+    }
+    fsdp__buffers_list_free(&bl);
     for (int r = 0; r < world; r++) fsdp__st_close(&files[r]);
     free(files);
     char *text = st == FSDP_OK ? cJSON_Print(root) : NULL;
@@ -271,6 +311,60 @@ enum fsdp_status fsdp__fcache_read(struct fsdp_ctx *ctx, struct fsdp__fcache *c,
     return FSDP_OK;
 }
 
+enum fsdp_status fsdp__fcache_read_buffer(struct fsdp_ctx *ctx, struct fsdp__fcache *c,
+                                          const struct fsdp__meta_buffer *b, void *dst) {
+    struct fsdp__st_file *f;
+    FSDP_TRY(fsdp__fcache_get(ctx, c, b->file, &f));
+    int ti = fsdp__st_find(f, b->fqn);
+    if (ti < 0)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: buffer '%s' is missing (meta.json lists it)", f->path, b->fqn);
+    const struct fsdp__st_tensor *t = &f->t[ti];
+    if (t->dtype != b->dtype || t->numel != b->numel || f->data_start + t->begin != b->b0)
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: buffer '%s' is %lld %s elements at byte %llu, meta.json says "
+                         "%lld %s at %llu", f->path, b->fqn, (long long)t->numel, fsdp__st_dtype_str(t->dtype),
+                         (unsigned long long)(f->data_start + t->begin), (long long)b->numel,
+                         fsdp_dtype_name(b->dtype), (unsigned long long)b->b0);
+    return fsdp__st_read(ctx, f, ti, 0, b->b1 - b->b0, dst);
+}
+
+/* Every persistent buffer of the model is in the checkpoint with its dtype
+ * and shape, nothing else is, and each is read whole on this rank (from
+ * file 0 whatever the world size: [Note: buffers] in buffers.c). */
+static enum fsdp_status load_buffers(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp__meta *mt,
+                                     struct fsdp__fcache *c) {
+    struct fsdp__buflist bl;
+    FSDP_TRY(fsdp__buffers_list(ctx, fm->root, 1, &bl));
+    enum fsdp_status st = FSDP_OK;
+    for (int i = 0; i < bl.n && st == FSDP_OK; i++) {
+        struct fsdp_buffer *b = bl.b[i];
+        const struct fsdp__meta_buffer *q = NULL;
+        for (int k = 0; k < mt->n_buffers && !q; k++)
+            if (!strcmp(mt->buffers[k].fqn, b->fqn)) q = &mt->buffers[k];
+        int same = q && q->dtype == b->dtype && q->ndim == b->ndim;
+        for (int d = 0; same && d < b->ndim; d++) same = q->shape[d] == b->shape[d];
+        char x[96], y[96];
+        if (!q)
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: buffer '%s' of the model is not in the checkpoint", mt->dir,
+                           b->fqn);
+        else if (!same)
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: buffer '%s': checkpoint %s %s, model %s %s", mt->dir, b->fqn,
+                           fsdp_dtype_name(q->dtype), fsdp__shape_str(x, sizeof x, q->ndim, q->shape),
+                           fsdp_dtype_name(b->dtype), fsdp__shape_str(y, sizeof y, b->ndim, b->shape));
+        else
+            st = fsdp__fcache_read_buffer(ctx, c, q, b->data);
+    }
+    for (int k = 0; k < mt->n_buffers && st == FSDP_OK; k++) {
+        int found = 0;
+        for (int i = 0; i < bl.n && !found; i++) found = !strcmp(mt->buffers[k].fqn, bl.b[i]->fqn);
+        if (!found)
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT,
+                           "%s: the checkpoint has buffer '%s', which the model lacks (or does not persist)", mt->dir,
+                           mt->buffers[k].fqn);
+    }
+    fsdp__buffers_list_free(&bl);
+    return st;
+}
+
 /* Every model parameter is in the checkpoint with its shape, and nothing else is. */
 static enum fsdp_status match_model(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp__meta *mt,
                                     const struct fsdp__meta_param **map) {
@@ -346,6 +440,7 @@ static enum fsdp_status load_local(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
             }
         }
     }
+    if (st == FSDP_OK) st = load_buffers(ctx, fm, mt, &c);
     if (st == FSDP_OK && fm->optim) fsdp__optim_set_step_count(fm->optim, load_state ? mt->m.optim_step : 0);
     for (int i = 0; c.f && i < mt->n_files; i++) fsdp__st_close(&c.f[i]);
     free(c.f);

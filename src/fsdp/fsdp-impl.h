@@ -138,6 +138,8 @@ struct fsdp_model {
     int64_t rep_deferred;         /* replica all-reduces a post-backward left in flight (tests) */
     struct fsdp__scaler scaler;   /* dynamic loss scaling (mixed.c) */
     struct fsdp__step step;       /* the split step (step.c) */
+    int n_post_step, cap_post_step;
+    struct fsdp__post_step_hook *post_step; /* (n_post_step) hooks.c, in registration order */
 };
 
 /* ---- Layout only (shard.c), for the memory planner (plan.c) ---- */
@@ -279,6 +281,33 @@ void fsdp__model_bwd_order(const struct fsdp_model *fm, int *order);
  * backward); what tests observe of the pipeline. */
 int64_t fsdp__model_rep_deferred(const struct fsdp_model *fm);
 
+/* ---- Buffers (buffers.c, [Note: buffers]) ---- */
+/* The buffers below a module, in definition order (all, or the persistent
+ * ones); b is malloc'd, the buffers borrowed. */
+struct fsdp__buflist {
+    int n, cap, persistent_only;
+    struct fsdp_buffer **b;
+};
+enum fsdp_status fsdp__buffers_list(struct fsdp_ctx *ctx, struct fsdp_module *root, int persistent_only,
+                                    struct fsdp__buflist *out);
+void fsdp__buffers_list_free(struct fsdp__buflist *l);
+size_t fsdp__buffer_bytes(const struct fsdp_buffer *b);
+/* Every rank has the same buffers (names, dtypes, shapes, persistence);
+ * else FSDP_ERR_INVALID naming the first that differs, on every rank.
+ * COLLECTIVE: yes. */
+enum fsdp_status fsdp__buffers_check(struct fsdp_ctx *ctx, struct fsdp_module *root);
+/* Rank 0's values of every buffer below root reach every rank (each tagged
+ * "buffer FQN"). COLLECTIVE: yes. */
+enum fsdp_status fsdp__buffers_broadcast(struct fsdp_ctx *ctx, struct fsdp_module *root);
+
+/* ---- Post-step hooks (hooks.c) ---- */
+/* Runs every registered hook in order, each with its collectives tagged
+ * "post-step hook FQN"; the first failure is returned naming the hook (a
+ * summon the hook left open is ended first). The training step calls it
+ * right after an applied optimizer update. COLLECTIVE: as the hooks. */
+enum fsdp_status fsdp__run_post_step_hooks(struct fsdp_ctx *ctx, struct fsdp_model *fm);
+void fsdp__post_step_hooks_free(struct fsdp_model *fm);
+
 /* ---- Pool ---- */
 float *fsdp__pool_get(struct fsdp_model *fm, int64_t numel, const char *what);
 void fsdp__pool_put(struct fsdp_model *fm, float *mem);
@@ -293,6 +322,7 @@ void fsdp__pool_put(struct fsdp_model *fm, float *mem);
 #define FSDP__META_NAME "meta.json"
 #define FSDP__META_FORMAT "fsdp.c sharded checkpoint"
 #define FSDP__LAYOUT_KEY "fsdp.linear_layout" /* "out,in" in our files; absent in HF files */
+#define FSDP__BUFFERS_KEY "fsdp.buffers" /* full files: the buffers' FQNs, comma-separated */
 
 struct fsdp__st_file;
 
@@ -310,6 +340,15 @@ struct fsdp__meta_param {
     int n_ranges;
     struct fsdp__meta_range *ranges; /* sorted by start */
 };
+/* A buffer of the checkpoint ([Note: buffers] in buffers.c): whole, in one file. */
+struct fsdp__meta_buffer {
+    char *fqn;
+    enum fsdp_dtype dtype;  /* F32 or I64 */
+    int ndim;
+    int64_t shape[FSDP_MAX_DIMS], numel;
+    int file;
+    uint64_t b0, b1;        /* byte range in the file */
+};
 struct fsdp__meta_file {
     char *name;
     uint64_t bytes;
@@ -323,6 +362,8 @@ struct fsdp__meta {
     struct fsdp__meta_file *files;
     int n_params;
     struct fsdp__meta_param *params;
+    int n_buffers;
+    struct fsdp__meta_buffer *buffers;
 };
 
 /* Parses meta.json's text (NUL-terminated; name is for messages) into *mt,
@@ -373,6 +414,10 @@ struct fsdp__fcache {
 enum fsdp_status fsdp__fcache_open(struct fsdp_ctx *ctx, struct fsdp__meta *mt, struct fsdp__fcache *c);
 void fsdp__fcache_close(struct fsdp__fcache *c);
 enum fsdp_status fsdp__fcache_get(struct fsdp_ctx *ctx, struct fsdp__fcache *c, int i, struct fsdp__st_file **out);
+/* Buffer b of the checkpoint, whole, into dst (numel elements of its dtype),
+ * checked against meta.json. */
+enum fsdp_status fsdp__fcache_read_buffer(struct fsdp_ctx *ctx, struct fsdp__fcache *c,
+                                          const struct fsdp__meta_buffer *b, void *dst);
 /* Elements [s, e) of stored tensor `tname` (parameter p's pieces) into dst. */
 enum fsdp_status fsdp__fcache_read(struct fsdp_ctx *ctx, struct fsdp__fcache *c, const struct fsdp__meta_param *p,
                                    const char *tname, int64_t s, int64_t e, float *dst);

@@ -419,6 +419,7 @@ enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module
     FSDP_TRY(validate(ctx, &c, precision, ac));
     if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
     FSDP_TRY(check_models(ctx, root, c.sync_module_states));
+    FSDP_TRY(fsdp__buffers_check(ctx, root));
     /* 2. activation checkpointing (the default selection needs the units: below) */
     if (ac && ac->fn) mark_ac(root, ac);
     /* 3. shard; materialized values are set aside for step 4 */
@@ -474,6 +475,8 @@ enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module
         st = init_unit(ctx, &fm->units[i], &c, param_init, &sv, full);
     fsdp__free(ctx, full);
     saved_free(&sv);
+    /* buffers are replicated: rank 0's reach every rank ([Note: buffers] in buffers.c) */
+    if (st == FSDP_OK && c.sync_module_states) st = fsdp__buffers_broadcast(ctx, root);
     /* 5. the optimizer */
     if (st == FSDP_OK && opt) {
         if (fsdp_optim_step_count(opt) > 0) {

@@ -342,6 +342,7 @@ void fsdp_model_free(struct fsdp_model *fm) {
     free(fm->pool);
     free(fm->units);
     free(fm->bwd_order);
+    fsdp__post_step_hooks_free(fm);
     fsdp__sharding_free(fm);
     free(fm);
 }

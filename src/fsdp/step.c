@@ -589,6 +589,8 @@ enum fsdp_status fsdp_model_optim_step(struct fsdp_ctx *ctx, struct fsdp_model *
                              isfinite(loss) ? "gradient" : "loss", loss, gnorm, where);
         }
         FSDP_TRY(optim_step_all(fm, lr, fsdp_clip_scale(gnorm, clip) * unscale, &psq)); /* psq fused */
+        FSDP_TRY(fsdp__run_post_step_hooks(ctx, fm));
+        if (fm->n_post_step) psq = param_sumsq_local(fm); /* a hook may have written the shards */
     }
     st = group_total(ctx, fm, psq, &res->param_norm);
     res->param_norm = sqrt(res->param_norm);

@@ -10,6 +10,7 @@
  * unit's post-backward.
  */
 #include "fsdp/fsdp-impl.h"
+#include "optim/optim-impl.h"
 
 #include <string.h>
 
@@ -436,8 +437,25 @@ static enum fsdp_status reduce_advance(struct fsdp_ctx *ctx, struct fsdp_model *
     return FSDP_OK;
 }
 
+/* [Note: frozen groups] A parameter group frozen with fsdp_optim_group_set
+ * behaves as torch parameters whose gradient is None: backward still runs
+ * through its layers (inputs' gradients flow on), but the reduced gradient
+ * of its parameters is zeroed here, where every reduction has landed, so it
+ * counts in no global norm and no clipping factor; the optimizer then leaves
+ * its parameters and state untouched (src/optim/optim.c). */
+static void zero_frozen_grads(struct fsdp_model *fm) {
+    if (!fm->optim) return;
+    for (int i = 0; i < fm->n_units; i++)
+        for (int k = 0; k < fm->units[i].n_slices; k++) {
+            const struct fsdp_optim_slice *sl = &fm->units[i].slices[k];
+            if (sl->decay > 1 && fsdp__optim_group_frozen(fm->optim, sl->decay - 1)) fsdp__zero(sl->grad, sl->n);
+        }
+}
+
 enum fsdp_status fsdp__model_finish_reduce(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
-    return reduce_advance(ctx, fm, 0);
+    FSDP_TRY(reduce_advance(ctx, fm, 0));
+    zero_frozen_grads(fm);
+    return FSDP_OK;
 }
 
 int64_t fsdp__model_rep_deferred(const struct fsdp_model *fm) { return fm->rep_deferred; }

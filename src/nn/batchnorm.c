@@ -1,6 +1,7 @@
 /*
  * batchnorm.c - BatchNorm2d and SyncBatchNorm over NCHW fp32, per channel,
- * as PyTorch (eps 1e-5, momentum 0.1 by default):
+ * as PyTorch (eps 1e-5, momentum 0.1 by default); an (N, C) input is
+ * BatchNorm1d's case (H = W = 1, as a projection head's):
  *   train: y = (x - mean_B) / sqrt(var_B + eps) * weight + bias, with the
  *          batch's mean and biased variance over (N, H, W); then
  *          running_mean = (1 - mom) running_mean + mom mean_B,
@@ -26,7 +27,7 @@ struct bn {
     struct fsdp_batchnorm_opts o;
     struct fsdp_param *weight, *bias;                /* (C) each */
     struct fsdp_buffer *rmean, *rvar, *nbt;          /* (C), (C) F32; () I64 */
-    const float *x;                                  /* (N, C, H, W) saved input (arena or the caller's) */
+    const float *x;                                  /* (N, C, H, W) or (N, C) saved input (arena or the caller's) */
     float *mean, *rstd;                              /* (C) each, in the arena */
     int64_t n, hw;                                   /* of the saved input */
     double count;                                    /* values per channel over the (global) batch */
@@ -69,8 +70,11 @@ static struct fsdp_comm *bn_comm(struct fsdp_ctx *ctx, const struct bn *B) {
 static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
                                    struct fsdp_tensor *out) {
     struct bn *B = m->impl;
-    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 4, 0));
-    int64_t N = in->shape[0], C = B->o.num_features, HW = in->shape[2] * in->shape[3];
+    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 0, 0));
+    if (in->ndim != 2 && in->ndim != 4) /* (N, C): BatchNorm1d's case, H = W = 1 */
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': input has %d dimensions, expected 4 (N, C, H, W) "
+                         "or 2 (N, C)", fsdp__mname(m), in->ndim);
+    int64_t N = in->shape[0], C = B->o.num_features, HW = in->ndim == 4 ? in->shape[2] * in->shape[3] : 1;
     if (in->shape[1] != C)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': input has %lld channels, expected %lld",
                          fsdp__mname(m), (long long)in->shape[1], (long long)C);
@@ -83,7 +87,7 @@ static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
     float *mean = fsdp__scratch(ctx, 2 * C, "BatchNorm2d statistics");
     if (!mean) return FSDP_ERR_NOMEM;
     float *rstd = mean + C;
-    FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, 4, in->shape, "BatchNorm2d output"));
+    FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim, in->shape, "BatchNorm2d output"));
     const float *x = in->data, *w = fsdp__pdata(B->weight), *b = fsdp__pdata(B->bias);
     float *rm = B->rmean->data, *rv = B->rvar->data;
     double count = (double)N * (double)HW;
@@ -137,8 +141,8 @@ static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
         if (count < 2) {
             fsdp_arena_release(ctx, mark);
             return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': training needs more than 1 value per channel "
-                             "(input (%lld, %lld, %lld, %lld))", fsdp__mname(m), (long long)N, (long long)C,
-                             (long long)in->shape[2], (long long)in->shape[3]);
+                             "(input (%lld, %lld) x %lld values per plane)", fsdp__mname(m), (long long)N,
+                             (long long)C, (long long)HW);
         }
         float mom = B->o.momentum;
         for (int64_t c = 0; c < C; c++) {
@@ -183,9 +187,10 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                     struct fsdp_tensor *din) {
     struct bn *B = m->impl;
     if (!B->mean) return fsdp__err(ctx, FSDP_ERR_STATE, "BatchNorm2d '%s': backward without forward", fsdp__mname(m));
-    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 4, 0));
+    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 0, 0));
     int64_t N = B->n, C = B->o.num_features, HW = B->hw;
-    if (dout->shape[0] != N || dout->shape[1] != C || dout->shape[2] * dout->shape[3] != HW)
+    if ((dout->ndim != 2 && dout->ndim != 4) || dout->shape[0] != N || dout->shape[1] != C ||
+        (dout->ndim == 4 ? dout->shape[2] * dout->shape[3] : 1) != HW)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': gradient shape differs from the forward's",
                          fsdp__mname(m));
     FSDP_TRY(fsdp__param_ready(ctx, B->weight, 1));
@@ -193,7 +198,7 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     int sync = B->train && B->o.sync;
     int world = sync ? fsdp_comm_size(bn_comm(ctx, B)) : 1;
     /* before the scratch, which is released below; din may alias dout */
-    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 4, dout->shape, "BatchNorm2d input gradient"));
+    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, dout->shape, "BatchNorm2d input gradient"));
     size_t mark = fsdp_arena_mark(ctx);
     double *sums = (double *)fsdp__scratch(ctx, 2 * 2 * C * (world + 1), "BatchNorm2d gradient sums");
     if (!sums) return FSDP_ERR_NOMEM;

@@ -21,6 +21,10 @@ const struct fsdp_optim_opts *fsdp__optim_opts(const struct fsdp_optim *opt);
 int fsdp__optim_group_of(const struct fsdp_optim *opt, const char *fqn);
 /* Name i of group `group` (borrowed), NULL past the end. */
 const char *fsdp__optim_group_name(const struct fsdp_optim *opt, int group, int i);
+/* Whether group `group` is frozen now (fsdp_optim_group_set); 0 for group 0
+ * and out-of-range groups. The sharding layer zeroes a frozen group's
+ * gradient shard slices, optim_step leaves its slices alone. */
+int fsdp__optim_group_frozen(const struct fsdp_optim *opt, int group);
 
 /* ---- Norms ---- */
 /* Sum of x[i]^2 in double, per chunk of 8192 elements (vectorized), the

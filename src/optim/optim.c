@@ -18,6 +18,7 @@
 /* A registered parameter group (index >= 1; 0 is the options). */
 struct optim_group {
     float weight_decay, lr_scale;
+    int frozen;                  /* fsdp_optim_group_set: skip the group's slices */
     int n;
     char **fqns;                 /* (n) owned copies */
 };
@@ -150,6 +151,43 @@ enum fsdp_status fsdp_optim_add_group(struct fsdp_optim *opt, const char *const 
 
 int fsdp_optim_n_groups(const struct fsdp_optim *opt) { return opt->n_groups; }
 
+static enum fsdp_status check_group(const struct fsdp_optim *opt, int group, const char *what) {
+    if (group < 1 || group > opt->n_groups)
+        return fsdp__err(opt->ctx, FSDP_ERR_INVALID, "%s: group %d does not exist (groups are 1..%d)", what, group,
+                         opt->n_groups);
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_optim_group_get(const struct fsdp_optim *opt, int group,
+                                      struct fsdp_optim_group_settings *out) {
+    FSDP_TRY(check_group(opt, group, "optim_group_get"));
+    const struct optim_group *g = &opt->groups[group];
+    out->weight_decay = g->weight_decay;
+    out->lr_scale = g->lr_scale;
+    out->frozen = g->frozen;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_optim_group_set(struct fsdp_optim *opt, int group,
+                                      const struct fsdp_optim_group_settings *s) {
+    FSDP_TRY(check_group(opt, group, "optim_group_set"));
+    if (!(s->weight_decay >= 0.0f) || isinf(s->weight_decay))
+        return fsdp__err(opt->ctx, FSDP_ERR_INVALID, "optim_group_set: group %d: weight_decay = %g is not a finite "
+                         "value >= 0", group, (double)s->weight_decay);
+    if (!(s->lr_scale >= 0.0f) || isinf(s->lr_scale))
+        return fsdp__err(opt->ctx, FSDP_ERR_INVALID, "optim_group_set: group %d: lr_scale = %g is not a finite "
+                         "value >= 0", group, (double)s->lr_scale);
+    struct optim_group *g = &opt->groups[group];
+    g->weight_decay = s->weight_decay;
+    g->lr_scale = s->lr_scale;
+    g->frozen = s->frozen != 0;
+    return FSDP_OK;
+}
+
+int fsdp__optim_group_frozen(const struct fsdp_optim *opt, int group) {
+    return group >= 1 && group <= opt->n_groups && opt->groups[group].frozen;
+}
+
 int fsdp__optim_group_of(const struct fsdp_optim *opt, const char *fqn) {
     for (int g = 1; g <= opt->n_groups; g++)
         for (int i = 0; i < opt->groups[g].n; i++)
@@ -281,6 +319,13 @@ static void run_chunks(const struct fsdp_optim_slice *s, update_fn update, const
     *s->sumsq = t;
 }
 
+/* A frozen group's slice: nothing changes; run_chunks still writes its
+ * 16-bit copy (the caller marks every unit's copy valid after a step) and
+ * its sum of squares (the parameter norm). */
+static void frozen_update(const struct fsdp_optim_slice *s, const void *coef, int64_t a, int64_t b) {
+    (void)s, (void)coef, (void)a, (void)b;
+}
+
 struct adamw_args {
     const struct adamw_coef *c;
     double decay;
@@ -382,7 +427,9 @@ void fsdp_optim_step(struct fsdp_optim *opt, const struct fsdp_optim_slice *slic
         const double decay = 1.0 - dlr * wd;
         for (int j = 0; j < n_slices; j++) {
             if (slices[j].n <= 0) continue;
-            if (slices[j].decay > 1) { /* the group's lr and decay */
+            if (slices[j].decay > 1 && opt->groups[slices[j].decay - 1].frozen) {
+                run_chunks(&slices[j], frozen_update, NULL);
+            } else if (slices[j].decay > 1) { /* the group's lr and decay */
                 const struct optim_group *g = &opt->groups[slices[j].decay - 1];
                 struct adamw_coef cg = c;
                 const double glr = dlr * (double)g->lr_scale;
@@ -396,6 +443,10 @@ void fsdp_optim_step(struct fsdp_optim *opt, const struct fsdp_optim_slice *slic
         const int first = opt->step == 1;
         for (int j = 0; j < n_slices; j++) {
             if (slices[j].n <= 0) continue;
+            if (slices[j].decay > 1 && opt->groups[slices[j].decay - 1].frozen) {
+                run_chunks(&slices[j], frozen_update, NULL);
+                continue;
+            }
             double glr = dlr, gwd = wd;
             if (slices[j].decay > 1) {
                 glr = dlr * (double)opt->groups[slices[j].decay - 1].lr_scale;
