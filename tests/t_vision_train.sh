@@ -62,8 +62,9 @@ ev=(--model cnn --batch 9 --steps 2 --threads 1 --augment none --shuffle off --e
 "$TRAIN" "${ev[@]}" --log "$tmp/e1.jsonl" > "$tmp/oe1" 2>&1 || bad "1-rank run, batch 9" "$(tail -3 "$tmp/oe1")"
 if timeout -k 5 120 "$TRAIN" "${ev[@]}" --nproc 3 --log "$tmp/e3.jsonl" > "$tmp/oe3" 2>&1 &&
    msg=$(compare "$tmp/e1.jsonl" "$tmp/e3.jsonl" 1e-5 loss eval_loss eval_acc 2>&1) &&
-   [ "$(grep -c eval_acc "$tmp/e3.jsonl")" = 2 ]; then
-  ok "3 ranks evaluate like 1 rank when the last test batch has fewer images than ranks (--eval-every 1)"
+   [ "$(grep -c '"eval_images": 10000,' "$tmp/e3.jsonl")" = 2 ] &&
+   [ "$(grep -c '"eval_images": 10000,' "$tmp/e1.jsonl")" = 2 ]; then
+  ok "3 ranks evaluate all 10000 test images like 1 rank when the last batch has fewer images than ranks"
 else bad "3 ranks, last partial evaluation batch" "${msg:-}" "$(tail -3 "$tmp/oe3")"; fi
 
 # ---- (3) resume: the same run bit for bit, batch-norm buffers included ----

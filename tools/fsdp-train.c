@@ -874,6 +874,7 @@ int main(int argc, char **argv) {
     int tty = tty_env ? atoi(tty_env) : isatty(STDOUT_FILENO);
     double total_s = 0, first_loss = 0, last_loss = 0;
     double eval_loss = NAN, eval_acc = NAN;
+    int64_t eval_n = 0;
     int timed = 0, skipped = 0, evaluated = 0;
     struct comm_delta comm_total = {0}; /* over the timed steps (all but the first) */
     for (int step = start_step; step < steps; step++) {
@@ -897,7 +898,7 @@ int main(int argc, char **argv) {
         /* evaluation: every --eval-every steps and after the last */
         int do_eval = task.ops->eval && ((o.eval_every && (step + 1) % o.eval_every == 0) || step + 1 == steps);
         if (do_eval) {
-            if (task.ops->eval(&task, ctx, fm, &o, &eval_loss, &eval_acc) != FSDP_OK)
+            if (task.ops->eval(&task, ctx, fm, &o, &eval_loss, &eval_acc, &eval_n) != FSDP_OK)
                 fail_rank("step %d: evaluation: %s", step + 1, fsdp_errmsg(ctx));
             evaluated = 1;
         }
@@ -931,8 +932,8 @@ int main(int argc, char **argv) {
                         skipped, r.loss_scale);
                 if (do_eval) {
                     char el[32], ea[32];
-                    fprintf(logf, "\"eval_loss\": %s, \"eval_acc\": %s, ", json_num(el, sizeof el, eval_loss),
-                            json_num(ea, sizeof ea, eval_acc));
+                    fprintf(logf, "\"eval_loss\": %s, \"eval_acc\": %s, \"eval_images\": %lld, ",
+                            json_num(el, sizeof el, eval_loss), json_num(ea, sizeof ea, eval_acc), (long long)eval_n);
                 }
                 fprintf(logf, "\"comm\": {");
                 for (int k = 0; k < FSDP_COLL_COUNT; k++)
@@ -969,7 +970,9 @@ int main(int argc, char **argv) {
         printf("summary: loss %.4f -> %.4f%s | %.0f %s/s%s | peak RSS %.0f MB per rank "
                "(ZeRO-3 estimate for params+grads+AdamW: %.0f MB)\n",
                first_loss, last_loss, note, tps, task.is_gpt ? "tokens" : "images", flops, (double)rss_max, zero3);
-        if (evaluated) printf("eval: loss %.4f | top-1 accuracy %.2f%%\n", eval_loss, 100.0 * eval_acc);
+        if (evaluated)
+            printf("eval: loss %.4f | top-1 accuracy %.2f%% (%lld test images)\n", eval_loss, 100.0 * eval_acc,
+                   (long long)eval_n);
         printf("precision: %s | %d skipped steps | loss scale %g\n", precision_name(&o), skipped,
                fsdp_model_loss_scale(fm));
         /* exposed communication: time the compute thread sat in waits (rank 0) */

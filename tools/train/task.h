@@ -29,10 +29,10 @@ struct task_ops {
      * forward, loss, backward, optimizer update. COLLECTIVE. */
     enum fsdp_status (*step)(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
                              int step, float lr, struct fsdp_step_result *r);
-    /* Evaluation on held-out data (NULL: none): mean loss and top-1
-     * accuracy, the same on every rank. COLLECTIVE. */
+    /* Evaluation on held-out data (NULL: none): mean loss, top-1 accuracy
+     * and the number of examples evaluated, the same on every rank. COLLECTIVE. */
     enum fsdp_status (*eval)(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
-                             double *loss, double *acc);
+                             double *loss, double *acc, int64_t *count);
     /* The model's identity for a checkpoint's meta (config or model_json). */
     void (*meta)(struct task *t, struct fsdp_ckpt_meta *m);
     /* Appends to the summary's loss figure (e.g. " (floor 1.234)"). */

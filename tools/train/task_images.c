@@ -294,7 +294,7 @@ static void load_image(const struct images *k, const struct fsdp_images *im, int
 
 /* [Note: evaluation batches] */
 static enum fsdp_status img_eval(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
-                                 double *loss_out, double *acc_out) {
+                                 double *loss_out, double *acc_out, int64_t *count_out) {
     struct images *k = t->impl;
     struct fsdp_images_info vi;
     fsdp_images_info(k->test, &vi);
@@ -303,7 +303,7 @@ static enum fsdp_status img_eval(struct task *t, struct fsdp_ctx *ctx, struct fs
     float *x = malloc((size_t)(EB / world + 1) * (size_t)k->chw * sizeof(float));
     if (!x) fail_rank("out of memory for evaluation");
     double sum = 0;
-    int64_t correct = 0;
+    int64_t correct = 0, seen = 0;
     enum fsdp_status st = FSDP_OK;
     fsdp_module_set_training(t->root, 0);
     for (int64_t s = 0; s < n && st == FSDP_OK; s += EB) {
@@ -324,6 +324,7 @@ static enum fsdp_status img_eval(struct task *t, struct fsdp_ctx *ctx, struct fs
             mx = l[best];
             for (int64_t c = 0; c < C; c++) z += exp((double)l[c] - mx);
             sum += log(z) - ((double)l[y] - mx);
+            seen++;
             correct += best == y;
         }
     }
@@ -331,22 +332,25 @@ static enum fsdp_status img_eval(struct task *t, struct fsdp_ctx *ctx, struct fs
     free(x);
     if (st != FSDP_OK) return st;
     /* gathered and added in rank order: the bits of each rank's double travel as an I64 */
-    int64_t mine[2], *all = malloc((size_t)world * 2 * sizeof(int64_t));
+    int64_t mine[3], *all = malloc((size_t)world * 3 * sizeof(int64_t));
     if (!all) fail_rank("out of memory for evaluation");
     memcpy(&mine[0], &sum, sizeof sum);
     mine[1] = correct;
-    st = fsdp_comm_allgather(fsdp_ctx_comm(ctx), mine, all, 2, FSDP_I64);
+    mine[2] = seen;
+    st = fsdp_comm_allgather(fsdp_ctx_comm(ctx), mine, all, 3, FSDP_I64);
     double tot = 0;
-    int64_t ok = 0;
+    int64_t ok = 0, cnt = 0;
     for (int r = 0; r < world; r++) {
         double v;
-        memcpy(&v, &all[2 * r], sizeof v);
+        memcpy(&v, &all[3 * r], sizeof v);
         tot += v;
-        ok += all[2 * r + 1];
+        ok += all[3 * r + 1];
+        cnt += all[3 * r + 2];
     }
     free(all);
-    *loss_out = tot / (double)n;
-    *acc_out = (double)ok / (double)n;
+    *loss_out = cnt ? tot / (double)cnt : NAN;
+    *acc_out = cnt ? (double)ok / (double)cnt : NAN;
+    *count_out = cnt;
     return st;
 }
 
