@@ -84,7 +84,7 @@ def piece(r):
         return "".join(any_char(r) for _ in range(r.randint(1, 6)))
     if k < 0.945:  # long runs of one class: the long-piece merge path
         kind = r.randrange(5)
-        n = r.randint(49, 400)
+        n = r.randint(49, 160)
         if kind == 0:
             return " " + "".join(r.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(n))
         if kind == 1:

@@ -31,8 +31,9 @@ ids() { python3 -c 'import sys; d=open(sys.argv[1],"rb").read(); print(len(d[102
 out=$(python3 - "$tmp/cls.c" "$tmp/cls.js" <<'EOF'
 import sys, unicodedata
 a, b = open(sys.argv[1], "rb").read(), open(sys.argv[2], "rb").read()
-bad = [cp for cp in range(0x110000) if a[cp] != b[cp] and unicodedata.category(chr(cp)) != "Cn"]
-newer = sum(1 for cp in range(0x110000) if a[cp] != b[cp]) - len(bad)
+diff = [cp for cp, (x, y) in enumerate(zip(a, b)) if x != y]
+bad = [cp for cp in diff if unicodedata.category(chr(cp)) != "Cn"]
+newer = len(diff) - len(bad)
 print(len(bad), newer, " ".join("U+%04X:%d/%d" % (cp, a[cp], b[cp]) for cp in bad[:8]))
 EOF
 )
@@ -41,7 +42,7 @@ set -- $out
   || bad "classes differ from JavaScript's" "$out"
 
 # -- ids: varied text and English-like prose, the same as the JavaScript encoder's
-python3 tests/bpe_corpus.py 1 1000000 "$tmp/varied.txt"
+python3 tests/bpe_corpus.py 1 800000 "$tmp/varied.txt"
 python3 tests/bpe_corpus.py 2 1000000 "$tmp/prose.txt" --prose
 for c in varied prose; do
   "$TOK" --quiet --tokenizer "$GPT2" "$tmp/$c.txt" "$tmp/$c.bin" || { bad "fsdp-tokenize $c"; continue; }
@@ -124,4 +125,30 @@ if command -v script > /dev/null; then
   [ ! -s "$tmp/err" ] && cmp -s "$tmp/big.bin" "$tmp/big2.bin" && ok "no bar off a terminal; chunked ids the same" \
     || bad "bar off a terminal or ids differ"
 fi
+
+# -- fsdp-train --tokenizer: a text --data is encoded at start (the same run as on
+#    fsdp-tokenize's file) and the sample is decoded; a model vocab too small is refused
+echo '{"n_layer":1,"n_head":2,"n_embd":32,"vocab_size":50304,"block_size":32}' > "$tmp/m.json"
+head -c 60000 "$tmp/prose.txt" > "$tmp/small.txt"
+"$TOK" --quiet --tokenizer "$GPT2" "$tmp/small.txt" "$tmp/small.bin"
+train=("$TRAIN" --model-config "$tmp/m.json" --steps 3 --batch 2 --seq 32 --sample 12 --threads 1)
+OMP_NUM_THREADS=1 "${train[@]}" --data "$tmp/small.txt" --tokenizer "$GPT2" --log "$tmp/a.jsonl" > "$tmp/a.out" 2>&1
+OMP_NUM_THREADS=1 "${train[@]}" --data "$tmp/small.bin" --tokenizer "$GPT2" --log "$tmp/b.jsonl" > "$tmp/b.out" 2>&1
+n=$(ids "$tmp/small.bin")
+if grep -q "data: $tmp/small.txt, $n tokens" "$tmp/a.out" && same_bits "$tmp/a.jsonl" "$tmp/b.jsonl"; then
+  ok "fsdp-train --tokenizer: text --data trains as its token file ($n tokens)"
+else
+  bad "fsdp-train --tokenizer on text" "$(grep -E 'data:|error|fsdp-train' "$tmp/a.out" | head -3)"
+fi
+sa=$(sed -n '/^--- sample ---$/,/^--------------$/p' "$tmp/a.out")
+sb=$(sed -n '/^--- sample ---$/,/^--------------$/p' "$tmp/b.out")
+if [ -n "$sa" ] && [ "$sa" = "$sb" ] && ! grep -q '<|' <<< "$sa" && [ "$(wc -l <<< "$sa")" -ge 3 ]; then
+  ok "fsdp-train --tokenizer: the sample is decoded text"
+else
+  bad "fsdp-train sample" "$sa"
+fi
+"$TRAIN" --model tiny --steps 1 --data "$tmp/small.txt" --tokenizer "$GPT2" > "$tmp/out" 2> "$tmp/err"
+rc=$?
+if [ "$rc" -ne 0 ] && grep -q "do not fit the model's vocab_size" "$tmp/err" "$tmp/out"; then ok "a model vocab too small for the tokenizer is refused"
+else bad "small vocab (exit $rc)" "$(tail -2 "$tmp/err")"; fi
 finish
