@@ -209,9 +209,9 @@ TEST(both_merge_algorithms_match_gpt2_bpe) {
             int ns = fsdp__bpe_merge_short(b, s, (size_t)n, got_s);
             CHECK_OK(fsdp__bpe_merge_long(b, s, (size_t)n, got_l, &nl), ctx);
             CHECK_OK(fsdp_bpe_encode(b, s, (size_t)n, got_e, &ne), ctx); /* one piece, cached or not */
-            int same_s = ns == nw, same_l = (int)nl == nw, same_e = (int)ne == nw;
+            int same_s = n > 48 ? ns == -1 : ns == nw, same_l = (int)nl == nw, same_e = (int)ne == nw;
             for (int i = 0; i < nw; i++) {
-                same_s &= i < ns && got_s[i] == want[i];
+                same_s &= n > 48 || (i < ns && got_s[i] == want[i]);
                 same_l &= i < (int)nl && got_l[i] == want[i];
                 same_e &= i < (int)ne && got_e[i] == want[i];
             }

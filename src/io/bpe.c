@@ -233,29 +233,39 @@ static inline const struct merge_slot *merge_find(const struct fsdp_bpe *b, int3
  * letters) use a heap of (rank, position) from which a whole rank is taken
  * out before any of its merges is done, so that a pair of lower rank made
  * during a pass waits for the pass to end, as it does in GPT-2's loop. */
+static inline int32_t pair_rank(const struct fsdp_bpe *b, int32_t x, int32_t y) {
+    const struct merge_slot *m = merge_find(b, x, y);
+    return m ? m->rank : INT32_MAX;
+}
+
+/* w[0..n), n <= BPE_SHORT; r[i] is the rank of (w[i], w[i+1]), and only
+ * the pairs touching a merge are looked up again after a pass. */
 static int merge_array(const struct fsdp_bpe *b, int32_t *w, int n) {
+    int32_t r[BPE_SHORT];
+    for (int i = 0; i + 1 < n; i++) r[i] = pair_rank(b, w[i], w[i + 1]);
     while (n > 1) {
-        int32_t best = INT32_MAX, id = 0, x = 0, y = 0;
-        for (int i = 0; i + 1 < n; i++) {
-            const struct merge_slot *m = merge_find(b, w[i], w[i + 1]);
-            if (m && m->rank < best) {
-                best = m->rank;
-                id = m->id;
-                x = w[i];
-                y = w[i + 1];
-            }
-        }
+        int32_t best = INT32_MAX;
+        int at = 0;
+        for (int i = 0; i + 1 < n; i++)
+            if (r[i] < best) best = r[i], at = i;
         if (best == INT32_MAX) break;
+        int32_t x = w[at], y = w[at + 1], id = merge_find(b, x, y)->id;
         int o = 0;
+        uint8_t fresh[BPE_SHORT]; /* output position o holds a merge result */
         for (int i = 0; i < n;) {
             if (i + 1 < n && w[i] == x && w[i + 1] == y) {
+                fresh[o] = 1;
                 w[o++] = id;
                 i += 2;
             } else {
+                fresh[o] = 0;
+                r[o] = r[i]; /* valid unless a neighbour merged: fixed below */
                 w[o++] = w[i++];
             }
         }
         n = o;
+        for (int i = 0; i + 1 < n; i++)
+            if (fresh[i] || fresh[i + 1]) r[i] = pair_rank(b, w[i], w[i + 1]);
     }
     return n;
 }
@@ -415,6 +425,7 @@ enum fsdp_status fsdp__bpe_merge_long(struct fsdp_bpe *b, const uint8_t *s, size
 }
 
 int fsdp__bpe_merge_short(const struct fsdp_bpe *b, const uint8_t *s, size_t n, int32_t *ids) {
+    if (n > BPE_SHORT) return -1;
     for (size_t k = 0; k < n; k++) ids[k] = b->byte_id[s[k]];
     return merge_array(b, ids, (int)n);
 }

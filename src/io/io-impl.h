@@ -28,7 +28,8 @@ enum fsdp_status fsdp__bpe_from_gpt2(struct fsdp_ctx *ctx, const char *enc_name,
 enum fsdp_status fsdp__bpe_from_hf(struct fsdp_ctx *ctx, const char *name, const void *buf, size_t len,
                                    struct fsdp_bpe **out);
 /* The two merge algorithms of [Note: merge passes] in bpe.c on one piece
- * s[0..n), for tests that compare them: ids holds n entries; no cache. */
+ * s[0..n), for tests that compare them: ids holds n entries; no cache. The
+ * array one takes pieces of at most 48 bytes (else returns -1). */
 int fsdp__bpe_merge_short(const struct fsdp_bpe *b, const uint8_t *s, size_t n, int32_t *ids);
 enum fsdp_status fsdp__bpe_merge_long(struct fsdp_bpe *b, const uint8_t *s, size_t n, int32_t *ids,
                                       size_t *n_out);
