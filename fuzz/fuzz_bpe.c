@@ -121,25 +121,33 @@ static enum fsdp_status fuzz_bpe_one(const uint8_t *data, size_t size) {
     const uint8_t *rest = data + 1;
     size_t n = size - 1;
     enum fsdp_status st;
-    int text_mode = data[0] >= 3;
     if (data[0] == 0)
         st = fsdp__bpe_from_gpt2(ctx, "encoder.json", rest, n, "vocab.bpe", "", 0, &b);
     else if (data[0] == 1)
         st = fsdp__bpe_from_gpt2(ctx, "encoder.json", bpe_fz_enc, strlen(bpe_fz_enc), "vocab.bpe", rest, n, &b);
     else if (data[0] == 2)
         st = fsdp__bpe_from_hf(ctx, "tokenizer.json", rest, n, &b);
-    else
-        st = fsdp__bpe_from_gpt2(ctx, "encoder.json", bpe_fz_enc, strlen(bpe_fz_enc), "vocab.bpe",
-                                 bpe_fz_merges, strlen(bpe_fz_merges), &b);
+    else { /* the built-in tokenizer, made once: its cache carries over between inputs */
+        static struct fsdp_ctx *keep_ctx;
+        static struct fsdp_bpe *keep;
+        if (!keep) {
+            FSDP_ASSERT(fsdp__ctx_alloc(&keep_ctx) == FSDP_OK, "fuzz: no context");
+            st = fsdp__bpe_from_gpt2(keep_ctx, "encoder.json", bpe_fz_enc, strlen(bpe_fz_enc), "vocab.bpe",
+                                     bpe_fz_merges, strlen(bpe_fz_merges), &keep);
+            FSDP_ASSERT(st == FSDP_OK, "the built-in vocabulary was refused: %s", fsdp_errmsg(keep_ctx));
+        }
+        bpe_fz_check_text(keep_ctx, keep, rest, n);
+        fsdp__ctx_release(ctx);
+        return FSDP_OK;
+    }
     if (st == FSDP_OK) {
         FSDP_ASSERT(b != NULL, "accepted without a tokenizer");
         static const char fixed[] = "Hello world, it's 2026!\n\n  caf\xc3\xa9 \xff\xfe the nation's abab";
         bpe_fz_check_text(ctx, b, (const uint8_t *)fixed, sizeof fixed - 1);
-        bpe_fz_check_text(ctx, b, rest, n < 4096 || text_mode ? n : 4096);
+        bpe_fz_check_text(ctx, b, rest, n < 4096 ? n : 4096);
     } else {
         FSDP_ASSERT(b == NULL, "refused but returned a tokenizer");
         FUZZ_CHECK_REFUSAL(ctx, st);
-        FSDP_ASSERT(!text_mode, "the built-in vocabulary was refused: %s", fsdp_errmsg(ctx));
     }
     fsdp_bpe_free(b);
     fsdp__ctx_release(ctx);
