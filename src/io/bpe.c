@@ -435,6 +435,17 @@ enum fsdp_status fsdp_bpe_encode(struct fsdp_bpe *b, const void *text, size_t le
     const uint8_t *s = text;
     size_t o = 0;
     *n_ids = 0;
+    if (!b->cache) {
+        b->cache = fsdp__calloc(b->ctx, CACHE_SLOTS * sizeof *b->cache, FSDP_MEM_OTHER, "BPE cache");
+        b->pool = fsdp__alloc(b->ctx, CACHE_BYTES, FSDP_MEM_OTHER, "BPE cache");
+        if (!b->cache || !b->pool) {
+            fsdp__free(b->ctx, b->cache);
+            fsdp__free(b->ctx, b->pool);
+            b->cache = NULL;
+            b->pool = NULL;
+            return FSDP_ERR_NOMEM;
+        }
+    }
     for (size_t p = 0; p < len;) {
         size_t e = piece_end(s, len, p), k;
         FSDP_TRY(encode_piece(b, s + p, e - p, ids + o, &k));
@@ -750,13 +761,7 @@ static enum fsdp_status bpe_new(struct fsdp_ctx *ctx, struct fsdp_bpe **out) {
     syms_init();
     struct fsdp_bpe *b = fsdp__calloc(ctx, sizeof *b, FSDP_MEM_OTHER, "BPE tokenizer");
     if (!b) return FSDP_ERR_NOMEM;
-    b->ctx = ctx;
-    b->cache = fsdp__calloc(ctx, CACHE_SLOTS * sizeof *b->cache, FSDP_MEM_OTHER, "BPE cache");
-    b->pool = fsdp__alloc(ctx, CACHE_BYTES, FSDP_MEM_OTHER, "BPE cache");
-    if (!b->cache || !b->pool) {
-        fsdp_bpe_free(b);
-        return FSDP_ERR_NOMEM;
-    }
+    b->ctx = ctx; /* the cache comes with the first encode */
     *out = b;
     return FSDP_OK;
 }
