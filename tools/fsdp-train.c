@@ -577,6 +577,8 @@ int main(int argc, char **argv) {
     /* data; with --tokenizer, a file read as text is BPE-encoded instead */
     struct fsdp_bpe *bpe = NULL;
     if (o.tokenizer) {
+        if (!strcmp(o.data, "synthetic"))
+            fail_all("--tokenizer needs a --data file (the synthetic corpus is byte-level text)");
         if (fsdp_bpe_open(ctx, o.tokenizer, &bpe) != FSDP_OK) fail_all("--tokenizer: %s", fsdp_errmsg(ctx));
         if (fsdp_bpe_vocab_size(bpe) > cfg.vocab_size)
             fail_all("--tokenizer '%s': its %d ids do not fit the model's vocab_size %d", o.tokenizer,
