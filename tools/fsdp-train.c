@@ -449,14 +449,18 @@ static void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct 
 }
 
 /* Generates n tokens after a newline, temperature 1 sampling with the counter
- * RNG on rank 0, broadcast so every rank feeds the same context. */
+ * RNG on rank 0, broadcast so every rank feeds the same context. Tokens are
+ * bytes, or with a tokenizer (bpe, may be NULL) its ids, decoded at the end. */
 static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_gpt_config *cfg,
-                     int n, uint64_t seed) {
+                     int n, uint64_t seed, struct fsdp_bpe *bpe) {
     int T = cfg->block_size;
     int32_t *ctxbuf = calloc((size_t)T, sizeof(int32_t));
+    int32_t *ids = calloc((size_t)n, sizeof(int32_t));
     char *text = calloc((size_t)n + 1, 1);
     int len = 1, out = 0;
+    size_t one;
     ctxbuf[0] = '\n';
+    if (bpe && (fsdp_bpe_encode(bpe, "\n", 1, ctxbuf, &one) != FSDP_OK || one != 1)) ctxbuf[0] = 0;
     for (int i = 0; i < n; i++) {
         float *logits;
         int t0 = len > T ? len - T : 0, tl = len - t0;
@@ -483,10 +487,23 @@ static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct f
             fail_rank("sampling broadcast: %s", fsdp_errmsg(ctx));
         ctxbuf[len % T] = next;
         len++;
+        ids[i] = next;
         text[out++] = (char)(next >= 32 && next < 127 ? next : next == '\n' ? '\n' : '?');
     }
-    if (fsdp_ctx_rank(ctx) == 0) printf("--- sample ---\n%s\n--------------\n", text);
+    if (fsdp_ctx_rank(ctx) == 0 && bpe) { /* ids the tokenizer lacks (a padded vocab) show as <|id|> */
+        printf("--- sample ---\n");
+        for (int i = 0; i < n; i++) {
+            size_t l;
+            const void *t = fsdp_bpe_token(bpe, ids[i], &l);
+            if (t) fwrite(t, 1, l, stdout);
+            else printf("<|%d|>", (int)ids[i]);
+        }
+        printf("\n--------------\n");
+    } else if (fsdp_ctx_rank(ctx) == 0) {
+        printf("--- sample ---\n%s\n--------------\n", text);
+    }
     free(ctxbuf);
+    free(ids);
     free(text);
 }
 
@@ -800,11 +817,29 @@ int main(int argc, char **argv) {
         }
     }
 
-    /* data */
+    /* data; with --tokenizer, a file read as text is BPE-encoded instead */
+    struct fsdp_bpe *bpe = NULL;
+    if (o.tokenizer) {
+        if (!strcmp(o.data, "synthetic"))
+            fail_all("--tokenizer needs a --data file (the synthetic corpus is byte-level text)");
+        if (fsdp_bpe_open(ctx, o.tokenizer, &bpe) != FSDP_OK) fail_all("--tokenizer: %s", fsdp_errmsg(ctx));
+        if (fsdp_bpe_vocab_size(bpe) > cfg.vocab_size)
+            fail_all("--tokenizer '%s': its %d ids do not fit the model's vocab_size %d", o.tokenizer,
+                     fsdp_bpe_vocab_size(bpe), cfg.vocab_size);
+    }
     struct fsdp_data *data;
     enum fsdp_status st = !strcmp(o.data, "synthetic")
                               ? fsdp_data_synthetic(ctx, o.seed, (size_t)1 << 22, &data)
                               : fsdp_data_open(ctx, o.data, cfg.vocab_size, &data);
+    int bpe_text = st == FSDP_OK && bpe && fsdp_data_is_text(data);
+    if (bpe_text) {
+        double t0 = now_s();
+        fsdp_data_free(data);
+        st = fsdp_data_open_bpe(ctx, o.data, bpe, cfg.vocab_size, &data);
+        if (st == FSDP_OK && rank == 0)
+            printf("tokenized %s with %s: %zu tokens in %.2f s\n", o.data, o.tokenizer, fsdp_data_ntokens(data),
+                   now_s() - t0);
+    }
     if (st != FSDP_OK) fail_all("--data: %s", fsdp_errmsg(ctx));
     if (fsdp_data_ntokens(data) < (size_t)o.seq + 1) /* a sequence would wrap around into itself */
         fail_all("--data: '%s' has %zu tokens, fewer than one sequence needs (--seq %d + 1 = %d tokens)", o.data,
@@ -956,7 +991,8 @@ int main(int argc, char **argv) {
         if (fsdp_model_save_full(ctx, fm, o.save_full) != FSDP_OK) fail_all("--save-full: %s", fsdp_errmsg(ctx));
         if (rank == 0) printf("saved %s in %.2f s\n", o.save_full, now_s() - t0);
     }
-    if (o.sample > 0 && fsdp_data_is_text(data) && o.steps > 0 && !nothing_left) generate(ctx, fm, &cfg, o.sample, o.seed);
+    if (o.sample > 0 && (fsdp_data_is_text(data) || bpe) && o.steps > 0 && !nothing_left)
+        generate(ctx, fm, &cfg, o.sample, o.seed, bpe);
 
     float rss = (float)((double)fsdp_peak_rss_bytes() / 1048576.0), rss_max = rss;
     fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &rss, &rss_max, 1, FSDP_F32, FSDP_MAX);
@@ -990,6 +1026,7 @@ int main(int argc, char **argv) {
     fsdp_optim_free(opt);
     fsdp_module_free(gpt);
     fsdp_data_free(data);
+    fsdp_bpe_free(bpe);
     fsdp_ctx_free(ctx);
     return 0;
 }

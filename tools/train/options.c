@@ -64,6 +64,8 @@ static void usage(FILE *f) {
             "  --model-config FILE   JSON {n_layer,n_head,n_embd,vocab_size,block_size}; overrides --model\n"
             "  --data PATH           token file (llm.c .bin with header, raw uint16 .bin) or any text\n"
             "                        file as bytes; 'synthetic' = built-in corpus (default %s)\n"
+            "  --tokenizer DIR       GPT-2 BPE (encoder.json + vocab.bpe, or tokenizer.json): a text\n"
+            "                        --data is encoded with it at start, and the sample decoded\n"
             "  --batch N             global batch in sequences, divisible by the world size (default %d)\n"
             "  --seq T               sequence length, <= block_size (default %d)\n"
             "  --steps N             training steps (default %d)\n"
@@ -213,6 +215,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         if (!strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "--model-config")) o->model_config = v;
         else if (!strcmp(a, "--data")) o->data = v;
+        else if (!strcmp(a, "--tokenizer")) o->tokenizer = v;
         else if (!strcmp(a, "--log")) o->log_path = v;
         else if (!strcmp(a, "--mem-limit")) o->mem_limit = v;
         else if (!strcmp(a, "--save-dir")) o->save_dir = v;
