@@ -81,6 +81,10 @@ enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local);
 /* MPI_Comm_split of the MPI communicator c: a new MPI communicator (any
  * size) returned to the caller. COLLECTIVE: yes (over c). */
 enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, struct fsdp_comm **out);
+/* Whether the MPI communicator c sums its reductions in rank order (1,
+ * mpi.c's [Note: ordered reductions], the default) or with Open MPI's own
+ * collectives (0, FSDP_MPI_REDUCE=native at its creation). */
+int fsdp__comm_mpi_ordered(const struct fsdp_comm *c);
 /* Whether the MPI communicator c hands its requests to the progress thread
  * (mpi.c, [Note: MPI progress thread]): 1 yes; 0 no, FSDP_MPI_PROGRESS=0 at
  * its creation; -1 no, MPI gives less than MPI_THREAD_MULTIPLE. */
@@ -107,6 +111,15 @@ void *fsdp__comm_req_alloc(struct fsdp_comm *c, size_t bytes, enum fsdp_coll col
 void fsdp__comm_req_free(struct fsdp_comm *c, void *req);
 /* The name of a collective ("allgather", ...), for messages. */
 const char *fsdp__coll_name(enum fsdp_coll coll);
+
+/* ---- Reductions in rank order (shm.c, [Note: reduction order]); mpi.c's
+ * ordered reductions use the same steps, so both backends give the same bits ---- */
+/* dst = src (first) or dst op= src, n elements of dt (not BF16/F16). */
+void fsdp__shm_reduce_into(void *dst, const void *src, size_t n, enum fsdp_dtype dt, enum fsdp_red_op op,
+                           int first);
+/* fp32 accumulation of a BF16/F16 contribution; tmp holds n floats. */
+void fsdp__shm_reduce_low(float *acc, const void *src, size_t n, enum fsdp_dtype dt, enum fsdp_red_op op,
+                          int first, float *tmp);
 
 /* ---- 16-bit floats (half.c) ---- */
 /* BF16 or F16: the dtypes that reduce in fp32 and round once. */
