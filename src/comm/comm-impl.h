@@ -57,6 +57,8 @@ struct fsdp_comm {
                                      backends enforce it (fsdp_comm_set_timeout) */
     int check;                    /* schedule check on (fsdp_comm_set_check) */
     char tag[64];                 /* names the next collectives (fsdp_comm_set_tag) */
+    int auto_shm;                 /* made by FSDP_COMM_AUTO across hosts (MPI): its splits
+                                     whose ranks share one host use shm */
 };
 
 /* ---- Creation (comm.c) ---- */
@@ -73,10 +75,14 @@ void fsdp__comm_free(struct fsdp_comm *c);
 void fsdp__comm_abort(struct fsdp_comm *c, int code);
 
 /* ---- Backends ---- */
+#define FSDP_HOST_MAX 64
+/* This process's hostname, NUL-padded to FSDP_HOST_MAX bytes (mpi.c). */
+void fsdp__comm_hostname(char name[FSDP_HOST_MAX]);
 enum fsdp_status fsdp__comm_self_create(struct fsdp_ctx *ctx, struct fsdp_comm **out);
 enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **out);
 /* Sets *local to the number of ranks of the MPI communicator c that share
- * this rank's host (MPI_COMM_TYPE_SHARED). COLLECTIVE: yes. */
+ * this rank's host (mpi.c, [Note: hosts]: one Open MPI node and one
+ * hostname). COLLECTIVE: yes. */
 enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local);
 /* MPI_Comm_split of the MPI communicator c: a new MPI communicator (any
  * size) returned to the caller. COLLECTIVE: yes (over c). */

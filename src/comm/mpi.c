@@ -27,6 +27,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <stdlib.h>
 #include <mpi.h>
 #include <omp.h>
 #include <pthread.h>
@@ -701,16 +702,40 @@ static enum fsdp_status mpi_wait(struct fsdp_comm *c, struct fsdp_comm_req *req)
 
 /* ---- Topology ---- */
 
+/* [Note: hosts] Two ranks share a host when Open MPI places them on one node
+ * (MPI_COMM_TYPE_SHARED) and their hostnames (gethostname, the UTS
+ * namespace's) are equal. Both must hold: Open MPI alone would pair ranks
+ * that a launcher started in separate containers or namespaces of one
+ * machine, which may share /dev/shm and /tmp (the simulated hosts of
+ * scripts/simhosts.sh do) but are separate hosts to the user; the hostname
+ * alone would pair two machines of one name. The shm backend and HYBRID_SHARD's
+ * groups go by this count, so the shm engine never spans two hosts. */
+void fsdp__comm_hostname(char name[FSDP_HOST_MAX]) {
+    memset(name, 0, FSDP_HOST_MAX);
+    if (gethostname(name, FSDP_HOST_MAX - 1) != 0) snprintf(name, FSDP_HOST_MAX, "?");
+    name[FSDP_HOST_MAX - 1] = 0;
+}
+
 enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local) {
     MPI_Comm node;
+    char mine[FSDP_HOST_MAX], *all = NULL;
+    fsdp__comm_hostname(mine);
+    int n = 0, same = 0;
     mpi_enter();
     int rc = MPI_Comm_split_type(comm_of(c), MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &node);
     if (rc == MPI_SUCCESS) {
-        MPI_Comm_size(node, local);
+        MPI_Comm_size(node, &n);
+        all = malloc((size_t)n * FSDP_HOST_MAX);
+        if (all) rc = MPI_Allgather(mine, FSDP_HOST_MAX, MPI_CHAR, all, FSDP_HOST_MAX, MPI_CHAR, node);
+        for (int k = 0; all && rc == MPI_SUCCESS && k < n; k++)
+            same += memcmp(all + (size_t)k * FSDP_HOST_MAX, mine, FSDP_HOST_MAX) == 0;
         MPI_Comm_free(&node);
     }
     mpi_leave();
+    free(all);
     if (rc != MPI_SUCCESS) return mpi_fail(c->ctx, c->rank, c->size, rc, "MPI_Comm_split_type");
+    if (!all && n > 0) return FSDP_ERR_NOMEM;
+    *local = same;
     return FSDP_OK;
 }
 
