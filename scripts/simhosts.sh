@@ -20,8 +20,9 @@
 # Example:
 #   rig=$(scripts/simhosts.sh up 2) && trap 'scripts/simhosts.sh down "$rig"' EXIT
 #   scripts/simhosts.sh run "$rig" sh -c 'mpirun $SIMHOSTS_MPIRUN -np 4 build/fsdp-train ...'
-# A killed `up` or a forgotten rig: `down` on its directory removes it; every name it made
-# carries the rig's id (netns fsdp-ID-*, /tmp/fsdp-simhosts.ID).
+# A forgotten rig: `down` on its directory removes it; every name it made carries the rig's
+# id (netns fsdp-ID-*, /tmp/fsdp-simhosts.ID). `up` first removes the rigs whose owner
+# ($SIMHOSTS_OWNER, default the calling process) has died, e.g. a test killed by SIGKILL.
 set -u
 SELF=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
 NET=198.18.0 # /24 inside 198.18.0.0/15
@@ -42,9 +43,11 @@ up() {
   local n=${1:-2} slots=${2:-2}
   case "$n" in 2|3|4) ;; *) die "up: HOSTS must be 2, 3 or 4 (got $n)";; esac
   local why; why=$(can_rig) || die "cannot make simulated hosts here: $why"
+  sweep
   local rig; rig=$(mktemp -d /tmp/fsdp-simhosts.XXXXXX) || die "mktemp failed"
   local id=${rig##*.}
   echo "$id" > "$rig/id"
+  echo "${SIMHOSTS_OWNER:-$PPID}" > "$rig/owner"
   echo "$n" > "$rig/hosts"
   : > "$rig/hostfile"
   {
@@ -113,6 +116,16 @@ down() {
   done
   for f in "$rig"/h*.pid; do [ -s "$f" ] && kill -9 "$(cat "$f")" 2> /dev/null; done
   rm -rf "$rig"
+}
+
+# removes the rigs whose owner (the process that made them, or $SIMHOSTS_OWNER) is
+# gone without taking them down: a test killed with SIGKILL
+sweep() {
+  local r
+  for r in /tmp/fsdp-simhosts.*; do
+    [ -s "$r/owner" ] && [ -f "$r/id" ] || continue
+    kill -0 "$(cat "$r/owner")" 2> /dev/null || down "$r"
+  done
 }
 
 demo() {

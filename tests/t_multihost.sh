@@ -19,6 +19,7 @@
 # "N passed, N failed, N skipped" at the end.
 . "$(dirname "$0")/lib.sh"
 SIM=scripts/simhosts.sh
+export SIMHOSTS_OWNER=$$ # a rig outlives this script only if it is killed by SIGKILL; the next up sweeps it
 skipped=0
 # every rig made, one a line (up runs in a subshell): removed however the script ends
 cleanup() {
@@ -111,10 +112,11 @@ else bad "--comm shm across hosts" "$(tail -3 "$tmp/shm.out")"; fi
 # ---- nothing left behind ----
 left=""
 while read -r r; do
+  pids=$(cat "$r"/h*.pid 2> /dev/null) # the hosts' UTS holders, of a rig still up
   [ -d "$r" ] && "$SIM" down "$r"
   id=${r##*.}
   left="$left$(ip netns list | grep "fsdp-$id-")$(ls -d "$r" 2> /dev/null)"
-  left="$left$(pgrep -f "fsdp-simhosts.$id" || true)"
+  for p in $pids; do kill -0 "$p" 2> /dev/null && left="$left process $p"; done
 done < "$tmp/rigs"
 if [ -z "$left" ]; then ok "the rigs left nothing behind (namespaces, files, processes)"; else bad "left behind" "$left"; fi
 
