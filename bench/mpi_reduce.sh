@@ -22,5 +22,5 @@ rig=$(scripts/simhosts.sh up 2 2) || exit 1
 trap 'scripts/simhosts.sh down "$rig"' EXIT
 for l in 1 2; do
   echo "== 2 simulated hosts x $l ranks (TCP over veths)"
-  scripts/simhosts.sh run "$rig" bash -c "mpirun \$SIMHOSTS_MPIRUN --oversubscribe --bind-to none -np $((2 * l)) $B"
+  scripts/simhosts.sh run "$rig" bash -c "mpirun \$SIMHOSTS_MPIRUN --oversubscribe --bind-to none -np $((2 * l)) --npernode $l $B"
 done

@@ -91,6 +91,13 @@ enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, s
  * mpi.c's [Note: ordered reductions], the default) or with Open MPI's own
  * collectives (0, FSDP_MPI_REDUCE=native at its creation). */
 int fsdp__comm_mpi_ordered(const struct fsdp_comm *c);
+/* Bytes an MPI communicator of `world` ranks allocates on rank `rank` from
+ * the start of a reduce-scatter (count: elements per rank) or all-reduce of
+ * dt to its wait: the fp32 staging of 16-bit reductions, or with ordered
+ * reductions the contributions' buffer. The memory planner (src/fsdp/plan.c)
+ * counts it so. */
+size_t fsdp__comm_mpi_reduce_bytes(enum fsdp_coll coll, size_t count, enum fsdp_dtype dt, int world, int rank,
+                                   int ordered);
 /* Whether the MPI communicator c hands its requests to the progress thread
  * (mpi.c, [Note: MPI progress thread]): 1 yes; 0 no, FSDP_MPI_PROGRESS=0 at
  * its creation; -1 no, MPI gives less than MPI_THREAD_MULTIPLE. */

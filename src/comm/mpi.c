@@ -592,6 +592,20 @@ static int ordered_finish(struct fsdp_comm *c, struct mpi_req *q, int *again) {
     return MPI_SUCCESS;
 }
 
+size_t fsdp__comm_mpi_reduce_bytes(enum fsdp_coll coll, size_t count, enum fsdp_dtype dt, int world, int rank,
+                                   int ordered) {
+    size_t esz = fsdp_dtype_size(dt), W = (size_t)world;
+    int rs = coll == FSDP_COLL_REDUCE_SCATTER;
+    if (!ordered || world < 2) { /* stage(): fp32 inputs and results of a 16-bit reduction */
+        if (!fsdp__dtype_is_low(dt)) return 0;
+        size_t n_in = rs ? count * W : count;
+        return ((n_in ? n_in : 1) + (count ? count : 1)) * sizeof(float);
+    }
+    if (rs || count * esz < ORDERED_SPLIT) return (count ? count : 1) * W * esz; /* ordered_start's gather */
+    size_t blk = block_lo(count, world, rank + 1) - block_lo(count, world, rank);
+    return (blk ? blk : 1) * W * esz + 4 * W * sizeof(int);
+}
+
 static int req_ordered(struct fsdp_comm *c) {
     return ((struct mpi_state *)c->state)->ordered && c->size > 1;
 }
