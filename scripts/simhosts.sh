@@ -114,8 +114,18 @@ down() {
     [ -n "$pids" ] && kill -9 $pids 2> /dev/null
     ip netns del "$ns" 2> /dev/null
   done
-  for f in "$rig"/h*.pid; do [ -s "$f" ] && kill -9 "$(cat "$f")" 2> /dev/null; done
+  local holders; holders=$(cat "$rig"/h*.pid 2> /dev/null)
+  [ -n "$holders" ] && kill -9 $holders 2> /dev/null
   rm -rf "$rig"
+  # return once they are gone (a zombie awaiting its reaper counts as gone)
+  for _ in $(seq 40); do
+    local p alive=0
+    for p in $holders; do
+      [ -e "/proc/$p" ] && [ "$(awk '{print $3}' "/proc/$p/stat" 2> /dev/null)" != Z ] && alive=1
+    done
+    [ $alive = 0 ] && break
+    sleep 0.05
+  done
 }
 
 # removes the rigs whose owner (the process that made them, or $SIMHOSTS_OWNER) is

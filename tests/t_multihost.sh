@@ -116,7 +116,9 @@ while read -r r; do
   [ -d "$r" ] && "$SIM" down "$r"
   id=${r##*.}
   left="$left$(ip netns list | grep "fsdp-$id-")$(ls -d "$r" 2> /dev/null)"
-  for p in $pids; do kill -0 "$p" 2> /dev/null && left="$left process $p"; done
+  for p in $pids; do # gone, or a zombie awaiting its reaper
+    [ -e "/proc/$p" ] && [ "$(awk '{print $3}' "/proc/$p/stat" 2> /dev/null)" != Z ] && left="$left process $p"
+  done
 done < "$tmp/rigs"
 if [ -z "$left" ]; then ok "the rigs left nothing behind (namespaces, files, processes)"; else bad "left behind" "$left"; fi
 
