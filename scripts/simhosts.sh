@@ -141,8 +141,10 @@ sweep() {
 demo() {
   local n=${1:-2}
   cd "$(dirname "$SELF")/.." || exit 1
-  local rig; rig=$(up "$n") || exit 1
-  trap 'down "$rig"' EXIT INT TERM
+  demo_rig=$(up "$n") || exit 1 # global: the trap runs after this function has returned
+  trap 'down "$demo_rig"' EXIT
+  trap 'exit 130' INT TERM
+  local rig=$demo_rig
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   echo "hosts: $(awk '{print $1}' "$rig/hostfile" | tr '\n' ' ')"
   run "$rig" sh -c 'mpirun $SIMHOSTS_MPIRUN --oversubscribe -np '$((2 * n))' \
