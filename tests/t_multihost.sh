@@ -14,6 +14,8 @@
 #    default group, the ranks of a host, against --shard-group 2 there: the
 #    group size comes from fsdp_comm_local_size, which test_mpi_hosts checks);
 #    --mpi-reduce native still trains; --comm shm across hosts is refused;
+#    a FULL_SHARD checkpoint saved across hosts resumes on one host, and one
+#    saved on one host resumes across hosts;
 #  - nothing is left behind (namespaces, the rig's files).
 # Skips (with the reason) where namespaces cannot be made. Prints
 # "N passed, N failed, N skipped" at the end.
@@ -95,13 +97,23 @@ EOF
 if train ref one; then ok "1-rank reference"; else bad "1-rank reference" "$(tail -3 "$tmp/ref.out")"; fi
 for s in FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD; do
   extra=""; [ $s = HYBRID_SHARD ] && extra="--shard-group 2" # one host: the groups of the rig
-  if train "$s.rig" rig --sharding $s && msg=$(close "$s.rig" ref 2>&1); then
+  ck=""; [ $s = FULL_SHARD ] && ck="--save-dir $tmp/ck.rig" # checkpoints, below
+  if train "$s.rig" rig --sharding $s $ck && msg=$(close "$s.rig" ref 2>&1); then
     ok "$s at 2 hosts x 2 ranks reproduces the 1-rank run"
   else bad "$s at 2 hosts x 2 ranks" "${msg:-}" "$(tail -3 "$tmp/$s.rig.out")"; fi
-  if train "$s.local" local --sharding $s --comm shm $extra && same_bits "$tmp/$s.rig.json" "$tmp/$s.local.json"; then
+  [ $s = FULL_SHARD ] && ck="--save-dir $tmp/ck.local"
+  if train "$s.local" local --sharding $s --comm shm $extra $ck && same_bits "$tmp/$s.rig.json" "$tmp/$s.local.json"; then
     ok "$s: 2 hosts (MPI, ordered) give the bits of 4 ranks on one host (shm)"
   else bad "$s across hosts vs shm on one host: bits differ" "$(tail -2 "$tmp/$s.local.out")"; fi
 done
+# checkpoints saved across hosts load on one host (the bits of one saved there), and vice versa
+if train ck.one.rig one --steps 3 --resume "$tmp/ck.rig" && train ck.one.local one --steps 3 --resume "$tmp/ck.local" \
+   && same_bits "$tmp/ck.one.rig.json" "$tmp/ck.one.local.json"; then
+  ok "a checkpoint saved across 2 hosts resumes on one host at 1 rank (the bits of one saved on one host)"
+else bad "checkpoint across hosts -> one host" "$(tail -2 "$tmp/ck.one.rig.out")" "$(tail -2 "$tmp/ck.one.local.out")"; fi
+if train ck.rig.local rig --steps 3 --resume "$tmp/ck.local" && msg=$(close ck.rig.local ck.one.local 2>&1); then
+  ok "a checkpoint saved on one host resumes across 2 hosts (1e-5 of the 1-rank resume)"
+else bad "checkpoint one host -> across hosts" "${msg:-}" "$(tail -2 "$tmp/ck.rig.local.out")"; fi
 if train native rig --sharding FULL_SHARD --comm mpi --mpi-reduce native && msg=$(close native ref 2>&1); then
   ok "--mpi-reduce native across hosts reproduces the 1-rank run (1e-5)"
 else bad "--mpi-reduce native across hosts" "${msg:-}" "$(tail -3 "$tmp/native.out")"; fi
