@@ -86,6 +86,9 @@ static void usage(FILE *f) {
             "  --nproc N             start N ranks on this host (mpirun) (default 1)\n"
             "  --comm S              auto | mpi | shm | self: auto = shm for ranks all on one host,\n"
             "                        else mpi (default %s)\n"
+            "  --mpi-reduce S        ordered | native: MPI reductions sum in rank order (bit-identical to\n"
+            "                        shm and run to run) or with Open MPI's own collectives (faster, the\n"
+            "                        bits vary) (default ordered; env FSDP_MPI_REDUCE)\n"
             "  --collective-timeout S  a rank waiting on one collective longer than S seconds ends the\n"
             "                        job naming it (type, sequence number, bytes); 0 = never (default %g)\n"
             "  --check-collectives   compare each collective's sequence number and (type, count, dtype)\n"
@@ -299,6 +302,10 @@ void parse_args(int argc, char **argv, struct opts *o) {
             if (strcmp(v, "auto") && strcmp(v, "mpi") && strcmp(v, "shm") && strcmp(v, "self"))
                 usage_error("--comm: '%s' is not auto, mpi, shm or self", v);
             o->comm = v;
+        } else if (!strcmp(a, "--mpi-reduce")) {
+            if (strcmp(v, "ordered") && strcmp(v, "native"))
+                usage_error("--mpi-reduce: '%s' is not ordered or native", v);
+            o->mpi_reduce = v;
         } else usage_error("unknown flag '%s'", a);
     }
     parse_mem_limit(o);
