@@ -1159,6 +1159,41 @@ struct fsdp_image_batch_opts fsdp_image_batch_opts_default(void);
 enum fsdp_status fsdp_images_batch(struct fsdp_ctx *ctx, struct fsdp_images *im, const struct fsdp_image_batch_opts *o,
                                    int64_t step, int64_t B, int rank, int world, float *x, int32_t *labels);
 
+/* ---- GPT-2's byte-level BPE tokenizer (src/io/bpe.c) -------------------- */
+
+struct fsdp_bpe;
+
+/* Reads a tokenizer directory: GPT-2's encoder.json + vocab.bpe, or else a
+ * Hugging Face tokenizer.json of GPT-2's kind (model.vocab, model.merges,
+ * the ByteLevel pre-tokenizer). Every key, symbol and merge is checked; a bad
+ * one fails naming the file (and line). *out is returned to the caller to
+ * free with fsdp_bpe_free; it borrows ctx. Encoding keeps a cache in the
+ * object: use one object from one thread at a time. COLLECTIVE: no. */
+enum fsdp_status fsdp_bpe_open(struct fsdp_ctx *ctx, const char *dir, struct fsdp_bpe **out);
+void fsdp_bpe_free(struct fsdp_bpe *b);
+/* The largest id + 1. */
+int fsdp_bpe_vocab_size(const struct fsdp_bpe *b);
+/* Encodes the bytes text[0..len) (UTF-8 or not) as GPT-2 does; ids must hold
+ * len entries (a token covers at least one byte); *n_ids is set. */
+enum fsdp_status fsdp_bpe_encode(struct fsdp_bpe *b, const void *text, size_t len, int32_t *ids,
+                                 size_t *n_ids);
+/* The first offset >= from (and >= 1) where text may be cut so that encoding
+ * the two parts gives the ids of the whole, or len if none: for streaming
+ * large inputs in chunks. */
+size_t fsdp_bpe_split(const void *text, size_t len, size_t from);
+/* The bytes of token id (*len set), borrowed from b; NULL if id is not in
+ * the vocabulary. */
+const void *fsdp_bpe_token(const struct fsdp_bpe *b, int32_t id, size_t *len);
+/* Decodes n ids into out[0..cap); *len is the decoded length, also when it
+ * does not fit (then FSDP_ERR_INVALID). An id not in the vocabulary fails. */
+enum fsdp_status fsdp_bpe_decode(struct fsdp_bpe *b, const int32_t *ids, size_t n, void *out,
+                                 size_t cap, size_t *len);
+/* A token source from the text file `path` encoded with b (as an llm.c token
+ * file would hold it; the tokenizer's ids must fit 16 bits). *out is returned
+ * to the caller to free. COLLECTIVE: no. */
+enum fsdp_status fsdp_data_open_bpe(struct fsdp_ctx *ctx, const char *path, struct fsdp_bpe *b,
+                                    int vocab_size, struct fsdp_data **out);
+
 /* ---- Preparing a model: fsdp_parallelize_model (src/fsdp) --------------
  *
  * The one call that turns a module tree built with shapes only (or

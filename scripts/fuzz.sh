@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fuzzes one reader of outside data for a given time with libFuzzer.
-# Usage: scripts/fuzz.sh TARGET SECONDS [JOBS]   TARGET: data | config | safetensors | ckpt_meta | idx (fuzz/fuzz_TARGET.c)
+# Usage: scripts/fuzz.sh TARGET SECONDS [JOBS]   TARGET: data | config | safetensors | ckpt_meta | idx | bpe (fuzz/fuzz_TARGET.c)
 # Builds `make fuzz` (clang, -fsanitize=fuzzer,address,undefined; install with
 # scripts/install-deps.sh --with-fuzz), starts from the seed corpus in
 # fuzz/corpus/TARGET/ (copied to build-fuzz/inputs/TARGET/, where new inputs

@@ -8,8 +8,9 @@
  * Reductions are compared with a reference summed in rank order; inputs are
  * small integers so that every dtype's sums are exact, except in
  * comm_reduce_rank_order, where non-exact floats must match the rank-order
- * sum bit for bit on shm and self (the shm backend sums in rank order) and
- * within a tolerance on MPI (Open MPI's reduction order depends on its
+ * sum bit for bit on shm, self and MPI (shm.c and mpi.c's ordered
+ * reductions sum in rank order) and within a tolerance on "mpi native"
+ * (FSDP_MPI_REDUCE=native: Open MPI's reduction order depends on its
  * algorithm; the test prints whether it happened to match).
  * comm_mpi_progress checks that MPI collectives advance while the caller
  * computes, through mpi.c's internal completion flag (comm/comm-impl.h).
@@ -41,9 +42,11 @@ static struct fsdp_ctx *get_ctx(void) {
  * has its single-copy path off (FSDP_SHM_CMA=0 at creation): every
  * collective staged through the segment's slots, the path of containers
  * that forbid process_vm_readv. */
-static const enum fsdp_comm_kind backends[] = {FSDP_COMM_MPI, FSDP_COMM_SHM, FSDP_COMM_SHM, FSDP_COMM_SELF};
-#define N_BACKENDS 4
+static const enum fsdp_comm_kind backends[] = {FSDP_COMM_MPI, FSDP_COMM_SHM, FSDP_COMM_SHM, FSDP_COMM_SELF,
+                                               FSDP_COMM_MPI};
+#define N_BACKENDS 5
 #define B_STAGED 2
+#define B_NATIVE 4 /* MPI with Open MPI's own reductions (FSDP_MPI_REDUCE=native at creation) */
 static struct fsdp_ctx *backend_ctxs[N_BACKENDS];
 static const char *cur_backend = "?";
 
@@ -52,18 +55,20 @@ static const char *cur_backend = "?";
 static struct fsdp_ctx *backend_ctx(int b) {
     const char *ws = getenv("OMPI_COMM_WORLD_SIZE");
     if (backends[b] == FSDP_COMM_SELF && ws && atoi(ws) > 1) return NULL;
-    if (!backend_ctxs[b] && b == B_STAGED) {
-        const char *was = getenv("FSDP_SHM_CMA");
+    if (!backend_ctxs[b] && (b == B_STAGED || b == B_NATIVE)) {
+        const char *var = b == B_STAGED ? "FSDP_SHM_CMA" : "FSDP_MPI_REDUCE";
+        const char *was = getenv(var);
         char keep[32];
         snprintf(keep, sizeof keep, "%s", was ? was : "");
-        setenv("FSDP_SHM_CMA", "0", 1);
+        setenv(var, b == B_STAGED ? "0" : "native", 1);
         backend_ctxs[b] = make_ctx(backends[b]);
-        if (was) setenv("FSDP_SHM_CMA", keep, 1);
-        else unsetenv("FSDP_SHM_CMA");
+        if (was) setenv(var, keep, 1);
+        else unsetenv(var);
     }
     if (!backend_ctxs[b]) backend_ctxs[b] = make_ctx(backends[b]);
     cur_backend = fsdp_comm_backend(fsdp_ctx_comm(backend_ctxs[b]));
     if (b == B_STAGED) cur_backend = "shm staged";
+    if (b == B_NATIVE) cur_backend = "mpi native";
     return backend_ctxs[b];
 }
 
@@ -209,7 +214,7 @@ TEST(comm_basics) {
     CHECK_STR_EQ(fsdp_comm_backend(comm), !ws ? "self" : want_world > 1 ? "shm" : "mpi");
     CHECK_OK(fsdp_comm_barrier(comm), c);
     CHECK_OK(fsdp_comm_wait(comm, NULL), c);
-    const char *names[] = {"mpi", "shm", "shm", "self"};
+    const char *names[] = {"mpi", "shm", "shm", "self", "mpi"};
     for (int b = 0; b < N_BACKENDS; b++) {
         struct fsdp_ctx *bc = backend_ctx(b);
         if (!bc) continue;
@@ -431,10 +436,11 @@ TEST(comm_allreduce_inexact) {
     FOR_EACH_BACKEND(c) body_allreduce_inexact(c);
 }
 
-/* [Note: rank order] shm and self must return exactly the rank-order sum
- * acc = x0; acc += x1; ... (fp32, and for BF16/F16 in fp32 rounded once at
- * the end), bit for bit, on every rank and every run; MPI within a
- * tolerance (Open MPI's order depends on its algorithm and world size). */
+/* [Note: rank order] shm, self and MPI (ordered, the default) must return
+ * exactly the rank-order sum acc = x0; acc += x1; ... (fp32, and for
+ * BF16/F16 in fp32 rounded once at the end), bit for bit, on every rank and
+ * every run; "mpi native" within a tolerance (Open MPI's order depends on
+ * its algorithm and world size). */
 static float hval(int r, size_t i) {
     uint64_t h = (uint64_t)(r + 1) * 0x9E3779B97F4A7C15ull ^ (uint64_t)i * 0xBF58476D1CE4E5B9ull;
     h ^= h >> 31;
@@ -463,12 +469,13 @@ static size_t count_bit_mismatches(const void *a, const void *b, size_t n, enum 
     return bad;
 }
 
-static void body_reduce_rank_order(struct fsdp_ctx *c) {
+/* n elements per rank: 300007 (odd; several rounds of a 1 MiB shm slot; MPI's
+ * two-step ordered all-reduce) and 1001 (MPI's ordered all-reduce by all-gather) */
+static void body_reduce_rank_order_n(struct fsdp_ctx *c, size_t n) {
     struct fsdp_comm *comm = fsdp_ctx_comm(c);
     int rank = fsdp_comm_rank(comm), world = fsdp_comm_size(comm);
-    int exact = strcmp(cur_backend, "mpi") != 0;
+    int exact = strcmp(cur_backend, "mpi native") != 0;
     const enum fsdp_dtype dts[] = {FSDP_F32, FSDP_BF16, FSDP_F16};
-    const size_t n = 300007; /* odd; several rounds of a 1 MiB shm slot */
     size_t total = n * (size_t)world;
     float *acc = xmalloc(total * sizeof(float)), *tmp = xmalloc(sizeof(float));
     for (size_t d = 0; d < 3; d++) {
@@ -514,7 +521,7 @@ static void body_reduce_rank_order(struct fsdp_ctx *c) {
                 double e2s = (double)(1 + (krs % 7) * 100) * world;
                 if (!(e1 <= 2 * ulp * scale && e2 <= 2 * ulp * e2s)) { /* NaN fails too */
                     if (bad++ == 0)
-                        TEST_FAILF("[mpi] %s element %zu: allreduce %.9g / reduce-scatter %.9g vs "
+                        TEST_FAILF("[mpi native] %s element %zu: allreduce %.9g / reduce-scatter %.9g vs "
                                    "rank-order %.9g / %.9g", fsdp_dtype_name(dt), k, get(y, dt, k),
                                    get(rs, dt, k), get(ref, dt, k), get(ref_rs, dt, k));
                 }
@@ -522,7 +529,7 @@ static void body_reduce_rank_order(struct fsdp_ctx *c) {
             }
             CHECK_INT_EQ(bad, 0);
             if (rank == 0)
-                fprintf(stderr, "  note: mpi %s sums at world %d: %zu of %zu elements differ from the "
+                fprintf(stderr, "  note: mpi native %s sums at world %d: %zu of %zu elements differ from the "
                         "rank-order sum\n", fsdp_dtype_name(dt), world, differ, n);
         }
         free(send);
@@ -535,7 +542,10 @@ static void body_reduce_rank_order(struct fsdp_ctx *c) {
 }
 
 TEST(comm_reduce_rank_order) {
-    FOR_EACH_BACKEND(c) body_reduce_rank_order(c);
+    FOR_EACH_BACKEND(c) {
+        body_reduce_rank_order_n(c, 300007);
+        body_reduce_rank_order_n(c, 1001);
+    }
 }
 
 /* BF16/F16: gathered as raw words, reduced in fp32 (exact for small integers),
@@ -890,10 +900,16 @@ TEST(comm_mpi_progress) {
                    rs_done ? "done" : "not done", env ? env : "unset");
     else if (rank == 0)
         fprintf(stderr, "  note: mpi at world %d: both done after %.2f s of computing\n", world, t - t0);
-    if (early) check_overlapped(ag_recv, ag_n, rs_recv, rs_n, rank, world); /* before any wait */
+    /* before any wait; an ordered reduce-scatter (mpi.c, the default) moves its
+     * data early and sums it in the wait, so it is checked after that */
+    int ordered = fsdp__comm_mpi_ordered(comm);
+    if (early && !ordered) check_overlapped(ag_recv, ag_n, rs_recv, rs_n, rank, world);
+    if (early && ordered)
+        EXPECT_ALL(ag_recv, FSDP_F32, ag_n * (size_t)world, gval(FSDP_F32, (int)(k_ / ag_n), k_ % ag_n),
+                   "overlapped allgather");
     CHECK_OK(fsdp_comm_wait(comm, ag), c);
     CHECK_OK(fsdp_comm_wait(comm, rs), c);
-    if (!early) check_overlapped(ag_recv, ag_n, rs_recv, rs_n, rank, world);
+    if (!early || ordered) check_overlapped(ag_recv, ag_n, rs_recv, rs_n, rank, world);
     free(ag_send);
     free(ag_recv);
     free(rs_send);

@@ -13,6 +13,7 @@
 #include "../fuzz/fuzz_data.c"
 #include "../fuzz/fuzz_safetensors.c"
 #include "../fuzz/fuzz_ckpt_meta.c"
+#include "../fuzz/fuzz_bpe.c"
 
 #include <dirent.h>
 
@@ -63,6 +64,8 @@ TEST(corpus_config) { CHECK(replay("config", fuzz_config_one) >= 10); }
 TEST(corpus_safetensors) { CHECK(replay("safetensors", fuzz_safetensors_one) >= 10); }
 
 TEST(corpus_ckpt_meta) { CHECK(replay("ckpt_meta", fuzz_ckpt_meta_one) >= 10); }
+
+TEST(corpus_bpe) { CHECK(replay("bpe", fuzz_bpe_one) >= 10); }
 
 /* The from-memory entries give the same messages as the file readers. */
 TEST(mem_entries_name_the_input) {

@@ -746,6 +746,8 @@ int main(int argc, char **argv) {
     co.verbose = o.verbose;
     co.comm = !strcmp(o.comm, "mpi") ? FSDP_COMM_MPI : !strcmp(o.comm, "self") ? FSDP_COMM_SELF
               : !strcmp(o.comm, "shm") ? FSDP_COMM_SHM : FSDP_COMM_AUTO;
+    /* read by every MPI communicator at its creation (src/comm/mpi.c) */
+    if (o.mpi_reduce) setenv("FSDP_MPI_REDUCE", o.mpi_reduce, 1);
     if (fsdp_ctx_create(&co, &g_ctx) != FSDP_OK) {
         fprintf(stderr, "fsdp-train: cannot start the communicator\n");
         return 1;

@@ -57,6 +57,8 @@ struct fsdp_comm {
                                      backends enforce it (fsdp_comm_set_timeout) */
     int check;                    /* schedule check on (fsdp_comm_set_check) */
     char tag[64];                 /* names the next collectives (fsdp_comm_set_tag) */
+    int auto_shm;                 /* made by FSDP_COMM_AUTO across hosts (MPI): its splits
+                                     whose ranks share one host use shm */
 };
 
 /* ---- Creation (comm.c) ---- */
@@ -73,14 +75,29 @@ void fsdp__comm_free(struct fsdp_comm *c);
 void fsdp__comm_abort(struct fsdp_comm *c, int code);
 
 /* ---- Backends ---- */
+#define FSDP_HOST_MAX 64
+/* This process's hostname, NUL-padded to FSDP_HOST_MAX bytes (mpi.c). */
+void fsdp__comm_hostname(char name[FSDP_HOST_MAX]);
 enum fsdp_status fsdp__comm_self_create(struct fsdp_ctx *ctx, struct fsdp_comm **out);
 enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **out);
 /* Sets *local to the number of ranks of the MPI communicator c that share
- * this rank's host (MPI_COMM_TYPE_SHARED). COLLECTIVE: yes. */
+ * this rank's host (mpi.c, [Note: hosts]: one Open MPI node and one
+ * hostname). COLLECTIVE: yes. */
 enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local);
 /* MPI_Comm_split of the MPI communicator c: a new MPI communicator (any
  * size) returned to the caller. COLLECTIVE: yes (over c). */
 enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, struct fsdp_comm **out);
+/* Whether the MPI communicator c sums its reductions in rank order (1,
+ * mpi.c's [Note: ordered reductions], the default) or with Open MPI's own
+ * collectives (0, FSDP_MPI_REDUCE=native at its creation). */
+int fsdp__comm_mpi_ordered(const struct fsdp_comm *c);
+/* Bytes an MPI communicator of `world` ranks allocates on rank `rank` from
+ * the start of a reduce-scatter (count: elements per rank) or all-reduce of
+ * dt to its wait: the fp32 staging of 16-bit reductions, or with ordered
+ * reductions the contributions' buffer. The memory planner (src/fsdp/plan.c)
+ * counts it so. */
+size_t fsdp__comm_mpi_reduce_bytes(enum fsdp_coll coll, size_t count, enum fsdp_dtype dt, int world, int rank,
+                                   int ordered);
 /* Whether the MPI communicator c hands its requests to the progress thread
  * (mpi.c, [Note: MPI progress thread]): 1 yes; 0 no, FSDP_MPI_PROGRESS=0 at
  * its creation; -1 no, MPI gives less than MPI_THREAD_MULTIPLE. */
@@ -107,6 +124,15 @@ void *fsdp__comm_req_alloc(struct fsdp_comm *c, size_t bytes, enum fsdp_coll col
 void fsdp__comm_req_free(struct fsdp_comm *c, void *req);
 /* The name of a collective ("allgather", ...), for messages. */
 const char *fsdp__coll_name(enum fsdp_coll coll);
+
+/* ---- Reductions in rank order (shm.c, [Note: reduction order]); mpi.c's
+ * ordered reductions use the same steps, so both backends give the same bits ---- */
+/* dst = src (first) or dst op= src, n elements of dt (not BF16/F16). */
+void fsdp__shm_reduce_into(void *dst, const void *src, size_t n, enum fsdp_dtype dt, enum fsdp_red_op op,
+                           int first);
+/* fp32 accumulation of a BF16/F16 contribution; tmp holds n floats. */
+void fsdp__shm_reduce_low(float *acc, const void *src, size_t n, enum fsdp_dtype dt, enum fsdp_red_op op,
+                          int first, float *tmp);
 
 /* ---- 16-bit floats (half.c) ---- */
 /* BF16 or F16: the dtypes that reduce in fp32 and round once. */

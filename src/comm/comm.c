@@ -20,6 +20,49 @@ static int launched_by_mpirun(void) {
     return getenv("OMPI_COMM_WORLD_SIZE") != NULL || getenv("PMIX_RANK") != NULL;
 }
 
+/* "h0: ranks 0-1; h1: ranks 2-3": the hosts of m's ranks by hostname (mpi.c,
+ * [Note: hosts]), for messages. COLLECTIVE: yes (over m). */
+static enum fsdp_status describe_hosts(struct fsdp_comm *m, char *buf, size_t n) {
+    char mine[FSDP_HOST_MAX];
+    fsdp__comm_hostname(mine);
+    char *all = fsdp__alloc(m->ctx, (size_t)m->size * FSDP_HOST_MAX, FSDP_MEM_OTHER, "hostnames");
+    if (!all) return FSDP_ERR_NOMEM;
+    enum fsdp_status st = fsdp_comm_allgather(m, mine, all, FSDP_HOST_MAX, FSDP_U8);
+    size_t len = 0;
+    buf[0] = 0;
+    for (int k = 0; st == FSDP_OK && k < m->size && len + 1 < n; k++) {
+        const char *h = all + (size_t)k * FSDP_HOST_MAX;
+        int first = 1;
+        for (int j = 0; j < k && first; j++) first = memcmp(all + (size_t)j * FSDP_HOST_MAX, h, FSDP_HOST_MAX) != 0;
+        if (!first) continue; /* listed with its host's first rank */
+        len += (size_t)snprintf(buf + len, n - len, "%s%.*s: ranks", len ? "; " : "", FSDP_HOST_MAX, h);
+        for (int j = k; j < m->size && len + 1 < n; j++) {
+            if (memcmp(all + (size_t)j * FSDP_HOST_MAX, h, FSDP_HOST_MAX) != 0) continue;
+            int e = j; /* a run of ranks on h: j..e */
+            while (e + 1 < m->size && !memcmp(all + (size_t)(e + 1) * FSDP_HOST_MAX, h, FSDP_HOST_MAX)) e++;
+            len += (size_t)(e > j ? snprintf(buf + len, n - len, " %d-%d", j, e) : snprintf(buf + len, n - len, " %d", j));
+            j = e;
+        }
+    }
+    fsdp__free(m->ctx, all);
+    return st;
+}
+
+/* Over the MPI communicator m (owned, also on failure): shm when its ranks
+ * share one host and the segment can be made, else m itself. */
+static enum fsdp_status shm_or_mpi(struct fsdp_ctx *ctx, struct fsdp_comm *m, struct fsdp_comm **out) {
+    /* a spare MPI communicator to fall back on (and to keep MPI initialised)
+     * if the segment cannot be set up, e.g. a container's /dev/shm is full */
+    struct fsdp_comm *spare;
+    enum fsdp_status st = fsdp__comm_mpi_split(m, 0, m->rank, &spare);
+    if (st != FSDP_OK) { fsdp__comm_free(m); return st; }
+    st = fsdp__comm_shm_create(ctx, m, out);
+    if (st == FSDP_OK) { fsdp__comm_free(spare); return FSDP_OK; }
+    if (spare->rank == 0) fprintf(stderr, "fsdp: %s; using MPI\n", ctx ? fsdp_errmsg(ctx) : "shm failed");
+    *out = spare;
+    return FSDP_OK;
+}
+
 static enum fsdp_status create_kind(struct fsdp_ctx *ctx, enum fsdp_comm_kind kind,
                                     struct fsdp_comm **out) {
     switch (kind) {
@@ -30,18 +73,14 @@ static enum fsdp_status create_kind(struct fsdp_ctx *ctx, enum fsdp_comm_kind ki
         int local = 0;
         enum fsdp_status st = fsdp__comm_mpi_local_size(m, &local);
         if (st != FSDP_OK) { fsdp__comm_free(m); return st; }
-        /* every rank computes the same answer: the world is on one host or not */
-        if (m->size < 2 || local != m->size) { *out = m; return FSDP_OK; }
-        /* a spare MPI communicator to fall back on (and to keep MPI initialised)
-         * if the segment cannot be set up, e.g. a container's /dev/shm is full */
-        struct fsdp_comm *spare;
-        st = fsdp__comm_mpi_create(ctx, &spare);
-        if (st != FSDP_OK) { fsdp__comm_free(m); return st; }
-        st = fsdp__comm_shm_create(ctx, m, out);
-        if (st == FSDP_OK) { fsdp__comm_free(spare); return FSDP_OK; }
-        if (spare->rank == 0) fprintf(stderr, "fsdp: %s; using MPI\n", ctx ? fsdp_errmsg(ctx) : "shm failed");
-        *out = spare;
-        return FSDP_OK;
+        /* every rank computes the same answer: the world is on one host or not;
+         * across hosts, groups split off on one host use shm ([Note: communicator split]) */
+        if (m->size < 2 || local != m->size) {
+            m->auto_shm = m->size > 1;
+            *out = m;
+            return FSDP_OK;
+        }
+        return shm_or_mpi(ctx, m, out);
     }
     case FSDP_COMM_MPI: return fsdp__comm_mpi_create(ctx, out);
     case FSDP_COMM_SHM: {
@@ -49,10 +88,14 @@ static enum fsdp_status create_kind(struct fsdp_ctx *ctx, enum fsdp_comm_kind ki
         FSDP_TRY(fsdp__comm_mpi_create(ctx, &m));
         int local = 0;
         enum fsdp_status st = fsdp__comm_mpi_local_size(m, &local);
-        if (st == FSDP_OK && local != m->size)
-            st = fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
-                           "comm shm: the %d ranks are not all on one host (rank %d's host has %d); "
-                           "use --comm mpi or auto", m->size, m->rank, local);
+        if (st == FSDP_OK && local != m->size) {
+            char hosts[256];
+            st = describe_hosts(m, hosts, sizeof hosts);
+            if (st == FSDP_OK)
+                st = fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
+                               "comm shm: the %d ranks are not all on one host (%s); shared memory "
+                               "works within one host only: use --comm mpi or auto", m->size, hosts);
+        }
         if (st != FSDP_OK) { fsdp__comm_free(m); return st; }
         return fsdp__comm_shm_create(ctx, m, out);
     }
@@ -84,8 +127,12 @@ void fsdp_comm_free(struct fsdp_comm *c) { fsdp__comm_free(c); }
 /* [Note: communicator split] The groups come from MPI_Comm_split over the
  * MPI communicator underneath (a shm communicator's handshake one); a group
  * of one rank becomes a "self" communicator, a shm group gets its own
- * segment and progress thread. The new communicator inherits the watchdog
- * and the schedule check; its statistics start at zero. */
+ * segment and progress thread. Under FSDP_COMM_AUTO across hosts (an MPI
+ * communicator with auto_shm), a group whose ranks share one host uses shm
+ * too, and one that spans hosts stays MPI and passes auto_shm on: so
+ * HYBRID_SHARD's shard group of a host moves through shared memory and its
+ * replica group across hosts through MPI. The new communicator inherits the
+ * watchdog and the schedule check; its statistics start at zero. */
 enum fsdp_status fsdp_comm_local_size(struct fsdp_comm *c, int *out) {
     if (!c || !out) return FSDP_ERR_INVALID;
     if (!strcmp(c->backend, "mpi")) return fsdp__comm_mpi_local_size(c, out);
@@ -109,6 +156,12 @@ enum fsdp_status fsdp_comm_split(struct fsdp_comm *c, int color, int key, struct
             st = fsdp__comm_self_create(c->ctx, &n);
         } else if (st == FSDP_OK && !strcmp(c->backend, "shm")) {
             st = fsdp__comm_shm_create(c->ctx, m, &n); /* owns m, also on failure */
+        } else if (st == FSDP_OK && c->auto_shm) {
+            int local = 0;
+            st = fsdp__comm_mpi_local_size(m, &local); /* the same answer on all of m */
+            if (st != FSDP_OK) fsdp__comm_free(m);
+            else if (local == m->size) st = shm_or_mpi(c->ctx, m, &n); /* owns m */
+            else { m->auto_shm = 1; n = m; }
         } else if (st == FSDP_OK) {
             n = m;
         }

@@ -27,6 +27,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <stdlib.h>
 #include <mpi.h>
 #include <omp.h>
 #include <pthread.h>
@@ -38,7 +39,38 @@
 struct mpi_state {
     MPI_Comm comm; /* dup of MPI_COMM_WORLD, errors return */
     int progress;  /* starts hand requests to the progress thread */
+    int ordered;   /* reductions sum in rank order ([Note: ordered reductions]) */
 };
+
+/* [Note: ordered reductions]
+ * Open MPI's reduce-scatter and all-reduce add the contributions in an order
+ * that depends on the algorithm it picks for the world size and message
+ * size (and on which rank runs which step): 30-43% of fp32 elements differed
+ * from the rank-order sum at 4-5 ranks, so a run across hosts differed from
+ * the same run on one host (shm) and from itself at another size. By
+ * default (FSDP_MPI_REDUCE=ordered) this file therefore moves the data with
+ * MPI and does the arithmetic itself, in shm.c's order ([Note: reduction
+ * order]: acc = x0; acc op= x1; ... with the same helpers, BF16/F16 in fp32
+ * rounded once), so MPI across hosts gives shm's bits on one host:
+ *   reduce-scatter: one MPI_Ialltoall hands every rank the W contributions
+ *     to its block (each rank sends (W-1)/W of its input, as a ring does);
+ *     the wait sums them in rank order into recv;
+ *   all-reduce, small (< ORDERED_SPLIT bytes): MPI_Iallgather of every
+ *     rank's input, and every rank sums all W in rank order (one collective:
+ *     norms, losses, SyncBatchNorm's statistics);
+ *   all-reduce, larger: a reduce-scatter as above over W near-equal blocks
+ *     (MPI_Ialltoallv), the ordered sum of this rank's block, then an
+ *     in-place MPI_Iallgatherv of the summed blocks: 2(W-1)/W of the input
+ *     sent per rank, as a ring all-reduce.
+ * 16-bit floats travel as 16-bit words (half the bytes of the native path's
+ * fp32 staging). The first MPI request goes to the progress thread like any
+ * other; the sums (and the all-gather of the two-step all-reduce, started
+ * then) happen in the wait, on the caller's thread. The gather buffer holds
+ * W blocks: for a reduce-scatter as much as the input. FSDP_MPI_REDUCE=native
+ * (fsdp-train --mpi-reduce native) selects Open MPI's own collectives, for
+ * speed comparisons; a communicator reads it at creation, splits inherit. */
+enum { ORD_NONE, ORD_RS, ORD_AR_GATHER, ORD_AR_RS, ORD_AR_AG };
+#define ORDERED_SPLIT ((size_t)32 << 10)
 
 /* [Note: low-precision reductions]
  * MPI has no bf16 or fp16 type, and summing in 16 bits loses the low bits of
@@ -65,6 +97,11 @@ struct mpi_req {
     int done;            /* the thread saw r complete, or fail */
     int rc;              /* MPI's return code then */
     struct mpi_req *next;
+    /* an ordered reduction ([Note: ordered reductions]) */
+    int ord;             /* ORD_*: what the wait does when r completes */
+    void *gather;        /* (W, blk) elements of dt: the contributions, by rank */
+    int *counts;         /* (2, W) the all-reduce's block sizes and offsets (elements) */
+    enum fsdp_red_op op;
 };
 
 static int mpi_live;     /* communicators alive in this process */
@@ -396,6 +433,8 @@ int fsdp__comm_mpi_req_done(const struct fsdp_comm *c, const struct fsdp_comm_re
 }
 
 static void req_release(struct fsdp_comm *c, struct mpi_req *q) {
+    fsdp__free(c->ctx, q->gather);
+    fsdp__free(c->ctx, q->counts);
     fsdp__free(c->ctx, q->stage_in);
     fsdp__free(c->ctx, q->stage_out);
     fsdp__comm_req_free(c, q);
@@ -447,12 +486,142 @@ static enum fsdp_status mpi_allgather_start(struct fsdp_comm *c, const void *sen
     return started(c, q, rc, req);
 }
 
+/* ---- Ordered reductions (see [Note: ordered reductions]) ---- */
+
+/* dst = the rank-order reduction of W contributions of n elements of dt, the
+ * k-th at src + k * stride elements (shm.c's steps, in chunks that stay in
+ * cache; 16-bit floats accumulate in fp32 and round once). */
+static void ordered_sum(void *dst, const void *src, size_t stride, size_t n, int W, enum fsdp_dtype dt,
+                        enum fsdp_red_op op) {
+    enum { CH = 4096 };
+    size_t esz = fsdp_dtype_size(dt);
+    int low = fsdp__dtype_is_low(dt);
+    float acc[CH], tmp[CH];
+    for (size_t off = 0; off < n; off += CH) {
+        size_t m = n - off < CH ? n - off : CH;
+        for (int k = 0; k < W; k++) {
+            const unsigned char *x = (const unsigned char *)src + ((size_t)k * stride + off) * esz;
+            if (low) fsdp__shm_reduce_low(acc, x, m, dt, op, k == 0, tmp);
+            else fsdp__shm_reduce_into((unsigned char *)dst + off * esz, x, m, dt, op, k == 0);
+        }
+        if (low) fsdp__f32_to_low(acc, (unsigned char *)dst + off * esz, m, dt);
+    }
+}
+
+/* Block k of an all-reduce of count elements: [lo(k), lo(k+1)). */
+static size_t block_lo(size_t count, int W, int k) { return count * (size_t)k / (size_t)W; }
+
+static enum fsdp_status ordered_start(struct fsdp_comm *c, struct mpi_req *q, const void *in, void *recv,
+                                      size_t count, enum fsdp_dtype dt, enum fsdp_red_op op,
+                                      struct fsdp_comm_req **req) {
+    int W = c->size, me = c->rank;
+    size_t esz = fsdp_dtype_size(dt);
+    MPI_Datatype t = mpi_type(dt);
+    q->recv = recv;
+    q->dt = dt;
+    q->op = op;
+    q->n_out = count;
+    int rc;
+    if (q->base.coll == FSDP_COLL_REDUCE_SCATTER) {
+        q->ord = ORD_RS;
+        q->gather = fsdp__alloc(c->ctx, (count ? count : 1) * (size_t)W * esz, FSDP_MEM_OTHER,
+                                "ordered reduce-scatter: the contributions");
+        if (!q->gather) { req_release(c, q); return FSDP_ERR_NOMEM; }
+        mpi_enter();
+        rc = MPI_Ialltoall(in, (int)count, t, q->gather, (int)count, t, comm_of(c), &q->r);
+        mpi_leave();
+    } else if (count * esz < ORDERED_SPLIT) {
+        q->ord = ORD_AR_GATHER;
+        q->gather = fsdp__alloc(c->ctx, (count ? count : 1) * (size_t)W * esz, FSDP_MEM_OTHER,
+                                "ordered all-reduce: the contributions");
+        if (!q->gather) { req_release(c, q); return FSDP_ERR_NOMEM; }
+        mpi_enter();
+        rc = MPI_Iallgather(in, (int)count, t, q->gather, (int)count, t, comm_of(c), &q->r);
+        mpi_leave();
+    } else {
+        q->ord = ORD_AR_RS;
+        size_t blk = block_lo(count, W, me + 1) - block_lo(count, W, me);
+        q->gather = fsdp__alloc(c->ctx, (blk ? blk : 1) * (size_t)W * esz, FSDP_MEM_OTHER,
+                                "ordered all-reduce: the contributions to this rank's block");
+        q->counts = fsdp__alloc(c->ctx, 4 * (size_t)W * sizeof(int), FSDP_MEM_OTHER,
+                                "ordered all-reduce: block sizes");
+        if (!q->gather || !q->counts) { req_release(c, q); return FSDP_ERR_NOMEM; }
+        int *cnt = q->counts, *off = cnt + W, *rcnt = cnt + 2 * W, *roff = cnt + 3 * W;
+        for (int k = 0; k < W; k++) {
+            cnt[k] = (int)(block_lo(count, W, k + 1) - block_lo(count, W, k));
+            off[k] = (int)block_lo(count, W, k);
+            rcnt[k] = (int)blk;
+            roff[k] = (int)(blk * (size_t)k);
+        }
+        mpi_enter();
+        rc = MPI_Ialltoallv(in, cnt, off, t, q->gather, rcnt, roff, t, comm_of(c), &q->r);
+        mpi_leave();
+    }
+    return started(c, q, rc, req);
+}
+
+/* The wait's part of an ordered reduction once q->r completed: the sums,
+ * and for the two-step all-reduce the start of its all-gather (*again: wait
+ * for that too). Returns MPI's code. */
+static int ordered_finish(struct fsdp_comm *c, struct mpi_req *q, int *again) {
+    int W = c->size, me = c->rank;
+    size_t count = q->n_out;
+    *again = 0;
+    switch (q->ord) {
+    case ORD_RS: case ORD_AR_GATHER:
+        ordered_sum(q->recv, q->gather, count, count, W, q->dt, q->op);
+        return MPI_SUCCESS;
+    case ORD_AR_RS: {
+        size_t lo = block_lo(count, W, me), blk = block_lo(count, W, me + 1) - lo;
+        size_t esz = fsdp_dtype_size(q->dt);
+        ordered_sum((unsigned char *)q->recv + lo * esz, q->gather, blk, blk, W, q->dt, q->op);
+        q->ord = ORD_AR_AG;
+        q->done = 0;
+        q->on_thread = 0;
+        q->next = NULL;
+        mpi_enter();
+        int rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, q->recv, q->counts, q->counts + W,
+                                 mpi_type(q->dt), comm_of(c), &q->r);
+        mpi_leave();
+        if (rc != MPI_SUCCESS) return rc;
+        if (((struct mpi_state *)c->state)->progress) prog_add(q);
+        *again = 1;
+        return MPI_SUCCESS;
+    }
+    }
+    return MPI_SUCCESS;
+}
+
+size_t fsdp__comm_mpi_reduce_bytes(enum fsdp_coll coll, size_t count, enum fsdp_dtype dt, int world, int rank,
+                                   int ordered) {
+    size_t esz = fsdp_dtype_size(dt), W = (size_t)world;
+    int rs = coll == FSDP_COLL_REDUCE_SCATTER;
+    if (!ordered || world < 2) { /* stage(): fp32 inputs and results of a 16-bit reduction */
+        if (!fsdp__dtype_is_low(dt)) return 0;
+        size_t n_in = rs ? count * W : count;
+        return ((n_in ? n_in : 1) + (count ? count : 1)) * sizeof(float);
+    }
+    if (rs || count * esz < ORDERED_SPLIT) return (count ? count : 1) * W * esz; /* ordered_start's gather */
+    size_t blk = block_lo(count, world, rank + 1) - block_lo(count, world, rank);
+    return (blk ? blk : 1) * W * esz + 4 * W * sizeof(int);
+}
+
+static int req_ordered(struct fsdp_comm *c) {
+    return ((struct mpi_state *)c->state)->ordered && c->size > 1;
+}
+
+int fsdp__comm_mpi_ordered(const struct fsdp_comm *c) {
+    FSDP_ASSERT(!strcmp(c->backend, "mpi"), "not an MPI communicator (%s)", c->backend);
+    return ((const struct mpi_state *)c->state)->ordered;
+}
+
 static enum fsdp_status mpi_reduce_scatter_start(struct fsdp_comm *c, const void *send, void *recv,
                                                  size_t count, enum fsdp_dtype dt,
                                                  enum fsdp_red_op op, struct fsdp_comm_req **req) {
     FSDP_TRY(check_count(c, FSDP_COLL_REDUCE_SCATTER, count));
     struct mpi_req *q = req_sized(req_new(c, FSDP_COLL_REDUCE_SCATTER), count, dt);
     if (!q) return FSDP_ERR_NOMEM;
+    if (req_ordered(c)) return ordered_start(c, q, send, recv, count, dt, op, req);
     if (fsdp__dtype_is_low(dt)) {
         enum fsdp_status st = stage(c, q, send, count * (size_t)c->size, recv, count, dt);
         if (st != FSDP_OK) { req_release(c, q); return st; }
@@ -472,6 +641,7 @@ static enum fsdp_status mpi_allreduce_start(struct fsdp_comm *c, const void *sen
     FSDP_TRY(check_count(c, FSDP_COLL_ALLREDUCE, count));
     struct mpi_req *q = req_sized(req_new(c, FSDP_COLL_ALLREDUCE), count, dt);
     if (!q) return FSDP_ERR_NOMEM;
+    if (req_ordered(c)) return ordered_start(c, q, send ? send : recv, recv, count, dt, op, req);
     if (fsdp__dtype_is_low(dt)) {
         enum fsdp_status st = stage(c, q, send ? send : recv, count, recv, count, dt);
         if (st != FSDP_OK) { req_release(c, q); return st; }
@@ -508,8 +678,17 @@ static enum fsdp_status mpi_barrier_start(struct fsdp_comm *c, struct fsdp_comm_
 
 static enum fsdp_status mpi_wait(struct fsdp_comm *c, struct fsdp_comm_req *req) {
     struct mpi_req *q = (struct mpi_req *)req;
-    int timed_out;
-    int rc = q->on_thread ? wait_thread(c, q, &timed_out) : wait_timed(c, q, &timed_out);
+    int timed_out, again = 0;
+    int rc;
+    do {
+        rc = q->on_thread ? wait_thread(c, q, &timed_out) : wait_timed(c, q, &timed_out);
+        if (!timed_out && rc == MPI_SUCCESS && q->ord != ORD_NONE) {
+            rc = ordered_finish(c, q, &again);
+            q->ord = again ? q->ord : ORD_NONE;
+        } else {
+            again = 0;
+        }
+    } while (again);
     enum fsdp_status st = FSDP_OK;
     if (timed_out) {
         st = fsdp__err(c->ctx, FSDP_ERR_COMM,
@@ -537,16 +716,40 @@ static enum fsdp_status mpi_wait(struct fsdp_comm *c, struct fsdp_comm_req *req)
 
 /* ---- Topology ---- */
 
+/* [Note: hosts] Two ranks share a host when Open MPI places them on one node
+ * (MPI_COMM_TYPE_SHARED) and their hostnames (gethostname, the UTS
+ * namespace's) are equal. Both must hold: Open MPI alone would pair ranks
+ * that a launcher started in separate containers or namespaces of one
+ * machine, which may share /dev/shm and /tmp (the simulated hosts of
+ * scripts/simhosts.sh do) but are separate hosts to the user; the hostname
+ * alone would pair two machines of one name. The shm backend and HYBRID_SHARD's
+ * groups go by this count, so the shm engine never spans two hosts. */
+void fsdp__comm_hostname(char name[FSDP_HOST_MAX]) {
+    memset(name, 0, FSDP_HOST_MAX);
+    if (gethostname(name, FSDP_HOST_MAX - 1) != 0) snprintf(name, FSDP_HOST_MAX, "?");
+    name[FSDP_HOST_MAX - 1] = 0;
+}
+
 enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local) {
     MPI_Comm node;
+    char mine[FSDP_HOST_MAX], *all = NULL;
+    fsdp__comm_hostname(mine);
+    int n = 0, same = 0;
     mpi_enter();
     int rc = MPI_Comm_split_type(comm_of(c), MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &node);
     if (rc == MPI_SUCCESS) {
-        MPI_Comm_size(node, local);
+        MPI_Comm_size(node, &n);
+        all = malloc((size_t)n * FSDP_HOST_MAX);
+        if (all) rc = MPI_Allgather(mine, FSDP_HOST_MAX, MPI_CHAR, all, FSDP_HOST_MAX, MPI_CHAR, node);
+        for (int k = 0; all && rc == MPI_SUCCESS && k < n; k++)
+            same += memcmp(all + (size_t)k * FSDP_HOST_MAX, mine, FSDP_HOST_MAX) == 0;
         MPI_Comm_free(&node);
     }
     mpi_leave();
+    free(all);
     if (rc != MPI_SUCCESS) return mpi_fail(c->ctx, c->rank, c->size, rc, "MPI_Comm_split_type");
+    if (!all && n > 0) return FSDP_ERR_NOMEM;
+    *local = same;
     return FSDP_OK;
 }
 
@@ -578,6 +781,7 @@ enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, s
     }
     s->comm = sub;
     s->progress = ((struct mpi_state *)c->state)->progress;
+    s->ordered = ((struct mpi_state *)c->state)->ordered;
     n->ops = &mpi_ops;
     n->ctx = c->ctx;
     n->backend = "mpi";
@@ -729,6 +933,8 @@ enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **
         return st;
     }
     s->progress = progress_wanted(s->comm) && mpi_multiple;
+    static const char *const reduce_words[] = {"native", "ordered"};
+    s->ordered = fsdp__env_word("FSDP_MPI_REDUCE", reduce_words, 2, 1);
     note_no_progress(ctx, c->rank, level);
     fsdp__abort_hook = mpi_abort_hook;
     *out = c;

@@ -121,12 +121,7 @@ int fsdp__shm_wait_ge(struct shm_state *s, struct fsdp_comm *c, _Atomic uint32_t
 void fsdp__shm_copy_out(void *dst, const void *src, size_t n, size_t total);
 /* dst = a + b (fp32), streaming stores with nt ([Note: reduction order]). */
 void fsdp__shm_add_f32(float *dst, const float *a, const float *b, size_t n, int nt);
-/* dst = src (first) or dst op= src, n elements of dt (not BF16/F16). */
-void fsdp__shm_reduce_into(void *dst, const void *src, size_t n, enum fsdp_dtype dt, enum fsdp_red_op op,
-                           int first);
-/* fp32 accumulation of a BF16/F16 contribution; tmp holds n floats. */
-void fsdp__shm_reduce_low(float *acc, const void *src, size_t n, enum fsdp_dtype dt, enum fsdp_red_op op,
-                          int first, float *tmp);
+/* fsdp__shm_reduce_into and fsdp__shm_reduce_low: comm-impl.h (mpi.c's ordered reductions use them too) */
 
 /* ---- Single copy (shm_cma.c) ---- */
 

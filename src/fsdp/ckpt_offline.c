@@ -299,7 +299,7 @@ static enum fsdp_status verify_model(struct fsdp_ctx *ctx, const struct fsdp__me
     enum fsdp_status st = mpath && ot ? FSDP_OK : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     for (int i = 0; i < mt->n_params && st == FSDP_OK; i++) {
         const struct fsdp__meta_param *p = &mt->params[i];
-        ot[i] = (struct out_tensor){i, p->fqn, p->ndim, {0}, 0};
+        ot[i] = (struct out_tensor){i, p->fqn, p->ndim, {0}, 0, 0, FSDP_F32};
         memcpy(ot[i].shape, p->shape, sizeof ot[i].shape);
     }
     if (st == FSDP_OK && fsdp_gpt_config_validate(ctx, &mt->m.config) != FSDP_OK) {

@@ -19,6 +19,7 @@
  */
 #include "fsdp/fsdp-impl.h"
 #include "nn/nn-impl.h"
+#include "comm/comm-impl.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -63,7 +64,8 @@ struct pool_sim {
     int *in_use;
     int n, room;
     size_t bytes;
-    size_t stage, stage_peak; /* the MPI backend's fp32 staging of 16-bit reductions, live and peak */
+    size_t stage, stage_peak; /* the MPI backend's reduction buffers, live and peak */
+    int ordered;              /* ... with its ordered reductions (comm/mpi.c) */
     int failed;
 };
 
@@ -71,10 +73,6 @@ static void stage_note(struct pool_sim *p, size_t extra) {
     if (p->stage + extra > p->stage_peak) p->stage_peak = p->stage + extra;
 }
 
-/* Bytes of comm/mpi.c's stage() for a reduction of n_in inputs, n_out results. */
-static size_t stage_bytes(int64_t n_in, int64_t n_out) {
-    return (size_t)((n_in ? n_in : 1) + (n_out ? n_out : 1)) * sizeof(float);
-}
 
 static int pool_get(struct pool_sim *p, int64_t numel) {
     int best = -1;
@@ -172,10 +170,12 @@ static void pool_forward(const struct fsdp_model *fm, const struct fsdp__unit *u
  * of reduce_start's 16-bit collective, held from its start to its wait: a
  * reduce-scatter of the full gradient, or all-reduce of the shard (a shard
  * group of one). */
-static size_t reduce_stage(const struct fsdp_model *fm, const struct fsdp__unit *u) {
-    if (u->reduce_dtype == FSDP_F32) return 0;
-    return fm->shard_size > 1 ? stage_bytes(u->numel_padded, u->numel_shard)
-                              : stage_bytes(u->numel_shard, u->numel_shard);
+static size_t reduce_stage(const struct pool_sim *p, const struct fsdp_model *fm, const struct fsdp__unit *u) {
+    return fm->shard_size > 1
+               ? fsdp__comm_mpi_reduce_bytes(FSDP_COLL_REDUCE_SCATTER, (size_t)u->numel_shard, u->reduce_dtype,
+                                             fm->shard_size, fm->shard_rank, p->ordered)
+               : fsdp__comm_mpi_reduce_bytes(FSDP_COLL_ALLREDUCE, (size_t)u->numel_shard, u->reduce_dtype,
+                                             fm->rep_size, fm->rep_rank, p->ordered);
 }
 
 /* Whether a reduce-scatter is followed by an all-reduce over the replicas
@@ -183,15 +183,16 @@ static size_t reduce_stage(const struct fsdp_model *fm, const struct fsdp__unit 
 static int two_stage(const struct fsdp_model *fm) { return fm->shard_size > 1 && fm->rep_size > 1; }
 
 /* The staging of that all-reduce, held from its start to its wait. */
-static size_t replica_stage(const struct fsdp__unit *u) {
-    return u->reduce_dtype == FSDP_F32 ? 0 : stage_bytes(u->numel_shard, u->numel_shard);
+static size_t replica_stage(const struct pool_sim *p, const struct fsdp_model *fm, const struct fsdp__unit *u) {
+    return fsdp__comm_mpi_reduce_bytes(FSDP_COLL_ALLREDUCE, (size_t)u->numel_shard, u->reduce_dtype, fm->rep_size,
+                                       fm->rep_rank, p->ordered);
 }
 
 /* unit.c's reduce_start: the accumulation buffer, then the collective */
 static void reduce_start(struct pool_sim *p, struct pool_state *s, const struct pool_mode *m, int u) {
     const struct fsdp__unit *fu = &s->fm->units[u];
     if (m->accumulate) s->prev[u] = pool_get(p, fu->numel_shard);
-    p->stage += reduce_stage(s->fm, fu);
+    p->stage += reduce_stage(p, s->fm, fu);
     stage_note(p, 0);
 }
 
@@ -200,13 +201,13 @@ static void reduce_start(struct pool_sim *p, struct pool_state *s, const struct 
  * all-reduce started */
 static void scattered(struct pool_sim *p, struct pool_state *s, int u) {
     const struct fsdp__unit *fu = &s->fm->units[u];
-    p->stage -= reduce_stage(s->fm, fu);
+    p->stage -= reduce_stage(p, s->fm, fu);
     if (s->fm->shard_size > 1) {
         pool_put(p, s->grad[u]);
         s->grad[u] = -1;
     }
     if (two_stage(s->fm)) {
-        p->stage += replica_stage(fu);
+        p->stage += replica_stage(p, s->fm, fu);
         stage_note(p, 0);
     }
 }
@@ -215,7 +216,7 @@ static void scattered(struct pool_sim *p, struct pool_state *s, int u) {
  * the full gradient if still held */
 static void land(struct pool_sim *p, struct pool_state *s, int u) {
     const struct fsdp__unit *fu = &s->fm->units[u];
-    if (two_stage(s->fm)) p->stage -= replica_stage(fu);
+    if (two_stage(s->fm)) p->stage -= replica_stage(p, s->fm, fu);
     pool_put(p, s->prev[u]);
     s->prev[u] = -1;
     pool_put(p, s->grad[u]);
@@ -374,6 +375,8 @@ enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module
     /* full buffers: a world of one uses its shards (unit.c), a shard group
      * of one its parameter shards, except where a unit gathers 16-bit */
     struct pool_sim pool = {0};
+    /* the MPI backend's buffers: a shm or self context is planned as MPI's native path */
+    pool.ordered = ctx && ctx->comm && !strcmp(fsdp_comm_backend(ctx->comm), "mpi") && fsdp__comm_mpi_ordered(ctx->comm);
     int lp_units = 0;
     for (int i = 0; i < fm->n_units; i++) lp_units |= fm->units[i].param_dtype != FSDP_F32;
     if (world > 1 || lp_units) {

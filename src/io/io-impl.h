@@ -18,6 +18,27 @@
 enum fsdp_status fsdp__data_open_mem(struct fsdp_ctx *ctx, const char *name, const void *buf,
                                      size_t len, int vocab_size, struct fsdp_data **out);
 
+/* ---- GPT-2's byte-level BPE (bpe.c) ---- */
+/* fsdp_bpe_open on files already in memory (borrowed for the call): GPT-2's
+ * encoder.json + vocab.bpe, or a Hugging Face tokenizer.json; the names
+ * appear in messages. *out is returned to free with fsdp_bpe_free. */
+enum fsdp_status fsdp__bpe_from_gpt2(struct fsdp_ctx *ctx, const char *enc_name, const void *enc,
+                                     size_t enc_len, const char *bpe_name, const void *merges,
+                                     size_t merges_len, struct fsdp_bpe **out);
+enum fsdp_status fsdp__bpe_from_hf(struct fsdp_ctx *ctx, const char *name, const void *buf, size_t len,
+                                   struct fsdp_bpe **out);
+/* The two merge algorithms of [Note: merge passes] in bpe.c on one piece
+ * s[0..n), for tests that compare them: ids holds n entries; no cache. The
+ * array one takes pieces of at most 48 bytes (else returns -1). */
+int fsdp__bpe_merge_short(const struct fsdp_bpe *b, const uint8_t *s, size_t n, int32_t *ids);
+enum fsdp_status fsdp__bpe_merge_long(struct fsdp_bpe *b, const uint8_t *s, size_t n, int32_t *ids,
+                                      size_t *n_out);
+/* Cuts text[0..len) into GPT-2's pre-tokenizer pieces: writes the end of
+ * each (at most cap) to ends; returns how many. */
+size_t fsdp__bpe_pieces(const void *text, size_t len, size_t *ends, size_t cap);
+/* The pre-tokenizer class of a code point: 0 other, 1 \p{L}, 2 \p{N}, 3 \s. */
+int fsdp__bpe_class(int32_t cp);
+
 /* ---- safetensors (safetensors.c) ---- */
 /* A file is: 8-byte little-endian header length H, H bytes of JSON
  * {"name": {"dtype": "F32", "shape": [..], "data_offsets": [b, e]}, ...,

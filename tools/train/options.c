@@ -76,6 +76,8 @@ static void usage(FILE *f) {
             "                        file as bytes; 'synthetic' = built-in corpus (default). Image model:\n"
             "                        a folder laid out as MNIST (train-images-idx3-ubyte[.gz], ...), or\n"
             "                        'fashion-mnist' = Debian's dataset-fashion-mnist (default)\n"
+            "  --tokenizer DIR       GPT: GPT-2 BPE (encoder.json + vocab.bpe, or tokenizer.json): a text\n"
+            "                        --data is encoded with it at start, and the sample decoded\n"
             "  --batch N             global batch in sequences, divisible by the world size (default %d)\n"
             "  --seq T               sequence length, <= block_size (default %d)\n"
             "  --steps N             training steps (default %d)\n"
@@ -112,6 +114,9 @@ static void usage(FILE *f) {
             "  --nproc N             start N ranks on this host (mpirun) (default 1)\n"
             "  --comm S              auto | mpi | shm | self: auto = shm for ranks all on one host,\n"
             "                        else mpi (default %s)\n"
+            "  --mpi-reduce S        ordered | native: MPI reductions sum in rank order (bit-identical to\n"
+            "                        shm and run to run) or with Open MPI's own collectives (faster, the\n"
+            "                        bits vary) (default ordered; env FSDP_MPI_REDUCE)\n"
             "  --collective-timeout S  a rank waiting on one collective longer than S seconds ends the\n"
             "                        job naming it (type, sequence number, bytes); 0 = never (default %g)\n"
             "  --check-collectives   compare each collective's sequence number and (type, count, dtype)\n"
@@ -276,6 +281,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         if (!strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "--model-config")) o->model_config = v;
         else if (!strcmp(a, "--data")) o->data = v;
+        else if (!strcmp(a, "--tokenizer")) o->tokenizer = v;
         else if (!strcmp(a, "--log")) o->log_path = v;
         else if (!strcmp(a, "--mem-limit")) o->mem_limit = v;
         else if (!strcmp(a, "--save-dir")) o->save_dir = v;
@@ -376,6 +382,10 @@ void parse_args(int argc, char **argv, struct opts *o) {
             if (strcmp(v, "auto") && strcmp(v, "mpi") && strcmp(v, "shm") && strcmp(v, "self"))
                 usage_error("--comm: '%s' is not auto, mpi, shm or self", v);
             o->comm = v;
+        } else if (!strcmp(a, "--mpi-reduce")) {
+            if (strcmp(v, "ordered") && strcmp(v, "native"))
+                usage_error("--mpi-reduce: '%s' is not ordered or native", v);
+            o->mpi_reduce = v;
         } else usage_error("unknown flag '%s'", a);
     }
     parse_mem_limit(o);

@@ -12,9 +12,11 @@
 
 struct opts {
     const char *model, *model_config, *data, *log_path;
+    const char *tokenizer;      /* --tokenizer DIR (GPT-2 BPE), or NULL */
     int batch, seq, steps, warmup, threads, nproc, sample, verbose;
     float lr, min_lr, weight_decay, clip, beta1, beta2, eps, momentum;
     const char *schedule, *optim, *comm;
+    const char *mpi_reduce; /* --mpi-reduce: NULL (the library's default), ordered or native */
     int decay_all;
     int check_collectives;
     float collective_timeout;

@@ -406,6 +406,7 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
         if (bad) fail_input("--resume %s: its meta.json's \"model\": %s", resume_dir, err);
         k->cfg_source = resume_dir;
     }
+    if (o->tokenizer) fail_input("--tokenizer is for a GPT's text data, not an image model");
     k->data_name = o->data ? o->data : IMAGE_DATA_DEFAULT;
     /* the data: labels below num_classes (a preset takes the data's classes) */
     int nc = preset ? 256 : k->cfg.num_classes; /* labels are bytes */

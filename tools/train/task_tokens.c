@@ -1,7 +1,8 @@
 /*
  * task_tokens.c - fsdp-train's GPT task (task.h): a GPT preset or config,
- * token data (a file or the synthetic corpus), next-token cross-entropy
- * through fsdp_model_train_step_accum, and a text sample at the end.
+ * token data (a file or the synthetic corpus; a text file BPE-encoded with
+ * --tokenizer), next-token cross-entropy through fsdp_model_train_step_accum,
+ * and a text sample at the end.
  */
 #include "task.h"
 
@@ -13,6 +14,7 @@
 struct tokens {
     struct fsdp_gpt_config cfg;
     struct fsdp_data *data;
+    struct fsdp_bpe *bpe; /* --tokenizer, or NULL */
     const char *data_name;
     int32_t *inputs, *targets;
     int Bl, T;
@@ -21,8 +23,26 @@ struct tokens {
 static void tok_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o) {
     struct tokens *k = t->impl;
     const char *dn = k->data_name;
+    /* with --tokenizer, a file read as text is BPE-encoded instead */
+    if (o->tokenizer) {
+        if (!strcmp(dn, "synthetic"))
+            fail_all("--tokenizer needs a --data file (the synthetic corpus is byte-level text)");
+        if (fsdp_bpe_open(ctx, o->tokenizer, &k->bpe) != FSDP_OK) fail_all("--tokenizer: %s", fsdp_errmsg(ctx));
+        if (fsdp_bpe_vocab_size(k->bpe) > k->cfg.vocab_size)
+            fail_all("--tokenizer '%s': its %d ids do not fit the model's vocab_size %d", o->tokenizer,
+                     fsdp_bpe_vocab_size(k->bpe), k->cfg.vocab_size);
+    }
     enum fsdp_status st = !strcmp(dn, "synthetic") ? fsdp_data_synthetic(ctx, o->seed, (size_t)1 << 22, &k->data)
                                                    : fsdp_data_open(ctx, dn, k->cfg.vocab_size, &k->data);
+    if (st == FSDP_OK && k->bpe && fsdp_data_is_text(k->data)) {
+        double t0 = now_s();
+        fsdp_data_free(k->data);
+        k->data = NULL;
+        st = fsdp_data_open_bpe(ctx, dn, k->bpe, k->cfg.vocab_size, &k->data);
+        if (st == FSDP_OK && fsdp_ctx_rank(ctx) == 0)
+            printf("tokenized %s with %s: %zu tokens in %.2f s\n", dn, o->tokenizer, fsdp_data_ntokens(k->data),
+                   now_s() - t0);
+    }
     if (st != FSDP_OK) fail_all("--data: %s", fsdp_errmsg(ctx));
     if (fsdp_data_ntokens(k->data) < (size_t)o->seq + 1) /* a sequence would wrap around into itself */
         fail_all("--data: '%s' has %zu tokens, fewer than one sequence needs (--seq %d + 1 = %d tokens)", dn,
@@ -82,14 +102,18 @@ static void tok_summary_note(struct task *t, char *buf, size_t cap) {
 }
 
 /* Generates n tokens after a newline, temperature 1 sampling with the counter
- * RNG on rank 0, broadcast so every rank feeds the same context. */
+ * RNG on rank 0, broadcast so every rank feeds the same context. Tokens are
+ * bytes, or with a tokenizer (bpe, may be NULL) its ids, decoded at the end. */
 static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_gpt_config *cfg,
-                     int n, uint64_t seed) {
+                     int n, uint64_t seed, struct fsdp_bpe *bpe) {
     int T = cfg->block_size;
     int32_t *ctxbuf = calloc((size_t)T, sizeof(int32_t));
+    int32_t *ids = calloc((size_t)n, sizeof(int32_t));
     char *text = calloc((size_t)n + 1, 1);
     int len = 1, out = 0;
+    size_t one;
     ctxbuf[0] = '\n';
+    if (bpe && (fsdp_bpe_encode(bpe, "\n", 1, ctxbuf, &one) != FSDP_OK || one != 1)) ctxbuf[0] = 0;
     for (int i = 0; i < n; i++) {
         float *logits;
         int t0 = len > T ? len - T : 0, tl = len - t0;
@@ -116,16 +140,30 @@ static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct f
             fail_rank("sampling broadcast: %s", fsdp_errmsg(ctx));
         ctxbuf[len % T] = next;
         len++;
+        ids[i] = next;
         text[out++] = (char)(next >= 32 && next < 127 ? next : next == '\n' ? '\n' : '?');
     }
-    if (fsdp_ctx_rank(ctx) == 0) printf("--- sample ---\n%s\n--------------\n", text);
+    if (fsdp_ctx_rank(ctx) == 0 && bpe) { /* ids the tokenizer lacks (a padded vocab) show as <|id|> */
+        printf("--- sample ---\n");
+        for (int i = 0; i < n; i++) {
+            size_t l;
+            const void *t = fsdp_bpe_token(bpe, ids[i], &l);
+            if (t) fwrite(t, 1, l, stdout);
+            else printf("<|%d|>", (int)ids[i]);
+        }
+        printf("\n--------------\n");
+    } else if (fsdp_ctx_rank(ctx) == 0) {
+        printf("--- sample ---\n%s\n--------------\n", text);
+    }
     free(ctxbuf);
+    free(ids);
     free(text);
 }
 
 static void tok_finish(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o) {
     struct tokens *k = t->impl;
-    if (o->sample > 0 && fsdp_data_is_text(k->data) && o->steps > 0) generate(ctx, fm, &k->cfg, o->sample, o->seed);
+    if (o->sample > 0 && (fsdp_data_is_text(k->data) || k->bpe) && o->steps > 0)
+        generate(ctx, fm, &k->cfg, o->sample, o->seed, k->bpe);
 }
 
 static void tok_free(struct task *t) {
@@ -134,6 +172,7 @@ static void tok_free(struct task *t) {
     free(k->inputs);
     free(k->targets);
     fsdp_data_free(k->data);
+    fsdp_bpe_free(k->bpe);
     free(k);
     t->impl = NULL;
 }

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# t_multihost.sh - runs across simulated hosts (scripts/simhosts.sh: network +
+# UTS namespaces on veths, Open MPI launched through its rsh agent, TCP
+# between hosts):
+#  - test_mpi_hosts at 2 hosts x 2 ranks and 3 x 1: AUTO picks MPI
+#    across hosts and shm within one, --comm shm is refused naming the hosts,
+#    ordered reductions give the rank-order sum's bits over the world, a host
+#    and across hosts;
+#  - ranks that Open MPI places on one node but that run under two hostnames
+#    (two UTS namespaces sharing /dev/shm and /tmp) count as two hosts;
+#  - fsdp-train FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and HYBRID_SHARD (a group
+#    per host by default) at 2 hosts x 2 ranks reproduce the 1-rank run
+#    (1e-5) and give the bits of the same world on one host over shm (HYBRID's
+#    default group, the ranks of a host, against --shard-group 2 there: the
+#    group size comes from fsdp_comm_local_size, which test_mpi_hosts checks);
+#    --mpi-reduce native still trains; --comm shm across hosts is refused;
+#    a FULL_SHARD checkpoint saved across hosts resumes on one host, and one
+#    saved on one host resumes across hosts;
+#  - nothing is left behind (namespaces, the rig's files).
+# Skips (with the reason) where namespaces cannot be made. Prints
+# "N passed, N failed, N skipped" at the end.
+. "$(dirname "$0")/lib.sh"
+SIM=scripts/simhosts.sh
+export SIMHOSTS_OWNER=$$ # a rig outlives this script only if it is killed by SIGKILL; the next up sweeps it
+skipped=0
+# every rig made, one a line (up runs in a subshell): removed however the script ends
+cleanup() {
+  [ -f "$tmp/rigs" ] && while read -r r; do [ -d "$r" ] && "$SIM" down "$r"; done < "$tmp/rigs"
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+if ! why=$("$SIM" check 2>&1); then
+  echo "skip multi-host tests: cannot make simulated hosts here ($why)"
+  echo "0 passed, 0 failed, 1 skipped"
+  exit 0
+fi
+if [ ! -x "$TRAIN" ] || [ ! -x "$BUILD/tests/test_mpi_hosts" ]; then
+  bad "build" "build $TRAIN and $BUILD/tests/test_mpi_hosts first (make)"; finish
+fi
+
+up() { # up HOSTS SLOTS: prints the rig's directory, remembered for cleanup
+  local r; r=$("$SIM" up "$1" "$2") || return 1
+  echo "$r" >> "$tmp/rigs"; echo "$r"
+}
+# on RIG CMD: a shell command on host 0, with $M the mpirun options that span the hosts
+on() { local r=$1; shift; timeout -k 5 120 "$SIM" run "$r" bash -c "M=\"\$SIMHOSTS_MPIRUN --oversubscribe\"; $*"; }
+
+# ---- the communicators' view of hosts (tests/test_mpi_hosts.c) ----
+hosts_test() { # hosts_test HOSTS RANKS_PER_HOST
+  local h=$1 l=$2 r out="$tmp/hosts.$1x$2.out"
+  if ! r=$(up "$h" "$l" 2> "$out"); then bad "rig of $h hosts" "$(tail -2 "$out")"; return; fi
+  on "$r" "mpirun \$M -x FSDP_TEST_HOSTS=$h -np $((h * l)) $BUILD/tests/test_mpi_hosts" > "$out" 2>&1
+  if grep -qE '^[0-9]+ passed, 0 failed' "$out"; then ok "test_mpi_hosts at $h hosts x $l ranks"
+  else bad "test_mpi_hosts at $h hosts x $l ranks" "$(grep -E 'FAIL|rank [0-9]+:' "$out" | head -5)" "$(tail -3 "$out")"; fi
+  "$SIM" down "$r"
+}
+rig=$(up 2 2) || { bad "rig of 2 hosts" "cannot make it"; finish; }
+out="$tmp/hosts.2x2.out"
+on "$rig" "mpirun \$M -x FSDP_TEST_HOSTS=2 -np 4 $BUILD/tests/test_mpi_hosts" > "$out" 2>&1
+if grep -qE '^[0-9]+ passed, 0 failed, 0 skipped' "$out" \
+   && grep -q "not all on one host (h0-[^:]*: ranks 0-1; h1-[^:]*: ranks 2-3)" "$out"; then
+  ok "test_mpi_hosts at 2 hosts x 2 ranks (shm refused naming the hosts)"
+else bad "test_mpi_hosts at 2 hosts x 2 ranks" "$(grep -E 'FAIL|rank [0-9]+:' "$out" | head -5)" "$(tail -3 "$out")"; fi
+hosts_test 3 1
+
+# one Open MPI node (mpirun starts every rank itself), two hostnames: two hosts
+out="$tmp/uts.out"
+timeout -k 5 120 mpirun --oversubscribe -x FSDP_TEST_HOSTS=2 -np 4 bash -c \
+  'exec nsenter --target "$(cat '"$rig"'/h$((OMPI_COMM_WORLD_RANK / 2)).pid)" --uts '"$BUILD"'/tests/test_mpi_hosts' \
+  > "$out" 2>&1
+if grep -qE '^[0-9]+ passed, 0 failed, 0 skipped' "$out"; then
+  ok "one Open MPI node under two hostnames: two hosts, shm never spans them"
+else bad "one Open MPI node under two hostnames" "$(grep -E 'FAIL|rank [0-9]+:' "$out" | head -5)" "$(tail -3 "$out")"; fi
+
+# ---- fsdp-train across hosts ----
+train() { # train NAME WHERE FLAGS...: WHERE = rig (2 hosts x 2 ranks) | local (4 ranks here) | one
+  local name=$1 where=$2; shift 2
+  local args="--model tiny --steps 2 --batch 8 --seq 32 --threads 1 --sample 0 --log $tmp/$name.json $*"
+  case "$where" in
+    rig) on "$rig" "mpirun \$M -np 4 $TRAIN $args" ;;
+    local) timeout -k 5 120 mpirun --oversubscribe -np 4 $TRAIN $args ;;
+    one) timeout -k 5 120 $TRAIN $args ;;
+  esac > "$tmp/$name.out" 2>&1
+}
+close() { # close A B: every step's loss and grad_norm agree to 1e-5 (relative)
+  python3 - "$tmp/$1.json" "$tmp/$2.json" <<'EOF'
+import json, sys
+a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+if len(a) != len(b) or not a: sys.exit(f"{len(a)} vs {len(b)} steps")
+for x, y in zip(a, b):
+    for k in ("loss", "grad_norm"):
+        if not abs(x[k] - y[k]) <= 1e-5 * abs(y[k]): sys.exit(f"step {x['step']} {k}: {x[k]} vs {y[k]}")
+EOF
+}
+if train ref one; then ok "1-rank reference"; else bad "1-rank reference" "$(tail -3 "$tmp/ref.out")"; fi
+for s in FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD; do
+  extra=""; [ $s = HYBRID_SHARD ] && extra="--shard-group 2" # one host: the groups of the rig
+  ck=""; [ $s = FULL_SHARD ] && ck="--save-dir $tmp/ck.rig" # checkpoints, below
+  if train "$s.rig" rig --sharding $s $ck && msg=$(close "$s.rig" ref 2>&1); then
+    ok "$s at 2 hosts x 2 ranks reproduces the 1-rank run"
+  else bad "$s at 2 hosts x 2 ranks" "${msg:-}" "$(tail -3 "$tmp/$s.rig.out")"; fi
+  [ $s = FULL_SHARD ] && ck="--save-dir $tmp/ck.local"
+  if train "$s.local" local --sharding $s --comm shm $extra $ck && same_bits "$tmp/$s.rig.json" "$tmp/$s.local.json"; then
+    ok "$s: 2 hosts (MPI, ordered) give the bits of 4 ranks on one host (shm)"
+  else bad "$s across hosts vs shm on one host: bits differ" "$(tail -2 "$tmp/$s.local.out")"; fi
+done
+# checkpoints saved across hosts load on one host (the bits of one saved there), and vice versa
+if train ck.one.rig one --steps 3 --resume "$tmp/ck.rig" && train ck.one.local one --steps 3 --resume "$tmp/ck.local" \
+   && same_bits "$tmp/ck.one.rig.json" "$tmp/ck.one.local.json"; then
+  ok "a checkpoint saved across 2 hosts resumes on one host at 1 rank (the bits of one saved on one host)"
+else bad "checkpoint across hosts -> one host" "$(tail -2 "$tmp/ck.one.rig.out")" "$(tail -2 "$tmp/ck.one.local.out")"; fi
+if train ck.rig.local rig --steps 3 --resume "$tmp/ck.local" && msg=$(close ck.rig.local ck.one.local 2>&1); then
+  ok "a checkpoint saved on one host resumes across 2 hosts (1e-5 of the 1-rank resume)"
+else bad "checkpoint one host -> across hosts" "${msg:-}" "$(tail -2 "$tmp/ck.rig.local.out")"; fi
+if train native rig --sharding FULL_SHARD --comm mpi --mpi-reduce native && msg=$(close native ref 2>&1); then
+  ok "--mpi-reduce native across hosts reproduces the 1-rank run (1e-5)"
+else bad "--mpi-reduce native across hosts" "${msg:-}" "$(tail -3 "$tmp/native.out")"; fi
+if ! train shm rig --comm shm && grep -q "comm shm: the 4 ranks are not all on one host (h0-" "$tmp/shm.out"; then
+  ok "fsdp-train --comm shm across hosts is refused naming the hosts"
+else bad "--comm shm across hosts" "$(tail -3 "$tmp/shm.out")"; fi
+
+# ---- nothing left behind ----
+left=""
+while read -r r; do
+  pids=$(cat "$r"/h*.pid 2> /dev/null) # the hosts' UTS holders, of a rig still up
+  [ -d "$r" ] && "$SIM" down "$r"
+  id=${r##*.}
+  left="$left$(ip netns list | grep "fsdp-$id-")$(ls -d "$r" 2> /dev/null)"
+  for p in $pids; do # gone, or a zombie awaiting its reaper
+    [ -e "/proc/$p" ] && [ "$(awk '{print $3}' "/proc/$p/stat" 2> /dev/null)" != Z ] && left="$left process $p"
+  done
+done < "$tmp/rigs"
+if [ -z "$left" ]; then ok "the rigs left nothing behind (namespaces, files, processes)"; else bad "left behind" "$left"; fi
+
+echo "$pass passed, $fail failed, $skipped skipped"
+[ "$fail" -eq 0 ]
