@@ -97,6 +97,31 @@ if "$TRAIN" --model cnn --batch 64 --steps 300 --threads 1 --optim sgd --lr 0.4 
   else bad "the small CNN reaches test accuracy $ACC_MIN" "accuracy $acc" "$(tail -3 "$tmp/oacc")"; fi
 else bad "accuracy run" "$(tail -3 "$tmp/oacc")"; fi
 
+# ---- --data DIR (MNIST layout), --epochs, the step schedule ----
+python3 - "$tmp/tiny" <<'EOF'
+import os, struct, sys, random
+d = sys.argv[1]; os.makedirs(d)
+r = random.Random(5)
+def write(name, n):
+    with open(f"{d}/{name}-images-idx3-ubyte", "wb") as f:
+        f.write(struct.pack(">IIII", 0x803, n, 8, 8) + bytes(r.randrange(256) for _ in range(n * 64)))
+    with open(f"{d}/{name}-labels-idx1-ubyte", "wb") as f:
+        f.write(struct.pack(">II", 0x801, n) + bytes(r.randrange(3) for _ in range(n)))
+write("train", 50); write("t10k", 7)
+EOF
+if "$TRAIN" --model cnn --data "$tmp/tiny" --epochs 2 --batch 16 --threads 1 --warmup 0 --lr 0.1 \
+     --lr-schedule step --lr-steps 3,6 --log "$tmp/tiny.jsonl" > "$tmp/otiny" 2>&1 &&
+   msg=$(python3 - "$tmp/tiny.jsonl" <<'EOF' 2>&1
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+assert len(a) == 8, f"{len(a)} steps, expected 2 epochs x ceil(50 / 16) = 8"
+want = [0.1] * 3 + [0.01] * 3 + [0.001] * 2
+assert all(abs(x["lr"] - w) <= 1e-6 * w for x, w in zip(a, want)), [x["lr"] for x in a]
+assert a[-1]["eval_images"] == 7 and "eval_acc" in a[-1] and "eval_acc" not in a[0]
+EOF
+   ); then ok "--data DIR (8x8 images, 3 classes), --epochs 2 = 8 steps, --lr-steps 3,6 decays x0.1, evaluation at the end"
+else bad "--data DIR, --epochs, step schedule" "${msg:-}" "$(tail -3 "$tmp/otiny")"; fi
+
 # ---- (5) bad input: one line, exit 2, every rank ----
 # expect_input NAME PATTERN -- ARGS...: exit 2 within 60 s, one error line on stderr matching PATTERN
 expect_input() {
