@@ -252,6 +252,11 @@ struct fsdp_module {
     int n_buffers, cap_buffers;
     int training;               /* 1 (default) in train mode, 0 in eval mode:
                                    fsdp_module_set_training */
+    int fp32_params;            /* its parameters stay fp32 under mixed precision: when the
+                                   units compute in 16 bits, sharding makes it a wholly fp32
+                                   unit of its own unless the wrap policy overrides its
+                                   mixed precision (set by BatchNorm2d, as PyTorch's
+                                   autocast and FSDP keep batch norm in fp32) */
 };
 
 /* Creates a module of the given ops with a local name. *out is returned to the
