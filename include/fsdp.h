@@ -252,6 +252,11 @@ struct fsdp_module {
     int n_buffers, cap_buffers;
     int training;               /* 1 (default) in train mode, 0 in eval mode:
                                    fsdp_module_set_training */
+    int fp32_params;            /* its parameters stay fp32 under mixed precision: when the
+                                   units compute in 16 bits, sharding makes it a wholly fp32
+                                   unit of its own unless the wrap policy overrides its
+                                   mixed precision (set by BatchNorm2d, as PyTorch's
+                                   autocast and FSDP keep batch norm in fp32) */
 };
 
 /* Creates a module of the given ops with a local name. *out is returned to the
@@ -777,7 +782,14 @@ enum fsdp_status fsdp_model_param_norm(struct fsdp_ctx *ctx, struct fsdp_model *
 
 /* ---- Optimizer (src/optim) -------------------------------------------- */
 
-enum fsdp_optim_kind { FSDP_OPTIM_ADAMW, FSDP_OPTIM_SGD };
+/* FSDP_OPTIM_LARS: SGD (momentum, coupled weight decay) whose every decayed
+ * parameter's step is scaled by its trust ratio (LARC as SwAV trains,
+ * without clipping): d = r (g + wd w), r = eta ||w|| / (||g|| + wd ||w|| +
+ * eps), norms of the whole parameter (over its shards: the training step
+ * all-reduces per-parameter sums once); parameters without weight decay
+ * (biases, batch norm) and those with ||w|| or ||g|| zero take plain SGD
+ * steps without decay. */
+enum fsdp_optim_kind { FSDP_OPTIM_ADAMW, FSDP_OPTIM_SGD, FSDP_OPTIM_LARS };
 
 struct fsdp_optim_opts {
     enum fsdp_optim_kind kind;
@@ -785,6 +797,8 @@ struct fsdp_optim_opts {
     float momentum;            /* SGD; default 0 */
     float weight_decay;        /* default 0.1 (decoupled for AdamW) */
     int decay_all;             /* 1: decay biases, LayerNorm, embeddings too (default 0) */
+    float trust_coefficient;   /* LARS's eta; default 0.001 */
+    float lars_eps;            /* LARS's eps in the ratio's denominator; default 1e-8 */
     int nesterov;              /* SGD: Nesterov momentum as torch.optim.SGD's (needs momentum > 0);
                                   default 0 */
 };
@@ -811,6 +825,8 @@ struct fsdp_optim_slice {
                                 updated parameters rounded to nearest even, written while they
                                 are still in cache (a 16-bit copy without a separate cast) */
     enum fsdp_dtype lp_dtype; /* FSDP_BF16 or FSDP_F16 when param_lp is set */
+    float trust;             /* LARS: this slice's factor on (g + wd w) (set by the training step
+                                per parameter); 0: none (plain SGD step, e.g. excluded) */
     double *sumsq;           /* optional (NULL: none): receives the sum of squares of the updated
                                 parameters, in double, per 8192-element chunk and the chunks in
                                 order (the same bits for any thread count) */

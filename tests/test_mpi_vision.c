@@ -105,4 +105,74 @@ TEST(sync_batchnorm_matches_one_rank) {
     fsdp_module_free(full);
 }
 
+/* [Note: fp32 modules]: under AMP_BF16 a BatchNorm2d inside a bf16 unit gets
+ * an fp32 unit of its own, so its weight is not rounded to bf16 (a weight of
+ * 1 + 2^-12, not a bf16 value, must act as itself); under FP32 no extra unit. */
+TEST(batchnorm_keeps_fp32_parameters_under_bf16) {
+    struct fsdp_ctx *c = get_ctx();
+    enum { C = 3, HW = 4 };
+    for (int prec = 0; prec < 2; prec++) {
+        struct fsdp_module *root = NULL, *conv = NULL, *bn = NULL;
+        ASSERT_OK(fsdp_sequential_create(c, "", &root), c);
+        struct fsdp_conv2d_opts co = fsdp_conv2d_opts_default(C, C, 1);
+        ASSERT_OK(fsdp_conv2d_create(c, "0", &co, &conv), c);
+        ASSERT_OK(fsdp_module_add_child(c, root, conv), c);
+        struct fsdp_batchnorm_opts bo = fsdp_batchnorm_opts_default(C);
+        ASSERT_OK(fsdp_batchnorm2d_create(c, "1", &bo, &bn), c);
+        ASSERT_OK(fsdp_module_add_child(c, root, bn), c);
+        ASSERT_OK(fsdp_module_finalize(c, root), c);
+        struct fsdp_shard_opts so = fsdp_shard_opts_default();
+        so.wrap = NULL; /* one unit for everything... */
+        so.precision = prec ? FSDP_BF16 : FSDP_F32;
+        struct fsdp_model *fm = NULL;
+        ASSERT_OK(fsdp_fully_shard(c, root, &so, &fm), c);
+        ASSERT_OK(fsdp_model_init_params(c, fm, 5), c);
+        /* ...but the batch norm's own under bf16, wholly fp32 */
+        CHECK_INT_EQ(fsdp_model_n_units(fm), prec ? 2 : 1);
+        int bn_unit = -1;
+        for (int i = 0; i < fsdp_model_n_units(fm); i++) {
+            struct fsdp_unit_info ui;
+            struct fsdp_unit_precision up;
+            fsdp_model_unit_info(fm, i, &ui);
+            fsdp_model_unit_precision(fm, i, &up);
+            if (!strcmp(ui.fqn, "1")) {
+                bn_unit = i;
+                CHECK_INT_EQ(up.param_dtype, FSDP_F32);
+                CHECK_INT_EQ(up.compute_dtype, FSDP_F32);
+            } else {
+                CHECK_INT_EQ(up.param_dtype, prec ? FSDP_BF16 : FSDP_F32);
+            }
+        }
+        CHECK(prec ? bn_unit > 0 : bn_unit < 0);
+        /* weight 1 + 2^-12, bias 2^-13: eval output = conv(x) / sqrt(1 + eps) w + b, in fp32 */
+        ASSERT_OK(fsdp_summon_full_params(c, fm, bn, 1, 0), c);
+        for (int i = 0; i < C; i++) bn->params[0]->data[i] = 1.0f + 0x1p-12f, bn->params[1]->data[i] = 0x1p-13f;
+        ASSERT_OK(fsdp_summon_end(c, fm), c);
+        fsdp_module_set_training(root, 0);
+        static float x[2 * C * HW];
+        for (int i = 0; i < 2 * C * HW; i++) x[i] = (float)(i % 7) * 0.25f - 0.5f;
+        struct fsdp_tensor xt = {.data = x, .dtype = FSDP_F32, .ndim = 4, .shape = {2, C, 2, 2}}, y = {0};
+        ASSERT_OK(fsdp_model_forward_tensor(c, fm, &xt, &y), c);
+        /* the conv alone, for the reference: the same conv in eval mode on the same input */
+        static float yc[2 * C * HW], yo[2 * C * HW];
+        memcpy(yo, y.data, sizeof yo);
+        ASSERT_OK(fsdp_summon_full_params(c, fm, root, 0, 0), c);
+        struct fsdp_tensor t = {0};
+        fsdp_arena_reset(c);
+        ASSERT_OK(fsdp_module_forward(conv, c, &xt, &t), c);
+        memcpy(yc, t.data, sizeof yc);
+        ASSERT_OK(fsdp_summon_end(c, fm), c);
+        double worst = 0;
+        for (int i = 0; i < 2 * C * HW; i++) {
+            double want = (double)yc[i] / sqrt(1.0 + 1e-5) * (1.0 + 0x1p-12) + 0x1p-13;
+            double d = fabs(yo[i] - want);
+            worst = d > worst || d != d ? d : worst;
+        }
+        /* rounding the weight to bf16 (1.0) would be off by |y| 2^-12, about 1e-4 here */
+        if (!(worst <= 2e-6)) TEST_FAILF("precision %d: batch norm output off by %g", prec, worst);
+        fsdp_model_free(fm);
+        fsdp_module_free(root);
+    }
+}
+
 TEST_MAIN()

@@ -82,6 +82,15 @@ static enum fsdp_status collect_units(struct fsdp_ctx *ctx, struct fsdp_module *
         return fsdp__err(ctx, FSDP_ERR_INVALID, "wrap policy returned %d for module '%s'", (int)w,
                          mod_name(m));
     if (w != FSDP_WRAP_UNIT_OVERRIDE) ovr.set = 0;
+    /* [Note: fp32 modules] a module whose parameters must stay fp32 under
+     * mixed precision (batch norm, as PyTorch's autocast and FSDP keep it)
+     * becomes a wholly fp32 unit of its own when the units gather 16-bit,
+     * unless the policy said otherwise for it */
+    if (!is_root && m->fp32_params && o->precision != FSDP_F32 && !(ovr.set & FSDP_OVR_MIXED_PRECISION)) {
+        w = FSDP_WRAP_UNIT_OVERRIDE;
+        ovr.set |= FSDP_OVR_MIXED_PRECISION;
+        ovr.mixed_precision = FSDP_MP_FULL;
+    }
     if (ovr.set & ~(FSDP_OVR_RESHARD_AFTER_FORWARD | FSDP_OVR_MIXED_PRECISION))
         return fsdp__err(ctx, FSDP_ERR_INVALID, "wrap policy: unknown override bits 0x%x for module '%s'",
                          ovr.set, mod_name(m));

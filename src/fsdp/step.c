@@ -175,6 +175,75 @@ enum fsdp_status fsdp_model_param_norm(struct fsdp_ctx *ctx, struct fsdp_model *
 /* The optimizer over every unit's slices; *sumsq gets this rank's sum of
  * squares of the updated parameters, slice by slice in order (the same bits
  * as param_sumsq_local, see [Note: fused 16-bit copy] in optim.c). */
+/* [Note: LARS trust ratios] LARS scales each decayed parameter's step by
+ * r = eta ||w|| / (||g|| + wd ||w|| + eps), norms of the whole parameter.
+ * A parameter's elements lie in one unit's flat buffer, cut across the shard
+ * group's ranks, so each rank sums w^2 and (g grad_scale)^2 per parameter
+ * over its slices (the unit's slices follow its parameters in order, one per
+ * parameter overlapping the shard: build_slices), the shard group
+ * all-reduces the (2 x parameters) sums once, and every slice of a parameter
+ * gets the same r. Replicas (HYBRID_SHARD) hold equal shards, so the shard
+ * group's sums are the whole parameter's. Undecayed parameters keep trust 0
+ * (a plain SGD step); with ||w|| or ||g|| zero the step is plain SGD without
+ * decay, as LARC leaves such a parameter alone. COLLECTIVE: yes (shard group). */
+static enum fsdp_status lars_trust(struct fsdp_model *fm, struct fsdp_optim_slice *all, float grad_scale) {
+    const struct fsdp_optim_opts *o = fsdp__optim_opts(fm->optim);
+    int P = 0;
+    for (int i = 0; i < fm->n_units; i++) P += fm->units[i].n_params;
+    float *sums = calloc((size_t)(2 * P) + 1, sizeof *sums), *tot = calloc((size_t)(2 * P) + 1, sizeof *tot);
+    if (!sums || !tot) {
+        free(sums);
+        free(tot);
+        return fsdp__err(fm->ctx, FSDP_ERR_NOMEM, "out of memory for LARS's norms");
+    }
+    int base = 0, k = 0;
+    for (int i = 0; i < fm->n_units; i++) { /* slice k of the model <-> parameter base + j */
+        struct fsdp__unit *u = &fm->units[i];
+        int64_t lo = (int64_t)fm->shard_rank * u->numel_shard, hi = lo + u->numel_shard;
+        for (int j = 0; j < u->n_params; j++) {
+            int64_t a = u->offsets[j], b = a + u->params[j]->numel;
+            if ((a > lo ? a : lo) >= (b < hi ? b : hi)) continue;
+            const struct fsdp_optim_slice *sl = &all[k++];
+            double g2 = fsdp__sumsq(sl->grad, sl->n) * (double)grad_scale * (double)grad_scale;
+            sums[2 * (base + j)] = (float)fsdp__sumsq(sl->param, sl->n);
+            sums[2 * (base + j) + 1] = (float)g2;
+        }
+        base += u->n_params;
+    }
+    enum fsdp_status st = FSDP_OK;
+    if (fm->shard_comm && fm->shard_size > 1)
+        st = fsdp_comm_allreduce(fm->shard_comm, sums, tot, (size_t)(2 * P), FSDP_F32, FSDP_SUM);
+    else
+        memcpy(tot, sums, (size_t)(2 * P) * sizeof *tot);
+    if (st != FSDP_OK) st = fsdp__err(fm->ctx, st, "LARS: all-reduce of the parameter norms failed");
+    base = 0, k = 0;
+    for (int i = 0; i < fm->n_units && st == FSDP_OK; i++) {
+        struct fsdp__unit *u = &fm->units[i];
+        int64_t lo = (int64_t)fm->shard_rank * u->numel_shard, hi = lo + u->numel_shard;
+        for (int j = 0; j < u->n_params; j++) {
+            int64_t a = u->offsets[j], b = a + u->params[j]->numel;
+            if ((a > lo ? a : lo) >= (b < hi ? b : hi)) continue;
+            struct fsdp_optim_slice *sl = &all[k++];
+            if (!sl->decay) continue; /* biases, batch norm: excluded */
+            if (sl->decay > 1 && fsdp__optim_group_frozen(fm->optim, sl->decay - 1)) continue; /* untouched */
+            double wn = sqrt((double)tot[2 * (base + j)]), gn = sqrt((double)tot[2 * (base + j) + 1]);
+            double wd = (double)o->weight_decay;
+            if (sl->decay > 1) {
+                struct fsdp_optim_group_settings gs;
+                if (fsdp_optim_group_get(fm->optim, sl->decay - 1, &gs) == FSDP_OK) wd = (double)gs.weight_decay;
+            }
+            if (wn > 0.0 && gn > 0.0)
+                sl->trust = (float)((double)o->trust_coefficient * wn / (gn + wd * wn + (double)o->lars_eps));
+            else
+                sl->decay = 0; /* plain step, no decay (this step's copy of the slice only) */
+        }
+        base += u->n_params;
+    }
+    free(sums);
+    free(tot);
+    return st;
+}
+
 static enum fsdp_status optim_step_all(struct fsdp_model *fm, float lr, float grad_scale, double *sumsq) {
     int n = 0;
     for (int i = 0; i < fm->n_units; i++) n += fm->units[i].n_slices;
@@ -191,6 +260,14 @@ static enum fsdp_status optim_step_all(struct fsdp_model *fm, float lr, float gr
         n += fm->units[i].n_slices;
     }
     for (int j = 0; j < n; j++) all[j].sumsq = &sums[j];
+    if (fsdp__optim_opts(fm->optim)->kind == FSDP_OPTIM_LARS) {
+        enum fsdp_status st = lars_trust(fm, all, grad_scale);
+        if (st != FSDP_OK) {
+            free(all);
+            free(sums);
+            return st;
+        }
+    }
     fsdp_optim_step(fm->optim, all, n, lr, grad_scale);
     *sumsq = 0.0;
     for (int j = 0; j < n; j++) *sumsq += sums[j];

@@ -1,5 +1,5 @@
 /*
- * optim.c - AdamW and SGD over the local shards, the gradient-clipping
+ * optim.c - AdamW, SGD and LARS over the local shards, the gradient-clipping
  * factor and the learning-rate schedules. Sits above core and below fsdp/:
  * it sees only slices of floats (param, grad, state) and never communicates;
  * the caller (src/fsdp/step.c) cuts shards into slices, decides which slices
@@ -46,6 +46,8 @@ struct fsdp_optim_opts fsdp_optim_opts_default(void) {
     o.momentum = 0.0f;
     o.weight_decay = 0.1f;
     o.decay_all = 0;
+    o.trust_coefficient = 0.001f;
+    o.lars_eps = 1e-8f;
     return o;
 }
 
@@ -53,9 +55,13 @@ struct fsdp_optim_opts fsdp_optim_opts_default(void) {
 static int in_unit_interval(float x) { return x >= 0.0f && x < 1.0f; }
 
 static enum fsdp_status validate(struct fsdp_ctx *ctx, const struct fsdp_optim_opts *o) {
-    if (o->kind != FSDP_OPTIM_ADAMW && o->kind != FSDP_OPTIM_SGD)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim: kind %d is not adamw (%d) or sgd (%d)",
-                         (int)o->kind, (int)FSDP_OPTIM_ADAMW, (int)FSDP_OPTIM_SGD);
+    if (o->kind != FSDP_OPTIM_ADAMW && o->kind != FSDP_OPTIM_SGD && o->kind != FSDP_OPTIM_LARS)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim: kind %d is not adamw (%d), sgd (%d) or lars (%d)",
+                         (int)o->kind, (int)FSDP_OPTIM_ADAMW, (int)FSDP_OPTIM_SGD, (int)FSDP_OPTIM_LARS);
+    if (o->kind == FSDP_OPTIM_LARS && (!(o->trust_coefficient > 0.0f) || !(o->lars_eps >= 0.0f) ||
+                                       !isfinite(o->trust_coefficient) || !isfinite(o->lars_eps)))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim: LARS trust_coefficient %g must be positive, eps %g >= 0",
+                         (double)o->trust_coefficient, (double)o->lars_eps);
     if (!in_unit_interval(o->beta1))
         return fsdp__err(ctx, FSDP_ERR_INVALID, "optim: beta1 = %g is not in [0, 1)", (double)o->beta1);
     if (!in_unit_interval(o->beta2))
@@ -452,7 +458,10 @@ void fsdp_optim_step(struct fsdp_optim *opt, const struct fsdp_optim_slice *slic
                 glr = dlr * (double)opt->groups[slices[j].decay - 1].lr_scale;
                 gwd = (double)opt->groups[slices[j].decay - 1].weight_decay;
             }
-            sgd_slice(&slices[j], glr, slices[j].decay ? gwd : 0.0, (double)o->momentum, first, o->nesterov, scale);
+            /* LARS: d = r (g scale + wd p) is SGD's step with scale r scale and decay r wd */
+            const double r = slices[j].trust > 0.0f ? (double)slices[j].trust : 1.0;
+            sgd_slice(&slices[j], glr, slices[j].decay ? gwd * r : 0.0, (double)o->momentum, first, o->nesterov,
+                      scale * r);
         }
     }
 }
