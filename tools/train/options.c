@@ -54,6 +54,7 @@ struct opts opts_default(void) {
     o.crop_padding = 4;
     o.shuffle = 1;
     o.sync_bn = -1;
+    o.lars_eta = 0.001f;
     o.mean[0] = 0.2860f;
     o.std[0] = 0.3530f;
     o.n_mean = o.n_std = 1;
@@ -100,7 +101,9 @@ static void usage(FILE *f) {
             "  --warmup N            linear warmup steps (default %d)\n"
             "  --lr-schedule S       cosine | constant | step (x0.1 at each --lr-steps milestone) (default %s)\n"
             "  --lr-steps A,B,..     the step schedule's milestones in steps\n"
-            "  --optim S             adamw | sgd (default %s)\n"
+            "  --optim S             adamw | sgd | lars (SGD with per-parameter trust ratios, SwAV's LARC\n"
+            "                        without clipping) (default %s)\n"
+            "  --lars-eta X          LARS's trust coefficient (default 0.001)\n"
             "  --beta1 X             AdamW beta1 (default %g)\n"
             "  --beta2 X             AdamW beta2 (default %g)\n"
             "  --eps X               AdamW eps (default %g)\n"
@@ -371,12 +374,14 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--beta2")) o->beta2 = parse_float(a, v, 0, 0.999999);
         else if (!strcmp(a, "--eps")) o->eps = parse_float(a, v, 1e-30, 1);
         else if (!strcmp(a, "--momentum")) o->momentum = parse_float(a, v, 0, 0.999999);
+        else if (!strcmp(a, "--lars-eta")) o->lars_eta = parse_float(a, v, 1e-9, 1e3);
         else if (!strcmp(a, "--lr-schedule")) {
             if (strcmp(v, "cosine") && strcmp(v, "constant") && strcmp(v, "step"))
                 usage_error("--lr-schedule: '%s' is not cosine, constant or step", v);
             o->schedule = v;
         } else if (!strcmp(a, "--optim")) {
-            if (strcmp(v, "adamw") && strcmp(v, "sgd")) usage_error("--optim: '%s' is not adamw or sgd", v);
+            if (strcmp(v, "adamw") && strcmp(v, "sgd") && strcmp(v, "lars"))
+                usage_error("--optim: '%s' is not adamw, sgd or lars", v);
             o->optim = v;
         } else if (!strcmp(a, "--comm")) {
             if (strcmp(v, "auto") && strcmp(v, "mpi") && strcmp(v, "shm") && strcmp(v, "self"))

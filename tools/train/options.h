@@ -53,6 +53,7 @@ struct opts {
     float mean[4], std[4];        /* --mean, --std: per channel (one value: every channel) */
     int n_mean, n_std;
     int sync_bn;                  /* --sync-bn on|off; -1 = on when the world is larger than one */
+    float lars_eta;               /* --lars-eta: LARS's trust coefficient */
 };
 
 #define MODEL_DEFAULT "small"
