@@ -691,6 +691,72 @@ enum fsdp_status fsdp_model_get_grad(struct fsdp_ctx *ctx, struct fsdp_model *fm
 enum fsdp_status fsdp_model_grad_norm(struct fsdp_ctx *ctx, struct fsdp_model *fm, double *out);
 enum fsdp_status fsdp_model_param_norm(struct fsdp_ctx *ctx, struct fsdp_model *fm, double *out);
 
+/* ---- Models: ResNet (src/models) ------------------------------------- */
+
+/* torchvision's ResNet-18/34/50 (resnet.py, v1.5: a Bottleneck's stride on
+ * its 3x3), with torchvision's parameter and buffer names:
+ *   conv1        Conv2d(in_chans, w, 7, 2, 3) (stem imagenet) or (3, 1, 1) (cifar), no bias
+ *   bn1, relu    BatchNorm2d(w), ReLU
+ *   maxpool      MaxPool2d(3, 2, 1) (imagenet stem only)
+ *   layer1..4    Sequential of blocks "0".."n-1" (BasicBlock or Bottleneck),
+ *                planes w, 2w, 4w, 8w, stride 1, 2, 2, 2
+ *   avgpool      AdaptiveAvgPool2d(1), then a flatten (a view)
+ *   fc           Linear(8w * expansion, num_classes), expansion 1 (BasicBlock) or 4
+ * with w = width (64: torchvision's). Forward: (N, in_chans, H, W) F32 ->
+ * logits (N, num_classes) F32; the root's type is "ResNet". Init: convs
+ * kaiming normal fan_out (torchvision's), BN weight 1 and bias 0 (each
+ * block's last BN weight 0 with zero_init_residual), fc weight N(0, 1 / (3
+ * fan_in)) (the variance of PyTorch's default Linear init, uniform(-1 /
+ * sqrt(fan_in), 1 / sqrt(fan_in)): the init kinds have no uniform) and fc
+ * bias 0 (PyTorch's is uniform too). */
+enum fsdp_resnet_arch { FSDP_RESNET18, FSDP_RESNET34, FSDP_RESNET50 };
+enum fsdp_resnet_stem { FSDP_RESNET_STEM_IMAGENET, FSDP_RESNET_STEM_CIFAR };
+struct fsdp_resnet_config {
+    enum fsdp_resnet_arch arch; /* resnet18 / 34: BasicBlock [2,2,2,2] / [3,4,6,3];
+                                   resnet50: Bottleneck [3,4,6,3] */
+    int in_chans;               /* 1 .. 64 */
+    int num_classes;            /* 1 .. 2^24 */
+    enum fsdp_resnet_stem stem;
+    int width;                  /* 1 .. 1024; 64 = torchvision */
+    int zero_init_residual;     /* 1: each block's last BN weight starts at 0 */
+};
+/* Presets "resnet18", "resnet34", "resnet50": that arch, in_chans 3,
+ * num_classes 1000, stem imagenet, width 64 (torchvision's defaults);
+ * FSDP_ERR_INVALID for another name (no message: ctx-free). */
+enum fsdp_status fsdp_resnet_config_preset(const char *name, struct fsdp_resnet_config *cfg);
+/* Reads {"arch": "resnet18" | "resnet34" | "resnet50", "in_chans": 1,
+ * "num_classes": 10, "stem": "imagenet" | "cifar", "width": 64,
+ * "zero_init_residual": false}: arch is required, the others default to
+ * the preset's values (in_chans 3, num_classes 1000, imagenet, width 64,
+ * false). An unknown or repeated key, a wrong type, or a value out of range
+ * is one error naming the file and the key; *cfg is written only on
+ * success. COLLECTIVE: no. */
+enum fsdp_status fsdp_resnet_config_load(struct fsdp_ctx *ctx, const char *path, struct fsdp_resnet_config *cfg);
+/* FSDP_ERR_INVALID naming the field for an unknown arch or stem, or
+ * in_chans, num_classes or width out of range. */
+enum fsdp_status fsdp_resnet_config_validate(struct fsdp_ctx *ctx, const struct fsdp_resnet_config *cfg);
+/* "resnet18", ... and "imagenet" / "cifar" ("?" when out of range). */
+const char *fsdp_resnet_arch_name(enum fsdp_resnet_arch arch);
+const char *fsdp_resnet_stem_name(enum fsdp_resnet_stem stem);
+/* Builds the model with shapes only (fsdp_module_materialize or sharding
+ * gives it values); finalized (FQNs set). *out is returned to the caller. */
+enum fsdp_status fsdp_resnet_create(struct fsdp_ctx *ctx, const struct fsdp_resnet_config *cfg,
+                                    struct fsdp_module **out);
+/* The residual block's module type: "BasicBlock" (resnet18/34) or
+ * "Bottleneck" (resnet50). The default wrap policy for sharding a ResNet, a
+ * unit per block with the stem and the head (fc) in the root unit (VISSL's
+ * style), is fsdp_wrap_by_type with it as user data:
+ *   struct fsdp_wrap_policy wp = {fsdp_wrap_by_type, (void *)fsdp_resnet_block_type(&cfg)};
+ * and the same with fsdp_ac_by_type checkpoints every block. */
+const char *fsdp_resnet_block_type(const struct fsdp_resnet_config *cfg);
+/* The same policy for either kind of block: a unit for every module of type
+ * BasicBlock or Bottleneck (ud unused). */
+enum fsdp_wrap fsdp_resnet_wrap_blocks(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr);
+/* Forward FLOPs per image of H x W (2 per multiply-add of every convolution
+ * and of fc; batch norm, ReLU and pooling not counted), for FLOP/s figures;
+ * a training step costs about 3x this. */
+double fsdp_resnet_flops_per_image(const struct fsdp_resnet_config *cfg, int H, int W);
+
 /* ---- Optimizer (src/optim) -------------------------------------------- */
 
 enum fsdp_optim_kind { FSDP_OPTIM_ADAMW, FSDP_OPTIM_SGD };
