@@ -984,6 +984,17 @@ enum fsdp_status fsdp_images_open(struct fsdp_ctx *ctx, const char *dir, enum fs
  * N x H x W x C) and an IDX label file (ubyte, 1 dimension N). */
 enum fsdp_status fsdp_images_open_idx(struct fsdp_ctx *ctx, const char *images_path, const char *labels_path,
                                       int num_classes, struct fsdp_images **out);
+/* Opens a set in fsdp.c's raw format (README, "Raw image format"), for any
+ * set that is not IDX: a 32-byte header (the magic "FSDPIMG1", then
+ * little-endian uint32 count, height, width, channels 1-4, label size 1 or
+ * 4, and 0), count x height x width x channels uint8 pixels (HWC, image
+ * after image), then count labels, uint8 or little-endian int32; the whole
+ * file plain or gzip-compressed. Every label must be in [0, num_classes),
+ * num_classes at most 2^24. A wrong magic, a bad header field, truncated or
+ * overlong data, or a label out of range is one error naming the file.
+ * *out is returned to the caller to free. COLLECTIVE: no. */
+enum fsdp_status fsdp_images_open_raw(struct fsdp_ctx *ctx, const char *path, int num_classes,
+                                      struct fsdp_images **out);
 void fsdp_images_free(struct fsdp_images *im); /* NULL: no-op */
 struct fsdp_images_info {
     int64_t count;
@@ -1006,10 +1017,40 @@ struct fsdp_image_batch_opts {
                             by this many pixels on each side (torchvision RandomCrop) */
     int hflip;           /* 1: mirror left-right with probability 1/2 */
     float mean[4], std[4]; /* per channel: x = (p / 255 - mean) / std */
+    int resized_crop;    /* 1: a random resized crop of the image back to height x width
+                            (fsdp_images_random_resized_crop, view 0; before the flip);
+                            exclusive with crop_padding */
+    float crop_scale[2]; /* its scale range, default (0.08, 1) */
 };
-/* seed 0, shuffle on, no augmentation, Fashion-MNIST's mean 0.2860 and std
- * 0.3530 in every channel. */
+/* seed 0, shuffle on, no augmentation (crop_scale 0.08 to 1 when
+ * resized_crop is turned on), Fashion-MNIST's mean 0.2860 and std 0.3530 in
+ * every channel. */
 struct fsdp_image_batch_opts fsdp_image_batch_opts_default(void);
+/* Random resized crop (torchvision's RandomResizedCrop; the exact draws in
+ * src/data/idx.c, [Note: random resized crop]): a box of image idx with an
+ * area of scale_lo to scale_hi of the image's and an aspect ratio (width /
+ * height) of 3/4 to 4/3, from up to 10 attempts, else the central crop,
+ * drawn from (seed, epoch, idx, view) alone, so every rank and world size
+ * draws the same; `view` numbers independent crops of one image in one
+ * epoch (SwAV's multi-crop: views 0, 1 large, 2.. small). */
+struct fsdp_crop_box {
+    int top, left, height, width; /* inside the image */
+};
+void fsdp_images_crop_box(const struct fsdp_images *im, uint64_t seed, int64_t epoch, int64_t idx, int view,
+                          float scale_lo, float scale_hi, struct fsdp_crop_box *out);
+/* The box of image idx resized bilinearly (torch's interpolate, align_corners
+ * false) to dst (channels, out_h, out_w), values p / 255 in [0, 1] (normalise
+ * after). A box outside the image, idx out of range or a side outside
+ * [1, 65536] is FSDP_ERR_INVALID. COLLECTIVE: no. */
+enum fsdp_status fsdp_images_resized_crop(struct fsdp_ctx *ctx, const struct fsdp_images *im, int64_t idx,
+                                          const struct fsdp_crop_box *box, int out_h, int out_w, float *dst);
+/* Both: the random box of (seed, epoch, idx, view), resized to out_h x out_w.
+ * 0 < scale_lo <= scale_hi <= 1, epoch >= 0, else FSDP_ERR_INVALID.
+ * COLLECTIVE: no. */
+enum fsdp_status fsdp_images_random_resized_crop(struct fsdp_ctx *ctx, const struct fsdp_images *im, uint64_t seed,
+                                                 int64_t epoch, int64_t idx, int view, int out_h, int out_w,
+                                                 float scale_lo, float scale_hi, float *dst);
+
 /* This rank's share of global batch `step` of B images: positions step*B + i
  * for i in [rank*B/world, (rank+1)*B/world), as normalised fp32 images x
  * (n, channels, height, width) and labels (n), n = that share's size. With
