@@ -263,7 +263,7 @@ static void run_reference(int with_data) {
         ref_case(js, dir, id++, ctx, &c, 8, 28, 28, 1);
         c = config(FSDP_RESNET34, 3, 7, FSDP_RESNET_STEM_CIFAR, 16);
         ref_case(js, dir, id++, ctx, &c, 2, 12, 12, 1);
-        c = config(FSDP_RESNET50, 1, 10, FSDP_RESNET_STEM_IMAGENET, 64);
+        c = config(FSDP_RESNET50, 1, 10, FSDP_RESNET_STEM_IMAGENET, 16); /* width 64's names: the other test */
         ref_case(js, dir, id++, ctx, &c, 3, 32, 32, 0);
     } else {
         const char *presets[3] = {"resnet18", "resnet34", "resnet50"};
@@ -297,8 +297,9 @@ static void run_reference(int with_data) {
  * the few images nearly equal, so batch statistics cancel), so no two fp32
  * implementations can agree to 1e-4. Train mode is compared on ResNet-18
  * (28x28, 8 images: torch fp32 within 1e-5 of fp64) and a cifar-stem
- * ResNet-34; ResNet-50's Bottlenecks are compared in eval mode (with
- * perturbed running statistics), where fp32 is within 5e-6 of fp64. */
+ * ResNet-34; ResNet-50's Bottlenecks (width 16, to keep the files small)
+ * are compared in eval mode (with perturbed running statistics), where
+ * fp32 is within 5e-6 of fp64 (measured at width 64). */
 TEST(resnet_names_and_flops_match_torchvision) { run_reference(0); }
 
 TEST(resnet_matches_torchvision) { run_reference(1); }
