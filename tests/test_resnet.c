@@ -450,6 +450,31 @@ TEST(resnet_stems_widths_and_counts) {
     fsdp_ctx_free(ctx);
 }
 
+TEST(resnet_bf16_compute_close_to_fp32) { /* the compute dtype reaches every conv and fc below the root */
+    rng_seed(6);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_resnet_config c = config(FSDP_RESNET18, 3, 10, FSDP_RESNET_STEM_CIFAR, 8);
+    struct fsdp_module *m;
+    ASSERT_OK(fsdp_resnet_create(ctx, &c, &m), ctx);
+    ASSERT_OK(fsdp_module_materialize(ctx, m, 2), ctx);
+    fsdp_module_set_training(m, 0); /* eval: the same affine BN both times */
+    float *x = random_images(4 * 3 * 16 * 16);
+    struct fsdp_tensor in = image_tensor(x, 4, 3, 16, 16), y32 = {0}, y16 = {0};
+    ASSERT_OK(fsdp_module_forward(m, ctx, &in, &y32), ctx);
+    ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, FSDP_BF16), ctx);
+    ASSERT_OK(fsdp_module_forward(m, ctx, &in, &y16), ctx);
+    double mx = 0, diff = 0;
+    for (int i = 0; i < 40; i++) {
+        mx = fmax(mx, fabs(((float *)y32.data)[i]));
+        diff = fmax(diff, fabs(((float *)y16.data)[i] - ((float *)y32.data)[i]));
+    }
+    CHECK(diff <= 0.05 * mx); /* bf16 inputs: 8 bits of mantissa through 17 products */
+    CHECK(diff > 0.0);        /* and not the fp32 path */
+    free(x);
+    fsdp_module_free(m);
+    fsdp_ctx_free(ctx);
+}
+
 TEST(resnet_wrap_policy_unit_per_block) {
     struct fsdp_ctx *ctx = make_ctx();
     for (int arch = 0; arch < 3; arch++) {
