@@ -973,8 +973,10 @@ enum fsdp_split { FSDP_SPLIT_TRAIN, FSDP_SPLIT_TEST };
  * split), t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte (the test split),
  * each plain or gzip-compressed (name.gz; the plain file is preferred when
  * both exist). dir "fashion-mnist" is the folder of Debian's
- * dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist).
- * Every label must be < num_classes. A missing file, wrong magic, wrong
+ * dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist). A
+ * folder without the split's IDX image file may hold it in the raw format
+ * instead (fsdp_images_open_raw): train.fsdpimg or test.fsdpimg, plain or
+ * .gz. Every label must be < num_classes. A missing file, wrong magic, wrong
  * dimension count, truncated or overlong data, a label count that is not the
  * image count, or a label >= num_classes is one error naming the file.
  * *out is returned to the caller to free. COLLECTIVE: no. */

@@ -525,6 +525,30 @@ TEST(raw_images_read_plain_and_gzip) {
         fsdp_images_free(im);
     }
     remove_dir(dir);
+    /* a folder of raw files: train.fsdpimg (plain) and test.fsdpimg.gz, through fsdp_images_open */
+    strcpy(dir, "/tmp/fsdp_raw_XXXXXX");
+    ASSERT(mkdtemp(dir));
+    struct fsdp_images *im = NULL;
+    CHECK_INT_EQ(fsdp_images_open(ctx, dir, FSDP_SPLIT_TRAIN, 3, &im), FSDP_ERR_IO);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "no train-images-idx3-ubyte, train-images-idx3-ubyte.gz, train.fsdpimg or "
+                                         "train.fsdpimg.gz there");
+    size_t len = raw_file(rawbuf, 6, 2, 3, 1, 1, -1, -1, 0);
+    snprintf(path, sizeof path, "%s/train.fsdpimg", dir);
+    put(path, rawbuf, len, 0);
+    len = raw_file(rawbuf, 2, 2, 3, 1, 4, -1, -1, 0);
+    snprintf(path, sizeof path, "%s/test.fsdpimg.gz", dir);
+    put(path, rawbuf, len, 1);
+    struct fsdp_images_info info;
+    ASSERT_OK(fsdp_images_open(ctx, dir, FSDP_SPLIT_TRAIN, 3, &im), ctx);
+    fsdp_images_info(im, &info);
+    CHECK_INT_EQ(info.count, 6);
+    fsdp_images_free(im);
+    ASSERT_OK(fsdp_images_open(ctx, dir, FSDP_SPLIT_TEST, 3, &im), ctx);
+    fsdp_images_info(im, &info);
+    CHECK_INT_EQ(info.count, 2);
+    CHECK_INT_EQ(fsdp_images_label(im, 1), 1);
+    fsdp_images_free(im);
+    remove_dir(dir);
     fsdp_ctx_free(ctx);
 }
 

@@ -450,7 +450,13 @@ enum fsdp_status fsdp_images_open(struct fsdp_ctx *ctx, const char *dir, enum fs
     char iname[64], lname[64], ipath[4096], lpath[4096];
     snprintf(iname, sizeof iname, "%s-images-idx3-ubyte", pre);
     snprintf(lname, sizeof lname, "%s-labels-idx1-ubyte", pre);
-    FSDP_TRY(find_file(ctx, dir, iname, ipath, sizeof ipath));
+    if (find_file(ctx, dir, iname, ipath, sizeof ipath) != FSDP_OK) { /* no IDX images: a raw file? */
+        char rname[64];
+        snprintf(rname, sizeof rname, "%s.fsdpimg", split == FSDP_SPLIT_TRAIN ? "train" : "test");
+        if (find_file(ctx, dir, rname, ipath, sizeof ipath) == FSDP_OK)
+            return fsdp_images_open_raw(ctx, ipath, num_classes, out);
+        return fsdp__err(ctx, FSDP_ERR_IO, "'%s': no %s, %s.gz, %s or %s.gz there", dir, iname, iname, rname, rname);
+    }
     FSDP_TRY(find_file(ctx, dir, lname, lpath, sizeof lpath));
     return fsdp_images_open_idx(ctx, ipath, lpath, num_classes, out);
 }
