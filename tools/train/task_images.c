@@ -215,7 +215,18 @@ static void img_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o)
     if (!strcmp(c->arch, "cnn")) {
         if (cnn_create(ctx, c, &t->root) != FSDP_OK) fail_all("model: %s", fsdp_errmsg(ctx));
     } else {
-        fail_input("%s: arch '%s' is not built into this fsdp-train", k->cfg_source, c->arch);
+        struct fsdp_resnet_config rc;
+        if (fsdp_resnet_config_preset(c->arch, &rc) != FSDP_OK)
+            fail_input("%s: unknown arch '%s' (cnn, resnet18, resnet34, resnet50)", k->cfg_source, c->arch);
+        rc.in_chans = c->in_chans;
+        rc.num_classes = c->num_classes;
+        rc.width = c->width;
+        rc.stem = !strcmp(c->stem, "cifar") ? FSDP_RESNET_STEM_CIFAR : FSDP_RESNET_STEM_IMAGENET;
+        rc.zero_init_residual = c->zero_init_residual;
+        if (fsdp_resnet_config_validate(ctx, &rc) != FSDP_OK) fail_input("%s: %s", k->cfg_source, fsdp_errmsg(ctx));
+        if (fsdp_resnet_create(ctx, &rc, &t->root) != FSDP_OK) fail_all("model: %s", fsdp_errmsg(ctx));
+        t->block_type = fsdp_resnet_block_type(&rc);
+        t->train_flops_per_item = 3.0 * fsdp_resnet_flops_per_image(&rc, k->ti.height, k->ti.width);
     }
     /* sync-BN: the batch statistics of the global batch */
     int sync = o->sync_bn >= 0 ? o->sync_bn : fsdp_ctx_world(ctx) > 1;
