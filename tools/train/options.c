@@ -86,6 +86,8 @@ static void usage(FILE *f) {
             "                        (instead of --steps)\n"
             "  --eval-every K        image model: top-1 accuracy and loss on the test split every K\n"
             "                        steps (eval mode); 0 = only at the end (default 0)\n"
+            "  --eval-batch N        image model: test images per evaluation forward, over all ranks\n"
+            "                        (default --batch)\n"
             "  --label-smoothing X   image model: cross-entropy label smoothing in [0, 1] (default 0)\n"
             "  --augment A           image model: none | crop-flip (random crop of the image padded by\n"
             "                        --crop-padding pixels, and a horizontal flip; training only)\n"
@@ -345,6 +347,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--steps")) { o->steps = (int)parse_int(a, v, 0, 1 << 30); o->steps_given = 1; }
         else if (!strcmp(a, "--epochs")) o->epochs = (int)parse_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--eval-every")) o->eval_every = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--eval-batch")) o->eval_batch = (int)parse_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--label-smoothing")) o->label_smoothing = parse_float(a, v, 0, 1);
         else if (!strcmp(a, "--crop-padding")) o->crop_padding = (int)parse_int(a, v, 1, 1 << 12);
         else if (!strcmp(a, "--lr-steps")) parse_lr_steps(o, v);

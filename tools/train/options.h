@@ -44,6 +44,7 @@ struct opts {
     int epochs;                   /* --epochs E: steps = E * ceil(train count / batch); 0 = --steps */
     int steps_given;              /* --steps was on the command line */
     int eval_every;               /* --eval-every K steps; 0 = only at the end */
+    int eval_batch;               /* --eval-batch N global test images per forward; 0 = --batch */
     float label_smoothing;        /* --label-smoothing X */
     int nesterov;                 /* --nesterov (SGD) */
     int lr_steps[16], n_lr_steps; /* --lr-steps a,b,...: the step schedule's milestones */

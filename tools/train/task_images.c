@@ -5,7 +5,7 @@
  * evaluated (top-1 accuracy, mean loss) on the test split in eval mode.
  *
  * [Note: evaluation batches]
- * The test split is cut into global batches of --batch images, the last one
+ * The test split is cut into global batches of --eval-batch (default --batch) images, the last one
  * partial; rank r takes images [r n / world, (r+1) n / world) of a batch of
  * n, as training does. A rank whose share is empty (n < world) still runs the
  * forward, on one image it ignores, because the forward is collective. Each
@@ -310,7 +310,7 @@ static enum fsdp_status img_eval(struct task *t, struct fsdp_ctx *ctx, struct fs
     struct fsdp_images_info vi;
     fsdp_images_info(k->test, &vi);
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
-    int64_t EB = o->batch, n = vi.count;
+    int64_t EB = o->eval_batch ? o->eval_batch : o->batch, n = vi.count;
     float *x = malloc((size_t)(EB / world + 1) * (size_t)k->chw * sizeof(float));
     if (!x) fail_rank("out of memory for evaluation");
     double sum = 0;
