@@ -16,6 +16,7 @@
 #include "core/core-impl.h"
 #include "fsdp.h"
 #include "harness.h"
+#include "nn_helpers.h"
 #include "nn/nn-impl.h"
 
 #include <errno.h>
@@ -23,24 +24,6 @@
 
 /* ---- helpers ---- */
 
-static uint64_t rng_state = 88172645463325252ull;
-static void rng_seed(uint64_t s) { rng_state = s * 2654435761ull + 88172645463325252ull; }
-static uint64_t rng_next(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
-static float urand(void) { return (float)((double)(rng_next() >> 11) / 9007199254740992.0 * 2.0 - 1.0); }
-static int64_t irand(int64_t n) { return (int64_t)(rng_next() % (uint64_t)n); }
-
-static struct fsdp_ctx *make_ctx(void) {
-    struct fsdp_ctx_opts o = fsdp_ctx_opts_default();
-    o.comm = FSDP_COMM_SELF;
-    struct fsdp_ctx *ctx = NULL;
-    if (fsdp_ctx_create(&o, &ctx) != FSDP_OK) abort();
-    return ctx;
-}
 
 /* An input tensor in malloc'd memory (it must survive fsdp_arena_reset). */
 static struct fsdp_tensor make_input(int ndim, const int64_t *shape, float scale) {

@@ -12,6 +12,7 @@
  */
 #include "fsdp.h"
 #include "harness.h"
+#include "nn_helpers.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -19,23 +20,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static uint64_t rng_state = 88172645463325252ull;
-static void rng_seed(uint64_t s) { rng_state = s * 2654435761ull + 88172645463325252ull; }
-static uint64_t rng_next(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
-static float urand(void) { return (float)((double)(rng_next() >> 11) / 9007199254740992.0 * 2.0 - 1.0); }
-
-static struct fsdp_ctx *make_ctx(void) {
-    struct fsdp_ctx_opts o = fsdp_ctx_opts_default();
-    o.comm = FSDP_COMM_SELF;
-    struct fsdp_ctx *ctx = NULL;
-    if (fsdp_ctx_create(&o, &ctx) != FSDP_OK) abort();
-    return ctx;
-}
 
 static struct fsdp_resnet_config config(enum fsdp_resnet_arch arch, int in_chans, int num_classes,
                                         enum fsdp_resnet_stem stem, int width) {
