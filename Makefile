@@ -32,7 +32,8 @@ TRAIN_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tools/train/*.c)) # fsdp-tra
 TESTS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 EXAMPLES := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
-HDRS     := include/fsdp.h $(wildcard src/*/*.h) $(wildcard tests/*.h) $(wildcard tools/*/*.h)
+HDRS     := include/fsdp.h $(wildcard src/*/*.h) $(wildcard tests/*.h) $(wildcard tools/*/*.h) \
+            $(wildcard fuzz/*.h fuzz/*.c) # tests replay corpora through the fuzz targets' code
 
 all: $(BUILD)/libfsdp.a $(BUILD)/libfsdp.so $(TOOLS) $(TESTS) $(EXAMPLES) $(BENCHES)
 

@@ -1,9 +1,11 @@
 /*
  * fuzz_idx.c - libFuzzer target for the IDX image-set reader
  * (fsdp_images_open_idx through fsdp__images_open_mem): plain and gzip'd
- * image and label files. Input: byte 0 picks num_classes, bytes 1-2 (little
- * endian) the length of the image file, which follows; the rest is the label
- * file. On success every label is below num_classes and an augmented,
+ * image and label files, and the raw format's reader
+ * (fsdp__images_open_raw_mem). Input: byte 0 picks num_classes (bits 0-2)
+ * and the raw format (bit 7); for IDX, bytes 1-2 (little endian) are the
+ * length of the image file, which follows, and the rest is the label file;
+ * for the raw format bytes 3.. are the file. On success every label is below num_classes and an augmented,
  * shuffled batch stays finite and inside the set.
  */
 #include "data/data-impl.h"
@@ -24,7 +26,10 @@ static enum fsdp_status fuzz_idx_one(const uint8_t *data, size_t size) {
     struct fsdp_ctx *ctx;
     if (fsdp__ctx_alloc(&ctx) != FSDP_OK) return FSDP_ERR_NOMEM;
     struct fsdp_images *im = NULL;
-    enum fsdp_status st = fsdp__images_open_mem(ctx, "fuzz-images", img, ilen, "fuzz-labels", lab, llen, nc, &im);
+    /* byte 0's high bit: the raw format (fsdp_images_open_raw), the whole rest one file */
+    enum fsdp_status st = data[0] & 0x80
+                              ? fsdp__images_open_raw_mem(ctx, "fuzz-raw", data + 3, size - 3, nc, &im)
+                              : fsdp__images_open_mem(ctx, "fuzz-images", img, ilen, "fuzz-labels", lab, llen, nc, &im);
     if (st == FSDP_OK) {
         struct fsdp_images_info info;
         fsdp_images_info(im, &info);

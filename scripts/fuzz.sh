@@ -5,6 +5,8 @@
 # scripts/install-deps.sh --with-fuzz), starts from the seed corpus in
 # fuzz/corpus/TARGET/ (copied to build-fuzz/inputs/TARGET/, where new inputs
 # accumulate between runs) and writes crashers to build-fuzz/artifacts/TARGET/.
+# FUZZ_TIMEOUT (seconds, default 10): the time one input may take before it counts as a
+# finding (raise it on a loaded machine, where a starved run can pass 10 s).
 # Exit 0: no finding. A finding: copy the crasher into fuzz/corpus/TARGET/
 # (tests/test_readers.c replays that directory in the normal suite) and fix it.
 set -euo pipefail
@@ -23,7 +25,7 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 set +e
 par=()  # with JOBS > 1, libFuzzer runs parallel workers logging to fuzz-N.log in the cwd
 [ "$jobs" -gt 1 ] && par=(-jobs="$jobs" -workers="$jobs")
-(cd build-fuzz && "../$bin" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -max_len=65536 \
+(cd build-fuzz && "../$bin" -max_total_time="$secs" -timeout="${FUZZ_TIMEOUT:-10}" -rss_limit_mb=2048 -max_len=65536 \
     -print_final_stats=1 -artifact_prefix="../$art/" "${par[@]}" "../$work") 2>&1 |
     grep -vE '^#[0-9]+.*(NEW|REDUCE|pulse)' | tail -n 40
 rc=${PIPESTATUS[0]}

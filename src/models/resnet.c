@@ -18,6 +18,7 @@
  * Invariant: children[] below holds exactly the modules of the tree, in
  * the order the forward runs them (maxpool NULL for the cifar stem).
  */
+#include "models/models-impl.h"
 #include "nn/nn-impl.h"
 
 #include <cJSON.h>
@@ -326,21 +327,29 @@ static enum fsdp_status config_parse(struct fsdp_ctx *ctx, const char *path, con
     return FSDP_OK;
 }
 
-enum fsdp_status fsdp_resnet_config_load(struct fsdp_ctx *ctx, const char *path, struct fsdp_resnet_config *cfg) {
-    char *buf;
-    FSDP_TRY(fsdp__read_file(ctx, "model config", path, CONFIG_MAX_BYTES, &buf, NULL));
-    cJSON *root = cJSON_Parse(buf);
+enum fsdp_status fsdp__resnet_config_parse(struct fsdp_ctx *ctx, const char *path, const char *text, size_t len,
+                                           struct fsdp_resnet_config *cfg) {
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
     enum fsdp_status st;
     if (!root) {
         const char *at = cJSON_GetErrorPtr();
         st = fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s': invalid JSON near byte %lld", path,
-                       at ? (long long)(at - buf) : -1LL);
+                       at && at >= text && at <= text + len ? (long long)(at - text) : -1LL);
     } else {
         struct fsdp_resnet_config tmp;
         st = config_parse(ctx, path, root, &tmp);
         if (st == FSDP_OK) *cfg = tmp;
     }
     cJSON_Delete(root);
+    return st;
+}
+
+enum fsdp_status fsdp_resnet_config_load(struct fsdp_ctx *ctx, const char *path, struct fsdp_resnet_config *cfg) {
+    char *buf;
+    size_t len;
+    FSDP_TRY(fsdp__read_file(ctx, "model config", path, CONFIG_MAX_BYTES, &buf, &len));
+    enum fsdp_status st = fsdp__resnet_config_parse(ctx, path, buf, len, cfg);
     free(buf);
     return st;
 }
