@@ -780,6 +780,72 @@ enum fsdp_status fsdp_model_get_grad(struct fsdp_ctx *ctx, struct fsdp_model *fm
 enum fsdp_status fsdp_model_grad_norm(struct fsdp_ctx *ctx, struct fsdp_model *fm, double *out);
 enum fsdp_status fsdp_model_param_norm(struct fsdp_ctx *ctx, struct fsdp_model *fm, double *out);
 
+/* ---- Models: ResNet (src/models) ------------------------------------- */
+
+/* torchvision's ResNet-18/34/50 (resnet.py, v1.5: a Bottleneck's stride on
+ * its 3x3), with torchvision's parameter and buffer names:
+ *   conv1        Conv2d(in_chans, w, 7, 2, 3) (stem imagenet) or (3, 1, 1) (cifar), no bias
+ *   bn1, relu    BatchNorm2d(w), ReLU
+ *   maxpool      MaxPool2d(3, 2, 1) (imagenet stem only)
+ *   layer1..4    Sequential of blocks "0".."n-1" (BasicBlock or Bottleneck),
+ *                planes w, 2w, 4w, 8w, stride 1, 2, 2, 2
+ *   avgpool      AdaptiveAvgPool2d(1), then a flatten (a view)
+ *   fc           Linear(8w * expansion, num_classes), expansion 1 (BasicBlock) or 4
+ * with w = width (64: torchvision's). Forward: (N, in_chans, H, W) F32 ->
+ * logits (N, num_classes) F32; the root's type is "ResNet". Init: convs
+ * kaiming normal fan_out (torchvision's), BN weight 1 and bias 0 (each
+ * block's last BN weight 0 with zero_init_residual), fc weight N(0, 1 / (3
+ * fan_in)) (the variance of PyTorch's default Linear init, uniform(-1 /
+ * sqrt(fan_in), 1 / sqrt(fan_in)): the init kinds have no uniform) and fc
+ * bias 0 (PyTorch's is uniform too). */
+enum fsdp_resnet_arch { FSDP_RESNET18, FSDP_RESNET34, FSDP_RESNET50 };
+enum fsdp_resnet_stem { FSDP_RESNET_STEM_IMAGENET, FSDP_RESNET_STEM_CIFAR };
+struct fsdp_resnet_config {
+    enum fsdp_resnet_arch arch; /* resnet18 / 34: BasicBlock [2,2,2,2] / [3,4,6,3];
+                                   resnet50: Bottleneck [3,4,6,3] */
+    int in_chans;               /* 1 .. 64 */
+    int num_classes;            /* 1 .. 2^24 */
+    enum fsdp_resnet_stem stem;
+    int width;                  /* 1 .. 1024; 64 = torchvision */
+    int zero_init_residual;     /* 1: each block's last BN weight starts at 0 */
+};
+/* Presets "resnet18", "resnet34", "resnet50": that arch, in_chans 3,
+ * num_classes 1000, stem imagenet, width 64 (torchvision's defaults);
+ * FSDP_ERR_INVALID for another name (no message: ctx-free). */
+enum fsdp_status fsdp_resnet_config_preset(const char *name, struct fsdp_resnet_config *cfg);
+/* Reads {"arch": "resnet18" | "resnet34" | "resnet50", "in_chans": 1,
+ * "num_classes": 10, "stem": "imagenet" | "cifar", "width": 64,
+ * "zero_init_residual": false}: arch is required, the others default to
+ * the preset's values (in_chans 3, num_classes 1000, imagenet, width 64,
+ * false). An unknown or repeated key, a wrong type, or a value out of range
+ * is one error naming the file and the key; *cfg is written only on
+ * success. COLLECTIVE: no. */
+enum fsdp_status fsdp_resnet_config_load(struct fsdp_ctx *ctx, const char *path, struct fsdp_resnet_config *cfg);
+/* FSDP_ERR_INVALID naming the field for an unknown arch or stem, or
+ * in_chans, num_classes or width out of range. */
+enum fsdp_status fsdp_resnet_config_validate(struct fsdp_ctx *ctx, const struct fsdp_resnet_config *cfg);
+/* "resnet18", ... and "imagenet" / "cifar" ("?" when out of range). */
+const char *fsdp_resnet_arch_name(enum fsdp_resnet_arch arch);
+const char *fsdp_resnet_stem_name(enum fsdp_resnet_stem stem);
+/* Builds the model with shapes only (fsdp_module_materialize or sharding
+ * gives it values); finalized (FQNs set). *out is returned to the caller. */
+enum fsdp_status fsdp_resnet_create(struct fsdp_ctx *ctx, const struct fsdp_resnet_config *cfg,
+                                    struct fsdp_module **out);
+/* The residual block's module type: "BasicBlock" (resnet18/34) or
+ * "Bottleneck" (resnet50). The default wrap policy for sharding a ResNet, a
+ * unit per block with the stem and the head (fc) in the root unit (VISSL's
+ * style), is fsdp_wrap_by_type with it as user data:
+ *   struct fsdp_wrap_policy wp = {fsdp_wrap_by_type, (void *)fsdp_resnet_block_type(&cfg)};
+ * and the same with fsdp_ac_by_type checkpoints every block. */
+const char *fsdp_resnet_block_type(const struct fsdp_resnet_config *cfg);
+/* The same policy for either kind of block: a unit for every module of type
+ * BasicBlock or Bottleneck (ud unused). */
+enum fsdp_wrap fsdp_resnet_wrap_blocks(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr);
+/* Forward FLOPs per image of H x W (2 per multiply-add of every convolution
+ * and of fc; batch norm, ReLU and pooling not counted), for FLOP/s figures;
+ * a training step costs about 3x this. */
+double fsdp_resnet_flops_per_image(const struct fsdp_resnet_config *cfg, int H, int W);
+
 /* ---- Optimizer (src/optim) -------------------------------------------- */
 
 /* FSDP_OPTIM_LARS: SGD (momentum, coupled weight decay) whose every decayed
@@ -1127,8 +1193,10 @@ enum fsdp_split { FSDP_SPLIT_TRAIN, FSDP_SPLIT_TEST };
  * split), t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte (the test split),
  * each plain or gzip-compressed (name.gz; the plain file is preferred when
  * both exist). dir "fashion-mnist" is the folder of Debian's
- * dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist).
- * Every label must be < num_classes. A missing file, wrong magic, wrong
+ * dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist). A
+ * folder without the split's IDX image file may hold it in the raw format
+ * instead (fsdp_images_open_raw): train.fsdpimg or test.fsdpimg, plain or
+ * .gz. Every label must be < num_classes. A missing file, wrong magic, wrong
  * dimension count, truncated or overlong data, a label count that is not the
  * image count, or a label >= num_classes is one error naming the file.
  * *out is returned to the caller to free. COLLECTIVE: no. */
@@ -1138,6 +1206,17 @@ enum fsdp_status fsdp_images_open(struct fsdp_ctx *ctx, const char *dir, enum fs
  * N x H x W x C) and an IDX label file (ubyte, 1 dimension N). */
 enum fsdp_status fsdp_images_open_idx(struct fsdp_ctx *ctx, const char *images_path, const char *labels_path,
                                       int num_classes, struct fsdp_images **out);
+/* Opens a set in fsdp.c's raw format (README, "Raw image format"), for any
+ * set that is not IDX: a 32-byte header (the magic "FSDPIMG1", then
+ * little-endian uint32 count, height, width, channels 1-4, label size 1 or
+ * 4, and 0), count x height x width x channels uint8 pixels (HWC, image
+ * after image), then count labels, uint8 or little-endian int32; the whole
+ * file plain or gzip-compressed. Every label must be in [0, num_classes),
+ * num_classes at most 2^24. A wrong magic, a bad header field, truncated or
+ * overlong data, or a label out of range is one error naming the file.
+ * *out is returned to the caller to free. COLLECTIVE: no. */
+enum fsdp_status fsdp_images_open_raw(struct fsdp_ctx *ctx, const char *path, int num_classes,
+                                      struct fsdp_images **out);
 void fsdp_images_free(struct fsdp_images *im); /* NULL: no-op */
 struct fsdp_images_info {
     int64_t count;
@@ -1160,10 +1239,40 @@ struct fsdp_image_batch_opts {
                             by this many pixels on each side (torchvision RandomCrop) */
     int hflip;           /* 1: mirror left-right with probability 1/2 */
     float mean[4], std[4]; /* per channel: x = (p / 255 - mean) / std */
+    int resized_crop;    /* 1: a random resized crop of the image back to height x width
+                            (fsdp_images_random_resized_crop, view 0; before the flip);
+                            exclusive with crop_padding */
+    float crop_scale[2]; /* its scale range, default (0.08, 1) */
 };
-/* seed 0, shuffle on, no augmentation, Fashion-MNIST's mean 0.2860 and std
- * 0.3530 in every channel. */
+/* seed 0, shuffle on, no augmentation (crop_scale 0.08 to 1 when
+ * resized_crop is turned on), Fashion-MNIST's mean 0.2860 and std 0.3530 in
+ * every channel. */
 struct fsdp_image_batch_opts fsdp_image_batch_opts_default(void);
+/* Random resized crop (torchvision's RandomResizedCrop; the exact draws in
+ * src/data/idx.c, [Note: random resized crop]): a box of image idx with an
+ * area of scale_lo to scale_hi of the image's and an aspect ratio (width /
+ * height) of 3/4 to 4/3, from up to 10 attempts, else the central crop,
+ * drawn from (seed, epoch, idx, view) alone, so every rank and world size
+ * draws the same; `view` numbers independent crops of one image in one
+ * epoch (SwAV's multi-crop: views 0, 1 large, 2.. small). */
+struct fsdp_crop_box {
+    int top, left, height, width; /* inside the image */
+};
+void fsdp_images_crop_box(const struct fsdp_images *im, uint64_t seed, int64_t epoch, int64_t idx, int view,
+                          float scale_lo, float scale_hi, struct fsdp_crop_box *out);
+/* The box of image idx resized bilinearly (torch's interpolate, align_corners
+ * false) to dst (channels, out_h, out_w), values p / 255 in [0, 1] (normalise
+ * after). A box outside the image, idx out of range or a side outside
+ * [1, 65536] is FSDP_ERR_INVALID. COLLECTIVE: no. */
+enum fsdp_status fsdp_images_resized_crop(struct fsdp_ctx *ctx, const struct fsdp_images *im, int64_t idx,
+                                          const struct fsdp_crop_box *box, int out_h, int out_w, float *dst);
+/* Both: the random box of (seed, epoch, idx, view), resized to out_h x out_w.
+ * 0 < scale_lo <= scale_hi <= 1, epoch >= 0, else FSDP_ERR_INVALID.
+ * COLLECTIVE: no. */
+enum fsdp_status fsdp_images_random_resized_crop(struct fsdp_ctx *ctx, const struct fsdp_images *im, uint64_t seed,
+                                                 int64_t epoch, int64_t idx, int view, int out_h, int out_w,
+                                                 float scale_lo, float scale_hi, float *dst);
+
 /* This rank's share of global batch `step` of B images: positions step*B + i
  * for i in [rank*B/world, (rank+1)*B/world), as normalised fp32 images x
  * (n, channels, height, width) and labels (n), n = that share's size. With

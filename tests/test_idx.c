@@ -465,4 +465,339 @@ TEST(corpus_idx) {
     CHECK(n >= 10);
 }
 
+/* ---- the raw format and the random resized crop ---- */
+
+static void put32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8), p[2] = (uint8_t)(v >> 16), p[3] = (uint8_t)(v >> 24);
+}
+
+/* a raw file in buf: n images h x w x c of pixel(i, k) (or `fill` if >= 0), labels i % 3 of lsize
+ * bytes (label `bad_label` at image bad_at); returns its length */
+static size_t raw_file(uint8_t *buf, uint32_t n, uint32_t h, uint32_t w, uint32_t c, uint32_t lsize, int fill,
+                       int bad_at, int32_t bad_label) {
+    memcpy(buf, "FSDPIMG1", 8);
+    put32(buf + 8, n), put32(buf + 12, h), put32(buf + 16, w), put32(buf + 20, c), put32(buf + 24, lsize);
+    put32(buf + 28, 0);
+    size_t o = 32;
+    for (uint32_t i = 0; i < n; i++)
+        for (uint32_t k = 0; k < h * w * c; k++) buf[o++] = fill >= 0 ? (uint8_t)fill : pixel((int)i, (int)k);
+    for (uint32_t i = 0; i < n; i++) {
+        int32_t v = (int)i == bad_at ? bad_label : (int32_t)(i % 3);
+        if (lsize == 1) buf[o++] = (uint8_t)v;
+        else put32(buf + o, (uint32_t)v), o += 4;
+    }
+    return o;
+}
+
+static uint8_t rawbuf[64 + 64 * 64 * 3 * 8 + 256];
+
+TEST(raw_images_read_plain_and_gzip) {
+    struct fsdp_ctx *ctx = make_ctx();
+    char dir[64];
+    make_set(dir);
+    char path[256];
+    for (int variant = 0; variant < 4; variant++) { /* uint8 / int32 labels, plain / gzip */
+        uint32_t ls = variant & 1 ? 4 : 1, C = 3;
+        int gz = variant >> 1;
+        size_t len = raw_file(rawbuf, 7, 5, 4, C, ls, -1, -1, 0);
+        snprintf(path, sizeof path, "%s/set%d.fsdpimg%s", dir, variant, gz ? ".gz" : "");
+        put(path, rawbuf, len, gz);
+        struct fsdp_images *im;
+        ASSERT_OK(fsdp_images_open_raw(ctx, path, 3, &im), ctx);
+        struct fsdp_images_info info;
+        fsdp_images_info(im, &info);
+        CHECK_INT_EQ(info.count, 7);
+        CHECK_INT_EQ(info.height, 5);
+        CHECK_INT_EQ(info.width, 4);
+        CHECK_INT_EQ(info.channels, 3);
+        CHECK_INT_EQ(info.num_classes, 3);
+        for (int i = 0; i < 7; i++) {
+            CHECK_INT_EQ(fsdp_images_label(im, i), i % 3);
+            const uint8_t *px = fsdp_images_pixels(im, i);
+            for (int k = 0; k < 5 * 4 * 3; k++)
+                if (px[k] != pixel(i, k)) {
+                    TEST_FAILF("variant %d image %d byte %d: %d, expected %d", variant, i, k, px[k], pixel(i, k));
+                    break;
+                }
+        }
+        /* the batch reads it as any set: image 2's channel 1, pixel (1, 2) */
+        struct fsdp_image_batch_opts o = plain_opts();
+        float x[3 * 5 * 4];
+        int32_t y;
+        ASSERT_OK(fsdp_images_batch(ctx, im, &o, 2, 1, 0, 1, x, &y), ctx);
+        CHECK_INT_EQ(y, 2);
+        CHECK(x[(1 * 5 + 1) * 4 + 2] == (float)pixel(2, (1 * 4 + 2) * 3 + 1) / 255.0f);
+        fsdp_images_free(im);
+    }
+    remove_dir(dir);
+    /* a folder of raw files: train.fsdpimg (plain) and test.fsdpimg.gz, through fsdp_images_open */
+    strcpy(dir, "/tmp/fsdp_raw_XXXXXX");
+    ASSERT(mkdtemp(dir));
+    struct fsdp_images *im = NULL;
+    CHECK_INT_EQ(fsdp_images_open(ctx, dir, FSDP_SPLIT_TRAIN, 3, &im), FSDP_ERR_IO);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "no train-images-idx3-ubyte, train-images-idx3-ubyte.gz, train.fsdpimg or "
+                                         "train.fsdpimg.gz there");
+    size_t len = raw_file(rawbuf, 6, 2, 3, 1, 1, -1, -1, 0);
+    snprintf(path, sizeof path, "%s/train.fsdpimg", dir);
+    put(path, rawbuf, len, 0);
+    len = raw_file(rawbuf, 2, 2, 3, 1, 4, -1, -1, 0);
+    snprintf(path, sizeof path, "%s/test.fsdpimg.gz", dir);
+    put(path, rawbuf, len, 1);
+    struct fsdp_images_info info;
+    ASSERT_OK(fsdp_images_open(ctx, dir, FSDP_SPLIT_TRAIN, 3, &im), ctx);
+    fsdp_images_info(im, &info);
+    CHECK_INT_EQ(info.count, 6);
+    fsdp_images_free(im);
+    ASSERT_OK(fsdp_images_open(ctx, dir, FSDP_SPLIT_TEST, 3, &im), ctx);
+    fsdp_images_info(im, &info);
+    CHECK_INT_EQ(info.count, 2);
+    CHECK_INT_EQ(fsdp_images_label(im, 1), 1);
+    fsdp_images_free(im);
+    remove_dir(dir);
+    fsdp_ctx_free(ctx);
+}
+
+static void expect_bad_raw(struct fsdp_ctx *ctx, const char *path, const uint8_t *b, size_t len, int gz, int nc,
+                           const char *what) {
+    put(path, b, len, gz);
+    struct fsdp_images *im = (struct fsdp_images *)1;
+    enum fsdp_status st = fsdp_images_open_raw(ctx, path, nc, &im);
+    if (st == FSDP_OK) {
+        TEST_FAILF("%s: accepted", what);
+        fsdp_images_free(im);
+        return;
+    }
+    CHECK(im == NULL);
+    const char *msg = fsdp_errmsg(ctx);
+    if (!strstr(msg, path) || !strstr(msg, what) || strchr(msg, '\n'))
+        TEST_FAILF("%s: message \"%s\" should be one line naming '%s'", what, msg, path);
+}
+
+TEST(raw_images_reject_bad_files) {
+    struct fsdp_ctx *ctx = make_ctx();
+    char dir[64];
+    make_set(dir);
+    char bad[256];
+    snprintf(bad, sizeof bad, "%s/bad.fsdpimg", dir);
+    size_t len = raw_file(rawbuf, 4, 3, 2, 1, 4, -1, -1, 0);
+    memcpy(rawbuf, "FSDPIMG2", 8);
+    expect_bad_raw(ctx, bad, rawbuf, len, 0, 3, "magic is not FSDPIMG1");
+    len = raw_file(rawbuf, 4, 3, 2, 1, 4, -1, -1, 0);
+    expect_bad_raw(ctx, bad, rawbuf, 20, 0, 3, "too short for a raw image header");
+    expect_bad_raw(ctx, bad, rawbuf, 20, 1, 3, "too short for a raw image header");
+    expect_bad_raw(ctx, bad, rawbuf, len - 1, 0, 3, "truncated");
+    expect_bad_raw(ctx, bad, rawbuf, len - 1, 1, 3, "truncated");
+    expect_bad_raw(ctx, bad, rawbuf, 32 + 10, 0, 3, "truncated");
+    rawbuf[len] = 0;
+    expect_bad_raw(ctx, bad, rawbuf, len + 1, 0, 3, "longer than its header says");
+    expect_bad_raw(ctx, bad, rawbuf, len + 1, 1, 3, "longer than its header says");
+    len = raw_file(rawbuf, 0, 3, 2, 1, 4, -1, -1, 0);
+    expect_bad_raw(ctx, bad, rawbuf, len, 0, 3, "image count 0");
+    len = raw_file(rawbuf, 4, 3, 0, 1, 4, -1, -1, 0);
+    expect_bad_raw(ctx, bad, rawbuf, len, 0, 3, "images of 3x0");
+    len = raw_file(rawbuf, 2, 3, 2, 5, 1, -1, -1, 0);
+    expect_bad_raw(ctx, bad, rawbuf, len, 0, 3, "5 channels");
+    len = raw_file(rawbuf, 4, 3, 2, 1, 4, -1, -1, 0);
+    put32(rawbuf + 24, 2);
+    expect_bad_raw(ctx, bad, rawbuf, len, 0, 3, "label size 2");
+    put32(rawbuf + 24, 4);
+    put32(rawbuf + 28, 1);
+    expect_bad_raw(ctx, bad, rawbuf, len, 0, 3, "reserved header field");
+    len = raw_file(rawbuf, 4, 3, 2, 1, 4, -1, 2, 3);
+    expect_bad_raw(ctx, bad, rawbuf, len, 0, 3, "label 3 of image 2");
+    len = raw_file(rawbuf, 4, 3, 2, 1, 4, -1, 1, -5);
+    expect_bad_raw(ctx, bad, rawbuf, len, 1, 3, "label -5 of image 1");
+    len = raw_file(rawbuf, 4, 3, 2, 1, 1, -1, 3, 200);
+    expect_bad_raw(ctx, bad, rawbuf, len, 0, 100, "label 200 of image 3");
+    /* a huge announced size in a short file: refused before any allocation */
+    len = raw_file(rawbuf, 4, 3, 2, 1, 4, -1, -1, 0);
+    put32(rawbuf + 12, 65536), put32(rawbuf + 16, 65536);
+    expect_bad_raw(ctx, bad, rawbuf, len, 0, 3, "truncated");
+    struct fsdp_images *im = NULL;
+    CHECK_INT_EQ(fsdp_images_open_raw(ctx, "/nonexistent/x.fsdpimg", 3, &im), FSDP_ERR_IO);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "/nonexistent/x.fsdpimg");
+    remove_dir(dir);
+    fsdp_ctx_free(ctx);
+}
+
+/* a raw set of n images h x w x c opened from a file in dir */
+static struct fsdp_images *raw_set(struct fsdp_ctx *ctx, const char *dir, uint32_t n, uint32_t h, uint32_t w,
+                                   uint32_t c, int fill) {
+    char path[256];
+    snprintf(path, sizeof path, "%s/crop.fsdpimg", dir);
+    size_t len = raw_file(rawbuf, n, h, w, c, 1, fill, -1, 0);
+    put(path, rawbuf, len, 0);
+    struct fsdp_images *im = NULL;
+    if (fsdp_images_open_raw(ctx, path, 3, &im) != FSDP_OK) TEST_FAILF("%s", fsdp_errmsg(ctx));
+    return im;
+}
+
+TEST(random_resized_crop_boxes) {
+    struct fsdp_ctx *ctx = make_ctx();
+    char dir[64];
+    make_set(dir);
+    struct fsdp_images *im = raw_set(ctx, dir, 8, 24, 20, 1, -1);
+    ASSERT(im);
+    const float scales[3][2] = {{0.08f, 1.0f}, {0.14f, 1.0f}, {0.05f, 0.14f}};
+    int moved = 0, fallback = 0;
+    for (int sc = 0; sc < 3; sc++)
+        for (int e = 0; e < 3; e++)
+            for (int i = 0; i < 8; i++)
+                for (int v = 0; v < 4; v++) {
+                    struct fsdp_crop_box b, b2;
+                    fsdp_images_crop_box(im, 9, e, i, v, scales[sc][0], scales[sc][1], &b);
+                    fsdp_images_crop_box(im, 9, e, i, v, scales[sc][0], scales[sc][1], &b2);
+                    CHECK(memcmp(&b, &b2, sizeof b) == 0); /* a pure function of its arguments */
+                    if (b.top < 0 || b.left < 0 || b.height < 1 || b.width < 1 || b.top + b.height > 24 ||
+                        b.left + b.width > 20)
+                        TEST_FAILF("box %dx%d at (%d, %d) outside 24x20", b.height, b.width, b.top, b.left);
+                    double area = (double)b.height * b.width / (24.0 * 20.0);
+                    if (b.height == 24 && b.width == 20) fallback++;
+                    /* rounding each side moves the area by at most about (h + w) / 2 + 1/4 pixels */
+                    double slack = ((double)b.height + b.width) / 2.0 / (24.0 * 20.0) + 0.01;
+                    if (!(b.height == 24 && b.width == 20) &&
+                        (area < scales[sc][0] - slack || area > scales[sc][1] + slack))
+                        TEST_FAILF("box %dx%d: area fraction %.3f outside [%.2f, %.2f]", b.height, b.width, area,
+                                   (double)scales[sc][0], (double)scales[sc][1]);
+                    moved += b.top != 0 || b.left != 0;
+                }
+    CHECK(moved > 100);
+    CHECK(fallback < 20);
+    /* views, epochs and seeds draw independently */
+    struct fsdp_crop_box a, b, c, d;
+    int differ_view = 0, differ_epoch = 0, differ_seed = 0;
+    for (int i = 0; i < 8; i++) {
+        fsdp_images_crop_box(im, 9, 0, i, 0, 0.08f, 1.0f, &a);
+        fsdp_images_crop_box(im, 9, 0, i, 1, 0.08f, 1.0f, &b);
+        fsdp_images_crop_box(im, 9, 1, i, 0, 0.08f, 1.0f, &c);
+        fsdp_images_crop_box(im, 10, 0, i, 0, 0.08f, 1.0f, &d);
+        differ_view += memcmp(&a, &b, sizeof a) != 0;
+        differ_epoch += memcmp(&a, &c, sizeof a) != 0;
+        differ_seed += memcmp(&a, &d, sizeof a) != 0;
+    }
+    CHECK(differ_view >= 6 && differ_epoch >= 6 && differ_seed >= 6);
+    fsdp_images_free(im);
+    /* no attempt fits a 3x40 image at scale 0.9-1 with ratios 3/4-4/3: the central 3x4 */
+    im = raw_set(ctx, dir, 2, 3, 40, 1, -1);
+    ASSERT(im);
+    fsdp_images_crop_box(im, 1, 0, 1, 0, 0.9f, 1.0f, &a);
+    CHECK_INT_EQ(a.height, 3);
+    CHECK_INT_EQ(a.width, 4);
+    CHECK_INT_EQ(a.top, 0);
+    CHECK_INT_EQ(a.left, 18);
+    fsdp_images_free(im);
+    remove_dir(dir);
+    fsdp_ctx_free(ctx);
+}
+
+TEST(random_resized_crop_values) {
+    struct fsdp_ctx *ctx = make_ctx();
+    char dir[64];
+    make_set(dir);
+    /* a constant image stays constant at any box and size */
+    struct fsdp_images *im = raw_set(ctx, dir, 3, 17, 13, 2, 77);
+    ASSERT(im);
+    static float out[2 * 40 * 40];
+    for (int v = 0; v < 6; v++) {
+        int oh = 5 + 7 * v, ow = 40 - 5 * v;
+        ASSERT_OK(fsdp_images_random_resized_crop(ctx, im, 4, 2, 1, v, oh, ow, 0.05f, 1.0f, out), ctx);
+        for (int k = 0; k < 2 * oh * ow; k++)
+            if (out[k] != 77.0f / 255.0f) {
+                TEST_FAILF("view %d (%dx%d) value %d: %.9g, expected %.9g", v, oh, ow, k, (double)out[k],
+                           77.0 / 255.0);
+                break;
+            }
+    }
+    fsdp_images_free(im);
+    /* scale 1 on a square image to its own size: the image itself */
+    im = raw_set(ctx, dir, 4, 6, 6, 3, -1);
+    ASSERT(im);
+    for (int i = 0; i < 4; i++)
+        for (int v = 0; v < 3; v++) {
+            ASSERT_OK(fsdp_images_random_resized_crop(ctx, im, 5, 3, i, v, 6, 6, 1.0f, 1.0f, out), ctx);
+            const uint8_t *px = fsdp_images_pixels(im, i);
+            for (int c = 0; c < 3; c++)
+                for (int k = 0; k < 36; k++)
+                    if (out[c * 36 + k] != (float)px[k * 3 + c] / 255.0f) {
+                        TEST_FAILF("image %d view %d channel %d pixel %d: %.9g, expected %.9g", i, v, c, k,
+                                   (double)out[c * 36 + k], (double)px[k * 3 + c] / 255.0);
+                        c = 3;
+                        break;
+                    }
+        }
+    /* a box upsampled 2x: bilinear, half-pixel centres (torch's align_corners=False) */
+    struct fsdp_crop_box box = {1, 2, 2, 3};
+    ASSERT_OK(fsdp_images_resized_crop(ctx, im, 1, &box, 4, 6, out), ctx);
+    const uint8_t *px = fsdp_images_pixels(im, 1);
+#define PX(y, x) ((float)px[((y) * 6 + (x)) * 3] / 255.0f)
+    /* output (1, 3): source (0.25, 1.25) inside the box, i.e. rows 1-2, columns 3-4 */
+    float top = PX(1, 3) + 0.25f * (PX(1, 4) - PX(1, 3)), bot = PX(2, 3) + 0.25f * (PX(2, 4) - PX(2, 3));
+    CHECK_NEAR(out[1 * 6 + 3], top + 0.25f * (bot - top), 1e-6, 1e-7);
+    CHECK(out[0] == PX(1, 2)); /* (0, 0): source clamped to the corner */
+    CHECK(out[3 * 6 + 5] == PX(2, 4)); /* the far corner */
+#undef PX
+    /* bad arguments */
+    struct fsdp_crop_box outside = {5, 0, 2, 2};
+    CHECK_INT_EQ(fsdp_images_resized_crop(ctx, im, 1, &outside, 4, 4, out), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "not inside");
+    CHECK_INT_EQ(fsdp_images_random_resized_crop(ctx, im, 1, 0, 4, 0, 4, 4, 0.1f, 1.0f, out), FSDP_ERR_INVALID);
+    CHECK_INT_EQ(fsdp_images_random_resized_crop(ctx, im, 1, 0, 0, 0, 0, 4, 0.1f, 1.0f, out), FSDP_ERR_INVALID);
+    CHECK_INT_EQ(fsdp_images_random_resized_crop(ctx, im, 1, 0, 0, 0, 4, 4, 0.5f, 0.2f, out), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "scale");
+    CHECK_INT_EQ(fsdp_images_random_resized_crop(ctx, im, 1, 0, 0, 0, 4, 4, 0.0f, 1.0f, out), FSDP_ERR_INVALID);
+    fsdp_images_free(im);
+    remove_dir(dir);
+    fsdp_ctx_free(ctx);
+}
+
+TEST(random_resized_crop_batch_same_at_every_world_size) {
+    struct fsdp_ctx *ctx = make_ctx();
+    char dir[64];
+    make_set(dir);
+    struct fsdp_images *im;
+    ASSERT_OK(fsdp_images_open(ctx, dir, FSDP_SPLIT_TRAIN, 3, &im), ctx);
+    struct fsdp_image_batch_opts o = fsdp_image_batch_opts_default();
+    o.seed = 7;
+    o.resized_crop = 1;
+    o.hflip = 1;
+    enum { B = 6, STEPS = 5 };
+    static float ref[STEPS][B * H * W], got[B * H * W];
+    int32_t yref[STEPS][B], ygot[B];
+    for (int s = 0; s < STEPS; s++) global_batch(ctx, im, &o, s, B, 1, ref[s], yref[s]);
+    for (int world = 2; world <= 4; world++)
+        for (int s = STEPS - 1; s >= 0; s--) {
+            global_batch(ctx, im, &o, s, B, world, got, ygot);
+            CHECK(memcmp(got, ref[s], sizeof got) == 0);
+            CHECK(memcmp(ygot, yref[s], sizeof ygot) == 0);
+        }
+    /* each image is its (seed, epoch, index) crop, flipped or not, normalised */
+    struct fsdp_image_batch_opts p = o;
+    p.shuffle = 0;
+    for (int c = 0; c < 4; c++) p.mean[c] = 0.5f, p.std[c] = 2.0f;
+    float x[H * W], crop[H * W];
+    int32_t y;
+    int flipped = 0, cropped = 0;
+    for (int k = 0; k < N; k++) {
+        ASSERT_OK(fsdp_images_batch(ctx, im, &p, N + k, 1, 0, 1, x, &y), ctx); /* epoch 1, image k */
+        ASSERT_OK(fsdp_images_random_resized_crop(ctx, im, 7, 1, k, 0, H, W, 0.08f, 1.0f, crop), ctx);
+        int same = 1, mirror = 1;
+        for (int r = 0; r < H; r++)
+            for (int c = 0; c < W; c++) {
+                same &= x[r * W + c] == (crop[r * W + c] - 0.5f) / 2.0f;
+                mirror &= x[r * W + c] == (crop[r * W + W - 1 - c] - 0.5f) / 2.0f;
+            }
+        CHECK(same || mirror);
+        flipped += !same;
+        cropped += crop[0] != (float)pixel(k, 0) / 255.0f;
+    }
+    CHECK(flipped > 0 && flipped < N);
+    CHECK(cropped > 0);
+    o.crop_padding = 1;
+    CHECK_INT_EQ(fsdp_images_batch(ctx, im, &o, 0, B, 0, 1, got, ygot), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "exclusive");
+    fsdp_images_free(im);
+    remove_dir(dir);
+    fsdp_ctx_free(ctx);
+}
+
 TEST_MAIN()

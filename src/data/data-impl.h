@@ -18,4 +18,9 @@ enum fsdp_status fsdp__images_open_mem(struct fsdp_ctx *ctx, const char *images_
                                        size_t images_len, const char *labels_name, const void *labels,
                                        size_t labels_len, int num_classes, struct fsdp_images **out);
 
+/* The same for the raw format ([Note: raw image format] in idx.c) on the
+ * bytes of one file (plain or gzip'd) named `name`. */
+enum fsdp_status fsdp__images_open_raw_mem(struct fsdp_ctx *ctx, const char *name, const void *data, size_t len,
+                                           int num_classes, struct fsdp_images **out);
+
 #endif
