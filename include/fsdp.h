@@ -865,6 +865,8 @@ struct fsdp_optim_opts {
     int decay_all;             /* 1: decay biases, LayerNorm, embeddings too (default 0) */
     float trust_coefficient;   /* LARS's eta; default 0.001 */
     float lars_eps;            /* LARS's eps in the ratio's denominator; default 1e-8 */
+    int nesterov;              /* SGD: Nesterov momentum as torch.optim.SGD's (needs momentum > 0);
+                                  default 0 */
 };
 
 struct fsdp_optim_opts fsdp_optim_opts_default(void);
@@ -1506,6 +1508,8 @@ struct fsdp_ckpt_meta {
     uint64_t seed;       /* init and sampling seed: the counter-based RNG's whole state */
     int has_config;      /* config is valid */
     struct fsdp_gpt_config config;
+    char model_json[1024]; /* another model's config as the text of a JSON object ("" = none),
+                              kept as meta.json's "model" (fsdp-train's image models) */
     /* filled by load and read_meta (ignored by save): */
     int64_t optim_step;  /* the optimizer's step count at save time */
     int world;           /* world size the checkpoint was saved with */

@@ -61,7 +61,7 @@ static void ref_adamw(float *p, const float *g, float *m, float *v, int64_t n, i
     }
 }
 
-/* torch.optim.SGD (dampening 0, no Nesterov); buf NULL when momentum is 0. */
+/* torch.optim.SGD (dampening 0; nesterov: the step is d + mu*buf); buf NULL when momentum is 0. */
 static void ref_sgd(float *p, const float *g, float *buf, int64_t n, int first,
                     const struct fsdp_optim_opts *o, double lr, int decay, double scale) {
     double wd = decay ? o->weight_decay : 0.0, mu = o->momentum;
@@ -69,7 +69,7 @@ static void ref_sgd(float *p, const float *g, float *buf, int64_t n, int first,
         double d = (double)g[i] * scale + wd * (double)p[i];
         if (mu > 0.0) {
             buf[i] = first ? (float)d : (float)(mu * (double)buf[i] + d);
-            d = (double)buf[i];
+            d = o->nesterov ? d + mu * (double)buf[i] : (double)buf[i];
         }
         p[i] = (float)((double)p[i] - lr * d);
     }
@@ -138,7 +138,7 @@ TEST(opts_invalid) {
     struct {
         const char *field;
         struct fsdp_optim_opts o;
-    } cases[16];
+    } cases[20];
     int n = 0;
     struct fsdp_optim_opts d = fsdp_optim_opts_default();
 #define BAD(name, stmt) do { cases[n].field = name; cases[n].o = d; { struct fsdp_optim_opts *o = &cases[n].o; stmt; } n++; } while (0)
@@ -156,6 +156,8 @@ TEST(opts_invalid) {
     BAD("momentum", o->momentum = -0.5f);
     BAD("momentum", (o->kind = FSDP_OPTIM_SGD, o->momentum = 2.0f));
     BAD("kind", o->kind = (enum fsdp_optim_kind)7);
+    BAD("nesterov", o->nesterov = 1); /* AdamW */
+    BAD("nesterov", (o->kind = FSDP_OPTIM_SGD, o->nesterov = 1));   /* momentum 0 */
 #undef BAD
     for (int i = 0; i < n; i++) {
         struct fsdp_optim *opt = (struct fsdp_optim *)&ctx; /* must be reset to NULL */
@@ -318,11 +320,12 @@ TEST(step_count_and_setter) {
 
 /* ---- SGD ---- */
 
-static void sgd_case(float momentum) {
+static void sgd_case(float momentum, int nesterov) {
     struct fsdp_ctx *ctx = new_ctx();
     struct fsdp_optim_opts o = fsdp_optim_opts_default();
     o.kind = FSDP_OPTIM_SGD;
     o.momentum = momentum;
+    o.nesterov = nesterov;
     o.weight_decay = 0.01f;
     struct fsdp_optim *opt;
     ASSERT_OK(fsdp_optim_create(ctx, &o, &opt), ctx);
@@ -362,7 +365,7 @@ static void sgd_case(float momentum) {
 }
 
 TEST(sgd_plain) {
-    sgd_case(0.0f);
+    sgd_case(0.0f, 0);
     /* and the textbook update once: p - lr*(g + wd*p) */
     struct fsdp_ctx *ctx = new_ctx();
     struct fsdp_optim_opts o = fsdp_optim_opts_default();
@@ -380,7 +383,31 @@ TEST(sgd_plain) {
     fsdp_ctx_free(ctx);
 }
 
-TEST(sgd_momentum) { sgd_case(0.9f); }
+TEST(sgd_momentum) { sgd_case(0.9f, 0); }
+
+/* Nesterov (torch's nesterov=True): five steps against the reference, and
+ * the second step by hand: buf = mu*d1 + d2, p -= lr*(d2 + mu*buf). */
+TEST(sgd_nesterov) {
+    sgd_case(0.9f, 1);
+    struct fsdp_ctx *ctx = new_ctx();
+    struct fsdp_optim_opts o = fsdp_optim_opts_default();
+    o.kind = FSDP_OPTIM_SGD;
+    o.momentum = 0.5f;
+    o.nesterov = 1;
+    o.weight_decay = 0.0f;
+    struct fsdp_optim *opt;
+    ASSERT_OK(fsdp_optim_create(ctx, &o, &opt), ctx);
+    float p = 1.0f, g = 1.0f, buf = 0.0f;
+    struct fsdp_optim_slice sl = {.param = &p, .grad = &g, .state = &buf, .n = 1, .state_stride = 1, .decay = 1};
+    fsdp_optim_step(opt, &sl, 1, 0.5f, 1.0f); /* buf = 1, p = 1 - 0.5 (1 + 0.5) = 0.25 */
+    CHECK_NEAR(p, 0.25, 0, 1e-7);
+    g = 2.0f;
+    fsdp_optim_step(opt, &sl, 1, 0.5f, 1.0f); /* buf = 0.5 + 2 = 2.5, p = 0.25 - 0.5 (2 + 1.25) = -1.375 */
+    CHECK_NEAR(buf, 2.5, 0, 1e-7);
+    CHECK_NEAR(p, -1.375, 0, 1e-7);
+    fsdp_optim_free(opt);
+    fsdp_ctx_free(ctx);
+}
 
 /* ---- Determinism ---- */
 

@@ -1,6 +1,9 @@
 /*
- * fsdp-train.c - the trainer: trains a GPT with FULL_SHARD (ZeRO-3) on the
- * ranks of an MPI job, or starts that job itself with --nproc N.
+ * fsdp-train.c - the trainer: trains a GPT or an image classifier (the
+ * tasks of train/task.h) with FULL_SHARD (ZeRO-3) or another strategy on the
+ * ranks of an MPI job, or starts that job itself with --nproc N. This file
+ * holds what every task shares: preparation, the step loop, logging,
+ * evaluation, checkpoints and the summary.
  * One of the programs in tools/, the only code that prints and exits.
  * Errors that every rank detects alike (flags, config, data) end the job
  * with one message from rank 0 and exit code 1 (2 for usage); an error on
@@ -25,6 +28,7 @@
 #include <unistd.h>
 
 #include "train/options.h"
+#include "train/task.h"
 
 /* --nproc N without mpirun: re-run this program under mpirun. */
 static void relaunch(int argc, char **argv, int nproc) {
@@ -251,7 +255,7 @@ static int check_save_dir(const char *dir, char *err, size_t n) {
 
 static struct fsdp_ctx *g_ctx;
 
-static double now_s(void) {
+double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -279,27 +283,43 @@ static const char *const coll_names[FSDP_COLL_COUNT] = {"allgather", "reduce_sca
                                                         "broadcast", "barrier"};
 
 /* An error every rank detects alike: rank 0 reports, all finish cleanly. */
-static _Noreturn void fail_all(const char *fmt, ...) {
+static _Noreturn void fail_all_v(int code, const char *fmt, va_list ap) {
     if (!g_ctx || fsdp_ctx_rank(g_ctx) == 0) {
-        va_list ap;
-        va_start(ap, fmt);
         fprintf(stderr, "fsdp-train: error: ");
         vfprintf(stderr, fmt, ap);
         fprintf(stderr, "\n");
-        va_end(ap);
     }
     fsdp_ctx_free(g_ctx);
-    exit(1);
+    exit(code);
 }
+
+_Noreturn void fail_all(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fail_all_v(1, fmt, ap);
+}
+
+/* Bad input that every rank sees alike (an image model's config or data): exit 2. */
+_Noreturn void fail_input(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fail_all_v(2, fmt, ap);
+}
+
+static const struct task *g_task; /* what this run trains */
 
 /* ---- Preparation: --wrap, --ac, --reshard-after-forward, --init ---- */
 
-/* The module type --ac checkpoints: "CausalSelfAttention" for attn, else "Block". */
-static const char *ac_type(const struct opts *o) { return !strcmp(o->ac, "attn") ? "CausalSelfAttention" : "Block"; }
+/* The module type --ac checkpoints: the task's attention type for attn
+ * ("CausalSelfAttention"), else its block type ("Block", "BasicBlock"). */
+static const char *ac_type(const struct opts *o) {
+    return !strcmp(o->ac, "attn") ? g_task->ac_attn_type : g_task->block_type;
+}
 
-/* --ac every:K: Blocks whose index in transformer.h is a multiple of K. */
+/* --ac every:K: blocks (Blocks in transformer.h, a ResNet's blocks in their
+ * layer) whose index is a multiple of K. */
 static int ac_every(struct fsdp_module *m, void *ud) {
-    if (strcmp(m->ops->type, "Block")) return 0;
+    if (strcmp(m->ops->type, g_task->block_type)) return 0;
     return atoi(m->name) % *(const int *)ud == 0;
 }
 
@@ -331,7 +351,7 @@ static struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct opts 
     }
     static int64_t min_size;
     static int every;
-    struct fsdp_wrap_policy wp = {fsdp_wrap_by_type, (void *)"Block"};
+    struct fsdp_wrap_policy wp = {fsdp_wrap_by_type, (void *)g_task->block_type};
     if (!strcmp(o->wrap, "none")) wp.fn = NULL;
     else if (!strncmp(o->wrap, "size:", 5)) {
         min_size = atol(o->wrap + 5);
@@ -400,7 +420,7 @@ static void precision_line(const struct opts *o, const struct fsdp_model *fm) {
 }
 
 /* An error of this rank alone: report and end every rank. */
-static _Noreturn void fail_rank(const char *fmt, ...) {
+_Noreturn void fail_rank(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     fprintf(stderr, "fsdp-train: rank %d: error: ", g_ctx ? fsdp_ctx_rank(g_ctx) : 0);
@@ -415,18 +435,18 @@ static int local_ranks(void) {
     return s && atoi(s) > 0 ? atoi(s) : 1;
 }
 
-static void progress(int step, int steps, double loss, double ms, double tps) {
+static void progress(int step, int steps, double loss, double ms, double tps, const char *item) {
     int width = 30, filled = steps ? (int)((double)width * step / steps) : width;
     char bar[64];
     for (int i = 0; i < width; i++) bar[i] = i < filled ? '=' : (i == filled ? '>' : ' ');
     bar[width] = 0;
-    printf("\r[%s] step %d/%d  loss %.4f  %.0f ms/step  %.0f tok/s ", bar, step, steps, loss, ms, tps);
+    printf("\r[%s] step %d/%d  loss %.4f  %.0f ms/step  %.0f %s/s ", bar, step, steps, loss, ms, tps, item);
     fflush(stdout);
 }
 
 /* Saves DIR/step-N (every rank), then keeps the newest --keep-last. */
-static void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
-                      const struct fsdp_gpt_config *cfg, int step, int tty) {
+static void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o, struct task *t, int step,
+                      int tty) {
     int rank = fsdp_ctx_rank(ctx);
     char path[4096];
     launcher_check();
@@ -436,8 +456,7 @@ static void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct 
     struct fsdp_ckpt_meta m = {0};
     m.step = m.data_step = step;
     m.seed = o->seed;
-    m.has_config = 1;
-    m.config = *cfg;
+    t->ops->meta(t, &m);
     double t0 = now_s();
     /* the barrier: nobody writes into --save-dir before rank 0 made it */
     if (fsdp_comm_barrier(fsdp_ctx_comm(ctx)) != FSDP_OK || fsdp_ckpt_save(ctx, fm, path, &m) != FSDP_OK)
@@ -446,65 +465,6 @@ static void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct 
         if (o->keep_last) prune_ckpts(ctx, o->save_dir, o->keep_last);
         if (!tty) printf("saved %s in %.2f s\n", path, now_s() - t0);
     }
-}
-
-/* Generates n tokens after a newline, temperature 1 sampling with the counter
- * RNG on rank 0, broadcast so every rank feeds the same context. Tokens are
- * bytes, or with a tokenizer (bpe, may be NULL) its ids, decoded at the end. */
-static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_gpt_config *cfg,
-                     int n, uint64_t seed, struct fsdp_bpe *bpe) {
-    int T = cfg->block_size;
-    int32_t *ctxbuf = calloc((size_t)T, sizeof(int32_t));
-    int32_t *ids = calloc((size_t)n, sizeof(int32_t));
-    char *text = calloc((size_t)n + 1, 1);
-    int len = 1, out = 0;
-    size_t one;
-    ctxbuf[0] = '\n';
-    if (bpe && (fsdp_bpe_encode(bpe, "\n", 1, ctxbuf, &one) != FSDP_OK || one != 1)) ctxbuf[0] = 0;
-    for (int i = 0; i < n; i++) {
-        float *logits;
-        int t0 = len > T ? len - T : 0, tl = len - t0;
-        int32_t *window = calloc((size_t)tl, sizeof(int32_t));
-        for (int j = 0; j < tl; j++) window[j] = ctxbuf[(t0 + j) % T];
-        if (fsdp_model_forward(ctx, fm, window, 1, tl, &logits) != FSDP_OK)
-            fail_rank("sampling: %s", fsdp_errmsg(ctx));
-        free(window);
-        int32_t next = 0;
-        if (fsdp_ctx_rank(ctx) == 0) {
-            const float *l = logits + (size_t)(tl - 1) * (size_t)cfg->vocab_size;
-            double mx = l[0], z = 0;
-            for (int v = 1; v < cfg->vocab_size; v++) mx = l[v] > mx ? l[v] : mx;
-            for (int v = 0; v < cfg->vocab_size; v++) z += exp(l[v] - mx);
-            /* a deterministic uniform from the seed and position */
-            double u = (double)((seed * 6364136223846793005ull + (uint64_t)i * 1442695040888963407ull) >> 11) /
-                       9007199254740992.0 * z;
-            for (next = 0; next < cfg->vocab_size - 1; next++) {
-                u -= exp(l[next] - mx);
-                if (u <= 0) break;
-            }
-        }
-        if (fsdp_comm_broadcast(fsdp_ctx_comm(ctx), &next, 1, FSDP_I32, 0) != FSDP_OK)
-            fail_rank("sampling broadcast: %s", fsdp_errmsg(ctx));
-        ctxbuf[len % T] = next;
-        len++;
-        ids[i] = next;
-        text[out++] = (char)(next >= 32 && next < 127 ? next : next == '\n' ? '\n' : '?');
-    }
-    if (fsdp_ctx_rank(ctx) == 0 && bpe) { /* ids the tokenizer lacks (a padded vocab) show as <|id|> */
-        printf("--- sample ---\n");
-        for (int i = 0; i < n; i++) {
-            size_t l;
-            const void *t = fsdp_bpe_token(bpe, ids[i], &l);
-            if (t) fwrite(t, 1, l, stdout);
-            else printf("<|%d|>", (int)ids[i]);
-        }
-        printf("\n--------------\n");
-    } else if (fsdp_ctx_rank(ctx) == 0) {
-        printf("--- sample ---\n%s\n--------------\n", text);
-    }
-    free(ctxbuf);
-    free(ids);
-    free(text);
 }
 
 /* Every rank: rank 0 checks --log, --save-full and --save-dir (and takes the
@@ -602,7 +562,40 @@ static void host_memory(struct host_mem *hm, int local) {
 /* Plans the run for `pworld` ranks: --dry-run prints the plan per rank and
  * exits; --mem-limit refuses a plan over the limit before any work, then
  * hands the limit to the library's allocator. Every rank computes the same. */
+/* Another model than the GPT: the library plans no activations for it, so
+ * --dry-run prints the shards only and --mem-limit SIZE caps the allocator
+ * without a plan (auto: no check). */
+static void shards_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *root, int pworld) {
+    if (o->batch % pworld != 0)
+        fail_all("--batch %d (global) is not divisible by the world size %d", o->batch, pworld);
+    check_strategy_flags(o, pworld);
+    if (o->dry_run) {
+        if (fsdp_ctx_rank(ctx) == 0) {
+            int k = !strcmp(o->optim, "sgd") ? (o->momentum > 0 ? 1 : 0) : 2;
+            int64_t n = fsdp_module_numel(root);
+            int shard = !strcasecmp(o->sharding, "NO_SHARD") ? 1
+                        : !strcasecmp(o->sharding, "HYBRID_SHARD") && o->shard_group ? o->shard_group
+                                                                                    : pworld;
+            char a[32], b[32];
+            mib(a, sizeof a, (size_t)n * 4);
+            mib(b, sizeof b, (size_t)((double)n * 4.0 * (2 + k) / shard));
+            printf("memory plan: %s, world %d, batch %d images per rank, %s (%d state floats per element): "
+                   "%.3fM parameters (%s); parameter, gradient and optimizer shards about %s per rank "
+                   "(activations are planned for the GPT only)\n",
+                   o->sharding, pworld, o->batch / pworld, o->optim, k, (double)n / 1e6, a, b);
+        }
+        fsdp_module_free(root);
+        fsdp_ctx_free(ctx);
+        exit(0);
+    }
+    fsdp_mem_set_limit(ctx, o->mem_limit_bytes);
+}
+
 static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *gpt, int pworld) {
+    if (!g_task->is_gpt) {
+        shards_plan(ctx, o, gpt, pworld);
+        return;
+    }
     if (!o->dry_run && !o->mem_limit_bytes && !o->mem_limit_auto) return;
     size_t limit = o->mem_limit_bytes;
     if (o->batch % pworld != 0)
@@ -725,6 +718,17 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
     fsdp_mem_set_limit(ctx, limit);
 }
 
+/* The learning rate of step `step` (0-based): the library's warmup and
+ * cosine or constant schedule, or the step schedule: warmup as the others,
+ * then lr x 0.1 for every --lr-steps milestone reached (torch's MultiStepLR). */
+static float lr_at(const struct opts *o, const struct fsdp_lr_sched *s, int64_t step) {
+    if (strcmp(o->schedule, "step") || step < s->warmup) return fsdp_lr_at(s, step);
+    double lr = (double)o->lr;
+    for (int i = 0; i < o->n_lr_steps; i++)
+        if (step >= o->lr_steps[i]) lr *= 0.1;
+    return (float)lr;
+}
+
 int main(int argc, char **argv) {
     struct opts o = opts_default();
     parse_args(argc, argv, &o);
@@ -770,43 +774,26 @@ int main(int argc, char **argv) {
         if (fsdp_ckpt_read_meta(ctx, resume_dir, &ck) != FSDP_OK) fail_all("--resume: %s", fsdp_errmsg(ctx));
     }
 
-    /* model config: the flags, else the checkpoint's, else the default preset */
-    struct fsdp_gpt_config cfg;
-    if (o.model_config) {
-        if (fsdp_gpt_config_load(ctx, o.model_config, &cfg) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
-    } else if (!o.model && resume_dir && ck.has_config) {
-        cfg = ck.config;
-    } else if (fsdp_gpt_config_preset(o.model ? o.model : MODEL_DEFAULT, &cfg) != FSDP_OK) {
-        fail_all("--model: unknown preset '%s' (tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl)", o.model);
-    }
-    if (fsdp_gpt_config_validate(ctx, &cfg) != FSDP_OK) fail_all("model config: %s", fsdp_errmsg(ctx));
-    if (resume_dir && ck.has_config && (o.model || o.model_config)) {
-        const char *what = o.model_config ? "--model-config" : "--model";
-        const char *arg = o.model_config ? o.model_config : o.model;
-        int a[5] = {cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.block_size};
-        int b[5] = {ck.config.n_layer, ck.config.n_head, ck.config.n_embd, ck.config.vocab_size, ck.config.block_size};
-        static const char *const names[5] = {"n_layer", "n_head", "n_embd", "vocab_size", "block_size"};
-        for (int i = 0; i < 5; i++)
-            if (a[i] != b[i])
-                fail_all("%s %s: %s %d, but the checkpoint %s was saved with %s %d (leave out %s to use the "
-                         "checkpoint's model)", what, arg, names[i], a[i], resume_dir, names[i], b[i], what);
-    } else if (resume_dir && !ck.has_config && !o.model && !o.model_config) {
-        fail_all("--resume: %s holds no model config (converted without one): give --model or --model-config",
-                 resume_dir);
-    }
-    if (o.seq > cfg.block_size)
-        fail_all("--seq %d is longer than the model's block_size %d", o.seq, cfg.block_size);
+    /* the task and its model config: the flags, else the checkpoint's, else the default preset */
+    struct task task;
+    memset(&task, 0, sizeof task);
+    g_task = &task;
+    if (task_is_images(&o, resume_dir ? &ck : NULL)) task_images_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
+    else task_tokens_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
+    int steps = task.steps;
+    if (!strcmp(o.ac, "attn") && !task.ac_attn_type) fail_input("--ac attn: this model has no attention (give --ac blocks or every:K)");
     if (o.batch % world != 0)
         fail_all("--batch %d (global) is not divisible by the world size %d", o.batch, world);
     check_strategy_flags(&o, world);
 
-    /* --resume at or past --steps: nothing to train; --save-dir and --save-full
+    /* --resume at or past the last step: nothing to train; --save-dir and --save-full
      * still write the loaded model (saving at another world size reshards) */
-    int nothing_left = resume_dir && ck.step >= o.steps;
+    int nothing_left = resume_dir && ck.step >= steps;
     if (nothing_left && rank == 0)
         printf("nothing left to train: %s is at step %lld and --steps is %d (give --steps above %lld to train "
-               "further)\n", resume_dir, (long long)ck.step, o.steps, (long long)ck.step);
+               "further)\n", resume_dir, (long long)ck.step, steps, (long long)ck.step);
     if (nothing_left && !o.save_full && !o.save_dir) {
+        task.ops->free(&task);
         fsdp_ctx_free(ctx);
         return 0;
     }
@@ -819,40 +806,10 @@ int main(int argc, char **argv) {
         }
     }
 
-    /* data; with --tokenizer, a file read as text is BPE-encoded instead */
-    struct fsdp_bpe *bpe = NULL;
-    if (o.tokenizer) {
-        if (!strcmp(o.data, "synthetic"))
-            fail_all("--tokenizer needs a --data file (the synthetic corpus is byte-level text)");
-        if (fsdp_bpe_open(ctx, o.tokenizer, &bpe) != FSDP_OK) fail_all("--tokenizer: %s", fsdp_errmsg(ctx));
-        if (fsdp_bpe_vocab_size(bpe) > cfg.vocab_size)
-            fail_all("--tokenizer '%s': its %d ids do not fit the model's vocab_size %d", o.tokenizer,
-                     fsdp_bpe_vocab_size(bpe), cfg.vocab_size);
-    }
-    struct fsdp_data *data;
-    enum fsdp_status st = !strcmp(o.data, "synthetic")
-                              ? fsdp_data_synthetic(ctx, o.seed, (size_t)1 << 22, &data)
-                              : fsdp_data_open(ctx, o.data, cfg.vocab_size, &data);
-    int bpe_text = st == FSDP_OK && bpe && fsdp_data_is_text(data);
-    if (bpe_text) {
-        double t0 = now_s();
-        fsdp_data_free(data);
-        st = fsdp_data_open_bpe(ctx, o.data, bpe, cfg.vocab_size, &data);
-        if (st == FSDP_OK && rank == 0)
-            printf("tokenized %s with %s: %zu tokens in %.2f s\n", o.data, o.tokenizer, fsdp_data_ntokens(data),
-                   now_s() - t0);
-    }
-    if (st != FSDP_OK) fail_all("--data: %s", fsdp_errmsg(ctx));
-    if (fsdp_data_ntokens(data) < (size_t)o.seq + 1) /* a sequence would wrap around into itself */
-        fail_all("--data: '%s' has %zu tokens, fewer than one sequence needs (--seq %d + 1 = %d tokens)", o.data,
-                 fsdp_data_ntokens(data), o.seq, o.seq + 1);
-    if (fsdp_data_is_text(data) && cfg.vocab_size < 256)
-        fail_all("byte-level text needs vocab_size >= 256, the model has %d", cfg.vocab_size);
-
-    /* model, shards, optimizer */
-    struct fsdp_module *gpt;
-    if (fsdp_gpt_create(ctx, &cfg, &gpt) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
-    memory_plan(ctx, &o, gpt, !under_mpi && o.dry_run && o.nproc > 1 ? o.nproc : world);
+    /* data and the model (shapes only), shards, optimizer */
+    task.ops->open(&task, ctx, &o);
+    struct fsdp_module *root = task.root;
+    memory_plan(ctx, &o, root, !under_mpi && o.dry_run && o.nproc > 1 ? o.nproc : world);
     check_outputs(ctx, &o);
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     oo.kind = !strcmp(o.optim, "sgd") ? FSDP_OPTIM_SGD : FSDP_OPTIM_ADAMW;
@@ -860,11 +817,12 @@ int main(int argc, char **argv) {
     oo.beta2 = o.beta2;
     oo.eps = o.eps;
     oo.momentum = o.momentum;
+    oo.nesterov = o.nesterov;
     oo.weight_decay = o.weight_decay;
     oo.decay_all = o.decay_all;
     struct fsdp_optim *opt;
     if (fsdp_optim_create(ctx, &oo, &opt) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
-    struct fsdp_model *fm = prepare_model(ctx, &o, gpt, opt);
+    struct fsdp_model *fm = prepare_model(ctx, &o, root, opt);
     int start_step = 0;
     if (resume_dir) {
         double t0 = now_s();
@@ -881,7 +839,7 @@ int main(int argc, char **argv) {
         if (rank == 0) printf("initial weights from %s%s\n", o.init_from, rank0 ? " (rank 0, sent unit by unit)" : "");
     }
 
-    int64_t n_params = fsdp_module_numel(gpt);
+    int64_t n_params = fsdp_module_numel(root);
     int64_t largest_unit = 0;
     for (int i = 0; i < fsdp_model_n_units(fm); i++) {
         struct fsdp_unit_info ui;
@@ -892,25 +850,20 @@ int main(int argc, char **argv) {
                    ui.n_params, (long long)ui.numel_full, (long long)ui.numel_shard);
     }
     if (rank == 0) {
-        printf("model: %d layers, %d heads, %d embd, vocab %d, block %d: %.2fM parameters in %d units\n",
-               cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.block_size, (double)n_params / 1e6,
-               fsdp_model_n_units(fm));
-        printf("world %d (%s), %d threads per rank; batch %d x %d tokens; %d steps\n", world,
-               fsdp_comm_backend(fsdp_ctx_comm(ctx)), co.threads, o.batch, o.seq, o.steps);
+        task.ops->describe_model(&task, ctx, &o, fm);
+        printf("world %d (%s), %d threads per rank; batch %d %s; %d steps\n", world,
+               fsdp_comm_backend(fsdp_ctx_comm(ctx)), co.threads, o.batch, task.batch_unit, steps);
         printf("sharding: %s", o.sharding);
         if (!strcasecmp(o.sharding, "HYBRID_SHARD") && o.shard_group)
             printf(" (groups of %d ranks, %d replicas)", o.shard_group, world / o.shard_group);
         else if (!strcasecmp(o.sharding, "HYBRID_SHARD"))
             printf(" (groups: the ranks of each host)");
         if (o.grad_accum > 1)
-            printf("; %d micro-batches of %d x %d tokens per rank per step (%s)", o.grad_accum,
-                   o.batch / world / o.grad_accum, o.seq, o.accum_mode);
+            printf("; %d micro-batches of %d %s per rank per step (%s)", o.grad_accum,
+                   o.batch / world / o.grad_accum, task.batch_unit, o.accum_mode);
         printf("\n");
         precision_line(&o, fm);
-        double floor_ = fsdp_data_loss_floor(data);
-        if (floor_ >= 0) printf("data: %s, %zu tokens, loss floor %.3f nats/token\n", o.data,
-                                fsdp_data_ntokens(data), floor_);
-        else printf("data: %s, %zu tokens\n", o.data, fsdp_data_ntokens(data));
+        task.ops->describe_data(&task, ctx, &o, fm);
     }
 
     FILE *logf = NULL;
@@ -918,30 +871,22 @@ int main(int argc, char **argv) {
         fail_rank("--log: cannot open '%s': %s", o.log_path, strerror(errno));
 
     struct fsdp_lr_sched sched = {!strcmp(o.schedule, "cosine") ? FSDP_LR_COSINE : FSDP_LR_CONSTANT, o.lr,
-                                  o.min_lr, o.warmup, o.steps};
-    int Bl = o.batch / world, T = o.seq;
-    int32_t *inputs = malloc((size_t)Bl * (size_t)T * sizeof(int32_t));
-    int32_t *targets = malloc((size_t)Bl * (size_t)T * sizeof(int32_t));
-    if (!inputs || !targets) fail_rank("out of memory for the batch");
+                                  o.min_lr, o.warmup, steps};
     const char *tty_env = getenv("FSDP_TRAIN_TTY");
     int tty = tty_env ? atoi(tty_env) : isatty(STDOUT_FILENO);
-    double flops_tok = 3.0 * fsdp_gpt_flops_per_token(&cfg, T);
     double total_s = 0, first_loss = 0, last_loss = 0;
-    int timed = 0, skipped = 0;
+    double eval_loss = NAN, eval_acc = NAN;
+    int64_t eval_n = 0;
+    int timed = 0, skipped = 0, evaluated = 0;
     struct comm_delta comm_total = {0}; /* over the timed steps (all but the first) */
-    for (int step = start_step; step < o.steps; step++) {
+    for (int step = start_step; step < steps; step++) {
         launcher_check();
-        if (fsdp_data_batch(data, step, o.batch, T, rank, world, inputs, targets) != FSDP_OK)
-            fail_rank("step %d: --data: %s", step + 1, fsdp_errmsg(ctx));
-        float lr = fsdp_lr_at(&sched, step);
+        float lr = lr_at(&o, &sched, step);
         struct fsdp_step_result r;
         struct fsdp_comm_stats cs0, cs1;
         fsdp_model_comm_stats(fm, &cs0); /* all groups of the strategy */
         double t0 = now_s();
-        st = fsdp_model_train_step_accum(ctx, fm, inputs, targets, Bl / o.grad_accum, T, o.grad_accum,
-                                         !strcmp(o.accum_mode, "no_sync") ? FSDP_ACCUM_NO_SYNC
-                                                                          : FSDP_ACCUM_REDUCE_EACH,
-                                         lr, o.clip, &r);
+        enum fsdp_status st = task.ops->step(&task, ctx, fm, &o, step, lr, &r);
         double dt = now_s() - t0;
         fsdp_model_comm_stats(fm, &cs1);
         struct comm_delta cd = {0};
@@ -952,39 +897,57 @@ int main(int argc, char **argv) {
         skipped += r.skipped;
         if (step == start_step) first_loss = r.loss;
         last_loss = r.loss;
+        /* evaluation: every --eval-every steps and after the last */
+        int do_eval = task.ops->eval && ((o.eval_every && (step + 1) % o.eval_every == 0) || step + 1 == steps);
+        if (do_eval) {
+            if (task.ops->eval(&task, ctx, fm, &o, &eval_loss, &eval_acc, &eval_n) != FSDP_OK)
+                fail_rank("step %d: evaluation: %s", step + 1, fsdp_errmsg(ctx));
+            evaluated = 1;
+        }
         float rss = (float)((double)fsdp_peak_rss_bytes() / 1048576.0), rss_max = rss;
         if (fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &rss, &rss_max, 1, FSDP_F32, FSDP_MAX) != FSDP_OK)
             fail_rank("%s", fsdp_errmsg(ctx));
-        double tps = (double)o.batch * T / dt;
+        double tps = task.items_per_step / dt;
         if (rank == 0) {
-            if (tty) progress(step + 1, o.steps, r.loss, dt * 1e3, tps);
+            if (tty) progress(step + 1, steps, r.loss, dt * 1e3, tps, task.item);
             else
-                printf("step %4d/%d  loss %.4f  lr %.2e  grad_norm %.4f  %.1f ms  %.0f tok/s%s\n", step + 1,
-                       o.steps, r.loss, (double)lr, r.grad_norm, dt * 1e3, tps,
+                printf("step %4d/%d  loss %.4f  lr %.2e  grad_norm %.4f  %.1f ms  %.0f %s/s%s\n", step + 1,
+                       steps, r.loss, (double)lr, r.grad_norm, dt * 1e3, tps, task.item,
                        r.skipped ? "  SKIPPED (overflow; loss scale halved)" : "");
+            if (do_eval) {
+                if (tty) printf("\n");
+                printf("eval  %4d/%d  eval_loss %.4f  eval_acc %.2f%%\n", step + 1, steps, eval_loss,
+                       100.0 * eval_acc);
+            }
             if (logf) {
                 char jl[32], jg[32]; /* a skipped step's norm is inf or nan: null in JSON */
                 fprintf(logf,
                         "{\"step\": %d, \"loss\": %s, \"lr\": %.9g, \"grad_norm\": %s, \"param_norm\": %.9g, "
                         "\"step_ms\": %.3f, \"forward_ms\": %.3f, \"backward_ms\": %.3f, \"update_ms\": %.3f, "
-                        "\"tokens_per_s\": %.1f, \"peak_rss_mb\": %.1f, \"comm_ms\": %.3f, \"exposed_comm_ms\": %.3f, "
+                        "\"%s\": %.1f, \"peak_rss_mb\": %.1f, \"comm_ms\": %.3f, \"exposed_comm_ms\": %.3f, "
                         "\"comm_bytes\": %llu, "
-                        "\"precision\": \"%s\", \"skipped\": %d, \"skipped_total\": %d, \"loss_scale\": %.9g, "
-                        "\"comm\": {",
+                        "\"precision\": \"%s\", \"skipped\": %d, \"skipped_total\": %d, \"loss_scale\": %.9g, ",
                         step + 1, json_num(jl, sizeof jl, r.loss), (double)lr,
                         json_num(jg, sizeof jg, r.grad_norm), r.param_norm, dt * 1e3, r.forward_s * 1e3,
-                        r.backward_s * 1e3, r.update_s * 1e3, tps, (double)rss_max, cd.total_s * 1e3, r.comm_wait_s * 1e3,
-                        (unsigned long long)cd.total_bytes, precision_name(&o), r.skipped, skipped, r.loss_scale);
+                        r.backward_s * 1e3, r.update_s * 1e3, task.item_json, tps, (double)rss_max, cd.total_s * 1e3,
+                        r.comm_wait_s * 1e3, (unsigned long long)cd.total_bytes, precision_name(&o), r.skipped,
+                        skipped, r.loss_scale);
+                if (do_eval) {
+                    char el[32], ea[32];
+                    fprintf(logf, "\"eval_loss\": %s, \"eval_acc\": %s, \"eval_images\": %lld, ",
+                            json_num(el, sizeof el, eval_loss), json_num(ea, sizeof ea, eval_acc), (long long)eval_n);
+                }
+                fprintf(logf, "\"comm\": {");
                 for (int k = 0; k < FSDP_COLL_COUNT; k++)
                     fprintf(logf, "%s\"%s\": {\"ms\": %.3f, \"bytes\": %llu}", k ? ", " : "", coll_names[k],
                             cd.wait_s[k] * 1e3, (unsigned long long)cd.bytes[k]);
                 fprintf(logf, "}}\n");
             }
         }
-        if (o.save_dir && ((o.save_every && (step + 1) % o.save_every == 0) || step + 1 == o.steps))
-            save_ckpt(ctx, fm, &o, &cfg, step + 1, tty);
+        if (o.save_dir && ((o.save_every && (step + 1) % o.save_every == 0) || step + 1 == steps))
+            save_ckpt(ctx, fm, &o, &task, step + 1, tty);
     }
-    if (o.save_dir && nothing_left) save_ckpt(ctx, fm, &o, &cfg, start_step, tty);
+    if (o.save_dir && nothing_left) save_ckpt(ctx, fm, &o, &task, start_step, tty);
     if (tty && rank == 0) printf("\n");
     if (logf) fclose(logf);
 
@@ -993,22 +956,25 @@ int main(int argc, char **argv) {
         if (fsdp_model_save_full(ctx, fm, o.save_full) != FSDP_OK) fail_all("--save-full: %s", fsdp_errmsg(ctx));
         if (rank == 0) printf("saved %s in %.2f s\n", o.save_full, now_s() - t0);
     }
-    if (o.sample > 0 && (fsdp_data_is_text(data) || bpe) && o.steps > 0 && !nothing_left)
-        generate(ctx, fm, &cfg, o.sample, o.seed, bpe);
+    if (task.ops->finish && !nothing_left) task.ops->finish(&task, ctx, fm, &o);
 
     float rss = (float)((double)fsdp_peak_rss_bytes() / 1048576.0), rss_max = rss;
     fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &rss, &rss_max, 1, FSDP_F32, FSDP_MAX);
     if (rank == 0 && !nothing_left) {
-        double tps = timed ? (double)o.batch * T * timed / total_s : 0;
+        double tps = timed ? task.items_per_step * timed / total_s : 0;
         /* ZeRO-3: 16 bytes per parameter (param, grad, m, v) over the world,
          * plus a gathered unit's full parameters and gradients */
         double zero3 = (16.0 * (double)n_params / world + 8.0 * (double)largest_unit) / 1048576.0;
-        double fl = fsdp_data_loss_floor(data);
-        char floor_txt[48] = "";
-        if (fl >= 0) snprintf(floor_txt, sizeof floor_txt, " (floor %.3f)", fl);
-        printf("summary: loss %.4f -> %.4f%s | %.0f tokens/s | %.2f GFLOP/s model | peak RSS %.0f MB per rank "
+        char note[64] = "", flops[48] = "";
+        task.ops->summary_note(&task, note, sizeof note);
+        if (task.train_flops_per_item > 0)
+            snprintf(flops, sizeof flops, " | %.2f GFLOP/s model", tps * task.train_flops_per_item / 1e9);
+        printf("summary: loss %.4f -> %.4f%s | %.0f %s/s%s | peak RSS %.0f MB per rank "
                "(ZeRO-3 estimate for params+grads+AdamW: %.0f MB)\n",
-               first_loss, last_loss, floor_txt, tps, tps * flops_tok / 1e9, (double)rss_max, zero3);
+               first_loss, last_loss, note, tps, task.is_gpt ? "tokens" : "images", flops, (double)rss_max, zero3);
+        if (evaluated)
+            printf("eval: loss %.4f | top-1 accuracy %.2f%% (%lld test images)\n", eval_loss, 100.0 * eval_acc,
+                   (long long)eval_n);
         printf("precision: %s | %d skipped steps | loss scale %g\n", precision_name(&o), skipped,
                fsdp_model_loss_scale(fm));
         /* exposed communication: time the compute thread sat in waits (rank 0) */
@@ -1022,13 +988,10 @@ int main(int argc, char **argv) {
                        timed ? comm_total.wait_s[k] * 1e3 / timed : 0.0);
         printf("\n");
     }
-    free(inputs);
-    free(targets);
     fsdp_model_free(fm);
     fsdp_optim_free(opt);
-    fsdp_module_free(gpt);
-    fsdp_data_free(data);
-    fsdp_bpe_free(bpe);
+    fsdp_module_free(root);
+    task.ops->free(&task);
     fsdp_ctx_free(ctx);
     return 0;
 }

@@ -140,6 +140,15 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
         mt->m.config = (struct fsdp_gpt_config){(int)x[0], (int)x[1], (int)x[2], (int)x[3], (int)x[4]};
         mt->m.has_config = 1;
     }
+    const cJSON *mj = cJSON_GetObjectItemCaseSensitive(root, "model");
+    if (mj) {
+        char *txt = cJSON_IsObject(mj) ? cJSON_PrintUnformatted(mj) : NULL;
+        size_t len = txt ? strlen(txt) : 0;
+        if (txt && len < sizeof mt->m.model_json) memcpy(mt->m.model_json, txt, len + 1);
+        free(txt);
+        if (!len || len >= sizeof mt->m.model_json)
+            return BAD("%s: \"model\" is not a JSON object of at most %zu bytes", mpath, sizeof mt->m.model_json - 1);
+    }
     const cJSON *sn = cJSON_GetObjectItemCaseSensitive(root, "optim_state");
     if (!cJSON_IsArray(sn) || cJSON_GetArraySize(sn) > 4) return BAD("%s: \"optim_state\" is not a list", mpath);
     for (const cJSON *e = sn->child; e; e = e->next) {

@@ -145,6 +145,16 @@ static enum fsdp_status write_meta(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
     cJSON *sn = cJSON_AddArrayToObject(root, "optim_state");
     for (int i = 0; i < k; i++) cJSON_AddItemToArray(sn, cJSON_CreateString(snames[i]));
     if (m->has_config) add_config(root, &m->config);
+    if (m->model_json[0]) {
+        cJSON *mj = cJSON_Parse(m->model_json);
+        if (!cJSON_IsObject(mj)) {
+            cJSON_Delete(mj);
+            cJSON_Delete(root);
+            free(files);
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "checkpoint meta: model_json is not a JSON object");
+        }
+        cJSON_AddItemToObject(root, "model", mj);
+    }
     cJSON *fl = cJSON_AddArrayToObject(root, "files");
     for (int r = 0; r < world && st == FSDP_OK; r++) {
         char name[64];

@@ -75,6 +75,9 @@ static enum fsdp_status validate(struct fsdp_ctx *ctx, const struct fsdp_optim_o
     if (!in_unit_interval(o->momentum))
         return fsdp__err(ctx, FSDP_ERR_INVALID, "optim: momentum = %g is not in [0, 1)",
                          (double)o->momentum);
+    if (o->nesterov && (o->kind != FSDP_OPTIM_SGD || !(o->momentum > 0.0f)))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optim: nesterov needs SGD with momentum > 0 (momentum = %g)",
+                         (double)o->momentum);
     return FSDP_OK;
 }
 
@@ -238,7 +241,8 @@ void fsdp__optim_set_step_count(struct fsdp_optim *opt, int64_t step) {
  * torch.optim.SGD (dampening 0, no Nesterov): d = g + wd*p (coupled decay);
  * with momentum, buf = d on the first step, else buf = mu*buf + d, and d = buf;
  * then p -= lr*d. "First step" is this optimizer's step count being 1 after
- * the increment (torch: the buffer does not exist yet).
+ * the increment (torch: the buffer does not exist yet). With nesterov, the
+ * update direction is d + mu*buf instead of buf (torch's nesterov=True).
  *
  * [Note: determinism]
  * Every element's new values depend only on that element's old values and on
@@ -361,7 +365,7 @@ static void adamw_slice(const struct fsdp_optim_slice *s, const struct adamw_coe
 
 struct sgd_args {
     double lr, wd, mu, scale;
-    int first;
+    int first, nesterov;
 };
 
 static void sgd_update(const struct fsdp_optim_slice *s, const void *coef, int64_t a, int64_t b) {
@@ -373,7 +377,8 @@ static void sgd_update(const struct fsdp_optim_slice *s, const void *coef, int64
             double d = (double)g[i] * x->scale + x->wd * (double)p[i];
             float bf = x->first ? (float)d : (float)(x->mu * (double)buf[i] + d);
             buf[i] = bf;
-            p[i] = (float)((double)p[i] - x->lr * (double)bf);
+            double u = x->nesterov ? d + x->mu * (double)bf : (double)bf;
+            p[i] = (float)((double)p[i] - x->lr * u);
         }
     } else {
         for (int64_t i = a; i < b; i++) {
@@ -384,8 +389,8 @@ static void sgd_update(const struct fsdp_optim_slice *s, const void *coef, int64
 }
 
 static void sgd_slice(const struct fsdp_optim_slice *s, double lr, double wd, double mu,
-                      int first, double scale) {
-    struct sgd_args x = {lr, wd, mu, scale, first};
+                      int first, int nesterov, double scale) {
+    struct sgd_args x = {lr, wd, mu, scale, first, nesterov};
     run_chunks(s, sgd_update, &x);
 }
 
@@ -455,7 +460,8 @@ void fsdp_optim_step(struct fsdp_optim *opt, const struct fsdp_optim_slice *slic
             }
             /* LARS: d = r (g scale + wd p) is SGD's step with scale r scale and decay r wd */
             const double r = slices[j].trust > 0.0f ? (double)slices[j].trust : 1.0;
-            sgd_slice(&slices[j], glr, slices[j].decay ? gwd * r : 0.0, (double)o->momentum, first, scale * r);
+            sgd_slice(&slices[j], glr, slices[j].decay ? gwd * r : 0.0, (double)o->momentum, first, o->nesterov,
+                      scale * r);
         }
     }
 }

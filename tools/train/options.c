@@ -17,7 +17,7 @@
 struct opts opts_default(void) {
     struct opts o = {0};
     o.model = NULL; /* MODEL_DEFAULT, or the checkpoint's with --resume */
-    o.data = "synthetic";
+    o.data = NULL; /* "synthetic" for a GPT, IMAGE_DATA_DEFAULT for an image model */
     o.batch = 8;
     o.seq = 64;
     o.steps = 50;
@@ -50,6 +50,13 @@ struct opts opts_default(void) {
     o.loss_scale_growth = 2000;
     o.mem_limit = "auto";
     o.mem_limit_auto = 1;
+    o.augment = "crop-flip";
+    o.crop_padding = 4;
+    o.shuffle = 1;
+    o.sync_bn = -1;
+    o.mean[0] = 0.2860f;
+    o.std[0] = 0.3530f;
+    o.n_mean = o.n_std = 1;
     return o;
 }
 
@@ -57,29 +64,50 @@ static void usage(FILE *f) {
     struct opts d = opts_default();
     fprintf(f,
             "usage: fsdp-train [flags]\n"
-            "Trains a GPT with fully sharded data parallelism (ZeRO-3).\n"
+            "Trains a GPT, or an image classifier, with fully sharded data parallelism (ZeRO-3).\n"
             "Run under `mpirun -np N`, or give --nproc N to start N local ranks.\n\n"
-            "  --model NAME          preset: tiny small gpt2 gpt2-medium gpt2-large gpt2-xl (default %s;\n"
-            "                        with --resume, the checkpoint's model, which model flags must match)\n"
-            "  --model-config FILE   JSON {n_layer,n_head,n_embd,vocab_size,block_size}; overrides --model\n"
-            "  --data PATH           token file (llm.c .bin with header, raw uint16 .bin) or any text\n"
-            "                        file as bytes; 'synthetic' = built-in corpus (default %s)\n"
-            "  --tokenizer DIR       GPT-2 BPE (encoder.json + vocab.bpe, or tokenizer.json): a text\n"
+            "  --model NAME          preset: tiny small gpt2 gpt2-medium gpt2-large gpt2-xl (GPT), or an\n"
+            "                        image classifier: cnn (a small CNN) resnet18 resnet34 resnet50 (default\n"
+            "                        %s; with --resume, the checkpoint's model, which model flags must match)\n"
+            "  --model-config FILE   JSON {n_layer,n_head,n_embd,vocab_size,block_size} (GPT), or with an\n"
+            "                        \"arch\" key an image model {arch,in_chans,num_classes,stem,width,\n"
+            "                        zero_init_residual}; overrides --model\n"
+            "  --data PATH           GPT: token file (llm.c .bin with header, raw uint16 .bin) or any text\n"
+            "                        file as bytes; 'synthetic' = built-in corpus (default). Image model:\n"
+            "                        a folder laid out as MNIST (train-images-idx3-ubyte[.gz], ...), or\n"
+            "                        'fashion-mnist' = Debian's dataset-fashion-mnist (default)\n"
+            "  --tokenizer DIR       GPT: GPT-2 BPE (encoder.json + vocab.bpe, or tokenizer.json): a text\n"
             "                        --data is encoded with it at start, and the sample decoded\n"
             "  --batch N             global batch in sequences, divisible by the world size (default %d)\n"
             "  --seq T               sequence length, <= block_size (default %d)\n"
             "  --steps N             training steps (default %d)\n"
+            "  --epochs E            image model: train E epochs of ceil(train images / batch) steps\n"
+            "                        (instead of --steps)\n"
+            "  --eval-every K        image model: top-1 accuracy and loss on the test split every K\n"
+            "                        steps (eval mode); 0 = only at the end (default 0)\n"
+            "  --label-smoothing X   image model: cross-entropy label smoothing in [0, 1] (default 0)\n"
+            "  --augment A           image model: none | crop-flip (random crop of the image padded by\n"
+            "                        --crop-padding pixels, and a horizontal flip; training only)\n"
+            "                        (default crop-flip)\n"
+            "  --crop-padding N      crop-flip's padding (default 4)\n"
+            "  --shuffle on|off      image model: a new order every epoch, from the seed (default on)\n"
+            "  --mean X[,X..]        image model: per-channel mean of (pixel / 255) (default 0.2860)\n"
+            "  --std X[,X..]         image model: per-channel std (default 0.3530)\n"
+            "  --sync-bn on|off      image model: batch statistics over every rank (SyncBatchNorm)\n"
+            "                        (default on when the world is larger than one)\n"
             "  --lr X                peak learning rate (default %g)\n"
             "  --min-lr X            cosine floor (default lr/10)\n"
             "  --warmup N            linear warmup steps (default %d)\n"
-            "  --lr-schedule S       cosine | constant (default %s)\n"
+            "  --lr-schedule S       cosine | constant | step (x0.1 at each --lr-steps milestone) (default %s)\n"
+            "  --lr-steps A,B,..     the step schedule's milestones in steps\n"
             "  --optim S             adamw | sgd (default %s)\n"
             "  --beta1 X             AdamW beta1 (default %g)\n"
             "  --beta2 X             AdamW beta2 (default %g)\n"
             "  --eps X               AdamW eps (default %g)\n"
             "  --momentum X          SGD momentum (default %g)\n"
+            "  --nesterov            SGD: Nesterov momentum (PyTorch's formula; needs --momentum)\n"
             "  --weight-decay X      decoupled weight decay (default %g)\n"
-            "  --decay-all           also decay biases, LayerNorm and embeddings (default off)\n"
+            "  --decay-all           also decay biases, LayerNorm, BatchNorm and embeddings (default off)\n"
             "  --clip X              clip the global gradient norm to X; 0 = off (default %g)\n"
             "  --seed N              init and sampling seed (default %llu)\n"
             "  --threads N           compute threads per rank; 0 = cores / local ranks (default 0)\n"
@@ -144,7 +172,7 @@ static void usage(FILE *f) {
             "                        (MemAvailable and the cgroup's limit, shared by the local ranks); off =\n"
             "                        no check (default auto)\n"
             "  --help                this text\n",
-            MODEL_DEFAULT, d.data, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
+            MODEL_DEFAULT, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
             (double)d.beta1, (double)d.beta2, (double)d.eps, (double)d.momentum,
             (double)d.weight_decay, (double)d.clip, (unsigned long long)d.seed, d.comm,
             (double)d.collective_timeout, d.sample);
@@ -186,6 +214,40 @@ static float parse_float(const char *flag, const char *v, double lo, double hi) 
     return (float)x;
 }
 
+/* --lr-steps a,b,...: increasing positive step numbers. */
+static void parse_lr_steps(struct opts *o, const char *v) {
+    const char *p = v;
+    o->n_lr_steps = 0;
+    for (;;) {
+        char *end;
+        errno = 0;
+        long x = strtol(p, &end, 10);
+        if (errno || end == p || x < 1 || x > (1L << 30) || (*end && *end != ',') ||
+            (o->n_lr_steps && x <= o->lr_steps[o->n_lr_steps - 1]) || o->n_lr_steps == 16)
+            usage_error("--lr-steps: '%s' is not up to 16 increasing positive step numbers (e.g. 30,60,80)", v);
+        o->lr_steps[o->n_lr_steps++] = (int)x;
+        if (!*end) break;
+        p = end + 1;
+    }
+}
+
+/* X or X,X,.. (up to 4, one per channel); returns the count. */
+static int parse_floats(const char *flag, const char *v, float *out, double lo, double hi) {
+    const char *p = v;
+    int n = 0;
+    for (;;) {
+        char *end;
+        errno = 0;
+        double x = strtod(p, &end);
+        if (errno || end == p || !(x >= lo && x <= hi) || (*end && *end != ',') || n == 4)
+            usage_error("%s: '%s' is not 1 to 4 comma-separated numbers in [%g, %g]", flag, v, lo, hi);
+        out[n++] = (float)x;
+        if (!*end) break;
+        p = end + 1;
+    }
+    return n;
+}
+
 /* --mem-limit auto | off | SIZE; a size below 1 MiB is no limit a run can keep. */
 static void parse_mem_limit(struct opts *o) {
     o->mem_limit_auto = !strcmp(o->mem_limit, "auto");
@@ -212,6 +274,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         if (!strcmp(a, "--decay-all")) { o->decay_all = 1; continue; }
         if (!strcmp(a, "--check-collectives")) { o->check_collectives = 1; continue; }
         if (!strcmp(a, "--dry-run")) { o->dry_run = 1; continue; }
+        if (!strcmp(a, "--nesterov")) { o->nesterov = 1; continue; }
         if (strncmp(a, "--", 2) != 0) usage_error("unexpected argument '%s'", a);
         if (i + 1 >= argc) usage_error("%s needs a value", a);
         const char *v = argv[++i];
@@ -276,7 +339,24 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--keep-last")) o->keep_last = (int)parse_int(a, v, 0, 1 << 20);
         else if (!strcmp(a, "--batch")) o->batch = (int)parse_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--seq")) o->seq = (int)parse_int(a, v, 1, 1 << 20);
-        else if (!strcmp(a, "--steps")) o->steps = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--steps")) { o->steps = (int)parse_int(a, v, 0, 1 << 30); o->steps_given = 1; }
+        else if (!strcmp(a, "--epochs")) o->epochs = (int)parse_int(a, v, 1, 1 << 20);
+        else if (!strcmp(a, "--eval-every")) o->eval_every = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--label-smoothing")) o->label_smoothing = parse_float(a, v, 0, 1);
+        else if (!strcmp(a, "--crop-padding")) o->crop_padding = (int)parse_int(a, v, 1, 1 << 12);
+        else if (!strcmp(a, "--lr-steps")) parse_lr_steps(o, v);
+        else if (!strcmp(a, "--mean")) o->n_mean = parse_floats(a, v, o->mean, -1e3, 1e3);
+        else if (!strcmp(a, "--std")) o->n_std = parse_floats(a, v, o->std, 1e-6, 1e3);
+        else if (!strcmp(a, "--augment")) {
+            if (strcmp(v, "none") && strcmp(v, "crop-flip")) usage_error("--augment: '%s' is not none or crop-flip", v);
+            o->augment = v;
+        } else if (!strcmp(a, "--shuffle")) {
+            if (strcmp(v, "on") && strcmp(v, "off")) usage_error("--shuffle: '%s' is not on or off", v);
+            o->shuffle = !strcmp(v, "on");
+        } else if (!strcmp(a, "--sync-bn")) {
+            if (strcmp(v, "on") && strcmp(v, "off")) usage_error("--sync-bn: '%s' is not on or off", v);
+            o->sync_bn = !strcmp(v, "on");
+        }
         else if (!strcmp(a, "--warmup")) o->warmup = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--threads")) o->threads = (int)parse_int(a, v, 0, 4096);
         else if (!strcmp(a, "--nproc")) o->nproc = (int)parse_int(a, v, 1, 4096);
@@ -292,8 +372,8 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--eps")) o->eps = parse_float(a, v, 1e-30, 1);
         else if (!strcmp(a, "--momentum")) o->momentum = parse_float(a, v, 0, 0.999999);
         else if (!strcmp(a, "--lr-schedule")) {
-            if (strcmp(v, "cosine") && strcmp(v, "constant"))
-                usage_error("--lr-schedule: '%s' is not cosine or constant", v);
+            if (strcmp(v, "cosine") && strcmp(v, "constant") && strcmp(v, "step"))
+                usage_error("--lr-schedule: '%s' is not cosine, constant or step", v);
             o->schedule = v;
         } else if (!strcmp(a, "--optim")) {
             if (strcmp(v, "adamw") && strcmp(v, "sgd")) usage_error("--optim: '%s' is not adamw or sgd", v);
@@ -324,4 +404,9 @@ void parse_args(int argc, char **argv, struct opts *o) {
     if (!strcmp(o->init, "rank0") && !o->init_from)
         usage_error("--init rank0 needs --init-from FILE (the weights rank 0 reads and sends)");
     if ((o->save_every || o->keep_last) && !o->save_dir) usage_error("--save-every and --keep-last need --save-dir");
+    if (o->epochs && o->steps_given) usage_error("--epochs and --steps exclude each other");
+    if (!strcmp(o->schedule, "step") && !o->n_lr_steps) usage_error("--lr-schedule step needs --lr-steps A,B,...");
+    if (o->n_lr_steps && strcmp(o->schedule, "step")) usage_error("--lr-steps needs --lr-schedule step");
+    if (o->nesterov && (strcmp(o->optim, "sgd") || !(o->momentum > 0)))
+        usage_error("--nesterov needs --optim sgd and a --momentum above 0");
 }

@@ -40,9 +40,23 @@ struct opts {
     const char *mixed_precision;  /* --mixed-precision FULL | DEFAULT | PURE */
     double loss_scale_init;       /* --loss-scale-init (AMP_FP16) */
     int loss_scale_growth;        /* --loss-scale-growth-interval (AMP_FP16) */
+    /* image classification (tools/train/task_images.c) */
+    int epochs;                   /* --epochs E: steps = E * ceil(train count / batch); 0 = --steps */
+    int steps_given;              /* --steps was on the command line */
+    int eval_every;               /* --eval-every K steps; 0 = only at the end */
+    float label_smoothing;        /* --label-smoothing X */
+    int nesterov;                 /* --nesterov (SGD) */
+    int lr_steps[16], n_lr_steps; /* --lr-steps a,b,...: the step schedule's milestones */
+    const char *augment;          /* --augment none | crop-flip */
+    int crop_padding;             /* --crop-padding N (crop-flip) */
+    int shuffle;                  /* --shuffle on|off */
+    float mean[4], std[4];        /* --mean, --std: per channel (one value: every channel) */
+    int n_mean, n_std;
+    int sync_bn;                  /* --sync-bn on|off; -1 = on when the world is larger than one */
 };
 
 #define MODEL_DEFAULT "small"
+#define IMAGE_DATA_DEFAULT "fashion-mnist"
 
 /* The defaults (--help prints them). */
 struct opts opts_default(void);

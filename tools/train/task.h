@@ -1,0 +1,77 @@
+/*
+ * task.h - what fsdp-train trains: a task builds the model and its data and
+ * runs one step; fsdp-train.c owns everything around it (flags, sharding,
+ * the step loop, logging, checkpoints, the summary). Two tasks:
+ *   tokens (task_tokens.c): a GPT on token data, next-token cross-entropy;
+ *   images (task_images.c): an image classifier (a small CNN or a ResNet)
+ *       on an IDX image set, cross-entropy, top-1 evaluation on the test split.
+ * Errors that every rank detects alike end the job through fail_all /
+ * fail_input, errors of one rank through fail_rank.
+ */
+#ifndef FSDP_TRAIN_TASK_H
+#define FSDP_TRAIN_TASK_H
+
+#include "fsdp.h"
+#include "options.h"
+
+struct task;
+
+struct task_ops {
+    /* Second phase of creation, after the checks between flags, world and
+     * checkpoint and after --resume settled the seed: opens the data and
+     * builds root (shapes only). */
+    void (*open)(struct task *t, struct fsdp_ctx *ctx, const struct opts *o);
+    /* Rank 0: the line describing the model, after sharding, and the lines
+     * describing the data (after the world, sharding and precision lines). */
+    void (*describe_model)(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_model *fm);
+    void (*describe_data)(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_model *fm);
+    /* One training step (global batch `step`, learning rate lr): data,
+     * forward, loss, backward, optimizer update. COLLECTIVE. */
+    enum fsdp_status (*step)(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
+                             int step, float lr, struct fsdp_step_result *r);
+    /* Evaluation on held-out data (NULL: none): mean loss, top-1 accuracy
+     * and the number of examples evaluated, the same on every rank. COLLECTIVE. */
+    enum fsdp_status (*eval)(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
+                             double *loss, double *acc, int64_t *count);
+    /* The model's identity for a checkpoint's meta (config or model_json). */
+    void (*meta)(struct task *t, struct fsdp_ckpt_meta *m);
+    /* Appends to the summary's loss figure (e.g. " (floor 1.234)"). */
+    void (*summary_note)(struct task *t, char *buf, size_t cap);
+    /* After training (e.g. sampling text); may be NULL. COLLECTIVE. */
+    void (*finish)(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o);
+    void (*free)(struct task *t);
+};
+
+struct task {
+    const struct task_ops *ops;
+    struct fsdp_module *root;   /* the model, shapes only until sharded; freed by fsdp-train */
+    const char *block_type;     /* --wrap block and --ac blocks / every:K select this module type */
+    const char *ac_attn_type;   /* --ac attn's module type, NULL when the model has none */
+    int is_gpt;                 /* --dry-run's activation plan and --mem-limit auto know the GPT only */
+    const char *item, *item_json; /* rates: "tok" / "tokens_per_s", "img" / "images_per_s" */
+    char batch_unit[48];        /* after the batch size in messages: "x 64 tokens", "images" */
+    double items_per_step;      /* items in one global batch */
+    double train_flops_per_item; /* model FLOPs of a training step per item (3x forward) */
+    int seq;                    /* the GPT's T for the memory plan (1 otherwise) */
+    int steps;                  /* the run's steps (--steps, or --epochs of the image set) */
+    void *impl;
+};
+
+/* Which task a run is: 1 for an image model (--model cnn/resnet*, a
+ * --model-config with an "arch" key, or a checkpoint whose meta holds
+ * "model"), else 0. */
+int task_is_images(const struct opts *o, const struct fsdp_ckpt_meta *ck);
+/* First phase: the model config from the flags or the checkpoint `ck`
+ * (NULL without --resume), checked against them; sets t->steps. */
+void task_tokens_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck,
+                        const char *resume_dir, struct task *t);
+void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck,
+                        const char *resume_dir, struct task *t);
+
+/* fsdp-train.c's error exits and clock, for the tasks. */
+_Noreturn void fail_all(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+_Noreturn void fail_input(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+_Noreturn void fail_rank(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+double now_s(void);
+
+#endif

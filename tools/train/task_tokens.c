@@ -1,0 +1,229 @@
+/*
+ * task_tokens.c - fsdp-train's GPT task (task.h): a GPT preset or config,
+ * token data (a file or the synthetic corpus; a text file BPE-encoded with
+ * --tokenizer), next-token cross-entropy through fsdp_model_train_step_accum,
+ * and a text sample at the end.
+ */
+#include "task.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct tokens {
+    struct fsdp_gpt_config cfg;
+    struct fsdp_data *data;
+    struct fsdp_bpe *bpe; /* --tokenizer, or NULL */
+    const char *data_name;
+    int32_t *inputs, *targets;
+    int Bl, T;
+};
+
+static void tok_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o) {
+    struct tokens *k = t->impl;
+    const char *dn = k->data_name;
+    /* with --tokenizer, a file read as text is BPE-encoded instead */
+    if (o->tokenizer) {
+        if (!strcmp(dn, "synthetic"))
+            fail_all("--tokenizer needs a --data file (the synthetic corpus is byte-level text)");
+        if (fsdp_bpe_open(ctx, o->tokenizer, &k->bpe) != FSDP_OK) fail_all("--tokenizer: %s", fsdp_errmsg(ctx));
+        if (fsdp_bpe_vocab_size(k->bpe) > k->cfg.vocab_size)
+            fail_all("--tokenizer '%s': its %d ids do not fit the model's vocab_size %d", o->tokenizer,
+                     fsdp_bpe_vocab_size(k->bpe), k->cfg.vocab_size);
+    }
+    enum fsdp_status st = !strcmp(dn, "synthetic") ? fsdp_data_synthetic(ctx, o->seed, (size_t)1 << 22, &k->data)
+                                                   : fsdp_data_open(ctx, dn, k->cfg.vocab_size, &k->data);
+    if (st == FSDP_OK && k->bpe && fsdp_data_is_text(k->data)) {
+        double t0 = now_s();
+        fsdp_data_free(k->data);
+        k->data = NULL;
+        st = fsdp_data_open_bpe(ctx, dn, k->bpe, k->cfg.vocab_size, &k->data);
+        if (st == FSDP_OK && fsdp_ctx_rank(ctx) == 0)
+            printf("tokenized %s with %s: %zu tokens in %.2f s\n", dn, o->tokenizer, fsdp_data_ntokens(k->data),
+                   now_s() - t0);
+    }
+    if (st != FSDP_OK) fail_all("--data: %s", fsdp_errmsg(ctx));
+    if (fsdp_data_ntokens(k->data) < (size_t)o->seq + 1) /* a sequence would wrap around into itself */
+        fail_all("--data: '%s' has %zu tokens, fewer than one sequence needs (--seq %d + 1 = %d tokens)", dn,
+                 fsdp_data_ntokens(k->data), o->seq, o->seq + 1);
+    if (fsdp_data_is_text(k->data) && k->cfg.vocab_size < 256)
+        fail_all("byte-level text needs vocab_size >= 256, the model has %d", k->cfg.vocab_size);
+    if (fsdp_gpt_create(ctx, &k->cfg, &t->root) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
+    k->Bl = o->batch / fsdp_ctx_world(ctx);
+    k->T = o->seq;
+    k->inputs = malloc((size_t)k->Bl * (size_t)k->T * sizeof(int32_t));
+    k->targets = malloc((size_t)k->Bl * (size_t)k->T * sizeof(int32_t));
+    if (!k->inputs || !k->targets) fail_rank("out of memory for the batch");
+}
+
+static void tok_describe_model(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_model *fm) {
+    (void)ctx;
+    (void)o;
+    struct tokens *k = t->impl;
+    printf("model: %d layers, %d heads, %d embd, vocab %d, block %d: %.2fM parameters in %d units\n",
+           k->cfg.n_layer, k->cfg.n_head, k->cfg.n_embd, k->cfg.vocab_size, k->cfg.block_size,
+           (double)fsdp_module_numel(t->root) / 1e6, fsdp_model_n_units(fm));
+}
+
+static void tok_describe_data(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_model *fm) {
+    (void)ctx;
+    (void)o;
+    (void)fm;
+    struct tokens *k = t->impl;
+    double floor_ = fsdp_data_loss_floor(k->data);
+    if (floor_ >= 0)
+        printf("data: %s, %zu tokens, loss floor %.3f nats/token\n", k->data_name, fsdp_data_ntokens(k->data), floor_);
+    else printf("data: %s, %zu tokens\n", k->data_name, fsdp_data_ntokens(k->data));
+}
+
+static enum fsdp_status tok_step(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
+                                 int step, float lr, struct fsdp_step_result *r) {
+    struct tokens *k = t->impl;
+    if (fsdp_data_batch(k->data, step, o->batch, k->T, fsdp_ctx_rank(ctx), fsdp_ctx_world(ctx), k->inputs,
+                        k->targets) != FSDP_OK)
+        fail_rank("step %d: --data: %s", step + 1, fsdp_errmsg(ctx));
+    return fsdp_model_train_step_accum(ctx, fm, k->inputs, k->targets, k->Bl / o->grad_accum, k->T, o->grad_accum,
+                                       !strcmp(o->accum_mode, "no_sync") ? FSDP_ACCUM_NO_SYNC
+                                                                         : FSDP_ACCUM_REDUCE_EACH,
+                                       lr, o->clip, r);
+}
+
+static void tok_meta(struct task *t, struct fsdp_ckpt_meta *m) {
+    struct tokens *k = t->impl;
+    m->has_config = 1;
+    m->config = k->cfg;
+}
+
+static void tok_summary_note(struct task *t, char *buf, size_t cap) {
+    struct tokens *k = t->impl;
+    double fl = fsdp_data_loss_floor(k->data);
+    if (fl >= 0) snprintf(buf, cap, " (floor %.3f)", fl);
+}
+
+/* Generates n tokens after a newline, temperature 1 sampling with the counter
+ * RNG on rank 0, broadcast so every rank feeds the same context. Tokens are
+ * bytes, or with a tokenizer (bpe, may be NULL) its ids, decoded at the end. */
+static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_gpt_config *cfg,
+                     int n, uint64_t seed, struct fsdp_bpe *bpe) {
+    int T = cfg->block_size;
+    int32_t *ctxbuf = calloc((size_t)T, sizeof(int32_t));
+    int32_t *ids = calloc((size_t)n, sizeof(int32_t));
+    char *text = calloc((size_t)n + 1, 1);
+    int len = 1, out = 0;
+    size_t one;
+    ctxbuf[0] = '\n';
+    if (bpe && (fsdp_bpe_encode(bpe, "\n", 1, ctxbuf, &one) != FSDP_OK || one != 1)) ctxbuf[0] = 0;
+    for (int i = 0; i < n; i++) {
+        float *logits;
+        int t0 = len > T ? len - T : 0, tl = len - t0;
+        int32_t *window = calloc((size_t)tl, sizeof(int32_t));
+        for (int j = 0; j < tl; j++) window[j] = ctxbuf[(t0 + j) % T];
+        if (fsdp_model_forward(ctx, fm, window, 1, tl, &logits) != FSDP_OK)
+            fail_rank("sampling: %s", fsdp_errmsg(ctx));
+        free(window);
+        int32_t next = 0;
+        if (fsdp_ctx_rank(ctx) == 0) {
+            const float *l = logits + (size_t)(tl - 1) * (size_t)cfg->vocab_size;
+            double mx = l[0], z = 0;
+            for (int v = 1; v < cfg->vocab_size; v++) mx = l[v] > mx ? l[v] : mx;
+            for (int v = 0; v < cfg->vocab_size; v++) z += exp(l[v] - mx);
+            /* a deterministic uniform from the seed and position */
+            double u = (double)((seed * 6364136223846793005ull + (uint64_t)i * 1442695040888963407ull) >> 11) /
+                       9007199254740992.0 * z;
+            for (next = 0; next < cfg->vocab_size - 1; next++) {
+                u -= exp(l[next] - mx);
+                if (u <= 0) break;
+            }
+        }
+        if (fsdp_comm_broadcast(fsdp_ctx_comm(ctx), &next, 1, FSDP_I32, 0) != FSDP_OK)
+            fail_rank("sampling broadcast: %s", fsdp_errmsg(ctx));
+        ctxbuf[len % T] = next;
+        len++;
+        ids[i] = next;
+        text[out++] = (char)(next >= 32 && next < 127 ? next : next == '\n' ? '\n' : '?');
+    }
+    if (fsdp_ctx_rank(ctx) == 0 && bpe) { /* ids the tokenizer lacks (a padded vocab) show as <|id|> */
+        printf("--- sample ---\n");
+        for (int i = 0; i < n; i++) {
+            size_t l;
+            const void *t = fsdp_bpe_token(bpe, ids[i], &l);
+            if (t) fwrite(t, 1, l, stdout);
+            else printf("<|%d|>", (int)ids[i]);
+        }
+        printf("\n--------------\n");
+    } else if (fsdp_ctx_rank(ctx) == 0) {
+        printf("--- sample ---\n%s\n--------------\n", text);
+    }
+    free(ctxbuf);
+    free(ids);
+    free(text);
+}
+
+static void tok_finish(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o) {
+    struct tokens *k = t->impl;
+    if (o->sample > 0 && (fsdp_data_is_text(k->data) || k->bpe) && o->steps > 0)
+        generate(ctx, fm, &k->cfg, o->sample, o->seed, k->bpe);
+}
+
+static void tok_free(struct task *t) {
+    struct tokens *k = t->impl;
+    if (!k) return;
+    free(k->inputs);
+    free(k->targets);
+    fsdp_data_free(k->data);
+    fsdp_bpe_free(k->bpe);
+    free(k);
+    t->impl = NULL;
+}
+
+static const struct task_ops tokens_ops = {tok_open,     tok_describe_model, tok_describe_data, tok_step, NULL,
+                                           tok_meta,     tok_summary_note,   tok_finish,        tok_free};
+
+void task_tokens_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck, const char *resume_dir,
+                        struct task *t) {
+    struct tokens *k = calloc(1, sizeof *k);
+    if (!k) fail_rank("out of memory");
+    struct fsdp_gpt_config cfg;
+    /* model config: the flags, else the checkpoint's, else the default preset */
+    if (o->model_config) {
+        if (fsdp_gpt_config_load(ctx, o->model_config, &cfg) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
+    } else if (!o->model && ck && ck->has_config) {
+        cfg = ck->config;
+    } else if (fsdp_gpt_config_preset(o->model ? o->model : MODEL_DEFAULT, &cfg) != FSDP_OK) {
+        fail_all("--model: unknown preset '%s' (tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl; image models: "
+                 "cnn, resnet18, resnet34, resnet50)", o->model);
+    }
+    if (fsdp_gpt_config_validate(ctx, &cfg) != FSDP_OK) fail_all("model config: %s", fsdp_errmsg(ctx));
+    if (ck && ck->has_config && (o->model || o->model_config)) {
+        const char *what = o->model_config ? "--model-config" : "--model";
+        const char *arg = o->model_config ? o->model_config : o->model;
+        int a[5] = {cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.block_size};
+        int b[5] = {ck->config.n_layer, ck->config.n_head, ck->config.n_embd, ck->config.vocab_size,
+                    ck->config.block_size};
+        static const char *const names[5] = {"n_layer", "n_head", "n_embd", "vocab_size", "block_size"};
+        for (int i = 0; i < 5; i++)
+            if (a[i] != b[i])
+                fail_all("%s %s: %s %d, but the checkpoint %s was saved with %s %d (leave out %s to use the "
+                         "checkpoint's model)", what, arg, names[i], a[i], resume_dir, names[i], b[i], what);
+    } else if (ck && !ck->has_config && !o->model && !o->model_config) {
+        fail_all("--resume: %s holds no model config (converted without one): give --model or --model-config",
+                 resume_dir);
+    }
+    if (o->seq > cfg.block_size) fail_all("--seq %d is longer than the model's block_size %d", o->seq, cfg.block_size);
+    if (o->epochs) fail_all("--epochs is for image models; give --steps for a GPT");
+    k->cfg = cfg;
+    k->data_name = o->data ? o->data : "synthetic";
+    t->ops = &tokens_ops;
+    t->impl = k;
+    t->block_type = "Block";
+    t->ac_attn_type = "CausalSelfAttention";
+    t->is_gpt = 1;
+    t->item = "tok";
+    t->item_json = "tokens_per_s";
+    snprintf(t->batch_unit, sizeof t->batch_unit, "x %d tokens", o->seq);
+    t->items_per_step = (double)o->batch * o->seq;
+    t->train_flops_per_item = 3.0 * fsdp_gpt_flops_per_token(&cfg, o->seq);
+    t->seq = o->seq;
+    t->steps = o->steps;
+}
