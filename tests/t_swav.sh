@@ -21,12 +21,14 @@ fi
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 
 common=(--task swav --model cnn --data fashion-mnist --batch 12 --steps 5 --swav-hidden 32 --swav-dim 16
-        --nmb-prototypes 20 --crops-small 2 --knn-train 300 --threads 1 --optim sgd --momentum 0.9 --lr 0.05
-        --warmup 0 --comm shm)
+        --nmb-prototypes 20 --crops-small 2 --knn-train 300 --threads 1 --optim sgd --momentum 0.9 --lr 0.003
+        --clip 0 --warmup 0 --comm shm --seed 7)
+# (no clipping: the world-size check must see the gradients' scale)
 
 # ---- (1) world sizes agree; (2) prototypes agree and have unit rows ----
 for n in 1 2 3; do
-  if ! timeout -k 5 120 "$TRAIN" "${common[@]}" --nproc $n --log "$tmp/r$n.jsonl" > "$tmp/o$n" 2>&1; then
+  if ! timeout -k 5 120 "$TRAIN" "${common[@]}" --nproc $n --log "$tmp/r$n.jsonl" --save-full "$tmp/m$n.safetensors" \
+       > "$tmp/o$n" 2>&1; then
     bad "$n-rank run" "$(tail -5 "$tmp/o$n")"
   fi
 done
@@ -56,6 +58,23 @@ assert 0.15 < rows[-1]["knn_acc"] <= 1, rows[-1]["knn_acc"]
 EOF
   ); then ok "$n ranks: the same prototypes on every rank, unit rows after every step"; else bad "$n-rank prototypes" "$msg"; fi
 done
+
+# the global crops' second forward leaves batch norm's running statistics alone: 2 counted
+# train-mode forwards per step (global, small)
+if msg=$(python3 - "$tmp/m1.safetensors" "$tmp/m3.safetensors" <<'EOF' 2>&1
+import json, struct, sys
+for path in sys.argv[1:]:
+    b = open(path, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8:8 + n])
+    names = [k for k in h if k.endswith("num_batches_tracked")]
+    assert len(names) == 3, names
+    for k in names:
+        lo, hi = h[k]["data_offsets"]
+        v = struct.unpack("<q", b[8 + n + lo:8 + n + hi])[0]
+        assert v == 10, f"{path}: {k} = {v}, expected 10 (5 steps x 2 resolutions)"
+EOF
+); then ok "batch norm counts each resolution once per step (the recompute does not)"; else bad "batch norm recompute" "$msg"; fi
 
 # ---- (3) frozen prototypes ----
 if timeout -k 5 120 "$TRAIN" "${common[@]}" --nproc 2 --freeze-prototypes-iters 3 --log "$tmp/f.jsonl" > "$tmp/of" 2>&1 &&
