@@ -31,7 +31,7 @@ EOF
 }
 
 common=(--model cnn --data fashion-mnist --batch 12 --steps 10 --optim sgd --lr 0.05 --momentum 0.9 --nesterov
-        --warmup 2 --threads 1 --augment none --shuffle off --sync-bn on --sharding FULL_SHARD)
+        --warmup 2 --threads 1 --augment none --shuffle off --sync-bn on --sharding FULL_SHARD --eval-batch 400)
 
 # ---- (1) 2 and 3 ranks reproduce the 1-rank run; (2) the evaluation too ----
 "$TRAIN" "${common[@]}" --log "$tmp/r1.jsonl" > "$tmp/o1" 2>&1 || bad "1-rank run" "$(tail -5 "$tmp/o1")"
@@ -68,7 +68,7 @@ if timeout -k 5 120 "$TRAIN" "${ev[@]}" --nproc 3 --log "$tmp/e3.jsonl" > "$tmp/
 else bad "3 ranks, last partial evaluation batch" "${msg:-}" "$(tail -3 "$tmp/oe3")"; fi
 
 # ---- (3) resume: the same run bit for bit, batch-norm buffers included ----
-rs=(--model cnn --batch 16 --threads 1 --optim sgd --lr 0.05 --momentum 0.9 --eval-every 4 --nproc 2)
+rs=(--model cnn --batch 16 --threads 1 --optim sgd --lr 0.05 --momentum 0.9 --eval-every 4 --nproc 2 --eval-batch 400)
 timeout -k 5 120 "$TRAIN" "${rs[@]}" --steps 8 --log "$tmp/full.jsonl" > "$tmp/of" 2>&1 || bad "uninterrupted run" "$(tail -3 "$tmp/of")"
 timeout -k 5 120 "$TRAIN" "${rs[@]}" --steps 4 --save-dir "$tmp/ck" > "$tmp/oa" 2>&1 || bad "first half" "$(tail -3 "$tmp/oa")"
 if timeout -k 5 120 "$TRAIN" "${rs[@]:0:${#rs[@]}}" --steps 8 --resume "$tmp/ck" --log "$tmp/half.jsonl" > "$tmp/ob" 2>&1; then
@@ -85,12 +85,34 @@ if timeout -k 5 120 "$TRAIN" "${rs[@]:0:${#rs[@]}}" --steps 8 --resume "$tmp/ck"
   else bad "meta.json records the model" "$(head -c 300 "$tmp/ck/step-00000004/meta.json")"; fi
 else bad "resumed run" "$(tail -3 "$tmp/ob")"; fi
 
+# ---- a ResNet-18 (width 8): 2 ranks reproduce 1 rank; resumed from its checkpoint without model flags ----
+echo '{"arch":"resnet18","in_chans":1,"num_classes":10,"stem":"imagenet","width":8}' > "$tmp/r18.json"
+rn=(--batch 8 --threads 1 --augment none --shuffle off --optim sgd --lr 0.05 --momentum 0.9 --warmup 1
+    --lr-schedule constant --eval-batch 400)
+"$TRAIN" --model-config "$tmp/r18.json" "${rn[@]}" --steps 6 --log "$tmp/rn1.jsonl" > "$tmp/orn1" 2>&1 ||
+  bad "ResNet-18, 1 rank" "$(tail -3 "$tmp/orn1")"
+if timeout -k 5 120 "$TRAIN" --model-config "$tmp/r18.json" "${rn[@]}" --steps 6 --nproc 2 --log "$tmp/rn2.jsonl" > "$tmp/orn2" 2>&1 &&
+   msg=$(compare "$tmp/rn1.jsonl" "$tmp/rn2.jsonl" 1e-5 loss param_norm 2>&1); then
+  ok "ResNet-18 (a unit per BasicBlock, SyncBatchNorm): 2 ranks reproduce the 1-rank losses within 1e-5"
+else bad "ResNet-18 at 2 ranks" "${msg:-}" "$(tail -3 "$tmp/orn2")"; fi
+timeout -k 5 120 "$TRAIN" --model-config "$tmp/r18.json" "${rn[@]}" --steps 3 --nproc 2 --save-dir "$tmp/rck" > "$tmp/orn3" 2>&1 ||
+  bad "ResNet-18, first half" "$(tail -3 "$tmp/orn3")"
+if timeout -k 5 120 "$TRAIN" "${rn[@]}" --steps 6 --nproc 2 --resume "$tmp/rck" --log "$tmp/rn4.jsonl" > "$tmp/orn4" 2>&1 &&
+   grep -q "model: resnet18" "$tmp/orn4"; then
+  tail -n 3 "$tmp/rn2.jsonl" > "$tmp/rn2_tail.jsonl"
+  if same_bits "$tmp/rn2_tail.jsonl" "$tmp/rn4.jsonl" &&
+     python3 -c 'import json,sys; a,b=(json.loads(open(f).readlines()[-1]) for f in sys.argv[1:3]); sys.exit(not (a["eval_loss"]==b["eval_loss"] and a["eval_acc"]==b["eval_acc"]))' \
+       "$tmp/rn2.jsonl" "$tmp/rn4.jsonl"; then
+    ok "ResNet-18 resumed from its checkpoint alone (the model from meta.json): steps 4-6 and the evaluation bit for bit"
+  else bad "ResNet-18 resume reproduces the run" "$(diff "$tmp/rn2_tail.jsonl" "$tmp/rn4.jsonl" | head -4)"; fi
+else bad "ResNet-18 resumed without model flags" "$(tail -3 "$tmp/orn4")"; fi
+
 # ---- (4) the small CNN learns Fashion-MNIST ----
 # 300 steps of 64 images (a third of an epoch), SGD with Nesterov momentum
 ACC_MIN=${ACC_MIN:-0.70} # measured: 0.7694 (--threads 1, 18 s on a busy 2-core box)
 t0=$SECONDS
 if "$TRAIN" --model cnn --batch 64 --steps 300 --threads 1 --optim sgd --lr 0.4 --momentum 0.9 --nesterov \
-     --weight-decay 5e-4 --warmup 30 --augment none --log "$tmp/acc.jsonl" > "$tmp/oacc" 2>&1; then
+     --weight-decay 5e-4 --warmup 30 --augment none --eval-batch 1000 --log "$tmp/acc.jsonl" > "$tmp/oacc" 2>&1; then
   acc=$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readlines()[-1])["eval_acc"])' "$tmp/acc.jsonl")
   if python3 -c "import sys; sys.exit(not $acc >= $ACC_MIN)"; then
     ok "the small CNN reaches test accuracy $acc >= $ACC_MIN after 300 steps of 64 ($((SECONDS - t0)) s)"

@@ -16,6 +16,7 @@
 #include "core/core-impl.h"
 #include "fsdp.h"
 #include "harness.h"
+#include "nn_helpers.h"
 #include "nn/nn-impl.h"
 
 #include <errno.h>
@@ -23,24 +24,6 @@
 
 /* ---- helpers ---- */
 
-static uint64_t rng_state = 88172645463325252ull;
-static void rng_seed(uint64_t s) { rng_state = s * 2654435761ull + 88172645463325252ull; }
-static uint64_t rng_next(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
-static float urand(void) { return (float)((double)(rng_next() >> 11) / 9007199254740992.0 * 2.0 - 1.0); }
-static int64_t irand(int64_t n) { return (int64_t)(rng_next() % (uint64_t)n); }
-
-static struct fsdp_ctx *make_ctx(void) {
-    struct fsdp_ctx_opts o = fsdp_ctx_opts_default();
-    o.comm = FSDP_COMM_SELF;
-    struct fsdp_ctx *ctx = NULL;
-    if (fsdp_ctx_create(&o, &ctx) != FSDP_OK) abort();
-    return ctx;
-}
 
 /* An input tensor in malloc'd memory (it must survive fsdp_arena_reset). */
 static struct fsdp_tensor make_input(int ndim, const int64_t *shape, float scale) {
@@ -755,52 +738,14 @@ TEST(config_load_json) {
 
 /* ---- reference: nanoGPT in PyTorch (skipped where torch is missing) ---- */
 
-static int find_torch_script(char *out, size_t cap) {
-    struct stat st;
-    if (stat("tests/torch_ref.py", &st) == 0) {
-        snprintf(out, cap, "tests/torch_ref.py");
-        return 1;
-    }
-    char exe[4096];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n <= 0) return 0;
-    exe[n] = '\0';
-    for (int up = 0; up < 3; up++) { /* build/tests/test_nn -> repo root */
-        char *slash = strrchr(exe, '/');
-        if (!slash) return 0;
-        *slash = '\0';
-        snprintf(out, cap, "%s/tests/torch_ref.py", exe);
-        if (stat(out, &st) == 0) return 1;
-    }
-    return 0;
-}
-
-/* harness.h's SKIP() trips -Wmisleading-indentation (its `if` and the next
- * statement share a line), so this file spells it out. */
-static void skip_test(const char *why) {
-    fprintf(stderr, "  skipped: %s\n", why);
-    fflush(NULL);
-    if (test_in_child) _exit(TEST_SKIP_CODE);
-    test_skipped_flag = 1;
-}
-
-static int write_floats(const char *dir, const char *name, const void *data, size_t bytes) {
-    char path[1024];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "wb");
-    if (!f) return 0;
-    size_t w = fwrite(data, 1, bytes, f);
-    return fclose(f) == 0 && w == bytes;
-}
-
 TEST(gpt_matches_pytorch_nanogpt) {
     if (system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
-        skip_test("/usr/bin/python3 cannot import torch");
+        test_skip("/usr/bin/python3 cannot import torch");
         return;
     }
     char script[4200];
-    if (!find_torch_script(script, sizeof script)) {
-        skip_test("tests/torch_ref.py not found");
+    if (!test_find_file("torch_ref.py", script, sizeof script)) {
+        test_skip("tests/torch_ref.py not found");
         return;
     }
     rng_seed(13);
@@ -825,12 +770,12 @@ TEST(gpt_matches_pytorch_nanogpt) {
     size_t nlog = (size_t)B * T * (size_t)cfg.vocab_size;
     char dir[] = "/tmp/fsdp_torch_ref_XXXXXX";
     ASSERT(mkdtemp(dir));
-    CHECK(write_floats(dir, "logits.bin", out.data, nlog * sizeof(float)));
+    CHECK(test_write_file(dir, "logits.bin", out.data, nlog * sizeof(float)));
     float loss;
     ASSERT_OK(fsdp_cross_entropy(ctx, out.data, tgt, B * T, cfg.vocab_size, 1.0f, &loss, out.data), ctx);
     ASSERT_OK(fsdp_module_backward(m, ctx, &out, NULL), ctx);
-    CHECK(write_floats(dir, "tokens.bin", tok, sizeof tok));
-    CHECK(write_floats(dir, "targets.bin", tgt, sizeof tgt));
+    CHECK(test_write_file(dir, "tokens.bin", tok, sizeof tok));
+    CHECK(test_write_file(dir, "targets.bin", tgt, sizeof tgt));
     struct plist pl = {0};
     fsdp_module_foreach_param(m, collect_param, &pl);
     char path[1024];
@@ -844,9 +789,9 @@ TEST(gpt_matches_pytorch_nanogpt) {
         struct fsdp_param *p = pl.p[i];
         char name[64];
         snprintf(name, sizeof name, "param_%d.bin", i);
-        CHECK(write_floats(dir, name, p->data, (size_t)p->numel * sizeof(float)));
+        CHECK(test_write_file(dir, name, p->data, (size_t)p->numel * sizeof(float)));
         snprintf(name, sizeof name, "grad_%d.bin", i);
-        CHECK(write_floats(dir, name, p->grad, (size_t)p->numel * sizeof(float)));
+        CHECK(test_write_file(dir, name, p->grad, (size_t)p->numel * sizeof(float)));
         fprintf(f, "  {\"fqn\": \"%s\", \"shape\": [", p->fqn);
         for (int d = 0; d < p->ndim; d++) fprintf(f, "%s%lld", d ? ", " : "", (long long)p->shape[d]);
         fprintf(f, "], \"param\": \"param_%d.bin\", \"grad\": \"grad_%d.bin\"}%s\n", i, i, i + 1 < pl.n ? "," : "");

@@ -11,28 +11,11 @@
 #include "core/core-impl.h"
 #include "fsdp.h"
 #include "harness.h"
+#include "nn_helpers.h"
 #include "nn/nn-impl.h"
 
 #include <sys/stat.h>
 
-static uint64_t rng_state = 88172645463325252ull;
-static void rng_seed(uint64_t s) { rng_state = s * 2654435761ull + 88172645463325252ull; }
-static uint64_t rng_next(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
-static float urand(void) { return (float)((double)(rng_next() >> 11) / 9007199254740992.0 * 2.0 - 1.0); }
-static int64_t irand(int64_t n) { return (int64_t)(rng_next() % (uint64_t)n); }
-
-static struct fsdp_ctx *make_ctx(void) {
-    struct fsdp_ctx_opts o = fsdp_ctx_opts_default();
-    o.comm = FSDP_COMM_SELF;
-    struct fsdp_ctx *ctx = NULL;
-    if (fsdp_ctx_create(&o, &ctx) != FSDP_OK) abort();
-    return ctx;
-}
 
 static struct fsdp_tensor make_input(int ndim, const int64_t *shape, float scale, float offset) {
     struct fsdp_tensor t = {0};
@@ -673,40 +656,6 @@ TEST(vision_layers_reject_bad_input) {
 
 /* ---- PyTorch reference (skipped where torch is missing) ---- */
 
-static int find_script(char *out, size_t cap) {
-    struct stat st;
-    if (stat("tests/torch_vision_ref.py", &st) == 0) {
-        snprintf(out, cap, "tests/torch_vision_ref.py");
-        return 1;
-    }
-    char exe[4096];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n <= 0) return 0;
-    exe[n] = '\0';
-    for (int up = 0; up < 3; up++) {
-        char *slash = strrchr(exe, '/');
-        if (!slash) return 0;
-        *slash = '\0';
-        snprintf(out, cap, "%s/tests/torch_vision_ref.py", exe);
-        if (stat(out, &st) == 0) return 1;
-    }
-    return 0;
-}
-
-static void skip_test(const char *why) {
-    fprintf(stderr, "  skipped: %s\n", why);
-    fflush(NULL);
-    if (test_in_child) _exit(TEST_SKIP_CODE);
-    test_skipped_flag = 1;
-}
-
-static void write_file(const char *dir, const char *name, const void *data, size_t bytes) {
-    char path[1024];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "wb");
-    if (!f || fwrite(data, 1, bytes, f) != bytes || fclose(f) != 0) TEST_FAILF("cannot write %s", path);
-}
-
 static void json_shape(FILE *f, const char *key, int ndim, const int64_t *shape) {
     fprintf(f, "\"%s\": [", key);
     for (int d = 0; d < ndim; d++) fprintf(f, "%s%lld", d ? ", " : "", (long long)shape[d]);
@@ -728,7 +677,7 @@ static void ref_case_nd(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx,
     fprintf(js, ", \"steps\": %d, \"params\": [", steps);
     for (int i = 0; i < pl.n; i++) {
         snprintf(name, sizeof name, "c%d_p%d.bin", id, i);
-        write_file(dir, name, pl.p[i]->data, (size_t)pl.p[i]->numel * sizeof(float));
+        CHECK(test_write_file(dir, name, pl.p[i]->data, (size_t)pl.p[i]->numel * sizeof(float)));
         fprintf(js, "%s\"%s\"", i ? ", " : "", pl.p[i]->fqn);
     }
     fprintf(js, "], \"buffers\": [");
@@ -746,25 +695,25 @@ static void ref_case_nd(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx,
         }
         int64_t nx = fsdp_tensor_numel(&x), ny = fsdp_tensor_numel(&y);
         snprintf(name, sizeof name, "c%d_s%d_x.bin", id, s);
-        write_file(dir, name, x.data, (size_t)nx * sizeof(float));
+        CHECK(test_write_file(dir, name, x.data, (size_t)nx * sizeof(float)));
         snprintf(name, sizeof name, "c%d_s%d_y.bin", id, s);
-        write_file(dir, name, y.data, (size_t)ny * sizeof(float));
+        CHECK(test_write_file(dir, name, y.data, (size_t)ny * sizeof(float)));
         float *dy = malloc((size_t)ny * sizeof(float));
         for (int64_t i = 0; i < ny; i++) dy[i] = urand();
         snprintf(name, sizeof name, "c%d_s%d_dy.bin", id, s);
-        write_file(dir, name, dy, (size_t)ny * sizeof(float));
+        CHECK(test_write_file(dir, name, dy, (size_t)ny * sizeof(float)));
         struct fsdp_tensor d = y;
         d.data = dy;
         if (fsdp_module_backward(m, ctx, &d, &dx) != FSDP_OK) TEST_FAILF("case %d: %s", id, fsdp_errmsg(ctx));
         snprintf(name, sizeof name, "c%d_s%d_dx.bin", id, s);
-        write_file(dir, name, dx.data, (size_t)nx * sizeof(float));
+        CHECK(test_write_file(dir, name, dx.data, (size_t)nx * sizeof(float)));
         for (int i = 0; i < pl.n; i++) {
             snprintf(name, sizeof name, "c%d_s%d_g%d.bin", id, s, i);
-            write_file(dir, name, pl.p[i]->grad, (size_t)pl.p[i]->numel * sizeof(float));
+            CHECK(test_write_file(dir, name, pl.p[i]->grad, (size_t)pl.p[i]->numel * sizeof(float)));
         }
         for (int i = 0; i < bl.n; i++) {
             snprintf(name, sizeof name, "c%d_s%d_b%d.bin", id, s, i);
-            write_file(dir, name, bl.b[i]->data, (size_t)bl.b[i]->numel * fsdp_dtype_size(bl.b[i]->dtype));
+            CHECK(test_write_file(dir, name, bl.b[i]->data, (size_t)bl.b[i]->numel * fsdp_dtype_size(bl.b[i]->dtype)));
         }
         free(dy);
         free(x.data);
@@ -778,12 +727,12 @@ static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, st
 
 TEST(vision_layers_match_pytorch) {
     if (system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
-        skip_test("/usr/bin/python3 cannot import torch");
+        test_skip("/usr/bin/python3 cannot import torch");
         return;
     }
     char script[4200];
-    if (!find_script(script, sizeof script)) {
-        skip_test("tests/torch_vision_ref.py not found");
+    if (!test_find_file("torch_vision_ref.py", script, sizeof script)) {
+        test_skip("tests/torch_vision_ref.py not found");
         return;
     }
     rng_seed(7);

@@ -569,22 +569,13 @@ static const char *torch_script =
     "with open(sys.argv[2], 'w') as f:\n"
     "    for t in out: f.write(' '.join('%.9g' % x for x in t.detach().tolist()) + '\\n')\n";
 
-/* What harness.h's SKIP does; that macro trips -Wmisleading-indentation
- * (an if and the next statement on one line), so it is spelled out here. */
-static void skip_test(const char *why) {
-    fprintf(stderr, "  skipped: %s\n", why);
-    fflush(NULL);
-    if (test_in_child) _exit(TEST_SKIP_CODE);
-    test_skipped_flag = 1;
-}
-
 static int have_torch(void) {
     return system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == 0;
 }
 
 static void torch_case(enum fsdp_optim_kind kind) {
     if (!have_torch()) {
-        skip_test("/usr/bin/python3 with torch is not available");
+        test_skip("/usr/bin/python3 with torch is not available");
         return;
     }
     struct fsdp_ctx *ctx = new_ctx();

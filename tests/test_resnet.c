@@ -12,6 +12,7 @@
  */
 #include "fsdp.h"
 #include "harness.h"
+#include "nn_helpers.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -19,23 +20,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static uint64_t rng_state = 88172645463325252ull;
-static void rng_seed(uint64_t s) { rng_state = s * 2654435761ull + 88172645463325252ull; }
-static uint64_t rng_next(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
-static float urand(void) { return (float)((double)(rng_next() >> 11) / 9007199254740992.0 * 2.0 - 1.0); }
-
-static struct fsdp_ctx *make_ctx(void) {
-    struct fsdp_ctx_opts o = fsdp_ctx_opts_default();
-    o.comm = FSDP_COMM_SELF;
-    struct fsdp_ctx *ctx = NULL;
-    if (fsdp_ctx_create(&o, &ctx) != FSDP_OK) abort();
-    return ctx;
-}
 
 static struct fsdp_resnet_config config(enum fsdp_resnet_arch arch, int in_chans, int num_classes,
                                         enum fsdp_resnet_stem stem, int width) {
@@ -65,40 +49,6 @@ static struct fsdp_tensor image_tensor(float *x, int64_t N, int64_t C, int64_t H
 }
 
 /* ---- PyTorch reference (skipped where torch or torchvision is missing) ---- */
-
-static int find_script(char *out, size_t cap) {
-    struct stat st;
-    if (stat("tests/torchvision_resnet_ref.py", &st) == 0) {
-        snprintf(out, cap, "tests/torchvision_resnet_ref.py");
-        return 1;
-    }
-    char exe[4096];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n <= 0) return 0;
-    exe[n] = '\0';
-    for (int up = 0; up < 3; up++) {
-        char *slash = strrchr(exe, '/');
-        if (!slash) return 0;
-        *slash = '\0';
-        snprintf(out, cap, "%s/tests/torchvision_resnet_ref.py", exe);
-        if (stat(out, &st) == 0) return 1;
-    }
-    return 0;
-}
-
-static void skip_test(const char *why) {
-    fprintf(stderr, "  skipped: %s\n", why);
-    fflush(NULL);
-    if (test_in_child) _exit(TEST_SKIP_CODE);
-    test_skipped_flag = 1;
-}
-
-static void write_file(const char *dir, const char *name, const void *data, size_t bytes) {
-    char path[1024];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "wb");
-    if (!f || fwrite(data, 1, bytes, f) != bytes || fclose(f) != 0) TEST_FAILF("cannot write %s", path);
-}
 
 /* state-dict order: each module's parameters, then its persistent buffers, then its children */
 static void json_names(FILE *js, struct fsdp_module *m, int *first) {
@@ -182,20 +132,20 @@ static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, co
         fsdp_module_foreach_buffer(m, perturb_buffer, NULL);
         for (int i = 0; i < pl.n; i++) {
             snprintf(name, sizeof name, "c%d_p%d.bin", id, i);
-            write_file(dir, name, pl.p[i]->data, (size_t)pl.p[i]->numel * sizeof(float));
+            CHECK(test_write_file(dir, name, pl.p[i]->data, (size_t)pl.p[i]->numel * sizeof(float)));
         }
         for (int i = 0; i < bl.n; i++) {
             snprintf(name, sizeof name, "c%d_bi%d.bin", id, i);
-            write_file(dir, name, bl.b[i]->data, (size_t)bl.b[i]->numel * fsdp_dtype_size(bl.b[i]->dtype));
+            CHECK(test_write_file(dir, name, bl.b[i]->data, (size_t)bl.b[i]->numel * fsdp_dtype_size(bl.b[i]->dtype)));
         }
         int64_t nx = (int64_t)N * cfg->in_chans * H * W, V = cfg->num_classes;
         float *x = random_images(nx);
         int32_t *t = malloc((size_t)N * sizeof(int32_t));
         for (int i = 0; i < N; i++) t[i] = (int32_t)(rng_next() % (uint64_t)V);
         snprintf(name, sizeof name, "c%d_x.bin", id);
-        write_file(dir, name, x, (size_t)nx * sizeof(float));
+        CHECK(test_write_file(dir, name, x, (size_t)nx * sizeof(float)));
         snprintf(name, sizeof name, "c%d_t.bin", id);
-        write_file(dir, name, t, (size_t)N * sizeof(int32_t));
+        CHECK(test_write_file(dir, name, t, (size_t)N * sizeof(int32_t)));
         struct fsdp_tensor in = image_tensor(x, N, cfg->in_chans, H, W), y = {0}, dx = {0};
         fsdp_arena_reset(ctx);
         fsdp_module_set_training(m, train);
@@ -205,30 +155,30 @@ static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, co
         CHECK_INT_EQ(y.shape[0], N);
         CHECK_INT_EQ(y.shape[1], V);
         snprintf(name, sizeof name, "c%d_y.bin", id);
-        write_file(dir, name, y.data, (size_t)(N * V) * sizeof(float));
+        CHECK(test_write_file(dir, name, y.data, (size_t)(N * V) * sizeof(float)));
         float loss = 0.0f, *dy = malloc((size_t)(N * V) * sizeof(float));
         CHECK_OK(fsdp_cross_entropy(ctx, y.data, t, N, V, 1.0f, &loss, dy), ctx);
         snprintf(name, sizeof name, "c%d_loss.bin", id);
-        write_file(dir, name, &loss, sizeof loss);
+        CHECK(test_write_file(dir, name, &loss, sizeof loss));
         struct fsdp_tensor d = y;
         d.data = dy;
         CHECK_OK(fsdp_module_backward(m, ctx, &d, &dx), ctx);
         snprintf(name, sizeof name, "c%d_dx.bin", id);
-        write_file(dir, name, dx.data, (size_t)nx * sizeof(float));
+        CHECK(test_write_file(dir, name, dx.data, (size_t)nx * sizeof(float)));
         for (int i = 0; i < pl.n; i++) {
             snprintf(name, sizeof name, "c%d_g%d.bin", id, i);
-            write_file(dir, name, pl.p[i]->grad, (size_t)pl.p[i]->numel * sizeof(float));
+            CHECK(test_write_file(dir, name, pl.p[i]->grad, (size_t)pl.p[i]->numel * sizeof(float)));
         }
         for (int i = 0; i < bl.n; i++) {
             snprintf(name, sizeof name, "c%d_b%d.bin", id, i);
-            write_file(dir, name, bl.b[i]->data, (size_t)bl.b[i]->numel * fsdp_dtype_size(bl.b[i]->dtype));
+            CHECK(test_write_file(dir, name, bl.b[i]->data, (size_t)bl.b[i]->numel * fsdp_dtype_size(bl.b[i]->dtype)));
         }
         fsdp_arena_reset(ctx);
         fsdp_module_set_training(m, 0);
         struct fsdp_tensor ye = {0};
         CHECK_OK(fsdp_module_forward(m, ctx, &in, &ye), ctx);
         snprintf(name, sizeof name, "c%d_ye.bin", id);
-        write_file(dir, name, ye.data, (size_t)(N * V) * sizeof(float));
+        CHECK(test_write_file(dir, name, ye.data, (size_t)(N * V) * sizeof(float)));
         free(dy);
         free(t);
         free(x);
@@ -239,12 +189,12 @@ static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, co
 /* Writes the cases, runs the script; with_data: the numeric cases, else names and FLOPs only. */
 static void run_reference(int with_data) {
     if (system("/usr/bin/python3 -c 'import torch, torchvision' >/dev/null 2>&1") != 0) {
-        skip_test("/usr/bin/python3 cannot import torch and torchvision");
+        test_skip("/usr/bin/python3 cannot import torch and torchvision");
         return;
     }
     char script[4200];
-    if (!find_script(script, sizeof script)) {
-        skip_test("tests/torchvision_resnet_ref.py not found");
+    if (!test_find_file("torchvision_resnet_ref.py", script, sizeof script)) {
+        test_skip("tests/torchvision_resnet_ref.py not found");
         return;
     }
     rng_seed(5);

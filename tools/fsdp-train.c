@@ -575,7 +575,7 @@ static void shards_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
     check_strategy_flags(o, pworld);
     if (o->dry_run) {
         if (fsdp_ctx_rank(ctx) == 0) {
-            int k = !strcmp(o->optim, "sgd") ? (o->momentum > 0 ? 1 : 0) : 2;
+            int k = strcmp(o->optim, "adamw") ? (o->momentum > 0 ? 1 : 0) : 2;
             int64_t n = fsdp_module_numel(root);
             int shard = !strcasecmp(o->sharding, "NO_SHARD") ? 1
                         : !strcasecmp(o->sharding, "HYBRID_SHARD") && o->shard_group ? o->shard_group
@@ -604,7 +604,7 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
     size_t limit = o->mem_limit_bytes;
     if (o->batch % pworld != 0)
         fail_all("--batch %d (global) is not divisible by the world size %d", o->batch, pworld);
-    int k = !strcmp(o->optim, "sgd") ? (o->momentum > 0 ? 1 : 0) : 2;
+    int k = strcmp(o->optim, "adamw") ? (o->momentum > 0 ? 1 : 0) : 2;
     int threads = o->threads;
     if (threads == 0) {
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -818,7 +818,7 @@ int main(int argc, char **argv) {
     check_outputs(ctx, &o);
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     oo.kind = !strcmp(o.optim, "sgd") ? FSDP_OPTIM_SGD : !strcmp(o.optim, "lars") ? FSDP_OPTIM_LARS : FSDP_OPTIM_ADAMW;
-    oo.trust_coefficient = o.trust_coefficient;
+    oo.trust_coefficient = o.lars_eta;
     oo.beta1 = o.beta1;
     oo.beta2 = o.beta2;
     oo.eps = o.eps;

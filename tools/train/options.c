@@ -54,7 +54,6 @@ struct opts opts_default(void) {
     o.crop_padding = 4;
     o.shuffle = 1;
     o.sync_bn = -1;
-    o.trust_coefficient = 0.001f;
     o.swav_hidden = 2048;
     o.swav_dim = 128;
     o.nmb_prototypes = 3000;
@@ -70,6 +69,7 @@ struct opts opts_default(void) {
     o.swav_temperature = 0.1f;
     o.swav_epsilon = 0.05f;
     o.sinkhorn_iters = 3;
+    o.lars_eta = 0.001f;
     o.mean[0] = 0.2860f;
     o.std[0] = 0.3530f;
     o.n_mean = o.n_std = 1;
@@ -101,6 +101,8 @@ static void usage(FILE *f) {
             "                        (instead of --steps)\n"
             "  --eval-every K        image model: top-1 accuracy and loss on the test split every K\n"
             "                        steps (eval mode); 0 = only at the end (default 0)\n"
+            "  --eval-batch N        image model: test images per evaluation forward, over all ranks\n"
+            "                        (default --batch)\n"
             "  --label-smoothing X   image model: cross-entropy label smoothing in [0, 1] (default 0)\n"
             "  --augment A           image model: none | crop-flip (random crop of the image padded by\n"
             "                        --crop-padding pixels, and a horizontal flip; training only)\n"
@@ -130,8 +132,9 @@ static void usage(FILE *f) {
             "  --warmup N            linear warmup steps (default %d)\n"
             "  --lr-schedule S       cosine | constant | step (x0.1 at each --lr-steps milestone) (default %s)\n"
             "  --lr-steps A,B,..     the step schedule's milestones in steps\n"
-            "  --optim S             adamw | sgd | lars (LARS: SGD with LARC trust ratios; default %s)\n"
-            "  --trust-coefficient X LARS's eta (default 0.001)\n"
+            "  --optim S             adamw | sgd | lars (SGD with per-parameter trust ratios, SwAV's LARC\n"
+            "                        without clipping) (default %s)\n"
+            "  --lars-eta X          LARS's trust coefficient (default 0.001; also --trust-coefficient)\n"
             "  --beta1 X             AdamW beta1 (default %g)\n"
             "  --beta2 X             AdamW beta2 (default %g)\n"
             "  --eps X               AdamW eps (default %g)\n"
@@ -373,6 +376,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--steps")) { o->steps = (int)parse_int(a, v, 0, 1 << 30); o->steps_given = 1; }
         else if (!strcmp(a, "--epochs")) o->epochs = (int)parse_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--eval-every")) o->eval_every = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--eval-batch")) o->eval_batch = (int)parse_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--label-smoothing")) o->label_smoothing = parse_float(a, v, 0, 1);
         else if (!strcmp(a, "--crop-padding")) o->crop_padding = (int)parse_int(a, v, 1, 1 << 12);
         else if (!strcmp(a, "--lr-steps")) parse_lr_steps(o, v);
@@ -402,6 +406,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--beta2")) o->beta2 = parse_float(a, v, 0, 0.999999);
         else if (!strcmp(a, "--eps")) o->eps = parse_float(a, v, 1e-30, 1);
         else if (!strcmp(a, "--momentum")) o->momentum = parse_float(a, v, 0, 0.999999);
+        else if (!strcmp(a, "--lars-eta")) o->lars_eta = parse_float(a, v, 1e-9, 1e3);
         else if (!strcmp(a, "--lr-schedule")) {
             if (strcmp(v, "cosine") && strcmp(v, "constant") && strcmp(v, "step"))
                 usage_error("--lr-schedule: '%s' is not cosine, constant or step", v);
@@ -415,7 +420,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
                 usage_error("--task: '%s' is not tokens, images or swav", v);
             o->task = v;
         }
-        else if (!strcmp(a, "--trust-coefficient")) o->trust_coefficient = parse_float(a, v, 0, 10);
+        else if (!strcmp(a, "--trust-coefficient")) o->lars_eta = parse_float(a, v, 1e-9, 1e3);
         else if (!strcmp(a, "--swav-hidden")) o->swav_hidden = (int)parse_int(a, v, 0, 1 << 20);
         else if (!strcmp(a, "--swav-dim")) o->swav_dim = (int)parse_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--nmb-prototypes")) o->nmb_prototypes = (int)parse_int(a, v, 1, 1 << 20);

@@ -44,6 +44,7 @@ struct opts {
     int epochs;                   /* --epochs E: steps = E * ceil(train count / batch); 0 = --steps */
     int steps_given;              /* --steps was on the command line */
     int eval_every;               /* --eval-every K steps; 0 = only at the end */
+    int eval_batch;               /* --eval-batch N global test images per forward; 0 = --batch */
     float label_smoothing;        /* --label-smoothing X */
     int nesterov;                 /* --nesterov (SGD) */
     int lr_steps[16], n_lr_steps; /* --lr-steps a,b,...: the step schedule's milestones */
@@ -54,7 +55,6 @@ struct opts {
     int n_mean, n_std;
     int sync_bn;                  /* --sync-bn on|off; -1 = on when the world is larger than one */
     const char *task;             /* --task tokens | images | swav; NULL: from the model */
-    float trust_coefficient;      /* --trust-coefficient (--optim lars) */
     /* SwAV (tools/train/task_swav.c) */
     int swav_hidden, swav_dim, nmb_prototypes, nmb_heads;
     int crops_global_size, crops_small, crops_small_size;
@@ -63,6 +63,7 @@ struct opts {
     int knn_train;                /* --knn-train N train images for the kNN bank */
     float swav_temperature, swav_epsilon;
     int sinkhorn_iters;
+    float lars_eta;               /* --lars-eta: LARS's trust coefficient */
 };
 
 #define MODEL_DEFAULT "small"

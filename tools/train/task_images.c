@@ -5,7 +5,7 @@
  * evaluated (top-1 accuracy, mean loss) on the test split in eval mode.
  *
  * [Note: evaluation batches]
- * The test split is cut into global batches of --batch images, the last one
+ * The test split is cut into global batches of --eval-batch (default --batch) images, the last one
  * partial; rank r takes images [r n / world, (r+1) n / world) of a batch of
  * n, as training does. A rank whose share is empty (n < world) still runs the
  * forward, on one image it ignores, because the forward is collective. Each
@@ -241,7 +241,18 @@ static void img_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o)
     if (!strcmp(c->arch, "cnn")) {
         if (cnn_create(ctx, c, &t->root) != FSDP_OK) fail_all("model: %s", fsdp_errmsg(ctx));
     } else {
-        fail_input("%s: arch '%s' is not built into this fsdp-train", k->cfg_source, c->arch);
+        struct fsdp_resnet_config rc;
+        if (fsdp_resnet_config_preset(c->arch, &rc) != FSDP_OK)
+            fail_input("%s: unknown arch '%s' (cnn, resnet18, resnet34, resnet50)", k->cfg_source, c->arch);
+        rc.in_chans = c->in_chans;
+        rc.num_classes = c->num_classes;
+        rc.width = c->width;
+        rc.stem = !strcmp(c->stem, "cifar") ? FSDP_RESNET_STEM_CIFAR : FSDP_RESNET_STEM_IMAGENET;
+        rc.zero_init_residual = c->zero_init_residual;
+        if (fsdp_resnet_config_validate(ctx, &rc) != FSDP_OK) fail_input("%s: %s", k->cfg_source, fsdp_errmsg(ctx));
+        if (fsdp_resnet_create(ctx, &rc, &t->root) != FSDP_OK) fail_all("model: %s", fsdp_errmsg(ctx));
+        t->block_type = fsdp_resnet_block_type(&rc);
+        t->train_flops_per_item = 3.0 * fsdp_resnet_flops_per_image(&rc, k->ti.height, k->ti.width);
     }
     /* sync-BN: the batch statistics of the global batch */
     int sync = o->sync_bn >= 0 ? o->sync_bn : fsdp_ctx_world(ctx) > 1;
@@ -331,7 +342,7 @@ static enum fsdp_status img_eval(struct task *t, struct fsdp_ctx *ctx, struct fs
     struct fsdp_images_info vi;
     fsdp_images_info(k->test, &vi);
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
-    int64_t EB = o->batch, n = vi.count;
+    int64_t EB = o->eval_batch ? o->eval_batch : o->batch, n = vi.count;
     float *x = malloc((size_t)(EB / world + 1) * (size_t)k->chw * sizeof(float));
     if (!x) fail_rank("out of memory for evaluation");
     double sum = 0;

@@ -194,6 +194,9 @@ void task_tokens_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
         fail_all("--model: unknown preset '%s' (tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl; image models: "
                  "cnn, resnet18, resnet34, resnet50)", o->model);
     }
+    if (ck && ck->model_json[0])
+        fail_all("--resume: %s holds the image model %s, not a GPT (leave out --model / --model-config)", resume_dir,
+                 ck->model_json);
     if (fsdp_gpt_config_validate(ctx, &cfg) != FSDP_OK) fail_all("model config: %s", fsdp_errmsg(ctx));
     if (ck && ck->has_config && (o->model || o->model_config)) {
         const char *what = o->model_config ? "--model-config" : "--model";

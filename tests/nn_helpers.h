@@ -1,0 +1,32 @@
+/*
+ * nn_helpers.h - what the single-process layer tests share: a seeded
+ * xorshift stream (rng_seed, rng_next, urand in [-1, 1), irand in [0, n))
+ * and a context on the self communicator (make_ctx, aborts on failure).
+ * Include after fsdp.h and harness.h.
+ */
+#ifndef FSDP_TEST_NN_HELPERS_H
+#define FSDP_TEST_NN_HELPERS_H
+
+#include <stdint.h>
+#include <stdlib.h>
+
+static uint64_t rng_state = 88172645463325252ull;
+static inline void rng_seed(uint64_t s) { rng_state = s * 2654435761ull + 88172645463325252ull; }
+static inline uint64_t rng_next(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+static inline float urand(void) { return (float)((double)(rng_next() >> 11) / 9007199254740992.0 * 2.0 - 1.0); }
+static inline int64_t irand(int64_t n) { return (int64_t)(rng_next() % (uint64_t)n); }
+
+static inline struct fsdp_ctx *make_ctx(void) {
+    struct fsdp_ctx_opts o = fsdp_ctx_opts_default();
+    o.comm = FSDP_COMM_SELF;
+    struct fsdp_ctx *ctx = NULL;
+    if (fsdp_ctx_create(&o, &ctx) != FSDP_OK) abort();
+    return ctx;
+}
+
+#endif
