@@ -501,7 +501,8 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
                                  const struct fsdp_images *im, int64_t n, float *feat) {
     struct swav *k = t->impl;
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
-    int64_t EB = o->batch, chw = (int64_t)k->ti.channels * k->ti.height * k->ti.width, F = k->feat_dim;
+    int64_t EB = o->eval_batch ? o->eval_batch : o->batch, chw = (int64_t)k->ti.channels * k->ti.height * k->ti.width;
+    int64_t F = k->feat_dim;
     int64_t mmax = (EB + world - 1) / world;
     float *x = malloc((size_t)(mmax * chw) * sizeof(float)), *mine = malloc((size_t)(mmax * F) * sizeof(float));
     float *all = malloc((size_t)(mmax * F * world) * sizeof(float));
