@@ -10,7 +10,8 @@
 #  (4) a ResNet-18 trunk (width 8) with LARS, 2 prototype heads and bf16
 #      runs at 2 ranks, the prototypes in fp32 units of their own;
 #  (5) no small crops (one resolution) trains too;
-#  (6) bad input: one line naming the flag, exit 2.
+#  (6) bad input: one line naming the flag, exit 2;
+# and a resumed run (the task read from the checkpoint) is bit-identical to the uninterrupted one.
 # Prints "N passed, N failed" at the end.
 . "$(dirname "$0")/lib.sh"
 
@@ -75,6 +76,21 @@ for path in sys.argv[1:]:
         assert v == 10, f"{path}: {k} = {v}, expected 10 (5 steps x 2 resolutions)"
 EOF
 ); then ok "batch norm counts each resolution once per step (the recompute does not)"; else bad "batch norm recompute" "$msg"; fi
+
+# resuming (the checkpoint names its task: no --task needed) reproduces the uninterrupted run
+"$TRAIN" "${common[@]}" --save-every 3 --save-dir "$tmp/ck" --eval-every 0 > "$tmp/oc" 2>&1 || bad "save" "$(tail -3 "$tmp/oc")"
+if "$TRAIN" "${common[@]:2}" --resume "$tmp/ck/step-00000003" --log "$tmp/res.jsonl" > "$tmp/orr" 2>&1 &&
+   msg=$(python3 - "$tmp/r1.jsonl" "$tmp/res.jsonl" <<'EOF' 2>&1
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])][3:]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert [x["step"] for x in b] == [4, 5], [x["step"] for x in b]
+for x, y in zip(a, b):
+    for k in ("loss", "grad_norm", "param_norm", "proto_hash"):
+        assert x[k] == y[k], f"step {x['step']}: {k} {x[k]} vs {y[k]}"
+EOF
+   ); then ok "a resumed run (its task from the checkpoint) reproduces the uninterrupted one"
+else bad "resume" "${msg:-$(tail -5 "$tmp/orr")}"; fi
 
 # ---- (3) frozen prototypes ----
 if timeout -k 5 120 "$TRAIN" "${common[@]}" --nproc 2 --freeze-prototypes-iters 3 --log "$tmp/f.jsonl" > "$tmp/of" 2>&1 &&

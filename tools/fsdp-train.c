@@ -782,6 +782,7 @@ int main(int argc, char **argv) {
     struct task task;
     memset(&task, 0, sizeof task);
     g_task = &task;
+    if (!o.task && resume_dir && strstr(ck.model_json, "\"task\":\"swav\"")) o.task = "swav"; /* the checkpoint's task */
     if (o.task && !strcmp(o.task, "swav")) task_swav_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
     else if (task_is_images(&o, resume_dir ? &ck : NULL)) task_images_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
     else task_tokens_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
