@@ -421,6 +421,13 @@ enum fsdp_status fsdp_batchnorm2d_create(struct fsdp_ctx *ctx, const char *name,
  * the context's) or local (on == 0), as torch's convert_sync_batchnorm;
  * *n_out (may be NULL) gets how many it changed. COLLECTIVE: no. */
 void fsdp_batchnorm_set_sync(struct fsdp_module *root, int on, struct fsdp_comm *comm, int *n_out);
+/* Whether a train-mode forward of every BatchNorm2d below root updates its
+ * running statistics (running_mean, running_var, num_batches_tracked): on
+ * (1, the default) as PyTorch, off (0) it normalises with the batch
+ * statistics as usual but leaves them untouched (a recomputed forward, e.g.
+ * SwAV's second pass over the same crops, must not count twice). *n_out
+ * (may be NULL) gets how many it set. COLLECTIVE: no. */
+void fsdp_batchnorm_set_update_stats(struct fsdp_module *root, int on, int *n_out);
 
 /* ReLU: max(x, 0) on any F32 shape. Runs in place when the caller passes
  * out->data == in->data (then the input is overwritten: safe when nothing
@@ -804,7 +811,8 @@ struct fsdp_resnet_config {
     enum fsdp_resnet_arch arch; /* resnet18 / 34: BasicBlock [2,2,2,2] / [3,4,6,3];
                                    resnet50: Bottleneck [3,4,6,3] */
     int in_chans;               /* 1 .. 64 */
-    int num_classes;            /* 1 .. 2^24 */
+    int num_classes;            /* 1 .. 2^24; 0: no fc, the output is the pooled
+                                   features (N, 8w * expansion) (a trunk for a head) */
     enum fsdp_resnet_stem stem;
     int width;                  /* 1 .. 1024; 64 = torchvision */
     int zero_init_residual;     /* 1: each block's last BN weight starts at 0 */

@@ -301,6 +301,40 @@ TEST(gradcheck_relu_pools_flatten) { /* piecewise linear away from kinks and tie
 
 /* Running statistics after 3 train steps against PyTorch's update rule in
  * double; eval mode uses them and updates nothing. */
+/* fsdp_batchnorm_set_update_stats off: a train-mode forward normalises with
+ * the batch statistics (the same output) but leaves the running statistics
+ * and the batch count alone; on again, it updates them. */
+TEST(batchnorm2d_update_stats_switch) {
+    rng_seed(6);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_batchnorm_opts o = fsdp_batchnorm_opts_default(2);
+    struct fsdp_module *m;
+    ASSERT_OK(fsdp_batchnorm2d_create(ctx, "bn", &o, &m), ctx);
+    prepare(ctx, m, 0.3f);
+    struct fsdp_buffer *rm = fsdp_module_find_buffer(m, "running_mean"), *nbt = fsdp_module_find_buffer(m, "num_batches_tracked");
+    ASSERT(rm && nbt);
+    int64_t shape[4] = {3, 2, 3, 4};
+    struct fsdp_tensor x = make_input(4, shape, 1.5f, 2.0f), y1 = {0}, y2 = {0};
+    fsdp_arena_reset(ctx);
+    ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y1), ctx);
+    float rm0 = ((float *)rm->data)[0];
+    CHECK(rm0 != 0.0f);
+    int n = 0;
+    fsdp_batchnorm_set_update_stats(m, 0, &n);
+    CHECK_INT_EQ(n, 1);
+    ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y2), ctx);
+    CHECK(((float *)rm->data)[0] == rm0);
+    CHECK_INT_EQ(((int64_t *)nbt->data)[0], 1);
+    for (int i = 0; i < 72; i++) CHECK(((float *)y1.data)[i] == ((float *)y2.data)[i]);
+    fsdp_batchnorm_set_update_stats(m, 1, NULL);
+    ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y2), ctx);
+    CHECK(((float *)rm->data)[0] != rm0);
+    CHECK_INT_EQ(((int64_t *)nbt->data)[0], 2);
+    free(x.data);
+    fsdp_module_free(m);
+    fsdp_ctx_free(ctx);
+}
+
 TEST(batchnorm2d_running_stats_and_eval) {
     rng_seed(5);
     struct fsdp_ctx *ctx = make_ctx();

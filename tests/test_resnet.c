@@ -274,6 +274,62 @@ static int buffers_equal(struct fsdp_module *m, void **saved, int save) {
     return same;
 }
 
+/* num_classes 0: a trunk without fc whose output is the pooled features:
+ * the classifier's logits are fc of them, and the input gradient through
+ * the trunk from fc's weights' transpose equals the classifier's. */
+TEST(resnet_without_fc_is_the_trunk) {
+    rng_seed(12);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_resnet_config cf = config(FSDP_RESNET18, 1, 5, FSDP_RESNET_STEM_CIFAR, 4),
+                              ct = config(FSDP_RESNET18, 1, 0, FSDP_RESNET_STEM_CIFAR, 4);
+    struct fsdp_module *full, *trunk;
+    ASSERT_OK(fsdp_resnet_create(ctx, &cf, &full), ctx);
+    ASSERT_OK(fsdp_resnet_create(ctx, &ct, &trunk), ctx);
+    CHECK(fsdp_module_find_param(trunk, "fc.weight") == NULL);
+    ASSERT_OK(fsdp_module_materialize(ctx, full, 3), ctx);
+    ASSERT_OK(fsdp_module_materialize(ctx, trunk, 3), ctx);
+    ASSERT_OK(fsdp_module_zero_grad(ctx, full), ctx);
+    ASSERT_OK(fsdp_module_zero_grad(ctx, trunk), ctx);
+    enum { N = 3, S = 8, F = 32, K = 5 };
+    float *x = random_images(N * S * S);
+    struct fsdp_tensor in = image_tensor(x, N, 1, S, S), yl = {0}, yf = {0}, dl = {0}, dt = {0};
+    fsdp_arena_reset(ctx);
+    ASSERT_OK(fsdp_module_forward(full, ctx, &in, &yl), ctx);
+    ASSERT_OK(fsdp_module_forward(trunk, ctx, &in, &yf), ctx);
+    CHECK_INT_EQ(yf.ndim, 2);
+    CHECK_INT_EQ(yf.shape[1], F);
+    const float *w = fsdp_module_find_param(full, "fc.weight")->data, *b = fsdp_module_find_param(full, "fc.bias")->data;
+    for (int n = 0; n < N; n++)
+        for (int k = 0; k < K; k++) {
+            double z = b[k];
+            for (int f = 0; f < F; f++) z += (double)w[k * F + f] * ((float *)yf.data)[n * F + f];
+            CHECK_NEAR(((float *)yl.data)[n * K + k], z, 1e-4, 1e-5);
+        }
+    float gl[N * K], gf[N * F];
+    for (int i = 0; i < N * K; i++) gl[i] = 0.1f * (float)(i % 7) - 0.3f;
+    for (int n = 0; n < N; n++)
+        for (int f = 0; f < F; f++) {
+            double g = 0;
+            for (int k = 0; k < K; k++) g += (double)w[k * F + f] * gl[n * K + k];
+            gf[n * F + f] = (float)g;
+        }
+    struct fsdp_tensor tl = {gl, FSDP_F32, 2, {N, K}}, tf = {gf, FSDP_F32, 2, {N, F}};
+    ASSERT_OK(fsdp_module_backward(trunk, ctx, &tf, &dt), ctx);
+    ASSERT_OK(fsdp_module_forward(full, ctx, &in, &yl), ctx);
+    ASSERT_OK(fsdp_module_backward(full, ctx, &tl, &dl), ctx);
+    double worst = 0, mx = 0;
+    for (int i = 0; i < N * S * S; i++) {
+        worst = fmax(worst, fabs(((float *)dl.data)[i] - ((float *)dt.data)[i]));
+        mx = fmax(mx, fabs(((float *)dl.data)[i]));
+    }
+    CHECK(mx > 0);
+    if (!(worst <= 1e-5 * (1 + mx))) TEST_FAILF("input gradients differ by %g (max %g)", worst, mx);
+    free(x);
+    fsdp_module_free(full);
+    fsdp_module_free(trunk);
+    fsdp_ctx_free(ctx);
+}
+
 TEST(resnet_eval_mode_uses_running_stats) {
     rng_seed(9);
     struct fsdp_ctx *ctx = make_ctx();
@@ -535,7 +591,7 @@ TEST(resnet_config_load_and_bad_configs) {
     CHECK_INT_EQ(fsdp_resnet_create(ctx, &bad, &m), FSDP_ERR_INVALID);
     CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "arch");
     CHECK(m == NULL);
-    bad = config(FSDP_RESNET18, 1, 0, FSDP_RESNET_STEM_IMAGENET, 64);
+    bad = config(FSDP_RESNET18, 1, -1, FSDP_RESNET_STEM_IMAGENET, 64);
     CHECK_INT_EQ(fsdp_resnet_config_validate(ctx, &bad), FSDP_ERR_INVALID);
     CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "num_classes");
     bad = config(FSDP_RESNET18, 1, 10, (enum fsdp_resnet_stem)2, 64);

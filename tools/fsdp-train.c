@@ -352,6 +352,10 @@ static struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct opts 
     static int64_t min_size;
     static int every;
     struct fsdp_wrap_policy wp = {fsdp_wrap_by_type, (void *)g_task->block_type};
+    if (g_task->wrap) {
+        wp.fn = g_task->wrap;
+        wp.ud = (void *)g_task;
+    }
     if (!strcmp(o->wrap, "none")) wp.fn = NULL;
     else if (!strncmp(o->wrap, "size:", 5)) {
         min_size = atol(o->wrap + 5);
@@ -778,7 +782,9 @@ int main(int argc, char **argv) {
     struct task task;
     memset(&task, 0, sizeof task);
     g_task = &task;
-    if (task_is_images(&o, resume_dir ? &ck : NULL)) task_images_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
+    if (!o.task && resume_dir && strstr(ck.model_json, "\"task\":\"swav\"")) o.task = "swav"; /* the checkpoint's task */
+    if (o.task && !strcmp(o.task, "swav")) task_swav_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
+    else if (o.task ? !strcmp(o.task, "images") : task_is_images(&o, resume_dir ? &ck : NULL)) task_images_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
     else task_tokens_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
     int steps = task.steps;
     if (!strcmp(o.ac, "attn") && !task.ac_attn_type) fail_input("--ac attn: this model has no attention (give --ac blocks or every:K)");
@@ -823,6 +829,7 @@ int main(int argc, char **argv) {
     oo.decay_all = o.decay_all;
     struct fsdp_optim *opt;
     if (fsdp_optim_create(ctx, &oo, &opt) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
+    if (task.ops->prepare_optim) task.ops->prepare_optim(&task, ctx, &o, opt);
     struct fsdp_model *fm = prepare_model(ctx, &o, root, opt);
     int start_step = 0;
     if (resume_dir) {
@@ -840,6 +847,7 @@ int main(int argc, char **argv) {
         if (rank == 0) printf("initial weights from %s%s\n", o.init_from, rank0 ? " (rank 0, sent unit by unit)" : "");
     }
 
+    if (task.ops->after_shard) task.ops->after_shard(&task, ctx, &o, fm, opt);
     int64_t n_params = fsdp_module_numel(root);
     int64_t largest_unit = 0;
     for (int i = 0; i < fsdp_model_n_units(fm); i++) {
@@ -917,8 +925,9 @@ int main(int argc, char **argv) {
                        r.skipped ? "  SKIPPED (overflow; loss scale halved)" : "");
             if (do_eval) {
                 if (tty) printf("\n");
-                printf("eval  %4d/%d  eval_loss %.4f  eval_acc %.2f%%\n", step + 1, steps, eval_loss,
-                       100.0 * eval_acc);
+                if (task.acc_name) printf("eval  %4d/%d  %s %.2f%%\n", step + 1, steps, task.acc_name, 100.0 * eval_acc);
+                else printf("eval  %4d/%d  eval_loss %.4f  eval_acc %.2f%%\n", step + 1, steps, eval_loss,
+                            100.0 * eval_acc);
             }
             if (logf) {
                 char jl[32], jg[32]; /* a skipped step's norm is inf or nan: null in JSON */
@@ -935,9 +944,11 @@ int main(int argc, char **argv) {
                         skipped, r.loss_scale);
                 if (do_eval) {
                     char el[32], ea[32];
-                    fprintf(logf, "\"eval_loss\": %s, \"eval_acc\": %s, \"eval_images\": %lld, ",
-                            json_num(el, sizeof el, eval_loss), json_num(ea, sizeof ea, eval_acc), (long long)eval_n);
+                    fprintf(logf, "\"eval_loss\": %s, \"%s\": %s, \"eval_images\": %lld, ",
+                            json_num(el, sizeof el, eval_loss), task.acc_name ? task.acc_name : "eval_acc",
+                            json_num(ea, sizeof ea, eval_acc), (long long)eval_n);
                 }
+                fputs(task.log_extra, logf);
                 fprintf(logf, "\"comm\": {");
                 for (int k = 0; k < FSDP_COLL_COUNT; k++)
                     fprintf(logf, "%s\"%s\": {\"ms\": %.3f, \"bytes\": %llu}", k ? ", " : "", coll_names[k],
@@ -973,7 +984,9 @@ int main(int argc, char **argv) {
         printf("summary: loss %.4f -> %.4f%s | %.0f %s/s%s | peak RSS %.0f MB per rank "
                "(ZeRO-3 estimate for params+grads+AdamW: %.0f MB)\n",
                first_loss, last_loss, note, tps, task.is_gpt ? "tokens" : "images", flops, (double)rss_max, zero3);
-        if (evaluated)
+        if (evaluated && task.acc_name)
+            printf("eval: %s %.2f%% (%lld test images)\n", task.acc_name, 100.0 * eval_acc, (long long)eval_n);
+        else if (evaluated)
             printf("eval: loss %.4f | top-1 accuracy %.2f%% (%lld test images)\n", eval_loss, 100.0 * eval_acc,
                    (long long)eval_n);
         printf("precision: %s | %d skipped steps | loss scale %g\n", precision_name(&o), skipped,

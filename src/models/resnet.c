@@ -13,6 +13,8 @@
  *   layer1..4   Sequential         blocks "0".."n-1", planes w, 2w, 4w, 8w, stride 1, 2, 2, 2
  *   avgpool     AdaptiveAvgPool2d  (N, 8 w e, 1, 1), seen as (N, 8 w e) by fc (a view)
  *   fc          Linear             8 w e -> num_classes
+ *               (num_classes 0: no fc; the output is the pooled features
+ *               (N, 8 w e), a trunk for a head such as SwAV's)
  * The ResNet module runs its children itself, through the dispatchers, so
  * that the sharding hooks of units below it run.
  * Invariant: children[] below holds exactly the modules of the tree, in
@@ -58,7 +60,13 @@ static enum fsdp_status resnet_forward(struct fsdp_module *m, struct fsdp_ctx *c
     struct fsdp_tensor flat = cur; /* (N, C, 1, 1) seen as (N, C) */
     flat.ndim = 2;
     flat.shape[2] = flat.shape[3] = 0;
-    FSDP_TRY(fsdp_module_forward(R->mod[RN_FC], ctx, &flat, out));
+    if (R->mod[RN_FC]) {
+        FSDP_TRY(fsdp_module_forward(R->mod[RN_FC], ctx, &flat, out));
+    } else { /* a trunk: the pooled features */
+        FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, 2, flat.shape, "ResNet features"));
+        if (out->data != flat.data)
+            memcpy(out->data, flat.data, (size_t)(flat.shape[0] * flat.shape[1]) * sizeof(float));
+    }
     memcpy(R->in_shape, in->shape, sizeof R->in_shape);
     R->ran = 1;
     return FSDP_OK;
@@ -68,12 +76,20 @@ static enum fsdp_status resnet_backward(struct fsdp_module *m, struct fsdp_ctx *
                                         struct fsdp_tensor *din) {
     struct resnet *R = m->impl;
     if (!R->ran) return fsdp__err(ctx, FSDP_ERR_STATE, "ResNet: backward without forward");
-    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 2, R->cfg.num_classes));
+    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 2, R->mod[RN_FC] ? R->cfg.num_classes : R->pool_shape[1]));
     /* din is allocated before the mark, so releasing the step's scratch keeps it */
     if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 4, R->in_shape, "ResNet input gradient"));
     size_t mark = fsdp_arena_mark(ctx);
     struct fsdp_tensor g = {0};
-    enum fsdp_status st = fsdp_module_backward(R->mod[RN_FC], ctx, dout, &g);
+    enum fsdp_status st = FSDP_OK;
+    if (R->mod[RN_FC]) {
+        st = fsdp_module_backward(R->mod[RN_FC], ctx, dout, &g);
+    } else { /* no fc: the gradient of the pooled features, copied (dout is borrowed) */
+        g.dtype = FSDP_F32;
+        g.data = fsdp__scratch(ctx, R->pool_shape[0] * R->pool_shape[1], "ResNet feature gradient");
+        if (!g.data) st = FSDP_ERR_NOMEM;
+        else memcpy(g.data, dout->data, (size_t)(R->pool_shape[0] * R->pool_shape[1]) * sizeof(float));
+    }
     if (st == FSDP_OK) { /* (N, C) back to (N, C, 1, 1) */
         g.ndim = 4;
         memcpy(g.shape, R->pool_shape, sizeof g.shape);
@@ -145,8 +161,9 @@ static enum fsdp_status resnet_build(struct fsdp_ctx *ctx, struct fsdp_module *r
     FSDP_TRY(fsdp__adopt(ctx, root, fsdp_global_avgpool2d_create(ctx, "avgpool", &c), &c, &R->mod[RN_AVGPOOL]));
     /* PyTorch's Linear init is uniform(-1/sqrt(in), 1/sqrt(in)), variance 1 / (3 in): the same variance, normal */
     float fc_std = (float)(1.0 / sqrt(3.0 * (double)inplanes));
-    FSDP_TRY(fsdp__adopt(ctx, root, fsdp__linear_create(ctx, "fc", inplanes, cfg->num_classes, 1, fc_std, &c), &c,
-                         &R->mod[RN_FC]));
+    if (cfg->num_classes > 0)
+        FSDP_TRY(fsdp__adopt(ctx, root, fsdp__linear_create(ctx, "fc", inplanes, cfg->num_classes, 1, fc_std, &c), &c,
+                             &R->mod[RN_FC]));
     return fsdp_module_finalize(ctx, root);
 }
 
@@ -270,9 +287,9 @@ enum fsdp_status fsdp_resnet_config_validate(struct fsdp_ctx *ctx, const struct 
     int vals[3] = {cfg->in_chans, cfg->num_classes, cfg->width};
     int max[3] = {RN_MAX_IN_CHANS, RN_MAX_CLASSES, RN_MAX_WIDTH};
     for (int i = 0; i < 3; i++)
-        if (vals[i] < 1 || vals[i] > max[i])
-            return fsdp__err(ctx, FSDP_ERR_INVALID, "ResNet config: %s %d is out of range [1, %d]", names[i], vals[i],
-                             max[i]);
+        if (vals[i] < (i == 1 ? 0 : 1) || vals[i] > max[i])
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "ResNet config: %s %d is out of range [%d, %d]", names[i], vals[i],
+                             i == 1 ? 0 : 1, max[i]);
     return FSDP_OK;
 }
 

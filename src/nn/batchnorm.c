@@ -32,6 +32,7 @@ struct bn {
     int64_t n, hw;                                   /* of the saved input */
     double count;                                    /* values per channel over the (global) batch */
     int train;                                       /* the saved forward ran in train mode */
+    int frozen_stats;                                /* fsdp_batchnorm_set_update_stats off */
 };
 
 static const struct fsdp_module_ops bn_ops;
@@ -149,10 +150,11 @@ static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
             double var = lm2[c] / count;
             mean[c] = (float)lmean[c];
             rstd[c] = (float)(1.0 / sqrt(var + (double)B->o.eps));
+            if (B->frozen_stats) continue;
             rm[c] = (1.0f - mom) * rm[c] + mom * (float)lmean[c];
             rv[c] = (1.0f - mom) * rv[c] + mom * (float)(lm2[c] / (count - 1.0));
         }
-        ((int64_t *)B->nbt->data)[0] += 1;
+        if (!B->frozen_stats) ((int64_t *)B->nbt->data)[0] += 1;
         fsdp_arena_release(ctx, mark);
     } else {
         for (int64_t c = 0; c < C; c++) {
@@ -320,5 +322,19 @@ static void set_sync_rec(struct fsdp_module *m, int on, struct fsdp_comm *comm, 
 void fsdp_batchnorm_set_sync(struct fsdp_module *root, int on, struct fsdp_comm *comm, int *n_out) {
     int n = 0;
     set_sync_rec(root, on, comm, &n);
+    if (n_out) *n_out = n;
+}
+
+static void set_update_rec(struct fsdp_module *m, int on, int *n) {
+    if (m->ops == &bn_ops) {
+        ((struct bn *)m->impl)->frozen_stats = !on;
+        (*n)++;
+    }
+    for (int i = 0; i < m->n_children; i++) set_update_rec(m->children[i], on, n);
+}
+
+void fsdp_batchnorm_set_update_stats(struct fsdp_module *root, int on, int *n_out) {
+    int n = 0;
+    if (root) set_update_rec(root, on, &n);
     if (n_out) *n_out = n;
 }

@@ -54,6 +54,21 @@ struct opts opts_default(void) {
     o.crop_padding = 4;
     o.shuffle = 1;
     o.sync_bn = -1;
+    o.swav_hidden = 2048;
+    o.swav_dim = 128;
+    o.nmb_prototypes = 3000;
+    o.nmb_heads = 1;
+    o.crops_global_size = 24;
+    o.crops_small = 2;
+    o.crops_small_size = 16;
+    o.crops_global_scale[0] = 0.14f;
+    o.crops_global_scale[1] = 1.0f;
+    o.crops_small_scale[0] = 0.05f;
+    o.crops_small_scale[1] = 0.14f;
+    o.knn_train = 10000;
+    o.swav_temperature = 0.1f;
+    o.swav_epsilon = 0.05f;
+    o.sinkhorn_iters = 3;
     o.lars_eta = 0.001f;
     o.mean[0] = 0.2860f;
     o.std[0] = 0.3530f;
@@ -98,6 +113,21 @@ static void usage(FILE *f) {
             "  --std X[,X..]         image model: per-channel std (default 0.3530)\n"
             "  --sync-bn on|off      image model: batch statistics over every rank (SyncBatchNorm)\n"
             "                        (default on when the world is larger than one)\n"
+            "  --task S              tokens | images | swav (default: from --model or the checkpoint); swav:\n"
+            "                        SwAV self-supervised training of --model (cnn, resnet18/34/50) as a trunk\n"
+            "                        with SwAV's head, on multi-crop views of --data; kNN evaluation (knn_acc)\n"
+            "  --swav-hidden N       head MLP hidden width, 0: one Linear (default 2048)\n"
+            "  --swav-dim N          embedding dimension (default 128)\n"
+            "  --nmb-prototypes K    prototypes per head (default 3000)\n"
+            "  --nmb-heads H         prototype heads (default 1)\n"
+            "  --crops-global-size S two global crops of S x S per image (default 24)\n"
+            "  --crops-small V       small crops per image (default 2)\n"
+            "  --crops-small-size S  their size (default 16)\n"
+            "  --crops-global-scale LO,HI / --crops-small-scale LO,HI  RandomResizedCrop's area ranges\n"
+            "                        (default 0.14,1 and 0.05,0.14)\n"
+            "  --freeze-prototypes-iters N  the prototypes stay fixed for the first N steps (default 0)\n"
+            "  --swav-temperature X / --swav-epsilon X / --sinkhorn-iters N  SwAV's loss (0.1, 0.05, 3)\n"
+            "  --knn-train N         train images in the kNN evaluation's bank (default 10000)\n"
             "  --lr X                peak learning rate (default %g)\n"
             "  --min-lr X            cosine floor (default lr/10)\n"
             "  --warmup N            linear warmup steps (default %d)\n"
@@ -105,7 +135,7 @@ static void usage(FILE *f) {
             "  --lr-steps A,B,..     the step schedule's milestones in steps\n"
             "  --optim S             adamw | sgd | lars (SGD with per-parameter trust ratios, SwAV's LARC\n"
             "                        without clipping) (default %s)\n"
-            "  --lars-eta X          LARS's trust coefficient (default 0.001)\n"
+            "  --lars-eta X          LARS's trust coefficient (default 0.001; also --trust-coefficient)\n"
             "  --beta1 X             AdamW beta1 (default %g)\n"
             "  --beta2 X             AdamW beta2 (default %g)\n"
             "  --eps X               AdamW eps (default %g)\n"
@@ -386,7 +416,30 @@ void parse_args(int argc, char **argv, struct opts *o) {
             if (strcmp(v, "adamw") && strcmp(v, "sgd") && strcmp(v, "lars"))
                 usage_error("--optim: '%s' is not adamw, sgd or lars", v);
             o->optim = v;
-        } else if (!strcmp(a, "--comm")) {
+        } else if (!strcmp(a, "--task")) {
+            if (strcmp(v, "tokens") && strcmp(v, "images") && strcmp(v, "swav"))
+                usage_error("--task: '%s' is not tokens, images or swav", v);
+            o->task = v;
+        }
+        else if (!strcmp(a, "--trust-coefficient")) o->lars_eta = parse_float(a, v, 1e-9, 1e3);
+        else if (!strcmp(a, "--swav-hidden")) o->swav_hidden = (int)parse_int(a, v, 0, 1 << 20);
+        else if (!strcmp(a, "--swav-dim")) o->swav_dim = (int)parse_int(a, v, 1, 1 << 20);
+        else if (!strcmp(a, "--nmb-prototypes")) o->nmb_prototypes = (int)parse_int(a, v, 1, 1 << 20);
+        else if (!strcmp(a, "--nmb-heads")) o->nmb_heads = (int)parse_int(a, v, 1, 64);
+        else if (!strcmp(a, "--crops-global-size")) o->crops_global_size = (int)parse_int(a, v, 1, 1 << 12);
+        else if (!strcmp(a, "--crops-small")) o->crops_small = (int)parse_int(a, v, 0, 64);
+        else if (!strcmp(a, "--crops-small-size")) o->crops_small_size = (int)parse_int(a, v, 1, 1 << 12);
+        else if (!strcmp(a, "--crops-global-scale") || !strcmp(a, "--crops-small-scale")) {
+            float *sc = a[8] == 'g' ? o->crops_global_scale : o->crops_small_scale;
+            if (parse_floats(a, v, sc, 1e-6, 1) != 2 || sc[0] > sc[1])
+                usage_error("%s: '%s' is not LO,HI with 0 < LO <= HI <= 1", a, v);
+        }
+        else if (!strcmp(a, "--freeze-prototypes-iters")) o->freeze_prototypes_iters = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--knn-train")) o->knn_train = (int)parse_int(a, v, 1, 1 << 30);
+        else if (!strcmp(a, "--swav-temperature")) o->swav_temperature = parse_float(a, v, 1e-4, 100);
+        else if (!strcmp(a, "--swav-epsilon")) o->swav_epsilon = parse_float(a, v, 1e-4, 100);
+        else if (!strcmp(a, "--sinkhorn-iters")) o->sinkhorn_iters = (int)parse_int(a, v, 0, 1000);
+        else if (!strcmp(a, "--comm")) {
             if (strcmp(v, "auto") && strcmp(v, "mpi") && strcmp(v, "shm") && strcmp(v, "self"))
                 usage_error("--comm: '%s' is not auto, mpi, shm or self", v);
             o->comm = v;

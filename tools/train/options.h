@@ -54,6 +54,15 @@ struct opts {
     float mean[4], std[4];        /* --mean, --std: per channel (one value: every channel) */
     int n_mean, n_std;
     int sync_bn;                  /* --sync-bn on|off; -1 = on when the world is larger than one */
+    const char *task;             /* --task tokens | images | swav; NULL: from the model */
+    /* SwAV (tools/train/task_swav.c) */
+    int swav_hidden, swav_dim, nmb_prototypes, nmb_heads;
+    int crops_global_size, crops_small, crops_small_size;
+    float crops_global_scale[4], crops_small_scale[4];
+    int freeze_prototypes_iters;
+    int knn_train;                /* --knn-train N train images for the kNN bank */
+    float swav_temperature, swav_epsilon;
+    int sinkhorn_iters;
     float lars_eta;               /* --lars-eta: LARS's trust coefficient */
 };
 

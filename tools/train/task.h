@@ -4,7 +4,10 @@
  * the step loop, logging, checkpoints, the summary). Two tasks:
  *   tokens (task_tokens.c): a GPT on token data, next-token cross-entropy;
  *   images (task_images.c): an image classifier (a small CNN or a ResNet)
- *       on an IDX image set, cross-entropy, top-1 evaluation on the test split.
+ *       on an IDX image set, cross-entropy, top-1 evaluation on the test split;
+ *   swav (task_swav.c): SwAV self-supervised training of a trunk (the image
+ *       task's CNN or a ResNet without classifier) and SwAV's head on
+ *       multi-crop views, kNN evaluation of the trunk's features.
  * Errors that every rank detects alike end the job through fail_all /
  * fail_input, errors of one rank through fail_rank.
  */
@@ -40,6 +43,13 @@ struct task_ops {
     /* After training (e.g. sampling text); may be NULL. COLLECTIVE. */
     void (*finish)(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o);
     void (*free)(struct task *t);
+    /* Optional (NULL: nothing): before sharding, parameter groups on the
+     * optimizer (fsdp_optim_add_group); after sharding (and loading), set-up
+     * that needs the sharded model (re-initialisation, post-step hooks).
+     * COLLECTIVE (after_shard). */
+    void (*prepare_optim)(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_optim *opt);
+    void (*after_shard)(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_model *fm,
+                        struct fsdp_optim *opt);
 };
 
 struct task {
@@ -54,6 +64,9 @@ struct task {
     double train_flops_per_item; /* model FLOPs of a training step per item (3x forward) */
     int seq;                    /* the GPT's T for the memory plan (1 otherwise) */
     int steps;                  /* the run's steps (--steps, or --epochs of the image set) */
+    fsdp_wrap_fn wrap;          /* --wrap block's policy (NULL: a unit per block_type), ud the task */
+    const char *acc_name;       /* the evaluation's accuracy in the log (NULL: "eval_acc") */
+    char log_extra[256];        /* after a step: JSON members (`"k": v, `) for the --log line */
     void *impl;
 };
 
@@ -67,6 +80,19 @@ void task_tokens_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
                         const char *resume_dir, struct task *t);
 void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck,
                         const char *resume_dir, struct task *t);
+void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck,
+                      const char *resume_dir, struct task *t);
+
+/* Shared by the image tasks (task_images.c): the small CNN (num_classes 0:
+ * no fc, the output is the pooled features (N, 2 width)); the data set's
+ * two splits, checked alike (exit 2 naming --data); normalisation of the
+ * flags' mean and std into bo; image i of im as normalised CHW. */
+enum fsdp_status task_cnn_create(struct fsdp_ctx *ctx, int in_chans, int width, int num_classes,
+                                 struct fsdp_module **out);
+void task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const char *name, int num_classes,
+                           struct fsdp_images **train, struct fsdp_images **test);
+void task_images_norm(const struct opts *o, struct fsdp_image_batch_opts *bo);
+void task_load_image(const struct fsdp_images *im, const struct fsdp_image_batch_opts *bo, int64_t i, float *dst);
 
 /* fsdp-train.c's error exits and clock, for the tasks. */
 _Noreturn void fail_all(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

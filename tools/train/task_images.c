@@ -96,7 +96,7 @@ static enum fsdp_status cnn_create(struct fsdp_ctx *ctx, const struct img_cfg *c
         fsdp_module_free(m);
     struct fsdp_conv2d_opts fc = fsdp_conv2d_opts_default(2 * (int64_t)c->width, c->num_classes, 1);
     fc.init_std = (float)(1.0 / sqrt(3.0 * 2 * c->width)); /* the variance of PyTorch's Linear init */
-    if (st == FSDP_OK && (st = fsdp_conv2d_create(ctx, "fc", &fc, &m)) == FSDP_OK &&
+    if (st == FSDP_OK && c->num_classes > 0 && (st = fsdp_conv2d_create(ctx, "fc", &fc, &m)) == FSDP_OK &&
         (st = fsdp_module_add_child(ctx, root, m)) != FSDP_OK)
         fsdp_module_free(m);
     if (st == FSDP_OK && (st = fsdp_flatten_create(ctx, "flatten", &m)) == FSDP_OK &&
@@ -109,6 +109,17 @@ static enum fsdp_status cnn_create(struct fsdp_ctx *ctx, const struct img_cfg *c
     }
     *out = root;
     return FSDP_OK;
+}
+
+enum fsdp_status task_cnn_create(struct fsdp_ctx *ctx, int in_chans, int width, int num_classes,
+                                 struct fsdp_module **out) {
+    struct img_cfg c;
+    memset(&c, 0, sizeof c);
+    snprintf(c.arch, sizeof c.arch, "cnn");
+    c.in_chans = in_chans;
+    c.width = width;
+    c.num_classes = num_classes;
+    return cnn_create(ctx, &c, out);
 }
 
 /* ---- Model configs ---- */
@@ -202,6 +213,21 @@ int task_is_images(const struct opts *o, const struct fsdp_ckpt_meta *ck) {
     return ck && ck->model_json[0];
 }
 
+void task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const char *name, int num_classes,
+                           struct fsdp_images **train, struct fsdp_images **test) {
+    if (fsdp_images_open(ctx, name, FSDP_SPLIT_TRAIN, num_classes, train) != FSDP_OK ||
+        fsdp_images_open(ctx, name, FSDP_SPLIT_TEST, num_classes, test) != FSDP_OK)
+        fail_input("--data: %s", fsdp_errmsg(ctx));
+    struct fsdp_images_info ti, vi;
+    fsdp_images_info(*train, &ti);
+    fsdp_images_info(*test, &vi);
+    if (vi.channels != ti.channels || vi.height != ti.height || vi.width != ti.width)
+        fail_input("--data %s: the test images are %dx%dx%d, the training images %dx%dx%d", name, vi.channels,
+                   vi.height, vi.width, ti.channels, ti.height, ti.width);
+    if ((o->n_mean > 1 && o->n_mean != ti.channels) || (o->n_std > 1 && o->n_std != ti.channels))
+        fail_input("--mean / --std: give one value or one per channel (the images have %d channels)", ti.channels);
+}
+
 /* ---- The task ---- */
 
 static struct fsdp_tensor tensor4(float *x, int64_t n, const struct fsdp_images_info *ti) {
@@ -243,9 +269,13 @@ static void img_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o)
         k->bo.crop_padding = o->crop_padding;
         k->bo.hflip = 1;
     }
+    task_images_norm(o, &k->bo);
+}
+
+void task_images_norm(const struct opts *o, struct fsdp_image_batch_opts *bo) {
     for (int ch = 0; ch < 4; ch++) {
-        k->bo.mean[ch] = o->mean[o->n_mean == 1 ? 0 : ch < o->n_mean ? ch : 0];
-        k->bo.std[ch] = o->std[o->n_std == 1 ? 0 : ch < o->n_std ? ch : 0];
+        bo->mean[ch] = o->mean[o->n_mean == 1 ? 0 : ch < o->n_mean ? ch : 0];
+        bo->std[ch] = o->std[o->n_std == 1 ? 0 : ch < o->n_std ? ch : 0];
     }
 }
 
@@ -293,14 +323,16 @@ static enum fsdp_status img_step(struct task *t, struct fsdp_ctx *ctx, struct fs
 }
 
 /* Image i of im as normalised fp32 CHW, as fsdp_images_batch without augmentation. */
-static void load_image(const struct images *k, const struct fsdp_images *im, int64_t i, float *dst) {
+void task_load_image(const struct fsdp_images *im, const struct fsdp_image_batch_opts *bo, int64_t i, float *dst) {
+    struct fsdp_images_info ti;
+    fsdp_images_info(im, &ti);
     const uint8_t *p = fsdp_images_pixels(im, i);
-    int C = k->ti.channels, H = k->ti.height, W = k->ti.width;
+    int C = ti.channels, H = ti.height, W = ti.width;
     for (int y = 0; y < H; y++)
         for (int xx = 0; xx < W; xx++)
             for (int c = 0; c < C; c++)
                 dst[((int64_t)c * H + y) * W + xx] =
-                    ((float)p[((int64_t)y * W + xx) * C + c] / 255.0f - k->bo.mean[c]) / k->bo.std[c];
+                    ((float)p[((int64_t)y * W + xx) * C + c] / 255.0f - bo->mean[c]) / bo->std[c];
 }
 
 /* [Note: evaluation batches] */
@@ -320,7 +352,7 @@ static enum fsdp_status img_eval(struct task *t, struct fsdp_ctx *ctx, struct fs
     for (int64_t s = 0; s < n && st == FSDP_OK; s += EB) {
         int64_t cnt = n - s < EB ? n - s : EB;
         int64_t lo = s + rank * cnt / world, hi = s + (rank + 1) * cnt / world, m = hi - lo;
-        for (int64_t i = 0; i < (m ? m : 1); i++) load_image(k, k->test, m ? lo + i : s, x + i * k->chw);
+        for (int64_t i = 0; i < (m ? m : 1); i++) task_load_image(k->test, &k->bo, m ? lo + i : s, x + i * k->chw);
         struct fsdp_tensor in = tensor4(x, m ? m : 1, &k->ti), out = {0};
         if ((st = fsdp_model_forward_tensor(ctx, fm, &in, &out)) != FSDP_OK) break;
         const float *lg = out.data;
@@ -388,7 +420,7 @@ static void img_free(struct task *t) {
 }
 
 static const struct task_ops images_ops = {img_open, img_describe_model, img_describe_data, img_step, img_eval,
-                                           img_meta, img_summary_note,   NULL,              img_free};
+                                           img_meta, img_summary_note,   NULL,              img_free, NULL, NULL};
 
 void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck, const char *resume_dir,
                         struct task *t) {
@@ -421,15 +453,8 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
     k->data_name = o->data ? o->data : IMAGE_DATA_DEFAULT;
     /* the data: labels below num_classes (a preset takes the data's classes) */
     int nc = preset ? 256 : k->cfg.num_classes; /* labels are bytes */
-    if (fsdp_images_open(ctx, k->data_name, FSDP_SPLIT_TRAIN, nc, &k->train) != FSDP_OK ||
-        fsdp_images_open(ctx, k->data_name, FSDP_SPLIT_TEST, nc, &k->test) != FSDP_OK)
-        fail_input("--data: %s", fsdp_errmsg(ctx));
+    task_images_open_data(ctx, o, k->data_name, nc, &k->train, &k->test);
     fsdp_images_info(k->train, &k->ti);
-    struct fsdp_images_info vi;
-    fsdp_images_info(k->test, &vi);
-    if (vi.channels != k->ti.channels || vi.height != k->ti.height || vi.width != k->ti.width)
-        fail_input("--data %s: the test images are %dx%dx%d, the training images %dx%dx%d", k->data_name, vi.channels,
-                   vi.height, vi.width, k->ti.channels, k->ti.height, k->ti.width);
     if (preset) {
         int mx = 0;
         for (int64_t i = 0; i < k->ti.count; i++) {
@@ -442,8 +467,6 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
     if (k->ti.channels != k->cfg.in_chans)
         fail_input("--data %s: the images have %d channel%s, but the model's in_chans is %d (%s)", k->data_name,
                    k->ti.channels, k->ti.channels == 1 ? "" : "s", k->cfg.in_chans, k->cfg_source);
-    if ((o->n_mean > 1 && o->n_mean != k->ti.channels) || (o->n_std > 1 && o->n_std != k->ti.channels))
-        fail_input("--mean / --std: give one value or one per channel (the images have %d channels)", k->ti.channels);
     if (k->ti.height < 4 || k->ti.width < 4)
         fail_input("--data %s: images of %dx%d are too small for the model (at least 4x4)", k->data_name,
                    k->ti.height, k->ti.width);

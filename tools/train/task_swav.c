@@ -1,0 +1,685 @@
+/*
+ * task_swav.c - fsdp-train's SwAV task (task.h, --task swav): self-supervised
+ * training of a trunk (the image task's small CNN, or a ResNet without its
+ * classifier) and SwAV's head (fsdp_swav_head_create) on multi-crop views of
+ * an IDX image set, as VISSL trains SwAV, and a kNN evaluation of the
+ * trunk's features.
+ *
+ * Model: root "SwAV" = trunk (FQNs "trunk.*") then head ("head.*"); its
+ * output is the head's [z, scores_0, ...]. Units (--wrap block): each
+ * residual block (each layer of the CNN), the head, and each
+ * head.prototypes<j> an fp32 unit of its own inside it (mixed precision
+ * FULL); sync batch norm when the world is larger than one. After sharding
+ * the head is re-initialised under fsdp_summon_full_params (write-back) from
+ * a fixed seed, so every rank holds the same values.
+ *
+ * [Note: SwAV step] Per image of the global batch 2 global crops of
+ * --crops-global-size and V small crops (RandomResizedCrop and a flip drawn
+ * from (seed, epoch, image, crop) only, so a batch is the same at any world
+ * size). Crops of one resolution go through the model together, crop-major
+ * (row v Bl + b is crop v of this rank's image b, as fsdp_swav_loss reads
+ * them). The layers save one forward's activations, so a step is:
+ *   forward(global) -> copy the output; forward(small) -> copy the output;
+ *   SwAV's loss over all crops (averaged over heads), d loss / d scores;
+ *   loss(small) + backward(small); forward(global) again with batch norm's
+ *   running statistics frozen (fsdp_batchnorm_set_update_stats) + backward;
+ *   optimizer step.
+ * fsdp_model_loss's convention is a rank's gradient of its own mean loss,
+ * the ranks' gradients averaged; fsdp_swav_loss returns this rank's share of
+ * the global gradient, so it is multiplied by the world. The loss value is
+ * recorded once (on the first backward's call), the other call adds 0.
+ *
+ * Prototypes: a post-step hook renormalises every row to unit L2 norm (under
+ * fsdp_summon_full_params with write-back, one prototype unit at a time)
+ * and records the largest |norm - 1|, whether every rank's gathered copy is
+ * the same, and a hash of the bits (--log: proto_norm_err, proto_ranks_agree,
+ * proto_hash). With --freeze-prototypes-iters N they form an optimizer group
+ * frozen for the first N steps (and not renormalised: they were unit rows
+ * already), so they stay bit-identical.
+ *
+ * Evaluation (knn_acc): trunk features (eval mode, the whole image, no
+ * augmentation) of the first --knn-train training images form a bank, L2
+ * normalised and shared by all-gathers; each test image of this rank's share
+ * votes with its k = 20 most cosine-similar bank images, weight exp(sim /
+ * 0.07) (Wu et al.'s weighted kNN); correct counts are summed over ranks.
+ */
+#include "task.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KNN_K 20
+#define KNN_T 0.07
+#define HEAD_SEED 0x5357415648454144ull /* the head's re-initialisation */
+
+struct swav_root {
+    struct fsdp_module *trunk, *head;
+    int trunk_only; /* forward stops at the trunk (kNN features) */
+};
+
+struct swav {
+    char arch[16];
+    struct fsdp_resnet_config rc; /* a ResNet trunk */
+    int cnn_width;
+    int64_t feat_dim;
+    struct fsdp_swav_head_config hc;
+    const char *data_name, *cfg_source;
+    struct fsdp_images *train, *test;
+    struct fsdp_images_info ti;
+    struct fsdp_image_batch_opts bo;
+    int Bl, V, Sg, Ss, n_classes;
+    int64_t W; /* output width D + H K */
+    float *xg, *xs, *og, *os, *sc, *dsc, *dg, *ds;
+    struct fsdp_module *root_m, *head;
+    struct swav_root *R;
+    struct fsdp_optim *opt;
+    int proto_group; /* optimizer group of the frozen prototypes, 0: none */
+    int frozen;
+    struct fsdp_swav_opts so;
+    double loss_value;
+    /* the last hook's checks */
+    double proto_err;
+    int proto_agree;
+    uint64_t proto_hash;
+};
+
+#define TRY(expr)                                                                                                  \
+    do {                                                                                                           \
+        enum fsdp_status try_st_ = (expr);                                                                         \
+        if (try_st_ != FSDP_OK) return try_st_;                                                                    \
+    } while (0)
+
+/* ---- The root module: trunk then head ---- */
+
+static enum fsdp_status root_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
+                                     struct fsdp_tensor *out) {
+    struct swav_root *R = m->impl;
+    if (R->trunk_only) return fsdp_module_forward(R->trunk, ctx, in, out);
+    struct fsdp_tensor f = {0};
+    TRY(fsdp_module_forward(R->trunk, ctx, in, &f));
+    return fsdp_module_forward(R->head, ctx, &f, out);
+}
+
+static enum fsdp_status root_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
+                                      struct fsdp_tensor *din) {
+    struct swav_root *R = m->impl;
+    struct fsdp_tensor df = {0};
+    TRY(fsdp_module_backward(R->head, ctx, dout, &df));
+    return fsdp_module_backward(R->trunk, ctx, &df, din);
+}
+
+static void root_destroy(struct fsdp_module *m) { free(m->impl); }
+
+static const struct fsdp_module_ops root_ops = {"SwAV", root_forward, root_backward, root_destroy};
+
+static int is_resnet(const char *a) { return !strcmp(a, "resnet18") || !strcmp(a, "resnet34") || !strcmp(a, "resnet50"); }
+
+/* --wrap block: a unit per residual block (per layer of the CNN), the head,
+ * and each prototype layer an fp32 unit inside it (VISSL's FSDP SwAV). */
+static enum fsdp_wrap swav_wrap(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr) {
+    (void)ud;
+    const char *ty = m->ops->type;
+    if (!strcmp(ty, "BasicBlock") || !strcmp(ty, "Bottleneck") || !strcmp(ty, "SwAVHead")) return FSDP_WRAP_UNIT;
+    if (!strcmp(ty, "Sequential") && !strncmp(m->fqn, "trunk.layer", 11) && !strchr(m->fqn + 11, '.'))
+        return !strcmp(m->parent ? m->parent->ops->type : "", "ResNet") ? FSDP_WRAP_SKIP : FSDP_WRAP_UNIT;
+    if (m->parent && !strcmp(m->parent->ops->type, "SwAVHead") && !strncmp(m->name, "prototypes", 10)) {
+        ovr->set = FSDP_OVR_MIXED_PRECISION;
+        ovr->mixed_precision = FSDP_MP_FULL;
+        return FSDP_WRAP_UNIT_OVERRIDE;
+    }
+    return FSDP_WRAP_SKIP;
+}
+
+static enum fsdp_status build(struct fsdp_ctx *ctx, struct swav *k, struct fsdp_module **out) {
+    struct fsdp_module *root, *trunk = NULL, *head = NULL;
+    if (is_resnet(k->arch)) TRY(fsdp_resnet_create(ctx, &k->rc, &trunk));
+    else TRY(task_cnn_create(ctx, k->ti.channels, k->cnn_width, 0, &trunk));
+    snprintf(trunk->name, sizeof trunk->name, "trunk");
+    enum fsdp_status st = fsdp_swav_head_create(ctx, "head", &k->hc, &head);
+    if (st != FSDP_OK) {
+        fsdp_module_free(trunk);
+        return st;
+    }
+    struct swav_root *R = calloc(1, sizeof *R);
+    if (!R || (st = fsdp_module_create(ctx, &root_ops, "", &root)) != FSDP_OK) {
+        free(R);
+        fsdp_module_free(trunk);
+        fsdp_module_free(head);
+        return st != FSDP_OK ? st : FSDP_ERR_NOMEM;
+    }
+    root->impl = R;
+    R->trunk = trunk;
+    R->head = head;
+    if ((st = fsdp_module_add_child(ctx, root, trunk)) != FSDP_OK) {
+        fsdp_module_free(trunk);
+        fsdp_module_free(head);
+    } else if ((st = fsdp_module_add_child(ctx, root, head)) != FSDP_OK) {
+        fsdp_module_free(head);
+    }
+    if (st == FSDP_OK) st = fsdp_module_finalize(ctx, root);
+    if (st != FSDP_OK) {
+        fsdp_module_free(root);
+        return st;
+    }
+    k->R = R;
+    k->head = head;
+    *out = root;
+    return FSDP_OK;
+}
+
+/* ---- Deterministic draws ---- */
+
+static uint64_t mix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* Position p of epoch e's order of n images: a Fisher-Yates permutation
+ * drawn from (seed, e), cached. */
+static int32_t *g_perm;
+static int64_t g_perm_epoch = -1;
+static int64_t image_at(const struct swav *k, uint64_t seed, int64_t g) {
+    int64_t n = k->ti.count, e = g / n, p = g % n;
+    if (g_perm_epoch != e) {
+        if (!g_perm && !(g_perm = malloc((size_t)n * sizeof(int32_t)))) fail_rank("out of memory shuffling");
+        for (int64_t i = 0; i < n; i++) g_perm[i] = (int32_t)i;
+        for (int64_t i = n - 1; i > 0; i--) {
+            int64_t j = (int64_t)(mix64(mix64(seed ^ 0x73687566ull) + (uint64_t)e * 0x100000001ull + (uint64_t)i) %
+                                  (uint64_t)(i + 1));
+            int32_t t = g_perm[i];
+            g_perm[i] = g_perm[j];
+            g_perm[j] = t;
+        }
+        g_perm_epoch = e;
+    }
+    return g_perm[p];
+}
+
+/* Crop `view` of image idx in epoch e: RandomResizedCrop to S x S, a flip,
+ * normalised, into dst (C, S, S). */
+static void make_crop(struct fsdp_ctx *ctx, const struct swav *k, const struct opts *o, int64_t e, int64_t idx,
+                      int view, int S, const float *scale, float *dst, float *tmp) {
+    if (fsdp_images_random_resized_crop(ctx, k->train, o->seed, e, idx, view, S, S, scale[0], scale[1], tmp) !=
+        FSDP_OK)
+        fail_rank("--data: %s", fsdp_errmsg(ctx));
+    uint64_t key = ((uint64_t)e * (uint64_t)k->ti.count + (uint64_t)idx) * 64 + (uint64_t)view;
+    int flip = (int)(mix64(mix64(o->seed ^ 0x666c6970ull) ^ key) & 1u);
+    int C = k->ti.channels;
+    for (int c = 0; c < C; c++)
+        for (int y = 0; y < S; y++)
+            for (int x = 0; x < S; x++)
+                dst[((int64_t)c * S + y) * S + x] =
+                    (tmp[((int64_t)c * S + y) * S + (flip ? S - 1 - x : x)] - k->bo.mean[c]) / k->bo.std[c];
+}
+
+/* ---- Head re-initialisation and the prototype hook ---- */
+
+static double gauss(uint64_t *s) { /* Irwin-Hall of 4 uniforms, unit variance */
+    double u = 0;
+    for (int j = 0; j < 4; j++) {
+        *s = mix64(*s);
+        u += (double)(*s >> 11) / 9007199254740992.0;
+    }
+    return (u - 2.0) * 1.7320508075688772;
+}
+
+static void normalise_rows(float *w, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++) {
+        double n = 0;
+        for (int64_t c = 0; c < cols; c++) n += (double)w[r * cols + c] * w[r * cols + c];
+        n = sqrt(n);
+        if (n > 0)
+            for (int64_t c = 0; c < cols; c++) w[r * cols + c] = (float)(w[r * cols + c] / n);
+    }
+}
+
+static int reinit_param(struct fsdp_param *p, void *ud) {
+    uint64_t *s = ud;
+    if (!strcmp(p->owner->ops->type, "BatchNorm2d")) {
+        for (int64_t i = 0; i < p->numel; i++) p->data[i] = strcmp(p->name, "weight") ? 0.0f : 1.0f;
+        return 0;
+    }
+    if (p->ndim != 2) { /* Linear biases */
+        for (int64_t i = 0; i < p->numel; i++) p->data[i] = 0.0f;
+        return 0;
+    }
+    double std = 1.0 / sqrt(3.0 * (double)p->shape[1]);
+    for (int64_t i = 0; i < p->numel; i++) p->data[i] = (float)(std * gauss(s));
+    if (!strncmp(p->owner->name, "prototypes", 10)) normalise_rows(p->data, p->shape[0], p->shape[1]);
+    return 0;
+}
+
+static struct fsdp_param *proto_param(struct swav *k, int j) {
+    char fqn[64];
+    snprintf(fqn, sizeof fqn, "head.prototypes%d.weight", j);
+    return fsdp_module_find_param(k->root_m, fqn);
+}
+
+static struct fsdp_module *proto_module(struct swav *k, int j) {
+    char name[24];
+    snprintf(name, sizeof name, "prototypes%d", j);
+    for (int i = 0; i < k->head->n_children; i++)
+        if (!strcmp(k->head->children[i]->name, name)) return k->head->children[i];
+    return NULL;
+}
+
+/* post-step: unit rows (unless frozen), and the checks for --log */
+static enum fsdp_status proto_hook(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_module *m, void *ud) {
+    (void)m;
+    struct swav *k = ud;
+    double err = 0;
+    uint64_t h = 1469598103934665603ull;
+    for (int j = 0; j < k->hc.n_heads; j++) {
+        TRY(fsdp_summon_full_params(ctx, fm, proto_module(k, j), !k->frozen, 0));
+        struct fsdp_param *p = proto_param(k, j);
+        if (!k->frozen) normalise_rows(p->data, p->shape[0], p->shape[1]);
+        for (int64_t r = 0; r < p->shape[0]; r++) {
+            double n = 0;
+            for (int64_t c = 0; c < p->shape[1]; c++) n += (double)p->data[r * p->shape[1] + c] * p->data[r * p->shape[1] + c];
+            err = fmax(err, fabs(sqrt(n) - 1.0));
+        }
+        for (int64_t i = 0; i < p->numel; i++) {
+            uint32_t b;
+            memcpy(&b, &p->data[i], 4);
+            h = (h ^ b) * 1099511628211ull;
+        }
+        TRY(fsdp_summon_end(ctx, fm));
+    }
+    int world = fsdp_ctx_world(ctx);
+    int64_t mine = (int64_t)h, *all = malloc((size_t)world * sizeof(int64_t));
+    if (!all) return FSDP_ERR_NOMEM;
+    enum fsdp_status st = fsdp_comm_allgather(fsdp_ctx_comm(ctx), &mine, all, 1, FSDP_I64);
+    k->proto_agree = 1;
+    for (int r = 0; r < world; r++) k->proto_agree &= all[r] == mine;
+    free(all);
+    k->proto_err = err;
+    k->proto_hash = h;
+    return st;
+}
+
+/* ---- The task ---- */
+
+static void swav_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o) {
+    struct swav *k = t->impl;
+    if (build(ctx, k, &t->root) != FSDP_OK) fail_all("model: %s", fsdp_errmsg(ctx));
+    k->root_m = t->root;
+    int sync = o->sync_bn >= 0 ? o->sync_bn : fsdp_ctx_world(ctx) > 1;
+    fsdp_batchnorm_set_sync(t->root, sync, NULL, NULL);
+    k->Bl = o->batch / fsdp_ctx_world(ctx);
+    int C = k->ti.channels;
+    int64_t ng = 2 * (int64_t)k->Bl, ns = (int64_t)k->V * k->Bl, K = k->hc.n_prototypes;
+    size_t gsz = (size_t)(ng * C * k->Sg * k->Sg), ssz = (size_t)(ns * C * k->Ss * k->Ss);
+    k->xg = malloc(gsz * sizeof(float));
+    k->xs = malloc((ssz + 1) * sizeof(float));
+    k->og = malloc((size_t)(ng * k->W) * sizeof(float));
+    k->os = malloc((size_t)(ns * k->W + 1) * sizeof(float));
+    k->dg = malloc((size_t)(ng * k->W) * sizeof(float));
+    k->ds = malloc((size_t)(ns * k->W + 1) * sizeof(float));
+    k->sc = malloc((size_t)((ng + ns) * K) * sizeof(float));
+    k->dsc = malloc((size_t)((ng + ns) * K) * sizeof(float));
+    if (!k->xg || !k->xs || !k->og || !k->os || !k->dg || !k->ds || !k->sc || !k->dsc)
+        fail_rank("out of memory for the crops");
+    k->bo = fsdp_image_batch_opts_default();
+    task_images_norm(o, &k->bo);
+    k->so = fsdp_swav_opts_default();
+    k->so.temperature = o->swav_temperature;
+    k->so.epsilon = o->swav_epsilon;
+    k->so.sinkhorn_iters = o->sinkhorn_iters;
+}
+
+static void swav_prepare_optim(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_optim *opt) {
+    struct swav *k = t->impl;
+    k->opt = opt;
+    if (o->freeze_prototypes_iters <= 0) return;
+    char names[64][32];
+    const char *fq[64];
+    for (int j = 0; j < k->hc.n_heads; j++) {
+        snprintf(names[j], sizeof names[j], "head.prototypes%d.weight", j);
+        fq[j] = names[j];
+    }
+    if (fsdp_optim_add_group(opt, fq, k->hc.n_heads, o->weight_decay, 1.0f) != FSDP_OK)
+        fail_all("--freeze-prototypes-iters: %s", fsdp_errmsg(ctx));
+    k->proto_group = fsdp_optim_n_groups(opt);
+}
+
+static void set_frozen(struct fsdp_ctx *ctx, struct swav *k, int on) {
+    if (!k->proto_group || k->frozen == on) return;
+    struct fsdp_optim_group_settings gs;
+    if (fsdp_optim_group_get(k->opt, k->proto_group, &gs) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
+    gs.frozen = on;
+    if (fsdp_optim_group_set(k->opt, k->proto_group, &gs) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
+    k->frozen = on;
+}
+
+static void swav_after_shard(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_model *fm,
+                             struct fsdp_optim *opt) {
+    (void)opt;
+    struct swav *k = t->impl;
+    if (!o->resume && !o->init_from) { /* VISSL: the head from a fixed seed, alike on every rank */
+        uint64_t s = HEAD_SEED ^ o->seed;
+        if (fsdp_summon_full_params(ctx, fm, k->head, 1, 0) != FSDP_OK) fail_all("head init: %s", fsdp_errmsg(ctx));
+        fsdp_module_foreach_param(k->head, reinit_param, &s);
+        if (fsdp_summon_end(ctx, fm) != FSDP_OK) fail_all("head init: %s", fsdp_errmsg(ctx));
+    }
+    if (fsdp_model_add_post_step_hook(ctx, fm, k->head, proto_hook, k) != FSDP_OK)
+        fail_all("prototype hook: %s", fsdp_errmsg(ctx));
+    set_frozen(ctx, k, o->freeze_prototypes_iters > 0);
+    /* the starting prototypes' checks (a collective: every rank) */
+    int fr = k->frozen;
+    k->frozen = 1; /* read only */
+    if (proto_hook(ctx, fm, k->head, k) != FSDP_OK) fail_all("prototypes: %s", fsdp_errmsg(ctx));
+    k->frozen = fr;
+}
+
+static void swav_describe_model(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_model *fm) {
+    struct swav *k = t->impl;
+    int sync = o->sync_bn >= 0 ? o->sync_bn : fsdp_ctx_world(ctx) > 1;
+    printf("model: swav: trunk %s (%lld features), head hidden %lld, dim %lld, %d x %lld prototypes: %.3fM "
+           "parameters in %d units; batch norm %s\n",
+           k->arch, (long long)k->feat_dim, (long long)k->hc.hidden_dim, (long long)k->hc.out_dim, k->hc.n_heads,
+           (long long)k->hc.n_prototypes, (double)fsdp_module_numel(t->root) / 1e6, fsdp_model_n_units(fm),
+           sync ? "synchronised (SyncBatchNorm)" : "per rank");
+    printf("prototypes: start hash %016llx, max |row norm - 1| %.2e, the same on every rank: %s%s\n",
+           (unsigned long long)k->proto_hash, k->proto_err, k->proto_agree ? "yes" : "NO",
+           k->proto_group ? "; frozen for the first steps" : "");
+}
+
+static void swav_describe_data(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_model *fm) {
+    (void)ctx;
+    (void)fm;
+    struct swav *k = t->impl;
+    printf("data: %s, %lld training images of %dx%dx%d; crops per image: 2 x %dx%d (scale %g-%g) + %d x %dx%d "
+           "(scale %g-%g); kNN on %d training images\n",
+           k->data_name, (long long)k->ti.count, k->ti.channels, k->ti.height, k->ti.width, k->Sg, k->Sg,
+           (double)o->crops_global_scale[0], (double)o->crops_global_scale[1], k->V, k->Ss, k->Ss,
+           (double)o->crops_small_scale[0], (double)o->crops_small_scale[1], o->knn_train);
+}
+
+/* FSDP_LOSS_USER: the target is the precomputed gradient (out's shape),
+ * handed back; the loss is recorded once per step. */
+static enum fsdp_status user_loss(struct fsdp_ctx *ctx, const struct fsdp_tensor *out, const struct fsdp_tensor *tg,
+                                  void *ud, double *value, struct fsdp_tensor *dout) {
+    (void)ctx;
+    struct swav *k = ud;
+    int64_t n = out->shape[0] * out->shape[1];
+    if (dout->data != tg->data) memmove(dout->data, tg->data, (size_t)n * sizeof(float));
+    *value = k->loss_value;
+    return FSDP_OK;
+}
+
+static enum fsdp_status loss_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct swav *k,
+                                      const struct fsdp_tensor *out, const float *grad, double value, float *dbuf) {
+    struct fsdp_loss L = {0};
+    L.kind = FSDP_LOSS_USER;
+    L.fn = user_loss;
+    L.ud = k;
+    k->loss_value = value;
+    struct fsdp_tensor d = *out, tg = *out;
+    tg.data = (void *)grad;
+    d.data = dbuf;
+    TRY(fsdp_model_loss(ctx, fm, &L, out, &tg, 1, NULL, &d));
+    return fsdp_model_backward(ctx, fm, &d);
+}
+
+static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
+                                  int step, float lr, struct fsdp_step_result *r) {
+    struct swav *k = t->impl;
+    set_frozen(ctx, k, step < o->freeze_prototypes_iters);
+    int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), C = k->ti.channels, Bl = k->Bl, V = k->V;
+    int64_t n = k->ti.count, K = k->hc.n_prototypes, D = k->hc.out_dim, W = k->W;
+    float *tmp = malloc((size_t)C * (size_t)(k->Sg > k->Ss ? k->Sg : k->Ss) * (size_t)(k->Sg > k->Ss ? k->Sg : k->Ss) *
+                        sizeof(float));
+    if (!tmp) fail_rank("out of memory for a crop");
+    for (int b = 0; b < Bl; b++) {
+        int64_t g = (int64_t)step * o->batch + (int64_t)rank * Bl + b, e = g / n;
+        int64_t idx = o->shuffle ? image_at(k, o->seed, g) : g % n;
+        for (int v = 0; v < 2; v++)
+            make_crop(ctx, k, o, e, idx, v, k->Sg, o->crops_global_scale,
+                      k->xg + ((int64_t)v * Bl + b) * C * k->Sg * k->Sg, tmp);
+        for (int v = 0; v < V; v++)
+            make_crop(ctx, k, o, e, idx, 2 + v, k->Ss, o->crops_small_scale,
+                      k->xs + ((int64_t)v * Bl + b) * C * k->Ss * k->Ss, tmp);
+    }
+    free(tmp);
+    struct fsdp_tensor ing = {k->xg, FSDP_F32, 4, {2 * (int64_t)Bl, C, k->Sg, k->Sg}};
+    struct fsdp_tensor ins = {k->xs, FSDP_F32, 4, {(int64_t)V * Bl, C, k->Ss, k->Ss}};
+    struct fsdp_tensor outg = {0}, outs = {0};
+    TRY(fsdp_model_forward_tensor(ctx, fm, &ing, &outg));
+    memcpy(k->og, outg.data, (size_t)(2 * Bl * W) * sizeof(float));
+    if (V) {
+        TRY(fsdp_model_forward_tensor(ctx, fm, &ins, &outs));
+        memcpy(k->os, outs.data, (size_t)(V * Bl * W) * sizeof(float));
+    }
+    /* SwAV's loss per head, averaged; d loss / d out: z slice 0 */
+    int64_t ng = 2 * (int64_t)Bl, rows = ng + (int64_t)V * Bl;
+    memset(k->dg, 0, (size_t)(ng * W) * sizeof(float));
+    memset(k->ds, 0, (size_t)((int64_t)V * Bl * W) * sizeof(float));
+    const int assign[2] = {0, 1};
+    double loss = 0;
+    float gscale = (float)world / (float)k->hc.n_heads;
+    for (int j = 0; j < k->hc.n_heads; j++) {
+        for (int64_t i = 0; i < rows; i++) {
+            const float *src = i < ng ? k->og + i * W : k->os + (i - ng) * W;
+            memcpy(k->sc + i * K, src + D + j * K, (size_t)K * sizeof(float));
+        }
+        double lj;
+        TRY(fsdp_swav_loss(ctx, fsdp_ctx_comm(ctx), &k->so, k->sc, 2 + V, Bl, K, assign, 2, NULL, NULL, &lj, k->dsc));
+        loss += lj / k->hc.n_heads;
+        for (int64_t i = 0; i < rows; i++) {
+            float *dst = (i < ng ? k->dg + i * W : k->ds + (i - ng) * W) + D + j * K;
+            for (int64_t c = 0; c < K; c++) dst[c] = k->dsc[i * K + c] * gscale;
+        }
+    }
+    if (V) {
+        TRY(loss_backward(ctx, fm, k, &outs, k->ds, loss, k->os));
+        /* the global crops again: their activations went with the small crops' forward */
+        fsdp_batchnorm_set_update_stats(t->root, 0, NULL);
+        enum fsdp_status st = fsdp_model_forward_tensor(ctx, fm, &ing, &outg);
+        if (st == FSDP_OK) st = loss_backward(ctx, fm, k, &outg, k->dg, 0.0, k->og);
+        fsdp_batchnorm_set_update_stats(t->root, 1, NULL);
+        TRY(st);
+    } else {
+        TRY(loss_backward(ctx, fm, k, &outg, k->dg, loss, k->og));
+    }
+    TRY(fsdp_model_optim_step(ctx, fm, lr, o->clip, r));
+    char hx[24];
+    snprintf(hx, sizeof hx, "%016llx", (unsigned long long)k->proto_hash);
+    snprintf(t->log_extra, sizeof t->log_extra,
+             "\"proto_norm_err\": %.3g, \"proto_ranks_agree\": %d, \"proto_hash\": \"%s\", \"proto_frozen\": %d, ",
+             k->proto_err, k->proto_agree, hx, k->frozen);
+    return FSDP_OK;
+}
+
+/* Normalised trunk features of images [0, n) of im, every rank getting all
+ * of them: rank r computes its share of each batch, all-gathered. */
+static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
+                                 const struct fsdp_images *im, int64_t n, float *feat) {
+    struct swav *k = t->impl;
+    int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
+    int64_t EB = o->eval_batch ? o->eval_batch : o->batch, chw = (int64_t)k->ti.channels * k->ti.height * k->ti.width;
+    int64_t F = k->feat_dim;
+    int64_t mmax = (EB + world - 1) / world;
+    float *x = malloc((size_t)(mmax * chw) * sizeof(float)), *mine = malloc((size_t)(mmax * F) * sizeof(float));
+    float *all = malloc((size_t)(mmax * F * world) * sizeof(float));
+    if (!x || !mine || !all) fail_rank("out of memory for the kNN features");
+    enum fsdp_status st = FSDP_OK;
+    for (int64_t s = 0; s < n && st == FSDP_OK; s += EB) {
+        int64_t cnt = n - s < EB ? n - s : EB;
+        int64_t lo = s + rank * cnt / world, m = s + (rank + 1) * cnt / world - lo;
+        for (int64_t i = 0; i < (m ? m : 1); i++) task_load_image(im, &k->bo, m ? lo + i : s, x + i * chw);
+        struct fsdp_tensor in = {x, FSDP_F32, 4, {m ? m : 1, k->ti.channels, k->ti.height, k->ti.width}}, out = {0};
+        if ((st = fsdp_model_forward_tensor(ctx, fm, &in, &out)) != FSDP_OK) break;
+        memset(mine, 0, (size_t)(mmax * F) * sizeof(float));
+        memcpy(mine, out.data, (size_t)(m * F) * sizeof(float));
+        if ((st = fsdp_comm_allgather(fsdp_ctx_comm(ctx), mine, all, (size_t)(mmax * F), FSDP_F32)) != FSDP_OK) break;
+        for (int r = 0; r < world; r++) {
+            int64_t rlo = s + r * cnt / world, rm = s + (r + 1) * cnt / world - rlo;
+            memcpy(feat + rlo * F, all + r * mmax * F, (size_t)(rm * F) * sizeof(float));
+        }
+    }
+    free(x), free(mine), free(all);
+    if (st != FSDP_OK) return st;
+    normalise_rows(feat, n, F);
+    return FSDP_OK;
+}
+
+static enum fsdp_status swav_eval(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
+                                  double *loss_out, double *acc_out, int64_t *count_out) {
+    struct swav *k = t->impl;
+    struct fsdp_images_info vi;
+    fsdp_images_info(k->test, &vi);
+    int64_t nb = o->knn_train < k->ti.count ? o->knn_train : k->ti.count, nt = vi.count, F = k->feat_dim;
+    float *bank = malloc((size_t)(nb * F) * sizeof(float)), *tf = malloc((size_t)(nt * F) * sizeof(float));
+    if (!bank || !tf) fail_rank("out of memory for the kNN evaluation");
+    fsdp_module_set_training(t->root, 0);
+    k->R->trunk_only = 1;
+    enum fsdp_status st = features(t, ctx, fm, o, k->train, nb, bank);
+    if (st == FSDP_OK) st = features(t, ctx, fm, o, k->test, nt, tf);
+    k->R->trunk_only = 0;
+    fsdp_module_set_training(t->root, 1);
+    if (st != FSDP_OK) {
+        free(bank), free(tf);
+        return st;
+    }
+    /* this rank's share of the test images votes */
+    int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), kk = nb < KNN_K ? (int)nb : KNN_K;
+    int64_t lo = rank * nt / world, hi = (rank + 1) * nt / world, correct = 0;
+    float *sim = malloc((size_t)nb * sizeof(float));
+    double *votes = malloc((size_t)k->n_classes * sizeof(double));
+    int64_t *top = malloc((size_t)kk * sizeof(int64_t));
+    if (!sim || !votes || !top) fail_rank("out of memory for the kNN evaluation");
+    for (int64_t i = lo; i < hi; i++) {
+        for (int64_t j = 0; j < nb; j++) {
+            double s = 0;
+            for (int64_t f = 0; f < F; f++) s += (double)tf[i * F + f] * bank[j * F + f];
+            sim[j] = (float)s;
+        }
+        int nt_ = 0; /* the k largest, ties to the lower index */
+        for (int64_t j = 0; j < nb; j++) {
+            int p = nt_;
+            while (p > 0 && sim[top[p - 1]] < sim[j]) p--;
+            if (p >= kk) continue;
+            if (nt_ < kk) nt_++;
+            memmove(top + p + 1, top + p, (size_t)(nt_ - 1 - p) * sizeof(int64_t));
+            top[p] = j;
+        }
+        memset(votes, 0, (size_t)k->n_classes * sizeof(double));
+        for (int q = 0; q < nt_; q++) votes[fsdp_images_label(k->train, top[q])] += exp((double)sim[top[q]] / KNN_T);
+        int best = 0;
+        for (int c = 1; c < k->n_classes; c++)
+            if (votes[c] > votes[best]) best = c;
+        correct += best == fsdp_images_label(k->test, i);
+    }
+    free(sim), free(votes), free(top), free(bank), free(tf);
+    int64_t tot = 0;
+    st = fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &correct, &tot, 1, FSDP_I64, FSDP_SUM);
+    *loss_out = NAN;
+    *acc_out = nt ? (double)tot / (double)nt : NAN;
+    *count_out = nt;
+    return st;
+}
+
+static void swav_meta(struct task *t, struct fsdp_ckpt_meta *m) {
+    struct swav *k = t->impl;
+    snprintf(m->model_json, sizeof m->model_json,
+             "{\"task\":\"swav\",\"trunk\":\"%s\",\"swav_hidden\":%lld,\"swav_dim\":%lld,\"nmb_prototypes\":%lld,"
+             "\"nmb_heads\":%d}",
+             k->arch, (long long)k->hc.hidden_dim, (long long)k->hc.out_dim, (long long)k->hc.n_prototypes,
+             k->hc.n_heads);
+}
+
+static void swav_summary_note(struct task *t, char *buf, size_t cap) {
+    (void)t;
+    (void)buf;
+    (void)cap;
+}
+
+static void swav_free(struct task *t) {
+    struct swav *k = t->impl;
+    if (!k) return;
+    free(k->xg), free(k->xs), free(k->og), free(k->os), free(k->dg), free(k->ds), free(k->sc), free(k->dsc);
+    fsdp_images_free(k->train);
+    fsdp_images_free(k->test);
+    free(g_perm);
+    g_perm = NULL;
+    free(k);
+    t->impl = NULL;
+}
+
+static const struct task_ops swav_ops = {swav_open, swav_describe_model, swav_describe_data, swav_step,
+                                         swav_eval, swav_meta,           swav_summary_note,  NULL,
+                                         swav_free, swav_prepare_optim,  swav_after_shard};
+
+void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck, const char *resume_dir,
+                      struct task *t) {
+    (void)ck;
+    (void)resume_dir;
+    struct swav *k = calloc(1, sizeof *k);
+    if (!k) fail_rank("out of memory");
+    if (o->tokenizer) fail_input("--tokenizer is for a GPT's text data, not --task swav");
+    k->data_name = o->data ? o->data : IMAGE_DATA_DEFAULT;
+    task_images_open_data(ctx, o, k->data_name, 256, &k->train, &k->test);
+    fsdp_images_info(k->train, &k->ti);
+    int mx = 0;
+    for (int64_t i = 0; i < k->ti.count; i++) {
+        int32_t y = fsdp_images_label(k->train, i);
+        if (y > mx) mx = y;
+    }
+    k->n_classes = mx + 1;
+    /* the trunk: --model cnn | resnet18/34/50, or a ResNet --model-config */
+    if (o->model_config) {
+        if (fsdp_resnet_config_load(ctx, o->model_config, &k->rc) != FSDP_OK) fail_input("%s", fsdp_errmsg(ctx));
+        snprintf(k->arch, sizeof k->arch, "%s", fsdp_resnet_arch_name(k->rc.arch));
+        k->cfg_source = o->model_config;
+    } else {
+        const char *m = o->model ? o->model : "resnet18";
+        if (strcmp(m, "cnn") && !is_resnet(m))
+            fail_input("--model: '%s' is not a trunk for --task swav (cnn, resnet18, resnet34, resnet50)", m);
+        snprintf(k->arch, sizeof k->arch, "%s", m);
+        if (is_resnet(m)) fsdp_resnet_config_preset(m, &k->rc);
+        k->rc.in_chans = k->ti.channels;
+        k->cfg_source = "--model";
+    }
+    k->rc.num_classes = 0;
+    if (is_resnet(k->arch) && k->rc.in_chans != k->ti.channels)
+        fail_input("--data %s: the images have %d channels, but the trunk's in_chans is %d (%s)", k->data_name,
+                   k->ti.channels, k->rc.in_chans, k->cfg_source);
+    k->cnn_width = 16;
+    k->feat_dim = is_resnet(k->arch) ? 8LL * k->rc.width * (k->rc.arch == FSDP_RESNET50 ? 4 : 1) : 2LL * k->cnn_width;
+    k->hc = fsdp_swav_head_config_default(k->feat_dim);
+    k->hc.hidden_dim = o->swav_hidden;
+    k->hc.out_dim = o->swav_dim;
+    k->hc.n_prototypes = o->nmb_prototypes;
+    k->hc.n_heads = o->nmb_heads;
+    k->W = k->hc.out_dim + (int64_t)k->hc.n_heads * k->hc.n_prototypes;
+    k->Sg = o->crops_global_size;
+    k->Ss = o->crops_small_size;
+    k->V = o->crops_small;
+    int side = k->ti.height < k->ti.width ? k->ti.height : k->ti.width;
+    if (k->Sg > side)
+        fail_input("--crops-global-size %d is larger than the images (%dx%d) of --data %s", k->Sg, k->ti.height,
+                   k->ti.width, k->data_name);
+    if (k->V && k->Ss > side)
+        fail_input("--crops-small-size %d is larger than the images (%dx%d) of --data %s", k->Ss, k->ti.height,
+                   k->ti.width, k->data_name);
+    if (o->grad_accum != 1) fail_input("--grad-accum: --task swav takes no micro-batches (SwAV's codes need the whole batch)");
+    t->ops = &swav_ops;
+    t->impl = k;
+    t->block_type = !strcmp(k->arch, "cnn") ? "Sequential" : !strcmp(k->arch, "resnet50") ? "Bottleneck" : "BasicBlock";
+    t->wrap = swav_wrap;
+    t->acc_name = "knn_acc";
+    t->ac_attn_type = NULL;
+    t->is_gpt = 0;
+    t->item = "img";
+    t->item_json = "images_per_s";
+    snprintf(t->batch_unit, sizeof t->batch_unit, "images (x %d crops)", 2 + k->V);
+    t->items_per_step = o->batch;
+    t->train_flops_per_item = 0;
+    t->seq = 1;
+    t->steps = o->epochs ? (int)((int64_t)o->epochs * ((k->ti.count + o->batch - 1) / o->batch)) : o->steps;
+}
