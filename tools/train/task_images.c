@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 /* The model: arch "cnn" (built here) or a ResNet (src/models). */
 struct img_cfg {
@@ -181,6 +182,8 @@ static int cfg_parse(const cJSON *j, struct img_cfg *c, char *err, size_t n) {
 }
 
 static char *read_text(const char *path) {
+    struct stat sb; /* a FIFO would block the open: the config loaders refuse it, naming it */
+    if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) return NULL;
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;
     char *buf = NULL;
@@ -426,6 +429,7 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
                         struct task *t) {
     struct images *k = calloc(1, sizeof *k);
     if (!k) fail_rank("out of memory");
+    t->impl = k; /* reachable from here on, so an error exit leaks nothing */
     char err[256];
     int preset = 0; /* --model NAME: in_chans and num_classes follow the data */
     if (o->model_config) {

@@ -621,6 +621,7 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
     (void)resume_dir;
     struct swav *k = calloc(1, sizeof *k);
     if (!k) fail_rank("out of memory");
+    t->impl = k; /* reachable from here on, so an error exit leaks nothing */
     if (o->tokenizer) fail_input("--tokenizer is for a GPT's text data, not --task swav");
     k->data_name = o->data ? o->data : IMAGE_DATA_DEFAULT;
     task_images_open_data(ctx, o, k->data_name, 256, &k->train, &k->test);

@@ -184,6 +184,7 @@ void task_tokens_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
                         struct task *t) {
     struct tokens *k = calloc(1, sizeof *k);
     if (!k) fail_rank("out of memory");
+    t->impl = k; /* reachable from here on, so an error exit leaks nothing */
     struct fsdp_gpt_config cfg;
     /* model config: the flags, else the checkpoint's, else the default preset */
     if (o->model_config) {
