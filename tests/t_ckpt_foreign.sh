@@ -97,4 +97,28 @@ rm -rf q && train --steps 1 --save-dir q > o 2>&1 && echo "mine" > q/step-000000
 if [ $rc -eq 0 ] && intact q/step-00000001/extra.txt mine && [ -f q/step-00000003/meta.json ] &&
    [ ! -e q/step-00000002 ] && grep -q "extra.txt" o; then ok keep_last_keeps_foreign
 else bad keep_last_keeps_foreign "exit $rc" "$(ls -R q)" "$(tail -3 o)"; fi
+# 11. fsdp-tokenize: an existing OUT (or OUT.tmp) that is not a token file, and a --decode
+#     OUT, are refused; its own earlier output is replaced
+mkdir tok && python3 - tok <<'PY'
+import json, sys
+bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256)); cs = bs[:]; n = 0
+for b in range(256):
+    if b not in bs: bs.append(b); cs.append(256 + n); n += 1
+json.dump({chr(c): i for i, c in enumerate(cs)}, open(sys.argv[1] + '/encoder.json', 'w'))
+open(sys.argv[1] + '/vocab.bpe', 'w').write('#version: 0.2\n')
+PY
+TOK="$BIN/fsdp-tokenize"
+echo "some text to encode" > in.txt
+echo "my essay" > essay.bin
+"$TOK" --tokenizer tok in.txt essay.bin > o 2>&1; rc=$?
+refused tokenize_foreign_out "essay.bin' exists and is not an llm.c token file" o $rc &&
+  { intact essay.bin "my essay" && [ ! -e essay.bin.tmp ] && ok tokenize_foreign_out || bad tokenize_foreign_out "$(ls)"; }
+echo "draft" > t2.bin.tmp
+"$TOK" --tokenizer tok in.txt t2.bin > o 2>&1; rc=$?
+refused tokenize_foreign_tmp "t2.bin.tmp" o $rc && { intact t2.bin.tmp draft && ok tokenize_foreign_tmp || bad tokenize_foreign_tmp; }
+"$TOK" --tokenizer tok in.txt t3.bin > o 2>&1 && "$TOK" --tokenizer tok in.txt t3.bin > o2 2>&1 &&
+  ok tokenize_replaces_own || bad tokenize_replaces_own "$(cat o o2 | tail -3)"
+echo "notes" > back.txt
+"$TOK" --tokenizer tok --decode t3.bin back.txt > o 2>&1; rc=$?
+refused tokenize_decode_foreign "back.txt' exists" o $rc && { intact back.txt notes && ok tokenize_decode_foreign || bad tokenize_decode_foreign; }
 finish

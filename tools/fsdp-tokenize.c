@@ -9,7 +9,8 @@
  * DIR holds encoder.json and vocab.bpe (GPT-2's), or tokenizer.json (Hugging
  * Face). The input is read in chunks cut where encoding is unaffected
  * (fsdp_bpe_split), with a progress bar on a terminal for inputs of 4 MiB
- * and more. OUT is written as OUT.tmp and renamed when complete.
+ * and more. OUT is written as OUT.tmp and renamed when complete; an existing OUT or
+ * OUT.tmp that is not a token file (and any existing --decode output) is refused.
  * Exit: 0 done, 1 failure (one line naming the file), 2 usage.
  */
 #include <errno.h>
@@ -60,6 +61,28 @@ static void progress(size_t done, size_t total, double t0) {
     fflush(stderr);
 }
 
+/* A writer replaces only what it made: an existing `path` must be, when
+ * token_file, an llm.c token file (what this tool writes) or, for OUT.tmp,
+ * empty (a crashed run's); any other existing file, and any existing
+ * --decode output, is refused by name. lstat does not block on a FIFO. */
+static void check_replaceable(const char *path, int token_file, int may_be_empty) {
+    struct stat sb;
+    if (lstat(path, &sb) != 0) return;
+    int ours = 0;
+    if (S_ISREG(sb.st_mode) && token_file) {
+        if (sb.st_size == 0) ours = may_be_empty;
+        else {
+            int32_t h[2] = {0, 0};
+            FILE *f = fopen(path, "rb");
+            ours = f && fread(h, sizeof h, 1, f) == 1 && h[0] == 20240520 && h[1] == 1;
+            if (f) fclose(f);
+        }
+    }
+    if (!ours)
+        die("'%s' exists and is not %s: refusing to replace it (choose another name, or move it away)", path,
+            token_file ? "an llm.c token file" : "ours to replace");
+}
+
 /* --decode: an llm.c token file back to bytes. */
 static int decode_file(struct fsdp_ctx *ctx, struct fsdp_bpe *bpe, const char *in, const char *out) {
     FILE *f = fopen(in, "rb");
@@ -67,6 +90,7 @@ static int decode_file(struct fsdp_ctx *ctx, struct fsdp_bpe *bpe, const char *i
     int32_t h[256];
     if (fread(h, sizeof h, 1, f) != 1 || h[0] != 20240520 || h[1] != 1 || h[2] < 0)
         die("'%s' is not an llm.c token file (magic 20240520, version 1)", in);
+    check_replaceable(out, 0, 0);
     FILE *o = fopen(out, "wb");
     if (!o) die("cannot create '%s': %s", out, strerror(errno));
     uint16_t t;
@@ -141,6 +165,8 @@ int main(int argc, char **argv) {
     size_t tl = strlen(out) + 5;
     char *tmp = malloc(tl);
     snprintf(tmp, tl, "%s.tmp", out);
+    check_replaceable(out, 1, 0);
+    check_replaceable(tmp, 1, 1);
     FILE *f = fopen(tmp, "wb");
     if (!f) die("cannot create '%s': %s", tmp, strerror(errno));
     int32_t header[256] = {20240520, 1, 0};
