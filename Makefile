@@ -25,7 +25,7 @@ CFLAGS   += -std=c11 -D_GNU_SOURCE -fPIC -fopenmp -fno-math-errno $(OPT) $(ARCH)
 LDFLAGS  += -fopenmp $(SAN)
 
 LIB_SRC  := $(wildcard src/core/*.c src/nn/*.c src/comm/*.c src/io/*.c src/optim/*.c src/fsdp/*.c \
-                      src/data/*.c src/models/*.c)
+                      src/data/*.c src/models/*.c src/fsdp/ckpt/*.c)
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o)
 TOOLS    := $(patsubst tools/%.c,$(BUILD)/%,$(wildcard tools/*.c))
 TRAIN_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tools/train/*.c)) # fsdp-train's other files

@@ -1,5 +1,5 @@
 /*
- * test_mpi_ckpt.c - checkpoints of a sharded model (src/fsdp/ckpt.c), run by
+ * test_mpi_ckpt.c - checkpoints of a sharded model (src/fsdp/ckpt/ckpt.c), run by
  * tests/run.sh at 1, 2, 3 and 4 ranks: a sharded save at this world size
  * loads back bit for bit (parameters, AdamW m and v, step count) and training
  * continues with identical losses; the same folder loads at world size 1 in

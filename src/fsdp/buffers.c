@@ -15,11 +15,11 @@
  *   - the full file holds the persistent ones after the parameters, whole,
  *     under their FQN and dtype; its header key fsdp.buffers lists their
  *     names, so tools without a model tell them from parameters
- *     (ckpt_full.c, ckpt_offline.c);
+ *     (ckpt/full.c, ckpt/offline.c);
  *   - a sharded checkpoint holds them whole in file 0 (written by rank 0,
  *     after the parameters and the optimizer state); meta.json's "buffers"
  *     lists each with dtype, shape and byte range, and every rank of any
- *     world size reads them from there (ckpt_sharded.c). A persistent buffer
+ *     world size reads them from there (ckpt/sharded.c). A persistent buffer
  *     of the model missing from a checkpoint is an error naming it.
  *   - summon_full_params has nothing to gather for them: b->data is always
  *     the full value and an edit is immediate on the rank that makes it,

@@ -113,7 +113,7 @@ struct fsdp_model {
     int load_monolith_rank0_only;
     /* fsdp_summon_full_params: active, and how it ends */
     int summon_active, summon_writeback, summon_rank0_only;
-    /* the sharding strategy ([Note: sharding strategies], shard.c): units shard
+    /* the sharding strategy ([Note: sharding strategies], wrap.c): units shard
      * over shard_comm (shard_size ranks; NULL when 1) and all-reduce gradient
      * shards over rep_comm (rep_size replicas; NULL when 1). Each is ctx->comm
      * (borrowed) when it spans the world, else split from it and owned. */
@@ -142,14 +142,14 @@ struct fsdp_model {
     struct fsdp__post_step_hook *post_step; /* (n_post_step) hooks.c, in registration order */
 };
 
-/* ---- Layout only (shard.c), for the memory planner (plan.c) ---- */
+/* ---- Layout only (wrap.c), for the memory planner (plan.c) ---- */
 /* The units fsdp_fully_shard would make for ctx->world (flat offsets,
  * padding, overrides) without allocating shards or installing hooks. Free
  * with fsdp_model_free (which also clears the parameters' fsdp_priv). */
 enum fsdp_status fsdp__model_layout(struct fsdp_ctx *ctx, struct fsdp_module *root,
                                     const struct fsdp_shard_opts *opts, struct fsdp_model **out);
 
-/* ---- Sharding strategies (sharding.c) ---- */
+/* ---- Sharding strategies (strategy.c) ---- */
 /* Sets fm's strategy, shard_size/rank and rep_size/rank for `world` ranks
  * (`local`: ranks on this host, HYBRID_SHARD's default K; 0: the world).
  * Bad options are FSDP_ERR_INVALID naming the flag. COLLECTIVE: no. */
@@ -314,9 +314,9 @@ void fsdp__pool_put(struct fsdp_model *fm, float *mem);
 
 /* ---- Checkpoints (ckpt*.c) ----
  * ckpt.c: shared helpers (agreement, paths, durable writes, the meta.json
- * seal, the atomic folder swap); ckpt_meta.c: reading and validating
- * meta.json; ckpt_sharded.c: the sharded save and load; ckpt_full.c: the
- * full safetensors file and Hugging Face GPT-2 import; ckpt_offline.c:
+ * seal, the atomic folder swap); ckpt/meta.c: reading and validating
+ * meta.json; ckpt/sharded.c: the sharded save and load; ckpt/full.c: the
+ * full safetensors file and Hugging Face GPT-2 import; ckpt/offline.c:
  * describe, verify and convert without a model. The notes [Note: sharded
  * layout], [Note: atomic folder] and [Note: sealed meta.json] are in ckpt.c. */
 #define FSDP__META_NAME "meta.json"
@@ -326,7 +326,7 @@ void fsdp__pool_put(struct fsdp_model *fm, float *mem);
 
 struct fsdp__st_file;
 
-/* meta.json, parsed and validated (ckpt_meta.c): each parameter's pieces
+/* meta.json, parsed and validated (ckpt/meta.c): each parameter's pieces
  * tile [0, numel) exactly, every byte range fits its file's size. */
 struct fsdp__meta_range {
     int file;
@@ -397,7 +397,7 @@ enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, co
 enum fsdp_status fsdp__ckpt_check_target(struct fsdp_ctx *ctx, const char *dir, const char *tmpdir);
 const char *fsdp__shape_str(char *buf, size_t n, int ndim, const int64_t *shape);
 
-/* Full files (ckpt_full.c): whether f is Hugging Face GPT-2 rather than ours
+/* Full files (ckpt/full.c): whether f is Hugging Face GPT-2 rather than ours
  * ([Note: full file layouts]); HF Conv1D weights (in, out) to transpose;
  * HF keys that are buffers or the tied lm_head, not parameters. */
 enum fsdp_status fsdp__full_is_hf(struct fsdp_ctx *ctx, const struct fsdp__st_file *f, int *hf);
@@ -405,7 +405,7 @@ int fsdp__is_conv1d(const char *fqn);
 int fsdp__hf_ignorable(const char *name);
 
 /* A checkpoint's rank files, opened lazily, each checked against
- * meta.json's size (ckpt_sharded.c). */
+ * meta.json's size (ckpt/sharded.c). */
 struct fsdp__fcache {
     struct fsdp__meta *mt;
     struct fsdp__st_file *f;

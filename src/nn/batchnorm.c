@@ -290,7 +290,7 @@ enum fsdp_status fsdp_batchnorm2d_create(struct fsdp_ctx *ctx, const char *name,
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating BatchNorm2d '%s'", name);
     }
     m->impl = B;
-    m->fp32_params = 1; /* [Note: fp32 modules] in src/fsdp/shard.c */
+    m->fp32_params = 1; /* [Note: fp32 modules] in src/fsdp/wrap.c */
     B->o = *opts;
     int64_t shape[1] = {opts->num_features};
     struct fsdp_init ones = {FSDP_INIT_ONES, 0.0f}, zeros = {FSDP_INIT_ZEROS, 0.0f};

@@ -1,5 +1,5 @@
 /*
- * ckpt_sharded.c - the sharded checkpoint: save (one file per rank, then
+ * ckpt/sharded.c - the sharded checkpoint: save (one file per rank, then
  * meta.json by rank 0, then the folder swap) and load at any world size
  * ([Note: sharded layout], [Note: atomic folder] in ckpt.c).
  */

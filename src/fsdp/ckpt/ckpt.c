@@ -1,10 +1,10 @@
 /*
  * ckpt.c - checkpoints of a sharded model: the helpers shared by
- * ckpt_sharded.c (the sharded folder: one safetensors file per rank +
- * meta.json, loadable at any world size), ckpt_meta.c (meta.json's reader),
- * ckpt_full.c (the full safetensors file, written by rank 0 one gathered
+ * ckpt/sharded.c (the sharded folder: one safetensors file per rank +
+ * meta.json, loadable at any world size), ckpt/meta.c (meta.json's reader),
+ * ckpt/full.c (the full safetensors file, written by rank 0 one gathered
  * unit at a time, loaded by every rank reading its own ranges or by rank 0
- * with broadcast; Hugging Face GPT-2 import) and ckpt_offline.c (describe,
+ * with broadcast; Hugging Face GPT-2 import) and ckpt/offline.c (describe,
  * verify, convert). Sits in fsdp/ because it needs unit layouts; the file
  * format is io/'s. Invariants: everything outside src/fsdp is per parameter (FQN, global
  * shape, element ranges); flat offsets and padding never reach a file.

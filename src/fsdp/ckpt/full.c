@@ -1,5 +1,5 @@
 /*
- * ckpt_full.c - the full checkpoint: one safetensors file with every
+ * ckpt/full.c - the full checkpoint: one safetensors file with every
  * parameter under its FQN, written by rank 0 while units are gathered one
  * at a time, loaded by every rank reading its own ranges (or by rank 0 with
  * broadcast); Hugging Face GPT-2 files load through the same path, with

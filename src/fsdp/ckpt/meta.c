@@ -1,5 +1,5 @@
 /*
- * ckpt_meta.c - reading and validating a sharded checkpoint's meta.json
+ * ckpt/meta.c - reading and validating a sharded checkpoint's meta.json
  * ([Note: sharded layout], [Note: sealed meta.json] in ckpt.c). Everything
  * in it is outside data: every field is range-checked, every parameter's
  * pieces must tile it exactly and fit their files, before any file is read.

@@ -1,5 +1,5 @@
 /*
- * ckpt_offline.c - checkpoint tools that need no model (fsdp-ckpt): describe
+ * ckpt/offline.c - checkpoint tools that need no model (fsdp-ckpt): describe
  * and verify a sharded folder or a safetensors file, convert sharded <-> full.
  */
 #include "fsdp/fsdp-impl.h"

@@ -1,5 +1,5 @@
 /*
- * shard.c - turning a module tree into units (fsdp_fully_shard): the wrap
+ * wrap.c - turning a module tree into units (fsdp_fully_shard): the wrap
  * policy picks unit roots, each parameter joins the unit of its nearest
  * wrapped ancestor, tied parameters are hoisted to one unit, and each unit
  * gets a flat layout padded to a multiple of the world size. Then this

@@ -1,5 +1,5 @@
 /*
- * sharding.c - the sharding strategies (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD,
+ * strategy.c - the sharding strategies (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD,
  * HYBRID_SHARD) as one mechanism: a model's shard group and replica group.
  * fsdp__sharding_layout computes the group sizes and this rank's place in
  * them (pure, so the memory planner can use it for any world);
@@ -9,7 +9,7 @@
  * The world of W ranks is a 2-D mesh (W/K replicas) x (K shards): rank r is
  * shard r % K of shard group r / K and replica r / K of replica group r % K.
  * Every unit pads its flat buffer to a multiple of K and shards it over its
- * shard group exactly as FULL_SHARD shards over the world (shard.c, unit.c);
+ * shard group exactly as FULL_SHARD shards over the world (wrap.c, unit.c);
  * after the reduce-scatter inside the group, the gradient shard is
  * all-reduced over the replica group (under overlap a second pipeline stage,
  * [Note: prefetch and overlap] in unit.c), then divided by W, so every rank holds
