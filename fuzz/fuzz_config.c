@@ -7,7 +7,6 @@
  */
 #include "fuzz.h"
 #include "models/models-impl.h"
-#include "nn/nn-impl.h"
 
 /* Returns the reader's status (FSDP_ERR_NOMEM if no context could be made). */
 static enum fsdp_status fuzz_config_one(const uint8_t *data, size_t size) {

@@ -15,6 +15,7 @@
  * Init as GPT-2: weights N(0, 0.02), c_proj weights N(0, 0.02 / sqrt(2 L)),
  * biases 0, LayerNorm weight 1 / bias 0.
  */
+#include "models/models-impl.h"
 #include "nn/nn-impl.h"
 
 #include <cJSON.h>

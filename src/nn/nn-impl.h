@@ -231,12 +231,6 @@ enum fsdp_status fsdp__loss_check(struct fsdp_ctx *ctx, const struct fsdp_loss *
 void fsdp__loss_builtin(const struct fsdp_loss *loss, const struct fsdp_tensor *out, const struct fsdp_tensor *target,
                         float g, double *sum, float *dout);
 
-/* ---- Model configs from memory (gpt.c) ---- */
-/* fsdp_gpt_config_load on text[0..len) (need not be NUL-terminated) as if it
- * were the file `name`: the same checks and messages. For the fuzz targets. */
-enum fsdp_status fsdp__gpt_config_parse(struct fsdp_ctx *ctx, const char *name, const char *text,
-                                        size_t len, struct fsdp_gpt_config *cfg);
-
 /* ---- Activation planning (gpt.c) ---- */
 /* Replays on s the arena use of one training step of the GPT `gpt` on (B, T)
  * tokens with nthr threads, checkpointed modules included, each module in its
