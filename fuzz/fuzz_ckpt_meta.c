@@ -9,7 +9,8 @@
  * success the result must be consistent: files == world, each parameter's
  * pieces sorted and tiling [0, numel) exactly, byte ranges of 4 bytes per
  * element inside their file, numel the product of the shape, FQNs unique.
- * On failure a message must name the problem.
+ * On failure a message must name the problem. An accepted input, written
+ * again by the one writer (fsdp__meta_format), must read back the same.
  */
 #include "fuzz.h"
 #include "fsdp/fsdp-impl.h"
@@ -49,6 +50,52 @@ static void fuzz_ckpt_meta_check(const struct fsdp__meta *mt) {
     }
 }
 
+/* The writer's text of an accepted meta.json reads back as the same
+ * checkpoint: one reader and one writer agree on every field. */
+static void fuzz_ckpt_meta_roundtrip(struct fsdp_ctx *ctx, const struct fsdp__meta *mt) {
+    char *text = NULL;
+    if (fsdp__meta_format(ctx, "fuzz/meta.json", mt, &text) != FSDP_OK) {
+        FSDP_ASSERT(strstr(fsdp_errmsg(ctx), "out of memory"), "the writer refused a parsed meta.json: %s",
+                    fsdp_errmsg(ctx));
+        return;
+    }
+    struct fsdp__meta b;
+    enum fsdp_status st = fsdp__meta_parse_text(ctx, "fuzz/meta.json (written)", text, 1, &b);
+    free(text);
+    FSDP_ASSERT(st == FSDP_OK, "the reader refused the writer's meta.json: %s", fsdp_errmsg(ctx));
+    const struct fsdp_ckpt_meta *x = &mt->m, *y = &b.m;
+    FSDP_ASSERT(x->world == y->world && x->step == y->step && x->data_step == y->data_step &&
+                    x->optim_step == y->optim_step && x->seed == y->seed && x->has_config == y->has_config &&
+                    !memcmp(&x->config, &y->config, sizeof x->config) && !strcmp(x->model_json, y->model_json) &&
+                    b.n_state == mt->n_state && b.n_files == mt->n_files && b.n_params == mt->n_params &&
+                    b.n_buffers == mt->n_buffers,
+                "written meta.json differs in its header fields or counts");
+    for (int i = 0; i < b.n_state; i++) FSDP_ASSERT(!strcmp(b.state[i], mt->state[i]), "state %d differs", i);
+    for (int i = 0; i < b.n_files; i++)
+        FSDP_ASSERT(!strcmp(b.files[i].name, mt->files[i].name) && b.files[i].bytes == mt->files[i].bytes,
+                    "file %d differs", i);
+    for (int i = 0; i < b.n_params; i++) {
+        const struct fsdp__meta_param *p = &mt->params[i], *q = &b.params[i];
+        FSDP_ASSERT(!strcmp(p->fqn, q->fqn) && p->ndim == q->ndim && p->numel == q->numel &&
+                        !memcmp(p->shape, q->shape, sizeof p->shape) && p->n_ranges == q->n_ranges,
+                    "parameter '%s' differs", p->fqn);
+        for (int r = 0; r < p->n_ranges; r++) {
+            const struct fsdp__meta_range *u = &p->ranges[r], *v = &q->ranges[r];
+            FSDP_ASSERT(u->file == v->file && u->start == v->start && u->end == v->end && u->b0 == v->b0 &&
+                            u->b1 == v->b1,
+                        "parameter '%s': piece %d differs", p->fqn, r);
+        }
+    }
+    for (int i = 0; i < b.n_buffers; i++) {
+        const struct fsdp__meta_buffer *p = &mt->buffers[i], *q = &b.buffers[i];
+        FSDP_ASSERT(!strcmp(p->fqn, q->fqn) && p->dtype == q->dtype && p->ndim == q->ndim && p->numel == q->numel &&
+                        !memcmp(p->shape, q->shape, sizeof p->shape) && p->file == q->file && p->b0 == q->b0 &&
+                        p->b1 == q->b1,
+                    "buffer '%s' differs", p->fqn);
+    }
+    fsdp__meta_free(&b);
+}
+
 /* Returns the parser's status on the resealed text. */
 static enum fsdp_status fuzz_ckpt_meta_one(const uint8_t *data, size_t size) {
     struct fsdp_ctx *ctx;
@@ -73,6 +120,7 @@ static enum fsdp_status fuzz_ckpt_meta_one(const uint8_t *data, size_t size) {
     enum fsdp_status st = fsdp__meta_parse_text(ctx, "fuzz/meta.json", text, 1, &mt);
     if (st == FSDP_OK) {
         fuzz_ckpt_meta_check(&mt);
+        fuzz_ckpt_meta_roundtrip(ctx, &mt);
         fsdp__meta_free(&mt);
     } else {
         FUZZ_CHECK_REFUSAL(ctx, st);

@@ -312,10 +312,10 @@ void fsdp__post_step_hooks_free(struct fsdp_model *fm);
 float *fsdp__pool_get(struct fsdp_model *fm, int64_t numel, const char *what);
 void fsdp__pool_put(struct fsdp_model *fm, float *mem);
 
-/* ---- Checkpoints (ckpt*.c) ----
- * ckpt.c: shared helpers (agreement, paths, durable writes, the meta.json
- * seal, the atomic folder swap); ckpt/meta.c: reading and validating
- * meta.json; ckpt/sharded.c: the sharded save and load; ckpt/full.c: the
+/* ---- Checkpoints (src/fsdp/ckpt/) ----
+ * ckpt/ckpt.c: shared helpers (agreement, paths, durable writes, the meta.json
+ * seal, the atomic folder swap); ckpt/meta.c: meta.json's one reader (with
+ * validation) and one writer; ckpt/sharded.c: the sharded save and load; ckpt/full.c: the
  * full safetensors file and Hugging Face GPT-2 import; ckpt/offline.c:
  * describe, verify and convert without a model. The notes [Note: sharded
  * layout], [Note: atomic folder] and [Note: sealed meta.json] are in ckpt.c. */
@@ -327,7 +327,9 @@ void fsdp__pool_put(struct fsdp_model *fm, float *mem);
 struct fsdp__st_file;
 
 /* meta.json, parsed and validated (ckpt/meta.c): each parameter's pieces
- * tile [0, numel) exactly, every byte range fits its file's size. */
+ * tile [0, numel) exactly, every byte range fits its file's size. The same
+ * struct is what the writers fill for fsdp__meta_format: every string and
+ * array in it is owned (malloc'd) and freed by fsdp__meta_free. */
 struct fsdp__meta_range {
     int file;
     int64_t start, end;   /* element range of the flattened parameter */
@@ -374,6 +376,17 @@ enum fsdp_status fsdp__meta_parse_text(struct fsdp_ctx *ctx, const char *name, c
 /* Reads and parses dir/meta.json. */
 enum fsdp_status fsdp__meta_load(struct fsdp_ctx *ctx, const char *dir, struct fsdp__meta *mt);
 void fsdp__meta_free(struct fsdp__meta *mt);
+/* The one writer: *mt (m's step, data_step, seed, optim_step, config and
+ * model_json; state; files, whose count is "world"; params; buffers) as
+ * meta.json's text, sealed, into *text (returned to the caller to free).
+ * FSDP_ERR_INVALID if m.model_json is not a JSON object; name is for
+ * messages. The struct need not pass the reader's checks: the producers
+ * build it from what they wrote. */
+enum fsdp_status fsdp__meta_format(struct fsdp_ctx *ctx, const char *name, const struct fsdp__meta *mt, char **text);
+/* Zeroes *mt and allocates room for n_files files, n_params parameters and
+ * n_buffers buffers (the counts start at 0), for a writer to fill. */
+enum fsdp_status fsdp__meta_alloc(struct fsdp_ctx *ctx, struct fsdp__meta *mt, int n_files, int n_params,
+                                  int n_buffers);
 /* [Note: sealed meta.json]: fills in / checks the "crc32c" field. */
 void fsdp__meta_seal(char *text);
 enum fsdp_status fsdp__meta_check_seal(struct fsdp_ctx *ctx, const char *path, char *text);

@@ -1,8 +1,10 @@
 /*
- * ckpt/meta.c - reading and validating a sharded checkpoint's meta.json
- * ([Note: sharded layout], [Note: sealed meta.json] in ckpt.c). Everything
- * in it is outside data: every field is range-checked, every parameter's
- * pieces must tile it exactly and fit their files, before any file is read.
+ * ckpt/meta.c - a sharded checkpoint's meta.json: its one reader and its
+ * one writer ([Note: sharded layout], [Note: sealed meta.json] in ckpt.c).
+ * Reading: everything in it is outside data: every field is range-checked,
+ * every parameter's pieces must tile it exactly and fit their files, before
+ * any file is read. Writing: the sharded save and the conversion from a full
+ * file fill a struct fsdp__meta and fsdp__meta_format prints it.
  */
 #include "fsdp/fsdp-impl.h"
 #include "io/io-impl.h"
@@ -292,4 +294,120 @@ enum fsdp_status fsdp_ckpt_read_meta(struct fsdp_ctx *ctx, const char *dir, stru
     *out = mt.m;
     fsdp__meta_free(&mt);
     return FSDP_OK;
+}
+
+/* ---- Writing: the one writer of meta.json ----
+ * Both producers (the sharded save, ckpt/sharded.c, and the conversion from a
+ * full file, ckpt/offline.c) describe the checkpoint in the struct the reader
+ * fills, and this turns it into the text. Keys in a fixed order, "crc32c"
+ * first ([Note: sealed meta.json]); "world" is the number of files; "lr_step"
+ * repeats "step" (the schedule position) for readers of the JSON. */
+
+/* Appends item to arr; on failure frees item and returns 0. */
+static int push(cJSON *arr, cJSON *item) {
+    if (item && cJSON_AddItemToArray(arr, item)) return 1;
+    cJSON_Delete(item);
+    return 0;
+}
+
+static int add_shape(cJSON *o, int ndim, const int64_t *shape) {
+    cJSON *sh = cJSON_AddArrayToObject(o, "shape");
+    int ok = sh != NULL;
+    for (int d = 0; d < ndim && ok; d++) ok = push(sh, cJSON_CreateNumber((double)shape[d]));
+    return ok;
+}
+
+static int add_bytes(cJSON *o, uint64_t b0, uint64_t b1) {
+    cJSON *b = cJSON_AddArrayToObject(o, "bytes");
+    return b && push(b, cJSON_CreateNumber((double)b0)) && push(b, cJSON_CreateNumber((double)b1));
+}
+
+static int add_config(cJSON *root, const struct fsdp_gpt_config *c) {
+    cJSON *o = cJSON_AddObjectToObject(root, "model_config");
+    return o && cJSON_AddNumberToObject(o, "n_layer", c->n_layer) && cJSON_AddNumberToObject(o, "n_head", c->n_head) &&
+           cJSON_AddNumberToObject(o, "n_embd", c->n_embd) &&
+           cJSON_AddNumberToObject(o, "vocab_size", c->vocab_size) &&
+           cJSON_AddNumberToObject(o, "block_size", c->block_size);
+}
+
+static int add_param(cJSON *params, const struct fsdp__meta_param *p) {
+    cJSON *po = cJSON_CreateObject();
+    if (!push(params, po)) return 0;
+    cJSON *rg = NULL;
+    int ok = cJSON_AddStringToObject(po, "fqn", p->fqn) && add_shape(po, p->ndim, p->shape) &&
+             cJSON_AddStringToObject(po, "dtype", "F32") && (rg = cJSON_AddArrayToObject(po, "ranges"));
+    for (int r = 0; r < p->n_ranges && ok; r++) {
+        const struct fsdp__meta_range *x = &p->ranges[r];
+        cJSON *ro = cJSON_CreateObject();
+        ok = push(rg, ro) && cJSON_AddNumberToObject(ro, "file", x->file) &&
+             cJSON_AddNumberToObject(ro, "start", (double)x->start) &&
+             cJSON_AddNumberToObject(ro, "end", (double)x->end) && add_bytes(ro, x->b0, x->b1);
+    }
+    return ok;
+}
+
+static int add_buffer(cJSON *bufs, const struct fsdp__meta_buffer *b) {
+    cJSON *bo = cJSON_CreateObject();
+    return push(bufs, bo) && cJSON_AddStringToObject(bo, "fqn", b->fqn) && add_shape(bo, b->ndim, b->shape) &&
+           cJSON_AddStringToObject(bo, "dtype", fsdp_dtype_name(b->dtype)) &&
+           cJSON_AddNumberToObject(bo, "file", b->file) && add_bytes(bo, b->b0, b->b1);
+}
+
+enum fsdp_status fsdp__meta_format(struct fsdp_ctx *ctx, const char *name, const struct fsdp__meta *mt, char **out) {
+    *out = NULL;
+    const struct fsdp_ckpt_meta *m = &mt->m;
+    cJSON *root = cJSON_CreateObject(), *sn = NULL, *fl = NULL, *ps = NULL, *bs = NULL;
+    char seed[32];
+    snprintf(seed, sizeof seed, "%llu", (unsigned long long)m->seed);
+    int ok = root && cJSON_AddStringToObject(root, "crc32c", "00000000") && /* first: [Note: sealed meta.json] */
+             cJSON_AddStringToObject(root, "format", FSDP__META_FORMAT) &&
+             cJSON_AddNumberToObject(root, "version", 1) && cJSON_AddNumberToObject(root, "world", mt->n_files) &&
+             cJSON_AddNumberToObject(root, "step", (double)m->step) &&
+             cJSON_AddNumberToObject(root, "data_step", (double)m->data_step) &&
+             cJSON_AddNumberToObject(root, "lr_step", (double)m->step) &&
+             cJSON_AddStringToObject(root, "seed", seed) &&
+             cJSON_AddStringToObject(root, "rng", "philox4x32-10 keyed by (seed, fqn): the seed is the state") &&
+             cJSON_AddNumberToObject(root, "optim_step", (double)m->optim_step) &&
+             (sn = cJSON_AddArrayToObject(root, "optim_state"));
+    for (int i = 0; i < mt->n_state && ok; i++) ok = push(sn, cJSON_CreateString(mt->state[i]));
+    if (ok && m->has_config) ok = add_config(root, &m->config);
+    if (ok && m->model_json[0]) {
+        cJSON *mj = cJSON_Parse(m->model_json);
+        if (!cJSON_IsObject(mj)) {
+            cJSON_Delete(mj);
+            cJSON_Delete(root);
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: checkpoint meta: model_json is not a JSON object", name);
+        }
+        if (!cJSON_AddItemToObject(root, "model", mj)) {
+            cJSON_Delete(mj);
+            ok = 0;
+        }
+    }
+    ok = ok && (fl = cJSON_AddArrayToObject(root, "files"));
+    for (int r = 0; r < mt->n_files && ok; r++) {
+        cJSON *fo = cJSON_CreateObject();
+        ok = push(fl, fo) && cJSON_AddStringToObject(fo, "name", mt->files[r].name) &&
+             cJSON_AddNumberToObject(fo, "bytes", (double)mt->files[r].bytes);
+    }
+    ok = ok && (ps = cJSON_AddArrayToObject(root, "params"));
+    for (int i = 0; i < mt->n_params && ok; i++) ok = add_param(ps, &mt->params[i]);
+    ok = ok && (bs = cJSON_AddArrayToObject(root, "buffers"));
+    for (int i = 0; i < mt->n_buffers && ok; i++) ok = add_buffer(bs, &mt->buffers[i]);
+    char *text = ok ? cJSON_Print(root) : NULL;
+    cJSON_Delete(root);
+    if (!text) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the text of %s", name);
+    fsdp__meta_seal(text);
+    *out = text;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp__meta_alloc(struct fsdp_ctx *ctx, struct fsdp__meta *mt, int n_files, int n_params,
+                                  int n_buffers) {
+    memset(mt, 0, sizeof *mt);
+    mt->files = calloc((size_t)n_files + 1, sizeof *mt->files);
+    mt->params = calloc((size_t)n_params + 1, sizeof *mt->params);
+    mt->buffers = calloc((size_t)n_buffers + 1, sizeof *mt->buffers);
+    if (mt->files && mt->params && mt->buffers) return FSDP_OK;
+    fsdp__meta_free(mt);
+    return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for a checkpoint's meta.json");
 }

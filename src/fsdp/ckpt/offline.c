@@ -5,7 +5,6 @@
 #include "fsdp/fsdp-impl.h"
 #include "io/io-impl.h"
 
-#include <cJSON.h>
 #include <errno.h>
 #include <limits.h>
 #include <string.h>
@@ -353,37 +352,20 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
     /* tensor i's piece r: elements [numel*r/n, numel*(r+1)/n) */
     struct fsdp__st_desc *desc = calloc((size_t)f.n + 1, sizeof *desc);
     if (!desc && st == FSDP_OK) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
-    cJSON *root = cJSON_CreateObject();
-    cJSON_AddStringToObject(root, "crc32c", "00000000"); /* first: [Note: sealed meta.json] */
-    cJSON_AddStringToObject(root, "format", FSDP__META_FORMAT);
-    cJSON_AddNumberToObject(root, "version", 1);
-    cJSON_AddNumberToObject(root, "world", n_files);
-    cJSON_AddNumberToObject(root, "step", 0);
-    cJSON_AddNumberToObject(root, "data_step", 0);
-    cJSON_AddNumberToObject(root, "lr_step", 0);
-    cJSON_AddStringToObject(root, "seed", "0");
-    cJSON_AddNumberToObject(root, "optim_step", 0);
-    cJSON_AddArrayToObject(root, "optim_state");
-    if (config) {
-        cJSON *o = cJSON_AddObjectToObject(root, "model_config");
-        cJSON_AddNumberToObject(o, "n_layer", config->n_layer);
-        cJSON_AddNumberToObject(o, "n_head", config->n_head);
-        cJSON_AddNumberToObject(o, "n_embd", config->n_embd);
-        cJSON_AddNumberToObject(o, "vocab_size", config->vocab_size);
-        cJSON_AddNumberToObject(o, "block_size", config->block_size);
-    }
-    cJSON *fl = cJSON_AddArrayToObject(root, "files");
-    cJSON *params = cJSON_AddArrayToObject(root, "params");
-    cJSON *bufs = cJSON_AddArrayToObject(root, "buffers");
-    for (int i = 0; i < nt; i++) {
+    int nparams = 0, nbufs = 0;
+    for (int i = 0; i < nt; i++) ot[i].buffer ? nbufs++ : nparams++;
+    struct fsdp__meta mt;
+    memset(&mt, 0, sizeof mt);
+    if (st == FSDP_OK) st = fsdp__meta_alloc(ctx, &mt, n_files, nparams, nbufs); /* step, seed, optim: 0 */
+    if (config) mt.m.config = *config, mt.m.has_config = 1;
+    for (int i = 0; i < nt && st == FSDP_OK; i++) {
         if (ot[i].buffer) continue;
-        cJSON *po = cJSON_CreateObject();
-        cJSON_AddItemToArray(params, po);
-        cJSON_AddStringToObject(po, "fqn", ot[i].fqn);
-        cJSON *sh = cJSON_AddArrayToObject(po, "shape");
-        for (int d = 0; d < ot[i].ndim; d++) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)ot[i].shape[d]));
-        cJSON_AddStringToObject(po, "dtype", "F32");
-        cJSON_AddArrayToObject(po, "ranges");
+        struct fsdp__meta_param *q = &mt.params[mt.n_params++];
+        q->ndim = ot[i].ndim;
+        memcpy(q->shape, ot[i].shape, sizeof q->shape);
+        q->numel = f.t[ot[i].ti].numel;
+        if (!(q->fqn = fsdp__strdup(ot[i].fqn)) || !(q->ranges = calloc((size_t)n_files, sizeof *q->ranges)))
+            st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     }
     float *buf = NULL, *tbuf = NULL;
     int tbuf_ti = -1;
@@ -432,40 +414,26 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
         struct fsdp__st_file g;
         if (st == FSDP_OK) st = fsdp__st_open(ctx, fpath, &g);
         if (st == FSDP_OK) {
-            cJSON *fo = cJSON_CreateObject();
-            cJSON_AddItemToArray(fl, fo);
-            cJSON_AddStringToObject(fo, "name", name);
-            cJSON_AddNumberToObject(fo, "bytes", (double)g.file_size);
-            cJSON *po = params->child;
-            for (int i = 0; i < nt; i++) {
+            struct fsdp__meta_file *mf = &mt.files[mt.n_files++];
+            mf->bytes = g.file_size;
+            if (!(mf->name = fsdp__strdup(name))) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+            for (int i = 0, k = 0; i < nt && st == FSDP_OK; i++) {
                 int ti = fsdp__st_find(&g, ot[i].fqn);
-                if (!ot[i].buffer || r || ti < 0) continue;
-                cJSON *bo = cJSON_CreateObject();
-                cJSON_AddItemToArray(bufs, bo);
-                cJSON_AddStringToObject(bo, "fqn", ot[i].fqn);
-                cJSON *sh = cJSON_AddArrayToObject(bo, "shape");
-                for (int d = 0; d < ot[i].ndim; d++) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)ot[i].shape[d]));
-                cJSON_AddStringToObject(bo, "dtype", fsdp_dtype_name(ot[i].dtype));
-                cJSON_AddNumberToObject(bo, "file", 0);
-                cJSON *b = cJSON_AddArrayToObject(bo, "bytes");
-                cJSON_AddItemToArray(b, cJSON_CreateNumber((double)(g.data_start + g.t[ti].begin)));
-                cJSON_AddItemToArray(b, cJSON_CreateNumber((double)(g.data_start + g.t[ti].end)));
-            }
-            for (int i = 0; i < nt; i++) {
-                if (ot[i].buffer) continue;
-                cJSON *pcur = po; /* params lists the non-buffers in order */
-                po = po->next;
+                if (ot[i].buffer) {
+                    if (r || ti < 0) continue;
+                    struct fsdp__meta_buffer *q = &mt.buffers[mt.n_buffers++];
+                    *q = (struct fsdp__meta_buffer){fsdp__strdup(ot[i].fqn), ot[i].dtype, ot[i].ndim, {0},
+                                                    f.t[ot[i].ti].numel, 0, g.data_start + g.t[ti].begin,
+                                                    g.data_start + g.t[ti].end};
+                    memcpy(q->shape, ot[i].shape, sizeof q->shape);
+                    if (!q->fqn) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+                    continue;
+                }
+                struct fsdp__meta_param *q = &mt.params[k++]; /* the non-buffers in order */
                 int64_t numel = f.t[ot[i].ti].numel, s = numel * r / n_files, e = numel * (r + 1) / n_files;
-                int ti = fsdp__st_find(&g, ot[i].fqn);
                 if (s >= e || ti < 0) continue;
-                cJSON *ro = cJSON_CreateObject();
-                cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(pcur, "ranges"), ro);
-                cJSON_AddNumberToObject(ro, "file", r);
-                cJSON_AddNumberToObject(ro, "start", (double)s);
-                cJSON_AddNumberToObject(ro, "end", (double)e);
-                cJSON *b = cJSON_AddArrayToObject(ro, "bytes");
-                cJSON_AddItemToArray(b, cJSON_CreateNumber((double)(g.data_start + g.t[ti].begin)));
-                cJSON_AddItemToArray(b, cJSON_CreateNumber((double)(g.data_start + g.t[ti].end)));
+                q->ranges[q->n_ranges++] = (struct fsdp__meta_range){r, s, e, g.data_start + g.t[ti].begin,
+                                                                     g.data_start + g.t[ti].end};
             }
             fsdp__st_close(&g);
         }
@@ -473,12 +441,11 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
     }
     free(buf);
     free(tbuf);
-    char *text = st == FSDP_OK ? cJSON_Print(root) : NULL;
-    cJSON_Delete(root);
-    if (st == FSDP_OK && !text) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
-    char *mpath = fsdp__path_join(tmpdir, FSDP__META_NAME);
-    if (st == FSDP_OK) fsdp__meta_seal(text);
-    if (st == FSDP_OK) st = mpath ? fsdp__write_durable(ctx, mpath, text) : fsdp__err(ctx, FSDP_ERR_NOMEM, "oom");
+    char *text = NULL, *mpath = fsdp__path_join(tmpdir, FSDP__META_NAME);
+    if (st == FSDP_OK && !mpath) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    if (st == FSDP_OK) st = fsdp__meta_format(ctx, mpath, &mt, &text);
+    fsdp__meta_free(&mt);
+    if (st == FSDP_OK) st = fsdp__write_durable(ctx, mpath, text);
     if (st == FSDP_OK) st = fsdp__ckpt_commit_dir(ctx, dir, tmpdir, n_files);
     free(mpath);
     free(text);

@@ -7,7 +7,6 @@
 #include "io/io-impl.h"
 #include "optim/optim-impl.h"
 
-#include <cJSON.h>
 #include <errno.h>
 #include <limits.h>
 #include <string.h>
@@ -107,100 +106,53 @@ static enum fsdp_status save_rank_file(struct fsdp_ctx *ctx, struct fsdp_model *
     return st;
 }
 
-static void add_config(cJSON *root, const struct fsdp_gpt_config *c) {
-    cJSON *o = cJSON_AddObjectToObject(root, "model_config");
-    if (!o) return;
-    cJSON_AddNumberToObject(o, "n_layer", c->n_layer);
-    cJSON_AddNumberToObject(o, "n_head", c->n_head);
-    cJSON_AddNumberToObject(o, "n_embd", c->n_embd);
-    cJSON_AddNumberToObject(o, "vocab_size", c->vocab_size);
-    cJSON_AddNumberToObject(o, "block_size", c->block_size);
-}
-
 /* meta.json, by rank 0 after every rank file exists: the layout is a pure
  * function of (model, shard group size), and byte ranges come from the
  * files' headers. Its "world" is the number of shards (files). */
-static enum fsdp_status write_meta(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *tmpdir,
-                                   const struct fsdp_ckpt_meta *m) {
-    int world = fm->shard_size;
-    int k;
+static enum fsdp_status describe(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *tmpdir,
+                                 struct fsdp__st_file *files, struct fsdp__meta *mt) {
+    int world = fm->shard_size, k;
     const char *const *snames = fsdp__ckpt_state_names(fm->optim, &k);
-    struct fsdp__st_file *files = calloc((size_t)world, sizeof *files);
-    if (!files) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
-    for (int r = 0; r < world; r++) files[r].fd = -1;
-    enum fsdp_status st = FSDP_OK;
-    cJSON *root = cJSON_CreateObject();
-    cJSON_AddStringToObject(root, "crc32c", "00000000"); /* first: [Note: sealed meta.json] */
-    cJSON_AddStringToObject(root, "format", FSDP__META_FORMAT);
-    cJSON_AddNumberToObject(root, "version", 1);
-    cJSON_AddNumberToObject(root, "world", world);
-    cJSON_AddNumberToObject(root, "step", (double)m->step);
-    cJSON_AddNumberToObject(root, "data_step", (double)m->data_step);
-    cJSON_AddNumberToObject(root, "lr_step", (double)m->step);
-    char seed[32];
-    snprintf(seed, sizeof seed, "%llu", (unsigned long long)m->seed);
-    cJSON_AddStringToObject(root, "seed", seed);
-    cJSON_AddStringToObject(root, "rng", "philox4x32-10 keyed by (seed, fqn): the seed is the state");
-    cJSON_AddNumberToObject(root, "optim_step", fm->optim ? (double)fsdp_optim_step_count(fm->optim) : 0);
-    cJSON *sn = cJSON_AddArrayToObject(root, "optim_state");
-    for (int i = 0; i < k; i++) cJSON_AddItemToArray(sn, cJSON_CreateString(snames[i]));
-    if (m->has_config) add_config(root, &m->config);
-    if (m->model_json[0]) {
-        cJSON *mj = cJSON_Parse(m->model_json);
-        if (!cJSON_IsObject(mj)) {
-            cJSON_Delete(mj);
-            cJSON_Delete(root);
-            free(files);
-            return fsdp__err(ctx, FSDP_ERR_INVALID, "checkpoint meta: model_json is not a JSON object");
-        }
-        cJSON_AddItemToObject(root, "model", mj);
-    }
-    cJSON *fl = cJSON_AddArrayToObject(root, "files");
-    for (int r = 0; r < world && st == FSDP_OK; r++) {
+    for (int i = 0; i < k; i++)
+        if (!(mt->state[mt->n_state++] = fsdp__strdup(snames[i]))) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    for (int r = 0; r < world; r++) {
         char name[64];
         fsdp__ckpt_rank_file_name(name, sizeof name, r, world);
         char *path = fsdp__path_join(tmpdir, name);
-        st = path ? fsdp__st_open(ctx, path, &files[r]) : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        enum fsdp_status st = path ? fsdp__st_open(ctx, path, &files[r]) : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
         free(path);
-        cJSON *fo = cJSON_CreateObject();
-        cJSON_AddItemToArray(fl, fo);
-        cJSON_AddStringToObject(fo, "name", name);
-        cJSON_AddNumberToObject(fo, "bytes", (double)files[r].file_size);
+        FSDP_TRY(st);
+        struct fsdp__meta_file *f = &mt->files[mt->n_files++];
+        if (!(f->name = fsdp__strdup(name))) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        f->bytes = files[r].file_size;
     }
-    cJSON *params = cJSON_AddArrayToObject(root, "params");
-    for (int i = 0; i < fm->n_units && st == FSDP_OK; i++) {
+    for (int i = 0; i < fm->n_units; i++) {
         struct fsdp__unit *u = &fm->units[i];
         for (int j = 0; j < u->n_params; j++) {
             struct fsdp_param *p = u->params[j];
-            cJSON *po = cJSON_CreateObject();
-            cJSON_AddItemToArray(params, po);
-            cJSON_AddStringToObject(po, "fqn", p->fqn);
-            cJSON *sh = cJSON_AddArrayToObject(po, "shape");
-            for (int d = 0; d < p->ndim; d++) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)p->shape[d]));
-            cJSON_AddStringToObject(po, "dtype", "F32");
-            cJSON *rg = cJSON_AddArrayToObject(po, "ranges");
+            struct fsdp__meta_param *q = &mt->params[mt->n_params++];
+            if (!(q->fqn = fsdp__strdup(p->fqn)) || !(q->ranges = calloc((size_t)world, sizeof *q->ranges)))
+                return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+            q->ndim = p->ndim;
+            memcpy(q->shape, p->shape, sizeof q->shape);
+            q->numel = p->numel;
             for (int r = 0; r < world; r++) {
                 int64_t s, e;
                 if (!fsdp__ckpt_overlap(u, r, j, &s, &e)) continue;
                 int ti = fsdp__st_find(&files[r], p->fqn);
-                if (ti < 0) {
-                    st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: rank %d's file lacks '%s'", tmpdir, r, p->fqn);
-                    break;
-                }
-                cJSON *ro = cJSON_CreateObject();
-                cJSON_AddItemToArray(rg, ro);
-                cJSON_AddNumberToObject(ro, "file", r);
-                cJSON_AddNumberToObject(ro, "start", (double)(s - u->offsets[j]));
-                cJSON_AddNumberToObject(ro, "end", (double)(e - u->offsets[j]));
-                cJSON *b = cJSON_AddArrayToObject(ro, "bytes");
-                cJSON_AddItemToArray(b, cJSON_CreateNumber((double)(files[r].data_start + files[r].t[ti].begin)));
-                cJSON_AddItemToArray(b, cJSON_CreateNumber((double)(files[r].data_start + files[r].t[ti].end)));
+                if (ti < 0) return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: rank %d's file lacks '%s'", tmpdir, r, p->fqn);
+                q->ranges[q->n_ranges++] = (struct fsdp__meta_range){
+                    r, s - u->offsets[j], e - u->offsets[j], files[r].data_start + files[r].t[ti].begin,
+                    files[r].data_start + files[r].t[ti].end};
             }
         }
     }
     struct fsdp__buflist bl = {0};
-    if (st == FSDP_OK) st = fsdp__buffers_list(ctx, fm->root, 1, &bl);
-    cJSON *bufs = cJSON_AddArrayToObject(root, "buffers");
+    enum fsdp_status st = fsdp__buffers_list(ctx, fm->root, 1, &bl);
+    if (st == FSDP_OK && bl.n) {
+        free(mt->buffers);
+        if (!(mt->buffers = calloc((size_t)bl.n, sizeof *mt->buffers))) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    }
     for (int i = 0; i < bl.n && st == FSDP_OK; i++) {
         struct fsdp_buffer *b = bl.b[i];
         int ti = fsdp__st_find(&files[0], b->fqn);
@@ -208,32 +160,41 @@ static enum fsdp_status write_meta(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
             st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: rank 0's file lacks buffer '%s'", tmpdir, b->fqn);
             break;
         }
-        cJSON *bo = cJSON_CreateObject();
-        cJSON_AddItemToArray(bufs, bo);
-        cJSON_AddStringToObject(bo, "fqn", b->fqn);
-        cJSON *sh = cJSON_AddArrayToObject(bo, "shape");
-        for (int d = 0; d < b->ndim; d++) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)b->shape[d]));
-        cJSON_AddStringToObject(bo, "dtype", fsdp_dtype_name(b->dtype));
-        cJSON_AddNumberToObject(bo, "file", 0);
-        cJSON *by = cJSON_AddArrayToObject(bo, "bytes");
-        cJSON_AddItemToArray(by, cJSON_CreateNumber((double)(files[0].data_start + files[0].t[ti].begin)));
-        cJSON_AddItemToArray(by, cJSON_CreateNumber((double)(files[0].data_start + files[0].t[ti].end)));
+        struct fsdp__meta_buffer *q = &mt->buffers[mt->n_buffers++];
+        *q = (struct fsdp__meta_buffer){fsdp__strdup(b->fqn), b->dtype, b->ndim, {0}, b->numel, 0,
+                                        files[0].data_start + files[0].t[ti].begin,
+                                        files[0].data_start + files[0].t[ti].end};
+        memcpy(q->shape, b->shape, sizeof q->shape);
+        if (!q->fqn) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     }
     fsdp__buffers_list_free(&bl);
-    for (int r = 0; r < world; r++) fsdp__st_close(&files[r]);
+    return st;
+}
+
+static enum fsdp_status write_meta(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *tmpdir,
+                                   const struct fsdp_ckpt_meta *m) {
+    int world = fm->shard_size, np = 0;
+    for (int i = 0; i < fm->n_units; i++) np += fm->units[i].n_params;
+    struct fsdp__meta mt;
+    FSDP_TRY(fsdp__meta_alloc(ctx, &mt, world, np, 0));
+    mt.m = *m;
+    mt.m.optim_step = fm->optim ? fsdp_optim_step_count(fm->optim) : 0;
+    struct fsdp__st_file *files = calloc((size_t)world, sizeof *files);
+    enum fsdp_status st = files ? FSDP_OK : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    for (int r = 0; files && r < world; r++) files[r].fd = -1;
+    if (st == FSDP_OK) st = describe(ctx, fm, tmpdir, files, &mt);
+    for (int r = 0; files && r < world; r++) fsdp__st_close(&files[r]);
     free(files);
-    char *text = st == FSDP_OK ? cJSON_Print(root) : NULL;
-    cJSON_Delete(root);
-    if (st == FSDP_OK && !text) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory writing meta.json");
-    char *mpath = fsdp__path_join(tmpdir, FSDP__META_NAME);
+    char *text = NULL, *mpath = fsdp__path_join(tmpdir, FSDP__META_NAME);
+    if (st == FSDP_OK && !mpath) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+    if (st == FSDP_OK) st = fsdp__meta_format(ctx, mpath, &mt, &text);
+    fsdp__meta_free(&mt);
     if (st == FSDP_OK) fsdp__ckpt_crash_point("before meta.json");
-    if (st == FSDP_OK) fsdp__meta_seal(text);
-    if (st == FSDP_OK) st = mpath ? fsdp__write_durable(ctx, mpath, text) : fsdp__err(ctx, FSDP_ERR_NOMEM, "oom");
+    if (st == FSDP_OK) st = fsdp__write_durable(ctx, mpath, text);
     free(mpath);
     free(text);
     return st;
 }
-
 
 enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
                                 const struct fsdp_ckpt_meta *meta) {
