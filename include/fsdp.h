@@ -156,6 +156,8 @@ struct fsdp_init {
 
 /* A parameter, always fp32 at the API. Its values are keyed by FQN: the init
  * value of element i is a pure function of (seed, fqn, i). */
+struct fsdp__param_priv; /* the library's bookkeeping of a parameter (not API) */
+
 struct fsdp_param {
     char name[48];       /* local name in its module, e.g. "weight" */
     char *fqn;           /* "transformer.h.0.attn.c_attn.weight"; set by fsdp_module_finalize */
@@ -165,23 +167,11 @@ struct fsdp_param {
     int64_t numel;
     float *data;         /* full values while usable, NULL while sharded (shapes only) */
     float *grad;         /* full gradient accumulator during backward, else NULL */
-    const void *data_lp; /* the same values as data in data_lp_dtype (BF16 / F16) while the
-                            sharding layer gathered them in that dtype, else NULL */
-    enum fsdp_dtype data_lp_dtype;
-    int lp_reader;       /* set by a built-in layer that reads these values only through data_lp
-                            when gathered 16-bit (Linear and Embedding weights); others get data */
-    int data_stale;      /* data not yet widened from data_lp (training passes, lp_reader only);
-                            the built-in layers widen on demand (fsdp__pdata) */
-    int grad_writer;     /* set by a built-in layer whose backward takes this gradient only through
-                            the library's accessors, which honour grad_unset; cleared by sharding
-                            when a layer without it shares the parameter (tied_to) */
-    int grad_unset;      /* grad holds no values yet: the first writer overwrites it (set by the
-                            sharding layer on grad_writer parameters instead of zeroing) */
     struct fsdp_param *tied_to; /* shares values and gradient with this parameter */
     struct fsdp_init init;
     int no_decay;        /* exempt from weight decay (biases, LayerNorm, embeddings) */
-    int owns_data;       /* data was allocated by fsdp_module_materialize */
-    void *fsdp_priv;     /* bookkeeping of the sharding layer */
+    struct fsdp__param_priv *priv; /* set by fsdp_module_add_param, owned by the library: the
+                                      sharding layer's and the built-in layers' bookkeeping */
 };
 
 /* A buffer: a non-trainable tensor of a module, named by FQN like a
@@ -220,14 +210,7 @@ struct fsdp_module_ops {
     void (*destroy)(struct fsdp_module *m); /* frees type-specific state; may be NULL */
 };
 
-/* Called around a module's forward and backward by the dispatchers below;
- * the sharding layer sets these on unit roots. */
-struct fsdp_module_hooks {
-    enum fsdp_status (*pre_forward)(void *data, struct fsdp_ctx *ctx);
-    enum fsdp_status (*post_forward)(void *data, struct fsdp_ctx *ctx);
-    enum fsdp_status (*pre_backward)(void *data, struct fsdp_ctx *ctx);
-    enum fsdp_status (*post_backward)(void *data, struct fsdp_ctx *ctx);
-};
+struct fsdp__module_priv; /* the library's bookkeeping of a module (not API) */
 
 struct fsdp_module {
     const struct fsdp_module_ops *ops;
@@ -235,21 +218,17 @@ struct fsdp_module {
     char *fqn;                  /* "" for the root; set by fsdp_module_finalize */
     struct fsdp_module *parent;
     struct fsdp_module **children;
-    int n_children, cap_children;
+    int n_children;
     struct fsdp_param **params; /* parameters owned directly by this module */
-    int n_params, cap_params;
-    const struct fsdp_module_hooks *hooks;
-    void *hook_data;
+    int n_params;
     int checkpoint;             /* activation checkpointing: forward keeps only its input,
                                    backward recomputes the forward (module.c) */
-    struct fsdp_tensor ckpt_in; /* the saved input while checkpointed (arena) */
-    int ckpt_saved;             /* ckpt_in is valid (forward ran, backward not yet) */
     void *impl;                 /* type-specific state */
     enum fsdp_dtype compute_dtype; /* inputs of this module's own matrix products:
                                       FSDP_F32 (default), FSDP_BF16 or FSDP_F16;
                                       see fsdp_module_set_compute_dtype */
     struct fsdp_buffer **buffers; /* buffers owned directly by this module */
-    int n_buffers, cap_buffers;
+    int n_buffers;
     int training;               /* 1 (default) in train mode, 0 in eval mode:
                                    fsdp_module_set_training */
     int fp32_params;            /* its parameters stay fp32 under mixed precision: when the
@@ -257,6 +236,9 @@ struct fsdp_module {
                                    unit of its own unless the wrap policy overrides its
                                    mixed precision (set by BatchNorm2d, as PyTorch's
                                    autocast and FSDP keep batch norm in fp32) */
+    struct fsdp__module_priv *priv; /* set by fsdp_module_create, owned by the library: array
+                                       capacities, the sharding layer's hooks, the saved input
+                                       of activation checkpointing */
 };
 
 /* Creates a module of the given ops with a local name. *out is returned to the

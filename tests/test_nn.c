@@ -525,7 +525,7 @@ TEST(gpt_tied_gradient_is_sum_of_paths) {
             lm->tied_to = NULL;
             lm->data = fsdp__alloc(NULL, (size_t)n * sizeof(float), FSDP_MEM_PARAM, "test");
             lm->grad = fsdp__alloc(NULL, (size_t)n * sizeof(float), FSDP_MEM_PARAM, "test");
-            lm->owns_data = 1;
+            lm->priv->owns_data = 1;
             ASSERT(lm->data && lm->grad);
             memcpy(lm->data, wte->data, (size_t)n * sizeof(float));
         }

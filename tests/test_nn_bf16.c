@@ -237,7 +237,7 @@ TEST(stale_gathered_weights_are_widened_when_read) {
         ASSERT_OK(fsdp_module_finalize(ctx, ms[k]), ctx);
         ASSERT_OK(fsdp_module_materialize(ctx, ms[k], 3), ctx);
         struct fsdp_param *p = ms[k]->params[0];
-        CHECK_INT_EQ(p->lp_reader, 1);
+        CHECK_INT_EQ(p->priv->lp_reader, 1);
         lp[k] = malloc((size_t)p->numel * 2);
         want_w[k] = malloc((size_t)p->numel * sizeof(float));
         for (int64_t i = 0; i < p->numel; i++) {
@@ -245,15 +245,15 @@ TEST(stale_gathered_weights_are_widened_when_read) {
             want_w[k][i] = fsdp__bf16_to_f32(lp[k][i]);
             p->data[i] = NAN; /* what a lazily gathered unit leaves in the fp32 part */
         }
-        p->data_lp = lp[k];
-        p->data_lp_dtype = FSDP_BF16;
-        p->data_stale = 1;
+        p->priv->data_lp = lp[k];
+        p->priv->data_lp_dtype = FSDP_BF16;
+        p->priv->data_stale = 1;
     }
     float x[8 * 32];
     for (int64_t i = 0; i < N * I; i++) x[i] = urand();
     struct fsdp_tensor in = {x, FSDP_F32, 2, {N, I}}, out = {0};
     ASSERT_OK(fsdp_module_forward(lin, ctx, &in, &out), ctx); /* compute dtype F32: reads fsdp__pdata */
-    CHECK_INT_EQ(lin->params[0]->data_stale, 0);
+    CHECK_INT_EQ(lin->params[0]->priv->data_stale, 0);
     int bad = 0;
     for (int64_t r = 0; r < N; r++)
         for (int64_t o = 0; o < O; o++) {
@@ -268,12 +268,12 @@ TEST(stale_gathered_weights_are_widened_when_read) {
     int32_t ids[8] = {0, 49, 7, 7, 13, 2, 31, 48};
     struct fsdp_tensor tok = {ids, FSDP_I32, 1, {N}}, rows = {0};
     ASSERT_OK(fsdp_module_forward(emb, ctx, &tok, &rows), ctx);
-    CHECK_INT_EQ(emb->params[0]->data_stale, 1); /* the rows only: the table stays unwidened */
+    CHECK_INT_EQ(emb->params[0]->priv->data_stale, 1); /* the rows only: the table stays unwidened */
     for (int64_t r = 0; r < N; r++)
         CHECK_INT_EQ(memcmp((float *)rows.data + r * I, want_w[1] + (int64_t)ids[r] * I, (size_t)I * sizeof(float)), 0);
     for (int k = 0; k < 2; k++) {
-        ms[k]->params[0]->data_lp = NULL;
-        ms[k]->params[0]->data_stale = 0;
+        ms[k]->params[0]->priv->data_lp = NULL;
+        ms[k]->params[0]->priv->data_stale = 0;
         free(lp[k]);
         free(want_w[k]);
         fsdp_module_free(ms[k]);

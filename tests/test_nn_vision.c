@@ -585,7 +585,7 @@ TEST(vision_layers_honour_unset_gradients) {
             ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
             for (int i = 0; i < m->n_params && pass == 1; i++) {
                 for (int64_t j = 0; j < m->params[i]->numel; j++) m->params[i]->grad[j] = NAN;
-                m->params[i]->grad_unset = 1;
+                m->params[i]->priv->grad_unset = 1;
             }
             for (int rep = 0; rep < 2; rep++) { /* twice: written, then added */
                 fsdp_arena_reset(ctx);
@@ -602,7 +602,7 @@ TEST(vision_layers_honour_unset_gradients) {
             }
             for (int i = 0; i < m->n_params; i++) {
                 struct fsdp_param *p = m->params[i];
-                CHECK_INT_EQ(p->grad_unset, 0);
+                CHECK_INT_EQ(p->priv->grad_unset, 0);
                 if (pass == 0) {
                     ref[i] = malloc((size_t)p->numel * sizeof(float));
                     memcpy(ref[i], p->grad, (size_t)p->numel * sizeof(float));

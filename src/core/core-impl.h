@@ -35,6 +35,44 @@ enum fsdp_status fsdp__ctx_alloc(struct fsdp_ctx **out);
 /* Frees what fsdp__ctx_alloc made (not the comm). */
 void fsdp__ctx_release(struct fsdp_ctx *ctx);
 
+/* ---- Bookkeeping behind the public structs ----
+ * struct fsdp_param and struct fsdp_module show what a module needs (names,
+ * shapes, data, grad); the library's own state of each is here, allocated
+ * with it (fsdp_module_add_param, fsdp_module_create) and reached through
+ * its `priv`. */
+struct fsdp__unit;
+struct fsdp__param_priv {
+    const void *data_lp; /* the same values as data in data_lp_dtype (BF16 / F16) while the
+                            sharding layer gathered them in that dtype, else NULL */
+    enum fsdp_dtype data_lp_dtype;
+    int lp_reader;       /* set by a built-in layer that reads these values only through data_lp
+                            when gathered 16-bit (Linear and Embedding weights); others get data */
+    int data_stale;      /* data not yet widened from data_lp (training passes, lp_reader only);
+                            the built-in layers widen on demand (fsdp__pdata) */
+    int grad_writer;     /* set by a built-in layer whose backward takes this gradient only through
+                            the library's accessors, which honour grad_unset; cleared by sharding
+                            when a layer without it shares the parameter (tied_to) */
+    int grad_unset;      /* grad holds no values yet: the first writer overwrites it (set by the
+                            sharding layer on grad_writer parameters instead of zeroing) */
+    int owns_data;       /* data (and grad) allocated by fsdp_module_materialize / zero_grad */
+    struct fsdp__unit *unit; /* the sharding layer's unit holding it, else NULL */
+};
+/* Called around a module's forward and backward by the dispatchers; the
+ * sharding layer sets these on unit roots. */
+struct fsdp_module_hooks {
+    enum fsdp_status (*pre_forward)(void *data, struct fsdp_ctx *ctx);
+    enum fsdp_status (*post_forward)(void *data, struct fsdp_ctx *ctx);
+    enum fsdp_status (*pre_backward)(void *data, struct fsdp_ctx *ctx);
+    enum fsdp_status (*post_backward)(void *data, struct fsdp_ctx *ctx);
+};
+struct fsdp__module_priv {
+    int cap_children, cap_params, cap_buffers; /* allocated lengths of the arrays */
+    const struct fsdp_module_hooks *hooks;
+    void *hook_data;
+    struct fsdp_tensor ckpt_in; /* the saved input while checkpointed (arena) */
+    int ckpt_saved;             /* ckpt_in is valid (forward ran, backward not yet) */
+};
+
 /* ---- Errors ---- */
 /* Records a printf-style message on ctx and returns st (for `return fsdp__err(...)`). */
 enum fsdp_status fsdp__err(struct fsdp_ctx *ctx, enum fsdp_status st, const char *fmt, ...)

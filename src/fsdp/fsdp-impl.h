@@ -194,7 +194,7 @@ struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
  * place: [Note: fused 16-bit copy] in src/optim/optim.c), the all-gather
  * runs in place there in the 16-bit dtype
  * (half the bytes), and fsdp__mp_gather_finish widens it into the fp32 part
- * (what p->data shows) and leaves the 16-bit copy as p->data_lp, which the
+ * (what p->data shows) and leaves the 16-bit copy as p->priv->data_lp, which the
  * layers multiply with instead of casting the weight again
  * (fsdp__pdata_lp). The reduce-scatter needs no extra memory:
  * fsdp__mp_grad_send narrows the fp32 full gradient in place into its lower

@@ -146,11 +146,11 @@ void fsdp__mp_gather_finish(struct fsdp__unit *u, int lazy) {
     if (!lazy) fsdp__cvt_to_f32(u->param_dtype, stage, u->full, (size_t)u->numel_padded);
     for (int j = 0; j < u->n_params; j++) { /* the layers' 16-bit weights (fsdp__pdata_lp) */
         struct fsdp_param *p = u->params[j];
-        p->data_lp = stage + u->offsets[j];
-        p->data_lp_dtype = u->param_dtype;
-        p->data_stale = lazy && p->lp_reader; /* [Note: lazy widening] (src/nn/precision.c) */
-        if (lazy && !p->lp_reader)
-            fsdp__cvt_to_f32(u->param_dtype, p->data_lp, u->full + u->offsets[j], (size_t)p->numel);
+        p->priv->data_lp = stage + u->offsets[j];
+        p->priv->data_lp_dtype = u->param_dtype;
+        p->priv->data_stale = lazy && p->priv->lp_reader; /* [Note: lazy widening] (src/nn/precision.c) */
+        if (lazy && !p->priv->lp_reader)
+            fsdp__cvt_to_f32(u->param_dtype, p->priv->data_lp, u->full + u->offsets[j], (size_t)p->numel);
     }
 }
 

@@ -214,7 +214,7 @@ struct saved {
 static int save_one(struct fsdp_param *p, void *ud) {
     struct saved *s = ud;
     if (!p->data) return 0;
-    if (!p->owns_data) return 0; /* fully_shard reports it */
+    if (!p->priv->owns_data) return 0; /* fully_shard reports it */
     if (s->n == s->cap) {
         int ncap = s->cap ? 2 * s->cap : 64;
         void *a = realloc(s->p, (size_t)ncap * sizeof *s->p);
@@ -231,7 +231,7 @@ static int save_one(struct fsdp_param *p, void *ud) {
     s->grad[s->n++] = p->grad;
     p->data = NULL;
     p->grad = NULL;
-    p->owns_data = 0;
+    p->priv->owns_data = 0;
     return 0;
 }
 

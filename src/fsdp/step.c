@@ -342,7 +342,7 @@ static enum fsdp_status eval_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm
         struct fsdp__unit *u = &fm->units[i];
         u->reshard_after_forward = saved[2 * i];
         u->module->checkpoint = saved[2 * i + 1];
-        u->module->ckpt_saved = 0;
+        u->module->priv->ckpt_saved = 0;
         u->phase = PHASE_IDLE;
     }
     free(saved);

@@ -134,7 +134,7 @@ enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
         u->model->n_inflight--;
     }
     for (int j = 0; j < u->n_params; j++)
-        u->params[j]->data = NULL, u->params[j]->data_lp = NULL, u->params[j]->data_stale = 0;
+        u->params[j]->data = NULL, u->params[j]->priv->data_lp = NULL, u->params[j]->priv->data_stale = 0;
     if (u->full != u->shard) fsdp__pool_put(u->model, u->full);
     u->full = NULL;
     u->state_ = UNIT_SHARDED;
@@ -142,7 +142,7 @@ enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
 }
 
 static void release_grad(struct fsdp__unit *u) {
-    for (int j = 0; j < u->n_params; j++) u->params[j]->grad = NULL, u->params[j]->grad_unset = 0;
+    for (int j = 0; j < u->n_params; j++) u->params[j]->grad = NULL, u->params[j]->priv->grad_unset = 0;
     if (u->full_grad != u->grad_shard) fsdp__pool_put(u->model, u->full_grad);
     u->full_grad = NULL;
 }
@@ -154,7 +154,7 @@ static void release_grad(struct fsdp__unit *u) {
 static void grad_begin(struct fsdp__unit *u) {
     for (int j = 0; j < u->n_params; j++) {
         struct fsdp_param *p = u->params[j];
-        if (p->grad_writer) p->grad_unset = 1;
+        if (p->priv->grad_writer) p->priv->grad_unset = 1;
         else fsdp__zero(u->full_grad + u->offsets[j], p->numel);
     }
     fsdp__zero(u->full_grad + u->numel_full, u->numel_padded - u->numel_full);
@@ -163,9 +163,9 @@ static void grad_begin(struct fsdp__unit *u) {
 /* Zeroes the gradients backward left unset (parameters it did not reach). */
 static void grad_settle(struct fsdp__unit *u) {
     for (int j = 0; j < u->n_params; j++)
-        if (u->params[j]->grad_unset) {
+        if (u->params[j]->priv->grad_unset) {
             fsdp__zero(u->full_grad + u->offsets[j], u->params[j]->numel);
-            u->params[j]->grad_unset = 0;
+            u->params[j]->priv->grad_unset = 0;
         }
 }
 

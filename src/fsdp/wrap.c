@@ -73,7 +73,7 @@ struct plan {
 
 static enum fsdp_status collect_units(struct fsdp_ctx *ctx, struct fsdp_module *m, int is_root,
                                       const struct fsdp_shard_opts *o, struct plan *pl) {
-    if (m->hooks)
+    if (m->priv->hooks)
         return fsdp__err(ctx, FSDP_ERR_STATE, "module '%s' is already part of a sharded model",
                          m->fqn ? m->fqn : m->name);
     struct fsdp_unit_overrides ovr = {0};
@@ -172,7 +172,7 @@ static void hoist_tied(struct assign_args *a, struct fsdp_module *m) {
     for (int i = 0; i < m->n_params; i++) {
         struct fsdp_param *p = m->params[i];
         if (!p->tied_to) continue;
-        if (!p->grad_writer) p->tied_to->grad_writer = 0; /* its layer adds into grad directly */
+        if (!p->priv->grad_writer) p->tied_to->priv->grad_writer = 0; /* its layer adds into grad directly */
         int user = unit_index_of_module(a->pl, m);
         for (int j = 0; j < a->n; j++) {
             if (a->visit[j] != p->tied_to) continue;
@@ -243,7 +243,7 @@ static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_sha
             u->params[u->n_params] = a.visit[j];
             u->param_fqns[u->n_params] = a.visit[j]->fqn;
             u->offsets[u->n_params] = off;
-            a.visit[j]->fsdp_priv = u;
+            a.visit[j]->priv->unit = u;
             off += a.visit[j]->numel;
             u->n_params++;
         }
@@ -298,8 +298,8 @@ enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root
         return st;
     }
     for (int i = 0; i < fm->n_units; i++) {
-        fm->units[i].module->hooks = &fsdp__unit_hooks;
-        fm->units[i].module->hook_data = &fm->units[i];
+        fm->units[i].module->priv->hooks = &fsdp__unit_hooks;
+        fm->units[i].module->priv->hook_data = &fm->units[i];
     }
     *out = fm;
     return FSDP_OK;
@@ -335,11 +335,11 @@ void fsdp_model_free(struct fsdp_model *fm) {
         for (int j = 0; j < u->n_params; j++) {
             u->params[j]->data = NULL;
             u->params[j]->grad = NULL;
-            u->params[j]->fsdp_priv = NULL;
+            u->params[j]->priv->unit = NULL;
         }
-        if (u->module && u->module->hook_data == u) {
-            u->module->hooks = NULL;
-            u->module->hook_data = NULL;
+        if (u->module && u->module->priv->hook_data == u) {
+            u->module->priv->hooks = NULL;
+            u->module->priv->hook_data = NULL;
         }
         fsdp__free(ctx, u->shard_mem);
         free(u->params);
@@ -400,7 +400,7 @@ struct fsdp__unit *fsdp__model_unit_of(struct fsdp_model *fm, const char *fqn, i
     struct fsdp_param *p = fsdp_module_find_param(fm->root, fqn);
     if (!p) return NULL;
     while (p->tied_to) p = p->tied_to;
-    struct fsdp__unit *u = p->fsdp_priv;
+    struct fsdp__unit *u = p->priv->unit;
     if (!u) return NULL;
     for (int j = 0; j < u->n_params; j++)
         if (u->params[j] == p) {

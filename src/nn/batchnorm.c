@@ -304,7 +304,7 @@ enum fsdp_status fsdp_batchnorm2d_create(struct fsdp_ctx *ctx, const char *name,
         fsdp_module_free(m);
         return st;
     }
-    B->weight->grad_writer = B->bias->grad_writer = 1; /* [Note: unset gradients] */
+    B->weight->priv->grad_writer = B->bias->priv->grad_writer = 1; /* [Note: unset gradients] */
     *out_m = m;
     return FSDP_OK;
 }

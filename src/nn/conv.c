@@ -481,8 +481,8 @@ enum fsdp_status fsdp_conv2d_create(struct fsdp_ctx *ctx, const char *name, cons
         fsdp_module_free(m);
         return st;
     }
-    C->weight->grad_writer = 1; /* [Note: unset gradients] */
-    if (C->bias) C->bias->grad_writer = 1;
+    C->weight->priv->grad_writer = 1; /* [Note: unset gradients] */
+    if (C->bias) C->bias->priv->grad_writer = 1;
     *out_m = m;
     return FSDP_OK;
 }

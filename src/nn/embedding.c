@@ -101,8 +101,8 @@ enum fsdp_status fsdp__embedding_create(struct fsdp_ctx *ctx, const char *name, 
         fsdp_module_free(m);
         return st;
     }
-    E->weight->lp_reader = 1; /* rows widened from the 16-bit copy ([Note: lazy widening]) */
-    E->weight->grad_writer = 1; /* [Note: unset gradients] */
+    E->weight->priv->lp_reader = 1; /* rows widened from the 16-bit copy ([Note: lazy widening]) */
+    E->weight->priv->grad_writer = 1; /* [Note: unset gradients] */
     *out_m = m;
     return FSDP_OK;
 }

@@ -75,17 +75,17 @@ void fsdp__colsum_add(const float *x, int64_t rows, int64_t cols, float *db) {
 
 float *fsdp__pgrad(struct fsdp_param *p) {
     struct fsdp_param *q = p->tied_to ? p->tied_to : p;
-    if (q->grad_unset) {
+    if (q->priv->grad_unset) {
         fsdp__zero(q->grad, q->numel);
-        q->grad_unset = 0;
+        q->priv->grad_unset = 0;
     }
     return q->grad;
 }
 
 float *fsdp__pgrad_first(struct fsdp_param *p, float *beta) {
     struct fsdp_param *q = p->tied_to ? p->tied_to : p;
-    *beta = q->grad_unset ? 0.0f : 1.0f;
-    q->grad_unset = 0;
+    *beta = q->priv->grad_unset ? 0.0f : 1.0f;
+    q->priv->grad_unset = 0;
     return q->grad;
 }
 

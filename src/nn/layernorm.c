@@ -148,7 +148,7 @@ enum fsdp_status fsdp__layernorm_create(struct fsdp_ctx *ctx, const char *name, 
         fsdp_module_free(m);
         return st;
     }
-    L->weight->grad_writer = L->bias->grad_writer = 1; /* [Note: unset gradients] */
+    L->weight->priv->grad_writer = L->bias->priv->grad_writer = 1; /* [Note: unset gradients] */
     *out_m = m;
     return FSDP_OK;
 }

@@ -143,9 +143,9 @@ enum fsdp_status fsdp__linear_create(struct fsdp_ctx *ctx, const char *name, int
         fsdp_module_free(m);
         return st;
     }
-    L->weight->lp_reader = 1; /* 16-bit compute reads only fsdp__pdata_lp ([Note: lazy widening]) */
-    L->weight->grad_writer = 1; /* [Note: unset gradients] */
-    if (L->bias) L->bias->grad_writer = 1;
+    L->weight->priv->lp_reader = 1; /* 16-bit compute reads only fsdp__pdata_lp ([Note: lazy widening]) */
+    L->weight->priv->grad_writer = 1; /* [Note: unset gradients] */
+    if (L->bias) L->bias->priv->grad_writer = 1;
     *out_m = m;
     return FSDP_OK;
 }

@@ -27,8 +27,13 @@ enum fsdp_status fsdp_module_create(struct fsdp_ctx *ctx, const struct fsdp_modu
     if (!ops || !name || strlen(name) >= sizeof((struct fsdp_module *)0)->name)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "module name missing or too long: '%s'",
                          name ? name : "(null)");
-    struct fsdp_module *m = calloc(1, sizeof *m);
-    if (!m) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating module '%s'", name);
+    struct module_block { /* one allocation: the module and its bookkeeping */
+        struct fsdp_module m;
+        struct fsdp__module_priv priv;
+    } *b = calloc(1, sizeof *b);
+    if (!b) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating module '%s'", name);
+    struct fsdp_module *m = &b->m;
+    m->priv = &b->priv;
     m->ops = ops;
     m->training = 1;
     strcpy(m->name, name);
@@ -42,12 +47,12 @@ void fsdp_module_free(struct fsdp_module *m) {
     free(m->children);
     for (int i = 0; i < m->n_params; i++) {
         struct fsdp_param *p = m->params[i];
-        if (p->owns_data) {
+        if (p->priv->owns_data) {
             fsdp__free(NULL, p->data);
             fsdp__free(NULL, p->grad);
         }
         free(p->fqn);
-        free(p);
+        free(p); /* with its priv: one block */
     }
     free(m->params);
     for (int i = 0; i < m->n_buffers; i++) {
@@ -67,7 +72,7 @@ enum fsdp_status fsdp_module_add_child(struct fsdp_ctx *ctx, struct fsdp_module 
         if (strcmp(parent->children[i]->name, child->name) == 0)
             return fsdp__err(ctx, FSDP_ERR_INVALID, "module '%s' already has a child named '%s'",
                              parent->name, child->name);
-    if (grow((void **)&parent->children, &parent->cap_children, parent->n_children + 1,
+    if (grow((void **)&parent->children, &parent->priv->cap_children, parent->n_children + 1,
              sizeof(struct fsdp_module *)))
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory adding child '%s'", child->name);
     parent->children[parent->n_children++] = child;
@@ -94,8 +99,13 @@ enum fsdp_status fsdp_module_add_param(struct fsdp_ctx *ctx, struct fsdp_module 
         if (strcmp(m->params[i]->name, name) == 0)
             return fsdp__err(ctx, FSDP_ERR_INVALID, "module '%s' already has a parameter '%s'",
                              m->name, name);
-    struct fsdp_param *p = calloc(1, sizeof *p);
-    if (!p || grow((void **)&m->params, &m->cap_params, m->n_params + 1, sizeof(struct fsdp_param *))) {
+    struct param_block { /* one allocation: the parameter and its bookkeeping */
+        struct fsdp_param p;
+        struct fsdp__param_priv priv;
+    } *b = calloc(1, sizeof *b);
+    struct fsdp_param *p = b ? &b->p : NULL;
+    if (p) p->priv = &b->priv;
+    if (!p || grow((void **)&m->params, &m->priv->cap_params, m->n_params + 1, sizeof(struct fsdp_param *))) {
         free(p);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory adding parameter '%s'", name);
     }
@@ -139,7 +149,7 @@ enum fsdp_status fsdp_module_add_buffer(struct fsdp_ctx *ctx, struct fsdp_module
     struct fsdp_buffer *b = calloc(1, sizeof *b);
     void *data = malloc((size_t)numel * fsdp_dtype_size(dtype));
     if (!b || !data ||
-        grow((void **)&m->buffers, &m->cap_buffers, m->n_buffers + 1, sizeof(struct fsdp_buffer *))) {
+        grow((void **)&m->buffers, &m->priv->cap_buffers, m->n_buffers + 1, sizeof(struct fsdp_buffer *))) {
         free(b);
         free(data);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory adding buffer '%s'", name);
@@ -282,7 +292,7 @@ static int materialize_one(struct fsdp_param *p, void *ud) {
                           p->name);
         return 1;
     }
-    if (p->data && !p->owns_data) {
+    if (p->data && !p->priv->owns_data) {
         a->st = fsdp__err(a->ctx, FSDP_ERR_STATE, "parameter '%s' is managed by a sharded model", p->fqn);
         return 1;
     }
@@ -295,7 +305,7 @@ static int materialize_one(struct fsdp_param *p, void *ud) {
                               p->fqn, (long long)p->numel);
             return 1;
         }
-        p->owns_data = 1;
+        p->priv->owns_data = 1;
     }
     fsdp__init_fill(p->init, a->seed, p->fqn, 0, p->data, (size_t)p->numel);
     return 0;
@@ -311,7 +321,7 @@ enum fsdp_status fsdp_module_materialize(struct fsdp_ctx *ctx, struct fsdp_modul
  * module (owns_data covers both). */
 static int zero_grad_one(struct fsdp_param *p, void *ud) {
     struct materialize_args *a = ud;
-    if (!p->owns_data) {
+    if (!p->priv->owns_data) {
         a->st = fsdp__err(a->ctx, FSDP_ERR_STATE, "parameter '%s' is not materialized", p->fqn);
         return 1;
     }
@@ -355,7 +365,7 @@ static enum fsdp_status ckpt_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
                                      const struct fsdp_tensor *in, struct fsdp_tensor *out) {
     size_t mark = fsdp_arena_mark(ctx);
     int alloc_out = out->data == NULL;
-    m->ckpt_saved = 0;
+    m->priv->ckpt_saved = 0;
     FSDP_TRY(m->ops->forward(m, ctx, in, out));
     if (alloc_out) {
         size_t bytes = (size_t)fsdp_tensor_numel(out) * fsdp_dtype_size(out->dtype);
@@ -372,50 +382,50 @@ static enum fsdp_status ckpt_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     } else {
         fsdp_arena_release(ctx, mark);
     }
-    m->ckpt_in = *in;
-    m->ckpt_saved = 1;
+    m->priv->ckpt_in = *in;
+    m->priv->ckpt_saved = 1;
     return FSDP_OK;
 }
 
 static enum fsdp_status ckpt_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                       const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
-    if (!m->ckpt_saved)
+    if (!m->priv->ckpt_saved)
         return fsdp__err(ctx, FSDP_ERR_STATE, "backward of checkpointed module '%s' without its forward",
                          m->fqn ? m->fqn : m->name);
     if (din && !din->data) { /* din outlives the recompute: place it before the mark */
         din->dtype = FSDP_F32;
-        din->ndim = m->ckpt_in.ndim;
-        memcpy(din->shape, m->ckpt_in.shape, sizeof din->shape);
-        din->data = fsdp_arena_alloc(ctx, (size_t)fsdp_tensor_numel(&m->ckpt_in) * sizeof(float));
+        din->ndim = m->priv->ckpt_in.ndim;
+        memcpy(din->shape, m->priv->ckpt_in.shape, sizeof din->shape);
+        din->data = fsdp_arena_alloc(ctx, (size_t)fsdp_tensor_numel(&m->priv->ckpt_in) * sizeof(float));
         if (!din->data)
             return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the input gradient of '%s'",
                              m->fqn ? m->fqn : m->name);
     }
     size_t mark = fsdp_arena_mark(ctx);
     struct fsdp_tensor again = {0};
-    enum fsdp_status st = m->ops->forward(m, ctx, &m->ckpt_in, &again);
+    enum fsdp_status st = m->ops->forward(m, ctx, &m->priv->ckpt_in, &again);
     if (st == FSDP_OK) st = m->ops->backward(m, ctx, dout, din);
     fsdp_arena_release(ctx, mark);
-    m->ckpt_saved = 0;
+    m->priv->ckpt_saved = 0;
     return st;
 }
 
 enum fsdp_status fsdp_module_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                      const struct fsdp_tensor *in, struct fsdp_tensor *out) {
-    const struct fsdp_module_hooks *h = m->hooks;
-    if (h && h->pre_forward) FSDP_TRY(h->pre_forward(m->hook_data, ctx));
+    const struct fsdp_module_hooks *h = m->priv->hooks;
+    if (h && h->pre_forward) FSDP_TRY(h->pre_forward(m->priv->hook_data, ctx));
     if (m->checkpoint) FSDP_TRY(ckpt_forward(m, ctx, in, out));
     else FSDP_TRY(m->ops->forward(m, ctx, in, out));
-    if (h && h->post_forward) FSDP_TRY(h->post_forward(m->hook_data, ctx));
+    if (h && h->post_forward) FSDP_TRY(h->post_forward(m->priv->hook_data, ctx));
     return FSDP_OK;
 }
 
 enum fsdp_status fsdp_module_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                       const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
-    const struct fsdp_module_hooks *h = m->hooks;
-    if (h && h->pre_backward) FSDP_TRY(h->pre_backward(m->hook_data, ctx));
+    const struct fsdp_module_hooks *h = m->priv->hooks;
+    if (h && h->pre_backward) FSDP_TRY(h->pre_backward(m->priv->hook_data, ctx));
     if (m->checkpoint) FSDP_TRY(ckpt_backward(m, ctx, dout, din));
     else FSDP_TRY(m->ops->backward(m, ctx, dout, din));
-    if (h && h->post_backward) FSDP_TRY(h->post_backward(m->hook_data, ctx));
+    if (h && h->post_backward) FSDP_TRY(h->post_backward(m->priv->hook_data, ctx));
     return FSDP_OK;
 }

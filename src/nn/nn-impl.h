@@ -82,7 +82,7 @@ void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, 
 /* The values of parameter p as dtype dt for a product: fsdp__pdata(p) for
  * FSDP_F32, else a cast into the arena (NULL with the error set if the arena
  * is full). The one place a layer gets its low-precision weight: when FSDP
- * gathered the parameter in dt (p->data_lp), that copy is returned as is. */
+ * gathered the parameter in dt (p->priv->data_lp), that copy is returned as is. */
 const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp_dtype dt);
 /* The dtype in which m's forward takes its input without casting it
  * ([Note: 16-bit hand-off]): a Linear's 16-bit compute dtype, a
@@ -108,23 +108,23 @@ void fsdp__colsum_add(const float *x, int64_t rows, int64_t cols, float *db);
 /* ---- Parameters (ties honoured) ---- */
 /* A tied parameter (tied_to != NULL) has no storage of its own: its values
  * and gradient are those of the parameter it is tied to. */
-/* Widens q->data from q->data_lp (q->data_stale: see [Note: lazy widening]). */
+/* Widens q->data from q->priv->data_lp (q->priv->data_stale: see [Note: lazy widening]). */
 void fsdp__param_widen(struct fsdp_param *q);
 static inline float *fsdp__pdata(struct fsdp_param *p) {
     struct fsdp_param *q = p->tied_to ? p->tied_to : p;
-    if (q->data_stale) fsdp__param_widen(q);
+    if (q->priv->data_stale) fsdp__param_widen(q);
     return q->data;
 }
-/* The 16-bit copy of p's values FSDP gathered (p->data_lp of the storage
+/* The 16-bit copy of p's values FSDP gathered (p->priv->data_lp of the storage
  * parameter) and its dtype in *dt, or NULL when there is none. */
 static inline const void *fsdp__pdata_gathered_lp(const struct fsdp_param *p, enum fsdp_dtype *dt) {
     const struct fsdp_param *q = p->tied_to ? p->tied_to : p;
-    *dt = q->data_lp_dtype;
-    return q->data_lp;
+    *dt = q->priv->data_lp_dtype;
+    return q->priv->data_lp;
 }
 /* [Note: unset gradients]
  * Before a unit's backward the sharding layer marks the gradients of
- * grad_writer parameters unset (p->grad_unset) instead of zeroing the whole
+ * grad_writer parameters unset (p->priv->grad_unset) instead of zeroing the whole
  * full gradient: 496 MB of writes a step for GPT-2 124M, plus a read of
  * every Linear weight gradient for a product that adds into zeros. A layer
  * that can write its gradient outright takes it with fsdp__pgrad_first (its

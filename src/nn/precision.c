@@ -59,8 +59,8 @@ enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp
  * that gathers (summon, checkpoints, sync) widens eagerly. The values read
  * are the same bits either way. */
 void fsdp__param_widen(struct fsdp_param *q) {
-    fsdp__cvt_to_f32(q->data_lp_dtype, q->data_lp, q->data, (size_t)q->numel);
-    q->data_stale = 0;
+    fsdp__cvt_to_f32(q->priv->data_lp_dtype, q->priv->data_lp, q->data, (size_t)q->numel);
+    q->priv->data_stale = 0;
 }
 
 enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m) {
@@ -84,7 +84,7 @@ void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, 
 const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp_dtype dt) {
     if (dt == FSDP_F32) return fsdp__pdata(p);
     const struct fsdp_param *q = p->tied_to ? p->tied_to : p;
-    if (q->data_lp && q->data_lp_dtype == dt) return q->data_lp; /* gathered in dt: no cast */
+    if (q->priv->data_lp && q->priv->data_lp_dtype == dt) return q->priv->data_lp; /* gathered in dt: no cast */
     char what[96];
     snprintf(what, sizeof what, "%s in %s", p->fqn ? p->fqn : p->name, fsdp_dtype_name(dt));
     return fsdp__lp_copy(ctx, dt, fsdp__pdata(p), p->numel, what);
