@@ -1365,7 +1365,9 @@ struct fsdp_wrap_policy {
 /* Selects the modules to checkpoint (non-zero: checkpoint m). Checkpointed
  * forward keeps only the module's input (which the caller must not modify
  * until backward); backward runs the forward again first. Gradients are
- * bit-identical to a run without checkpointing. */
+ * bit-identical to a run without checkpointing, and so are the buffers: the
+ * forward run again does not update BatchNorm2d's running statistics a
+ * second time (unlike torch.utils.checkpoint). */
 typedef int (*fsdp_ac_check_fn)(struct fsdp_module *m, void *ud);
 struct fsdp_ac_check {
     fsdp_ac_check_fn fn;

@@ -28,6 +28,10 @@ struct fsdp_ctx {
     struct fsdp__arena_chunk *arena; /* current chunk (head of list) */
     size_t arena_used;               /* bytes handed out in total (mark) */
     size_t arena_high;               /* largest arena_used since the last reset */
+    int recompute;                   /* > 0 while a checkpointed module's forward runs
+                                        again inside its backward (module.c): a layer
+                                        with state (BatchNorm2d's running statistics)
+                                        leaves it as the first forward left it */
 };
 
 /* Allocates an empty context (world of one, no comm). */

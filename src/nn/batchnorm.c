@@ -8,6 +8,10 @@
  *          running_var  = (1 - mom) running_var + mom var_B * M / (M - 1),
  *          num_batches_tracked += 1   (M: the values per channel)
  *   eval:  the same with running_mean and running_var, nothing updated.
+ * The running statistics are updated once per step: not by the forward that
+ * activation checkpointing runs again inside backward (ctx->recompute, see
+ * [Note: activation checkpointing] in module.c), nor while
+ * fsdp_batchnorm_set_update_stats has them off.
  * Plain loops (the layer is memory-bound), a thread per channel range;
  * statistics in double. Saves x, the per-channel mean and 1/std (arena).
  * Weight, bias and the buffers are fp32 whatever the compute dtype.
@@ -146,15 +150,16 @@ static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
                              (long long)C, (long long)HW);
         }
         float mom = B->o.momentum;
+        int update = !B->frozen_stats && !ctx->recompute;
         for (int64_t c = 0; c < C; c++) {
             double var = lm2[c] / count;
             mean[c] = (float)lmean[c];
             rstd[c] = (float)(1.0 / sqrt(var + (double)B->o.eps));
-            if (B->frozen_stats) continue;
+            if (!update) continue;
             rm[c] = (1.0f - mom) * rm[c] + mom * (float)lmean[c];
             rv[c] = (1.0f - mom) * rv[c] + mom * (float)(lm2[c] / (count - 1.0));
         }
-        if (!B->frozen_stats) ((int64_t *)B->nbt->data)[0] += 1;
+        if (update) ((int64_t *)B->nbt->data)[0] += 1;
         fsdp_arena_release(ctx, mark);
     } else {
         for (int64_t c = 0; c < C; c++) {

@@ -403,7 +403,9 @@ static enum fsdp_status ckpt_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     }
     size_t mark = fsdp_arena_mark(ctx);
     struct fsdp_tensor again = {0};
+    ctx->recompute++;
     enum fsdp_status st = m->ops->forward(m, ctx, &m->priv->ckpt_in, &again);
+    ctx->recompute--;
     if (st == FSDP_OK) st = m->ops->backward(m, ctx, dout, din);
     fsdp_arena_release(ctx, mark);
     m->priv->ckpt_saved = 0;

@@ -156,9 +156,10 @@ static enum fsdp_status map_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
             int ti = fsdp__st_find(f, p->fqn);
             const char *bare = !strncmp(p->fqn, "transformer.", 12) ? p->fqn + 12 : p->fqn;
             if (ti < 0 && !ours) ti = fsdp__st_find(f, bare);
-            if (ti < 0) {
+            if (ti < 0) { /* "(or 'h.0...')" only where a bare name was tried (a GPT's) */
+                int alt = !ours && bare != p->fqn;
                 st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: parameter '%s'%s%s%s is not in the file", f->path, p->fqn,
-                               ours ? "" : " (or '", ours ? "" : bare, ours ? "" : "')");
+                               alt ? " (or '" : "", alt ? bare : "", alt ? "')" : "");
                 break;
             }
             used[ti] = 1;
