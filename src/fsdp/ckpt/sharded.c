@@ -155,6 +155,22 @@ static enum fsdp_status write_meta(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
         }
         cJSON_AddItemToObject(root, "model", mj);
     }
+    if (m->train_config[0]) {
+        cJSON *tc = cJSON_Parse(m->train_config);
+        if (!cJSON_IsObject(tc)) {
+            cJSON_Delete(tc);
+            cJSON_Delete(root);
+            free(files);
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "checkpoint meta: train_config is not a JSON object");
+        }
+        cJSON_AddItemToObject(root, "train_config", tc);
+    }
+    if (fm->scaler.opts.enabled) { /* exact: cJSON prints a double that reads back the same */
+        cJSON *ls = cJSON_AddObjectToObject(root, "loss_scale");
+        cJSON_AddNumberToObject(ls, "scale", fm->scaler.scale);
+        cJSON_AddNumberToObject(ls, "growth_tracker", (double)fm->scaler.clean);
+        cJSON_AddNumberToObject(ls, "skipped", (double)fm->scaler.skipped);
+    }
     cJSON *fl = cJSON_AddArrayToObject(root, "files");
     for (int r = 0; r < world && st == FSDP_OK; r++) {
         char name[64];
@@ -442,6 +458,11 @@ static enum fsdp_status load_local(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
     }
     if (st == FSDP_OK) st = load_buffers(ctx, fm, mt, &c);
     if (st == FSDP_OK && fm->optim) fsdp__optim_set_step_count(fm->optim, load_state ? mt->m.optim_step : 0);
+    if (st == FSDP_OK && fm->scaler.opts.enabled && mt->m.has_loss_scale) { /* torch's GradScaler state */
+        fm->scaler.scale = mt->m.loss_scale;
+        fm->scaler.clean = mt->m.loss_scale_growth_tracker;
+        fm->scaler.skipped = mt->m.loss_scale_skipped;
+    }
     for (int i = 0; c.f && i < mt->n_files; i++) fsdp__st_close(&c.f[i]);
     free(c.f);
     free(c.open);
