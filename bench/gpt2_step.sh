@@ -27,7 +27,7 @@ d, gemm = sys.argv[1], float(sys.argv[2])
 L, C, V, T = 12, 768, 50257, 256
 fwd = 2 * (L * 12 * C * C + C * V) + 2 * 2 * L * T * C
 def med(name):
-    rows = [json.loads(l) for l in open(f"{d}/{name}.jsonl")][1:]
+    rows = [r for r in map(json.loads, open(f"{d}/{name}.jsonl")) if "step" in r][1:]
     return statistics.median(r["step_ms"] for r in rows) / 1e3, max(r["peak_rss_mb"] for r in rows)
 t1, m1 = med("r1"); t2, m2 = med("r2"); t4, m4 = med("r4")
 flops = 3 * fwd * 4 * 256 / t1 / 1e9

@@ -36,7 +36,8 @@ python3 - "$tmp" "$MODEL" <<'PY'
 import json, statistics, sys
 d, model = sys.argv[1], sys.argv[2]
 def med(name):
-    rows = [json.loads(l) for l in open(f"{d}/{name}.jsonl")][1:] or [json.loads(l) for l in open(f"{d}/{name}.jsonl")]
+    all_rows = [r for r in map(json.loads, open(f"{d}/{name}.jsonl")) if "step" in r]
+    rows = all_rows[1:] or all_rows
     t = statistics.median(r["step_ms"] for r in rows)
     exposed = statistics.median(r.get("exposed_comm_ms", r["comm_ms"]) for r in rows)
     return t / 1e3, exposed / t

@@ -1502,10 +1502,18 @@ struct fsdp_ckpt_meta {
     struct fsdp_gpt_config config;
     char model_json[1024]; /* another model's config as the text of a JSON object ("" = none),
                               kept as meta.json's "model" (fsdp-train's image models) */
+    char train_config[16384]; /* the training program's configuration as the text of a JSON
+                                 object ("" = none), kept as meta.json's "train_config"
+                                 (fsdp-train's resolved flags) */
     /* filled by load and read_meta (ignored by save): */
     int64_t optim_step;  /* the optimizer's step count at save time */
     int world;           /* world size the checkpoint was saved with */
     int has_optim_state; /* whether optimizer state was saved */
+    int has_loss_scale;  /* the model's dynamic loss scaling state was saved (it had loss scaling
+                            on); fsdp_ckpt_load restores it into a model that has loss scaling on: */
+    double loss_scale;   /*   the scale, */
+    int64_t loss_scale_growth_tracker; /* the clean steps since its last growth or backoff, */
+    int64_t loss_scale_skipped;        /* and the steps skipped so far */
 };
 
 /* Buffers in checkpoints: the persistent buffers (fsdp_module_add_buffer's
@@ -1520,7 +1528,8 @@ struct fsdp_ckpt_meta {
  * 0's file also holds the persistent buffers, whole) and meta.json (per
  * parameter: FQN, global shape, dtype and which element and byte ranges each
  * file holds; per buffer: FQN, dtype, shape, file and byte range; the step,
- * data position, seed, config and optimizer step count). Written under dir.tmp, fsync'd, then renamed over
+ * data position, seed, config, train_config, optimizer step count and the
+ * dynamic loss scaling state). Written under dir.tmp, fsync'd, then renamed over
  * `dir`: a crash leaves the previous `dir` intact. No data moves between
  * ranks. Every checkpoint writer (this one, fsdp_model_save_full,
  * fsdp_ckpt_to_full, fsdp_ckpt_from_full) replaces only what a checkpoint
@@ -1535,7 +1544,9 @@ enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
  * chunks) that overlap its shards, verifying checksums, and every buffer
  * whole (every rank gets the buffers). The optimizer state
  * and step count are restored when fm has an optimizer attached and the
- * checkpoint has state of the same kind. *meta may be NULL.
+ * checkpoint has state of the same kind; the loss scaling state (scale,
+ * growth tracker, skipped steps) when fm has loss scaling on and the
+ * checkpoint has that state. *meta may be NULL.
  * COLLECTIVE: yes (every rank returns the same status and message). */
 enum fsdp_status fsdp_ckpt_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
                                 struct fsdp_ckpt_meta *meta);

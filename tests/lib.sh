@@ -6,7 +6,8 @@
 #   bad NAME [LINE..]  count a failed check, printing the lines as detail
 #   finish             print "N passed, N failed" and exit non-zero on failures
 #   same_bits A B      fsdp-train --log files A and B (non-empty) print the same loss,
-#                      grad_norm and param_norm at every step
+#                      grad_norm and param_norm at every step (the lines with a "step";
+#                      the first line of a log is the run's configuration)
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUILD=${BUILD:-build}
@@ -19,6 +20,6 @@ ok() { echo "ok $1"; pass=$((pass + 1)); }
 bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "  $l"; done; fail=$((fail + 1)); }
 finish() { echo "$pass passed, $fail failed"; [ "$fail" -eq 0 ]; exit; }
 same_bits() {
-  local show='import json,sys; [print(r["loss"], r["grad_norm"], r["param_norm"]) for r in map(json.loads, open(sys.argv[1]))]'
+  local show='import json,sys; [print(r["loss"], r["grad_norm"], r["param_norm"]) for r in map(json.loads, open(sys.argv[1])) if "step" in r]'
   [ -s "$1" ] && diff <(python3 -c "$show" "$1") <(python3 -c "$show" "$2") > /dev/null
 }

@@ -124,7 +124,7 @@ elif cmd == 'reseal':        # recompute meta.json's crc32c (Castagnoli) after a
 elif cmd == 'losses':        # steps and losses of a --log file from a given step on
     for l in open(sys.argv[2]):
         j = json.loads(l)
-        if j['step'] > int(sys.argv[3]):
+        if 'step' in j and j['step'] > int(sys.argv[3]):
             print(j['step'], repr(j['loss']), repr(j['param_norm']))
 elif cmd == 'close':         # two loss lists within 1e-5
     a = [l.split() for l in open(sys.argv[2])]
@@ -162,7 +162,7 @@ for n in 1 2 3 4; do
     if ! msg=$(py same "$tmp/s$n/step-00000006" "$tmp/r$n$m/step-00000006" 2>&1); then
       bad "load $n -> $m: state differs" "$msg"; rf=1
     fi
-    if ! train --nproc $m --steps 9 --resume "$tmp/s$n" --log "$tmp/c$n$m.jsonl" > "$tmp/o" 2>&1; then
+    if ! train --nproc $m --steps 9 --override steps --resume "$tmp/s$n" --log "$tmp/c$n$m.jsonl" > "$tmp/o" 2>&1; then
       bad "continue $n -> $m" "$(tail -3 "$tmp/o")"; rc=1; continue
     fi
     py losses "$tmp/c$n$m.jsonl" 6 | awk '{print $1, $2}' > "$tmp/l$n$m"
@@ -221,7 +221,7 @@ grep -q "no optimizer state" "$tmp/o" && ok "resume from a converted folder says
 train --steps 4 --save-dir "$tmp/k" > /dev/null 2>&1
 cf=0 crashed=0
 for k in 1 40 84 85 86 87 88; do
-  FSDP_CKPT_CRASH_AT=$k train --steps 8 --resume "$tmp/k" --save-dir "$tmp/k" > "$tmp/o" 2>&1
+  FSDP_CKPT_CRASH_AT=$k train --steps 8 --override steps --resume "$tmp/k" --save-dir "$tmp/k" > "$tmp/o" 2>&1
   rc=$?
   if [ $rc -eq 0 ] && [ $k = 88 ]; then
     # past the last crash point (a 1-rank save of the tiny model has 87): the new checkpoint is complete
@@ -230,14 +230,14 @@ for k in 1 40 84 85 86 87 88; do
   fi
   [ $rc -eq 86 ] || { bad "crash at $k: exit $rc, expected 86" "$(tail -2 "$tmp/o")"; cf=1; continue; }
   crashed=$((crashed + 1))
-  if ! train --steps 5 --resume "$tmp/k" > "$tmp/o" 2>&1 || ! grep -q "step-00000004" "$tmp/o"; then
+  if ! train --steps 5 --override steps --resume "$tmp/k" > "$tmp/o" 2>&1 || ! grep -q "step-00000004" "$tmp/o"; then
     bad "crash at $k: previous checkpoint not loadable" "$(tail -3 "$tmp/o")"; cf=1
   fi
 done
-FSDP_CKPT_CRASH_AT=30 train --nproc 2 --steps 8 --resume "$tmp/k" --save-dir "$tmp/k" > /dev/null 2>&1
+FSDP_CKPT_CRASH_AT=30 train --nproc 2 --steps 8 --override steps --resume "$tmp/k" --save-dir "$tmp/k" > /dev/null 2>&1
 "$CKPT" verify "$tmp/k/step-00000004" > /dev/null 2>&1 || { bad "2-rank crash: step-4 damaged"; cf=1; }
 [ -f "$tmp/k/step-00000008/meta.json" ] && { bad "2-rank crash left a complete-looking step-8"; cf=1; }
-train --nproc 2 --steps 5 --resume "$tmp/k" > "$tmp/o" 2>&1 || { bad "2-rank crash: resume" "$(tail -3 "$tmp/o")"; cf=1; }
+train --nproc 2 --steps 5 --override steps --resume "$tmp/k" > "$tmp/o" 2>&1 || { bad "2-rank crash: resume" "$(tail -3 "$tmp/o")"; cf=1; }
 [ $cf -eq 0 ] && ok "saves killed at $crashed points (1 rank) and mid-file (2 ranks) leave step-4 loadable"
 
 # --keep-last

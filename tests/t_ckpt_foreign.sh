@@ -93,7 +93,7 @@ refused save_dir_foreign_tmp run.log o $rc &&
 # 10. --keep-last keeps an old checkpoint folder that holds a foreign file (and says so)
 train --steps 3 --save-dir q --save-every 1 --keep-last 1 > o 2>&1 || bad "setup: --keep-last" "$(tail -3 o)"
 rm -rf q && train --steps 1 --save-dir q > o 2>&1 && echo "mine" > q/step-00000001/extra.txt &&
-  train --steps 3 --save-dir q --resume q --save-every 1 --keep-last 1 > o 2>&1; rc=$?
+  train --steps 3 --override steps --save-dir q --resume q --save-every 1 --keep-last 1 > o 2>&1; rc=$?
 if [ $rc -eq 0 ] && intact q/step-00000001/extra.txt mine && [ -f q/step-00000003/meta.json ] &&
    [ ! -e q/step-00000002 ] && grep -q "extra.txt" o; then ok keep_last_keeps_foreign
 else bad keep_last_keeps_foreign "exit $rc" "$(ls -R q)" "$(tail -3 o)"; fi

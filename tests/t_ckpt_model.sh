@@ -97,25 +97,25 @@ elif cmd == 'same':          # sharded folder holds exactly the tensors of a ful
 elif cmd == 'losses':
     for l in open(sys.argv[2]):
         j = json.loads(l)
-        print(j['step'], repr(j['loss']))
+        if 'step' in j: print(j['step'], repr(j['loss']))
 EOF
 py() { python3 "$tmp/st.py" "$@"; }
 
 # ---- --resume takes the model from the checkpoint ----
 train --model tiny --nproc 2 --steps 3 --save-dir "$tmp/a" > "$tmp/o" 2>&1 || bad "save" "$(tail -3 "$tmp/o")"
 ck="$tmp/a/step-00000003"
-if train --steps 5 --resume "$ck" --log "$tmp/l0.jsonl" > "$tmp/o0" 2>&1 &&
-   train --model tiny --steps 5 --resume "$ck" --log "$tmp/l1.jsonl" > "$tmp/o1" 2>&1 &&
+if train --steps 5 --override steps --resume "$ck" --log "$tmp/l0.jsonl" > "$tmp/o0" 2>&1 &&
+   train --model tiny --steps 5 --override steps --resume "$ck" --log "$tmp/l1.jsonl" > "$tmp/o1" 2>&1 &&
    [ -s "$tmp/l0.jsonl" ] && [ "$(py losses "$tmp/l0.jsonl")" = "$(py losses "$tmp/l1.jsonl")" ]; then
   ok "--resume without model flags rebuilds the saved model (losses as with --model tiny)"
 else bad "--resume without model flags" "$(tail -2 "$tmp/o0")" "$(tail -2 "$tmp/o1")"; fi
-out=$(train --model small --steps 5 --resume "$ck" 2>&1); rc=$?
+out=$(train --model small --steps 5 --override steps --resume "$ck" 2>&1); rc=$?
 if [ $rc -ne 0 ] && [ $rc -lt 124 ] &&
    grep -qE -- "--model small: n_layer [0-9]+, but the checkpoint .*step-00000003 was saved with n_layer 2" <<< "$out"; then
   ok "--model contradicting the checkpoint: names the flag and both values (exit $rc)"
 else bad "--model contradicting" "exit $rc" "$(tail -2 <<< "$out")"; fi
 printf '{"n_layer": 2, "n_head": 4, "n_embd": 32, "vocab_size": 256, "block_size": 64}\n' > "$tmp/cfg.json"
-out=$(train --model-config "$tmp/cfg.json" --steps 5 --resume "$ck" 2>&1); rc=$?
+out=$(train --model-config "$tmp/cfg.json" --steps 5 --override steps --resume "$ck" 2>&1); rc=$?
 if [ $rc -ne 0 ] && [ $rc -lt 124 ] && grep -qE -- "--model-config .*cfg.json: n_head 4, but .* n_head 2" <<< "$out"; then
   ok "--model-config contradicting the checkpoint: names the flag and both values"
 else bad "--model-config contradicting" "exit $rc" "$(tail -2 <<< "$out")"; fi

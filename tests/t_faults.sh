@@ -15,7 +15,7 @@ export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl_vader_single_copy_mechan
 
 common=(--model tiny --data synthetic --batch 4 --seq 32 --steps 4 --lr 3e-3 --warmup 2 --threads 1 --sample 0
         --nproc 2)
-losses() { sed -E 's/.*"loss": ([^,]*),.*/\1/' "$1"; }
+losses() { sed -nE 's/.*"loss": ([^,]*),.*/\1/p' "$1"; }
 
 # the reference: the same 4 steps without a fault
 if ! timeout -k 5 120 "$TRAIN" "${common[@]}" --log "$tmp/ref.jsonl" > "$tmp/ref.out" 2>&1; then

@@ -22,7 +22,7 @@ same() {
   python3 - "$tmp/$1.json" "$tmp/$2.json" "$3" "${4:-all}" <<'EOF'
 import json, sys
 def rows(p):
-    return {r["step"]: r for r in map(json.loads, open(p))}
+    return {r["step"]: r for r in map(json.loads, open(p)) if "step" in r}
 a, b, tol = rows(sys.argv[1]), rows(sys.argv[2]), float(sys.argv[3])
 common = sorted(set(a) & set(b))
 if not common:
@@ -81,7 +81,7 @@ else bad "exposed communication" "$(head -c 400 "$tmp/ov.on.json")"; fi
 ck="$tmp/ck"
 if run ck.save 4 --sharding HYBRID_SHARD --shard-group 2 --steps 2 --save-dir "$ck" --lr-schedule constant \
    && run ck.full 4 --sharding HYBRID_SHARD --shard-group 2 --steps 4 --lr-schedule constant \
-   && run ck.resume 2 --sharding NO_SHARD --steps 4 --resume "$ck" --lr-schedule constant \
+   && run ck.resume 2 --sharding NO_SHARD --steps 4 --override steps --resume "$ck" --lr-schedule constant \
    && [ "$(ls "$ck"/step-00000002 | grep -c '\.safetensors$')" = 2 ] \
    && msg=$(same ck.resume ck.full 1e-5 common 2>&1); then
   ok "HYBRID_SHARD checkpoint (2 shard files) resumes under NO_SHARD at 2 ranks"

@@ -27,8 +27,8 @@ for n in 2 3 4; do
   fi
   if msg=$(python3 - "$tmp/r1.jsonl" "$tmp/r$n.jsonl" <<'EOF'
 import json, sys
-a = [json.loads(l) for l in open(sys.argv[1])]
-b = [json.loads(l) for l in open(sys.argv[2])]
+a = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r]
+b = [r for r in map(json.loads, open(sys.argv[2])) if "step" in r]
 assert len(a) == len(b) == 10, f"step counts {len(a)} {len(b)}"
 for x, y in zip(a, b):
     for k in ("loss", "param_norm", "grad_norm"):

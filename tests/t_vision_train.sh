@@ -18,8 +18,8 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 compare() {
   python3 - "$@" <<'EOF'
 import json, sys
-a = [json.loads(l) for l in open(sys.argv[1])]
-b = [json.loads(l) for l in open(sys.argv[2])]
+a = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r]
+b = [r for r in map(json.loads, open(sys.argv[2])) if "step" in r]
 tol = float(sys.argv[3])
 assert len(a) == len(b) and a, f"step counts {len(a)} {len(b)}"
 for x, y in zip(a, b):
@@ -80,7 +80,7 @@ if timeout -k 5 120 "$TRAIN" --model-config "$tmp/r18.json" "${rn[@]}" --steps 6
 else bad "ResNet-18 at 2 ranks" "${msg:-}" "$(tail -3 "$tmp/orn2")"; fi
 timeout -k 5 120 "$TRAIN" --model-config "$tmp/r18.json" "${rn[@]}" --steps 3 --nproc 2 --save-dir "$tmp/rck" > "$tmp/orn3" 2>&1 ||
   bad "ResNet-18, first half" "$(tail -3 "$tmp/orn3")"
-if timeout -k 5 120 "$TRAIN" "${rn[@]}" --steps 6 --nproc 2 --resume "$tmp/rck" --log "$tmp/rn4.jsonl" > "$tmp/orn4" 2>&1 &&
+if timeout -k 5 120 "$TRAIN" "${rn[@]}" --steps 6 --override steps --nproc 2 --resume "$tmp/rck" --log "$tmp/rn4.jsonl" > "$tmp/orn4" 2>&1 &&
    grep -q "model: resnet18" "$tmp/orn4"; then
   tail -n 3 "$tmp/rn2.jsonl" > "$tmp/rn2_tail.jsonl"
   if same_bits "$tmp/rn2_tail.jsonl" "$tmp/rn4.jsonl" &&
@@ -97,7 +97,7 @@ else bad "ResNet-18 resumed without model flags" "$(tail -3 "$tmp/orn4")"; fi
 if timeout -k 5 120 "$TRAIN" --model cnn --batch 16 --steps 2 --threads 1 --nproc 2 --sharding HYBRID_SHARD --shard-group 1 \
      --precision AMP_BF16 --ac blocks --grad-accum 2 --accum-mode no_sync --eval-batch 1000 --log "$tmp/mix.jsonl" \
      > "$tmp/omix" 2>&1 &&
-   python3 -c 'import json,math,sys; a=[json.loads(l) for l in open(sys.argv[1])]; sys.exit(not (len(a)==2 and all(math.isfinite(x["loss"]) for x in a) and a[-1]["precision"]=="AMP_BF16"))' "$tmp/mix.jsonl"; then
+   python3 -c 'import json,math,sys; a=[r for r in map(json.loads, open(sys.argv[1])) if "step" in r]; sys.exit(not (len(a)==2 and all(math.isfinite(x["loss"]) for x in a) and a[-1]["precision"]=="AMP_BF16"))' "$tmp/mix.jsonl"; then
   ok "HYBRID_SHARD, AMP_BF16, --ac blocks and --grad-accum 2 (no_sync) train the CNN"
 else bad "HYBRID_SHARD + AMP_BF16 + --ac blocks + --grad-accum" "$(tail -3 "$tmp/omix")"; fi
 
@@ -129,7 +129,7 @@ if "$TRAIN" --model cnn --data "$tmp/tiny" --epochs 2 --batch 16 --threads 1 --w
      --lr-schedule step --lr-steps 3,6 --log "$tmp/tiny.jsonl" > "$tmp/otiny" 2>&1 &&
    msg=$(python3 - "$tmp/tiny.jsonl" <<'EOF' 2>&1
 import json, sys
-a = [json.loads(l) for l in open(sys.argv[1])]
+a = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r]
 assert len(a) == 8, f"{len(a)} steps, expected 2 epochs x ceil(50 / 16) = 8"
 want = [0.1] * 3 + [0.01] * 3 + [0.001] * 2
 assert all(abs(x["lr"] - w) <= 1e-6 * w for x, w in zip(a, want)), [x["lr"] for x in a]

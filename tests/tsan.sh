@@ -53,7 +53,7 @@ for run in shm:2 shm:3 mpi:2; do
   timeout -k 10 600 "$TRAIN" --model tiny --data synthetic --batch 6 --seq 32 --steps 4 --threads 1 --sample 0 \
     --nproc $n --comm $comm --log "$tmp/train$comm$n.jsonl" > "$tmp/train$comm$n" 2>&1
   rc=$?
-  if [ $rc -eq 0 ] && [ "$(reports "$tmp/train$comm$n")" -eq 0 ] && [ "$(wc -l < "$tmp/train$comm$n.jsonl")" -eq 4 ]; then
+  if [ $rc -eq 0 ] && [ "$(reports "$tmp/train$comm$n")" -eq 0 ] && [ "$(grep -c '"step"' "$tmp/train$comm$n.jsonl")" -eq 4 ]; then
     ok "fsdp-train --comm $comm at $n ranks: 4 steps, no TSan report"
   else bad "fsdp-train --comm $comm at $n ranks" "exit $rc, $(reports "$tmp/train$comm$n") TSan reports" \
            "$(grep -E 'SUMMARY|error' "$tmp/train$comm$n" | sort | uniq -c | head -10)"; fi

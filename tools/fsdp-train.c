@@ -27,6 +27,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "train/config.h"
 #include "train/options.h"
 #include "train/task.h"
 
@@ -461,6 +462,12 @@ static void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct 
     m.step = m.data_step = step;
     m.seed = o->seed;
     t->ops->meta(t, &m);
+    char *cfg = config_json(o); /* [Note: run configuration] in train/config.c */
+    if (strlen(cfg) >= sizeof m.train_config)
+        fail_all("saving %s: the configuration is %zu bytes, more than a checkpoint keeps (%zu)", path, strlen(cfg),
+                 sizeof m.train_config - 1);
+    memcpy(m.train_config, cfg, strlen(cfg) + 1);
+    free(cfg);
     double t0 = now_s();
     /* the barrier: nobody writes into --save-dir before rank 0 made it */
     if (fsdp_comm_barrier(fsdp_ctx_comm(ctx)) != FSDP_OK || fsdp_ckpt_save(ctx, fm, path, &m) != FSDP_OK)
@@ -735,7 +742,10 @@ static float lr_at(const struct opts *o, const struct fsdp_lr_sched *s, int64_t 
 
 int main(int argc, char **argv) {
     struct opts o = opts_default();
-    parse_args(argc, argv, &o);
+    int cargc;
+    char **cargv; /* --config's flags, then argv's */
+    config_argv(argc, argv, &cargc, &cargv);
+    parse_args(cargc, cargv, &o);
     int under_mpi = getenv("OMPI_COMM_WORLD_SIZE") != NULL;
     if (o.nproc > 1 && !under_mpi && !o.dry_run) relaunch(argc, argv, o.nproc); /* a plan needs no ranks */
     if (under_mpi) launcher_watch_start();
@@ -776,6 +786,11 @@ int main(int argc, char **argv) {
             fail_all("--resume: '%s' is neither a checkpoint (no meta.json) nor a folder holding step-N checkpoints",
                      o.resume);
         if (fsdp_ckpt_read_meta(ctx, resume_dir, &ck) != FSDP_OK) fail_all("--resume: %s", fsdp_errmsg(ctx));
+        /* the schedule, optimizer, batch and precision flags from its train_config */
+        int restored = config_resume(&o, cargc, cargv, ck.train_config, resume_dir);
+        if (rank == 0 && restored)
+            printf("resume: %d flags from %s's configuration (schedule, optimizer, batch, precision); --override "
+                   "FLAG takes one from the command line\n", restored, resume_dir);
     }
 
     /* the task and its model config: the flags, else the checkpoint's, else the default preset */
@@ -796,8 +811,8 @@ int main(int argc, char **argv) {
      * still write the loaded model (saving at another world size reshards) */
     int nothing_left = resume_dir && ck.step >= steps;
     if (nothing_left && rank == 0)
-        printf("nothing left to train: %s is at step %lld and --steps is %d (give --steps above %lld to train "
-               "further)\n", resume_dir, (long long)ck.step, steps, (long long)ck.step);
+        printf("nothing left to train: %s is at step %lld and --steps is %d (give --steps above %lld and "
+               "--override steps to train further)\n", resume_dir, (long long)ck.step, steps, (long long)ck.step);
     if (nothing_left && !o.save_full && !o.save_dir) {
         task.ops->free(&task);
         fsdp_ctx_free(ctx);
@@ -811,6 +826,10 @@ int main(int argc, char **argv) {
             o.seed = ck.seed;
         }
     }
+
+    /* the resolved configuration ([Note: run configuration] in train/config.c) */
+    char *cfg_json = config_json(&o);
+    if (rank == 0) printf("config: %s\n", cfg_json);
 
     /* data and the model (shapes only), shards, optimizer */
     task.ops->open(&task, ctx, &o);
@@ -840,6 +859,9 @@ int main(int argc, char **argv) {
             printf("resumed from %s (saved at world %d): step %d, optimizer step %lld%s, %.2f s\n", resume_dir,
                    ck.world, start_step, (long long)ck.optim_step,
                    ck.has_optim_state ? "" : " (no optimizer state)", now_s() - t0);
+        if (rank == 0 && ck.has_loss_scale && fsdp_model_loss_scale(fm) == ck.loss_scale)
+            printf("resume: loss scale %g, %lld clean steps since its last change\n", ck.loss_scale,
+                   (long long)ck.loss_scale_growth_tracker);
     } else if (o.init_from) {
         /* --init rank0: rank 0 reads each unit and broadcasts it (sync_module_states) */
         int rank0 = !strcmp(o.init, "rank0");
@@ -878,14 +900,15 @@ int main(int argc, char **argv) {
     FILE *logf = NULL;
     if (o.log_path && rank == 0 && !(logf = fopen(o.log_path, "w")))
         fail_rank("--log: cannot open '%s': %s", o.log_path, strerror(errno));
+    if (logf) fprintf(logf, "{\"config\": %s}\n", cfg_json); /* the first line */
+    free(cfg_json);
 
     struct fsdp_lr_sched sched = {!strcmp(o.schedule, "cosine") ? FSDP_LR_COSINE : FSDP_LR_CONSTANT, o.lr,
                                   o.min_lr, o.warmup, steps};
     const char *tty_env = getenv("FSDP_TRAIN_TTY");
     int tty = tty_env ? atoi(tty_env) : isatty(STDOUT_FILENO);
     double total_s = 0, first_loss = 0, last_loss = 0;
-    double eval_loss = NAN, eval_acc = NAN;
-    int64_t eval_n = 0;
+    struct eval_result ev = {NAN, NAN, 0};
     int timed = 0, skipped = 0, evaluated = 0;
     struct comm_delta comm_total = {0}; /* over the timed steps (all but the first) */
     for (int step = start_step; step < steps; step++) {
@@ -909,7 +932,7 @@ int main(int argc, char **argv) {
         /* evaluation: every --eval-every steps and after the last */
         int do_eval = task.ops->eval && ((o.eval_every && (step + 1) % o.eval_every == 0) || step + 1 == steps);
         if (do_eval) {
-            if (task.ops->eval(&task, ctx, fm, &o, &eval_loss, &eval_acc, &eval_n) != FSDP_OK)
+            if (task.ops->eval(&task, ctx, fm, &o, &ev.loss, &ev.acc, &ev.count) != FSDP_OK)
                 fail_rank("step %d: evaluation: %s", step + 1, fsdp_errmsg(ctx));
             evaluated = 1;
         }
@@ -925,9 +948,7 @@ int main(int argc, char **argv) {
                        r.skipped ? "  SKIPPED (overflow; loss scale halved)" : "");
             if (do_eval) {
                 if (tty) printf("\n");
-                if (task.acc_name) printf("eval  %4d/%d  %s %.2f%%\n", step + 1, steps, task.acc_name, 100.0 * eval_acc);
-                else printf("eval  %4d/%d  eval_loss %.4f  eval_acc %.2f%%\n", step + 1, steps, eval_loss,
-                            100.0 * eval_acc);
+                eval_print(&task, step + 1, steps, &ev);
             }
             if (logf) {
                 char jl[32], jg[32]; /* a skipped step's norm is inf or nan: null in JSON */
@@ -942,12 +963,7 @@ int main(int argc, char **argv) {
                         r.backward_s * 1e3, r.update_s * 1e3, task.item_json, tps, (double)rss_max, cd.total_s * 1e3,
                         r.comm_wait_s * 1e3, (unsigned long long)cd.total_bytes, precision_name(&o), r.skipped,
                         skipped, r.loss_scale);
-                if (do_eval) {
-                    char el[32], ea[32];
-                    fprintf(logf, "\"eval_loss\": %s, \"%s\": %s, \"eval_images\": %lld, ",
-                            json_num(el, sizeof el, eval_loss), task.acc_name ? task.acc_name : "eval_acc",
-                            json_num(ea, sizeof ea, eval_acc), (long long)eval_n);
-                }
+                if (do_eval) eval_log(logf, &task, &ev);
                 fputs(task.log_extra, logf);
                 fprintf(logf, "\"comm\": {");
                 for (int k = 0; k < FSDP_COLL_COUNT; k++)
@@ -984,11 +1000,7 @@ int main(int argc, char **argv) {
         printf("summary: loss %.4f -> %.4f%s | %.0f %s/s%s | peak RSS %.0f MB per rank "
                "(ZeRO-3 estimate for params+grads+AdamW: %.0f MB)\n",
                first_loss, last_loss, note, tps, task.is_gpt ? "tokens" : "images", flops, (double)rss_max, zero3);
-        if (evaluated && task.acc_name)
-            printf("eval: %s %.2f%% (%lld test images)\n", task.acc_name, 100.0 * eval_acc, (long long)eval_n);
-        else if (evaluated)
-            printf("eval: loss %.4f | top-1 accuracy %.2f%% (%lld test images)\n", eval_loss, 100.0 * eval_acc,
-                   (long long)eval_n);
+        if (evaluated) eval_summary(&task, &ev);
         printf("precision: %s | %d skipped steps | loss scale %g\n", precision_name(&o), skipped,
                fsdp_model_loss_scale(fm));
         /* exposed communication: time the compute thread sat in waits (rank 0) */

@@ -99,10 +99,15 @@ static void usage(FILE *f) {
             "  --steps N             training steps (default %d)\n"
             "  --epochs E            image model: train E epochs of ceil(train images / batch) steps\n"
             "                        (instead of --steps)\n"
-            "  --eval-every K        image model: top-1 accuracy and loss on the test split every K\n"
-            "                        steps (eval mode); 0 = only at the end (default 0)\n"
-            "  --eval-batch N        image model: test images per evaluation forward, over all ranks\n"
-            "                        (default --batch)\n"
+            "  --val-data FILE       GPT: held-out tokens (any --data format; text with --tokenizer is\n"
+            "                        BPE-encoded): eval_loss and perplexity every --eval-every steps and\n"
+            "                        at the end (eval mode, the same global batches at any world size)\n"
+            "  --eval-every K        evaluate every K steps (the image model on its test split, a GPT on\n"
+            "                        --val-data); 0 = only at the end (default 0)\n"
+            "  --eval-batch N        test images or --val-data sequences per evaluation forward, over all\n"
+            "                        ranks (default --batch)\n"
+            "  --eval-batches N      evaluate the first N global batches of the held-out set; 0 = all of\n"
+            "                        it once (default 0)\n"
             "  --label-smoothing X   image model: cross-entropy label smoothing in [0, 1] (default 0)\n"
             "  --augment A           image model: none | crop-flip (random crop of the image padded by\n"
             "                        --crop-padding pixels, and a horizontal flip; training only)\n"
@@ -206,6 +211,16 @@ static void usage(FILE *f) {
             "                        auto = refuse a plan over the memory this host can give each of its ranks\n"
             "                        (MemAvailable and the cgroup's limit, shared by the local ranks); off =\n"
             "                        no check (default auto)\n"
+            "  --config FILE         a JSON object of flags by long name ({\"lr\": 3e-4, \"steps\": 100,\n"
+            "                        \"lr-schedule\": \"cosine\"}; switches true/false, lists as arrays);\n"
+            "                        flags on the command line override it. The resolved configuration\n"
+            "                        is printed at the start, is the first line of --log and is saved in\n"
+            "                        each checkpoint's meta.json\n"
+            "  --override F[,F..]    with --resume: take these flags (e.g. steps,lr) from the command line\n"
+            "                        (or their defaults) instead of the checkpoint. Without it --resume\n"
+            "                        restores the schedule, optimizer, batch and precision flags and the\n"
+            "                        fp16 loss scale from the checkpoint, and a flag given otherwise is\n"
+            "                        an error naming both values\n"
             "  --help                this text\n",
             MODEL_DEFAULT, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
             (double)d.beta1, (double)d.beta2, (double)d.eps, (double)d.momentum,
@@ -218,12 +233,26 @@ int rank_env(void) {
     return r ? atoi(r) : 0;
 }
 
-/* Usage errors happen before MPI starts; every rank sees the same argv. */
+/* Where the argument parse_args is reading came from (opts_set_origin). */
+static int g_arg, g_ck_end = 1, g_cfg_end = 1;
+static const char *g_ck_name, *g_cfg_name;
+
+void opts_set_origin(int ck_end, const char *ck_name, int cfg_end, const char *cfg_name) {
+    g_ck_end = ck_end;
+    g_ck_name = ck_name;
+    g_cfg_end = cfg_end;
+    g_cfg_name = cfg_name;
+}
+
+/* Usage errors happen before MPI starts (or, with --resume, where every
+ * rank reads the same checkpoint); every rank sees the same argv. */
 _Noreturn void usage_error(const char *fmt, ...) {
     if (rank_env() == 0) {
         va_list ap;
         va_start(ap, fmt);
         fprintf(stderr, "fsdp-train: ");
+        if (g_arg >= 1 && g_arg < g_ck_end) fprintf(stderr, "the checkpoint %s's train_config: ", g_ck_name);
+        else if (g_arg >= g_ck_end && g_arg < g_cfg_end) fprintf(stderr, "--config %s: ", g_cfg_name);
         vfprintf(stderr, fmt, ap);
         fprintf(stderr, "\n(see fsdp-train --help)\n");
         va_end(ap);
@@ -301,6 +330,7 @@ static void parse_mem_limit(struct opts *o) {
 void parse_args(int argc, char **argv, struct opts *o) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
+        g_arg = i;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             if (rank_env() == 0) usage(stdout);
             exit(0);
@@ -378,6 +408,10 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--epochs")) o->epochs = (int)parse_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--eval-every")) o->eval_every = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--eval-batch")) o->eval_batch = (int)parse_int(a, v, 1, 1 << 20);
+        else if (!strcmp(a, "--eval-batches")) o->eval_batches = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--val-data")) o->val_data = v;
+        else if (!strcmp(a, "--config")) o->config = v; /* read by config_argv before the flags */
+        else if (!strcmp(a, "--override")) o->override = v;
         else if (!strcmp(a, "--label-smoothing")) o->label_smoothing = parse_float(a, v, 0, 1);
         else if (!strcmp(a, "--crop-padding")) o->crop_padding = (int)parse_int(a, v, 1, 1 << 12);
         else if (!strcmp(a, "--lr-steps")) parse_lr_steps(o, v);
@@ -449,6 +483,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
             o->mpi_reduce = v;
         } else usage_error("unknown flag '%s'", a);
     }
+    g_arg = 0;
     parse_mem_limit(o);
     if (o->min_lr < 0) o->min_lr = o->lr / 10;
     else if (o->min_lr > o->lr)

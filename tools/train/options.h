@@ -44,7 +44,11 @@ struct opts {
     int epochs;                   /* --epochs E: steps = E * ceil(train count / batch); 0 = --steps */
     int steps_given;              /* --steps was on the command line */
     int eval_every;               /* --eval-every K steps; 0 = only at the end */
-    int eval_batch;               /* --eval-batch N global test images per forward; 0 = --batch */
+    int eval_batch;               /* --eval-batch N global test images (sequences) per forward; 0 = --batch */
+    int eval_batches;             /* --eval-batches N: evaluate N global batches; 0 = the whole set once */
+    const char *val_data;         /* --val-data FILE: GPT held-out tokens (any --data format) */
+    const char *config;           /* --config FILE (tools/train/config.c) */
+    const char *override;         /* --override FLAG[,FLAG]: with --resume, these come from the flags */
     float label_smoothing;        /* --label-smoothing X */
     int nesterov;                 /* --nesterov (SGD) */
     int lr_steps[16], n_lr_steps; /* --lr-steps a,b,...: the step schedule's milestones */
@@ -73,6 +77,10 @@ struct opts {
 struct opts opts_default(void);
 /* Parses argv into o (which holds the defaults); --help prints and exits 0. */
 void parse_args(int argc, char **argv, struct opts *o);
+/* Usage errors about argv[i] name where it came from: for i in [1, ck_end)
+ * the checkpoint ck_name's train_config, in [ck_end, cfg_end) --config
+ * cfg_name (tools/train/config.c builds such an argv). */
+void opts_set_origin(int ck_end, const char *ck_name, int cfg_end, const char *cfg_name);
 /* This process's rank from the launcher's environment (0 when started alone). */
 int rank_env(void);
 /* "fsdp-train: <message>" on rank 0, exit 2. */

@@ -17,6 +17,8 @@
 #include "fsdp.h"
 #include "options.h"
 
+#include <stdio.h>
+
 struct task;
 
 struct task_ops {
@@ -66,6 +68,8 @@ struct task {
     int steps;                  /* the run's steps (--steps, or --epochs of the image set) */
     fsdp_wrap_fn wrap;          /* --wrap block's policy (NULL: a unit per block_type), ud the task */
     const char *acc_name;       /* the evaluation's accuracy in the log (NULL: "eval_acc") */
+    int eval_ppl;               /* the evaluation is a text's: perplexity, no accuracy (eval.c) */
+    const char *eval_count;     /* what it counts in the log (NULL: "eval_images") */
     char log_extra[256];        /* after a step: JSON members (`"k": v, `) for the --log line */
     void *impl;
 };
@@ -93,6 +97,16 @@ void task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const cha
                            struct fsdp_images **train, struct fsdp_images **test);
 void task_images_norm(const struct opts *o, struct fsdp_image_batch_opts *bo);
 void task_load_image(const struct fsdp_images *im, const struct fsdp_image_batch_opts *bo, int64_t i, float *dst);
+
+/* eval.c: an evaluation's figures on the terminal (the line after step
+ * `step`), in a --log line (JSON members `"k": v, `) and in the summary. */
+struct eval_result {
+    double loss, acc; /* mean loss; top-1 accuracy (NaN: none) */
+    int64_t count;    /* examples (images, tokens) evaluated */
+};
+void eval_print(const struct task *t, int step, int steps, const struct eval_result *e);
+void eval_log(FILE *f, const struct task *t, const struct eval_result *e);
+void eval_summary(const struct task *t, const struct eval_result *e);
 
 /* fsdp-train.c's error exits and clock, for the tasks. */
 _Noreturn void fail_all(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -352,6 +352,7 @@ static enum fsdp_status img_eval(struct task *t, struct fsdp_ctx *ctx, struct fs
     int64_t correct = 0, seen = 0;
     enum fsdp_status st = FSDP_OK;
     fsdp_module_set_training(t->root, 0);
+    if (o->eval_batches && (int64_t)o->eval_batches * EB < n) n = (int64_t)o->eval_batches * EB; /* the first batches */
     for (int64_t s = 0; s < n && st == FSDP_OK; s += EB) {
         int64_t cnt = n - s < EB ? n - s : EB;
         int64_t lo = s + rank * cnt / world, hi = s + (rank + 1) * cnt / world, m = hi - lo;
@@ -454,6 +455,7 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
         k->cfg_source = resume_dir;
     }
     if (o->tokenizer) fail_input("--tokenizer is for a GPT's text data, not an image model");
+    if (o->val_data) fail_input("--val-data is for a GPT's tokens; an image model evaluates on its data's test split");
     k->data_name = o->data ? o->data : IMAGE_DATA_DEFAULT;
     /* the data: labels below num_classes (a preset takes the data's classes) */
     int nc = preset ? 256 : k->cfg.num_classes; /* labels are bytes */

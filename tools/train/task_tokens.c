@@ -2,7 +2,21 @@
  * task_tokens.c - fsdp-train's GPT task (task.h): a GPT preset or config,
  * token data (a file or the synthetic corpus; a text file BPE-encoded with
  * --tokenizer), next-token cross-entropy through fsdp_model_train_step_accum,
- * and a text sample at the end.
+ * the held-out loss on --val-data, and a text sample at the end.
+ *
+ * [Note: held-out batches]
+ * --val-data is cut into global batches of EB = --eval-batch (default
+ * --batch) sequences of --seq tokens: global batch j holds sequences
+ * j EB .. j EB + EB - 1, sequence s being the T + 1 tokens from s T (as
+ * fsdp_data_batch reads them, wrapping at the end), whatever the world size.
+ * Rank r runs sequences [r EB / world, (r + 1) EB / world) of each batch
+ * (uneven shares allowed; an empty share runs the collective forward on a
+ * sequence it ignores) through the eval-mode forward, which keeps no
+ * activations, and sums each sequence's token losses in double. The ranks'
+ * per-sequence sums are gathered and every rank adds them in sequence order,
+ * so the loss is the 1-rank value at any world size whenever a sequence's
+ * logits do not depend on the sequences beside it. Evaluation reads nothing
+ * training reads and draws no random numbers: training goes on bit for bit.
  */
 #include "task.h"
 
@@ -14,11 +28,43 @@
 struct tokens {
     struct fsdp_gpt_config cfg;
     struct fsdp_data *data;
+    struct fsdp_data *val; /* --val-data, or NULL */
     struct fsdp_bpe *bpe; /* --tokenizer, or NULL */
     const char *data_name;
     int32_t *inputs, *targets;
     int Bl, T;
 };
+
+/* Opens the token source dn for `flag` (--data, --val-data): a token file, a
+ * text file as bytes, or with --tokenizer a text file BPE-encoded. */
+static struct fsdp_data *open_tokens(struct tokens *k, struct fsdp_ctx *ctx, const struct opts *o, const char *flag,
+                                     const char *dn) {
+    struct fsdp_data *d = NULL;
+    enum fsdp_status st = !strcmp(dn, "synthetic") ? fsdp_data_synthetic(ctx, o->seed, (size_t)1 << 22, &d)
+                                                   : fsdp_data_open(ctx, dn, k->cfg.vocab_size, &d);
+    if (st == FSDP_OK && k->bpe && fsdp_data_is_text(d)) {
+        double t0 = now_s();
+        fsdp_data_free(d);
+        d = NULL;
+        st = fsdp_data_open_bpe(ctx, dn, k->bpe, k->cfg.vocab_size, &d);
+        if (st == FSDP_OK && fsdp_ctx_rank(ctx) == 0)
+            printf("tokenized %s with %s: %zu tokens in %.2f s\n", dn, o->tokenizer, fsdp_data_ntokens(d),
+                   now_s() - t0);
+    }
+    if (st != FSDP_OK) {
+        fsdp_data_free(d);
+        fail_all("%s: %s", flag, fsdp_errmsg(ctx));
+    }
+    if (!strcmp(flag, "--val-data")) k->val = d; /* reachable from here on: an error exit leaks nothing */
+    else k->data = d;
+    if (fsdp_data_ntokens(d) < (size_t)o->seq + 1) /* a sequence would wrap around into itself */
+        fail_all("%s: '%s' has %zu tokens, fewer than one sequence needs (--seq %d + 1 = %d tokens)", flag, dn,
+                 fsdp_data_ntokens(d), o->seq, o->seq + 1);
+    if (fsdp_data_is_text(d) && k->cfg.vocab_size < 256)
+        fail_all("%s: '%s' is byte-level text, which needs vocab_size >= 256, the model has %d", flag, dn,
+                 k->cfg.vocab_size);
+    return d;
+}
 
 static void tok_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o) {
     struct tokens *k = t->impl;
@@ -32,23 +78,8 @@ static void tok_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o)
             fail_all("--tokenizer '%s': its %d ids do not fit the model's vocab_size %d", o->tokenizer,
                      fsdp_bpe_vocab_size(k->bpe), k->cfg.vocab_size);
     }
-    enum fsdp_status st = !strcmp(dn, "synthetic") ? fsdp_data_synthetic(ctx, o->seed, (size_t)1 << 22, &k->data)
-                                                   : fsdp_data_open(ctx, dn, k->cfg.vocab_size, &k->data);
-    if (st == FSDP_OK && k->bpe && fsdp_data_is_text(k->data)) {
-        double t0 = now_s();
-        fsdp_data_free(k->data);
-        k->data = NULL;
-        st = fsdp_data_open_bpe(ctx, dn, k->bpe, k->cfg.vocab_size, &k->data);
-        if (st == FSDP_OK && fsdp_ctx_rank(ctx) == 0)
-            printf("tokenized %s with %s: %zu tokens in %.2f s\n", dn, o->tokenizer, fsdp_data_ntokens(k->data),
-                   now_s() - t0);
-    }
-    if (st != FSDP_OK) fail_all("--data: %s", fsdp_errmsg(ctx));
-    if (fsdp_data_ntokens(k->data) < (size_t)o->seq + 1) /* a sequence would wrap around into itself */
-        fail_all("--data: '%s' has %zu tokens, fewer than one sequence needs (--seq %d + 1 = %d tokens)", dn,
-                 fsdp_data_ntokens(k->data), o->seq, o->seq + 1);
-    if (fsdp_data_is_text(k->data) && k->cfg.vocab_size < 256)
-        fail_all("byte-level text needs vocab_size >= 256, the model has %d", k->cfg.vocab_size);
+    open_tokens(k, ctx, o, "--data", dn);
+    if (o->val_data) open_tokens(k, ctx, o, "--val-data", o->val_data);
     if (fsdp_gpt_create(ctx, &k->cfg, &t->root) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
     k->Bl = o->batch / fsdp_ctx_world(ctx);
     k->T = o->seq;
@@ -68,13 +99,19 @@ static void tok_describe_model(struct task *t, struct fsdp_ctx *ctx, const struc
 
 static void tok_describe_data(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_model *fm) {
     (void)ctx;
-    (void)o;
     (void)fm;
     struct tokens *k = t->impl;
     double floor_ = fsdp_data_loss_floor(k->data);
     if (floor_ >= 0)
         printf("data: %s, %zu tokens, loss floor %.3f nats/token\n", k->data_name, fsdp_data_ntokens(k->data), floor_);
     else printf("data: %s, %zu tokens\n", k->data_name, fsdp_data_ntokens(k->data));
+    if (k->val) {
+        int64_t EB = o->eval_batch ? o->eval_batch : o->batch;
+        printf("held-out data: %s, %zu tokens; each evaluation: ", o->val_data, fsdp_data_ntokens(k->val));
+        if (o->eval_batches) printf("%d", o->eval_batches);
+        else printf("all %lld", (long long)(int64_t)((fsdp_data_ntokens(k->val) - 1) / (size_t)k->T) / EB);
+        printf(" batches of %lld x %d tokens\n", (long long)EB, k->T);
+    }
 }
 
 static enum fsdp_status tok_step(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
@@ -87,6 +124,61 @@ static enum fsdp_status tok_step(struct task *t, struct fsdp_ctx *ctx, struct fs
                                        !strcmp(o->accum_mode, "no_sync") ? FSDP_ACCUM_NO_SYNC
                                                                          : FSDP_ACCUM_REDUCE_EACH,
                                        lr, o->clip, r);
+}
+
+/* [Note: held-out batches] */
+static enum fsdp_status tok_eval(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
+                                 double *loss_out, double *acc_out, int64_t *count_out) {
+    struct tokens *k = t->impl;
+    int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), T = k->T, V = k->cfg.vocab_size;
+    int64_t EB = o->eval_batch ? o->eval_batch : o->batch, cap = (EB + world - 1) / world;
+    int64_t nb = o->eval_batches;
+    if (nb == 0) { /* the whole set once (at least one batch) */
+        nb = (int64_t)((fsdp_data_ntokens(k->val) - 1) / (size_t)T) / EB;
+        if (nb < 1) nb = 1;
+    }
+    int32_t *in = malloc((size_t)(cap * T) * sizeof(int32_t)), *tg = malloc((size_t)(cap * T) * sizeof(int32_t));
+    int64_t *mine = calloc((size_t)cap, sizeof(int64_t)), *all = calloc((size_t)(cap * world), sizeof(int64_t));
+    if (!in || !tg || !mine || !all) fail_rank("out of memory for evaluation");
+    double total = 0;
+    enum fsdp_status st = FSDP_OK;
+    fsdp_module_set_training(t->root, 0);
+    for (int64_t j = 0; j < nb && st == FSDP_OK; j++) {
+        int64_t lo = rank * EB / world, m = (rank + 1) * EB / world - lo;
+        for (int64_t i = 0; i < (m ? m : 1); i++)
+            if (fsdp_data_batch(k->val, j * EB + (m ? lo + i : 0), 1, T, 0, 1, in + i * T, tg + i * T) != FSDP_OK)
+                fail_rank("evaluation: --val-data: %s", fsdp_errmsg(ctx));
+        struct fsdp_tensor x = {in, FSDP_I32, 2, {m ? m : 1, T}}, out = {0};
+        if ((st = fsdp_model_forward_tensor(ctx, fm, &x, &out)) != FSDP_OK) break;
+        const float *lg = out.data; /* (m, T, V) */
+        for (int64_t i = 0; i < m; i++) {
+            double sum = 0;
+            for (int64_t p = 0; p < T; p++) {
+                const float *l = lg + (i * T + p) * V;
+                double mx = l[0], z = 0;
+                for (int v = 1; v < V; v++) mx = l[v] > mx ? l[v] : mx;
+                for (int v = 0; v < V; v++) z += exp((double)l[v] - mx);
+                sum += log(z) - ((double)l[tg[i * T + p]] - mx);
+            }
+            memcpy(&mine[i], &sum, sizeof sum); /* the bits travel as an I64 */
+        }
+        if ((st = fsdp_comm_allgather(fsdp_ctx_comm(ctx), mine, all, (size_t)cap, FSDP_I64)) != FSDP_OK) break;
+        for (int r = 0; r < world; r++) /* in sequence order: the ranks' shares are consecutive */
+            for (int64_t i = 0; i < (r + 1) * EB / world - r * EB / world; i++) {
+                double v;
+                memcpy(&v, &all[r * cap + i], sizeof v);
+                total += v;
+            }
+    }
+    fsdp_module_set_training(t->root, 1);
+    free(in);
+    free(tg);
+    free(mine);
+    free(all);
+    *count_out = nb * EB * T;
+    *loss_out = total / (double)*count_out;
+    *acc_out = NAN;
+    return st;
 }
 
 static void tok_meta(struct task *t, struct fsdp_ckpt_meta *m) {
@@ -172,6 +264,7 @@ static void tok_free(struct task *t) {
     free(k->inputs);
     free(k->targets);
     fsdp_data_free(k->data);
+    fsdp_data_free(k->val);
     fsdp_bpe_free(k->bpe);
     free(k);
     t->impl = NULL;
@@ -179,6 +272,9 @@ static void tok_free(struct task *t) {
 
 static const struct task_ops tokens_ops = {tok_open,     tok_describe_model, tok_describe_data, tok_step, NULL,
                                            tok_meta,     tok_summary_note,   tok_finish,        tok_free, NULL, NULL};
+/* with --val-data */
+static const struct task_ops tokens_val_ops = {tok_open, tok_describe_model, tok_describe_data, tok_step, tok_eval,
+                                               tok_meta, tok_summary_note,   tok_finish,        tok_free, NULL, NULL};
 
 void task_tokens_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck, const char *resume_dir,
                         struct task *t) {
@@ -218,7 +314,9 @@ void task_tokens_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
     if (o->epochs) fail_all("--epochs is for image models; give --steps for a GPT");
     k->cfg = cfg;
     k->data_name = o->data ? o->data : "synthetic";
-    t->ops = &tokens_ops;
+    t->ops = o->val_data ? &tokens_val_ops : &tokens_ops;
+    t->eval_ppl = 1;
+    t->eval_count = "eval_tokens";
     t->impl = k;
     t->block_type = "Block";
     t->ac_attn_type = "CausalSelfAttention";

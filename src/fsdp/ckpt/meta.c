@@ -151,6 +151,28 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
         if (!len || len >= sizeof mt->m.model_json)
             return BAD("%s: \"model\" is not a JSON object of at most %zu bytes", mpath, sizeof mt->m.model_json - 1);
     }
+    const cJSON *tc = cJSON_GetObjectItemCaseSensitive(root, "train_config");
+    if (tc) {
+        char *txt = cJSON_IsObject(tc) ? cJSON_PrintUnformatted(tc) : NULL;
+        size_t len = txt ? strlen(txt) : 0;
+        if (txt && len < sizeof mt->m.train_config) memcpy(mt->m.train_config, txt, len + 1);
+        free(txt);
+        if (!len || len >= sizeof mt->m.train_config)
+            return BAD("%s: \"train_config\" is not a JSON object of at most %zu bytes", mpath,
+                       sizeof mt->m.train_config - 1);
+    }
+    const cJSON *ls = cJSON_GetObjectItemCaseSensitive(root, "loss_scale");
+    if (ls) { /* the dynamic loss scaling state (mixed.c) */
+        const cJSON *sc = cJSON_GetObjectItemCaseSensitive(ls, "scale");
+        int64_t gt, sk;
+        if (!cJSON_IsNumber(sc) || !(sc->valuedouble > 0 && sc->valuedouble < 1e300) ||
+            !get_int(ls, "growth_tracker", 0, INT64_C(1) << 52, &gt) || !get_int(ls, "skipped", 0, INT64_C(1) << 52, &sk))
+            return BAD("%s: \"loss_scale\" needs a positive \"scale\", \"growth_tracker\" and \"skipped\"", mpath);
+        mt->m.has_loss_scale = 1;
+        mt->m.loss_scale = sc->valuedouble;
+        mt->m.loss_scale_growth_tracker = gt;
+        mt->m.loss_scale_skipped = sk;
+    }
     const cJSON *sn = cJSON_GetObjectItemCaseSensitive(root, "optim_state");
     if (!cJSON_IsArray(sn) || cJSON_GetArraySize(sn) > 4) return BAD("%s: \"optim_state\" is not a list", mpath);
     for (const cJSON *e = sn->child; e; e = e->next) {
@@ -382,6 +404,24 @@ enum fsdp_status fsdp__meta_format(struct fsdp_ctx *ctx, const char *name, const
             cJSON_Delete(mj);
             ok = 0;
         }
+    }
+    if (ok && m->train_config[0]) {
+        cJSON *tc = cJSON_Parse(m->train_config);
+        if (!cJSON_IsObject(tc)) {
+            cJSON_Delete(tc);
+            cJSON_Delete(root);
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: checkpoint meta: train_config is not a JSON object", name);
+        }
+        if (!cJSON_AddItemToObject(root, "train_config", tc)) {
+            cJSON_Delete(tc);
+            ok = 0;
+        }
+    }
+    if (ok && m->has_loss_scale) { /* exact: cJSON prints a double that reads back the same */
+        cJSON *ls = cJSON_AddObjectToObject(root, "loss_scale");
+        ok = ls && cJSON_AddNumberToObject(ls, "scale", m->loss_scale) &&
+             cJSON_AddNumberToObject(ls, "growth_tracker", (double)m->loss_scale_growth_tracker) &&
+             cJSON_AddNumberToObject(ls, "skipped", (double)m->loss_scale_skipped);
     }
     ok = ok && (fl = cJSON_AddArrayToObject(root, "files"));
     for (int r = 0; r < mt->n_files && ok; r++) {

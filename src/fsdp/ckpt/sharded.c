@@ -179,6 +179,12 @@ static enum fsdp_status write_meta(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
     FSDP_TRY(fsdp__meta_alloc(ctx, &mt, world, np, 0));
     mt.m = *m;
     mt.m.optim_step = fm->optim ? fsdp_optim_step_count(fm->optim) : 0;
+    mt.m.has_loss_scale = fm->scaler.opts.enabled;
+    if (mt.m.has_loss_scale) { /* the dynamic loss scaling state (mixed.c) */
+        mt.m.loss_scale = fm->scaler.scale;
+        mt.m.loss_scale_growth_tracker = fm->scaler.clean;
+        mt.m.loss_scale_skipped = fm->scaler.skipped;
+    }
     struct fsdp__st_file *files = calloc((size_t)world, sizeof *files);
     enum fsdp_status st = files ? FSDP_OK : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     for (int r = 0; files && r < world; r++) files[r].fd = -1;
@@ -403,6 +409,11 @@ static enum fsdp_status load_local(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
     }
     if (st == FSDP_OK) st = load_buffers(ctx, fm, mt, &c);
     if (st == FSDP_OK && fm->optim) fsdp__optim_set_step_count(fm->optim, load_state ? mt->m.optim_step : 0);
+    if (st == FSDP_OK && fm->scaler.opts.enabled && mt->m.has_loss_scale) { /* torch's GradScaler state */
+        fm->scaler.scale = mt->m.loss_scale;
+        fm->scaler.clean = mt->m.loss_scale_growth_tracker;
+        fm->scaler.skipped = mt->m.loss_scale_skipped;
+    }
     for (int i = 0; c.f && i < mt->n_files; i++) fsdp__st_close(&c.f[i]);
     free(c.f);
     free(c.open);

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# t_config.sh - fsdp-train's run configuration: --config FILE with the command
+# line taking precedence; the resolved configuration printed, first in --log
+# and in meta.json, and given back as --config it reruns the same run; bad
+# config files are one line naming the file and the key; --resume restores
+# the schedule, optimizer and fp16 loss scale (AMP_FP16 resumes bit-exactly),
+# refuses a flag that disagrees (naming both values) unless --override names
+# it. Prints "N passed, N failed".
+. "$(dirname "$0")/lib.sh"
+export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
+
+cfgof() { python3 -c 'import json,sys; print(json.dumps(json.loads(open(sys.argv[1]).readline())["config"][sys.argv[2]]))' "$@"; }
+# step, loss, grad and param norms and loss scale of the steps after $2, as the log printed them
+steps_after() { python3 -c '
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    if "step" in r and r["step"] > int(sys.argv[2]):
+        print(r["step"], r["loss"], r["grad_norm"], r["param_norm"], r["loss_scale"])' "$1" "$2"; }
+
+# ---- precedence: the command line over the file over the defaults ----
+cat > "$tmp/run.json" <<'EOF'
+{"model": "tiny", "lr": 2e-3, "steps": 3, "warmup": 1, "seq": 32, "batch": 4, "sample": 0, "threads": 1,
+ "lr_schedule": "constant", "decay-all": true, "shuffle": "off", "beta2": 0.99}
+EOF
+if "$TRAIN" --config "$tmp/run.json" --steps 2 --beta2 0.9 --log "$tmp/p.jsonl" > "$tmp/p" 2>&1 &&
+   [ "$(cfgof "$tmp/p.jsonl" lr)" = 0.002 ] && [ "$(cfgof "$tmp/p.jsonl" steps)" = 2 ] &&
+   [ "$(cfgof "$tmp/p.jsonl" beta2)" = 0.9 ] && [ "$(cfgof "$tmp/p.jsonl" lr-schedule)" = '"constant"' ] &&
+   [ "$(cfgof "$tmp/p.jsonl" decay-all)" = true ] && [ "$(cfgof "$tmp/p.jsonl" eps)" = 1e-08 ] &&
+   [ "$(grep -c '"step"' "$tmp/p.jsonl")" = 2 ] && grep -q '"step": 2, "loss": [0-9.]*, "lr": 0.00200000009' "$tmp/p.jsonl"; then
+  ok "--config: its values over the defaults, the command line's over its (lr 0.002 from the file, steps 2 and beta2 0.9 from the flags)"
+else bad "--config precedence" "$(head -c 300 "$tmp/p.jsonl")" "$(tail -2 "$tmp/p")"; fi
+
+# ---- the resolved configuration: printed, first in --log, in meta.json; given back, the same run ----
+"$TRAIN" --config "$tmp/run.json" --nproc 2 --save-dir "$tmp/ck0" --log "$tmp/r0.jsonl" > "$tmp/r0" 2>&1 ||
+  bad "run with --config" "$(tail -3 "$tmp/r0")"
+python3 - "$tmp" <<'EOF' > "$tmp/again.json"
+import json, sys
+c = json.loads(open(sys.argv[1] + "/r0.jsonl").readline())["config"]
+c["log"] = sys.argv[1] + "/r1.jsonl"; c["save-dir"] = None; c["nproc"] = 2
+print(json.dumps(c))
+EOF
+if msg=$(python3 - "$tmp" <<'EOF' 2>&1
+import json, sys
+d = sys.argv[1]
+first = json.loads(open(d + "/r0.jsonl").readline())["config"]
+printed = json.loads([l for l in open(d + "/r0") if l.startswith("config: ")][0][8:])
+meta = json.load(open(d + "/ck0/step-00000003/meta.json"))["train_config"]
+assert first == printed == meta, "the log, the terminal and meta.json differ"
+assert first["lr"] == 0.002 and abs(first["min-lr"] - 2e-4) < 1e-9 and first["model"] == "tiny" and first["steps"] == 3, first
+EOF
+) && "$TRAIN" --config "$tmp/again.json" > "$tmp/r1" 2>&1 && same_bits "$tmp/r0.jsonl" "$tmp/r1.jsonl"; then
+  ok "the resolved configuration is the terminal's config line, --log's first line and meta.json's train_config; as --config it reruns the run bit for bit"
+else bad "resolved configuration" "${msg:-}" "$(tail -2 "$tmp/r1")"; fi
+
+# ---- bad config files: one line naming the file and the key ----
+cfg_error() { # NAME JSON PATTERN
+  printf '%s\n' "$2" > "$tmp/bad.json"
+  timeout -k 5 60 "$TRAIN" --config "$tmp/bad.json" --steps 1 > "$tmp/out" 2> "$tmp/err"; local rc=$?
+  if [ $rc = 2 ] && [ "$(grep -c "^fsdp-train" "$tmp/err")" = 1 ] && grep -qE -- "$3" "$tmp/err"; then ok "$1"
+  else bad "$1" "exit $rc" "$(head -3 "$tmp/err")"; fi
+}
+cfg_error "an unknown key" '{"lr": 1e-3, "lrr": 2e-3}' "--config .*bad.json: unknown key \"lrr\""
+cfg_error "a string for a number" '{"lr": "2e-3"}' "--config .*bad.json: key \"lr\": expected a number"
+cfg_error "a fraction for a whole number" '{"steps": 2.5}' "--config .*bad.json: key \"steps\": expected a whole number"
+cfg_error "a number for a switch" '{"decay-all": 1}' "--config .*bad.json: key \"decay-all\": expected true or false"
+cfg_error "a value out of range" '{"lr": 50}' "--config .*bad.json: --lr: '50' is not a number in"
+cfg_error "not a JSON object" '[1, 2]' "--config .*bad.json: not a JSON object"
+cfg_error "a nested --config" '{"config": "x.json"}' "--config .*bad.json: key \"config\": not allowed"
+timeout -k 5 60 "$TRAIN" --config "$tmp/no/such.json" > "$tmp/out" 2> "$tmp/err"; rc=$?
+[ $rc = 2 ] && grep -q -- "--config .*no/such.json: cannot read it" "$tmp/err" && ok "a missing config file" ||
+  bad "a missing config file" "exit $rc" "$(head -2 "$tmp/err")"
+
+# ---- --resume restores the schedule, the optimizer and the fp16 loss scale ----
+# AMP_FP16 with a loss scale that grows every 2 clean steps and an overflow injected at step 2
+amp=(--model tiny --data synthetic --batch 8 --seq 32 --lr 3e-3 --min-lr 1e-4 --warmup 2 --beta2 0.98 --clip 0.5
+     --weight-decay 0.05 --threads 1 --sample 0 --precision AMP_FP16 --loss-scale-growth-interval 2)
+FSDP_INJECT_OVERFLOW_STEP=1 "$TRAIN" "${amp[@]}" --steps 6 --save-every 3 --save-dir "$tmp/a" --log "$tmp/a.jsonl" \
+  > "$tmp/oa" 2>&1 || bad "6 AMP_FP16 steps" "$(tail -3 "$tmp/oa")"
+if "$TRAIN" --resume "$tmp/a/step-00000003" --save-dir "$tmp/b" --log "$tmp/b.jsonl" > "$tmp/ob" 2>&1 &&
+   [ -s "$tmp/b.jsonl" ] && [ "$(steps_after "$tmp/a.jsonl" 3)" = "$(steps_after "$tmp/b.jsonl" 3)" ] &&
+   [ "$(steps_after "$tmp/b.jsonl" 3 | wc -l)" = 3 ] && grep -q "^resume: loss scale 32768, 1 clean steps" "$tmp/ob" &&
+   cmp -s "$tmp/a/step-00000006/rank-00000-of-00001.safetensors" "$tmp/b/step-00000006/rank-00000-of-00001.safetensors"
+then ok "AMP_FP16: --resume with no schedule flags continues the 6-step run bit for bit (losses, norms, loss scale 32768 and its growth tracker, the step-6 checkpoint)"
+else bad "AMP_FP16 resume without flags" "$(paste <(steps_after "$tmp/a.jsonl" 3) <(steps_after "$tmp/b.jsonl" 3))" "$(grep -E '^resume|error' "$tmp/ob")"; fi
+
+# 3 steps, then 3 more: --steps disagrees with the checkpoint until --override names it
+const=("${amp[@]}" --lr-schedule constant)
+FSDP_INJECT_OVERFLOW_STEP=1 "$TRAIN" "${const[@]}" --steps 6 --log "$tmp/c6.jsonl" > "$tmp/oc6" 2>&1 ||
+  bad "6 steps, constant" "$(tail -3 "$tmp/oc6")"
+FSDP_INJECT_OVERFLOW_STEP=1 "$TRAIN" "${const[@]}" --steps 3 --save-dir "$tmp/c3" > "$tmp/oc3" 2>&1 ||
+  bad "3 steps, constant" "$(tail -3 "$tmp/oc3")"
+"$TRAIN" --resume "$tmp/c3" --steps 6 > "$tmp/out" 2> "$tmp/err"; rc=$?
+if [ $rc = 2 ] && grep -q -- "--steps 6 disagrees with the checkpoint .*c3/step-00000003, saved with --steps 3: .*--override steps" "$tmp/err"
+then ok "--resume with a --steps the checkpoint disagrees with: an error naming both values (exit 2)"
+else bad "disagreeing --steps" "exit $rc" "$(head -2 "$tmp/err")"; fi
+"$TRAIN" "${const[@]}" --resume "$tmp/c3" --lr 1e-3 > "$tmp/out" 2> "$tmp/err"; rc=$?
+[ $rc = 2 ] && grep -q -- "--lr 0.001 disagrees with the checkpoint .*, saved with --lr 0.003" "$tmp/err" &&
+  ok "--lr disagreeing with the checkpoint names both values" || bad "disagreeing --lr" "exit $rc" "$(head -2 "$tmp/err")"
+if "$TRAIN" "${const[@]}" --resume "$tmp/c3" --steps 6 --override steps --log "$tmp/c33.jsonl" > "$tmp/oc33" 2>&1 &&
+   [ -s "$tmp/c33.jsonl" ] && [ "$(steps_after "$tmp/c6.jsonl" 3)" = "$(steps_after "$tmp/c33.jsonl" 3)" ]; then
+  ok "AMP_FP16: 3 steps + --resume --steps 6 --override steps + 3 steps = 6 steps, bit for bit (loss scale included)"
+else bad "3 + 3 steps" "$(paste <(steps_after "$tmp/c6.jsonl" 3) <(steps_after "$tmp/c33.jsonl" 3))" "$(tail -2 "$tmp/oc33")"; fi
+if "$TRAIN" --resume "$tmp/c3" --steps 4 --lr 1e-3 --override steps,lr --log "$tmp/o4.jsonl" > "$tmp/oo4" 2>&1 &&
+   grep -q '"step": 4, "loss": [0-9.]*, "lr": 0.00100000005' "$tmp/o4.jsonl" && [ "$(cfgof "$tmp/o4.jsonl" beta2)" = 0.98 ]; then
+  ok "--override steps,lr: those from the command line, the rest (beta2 0.98) from the checkpoint"
+else bad "--override lr" "$(tail -2 "$tmp/oo4")"; fi
+"$TRAIN" --resume "$tmp/c3" --override bogus > "$tmp/out" 2> "$tmp/err"; rc=$?
+[ $rc = 2 ] && grep -q -- "--override: 'bogus' is not a flag --resume restores" "$tmp/err" &&
+  ok "--override of a flag --resume does not restore" || bad "--override bogus" "exit $rc" "$(head -2 "$tmp/err")"
+
+finish

@@ -1,0 +1,471 @@
+/*
+ * config.c - fsdp-train's run configuration (config.h).
+ *
+ * [Note: run configuration]
+ * The flags table below lists every flag a configuration holds: its long
+ * name, where it lives in struct opts, its type, and whether --resume
+ * restores it (R: the schedule, the optimizer, the batch, the precision and
+ * the loss scaling, what decides the numbers of the run). A configuration is
+ * a JSON object keyed by those names; each value becomes the text a flag
+ * takes on the command line, and the flags go through parse_args, so a value
+ * in a file or a checkpoint is checked exactly as the flag is:
+ *   --config FILE: argv = FILE's flags, then the command line (which wins);
+ *   the resolved configuration: every flag's value after parsing (and after
+ *     --resume), so that a log's first line can be given back as --config;
+ *   --resume: argv = the checkpoint's restored flags (those neither given nor
+ *     named by --override), then the above; a restored flag that was given
+ *     with another value is an error naming both values.
+ * Values compare as their canonical text: a number as the shortest decimal
+ * that reads back to the same float (double, integer), strings ignoring case.
+ */
+#include "config.h"
+
+#include "task.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+
+enum kind {
+    K_STR,    /* const char * (NULL: null) */
+    K_INT,    /* int */
+    K_INT0,   /* int, 0 = unset (null) */
+    K_U64,    /* uint64_t */
+    K_FLOAT,  /* float */
+    K_DOUBLE, /* double */
+    K_SWITCH, /* int 0/1, a flag without value */
+    K_ONOFF,  /* int 0/1 as on | off; -1 = unset (null) */
+    K_INTS,   /* int[16] with its count at aux */
+    K_FLOATS, /* float[4] with its count at aux */
+    K_PAIR    /* float[2] */
+};
+
+struct flag {
+    const char *name;  /* the long name, without "--" */
+    enum kind kind;
+    size_t off, aux;   /* the field in struct opts; K_INTS / K_FLOATS: the count's */
+    int restore;       /* --resume restores it */
+    const char *alias; /* another spelling of the flag, or NULL */
+};
+
+#define F(name, kind, field, restore) {name, kind, offsetof(struct opts, field), 0, restore, NULL}
+#define FN(name, kind, field, count, restore) \
+    {name, kind, offsetof(struct opts, field), offsetof(struct opts, count), restore, NULL}
+
+static const struct flag flags[] = {
+    F("model", K_STR, model, 0),
+    F("model-config", K_STR, model_config, 0),
+    F("task", K_STR, task, 0),
+    F("data", K_STR, data, 0),
+    F("val-data", K_STR, val_data, 0),
+    F("tokenizer", K_STR, tokenizer, 0),
+    F("batch", K_INT, batch, 1),
+    F("seq", K_INT, seq, 1),
+    F("steps", K_INT, steps, 1),
+    F("epochs", K_INT0, epochs, 1),
+    F("eval-every", K_INT, eval_every, 0),
+    F("eval-batch", K_INT0, eval_batch, 0),
+    F("eval-batches", K_INT, eval_batches, 0),
+    F("lr", K_FLOAT, lr, 1),
+    F("min-lr", K_FLOAT, min_lr, 1),
+    F("warmup", K_INT, warmup, 1),
+    F("lr-schedule", K_STR, schedule, 1),
+    FN("lr-steps", K_INTS, lr_steps, n_lr_steps, 1),
+    F("optim", K_STR, optim, 1),
+    {"lars-eta", K_FLOAT, offsetof(struct opts, lars_eta), 0, 1, "trust-coefficient"},
+    F("beta1", K_FLOAT, beta1, 1),
+    F("beta2", K_FLOAT, beta2, 1),
+    F("eps", K_FLOAT, eps, 1),
+    F("momentum", K_FLOAT, momentum, 1),
+    F("nesterov", K_SWITCH, nesterov, 1),
+    F("weight-decay", K_FLOAT, weight_decay, 1),
+    F("decay-all", K_SWITCH, decay_all, 1),
+    F("clip", K_FLOAT, clip, 1),
+    F("grad-accum", K_INT, grad_accum, 1),
+    F("accum-mode", K_STR, accum_mode, 0),
+    F("precision", K_STR, precision, 1),
+    F("mixed-precision", K_STR, mixed_precision, 1),
+    F("loss-scale-init", K_DOUBLE, loss_scale_init, 1),
+    F("loss-scale-growth-interval", K_INT, loss_scale_growth, 1),
+    F("label-smoothing", K_FLOAT, label_smoothing, 1),
+    F("augment", K_STR, augment, 1),
+    F("crop-padding", K_INT, crop_padding, 1),
+    F("shuffle", K_ONOFF, shuffle, 1),
+    FN("mean", K_FLOATS, mean, n_mean, 1),
+    FN("std", K_FLOATS, std, n_std, 1),
+    F("sync-bn", K_ONOFF, sync_bn, 0),
+    F("swav-hidden", K_INT, swav_hidden, 1),
+    F("swav-dim", K_INT, swav_dim, 1),
+    F("nmb-prototypes", K_INT, nmb_prototypes, 1),
+    F("nmb-heads", K_INT, nmb_heads, 1),
+    F("crops-global-size", K_INT, crops_global_size, 1),
+    F("crops-small", K_INT, crops_small, 1),
+    F("crops-small-size", K_INT, crops_small_size, 1),
+    F("crops-global-scale", K_PAIR, crops_global_scale, 1),
+    F("crops-small-scale", K_PAIR, crops_small_scale, 1),
+    F("freeze-prototypes-iters", K_INT, freeze_prototypes_iters, 1),
+    F("swav-temperature", K_FLOAT, swav_temperature, 1),
+    F("swav-epsilon", K_FLOAT, swav_epsilon, 1),
+    F("sinkhorn-iters", K_INT, sinkhorn_iters, 1),
+    F("knn-train", K_INT, knn_train, 0),
+    F("seed", K_U64, seed, 0), /* --resume takes the checkpoint's seed itself (meta.json's "seed") */
+    F("wrap", K_STR, wrap, 0),
+    F("ac", K_STR, ac, 0),
+    F("reshard-after-forward", K_ONOFF, reshard_after_forward, 0),
+    F("sharding", K_STR, sharding, 0),
+    F("shard-group", K_INT0, shard_group, 0),
+    F("overlap", K_ONOFF, overlap, 0),
+    F("max-inflight", K_INT, max_inflight, 0),
+    F("init", K_STR, init, 0),
+    F("threads", K_INT, threads, 0),
+    F("nproc", K_INT0, nproc, 0),
+    F("comm", K_STR, comm, 0),
+    F("mpi-reduce", K_STR, mpi_reduce, 0),
+    F("collective-timeout", K_FLOAT, collective_timeout, 0),
+    F("check-collectives", K_SWITCH, check_collectives, 0),
+    F("log", K_STR, log_path, 0),
+    F("sample", K_INT, sample, 0),
+    F("save-dir", K_STR, save_dir, 0),
+    F("save-every", K_INT, save_every, 0),
+    F("keep-last", K_INT, keep_last, 0),
+    F("resume", K_STR, resume, 0),
+    F("save-full", K_STR, save_full, 0),
+    F("init-from", K_STR, init_from, 0),
+    F("mem-limit", K_STR, mem_limit, 0),
+    F("dry-run", K_SWITCH, dry_run, 0),
+    F("verbose", K_SWITCH, verbose, 0),
+};
+#define N_FLAGS ((int)(sizeof flags / sizeof flags[0]))
+
+/* The flag called name (with or without "--"; '_' for '-'), or NULL. */
+static const struct flag *find_flag(const char *name) {
+    char n[64];
+    if (!strncmp(name, "--", 2)) name += 2;
+    size_t len = strlen(name);
+    if (len >= sizeof n) return NULL;
+    for (size_t i = 0; i <= len; i++) n[i] = name[i] == '_' ? '-' : name[i];
+    for (int i = 0; i < N_FLAGS; i++)
+        if (!strcmp(flags[i].name, n) || (flags[i].alias && !strcmp(flags[i].alias, n))) return &flags[i];
+    return NULL;
+}
+
+#define FIELD(o, f, type) ((type *)((char *)(o) + (f)->off))
+#define CFIELD(o, f, type) ((const type *)((const char *)(o) + (f)->off))
+
+/* The shortest decimal that reads back as x (a float, or a double when dbl). */
+static void fmt_num(char *b, size_t n, double x, int dbl) {
+    if (x == (double)(long long)x && x > -1e15 && x < 1e15) { /* 300, not 3e+02 */
+        snprintf(b, n, "%lld", (long long)x);
+        return;
+    }
+    for (int p = 1; p <= 17; p++) {
+        snprintf(b, n, "%.*g", p, x);
+        double y = strtod(b, NULL);
+        if (dbl ? y == x : (float)y == (float)x) return;
+    }
+}
+
+/* The flag's value in o as JSON (a null item when unset). */
+static cJSON *value_json(const struct flag *f, const struct opts *o) {
+    char b[64];
+    switch (f->kind) {
+    case K_STR: {
+        const char *s = *CFIELD(o, f, const char *);
+        return s ? cJSON_CreateString(s) : cJSON_CreateNull();
+    }
+    case K_INT:
+    case K_INT0: {
+        int v = *CFIELD(o, f, int);
+        if (f->kind == K_INT0 && v == 0) return cJSON_CreateNull();
+        snprintf(b, sizeof b, "%d", v);
+        return cJSON_CreateRaw(b);
+    }
+    case K_U64:
+        snprintf(b, sizeof b, "%llu", (unsigned long long)*CFIELD(o, f, uint64_t));
+        return cJSON_CreateRaw(b);
+    case K_FLOAT:
+        fmt_num(b, sizeof b, (double)*CFIELD(o, f, float), 0);
+        return cJSON_CreateRaw(b);
+    case K_DOUBLE:
+        fmt_num(b, sizeof b, *CFIELD(o, f, double), 1);
+        return cJSON_CreateRaw(b);
+    case K_SWITCH: return cJSON_CreateBool(*CFIELD(o, f, int) != 0);
+    case K_ONOFF: {
+        int v = *CFIELD(o, f, int);
+        return v < 0 ? cJSON_CreateNull() : cJSON_CreateString(v ? "on" : "off");
+    }
+    case K_INTS:
+    case K_FLOATS:
+    case K_PAIR: {
+        int n = f->kind == K_PAIR ? 2 : *(const int *)((const char *)o + f->aux);
+        cJSON *a = cJSON_CreateArray();
+        for (int i = 0; i < n && a; i++) {
+            if (f->kind == K_INTS) snprintf(b, sizeof b, "%d", CFIELD(o, f, int)[i]);
+            else fmt_num(b, sizeof b, (double)CFIELD(o, f, float)[i], 0);
+            cJSON_AddItemToArray(a, cJSON_CreateRaw(b));
+        }
+        return a;
+    }
+    }
+    return cJSON_CreateNull();
+}
+
+/* A JSON value of flag f as the text the flag takes ("true"/"false" for a
+ * switch): 1, or 0 for null (unset), or -1 with *want naming the type
+ * expected. Numbers come out canonical ([Note: run configuration]). */
+static int to_arg(const struct flag *f, const cJSON *v, char *b, size_t n, const char **want) {
+    if (!v || cJSON_IsNull(v)) return 0;
+    switch (f->kind) {
+    case K_STR:
+        *want = "a string";
+        if (!cJSON_IsString(v)) return -1;
+        snprintf(b, n, "%s", v->valuestring);
+        return 1;
+    case K_INT:
+    case K_INT0:
+    case K_U64:
+        *want = "a whole number";
+        if (!cJSON_IsNumber(v) || v->valuedouble != (double)(long long)v->valuedouble ||
+            !(v->valuedouble > -9e15 && v->valuedouble < 9e15))
+            return -1;
+        snprintf(b, n, "%lld", (long long)v->valuedouble);
+        return 1;
+    case K_FLOAT:
+    case K_DOUBLE:
+        *want = "a number";
+        if (!cJSON_IsNumber(v)) return -1;
+        fmt_num(b, n, v->valuedouble, f->kind == K_DOUBLE);
+        return 1;
+    case K_SWITCH:
+        *want = "true or false";
+        if (!cJSON_IsBool(v)) return -1;
+        snprintf(b, n, "%s", cJSON_IsTrue(v) ? "true" : "false");
+        return 1;
+    case K_ONOFF:
+        *want = "true, false, \"on\" or \"off\"";
+        if (cJSON_IsBool(v)) snprintf(b, n, "%s", cJSON_IsTrue(v) ? "on" : "off");
+        else if (cJSON_IsString(v) && (!strcmp(v->valuestring, "on") || !strcmp(v->valuestring, "off")))
+            snprintf(b, n, "%s", v->valuestring);
+        else return -1;
+        return 1;
+    case K_INTS:
+    case K_FLOATS:
+    case K_PAIR: {
+        *want = f->kind == K_INTS ? "a list of whole numbers" : "a list of numbers";
+        if (!cJSON_IsArray(v)) return -1;
+        size_t at = 0;
+        b[0] = 0;
+        for (const cJSON *e = v->child; e; e = e->next) {
+            char x[64];
+            if (!cJSON_IsNumber(e)) return -1;
+            if (f->kind == K_INTS) {
+                if (e->valuedouble != (double)(long long)e->valuedouble || fabs(e->valuedouble) > 9e15) return -1;
+                snprintf(x, sizeof x, "%lld", (long long)e->valuedouble);
+            } else fmt_num(x, sizeof x, e->valuedouble, 0);
+            at += (size_t)snprintf(b + at, at < n ? n - at : 0, "%s%s", at ? "," : "", x);
+        }
+        return at ? 1 : 0; /* an empty list: unset */
+    }
+    }
+    return -1;
+}
+
+static char *read_file(const char *path, const char **why) {
+    struct stat sb; /* a FIFO would block the open */
+    if (stat(path, &sb) != 0) return *why = strerror(errno), NULL;
+    if (!S_ISREG(sb.st_mode)) return *why = "not a regular file", NULL;
+    if (sb.st_size > (1 << 20)) return *why = "larger than 1 MiB", NULL;
+    FILE *fp = fopen(path, "rb");
+    if (!fp) return *why = strerror(errno), NULL;
+    char *buf = malloc((size_t)sb.st_size + 1);
+    size_t len = buf ? fread(buf, 1, (size_t)sb.st_size, fp) : 0;
+    fclose(fp);
+    if (!buf) return *why = "out of memory", NULL;
+    buf[len] = 0;
+    return buf;
+}
+
+/* argv being built: each string is borrowed or owned by the list (leaked
+ * deliberately: the options point into it for the whole run). */
+struct args {
+    char **v;
+    int n, cap;
+};
+
+static void args_add(struct args *a, const char *s) {
+    if (a->n + 2 > a->cap) {
+        a->cap = 2 * a->cap + 16;
+        a->v = realloc(a->v, (size_t)a->cap * sizeof *a->v);
+        if (!a->v) usage_error("out of memory");
+    }
+    a->v[a->n++] = (char *)s;
+    a->v[a->n] = NULL;
+}
+
+static char *dup(const char *s) {
+    char *d = malloc(strlen(s) + 1);
+    if (!d) usage_error("out of memory");
+    return strcpy(d, s);
+}
+
+/* "--name" [value] for flag f whose JSON value is v; 0 when nothing (null, a false switch). */
+static int add_flag(struct args *a, const struct flag *f, const cJSON *v, const char *src_flag, const char *src,
+                    const char *key) {
+    char b[4096];
+    const char *want = "";
+    int r = to_arg(f, v, b, sizeof b, &want);
+    if (r < 0) usage_error("%s %s: key \"%s\": expected %s", src_flag, src, key, want);
+    if (r == 0 || (f->kind == K_SWITCH && !strcmp(b, "false"))) return 0;
+    char name[80];
+    snprintf(name, sizeof name, "--%s", f->name);
+    args_add(a, dup(name));
+    if (f->kind != K_SWITCH) args_add(a, dup(b));
+    return 1;
+}
+
+static int g_cfg_end = 1;       /* argv[1, g_cfg_end) came from --config */
+static struct args g_resume_args; /* config_resume's argv */
+static const char *g_cfg_name;  /* its file */
+
+void config_argv(int argc, char **argv, int *nargc, char ***nargv) {
+    *nargc = argc;
+    *nargv = argv;
+    const char *path = NULL;
+    for (int i = 1; i + 1 < argc; i++) {
+        const struct flag *f = strncmp(argv[i], "--", 2) ? NULL : find_flag(argv[i]);
+        if (!strcmp(argv[i], "--config")) {
+            if (path) usage_error("--config is given twice ('%s' and '%s')", path, argv[i + 1]);
+            path = argv[++i];
+        } else if (!f || f->kind != K_SWITCH) {
+            i++; /* a value: never a flag of its own */
+        }
+    }
+    if (!path) return;
+    const char *why = "";
+    char *text = read_file(path, &why);
+    if (!text) usage_error("--config %s: cannot read it: %s", path, why);
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithOpts(text, &end, 1);
+    if (!cJSON_IsObject(root)) {
+        long line = 1;
+        for (const char *p = text; end && p < end && *p; p++) line += *p == '\n';
+        usage_error("--config %s: not a JSON object%s (line %ld)", path, root ? "" : ": bad JSON", line);
+    }
+    struct args a = {0};
+    args_add(&a, argv[0]);
+    for (const cJSON *e = root->child; e; e = e->next) {
+        const struct flag *f = find_flag(e->string);
+        if (!strcmp(e->string, "config") || !strcmp(e->string, "override") || !strcmp(e->string, "help"))
+            usage_error("--config %s: key \"%s\": not allowed in a config file (give it on the command line)", path,
+                        e->string);
+        if (!f)
+            usage_error("--config %s: unknown key \"%s\" (the keys are fsdp-train's long flag names, e.g. \"lr\", "
+                        "\"lr-schedule\"; see --help)", path, e->string);
+        for (const cJSON *p = root->child; p != e; p = p->next)
+            if (find_flag(p->string) == f)
+                usage_error("--config %s: key \"%s\" is given twice (also as \"%s\")", path, e->string, p->string);
+        add_flag(&a, f, e, "--config", path, e->string);
+    }
+    cJSON_Delete(root);
+    free(text);
+    g_cfg_end = a.n;
+    g_cfg_name = path;
+    for (int i = 1; i < argc; i++) args_add(&a, argv[i]);
+    opts_set_origin(1, NULL, g_cfg_end, g_cfg_name);
+    *nargc = a.n;
+    *nargv = a.v;
+}
+
+char *config_json(const struct opts *o) {
+    cJSON *root = cJSON_CreateObject();
+    for (int i = 0; i < N_FLAGS && root; i++) cJSON_AddItemToObject(root, flags[i].name, value_json(&flags[i], o));
+    char *s = root ? cJSON_PrintUnformatted(root) : NULL;
+    cJSON_Delete(root);
+    if (!s) fail_rank("out of memory for the configuration");
+    return s;
+}
+
+/* The canonical text of o's value of f ("" when unset). */
+static void current_text(const struct flag *f, const struct opts *o, char *b, size_t n) {
+    cJSON *v = value_json(f, o);
+    char *txt = v ? cJSON_PrintUnformatted(v) : NULL; /* its numbers are raw text: read them back */
+    cJSON *w = txt ? cJSON_Parse(txt) : NULL;
+    const char *want;
+    if (to_arg(f, w, b, n, &want) <= 0) b[0] = 0;
+    cJSON_Delete(w);
+    free(txt);
+    cJSON_Delete(v);
+}
+
+int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, const char *ck_dir) {
+    if (!ck_json || !ck_json[0]) return 0;
+    cJSON *ck = cJSON_Parse(ck_json);
+    if (!cJSON_IsObject(ck)) usage_error("--resume %s: its train_config is not a JSON object", ck_dir);
+    /* the flags given (argv = --config's, then the command line's) and the ones --override names */
+    char given[N_FLAGS] = {0}, over[N_FLAGS] = {0};
+    for (int i = 1; i < argc; i++) {
+        const struct flag *f = strncmp(argv[i], "--", 2) ? NULL : find_flag(argv[i]);
+        if (f) given[f - flags] = 1;
+        if (!f || f->kind != K_SWITCH) i++;
+    }
+    if (o->override) {
+        char *list = dup(o->override), *save = NULL;
+        for (char *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+            const struct flag *f = find_flag(t);
+            if (!f || !f->restore) {
+                char names[2048] = "";
+                size_t at = 0;
+                for (int i = 0; i < N_FLAGS; i++)
+                    if (flags[i].restore && at < sizeof names)
+                        at += (size_t)snprintf(names + at, sizeof names - at, "%s%s", at ? "," : "", flags[i].name);
+                usage_error("--override: '%s' is not a flag --resume restores (those are: %s)", t, names);
+            }
+            over[f - flags] = 1;
+        }
+        free(list);
+    }
+    const cJSON *ck_epochs = cJSON_GetObjectItemCaseSensitive(ck, "epochs");
+    int by_epochs = ck_epochs && !cJSON_IsNull(ck_epochs);
+    struct args a = {0};
+    int restored = 0;
+    args_add(&a, argv[0]);
+    for (int i = 0; i < N_FLAGS; i++) {
+        const struct flag *f = &flags[i];
+        if (!f->restore || over[i]) continue;
+        if (by_epochs && !strcmp(f->name, "steps")) continue; /* follows from the epochs */
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(ck, f->name);
+        if (!v) continue; /* a flag the checkpoint's program did not have */
+        if (given[i]) {
+            char mine[4096], theirs[4096];
+            const char *want = "";
+            current_text(f, o, mine, sizeof mine);
+            int r = to_arg(f, v, theirs, sizeof theirs, &want);
+            if (r < 0) usage_error("--resume %s: its train_config: key \"%s\": expected %s", ck_dir, f->name, want);
+            if (r == 0) theirs[0] = 0;
+            if (f->kind == K_SWITCH && !strcmp(theirs, "false")) theirs[0] = 0;
+            if (f->kind == K_SWITCH && !strcmp(mine, "false")) mine[0] = 0;
+            int same = f->kind == K_STR ? !strcasecmp(mine, theirs) : !strcmp(mine, theirs);
+            if (!same)
+                usage_error("--%s %s disagrees with the checkpoint %s, saved with --%s %s: leave --%s out to "
+                            "continue with the checkpoint's value, or give --override %s to use yours",
+                            f->name, mine[0] ? mine : "(unset)", ck_dir, f->name, theirs[0] ? theirs : "(unset)",
+                            f->name, f->name);
+            continue;
+        }
+        restored += add_flag(&a, f, v, "--resume", ck_dir, f->name);
+    }
+    cJSON_Delete(ck);
+    int ck_end = a.n;
+    for (int i = 1; i < argc; i++) args_add(&a, argv[i]);
+    opts_set_origin(ck_end, ck_dir, g_cfg_end + ck_end - 1, g_cfg_name);
+    *o = opts_default();
+    parse_args(a.n, a.v, o);
+    g_resume_args = a; /* the options point into it */
+    return restored;
+}

@@ -1,0 +1,29 @@
+/*
+ * config.h - fsdp-train's run configuration (config.c): --config FILE, the
+ * resolved configuration as JSON (printed at the start, the first line of
+ * --log, meta.json's "train_config" in every checkpoint) and what --resume
+ * restores from it. One table in config.c names every flag that takes part,
+ * its type and whether --resume restores it.
+ */
+#ifndef FSDP_TRAIN_CONFIG_H
+#define FSDP_TRAIN_CONFIG_H
+
+#include "options.h"
+
+/* argv with --config FILE's keys first, as flags, then argv[1..] (the command
+ * line overrides the file); *nargv is argv itself without --config. A bad
+ * file, an unknown key or a value of the wrong type is a usage error naming
+ * the file and the key. Every rank reads the file alike. */
+void config_argv(int argc, char **argv, int *nargc, char ***nargv);
+/* The resolved configuration, one JSON object keyed by the flags' long names
+ * (null: unset); returned to the caller to free. */
+char *config_json(const struct opts *o);
+/* --resume: ck_json is the checkpoint's train_config ("" for a checkpoint
+ * without one: nothing is restored). Every restored flag not named by
+ * --override takes the checkpoint's value; one given in argv (the command
+ * line or --config) with another value is an error naming both; then o is
+ * parsed again from the checkpoint's values and argv. Returns the number of
+ * flags taken from the checkpoint. Every rank computes the same. */
+int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, const char *ck_dir);
+
+#endif
