@@ -1369,10 +1369,14 @@ struct fsdp_parallel_config {
     int activation_checkpointing; /* default 0 */
     int activation_cpu_offload;  /* default 0; a CPU-only run has nowhere to offload to:
                                     FSDP_ERR_UNSUPPORTED */
-    enum fsdp_state_dict_type state_dict_type; /* default FULL; read by the checkpoint code */
-    int load_monolith_rank0_only; /* default 0; implies sync_module_states (as Composer) */
-    enum fsdp_mixed_precision mixed_precision; /* default FULL; with a 16-bit precision:
-                                    DEFAULT / PURE gather (and reduce) in it */
+    enum fsdp_state_dict_type state_dict_type; /* default FULL: what fsdp_model_save writes
+                                    (FULL one safetensors file, SHARDED a folder) */
+    int load_monolith_rank0_only; /* default 0: 1 = fsdp_model_load reads a full file on
+                                    rank 0 only and broadcasts it unit by unit; implies
+                                    sync_module_states (as Composer) */
+    enum fsdp_mixed_precision mixed_precision; /* default DEFAULT (as fsdp_shard_opts and
+                                    fsdp-train); with a 16-bit precision: DEFAULT / PURE
+                                    gather (and PURE reduces) in it, FULL keeps both fp32 */
     int sync_module_states;      /* default 0: 1 = rank 0's materialized values reach
                                     every rank's shards, unit by unit, and rank 0's
                                     buffers every rank's buffers */
@@ -1566,7 +1570,9 @@ enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
 enum fsdp_status fsdp_ckpt_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
                                 struct fsdp_ckpt_meta *meta);
 /* Removes a checkpoint folder: its meta.json and rank files, then the folder.
- * Refuses (removing nothing) when `dir` holds anything else, naming it.
+ * Refuses (removing nothing) when `dir` holds anything else, naming it. A
+ * regular file `dir` is removed when a checkpoint writer made it (a full
+ * file), else refused.
  * COLLECTIVE: no. */
 enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir);
 /* Reads only meta.json (e.g. the model config before building the model).
@@ -1590,6 +1596,21 @@ enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *f
  * broadcasts it, then the buffers. COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path,
                                       int rank0_only);
+
+/* A checkpoint of the kind fsdp_parallelize_model's config names
+ * (Composer's state_dict_type): SHARDED writes the folder `path` as
+ * fsdp_ckpt_save (with meta), FULL the file `path` as fsdp_model_save_full
+ * (meta unused). COLLECTIVE: yes. */
+enum fsdp_status fsdp_model_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path,
+                                 const struct fsdp_ckpt_meta *meta);
+/* Loads either kind: a folder as fsdp_ckpt_load (meta filled), a file as
+ * fsdp_model_load_full (meta, when not NULL, zeroed), rank 0 alone reading it
+ * and sending each unit, then the buffers, when the config's
+ * load_monolith_rank0_only is set (Composer's; rank 0 also tells the others
+ * which kind `path` is, so they never open, nor even look at, it).
+ * COLLECTIVE: yes (every rank returns the same status). */
+enum fsdp_status fsdp_model_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path,
+                                 struct fsdp_ckpt_meta *meta);
 
 /* Offline tools (no model needed). COLLECTIVE: no. */
 /* Prints a checkpoint's contents (a sharded folder or a safetensors file) to

@@ -19,7 +19,7 @@ struct fsdp_parallel_config fsdp_parallel_config_default(void) {
     memset(&c, 0, sizeof c);
     c.reshard_after_forward = 1;
     c.state_dict_type = FSDP_STATE_DICT_FULL;
-    c.mixed_precision = FSDP_MP_FULL;
+    c.mixed_precision = FSDP_MP_DEFAULT;
     c.seed = 1337;
     c.overlap = 1;
     c.max_inflight = 2;
