@@ -1372,8 +1372,10 @@ struct fsdp_parallel_config {
     enum fsdp_state_dict_type state_dict_type; /* default FULL: what fsdp_model_save writes
                                     (FULL one safetensors file, SHARDED a folder) */
     int load_monolith_rank0_only; /* default 0: 1 = fsdp_model_load reads a full file on
-                                    rank 0 only and broadcasts it unit by unit; implies
-                                    sync_module_states (as Composer) */
+                                    rank 0 only and broadcasts it unit by unit (Composer's;
+                                    the load comes after sharding, so rank 0 never holds
+                                    more than one unit and needs no materialized model:
+                                    unlike Composer it does not imply sync_module_states) */
     enum fsdp_mixed_precision mixed_precision; /* default DEFAULT (as fsdp_shard_opts and
                                     fsdp-train); with a 16-bit precision: DEFAULT / PURE
                                     gather (and PURE reduces) in it, FULL keeps both fp32 */

@@ -411,10 +411,6 @@ enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module
     struct fsdp_parallel_config c = cfg ? *cfg : def;
     if (!root || !out) return fsdp__err(ctx, FSDP_ERR_INVALID, "parallelize: root and out must not be NULL");
     *out = NULL;
-    if (c.load_monolith_rank0_only && !c.sync_module_states) {
-        fsdp__log(ctx, 1, "parallelize: load_monolith_rank0_only implies sync_module_states");
-        c.sync_module_states = 1;
-    }
     /* 1. precision and config */
     FSDP_TRY(validate(ctx, &c, precision, ac));
     if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
