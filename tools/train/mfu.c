@@ -32,7 +32,7 @@ void mfu_peak_measure(struct fsdp_ctx *ctx, const struct opts *o, double seconds
         fail_rank("GEMM probe: %s", fsdp_errmsg(ctx));
     pk->rank_gflops = g;
     pk->flops = (double)sum * 1e9;
-    snprintf(pk->how, sizeof pk->how, "GEMM probe %s%s, %d rank%s", dt == FSDP_F32 ? "fp32" : fsdp_dtype_name(dt),
+    snprintf(pk->how, sizeof pk->how, "GEMM probe %s%s, %d rank%s", dt == FSDP_F32 ? "fp32" : dt == FSDP_BF16 ? "bf16" : "fp16",
              dt == FSDP_F32 || fsdp_gemm_native(dt) ? "" : " (widened)", world, world == 1 ? "" : "s");
 }
 
