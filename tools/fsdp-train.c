@@ -825,6 +825,10 @@ int main(int argc, char **argv) {
     /* data and the model (shapes only), shards, optimizer */
     task.ops->open(&task, ctx, &o);
     struct fsdp_module *root = task.root;
+    /* MFU's peak: a short GEMM probe on every rank (or --peak-gflops), before
+     * --mem-limit caps the allocator and before the model's memory exists */
+    struct mfu_peak peak = {0};
+    if (task.train_flops_per_item > 0 && !nothing_left && !o.dry_run) mfu_peak_measure(ctx, &o, 0.2, &peak);
     memory_plan(ctx, &o, root, !under_mpi && o.dry_run && o.nproc > 1 ? o.nproc : world);
     check_outputs(ctx, &o);
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
@@ -885,13 +889,7 @@ int main(int argc, char **argv) {
         task.ops->describe_data(&task, ctx, &o, fm);
     }
 
-    /* MFU's peak: a short GEMM probe on every rank, or --peak-gflops */
-    struct mfu_peak peak = {0};
-    if (task.train_flops_per_item > 0 && !nothing_left) {
-        mfu_peak_measure(ctx, &o, 0.2, &peak);
-        if (rank == 0)
-            printf("MFU peak: %.1f GFLOP/s (%s)\n", peak.flops / 1e9, peak.how);
-    }
+    if (peak.flops > 0 && rank == 0) printf("MFU peak: %.1f GFLOP/s (%s)\n", peak.flops / 1e9, peak.how);
 
     FILE *logf = NULL;
     if (o.log_path && rank == 0 && !(logf = fopen(o.log_path, "w")))
