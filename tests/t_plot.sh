@@ -66,7 +66,7 @@ else bad "an fsdp-train --log plots" "$(tail -3 "$tmp/train")" "$(head -3 "$tmp/
 expect_fail() { # NAME PATTERN ARGS...
   local name=$1 pat=$2; shift 2
   rm -f "$tmp/bad.svg"
-  "$PLOT" "$@" > "$tmp/out" 2> "$tmp/err"
+  timeout -k 5 60 "$PLOT" "$@" > "$tmp/out" 2> "$tmp/err"
   local rc=$?
   if [ $rc -eq 0 ]; then bad "$name" "exit 0"
   elif [ "$(wc -l < "$tmp/err")" -ne 1 ] || ! grep -qE -- "$pat" "$tmp/err"; then bad "$name" "stderr: $(head -3 "$tmp/err")"
@@ -81,6 +81,8 @@ expect_fail "a line that is not JSON names file:line" "broken.jsonl:3: not a JSO
 expect_fail "a log with no steps" "nosteps.jsonl: no steps" "$tmp/nosteps.jsonl" -o "$tmp/bad.svg"
 expect_fail "a step that is not a number" "badstep.jsonl:1: \"step\" is not a number" "$tmp/badstep.jsonl" -o "$tmp/bad.svg"
 expect_fail "a folder as a log" "is a folder" "$tmp" -o "$tmp/bad.svg"
+mkfifo "$tmp/fifo.jsonl"
+expect_fail "a FIFO as a log is refused at once" "fifo.jsonl' is not a regular file" "$tmp/fifo.jsonl" -o "$tmp/bad.svg"
 mkdir -p "$tmp/outdir"
 expect_fail "-o a folder is refused" "not a regular file" "$tmp/a.jsonl" -o "$tmp/outdir"
 printf 'my notes\n' > "$tmp/notes.svg"

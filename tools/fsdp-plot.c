@@ -21,6 +21,7 @@
 #include <cJSON.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -108,10 +109,16 @@ static void run_push(struct run *r, const double *vals) {
 }
 
 static void read_log(struct run *r) {
-    FILE *f = fopen(r->path, "r");
-    if (!f) die("cannot open '%s': %s", r->path, strerror(errno));
+    /* O_NONBLOCK: a FIFO is refused at once instead of waiting for a writer */
+    int fd = open(r->path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) die("cannot open '%s': %s", r->path, strerror(errno));
     struct stat sb;
-    if (fstat(fileno(f), &sb) == 0 && S_ISDIR(sb.st_mode)) die("'%s' is a folder, not a log file", r->path);
+    if (fstat(fd, &sb) != 0) die("cannot read '%s': %s", r->path, strerror(errno));
+    if (S_ISDIR(sb.st_mode)) die("'%s' is a folder, not a log file", r->path);
+    if (!S_ISREG(sb.st_mode)) die("'%s' is not a regular file", r->path);
+    if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) die("cannot read '%s': %s", r->path, strerror(errno));
+    FILE *f = fdopen(fd, "r");
+    if (!f) die("cannot read '%s': %s", r->path, strerror(errno));
     char *line = NULL;
     size_t cap = 0;
     ssize_t len;
