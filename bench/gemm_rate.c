@@ -31,11 +31,11 @@ int main(int argc, char **argv) {
     double f32_rate = 0, bf16_rate = 0;
     const char *shape = "1024x768x3072, fastest of 1 s";
     if (do_f32) {
-        if (fsdp_gemm_rate(ctx, FSDP_F32, 1.0, &f32_rate) != FSDP_OK) return fprintf(stderr, "%s\n", fsdp_errmsg(ctx)), 1;
+        if (fsdp_gemm_rate(ctx, FSDP_F32, 1024, 1.0, &f32_rate) != FSDP_OK) return fprintf(stderr, "%s\n", fsdp_errmsg(ctx)), 1;
         printf("gemm_gflops %.1f (fp32, %d threads, %s)\n", f32_rate, threads, shape);
     }
     if (do_bf16) {
-        if (fsdp_gemm_rate(ctx, FSDP_BF16, 1.0, &bf16_rate) != FSDP_OK) return fprintf(stderr, "%s\n", fsdp_errmsg(ctx)), 1;
+        if (fsdp_gemm_rate(ctx, FSDP_BF16, 1024, 1.0, &bf16_rate) != FSDP_OK) return fprintf(stderr, "%s\n", fsdp_errmsg(ctx)), 1;
         printf("gemm_bf16_gflops %.1f (bf16 in, fp32 out, %d threads, %s, %s)", bf16_rate, threads, shape,
                fsdp_gemm_native(FSDP_BF16) ? "native kernels" : "widened to fp32: no native bf16 here");
         if (do_f32) printf(" = %.2fx fp32", bf16_rate / f32_rate);

@@ -77,13 +77,14 @@ int fsdp_gemm_native(enum fsdp_dtype dt);
 /* This machine's GEMM rate in GFLOP/s (2 FLOPs per multiply-add) through
  * the layers' own product for dt (FSDP_F32; FSDP_BF16 or FSDP_F16: 16-bit
  * inputs, fp32 accumulation, native or widened as fsdp_gemm_native says), on
- * the context's threads: a (1024 x 768) @ (768 x 3072) product (an MLP
- * projection of GPT-2 124M) repeated for about `seconds` (at least 3 timed
- * products, after an untimed first one); *gflops is the fastest one's rate. For
- * model FLOP utilisation (fsdp-train's mfu) and benchmarks. Another dtype or
+ * the context's threads: an (M x 768) @ (768 x 3072) product (an MLP
+ * projection of GPT-2 124M over M tokens, 1 <= M <= 65536) repeated for about
+ * `seconds` (at least 2 timed products, after an untimed first one);
+ * *gflops is the fastest one's rate. For model FLOP utilisation (fsdp-train's
+ * mfu, M 256) and benchmarks (bench/gemm_rate, M 1024). Another dtype, M or
  * seconds outside [0, 3600] is FSDP_ERR_INVALID. COLLECTIVE: no. */
 struct fsdp_ctx;
-enum fsdp_status fsdp_gemm_rate(struct fsdp_ctx *ctx, enum fsdp_dtype dt, double seconds, double *gflops);
+enum fsdp_status fsdp_gemm_rate(struct fsdp_ctx *ctx, enum fsdp_dtype dt, int64_t M, double seconds, double *gflops);
 
 /* ---- Context ----------------------------------------------------------- */
 

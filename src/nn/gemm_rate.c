@@ -19,14 +19,15 @@ static int cmp_d(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-enum fsdp_status fsdp_gemm_rate(struct fsdp_ctx *ctx, enum fsdp_dtype dt, double seconds, double *gflops) {
+enum fsdp_status fsdp_gemm_rate(struct fsdp_ctx *ctx, enum fsdp_dtype dt, int64_t M, double seconds, double *gflops) {
     *gflops = 0;
     if (dt != FSDP_F32 && dt != FSDP_BF16 && dt != FSDP_F16)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "gemm rate: dtype %s is not F32, BF16 or F16", fsdp_dtype_name(dt));
     if (!(seconds >= 0) || seconds > 3600)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "gemm rate: %g seconds is not in [0, 3600]", seconds);
-    /* (tokens 1024) x (768) @ (768 x 3072): an MLP projection of GPT-2 124M */
-    const int64_t M = 1024, K = 768, N = 3072;
+    if (M < 1 || M > 65536) return fsdp__err(ctx, FSDP_ERR_INVALID, "gemm rate: %lld rows is not in [1, 65536]", (long long)M);
+    /* (M tokens x 768) @ (768 x 3072): an MLP projection of GPT-2 124M */
+    const int64_t K = 768, N = 3072;
     size_t es = fsdp_dtype_size(dt);
     float *A32 = fsdp__alloc(ctx, (size_t)(M * K) * sizeof(float), FSDP_MEM_OTHER, "gemm rate: A");
     float *B32 = fsdp__alloc(ctx, (size_t)(K * N) * sizeof(float), FSDP_MEM_OTHER, "gemm rate: B");
@@ -45,7 +46,7 @@ enum fsdp_status fsdp_gemm_rate(struct fsdp_ctx *ctx, enum fsdp_dtype dt, double
         fsdp__gemm_lp(dt, 0, 0, M, N, K, 1.0f, A, K, B, N, 0.0f, C, N);
         double rates[64], flops = 2.0 * (double)M * (double)N * (double)K, t_end = fsdp__now() + seconds;
         int n = 0;
-        while (n < 64 && (n < 3 || fsdp__now() < t_end)) {
+        while (n < 64 && (n < 2 || fsdp__now() < t_end)) {
             double t0 = fsdp__now();
             fsdp__gemm_lp(dt, 0, 0, M, N, K, 1.0f, A, K, B, N, 0.0f, C, N);
             double dt_s = fsdp__now() - t0;

@@ -26,7 +26,8 @@ void mfu_peak_measure(struct fsdp_ctx *ctx, const struct opts *o, double seconds
     enum fsdp_dtype dt;
     if (fsdp_precision_parse(ctx, o->precision, &dt) != FSDP_OK) fail_all("--precision: %s", fsdp_errmsg(ctx));
     double g = 0;
-    if (fsdp_gemm_rate(ctx, dt, seconds, &g) != FSDP_OK) fail_rank("GEMM probe: %s", fsdp_errmsg(ctx));
+    /* 256 tokens: a product of about 1.2 GFLOP, so a short probe still times several */
+    if (fsdp_gemm_rate(ctx, dt, 256, seconds, &g) != FSDP_OK) fail_rank("GEMM probe: %s", fsdp_errmsg(ctx));
     float mine = (float)g, sum = mine;
     if (fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &mine, &sum, 1, FSDP_F32, FSDP_SUM) != FSDP_OK)
         fail_rank("GEMM probe: %s", fsdp_errmsg(ctx));
