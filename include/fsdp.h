@@ -74,6 +74,17 @@ const char *fsdp_dtype_name(enum fsdp_dtype dt);
  * oneDNN has no bf16 matmul for, e.g. AVX2 only, or with FSDP_GEMM_BF16=widen):
  * same results up to summation order, fp32 speed. 1 for FSDP_F32. */
 int fsdp_gemm_native(enum fsdp_dtype dt);
+/* This machine's GEMM rate in GFLOP/s (2 FLOPs per multiply-add) through
+ * the layers' own product for dt (FSDP_F32; FSDP_BF16 or FSDP_F16: 16-bit
+ * inputs, fp32 accumulation, native or widened as fsdp_gemm_native says), on
+ * the context's threads: an (M x 768) @ (768 x 3072) product (an MLP
+ * projection of GPT-2 124M over M tokens, 1 <= M <= 65536) repeated for about
+ * `seconds` (at least 2 timed products, after an untimed first one);
+ * *gflops is the fastest one's rate. For model FLOP utilisation (fsdp-train's
+ * mfu, M 256) and benchmarks (bench/gemm_rate, M 1024). Another dtype, M or
+ * seconds outside [0, 3600] is FSDP_ERR_INVALID. COLLECTIVE: no. */
+struct fsdp_ctx;
+enum fsdp_status fsdp_gemm_rate(struct fsdp_ctx *ctx, enum fsdp_dtype dt, int64_t M, double seconds, double *gflops);
 
 /* ---- Context ----------------------------------------------------------- */
 
@@ -1341,10 +1352,16 @@ struct fsdp_parallel_config {
     int activation_checkpointing; /* default 0 */
     int activation_cpu_offload;  /* default 0; a CPU-only run has nowhere to offload to:
                                     FSDP_ERR_UNSUPPORTED */
-    enum fsdp_state_dict_type state_dict_type; /* default FULL; read by the checkpoint code */
-    int load_monolith_rank0_only; /* default 0; implies sync_module_states (as Composer) */
-    enum fsdp_mixed_precision mixed_precision; /* default FULL; with a 16-bit precision:
-                                    DEFAULT / PURE gather (and reduce) in it */
+    enum fsdp_state_dict_type state_dict_type; /* default FULL: what fsdp_model_save writes
+                                    (FULL one safetensors file, SHARDED a folder) */
+    int load_monolith_rank0_only; /* default 0: 1 = fsdp_model_load reads a full file on
+                                    rank 0 only and broadcasts it unit by unit (Composer's;
+                                    the load comes after sharding, so rank 0 never holds
+                                    more than one unit and needs no materialized model:
+                                    unlike Composer it does not imply sync_module_states) */
+    enum fsdp_mixed_precision mixed_precision; /* default DEFAULT (as fsdp_shard_opts and
+                                    fsdp-train); with a 16-bit precision: DEFAULT / PURE
+                                    gather (and PURE reduces) in it, FULL keeps both fp32 */
     int sync_module_states;      /* default 0: 1 = rank 0's materialized values reach
                                     every rank's shards, unit by unit, and rank 0's
                                     buffers every rank's buffers */
@@ -1551,7 +1568,9 @@ enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
 enum fsdp_status fsdp_ckpt_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
                                 struct fsdp_ckpt_meta *meta);
 /* Removes a checkpoint folder: its meta.json and rank files, then the folder.
- * Refuses (removing nothing) when `dir` holds anything else, naming it.
+ * Refuses (removing nothing) when `dir` holds anything else, naming it. A
+ * regular file `dir` is removed when a checkpoint writer made it (a full
+ * file), else refused.
  * COLLECTIVE: no. */
 enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir);
 /* Reads only meta.json (e.g. the model config before building the model).
@@ -1575,6 +1594,21 @@ enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *f
  * broadcasts it, then the buffers. COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path,
                                       int rank0_only);
+
+/* A checkpoint of the kind fsdp_parallelize_model's config names
+ * (Composer's state_dict_type): SHARDED writes the folder `path` as
+ * fsdp_ckpt_save (with meta), FULL the file `path` as fsdp_model_save_full
+ * (meta unused). COLLECTIVE: yes. */
+enum fsdp_status fsdp_model_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path,
+                                 const struct fsdp_ckpt_meta *meta);
+/* Loads either kind: a folder as fsdp_ckpt_load (meta filled), a file as
+ * fsdp_model_load_full (meta, when not NULL, zeroed), rank 0 alone reading it
+ * and sending each unit, then the buffers, when the config's
+ * load_monolith_rank0_only is set (Composer's; rank 0 also tells the others
+ * which kind `path` is, so they never open, nor even look at, it).
+ * COLLECTIVE: yes (every rank returns the same status). */
+enum fsdp_status fsdp_model_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path,
+                                 struct fsdp_ckpt_meta *meta);
 
 /* Offline tools (no model needed). COLLECTIVE: no. */
 /* Prints a checkpoint's contents (a sharded folder or a safetensors file) to

@@ -6,13 +6,14 @@
 # tests use when present;
 # --with-fuzz adds clang and libclang-rt-14-dev for `make fuzz` / scripts/fuzz.sh;
 # --with-torch also adds Node.js and npm, unless node and npm are already on the PATH
-# (from any source): tests/t_bpe.sh installs the JavaScript GPT-2 encoder with npm)
+# (from any source): tests/t_bpe.sh installs the JavaScript GPT-2 encoder with npm;
+# and chromium, in which tests/t_plot.sh renders fsdp-plot's SVG to check the picture)
 set -euo pipefail
 pkgs=(build-essential pkg-config libdnnl-dev libopenmpi-dev openmpi-bin libcjson-dev zlib1g-dev python3
       dataset-fashion-mnist)
 for a in "$@"; do
   case "$a" in
-    --with-torch) pkgs+=(python3-torch python3-torchvision python3-numpy)
+    --with-torch) pkgs+=(python3-torch python3-torchvision python3-numpy chromium)
       command -v node > /dev/null && command -v npm > /dev/null || pkgs+=(nodejs npm) ;;
     --with-fuzz) pkgs+=(clang libclang-rt-14-dev libomp-14-dev) ;;
     *) echo "install-deps.sh: unknown option '$a'" >&2; exit 2 ;;

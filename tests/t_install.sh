@@ -6,7 +6,7 @@
 
 if make -s BUILD="$BUILD" install PREFIX="$tmp/prefix" > "$tmp/log" 2>&1; then ok "make install"
 else bad "make install" "$(tail -5 "$tmp/log")"; fi
-for f in include/fsdp.h lib/libfsdp.a lib/libfsdp.so lib/pkgconfig/fsdp.pc bin/fsdp-train; do
+for f in include/fsdp.h lib/libfsdp.a lib/libfsdp.so lib/pkgconfig/fsdp.pc bin/fsdp-train bin/fsdp-plot; do
   [ -e "$tmp/prefix/$f" ] && ok "installed $f" || bad "installed $f"
 done
 cat > "$tmp/prog.c" <<'C'

@@ -6,7 +6,9 @@
  * every rank's own process (resharding N -> 1) with every parameter and
  * state element equal; the full safetensors file round-trips in both load
  * modes; mismatched models and missing files fail on every rank alike with a
- * message naming the file or parameter. Resharding to every M in 1..4 is
+ * message naming the file or parameter; the config's state_dict_type picks
+ * what fsdp_model_save writes and load_monolith_rank0_only has only rank 0
+ * open the file fsdp_model_load reads. Resharding to every M in 1..4 is
  * covered end to end by tests/t_ckpt.sh.
  */
 #include "fsdp.h"
@@ -292,6 +294,109 @@ TEST(meta_json_every_byte_flip_rejected) {
     rm_rf(dir);
     destroy(&a);
     destroy(&b);
+}
+
+/* ---- The config's checkpoint kind (fsdp_model_save / fsdp_model_load) ---- */
+
+/* A model prepared by fsdp_parallelize_model with pc (built-in init from seed). */
+static enum fsdp_status build_pc(struct fsdp_ctx *c, const struct fsdp_gpt_config *cfg,
+                                 const struct fsdp_parallel_config *pc, uint64_t seed, struct trained *t) {
+    memset(t, 0, sizeof *t);
+    struct fsdp_parallel_config p = *pc;
+    p.seed = seed;
+    FSDP_TRY(fsdp_gpt_create(c, cfg, &t->gpt));
+    FSDP_TRY(fsdp_optim_create(c, NULL, &t->opt));
+    return fsdp_parallelize_model(c, t->gpt, &p, t->opt, FSDP_F32, NULL, NULL, NULL, &t->fm);
+}
+
+static int same_params(const struct trained *a, const struct trained *b) {
+    for (int i = 0; i < a->fm->n_units; i++)
+        if (memcmp(a->fm->units[i].shard, b->fm->units[i].shard, (size_t)a->fm->units[i].numel_shard * sizeof(float)))
+            return 0;
+    return 1;
+}
+
+TEST(state_dict_type_chooses_what_save_writes) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_gpt_config cfg = tiny();
+    struct fsdp_data *d;
+    ASSERT_OK(fsdp_data_synthetic(c, 3, 1 << 16, &d), c);
+    const enum fsdp_state_dict_type kinds[2] = {FSDP_STATE_DICT_FULL, FSDP_STATE_DICT_SHARDED};
+    for (int k = 0; k < 2; k++) {
+        struct fsdp_parallel_config pc = fsdp_parallel_config_default();
+        pc.state_dict_type = kinds[k];
+        struct trained a, b;
+        ASSERT_OK(build_pc(c, &cfg, &pc, 5, &a), c);
+        ASSERT_OK(build_pc(c, &cfg, &pc, 9, &b), c);
+        double l[2];
+        ASSERT_OK(train(c, &a, d, 0, 2, l), c);
+        CHECK(!same_params(&a, &b));
+        char path[256];
+        shared_name(c, k ? "sdt-sharded" : "sdt-full", path, sizeof path);
+        struct fsdp_ckpt_meta m = {0};
+        m.step = m.data_step = 2;
+        ASSERT_OK(fsdp_model_save(c, a.fm, path, &m), c);
+        struct stat sb;
+        char meta[300];
+        snprintf(meta, sizeof meta, "%s/meta.json", path);
+        CHECK(stat(path, &sb) == 0);
+        if (k == 0) CHECK(S_ISREG(sb.st_mode)); /* one safetensors file */
+        else CHECK(S_ISDIR(sb.st_mode) && stat(meta, &sb) == 0); /* the folder, with meta.json */
+        struct fsdp_ckpt_meta got;
+        ASSERT_OK(fsdp_model_load(c, b.fm, path, &got), c);
+        if (!same_params(&a, &b)) TEST_FAILF("%s: the loaded parameters differ", k ? "sharded" : "full");
+        /* the sharded kind carries the step and the optimizer's state, the full one neither */
+        CHECK_INT_EQ(got.step, k ? 2 : 0);
+        CHECK_INT_EQ(fsdp_optim_step_count(b.opt), k ? 2 : 0);
+        MPI_Barrier(MPI_COMM_WORLD);
+        if (fsdp_ctx_rank(c) == 0) rm_rf(path);
+        destroy(&a);
+        destroy(&b);
+    }
+    fsdp_data_free(d);
+}
+
+/* load_monolith_rank0_only: only rank 0 opens the file, so the other ranks
+ * may name one that does not exist; without it they fail, naming it. */
+TEST(load_monolith_rank0_only_reads_on_rank_0_alone) {
+    struct fsdp_ctx *c = get_ctx();
+    int rank = fsdp_ctx_rank(c), world = fsdp_ctx_world(c);
+    struct fsdp_gpt_config cfg = tiny();
+    struct fsdp_parallel_config pc = fsdp_parallel_config_default();
+    struct trained a, b, n;
+    ASSERT_OK(build_pc(c, &cfg, &pc, 5, &a), c);
+    char path[256], nowhere[300];
+    shared_name(c, "monolith.safetensors", path, sizeof path);
+    snprintf(nowhere, sizeof nowhere, "%s.only-rank-0-has-it", path);
+    ASSERT_OK(fsdp_model_save_full(c, a.fm, path), c);
+    const char *mine = rank == 0 ? path : nowhere;
+    pc.load_monolith_rank0_only = 1;
+    ASSERT_OK(build_pc(c, &cfg, &pc, 9, &b), c);
+    ASSERT_OK(fsdp_model_load(c, b.fm, mine, NULL), c);
+    if (!same_params(&a, &b)) TEST_FAILF("rank 0's file did not reach every rank's shards");
+    pc.load_monolith_rank0_only = 0;
+    ASSERT_OK(build_pc(c, &cfg, &pc, 9, &n), c);
+    enum fsdp_status st = fsdp_model_load(c, n.fm, mine, NULL);
+    if (world > 1) {
+        CHECK(st != FSDP_OK); /* on every rank alike */
+        CHECK(strstr(fsdp_errmsg(c), "only-rank-0-has-it") != NULL);
+    } else {
+        CHECK_INT_EQ(st, FSDP_OK);
+    }
+    /* a missing file on rank 0 fails on every rank alike */
+    st = fsdp_model_load(c, b.fm, nowhere, NULL);
+    CHECK(st != FSDP_OK);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (rank == 0) unlink(path);
+    destroy(&a);
+    destroy(&b);
+    destroy(&n);
+}
+
+TEST(one_mixed_precision_default) {
+    /* Composer's DEFAULT (parameters low, reduction fp32) for the config and the shard options alike */
+    CHECK_INT_EQ(fsdp_parallel_config_default().mixed_precision, FSDP_MP_DEFAULT);
+    CHECK_INT_EQ(fsdp_shard_opts_default().mixed_precision, FSDP_MP_DEFAULT);
 }
 
 TEST_MAIN()

@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "train/config.h"
+#include "train/mfu.h"
 #include "train/options.h"
 #include "train/task.h"
 
@@ -109,10 +110,14 @@ static void launcher_watch_start(void) {
     launcher_check();
 }
 
-/* ---- Checkpoint folders: DIR/step-NNNNNNNN, each complete only with meta.json ---- */
+/* ---- Checkpoints: DIR/step-NNNNNNNN folders, each complete only with
+ * meta.json (--state-dict-type sharded), or DIR/step-NNNNNNNN.safetensors
+ * files (full; written under a temporary name, then renamed) ---- */
 
-/* The step numbers of the complete checkpoints in dir, ascending; returns the count. */
-static int list_ckpts(const char *dir, long **steps) {
+static const char *ckpt_suffix(int full) { return full ? ".safetensors" : ""; }
+
+/* The step numbers of the complete checkpoints of one kind in dir, ascending; returns the count. */
+static int list_ckpts(const char *dir, int full, long **steps) {
     *steps = NULL;
     DIR *d = opendir(dir);
     if (!d) return 0;
@@ -122,11 +127,11 @@ static int list_ckpts(const char *dir, long **steps) {
         char *end;
         if (strncmp(e->d_name, "step-", 5)) continue;
         long st = strtol(e->d_name + 5, &end, 10);
-        if (*end || end == e->d_name + 5) continue; /* skips step-N.tmp and step-N.old */
+        if (strcmp(end, ckpt_suffix(full)) || end == e->d_name + 5) continue; /* skips step-N.tmp and step-N.old */
         char meta[4096];
         struct stat sb;
-        snprintf(meta, sizeof meta, "%s/%s/meta.json", dir, e->d_name);
-        if (stat(meta, &sb) != 0) continue;
+        snprintf(meta, sizeof meta, full ? "%s/%s" : "%s/%s/meta.json", dir, e->d_name);
+        if (stat(meta, &sb) != 0 || (full && !S_ISREG(sb.st_mode))) continue;
         long *ns = realloc(*steps, (size_t)(n + 1) * sizeof **steps);
         if (!ns) break;
         *steps = ns;
@@ -138,8 +143,8 @@ static int list_ckpts(const char *dir, long **steps) {
     return n;
 }
 
-static void ckpt_path(char *buf, size_t n, const char *dir, long step) {
-    snprintf(buf, n, "%s/step-%08ld", dir, step);
+static void ckpt_path(char *buf, size_t n, const char *dir, long step, int full) {
+    snprintf(buf, n, "%s/step-%08ld%s", dir, step, ckpt_suffix(full));
 }
 
 /* --resume DIR: DIR itself if it holds meta.json, else its newest checkpoint. */
@@ -151,23 +156,23 @@ static const char *resolve_resume(const char *dir, char *buf, size_t n) {
         return buf;
     }
     long *steps;
-    int k = list_ckpts(dir, &steps);
+    int k = list_ckpts(dir, 0, &steps);
     if (k == 0) {
         free(steps);
         return NULL;
     }
-    ckpt_path(buf, n, dir, steps[k - 1]);
+    ckpt_path(buf, n, dir, steps[k - 1], 0);
     free(steps);
     return buf;
 }
 
 /* Keeps the newest `keep` checkpoints of dir (rank 0 only). */
-static void prune_ckpts(struct fsdp_ctx *ctx, const char *dir, int keep) {
+static void prune_ckpts(struct fsdp_ctx *ctx, const char *dir, int keep, int full) {
     long *steps;
-    int k = list_ckpts(dir, &steps);
+    int k = list_ckpts(dir, full, &steps);
     for (int i = 0; i + keep < k; i++) {
         char p[4096];
-        ckpt_path(p, sizeof p, dir, steps[i]);
+        ckpt_path(p, sizeof p, dir, steps[i], full);
         /* removes only a checkpoint's own files; one holding others is kept */
         if (fsdp_ckpt_remove(ctx, p) != FSDP_OK)
             fprintf(stderr, "fsdp-train: --keep-last: keeping %s\n", fsdp_errmsg(ctx));
@@ -346,6 +351,9 @@ static struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct opts 
     fsdp_sharding_parse(ctx, o->sharding, &pc.sharding); /* validated with the flags */
     pc.overlap = o->overlap;
     pc.max_inflight = o->max_inflight;
+    /* what --save-dir writes, and how --init-from is read (--init rank0) */
+    pc.state_dict_type = !strcmp(o->state_dict_type, "full") ? FSDP_STATE_DICT_FULL : FSDP_STATE_DICT_SHARDED;
+    pc.load_monolith_rank0_only = !strcmp(o->init, "rank0");
     if (o->shard_group) { /* a 2-D mesh {replicas, shard group}; divides the world (checked) */
         pc.mesh[0] = fsdp_ctx_world(ctx) / o->shard_group;
         pc.mesh[1] = o->shard_group;
@@ -455,7 +463,8 @@ static void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct 
     int rank = fsdp_ctx_rank(ctx);
     char path[4096];
     launcher_check();
-    ckpt_path(path, sizeof path, o->save_dir, step);
+    int full = !strcmp(o->state_dict_type, "full");
+    ckpt_path(path, sizeof path, o->save_dir, step, full);
     if (rank == 0 && mkdir(o->save_dir, 0755) != 0 && errno != EEXIST)
         fail_rank("--save-dir: cannot create '%s': %s", o->save_dir, strerror(errno));
     struct fsdp_ckpt_meta m = {0};
@@ -469,11 +478,12 @@ static void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct 
     memcpy(m.train_config, cfg, strlen(cfg) + 1);
     free(cfg);
     double t0 = now_s();
-    /* the barrier: nobody writes into --save-dir before rank 0 made it */
-    if (fsdp_comm_barrier(fsdp_ctx_comm(ctx)) != FSDP_OK || fsdp_ckpt_save(ctx, fm, path, &m) != FSDP_OK)
+    /* the barrier: nobody writes into --save-dir before rank 0 made it; the
+     * model's state_dict_type (--state-dict-type) chooses the kind */
+    if (fsdp_comm_barrier(fsdp_ctx_comm(ctx)) != FSDP_OK || fsdp_model_save(ctx, fm, path, &m) != FSDP_OK)
         fail_all("saving %s: %s", path, fsdp_errmsg(ctx));
     if (rank == 0) {
-        if (o->keep_last) prune_ckpts(ctx, o->save_dir, o->keep_last);
+        if (o->keep_last) prune_ckpts(ctx, o->save_dir, o->keep_last, full);
         if (!tty) printf("saved %s in %.2f s\n", path, now_s() - t0);
     }
 }
@@ -834,6 +844,10 @@ int main(int argc, char **argv) {
     /* data and the model (shapes only), shards, optimizer */
     task.ops->open(&task, ctx, &o);
     struct fsdp_module *root = task.root;
+    /* MFU's peak: a short GEMM probe on every rank (or --peak-gflops), before
+     * --mem-limit caps the allocator and before the model's memory exists */
+    struct mfu_peak peak = {0};
+    if (task.train_flops_per_item > 0 && !nothing_left && !o.dry_run) mfu_peak_measure(ctx, &o, 0.2, &peak);
     memory_plan(ctx, &o, root, !under_mpi && o.dry_run && o.nproc > 1 ? o.nproc : world);
     check_outputs(ctx, &o);
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
@@ -863,9 +877,9 @@ int main(int argc, char **argv) {
             printf("resume: loss scale %g, %lld clean steps since its last change\n", ck.loss_scale,
                    (long long)ck.loss_scale_growth_tracker);
     } else if (o.init_from) {
-        /* --init rank0: rank 0 reads each unit and broadcasts it (sync_module_states) */
+        /* --init rank0 (load_monolith_rank0_only): rank 0 reads each unit and broadcasts it */
         int rank0 = !strcmp(o.init, "rank0");
-        if (fsdp_model_load_full(ctx, fm, o.init_from, rank0) != FSDP_OK) fail_all("--init-from: %s", fsdp_errmsg(ctx));
+        if (fsdp_model_load(ctx, fm, o.init_from, NULL) != FSDP_OK) fail_all("--init-from: %s", fsdp_errmsg(ctx));
         if (rank == 0) printf("initial weights from %s%s\n", o.init_from, rank0 ? " (rank 0, sent unit by unit)" : "");
     }
 
@@ -896,6 +910,8 @@ int main(int argc, char **argv) {
         precision_line(&o, fm);
         task.ops->describe_data(&task, ctx, &o, fm);
     }
+
+    if (peak.flops > 0 && rank == 0) printf("MFU peak: %.1f GFLOP/s (%s)\n", peak.flops / 1e9, peak.how);
 
     FILE *logf = NULL;
     if (o.log_path && rank == 0 && !(logf = fopen(o.log_path, "w")))
@@ -964,6 +980,9 @@ int main(int argc, char **argv) {
                         r.comm_wait_s * 1e3, (unsigned long long)cd.total_bytes, precision_name(&o), r.skipped,
                         skipped, r.loss_scale);
                 if (do_eval) eval_log(logf, &task, &ev);
+                double mfu = mfu_of(&peak, tps * task.train_flops_per_item);
+                if (!isnan(mfu)) fprintf(logf, "\"mfu\": %.6g, ", mfu);
+                if (task.is_gpt) fprintf(logf, "\"tokens\": %.0f, ", (step + 1) * task.items_per_step);
                 fputs(task.log_extra, logf);
                 fprintf(logf, "\"comm\": {");
                 for (int k = 0; k < FSDP_COLL_COUNT; k++)
@@ -993,10 +1012,15 @@ int main(int argc, char **argv) {
         /* ZeRO-3: 16 bytes per parameter (param, grad, m, v) over the world,
          * plus a gathered unit's full parameters and gradients */
         double zero3 = (16.0 * (double)n_params / world + 8.0 * (double)largest_unit) / 1048576.0;
-        char note[64] = "", flops[48] = "";
+        char note[64] = "", flops[256] = "";
         task.ops->summary_note(&task, note, sizeof note);
-        if (task.train_flops_per_item > 0)
-            snprintf(flops, sizeof flops, " | %.2f GFLOP/s model", tps * task.train_flops_per_item / 1e9);
+        if (task.train_flops_per_item > 0) {
+            double mfu = mfu_of(&peak, tps * task.train_flops_per_item);
+            int k = snprintf(flops, sizeof flops, " | %.2f GFLOP/s model", tps * task.train_flops_per_item / 1e9);
+            if (!isnan(mfu))
+                snprintf(flops + k, sizeof flops - (size_t)k, " = %.1f%% MFU of %.1f GFLOP/s (%s)", 100.0 * mfu,
+                         peak.flops / 1e9, peak.how);
+        }
         printf("summary: loss %.4f -> %.4f%s | %.0f %s/s%s | peak RSS %.0f MB per rank "
                "(ZeRO-3 estimate for params+grads+AdamW: %.0f MB)\n",
                first_loss, last_loss, note, tps, task.is_gpt ? "tokens" : "images", flops, (double)rss_max, zero3);

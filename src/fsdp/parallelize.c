@@ -19,7 +19,7 @@ struct fsdp_parallel_config fsdp_parallel_config_default(void) {
     memset(&c, 0, sizeof c);
     c.reshard_after_forward = 1;
     c.state_dict_type = FSDP_STATE_DICT_FULL;
-    c.mixed_precision = FSDP_MP_FULL;
+    c.mixed_precision = FSDP_MP_DEFAULT;
     c.seed = 1337;
     c.overlap = 1;
     c.max_inflight = 2;
@@ -411,10 +411,6 @@ enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module
     struct fsdp_parallel_config c = cfg ? *cfg : def;
     if (!root || !out) return fsdp__err(ctx, FSDP_ERR_INVALID, "parallelize: root and out must not be NULL");
     *out = NULL;
-    if (c.load_monolith_rank0_only && !c.sync_module_states) {
-        fsdp__log(ctx, 1, "parallelize: load_monolith_rank0_only implies sync_module_states");
-        c.sync_module_states = 1;
-    }
     /* 1. precision and config */
     FSDP_TRY(validate(ctx, &c, precision, ac));
     if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));

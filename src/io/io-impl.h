@@ -113,6 +113,9 @@ enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, in
 enum fsdp_status fsdp__st_writer_write(struct fsdp__st_writer *w, const void *data, size_t bytes);
 enum fsdp_status fsdp__st_writer_commit(struct fsdp__st_writer *w); /* frees w */
 void fsdp__st_writer_abort(struct fsdp__st_writer *w);              /* frees w; NULL ok */
+/* 1 if path is a regular file this writer made (its header carries our
+ * checksums: [Note: replace only our own files]), else 0. */
+int fsdp__st_written_by_us(const char *path);
 /* Byte offset of tensor i's data in the file, as the writer lays it out. */
 uint64_t fsdp__st_writer_data_start(const struct fsdp__st_writer *w);
 

@@ -38,6 +38,7 @@ struct opts opts_default(void) {
     o.wrap = "block";
     o.ac = "none";
     o.init = "deferred";
+    o.state_dict_type = "sharded";
     o.reshard_after_forward = 1;
     o.sharding = "FULL_SHARD";
     o.grad_accum = 1;
@@ -163,10 +164,15 @@ static void usage(FILE *f) {
             "                        across ranks first; report diverged ranks (default off)\n"
             "  --log FILE            one JSON object per step (default none)\n"
             "  --sample N            tokens to generate at the end for text data; 0 = none (default %d)\n"
-            "  --save-dir DIR        save sharded checkpoints as DIR/step-NNNNNNNN (every --save-every\n"
-            "                        steps and at the end)\n"
+            "  --save-dir DIR        save checkpoints as DIR/step-NNNNNNNN (every --save-every steps\n"
+            "                        and at the end; the kind: --state-dict-type)\n"
             "  --save-every K        steps between checkpoints; 0 = only at the end (default 0)\n"
             "  --keep-last K         keep the newest K checkpoints in --save-dir; 0 = all (default 0)\n"
+            "  --state-dict-type T   what --save-dir saves (Composer's state_dict_type): sharded (the\n"
+            "                        folder DIR/step-N: each rank's shards and the optimizer state,\n"
+            "                        resumable) | full (one file DIR/step-N.safetensors of the parameters\n"
+            "                        and buffers, written by rank 0: for --init-from, export or\n"
+            "                        inference) (default sharded)\n"
             "  --resume DIR          continue from a checkpoint folder, or the newest one in a\n"
             "                        --save-dir (saved at any world size)\n"
             "  --save-full FILE      at the end, write the parameters as one safetensors file\n"
@@ -194,7 +200,8 @@ static void usage(FILE *f) {
             "                        bounds the full buffers (default 2)\n"
             "  --init S              deferred (each rank initialises its shards; with --init-from each\n"
             "                        rank reads its own ranges) | rank0 (rank 0 reads --init-from and\n"
-            "                        sends it unit by unit: sync_module_states) (default deferred)\n"
+            "                        sends it unit by unit: Composer's load_monolith_rank0_only; the\n"
+            "                        other ranks never open the file) (default deferred)\n"
             "  --precision P         FP32 | AMP_BF16 | AMP_FP16 (Composer's names): the matrix products'\n"
             "                        inputs; LayerNorm, softmax, the loss, master weights, gradient shards\n"
             "                        and optimizer state stay fp32 (default FP32)\n"
@@ -203,6 +210,8 @@ static void usage(FILE *f) {
             "  --loss-scale-init X   AMP_FP16 dynamic loss scaling: initial scale (default 65536; halved\n"
             "                        on overflow, the step skipped on every rank)\n"
             "  --loss-scale-growth-interval N  AMP_FP16: double the scale after N clean steps (default 2000)\n"
+            "  --peak-gflops X       MFU's peak: GEMM GFLOP/s per rank (default: measured at start, a\n"
+            "                        0.2 s GEMM probe in the run's precision on every rank)\n"
             "  --verbose             print the unit plan and debug information\n"
             "  --dry-run             print the memory plan per rank (shards, full buffers, activations)\n"
             "                        for this model, world (--nproc or the MPI world) and batch; no training\n"
@@ -396,6 +405,11 @@ void parse_args(int argc, char **argv, struct opts *o) {
             o->loss_scale_init = parse_float(a, v, 1e-30, 1e30);
         } else if (!strcmp(a, "--loss-scale-growth-interval")) {
             o->loss_scale_growth = (int)parse_int(a, v, 1, 1 << 30);
+        } else if (!strcmp(a, "--state-dict-type")) {
+            if (strcmp(v, "sharded") && strcmp(v, "full")) usage_error("--state-dict-type: '%s' is not sharded or full", v);
+            o->state_dict_type = v;
+        } else if (!strcmp(a, "--peak-gflops")) {
+            o->peak_gflops = parse_float(a, v, 1e-6, 1e12);
         } else if (!strcmp(a, "--init")) {
             if (strcmp(v, "deferred") && strcmp(v, "rank0")) usage_error("--init: '%s' is not deferred or rank0", v);
             o->init = v;

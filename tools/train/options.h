@@ -23,6 +23,8 @@ struct opts {
     uint64_t seed;
     const char *save_dir, *resume, *init_from, *save_full; /* checkpoints */
     int save_every, keep_last;
+    const char *state_dict_type; /* --state-dict-type sharded | full: what --save-dir saves */
+    double peak_gflops;         /* --peak-gflops X per rank for MFU; 0 = measure (train/mfu.c) */
     int dry_run;                /* --dry-run: print the memory plan and stop */
     const char *mem_limit;      /* --mem-limit auto | off | SIZE per rank (default auto) */
     int mem_limit_auto;         /* auto: refuse a plan over the host's memory per local rank */

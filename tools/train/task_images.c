@@ -87,6 +87,15 @@ static enum fsdp_status cnn_layer(struct fsdp_ctx *ctx, struct fsdp_module *root
     return FSDP_OK;
 }
 
+/* The CNN's forward FLOPs per H x W image (2 per multiply-add of its
+ * convolutions and fc, as fsdp_resnet_flops_per_image counts): layer1's 3x3
+ * conv at H x W, layer2's at (H/2) x (W/2) after the 2x2 max pool. */
+static double cnn_flops_per_image(const struct img_cfg *c, int64_t H, int64_t W) {
+    double w = c->width;
+    return 2.0 * (9.0 * c->in_chans * w * (double)(H * W) + 9.0 * w * 2.0 * w * (double)((H / 2) * (W / 2)) +
+                  2.0 * w * (c->num_classes > 0 ? c->num_classes : 0));
+}
+
 static enum fsdp_status cnn_create(struct fsdp_ctx *ctx, const struct img_cfg *c, struct fsdp_module **out) {
     struct fsdp_module *root, *m;
     TRY(fsdp_sequential_create(ctx, "", &root));
@@ -243,6 +252,7 @@ static void img_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o)
     const struct img_cfg *c = &k->cfg;
     if (!strcmp(c->arch, "cnn")) {
         if (cnn_create(ctx, c, &t->root) != FSDP_OK) fail_all("model: %s", fsdp_errmsg(ctx));
+        t->train_flops_per_item = 3.0 * cnn_flops_per_image(c, k->ti.height, k->ti.width);
     } else {
         struct fsdp_resnet_config rc;
         if (fsdp_resnet_config_preset(c->arch, &rc) != FSDP_OK)

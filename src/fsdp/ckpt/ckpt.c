@@ -221,6 +221,12 @@ static void remove_owned(const char *dir) {
 
 enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir) {
     struct stat sb;
+    if (dir && lstat(dir, &sb) == 0 && S_ISREG(sb.st_mode)) { /* a full file (fsdp_model_save_full) */
+        if (!fsdp__st_written_by_us(dir))
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: was not written by fsdp.c: not removing it", dir);
+        if (unlink(dir) != 0) return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot remove: %s", dir, strerror(errno));
+        return FSDP_OK;
+    }
     if (!dir || stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
         return fsdp__err(ctx, FSDP_ERR_IO, "%s: not a checkpoint folder", dir ? dir : "(null)");
     FSDP_TRY(check_owned_dir(ctx, dir, "removing a checkpoint"));

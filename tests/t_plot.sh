@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# t_plot.sh - fsdp-plot: logs of known curves are drawn where the data says
+# (the SVG rendered by headless Chromium, the PNG read back by
+# tests/plot_check.py against each panel's data-* mapping); a real
+# fsdp-train --log plots; bad input gives one line and a non-zero exit;
+# -o never replaces a file fsdp-plot did not write. Chromium comes with
+# scripts/install-deps.sh --with-torch; without it the rendering checks are
+# skipped, saying so. Prints "N passed, N failed".
+. "$(dirname "$0")/lib.sh"
+PLOT="$BUILD/fsdp-plot"
+
+# run A: loss 5 - 0.04 step (none at step 25), eval every 10, lr steps, tokens;
+# a configuration line first, as fsdp-train may write. Run B: loss 3, lr 8e-4, 30 steps.
+python3 - "$tmp" <<'PY'
+import json, sys
+d = sys.argv[1]
+with open(f"{d}/a.jsonl", "w") as f:
+    f.write(json.dumps({"config": {"model": "tiny"}}) + "\n")
+    for s in range(1, 51):
+        r = {"step": s, "loss": None if s == 25 else 5 - 0.04 * s,
+             "lr": 1e-3 if s <= 20 else 5e-4 if s <= 35 else 2.5e-4, "grad_norm": 1.0, "tokens_per_s": 1000.0,
+             "peak_rss_mb": 100.0, "tokens": 1000 * s}
+        if s % 10 == 0:
+            r["eval_loss"] = 5 - 0.04 * s + 0.5
+        f.write(json.dumps(r) + "\n")
+with open(f"{d}/b.jsonl", "w") as f:
+    for s in range(1, 31):
+        f.write(json.dumps({"step": s, "loss": 3.0, "lr": 8e-4, "grad_norm": 2.0, "tokens_per_s": 900.0,
+                            "peak_rss_mb": 120.0}) + "\n")
+PY
+
+if "$PLOT" "$tmp/a.jsonl" "$tmp/b.jsonl" -o "$tmp/curves.svg" > "$tmp/out" 2>&1 && [ -s "$tmp/curves.svg" ]; then
+  ok "two logs plot ($(head -1 "$tmp/out"))"
+else bad "two logs plot" "$(head -3 "$tmp/out")"; fi
+if python3 -c 'import sys, xml.etree.ElementTree as E; E.parse(sys.argv[1])' "$tmp/curves.svg" 2> "$tmp/xml" \
+   && grep -q 'r1.jsonl\|a.jsonl' "$tmp/curves.svg" && grep -q 'b.jsonl' "$tmp/curves.svg" \
+   && ! grep -qE 'href=|<image|@import|url\((http|file)' "$tmp/curves.svg"; then
+  ok "the SVG is well-formed XML, names both files in the legend and refers to nothing outside itself"
+else bad "the SVG is well-formed and self-contained" "$(head -2 "$tmp/xml")"; fi
+
+# ---- rendered in headless Chromium ----
+chrome=$(command -v chromium || command -v chromium-browser || command -v google-chrome || true)
+if [ -z "$chrome" ]; then
+  echo "skip: the rendering checks: no chromium on the PATH (scripts/install-deps.sh --with-torch installs Debian's chromium)"
+else
+  read -r W H < <(python3 -c 'import sys, xml.etree.ElementTree as E; r = E.parse(sys.argv[1]).getroot(); print(r.get("width"), r.get("height"))' "$tmp/curves.svg")
+  timeout -k 5 180 "$chrome" --headless --no-sandbox --disable-gpu --hide-scrollbars --force-device-scale-factor=1 \
+    --user-data-dir="$tmp/chrome" --screenshot="$tmp/curves.png" --window-size="$W,$H" "file://$tmp/curves.svg" \
+    > "$tmp/chrome.log" 2>&1
+  if [ -s "$tmp/curves.png" ]; then
+    ok "Chromium renders the SVG (${W}x${H})"
+    if python3 tests/plot_check.py "$tmp/curves.svg" "$tmp/curves.png" > "$tmp/check" 2>&1; then
+      ok "the curves fall where the data says ($(grep -c '^ok' "$tmp/check") pixel checks)"
+    else bad "the curves fall where the data says" "$(grep -v '^ok' "$tmp/check" | head -8)"; fi
+  else bad "Chromium renders the SVG" "$(tail -3 "$tmp/chrome.log")"; fi
+fi
+
+# ---- a real log ----
+if "$TRAIN" --model tiny --data synthetic --batch 4 --seq 16 --steps 4 --threads 1 --sample 0 --log "$tmp/real.jsonl" \
+     > "$tmp/train" 2>&1 && "$PLOT" "$tmp/real.jsonl" -o "$tmp/real.svg" > "$tmp/out" 2>&1 \
+   && for f in loss lr grad_norm tokens_per_s peak_rss_mb mfu; do grep -q "data-field=\"$f\"" "$tmp/real.svg" || exit 1; done; then
+  ok "an fsdp-train --log plots with panels for loss, lr, grad_norm, tokens/s, peak memory and MFU"
+else bad "an fsdp-train --log plots" "$(tail -3 "$tmp/train")" "$(head -3 "$tmp/out")"; fi
+
+# ---- bad input: one line, non-zero exit, no output file ----
+expect_fail() { # NAME PATTERN ARGS...
+  local name=$1 pat=$2; shift 2
+  rm -f "$tmp/bad.svg"
+  timeout -k 5 60 "$PLOT" "$@" > "$tmp/out" 2> "$tmp/err"
+  local rc=$?
+  if [ $rc -eq 0 ]; then bad "$name" "exit 0"
+  elif [ "$(wc -l < "$tmp/err")" -ne 1 ] || ! grep -qE -- "$pat" "$tmp/err"; then bad "$name" "stderr: $(head -3 "$tmp/err")"
+  elif ls "$tmp" | grep -q '\.tmp\.'; then bad "$name" "a temporary file was left: $(ls "$tmp" | grep '\.tmp\.')"
+  else ok "$name (exit $rc: $(cat "$tmp/err"))"; fi
+}
+printf '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n{"step": 3, "loss": \n' > "$tmp/broken.jsonl"
+printf '{"config": {"lr": 0.001}}\n\n' > "$tmp/nosteps.jsonl"
+printf '{"step": "one", "loss": 2.0}\n' > "$tmp/badstep.jsonl"
+expect_fail "a missing log" "cannot open '.*nothere.jsonl'" "$tmp/nothere.jsonl" -o "$tmp/bad.svg"
+expect_fail "a line that is not JSON names file:line" "broken.jsonl:3: not a JSON object" "$tmp/a.jsonl" "$tmp/broken.jsonl" -o "$tmp/bad.svg"
+expect_fail "a log with no steps" "nosteps.jsonl: no steps" "$tmp/nosteps.jsonl" -o "$tmp/bad.svg"
+expect_fail "a step that is not a number" "badstep.jsonl:1: \"step\" is not a number" "$tmp/badstep.jsonl" -o "$tmp/bad.svg"
+expect_fail "a folder as a log" "is a folder" "$tmp" -o "$tmp/bad.svg"
+mkfifo "$tmp/fifo.jsonl"
+expect_fail "a FIFO as a log is refused at once" "fifo.jsonl' is not a regular file" "$tmp/fifo.jsonl" -o "$tmp/bad.svg"
+mkdir -p "$tmp/outdir"
+expect_fail "-o a folder is refused" "not a regular file" "$tmp/a.jsonl" -o "$tmp/outdir"
+printf 'my notes\n' > "$tmp/notes.svg"
+expect_fail "-o a file fsdp-plot did not write is refused" "not written by fsdp-plot" "$tmp/a.jsonl" -o "$tmp/notes.svg"
+[ "$(cat "$tmp/notes.svg")" = "my notes" ] && ok "the foreign file is unchanged" || bad "the foreign file is unchanged"
+ln -s "$tmp/curves.svg" "$tmp/link.svg"
+expect_fail "-o a symbolic link is refused" "not a regular file" "$tmp/a.jsonl" -o "$tmp/link.svg"
+"$PLOT" "$tmp/b.jsonl" > /dev/null 2> "$tmp/err"; rc=$?
+[ $rc -eq 2 ] && ok "no -o: usage, exit 2" || bad "no -o: usage, exit 2" "exit $rc"
+# a file we wrote is replaced, through a temporary file renamed over it
+if "$PLOT" "$tmp/b.jsonl" -o "$tmp/curves.svg" > "$tmp/out" 2>&1 && grep -q 'b.jsonl' "$tmp/curves.svg" \
+   && ! grep -q 'a.jsonl' "$tmp/curves.svg" && ! ls "$tmp" | grep -q '\.tmp\.'; then
+  ok "an SVG fsdp-plot wrote is replaced (no temporary file left)"
+else bad "an SVG fsdp-plot wrote is replaced" "$(head -3 "$tmp/out")"; fi
+finish
