@@ -925,7 +925,9 @@ int main(int argc, char **argv) {
                        r.skipped ? "  SKIPPED (overflow; loss scale halved)" : "");
             if (do_eval) {
                 if (tty) printf("\n");
-                if (task.acc_name) printf("eval  %4d/%d  %s %.2f%%\n", step + 1, steps, task.acc_name, 100.0 * eval_acc);
+                if (task.acc_name)
+                    printf("eval  %4d/%d  %s %.2f%%%s\n", step + 1, steps, task.acc_name, 100.0 * eval_acc,
+                           task.eval_note);
                 else printf("eval  %4d/%d  eval_loss %.4f  eval_acc %.2f%%\n", step + 1, steps, eval_loss,
                             100.0 * eval_acc);
             }
@@ -985,7 +987,8 @@ int main(int argc, char **argv) {
                "(ZeRO-3 estimate for params+grads+AdamW: %.0f MB)\n",
                first_loss, last_loss, note, tps, task.is_gpt ? "tokens" : "images", flops, (double)rss_max, zero3);
         if (evaluated && task.acc_name)
-            printf("eval: %s %.2f%% (%lld test images)\n", task.acc_name, 100.0 * eval_acc, (long long)eval_n);
+            printf("eval: %s %.2f%% (%lld test images)%s\n", task.acc_name, 100.0 * eval_acc, (long long)eval_n,
+                   task.eval_note);
         else if (evaluated)
             printf("eval: loss %.4f | top-1 accuracy %.2f%% (%lld test images)\n", eval_loss, 100.0 * eval_acc,
                    (long long)eval_n);
