@@ -518,10 +518,14 @@ static void swav_describe_data(struct task *t, struct fsdp_ctx *ctx, const struc
     (void)fm;
     struct swav *k = t->impl;
     printf("data: %s, %lld training images of %dx%dx%d; crops per image: 2 x %dx%d (scale %g-%g) + %d x %dx%d "
-           "(scale %g-%g); kNN on %d training images\n",
+           "(scale %g-%g), intensity jitter %g; kNN on %d, linear probe on %d training images\n",
            k->data_name, (long long)k->ti.count, k->ti.channels, k->ti.height, k->ti.width, k->Sg, k->Sg,
            (double)o->crops_global_scale[0], (double)o->crops_global_scale[1], k->V, k->Ss, k->Ss,
-           (double)o->crops_small_scale[0], (double)o->crops_small_scale[1], o->knn_train);
+           (double)o->crops_small_scale[0], (double)o->crops_small_scale[1], (double)o->crops_jitter, o->knn_train,
+           o->probe_train);
+    if (k->L)
+        printf("queue: %lld global-crop embeddings per crop (%lld batches), filled from epoch %d, in the codes once full\n",
+               (long long)k->L, (long long)(k->L / o->batch), o->queue_start_epoch);
 }
 
 /* FSDP_LOSS_USER: the target is the precomputed gradient (out's shape),
