@@ -131,7 +131,8 @@ static void usage(FILE *f) {
             "                        (default 0.14,1 and 0.05,0.14)\n"
             "  --freeze-prototypes-iters N  the prototypes stay fixed for the first N steps (default 0)\n"
             "  --swav-temperature X / --swav-epsilon X / --sinkhorn-iters N  SwAV's loss (0.1, 0.05, 3)\n"
-            "  --knn-train N         train images in the kNN evaluation's bank (default 10000)\n"
+            "  --knn-train N         train images in the kNN evaluation's bank (default 10000; 0 with\n"
+            "                        --probe-epochs 0: no evaluation)\n"
             "  --probe-train N       train images of the linear probe (probe_acc) (default 60000: all)\n"
             "  --probe-epochs E      the probe's epochs of SGD on the frozen features (default 10)\n"
             "  --eval-baseline       before training: kNN and probe of the untrained trunk and of raw pixels\n"
@@ -447,7 +448,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
                 usage_error("%s: '%s' is not LO,HI with 0 < LO <= HI <= 1", a, v);
         }
         else if (!strcmp(a, "--freeze-prototypes-iters")) o->freeze_prototypes_iters = (int)parse_int(a, v, 0, 1 << 30);
-        else if (!strcmp(a, "--knn-train")) o->knn_train = (int)parse_int(a, v, 1, 1 << 30);
+        else if (!strcmp(a, "--knn-train")) o->knn_train = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--probe-train")) o->probe_train = (int)parse_int(a, v, 1, 1 << 30);
         else if (!strcmp(a, "--probe-epochs")) o->probe_epochs = (int)parse_int(a, v, 0, 10000);
         else if (!strcmp(a, "--queue-length")) o->queue_length = (int)parse_int(a, v, 0, 1 << 30);

@@ -699,7 +699,7 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
     int64_t np = o->probe_train < k->ti.count ? o->probe_train : k->ti.count, ntr = nb > np ? nb : np;
     int64_t F = raw ? (int64_t)k->ti.channels * k->ti.height * k->ti.width : k->feat_dim;
     float *tr = malloc((size_t)(ntr * F) * sizeof(float)), *te = malloc((size_t)(nt * F) * sizeof(float));
-    float *bank = malloc((size_t)(nb * F) * sizeof(float)), *ten = malloc((size_t)(nt * F) * sizeof(float));
+    float *bank = malloc((size_t)(nb * F + 1) * sizeof(float)), *ten = malloc((size_t)(nt * F) * sizeof(float));
     int32_t *ytr = malloc((size_t)ntr * sizeof(int32_t)), *yte = malloc((size_t)nt * sizeof(int32_t));
     if (!tr || !te || !bank || !ten || !ytr || !yte) fail_rank("out of memory for the evaluation");
     for (int64_t i = 0; i < ntr; i++) ytr[i] = fsdp_images_label(k->train, i);
@@ -711,7 +711,7 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
     k->R->trunk_only = 0;
     fsdp_module_set_training(t->root, 1);
     int64_t correct = 0, tot = 0;
-    if (st == FSDP_OK) {
+    if (st == FSDP_OK && nb > 0) { /* --knn-train 0: no kNN */
         memcpy(bank, tr, (size_t)(nb * F) * sizeof(float));
         memcpy(ten, te, (size_t)(nt * F) * sizeof(float));
         normalise_rows(bank, nb, F);
@@ -723,7 +723,7 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
     /* every rank reaches the all-reduce, whatever its own status */
     enum fsdp_status st2 = fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &correct, &tot, 1, FSDP_I64, FSDP_SUM);
     if (st == FSDP_OK) st = st2;
-    *knn = nt ? (double)tot / (double)nt : NAN;
+    *knn = nt && nb ? (double)tot / (double)nt : NAN;
     *probe = NAN;
     if (st == FSDP_OK && o->probe_epochs > 0 &&
         task_linear_probe(tr, ytr, np, te, yte, nt, F, k->n_classes, o->probe_epochs, o->seed, probe))
@@ -761,6 +761,11 @@ static enum fsdp_status baseline(struct task *t, struct fsdp_ctx *ctx, struct fs
 static enum fsdp_status swav_eval(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
                                   double *loss_out, double *acc_out, int64_t *count_out) {
     double probe;
+    if (!o->knn_train && !o->probe_epochs) { /* no evaluation (step-time benchmarks) */
+        *loss_out = *acc_out = NAN;
+        *count_out = 0;
+        return FSDP_OK;
+    }
     TRY(evaluate(t, ctx, fm, o, 0, acc_out, &probe, count_out));
     *loss_out = NAN;
     append_extra(t, "probe_acc", probe);
