@@ -11,7 +11,13 @@
 #      runs at 2 ranks, the prototypes in fp32 units of their own;
 #  (5) no small crops (one resolution) trains too;
 #  (6) bad input: one line naming the flag, exit 2;
+#  (7) SwAV's queue (global: the same codes at any world size): 2 and 3 ranks reproduce the
+#      1-rank losses once the queue is in use; a run resumed mid-way (the queue from the
+#      checkpoint) is bit-identical at the same world size and matches at another;
+#  (8) the linear probe (probe_acc) agrees across world sizes (1); --eval-baseline logs the
+#      untrained trunk's and raw pixels' kNN and probe accuracies (5);
 # and a resumed run (the task read from the checkpoint) is bit-identical to the uninterrupted one.
+# Crops carry the intensity jitter (default 0.4) everywhere, so (1) checks it is rank-independent.
 # Prints "N passed, N failed" at the end.
 . "$(dirname "$0")/lib.sh"
 
@@ -22,7 +28,7 @@ fi
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 
 common=(--task swav --model cnn --data fashion-mnist --batch 12 --steps 5 --swav-hidden 32 --swav-dim 16
-        --nmb-prototypes 20 --crops-small 2 --knn-train 300 --threads 1 --optim sgd --momentum 0.9 --lr 0.003
+        --nmb-prototypes 20 --crops-small 2 --knn-train 300 --probe-train 1000 --threads 1 --optim sgd --momentum 0.9 --lr 0.003
         --clip 0 --warmup 0 --comm shm --seed 7)
 # (no clipping: the world-size check must see the gradients' scale)
 
@@ -43,6 +49,8 @@ for x, y in zip(a, b):
     assert abs(x["loss"] - y["loss"]) <= 1e-5, f"step {x['step']}: loss {x['loss']} vs {y['loss']}"
 assert abs(a[-1]["knn_acc"] - b[-1]["knn_acc"]) <= 5e-4, f"knn_acc {a[-1]['knn_acc']} vs {b[-1]['knn_acc']}"
 assert a[-1]["eval_images"] == b[-1]["eval_images"] == 10000
+assert 0.3 < a[-1]["probe_acc"] <= 1 and abs(a[-1]["probe_acc"] - b[-1]["probe_acc"]) <= 5e-4, \
+    f"probe_acc {a[-1]['probe_acc']} vs {b[-1]['probe_acc']}"
 EOF
   ); then ok "$n ranks reproduce the 1-rank losses (1e-5) and kNN accuracy"; else bad "$n ranks vs 1" "$msg"; fi
 done
@@ -111,7 +119,7 @@ else bad "frozen prototypes" "${msg:-$(tail -5 "$tmp/of")}"; fi
 echo '{"arch":"resnet18","in_chans":1,"stem":"cifar","width":8}' > "$tmp/r8.json"
 if timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" --data fashion-mnist --batch 8 --steps 2 \
      --swav-hidden 16 --swav-dim 8 --nmb-prototypes 10 --nmb-heads 2 --crops-global-size 16 --crops-small 1 \
-     --crops-small-size 8 --knn-train 50 --threads 1 --optim lars --momentum 0.9 --lr 0.1 --precision AMP_BF16 \
+     --crops-small-size 8 --knn-train 50 --probe-train 500 --threads 1 --optim lars --momentum 0.9 --lr 0.1 --precision AMP_BF16 \
      --nproc 2 --comm shm --verbose --log "$tmp/rn.jsonl" > "$tmp/orn" 2>&1 &&
    msg=$(python3 - "$tmp/rn.jsonl" "$tmp/orn" <<'EOF' 2>&1
 import json, math, re, sys
@@ -127,9 +135,56 @@ EOF
 else bad "ResNet-18 trunk" "${msg:-$(tail -5 "$tmp/orn")}"; fi
 
 # ---- (5) one resolution ----
-if timeout -k 5 60 "$TRAIN" "${common[@]}" --crops-small 0 --steps 2 --log "$tmp/g.jsonl" > "$tmp/og" 2>&1 &&
+# (and --eval-baseline: the untrained trunk's and raw pixels' kNN and probe in the first log line)
+if timeout -k 5 60 "$TRAIN" "${common[@]}" --crops-small 0 --steps 2 --eval-baseline --log "$tmp/g.jsonl" > "$tmp/og" 2>&1 &&
    [ "$(grep -c '"step"' "$tmp/g.jsonl")" = 2 ]; then ok "global crops only"
 else bad "global crops only" "$(tail -5 "$tmp/og")"; fi
+if msg=$(python3 - "$tmp/g.jsonl" "$tmp/og" <<'EOF' 2>&1
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l][0]
+for k in ("base_knn_acc", "base_probe_acc", "raw_knn_acc", "raw_probe_acc"):
+    assert 0.3 < r[k] <= 1, (k, r[k])
+assert "baseline: untrained trunk knn_acc" in open(sys.argv[2]).read()
+EOF
+); then ok "--eval-baseline: the untrained trunk's and raw pixels' kNN and probe accuracies"
+else bad "--eval-baseline" "$msg"; fi
+
+# ---- (7) the queue: 2 batches, filled from the first step, in the codes from step 3 ----
+# 1 rank (saving at step 3) and 3 ranks; resumed from the 1-rank checkpoint at 1 and 3 ranks
+q=(--queue-length 24 --queue-start-epoch 0 --eval-every 0)
+timeout -k 5 120 "$TRAIN" "${common[@]}" "${q[@]}" --save-every 3 --save-dir "$tmp/qck" --log "$tmp/q1.jsonl" \
+  > "$tmp/oq1" 2>&1 || bad "1-rank run with a queue" "$(tail -5 "$tmp/oq1")"
+timeout -k 5 120 "$TRAIN" "${common[@]}" "${q[@]}" --nproc 3 --log "$tmp/q3.jsonl" > "$tmp/oq3" 2>&1 ||
+  bad "3-rank run with a queue" "$(tail -5 "$tmp/oq3")"
+if msg=$(python3 - "$tmp/r1.jsonl" "$tmp/q1.jsonl" "$tmp/q3.jsonl" <<'EOF' 2>&1
+import json, sys
+r, q1, q3 = [[r for r in map(json.loads, open(p)) if "step" in r] for p in sys.argv[1:]]
+assert [x["queue_used"] for x in q1] == [0, 0, 1, 1, 1], [x["queue_used"] for x in q1]
+assert [x["queue_filled"] for x in q1] == [12, 24, 24, 24, 24], [x["queue_filled"] for x in q1]
+assert [x["loss"] for x in q1[:2]] == [x["loss"] for x in r[:2]], "the queue changed the steps before its use"
+assert abs(q1[2]["loss"] - r[2]["loss"]) > 1e-4, "the queue did not change the codes"
+for x, y in zip(q1, q3):
+    assert abs(x["loss"] - y["loss"]) <= 1e-5, f"3 ranks, step {x['step']}: loss {x['loss']} vs {y['loss']}"
+    assert x["queue_used"] == y["queue_used"]
+EOF
+); then ok "the queue: 3 ranks reproduce the 1-rank losses (1e-5) once it is in the codes"
+else bad "the queue at 1 and 3 ranks" "$msg"; fi
+for n in 1 3; do
+  timeout -k 5 120 "$TRAIN" "${common[@]:2}" "${q[@]}" --nproc $n --resume "$tmp/qck/step-00000003" \
+    --log "$tmp/qres$n.jsonl" > "$tmp/oqr$n" 2>&1 || bad "resume at $n ranks with a queue" "$(tail -3 "$tmp/oqr$n")"
+done
+if msg=$(python3 - "$tmp/q1.jsonl" "$tmp/qres1.jsonl" "$tmp/qres3.jsonl" <<'EOF' 2>&1
+import json, sys
+a, b, c = [[r for r in map(json.loads, open(p)) if "step" in r] for p in sys.argv[1:]]
+a = a[3:]
+assert [x["step"] for x in b] == [x["step"] for x in c] == [4, 5], [x["step"] for x in b]
+for x, y, z in zip(a, b, c):
+    for k in ("loss", "grad_norm", "param_norm", "proto_hash", "queue_used", "queue_filled"):
+        assert x[k] == y[k], f"resumed, step {x['step']}: {k} {x[k]} vs {y[k]}"
+    assert z["queue_used"] == 1 and abs(x["loss"] - z["loss"]) <= 1e-5, f"3 ranks resumed: {z['loss']} vs {x['loss']}"
+EOF
+); then ok "a run with a queue resumed mid-way: bit-identical at 1 rank, within 1e-5 at 3 ranks"
+else bad "resume with a queue" "$msg"; fi
 
 # ---- (6) bad input ----
 expect_input() {
@@ -147,5 +202,7 @@ expect_input "small crop larger than the image" "--crops-small-size 30" -- "${co
 expect_input "no prototype heads" "--nmb-heads" -- "${common[@]}" --nmb-heads 0
 expect_input "no prototypes" "--nmb-prototypes" -- "${common[@]}" --nmb-prototypes 0
 expect_input "a bad scale range" "--crops-small-scale" -- "${common[@]}" --crops-small-scale 0.5,0.1
+expect_input "a queue that is not whole batches" "--queue-length 30.*--batch 12" -- "${common[@]}" --nproc 2 --queue-length 30
+expect_input "a queue of too many batches" "--queue-length 780 is longer" -- "${common[@]}" --nproc 3 --queue-length 780
 expect_input "a trunk that is not one" "--model.*small" -- --task swav --model small --steps 1
 finish

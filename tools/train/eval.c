@@ -17,7 +17,7 @@ static const char *num(char *buf, size_t cap, double x) { /* JSON has no inf or 
 
 void eval_print(const struct task *t, int step, int steps, const struct eval_result *e) {
     if (t->eval_ppl) printf("eval  %4d/%d  eval_loss %.4f  eval_ppl %.2f\n", step, steps, e->loss, exp(e->loss));
-    else if (t->acc_name) printf("eval  %4d/%d  %s %.2f%%\n", step, steps, t->acc_name, 100.0 * e->acc);
+    else if (t->acc_name) printf("eval  %4d/%d  %s %.2f%%%s\n", step, steps, t->acc_name, 100.0 * e->acc, t->eval_note);
     else printf("eval  %4d/%d  eval_loss %.4f  eval_acc %.2f%%\n", step, steps, e->loss, 100.0 * e->acc);
 }
 
@@ -34,7 +34,8 @@ void eval_summary(const struct task *t, const struct eval_result *e) {
         printf("eval: loss %.4f | perplexity %.2f (%lld held-out tokens)\n", e->loss, exp(e->loss),
                (long long)e->count);
     else if (t->acc_name)
-        printf("eval: %s %.2f%% (%lld test images)\n", t->acc_name, 100.0 * e->acc, (long long)e->count);
+        printf("eval: %s %.2f%% (%lld test images)%s\n", t->acc_name, 100.0 * e->acc, (long long)e->count,
+               t->eval_note);
     else
         printf("eval: loss %.4f | top-1 accuracy %.2f%% (%lld test images)\n", e->loss, 100.0 * e->acc,
                (long long)e->count);

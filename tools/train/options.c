@@ -67,6 +67,10 @@ struct opts opts_default(void) {
     o.crops_small_scale[0] = 0.05f;
     o.crops_small_scale[1] = 0.14f;
     o.knn_train = 10000;
+    o.probe_train = 60000;
+    o.probe_epochs = 10;
+    o.queue_start_epoch = 15;
+    o.crops_jitter = 0.4f;
     o.swav_temperature = 0.1f;
     o.swav_epsilon = 0.05f;
     o.sinkhorn_iters = 3;
@@ -133,7 +137,15 @@ static void usage(FILE *f) {
             "                        (default 0.14,1 and 0.05,0.14)\n"
             "  --freeze-prototypes-iters N  the prototypes stay fixed for the first N steps (default 0)\n"
             "  --swav-temperature X / --swav-epsilon X / --sinkhorn-iters N  SwAV's loss (0.1, 0.05, 3)\n"
-            "  --knn-train N         train images in the kNN evaluation's bank (default 10000)\n"
+            "  --knn-train N         train images in the kNN evaluation's bank (default 10000; 0 with\n"
+            "                        --probe-epochs 0: no evaluation)\n"
+            "  --probe-train N       train images of the linear probe (probe_acc) (default 60000: all)\n"
+            "  --probe-epochs E      the probe's epochs of SGD on the frozen features (default 10)\n"
+            "  --eval-baseline       before training: kNN and probe of the untrained trunk and of raw pixels\n"
+            "  --queue-length L      SwAV's queue: L past global-crop embeddings per crop, a multiple of\n"
+            "                        --batch, in the codes from --queue-start-epoch E (default 0: none; E 15)\n"
+            "  --crops-jitter X      brightness and contrast factors in [1-X, 1+X], with probability 0.8\n"
+            "                        (default 0.4; 0: none)\n"
             "  --lr X                peak learning rate (default %g)\n"
             "  --min-lr X            cosine floor (default lr/10)\n"
             "  --warmup N            linear warmup steps (default %d)\n"
@@ -349,6 +361,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         if (!strcmp(a, "--check-collectives")) { o->check_collectives = 1; continue; }
         if (!strcmp(a, "--dry-run")) { o->dry_run = 1; continue; }
         if (!strcmp(a, "--nesterov")) { o->nesterov = 1; continue; }
+        if (!strcmp(a, "--eval-baseline")) { o->eval_baseline = 1; continue; }
         if (strncmp(a, "--", 2) != 0) usage_error("unexpected argument '%s'", a);
         if (i + 1 >= argc) usage_error("%s needs a value", a);
         const char *v = argv[++i];
@@ -483,7 +496,12 @@ void parse_args(int argc, char **argv, struct opts *o) {
                 usage_error("%s: '%s' is not LO,HI with 0 < LO <= HI <= 1", a, v);
         }
         else if (!strcmp(a, "--freeze-prototypes-iters")) o->freeze_prototypes_iters = (int)parse_int(a, v, 0, 1 << 30);
-        else if (!strcmp(a, "--knn-train")) o->knn_train = (int)parse_int(a, v, 1, 1 << 30);
+        else if (!strcmp(a, "--knn-train")) o->knn_train = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--probe-train")) o->probe_train = (int)parse_int(a, v, 1, 1 << 30);
+        else if (!strcmp(a, "--probe-epochs")) o->probe_epochs = (int)parse_int(a, v, 0, 10000);
+        else if (!strcmp(a, "--queue-length")) o->queue_length = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--queue-start-epoch")) o->queue_start_epoch = (int)parse_int(a, v, 0, 1 << 30);
+        else if (!strcmp(a, "--crops-jitter")) o->crops_jitter = parse_float(a, v, 0, 1);
         else if (!strcmp(a, "--swav-temperature")) o->swav_temperature = parse_float(a, v, 1e-4, 100);
         else if (!strcmp(a, "--swav-epsilon")) o->swav_epsilon = parse_float(a, v, 1e-4, 100);
         else if (!strcmp(a, "--sinkhorn-iters")) o->sinkhorn_iters = (int)parse_int(a, v, 0, 1000);

@@ -67,6 +67,10 @@ struct opts {
     float crops_global_scale[4], crops_small_scale[4];
     int freeze_prototypes_iters;
     int knn_train;                /* --knn-train N train images for the kNN bank */
+    int probe_train, probe_epochs; /* --probe-train N images, --probe-epochs E of the linear probe */
+    int eval_baseline;            /* --eval-baseline: the probes on the untrained trunk and raw pixels */
+    int queue_length, queue_start_epoch; /* --queue-length L (global rows), --queue-start-epoch E */
+    float crops_jitter;           /* --crops-jitter X: brightness and contrast in [1-X, 1+X] */
     float swav_temperature, swav_epsilon;
     int sinkhorn_iters;
     float lars_eta;               /* --lars-eta: LARS's trust coefficient */

@@ -70,7 +70,9 @@ struct task {
     const char *acc_name;       /* the evaluation's accuracy in the log (NULL: "eval_acc") */
     int eval_ppl;               /* the evaluation is a text's: perplexity, no accuracy (eval.c) */
     const char *eval_count;     /* what it counts in the log (NULL: "eval_images") */
-    char log_extra[256];        /* after a step: JSON members (`"k": v, `) for the --log line */
+    char log_extra[384];        /* after a step: JSON members (`"k": v, `) for the --log line
+                                   (an evaluation may append its own) */
+    char eval_note[96];         /* after the accuracy in the evaluation's lines (e.g. "  probe_acc 90.1%") */
     void *impl;
 };
 
@@ -108,6 +110,19 @@ void eval_print(const struct task *t, int step, int steps, const struct eval_res
 void eval_log(FILE *f, const struct task *t, const struct eval_result *e);
 void eval_summary(const struct task *t, const struct eval_result *e);
 
+/* Evaluations of frozen features (probe.c), the same on every rank, no
+ * communication. The linear probe ([Note: linear probe]) standardises xtr
+ * (n, F) and xte (nt, F) in place, trains a linear classifier of C classes
+ * on xtr, ytr for `epochs` epochs from `seed` and sets *acc to the top-1
+ * accuracy on xte, yte; -1 when out of memory, else 0. The kNN counts the
+ * test rows [lo, hi) of test (L2-normalised rows) whose k nearest bank rows
+ * (cosine; bank L2-normalised, nb rows), weighted exp(sim / temperature),
+ * vote for their label; *st is an fsdp_gemm failure or FSDP_OK. */
+int task_linear_probe(float *xtr, const int32_t *ytr, int64_t n, float *xte, const int32_t *yte, int64_t nt,
+                      int64_t F, int C, int epochs, uint64_t seed, double *acc);
+int64_t task_knn_correct(struct fsdp_ctx *ctx, const float *bank, const int32_t *ybank, int64_t nb, const float *test,
+                         const int32_t *ytest, int64_t lo, int64_t hi, int64_t F, int C, int k, double temperature,
+                         enum fsdp_status *st);
 /* fsdp-train.c's error exits and clock, for the tasks. */
 _Noreturn void fail_all(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 _Noreturn void fail_input(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -53,6 +53,7 @@
 
 #define KNN_K 20
 #define KNN_T 0.07
+#define QUEUE_MAX_BATCHES 64 /* SwAV: 3840 rows with batches of 256, 15 */
 #define HEAD_SEED 0x5357415648454144ull /* the head's re-initialisation */
 
 struct swav_root {
@@ -80,6 +81,16 @@ struct swav {
     int frozen;
     struct fsdp_swav_opts so;
     double loss_value;
+    /* SwAV's queue ([Note: SwAV queue]); L 0: none */
+    int64_t L;
+    struct fsdp_buffer *queue;        /* F32 (2, L, D): past embeddings of each global crop, newest first */
+    struct fsdp_buffer *queue_filled; /* I64 scalar: rows of it filled so far (at most L) */
+    float *zmine, *zall;              /* (2, Bl, D) this rank's embeddings, (world, 2, Bl, D) every rank's */
+    float *qsc;                       /* (H, 2, Lr, K) scores of this rank's queue rows, Lr = its share of L */
+    int64_t q_lo, q_rows;             /* this rank's rows [q_lo, q_lo + q_rows) of the queue */
+    int queue_used;                   /* the last step's codes used the queue */
+    int baseline_done;                /* --eval-baseline ran (1), and its figures are logged (2) */
+    double base[4];                   /* its kNN and probe accuracies: untrained trunk, raw pixels */
     /* the last hook's checks */
     double proto_err;
     int proto_agree;
@@ -139,6 +150,13 @@ static enum fsdp_status build(struct fsdp_ctx *ctx, struct swav *k, struct fsdp_
     else TRY(task_cnn_create(ctx, k->ti.channels, k->cnn_width, 0, &trunk));
     snprintf(trunk->name, sizeof trunk->name, "trunk");
     enum fsdp_status st = fsdp_swav_head_create(ctx, "head", &k->hc, &head);
+    if (st == FSDP_OK && k->L) { /* the queue: buffers of the head ([Note: SwAV queue]) */
+        int64_t qs[3] = {2, k->L, k->hc.out_dim};
+        struct fsdp_init zeros = {FSDP_INIT_ZEROS, 0.0f};
+        st = fsdp_module_add_buffer(ctx, head, "queue", FSDP_F32, 3, qs, zeros, 1, &k->queue);
+        if (st == FSDP_OK) st = fsdp_module_add_buffer(ctx, head, "queue_filled", FSDP_I64, 0, NULL, zeros, 1, &k->queue_filled);
+        if (st != FSDP_OK) fsdp_module_free(head);
+    }
     if (st != FSDP_OK) {
         fsdp_module_free(trunk);
         return st;
@@ -200,8 +218,34 @@ static int64_t image_at(const struct swav *k, uint64_t seed, int64_t g) {
     return g_perm[p];
 }
 
-/* Crop `view` of image idx in epoch e: RandomResizedCrop to S x S, a flip,
- * normalised, into dst (C, S, S). */
+static double unit01(uint64_t h) { return (double)(mix64(h) >> 11) / 9007199254740992.0; }
+
+/* Intensity jitter of a crop x (C, S, S) of values in [0, 1], torchvision's
+ * ColorJitter(brightness=X, contrast=X) applied with probability 0.8 (as
+ * SwAV's RandomApply): brightness x *= b, contrast x = c x + (1 - c) mean(x)
+ * (the crop's mean over channels: the grayscale mean for one channel), each
+ * clamped to [0, 1], b and c uniform in [max(0, 1 - X), 1 + X], in an order
+ * drawn too; every draw from the key h alone. */
+static void jitter(float *x, int C, int S, float X, uint64_t h) {
+    if (unit01(h) >= 0.8) return;
+    double lo = X < 1 ? 1.0 - X : 0.0, hi = 1.0 + X;
+    float b = (float)(lo + (hi - lo) * unit01(h + 1)), c = (float)(lo + (hi - lo) * unit01(h + 2));
+    int contrast_first = unit01(h + 3) < 0.5;
+    int64_t n = (int64_t)C * S * S;
+    for (int pass = 0; pass < 2; pass++) {
+        if ((pass == 0) != contrast_first) { /* brightness */
+            for (int64_t i = 0; i < n; i++) x[i] = fminf(fmaxf(x[i] * b, 0.0f), 1.0f);
+        } else {
+            double m = 0;
+            for (int64_t i = 0; i < n; i++) m += x[i];
+            float mf = (float)(m / (double)n);
+            for (int64_t i = 0; i < n; i++) x[i] = fminf(fmaxf(c * x[i] + (1.0f - c) * mf, 0.0f), 1.0f);
+        }
+    }
+}
+
+/* Crop `view` of image idx in epoch e: RandomResizedCrop to S x S, the
+ * intensity jitter, a flip, normalised, into dst (C, S, S). */
 static void make_crop(struct fsdp_ctx *ctx, const struct swav *k, const struct opts *o, int64_t e, int64_t idx,
                       int view, int S, const float *scale, float *dst, float *tmp) {
     if (fsdp_images_random_resized_crop(ctx, k->train, o->seed, e, idx, view, S, S, scale[0], scale[1], tmp) !=
@@ -210,6 +254,7 @@ static void make_crop(struct fsdp_ctx *ctx, const struct swav *k, const struct o
     uint64_t key = ((uint64_t)e * (uint64_t)k->ti.count + (uint64_t)idx) * 64 + (uint64_t)view;
     int flip = (int)(mix64(mix64(o->seed ^ 0x666c6970ull) ^ key) & 1u);
     int C = k->ti.channels;
+    if (o->crops_jitter > 0) jitter(tmp, C, S, o->crops_jitter, mix64(mix64(o->seed ^ 0x6a6974746572ull) ^ key));
     for (int c = 0; c < C; c++)
         for (int y = 0; y < S; y++)
             for (int x = 0; x < S; x++)
@@ -302,6 +347,75 @@ static enum fsdp_status proto_hook(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
     return st;
 }
 
+/* ---- SwAV's queue ---- */
+
+/* [Note: SwAV queue]
+ * SwAV keeps, per rank and per assigned (global) crop, the embeddings z of
+ * the last L / world images that rank saw; before Sinkhorn-Knopp their scores
+ * against the current prototypes are put in front of the batch's scores, the
+ * codes are computed over both, and only the batch's codes enter the loss.
+ * That queue depends on the world size (which images each rank saw), so its
+ * codes at N ranks are not the 1-rank codes. Here the queue is global and
+ * the same at every world size:
+ *   - the buffer head.queue (2, L, D) holds, per global crop, the embeddings
+ *     of the last L images of the global batches, in global order (image
+ *     r Bl + b of a batch, rank r's b-th, in row r Bl + b; the newest batch in
+ *     rows [0, B), as SwAV rolls its queue), identical on every rank: after
+ *     the loss each rank all-gathers the batch's embeddings (2 Bl D floats of
+ *     each rank) and rolls them in alike; head.queue_filled counts the rows
+ *     filled;
+ *   - in the codes rank r contributes rows [r L / N, (r + 1) L / N) (their
+ *     scores against the prototypes, gathered with fsdp_summon_full_params at
+ *     the start of the step, before they change): the ranks' rows make up
+ *     the queue once, and fsdp_sinkhorn's sums over ranks give the 1-rank
+ *     codes to within summation order;
+ *   - as a replicated persistent buffer it is saved whole and read back at
+ *     any world size ([Note: buffers] in src/fsdp/buffers.c), so a resumed
+ *     run continues with the same queue.
+ * As in SwAV, filling starts with the first step of epoch
+ * --queue-start-epoch and the queue enters the codes from the first step
+ * that finds it full. One queue of embeddings serves every prototype head
+ * (its scores are per head). Cost: 2 L D floats per rank (L 3840, D 128:
+ * 3.9 MB) and an all-gather of 2 B D floats per step. */
+
+/* The scores of this rank's queue rows against every head's prototypes,
+ * into k->qsc. COLLECTIVE (summons each prototype unit). */
+static enum fsdp_status queue_scores(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct swav *k) {
+    int64_t D = k->hc.out_dim, K = k->hc.n_prototypes, Lr = k->q_rows;
+    const float *q = k->queue->data;
+    for (int j = 0; j < k->hc.n_heads; j++) {
+        TRY(fsdp_summon_full_params(ctx, fm, proto_module(k, j), 0, 0));
+        const struct fsdp_param *p = proto_param(k, j);
+        enum fsdp_status st = FSDP_OK;
+        for (int a = 0; a < 2 && st == FSDP_OK && Lr; a++)
+            st = fsdp_gemm(ctx, NULL, 0, 1, Lr, K, D, 1.0f, q + ((int64_t)a * k->L + k->q_lo) * D, D, p->data, D,
+                           0.0f, k->qsc + ((int64_t)j * 2 + a) * Lr * K, K);
+        enum fsdp_status st2 = fsdp_summon_end(ctx, fm);
+        TRY(st);
+        TRY(st2);
+    }
+    return FSDP_OK;
+}
+
+/* Rolls the global batch's embeddings (the global crops' z, columns [0, D)
+ * of k->og) into the queue, alike on every rank. COLLECTIVE. */
+static enum fsdp_status queue_push(struct fsdp_ctx *ctx, struct swav *k) {
+    int world = fsdp_ctx_world(ctx);
+    int64_t D = k->hc.out_dim, Bl = k->Bl, Bg = Bl * world, L = k->L;
+    for (int64_t i = 0; i < 2 * Bl; i++) memcpy(k->zmine + i * D, k->og + i * k->W, (size_t)D * sizeof(float));
+    TRY(fsdp_comm_allgather(fsdp_ctx_comm(ctx), k->zmine, k->zall, (size_t)(2 * Bl * D), FSDP_F32));
+    float *q = k->queue->data;
+    for (int64_t v = 0; v < 2; v++) {
+        float *qv = q + v * L * D;
+        memmove(qv + Bg * D, qv, (size_t)((L - Bg) * D) * sizeof(float));
+        for (int r = 0; r < world; r++)
+            memcpy(qv + (int64_t)r * Bl * D, k->zall + (((int64_t)r * 2 + v) * Bl) * D, (size_t)(Bl * D) * sizeof(float));
+    }
+    int64_t *filled = k->queue_filled->data;
+    *filled = *filled + Bg < L ? *filled + Bg : L;
+    return FSDP_OK;
+}
+
 /* ---- The task ---- */
 
 static void swav_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o) {
@@ -324,6 +438,16 @@ static void swav_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o
     k->dsc = malloc((size_t)((ng + ns) * K) * sizeof(float));
     if (!k->xg || !k->xs || !k->og || !k->os || !k->dg || !k->ds || !k->sc || !k->dsc)
         fail_rank("out of memory for the crops");
+    if (k->L) {
+        int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
+        int64_t D = k->hc.out_dim;
+        k->q_lo = (int64_t)rank * k->L / world;
+        k->q_rows = (int64_t)(rank + 1) * k->L / world - k->q_lo;
+        k->zmine = malloc((size_t)(2 * k->Bl * D) * sizeof(float));
+        k->zall = malloc((size_t)(2 * k->Bl * D * world) * sizeof(float));
+        k->qsc = malloc((size_t)((int64_t)k->hc.n_heads * 2 * k->q_rows * K + 1) * sizeof(float));
+        if (!k->zmine || !k->zall || !k->qsc) fail_rank("out of memory for the queue");
+    }
     k->bo = fsdp_image_batch_opts_default();
     task_images_norm(o, &k->bo);
     k->so = fsdp_swav_opts_default();
@@ -394,10 +518,14 @@ static void swav_describe_data(struct task *t, struct fsdp_ctx *ctx, const struc
     (void)fm;
     struct swav *k = t->impl;
     printf("data: %s, %lld training images of %dx%dx%d; crops per image: 2 x %dx%d (scale %g-%g) + %d x %dx%d "
-           "(scale %g-%g); kNN on %d training images\n",
+           "(scale %g-%g), intensity jitter %g; kNN on %d, linear probe on %d training images\n",
            k->data_name, (long long)k->ti.count, k->ti.channels, k->ti.height, k->ti.width, k->Sg, k->Sg,
            (double)o->crops_global_scale[0], (double)o->crops_global_scale[1], k->V, k->Ss, k->Ss,
-           (double)o->crops_small_scale[0], (double)o->crops_small_scale[1], o->knn_train);
+           (double)o->crops_small_scale[0], (double)o->crops_small_scale[1], (double)o->crops_jitter, o->knn_train,
+           o->probe_train);
+    if (k->L)
+        printf("queue: %lld global-crop embeddings per crop (%lld batches), filled from epoch %d, in the codes once full\n",
+               (long long)k->L, (long long)(k->L / o->batch), o->queue_start_epoch);
 }
 
 /* FSDP_LOSS_USER: the target is the precomputed gradient (out's shape),
@@ -426,9 +554,16 @@ static enum fsdp_status loss_backward(struct fsdp_ctx *ctx, struct fsdp_model *f
     return fsdp_model_backward(ctx, fm, &d);
 }
 
+static enum fsdp_status baseline(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o);
+static void append_extra(struct task *t, const char *key, double v);
+
 static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
                                   int step, float lr, struct fsdp_step_result *r) {
     struct swav *k = t->impl;
+    if (o->eval_baseline && !k->baseline_done) {
+        TRY(baseline(t, ctx, fm, o));
+        k->baseline_done = 1;
+    }
     set_frozen(ctx, k, step < o->freeze_prototypes_iters);
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), C = k->ti.channels, Bl = k->Bl, V = k->V;
     int64_t n = k->ti.count, K = k->hc.n_prototypes, D = k->hc.out_dim, W = k->W;
@@ -446,6 +581,10 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
                       k->xs + ((int64_t)v * Bl + b) * C * k->Ss * k->Ss, tmp);
     }
     free(tmp);
+    /* the queue's scores, before any forward ([Note: SwAV queue]) */
+    int use_queue = k->L && *(const int64_t *)k->queue_filled->data >= k->L;
+    if (use_queue) TRY(queue_scores(ctx, fm, k));
+    k->queue_used = use_queue;
     struct fsdp_tensor ing = {k->xg, FSDP_F32, 4, {2 * (int64_t)Bl, C, k->Sg, k->Sg}};
     struct fsdp_tensor ins = {k->xs, FSDP_F32, 4, {(int64_t)V * Bl, C, k->Ss, k->Ss}};
     struct fsdp_tensor outg = {0}, outs = {0};
@@ -468,13 +607,21 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
             memcpy(k->sc + i * K, src + D + j * K, (size_t)K * sizeof(float));
         }
         double lj;
-        TRY(fsdp_swav_loss(ctx, fsdp_ctx_comm(ctx), &k->so, k->sc, 2 + V, Bl, K, assign, 2, NULL, NULL, &lj, k->dsc));
+        const float *qp[2] = {NULL, NULL};
+        int64_t ql[2] = {0, 0};
+        for (int a = 0; use_queue && a < 2; a++) {
+            qp[a] = k->qsc + ((int64_t)j * 2 + a) * k->q_rows * K;
+            ql[a] = k->q_rows;
+        }
+        TRY(fsdp_swav_loss(ctx, fsdp_ctx_comm(ctx), &k->so, k->sc, 2 + V, Bl, K, assign, 2, use_queue ? qp : NULL,
+                           use_queue ? ql : NULL, &lj, k->dsc));
         loss += lj / k->hc.n_heads;
         for (int64_t i = 0; i < rows; i++) {
             float *dst = (i < ng ? k->dg + i * W : k->ds + (i - ng) * W) + D + j * K;
             for (int64_t c = 0; c < K; c++) dst[c] = k->dsc[i * K + c] * gscale;
         }
     }
+    if (k->L && (int64_t)step * o->batch / n >= o->queue_start_epoch) TRY(queue_push(ctx, k));
     if (V) {
         TRY(loss_backward(ctx, fm, k, &outs, k->ds, loss, k->os));
         /* the global crops again: their activations went with the small crops' forward */
@@ -490,23 +637,35 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
     char hx[24];
     snprintf(hx, sizeof hx, "%016llx", (unsigned long long)k->proto_hash);
     snprintf(t->log_extra, sizeof t->log_extra,
-             "\"proto_norm_err\": %.3g, \"proto_ranks_agree\": %d, \"proto_hash\": \"%s\", \"proto_frozen\": %d, ",
-             k->proto_err, k->proto_agree, hx, k->frozen);
+             "\"proto_norm_err\": %.3g, \"proto_ranks_agree\": %d, \"proto_hash\": \"%s\", \"proto_frozen\": %d, "
+             "\"queue_used\": %d, \"queue_filled\": %lld, ",
+             k->proto_err, k->proto_agree, hx, k->frozen, k->queue_used,
+             (long long)(k->L ? *(const int64_t *)k->queue_filled->data : 0));
+    if (k->baseline_done == 1) {
+        static const char *const keys[4] = {"base_knn_acc", "base_probe_acc", "raw_knn_acc", "raw_probe_acc"};
+        for (int i = 0; i < 4; i++) append_extra(t, keys[i], k->base[i]);
+        k->baseline_done = 2;
+    }
     return FSDP_OK;
 }
 
-/* Normalised trunk features of images [0, n) of im, every rank getting all
- * of them: rank r computes its share of each batch, all-gathered. */
+/* Trunk features (eval mode, whole images; raw: the normalised pixels) of
+ * images [0, n) of im, every rank getting all of them: rank r computes its
+ * share of each batch, all-gathered. COLLECTIVE (unless raw). */
 static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
-                                 const struct fsdp_images *im, int64_t n, float *feat) {
+                                 const struct fsdp_images *im, int64_t n, int raw, float *feat) {
     struct swav *k = t->impl;
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
     int64_t EB = o->eval_batch ? o->eval_batch : o->batch, chw = (int64_t)k->ti.channels * k->ti.height * k->ti.width;
+    if (raw) {
+        for (int64_t i = 0; i < n; i++) task_load_image(im, &k->bo, i, feat + i * chw);
+        return FSDP_OK;
+    }
     int64_t F = k->feat_dim;
     int64_t mmax = (EB + world - 1) / world;
     float *x = malloc((size_t)(mmax * chw) * sizeof(float)), *mine = malloc((size_t)(mmax * F) * sizeof(float));
     float *all = malloc((size_t)(mmax * F * world) * sizeof(float));
-    if (!x || !mine || !all) fail_rank("out of memory for the kNN features");
+    if (!x || !mine || !all) fail_rank("out of memory for the evaluation's features");
     enum fsdp_status st = FSDP_OK;
     for (int64_t s = 0; s < n && st == FSDP_OK; s += EB) {
         int64_t cnt = n - s < EB ? n - s : EB;
@@ -523,65 +682,95 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
         }
     }
     free(x), free(mine), free(all);
-    if (st != FSDP_OK) return st;
-    normalise_rows(feat, n, F);
+    return st;
+}
+
+/* Both evaluations of one kind of features (the trunk's, or raw pixels):
+ * the weighted kNN on the first --knn-train training images (rank r votes
+ * for its share of the test images, summed) and the linear probe on the
+ * first --probe-train ([Note: linear probe]: every rank trains the same).
+ * COLLECTIVE. */
+static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
+                                 int raw, double *knn, double *probe, int64_t *count) {
+    struct swav *k = t->impl;
+    struct fsdp_images_info vi;
+    fsdp_images_info(k->test, &vi);
+    int64_t nb = o->knn_train < k->ti.count ? o->knn_train : k->ti.count, nt = vi.count;
+    int64_t np = o->probe_train < k->ti.count ? o->probe_train : k->ti.count, ntr = nb > np ? nb : np;
+    int64_t F = raw ? (int64_t)k->ti.channels * k->ti.height * k->ti.width : k->feat_dim;
+    float *tr = malloc((size_t)(ntr * F) * sizeof(float)), *te = malloc((size_t)(nt * F) * sizeof(float));
+    float *bank = malloc((size_t)(nb * F + 1) * sizeof(float)), *ten = malloc((size_t)(nt * F) * sizeof(float));
+    int32_t *ytr = malloc((size_t)ntr * sizeof(int32_t)), *yte = malloc((size_t)nt * sizeof(int32_t));
+    if (!tr || !te || !bank || !ten || !ytr || !yte) fail_rank("out of memory for the evaluation");
+    for (int64_t i = 0; i < ntr; i++) ytr[i] = fsdp_images_label(k->train, i);
+    for (int64_t i = 0; i < nt; i++) yte[i] = fsdp_images_label(k->test, i);
+    fsdp_module_set_training(t->root, 0);
+    k->R->trunk_only = 1;
+    enum fsdp_status st = features(t, ctx, fm, o, k->train, ntr, raw, tr);
+    if (st == FSDP_OK) st = features(t, ctx, fm, o, k->test, nt, raw, te);
+    k->R->trunk_only = 0;
+    fsdp_module_set_training(t->root, 1);
+    int64_t correct = 0, tot = 0;
+    if (st == FSDP_OK && nb > 0) { /* --knn-train 0: no kNN */
+        memcpy(bank, tr, (size_t)(nb * F) * sizeof(float));
+        memcpy(ten, te, (size_t)(nt * F) * sizeof(float));
+        normalise_rows(bank, nb, F);
+        normalise_rows(ten, nt, F);
+        int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
+        correct = task_knn_correct(ctx, bank, ytr, nb, ten, yte, rank * nt / world, (rank + 1) * nt / world, F,
+                                   k->n_classes, KNN_K, KNN_T, &st);
+    }
+    /* every rank reaches the all-reduce, whatever its own status */
+    enum fsdp_status st2 = fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &correct, &tot, 1, FSDP_I64, FSDP_SUM);
+    if (st == FSDP_OK) st = st2;
+    *knn = nt && nb ? (double)tot / (double)nt : NAN;
+    *probe = NAN;
+    if (st == FSDP_OK && o->probe_epochs > 0 &&
+        task_linear_probe(tr, ytr, np, te, yte, nt, F, k->n_classes, o->probe_epochs, o->seed, probe))
+        fail_rank("out of memory for the linear probe");
+    *count = nt;
+    free(tr), free(te), free(bank), free(ten), free(ytr), free(yte);
+    return st;
+}
+
+static void append_extra(struct task *t, const char *key, double v) {
+    size_t len = strlen(t->log_extra);
+    if (isfinite(v)) snprintf(t->log_extra + len, sizeof t->log_extra - len, "\"%s\": %.6f, ", key, v);
+    else snprintf(t->log_extra + len, sizeof t->log_extra - len, "\"%s\": null, ", key);
+}
+
+/* --eval-baseline: before the first step, both evaluations of the
+ * untrained trunk and of raw pixels (rank 0 prints them; the first step's
+ * --log line carries them). COLLECTIVE. */
+static enum fsdp_status baseline(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o) {
+    double kt, pt, kr, pr;
+    int64_t cnt;
+    double t0 = now_s();
+    TRY(evaluate(t, ctx, fm, o, 0, &kt, &pt, &cnt));
+    TRY(evaluate(t, ctx, fm, o, 1, &kr, &pr, &cnt));
+    if (fsdp_ctx_rank(ctx) == 0)
+        printf("baseline: untrained trunk knn_acc %.2f%% probe_acc %.2f%% | raw pixels knn_acc %.2f%% probe_acc "
+               "%.2f%% (%lld test images, %.1f s)\n",
+               100 * kt, 100 * pt, 100 * kr, 100 * pr, (long long)cnt, now_s() - t0);
+    fflush(stdout);
+    struct swav *k = t->impl;
+    k->base[0] = kt, k->base[1] = pt, k->base[2] = kr, k->base[3] = pr;
     return FSDP_OK;
 }
 
 static enum fsdp_status swav_eval(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
                                   double *loss_out, double *acc_out, int64_t *count_out) {
-    struct swav *k = t->impl;
-    struct fsdp_images_info vi;
-    fsdp_images_info(k->test, &vi);
-    int64_t nb = o->knn_train < k->ti.count ? o->knn_train : k->ti.count, nt = vi.count, F = k->feat_dim;
-    float *bank = malloc((size_t)(nb * F) * sizeof(float)), *tf = malloc((size_t)(nt * F) * sizeof(float));
-    if (!bank || !tf) fail_rank("out of memory for the kNN evaluation");
-    fsdp_module_set_training(t->root, 0);
-    k->R->trunk_only = 1;
-    enum fsdp_status st = features(t, ctx, fm, o, k->train, nb, bank);
-    if (st == FSDP_OK) st = features(t, ctx, fm, o, k->test, nt, tf);
-    k->R->trunk_only = 0;
-    fsdp_module_set_training(t->root, 1);
-    if (st != FSDP_OK) {
-        free(bank), free(tf);
-        return st;
+    double probe;
+    if (!o->knn_train && !o->probe_epochs) { /* no evaluation (step-time benchmarks) */
+        *loss_out = *acc_out = NAN;
+        *count_out = 0;
+        return FSDP_OK;
     }
-    /* this rank's share of the test images votes */
-    int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), kk = nb < KNN_K ? (int)nb : KNN_K;
-    int64_t lo = rank * nt / world, hi = (rank + 1) * nt / world, correct = 0;
-    float *sim = malloc((size_t)nb * sizeof(float));
-    double *votes = malloc((size_t)k->n_classes * sizeof(double));
-    int64_t *top = malloc((size_t)kk * sizeof(int64_t));
-    if (!sim || !votes || !top) fail_rank("out of memory for the kNN evaluation");
-    for (int64_t i = lo; i < hi; i++) {
-        for (int64_t j = 0; j < nb; j++) {
-            double s = 0;
-            for (int64_t f = 0; f < F; f++) s += (double)tf[i * F + f] * bank[j * F + f];
-            sim[j] = (float)s;
-        }
-        int nt_ = 0; /* the k largest, ties to the lower index */
-        for (int64_t j = 0; j < nb; j++) {
-            int p = nt_;
-            while (p > 0 && sim[top[p - 1]] < sim[j]) p--;
-            if (p >= kk) continue;
-            if (nt_ < kk) nt_++;
-            memmove(top + p + 1, top + p, (size_t)(nt_ - 1 - p) * sizeof(int64_t));
-            top[p] = j;
-        }
-        memset(votes, 0, (size_t)k->n_classes * sizeof(double));
-        for (int q = 0; q < nt_; q++) votes[fsdp_images_label(k->train, top[q])] += exp((double)sim[top[q]] / KNN_T);
-        int best = 0;
-        for (int c = 1; c < k->n_classes; c++)
-            if (votes[c] > votes[best]) best = c;
-        correct += best == fsdp_images_label(k->test, i);
-    }
-    free(sim), free(votes), free(top), free(bank), free(tf);
-    int64_t tot = 0;
-    st = fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &correct, &tot, 1, FSDP_I64, FSDP_SUM);
+    TRY(evaluate(t, ctx, fm, o, 0, acc_out, &probe, count_out));
     *loss_out = NAN;
-    *acc_out = nt ? (double)tot / (double)nt : NAN;
-    *count_out = nt;
-    return st;
+    append_extra(t, "probe_acc", probe);
+    if (isfinite(probe)) snprintf(t->eval_note, sizeof t->eval_note, "  probe_acc %.2f%%", 100.0 * probe);
+    return FSDP_OK;
 }
 
 static void swav_meta(struct task *t, struct fsdp_ckpt_meta *m) {
@@ -603,6 +792,7 @@ static void swav_free(struct task *t) {
     struct swav *k = t->impl;
     if (!k) return;
     free(k->xg), free(k->xs), free(k->og), free(k->os), free(k->dg), free(k->ds), free(k->sc), free(k->dsc);
+    free(k->zmine), free(k->zall), free(k->qsc);
     fsdp_images_free(k->train);
     fsdp_images_free(k->test);
     free(g_perm);
@@ -669,6 +859,13 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
     if (k->V && k->Ss > side)
         fail_input("--crops-small-size %d is larger than the images (%dx%d) of --data %s", k->Ss, k->ti.height,
                    k->ti.width, k->data_name);
+    k->L = o->queue_length;
+    if (k->L % o->batch)
+        fail_input("--queue-length %d is not a multiple of the global batch (--batch %d): the queue rolls in whole "
+                   "batches", o->queue_length, o->batch);
+    if (k->L > (int64_t)QUEUE_MAX_BATCHES * o->batch || k->L > k->ti.count)
+        fail_input("--queue-length %d is longer than %d global batches (--batch %d) or the %lld training images of "
+                   "--data %s", o->queue_length, QUEUE_MAX_BATCHES, o->batch, (long long)k->ti.count, k->data_name);
     if (o->grad_accum != 1) fail_input("--grad-accum: --task swav takes no micro-batches (SwAV's codes need the whole batch)");
     t->ops = &swav_ops;
     t->impl = k;

@@ -1,0 +1,162 @@
+/*
+ * probe.c - fsdp-train's evaluations of frozen features (task.h), used by
+ * --task swav: a weighted kNN classifier and a linear probe. Both read
+ * features that every rank holds whole (the task gathers them) and return
+ * the same accuracy on every rank without communicating: the kNN votes of a
+ * rank's share of the test set are summed by the caller; the probe is small
+ * enough that each rank trains the same one (the same bits: the same inputs
+ * and the same serial arithmetic).
+ *
+ * [Note: linear probe] Multinomial logistic regression on features x (n, F):
+ * each feature standardised with the training rows' mean and standard
+ * deviation (what a batch norm before the linear layer does in VISSL's
+ * linear evaluation), then W (C, F) and b (C) from zero by SGD with momentum
+ * 0.9, batches of 256 in an order drawn from (seed, epoch), learning rate
+ * 0.1 on a cosine to 0 over the epochs, weight decay 1e-4 on W, minimising
+ * the mean cross-entropy; the result is the test rows' top-1 accuracy.
+ * Deterministic and independent of the world size.
+ */
+#include "task.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PROBE_BATCH 256
+#define PROBE_LR 0.1
+#define PROBE_MOMENTUM 0.9f
+#define PROBE_WD 1e-4f
+
+static uint64_t mix(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* logits (C) = W x + b; returns the argmax */
+static int logits(const float *W, const float *b, const float *x, int64_t F, int C, float *z) {
+    int best = 0;
+    for (int c = 0; c < C; c++) {
+        const float *w = W + (int64_t)c * F;
+        float s = b[c];
+        for (int64_t f = 0; f < F; f++) s += w[f] * x[f];
+        z[c] = s;
+        if (s > z[best]) best = c;
+    }
+    return best;
+}
+
+int task_linear_probe(float *xtr, const int32_t *ytr, int64_t n, float *xte, const int32_t *yte, int64_t nt,
+                      int64_t F, int C, int epochs, uint64_t seed, double *acc) {
+    *acc = NAN;
+    if (n <= 0 || nt <= 0 || F <= 0 || C <= 0) return 0;
+    float *W = calloc((size_t)(C * F), sizeof(float)), *mW = calloc((size_t)(C * F), sizeof(float));
+    float *b = calloc((size_t)C, sizeof(float)), *mb = calloc((size_t)C, sizeof(float));
+    float *gW = malloc((size_t)(C * F) * sizeof(float)), *gb = malloc((size_t)C * sizeof(float));
+    float *z = malloc((size_t)C * sizeof(float));
+    double *mu = calloc((size_t)F, sizeof(double)), *var = calloc((size_t)F, sizeof(double));
+    int64_t *order = malloc((size_t)n * sizeof(int64_t));
+    int ok = W && mW && b && mb && gW && gb && z && mu && var && order;
+    if (ok) {
+        /* standardise both sets with the training rows' statistics */
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t f = 0; f < F; f++) mu[f] += xtr[i * F + f];
+        for (int64_t f = 0; f < F; f++) mu[f] /= (double)n;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t f = 0; f < F; f++) {
+                double d = xtr[i * F + f] - mu[f];
+                var[f] += d * d;
+            }
+        for (int64_t f = 0; f < F; f++) var[f] = 1.0 / sqrt(var[f] / (double)n + 1e-5);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t f = 0; f < F; f++) xtr[i * F + f] = (float)((xtr[i * F + f] - mu[f]) * var[f]);
+        for (int64_t i = 0; i < nt; i++)
+            for (int64_t f = 0; f < F; f++) xte[i * F + f] = (float)((xte[i * F + f] - mu[f]) * var[f]);
+        int64_t per_epoch = (n + PROBE_BATCH - 1) / PROBE_BATCH, total = per_epoch * epochs, it = 0;
+        for (int e = 0; e < epochs; e++) {
+            for (int64_t i = 0; i < n; i++) order[i] = i;
+            for (int64_t i = n - 1; i > 0; i--) {
+                int64_t j = (int64_t)(mix(mix(seed ^ 0x70726f6265ull) + (uint64_t)e * 0x100000001ull + (uint64_t)i) %
+                                      (uint64_t)(i + 1));
+                int64_t t = order[i];
+                order[i] = order[j];
+                order[j] = t;
+            }
+            for (int64_t s = 0; s < n; s += PROBE_BATCH, it++) {
+                int64_t m = n - s < PROBE_BATCH ? n - s : PROBE_BATCH;
+                memset(gW, 0, (size_t)(C * F) * sizeof(float));
+                memset(gb, 0, (size_t)C * sizeof(float));
+                for (int64_t r = 0; r < m; r++) {
+                    int64_t i = order[s + r];
+                    const float *x = xtr + i * F;
+                    int best = logits(W, b, x, F, C, z);
+                    double sum = 0;
+                    for (int c = 0; c < C; c++) sum += exp((double)(z[c] - z[best]));
+                    for (int c = 0; c < C; c++) {
+                        float g = (float)(exp((double)(z[c] - z[best])) / sum) - (c == ytr[i] ? 1.0f : 0.0f);
+                        g /= (float)m;
+                        gb[c] += g;
+                        float *gw = gW + (int64_t)c * F;
+                        for (int64_t f = 0; f < F; f++) gw[f] += g * x[f];
+                    }
+                }
+                float lr = (float)(PROBE_LR * 0.5 * (1.0 + cos(M_PI * (double)it / (double)total)));
+                for (int64_t q = 0; q < C * F; q++) {
+                    mW[q] = PROBE_MOMENTUM * mW[q] + gW[q] + PROBE_WD * W[q];
+                    W[q] -= lr * mW[q];
+                }
+                for (int c = 0; c < C; c++) {
+                    mb[c] = PROBE_MOMENTUM * mb[c] + gb[c];
+                    b[c] -= lr * mb[c];
+                }
+            }
+        }
+        int64_t correct = 0;
+        for (int64_t i = 0; i < nt; i++) correct += logits(W, b, xte + i * F, F, C, z) == yte[i];
+        *acc = (double)correct / (double)nt;
+    }
+    free(W), free(mW), free(b), free(mb), free(gW), free(gb), free(z), free(mu), free(var), free(order);
+    return ok ? 0 : -1;
+}
+
+int64_t task_knn_correct(struct fsdp_ctx *ctx, const float *bank, const int32_t *ybank, int64_t nb, const float *test,
+                         const int32_t *ytest, int64_t lo, int64_t hi, int64_t F, int C, int k, double temperature,
+                         enum fsdp_status *st) {
+    *st = FSDP_OK;
+    int kk = nb < k ? (int)nb : k;
+    const int64_t chunk = 64;
+    float *sim = malloc((size_t)(chunk * nb + 1) * sizeof(float));
+    double *votes = malloc((size_t)C * sizeof(double));
+    int64_t *top = malloc((size_t)(kk + 1) * sizeof(int64_t)), correct = 0;
+    if (!sim || !votes || !top) {
+        *st = fsdp_error(ctx, FSDP_ERR_NOMEM, "out of memory for the kNN evaluation");
+        kk = 0, hi = lo;
+    }
+    for (int64_t s = lo; s < hi && *st == FSDP_OK; s += chunk) {
+        int64_t m = hi - s < chunk ? hi - s : chunk;
+        /* cosine similarities of m test rows with the bank: sim (m, nb) */
+        if ((*st = fsdp_gemm(ctx, NULL, 0, 1, m, nb, F, 1.0f, test + s * F, F, bank, F, 0.0f, sim, nb)) != FSDP_OK)
+            break;
+        for (int64_t r = 0; r < m; r++) {
+            const float *sr = sim + r * nb;
+            int nt_ = 0; /* the k largest, ties to the lower index */
+            for (int64_t j = 0; j < nb; j++) {
+                int p = nt_;
+                while (p > 0 && sr[top[p - 1]] < sr[j]) p--;
+                if (p >= kk) continue;
+                if (nt_ < kk) nt_++;
+                memmove(top + p + 1, top + p, (size_t)(nt_ - 1 - p) * sizeof(int64_t));
+                top[p] = j;
+            }
+            memset(votes, 0, (size_t)C * sizeof(double));
+            for (int q = 0; q < nt_; q++) votes[ybank[top[q]]] += exp((double)sr[top[q]] / temperature);
+            int best = 0;
+            for (int c = 1; c < C; c++)
+                if (votes[c] > votes[best]) best = c;
+            correct += best == ytest[s + r];
+        }
+    }
+    free(sim), free(votes), free(top);
+    return correct;
+}
