@@ -46,7 +46,29 @@ struct result {
     double step_s, fwd_s, bwd_s, upd_s, cpu_s, last_loss, tail_loss; /* tail: mean of the last 10 */
     double act_mb, total_mb; /* peaks of the activation arena and of all accounted memory, MiB */
     double act_steady_mb;    /* the arena after the last step: one chunk of a step's high-water mark */
+    double rss_mb;           /* peak RSS of this run (the kernel's high-water mark reset before it), MB */
+    int rss_reset;           /* 1 if that reset worked (else rss_mb includes what ran before) */
 };
+
+/* Resets the kernel's peak RSS (VmHWM) of this process to its current RSS:
+ * 1 on success (Linux >= 4.0), so that each run reports its own peak. */
+static int rss_reset_peak(void) {
+    FILE *f = fopen("/proc/self/clear_refs", "w");
+    if (!f) return 0;
+    int ok = fputs("5", f) >= 0;
+    return fclose(f) == 0 && ok;
+}
+
+/* VmHWM of this process in bytes (what rss_reset_peak resets), 0 if unreadable. */
+static size_t rss_peak(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    size_t kb = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "VmHWM: %zu kB", &kb) == 1) break;
+    if (f) fclose(f);
+    return kb * 1024u;
+}
 
 static enum fsdp_mixed_precision g_mp = FSDP_MP_DEFAULT;
 
@@ -69,11 +91,12 @@ static struct result run(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg
     if (fsdp_parallelize_model(ctx, g, &pc, opt, dt, NULL, NULL, NULL, &fm) != FSDP_OK) die(ctx, "parallelize");
     fsdp__arena_free_all(ctx); /* an arena of its own: not the one an earlier run in this process sized */
     fsdp_mem_reset_peak(ctx);  /* this run's peaks only */
+    struct result res = {0};
+    res.rss_reset = rss_reset_peak();
     int32_t *in = malloc((size_t)(B * T) * sizeof(int32_t)), *tg = malloc((size_t)(B * T) * sizeof(int32_t));
     double *st = calloc((size_t)steps, sizeof(double)), *fw = calloc((size_t)steps, sizeof(double));
     double *bw = calloc((size_t)steps, sizeof(double)), *up = calloc((size_t)steps, sizeof(double));
     double *cp = calloc((size_t)steps, sizeof(double));
-    struct result res = {0};
     /* as the trainer: linear warmup (10% of the steps, at most 20), cosine to 10% */
     struct fsdp_lr_sched sched = {FSDP_LR_COSINE, 6e-4f, 6e-5f, steps / 10 < 20 ? steps / 10 : 20, steps};
     for (int s = 0; s < steps; s++) {
@@ -101,6 +124,7 @@ static struct result run(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg
     res.act_mb = (double)ms.peak[FSDP_MEM_ACT] / (1 << 20);
     res.act_steady_mb = (double)ms.cur[FSDP_MEM_ACT] / (1 << 20);
     res.total_mb = (double)ms.peak_total / (1 << 20);
+    res.rss_mb = (double)rss_peak() / 1e6;
     free(cp);
     free(st);
     free(fw);
@@ -156,12 +180,18 @@ int main(int argc, char **argv) {
         if (rs[i]->step_s > 0)
             printf("%s: %.3f s/step (forward %.3f, backward %.3f, update %.3f; CPU %.3f s/step), %.1f GFLOP/s "
                    "model, last loss %.4f; memory: activations %.0f MiB steady (%.0f MiB peak, first step's "
-                   "chunks), all accounted %.0f MiB peak\n", names[i], rs[i]->step_s, rs[i]->fwd_s, rs[i]->bwd_s,
-                   rs[i]->upd_s, rs[i]->cpu_s, flops / rs[i]->step_s / 1e9, rs[i]->last_loss, rs[i]->act_steady_mb,
-                   rs[i]->act_mb, rs[i]->total_mb);
+                   "chunks), all accounted %.0f MiB peak; peak RSS %.0f MB%s\n", names[i], rs[i]->step_s, rs[i]->fwd_s,
+                   rs[i]->bwd_s, rs[i]->upd_s, rs[i]->cpu_s, flops / rs[i]->step_s / 1e9, rs[i]->last_loss,
+                   rs[i]->act_steady_mb, rs[i]->act_mb, rs[i]->total_mb, rs[i]->rss_mb,
+                   rs[i]->rss_reset ? "" : " (not reset: the process's peak so far)");
     if (do32 && do16)
         printf("bf16_speedup %.2f (fp32 s/step / bf16 s/step; by CPU time %.2f)\n", r32.step_s / r16.step_s,
                r32.cpu_s / r16.cpu_s);
+    if (do32 && do16)
+        printf("bf16_memory %.3f of fp32's (accounted peak %.0f / %.0f MiB), peak RSS %.3f (%.0f / %.0f MB)\n",
+               r16.total_mb / r32.total_mb, r16.total_mb, r32.total_mb, r16.rss_mb / r32.rss_mb, r16.rss_mb,
+               r32.rss_mb);
+    if (do32 && do16) printf("bf16_mem_ratio %.3f %.3f\n", r16.total_mb / r32.total_mb, r16.rss_mb / r32.rss_mb);
     if (do16) printf("bf16_model_gflops %.1f\n", flops / r16.step_s / 1e9);
     if (do32 && do16 && steps >= 10)
         printf("loss over the last 10 steps: fp32 %.4f, bf16 %.4f, bf16_loss_rel_diff %.4f (target <= 0.02)\n",

@@ -107,6 +107,13 @@ TEST(sharded_save_load_resume_bit_identical) {
     ASSERT_OK(fsdp_ckpt_save(c, a.fm, dir, &m), c);
     /* saving again over it swaps the folders atomically */
     ASSERT_OK(fsdp_ckpt_save(c, a.fm, dir, &m), c);
+    /* the load writes every element of the shards and the state, the
+     * padding's zeros included: b holds garbage (NaN bytes) there first */
+    for (int i = 0; i < b.fm->n_units; i++) {
+        struct fsdp__unit *u = &b.fm->units[i];
+        memset(u->shard, 0xff, (size_t)u->numel_shard * sizeof(float));
+        memset(u->state, 0xff, 2 * (size_t)u->numel_shard * sizeof(float));
+    }
     struct fsdp_ckpt_meta got;
     ASSERT_OK(fsdp_ckpt_load(c, b.fm, dir, &got), c);
     CHECK_INT_EQ(got.step, 3);

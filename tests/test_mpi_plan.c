@@ -154,8 +154,9 @@ TEST(plan_equals_measured_checkpointed) { check_plan(1, 4, 32); }
 /* activations over several arena chunks */
 TEST(plan_equals_measured_many_chunks) { check_plan(0, 12, 64); }
 TEST(plan_equals_measured_many_chunks_checkpointed) { check_plan(1, 12, 64); }
-/* mixed precision: 16-bit gathers (staging in the full buffers, pooled even
- * at one rank), the layers' 16-bit copies and scratch in the arena */
+/* mixed precision: 16-bit gathers (staging in the full buffers from 2 ranks;
+ * pooled fp32 values even at one rank), the layers' 16-bit copies and
+ * scratch in the arena */
 TEST(plan_equals_measured_bf16) { check_plan_prec(0, 12, 64, FSDP_BF16, FSDP_MP_DEFAULT); }
 TEST(plan_equals_measured_bf16_checkpointed) { check_plan_prec(1, 4, 32, FSDP_BF16, FSDP_MP_DEFAULT); }
 TEST(plan_equals_measured_bf16_pure) { check_plan_prec(0, 12, 64, FSDP_BF16, FSDP_MP_PURE); }
@@ -213,6 +214,11 @@ TEST(plan_bf16_against_fp32) {
         printf("  GPT-2, 4 x 256 tokens: activations planned %.0f MiB in fp32, %.0f MiB in bf16\n",
                (double)p32.act / (1 << 20), (double)p16.act / (1 << 20));
     if (!(p16.act < p32.act)) TEST_FAILF("bf16 activations %zu bytes, fp32 %zu", p16.act, p32.act);
+    if (world == 1) { /* a shard group of one multiplies with shard_lp in place: the full buffers (root
+                         unit and one Block) hold the fp32 values alone, no 16-bit staging */
+        int64_t C = cfg.n_embd, root = ((int64_t)cfg.vocab_size + cfg.block_size + 2) * C, blk = 12 * C * C + 13 * C;
+        CHECK_INT_EQ(p16.full, (size_t)(root + blk) * sizeof(float));
+    }
     fsdp_module_free(gpt);
 }
 

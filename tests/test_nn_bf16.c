@@ -550,7 +550,8 @@ TEST(linear_takes_its_input_in_16_bits) {
 }
 
 /* A Block's forward in bf16 keeps ln_1, qkv, the heads' y, ln_2 and GELU
- * (10 C per token) in 16 bits and nothing else extra: exactly 5 N C fp32
+ * (10 C per token) in 16 bits and nothing else extra, and not the attention
+ * probabilities (recomputed in backward): exactly 5 N C + B nh T T fp32
  * values less in the arena than in fp32 (every tensor here a multiple of the
  * arena's alignment); without the hand-off the 16-bit copies of the Linears'
  * inputs came on top of the fp32 tensors (3.5 N C more). */
@@ -575,8 +576,9 @@ TEST(block_in_16_bits_keeps_less_than_fp32) {
     }
     fprintf(stderr, "  Block forward keeps %zu bytes in fp32, %zu in bf16 (N C = %lld)\n", used[0], used[1],
             (long long)(N * C));
-    if (used[1] + (size_t)(5 * N * C) * sizeof(float) != used[0])
-        TEST_FAILF("bf16 keeps %zu bytes, fp32 %zu: expected %lld less", used[1], used[0], (long long)(5 * N * C * 4));
+    const int64_t less = (5 * N * C + B * 4 * T * T) * 4; /* 4 heads */
+    if (used[1] + (size_t)less != used[0])
+        TEST_FAILF("bf16 keeps %zu bytes, fp32 %zu: expected %lld less", used[1], used[0], (long long)less);
     free(x);
     fsdp_module_free(m);
     fsdp_ctx_free(ctx);

@@ -190,10 +190,13 @@ struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
  * full values (numel_padded floats) followed by the 16-bit staging area
  * (numel_padded elements). Each rank casts its fp32 shard into its block of
  * the staging area (or, once the optimizer has written the shard's 16-bit
- * copy u->shard_lp, sends that copy, and a shard group of one reads it in
- * place: [Note: fused 16-bit copy] in src/optim/optim.c), the all-gather
- * runs in place there in the 16-bit dtype
- * (half the bytes), and fsdp__mp_gather_finish widens it into the fp32 part
+ * copy u->shard_lp, sends that copy: [Note: fused 16-bit copy] in
+ * src/optim/optim.c). A shard group of one has no staging area: it reads
+ * shard_lp in place, casting the shard there first when the copy is stale
+ * (a gather before the first optimizer step, after a load), so the 16-bit
+ * values exist once, not in shard_lp and a pooled copy. The all-gather
+ * runs in place in the staging area in the 16-bit dtype (half the bytes),
+ * and fsdp__mp_gather_finish widens it into the fp32 part
  * (what p->data shows) and leaves the 16-bit copy as p->priv->data_lp, which the
  * layers multiply with instead of casting the weight again
  * (fsdp__pdata_lp). The reduce-scatter needs no extra memory:

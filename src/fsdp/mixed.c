@@ -124,21 +124,22 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
     int alone = !comm || fsdp_comm_size(comm) == 1;
     *req = NULL;
     u->lp_direct = 0;
-    if (u->shard_lp_valid) { /* the optimizer's copy ([Note: fused 16-bit copy]): no cast */
-        check_lp_copy(u);
-        if (alone) { /* the copy is the whole gathered buffer: read in place */
-            u->lp_direct = 1;
-            return FSDP_OK;
-        }
-        return fsdp_comm_allgather_start(comm, u->shard_lp, stage, (size_t)u->numel_shard, u->param_dtype, req);
+    if (u->shard_lp_valid) check_lp_copy(u); /* the optimizer's copy ([Note: fused 16-bit copy]): no cast */
+    if (alone) { /* the copy is the whole gathered buffer: read in place, cast there first if stale */
+        if (!u->shard_lp_valid) fsdp__cvt_from_f32(u->param_dtype, u->shard, u->shard_lp, (size_t)u->numel_shard);
+        u->shard_lp_valid = 1;
+        u->lp_direct = 1;
+        return FSDP_OK;
     }
+    if (u->shard_lp_valid)
+        return fsdp_comm_allgather_start(comm, u->shard_lp, stage, (size_t)u->numel_shard, u->param_dtype, req);
     fsdp__cvt_from_f32(u->param_dtype, u->shard, mine, (size_t)u->numel_shard);
-    if (alone) return FSDP_OK;
     return fsdp_comm_allgather_start(comm, mine, stage, (size_t)u->numel_shard, u->param_dtype, req);
 }
 
 int64_t fsdp__mp_full_numel(const struct fsdp__unit *u) {
-    return u->numel_padded + (u->param_dtype == FSDP_F32 ? 0 : (u->numel_padded + 1) / 2);
+    int staged = u->param_dtype != FSDP_F32 && u->model->shard_size > 1; /* a group of one reads shard_lp */
+    return u->numel_padded + (staged ? (u->numel_padded + 1) / 2 : 0);
 }
 
 void fsdp__mp_gather_finish(struct fsdp__unit *u, int lazy) {

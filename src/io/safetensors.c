@@ -492,13 +492,16 @@ enum fsdp_status fsdp__st_read(struct fsdp_ctx *ctx, const struct fsdp__st_file 
     /* [Note: chunked checksums] */
     uint64_t c0 = lo / FSDP__ST_CHUNK, c1 = hi > lo ? (hi - 1) / FSDP__ST_CHUNK + 1 : c0 + 1;
     size_t cap = (size_t)(size < FSDP__ST_CHUNK ? size : FSDP__ST_CHUNK);
-    uint8_t *scratch = malloc(cap ? cap : 1);
-    if (!scratch) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory reading '%s'", f->path, t->name);
+    uint8_t *scratch = NULL; /* made for the first chunk that is not wholly inside [lo, hi) */
     enum fsdp_status st = FSDP_OK;
     for (uint64_t c = c0; c < c1 && st == FSDP_OK; c++) {
         uint64_t a = c * FSDP__ST_CHUNK, b = a + FSDP__ST_CHUNK < size ? a + FSDP__ST_CHUNK : size;
         /* a chunk wholly inside [lo, hi) is read in place, others via scratch */
         int whole = a >= lo && b <= hi;
+        if (!whole && !scratch && !(scratch = malloc(cap ? cap : 1))) {
+            st = fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory reading '%s'", f->path, t->name);
+            break;
+        }
         uint8_t *buf = whole ? (uint8_t *)dst + (a - lo) : scratch;
         st = read_at(ctx, f, t->name, buf, (size_t)(b - a), base + a);
         if (st != FSDP_OK) break;

@@ -375,11 +375,12 @@ static int64_t tr_fwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int
         struct fsdp_module *proj = tr_child(m, "c_proj");
         enum fsdp_dtype ydt = lp != FSDP_F32 ? fsdp__input_dtype(proj) : FSDP_F32;
         tr_fwd(t, tr_child(m, "c_attn"), rows, C, idt, lp, 1);      /* qkv (N, 3C), asked in lp */
-        fsdp__arena_sim_alloc(t->s, f4(BH * t->T * t->T));          /* probabilities */
+        if (lp == FSDP_F32) fsdp__arena_sim_alloc(t->s, f4(BH * t->T * t->T)); /* probabilities, kept */
         fsdp__arena_sim_alloc(t->s, lpb(ydt, rows * C));             /* heads output y */
-        if (lp != FSDP_F32) { /* heads_forward_lp: q k v, att in lp, y head-major; released */
+        if (lp != FSDP_F32) { /* heads_forward_lp: q k v, att in f32 and lp, y head-major; released */
             size_t mark = t->s->used;
             fsdp__arena_sim_alloc(t->s, lpb(lp, 3 * rows * C));
+            fsdp__arena_sim_alloc(t->s, f4(BH * t->T * t->T));
             fsdp__arena_sim_alloc(t->s, lpb(lp, BH * t->T * t->T));
             fsdp__arena_sim_alloc(t->s, f4(rows * C));
             fsdp__arena_sim_release(t->s, mark);
@@ -427,11 +428,12 @@ static void tr_bwd_raw(struct tr *t, struct fsdp_module *m, int64_t rows, int64_
         enum fsdp_dtype ydt = lp != FSDP_F32 ? fsdp__input_dtype(proj) : FSDP_F32;
         tr_bwd(t, proj, rows, C, C, ydt, FSDP_F32, 1);             /* dy */
         fsdp__arena_sim_alloc(t->s, f4(rows * 3 * C));              /* dqkv */
-        fsdp__arena_sim_alloc(t->s, f4((int64_t)t->nthr * t->T * t->T)); /* scratch */
-        if (lp != FSDP_F32) { /* heads_backward_lp: q k v dY, att/dS in lp, dS, dq dk dv; released */
+        if (lp == FSDP_F32) fsdp__arena_sim_alloc(t->s, f4((int64_t)t->nthr * t->T * t->T)); /* scratch */
+        if (lp != FSDP_F32) { /* heads_backward_lp: q k v dY, att/dS in lp, att recomputed, dS, dq dk dv */
             size_t mark = t->s->used;
             fsdp__arena_sim_alloc(t->s, lpb(lp, 4 * rows * C));
             fsdp__arena_sim_alloc(t->s, lpb(lp, BH * t->T * t->T));
+            fsdp__arena_sim_alloc(t->s, f4(BH * t->T * t->T));
             fsdp__arena_sim_alloc(t->s, f4(BH * t->T * t->T));
             fsdp__arena_sim_alloc(t->s, f4(3 * rows * C));
             fsdp__arena_sim_release(t->s, mark);

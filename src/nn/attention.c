@@ -3,8 +3,10 @@
  * in that order along the 3C axis; per (batch b, head h) with head size
  * hs = C / n_head:  att = softmax_causal(q k^T / sqrt(hs)),  y = att v;
  * out = c_proj(y).
- * Saves: qkv (B, T, 3C) and the attention probabilities att (B, nh, T, T),
- * both in the arena; masked entries (j > t) of att are stored as zeros.
+ * Saves: qkv (B, T, 3C) and, computing in fp32, the attention probabilities
+ * att (B, nh, T, T), both in the arena; masked entries (j > t) of att are
+ * stored as zeros. In 16 bits it saves only qkv ([Note: recomputed
+ * probabilities]).
  * fp32: the (b, h) pairs run in parallel with single-threaded GEMMs each, on
  * strided views into qkv (row stride 3C) and y (row stride C), so no head is
  * ever copied out.
@@ -20,6 +22,13 @@
  * bits (below) and the backward makes its head-major copies again rather
  * than keeping them alive. All 16-bit scratch is released before the layer
  * returns.
+ * [Note: recomputed probabilities] On the 16-bit path the backward
+ * recomputes att from the saved 16-bit qkv (heads_probs_lp: the same batched
+ * product with the same shapes, hence the same oneDNN primitive, and the same
+ * row-wise softmax) instead of keeping the fp32 (B, nh, T, T) tensor from
+ * forward: the same bits for one more q k^T product per layer (1/6 of the
+ * heads' products), and a Block keeps nh*T*4 bytes less per token (12 KiB
+ * for GPT-2 at T = 256, the largest activation of a Block; quadratic in T).
  * [Note: 16-bit hand-off]: the input goes to c_attn as it comes (16-bit if
  * c_attn computes in it); on the 16-bit path c_attn is asked for qkv in 16
  * bits (what the head-major copies round it to anyway, so that is what is
@@ -104,29 +113,39 @@ struct attention {
     const void *qkv;                     /* (B, T, 3C) saved, arena, in dtype qkv_dt */
     enum fsdp_dtype qkv_dt;              /* fp32, or lp when c_attn handed it in 16 bits */
     enum fsdp_dtype lp;                  /* compute dtype of the last forward */
-    float *att;                          /* (B, nh, T, T) saved probabilities, arena */
+    float *att;                          /* (B, nh, T, T) saved probabilities, arena (fp32 path) */
     int64_t B, T;
 };
 
-/* att (B*nh, T, T) = softmax(scale q k^T), y = att v: the 16-bit path; y
- * (B, T, C) in dtype ydt. */
-static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
-                                         const void *qkv, int64_t B, int64_t T, int64_t nh, int64_t hs, float *att,
-                                         enum fsdp_dtype ydt, void *y) {
-    int64_t C = nh * hs, BH = B * nh;
-    size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
-    uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(3 * BH * T * hs) * es); /* q, k, v head-major */
-    uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * es);
-    float *yh = fsdp_arena_alloc(ctx, (size_t)(BH * T * hs) * sizeof(float));
-    if (!q || !ab || !yh) return lp_nomem(ctx, lp);
-    uint16_t *k = q + BH * T * hs, *v = k + BH * T * hs;
-    heads_to_lp(lp, qdt, qkv, 3 * C, 0, B, T, nh, hs, q);
-    heads_to_lp(lp, qdt, qkv, 3 * C, C, B, T, nh, hs, k);
-    heads_to_lp(lp, qdt, qkv, 3 * C, 2 * C, B, T, nh, hs, v);
+/* att (B*nh, T, T) = softmax(scale q k^T) from the head-major 16-bit q and k
+ * (the scores product, then the causal softmax row by row): forward and the
+ * backward's recompute run this same code on the same operands, so the two
+ * give the same bits ([Note: recomputed probabilities]). */
+static void heads_probs_lp(enum fsdp_dtype lp, const uint16_t *q, const uint16_t *k, int64_t BH, int64_t T,
+                           int64_t hs, float *att) {
     float scale = 1.0f / sqrtf((float)hs);
     fsdp__gemm_lp_batched(lp, BH, 0, 1, T, T, hs, scale, q, hs, T * hs, k, hs, T * hs, 0.0f, att, T, T * T);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < BH * T; r++) softmax_row(att + r * T, r % T, T);
+}
+
+/* att = softmax(scale q k^T), y = att v: the 16-bit path; y (B, T, C) in
+ * dtype ydt. The probabilities are scratch here: backward recomputes them. */
+static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
+                                         const void *qkv, int64_t B, int64_t T, int64_t nh, int64_t hs,
+                                         enum fsdp_dtype ydt, void *y) {
+    int64_t C = nh * hs, BH = B * nh;
+    size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
+    uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(3 * BH * T * hs) * es); /* q, k, v head-major */
+    float *att = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * sizeof(float));
+    uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * es);
+    float *yh = fsdp_arena_alloc(ctx, (size_t)(BH * T * hs) * sizeof(float));
+    if (!q || !att || !ab || !yh) return lp_nomem(ctx, lp);
+    uint16_t *k = q + BH * T * hs, *v = k + BH * T * hs;
+    heads_to_lp(lp, qdt, qkv, 3 * C, 0, B, T, nh, hs, q);
+    heads_to_lp(lp, qdt, qkv, 3 * C, C, B, T, nh, hs, k);
+    heads_to_lp(lp, qdt, qkv, 3 * C, 2 * C, B, T, nh, hs, v);
+    heads_probs_lp(lp, q, k, BH, T, hs, att);
     fsdp__cvt_from_f32(lp, att, ab, (size_t)(BH * T * T));
     fsdp__gemm_lp_batched(lp, BH, 0, 0, T, hs, T, 1.0f, ab, T, T * T, v, hs, T * hs, 0.0f, yh, hs, T * hs);
     heads_from(yh, B, T, nh, hs, ydt, y, C, 0);
@@ -144,8 +163,9 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
     struct fsdp_tensor qkv = {0};
     qkv.dtype = lp; /* asked in 16 bits on the 16-bit path; c_attn may still answer fp32 */
     FSDP_TRY(fsdp_module_forward(A->c_attn, ctx, in, &qkv)); /* (B, T, 3C) */
-    float *att = fsdp__scratch(ctx, B * nh * T * T, "attention probabilities");
-    if (!att) return FSDP_ERR_NOMEM;
+    float *att = NULL; /* fp32: kept for backward; 16-bit: recomputed there */
+    if (lp == FSDP_F32 && !(att = fsdp__scratch(ctx, B * nh * T * T, "attention probabilities")))
+        return FSDP_ERR_NOMEM;
     struct fsdp_tensor y = {0};
     int64_t yshape[3] = {B, T, C};
     enum fsdp_dtype ydt = lp != FSDP_F32 ? fsdp__linear_input_dtype(A->c_proj) : FSDP_F32;
@@ -153,7 +173,7 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
     const float *q_all = qkv.data; /* fp32 path: qkv is fp32 */
     float *y_all = y.data; /* (B, T, C), head h in columns [h*hs, (h+1)*hs); fp32 here unless handed off */
     if (lp != FSDP_F32) {
-        FSDP_TRY(heads_forward_lp(ctx, lp, qkv.dtype, qkv.data, B, T, nh, hs, att, ydt, y.data));
+        FSDP_TRY(heads_forward_lp(ctx, lp, qkv.dtype, qkv.data, B, T, nh, hs, ydt, y.data));
     } else {
         float scale = 1.0f / sqrtf((float)hs);
 #pragma omp parallel for schedule(dynamic, 1)
@@ -179,19 +199,20 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
 /* The backward products of all heads at once, 16-bit inputs ([Note: batched
  * heads]); dqkv (B, T, 3C) is written whole. */
 static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
-                                          const void *qkv,
-                                          const float *att, const float *dy, int64_t B, int64_t T, int64_t nh,
+                                          const void *qkv, const float *dy, int64_t B, int64_t T, int64_t nh,
                                           int64_t hs, float *dqkv) {
     int64_t C = nh * hs, BH = B * nh, n = BH * T * hs;
     size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
     uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(4 * n) * es); /* q, k, v, dY head-major */
     uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * es);   /* att, then dS */
+    float *att = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * sizeof(float)); /* recomputed */
     float *ds = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * sizeof(float));
     float *dh = fsdp_arena_alloc(ctx, (size_t)(3 * n) * sizeof(float)); /* dq, dk, dv head-major */
-    if (!q || !ab || !ds || !dh) return lp_nomem(ctx, lp);
+    if (!q || !ab || !att || !ds || !dh) return lp_nomem(ctx, lp);
     uint16_t *k = q + n, *v = k + n, *dyh = v + n;
     for (int part = 0; part < 3; part++) heads_to_lp(lp, qdt, qkv, 3 * C, part * C, B, T, nh, hs, q + part * n);
     heads_to_lp(lp, FSDP_F32, dy, C, 0, B, T, nh, hs, dyh);
+    heads_probs_lp(lp, q, k, BH, T, hs, att);
     fsdp__cvt_from_f32(lp, att, ab, (size_t)(BH * T * T));
     float scale = 1.0f / sqrtf((float)hs);
     /* datt = dY v^T;  dv = att^T dY */
@@ -215,7 +236,7 @@ static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype 
 static enum fsdp_status attention_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                            const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
     struct attention *A = m->impl;
-    if (!A->att)
+    if (!A->qkv)
         return fsdp__err(ctx, FSDP_ERR_STATE, "CausalSelfAttention '%s': backward without forward", fsdp__mname(m));
     FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 3, A->C));
     int64_t B = A->B, T = A->T, C = A->C, nh = A->n_head, hs = C / nh;
@@ -228,15 +249,15 @@ static enum fsdp_status attention_backward(struct fsdp_module *m, struct fsdp_ct
     struct fsdp_tensor dqkv = {0};
     int64_t shape[3] = {B, T, 3 * C};
     FSDP_TRY(fsdp__tensor_prepare(ctx, &dqkv, FSDP_F32, 3, shape, "attention qkv gradient"));
-    int nthr = omp_get_max_threads();
-    float *scratch = fsdp__scratch(ctx, (int64_t)nthr * T * T, "attention backward scratch");
-    if (!scratch) return FSDP_ERR_NOMEM;
     const float *q_all = A->qkv, *dy_all = dy.data;
     float *dq_all = dqkv.data;
     if (A->lp != FSDP_F32) {
-        FSDP_TRY(heads_backward_lp(ctx, A->lp, A->qkv_dt, A->qkv, A->att, dy_all, B, T, nh, hs, dq_all));
+        FSDP_TRY(heads_backward_lp(ctx, A->lp, A->qkv_dt, A->qkv, dy_all, B, T, nh, hs, dq_all));
         return fsdp_module_backward(A->c_attn, ctx, &dqkv, din);
     }
+    int nthr = omp_get_max_threads();
+    float *scratch = fsdp__scratch(ctx, (int64_t)nthr * T * T, "attention backward scratch");
+    if (!scratch) return FSDP_ERR_NOMEM;
     float scale = 1.0f / sqrtf((float)hs);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < B * nh; bh++) {

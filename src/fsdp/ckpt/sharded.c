@@ -393,9 +393,18 @@ static enum fsdp_status load_local(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
     int idx = 0;
     for (int i = 0; i < fm->n_units && st == FSDP_OK; i++) {
         struct fsdp__unit *u = &fm->units[i];
-        int64_t lo = (int64_t)fm->shard_rank * u->numel_shard;
-        memset(u->shard, 0, (size_t)u->numel_shard * sizeof(float));
-        if (u->state) memset(u->state, 0, (size_t)(k * u->numel_shard) * sizeof(float));
+        int64_t lo = (int64_t)fm->shard_rank * u->numel_shard, ns = u->numel_shard;
+        /* the parameters tile the flat buffer's [0, numel_full) and every one
+         * is read below (match_model): only the padding after them is zeroed
+         * here, not the whole shard and state first (a write pass over all of
+         * it that the reads then overwrite) */
+        int64_t pad = u->numel_full > lo ? u->numel_full - lo : 0;
+        if (pad > ns) pad = ns;
+        memset(u->shard + pad, 0, (size_t)(ns - pad) * sizeof(float));
+        for (int q = 0; u->state && q < k; q++) {
+            int64_t z = load_state ? pad : 0; /* no state in the checkpoint: all zeros */
+            memset(u->state + q * ns + z, 0, (size_t)(ns - z) * sizeof(float));
+        }
         for (int j = 0; j < u->n_params && st == FSDP_OK; j++, idx++) {
             int64_t s, e;
             if (!fsdp__ckpt_overlap(u, fm->shard_rank, j, &s, &e)) continue;
