@@ -32,7 +32,7 @@ enum fsdp_status fsdp_model_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
     if (fm->load_monolith_rank0_only && ctx->world > 1 &&
         fsdp_comm_broadcast(ctx->comm, &kind, 1, FSDP_I32, 0) != FSDP_OK)
         return fsdp__err(ctx, FSDP_ERR_COMM, "%s: load: broadcast of the checkpoint's kind failed", path);
-    enum fsdp_status st = kind < 0 ? fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot load a checkpoint from it: %s%s", path,
+    enum fsdp_status st = kind < 0 ? fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot open: %s%s", path,
                                                strerror(-kind), fm->load_monolith_rank0_only ? " (rank 0)" : "")
                                    : FSDP_OK;
     if (!fm->load_monolith_rank0_only) st = fsdp__ckpt_agree(ctx, st);
