@@ -225,8 +225,9 @@ enum fsdp_status fsdp__mp_resolve(struct fsdp_ctx *ctx, struct fsdp_model *fm, e
 /* Casts u's shard into its block of u->full (see the note) and starts the
  * all-gather in param_dtype over comm, whose rank `rank` owns block `rank`
  * (*req NULL when comm is NULL or of size 1). With a valid 16-bit copy of
- * the shard (u->shard_lp_valid) it sends that instead of casting, and a
- * shard group of one reads the copy in place (u->lp_direct). COLLECTIVE: yes. */
+ * the shard (u->shard_lp_valid) it sends that instead of casting. A shard
+ * group of one reads the copy in place (u->lp_direct), casting the shard
+ * into it first when it is not valid (and marking it valid). COLLECTIVE: yes. */
 enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct fsdp__unit *u,
                                        struct fsdp_comm_req **req);
 /* After the gather's wait: widens u->full to fp32 in place; with lazy (a
