@@ -121,6 +121,92 @@ if ! train shm rig --comm shm && grep -q "comm shm: the 4 ranks are not all on o
   ok "fsdp-train --comm shm across hosts is refused naming the hosts"
 else bad "--comm shm across hosts" "$(tail -3 "$tmp/shm.out")"; fi
 
+# ---- faults across hosts ([Note: peer watch], src/comm/peers.c) ----
+# A run of 2 hosts x 2 ranks whose rank 2 stops itself (FSDP_FAULT, SIGSTOP) in its first
+# forward: the test then acts on a run known to be mid-training. Every rank's stderr goes to
+# $tmp/NAME.RANK.err, followed by "rc=N" if the rank's wrapper outlives it.
+fault_run() { # fault_run NAME RIG TIMEOUT: starts the run in the background (pid in $fpid)
+  local name=$1 r=$2 to=$3
+  on "$r" "mpirun \$M -x FSDP_FAULT=forward:2:1:stop -np 4 bash -c '$TRAIN --model tiny --steps 1000 \
+    --batch 8 --seq 32 --threads 1 --sample 0 --collective-timeout $to 2> $tmp/$name.\$OMPI_COMM_WORLD_RANK.err; \
+    echo rc=\$? >> $tmp/$name.\$OMPI_COMM_WORLD_RANK.err'" > "$tmp/$name.out" 2>&1 &
+  fpid=$!
+}
+host_pids() { # host_pids RIG I [STATE]: the fsdp-train processes of host I (in state STATE)
+  local p; for p in $(ip netns pids "$(cat "$1"/h"$2"-*.ns)" 2> /dev/null); do
+    [ "$(cat /proc/$p/comm 2> /dev/null)" = fsdp-train ] || continue
+    [ -z "${3:-}" ] || [ "$(awk '{print $3}' /proc/$p/stat 2> /dev/null)" = "$3" ] && echo $p
+  done
+}
+until_stopped() { # until_stopped RIG: waits (60 s at most) for rank 2's SIGSTOP on host 1
+  local i; for i in $(seq 600); do [ -n "$(host_pids "$1" 1 T)" ] && return 0; sleep 0.1; done; return 1
+}
+rig_gone() { # rig_gone RIG NAME: takes the rig down; reports whatever it left behind
+  local id; id=$(cat "$1/id"); "$SIM" down "$1"
+  local l; l=$("$SIM" left "$id")
+  if [ -z "$l" ]; then ok "$2: nothing left behind (namespaces, veths, folder, processes, /dev/shm)"
+  else bad "$2: left behind" "$(echo "$l" | head -5)"; fi
+}
+ranks_said() { # ranks_said NAME REGEX RANKS...: each rank's stderr matches REGEX
+  local n=$1 re=$2 k; shift 2
+  for k in "$@"; do grep -qE "$re" "$tmp/$n.$k.err" 2> /dev/null || { echo "rank $k: $(tail -2 "$tmp/$n.$k.err" 2> /dev/null)"; return 1; }; done
+}
+
+# (a) every rank of host 1 killed: the ranks of host 0 end within HOSTKILL_S naming host 1
+# (the peer watch sees the connections close) and the collective, and the job ends non-zero
+HOSTKILL_S=15
+if fr=$(up 2 2); then
+  fid=$(cat "$fr/id")
+  fault_run hk "$fr" 60
+  if until_stopped "$fr"; then
+    t0=$(date +%s.%N); kill -9 $(host_pids "$fr" 1); wait $fpid; rc=$?; t1=$(date +%s.%N)
+    el=$(python3 -c "print(f'{$t1 - $t0:.1f}')")
+    if [ $rc != 0 ] && python3 -c "import sys; sys.exit(not $el < $HOSTKILL_S)" \
+       && msg=$(ranks_said hk "peer watch: rank [23] on host h1-$fid .*(latest collective|cannot complete)" 0 1); then
+      ok "host 1's ranks killed: ranks 0-1 name host h1-$fid and the collective; the job ends (exit $rc) in $el s (< $HOSTKILL_S s)"
+    else bad "host kill: exit $rc after $el s" "${msg:-}" "$(tail -3 "$tmp/hk.out")"; fi
+  else kill $fpid 2> /dev/null; wait $fpid; bad "host kill: rank 2 never reached its first forward" "$(tail -3 "$tmp/hk.out")"; fi
+  rig_gone "$fr" "host kill"
+else bad "rig for the host kill" "cannot make it"; fi
+
+# (b) a link that drops every packet (netem loss 100%, or the blackhole qdisc where the
+# kernel has no netem) both ways between host 1 and the bridge: the watchdog (limit
+# STALL_TO_S) ends every rank within STALL_S, naming the collective and the silent host
+STALL_TO_S=6 STALL_S=20
+if ! command -v tc > /dev/null; then
+  echo "skip stalled link: no tc (iproute2)"; skipped=$((skipped + 1))
+elif fr=$(up 2 2); then
+  fid=$(cat "$fr/id")
+  drop() { # drop NS DEV: netem loss 100%, else blackhole; prints which
+    tc -n "$1" qdisc add dev "$2" root netem loss 100% 2> /dev/null && { echo netem; return; }
+    tc -n "$1" qdisc add dev "$2" root blackhole 2> /dev/null && echo blackhole
+  }
+  fault_run st "$fr" $STALL_TO_S
+  if until_stopped "$fr"; then
+    t0=$(date +%s.%N)
+    how=$(drop "fsdp-$fid-rig" v1) && drop "fsdp-$fid-h1" eth0 > /dev/null
+    if [ -z "$how" ]; then
+      echo "skip stalled link: tc can add neither netem (sch_netem) nor blackhole here"; skipped=$((skipped + 1))
+      kill -9 $(host_pids "$fr" 0) $(host_pids "$fr" 1); wait $fpid
+    else
+      kill -CONT $(host_pids "$fr" 1 T)
+      for i in $(seq $((STALL_S * 10))); do
+        [ -z "$(host_pids "$fr" 0)$(host_pids "$fr" 1)" ] && break; sleep 0.1
+      done
+      el=$(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')")
+      left_ranks="$(host_pids "$fr" 0)$(host_pids "$fr" 1)"
+      re="collective timeout: rank [0-3] waited [0-9.]+ s \(limit $STALL_TO_S s\) in [a-z_]+ #[0-9]+.*peer watch: no word from host"
+      rcs=$(cat "$tmp"/st.*.err | grep -E '^rc=' | grep -v '^rc=0$' | wc -l) # those whose wrapper saw the end
+      if [ -z "$left_ranks" ] && ! grep -q '^rc=0$' "$tmp"/st.*.err \
+         && msg=$(ranks_said st "$re h1-$fid" 0 1) && msg=$(ranks_said st "$re h0-$fid" 2 3); then
+        ok "a link dropping every packet ($how): every rank ends in $el s (< $STALL_S s; watchdog $STALL_TO_S s) naming the collective and the silent host ($rcs exit codes seen, none 0)"
+      else bad "stalled link ($how): after $el s, ranks left: ${left_ranks:-none}" "${msg:-}" "$(tail -2 "$tmp/st.0.err")"; fi
+    fi
+  else kill $fpid 2> /dev/null; wait $fpid; bad "stalled link: rank 2 never reached its first forward" "$(tail -3 "$tmp/st.out")"; fi
+  rig_gone "$fr" "stalled link" # mpirun waits on the daemon of the cut-off host: down ends it
+  wait $fpid
+else bad "rig for the stalled link" "cannot make it"; fi
+
 # ---- nothing left behind ----
 left=""
 while read -r r; do
