@@ -94,6 +94,10 @@ void task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const cha
 void task_images_norm(const struct opts *o, struct fsdp_image_batch_opts *bo);
 void task_load_image(const struct fsdp_images *im, const struct fsdp_image_batch_opts *bo, int64_t i, float *dst);
 
+/* --dry-run --net-gbps: rank 0 prints the scale-out plan of root at `world` (scaleout.c). */
+void scaleout_print(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *root, const struct task *t,
+                    int world);
+
 /* fsdp-train.c's error exits and clock, for the tasks. */
 _Noreturn void fail_all(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 _Noreturn void fail_input(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
