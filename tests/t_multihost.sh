@@ -121,6 +121,20 @@ if ! train shm rig --comm shm && grep -q "comm shm: the 4 ranks are not all on o
   ok "fsdp-train --comm shm across hosts is refused naming the hosts"
 else bad "--comm shm across hosts" "$(tail -3 "$tmp/shm.out")"; fi
 
+# ---- the scale-out model's bytes against the wire ----
+# what host 0 sent over its link in 4 steps (a 5-step run less a 1-step one) against
+# R x the bytes per rank and step that fsdp-train --dry-run --net-gbps predicts, x 4:
+# within -5% .. +25% (TCP/IP headers and acknowledgements, the small all-reduces)
+tx0() { nsenter --net="/run/netns/$(cat "$rig"/h0-*.ns)" awk -F'[: ]+' '$2 == "eth0" {print $11}' /proc/net/dev; }
+a=$(tx0); train wire1 rig --steps 1; b=$(tx0); train wire5 rig --steps 5; c=$(tx0)
+pred=$($TRAIN --model tiny --batch 8 --seq 32 --threads 1 --dry-run --hosts 2 --ranks-per-host 2 --net-gbps 1 2>&1 \
+       | awk '$1 == "all-gather" || $1 == "reduce-scatter" || $1 == "all-reduce" {s += $2} END {print s}')
+if msg=$(python3 -c "
+sent = (($c - $b) - ($b - $a)) / 4 / 1e6; pred = 2 * $pred
+print(f'host 0 sent {sent:.3f} MB per step, the model {pred:.3f} MB (2 ranks x {$pred:.3f})')
+raise SystemExit(not 0.95 <= sent / pred <= 1.25)"); then ok "scale-out model: $msg"
+else bad "scale-out model's bytes against the wire" "${msg:-no figures}" "$(tail -2 "$tmp/wire5.out")"; fi
+
 # ---- faults across hosts ([Note: peer watch], src/comm/peers.c) ----
 # A run of 2 hosts x 2 ranks whose rank 2 stops itself (FSDP_FAULT, SIGSTOP) in its first
 # forward: the test then acts on a run known to be mid-training. Every rank's stderr goes to

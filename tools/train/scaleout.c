@@ -41,7 +41,7 @@ static double gemm_rate(struct fsdp_ctx *ctx, struct fsdp_module *m) {
     return rate;
 }
 
-static void mb(char *buf, size_t n, double bytes) { snprintf(buf, n, "%.2f MB", bytes / 1e6); }
+static void mb(char *buf, size_t n, double bytes) { snprintf(buf, n, "%.3f MB", bytes / 1e6); }
 
 void scaleout_print(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *root, const struct task *t,
                     int world) {
