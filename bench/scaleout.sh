@@ -6,7 +6,8 @@
 # the MPI progress thread on (FSDP_MPI_PROGRESS=1: collectives move during
 # compute, as the model's overlap assumes).
 # Model: the "small" GPT (4 layers, n_embd 128, vocab 256: 0.83M parameters,
-# 3.3 MB fp32 per gather), FULL_SHARD, fp32, batch 8 x 32.
+# 3.3 MB fp32 per gather), FULL_SHARD, fp32, batch 8 x 32 (BATCH=, SEQ=
+# change it: a larger batch gives compute for the prefetch to hide behind).
 # The limits are in Mbit/s: choose them below what the machine's TCP path
 # moves without a limit, else the limit is not the bottleneck (a busy 2-core
 # machine moved about 10 MB/s between the simulated hosts).
@@ -34,7 +35,7 @@ trap 'exit 130' INT TERM
 command -v tc > /dev/null || { echo "scaleout: no tc (iproute2)"; exit 1; }
 rig=$(scripts/simhosts.sh up 2 2) || exit 1
 id=$(cat "$rig/id")
-FLAGS="--model small --batch 8 --seq 32 --threads 1 --sample 0 --sharding FULL_SHARD"
+FLAGS="--model small --batch ${BATCH:-8} --seq ${SEQ:-32} --threads 1 --sample 0 --sharding FULL_SHARD"
 
 limit() { # limit MBPS|none: tbf both ways on each host's link
   local i
