@@ -128,14 +128,15 @@ else bad "--comm shm across hosts" "$(tail -3 "$tmp/shm.out")"; fi
 # what host 0 sent over its link in 3 steps (a 5-step FULL_SHARD run less the 2-step one
 # above, which also saved a checkpoint: files, no traffic but a few small collectives)
 # against R x the bytes per rank and step fsdp-train --dry-run --net-gbps predicts, x 3:
-# within -5% .. +25% (TCP/IP headers and acknowledgements, the small all-reduces)
+# within -5% .. +15% (TCP/IP headers and acknowledgements, the small all-reduces: +2%
+# on the simulated hosts)
 c0=$(tx0); train wire rig --sharding FULL_SHARD --steps 5; c1=$(tx0)
 pred=$($TRAIN --model tiny --batch 8 --seq 32 --threads 1 --dry-run --hosts 2 --ranks-per-host 2 --net-gbps 1 2>&1 \
        | awk '$1 == "all-gather" || $1 == "reduce-scatter" || $1 == "all-reduce" {s += $2} END {print s}')
 if msg=$(python3 -c "
 sent = (($c1 - $c0) - ($tx_b - $tx_a)) / 3 / 1e6; pred = 2 * ${pred:-0}
 print(f'host 0 sent {sent:.3f} MB per step, the model {pred:.3f} MB (2 ranks x {pred / 2:.3f})')
-raise SystemExit(not 0.95 <= sent / pred <= 1.25)" 2>&1); then ok "scale-out model: $msg"
+raise SystemExit(not 0.95 <= sent / pred <= 1.15)" 2>&1); then ok "scale-out model: $msg"
 else bad "scale-out model's bytes against the wire" "${msg:-no figures}" "$(tail -2 "$tmp/wire.out")"; fi
 
 # ---- faults across hosts ([Note: peer watch], src/comm/peers.c) ----
