@@ -139,6 +139,14 @@ print(f'host 0 sent {sent:.3f} MB per step, the model {pred:.3f} MB (2 ranks x {
 raise SystemExit(not 0.95 <= sent / pred <= 1.15)" 2>&1); then ok "scale-out model: $msg"
 else bad "scale-out model's bytes against the wire" "${msg:-no figures}" "$(tail -2 "$tmp/wire.out")"; fi
 
+# the scale-out plan's flags: a world needs both --hosts and --ranks-per-host, a plan --dry-run
+o1=$($TRAIN --model tiny --dry-run --hosts 2 --net-gbps 1 2>&1); r1=$?
+o2=$($TRAIN --model tiny --hosts 2 --ranks-per-host 2 --net-gbps 1 2>&1); r2=$?
+if [ $r1 = 2 ] && echo "$o1" | grep -q -- "--hosts and --ranks-per-host go together" \
+   && [ $r2 = 2 ] && echo "$o2" | grep -q -- "plan a world with --dry-run"; then
+  ok "--hosts without --ranks-per-host, and --net-gbps without --dry-run, are usage errors"
+else bad "scale-out flags" "$r1: $o1" "$r2: $o2"; fi
+
 # ---- faults across hosts ([Note: peer watch], src/comm/peers.c) ----
 # A run of 2 hosts x 2 ranks whose rank 2 stops itself (FSDP_FAULT, SIGSTOP) in its first
 # forward: the test then acts on a run known to be mid-training. Every rank's stderr goes to
