@@ -7,7 +7,10 @@
  * with the last MPI communicator. This file makes no MPI call: mpi.c
  * exchanges the records of fsdp__peers_listen itself.
  * Invariant: one watch per process; only its thread touches the sockets
- * between start and stop; what it learns is read under W.mu.
+ * between start and stop; what it learns is read under W.mu. Its tables
+ * live as long as the process's MPI, outside any context: they come from
+ * malloc, not the accounted allocator (like MPI's own memory), so that the
+ * memory plan's figures stay the library's.
  *
  * [Note: peer watch]
  * Open MPI does not fail a pending collective when a peer on another host
