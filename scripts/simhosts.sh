@@ -124,7 +124,7 @@ down() {
   [ -n "$holders" ] && kill -9 $holders 2> /dev/null
   rm -rf "$rig"
   # return once they are gone (a zombie awaiting its reaper counts as gone)
-  for _ in $(seq 40); do
+  for _ in $(seq 200); do # up to 10 s: a loaded machine takes its time
     local p alive=0
     for p in $holders; do
       [ -e "/proc/$p" ] && [ "$(awk '{print $3}' "/proc/$p/stat" 2> /dev/null)" != Z ] && alive=1

@@ -16,6 +16,13 @@
 #    --mpi-reduce native still trains; --comm shm across hosts is refused;
 #    a FULL_SHARD checkpoint saved across hosts resumes on one host, and one
 #    saved on one host resumes across hosts;
+#  - the scale-out plan (fsdp-train --dry-run --net-gbps): what host 0 sends on its link
+#    per step is the model's bytes (-5% .. +15%); its flags' usage errors;
+#  - faults ([Note: peer watch]): every rank of host 1 killed ends the job within 15 s, each
+#    rank of host 0 naming host 1 and the collective; a link dropping every packet (tc netem,
+#    or blackhole) ends every rank within 25 s, the watchdog naming the collective and the
+#    silent host; after each, nothing is left (namespaces, veths, the rig's folder, its
+#    processes, /dev/shm files: scripts/simhosts.sh left); skipped without tc;
 #  - nothing is left behind (namespaces, the rig's files).
 # Skips (with the reason) where namespaces cannot be made. Prints
 # "N passed, N failed, N skipped" at the end.
