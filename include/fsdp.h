@@ -975,6 +975,33 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
  * COLLECTIVE: no. */
 void fsdp_model_comm_stats(const struct fsdp_model *fm, struct fsdp_comm_stats *out);
 
+/* The scale-out model (src/fsdp/commplan.c, [Note: scale-out model]): a
+ * world of `hosts` x `ranks_per_host` ranks whose hosts are joined by links
+ * of net_gbps (each way) and net_latency_us per message. */
+struct fsdp_net_model {
+    int hosts, ranks_per_host;
+    double net_gbps, net_latency_us;
+    double shm_gbps;   /* shared memory within a host; 0: not counted */
+    double compute_ms; /* one step's forward + backward compute per rank */
+};
+/* Per rank and step: bytes sent over the network and through shared memory
+ * per collective kind, the time the collectives occupy the link, and the part
+ * of it the prefetch schedule cannot hide behind compute. */
+struct fsdp_comm_plan {
+    int world, n_units;
+    double net_bytes[FSDP_COLL_COUNT], shm_bytes[FSDP_COLL_COUNT], net_msgs[FSDP_COLL_COUNT];
+    double comm_ms;     /* every collective's time on the link, summed */
+    double compute_ms;  /* net->compute_ms */
+    double exposed_ms;  /* predicted exposed communication (step - compute) */
+    double step_ms;     /* predicted forward + backward time */
+};
+/* Plans the communication of one training step of `root` (shapes only,
+ * not sharded) under opts (strategy, overlap, max_inflight, precision) on
+ * the world and links of `net`: bytes from the algorithms the backends run,
+ * time from the prefetch schedule. Allocates no shard. COLLECTIVE: no. */
+enum fsdp_status fsdp_plan_comm(struct fsdp_ctx *ctx, struct fsdp_module *root, const struct fsdp_shard_opts *opts,
+                                const struct fsdp_net_model *net, struct fsdp_comm_plan *out);
+
 /* Forward only: logits (B, T, vocab) into the arena (valid until the next
  * step). Gathers and frees units as in training, the activations kept as a
  * train-mode forward keeps them (fsdp_model_forward_tensor in eval mode

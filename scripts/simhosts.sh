@@ -16,12 +16,16 @@
 #                                          mpirun options that span the hosts
 #   scripts/simhosts.sh down RIG           remove everything the rig made (also kills what
 #                                          still runs in its namespaces)
+#   scripts/simhosts.sh left ID            print what a rig of id ID (RIG's suffix) left
+#                                          behind after down: namespaces, veths, its folder,
+#                                          processes, /dev/shm files; nothing if all is gone
 #   scripts/simhosts.sh demo [HOSTS]       up, a 2-step training run across the hosts, down
 # Example:
 #   rig=$(scripts/simhosts.sh up 2) && trap 'scripts/simhosts.sh down "$rig"' EXIT
 #   scripts/simhosts.sh run "$rig" sh -c 'mpirun $SIMHOSTS_MPIRUN -np 4 build/fsdp-train ...'
 # A forgotten rig: `down` on its directory removes it; every name it made carries the rig's
-# id (netns fsdp-ID-*, /tmp/fsdp-simhosts.ID). `up` first removes the rigs whose owner
+# id (netns fsdp-ID-*, /tmp/fsdp-simhosts.ID, hostnames hN-ID, and every process started
+# in it carries SIMHOSTS_RIG=ID in its environment). `up` first removes the rigs whose owner
 # ($SIMHOSTS_OWNER, default the calling process) has died, e.g. a test killed by SIGKILL.
 set -u
 SELF=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
@@ -67,7 +71,7 @@ up() {
       ip -n "$ns" link set eth0 up
     } || { down "$rig"; die "up: cannot make host $i"; }
     # the host's UTS namespace, held by a sleeping process whose pid the agent enters by
-    setsid nsenter --net="/run/netns/$ns" unshare --uts sh -c \
+    SIMHOSTS_RIG=$id setsid nsenter --net="/run/netns/$ns" unshare --uts sh -c \
       "hostname '$name' && echo \$\$ > '$rig/h$i.pid' && exec sleep 1000000" \
       < /dev/null > /dev/null 2>&1 &
     for _ in $(seq 100); do [ -s "$rig/h$i.pid" ] && break; sleep 0.05; done
@@ -91,6 +95,7 @@ agent() {
   local host=$1; shift
   [ -f "$rig/$host.ns" ] || die "agent: no simulated host $host in $rig"
   local i; i=$(grep -n "^$host " "$rig/hostfile" | cut -d: -f1); i=$((i - 1))
+  export SIMHOSTS_RIG; SIMHOSTS_RIG=$(cat "$rig/id")
   exec nsenter --target "$(cat "$rig/h$i.pid")" --net --uts sh -c "$*"
 }
 
@@ -100,6 +105,7 @@ run() {
   # oob and btl over the veths only; vader (shared memory) between ranks of one host
   export SIMHOSTS_MPIRUN="--hostfile $rig/hostfile --mca plm_rsh_agent $rig/agent \
 --mca oob_tcp_if_include $NET.0/24 --mca btl_tcp_if_include $NET.0/24 --mca btl tcp,self,vader"
+  export SIMHOSTS_RIG; SIMHOSTS_RIG=$(cat "$rig/id")
   nsenter --target "$(cat "$rig/h0.pid")" --net --uts "$@"
 }
 
@@ -118,7 +124,7 @@ down() {
   [ -n "$holders" ] && kill -9 $holders 2> /dev/null
   rm -rf "$rig"
   # return once they are gone (a zombie awaiting its reaper counts as gone)
-  for _ in $(seq 40); do
+  for _ in $(seq 200); do # up to 10 s: a loaded machine takes its time
     local p alive=0
     for p in $holders; do
       [ -e "/proc/$p" ] && [ "$(awk '{print $3}' "/proc/$p/stat" 2> /dev/null)" != Z ] && alive=1
@@ -126,6 +132,22 @@ down() {
     [ $alive = 0 ] && break
     sleep 0.05
   done
+}
+
+# left ID: what remains of rig ID, one thing a line
+left() {
+  local id=$1 p
+  [ -n "$id" ] || die "left: give the rig's id"
+  ip netns list 2> /dev/null | awk '{print "namespace " $1}' | grep " fsdp-$id-"
+  ip -o link show type veth 2> /dev/null | grep -- "fsdp-$id-" | awk '{print "veth " $2}'
+  [ -e "/tmp/fsdp-simhosts.$id" ] && echo "folder /tmp/fsdp-simhosts.$id"
+  for p in /proc/[0-9]*; do
+    [ "$(awk '{print $3}' "$p/stat" 2> /dev/null)" = Z ] && continue # awaiting its reaper
+    { tr '\0' '\n' < "$p/environ"; } 2> /dev/null | grep -qx "SIMHOSTS_RIG=$id" &&
+      echo "process ${p#/proc/} $(cat "$p/comm" 2> /dev/null)"
+  done
+  ls /dev/shm 2> /dev/null | grep -- "-$id" | sed 's|^|file /dev/shm/|'
+  return 0
 }
 
 # removes the rigs whose owner (the process that made them, or $SIMHOSTS_OWNER) is
@@ -157,8 +179,9 @@ case "$cmd" in
   up) up "$@" ;;
   run) run "$@" ;;
   down) down "$@" ;;
+  left) left "$@" ;;
   agent) agent "$@" ;;
   check) can_rig ;;
   demo) demo "$@" ;;
-  *) sed -n '2,25p' "$SELF" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,31p' "$SELF" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

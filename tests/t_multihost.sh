@@ -16,6 +16,13 @@
 #    --mpi-reduce native still trains; --comm shm across hosts is refused;
 #    a FULL_SHARD checkpoint saved across hosts resumes on one host, and one
 #    saved on one host resumes across hosts;
+#  - the scale-out plan (fsdp-train --dry-run --net-gbps): what host 0 sends on its link
+#    per step is the model's bytes (-5% .. +15%); its flags' usage errors;
+#  - faults ([Note: peer watch]): every rank of host 1 killed ends the job within 15 s, each
+#    rank of host 0 naming host 1 and the collective; a link dropping every packet (tc netem,
+#    or blackhole) ends every rank within 25 s, the watchdog naming the collective and the
+#    silent host; after each, nothing is left (namespaces, veths, the rig's folder, its
+#    processes, /dev/shm files: scripts/simhosts.sh left); skipped without tc;
 #  - nothing is left behind (namespaces, the rig's files).
 # Skips (with the reason) where namespaces cannot be made. Prints
 # "N passed, N failed, N skipped" at the end.
@@ -75,6 +82,8 @@ if grep -qE '^[0-9]+ passed, 0 failed, 0 skipped' "$out"; then
 else bad "one Open MPI node under two hostnames" "$(grep -E 'FAIL|rank [0-9]+:' "$out" | head -5)" "$(tail -3 "$out")"; fi
 
 # ---- fsdp-train across hosts ----
+# host 0's bytes sent on its link so far (/proc/net/dev in its namespace)
+tx0() { nsenter --net="/run/netns/$(cat "$rig"/h0-*.ns)" awk -F'[: ]+' '$2 == "eth0" {print $11}' /proc/net/dev; }
 train() { # train NAME WHERE FLAGS...: WHERE = rig (2 hosts x 2 ranks) | local (4 ranks here) | one
   local name=$1 where=$2; shift 2
   local args="--model tiny --steps 2 --batch 8 --seq 32 --threads 1 --sample 0 --log $tmp/$name.json $*"
@@ -98,10 +107,11 @@ if train ref one; then ok "1-rank reference"; else bad "1-rank reference" "$(tai
 for s in FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD; do
   extra=""; [ $s = HYBRID_SHARD ] && extra="--shard-group 2" # one host: the groups of the rig
   ck=""; [ $s = FULL_SHARD ] && ck="--save-dir $tmp/ck.rig" # checkpoints, below
+  [ $s = FULL_SHARD ] && tx_a=$(tx0)
   if train "$s.rig" rig --sharding $s $ck && msg=$(close "$s.rig" ref 2>&1); then
     ok "$s at 2 hosts x 2 ranks reproduces the 1-rank run"
   else bad "$s at 2 hosts x 2 ranks" "${msg:-}" "$(tail -3 "$tmp/$s.rig.out")"; fi
-  [ $s = FULL_SHARD ] && ck="--save-dir $tmp/ck.local"
+  [ $s = FULL_SHARD ] && tx_b=$(tx0) && ck="--save-dir $tmp/ck.local"
   if train "$s.local" local --sharding $s --comm shm $extra $ck && same_bits "$tmp/$s.rig.json" "$tmp/$s.local.json"; then
     ok "$s: 2 hosts (MPI, ordered) give the bits of 4 ranks on one host (shm)"
   else bad "$s across hosts vs shm on one host: bits differ" "$(tail -2 "$tmp/$s.local.out")"; fi
@@ -120,6 +130,115 @@ else bad "--mpi-reduce native across hosts" "${msg:-}" "$(tail -3 "$tmp/native.o
 if ! train shm rig --comm shm && grep -q "comm shm: the 4 ranks are not all on one host (h0-" "$tmp/shm.out"; then
   ok "fsdp-train --comm shm across hosts is refused naming the hosts"
 else bad "--comm shm across hosts" "$(tail -3 "$tmp/shm.out")"; fi
+
+# ---- the scale-out model's bytes against the wire ----
+# what host 0 sent over its link in 3 steps (a 5-step FULL_SHARD run less the 2-step one
+# above, which also saved a checkpoint: files, no traffic but a few small collectives)
+# against R x the bytes per rank and step fsdp-train --dry-run --net-gbps predicts, x 3:
+# within -5% .. +15% (TCP/IP headers and acknowledgements, the small all-reduces: +2%
+# on the simulated hosts)
+c0=$(tx0); train wire rig --sharding FULL_SHARD --steps 5; c1=$(tx0)
+pred=$($TRAIN --model tiny --batch 8 --seq 32 --threads 1 --dry-run --hosts 2 --ranks-per-host 2 --net-gbps 1 2>&1 \
+       | awk '$1 == "all-gather" || $1 == "reduce-scatter" || $1 == "all-reduce" {s += $2} END {print s}')
+if msg=$(python3 -c "
+sent = (($c1 - $c0) - ($tx_b - $tx_a)) / 3 / 1e6; pred = 2 * ${pred:-0}
+print(f'host 0 sent {sent:.3f} MB per step, the model {pred:.3f} MB (2 ranks x {pred / 2:.3f})')
+raise SystemExit(not 0.95 <= sent / pred <= 1.15)" 2>&1); then ok "scale-out model: $msg"
+else bad "scale-out model's bytes against the wire" "${msg:-no figures}" "$(tail -2 "$tmp/wire.out")"; fi
+
+# the scale-out plan's flags: a world needs both --hosts and --ranks-per-host, a plan --dry-run
+o1=$($TRAIN --model tiny --dry-run --hosts 2 --net-gbps 1 2>&1); r1=$?
+o2=$($TRAIN --model tiny --hosts 2 --ranks-per-host 2 --net-gbps 1 2>&1); r2=$?
+if [ $r1 = 2 ] && echo "$o1" | grep -q -- "--hosts and --ranks-per-host go together" \
+   && [ $r2 = 2 ] && echo "$o2" | grep -q -- "plan a world with --dry-run"; then
+  ok "--hosts without --ranks-per-host, and --net-gbps without --dry-run, are usage errors"
+else bad "scale-out flags" "$r1: $o1" "$r2: $o2"; fi
+
+# ---- faults across hosts ([Note: peer watch], src/comm/peers.c) ----
+# A run of 2 hosts x 2 ranks whose rank 2 stops itself (FSDP_FAULT, SIGSTOP) in its first
+# forward: the test then acts on a run known to be mid-training. Every rank's stderr goes to
+# $tmp/NAME.RANK.err, followed by "rc=N" if the rank's wrapper outlives it.
+fault_run() { # fault_run NAME RIG TIMEOUT: starts the run in the background (pid in $fpid)
+  local name=$1 r=$2 to=$3
+  on "$r" "mpirun \$M -x FSDP_FAULT=forward:2:1:stop -np 4 bash -c '$TRAIN --model tiny --steps 1000 \
+    --batch 8 --seq 32 --threads 1 --sample 0 --collective-timeout $to 2> $tmp/$name.\$OMPI_COMM_WORLD_RANK.err; \
+    echo rc=\$? >> $tmp/$name.\$OMPI_COMM_WORLD_RANK.err'" > "$tmp/$name.out" 2>&1 &
+  fpid=$!
+}
+host_pids() { # host_pids RIG I [STATE]: the fsdp-train processes of host I (in state STATE)
+  local p; for p in $(ip netns pids "$(cat "$1"/h"$2"-*.ns)" 2> /dev/null); do
+    [ "$(cat /proc/$p/comm 2> /dev/null)" = fsdp-train ] || continue
+    [ -z "${3:-}" ] || [ "$(awk '{print $3}' /proc/$p/stat 2> /dev/null)" = "$3" ] && echo $p
+  done
+}
+until_stopped() { # until_stopped RIG: waits (60 s at most) for rank 2's SIGSTOP on host 1
+  local i; for i in $(seq 600); do [ -n "$(host_pids "$1" 1 T)" ] && return 0; sleep 0.1; done; return 1
+}
+rig_gone() { # rig_gone RIG NAME: takes the rig down; reports whatever it left behind
+  local id; id=$(cat "$1/id"); "$SIM" down "$1"
+  local l; l=$("$SIM" left "$id")
+  if [ -z "$l" ]; then ok "$2: nothing left behind (namespaces, veths, folder, processes, /dev/shm)"
+  else bad "$2: left behind" "$(echo "$l" | head -5)"; fi
+}
+ranks_said() { # ranks_said NAME REGEX RANKS...: each rank's stderr matches REGEX
+  local n=$1 re=$2 k; shift 2
+  for k in "$@"; do grep -qE "$re" "$tmp/$n.$k.err" 2> /dev/null || { echo "rank $k: $(tail -2 "$tmp/$n.$k.err" 2> /dev/null)"; return 1; }; done
+}
+
+# (a) every rank of host 1 killed: the ranks of host 0 end within HOSTKILL_S naming host 1
+# (the peer watch sees the connections close) and the collective, and the job ends non-zero
+HOSTKILL_S=15
+if fr=$(up 2 2); then
+  fid=$(cat "$fr/id")
+  fault_run hk "$fr" 60
+  if until_stopped "$fr"; then
+    t0=$(date +%s.%N); kill -9 $(host_pids "$fr" 1); wait $fpid; rc=$?; t1=$(date +%s.%N)
+    el=$(python3 -c "print(f'{$t1 - $t0:.1f}')")
+    if [ $rc != 0 ] && python3 -c "import sys; sys.exit(not $el < $HOSTKILL_S)" \
+       && msg=$(ranks_said hk "peer watch: rank [23] on host h1-$fid .*(latest collective|cannot complete)" 0 1); then
+      ok "host 1's ranks killed: ranks 0-1 name host h1-$fid and the collective; the job ends (exit $rc) in $el s (< $HOSTKILL_S s)"
+    else bad "host kill: exit $rc after $el s" "${msg:-}" "$(tail -3 "$tmp/hk.out")"; fi
+  else kill $fpid 2> /dev/null; wait $fpid; bad "host kill: rank 2 never reached its first forward" "$(tail -3 "$tmp/hk.out")"; fi
+  rig_gone "$fr" "host kill"
+else bad "rig for the host kill" "cannot make it"; fi
+
+# (b) a link that drops every packet (netem loss 100%, or the blackhole qdisc where the
+# kernel has no netem) both ways between host 1 and the bridge: the watchdog (limit
+# STALL_TO_S) ends every rank within STALL_S, naming the collective and the silent host
+STALL_TO_S=8 STALL_S=25
+if ! command -v tc > /dev/null; then
+  echo "skip stalled link: no tc (iproute2)"; skipped=$((skipped + 1))
+elif fr=$(up 2 2); then
+  fid=$(cat "$fr/id")
+  drop() { # drop NS DEV: netem loss 100%, else blackhole; prints which
+    tc -n "$1" qdisc add dev "$2" root netem loss 100% 2> /dev/null && { echo netem; return; }
+    tc -n "$1" qdisc add dev "$2" root blackhole 2> /dev/null && echo blackhole
+  }
+  fault_run st "$fr" $STALL_TO_S
+  if until_stopped "$fr"; then
+    t0=$(date +%s.%N)
+    how=$(drop "fsdp-$fid-rig" v1) && drop "fsdp-$fid-h1" eth0 > /dev/null
+    if [ -z "$how" ]; then
+      echo "skip stalled link: tc can add neither netem (sch_netem) nor blackhole here"; skipped=$((skipped + 1))
+      kill -9 $(host_pids "$fr" 0) $(host_pids "$fr" 1); wait $fpid
+    else
+      p=$(host_pids "$fr" 1 T); [ -n "$p" ] && kill -CONT $p
+      for i in $(seq $((STALL_S * 10))); do
+        [ -z "$(host_pids "$fr" 0)$(host_pids "$fr" 1)" ] && break; sleep 0.1
+      done
+      el=$(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')")
+      left_ranks="$(host_pids "$fr" 0)$(host_pids "$fr" 1)"
+      re="collective timeout: rank [0-3] waited [0-9.]+ s \(limit $STALL_TO_S s\) in [a-z_]+ #[0-9]+.*peer watch: no word from host"
+      rcs=$(cat "$tmp"/st.*.err | grep -E '^rc=' | grep -v '^rc=0$' | wc -l) # those whose wrapper saw the end
+      if [ -z "$left_ranks" ] && ! grep -q '^rc=0$' "$tmp"/st.*.err \
+         && msg=$(ranks_said st "$re h1-$fid" 0 1) && msg=$(ranks_said st "$re h0-$fid" 2 3); then
+        ok "a link dropping every packet ($how): every rank ends in $el s (< $STALL_S s; watchdog $STALL_TO_S s) naming the collective and the silent host ($rcs exit codes seen, none 0)"
+      else bad "stalled link ($how): after $el s, ranks left: ${left_ranks:-none}" "${msg:-}" "$(tail -2 "$tmp/st.0.err")"; fi
+    fi
+  else kill $fpid 2> /dev/null; wait $fpid; bad "stalled link: rank 2 never reached its first forward" "$(tail -3 "$tmp/st.out")"; fi
+  rig_gone "$fr" "stalled link" # mpirun waits on the daemon of the cut-off host: down ends it
+  wait $fpid
+else bad "rig for the stalled link" "cannot make it"; fi
 
 # ---- nothing left behind ----
 left=""

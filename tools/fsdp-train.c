@@ -848,7 +848,9 @@ int main(int argc, char **argv) {
      * --mem-limit caps the allocator and before the model's memory exists */
     struct mfu_peak peak = {0};
     if (task.train_flops_per_item > 0 && !nothing_left && !o.dry_run) mfu_peak_measure(ctx, &o, 0.2, &peak);
-    memory_plan(ctx, &o, root, !under_mpi && o.dry_run && o.nproc > 1 ? o.nproc : world);
+    int pworld = !under_mpi && o.dry_run && o.nproc > 1 ? o.nproc : world;
+    if (o.dry_run && o.net_gbps > 0 && rank == 0) scaleout_print(ctx, &o, root, &task, pworld);
+    memory_plan(ctx, &o, root, pworld);
     check_outputs(ctx, &o);
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     oo.kind = !strcmp(o.optim, "sgd") ? FSDP_OPTIM_SGD : !strcmp(o.optim, "lars") ? FSDP_OPTIM_LARS : FSDP_OPTIM_ADAMW;

@@ -106,6 +106,10 @@ int fsdp__comm_mpi_progress(const struct fsdp_comm *c);
  * yet waited, complete? A flag read with no MPI call, so it drives nothing
  * (tests observe overlap with it); 0 for a request the thread does not hold. */
 int fsdp__comm_mpi_req_done(const struct fsdp_comm *c, const struct fsdp_comm_req *req);
+/* "allgather #97 (4 bytes, tag ...), started 0.2 s ago, not completed": the
+ * latest collective any MPI communicator of this process started (the peer
+ * watch's message names it). */
+void fsdp__comm_mpi_latest(char *buf, size_t n);
 /* The single-copy level a shm communicator settled on at creation
  * (shm_cma.c, [Note: single copy]): 0 staged only, 1 reduce-scatters,
  * 2 all-gathers and broadcasts too. */
@@ -117,6 +121,32 @@ struct fsdp_comm *fsdp__comm_shm_mpi(struct fsdp_comm *c);
  * aborting the job. Takes ownership of mpi, also on failure. COLLECTIVE: yes. */
 enum fsdp_status fsdp__comm_shm_create(struct fsdp_ctx *ctx, struct fsdp_comm *mpi,
                                        struct fsdp_comm **out);
+
+/* ---- The peer watch across hosts (peers.c, [Note: peer watch]) ---- */
+#define FSDP_PEER_ADDRS 8
+/* What a rank tells the others at the start: exchanged by mpi.c as bytes. */
+struct fsdp_peer_rec {
+    char host[FSDP_HOST_MAX];         /* fsdp__comm_hostname */
+    uint32_t addr[FSDP_PEER_ADDRS];   /* IPv4, network order; loopback last */
+    uint16_t port;                    /* the watch's TCP port; 0: not watching */
+    uint16_t n_addr;
+};
+/* Fills *mine, listening on a TCP port unless the watch runs already or
+ * FSDP_PEER_WATCH=0 (then port 0). No socket, no watch: never an error. */
+void fsdp__peers_listen(struct fsdp_peer_rec *mine);
+/* Starts the watch's thread over the records of all `world` ranks (all
+ * borrowed, copied) when some rank on another host listens, and returns 1;
+ * else releases what fsdp__peers_listen made and returns 0. */
+int fsdp__peers_start(int me, int world, const struct fsdp_peer_rec *all);
+/* Says goodbye to every peer and stops (the last MPI communicator goes). */
+void fsdp__peers_stop(void);
+/* Tells every peer that this rank aborts the job (the abort hook). */
+void fsdp__peers_abort(void);
+/* 1 with "rank R on host H <what happened>" in buf once a peer is lost, else 0. */
+int fsdp__peers_lost(char *buf, size_t n);
+/* For the watchdog: the hosts gone silent and for how long, or that all
+ * answer; "" when nothing is watched. */
+void fsdp__peers_silence(char *buf, size_t n);
 
 /* ---- Helpers shared by the backends (comm.c) ---- */
 /* Allocates a zeroed request of `bytes` (>= sizeof(struct fsdp_comm_req)) for coll. */

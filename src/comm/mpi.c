@@ -20,8 +20,11 @@
  * calls.
  * Invariant: while a communicator lives, fsdp__abort_hook is MPI_Abort, so a
  * failed FSDP_ASSERT on one rank ends every rank instead of hanging them.
- * The watchdog (c->timeout_s) bounds either wait; the shm backend (shm.c)
- * uses an MPI communicator of this file for its handshake.
+ * The watchdog (c->timeout_s) bounds either wait; across hosts the peer
+ * watch (peers.c, started with the job's first communicator) fails a wait
+ * as soon as a rank of another host is gone, and tells the watchdog which
+ * hosts went silent. The shm backend (shm.c) uses an MPI communicator of
+ * this file for its handshake.
  */
 #include "comm/comm-impl.h"
 
@@ -32,6 +35,7 @@
 #include <omp.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdint.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -105,6 +109,9 @@ struct mpi_req {
 };
 
 static int mpi_live;     /* communicators alive in this process */
+static int peers_watched; /* the peer watch runs ([Note: peer watch], peers.c): waits look at it */
+#define PEER_SLICE_S 0.05 /* how often a sleeping wait looks */
+#define ABORT_GRACE_S 5   /* seconds MPI_Abort has to end the process */
 static int mpi_we_init;  /* we called MPI_Init_thread, so we finalize */
 static int mpi_multiple; /* MPI provides MPI_THREAD_MULTIPLE */
 
@@ -239,14 +246,16 @@ static struct mpi_req *req_sized(struct mpi_req *q, size_t count, enum fsdp_dtyp
 }
 
 /* The wait of a request kept by the compute thread: MPI_Wait, or with the
- * watchdog MPI_Test polling (which, like MPI_Wait, drives progress) until the
- * request completes or c->timeout_s has passed since its start. On timeout
- * the request is left pending (MPI cannot cancel a collective): the caller
- * must end the job. */
+ * watchdog or the peer watch MPI_Test polling (which, like MPI_Wait, drives
+ * progress) until the request completes, c->timeout_s has passed since its
+ * start (*timed_out = 1) or the peer watch has lost a peer (2). Then the
+ * request is left pending (MPI cannot cancel a collective): the caller must
+ * end the job. */
 static int wait_timed(struct fsdp_comm *c, struct mpi_req *q, int *timed_out) {
     *timed_out = 0;
     int rc;
-    if (c->timeout_s <= 0) {
+    char lost[8];
+    if (c->timeout_s <= 0 && !peers_watched) {
         mpi_enter();
         rc = MPI_Wait(&q->r, MPI_STATUS_IGNORE);
         mpi_leave();
@@ -258,8 +267,12 @@ static int wait_timed(struct fsdp_comm *c, struct mpi_req *q, int *timed_out) {
         rc = MPI_Test(&q->r, &flag, MPI_STATUS_IGNORE);
         mpi_leave();
         if (rc != MPI_SUCCESS || flag) return rc;
-        if ((i & 1023) == 0 && fsdp__now() - q->t_start > c->timeout_s) {
+        if ((i & 1023) == 0 && c->timeout_s > 0 && fsdp__now() - q->t_start > c->timeout_s) {
             *timed_out = 1;
+            return MPI_SUCCESS;
+        }
+        if ((i & 1023) == 0 && fsdp__peers_lost(lost, sizeof lost)) {
+            *timed_out = 2; /* a lost peer: mpi_wait reports */
             return MPI_SUCCESS;
         }
     }
@@ -397,18 +410,24 @@ static void prog_stop(void) {
 }
 
 /* The wait of a request on the thread: sleeps until the thread has seen it
- * finish, or past the watchdog's deadline (then *timed_out, and the request
- * stays listed). Returns MPI's code from the thread's MPI_Test. */
+ * finish, or past the watchdog's deadline (then *timed_out = 1, and the
+ * request stays listed), or until the peer watch has lost a peer (2).
+ * Returns MPI's code from the thread's MPI_Test. */
 static int wait_thread(struct fsdp_comm *c, struct mpi_req *q, int *timed_out) {
     struct timespec deadline = mono_at(q->t_start + c->timeout_s);
     *timed_out = 0;
     pthread_mutex_lock(&prog.mu);
     prog.waiters++;
     if (prog.sleeping) pthread_cond_signal(&prog.work); /* end its nap: this core is free now */
+    char lost[8];
     while (!q->done && !*timed_out) {
-        if (c->timeout_s <= 0) pthread_cond_wait(&prog.done, &prog.mu);
-        else if (pthread_cond_timedwait(&prog.done, &prog.mu, &deadline) == ETIMEDOUT)
-            *timed_out = !q->done;
+        /* in slices of PEER_SLICE_S while the peer watch runs, to see a lost peer */
+        double t = fsdp__now() + PEER_SLICE_S, end = q->t_start + c->timeout_s;
+        struct timespec slice = mono_at(c->timeout_s > 0 && end < t ? end : t);
+        if (c->timeout_s <= 0 && !peers_watched) pthread_cond_wait(&prog.done, &prog.mu);
+        else if (pthread_cond_timedwait(&prog.done, &prog.mu, peers_watched ? &slice : &deadline) == ETIMEDOUT)
+            *timed_out = !q->done && c->timeout_s > 0 && fsdp__now() >= end;
+        if (!q->done && !*timed_out && fsdp__peers_lost(lost, sizeof lost)) *timed_out = 2; /* mpi_wait reports */
     }
     prog.waiters--;
     int rc = q->done ? q->rc : MPI_SUCCESS;
@@ -440,6 +459,44 @@ static void req_release(struct fsdp_comm *c, struct mpi_req *q) {
     fsdp__comm_req_free(c, q);
 }
 
+/* The latest collective this process started, for the peer watch's message
+ * (fsdp__comm_mpi_latest): a copy taken at start, under its own lock. */
+static struct {
+    pthread_mutex_t mu;
+    int any, done;
+    enum fsdp_coll coll;
+    unsigned long long seq;
+    size_t bytes;
+    double t_start;
+    char tag[64];
+} latest = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static void latest_set(const struct mpi_req *q, int done) {
+    pthread_mutex_lock(&latest.mu);
+    if (done) {
+        if (latest.any && latest.seq == q->seq && latest.coll == q->base.coll) latest.done = 1;
+    } else {
+        latest.any = 1;
+        latest.done = 0;
+        latest.coll = q->base.coll;
+        latest.seq = q->seq;
+        latest.bytes = q->count * fsdp_dtype_size(q->count_dt);
+        latest.t_start = q->t_start;
+        memcpy(latest.tag, q->tag, sizeof latest.tag);
+    }
+    pthread_mutex_unlock(&latest.mu);
+}
+
+void fsdp__comm_mpi_latest(char *buf, size_t n) {
+    pthread_mutex_lock(&latest.mu);
+    if (!latest.any) snprintf(buf, n, "no collective started yet");
+    else
+        snprintf(buf, n, "%s #%llu (%zu bytes%s%s), started %.1f s ago, %s", fsdp__coll_name(latest.coll),
+                 latest.seq, latest.bytes, latest.tag[0] ? ", tag " : "", latest.tag,
+                 fsdp__now() - latest.t_start, latest.done ? "completed" : "not completed");
+    pthread_mutex_unlock(&latest.mu);
+}
+
 /* Finishes a start: on MPI failure frees q and reports; else hands q out. */
 static enum fsdp_status started(struct fsdp_comm *c, struct mpi_req *q, int rc,
                                 struct fsdp_comm_req **req) {
@@ -448,6 +505,7 @@ static enum fsdp_status started(struct fsdp_comm *c, struct mpi_req *q, int rc,
         req_release(c, q);
         return st;
     }
+    latest_set(q, 0);
     if (((struct mpi_state *)c->state)->progress) prog_add(q);
     *req = &q->base;
     return FSDP_OK;
@@ -690,13 +748,23 @@ static enum fsdp_status mpi_wait(struct fsdp_comm *c, struct fsdp_comm_req *req)
         }
     } while (again);
     enum fsdp_status st = FSDP_OK;
-    if (timed_out) {
+    char lost[320], silence[320];
+    if (timed_out == 2 && fsdp__peers_lost(lost, sizeof lost)) {
         st = fsdp__err(c->ctx, FSDP_ERR_COMM,
-                       "collective timeout: rank %d waited %.1f s (limit %g s) in %s #%llu (%zu elements "
-                       "of %s, %zu bytes%s%s)", c->rank, fsdp__now() - q->t_start, c->timeout_s,
+                       "%s #%llu (%zu elements of %s, %zu bytes%s%s) cannot complete: %s; rank %d waited %.1f s",
                        fsdp__coll_name(q->base.coll), (unsigned long long)q->seq, q->count,
                        fsdp_dtype_name(q->count_dt), q->count * fsdp_dtype_size(q->count_dt),
-                       q->tag[0] ? ", tag " : "", q->tag);
+                       q->tag[0] ? ", tag " : "", q->tag, lost, c->rank, fsdp__now() - q->t_start);
+        return st; /* q stays, as on a timeout */
+    }
+    if (timed_out) {
+        fsdp__peers_silence(silence, sizeof silence);
+        st = fsdp__err(c->ctx, FSDP_ERR_COMM,
+                       "collective timeout: rank %d waited %.1f s (limit %g s) in %s #%llu (%zu elements "
+                       "of %s, %zu bytes%s%s)%s%s", c->rank, fsdp__now() - q->t_start, c->timeout_s,
+                       fsdp__coll_name(q->base.coll), (unsigned long long)q->seq, q->count,
+                       fsdp_dtype_name(q->count_dt), q->count * fsdp_dtype_size(q->count_dt),
+                       q->tag[0] ? ", tag " : "", q->tag, silence[0] ? "; peer watch: " : "", silence);
         fprintf(stderr, "fsdp: %s\n", fsdp_errmsg(c->ctx));
         fflush(stderr);
         /* q stays allocated (and with the progress thread, if it was): MPI may
@@ -710,6 +778,7 @@ static enum fsdp_status mpi_wait(struct fsdp_comm *c, struct fsdp_comm_req *req)
     } else if (q->stage_out) {
         fsdp__f32_to_low(q->stage_out, q->recv, q->n_out, q->dt);
     }
+    if (rc == MPI_SUCCESS) latest_set(q, 1);
     req_release(c, q);
     return st;
 }
@@ -798,12 +867,28 @@ enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, s
  * not see output from other processes"): the message saying why the job ends
  * was lost that way once (a rank naming a dead peer, then aborting). With
  * other ranks around, a short pause lets the launcher drain the pipe first;
- * shm.c sets its abort flag before calling us, so no peer waits on us. */
+ * shm.c sets its abort flag before calling us, so no peer waits on us.
+ * The peer watch tells the other hosts that this rank aborts. MPI_Abort
+ * needs the launcher: a rank on a host cut off from mpirun (a dead link)
+ * would sit in it for good, so a thread ends the process with `code` after
+ * ABORT_GRACE_S if MPI_Abort has not. */
+static void *abort_grace(void *arg) {
+    struct timespec ts = {ABORT_GRACE_S, 0};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+    fprintf(stderr, "fsdp: rank %d: MPI_Abort did not end this process in %d s (the launcher is out of "
+            "reach); exiting\n", fsdp__global_rank, ABORT_GRACE_S);
+    fflush(NULL);
+    _exit((int)(intptr_t)arg);
+}
+
 static void mpi_abort_hook(int code) {
     int init = 0, fin = 0, size = 1;
     MPI_Initialized(&init);
     MPI_Finalized(&fin);
     if (!init || fin) return;
+    fsdp__peers_abort();
+    pthread_t th; /* detached: ends the process if MPI_Abort cannot */
+    if (pthread_create(&th, NULL, abort_grace, (void *)(intptr_t)(code ? code : 1)) == 0) pthread_detach(th);
     fflush(NULL);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     if (size > 1) {
@@ -820,7 +905,11 @@ static void mpi_abort(struct fsdp_comm *c, int code) {
 
 static void mpi_free(struct fsdp_comm *c) {
     struct mpi_state *s = c->state;
-    if (mpi_live == 1) prog_stop(); /* the last MPI communicator: join before MPI lets go */
+    if (mpi_live == 1) { /* the last MPI communicator: join before MPI lets go */
+        prog_stop();
+        fsdp__peers_stop();
+        peers_watched = 0;
+    }
     if (s) {
         if (s->comm != MPI_COMM_NULL) {
             mpi_enter();
@@ -876,6 +965,21 @@ static int progress_wanted(MPI_Comm comm) {
     return (long)local * threads < online;
 }
 
+/* Starts the peer watch over c's ranks: every rank's record (peers.c) to
+ * every rank. COLLECTIVE: yes. */
+static enum fsdp_status watch_peers(struct fsdp_ctx *ctx, struct fsdp_comm *c) {
+    struct fsdp_peer_rec mine, *all = malloc((size_t)c->size * sizeof *all);
+    if (!all) return fsdp__err(ctx, FSDP_ERR_NOMEM, "peer watch: %d records", c->size);
+    fsdp__peers_listen(&mine);
+    mpi_enter();
+    int rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, comm_of(c));
+    mpi_leave();
+    if (rc == MPI_SUCCESS) peers_watched = fsdp__peers_start(c->rank, c->size, all);
+    free(all);
+    if (rc != MPI_SUCCESS) return mpi_fail(ctx, c->rank, c->size, rc, "peer watch: MPI_Allgather");
+    return FSDP_OK;
+}
+
 /* A verbose context says once, on rank 0, that MPI's thread level rules the
  * progress thread out. */
 static void note_no_progress(struct fsdp_ctx *ctx, int rank, int level) {
@@ -926,11 +1030,16 @@ enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **
         MPI_Comm_size(s->comm, &c->size);
     }
     mpi_leave();
+    enum fsdp_status st;
     if (rc != MPI_SUCCESS) {
         s->comm = MPI_COMM_NULL;
-        enum fsdp_status st = mpi_fail(ctx, 0, 1, rc, "MPI_Comm_dup");
+        st = mpi_fail(ctx, 0, 1, rc, "MPI_Comm_dup");
         mpi_free(c);
         return st;
+    }
+    if (mpi_live == 1 && c->size > 1) { /* the job's first: the peer watch ([Note: peer watch]) */
+        st = watch_peers(ctx, c);
+        if (st != FSDP_OK) { mpi_free(c); return st; }
     }
     s->progress = progress_wanted(s->comm) && mpi_multiple;
     static const char *const reduce_words[] = {"native", "ordered"};

@@ -34,6 +34,7 @@ struct opts opts_default(void) {
     o.comm = "auto";
     o.sample = 120;
     o.collective_timeout = 300;
+    o.net_latency_us = 10;
     o.seed = 1337;
     o.wrap = "block";
     o.ac = "none";
@@ -227,6 +228,14 @@ static void usage(FILE *f) {
             "  --verbose             print the unit plan and debug information\n"
             "  --dry-run             print the memory plan per rank (shards, full buffers, activations)\n"
             "                        for this model, world (--nproc or the MPI world) and batch; no training\n"
+            "  --hosts H --ranks-per-host R  with --dry-run: plan a world of H hosts of R ranks (as --nproc H*R)\n"
+            "  --net-gbps G          with --dry-run: also print the scale-out plan: per step and rank, the bytes\n"
+            "                        each collective sends over the network (links of G Gbit/s) and through\n"
+            "                        shared memory, and the predicted exposed communication\n"
+            "  --net-latency-us U    the links' latency per message (default %g)\n"
+            "  --shm-gbps G          shared memory's rate within a host (default 0: not counted)\n"
+            "  --step-compute-ms MS  one step's forward + backward compute per rank (default: from the\n"
+            "                        model's FLOPs and a short GEMM measurement on this machine)\n"
             "  --mem-limit SIZE      per-rank memory limit, at least 1M, e.g. 1.5G: refuse a plan over it\n"
             "                        before any work, and stop the run if the library's allocations pass it;\n"
             "                        auto = refuse a plan over the memory this host can give each of its ranks\n"
@@ -246,7 +255,7 @@ static void usage(FILE *f) {
             MODEL_DEFAULT, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
             (double)d.beta1, (double)d.beta2, (double)d.eps, (double)d.momentum,
             (double)d.weight_decay, (double)d.clip, (unsigned long long)d.seed, d.comm,
-            (double)d.collective_timeout, d.sample);
+            (double)d.collective_timeout, d.sample, (double)d.net_latency_us);
 }
 
 int rank_env(void) {
@@ -457,6 +466,12 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--warmup")) o->warmup = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--threads")) o->threads = (int)parse_int(a, v, 0, 4096);
         else if (!strcmp(a, "--nproc")) o->nproc = (int)parse_int(a, v, 1, 4096);
+        else if (!strcmp(a, "--hosts")) o->hosts = (int)parse_int(a, v, 1, 1 << 16);
+        else if (!strcmp(a, "--ranks-per-host")) o->ranks_per_host = (int)parse_int(a, v, 1, 4096);
+        else if (!strcmp(a, "--net-gbps")) o->net_gbps = parse_float(a, v, 1e-6, 1e6);
+        else if (!strcmp(a, "--net-latency-us")) o->net_latency_us = parse_float(a, v, 0, 1e7);
+        else if (!strcmp(a, "--shm-gbps")) o->shm_gbps = parse_float(a, v, 0, 1e7);
+        else if (!strcmp(a, "--step-compute-ms")) o->step_compute_ms = parse_float(a, v, 1e-6, 1e9);
         else if (!strcmp(a, "--sample")) o->sample = (int)parse_int(a, v, 0, 1 << 20);
         else if (!strcmp(a, "--collective-timeout")) o->collective_timeout = parse_float(a, v, 0, 1e7);
         else if (!strcmp(a, "--seed")) o->seed = (uint64_t)parse_int(a, v, 0, 0x7fffffffL);
@@ -528,6 +543,19 @@ void parse_args(int argc, char **argv, struct opts *o) {
     if (!strcmp(o->comm, "self") && (o->nproc > 1 || mpi_world > 1))
         usage_error("--comm self is a world of one rank, but %d ranks were asked for (%s); use --comm auto, shm "
                     "or mpi", o->nproc > 1 ? o->nproc : mpi_world, o->nproc > 1 ? "--nproc" : "the MPI job");
+    if (!o->hosts != !o->ranks_per_host) usage_error("--hosts and --ranks-per-host go together");
+    if ((o->hosts || o->net_gbps > 0) && !o->dry_run)
+        usage_error("--hosts, --ranks-per-host and --net-gbps plan a world with --dry-run (a run's world is "
+                    "mpirun's)");
+    if (o->hosts) {
+        long w = (long)o->hosts * o->ranks_per_host;
+        if (w > (1L << 20)) usage_error("--hosts %d x --ranks-per-host %d: a world of %ld ranks is too large", o->hosts,
+                                        o->ranks_per_host, w);
+        if (o->nproc > 1 && o->nproc != w)
+            usage_error("--nproc %d but --hosts %d x --ranks-per-host %d is %ld ranks", o->nproc, o->hosts,
+                        o->ranks_per_host, w);
+        o->nproc = (int)w;
+    }
     if (o->resume && o->init_from) usage_error("--resume and --init-from exclude each other");
     if (!strcmp(o->init, "rank0") && !o->init_from)
         usage_error("--init rank0 needs --init-from FILE (the weights rank 0 reads and sends)");

@@ -26,6 +26,12 @@ struct opts {
     const char *state_dict_type; /* --state-dict-type sharded | full: what --save-dir saves */
     double peak_gflops;         /* --peak-gflops X per rank for MFU; 0 = measure (train/mfu.c) */
     int dry_run;                /* --dry-run: print the memory plan and stop */
+    /* the scale-out model with --dry-run (tools/train/scaleout.c) */
+    int hosts, ranks_per_host;  /* --hosts H --ranks-per-host R (0: one host of --nproc) */
+    float net_gbps;             /* --net-gbps: each host's link (0: no scale-out plan) */
+    float net_latency_us;       /* --net-latency-us: per network message */
+    float shm_gbps;             /* --shm-gbps: shared memory within a host (0: free) */
+    float step_compute_ms;      /* --step-compute-ms (0: measured on this machine) */
     const char *mem_limit;      /* --mem-limit auto | off | SIZE per rank (default auto) */
     int mem_limit_auto;         /* auto: refuse a plan over the host's memory per local rank */
     size_t mem_limit_bytes;     /* SIZE: refuse a plan over it and cap the allocator; 0 = none */

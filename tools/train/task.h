@@ -123,6 +123,11 @@ int task_linear_probe(float *xtr, const int32_t *ytr, int64_t n, float *xte, con
 int64_t task_knn_correct(struct fsdp_ctx *ctx, const float *bank, const int32_t *ybank, int64_t nb, const float *test,
                          const int32_t *ytest, int64_t lo, int64_t hi, int64_t F, int C, int k, double temperature,
                          enum fsdp_status *st);
+
+/* --dry-run --net-gbps: rank 0 prints the scale-out plan of root at `world` (scaleout.c). */
+void scaleout_print(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *root, const struct task *t,
+                    int world);
+
 /* fsdp-train.c's error exits and clock, for the tasks. */
 _Noreturn void fail_all(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 _Noreturn void fail_input(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# bench/scaleout.sh - the scale-out model (fsdp-train --dry-run --net-gbps,
+# src/fsdp/commplan.c) against runs on simulated hosts (scripts/simhosts.sh:
+# 2 hosts x 2 ranks, Open MPI over TCP between them) whose links are rate
+# limited with tc's token bucket (tbf, both ways on each host's veth), with
+# the MPI progress thread on (FSDP_MPI_PROGRESS=1: collectives move during
+# compute, as the model's overlap assumes).
+# Model: the "small" GPT (4 layers, n_embd 128, vocab 256: 0.83M parameters,
+# 3.3 MB fp32 per gather), FULL_SHARD, fp32, batch 8 x 32 (BATCH=, SEQ=
+# change it: a larger batch gives compute for the prefetch to hide behind).
+# The limits are in Mbit/s: choose them below what the machine's TCP path
+# moves without a limit, else the limit is not the bottleneck (a busy 2-core
+# machine moved about 10 MB/s between the simulated hosts).
+# For each limit the median over the timed steps (all but the first) of the
+# trainer's exposed communication (exposed_comm_ms: time the compute thread
+# waited on collectives) is measured; the measured cost of the limit is that
+# minus the same median without a limit. The prediction is fsdp_plan_comm's
+# exposed communication at the limit minus its prediction at an unlimited
+# link, with the compute time of a step measured in the unlimited run
+# (step_ms - update_ms - exposed_comm_ms, median).
+# Usage: bench/scaleout.sh [STEPS] [MBPS...]   (defaults 4, "10 5"); needs root
+# (namespaces) and tc. Prints one line per limit and the prediction's error.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+STEPS=${1:-4}
+shift || true
+LIMITS=${*:-10 5}
+LAT_US=${LAT_US:-50} # veths: tens of microseconds per message, Open MPI's TCP path included
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+tmp=$(mktemp -d)
+rig=""
+trap '[ -n "$rig" ] && scripts/simhosts.sh down "$rig"; rm -rf "$tmp"' EXIT
+trap 'exit 130' INT TERM
+command -v tc > /dev/null || { echo "scaleout: no tc (iproute2)"; exit 1; }
+rig=$(scripts/simhosts.sh up 2 2) || exit 1
+id=$(cat "$rig/id")
+FLAGS="--model small --batch ${BATCH:-8} --seq ${SEQ:-32} --threads 1 --sample 0 --sharding FULL_SHARD"
+
+limit() { # limit MBPS|none: tbf both ways on each host's link
+  local i
+  for i in 0 1; do
+    tc -n "fsdp-$id-h$i" qdisc del dev eth0 root 2> /dev/null
+    tc -n "fsdp-$id-rig" qdisc del dev "v$i" root 2> /dev/null
+    [ "$1" = none ] && continue
+    tc -n "fsdp-$id-h$i" qdisc add dev eth0 root tbf rate "${1}mbit" burst 64kb latency 2s || return 1
+    tc -n "fsdp-$id-rig" qdisc add dev "v$i" root tbf rate "${1}mbit" burst 64kb latency 2s || return 1
+  done
+}
+run() { # run NAME: a run across the hosts, its per-step log in $tmp/NAME.jsonl
+  scripts/simhosts.sh run "$rig" bash -c "mpirun \$SIMHOSTS_MPIRUN --oversubscribe -x FSDP_MPI_PROGRESS=1 -np 4 $BUILD/fsdp-train \
+    $FLAGS --steps $STEPS --log $tmp/$1.jsonl" > "$tmp/$1.out" 2>&1 || { tail -5 "$tmp/$1.out"; exit 1; }
+}
+med() { # med NAME EXPR: the median over the timed steps of EXPR (a Python expression over r)
+  python3 - "$tmp/$1.jsonl" "$2" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])][1:]
+print(f"{statistics.median(eval(sys.argv[2], {}, {'r': r}) for r in rows):.1f}")
+PY
+}
+predict() { # predict MBPS COMPUTE_MS: fsdp_plan_comm's exposed communication (ms)
+  "$BUILD/fsdp-train" $FLAGS --dry-run --hosts 2 --ranks-per-host 2 --net-gbps "$(python3 -c "print($1 / 1000)")" --net-latency-us "$LAT_US" \
+    --step-compute-ms "$2" | sed -n 's/.*predicted exposed communication \([0-9.]*\) ms.*/\1/p'
+}
+
+limit none && run base
+compute=$(med base 'max(1, r["step_ms"] - r["update_ms"] - r["exposed_comm_ms"])')
+base=$(med base 'r["exposed_comm_ms"]')
+base_step=$(med base 'r["step_ms"]')
+pbase=$(predict 1000000 "$compute")
+echo "no limit: step $base_step ms, compute $compute ms, exposed comm $base ms (model at an unlimited link: $pbase ms)"
+printf "%-8s %10s %12s %14s %14s %8s\n" limit step_ms exposed_ms measured_ms predicted_ms error
+for g in $LIMITS; do
+  limit "$g" || { echo "scaleout: tc cannot add tbf here"; exit 1; }
+  run "l$g"
+  limit none
+  e=$(med "l$g" 'r["exposed_comm_ms"]')
+  s=$(med "l$g" 'r["step_ms"]')
+  p=$(predict "$g" "$compute")
+  python3 - "$g" "$s" "$e" "$base" "$p" "$pbase" <<'PY'
+import sys
+g, s, e, b, p, pb = sys.argv[1], *map(float, sys.argv[2:])
+m, q = e - b, p - pb
+print(f"{g + ' Mb/s':8s} {s:10.1f} {e:12.1f} {m:14.1f} {q:14.1f} {100 * (q - m) / m if m else float('nan'):+7.0f}%")
+PY
+done
