@@ -736,6 +736,8 @@ static float lr_at(const struct opts *o, const struct fsdp_lr_sched *s, int64_t 
 int main(int argc, char **argv) {
     struct opts o = opts_default();
     parse_args(argc, argv, &o);
+    char env_msg[768];
+    if (fsdp_env_check(env_msg, sizeof env_msg) != FSDP_OK) fail_input("%s", env_msg);
     int under_mpi = getenv("OMPI_COMM_WORLD_SIZE") != NULL;
     if (o.nproc > 1 && !under_mpi && !o.dry_run) relaunch(argc, argv, o.nproc); /* a plan needs no ranks */
     if (under_mpi) launcher_watch_start();

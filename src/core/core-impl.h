@@ -90,16 +90,21 @@ extern void (*fsdp__abort_hook)(int code);
 extern int fsdp__global_rank;
 
 /* ---- Environment variables ([Note: environment variables], env.c) ----
- * The value of NAME, or def when unset or empty; any other value outside
- * what the variable takes ends the process naming the variable. */
-long long fsdp__env_int(const char *name, long long def, long long lo, long long hi);
-double fsdp__env_real(const char *name, double def, double lo, double hi);
-/* The index of NAME's value in words[0..n) */
-int fsdp__env_word(const char *name, const char *const *words, int n, int def);
-/* Ends the process over NAME's value: "fsdp: environment variable
- * NAME='value': expected <fmt...>", exit status 2 (the whole job under MPI). */
-_Noreturn void fsdp__env_refuse(const char *name, const char *value, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+ * NAME (one of env.c's list, which says what each takes) into *out: its
+ * value, or def when unset or empty; any other value is FSDP_ERR_INVALID
+ * with ctx's message (ctx may be NULL) "environment variable NAME='value':
+ * expected ...". */
+enum fsdp_status fsdp__env_int(struct fsdp_ctx *ctx, const char *name, long long def, long long *out);
+enum fsdp_status fsdp__env_real(struct fsdp_ctx *ctx, const char *name, double def, double *out);
+/* The index of NAME's value in its list of words. */
+enum fsdp_status fsdp__env_word(struct fsdp_ctx *ctx, const char *name, int def, int *out);
+/* For callers with no status to return: a whole number's value, a word's
+ * index, or 1 for a set FSDP_FAULT; def when unset or empty. A refused
+ * value is a broken invariant (FSDP_ASSERT naming it): fsdp_ctx_create
+ * checked every variable before anything could read one. */
+long long fsdp__env_checked(const char *name, long long def);
+/* FSDP_FAULT's syntax (fault.c), for env.c's check. */
+int fsdp__fault_spec_ok(const char *value);
 
 /* Propagates a non-OK status. */
 #define FSDP_TRY(expr)                               \

@@ -569,7 +569,7 @@ enum fsdp_status fsdp__fsync_dir(struct fsdp_ctx *ctx, const char *dir_of_path) 
 
 void fsdp__ckpt_crash_point(const char *where) {
     static long count, at = -1;
-    if (at < 0) at = (long)fsdp__env_int("FSDP_CKPT_CRASH_AT", 0, 0, INT32_MAX);
+    if (at < 0) at = (long)fsdp__env_checked("FSDP_CKPT_CRASH_AT", 0);
     fsdp__fault_point("ckpt-save", where); /* FSDP_FAULT=ckpt-save:... (core/fault.c) */
     if (at > 0 && ++count == at) {
         fprintf(stderr, "fsdp: FSDP_CKPT_CRASH_AT=%ld: exiting at '%s'\n", at, where);
