@@ -739,7 +739,7 @@ enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local) {
     int rc = MPI_Comm_split_type(comm_of(c), MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &node);
     if (rc == MPI_SUCCESS) {
         MPI_Comm_size(node, &n);
-        all = malloc((size_t)n * FSDP_HOST_MAX);
+        all = fsdp__malloc((size_t)n * FSDP_HOST_MAX);
         if (all) rc = MPI_Allgather(mine, FSDP_HOST_MAX, MPI_CHAR, all, FSDP_HOST_MAX, MPI_CHAR, node);
         for (int k = 0; all && rc == MPI_SUCCESS && k < n; k++)
             same += memcmp(all + (size_t)k * FSDP_HOST_MAX, mine, FSDP_HOST_MAX) == 0;

@@ -3,7 +3,9 @@
  * accounted allocation, the activation arena, the counter-based RNG, logging
  * and dtype conversion. Everything above core includes this header.
  * Invariant: every byte the library allocates goes through fsdp__alloc so
- * that fsdp_mem_get sees it (except MPI's and oneDNN's own memory).
+ * that fsdp_mem_get sees it (except MPI's and oneDNN's own memory), or, for
+ * small bookkeeping, through fsdp__malloc and its family (unaccounted, but
+ * counted by the allocation-failure injection).
  */
 #ifndef FSDP_CORE_IMPL_H
 #define FSDP_CORE_IMPL_H
@@ -127,7 +129,19 @@ void fsdp__free(struct fsdp_ctx *ctx, void *p);
  * fsdp__alloc_count; the call that makes it equal fsdp__alloc_fail_at (when
  * > 0) fails as if out of memory. Not thread-safe; set from one thread. */
 extern long fsdp__alloc_count, fsdp__alloc_fail_at;
-char *fsdp__strdup(const char *s); /* plain malloc, unaccounted (names) */
+/* Allocations that failed (injected or not), so that a parser that returns
+ * NULL for both (cJSON) can say out of memory rather than bad input. */
+extern long fsdp__alloc_failures;
+/* Unaccounted bookkeeping (names, pointer arrays, parser output): malloc,
+ * calloc, realloc and strdup that count as library allocations for the
+ * injection hook (src/ calls no other allocator); free them with free(). */
+void *fsdp__malloc(size_t n);
+void *fsdp__zalloc(size_t n, size_t size);
+void *fsdp__realloc(void *p, size_t n);
+char *fsdp__strdup(const char *s);
+/* Routes cJSON's allocations through fsdp__malloc (once per process; every
+ * context creation calls it). */
+void fsdp__json_hooks(void);
 
 /* ---- Fault injection (fault.c, [Note: fault injection]) ---- */
 /* Env FSDP_FAULT=POINT:RANK:STEP[:kill|stop]: the named rank raises SIGKILL
