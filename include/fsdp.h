@@ -105,8 +105,18 @@ struct fsdp_ctx_opts {
 
 struct fsdp_ctx_opts fsdp_ctx_opts_default(void);
 
+/* The library's FSDP_* environment variables (README.md lists them): each
+ * unset, empty, or a value it takes in full. FSDP_ERR_INVALID for the first
+ * that is not, with "environment variable NAME='value': expected ..." in
+ * msg (cap bytes; msg may be NULL). fsdp_ctx_create makes the same check
+ * first (printing that line to stderr); programs call it before anything
+ * else to report a bad variable their own way. The library never exits over
+ * a variable. COLLECTIVE: no. */
+enum fsdp_status fsdp_env_check(char *msg, size_t cap);
+
 /* Per-rank context: the communicator, the error message, memory accounting
  * and the activation arena. *out is returned to the caller to free.
+ * FSDP_ERR_INVALID if an environment variable is refused (fsdp_env_check).
  * COLLECTIVE: yes (initialises the communicator). */
 struct fsdp_ctx;
 enum fsdp_status fsdp_ctx_create(const struct fsdp_ctx_opts *opts, struct fsdp_ctx **out);

@@ -33,6 +33,11 @@ int main(int argc, char **argv) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
+    char env_msg[768];
+    if (fsdp_env_check(env_msg, sizeof env_msg) != FSDP_OK) {
+        fprintf(stderr, "fsdp-ckpt: error: %s\n", env_msg);
+        return 2;
+    }
     struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
     co.comm = FSDP_COMM_SELF;
     co.threads = 1;

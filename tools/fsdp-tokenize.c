@@ -109,6 +109,11 @@ static int decode_file(struct fsdp_ctx *ctx, struct fsdp_bpe *bpe, const char *i
 }
 
 int main(int argc, char **argv) {
+    char env_msg[768];
+    if (fsdp_env_check(env_msg, sizeof env_msg) != FSDP_OK) {
+        fprintf(stderr, "fsdp-tokenize: error: %s\n", env_msg);
+        return 2;
+    }
     const char *dir = NULL, *in = NULL, *out = NULL;
     int quiet = 0, decode = 0;
     for (int i = 1; i < argc; i++) {

@@ -756,6 +756,8 @@ int main(int argc, char **argv) {
     char **cargv; /* --config's flags, then argv's */
     config_argv(argc, argv, &cargc, &cargv);
     parse_args(cargc, cargv, &o);
+    char env_msg[768];
+    if (fsdp_env_check(env_msg, sizeof env_msg) != FSDP_OK) fail_input("%s", env_msg);
     int under_mpi = getenv("OMPI_COMM_WORLD_SIZE") != NULL;
     if (o.nproc > 1 && !under_mpi && !o.dry_run) relaunch(argc, argv, o.nproc); /* a plan needs no ranks */
     if (under_mpi) launcher_watch_start();

@@ -111,9 +111,12 @@ enum fsdp_status fsdp__comm_create(struct fsdp_ctx *ctx, enum fsdp_comm_kind kin
                                    struct fsdp_comm **out) {
     if (!out) return fsdp__err(ctx, FSDP_ERR_INVALID, "comm create: out is NULL");
     *out = NULL;
+    long long check;
+    double to;
+    FSDP_TRY(fsdp__env_int(ctx, "FSDP_CHECK_COLLECTIVES", 0, &check));
+    FSDP_TRY(fsdp__env_real(ctx, "FSDP_COLLECTIVE_TIMEOUT", -1, &to)); /* 0: no watchdog */
     FSDP_TRY(create_kind(ctx, kind, out));
-    if (fsdp__env_int("FSDP_CHECK_COLLECTIVES", 0, 0, 1)) fsdp_comm_set_check(*out, 1);
-    double to = fsdp__env_real("FSDP_COLLECTIVE_TIMEOUT", -1, 0, 1e9); /* 0: no watchdog */
+    if (check) fsdp_comm_set_check(*out, 1);
     if (to >= 0) fsdp_comm_set_timeout(*out, to);
     return FSDP_OK;
 }

@@ -808,7 +808,7 @@ enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local) {
     int rc = MPI_Comm_split_type(comm_of(c), MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &node);
     if (rc == MPI_SUCCESS) {
         MPI_Comm_size(node, &n);
-        all = malloc((size_t)n * FSDP_HOST_MAX);
+        all = fsdp__malloc((size_t)n * FSDP_HOST_MAX);
         if (all) rc = MPI_Allgather(mine, FSDP_HOST_MAX, MPI_CHAR, all, FSDP_HOST_MAX, MPI_CHAR, node);
         for (int k = 0; all && rc == MPI_SUCCESS && k < n; k++)
             same += memcmp(all + (size_t)k * FSDP_HOST_MAX, mine, FSDP_HOST_MAX) == 0;
@@ -946,7 +946,7 @@ static const struct fsdp_comm_ops mpi_ops = {
  * thread on 2 cores ran 4.7-5.1 s/step with the thread against 3.9-4.2
  * without (bench/README.md). COLLECTIVE: yes (the split runs whatever the
  * environment says, so ranks that disagree on it cannot deadlock). */
-static int progress_wanted(MPI_Comm comm) {
+static int progress_wanted(MPI_Comm comm, int forced) {
     int local = 1;
     MPI_Comm node;
     mpi_enter();
@@ -955,7 +955,6 @@ static int progress_wanted(MPI_Comm comm) {
         MPI_Comm_free(&node);
     }
     mpi_leave();
-    int forced = (int)fsdp__env_int("FSDP_MPI_PROGRESS", -1, 0, 1);
     if (forced >= 0) return forced;
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     cpu_set_t set;
@@ -991,7 +990,10 @@ static void note_no_progress(struct fsdp_ctx *ctx, int rank, int level) {
 }
 
 enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **out) {
-    int init = 0, fin = 0, rc;
+    int init = 0, fin = 0, rc, ordered;
+    long long forced;
+    FSDP_TRY(fsdp__env_int(ctx, "FSDP_MPI_PROGRESS", -1, &forced));
+    FSDP_TRY(fsdp__env_word(ctx, "FSDP_MPI_REDUCE", 1, &ordered));
     MPI_Finalized(&fin);
     if (fin)
         return fsdp__err(ctx, FSDP_ERR_STATE,
@@ -1041,9 +1043,8 @@ enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **
         st = watch_peers(ctx, c);
         if (st != FSDP_OK) { mpi_free(c); return st; }
     }
-    s->progress = progress_wanted(s->comm) && mpi_multiple;
-    static const char *const reduce_words[] = {"native", "ordered"};
-    s->ordered = fsdp__env_word("FSDP_MPI_REDUCE", reduce_words, 2, 1);
+    s->progress = progress_wanted(s->comm, (int)forced) && mpi_multiple;
+    s->ordered = ordered; /* "native" 0, "ordered" 1 */
     note_no_progress(ctx, c->rank, level);
     fsdp__abort_hook = mpi_abort_hook;
     *out = c;

@@ -100,7 +100,7 @@ static int nonblock(int fd) {
 void fsdp__peers_listen(struct fsdp_peer_rec *mine) {
     memset(mine, 0, sizeof *mine);
     fsdp__comm_hostname(mine->host);
-    if (W.running || W.lfd >= 0 || !fsdp__env_int("FSDP_PEER_WATCH", 1, 0, 1)) return;
+    if (W.running || W.lfd >= 0 || !fsdp__env_checked("FSDP_PEER_WATCH", 1)) return;
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return; /* unwatched */
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_ANY), .sin_port = 0};

@@ -133,6 +133,6 @@ int fsdp__shm_broadcast_cma(struct shm_state *s, struct fsdp_comm *c, struct shm
  * s->xpeer, s->xtmp). COLLECTIVE: yes (over the inner MPI communicator). */
 enum fsdp_status fsdp__shm_probe_cma(struct fsdp_comm *c, struct shm_state *s);
 /* The reduce-scatter chunk (bytes); FSDP_SHM_CHUNK overrides. */
-size_t fsdp__shm_chunk_bytes(void);
+enum fsdp_status fsdp__shm_chunk_bytes(struct fsdp_ctx *ctx, size_t *out);
 
 #endif

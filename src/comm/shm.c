@@ -617,8 +617,7 @@ static void sweep_stale(void) {
 
 /* 1 MiB slots, smaller for big worlds so that the segment stays under
  * 48 MiB (Docker's default /dev/shm is 64 MB); FSDP_SHM_SLOT overrides. */
-static size_t slot_bytes(int world) {
-    long long v = fsdp__env_int("FSDP_SHM_SLOT", 0, 4096, (long long)1 << 30);
+static size_t slot_bytes(int world, long long v) {
     size_t b = SHM_SLOT_DEFAULT, cap = ((size_t)48 << 20) / SHM_NBUF / (size_t)world;
     if (b > cap) b = cap;
     if (b < ((size_t)64 << 10)) b = (size_t)64 << 10;
@@ -713,6 +712,14 @@ int fsdp__comm_shm_cma(const struct fsdp_comm *c) {
 
 enum fsdp_status fsdp__comm_shm_create(struct fsdp_ctx *ctx, struct fsdp_comm *mpi,
                                        struct fsdp_comm **out) {
+    long long slot;
+    size_t chunk;
+    enum fsdp_status est = fsdp__env_int(ctx, "FSDP_SHM_SLOT", 0, &slot);
+    if (est == FSDP_OK) est = fsdp__shm_chunk_bytes(ctx, &chunk);
+    if (est != FSDP_OK) {
+        fsdp__comm_free(mpi);
+        return est;
+    }
     struct fsdp_comm *c = fsdp__calloc(ctx, sizeof *c, FSDP_MEM_OTHER, "communicator");
     struct shm_state *s = fsdp__calloc(ctx, sizeof *s, FSDP_MEM_OTHER, "shm communicator state");
     if (!c || !s) {
@@ -728,8 +735,8 @@ enum fsdp_status fsdp__comm_shm_create(struct fsdp_ctx *ctx, struct fsdp_comm *m
     c->size = mpi->size;
     c->state = s;
     s->mpi = mpi;
-    s->slot = slot_bytes(c->size);
-    s->xchunk = fsdp__shm_chunk_bytes();
+    s->slot = slot_bytes(c->size, slot);
+    s->xchunk = chunk;
     /* from here shm_free undoes everything */
     s->acc = fsdp__alloc(ctx, s->slot, FSDP_MEM_OTHER, "shm fp32 accumulators");
     if (!s->acc) { shm_free(c); return FSDP_ERR_NOMEM; }

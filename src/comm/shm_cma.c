@@ -220,7 +220,14 @@ int fsdp__shm_broadcast_cma(struct shm_state *s, struct fsdp_comm *c, struct shm
  * largest any rank asks for.
  * COLLECTIVE: yes (over the inner MPI communicator). */
 enum fsdp_status fsdp__shm_probe_cma(struct fsdp_comm *c, struct shm_state *s) {
-    int32_t level = (int32_t)fsdp__env_int("FSDP_SHM_CMA", 1, 0, 2), ok = level > 0 && c->size > 1;
+    /* a value refused here (fsdp_ctx_create checked them all) still takes part in the
+     * agreement below, as off, so that no peer waits; then it is this rank's error */
+    long long lv = 1, mv = SHM_CMA_MIN_DEFAULT, verbose = 0;
+    enum fsdp_status est = fsdp__env_int(c->ctx, "FSDP_SHM_CMA", 1, &lv);
+    if (est == FSDP_OK) est = fsdp__env_int(c->ctx, "FSDP_SHM_CMA_MIN", SHM_CMA_MIN_DEFAULT, &mv);
+    if (est == FSDP_OK) est = fsdp__env_int(c->ctx, "FSDP_SHM_VERBOSE", 0, &verbose);
+    if (est != FSDP_OK) lv = 0;
+    int32_t level = (int32_t)lv, ok = level > 0 && c->size > 1;
     for (int k = 0; k < c->size && ok; k++) {
         if (k == c->rank) continue;
         uint64_t v = 0;
@@ -230,12 +237,13 @@ enum fsdp_status fsdp__shm_probe_cma(struct fsdp_comm *c, struct shm_state *s) {
              v == (SHM_MAGIC ^ (uint64_t)(uint32_t)s->ctl[k].pid);
     }
     ok = ok ? level : 0;
-    int32_t all = ok, min = (int32_t)fsdp__env_int("FSDP_SHM_CMA_MIN", SHM_CMA_MIN_DEFAULT, 0, INT32_MAX), max = min;
+    int32_t all = ok, min = (int32_t)mv, max = min;
     FSDP_TRY(fsdp_comm_allreduce(s->mpi, &ok, &all, 1, FSDP_I32, FSDP_MIN));
     FSDP_TRY(fsdp_comm_allreduce(s->mpi, &min, &max, 1, FSDP_I32, FSDP_MAX));
+    FSDP_TRY(est);
     s->cma = all;
     s->cma_min = (size_t)max;
-    if (c->rank == 0 && fsdp__env_int("FSDP_SHM_VERBOSE", 0, 0, 1)) {
+    if (c->rank == 0 && verbose) {
         if (s->cma) fprintf(stderr, "fsdp: shm: %d ranks, single copy (process_vm_readv) for %s from "
                             "%zu-byte blocks, staged otherwise\n", c->size,
                             s->cma >= 2 ? "reduce-scatters, all-gathers and broadcasts" : "reduce-scatters",
@@ -250,8 +258,10 @@ enum fsdp_status fsdp__shm_probe_cma(struct fsdp_comm *c, struct shm_state *s) {
 }
 
 /* The reduce-scatter chunk of [Note: single copy]; FSDP_SHM_CHUNK overrides. */
-size_t fsdp__shm_chunk_bytes(void) {
-    long long v = fsdp__env_int("FSDP_SHM_CHUNK", 0, 4096, (long long)1 << 30);
+enum fsdp_status fsdp__shm_chunk_bytes(struct fsdp_ctx *ctx, size_t *out) {
+    long long v;
+    FSDP_TRY(fsdp__env_int(ctx, "FSDP_SHM_CHUNK", 0, &v));
     size_t b = v ? (size_t)v : SHM_CHUNK_DEFAULT;
-    return (b + 63) & ~(size_t)63;
+    *out = (b + 63) & ~(size_t)63;
+    return FSDP_OK;
 }

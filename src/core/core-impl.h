@@ -3,7 +3,9 @@
  * accounted allocation, the activation arena, the counter-based RNG, logging
  * and dtype conversion. Everything above core includes this header.
  * Invariant: every byte the library allocates goes through fsdp__alloc so
- * that fsdp_mem_get sees it (except MPI's and oneDNN's own memory).
+ * that fsdp_mem_get sees it (except MPI's and oneDNN's own memory), or, for
+ * small bookkeeping, through fsdp__malloc and its family (unaccounted, but
+ * counted by the allocation-failure injection).
  */
 #ifndef FSDP_CORE_IMPL_H
 #define FSDP_CORE_IMPL_H
@@ -94,16 +96,21 @@ extern void (*fsdp__abort_hook)(int code);
 extern int fsdp__global_rank;
 
 /* ---- Environment variables ([Note: environment variables], env.c) ----
- * The value of NAME, or def when unset or empty; any other value outside
- * what the variable takes ends the process naming the variable. */
-long long fsdp__env_int(const char *name, long long def, long long lo, long long hi);
-double fsdp__env_real(const char *name, double def, double lo, double hi);
-/* The index of NAME's value in words[0..n) */
-int fsdp__env_word(const char *name, const char *const *words, int n, int def);
-/* Ends the process over NAME's value: "fsdp: environment variable
- * NAME='value': expected <fmt...>", exit status 2 (the whole job under MPI). */
-_Noreturn void fsdp__env_refuse(const char *name, const char *value, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+ * NAME (one of env.c's list, which says what each takes) into *out: its
+ * value, or def when unset or empty; any other value is FSDP_ERR_INVALID
+ * with ctx's message (ctx may be NULL) "environment variable NAME='value':
+ * expected ...". */
+enum fsdp_status fsdp__env_int(struct fsdp_ctx *ctx, const char *name, long long def, long long *out);
+enum fsdp_status fsdp__env_real(struct fsdp_ctx *ctx, const char *name, double def, double *out);
+/* The index of NAME's value in its list of words. */
+enum fsdp_status fsdp__env_word(struct fsdp_ctx *ctx, const char *name, int def, int *out);
+/* For callers with no status to return: a whole number's value, a word's
+ * index, or 1 for a set FSDP_FAULT; def when unset or empty. A refused
+ * value is a broken invariant (FSDP_ASSERT naming it): fsdp_ctx_create
+ * checked every variable before anything could read one. */
+long long fsdp__env_checked(const char *name, long long def);
+/* FSDP_FAULT's syntax (fault.c), for env.c's check. */
+int fsdp__fault_spec_ok(const char *value);
 
 /* Propagates a non-OK status. */
 #define FSDP_TRY(expr)                               \
@@ -126,7 +133,19 @@ void fsdp__free(struct fsdp_ctx *ctx, void *p);
  * fsdp__alloc_count; the call that makes it equal fsdp__alloc_fail_at (when
  * > 0) fails as if out of memory. Not thread-safe; set from one thread. */
 extern long fsdp__alloc_count, fsdp__alloc_fail_at;
-char *fsdp__strdup(const char *s); /* plain malloc, unaccounted (names) */
+/* Allocations that failed (injected or not), so that a parser that returns
+ * NULL for both (cJSON) can say out of memory rather than bad input. */
+extern long fsdp__alloc_failures;
+/* Unaccounted bookkeeping (names, pointer arrays, parser output): malloc,
+ * calloc, realloc and strdup that count as library allocations for the
+ * injection hook (src/ calls no other allocator); free them with free(). */
+void *fsdp__malloc(size_t n);
+void *fsdp__zalloc(size_t n, size_t size);
+void *fsdp__realloc(void *p, size_t n);
+char *fsdp__strdup(const char *s);
+/* Routes cJSON's allocations through fsdp__malloc (once per process; every
+ * context creation calls it). */
+void fsdp__json_hooks(void);
 
 /* ---- Fault injection (fault.c, [Note: fault injection]) ---- */
 /* Env FSDP_FAULT=POINT:RANK:STEP[:kill|stop]: the named rank raises SIGKILL

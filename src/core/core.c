@@ -7,6 +7,8 @@
  */
 #include "core/core-impl.h"
 
+#include <cJSON.h>
+#include <pthread.h>
 #include <stdalign.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -55,7 +57,8 @@ int64_t fsdp_tensor_numel(const struct fsdp_tensor *t) {
 /* ---- Context ---- */
 
 enum fsdp_status fsdp__ctx_alloc(struct fsdp_ctx **out) {
-    struct fsdp_ctx *ctx = calloc(1, sizeof *ctx);
+    fsdp__json_hooks();
+    struct fsdp_ctx *ctx = fsdp__zalloc(1, sizeof *ctx);
     if (!ctx) return FSDP_ERR_NOMEM;
     ctx->world = 1;
     *out = ctx;
@@ -142,7 +145,19 @@ static void mem_add(struct fsdp_ctx *ctx, int kind, size_t bytes) {
     if (m->cur_total > m->peak_total) m->peak_total = m->cur_total;
 }
 
-long fsdp__alloc_count, fsdp__alloc_fail_at;
+long fsdp__alloc_count, fsdp__alloc_fail_at, fsdp__alloc_failures;
+
+/* Counts one library allocation; 1 if failure injection fails it. Atomic:
+ * the progress threads allocate too. */
+static int alloc_tick(void) {
+    long n = __atomic_add_fetch(&fsdp__alloc_count, 1, __ATOMIC_RELAXED);
+    return n == __atomic_load_n(&fsdp__alloc_fail_at, __ATOMIC_RELAXED);
+}
+
+static void *failed(void) {
+    __atomic_add_fetch(&fsdp__alloc_failures, 1, __ATOMIC_RELAXED);
+    return NULL;
+}
 
 static const char *mem_kind_name(enum fsdp_mem_kind kind) {
     static const char *const names[FSDP_MEM_KIND_COUNT] = {"shards", "full buffers", "activations",
@@ -152,7 +167,7 @@ static const char *mem_kind_name(enum fsdp_mem_kind kind) {
 
 void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
     void *raw = NULL;
-    fsdp__alloc_count++;
+    int inject = alloc_tick();
     if (ctx && ctx->mem_limit && (bytes > ctx->mem_limit || ctx->mem.cur_total > ctx->mem_limit - bytes)) {
         fsdp__err(ctx, FSDP_ERR_NOMEM,
                   "memory limit of %zu bytes per rank exceeded allocating %zu bytes for %s (%s); "
@@ -160,7 +175,7 @@ void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, c
                   ctx->mem.cur_total);
         return NULL;
     }
-    if (fsdp__alloc_count == fsdp__alloc_fail_at || bytes > SIZE_MAX - 128) {
+    if (inject || bytes > SIZE_MAX - 128) {
         raw = NULL;
     } else if (bytes >= ALLOC_MAP_MIN) { /* [Note: large blocks are mapped] */
         raw = mmap(NULL, sizeof(struct alloc_hdr) + bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
@@ -172,7 +187,7 @@ void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, c
     if (!raw) {
         fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory allocating %zu bytes for %s", bytes,
                   what ? what : "?");
-        return NULL;
+        return failed();
     }
     struct alloc_hdr *h = raw;
     h->bytes = bytes;
@@ -198,11 +213,47 @@ void fsdp__free(struct fsdp_ctx *ctx, void *p) {
     else free(h);
 }
 
+/* ---- Unaccounted allocation ----
+ * Names, pointer arrays, parser output and other bookkeeping: plain malloc
+ * blocks (freed with free), not accounted per kind, but counted and failed
+ * by the injection hook like fsdp__alloc, so that the allocation-failure
+ * tests reach every allocation of the library. cJSON allocates through
+ * fsdp__malloc too (fsdp__json_hooks). */
+void *fsdp__malloc(size_t n) {
+    if (alloc_tick()) return failed();
+    void *p = malloc(n ? n : 1);
+    return p ? p : failed();
+}
+
+void *fsdp__zalloc(size_t n, size_t size) {
+    if (alloc_tick()) return failed();
+    void *p = calloc(n ? n : 1, size ? size : 1);
+    return p ? p : failed();
+}
+
+void *fsdp__realloc(void *p, size_t n) {
+    if (alloc_tick()) return failed();
+    void *q = realloc(p, n ? n : 1);
+    return q ? q : failed();
+}
+
 char *fsdp__strdup(const char *s) {
     size_t n = strlen(s) + 1;
-    char *d = malloc(n);
+    char *d = fsdp__malloc(n);
     if (d) memcpy(d, s, n);
     return d;
+}
+
+static void *json_malloc(size_t n) { return fsdp__malloc(n); }
+
+static void json_hooks_once(void) {
+    cJSON_Hooks h = {json_malloc, free};
+    cJSON_InitHooks(&h);
+}
+
+void fsdp__json_hooks(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, json_hooks_once);
 }
 
 void fsdp_mem_get(const struct fsdp_ctx *ctx, struct fsdp_mem_stats *out) { *out = ctx->mem; }

@@ -38,19 +38,27 @@ static struct {
     long step;
 } F;
 
+/* FSDP_FAULT's value into *f; 1 if it is well formed. */
+static int parse_spec(const char *e, char point[32], int *rank, long *step, int *sig) {
+    char action[16] = "kill";
+    int n = sscanf(e, "%31[^:]:%d:%ld:%15s", point, rank, step, action);
+    int known = 0;
+    for (size_t i = 0; n >= 1 && i < sizeof points / sizeof *points; i++) known |= !strcmp(point, points[i]);
+    *sig = !strcmp(action, "kill") ? SIGKILL : !strcmp(action, "stop") ? SIGSTOP : 0;
+    return n >= 3 && known && *sig && *rank >= 0 && *step >= 0;
+}
+
+int fsdp__fault_spec_ok(const char *value) {
+    char point[32];
+    int rank, sig;
+    long step;
+    return parse_spec(value, point, &rank, &step, &sig);
+}
+
 static void parse(void) {
     F.parsed = 1;
-    const char *e = getenv("FSDP_FAULT");
-    if (!e || !*e) return;
-    char action[16] = "kill";
-    int n = sscanf(e, "%31[^:]:%d:%ld:%15s", F.point, &F.rank, &F.step, action);
-    int known = 0;
-    for (size_t i = 0; i < sizeof points / sizeof *points; i++) known |= !strcmp(F.point, points[i]);
-    F.sig = !strcmp(action, "kill") ? SIGKILL : !strcmp(action, "stop") ? SIGSTOP : 0;
-    if (!(n >= 3 && known && F.sig && F.rank >= 0 && F.step >= 0))
-        fsdp__env_refuse("FSDP_FAULT", e, "POINT:RANK:STEP[:kill|stop], POINT one of forward, backward, "
-                         "reduce-scatter, ckpt-save");
-    F.on = 1;
+    if (!fsdp__env_checked("FSDP_FAULT", 0)) return; /* unset (a malformed value asserts) */
+    F.on = parse_spec(getenv("FSDP_FAULT"), F.point, &F.rank, &F.step, &F.sig);
 }
 
 void fsdp__fault_point(const char *point, const char *where) {

@@ -62,7 +62,7 @@ enum fsdp_status fsdp__read_file(struct fsdp_ctx *ctx, const char *what, const c
     if (!what) what = "";
     /* one byte more than the limit: a file that grew past it shows */
     size_t cap = size <= max ? (size_t)size + 1 : max + 1;
-    char *buf = malloc(cap + 1);
+    char *buf = fsdp__malloc(cap + 1);
     if (!buf) {
         close(fd);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s%s%s%s: out of memory reading it", what, sp, path, ep);
@@ -81,7 +81,7 @@ enum fsdp_status fsdp__read_file(struct fsdp_ctx *ctx, const char *what, const c
         n += (size_t)r;
         if (n == cap && cap <= max) { /* grew since fstat: take up to max + 1 */
             size_t ncap = max + 1;
-            char *nb = realloc(buf, ncap + 1);
+            char *nb = fsdp__realloc(buf, ncap + 1);
             if (!nb) break;
             buf = nb;
             cap = ncap;

@@ -215,7 +215,7 @@ enum fsdp_status fsdp__images_open_mem(struct fsdp_ctx *ctx, const char *images_
         if (lab[i] >= num_classes)
             st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': label %d of image %lld is not below num_classes %d",
                            labels_name, lab[i], (long long)i, num_classes);
-    if (st == FSDP_OK && !(im = calloc(1, sizeof *im)))
+    if (st == FSDP_OK && !(im = fsdp__zalloc(1, sizeof *im)))
         st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory opening '%s'", images_name);
     if (st == FSDP_OK && !(im->labels = fsdp__alloc(ctx, (size_t)dl[0] * sizeof(int32_t), FSDP_MEM_OTHER, labels_name)))
         st = FSDP_ERR_NOMEM;
@@ -335,7 +335,7 @@ enum fsdp_status fsdp__images_open_raw_mem(struct fsdp_ctx *ctx, const char *nam
                        (long long)(pbytes + lbytes));
         goto out;
     }
-    if (!(im = calloc(1, sizeof *im))) {
+    if (!(im = fsdp__zalloc(1, sizeof *im))) {
         st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory opening '%s'", name);
         goto out;
     }
@@ -639,7 +639,7 @@ enum fsdp_status fsdp_images_random_resized_crop(struct fsdp_ctx *ctx, const str
 /* epoch e's permutation into im->perm ([Note: image stream]) */
 static enum fsdp_status make_perm(struct fsdp_ctx *ctx, struct fsdp_images *im, uint64_t seed, int64_t e) {
     if (im->perm && im->perm_epoch == e && im->perm_seed == seed) return FSDP_OK;
-    if (!im->perm && !(im->perm = malloc((size_t)im->count * sizeof(int32_t))))
+    if (!im->perm && !(im->perm = fsdp__malloc((size_t)im->count * sizeof(int32_t))))
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory shuffling %lld images", (long long)im->count);
     int32_t *p = im->perm;
     for (int64_t i = 0; i < im->count; i++) p[i] = (int32_t)i;
@@ -676,7 +676,7 @@ enum fsdp_status fsdp_images_batch(struct fsdp_ctx *ctx, struct fsdp_images *im,
     int64_t lo = (int64_t)rank * B / world, hi = (int64_t)(rank + 1) * B / world;
     uint64_t akey = stream_key(o->seed, "fsdp.images.augment");
     float *crop = NULL; /* (C, H, W) the resized crop, values p / 255 */
-    if (o->resized_crop && !(crop = malloc((size_t)C * H * W * sizeof(float))))
+    if (o->resized_crop && !(crop = fsdp__malloc((size_t)C * H * W * sizeof(float))))
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory cropping %dx%d images", H, W);
     for (int64_t j = lo; j < hi; j++) {
         int64_t g = step * B + j, e = g / im->count, k = g % im->count;

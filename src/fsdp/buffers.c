@@ -36,7 +36,7 @@ static int add_one(struct fsdp_buffer *b, void *ud) {
     if (l->persistent_only && !b->persistent) return 0;
     if (l->n == l->cap) {
         int ncap = l->cap ? 2 * l->cap : 16;
-        void *n = realloc(l->b, (size_t)ncap * sizeof *l->b);
+        void *n = fsdp__realloc(l->b, (size_t)ncap * sizeof *l->b);
         if (!n) return 1;
         l->b = n;
         l->cap = ncap;
@@ -81,8 +81,8 @@ enum fsdp_status fsdp__buffers_check(struct fsdp_ctx *ctx, struct fsdp_module *r
     if (ctx->world == 1) return FSDP_OK;
     struct fsdp__buflist l;
     FSDP_TRY(fsdp__buffers_list(ctx, root, 0, &l));
-    uint64_t *h = calloc((size_t)l.n + 1, sizeof *h), total = 0xcbf29ce484222325ull;
-    uint64_t *all = calloc((size_t)ctx->world * 2, sizeof *all);
+    uint64_t *h = fsdp__zalloc((size_t)l.n + 1, sizeof *h), total = 0xcbf29ce484222325ull;
+    uint64_t *all = fsdp__zalloc((size_t)ctx->world * 2, sizeof *all);
     if (!h || !all) FSDP_ASSERT(0, "out of memory checking the model's buffers"); /* peers would wait */
     for (int i = 0; i < l.n; i++) total = (total ^ (h[i] = buffer_hash(l.b[i]))) * 0x100000001B3ull;
     uint64_t mine[2] = {(uint64_t)l.n, total};
@@ -93,7 +93,7 @@ enum fsdp_status fsdp__buffers_check(struct fsdp_ctx *ctx, struct fsdp_module *r
         /* rank 0's per-buffer fingerprints, then the first index that differs anywhere */
         int32_t n0 = l.n, idx = INT32_MAX;
         st = fsdp_comm_broadcast(ctx->comm, &n0, 1, FSDP_I32, 0);
-        uint64_t *h0 = st == FSDP_OK ? calloc((size_t)n0 + 1, sizeof *h0) : NULL;
+        uint64_t *h0 = st == FSDP_OK ? fsdp__zalloc((size_t)n0 + 1, sizeof *h0) : NULL;
         if (st == FSDP_OK && !h0) FSDP_ASSERT(0, "out of memory checking the model's buffers");
         if (st == FSDP_OK && ctx->rank == 0) memcpy(h0, h, (size_t)n0 * sizeof *h0);
         if (st == FSDP_OK) st = fsdp_comm_broadcast(ctx->comm, h0, (size_t)n0 * sizeof *h0, FSDP_U8, 0);
@@ -103,7 +103,7 @@ enum fsdp_status fsdp__buffers_check(struct fsdp_ctx *ctx, struct fsdp_module *r
                 break;
             }
         free(h0);
-        int32_t *idxs = calloc((size_t)ctx->world, sizeof *idxs);
+        int32_t *idxs = fsdp__zalloc((size_t)ctx->world, sizeof *idxs);
         if (!idxs) FSDP_ASSERT(0, "out of memory checking the model's buffers");
         if (st == FSDP_OK) st = fsdp_comm_allgather(ctx->comm, &idx, idxs, 1, FSDP_I32);
         int bad = 1;

@@ -19,6 +19,11 @@ enum fsdp_status fsdp_ctx_create(const struct fsdp_ctx_opts *opts, struct fsdp_c
     struct fsdp_ctx_opts def = fsdp_ctx_opts_default();
     if (!opts) opts = &def;
     if (opts->threads < 0) return FSDP_ERR_INVALID;
+    char env_msg[768];
+    if (fsdp_env_check(env_msg, sizeof env_msg) != FSDP_OK) { /* [Note: environment variables] */
+        fprintf(stderr, "fsdp: %s\n", env_msg);
+        return FSDP_ERR_INVALID;
+    }
     struct fsdp_ctx *ctx;
     FSDP_TRY(fsdp__ctx_alloc(&ctx));
     ctx->verbose = opts->verbose;

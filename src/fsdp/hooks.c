@@ -39,7 +39,7 @@ enum fsdp_status fsdp_model_add_post_step_hook(struct fsdp_ctx *ctx, struct fsdp
                          m->fqn ? hook_name(m) : m->name);
     if (fm->n_post_step == fm->cap_post_step) {
         int ncap = fm->cap_post_step ? 2 * fm->cap_post_step : 4;
-        void *n = realloc(fm->post_step, (size_t)ncap * sizeof *fm->post_step);
+        void *n = fsdp__realloc(fm->post_step, (size_t)ncap * sizeof *fm->post_step);
         if (!n) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory adding a post-step hook on '%s'", hook_name(m));
         fm->post_step = n;
         fm->cap_post_step = ncap;

@@ -102,7 +102,7 @@ static void narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n) {
  * writer of the shard that forgot fsdp__model_shards_written fails loudly. */
 static void check_lp_copy(const struct fsdp__unit *u) {
     static int on = -1;
-    if (on < 0) on = (int)fsdp__env_int("FSDP_CHECK_LP_COPY", 0, 0, 1);
+    if (on < 0) on = (int)fsdp__env_checked("FSDP_CHECK_LP_COPY", 0);
     if (!on) return;
     for (int64_t i = 0; i < u->numel_shard; i++) {
         float x = u->shard[i];
@@ -219,8 +219,8 @@ struct fsdp_loss_scale_opts fsdp_loss_scale_opts_default(void) {
     o.growth_factor = 2.0;
     o.backoff_factor = 0.5;
     o.growth_interval = 2000;
-    o.inject_step = fsdp__env_int("FSDP_INJECT_OVERFLOW_STEP", -1, 0, INT64_MAX);
-    o.inject_rank = (int)fsdp__env_int("FSDP_INJECT_OVERFLOW_RANK", 0, 0, INT32_MAX);
+    o.inject_step = fsdp__env_checked("FSDP_INJECT_OVERFLOW_STEP", -1);
+    o.inject_rank = (int)fsdp__env_checked("FSDP_INJECT_OVERFLOW_RANK", 0);
     return o;
 }
 

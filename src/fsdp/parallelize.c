@@ -98,8 +98,8 @@ static int fp_one(struct fsdp_param *p, void *ud) {
     struct fp_args *a = ud;
     if (a->n == a->cap) {
         int ncap = a->cap ? 2 * a->cap : 64;
-        void *h = realloc(a->h, (size_t)ncap * sizeof *a->h);
-        void *q = h ? realloc(a->p, (size_t)ncap * sizeof *a->p) : NULL;
+        void *h = fsdp__realloc(a->h, (size_t)ncap * sizeof *a->h);
+        void *q = h ? fsdp__realloc(a->p, (size_t)ncap * sizeof *a->p) : NULL;
         if (h) a->h = h;
         if (q) a->p = q;
         if (!h || !q) return 1;
@@ -133,7 +133,7 @@ static enum fsdp_status check_models(struct fsdp_ctx *ctx, struct fsdp_module *r
     uint64_t total = 0xcbf29ce484222325ull;
     for (int i = 0; i < a.n; i++) total = (total ^ a.h[i]) * 0x100000001B3ull;
     uint64_t mine[3] = {(uint64_t)a.n, total, (uint64_t)(sync && ctx->rank == 0 ? a.missing : 0)};
-    uint64_t *all = calloc((size_t)ctx->world * 3, sizeof *all);
+    uint64_t *all = fsdp__zalloc((size_t)ctx->world * 3, sizeof *all);
     if (!all) {
         st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory checking the model");
         goto out;
@@ -148,7 +148,7 @@ static enum fsdp_status check_models(struct fsdp_ctx *ctx, struct fsdp_module *r
         /* rank 0's per-parameter fingerprints, then the first index that differs */
         int32_t n0 = a.n;
         st = fsdp_comm_broadcast(ctx->comm, &n0, 1, FSDP_I32, 0);
-        uint64_t *h0 = st == FSDP_OK ? calloc((size_t)n0 + 1, sizeof *h0) : NULL;
+        uint64_t *h0 = st == FSDP_OK ? fsdp__zalloc((size_t)n0 + 1, sizeof *h0) : NULL;
         if (st == FSDP_OK && !h0) FSDP_ASSERT(0, "out of memory checking the model");
         if (st == FSDP_OK && ctx->rank == 0) memcpy(h0, a.h, (size_t)n0 * sizeof *h0);
         if (st == FSDP_OK) st = fsdp_comm_broadcast(ctx->comm, h0, (size_t)n0 * sizeof *h0, FSDP_U8, 0);
@@ -159,7 +159,7 @@ static enum fsdp_status check_models(struct fsdp_ctx *ctx, struct fsdp_module *r
                 break;
             }
         free(h0);
-        int32_t *idxs = calloc((size_t)ctx->world, sizeof *idxs);
+        int32_t *idxs = fsdp__zalloc((size_t)ctx->world, sizeof *idxs);
         if (!idxs) FSDP_ASSERT(0, "out of memory checking the model");
         if (st == FSDP_OK) st = fsdp_comm_allgather(ctx->comm, &idx, idxs, 1, FSDP_I32);
         int bad = -1; /* the rank whose difference comes first */
@@ -217,11 +217,11 @@ static int save_one(struct fsdp_param *p, void *ud) {
     if (!p->priv->owns_data) return 0; /* fully_shard reports it */
     if (s->n == s->cap) {
         int ncap = s->cap ? 2 * s->cap : 64;
-        void *a = realloc(s->p, (size_t)ncap * sizeof *s->p);
+        void *a = fsdp__realloc(s->p, (size_t)ncap * sizeof *s->p);
         if (a) s->p = a;
-        void *b = a ? realloc(s->data, (size_t)ncap * sizeof *s->data) : NULL;
+        void *b = a ? fsdp__realloc(s->data, (size_t)ncap * sizeof *s->data) : NULL;
         if (b) s->data = b;
-        void *c = b ? realloc(s->grad, (size_t)ncap * sizeof *s->grad) : NULL;
+        void *c = b ? fsdp__realloc(s->grad, (size_t)ncap * sizeof *s->grad) : NULL;
         if (c) s->grad = c;
         if (!c) return 1;
         s->cap = ncap;
@@ -392,7 +392,7 @@ size_t fsdp_model_plan(const struct fsdp_model *fm, char *buf, size_t cap) {
 static void print_plan(struct fsdp_ctx *ctx, const struct fsdp_model *fm) {
     if (ctx->rank != 0) return;
     size_t n = fsdp_model_plan(fm, NULL, 0);
-    char *s = malloc(n + 1);
+    char *s = fsdp__malloc(n + 1);
     if (!s) return;
     fsdp_model_plan(fm, s, n + 1);
     fputs(s, stderr);

@@ -36,9 +36,9 @@ static enum fsdp_status map_groups(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
     for (int g = 1; g <= fsdp_optim_n_groups(opt); g++)
         for (int i = 0; fsdp__optim_group_name(opt, g, i); i++) total++;
     gm->n = 0;
-    gm->p = calloc((size_t)total + 1, sizeof *gm->p);
-    gm->group = calloc((size_t)total + 1, sizeof *gm->group);
-    if (!gm->p || !gm->group) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory matching optimizer groups");
+    gm->p = fsdp__zalloc((size_t)total + 1, sizeof *gm->p);
+    gm->group = fsdp__zalloc((size_t)total + 1, sizeof *gm->group);
+    if (!gm->p || !gm->group) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for matching optimizer groups");
     for (int g = 1; g <= fsdp_optim_n_groups(opt); g++) {
         const char *name;
         for (int i = 0; (name = fsdp__optim_group_name(opt, g, i)); i++) {
@@ -64,7 +64,7 @@ static enum fsdp_status map_groups(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
 static enum fsdp_status build_slices(struct fsdp_ctx *ctx, struct fsdp__unit *u, int decay_all,
                                      const struct group_map *gm) {
     free(u->slices);
-    u->slices = calloc((size_t)u->n_params + 1, sizeof *u->slices);
+    u->slices = fsdp__zalloc((size_t)u->n_params + 1, sizeof *u->slices);
     if (!u->slices) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for optimizer slices");
     u->n_slices = 0;
     int64_t lo = (int64_t)u->model->shard_rank * u->numel_shard, hi = lo + u->numel_shard;
@@ -112,7 +112,7 @@ enum fsdp_status fsdp_model_attach_optim(struct fsdp_ctx *ctx, struct fsdp_model
  * added in rank order, so every rank gets the same bits; replicas hold the
  * same shards, so each element counts once ([Note: sharding strategies]). */
 static enum fsdp_status group_total(struct fsdp_ctx *ctx, struct fsdp_model *fm, double local, double *out) {
-    double *all = calloc((size_t)fm->shard_size, sizeof(double));
+    double *all = fsdp__zalloc((size_t)fm->shard_size, sizeof(double));
     if (!all) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the norm");
     all[0] = local;
     enum fsdp_status st = fm->shard_comm ? fsdp_comm_allgather(fm->shard_comm, &local, all, sizeof(double), FSDP_U8)
@@ -190,7 +190,7 @@ static enum fsdp_status lars_trust(struct fsdp_model *fm, struct fsdp_optim_slic
     const struct fsdp_optim_opts *o = fsdp__optim_opts(fm->optim);
     int P = 0;
     for (int i = 0; i < fm->n_units; i++) P += fm->units[i].n_params;
-    float *sums = calloc((size_t)(2 * P) + 1, sizeof *sums), *tot = calloc((size_t)(2 * P) + 1, sizeof *tot);
+    float *sums = fsdp__zalloc((size_t)(2 * P) + 1, sizeof *sums), *tot = fsdp__zalloc((size_t)(2 * P) + 1, sizeof *tot);
     if (!sums || !tot) {
         free(sums);
         free(tot);
@@ -247,8 +247,8 @@ static enum fsdp_status lars_trust(struct fsdp_model *fm, struct fsdp_optim_slic
 static enum fsdp_status optim_step_all(struct fsdp_model *fm, float lr, float grad_scale, double *sumsq) {
     int n = 0;
     for (int i = 0; i < fm->n_units; i++) n += fm->units[i].n_slices;
-    struct fsdp_optim_slice *all = calloc((size_t)n + 1, sizeof *all);
-    double *sums = calloc((size_t)n + 1, sizeof *sums);
+    struct fsdp_optim_slice *all = fsdp__zalloc((size_t)n + 1, sizeof *all);
+    double *sums = fsdp__zalloc((size_t)n + 1, sizeof *sums);
     if (!all || !sums) {
         free(all);
         free(sums);
@@ -326,7 +326,7 @@ static double comm_wait_total(const struct fsdp_model *fm);
  * train-mode forward (the same code on the same values). */
 static enum fsdp_status eval_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_tensor *in,
                                      struct fsdp_tensor *out) {
-    int *saved = calloc(2 * (size_t)fm->n_units + 1, sizeof *saved);
+    int *saved = fsdp__zalloc(2 * (size_t)fm->n_units + 1, sizeof *saved);
     if (!saved) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for an eval forward");
     for (int i = 0; i < fm->n_units; i++) {
         struct fsdp__unit *u = &fm->units[i];
@@ -560,10 +560,10 @@ static void backward_order(const struct fsdp_model *fm, int u, int *order, int *
  * COLLECTIVE: yes. */
 static enum fsdp_status first_nonfinite_unit(struct fsdp_ctx *ctx, struct fsdp_model *fm, char *buf,
                                              size_t cap) {
-    int n = 0, *order = calloc((size_t)fm->n_units, sizeof *order);
-    int32_t *bad = calloc((size_t)fm->n_units, sizeof *bad), *any = calloc((size_t)fm->n_units, sizeof *any);
+    int n = 0, *order = fsdp__zalloc((size_t)fm->n_units, sizeof *order);
+    int32_t *bad = fsdp__zalloc((size_t)fm->n_units, sizeof *bad), *any = fsdp__zalloc((size_t)fm->n_units, sizeof *any);
     enum fsdp_status st = FSDP_OK;
-    if (!order || !bad || !any) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory checking gradients");
+    if (!order || !bad || !any) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for checking gradients");
     if (st == FSDP_OK) {
         backward_order(fm, 0, order, &n);
         for (int k = 0; k < n; k++) {
@@ -639,8 +639,8 @@ enum fsdp_status fsdp_model_optim_step(struct fsdp_ctx *ctx, struct fsdp_model *
     double w0 = sp->w0, fwd_s = sp->fwd_s, bwd_s = sp->bwd_s;
     step_abandon(fm); /* closed, whatever follows */
     /* the global loss: mean of the ranks' means (equal shares), summed in rank order */
-    float *losses = calloc((size_t)ctx->world, sizeof(float));
-    if (!losses) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory gathering losses");
+    float *losses = fsdp__zalloc((size_t)ctx->world, sizeof(float));
+    if (!losses) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the ranks' losses");
     enum fsdp_status st = fsdp_comm_allgather(ctx->comm, &local_loss, losses, 1, FSDP_F32);
     double loss = 0.0;
     for (int r = 0; r < ctx->world; r++) loss += (double)losses[r];

@@ -29,7 +29,7 @@ float *fsdp__pool_get(struct fsdp_model *fm, int64_t numel, const char *what) {
     }
     if (fm->n_pool == fm->cap_pool) {
         int ncap = fm->cap_pool ? 2 * fm->cap_pool : 8;
-        void *n = realloc(fm->pool, (size_t)ncap * sizeof *fm->pool);
+        void *n = fsdp__realloc(fm->pool, (size_t)ncap * sizeof *fm->pool);
         if (!n) {
             fsdp__err(fm->ctx, FSDP_ERR_NOMEM, "out of memory growing the buffer pool for %s", what);
             return NULL;
@@ -246,18 +246,17 @@ void fsdp__model_reshard_all(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
  * prefetched gather runs at its wait; the schedule stays correct, only less
  * overlapped. */
 
+/* A unit, then each of its children's subtrees, last child first (no
+ * allocation: units nest a few levels deep). */
+static void bwd_visit(const struct fsdp_model *fm, int u, int *order, int *n) {
+    order[(*n)++] = u;
+    for (int i = fm->n_units - 1; i > u; i--)
+        if (fm->units[i].parent == &fm->units[u]) bwd_visit(fm, i, order, n);
+}
+
 void fsdp__model_bwd_order(const struct fsdp_model *fm, int *order) {
-    int n = 0, *stack = calloc((size_t)fm->n_units + 1, sizeof *stack);
-    FSDP_ASSERT(stack, "out of memory ordering units");
-    int top = 0;
-    stack[top++] = 0;
-    while (top > 0) { /* a unit, then its children last to first (LIFO: push first to last) */
-        int u = stack[--top];
-        order[n++] = u;
-        for (int i = u + 1; i < fm->n_units; i++)
-            if (fm->units[i].parent == &fm->units[u]) stack[top++] = i;
-    }
-    free(stack);
+    int n = 0;
+    bwd_visit(fm, 0, order, &n);
 }
 
 static int overlap_on(const struct fsdp_model *fm) { return fm->overlap && fm->shard_size > 1; }
@@ -321,8 +320,8 @@ static enum fsdp_status pre_backward(void *data, struct fsdp_ctx *ctx) {
     consume(u);
     if (overlap_on(fm) && fm->in_backward) {
         if (!fm->bwd_order) {
-            fm->bwd_order = calloc((size_t)fm->n_units, sizeof *fm->bwd_order);
-            if (!fm->bwd_order) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory ordering units");
+            fm->bwd_order = fsdp__zalloc((size_t)fm->n_units, sizeof *fm->bwd_order);
+            if (!fm->bwd_order) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the units' backward order");
             fsdp__model_bwd_order(fm, fm->bwd_order);
         }
         int pos = 0;

@@ -102,8 +102,8 @@ static enum fsdp_status collect_units(struct fsdp_ctx *ctx, struct fsdp_module *
     if (w != FSDP_WRAP_SKIP) {
         if (pl->n_units == pl->cap) {
             int ncap = pl->cap ? 2 * pl->cap : 16;
-            void *n = realloc(pl->unit_roots, (size_t)ncap * sizeof *pl->unit_roots);
-            void *v = n ? realloc(pl->ovr, (size_t)ncap * sizeof *pl->ovr) : NULL;
+            void *n = fsdp__realloc(pl->unit_roots, (size_t)ncap * sizeof *pl->unit_roots);
+            void *v = n ? fsdp__realloc(pl->ovr, (size_t)ncap * sizeof *pl->ovr) : NULL;
             if (n) pl->unit_roots = n;
             if (v) pl->ovr = v;
             if (!n || !v) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning units");
@@ -150,8 +150,8 @@ static int assign_one(struct fsdp_param *p, void *ud) {
     }
     if (a->n == a->cap) {
         int ncap = a->cap ? 2 * a->cap : 64;
-        void *v = realloc(a->visit, (size_t)ncap * sizeof *a->visit);
-        void *u = v ? realloc(a->param_unit, (size_t)ncap * sizeof *a->param_unit) : NULL;
+        void *v = fsdp__realloc(a->visit, (size_t)ncap * sizeof *a->visit);
+        void *u = v ? fsdp__realloc(a->param_unit, (size_t)ncap * sizeof *a->param_unit) : NULL;
         if (v) a->visit = v;
         if (u) a->param_unit = u;
         if (!v || !u) {
@@ -198,7 +198,7 @@ static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_sha
         free(pl.ovr);
         return st;
     }
-    fm->units = calloc((size_t)pl.n_units, sizeof *fm->units);
+    fm->units = fsdp__zalloc((size_t)pl.n_units, sizeof *fm->units);
     if (!fm->units) {
         free(pl.unit_roots);
         free(pl.ovr);
@@ -230,9 +230,9 @@ static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_sha
         struct fsdp__unit *u = &fm->units[i];
         int n = 0;
         for (int j = 0; j < a.n; j++) n += a.param_unit[j] == i;
-        u->params = calloc((size_t)n + 1, sizeof *u->params);
-        u->param_fqns = calloc((size_t)n + 1, sizeof *u->param_fqns);
-        u->offsets = calloc((size_t)n + 1, sizeof *u->offsets);
+        u->params = fsdp__zalloc((size_t)n + 1, sizeof *u->params);
+        u->param_fqns = fsdp__zalloc((size_t)n + 1, sizeof *u->param_fqns);
+        u->offsets = fsdp__zalloc((size_t)n + 1, sizeof *u->offsets);
         if (!u->params || !u->param_fqns || !u->offsets) {
             a.st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory laying out units");
             break;
@@ -283,7 +283,7 @@ enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root
     struct fsdp_shard_opts def = fsdp_shard_opts_default();
     if (!opts) opts = &def;
     if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
-    struct fsdp_model *fm = calloc(1, sizeof *fm);
+    struct fsdp_model *fm = fsdp__zalloc(1, sizeof *fm);
     if (!fm) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating the sharded model");
     fm->ctx = ctx;
     fm->root = root;
@@ -310,7 +310,7 @@ enum fsdp_status fsdp__model_layout(struct fsdp_ctx *ctx, struct fsdp_module *ro
     struct fsdp_shard_opts def = fsdp_shard_opts_default();
     if (!opts) opts = &def;
     if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
-    struct fsdp_model *fm = calloc(1, sizeof *fm);
+    struct fsdp_model *fm = fsdp__zalloc(1, sizeof *fm);
     if (!fm) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory laying out units");
     fm->ctx = ctx;
     fm->root = root;

@@ -284,7 +284,7 @@ static enum fsdp_status parse_crc(struct fsdp_ctx *ctx, const char *name, struct
         return fsdp__err(ctx, FSDP_ERR_FORMAT,
                          "%s: tensor '%s': checksum metadata has %zu hex digits, expected %lld", name,
                          t->name, strlen(hex), (long long)n * 8);
-    t->crc = malloc((size_t)n * sizeof *t->crc);
+    t->crc = fsdp__malloc((size_t)n * sizeof *t->crc);
     if (!t->crc) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", name);
     t->n_crc = n;
     for (int64_t c = 0; c < n; c++) {
@@ -315,7 +315,7 @@ static enum fsdp_status parse_json(struct fsdp_ctx *ctx, const char *name, const
             n++;
         }
     }
-    f->t = calloc((size_t)n + 1, sizeof *f->t);
+    f->t = fsdp__zalloc((size_t)n + 1, sizeof *f->t);
     if (!f->t) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory for %d tensors", name, n);
     for (const cJSON *e = root->child; e; e = e->next) {
         if (e == meta) continue;
@@ -341,8 +341,8 @@ static enum fsdp_status parse_json(struct fsdp_ctx *ctx, const char *name, const
     if (!cJSON_IsObject(meta))
         return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: __metadata__ is not an object", name);
     int nm = cJSON_GetArraySize(meta);
-    f->meta_key = calloc((size_t)nm + 1, sizeof(char *));
-    f->meta_val = calloc((size_t)nm + 1, sizeof(char *));
+    f->meta_key = fsdp__zalloc((size_t)nm + 1, sizeof(char *));
+    f->meta_val = fsdp__zalloc((size_t)nm + 1, sizeof(char *));
     if (!f->meta_key || !f->meta_val) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", name);
     for (const cJSON *e = meta->child; e; e = e->next) {
         if (!cJSON_IsString(e))
@@ -396,7 +396,10 @@ enum fsdp_status fsdp__safetensors_parse(struct fsdp_ctx *ctx, const char *name,
             return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: the header contains a NUL byte at %llu", name,
                              (unsigned long long)i);
     const char *end = NULL;
+    long failures = fsdp__alloc_failures;
     cJSON *root = cJSON_ParseWithLengthOpts(js, (size_t)h, &end, 0);
+    if (!root && fsdp__alloc_failures != failures)
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory for the header's JSON", name);
     if (!root) return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: the header is not valid JSON", name);
     for (; end && end < js + h; end++)
         if (*end != ' ' && *end != '\t' && *end != '\n' && *end != '\r') {
@@ -430,7 +433,7 @@ enum fsdp_status fsdp__st_open(struct fsdp_ctx *ctx, const char *path, struct fs
     uint64_t h = 0;
     for (int i = 7; i >= 0; i--) h = h << 8 | lenb[i];
     size_t want = h <= FSDP__ST_MAX_HEADER && 8 + h <= size ? (size_t)(8 + h) : 8;
-    uint8_t *buf = malloc(want);
+    uint8_t *buf = fsdp__malloc(want);
     if (!buf) {
         close(fd);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory for the header", path);
@@ -498,7 +501,7 @@ enum fsdp_status fsdp__st_read(struct fsdp_ctx *ctx, const struct fsdp__st_file 
         uint64_t a = c * FSDP__ST_CHUNK, b = a + FSDP__ST_CHUNK < size ? a + FSDP__ST_CHUNK : size;
         /* a chunk wholly inside [lo, hi) is read in place, others via scratch */
         int whole = a >= lo && b <= hi;
-        if (!whole && !scratch && !(scratch = malloc(cap ? cap : 1))) {
+        if (!whole && !scratch && !(scratch = fsdp__malloc(cap ? cap : 1))) {
             st = fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory reading '%s'", f->path, t->name);
             break;
         }
@@ -522,7 +525,7 @@ enum fsdp_status fsdp__st_read(struct fsdp_ctx *ctx, const struct fsdp__st_file 
 
 enum fsdp_status fsdp__st_verify(struct fsdp_ctx *ctx, const struct fsdp__st_file *f, int *n_unchecked) {
     int unchecked = 0;
-    uint8_t *buf = malloc((size_t)FSDP__ST_CHUNK);
+    uint8_t *buf = fsdp__malloc((size_t)FSDP__ST_CHUNK);
     if (!buf) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     enum fsdp_status st = FSDP_OK;
     for (int i = 0; i < f->n && st == FSDP_OK; i++) {
@@ -572,7 +575,7 @@ enum fsdp_status fsdp__fsync_dir(struct fsdp_ctx *ctx, const char *dir_of_path) 
 
 void fsdp__ckpt_crash_point(const char *where) {
     static long count, at = -1;
-    if (at < 0) at = (long)fsdp__env_int("FSDP_CKPT_CRASH_AT", 0, 0, INT32_MAX);
+    if (at < 0) at = (long)fsdp__env_checked("FSDP_CKPT_CRASH_AT", 0);
     fsdp__fault_point("ckpt-save", where); /* FSDP_FAULT=ckpt-save:... (core/fault.c) */
     if (at > 0 && ++count == at) {
         fprintf(stderr, "fsdp: FSDP_CKPT_CRASH_AT=%ld: exiting at '%s'\n", at, where);
@@ -600,50 +603,51 @@ struct fsdp__st_writer {
 
 /* The JSON header with the given checksums (NULL: zeros), padded with spaces
  * to make 8 + length a multiple of 8. Returns malloc'd text. */
+/* Appends item to arr; on failure frees item and returns 0. */
+static int push(cJSON *arr, cJSON *item) {
+    if (item && cJSON_AddItemToArray(arr, item)) return 1;
+    cJSON_Delete(item);
+    return 0;
+}
+
 static char *build_header(struct fsdp__st_writer *w, size_t *len) {
-    cJSON *root = cJSON_CreateObject();
-    cJSON *meta = cJSON_CreateObject();
-    if (!root || !meta) goto oom;
-    cJSON_AddItemToObject(root, "__metadata__", meta);
+    cJSON *root = cJSON_CreateObject(), *meta = cJSON_CreateObject();
+    int ok = root && meta && cJSON_AddItemToObject(root, "__metadata__", meta);
+    if (!ok && root && meta && !meta->string) cJSON_Delete(meta); /* not adopted by root */
+    if (!root) cJSON_Delete(meta);
     uint64_t off = 0;
-    for (int i = 0; i < w->n; i++) {
-        cJSON *e = cJSON_CreateObject();
-        if (!e) goto oom;
-        cJSON_AddItemToObject(root, w->desc[i].name, e);
-        cJSON_AddStringToObject(e, "dtype", fsdp__st_dtype_str(w->desc[i].dtype));
-        cJSON *sh = cJSON_AddArrayToObject(e, "shape");
-        for (int d = 0; sh && d < w->desc[i].ndim; d++)
-            cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)w->desc[i].shape[d]));
-        cJSON *of = cJSON_AddArrayToObject(e, "data_offsets");
-        if (of) {
-            cJSON_AddItemToArray(of, cJSON_CreateNumber((double)off));
-            cJSON_AddItemToArray(of, cJSON_CreateNumber((double)(off + w->bytes[i])));
+    for (int i = 0; i < w->n && ok; i++) {
+        cJSON *e = cJSON_CreateObject(), *sh = NULL, *of = NULL;
+        if (!(ok = e && cJSON_AddItemToObject(root, w->desc[i].name, e))) {
+            cJSON_Delete(e);
+            break;
         }
+        ok = cJSON_AddStringToObject(e, "dtype", fsdp__st_dtype_str(w->desc[i].dtype)) &&
+             (sh = cJSON_AddArrayToObject(e, "shape"));
+        for (int d = 0; ok && d < w->desc[i].ndim; d++) ok = push(sh, cJSON_CreateNumber((double)w->desc[i].shape[d]));
+        ok = ok && (of = cJSON_AddArrayToObject(e, "data_offsets")) && push(of, cJSON_CreateNumber((double)off)) &&
+             push(of, cJSON_CreateNumber((double)(off + w->bytes[i])));
         off += w->bytes[i];
     }
-    for (int i = 0; i < w->n_meta; i++)
-        cJSON_AddStringToObject(meta, w->meta_kv[2 * i], w->meta_kv[2 * i + 1]);
-    for (int i = 0; i < w->n; i++) {
+    for (int i = 0; i < w->n_meta && ok; i++) ok = cJSON_AddStringToObject(meta, w->meta_kv[2 * i], w->meta_kv[2 * i + 1]) != NULL;
+    for (int i = 0; i < w->n && ok; i++) {
         int64_t nc = n_chunks(w->bytes[i]);
-        char *hex = malloc((size_t)nc * 8 + 1);
-        char *key = malloc(strlen(CRC_KEY) + strlen(w->desc[i].name) + 1);
-        if (!hex || !key) {
-            free(hex);
-            free(key);
-            goto oom;
+        char *hex = fsdp__malloc((size_t)nc * 8 + 1);
+        char *key = fsdp__malloc(strlen(CRC_KEY) + strlen(w->desc[i].name) + 1);
+        if ((ok = hex && key)) {
+            for (int64_t c = 0; c < nc; c++) snprintf(hex + c * 8, 9, "%08x", w->crc[i][c]);
+            hex[nc * 8] = 0;
+            sprintf(key, "%s%s", CRC_KEY, w->desc[i].name);
+            ok = cJSON_AddStringToObject(meta, key, hex) != NULL;
         }
-        for (int64_t c = 0; c < nc; c++) snprintf(hex + c * 8, 9, "%08x", w->crc[i][c]);
-        hex[nc * 8] = 0;
-        sprintf(key, "%s%s", CRC_KEY, w->desc[i].name);
-        cJSON_AddStringToObject(meta, key, hex);
         free(hex);
         free(key);
     }
-    char *text = cJSON_PrintUnformatted(root);
+    char *text = ok ? cJSON_PrintUnformatted(root) : NULL;
     cJSON_Delete(root);
     if (!text) return NULL;
     size_t n = strlen(text), padded = (n + 7) / 8 * 8;
-    char *out = realloc(text, padded + 1);
+    char *out = fsdp__realloc(text, padded + 1);
     if (!out) {
         free(text);
         return NULL;
@@ -652,9 +656,6 @@ static char *build_header(struct fsdp__st_writer *w, size_t *len) {
     out[padded] = 0;
     *len = padded;
     return out;
-oom:
-    cJSON_Delete(root);
-    return NULL;
 }
 
 static void writer_free(struct fsdp__st_writer *w) {
@@ -688,7 +689,7 @@ static int written_by_us(const char *path, int allow_empty) {
         else if (pread(fd, lenb, 8, 0) == 8) {
             uint64_t n = 0;
             for (int i = 7; i >= 0; i--) n = n << 8 | lenb[i];
-            char *h = n <= (uint64_t)64 << 20 && n + 8 <= (uint64_t)sb.st_size ? malloc((size_t)n + 1) : NULL;
+            char *h = n <= (uint64_t)64 << 20 && n + 8 <= (uint64_t)sb.st_size ? fsdp__malloc((size_t)n + 1) : NULL;
             if (h && pread(fd, h, (size_t)n, 8) == (ssize_t)n) {
                 h[n] = 0;
                 cJSON *root = cJSON_Parse(h);
@@ -725,15 +726,15 @@ enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, in
                                       const struct fsdp__st_desc *desc, int n_meta,
                                       const char *const *meta_kv, struct fsdp__st_writer **out) {
     *out = NULL;
-    struct fsdp__st_writer *w = calloc(1, sizeof *w);
+    struct fsdp__st_writer *w = fsdp__zalloc(1, sizeof *w);
     if (!w) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
     w->ctx = ctx;
     w->fd = -1;
     w->n = n;
     w->path = fsdp__strdup(path);
     /* desc and meta_kv are borrowed for the call only: copy them */
-    w->desc = calloc((size_t)n + 1, sizeof *w->desc);
-    w->meta_kv = calloc(2 * (size_t)n_meta + 1, sizeof *w->meta_kv);
+    w->desc = fsdp__zalloc((size_t)n + 1, sizeof *w->desc);
+    w->meta_kv = fsdp__zalloc(2 * (size_t)n_meta + 1, sizeof *w->meta_kv);
     int copied = w->desc && w->meta_kv;
     for (int i = 0; copied && i < n; i++) {
         w->desc[i] = desc[i];
@@ -752,9 +753,9 @@ enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, in
     }
     w->n = n;
     w->n_meta = n_meta;
-    w->tmp = malloc(strlen(path) + 5);
-    w->bytes = calloc((size_t)n + 1, sizeof *w->bytes);
-    w->crc = calloc((size_t)n + 1, sizeof *w->crc);
+    w->tmp = fsdp__malloc(strlen(path) + 5);
+    w->bytes = fsdp__zalloc((size_t)n + 1, sizeof *w->bytes);
+    w->crc = fsdp__zalloc((size_t)n + 1, sizeof *w->crc);
     if (!w->path || !w->tmp || !w->bytes || !w->crc) {
         writer_free(w);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
@@ -770,7 +771,7 @@ enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, in
         int64_t numel = 1;
         for (int d = 0; d < desc[i].ndim; d++) numel *= desc[i].shape[d];
         w->bytes[i] = (uint64_t)numel * fsdp_dtype_size(desc[i].dtype);
-        w->crc[i] = calloc((size_t)n_chunks(w->bytes[i]), sizeof(uint32_t));
+        w->crc[i] = fsdp__zalloc((size_t)n_chunks(w->bytes[i]), sizeof(uint32_t));
         if (!w->crc[i]) {
             writer_free(w);
             return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);

@@ -150,8 +150,8 @@ enum fsdp_status fsdp_gpt_create(struct fsdp_ctx *ctx, const struct fsdp_gpt_con
     FSDP_TRY(fsdp_gpt_config_validate(ctx, cfg));
     struct fsdp_module *root;
     FSDP_TRY(fsdp_module_create(ctx, &gpt_ops, "", &root));
-    struct gpt *G = calloc(1, sizeof *G);
-    if (G) G->h = calloc((size_t)cfg->n_layer, sizeof *G->h);
+    struct gpt *G = fsdp__zalloc(1, sizeof *G);
+    if (G) G->h = fsdp__zalloc((size_t)cfg->n_layer, sizeof *G->h);
     if (!G || !G->h) {
         if (G) free(G);
         fsdp_module_free(root);
@@ -288,7 +288,7 @@ enum fsdp_status fsdp__gpt_config_parse(struct fsdp_ctx *ctx, const char *name, 
     if (len > CONFIG_MAX_BYTES)
         return fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s' is larger than %d bytes", name,
                          CONFIG_MAX_BYTES);
-    char *buf = malloc(len + 1);
+    char *buf = fsdp__malloc(len + 1);
     if (!buf) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory reading model config '%s'", name);
     if (len) memcpy(buf, text, len);
     buf[len] = '\0';

@@ -172,7 +172,7 @@ enum fsdp_status fsdp_resnet_create(struct fsdp_ctx *ctx, const struct fsdp_resn
     FSDP_TRY(fsdp_resnet_config_validate(ctx, cfg));
     struct fsdp_module *root;
     FSDP_TRY(fsdp_module_create(ctx, &resnet_ops, "", &root));
-    struct resnet *R = calloc(1, sizeof *R);
+    struct resnet *R = fsdp__zalloc(1, sizeof *R);
     if (!R) {
         fsdp_module_free(root);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating ResNet");

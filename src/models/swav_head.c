@@ -125,8 +125,8 @@ enum fsdp_status fsdp_swav_head_create(struct fsdp_ctx *ctx, const char *name, c
                          (long long)c->n_prototypes, c->n_heads);
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, &head_ops, name, &m));
-    struct swav_head *H = calloc(1, sizeof *H);
-    if (H) H->protos = calloc((size_t)c->n_heads, sizeof *H->protos);
+    struct swav_head *H = fsdp__zalloc(1, sizeof *H);
+    if (H) H->protos = fsdp__zalloc((size_t)c->n_heads, sizeof *H->protos);
     if (!H || !H->protos) {
         if (H) free(H);
         fsdp_module_free(m);

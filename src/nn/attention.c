@@ -293,7 +293,7 @@ enum fsdp_status fsdp__attention_create(struct fsdp_ctx *ctx, const char *name, 
                          "multiple of n_head %d", name, (long long)C, n_head);
     struct fsdp_module *m, *c;
     FSDP_TRY(fsdp_module_create(ctx, &attention_ops, name, &m));
-    struct attention *A = calloc(1, sizeof *A);
+    struct attention *A = fsdp__zalloc(1, sizeof *A);
     if (!A) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating CausalSelfAttention '%s'", name);

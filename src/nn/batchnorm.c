@@ -289,7 +289,7 @@ enum fsdp_status fsdp_batchnorm2d_create(struct fsdp_ctx *ctx, const char *name,
                          (double)opts->momentum);
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, &bn_ops, name, &m));
-    struct bn *B = calloc(1, sizeof *B);
+    struct bn *B = fsdp__zalloc(1, sizeof *B);
     if (!B) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating BatchNorm2d '%s'", name);

@@ -46,7 +46,7 @@ enum fsdp_status fsdp__mlp_create(struct fsdp_ctx *ctx, const char *name, int64_
                                   struct fsdp_module **out_m) {
     struct fsdp_module *m, *c;
     FSDP_TRY(fsdp_module_create(ctx, &mlp_ops, name, &m));
-    struct mlp *M = calloc(1, sizeof *M);
+    struct mlp *M = fsdp__zalloc(1, sizeof *M);
     if (!M) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating MLP '%s'", name);
@@ -124,7 +124,7 @@ enum fsdp_status fsdp__block_create(struct fsdp_ctx *ctx, const char *name, int6
                                     float proj_std, struct fsdp_module **out_m) {
     struct fsdp_module *m, *c;
     FSDP_TRY(fsdp_module_create(ctx, &block_ops, name, &m));
-    struct block *K = calloc(1, sizeof *K);
+    struct block *K = fsdp__zalloc(1, sizeof *K);
     if (!K) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating Block '%s'", name);

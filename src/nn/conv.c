@@ -461,7 +461,7 @@ enum fsdp_status fsdp_conv2d_create(struct fsdp_ctx *ctx, const char *name, cons
         return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': init_std %g is negative", name, (double)o->init_std);
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, &conv_ops, name, &m));
-    struct conv *C = calloc(1, sizeof *C);
+    struct conv *C = fsdp__zalloc(1, sizeof *C);
     if (!C) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating Conv2d '%s'", name);

@@ -86,7 +86,7 @@ enum fsdp_status fsdp__embedding_create(struct fsdp_ctx *ctx, const char *name, 
                          (long long)num, (long long)dim);
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, &embedding_ops, name, &m));
-    struct embedding *E = calloc(1, sizeof *E);
+    struct embedding *E = fsdp__zalloc(1, sizeof *E);
     if (!E) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating Embedding '%s'", name);

@@ -88,7 +88,7 @@ static const struct fsdp_module_ops gelu_ops = {"GELU", gelu_forward, gelu_backw
 enum fsdp_status fsdp__gelu_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out_m) {
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, &gelu_ops, name, &m));
-    m->impl = calloc(1, sizeof(struct gelu));
+    m->impl = fsdp__zalloc(1, sizeof(struct gelu));
     if (!m->impl) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating GELU '%s'", name);

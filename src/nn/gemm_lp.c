@@ -72,8 +72,7 @@ static int mm_bf16_native;
 static size_t mm_widen_floats = ((size_t)32 << 20) / sizeof(float);
 
 static int mm_probe_bf16(void) {
-    static const char *const modes[] = {"auto", "widen"};
-    if (fsdp__env_word("FSDP_GEMM_BF16", modes, 2, 0) == 1) return 0;
+    if (fsdp__env_checked("FSDP_GEMM_BF16", 0) == 1) return 0; /* "widen" */
     dnnl_dims_t d = {16, 16};
     dnnl_memory_desc_t a, b, c;
     dnnl_matmul_desc_t md;
@@ -91,7 +90,7 @@ static void mm_engine_init(void) {
     dnnl_status_t st = dnnl_engine_create(&mm_engine, dnnl_cpu, 0);
     FSDP_ASSERT(st == dnnl_success, "dnnl_engine_create(cpu) failed with status %d", (int)st);
     mm_bf16_native = mm_probe_bf16();
-    long long v = fsdp__env_int("FSDP_WIDEN_SCRATCH", 0, 4096, (long long)1 << 40);
+    long long v = fsdp__env_checked("FSDP_WIDEN_SCRATCH", 0);
     if (v) mm_widen_floats = (size_t)v / sizeof(float);
 }
 

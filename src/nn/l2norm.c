@@ -76,7 +76,7 @@ enum fsdp_status fsdp_l2norm_create(struct fsdp_ctx *ctx, const char *name, floa
     if (!(eps > 0)) return fsdp__err(ctx, FSDP_ERR_INVALID, "L2Norm '%s': eps %g must be positive", name, (double)eps);
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, &l2_ops, name, &m));
-    struct l2norm *L = calloc(1, sizeof *L);
+    struct l2norm *L = fsdp__zalloc(1, sizeof *L);
     if (!L) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating L2Norm '%s'", name);

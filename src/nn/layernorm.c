@@ -131,7 +131,7 @@ enum fsdp_status fsdp__layernorm_create(struct fsdp_ctx *ctx, const char *name, 
         return fsdp__err(ctx, FSDP_ERR_INVALID, "LayerNorm '%s': size %lld must be positive", name, (long long)dim);
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, &layernorm_ops, name, &m));
-    struct layernorm *L = calloc(1, sizeof *L);
+    struct layernorm *L = fsdp__zalloc(1, sizeof *L);
     if (!L) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating LayerNorm '%s'", name);

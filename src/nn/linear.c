@@ -125,7 +125,7 @@ enum fsdp_status fsdp__linear_create(struct fsdp_ctx *ctx, const char *name, int
                          (long long)in, (long long)out);
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, &linear_ops, name, &m));
-    struct linear *L = calloc(1, sizeof *L);
+    struct linear *L = fsdp__zalloc(1, sizeof *L);
     if (!L) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating Linear '%s'", name);

@@ -15,7 +15,7 @@ static int grow(void **arr, int *cap, int need, size_t elem) {
     if (need <= *cap) return 0;
     int ncap = *cap ? *cap * 2 : 4;
     while (ncap < need) ncap *= 2;
-    void *n = realloc(*arr, (size_t)ncap * elem);
+    void *n = fsdp__realloc(*arr, (size_t)ncap * elem);
     if (!n) return -1;
     *arr = n;
     *cap = ncap;
@@ -30,7 +30,7 @@ enum fsdp_status fsdp_module_create(struct fsdp_ctx *ctx, const struct fsdp_modu
     struct module_block { /* one allocation: the module and its bookkeeping */
         struct fsdp_module m;
         struct fsdp__module_priv priv;
-    } *b = calloc(1, sizeof *b);
+    } *b = fsdp__zalloc(1, sizeof *b);
     if (!b) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating module '%s'", name);
     struct fsdp_module *m = &b->m;
     m->priv = &b->priv;
@@ -102,7 +102,7 @@ enum fsdp_status fsdp_module_add_param(struct fsdp_ctx *ctx, struct fsdp_module 
     struct param_block { /* one allocation: the parameter and its bookkeeping */
         struct fsdp_param p;
         struct fsdp__param_priv priv;
-    } *b = calloc(1, sizeof *b);
+    } *b = fsdp__zalloc(1, sizeof *b);
     struct fsdp_param *p = b ? &b->p : NULL;
     if (p) p->priv = &b->priv;
     if (!p || grow((void **)&m->params, &m->priv->cap_params, m->n_params + 1, sizeof(struct fsdp_param *))) {
@@ -146,8 +146,8 @@ enum fsdp_status fsdp_module_add_buffer(struct fsdp_ctx *ctx, struct fsdp_module
     for (int i = 0; i < m->n_params; i++)
         if (strcmp(m->params[i]->name, name) == 0)
             return fsdp__err(ctx, FSDP_ERR_INVALID, "module '%s' already has a parameter '%s'", m->name, name);
-    struct fsdp_buffer *b = calloc(1, sizeof *b);
-    void *data = malloc((size_t)numel * fsdp_dtype_size(dtype));
+    struct fsdp_buffer *b = fsdp__zalloc(1, sizeof *b);
+    void *data = fsdp__malloc((size_t)numel * fsdp_dtype_size(dtype));
     if (!b || !data ||
         grow((void **)&m->buffers, &m->priv->cap_buffers, m->n_buffers + 1, sizeof(struct fsdp_buffer *))) {
         free(b);
@@ -201,7 +201,7 @@ void fsdp_module_set_training(struct fsdp_module *m, int on) {
 
 static char *join_name(const char *prefix, const char *name) {
     size_t a = strlen(prefix), b = strlen(name);
-    char *s = malloc(a + b + 2);
+    char *s = fsdp__malloc(a + b + 2);
     if (!s) return NULL;
     if (a == 0) {
         memcpy(s, name, b + 1);

@@ -282,7 +282,7 @@ static enum fsdp_status make(struct fsdp_ctx *ctx, const struct fsdp_module_ops 
                              struct fsdp_module **out) {
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, ops, name, &m));
-    if (!(m->impl = calloc(1, impl))) {
+    if (!(m->impl = fsdp__zalloc(1, impl))) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating %s '%s'", ops->type, name);
     }

@@ -59,7 +59,7 @@ static const struct fsdp_module_ops seq_ops = {"Sequential", seq_forward, seq_ba
 enum fsdp_status fsdp_sequential_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out) {
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, &seq_ops, name, &m));
-    if (!(m->impl = calloc(1, sizeof(struct sequential)))) {
+    if (!(m->impl = fsdp__zalloc(1, sizeof(struct sequential)))) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating Sequential '%s'", name);
     }
@@ -206,7 +206,7 @@ static enum fsdp_status rb_create(struct fsdp_ctx *ctx, const struct fsdp_module
                              name, stride);
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, ops, name, &m));
-    struct resblock *K = calloc(1, sizeof *K);
+    struct resblock *K = fsdp__zalloc(1, sizeof *K);
     if (!K) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating %s '%s'", ops->type, name);

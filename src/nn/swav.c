@@ -40,7 +40,7 @@ static enum fsdp_status allreduce_d(struct fsdp_ctx *ctx, struct fsdp_comm *comm
     /* the collectives have no double: gather the values as bytes and reduce
      * them here in rank order (the same bits on every rank) */
     int world = fsdp_comm_size(comm);
-    double *all = malloc(n * (size_t)world * sizeof(double));
+    double *all = fsdp__malloc(n * (size_t)world * sizeof(double));
     if (!all) return fsdp__err(ctx, FSDP_ERR_NOMEM, "swav: out of memory for %s", what);
     enum fsdp_status st = fsdp_comm_allgather(comm, x, all, n * sizeof(double), FSDP_U8);
     if (st != FSDP_OK) {
@@ -78,7 +78,7 @@ enum fsdp_status fsdp_sinkhorn(struct fsdp_ctx *ctx, struct fsdp_comm *comm, con
         return fsdp__err(ctx, FSDP_ERR_NUMERIC, "sinkhorn: score (%lld, %lld) is %g", (long long)(bad / K),
                          (long long)(bad % K), (double)scores[bad]);
     if (!isfinite(mx)) return fsdp__err(ctx, FSDP_ERR_NUMERIC, "sinkhorn: a score on another rank is not finite");
-    double *q = malloc((size_t)(n * K + 2 * K + 1) * sizeof(double)); /* (n, K) row-major: Q^T */
+    double *q = fsdp__malloc((size_t)(n * K + 2 * K + 1) * sizeof(double)); /* (n, K) row-major: Q^T */
     if (!q) return fsdp__err(ctx, FSDP_ERR_NOMEM, "sinkhorn: out of memory (%lld x %lld)", (long long)n, (long long)K);
     double *rows = q + n * K; /* (K) sums over images of each prototype: Q's row sums */
     double total = 0.0;
@@ -131,12 +131,12 @@ enum fsdp_status fsdp_swav_loss(struct fsdp_ctx *ctx, struct fsdp_comm *comm, co
     if (Bg <= 0) return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_loss: empty batch on every rank");
     size_t nBK = (size_t)(n_crops * B * K);
     /* log softmax(S_v / tau) and softmax, per crop and row, kept as p (float) */
-    float *p = malloc((nBK + 1) * sizeof(float));
+    float *p = fsdp__malloc((nBK + 1) * sizeof(float));
     int64_t lq_max = 0;
     for (int a = 0; queue && queue_len && a < n_assign; a++) lq_max = queue_len[a] > lq_max ? queue_len[a] : lq_max;
-    float *joined = malloc((size_t)((lq_max + B) * K + 1) * sizeof(float));
-    float *codes = malloc((size_t)((lq_max + B) * K + 1) * sizeof(float));
-    double *ls = malloc((size_t)(n_crops * B + 1) * sizeof(double)); /* logsumexp of each row / tau */
+    float *joined = fsdp__malloc((size_t)((lq_max + B) * K + 1) * sizeof(float));
+    float *codes = fsdp__malloc((size_t)((lq_max + B) * K + 1) * sizeof(float));
+    double *ls = fsdp__malloc((size_t)(n_crops * B + 1) * sizeof(double)); /* logsumexp of each row / tau */
     enum fsdp_status st = FSDP_OK;
     if (!p || !joined || !codes || !ls) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "swav_loss: out of memory");
     for (int64_t r = 0; st == FSDP_OK && r < n_crops * B; r++) {

@@ -133,12 +133,12 @@ enum fsdp_status fsdp_optim_add_group(struct fsdp_optim *opt, const char *const 
             return fsdp__err(ctx, FSDP_ERR_INVALID, "optim_add_group: '%s' is already in group %d", fqns[i],
                              fsdp__optim_group_of(opt, fqns[i]));
     }
-    void *ng = realloc(opt->groups, (size_t)(opt->n_groups + 2) * sizeof *opt->groups);
+    void *ng = fsdp__realloc(opt->groups, (size_t)(opt->n_groups + 2) * sizeof *opt->groups);
     if (!ng) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory adding an optimizer group");
     opt->groups = ng;
     struct optim_group *g = &opt->groups[opt->n_groups + 1];
     memset(g, 0, sizeof *g);
-    g->fqns = calloc((size_t)n, sizeof *g->fqns);
+    g->fqns = fsdp__zalloc((size_t)n, sizeof *g->fqns);
     if (!g->fqns) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory adding an optimizer group");
     for (int i = 0; i < n; i++) {
         g->fqns[i] = fsdp__strdup(fqns[i]);
@@ -286,7 +286,7 @@ static int64_t chunk_end(int64_t k, int64_t nc, int64_t n) { return k + 1 < nc ?
 
 double fsdp__sumsq(const float *x, int64_t n) {
     const int64_t nc = n_chunks(n);
-    double *part = nc > 1 ? malloc((size_t)nc * sizeof *part) : NULL, t = 0.0;
+    double *part = nc > 1 ? fsdp__malloc((size_t)nc * sizeof *part) : NULL, t = 0.0;
     if (!part) { /* serial: the same sums in the same order */
         for (int64_t k = 0; k < nc; k++) t += chunk_sumsq(x + k * OPTIM_CHUNK, chunk_end(k, nc, n) - k * OPTIM_CHUNK);
         return t;
@@ -305,7 +305,7 @@ typedef void (*update_fn)(const struct fsdp_optim_slice *s, const void *coef, in
  * chunk followed by its 16-bit copy and sum of squares (see the note). */
 static void run_chunks(const struct fsdp_optim_slice *s, update_fn update, const void *coef) {
     const int64_t n = s->n, nc = n_chunks(n);
-    double *part = s->sumsq ? malloc((size_t)(nc ? nc : 1) * sizeof *part) : NULL;
+    double *part = s->sumsq ? fsdp__malloc((size_t)(nc ? nc : 1) * sizeof *part) : NULL;
 #pragma omp parallel for schedule(static) if (n >= OPTIM_PAR_MIN)
     for (int64_t k = 0; k < nc; k++) {
         int64_t a = k * OPTIM_CHUNK, b = chunk_end(k, nc, n);

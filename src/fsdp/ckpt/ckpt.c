@@ -88,7 +88,7 @@ int fsdp__ckpt_overlap(const struct fsdp__unit *u, int rank, int j, int64_t *s, 
 
 char *fsdp__path_join(const char *dir, const char *name) {
     size_t n = strlen(dir) + strlen(name) + 2;
-    char *p = malloc(n);
+    char *p = fsdp__malloc(n);
     if (p) snprintf(p, n, "%s/%s", dir, name);
     return p;
 }
@@ -185,10 +185,10 @@ static enum fsdp_status check_owned_dir(struct fsdp_ctx *ctx, const char *dir, c
     struct dirent *e;
     while (st == FSDP_OK && (e = readdir(d))) {
         if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-        char *p = fsdp__path_join(dir, e->d_name);
+        char p[PATH_MAX];
         struct stat fb;
-        int regular = p && lstat(p, &fb) == 0 && S_ISREG(fb.st_mode);
-        free(p);
+        int regular = (size_t)snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < sizeof p && lstat(p, &fb) == 0 &&
+                      S_ISREG(fb.st_mode);
         if (!owned_name(e->d_name) || !regular)
             st = fsdp__err(ctx, FSDP_ERR_INVALID,
                            "%s: holds '%s', which no checkpoint writer made: refusing to write the checkpoint "
@@ -211,9 +211,8 @@ static void remove_owned(const char *dir) {
     struct dirent *e;
     while ((e = readdir(d))) {
         if (!owned_name(e->d_name)) continue;
-        char *p = fsdp__path_join(dir, e->d_name);
-        if (p) unlink(p);
-        free(p);
+        char p[PATH_MAX];
+        if ((size_t)snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < sizeof p) unlink(p);
     }
     closedir(d);
     rmdir(dir);
@@ -250,9 +249,8 @@ enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, co
                 keep = !strcmp(e->d_name, name);
             }
             if (keep) continue;
-            char *p = fsdp__path_join(tmpdir, e->d_name);
-            if (p) unlink(p);
-            free(p);
+            char p[PATH_MAX];
+            if ((size_t)snprintf(p, sizeof p, "%s/%s", tmpdir, e->d_name) < sizeof p) unlink(p);
         }
         closedir(d);
     }

@@ -28,10 +28,10 @@ enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *f
     char *names = NULL;                                  /* fsdp.buffers: their FQNs, comma-separated */
     if (ctx->rank == 0) {
         int n = n_model_params(fm), t = 0;
-        desc = calloc((size_t)(n + bl.n) + 1, sizeof *desc);
+        desc = fsdp__zalloc((size_t)(n + bl.n) + 1, sizeof *desc);
         size_t len = 1;
         for (int i = 0; i < bl.n; i++) len += strlen(bl.b[i]->fqn) + 1;
-        names = calloc(len, 1);
+        names = fsdp__zalloc(len, 1);
         if (!names) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
         for (int i = 0; i < bl.n && names; i++) {
             if (i) strcat(names, ",");
@@ -146,7 +146,7 @@ static enum fsdp_status map_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
     int hf;
     FSDP_TRY(fsdp__full_is_hf(ctx, f, &hf));
     int ours = !hf;
-    char *used = calloc((size_t)f->n + 1, 1);
+    char *used = fsdp__zalloc((size_t)f->n + 1, 1);
     if (!used) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     enum fsdp_status st = FSDP_OK;
     int t = 0;
@@ -219,7 +219,7 @@ static enum fsdp_status read_param_range(struct fsdp_ctx *ctx, const struct fsdp
     if (!sr.transpose) return fsdp__st_read(ctx, f, sr.ti, (uint64_t)s * 4, (uint64_t)e * 4, dst);
     /* (in, out) stored: read it whole (one tensor at a time) and pick */
     int64_t out_ = p->shape[0], in_ = p->shape[1];
-    float *tmp = malloc((size_t)p->numel * sizeof(float) + 1);
+    float *tmp = fsdp__malloc((size_t)p->numel * sizeof(float) + 1);
     if (!tmp) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory transposing '%s'", f->path, p->fqn);
     enum fsdp_status st = fsdp__st_read(ctx, f, sr.ti, 0, (uint64_t)p->numel * 4, tmp);
     for (int64_t x = s; x < e && st == FSDP_OK; x++) {
@@ -238,11 +238,11 @@ enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *f
     memset(&f, 0, sizeof f);
     f.fd = -1;
     int reader = !rank0_only || ctx->rank == 0;
-    struct src *map = calloc((size_t)n_model_params(fm) + 1, sizeof *map);
+    struct src *map = fsdp__zalloc((size_t)n_model_params(fm) + 1, sizeof *map);
     struct fsdp__buflist bl = {0};
     if (!map) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     if (st == FSDP_OK) st = fsdp__buffers_list(ctx, fm->root, 1, &bl);
-    int *bmap = calloc((size_t)bl.n + 1, sizeof *bmap);
+    int *bmap = fsdp__zalloc((size_t)bl.n + 1, sizeof *bmap);
     if (!bmap && st == FSDP_OK) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     if (st == FSDP_OK && reader) st = fsdp__st_open(ctx, path, &f);
     if (st == FSDP_OK && reader) st = map_full(ctx, fm, &f, map, &bl, bmap);

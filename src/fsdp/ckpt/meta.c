@@ -63,7 +63,7 @@ static enum fsdp_status parse_buffers(struct fsdp_ctx *ctx, const char *mpath, c
     const cJSON *bs = cJSON_GetObjectItemCaseSensitive(root, "buffers");
     if (!bs) return FSDP_OK;
     if (!cJSON_IsArray(bs)) return BAD("%s: \"buffers\" is not a list", mpath);
-    mt->buffers = calloc((size_t)cJSON_GetArraySize(bs) + 1, sizeof *mt->buffers);
+    mt->buffers = fsdp__zalloc((size_t)cJSON_GetArraySize(bs) + 1, sizeof *mt->buffers);
     if (!mt->buffers) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     for (const cJSON *e = bs->child; e; e = e->next) {
         struct fsdp__meta_buffer *b = &mt->buffers[mt->n_buffers];
@@ -145,6 +145,7 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
     const cJSON *mj = cJSON_GetObjectItemCaseSensitive(root, "model");
     if (mj) {
         char *txt = cJSON_IsObject(mj) ? cJSON_PrintUnformatted(mj) : NULL;
+        if (!txt && cJSON_IsObject(mj)) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory for \"model\"", mpath);
         size_t len = txt ? strlen(txt) : 0;
         if (txt && len < sizeof mt->m.model_json) memcpy(mt->m.model_json, txt, len + 1);
         free(txt);
@@ -185,7 +186,7 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
     const cJSON *fl = cJSON_GetObjectItemCaseSensitive(root, "files");
     if (!cJSON_IsArray(fl) || cJSON_GetArraySize(fl) != world)
         return BAD("%s: \"files\" must list %lld files", mpath, (long long)world);
-    mt->files = calloc((size_t)world, sizeof *mt->files);
+    mt->files = fsdp__zalloc((size_t)world, sizeof *mt->files);
     if (!mt->files) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     for (const cJSON *e = fl->child; e; e = e->next) {
         const cJSON *nm = cJSON_GetObjectItemCaseSensitive(e, "name");
@@ -204,7 +205,7 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
     const cJSON *ps = cJSON_GetObjectItemCaseSensitive(root, "params");
     if (!cJSON_IsArray(ps)) return BAD("%s: \"params\" is not a list", mpath);
     int np = cJSON_GetArraySize(ps);
-    mt->params = calloc((size_t)np + 1, sizeof *mt->params);
+    mt->params = fsdp__zalloc((size_t)np + 1, sizeof *mt->params);
     if (!mt->params) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     for (const cJSON *e = ps->child; e; e = e->next) {
         struct fsdp__meta_param *p = &mt->params[mt->n_params];
@@ -228,7 +229,7 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
         }
         const cJSON *rg = cJSON_GetObjectItemCaseSensitive(e, "ranges");
         if (!cJSON_IsArray(rg)) return BAD("%s: parameter '%s': no \"ranges\"", mpath, p->fqn);
-        p->ranges = calloc((size_t)cJSON_GetArraySize(rg) + 1, sizeof *p->ranges);
+        p->ranges = fsdp__zalloc((size_t)cJSON_GetArraySize(rg) + 1, sizeof *p->ranges);
         if (!p->ranges) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
         for (const cJSON *r = rg->child; r; r = r->next) {
             struct fsdp__meta_range *x = &p->ranges[p->n_ranges];
@@ -273,9 +274,12 @@ enum fsdp_status fsdp__meta_parse_text(struct fsdp_ctx *ctx, const char *name, c
                                        struct fsdp__meta *mt) {
     memset(mt, 0, sizeof *mt);
     if (sealed) FSDP_TRY(fsdp__meta_check_seal(ctx, name, text));
+    long failures = fsdp__alloc_failures;
     cJSON *root = cJSON_Parse(text);
     enum fsdp_status st = root ? meta_parse(ctx, name, root, mt)
-                               : fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: not valid JSON", name);
+                          : fsdp__alloc_failures != failures
+                              ? fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory for its JSON", name)
+                              : fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: not valid JSON", name);
     cJSON_Delete(root);
     if (st != FSDP_OK) fsdp__meta_free(mt);
     return st;
@@ -394,7 +398,12 @@ enum fsdp_status fsdp__meta_format(struct fsdp_ctx *ctx, const char *name, const
     for (int i = 0; i < mt->n_state && ok; i++) ok = push(sn, cJSON_CreateString(mt->state[i]));
     if (ok && m->has_config) ok = add_config(root, &m->config);
     if (ok && m->model_json[0]) {
+        long failures = fsdp__alloc_failures;
         cJSON *mj = cJSON_Parse(m->model_json);
+        if (!mj && fsdp__alloc_failures != failures) {
+            cJSON_Delete(root);
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory for \"model\"", name);
+        }
         if (!cJSON_IsObject(mj)) {
             cJSON_Delete(mj);
             cJSON_Delete(root);
@@ -444,9 +453,9 @@ enum fsdp_status fsdp__meta_format(struct fsdp_ctx *ctx, const char *name, const
 enum fsdp_status fsdp__meta_alloc(struct fsdp_ctx *ctx, struct fsdp__meta *mt, int n_files, int n_params,
                                   int n_buffers) {
     memset(mt, 0, sizeof *mt);
-    mt->files = calloc((size_t)n_files + 1, sizeof *mt->files);
-    mt->params = calloc((size_t)n_params + 1, sizeof *mt->params);
-    mt->buffers = calloc((size_t)n_buffers + 1, sizeof *mt->buffers);
+    mt->files = fsdp__zalloc((size_t)n_files + 1, sizeof *mt->files);
+    mt->params = fsdp__zalloc((size_t)n_params + 1, sizeof *mt->params);
+    mt->buffers = fsdp__zalloc((size_t)n_buffers + 1, sizeof *mt->buffers);
     if (mt->files && mt->params && mt->buffers) return FSDP_OK;
     fsdp__meta_free(mt);
     return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for a checkpoint's meta.json");

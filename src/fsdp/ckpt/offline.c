@@ -45,7 +45,7 @@ static enum fsdp_status verify_dir(struct fsdp_ctx *ctx, struct fsdp__meta *mt, 
         }
     }
     for (int i = 0; i < mt->n_buffers && st == FSDP_OK; i++) {
-        void *tmp = malloc((size_t)(mt->buffers[i].b1 - mt->buffers[i].b0) + 1);
+        void *tmp = fsdp__malloc((size_t)(mt->buffers[i].b1 - mt->buffers[i].b0) + 1);
         st = tmp ? fsdp__fcache_read_buffer(ctx, &c, &mt->buffers[i], tmp)
                  : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for buffer '%s'", mt->buffers[i].fqn);
         free(tmp);
@@ -121,10 +121,10 @@ enum fsdp_status fsdp_ckpt_to_full(struct fsdp_ctx *ctx, const char *dir, const 
     FSDP_TRY(fsdp__meta_load(ctx, dir, &mt));
     struct fsdp__fcache c;
     enum fsdp_status st = fsdp__fcache_open(ctx, &mt, &c);
-    struct fsdp__st_desc *desc = calloc((size_t)(mt.n_params + mt.n_buffers) + 1, sizeof *desc);
+    struct fsdp__st_desc *desc = fsdp__zalloc((size_t)(mt.n_params + mt.n_buffers) + 1, sizeof *desc);
     size_t len = 1;
     for (int i = 0; i < mt.n_buffers; i++) len += strlen(mt.buffers[i].fqn) + 1;
-    char *names = calloc(len, 1); /* FSDP__BUFFERS_KEY ([Note: buffers] in buffers.c) */
+    char *names = fsdp__zalloc(len, 1); /* FSDP__BUFFERS_KEY ([Note: buffers] in buffers.c) */
     if ((!desc || !names) && st == FSDP_OK) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     for (int i = 0; desc && i < mt.n_params; i++) {
         desc[i].name = mt.params[i].fqn;
@@ -147,7 +147,7 @@ enum fsdp_status fsdp_ckpt_to_full(struct fsdp_ctx *ctx, const char *dir, const 
         st = fsdp__st_writer_open(ctx, path, mt.n_params + mt.n_buffers, desc, mt.n_buffers ? 3 : 2, kv, &w);
     for (int i = 0; i < mt.n_params && st == FSDP_OK; i++) {
         struct fsdp__meta_param *p = &mt.params[i];
-        float *buf = malloc((size_t)p->numel * sizeof(float) + 1);
+        float *buf = fsdp__malloc((size_t)p->numel * sizeof(float) + 1);
         if (!buf) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for '%s'", p->fqn);
         if (st == FSDP_OK) st = fsdp__fcache_read(ctx, &c, p, p->fqn, 0, p->numel, buf);
         if (st == FSDP_OK) st = fsdp__st_writer_write(w, buf, (size_t)p->numel * sizeof(float));
@@ -155,7 +155,7 @@ enum fsdp_status fsdp_ckpt_to_full(struct fsdp_ctx *ctx, const char *dir, const 
     }
     for (int i = 0; i < mt.n_buffers && st == FSDP_OK; i++) {
         size_t bytes = (size_t)(mt.buffers[i].b1 - mt.buffers[i].b0);
-        void *buf = malloc(bytes + 1);
+        void *buf = fsdp__malloc(bytes + 1);
         st = buf ? fsdp__fcache_read_buffer(ctx, &c, &mt.buffers[i], buf)
                  : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for buffer '%s'", mt.buffers[i].fqn);
         if (st == FSDP_OK) st = fsdp__st_writer_write(w, buf, bytes);
@@ -226,7 +226,7 @@ static enum fsdp_status map_input(struct fsdp_ctx *ctx, const struct fsdp__st_fi
         o->dtype = t->dtype;
         int bare = hf && strncmp(t->name, "transformer.", 12);
         size_t len = strlen(t->name) + 13;
-        if (!(o->fqn = malloc(len))) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        if (!(o->fqn = fsdp__malloc(len))) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
         snprintf(o->fqn, len, "%s%s", bare ? "transformer." : "", t->name);
         o->ti = i;
         o->ndim = t->ndim;
@@ -278,7 +278,7 @@ static enum fsdp_status check_model(struct fsdp_ctx *ctx, const char *path, cons
     char cs[160];
     cfg_str(cs, sizeof cs, config);
     struct fsdp_module *gpt = NULL;
-    char *seen = calloc((size_t)n + 1, 1);
+    char *seen = fsdp__zalloc((size_t)n + 1, 1);
     enum fsdp_status st = seen ? fsdp_gpt_create(ctx, config, &gpt) : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     if (st == FSDP_OK) st = check_module(ctx, path, cs, gpt, out, n, seen);
     for (int k = 0; k < n && st == FSDP_OK; k++)
@@ -294,7 +294,7 @@ static enum fsdp_status check_model(struct fsdp_ctx *ctx, const char *path, cons
  * that GPT, by name and shape, as fsdp_ckpt_load into that model checks. */
 static enum fsdp_status verify_model(struct fsdp_ctx *ctx, const struct fsdp__meta *mt) {
     char *mpath = fsdp__path_join(mt->dir, FSDP__META_NAME);
-    struct out_tensor *ot = calloc((size_t)mt->n_params + 1, sizeof *ot);
+    struct out_tensor *ot = fsdp__zalloc((size_t)mt->n_params + 1, sizeof *ot);
     enum fsdp_status st = mpath && ot ? FSDP_OK : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     for (int i = 0; i < mt->n_params && st == FSDP_OK; i++) {
         const struct fsdp__meta_param *p = &mt->params[i];
@@ -321,7 +321,7 @@ static enum fsdp_status read_out(struct fsdp_ctx *ctx, const struct fsdp__st_fil
     if (*tbuf_ti != o->ti) {
         free(*tbuf);
         *tbuf_ti = -1;
-        if (!(*tbuf = malloc((size_t)(rows * cols) * sizeof(float) + 1)))
+        if (!(*tbuf = fsdp__malloc((size_t)(rows * cols) * sizeof(float) + 1)))
             return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory transposing '%s'", f->path, f->t[o->ti].name);
         FSDP_TRY(fsdp__st_read(ctx, f, o->ti, 0, (uint64_t)(rows * cols) * 4, *tbuf));
         *tbuf_ti = o->ti;
@@ -341,7 +341,7 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
     struct fsdp__st_file f;
     FSDP_TRY(fsdp__st_open(ctx, path, &f));
     int nt = 0;
-    struct out_tensor *ot = calloc((size_t)f.n + 1, sizeof *ot);
+    struct out_tensor *ot = fsdp__zalloc((size_t)f.n + 1, sizeof *ot);
     enum fsdp_status st = ot ? map_input(ctx, &f, ot, &nt) : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     if (st == FSDP_OK && config) st = check_model(ctx, path, config, ot, nt);
     char tmpdir[PATH_MAX];
@@ -350,7 +350,7 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
     if (st == FSDP_OK && mkdir(tmpdir, 0755) != 0 && errno != EEXIST)
         st = fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot create: %s", tmpdir, strerror(errno));
     /* tensor i's piece r: elements [numel*r/n, numel*(r+1)/n) */
-    struct fsdp__st_desc *desc = calloc((size_t)f.n + 1, sizeof *desc);
+    struct fsdp__st_desc *desc = fsdp__zalloc((size_t)f.n + 1, sizeof *desc);
     if (!desc && st == FSDP_OK) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     int nparams = 0, nbufs = 0;
     for (int i = 0; i < nt; i++) ot[i].buffer ? nbufs++ : nparams++;
@@ -364,7 +364,7 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
         q->ndim = ot[i].ndim;
         memcpy(q->shape, ot[i].shape, sizeof q->shape);
         q->numel = f.t[ot[i].ti].numel;
-        if (!(q->fqn = fsdp__strdup(ot[i].fqn)) || !(q->ranges = calloc((size_t)n_files, sizeof *q->ranges)))
+        if (!(q->fqn = fsdp__strdup(ot[i].fqn)) || !(q->ranges = fsdp__zalloc((size_t)n_files, sizeof *q->ranges)))
             st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     }
     float *buf = NULL, *tbuf = NULL;
@@ -391,14 +391,14 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
             if (ot[i].buffer) { /* whole, in file 0 */
                 if (r) continue;
                 size_t bytes = (size_t)(f.t[ot[i].ti].end - f.t[ot[i].ti].begin);
-                void *bb = malloc(bytes + 1);
+                void *bb = fsdp__malloc(bytes + 1);
                 st = bb ? fsdp__st_read(ctx, &f, ot[i].ti, 0, bytes, bb) : fsdp__err(ctx, FSDP_ERR_NOMEM, "oom");
                 if (st == FSDP_OK) st = fsdp__st_writer_write(w, bb, bytes);
                 free(bb);
                 continue;
             }
             if (s >= e) continue;
-            float *nb = realloc(buf, (size_t)(e - s) * sizeof(float));
+            float *nb = fsdp__realloc(buf, (size_t)(e - s) * sizeof(float));
             if (!nb) {
                 st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
                 break;

@@ -29,8 +29,8 @@ static enum fsdp_status plan_rank(struct fsdp_ctx *ctx, struct fsdp_model *fm, i
                                   struct piece **pieces, struct fsdp__st_desc **desc, int *n) {
     int cap = bl->n;
     for (int i = 0; i < fm->n_units; i++) cap += fm->units[i].n_params * (1 + k);
-    *pieces = calloc((size_t)cap + 1, sizeof **pieces);
-    *desc = calloc((size_t)cap + 1, sizeof **desc);
+    *pieces = fsdp__zalloc((size_t)cap + 1, sizeof **pieces);
+    *desc = fsdp__zalloc((size_t)cap + 1, sizeof **desc);
     if (!*pieces || !*desc) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning a checkpoint");
     *n = 0;
     for (int state = -1; state < k; state++)
@@ -41,7 +41,7 @@ static enum fsdp_status plan_rank(struct fsdp_ctx *ctx, struct fsdp_model *fm, i
                 if (!fsdp__ckpt_overlap(u, r, j, &s, &e)) continue;
                 const char *fqn = u->params[j]->fqn;
                 size_t len = strlen(fqn) + (state >= 0 ? strlen(snames[state]) + 2 : 1);
-                char *name = malloc(len);
+                char *name = fsdp__malloc(len);
                 if (!name) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning a checkpoint");
                 if (state >= 0) snprintf(name, len, "%s#%s", fqn, snames[state]);
                 else snprintf(name, len, "%s", fqn);
@@ -131,7 +131,7 @@ static enum fsdp_status describe(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
         for (int j = 0; j < u->n_params; j++) {
             struct fsdp_param *p = u->params[j];
             struct fsdp__meta_param *q = &mt->params[mt->n_params++];
-            if (!(q->fqn = fsdp__strdup(p->fqn)) || !(q->ranges = calloc((size_t)world, sizeof *q->ranges)))
+            if (!(q->fqn = fsdp__strdup(p->fqn)) || !(q->ranges = fsdp__zalloc((size_t)world, sizeof *q->ranges)))
                 return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
             q->ndim = p->ndim;
             memcpy(q->shape, p->shape, sizeof q->shape);
@@ -151,7 +151,7 @@ static enum fsdp_status describe(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
     enum fsdp_status st = fsdp__buffers_list(ctx, fm->root, 1, &bl);
     if (st == FSDP_OK && bl.n) {
         free(mt->buffers);
-        if (!(mt->buffers = calloc((size_t)bl.n, sizeof *mt->buffers))) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        if (!(mt->buffers = fsdp__zalloc((size_t)bl.n, sizeof *mt->buffers))) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     }
     for (int i = 0; i < bl.n && st == FSDP_OK; i++) {
         struct fsdp_buffer *b = bl.b[i];
@@ -185,7 +185,7 @@ static enum fsdp_status write_meta(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
         mt.m.loss_scale_growth_tracker = fm->scaler.clean;
         mt.m.loss_scale_skipped = fm->scaler.skipped;
     }
-    struct fsdp__st_file *files = calloc((size_t)world, sizeof *files);
+    struct fsdp__st_file *files = fsdp__zalloc((size_t)world, sizeof *files);
     enum fsdp_status st = files ? FSDP_OK : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     for (int r = 0; files && r < world; r++) files[r].fd = -1;
     if (st == FSDP_OK) st = describe(ctx, fm, tmpdir, files, &mt);
@@ -383,9 +383,9 @@ static enum fsdp_status load_local(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
     }
     int total = 0;
     for (int i = 0; i < fm->n_units; i++) total += fm->units[i].n_params;
-    const struct fsdp__meta_param **map = calloc((size_t)total + 1, sizeof *map);
-    struct fsdp__fcache c = {mt, calloc((size_t)mt->n_files, sizeof(struct fsdp__st_file)),
-                       calloc((size_t)mt->n_files, sizeof(int))};
+    const struct fsdp__meta_param **map = fsdp__zalloc((size_t)total + 1, sizeof *map);
+    struct fsdp__fcache c = {mt, fsdp__zalloc((size_t)mt->n_files, sizeof(struct fsdp__st_file)),
+                       fsdp__zalloc((size_t)mt->n_files, sizeof(int))};
     enum fsdp_status st = map && c.f && c.open ? FSDP_OK : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     for (int i = 0; c.f && i < mt->n_files; i++) c.f[i].fd = -1;
     if (st == FSDP_OK) st = match_model(ctx, fm, mt, map);
@@ -444,8 +444,8 @@ enum fsdp_status fsdp_ckpt_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
 
 enum fsdp_status fsdp__fcache_open(struct fsdp_ctx *ctx, struct fsdp__meta *mt, struct fsdp__fcache *c) {
     c->mt = mt;
-    c->f = calloc((size_t)mt->n_files + 1, sizeof *c->f);
-    c->open = calloc((size_t)mt->n_files + 1, sizeof *c->open);
+    c->f = fsdp__zalloc((size_t)mt->n_files + 1, sizeof *c->f);
+    c->open = fsdp__zalloc((size_t)mt->n_files + 1, sizeof *c->open);
     if (!c->f || !c->open) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
     for (int i = 0; i < mt->n_files; i++) c->f[i].fd = -1;
     return FSDP_OK;
