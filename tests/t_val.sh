@@ -72,6 +72,12 @@ if same_bits "$tmp/n.jsonl" "$tmp/v.jsonl" && [ "$(grep -c '"eval_loss"' "$tmp/v
   ok "evaluating after every step leaves the training bit-identical (2 ranks, losses, grad and param norms)"
 else bad "eval changes training" "$(paste <(grep -o '"loss": [^,]*' "$tmp/n.jsonl") <(grep -o '"loss": [^,]*' "$tmp/v.jsonl"))"; fi
 
+# ---- --eval-batches is the image model's too: the first N test batches ----
+if "$TRAIN" --model cnn --steps 1 --batch 8 --threads 1 --eval-batch 100 --eval-batches 2 --log "$tmp/img.jsonl" \
+     > "$tmp/img" 2>&1 && [ "$(field "$tmp/img.jsonl" eval_images)" = 200 ]; then
+  ok "an image model evaluates the first --eval-batches 2 test batches of --eval-batch 100 (200 images)"
+else bad "image model --eval-batches" "$(tail -2 "$tmp/img")"; fi
+
 # ---- bad input: one line naming the file ----
 val_error() { # NAME PATTERN ARGS...
   local name=$1 pat=$2; shift 2
