@@ -273,7 +273,7 @@ done
 
 # the trainer refuses them with a clear message and a non-zero exit, on every world size
 expect_resume_error() { # NAME PATTERN NPROC
-  local out; out=$(train --nproc $3 --steps 8 --resume "$tmp/bad" 2>&1); local rc=$?
+  local out; out=$(train --nproc $3 --steps 8 --override steps --resume "$tmp/bad" 2>&1); local rc=$?
   if [ $rc -eq 0 ]; then bad "$1" "exit 0"
   elif [ $rc -ge 124 ]; then bad "$1" "hung or killed (exit $rc)"
   elif ! grep -qE -- "$2" <<< "$out"; then bad "$1" "lacks /$2/:" "$(tail -2 <<< "$out")"

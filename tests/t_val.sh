@@ -20,6 +20,7 @@ open(f"{d}/val.bin", "wb").write(struct.pack("<256i", *hdr) + struct.pack(f"<{le
 hdr[2] = 100
 open(f"{d}/bigtok.bin", "wb").write(struct.pack("<256i", *hdr) + struct.pack("<100H", *([65] * 70 + [300] + [65] * 29)))
 open(f"{d}/short.txt", "wb").write(b"too short")
+open(f"{d}/other.txt", "wb").write(bytes(random.randrange(97, 123) for _ in range(3000))) # other text
 EOF
 common=(--model tiny --data synthetic --batch 12 --seq 32 --lr 3e-3 --warmup 2 --threads 1 --sample 0)
 field() { python3 -c 'import json,sys; print([r for r in map(json.loads, open(sys.argv[1])) if sys.argv[2] in r][-1][sys.argv[2]])' "$1" "$2"; }
@@ -52,14 +53,15 @@ if grep -qE "^eval +4/4  eval_loss [0-9.]+  eval_ppl [0-9.]+$" "$tmp/e2" &&
 else bad "eval lines" "$(grep -E '^eval|^held' "$tmp/e2")"; fi
 
 # ---- the token file of the same text evaluates alike (and all of it once by default) ----
-for f in txt bin; do
-  "$TRAIN" --resume "$tmp/ck" --steps 4 --lr 0 --min-lr 0 --override steps,lr,min-lr --val-data "$tmp/val.$f" \
-    --log "$tmp/f$f.jsonl" > "$tmp/f$f" 2>&1 || bad "--val-data val.$f" "$(tail -3 "$tmp/f$f")"
+for f in val.txt val.bin other.txt; do
+  "$TRAIN" --resume "$tmp/ck" --steps 4 --lr 0 --min-lr 0 --override steps,lr,min-lr --val-data "$tmp/$f" \
+    --log "$tmp/f$f.jsonl" > "$tmp/f$f" 2>&1 || bad "--val-data $f" "$(tail -3 "$tmp/f$f")"
 done
-if [ -s "$tmp/ftxt.jsonl" ] && [ "$(field "$tmp/ftxt.jsonl" eval_loss)" = "$(field "$tmp/fbin.jsonl" eval_loss)" ] &&
-   [ "$(field "$tmp/fbin.jsonl" eval_tokens)" = 2688 ]; then # 7 batches of 12 x 32: the 3000 tokens once
-  ok "--val-data as an llm.c token file and as text (bytes) give the same held-out loss; default: the whole file once"
-else bad "token file vs text" "$(grep -h eval: "$tmp/ftxt" "$tmp/fbin")"; fi
+if [ -s "$tmp/fval.txt.jsonl" ] && [ "$(field "$tmp/fval.txt.jsonl" eval_loss)" = "$(field "$tmp/fval.bin.jsonl" eval_loss)" ] &&
+   [ "$(field "$tmp/fval.bin.jsonl" eval_tokens)" = 2688 ] && # 7 batches of 12 x 32: the 3000 tokens once
+   [ "$(field "$tmp/fval.txt.jsonl" eval_loss)" != "$(field "$tmp/fother.txt.jsonl" eval_loss)" ]; then
+  ok "--val-data as an llm.c token file and as text (bytes) give the same held-out loss, another text another; default: the whole file once"
+else bad "token file vs text" "$(grep -h eval: "$tmp/fval.txt" "$tmp/fval.bin" "$tmp/fother.txt")"; fi
 
 # ---- evaluation leaves training bit-identical ----
 "$TRAIN" "${common[@]}" --steps 6 --nproc 2 --log "$tmp/n.jsonl" > "$tmp/on" 2>&1 || bad "run without eval" "$(tail -3 "$tmp/on")"
@@ -69,6 +71,12 @@ if same_bits "$tmp/n.jsonl" "$tmp/v.jsonl" && [ "$(grep -c '"eval_loss"' "$tmp/v
    [ "$(grep -c '"eval_loss"' "$tmp/n.jsonl")" = 0 ]; then
   ok "evaluating after every step leaves the training bit-identical (2 ranks, losses, grad and param norms)"
 else bad "eval changes training" "$(paste <(grep -o '"loss": [^,]*' "$tmp/n.jsonl") <(grep -o '"loss": [^,]*' "$tmp/v.jsonl"))"; fi
+
+# ---- --eval-batches is the image model's too: the first N test batches ----
+if "$TRAIN" --model cnn --steps 1 --batch 8 --threads 1 --eval-batch 100 --eval-batches 2 --log "$tmp/img.jsonl" \
+     > "$tmp/img" 2>&1 && [ "$(field "$tmp/img.jsonl" eval_images)" = 200 ]; then
+  ok "an image model evaluates the first --eval-batches 2 test batches of --eval-batch 100 (200 images)"
+else bad "image model --eval-batches" "$(tail -2 "$tmp/img")"; fi
 
 # ---- bad input: one line naming the file ----
 val_error() { # NAME PATTERN ARGS...
@@ -82,6 +90,7 @@ val_error "--val-data with a token id over the vocabulary, 2 ranks" \
   "--val-data: '.*bigtok.bin': token 300 at position 70 is >= vocab_size 256" --nproc 2 --val-data "$tmp/bigtok.bin"
 val_error "--val-data shorter than a sequence" "--val-data: '.*short.txt' has 9 tokens" --val-data "$tmp/short.txt"
 val_error "--val-data missing" "--val-data: .*no/such" --val-data "$tmp/no/such"
+val_error "--eval-every without --val-data" "--eval-every, --eval-batch and --eval-batches need --val-data" --eval-every 2
 val_error "--val-data for an image model" "--val-data is for a GPT" --model cnn --data fashion-mnist --val-data "$tmp/val.txt"
 
 finish

@@ -384,7 +384,9 @@ void config_argv(int argc, char **argv, int *nargc, char ***nargv) {
 
 char *config_json(const struct opts *o) {
     cJSON *root = cJSON_CreateObject();
-    for (int i = 0; i < N_FLAGS && root; i++) cJSON_AddItemToObject(root, flags[i].name, value_json(&flags[i], o));
+    for (int i = 0; i < N_FLAGS && root; i++) /* --epochs sets the steps: "steps" would contradict it */
+        cJSON_AddItemToObject(root, flags[i].name, o->epochs && !strcmp(flags[i].name, "steps")
+                                                       ? cJSON_CreateNull() : value_json(&flags[i], o));
     char *s = root ? cJSON_PrintUnformatted(root) : NULL;
     cJSON_Delete(root);
     if (!s) fail_rank("out of memory for the configuration");
