@@ -469,26 +469,29 @@ TEST(conv2d_16bit_matches_rounded_fp32) {
     rng_seed(6);
     struct fsdp_ctx *ctx = make_ctx();
     enum fsdp_dtype dts[2] = {FSDP_BF16, FSDP_F16};
-    for (int k = 0; k < 2; k++) {
+    /* bf16 and f16 on 6x6, 2x2 ([Note: bf16 weight gradients of small images] in conv.c) and 1x1
+       ([Note: cropped kernels]) */
+    const int64_t hw[3] = {6, 2, 1};
+    for (int k = 0; k < 6; k++) {
         struct fsdp_module *m = conv_with(ctx, "conv", 8, 16, 3, 3, 1, 1, 1, 1, 1, 1, 1), *ref;
         ref = conv_with(ctx, "conv", 8, 16, 3, 3, 1, 1, 1, 1, 1, 1, 1);
         ASSERT(m && ref);
         prepare(ctx, m, 0.3f);
         prepare(ctx, ref, 0);
-        int64_t shape[4] = {4, 8, 6, 6};
+        int64_t shape[4] = {4, 8, hw[k / 2], hw[k / 2]};
         struct fsdp_tensor x = make_input(4, shape, 1.0f, 0.0f), xr = make_input(4, shape, 0.0f, 0.0f);
         int64_t nx = fsdp_tensor_numel(&x), nw = m->params[0]->numel;
         uint16_t h;
         for (int64_t i = 0; i < nx; i++) {
-            h = k == 0 ? fsdp__f32_to_bf16(((float *)x.data)[i]) : fsdp__f32_to_f16(((float *)x.data)[i]);
-            ((float *)xr.data)[i] = k == 0 ? fsdp__bf16_to_f32(h) : fsdp__f16_to_f32(h);
+            h = k % 2 == 0 ? fsdp__f32_to_bf16(((float *)x.data)[i]) : fsdp__f32_to_f16(((float *)x.data)[i]);
+            ((float *)xr.data)[i] = k % 2 == 0 ? fsdp__bf16_to_f32(h) : fsdp__f16_to_f32(h);
         }
         for (int64_t i = 0; i < nw; i++) {
-            h = k == 0 ? fsdp__f32_to_bf16(m->params[0]->data[i]) : fsdp__f32_to_f16(m->params[0]->data[i]);
-            ref->params[0]->data[i] = k == 0 ? fsdp__bf16_to_f32(h) : fsdp__f16_to_f32(h);
+            h = k % 2 == 0 ? fsdp__f32_to_bf16(m->params[0]->data[i]) : fsdp__f32_to_f16(m->params[0]->data[i]);
+            ref->params[0]->data[i] = k % 2 == 0 ? fsdp__bf16_to_f32(h) : fsdp__f16_to_f32(h);
         }
         memcpy(ref->params[1]->data, m->params[1]->data, 16 * sizeof(float));
-        ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, dts[k]), ctx);
+        ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, dts[k % 2]), ctx);
         ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
         ASSERT_OK(fsdp_module_zero_grad(ctx, ref), ctx);
         fsdp_arena_reset(ctx);
@@ -502,8 +505,8 @@ TEST(conv2d_16bit_matches_rounded_fp32) {
         float *dy = malloc((size_t)ny * sizeof(float)), *dyr = malloc((size_t)ny * sizeof(float));
         for (int64_t i = 0; i < ny; i++) {
             dy[i] = urand();
-            h = k == 0 ? fsdp__f32_to_bf16(dy[i]) : fsdp__f32_to_f16(dy[i]);
-            dyr[i] = k == 0 ? fsdp__bf16_to_f32(h) : fsdp__f16_to_f32(h);
+            h = k % 2 == 0 ? fsdp__f32_to_bf16(dy[i]) : fsdp__f32_to_f16(dy[i]);
+            dyr[i] = k % 2 == 0 ? fsdp__bf16_to_f32(h) : fsdp__f16_to_f32(h);
         }
         struct fsdp_tensor d1 = y, d2 = yr;
         d1.data = dy, d2.data = dyr;

@@ -84,7 +84,14 @@ void fsdp__dnnl_exec(struct dnnl_primitive *prim, int n, const int *arg, const v
  * to match: the same sums without the zero products (ResNet-18's layer4 on
  * 28x28 images is 1x1: 9x fewer FLOPs there). The weight operand is then a
  * sub-memory of the full (out, in, kh, kw) weight (the reorder reads it in
- * place), and the weight gradient's other taps are written as zeros. */
+ * place), and the weight gradient's other taps are written as zeros.
+ * [Note: bf16 weight gradients of small images] oneDNN 2.6's bf16
+ * backward-weights kernel takes seconds where the output has fewer than 16
+ * pixels (ResNet-18's layer3 and layer4 on 28x28 images: 2x2 and 1x1, 4.5 s
+ * against 60 ms at 4x4, PyTorch alike). There the weight gradient runs in
+ * fp32 on the bf16 values widened (x) and dy rounded to bf16 and widened:
+ * the same products (a product of two bf16 values is exact in fp32), the
+ * same fp32 accumulation. */
 struct xarg {                 /* one operand of a primitive */
     dnnl_memory_desc_t md;    /* the layout the primitive runs on */
     dnnl_memory_desc_t user;  /* the plain layout at the API */
@@ -100,6 +107,8 @@ struct conv_prims {
     enum fsdp_dtype dt;  /* FSDP_F32 or FSDP_BF16 (native) */
     int made;
     int crop;                   /* the primitives see a part of the kernel ([Note: cropped kernels]) */
+    int bw_f32;                 /* dt BF16, but backward weights in fp32 ([Note: bf16 weight gradients
+                                   of small images]) */
     dnnl_memory_desc_t bias;    /* (out) fp32: the bias and its gradient */
     struct xarg a[N_XARG];
     dnnl_primitive_t fwd, bwd_data, bwd_wei;
@@ -269,15 +278,40 @@ static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W,
         st = dnnl_dilated_convolution_backward_weights_desc_init(&bwd, dnnl_convolution_direct, &asrc, &adwei,
                                                                  C->bias ? &p->bias : NULL, &addst, strides, dil,
                                                                  pad, padr);
-    if (st == dnnl_success) st = make_prim(&wpd, &bwd, fpd, &p->bwd_wei);
+    /* [Note: bf16 weight gradients of small images]: its own fp32 operands and forward hint */
+    dnnl_memory_desc_t wsrc = src, wddst = ddst;
+    p->bw_f32 = dt == FSDP_BF16 && C->oh * C->ow < 16;
+    if (st == dnnl_success && p->bw_f32) {
+        dnnl_memory_desc_t bsrc, bddst, bdst;
+        dnnl_convolution_desc_t f32d;
+        dnnl_primitive_desc_t hint = NULL;
+        st = dnnl_memory_desc_init_by_tag(&wsrc, 4, sd, dnnl_f32, dnnl_nchw);
+        wddst = dst; /* f32 (N, out, OH, OW) plain */
+        if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&bsrc, 4, sd, dnnl_f32, any);
+        if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&bddst, 4, dd, dnnl_f32, any);
+        if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&bdst, 4, dd, dnnl_f32, any);
+        if (st == dnnl_success)
+            st = dnnl_dilated_convolution_forward_desc_init(&f32d, dnnl_forward_training, dnnl_convolution_direct,
+                                                            &bsrc, &adwei, C->bias ? &p->bias : NULL, &bdst, strides,
+                                                            dil, pad, padr);
+        if (st == dnnl_success) st = dnnl_primitive_desc_create(&hint, &f32d, NULL, fsdp__dnnl_engine(), NULL);
+        if (st == dnnl_success)
+            st = dnnl_dilated_convolution_backward_weights_desc_init(&bwd, dnnl_convolution_direct, &bsrc, &adwei,
+                                                                     C->bias ? &p->bias : NULL, &bddst, strides, dil,
+                                                                     pad, padr);
+        if (st == dnnl_success) st = make_prim(&wpd, &bwd, hint, &p->bwd_wei);
+        dnnl_primitive_desc_destroy(hint);
+    } else if (st == dnnl_success) {
+        st = make_prim(&wpd, &bwd, fpd, &p->bwd_wei);
+    }
     if (st == dnnl_success) st = xarg_make(&p->a[FWD_SRC], fpd, dnnl_query_src_md, &src, 0);
     if (st == dnnl_success) st = xarg_make(&p->a[FWD_WEI], fpd, dnnl_query_weights_md, &wei, 0);
     if (st == dnnl_success) st = xarg_make(&p->a[FWD_DST], fpd, dnnl_query_dst_md, &dst, 1);
     if (st == dnnl_success) st = xarg_make(&p->a[BD_DDST], dpd, dnnl_query_diff_dst_md, &ddst, 0);
     if (st == dnnl_success) st = xarg_make(&p->a[BD_WEI], dpd, dnnl_query_weights_md, &wei, 0);
     if (st == dnnl_success) st = xarg_make(&p->a[BD_DSRC], dpd, dnnl_query_diff_src_md, &dsrc, 1);
-    if (st == dnnl_success) st = xarg_make(&p->a[BW_SRC], wpd, dnnl_query_src_md, &src, 0);
-    if (st == dnnl_success) st = xarg_make(&p->a[BW_DDST], wpd, dnnl_query_diff_dst_md, &ddst, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[BW_SRC], wpd, dnnl_query_src_md, &wsrc, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[BW_DDST], wpd, dnnl_query_diff_dst_md, &wddst, 0);
     if (st == dnnl_success) st = xarg_make(&p->a[BW_DWEI], wpd, dnnl_query_diff_weights_md, &dwei, 1);
     dnnl_primitive_desc_destroy(fpd);
     dnnl_primitive_desc_destroy(dpd);
@@ -444,10 +478,26 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
         return FSDP_ERR_NOMEM;
     }
     if (C->p.crop) memset(tw, 0, (size_t)C->weight->numel * sizeof(float)); /* taps outside the crop */
+    const void *wx = C->x, *wdy = dy;
+    size_t wmark = fsdp_arena_mark(ctx);
+    if (C->p.bw_f32) { /* [Note: bf16 weight gradients of small images] */
+        int64_t nx = C->n * o->in_channels * C->h * C->w;
+        float *x32 = fsdp__scratch(ctx, nx, "Conv2d input (bf16, widened)");
+        wdy = rounded_copy(ctx, FSDP_BF16, dout->data, ny, "Conv2d output gradient (bf16, widened)");
+        if (!x32 || !wdy) {
+            fsdp_arena_release(ctx, mark);
+            return FSDP_ERR_NOMEM;
+        }
+        const uint16_t *xb = C->x;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < nx; i++) x32[i] = fsdp__bf16_to_f32(xb[i]);
+        wx = x32;
+    }
     const struct xarg *aw[3] = {&C->p.a[BW_SRC], &C->p.a[BW_DDST], &C->p.a[BW_DWEI]};
     int argw[3] = {DNNL_ARG_SRC, DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_WEIGHTS};
-    void *ptrw[3] = {(void *)C->x, (void *)dy, tw};
+    void *ptrw[3] = {(void *)wx, (void *)wdy, tw};
     enum fsdp_status st = run_prim(ctx, m, C->p.bwd_wei, aw, argw, 3, ptrw, tb, DNNL_ARG_DIFF_BIAS);
+    fsdp_arena_release(ctx, wmark); /* the widened copies (tw, tb lie before the mark) */
     if (st != FSDP_OK) {
         fsdp_arena_release(ctx, mark);
         return st;
