@@ -86,9 +86,10 @@ void fsdp__dnnl_exec(struct dnnl_primitive *prim, int n, const int *arg, const v
  * sub-memory of the full (out, in, kh, kw) weight (the reorder reads it in
  * place), and the weight gradient's other taps are written as zeros.
  * [Note: bf16 weight gradients of small images] oneDNN 2.6's bf16
- * backward-weights kernel takes seconds where the output has fewer than 16
- * pixels (ResNet-18's layer3 and layer4 on 28x28 images: 2x2 and 1x1, 4.5 s
- * against 60 ms at 4x4, PyTorch alike). There the weight gradient runs in
+ * backward-weights kernel takes seconds where the output has 16 pixels or
+ * fewer (ResNet-18 on 28x28 images, batch 128: layer2's strided first conv
+ * (4x4 output) 2.7 s, layer3 and layer4 (2x2, 1x1) up to 4.5 s each, where
+ * fp32 takes tens of milliseconds; PyTorch alike). There the weight gradient runs in
  * fp32 on the bf16 values widened (x) and dy rounded to bf16 and widened:
  * the same products (a product of two bf16 values is exact in fp32), the
  * same fp32 accumulation. */
@@ -280,7 +281,7 @@ static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W,
                                                                  pad, padr);
     /* [Note: bf16 weight gradients of small images]: its own fp32 operands and forward hint */
     dnnl_memory_desc_t wsrc = src, wddst = ddst;
-    p->bw_f32 = dt == FSDP_BF16 && C->oh * C->ow < 16;
+    p->bw_f32 = dt == FSDP_BF16 && C->oh * C->ow <= 16;
     if (st == dnnl_success && p->bw_f32) {
         dnnl_memory_desc_t bsrc, bddst, bdst;
         dnnl_convolution_desc_t f32d;
