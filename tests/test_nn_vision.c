@@ -175,6 +175,10 @@ TEST(gradcheck_conv2d) { /* linear in x and W: rounding noise only; rtol 1e-3, a
         {4, 6, 3, 2, 2, 1, 2, 0, 2, 2, 0, {2, 4, 9, 8}},   /* rectangular, strided, dilated, grouped */
         {4, 8, 1, 1, 2, 2, 0, 0, 1, 1, 0, {3, 4, 5, 5}},   /* ResNet downsample */
         {1, 4, 7, 7, 2, 2, 3, 3, 1, 1, 0, {2, 1, 11, 11}}, /* ResNet stem on 1 channel */
+        /* [Note: cropped kernels] in conv.c: taps that only ever meet the padding */
+        {8, 6, 3, 3, 1, 1, 1, 1, 1, 1, 1, {4, 8, 1, 1}},   /* 1x1 input: the centre tap alone */
+        {4, 6, 3, 3, 2, 2, 1, 1, 1, 1, 0, {3, 4, 2, 2}},   /* 2x2 input, stride 2: a 2x2 corner */
+        {3, 4, 3, 3, 1, 1, 1, 1, 1, 1, 1, {2, 3, 1, 5}},   /* cropped in height only */
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         struct fsdp_module *m = conv_with(ctx, "conv", cases[k].in, cases[k].out, cases[k].kh, cases[k].kw,
@@ -228,6 +232,74 @@ TEST(conv2d_forward_matches_direct_sum) {
     CHECK(worst < 1e-5);
     free(x.data);
     fsdp_module_free(m);
+    fsdp_ctx_free(ctx);
+}
+
+/* Kernels cropped to the taps that meet the image ([Note: cropped kernels] in
+ * conv.c) give the direct sum over all taps, and the weight gradient too:
+ * zero for the taps that never meet the image, written outright over stale
+ * values and added onto */
+TEST(conv2d_cropped_kernels_match_direct_sum) {
+    rng_seed(12);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct {
+        int64_t in, out;
+        int k, st, pad;
+        int64_t shape[4];
+    } cases[] = {{8, 6, 3, 1, 1, {4, 8, 1, 1}}, {4, 6, 3, 2, 1, {3, 4, 2, 2}}, {3, 4, 3, 1, 1, {2, 3, 1, 5}},
+                 {2, 3, 5, 1, 2, {2, 2, 2, 1}}};
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        int K = cases[k].k, S = cases[k].st, P = cases[k].pad;
+        int64_t I = cases[k].in, O = cases[k].out, N = cases[k].shape[0], H = cases[k].shape[2],
+                W = cases[k].shape[3];
+        struct fsdp_module *m = conv_with(ctx, "conv", I, O, K, K, S, S, P, P, 1, 1, 1);
+        ASSERT(m);
+        prepare(ctx, m, 0.5f);
+        struct fsdp_tensor x = make_input(4, cases[k].shape, 1.0f, 0.0f), y = {0};
+        ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y), ctx);
+        int64_t OH = y.shape[2], OW = y.shape[3];
+        const float *w = m->params[0]->data, *b = m->params[1]->data, *xv = x.data, *yv = y.data;
+        /* dy = 1: dW[o, c, i, j] = sum over n, oh, ow of x at the tap */
+        double worst = 0.0, worst_g = 0.0;
+        double *gw = calloc((size_t)(O * I * K * K), sizeof(double));
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t o = 0; o < O; o++)
+                for (int64_t oh = 0; oh < OH; oh++)
+                    for (int64_t ow = 0; ow < OW; ow++) {
+                        double acc = b[o];
+                        for (int64_t c = 0; c < I; c++)
+                            for (int i = 0; i < K; i++)
+                                for (int j = 0; j < K; j++) {
+                                    int64_t h = oh * S - P + i, ww = ow * S - P + j;
+                                    if (h < 0 || h >= H || ww < 0 || ww >= W) continue;
+                                    double xx = xv[((n * I + c) * H + h) * W + ww];
+                                    acc += (double)w[((o * I + c) * K + i) * K + j] * xx;
+                                    gw[((o * I + c) * K + i) * K + j] += xx;
+                                }
+                        worst = fmax(worst, fabs(acc - (double)yv[((n * O + o) * OH + oh) * OW + ow]));
+                    }
+        struct fsdp_tensor dy = y;
+        dy.data = malloc((size_t)fsdp_tensor_numel(&y) * sizeof(float));
+        for (int64_t i = 0; i < fsdp_tensor_numel(&y); i++) ((float *)dy.data)[i] = 1.0f;
+        /* pass 0: an unset gradient holding stale values is written outright; pass 1: added onto */
+        ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
+        float *g = m->params[0]->grad;
+        for (int64_t i = 0; i < O * I * K * K; i++) g[i] = 7.0f;
+        m->params[0]->grad_unset = 1;
+        for (int pass = 0; pass < 2; pass++) {
+            struct fsdp_tensor y2 = {0}, dx = {0};
+            ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y2), ctx);
+            ASSERT_OK(fsdp_module_backward(m, ctx, &dy, &dx), ctx);
+            for (int64_t i = 0; i < O * I * K * K; i++)
+                worst_g = fmax(worst_g, fabs((pass + 1) * gw[i] - (double)g[i]));
+        }
+        if (!(worst < 1e-5 && worst_g < 1e-4))
+            TEST_FAILF("case %zu: forward off by %g, weight gradient off by %g", k, worst, worst_g);
+        free(gw);
+        free(dy.data);
+        free(x.data);
+        fsdp_module_free(m);
+    }
     fsdp_ctx_free(ctx);
 }
 
@@ -397,26 +469,29 @@ TEST(conv2d_16bit_matches_rounded_fp32) {
     rng_seed(6);
     struct fsdp_ctx *ctx = make_ctx();
     enum fsdp_dtype dts[2] = {FSDP_BF16, FSDP_F16};
-    for (int k = 0; k < 2; k++) {
+    /* bf16 and f16 on 6x6, 2x2 ([Note: bf16 weight gradients of small images] in conv.c) and 1x1
+       ([Note: cropped kernels]) */
+    const int64_t hw[3] = {6, 2, 1};
+    for (int k = 0; k < 6; k++) {
         struct fsdp_module *m = conv_with(ctx, "conv", 8, 16, 3, 3, 1, 1, 1, 1, 1, 1, 1), *ref;
         ref = conv_with(ctx, "conv", 8, 16, 3, 3, 1, 1, 1, 1, 1, 1, 1);
         ASSERT(m && ref);
         prepare(ctx, m, 0.3f);
         prepare(ctx, ref, 0);
-        int64_t shape[4] = {4, 8, 6, 6};
+        int64_t shape[4] = {4, 8, hw[k / 2], hw[k / 2]};
         struct fsdp_tensor x = make_input(4, shape, 1.0f, 0.0f), xr = make_input(4, shape, 0.0f, 0.0f);
         int64_t nx = fsdp_tensor_numel(&x), nw = m->params[0]->numel;
         uint16_t h;
         for (int64_t i = 0; i < nx; i++) {
-            h = k == 0 ? fsdp__f32_to_bf16(((float *)x.data)[i]) : fsdp__f32_to_f16(((float *)x.data)[i]);
-            ((float *)xr.data)[i] = k == 0 ? fsdp__bf16_to_f32(h) : fsdp__f16_to_f32(h);
+            h = k % 2 == 0 ? fsdp__f32_to_bf16(((float *)x.data)[i]) : fsdp__f32_to_f16(((float *)x.data)[i]);
+            ((float *)xr.data)[i] = k % 2 == 0 ? fsdp__bf16_to_f32(h) : fsdp__f16_to_f32(h);
         }
         for (int64_t i = 0; i < nw; i++) {
-            h = k == 0 ? fsdp__f32_to_bf16(m->params[0]->data[i]) : fsdp__f32_to_f16(m->params[0]->data[i]);
-            ref->params[0]->data[i] = k == 0 ? fsdp__bf16_to_f32(h) : fsdp__f16_to_f32(h);
+            h = k % 2 == 0 ? fsdp__f32_to_bf16(m->params[0]->data[i]) : fsdp__f32_to_f16(m->params[0]->data[i]);
+            ref->params[0]->data[i] = k % 2 == 0 ? fsdp__bf16_to_f32(h) : fsdp__f16_to_f32(h);
         }
         memcpy(ref->params[1]->data, m->params[1]->data, 16 * sizeof(float));
-        ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, dts[k]), ctx);
+        ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, dts[k % 2]), ctx);
         ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
         ASSERT_OK(fsdp_module_zero_grad(ctx, ref), ctx);
         fsdp_arena_reset(ctx);
@@ -430,8 +505,8 @@ TEST(conv2d_16bit_matches_rounded_fp32) {
         float *dy = malloc((size_t)ny * sizeof(float)), *dyr = malloc((size_t)ny * sizeof(float));
         for (int64_t i = 0; i < ny; i++) {
             dy[i] = urand();
-            h = k == 0 ? fsdp__f32_to_bf16(dy[i]) : fsdp__f32_to_f16(dy[i]);
-            dyr[i] = k == 0 ? fsdp__bf16_to_f32(h) : fsdp__f16_to_f32(h);
+            h = k % 2 == 0 ? fsdp__f32_to_bf16(dy[i]) : fsdp__f32_to_f16(dy[i]);
+            dyr[i] = k % 2 == 0 ? fsdp__bf16_to_f32(h) : fsdp__f16_to_f32(h);
         }
         struct fsdp_tensor d1 = y, d2 = yr;
         d1.data = dy, d2.data = dyr;

@@ -76,7 +76,23 @@ void fsdp__dnnl_exec(struct dnnl_primitive *prim, int n, const int *arg, const v
  * oneDNN's choice (format "any": blocked nChw16c and the like), and every
  * operand whose chosen layout differs from the plain one goes through a
  * reorder into arena scratch before (inputs) or after (outputs) the
- * primitive. The tensors at the API stay NCHW. */
+ * primitive. The tensors at the API stay NCHW.
+ * [Note: cropped kernels] Where some kernel taps fall in the padding for
+ * every output (a 3x3 kernel with padding 1 on a 1x1 input: only the centre
+ * tap meets the image; on 2x2 with stride 2, a 2x2 corner), the primitives
+ * are made for the taps that meet the image only, with the padding shifted
+ * to match: the same sums without the zero products (ResNet-18's layer4 on
+ * 28x28 images is 1x1: 9x fewer FLOPs there). The weight operand is then a
+ * sub-memory of the full (out, in, kh, kw) weight (the reorder reads it in
+ * place), and the weight gradient's other taps are written as zeros.
+ * [Note: bf16 weight gradients of small images] oneDNN 2.6's bf16
+ * backward-weights kernel takes seconds where the output has 16 pixels or
+ * fewer (ResNet-18 on 28x28 images, batch 128: layer2's strided first conv
+ * (4x4 output) 2.7 s, layer3 and layer4 (2x2, 1x1) up to 4.5 s each, where
+ * fp32 takes tens of milliseconds; PyTorch alike). There the weight gradient runs in
+ * fp32 on the bf16 values widened (x) and dy rounded to bf16 and widened:
+ * the same products (a product of two bf16 values is exact in fp32), the
+ * same fp32 accumulation. */
 struct xarg {                 /* one operand of a primitive */
     dnnl_memory_desc_t md;    /* the layout the primitive runs on */
     dnnl_memory_desc_t user;  /* the plain layout at the API */
@@ -91,6 +107,9 @@ struct conv_prims {
     int64_t n, h, w;
     enum fsdp_dtype dt;  /* FSDP_F32 or FSDP_BF16 (native) */
     int made;
+    int crop;                   /* the primitives see a part of the kernel ([Note: cropped kernels]) */
+    int bw_f32;                 /* dt BF16, but backward weights in fp32 ([Note: bf16 weight gradients
+                                   of small images]) */
     dnnl_memory_desc_t bias;    /* (out) fp32: the bias and its gradient */
     struct xarg a[N_XARG];
     dnnl_primitive_t fwd, bwd_data, bwd_wei;
@@ -170,6 +189,31 @@ static dnnl_status_t make_prim(dnnl_primitive_desc_t *pd_out, const void *desc, 
     return st;
 }
 
+/* The taps [*k0, *k0 + *kc) of a kernel of k taps (stride st, padding p,
+ * dilation d) that meet an input of n pixels for some of the out outputs,
+ * and the left and right padding that keeps the output size with those
+ * taps alone; 0 when every tap is needed or the shifted padding would be
+ * negative ([Note: cropped kernels]). */
+static int crop_taps(int64_t n, int64_t out, int k, int st, int p, int d, int *k0, int *kc, int64_t *pl,
+                     int64_t *pr) {
+    int lo = k, hi = -1;
+    for (int t = 0; t < k; t++)
+        for (int64_t o = 0; o < out; o++) {
+            int64_t i = o * st - p + (int64_t)t * d;
+            if (i >= 0 && i < n) {
+                if (t < lo) lo = t;
+                hi = t;
+                break;
+            }
+        }
+    if (hi < lo || (lo == 0 && hi == k - 1)) return 0;
+    *k0 = lo;
+    *kc = hi - lo + 1;
+    *pl = p - (int64_t)lo * d;
+    *pr = (out - 1) * st + (int64_t)(*kc - 1) * d + 1 - n - *pl;
+    return *pl >= 0 && *pr >= 0;
+}
+
 /* Makes the forward and both backward primitives for input (N, in, H, W) in
  * dtype dt (F32 or BF16) with their operands ([Note: conv layouts]); a
  * failure leaves p empty and returns oneDNN's status. */
@@ -182,17 +226,36 @@ static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W,
     dnnl_dims_t sd = {N, I, H, W}, dd = {N, O, C->oh, C->ow}, bd = {O};
     dnnl_dims_t wd = {O, I, o->kernel[0], o->kernel[1]}, gwd = {G, O / G, I / G, o->kernel[0], o->kernel[1]};
     dnnl_dims_t strides = {o->stride[0], o->stride[1]}, dil = {o->dilation[0] - 1, o->dilation[1] - 1};
-    dnnl_dims_t pad = {o->padding[0], o->padding[1]};
+    dnnl_dims_t pad = {o->padding[0], o->padding[1]}, padr = {o->padding[0], o->padding[1]};
     int wnd = G > 1 ? 5 : 4;
     dnnl_format_tag_t wtag = G > 1 ? dnnl_goihw : dnnl_oihw, any = dnnl_format_tag_any;
     const int64_t *wdims = G > 1 ? gwd : wd;
+    /* [Note: cropped kernels]: cd, the taps the primitives see (groups 1 only) */
+    int k0[2] = {0, 0}, kc[2] = {o->kernel[0], o->kernel[1]}, cut[2] = {0, 0};
+    for (int i = 0; i < 2 && G == 1; i++)
+        cut[i] = crop_taps(i ? W : H, i ? C->ow : C->oh, o->kernel[i], o->stride[i], o->padding[i], o->dilation[i],
+                           &k0[i], &kc[i], &pad[i], &padr[i]);
+    for (int i = 0; i < 2; i++)
+        if (!cut[i]) { /* undo a partial answer */
+            k0[i] = 0, kc[i] = o->kernel[i];
+            pad[i] = padr[i] = o->padding[i];
+        }
+    p->crop = cut[0] || cut[1];
+    dnnl_dims_t cd = {O, I, kc[0], kc[1]}, coff = {0, 0, k0[0], k0[1]};
+    if (p->crop) wdims = cd;
     /* plain layouts (the API's) and "any" layouts (the primitives') */
     dnnl_memory_desc_t src, wei, dst, dsrc, dwei, ddst, asrc, awei, adst, adsrc, adwei, addst;
     dnnl_status_t st = dnnl_memory_desc_init_by_tag(&src, 4, sd, ddt, dnnl_nchw);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&wei, wnd, wdims, ddt, wtag);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&wei, wnd, G > 1 ? gwd : wd, ddt, wtag);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dst, 4, dd, dnnl_f32, dnnl_nchw);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dsrc, 4, sd, dnnl_f32, dnnl_nchw);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dwei, wnd, wdims, dnnl_f32, wtag);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dwei, wnd, G > 1 ? gwd : wd, dnnl_f32, wtag);
+    if (st == dnnl_success && p->crop) { /* the taps' part of the full weight and its gradient, in place */
+        dnnl_memory_desc_t full = wei;
+        st = dnnl_memory_desc_init_submemory(&wei, &full, cd, coff);
+        full = dwei;
+        if (st == dnnl_success) st = dnnl_memory_desc_init_submemory(&dwei, &full, cd, coff);
+    }
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&ddst, 4, dd, ddt, dnnl_nchw);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&asrc, 4, sd, ddt, any);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&awei, wnd, wdims, ddt, any);
@@ -206,25 +269,50 @@ static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W,
     if (st == dnnl_success)
         st = dnnl_dilated_convolution_forward_desc_init(&fd, dnnl_forward_training, dnnl_convolution_direct, &asrc,
                                                         &awei, C->bias ? &p->bias : NULL, &adst, strides, dil, pad,
-                                                        pad);
+                                                        padr);
     if (st == dnnl_success) st = make_prim(&fpd, &fd, NULL, &p->fwd);
     if (st == dnnl_success)
         st = dnnl_dilated_convolution_backward_data_desc_init(&bdd, dnnl_convolution_direct, &adsrc, &awei, &addst,
-                                                              strides, dil, pad, pad);
+                                                              strides, dil, pad, padr);
     if (st == dnnl_success) st = make_prim(&dpd, &bdd, fpd, &p->bwd_data);
     if (st == dnnl_success)
         st = dnnl_dilated_convolution_backward_weights_desc_init(&bwd, dnnl_convolution_direct, &asrc, &adwei,
                                                                  C->bias ? &p->bias : NULL, &addst, strides, dil,
-                                                                 pad, pad);
-    if (st == dnnl_success) st = make_prim(&wpd, &bwd, fpd, &p->bwd_wei);
+                                                                 pad, padr);
+    /* [Note: bf16 weight gradients of small images]: its own fp32 operands and forward hint */
+    dnnl_memory_desc_t wsrc = src, wddst = ddst;
+    p->bw_f32 = dt == FSDP_BF16 && C->oh * C->ow <= 16;
+    if (st == dnnl_success && p->bw_f32) {
+        dnnl_memory_desc_t bsrc, bddst, bdst;
+        dnnl_convolution_desc_t f32d;
+        dnnl_primitive_desc_t hint = NULL;
+        st = dnnl_memory_desc_init_by_tag(&wsrc, 4, sd, dnnl_f32, dnnl_nchw);
+        wddst = dst; /* f32 (N, out, OH, OW) plain */
+        if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&bsrc, 4, sd, dnnl_f32, any);
+        if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&bddst, 4, dd, dnnl_f32, any);
+        if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&bdst, 4, dd, dnnl_f32, any);
+        if (st == dnnl_success)
+            st = dnnl_dilated_convolution_forward_desc_init(&f32d, dnnl_forward_training, dnnl_convolution_direct,
+                                                            &bsrc, &adwei, C->bias ? &p->bias : NULL, &bdst, strides,
+                                                            dil, pad, padr);
+        if (st == dnnl_success) st = dnnl_primitive_desc_create(&hint, &f32d, NULL, fsdp__dnnl_engine(), NULL);
+        if (st == dnnl_success)
+            st = dnnl_dilated_convolution_backward_weights_desc_init(&bwd, dnnl_convolution_direct, &bsrc, &adwei,
+                                                                     C->bias ? &p->bias : NULL, &bddst, strides, dil,
+                                                                     pad, padr);
+        if (st == dnnl_success) st = make_prim(&wpd, &bwd, hint, &p->bwd_wei);
+        dnnl_primitive_desc_destroy(hint);
+    } else if (st == dnnl_success) {
+        st = make_prim(&wpd, &bwd, fpd, &p->bwd_wei);
+    }
     if (st == dnnl_success) st = xarg_make(&p->a[FWD_SRC], fpd, dnnl_query_src_md, &src, 0);
     if (st == dnnl_success) st = xarg_make(&p->a[FWD_WEI], fpd, dnnl_query_weights_md, &wei, 0);
     if (st == dnnl_success) st = xarg_make(&p->a[FWD_DST], fpd, dnnl_query_dst_md, &dst, 1);
     if (st == dnnl_success) st = xarg_make(&p->a[BD_DDST], dpd, dnnl_query_diff_dst_md, &ddst, 0);
     if (st == dnnl_success) st = xarg_make(&p->a[BD_WEI], dpd, dnnl_query_weights_md, &wei, 0);
     if (st == dnnl_success) st = xarg_make(&p->a[BD_DSRC], dpd, dnnl_query_diff_src_md, &dsrc, 1);
-    if (st == dnnl_success) st = xarg_make(&p->a[BW_SRC], wpd, dnnl_query_src_md, &src, 0);
-    if (st == dnnl_success) st = xarg_make(&p->a[BW_DDST], wpd, dnnl_query_diff_dst_md, &ddst, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[BW_SRC], wpd, dnnl_query_src_md, &wsrc, 0);
+    if (st == dnnl_success) st = xarg_make(&p->a[BW_DDST], wpd, dnnl_query_diff_dst_md, &wddst, 0);
     if (st == dnnl_success) st = xarg_make(&p->a[BW_DWEI], wpd, dnnl_query_diff_weights_md, &dwei, 1);
     dnnl_primitive_desc_destroy(fpd);
     dnnl_primitive_desc_destroy(dpd);
@@ -390,10 +478,27 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
         fsdp_arena_release(ctx, mark);
         return FSDP_ERR_NOMEM;
     }
+    if (C->p.crop) memset(tw, 0, (size_t)C->weight->numel * sizeof(float)); /* taps outside the crop */
+    const void *wx = C->x, *wdy = dy;
+    size_t wmark = fsdp_arena_mark(ctx);
+    if (C->p.bw_f32) { /* [Note: bf16 weight gradients of small images] */
+        int64_t nx = C->n * o->in_channels * C->h * C->w;
+        float *x32 = fsdp__scratch(ctx, nx, "Conv2d input (bf16, widened)");
+        wdy = rounded_copy(ctx, FSDP_BF16, dout->data, ny, "Conv2d output gradient (bf16, widened)");
+        if (!x32 || !wdy) {
+            fsdp_arena_release(ctx, mark);
+            return FSDP_ERR_NOMEM;
+        }
+        const uint16_t *xb = C->x;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < nx; i++) x32[i] = fsdp__bf16_to_f32(xb[i]);
+        wx = x32;
+    }
     const struct xarg *aw[3] = {&C->p.a[BW_SRC], &C->p.a[BW_DDST], &C->p.a[BW_DWEI]};
     int argw[3] = {DNNL_ARG_SRC, DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_WEIGHTS};
-    void *ptrw[3] = {(void *)C->x, (void *)dy, tw};
+    void *ptrw[3] = {(void *)wx, (void *)wdy, tw};
     enum fsdp_status st = run_prim(ctx, m, C->p.bwd_wei, aw, argw, 3, ptrw, tb, DNNL_ARG_DIFF_BIAS);
+    fsdp_arena_release(ctx, wmark); /* the widened copies (tw, tb lie before the mark) */
     if (st != FSDP_OK) {
         fsdp_arena_release(ctx, mark);
         return st;
