@@ -142,13 +142,6 @@ struct fsdp_model {
     struct fsdp__post_step_hook *post_step; /* (n_post_step) hooks.c, in registration order */
 };
 
-/* ---- Layout only (wrap.c), for the memory planner (plan.c) ---- */
-/* The units fsdp_fully_shard would make for ctx->world (flat offsets,
- * padding, overrides) without allocating shards or installing hooks. Free
- * with fsdp_model_free (which also clears the parameters' fsdp_priv). */
-enum fsdp_status fsdp__model_layout(struct fsdp_ctx *ctx, struct fsdp_module *root,
-                                    const struct fsdp_shard_opts *opts, struct fsdp_model **out);
-
 /* ---- Sharding strategies (strategy.c) ---- */
 /* Sets fm's strategy, shard_size/rank and rep_size/rank for `world` ranks
  * (`local`: ranks on this host, HYBRID_SHARD's default K; 0: the world).

@@ -305,25 +305,6 @@ enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root
     return FSDP_OK;
 }
 
-enum fsdp_status fsdp__model_layout(struct fsdp_ctx *ctx, struct fsdp_module *root,
-                                    const struct fsdp_shard_opts *opts, struct fsdp_model **out) {
-    struct fsdp_shard_opts def = fsdp_shard_opts_default();
-    if (!opts) opts = &def;
-    if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
-    struct fsdp_model *fm = calloc(1, sizeof *fm);
-    if (!fm) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory laying out units");
-    fm->ctx = ctx;
-    fm->root = root;
-    enum fsdp_status st = fsdp__sharding_layout(ctx, opts, ctx->world, ctx->rank, 0, fm);
-    if (st == FSDP_OK) st = build_units(fm, opts);
-    if (st != FSDP_OK) {
-        fsdp_model_free(fm);
-        return st;
-    }
-    *out = fm;
-    return FSDP_OK;
-}
-
 void fsdp_model_free(struct fsdp_model *fm) {
     if (!fm) return;
     struct fsdp_ctx *ctx = fm->ctx;
@@ -369,6 +350,7 @@ enum fsdp_status fsdp_model_init_params(struct fsdp_ctx *ctx, struct fsdp_model 
         if (u->state_ != UNIT_SHARDED)
             return fsdp__err(ctx, FSDP_ERR_STATE, "init_params while unit '%s' is gathered",
                              u->module->fqn);
+        if (fsdp__measuring) continue; /* [Note: measure mode] (plan.c) */
         int64_t lo = (int64_t)fm->shard_rank * u->numel_shard, hi = lo + u->numel_shard;
         memset(u->shard, 0, (size_t)u->numel_shard * sizeof(float));
         for (int j = 0; j < u->n_params; j++) {

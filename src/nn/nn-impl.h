@@ -237,14 +237,4 @@ void fsdp__loss_builtin(const struct fsdp_loss *loss, const struct fsdp_tensor *
 enum fsdp_status fsdp__gpt_config_parse(struct fsdp_ctx *ctx, const char *name, const char *text,
                                         size_t len, struct fsdp_gpt_config *cfg);
 
-/* ---- Activation planning (gpt.c) ---- */
-/* Replays on s the arena use of one training step of the GPT `gpt` on (B, T)
- * tokens with nthr threads, checkpointed modules included, each module in its
- * compute dtype, without running it ([Note: activation trace]). gathered(p,
- * ud) is the dtype parameter p's unit gathers in (its param_dtype; NULL: all
- * fp32). The caller allocates the token batch first. */
-void fsdp__gpt_act_trace(struct fsdp_module *gpt, int64_t B, int64_t T, int nthr,
-                         enum fsdp_dtype (*gathered)(const struct fsdp_param *p, void *ud), void *ud,
-                         struct fsdp__arena_sim *s);
-
 #endif
