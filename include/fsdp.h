@@ -1645,8 +1645,10 @@ struct fsdp_plan_opts {
     struct fsdp_optim_opts optim; /* the optimizer attached (default fsdp_optim_opts_default) */
     int steps;                   /* steps measured (default 2: the second runs in the arena's
                                     merged chunk, as every later step) */
-    /* Optional (NULL: none): after the optimizer is attached, what the run
-     * does before its first step (post-step hooks, parameter groups). */
+    /* Optional (NULL: none): what the run does to its optimizer before
+     * attaching it (parameter groups), and after attaching it, before its
+     * first step (post-step hooks, re-initialisation). */
+    enum fsdp_status (*prepare_optim)(struct fsdp_ctx *ctx, struct fsdp_optim *opt, void *ud);
     enum fsdp_status (*setup)(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_optim *opt, void *ud);
     /* One training step of fm (forward, loss, backward, fsdp_model_optim_step
      * or fsdp_model_train_step) on ctx, the measuring context. Required. */

@@ -81,11 +81,13 @@ void fsdp__log(const struct fsdp_ctx *ctx, int level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 /* ---- Accounted allocation ---- */
-/* Set on the thread that runs a measured step ([Note: measure mode],
- * src/fsdp/plan.c): the kernels (GEMM, oneDNN primitives), the optimizer
- * update, initialisation and the precision casts skip their arithmetic,
- * while every allocation, arena call, gather and release still happens. */
-extern _Thread_local int fsdp__measuring;
+/* Set while a measured step runs ([Note: measure mode], src/fsdp/plan.c):
+ * the kernels (GEMM, oneDNN primitives), the layers' element-wise loops,
+ * the optimizer update, initialisation and the precision casts skip their
+ * arithmetic, while every allocation, arena call, gather and release still
+ * happens. Process-wide, not per thread: the layers' OpenMP workers read it
+ * too (so no other thread of the process may train while a plan runs). */
+extern int fsdp__measuring;
 /* 64-byte aligned; returns NULL and sets errmsg naming `what` on failure. */
 void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);
 void *fsdp__calloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);

@@ -158,7 +158,7 @@ static void mem_add(struct fsdp_ctx *ctx, int kind, size_t bytes) {
 }
 
 long fsdp__alloc_count, fsdp__alloc_fail_at;
-_Thread_local int fsdp__measuring;
+int fsdp__measuring;
 
 static const char *mem_kind_name(enum fsdp_mem_kind kind) {
     static const char *const names[FSDP_MEM_KIND_COUNT] = {"shards", "full buffers", "activations",

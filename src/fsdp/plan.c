@@ -214,6 +214,7 @@ static enum fsdp_status measure_run(struct fsdp_ctx *mctx, struct fsdp_module *r
     struct fsdp_optim *opt = NULL;
     enum fsdp_status st = fsdp_fully_shard(mctx, root, so, &fm);
     if (st == FSDP_OK) st = fsdp_optim_create(mctx, &po->optim, &opt);
+    if (st == FSDP_OK && po->prepare_optim) st = po->prepare_optim(mctx, opt, po->ud);
     if (st == FSDP_OK) st = fsdp_model_attach_optim(mctx, fm, opt);
     if (st == FSDP_OK) { /* the shards' blocks, split by the units' sizes */
         fsdp_mem_get(mctx, &m1);

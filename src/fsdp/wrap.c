@@ -267,7 +267,7 @@ enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit
     float *mem = fsdp__calloc(ctx, (2 + (size_t)k_state) * n * sizeof(float) + lp + 64, FSDP_MEM_SHARD,
                               u->module->fqn[0] ? u->module->fqn : "root unit shards");
     if (!mem) return FSDP_ERR_NOMEM;
-    if (u->shard_mem) memcpy(mem, u->shard, n * sizeof(float)); /* keep the values */
+    if (u->shard_mem && !fsdp__measuring) memcpy(mem, u->shard, n * sizeof(float)); /* keep the values */
     fsdp__free(ctx, u->shard_mem);
     u->shard_mem = mem;
     u->shard = mem;

@@ -430,7 +430,8 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
                                   int step, float lr, struct fsdp_step_result *r) {
     struct swav *k = t->impl;
     set_frozen(ctx, k, step < o->freeze_prototypes_iters);
-    int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), C = k->ti.channels, Bl = k->Bl, V = k->V;
+    int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), C = k->ti.channels, V = k->V;
+    int Bl = o->batch / world; /* k->Bl, or the memory plan's world (fsdp-train --dry-run --nproc) */
     int64_t n = k->ti.count, K = k->hc.n_prototypes, D = k->hc.out_dim, W = k->W;
     float *tmp = malloc((size_t)C * (size_t)(k->Sg > k->Ss ? k->Sg : k->Ss) * (size_t)(k->Sg > k->Ss ? k->Sg : k->Ss) *
                         sizeof(float));
