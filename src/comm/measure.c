@@ -4,8 +4,9 @@
  * exist. Every collective starts and completes at once and moves no data,
  * so the caller runs the real schedule (gathers, reduce-scatters, their
  * waits and releases) for any world size in one process; only small
- * out-of-place all-reduces and broadcasts copy send to recv, so that
- * agreements (a host size, a loss) read defined values. Where the plan is
+ * out-of-place all-reduces copy send to recv and small all-gathers give
+ * every block this rank's contribution, so that agreements (a host size, a
+ * loss, a batch norm's counts) read defined values. Where the plan is
  * for the MPI backend (`like_mpi`), each reduction holds from its start to
  * its wait the bytes MPI's would (fsdp__comm_mpi_reduce_bytes: the fp32
  * staging of a 16-bit reduction, an ordered reduction's gather), in the
@@ -50,9 +51,17 @@ static void small_copy(const void *send, void *recv, size_t count, enum fsdp_dty
     if (send && send != recv && count > 0 && count <= MEASURE_COPY_MAX) memmove(recv, send, count * fsdp_dtype_size(dt));
 }
 
+/* A small all-gather gives every block this rank's contribution, as if all
+ * ranks agreed (a batch norm's counts, the losses): checks on the result
+ * see plausible values. */
 static enum fsdp_status measure_allgather_start(struct fsdp_comm *c, const void *send, void *recv, size_t count,
                                                 enum fsdp_dtype dt, struct fsdp_comm_req **req) {
-    (void)send; (void)recv;
+    size_t b = count * fsdp_dtype_size(dt);
+    char *r = recv;
+    const char *mine = send ? send : r + (size_t)c->rank * b; /* NULL: in place */
+    if (count && count * (size_t)c->size <= MEASURE_COPY_MAX)
+        for (int k = 0; k < c->size; k++)
+            if (r + (size_t)k * b != mine) memmove(r + (size_t)k * b, mine, b);
     return measure_done(c, FSDP_COLL_ALLGATHER, count, dt, req);
 }
 
