@@ -1617,7 +1617,7 @@ size_t fsdp_mem_limit(const struct fsdp_ctx *ctx);
  * not one. */
 enum fsdp_status fsdp_mem_parse_size(struct fsdp_ctx *ctx, const char *text, size_t *out);
 
-/* Predicted bytes per rank of training, in fsdp_mem_get's accounting. */
+/* Bytes per rank of training in fsdp_mem_get's accounting, as the planner measures them. */
 struct fsdp_mem_plan {
     int world, rank;
     int n_units;
