@@ -335,6 +335,7 @@ static void swav_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o
 static void swav_prepare_optim(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_optim *opt) {
     struct swav *k = t->impl;
     k->opt = opt;
+    k->frozen = 0; /* a new optimizer's groups start unfrozen (the memory plan ran steps on its own) */
     if (o->freeze_prototypes_iters <= 0) return;
     char names[64][32];
     const char *fq[64];
