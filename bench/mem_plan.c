@@ -6,13 +6,21 @@
  * the measured peaks (max over ranks): the library's accounting
  * (fsdp_mem_get) and the process's peak RSS less its RSS before the model
  * existed (MPI, oneDNN, the program). Usage: mem_plan [MODEL B T STEPS [ac]]
- * (ac: checkpoint every Block)
+ * (ac: checkpoint every Block), and the time the plan took (it runs the
+ * step in measure mode, [Note: measure mode] in src/fsdp/plan.c).
  */
 #include "fsdp.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 static double mb(double bytes) { return bytes / 1048576.0; }
 
@@ -47,7 +55,9 @@ int main(int argc, char **argv) {
         snprintf(fqn, sizeof fqn, "transformer.h.%d.ln_1.weight", l);
         fsdp_module_find_param(gpt, fqn)->owner->parent->checkpoint = 1;
     }
+    double t0 = now();
     OK(fsdp_plan_memory(ctx, gpt, NULL, world, rank, 2, Bl, T, co.threads, &plan));
+    double plan_s = now() - t0;
     OK(fsdp_fully_shard(ctx, gpt, NULL, &fm));
     OK(fsdp_model_init_params(ctx, fm, 1));
     OK(fsdp_optim_create(ctx, &oo, &opt));
@@ -73,10 +83,11 @@ int main(int argc, char **argv) {
     }
     if (rank == 0)
         printf("%s%s world %d, batch %d x %d per rank: plan %.1f MB (shards %.1f, full %.1f, act %.1f) | "
-               "accounted peak %.1f MB = %.3f of plan (act %.1f) | RSS growth %.1f MB = %.3f of plan\n",
+               "accounted peak %.1f MB = %.3f of plan (act %.1f) | RSS growth %.1f MB = %.3f of plan | "
+               "plan measured in %.2f s\n",
                model, ac ? " (ac)" : "", world, Bl, T, mb((double)plan.total), mb((double)(plan.params + plan.grads + plan.optim)),
                mb((double)plan.full), mb((double)plan.act), mb(mx[0]), mx[0] / (double)plan.total, mb(mx[2]),
-               mb(mx[1]), mx[1] / (double)plan.total);
+               mb(mx[1]), mx[1] / (double)plan.total, plan_s);
     free(all);
     free(in);
     free(tg);

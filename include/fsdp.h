@@ -1683,7 +1683,7 @@ size_t fsdp_mem_limit(const struct fsdp_ctx *ctx);
  * not one. */
 enum fsdp_status fsdp_mem_parse_size(struct fsdp_ctx *ctx, const char *text, size_t *out);
 
-/* Predicted bytes per rank of training, in fsdp_mem_get's accounting. */
+/* Bytes per rank of training in fsdp_mem_get's accounting, as the planner measures them. */
 struct fsdp_mem_plan {
     int world, rank;
     int n_units;
@@ -1691,31 +1691,66 @@ struct fsdp_mem_plan {
                                     16-bit copy a 16-bit unit keeps for its gathers */
     size_t full;      /* pooled full parameter and gradient buffers (FSDP_MEM_FULL) */
     size_t act;       /* activation arena at its peak, checkpointing included (FSDP_MEM_ACT) */
-    size_t workspace; /* the rest the library allocates: per-step transients (FSDP_MEM_OTHER) */
-    size_t total;     /* the sum: the predicted peak */
+    size_t workspace; /* the rest the library allocates at its peak: comm requests, MPI's
+                         staging of 16-bit reductions (FSDP_MEM_OTHER) */
+    size_t total;     /* all kinds together at their peak (not the sum of the kinds' peaks) */
 };
 
-/* Plans FULL_SHARD training of `root` (built with shapes only, not yet
- * sharded; checkpointing as set on its modules) at world size `world`, for
- * rank `rank`, with an optimizer keeping `optim_state` floats per element
- * (fsdp_optim_state_per_elem), on (B_local, T) tokens per rank with
- * `threads` compute threads. Computes from the unit layout fsdp_fully_shard
- * would make; allocates no shard, buffer or activation. Activations are
- * known for the built-in GPT with fp32 compute only (another root, or a
- * module with a 16-bit compute dtype, is FSDP_ERR_UNSUPPORTED).
- * COLLECTIVE: no. */
-enum fsdp_status fsdp_plan_memory(struct fsdp_ctx *ctx, struct fsdp_module *root,
-                                  const struct fsdp_shard_opts *opts, int world, int rank,
-                                  int optim_state, int B_local, int T, int threads,
-                                  struct fsdp_mem_plan *out);
-/* The same for any sharding strategy (opts->sharding; HYBRID_SHARD without
- * a shard_group is planned with one host: a group of `world`) and a step of
- * `accum` micro-batches of (B_local, T) in `mode` (fsdp_model_train_step_accum).
- * fsdp_plan_memory is this with accum = 1. COLLECTIVE: no. */
+/* [Note: measure mode] The plan is measured, not computed: the planner
+ * shards `root` in a measuring context (rank `rank` of `world` ranks that do
+ * not exist: collectives complete at once and move no data; large blocks are
+ * reserved, not committed), attaches the optimizer and runs the caller's
+ * training step `steps` times with the kernels (GEMMs, convolutions, the
+ * optimizer update) skipped, so every allocation, gather and release of the
+ * real code happens and is counted, for any model, user modules included.
+ * The step reads no values: give inputs of the real shapes (zeros do). */
+struct fsdp_plan_opts {
+    int world, rank;             /* the run planned (default 1, 0) */
+    int threads;                 /* compute threads per rank while measuring (0: as now); the
+                                    layers' per-thread scratch depends on it */
+    struct fsdp_optim_opts optim; /* the optimizer attached (default fsdp_optim_opts_default) */
+    int steps;                   /* steps measured (default 2: the second runs in the arena's
+                                    merged chunk, as every later step) */
+    /* Optional (NULL: none): what the run does to its optimizer before
+     * attaching it (parameter groups), and after attaching it, before its
+     * first step (post-step hooks, re-initialisation). */
+    enum fsdp_status (*prepare_optim)(struct fsdp_ctx *ctx, struct fsdp_optim *opt, void *ud);
+    enum fsdp_status (*setup)(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_optim *opt, void *ud);
+    /* One training step of fm (forward, loss, backward, fsdp_model_optim_step
+     * or fsdp_model_train_step) on ctx, the measuring context. Required. */
+    enum fsdp_status (*step)(struct fsdp_ctx *ctx, struct fsdp_model *fm, int step, void *ud);
+    void *ud;
+};
+struct fsdp_plan_opts fsdp_plan_opts_default(void);
+
+/* Plans the training of `root` (built with shapes only, not yet sharded;
+ * checkpointing as set on its modules) under `so` (NULL: defaults) by
+ * measuring it (above). Leaves root as it was (compute dtypes, buffers'
+ * values). The model's buffers, allocated when it was built, are not part
+ * of the plan. A module whose forward or backward fails in measure mode
+ * fails the plan with a message naming it. COLLECTIVE: no. */
+enum fsdp_status fsdp_plan_memory_run(struct fsdp_ctx *ctx, struct fsdp_module *root,
+                                      const struct fsdp_shard_opts *so, const struct fsdp_plan_opts *po,
+                                      struct fsdp_mem_plan *out);
+/* Whether ctx is the planner's measuring context: a user module may skip
+ * its arithmetic then (it must still allocate as it would). */
+int fsdp_ctx_measuring(const struct fsdp_ctx *ctx);
+
+/* fsdp_plan_memory_run for a model trained on tokens by
+ * fsdp_model_train_step_accum (the GPT): `accum` micro-batches of (B_local,
+ * T) per rank in `mode`, an optimizer keeping `optim_state` floats per
+ * element (2: AdamW, 1: SGD with momentum, 0: SGD), `threads` compute
+ * threads. Any sharding strategy (HYBRID_SHARD without a shard_group is
+ * planned with one host: a group of `world`). COLLECTIVE: no. */
 enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module *root,
                                         const struct fsdp_shard_opts *opts, int world, int rank,
                                         int optim_state, int B_local, int T, int threads, int accum,
                                         enum fsdp_grad_accum mode, struct fsdp_mem_plan *out);
+/* The same with accum = 1. COLLECTIVE: no. */
+enum fsdp_status fsdp_plan_memory(struct fsdp_ctx *ctx, struct fsdp_module *root,
+                                  const struct fsdp_shard_opts *opts, int world, int rank,
+                                  int optim_state, int B_local, int T, int threads,
+                                  struct fsdp_mem_plan *out);
 
 #ifdef __cplusplus
 }

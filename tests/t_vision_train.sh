@@ -160,4 +160,17 @@ expect_input "unknown arch in a config" "arch.json.*unknown arch 'resnet9'" -- -
 expect_input "unknown key in a config" "key.json.*colour" -- --model-config "$tmp/key.json" --steps 1
 expect_input "unknown image model" "--model.*resnet9" -- --model resnet9 --steps 1
 expect_input "missing image folder" "no/such" -- --model cnn --data "$tmp/no/such" --steps 1
+# --dry-run and --mem-limit plan image models as the GPT, activations included (measured in
+# measure mode; tests/test_mpi_plan.c checks plan == run to the byte), and checkpointing lowers them
+dry() { timeout 120 "$TRAIN" --model resnet18 --data fashion-mnist --batch 32 --nproc 2 --dry-run "$@" > "$tmp/dry" 2>&1; }
+act_of() { awk '$1 == "0" {print $10}' "$tmp/dry"; }
+if dry && a0=$(act_of) && dry --ac blocks && a1=$(act_of) && [ -n "$a0" ] && [ -n "$a1" ] &&
+   python3 -c "import sys; sys.exit(not 0 < $a1 < $a0)"; then
+  ok "--dry-run resnet18 at 2 ranks: activations $a0 MiB, $a1 MiB with --ac blocks"
+else bad "--dry-run resnet18" "activations '$a0' vs '$a1'" "$(tail -5 "$tmp/dry")"; fi
+if timeout 120 "$TRAIN" --model resnet18 --data fashion-mnist --batch 32 --steps 1 --mem-limit 8M > "$tmp/ml" 2> "$tmp/mle";
+then bad "--mem-limit 8M with resnet18" "it ran" "$(tail -3 "$tmp/ml")"
+elif grep -q "mem-limit 8M: the plan needs .* activations [1-9]" "$tmp/mle" && ! grep -q "^step" "$tmp/ml"; then
+  ok "--mem-limit 8M refuses resnet18 before any step, its activations planned"
+else bad "--mem-limit 8M with resnet18" "$(head -3 "$tmp/mle")"; fi
 finish

@@ -285,7 +285,7 @@ TEST(conv2d_cropped_kernels_match_direct_sum) {
         ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
         float *g = m->params[0]->grad;
         for (int64_t i = 0; i < O * I * K * K; i++) g[i] = 7.0f;
-        m->params[0]->grad_unset = 1;
+        m->params[0]->priv->grad_unset = 1;
         for (int pass = 0; pass < 2; pass++) {
             struct fsdp_tensor y2 = {0}, dx = {0};
             ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y2), ctx);

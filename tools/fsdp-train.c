@@ -580,55 +580,47 @@ static void host_memory(struct host_mem *hm, int local) {
              local == 1 ? "" : "s");
 }
 
-/* Plans the run for `pworld` ranks: --dry-run prints the plan per rank and
- * exits; --mem-limit refuses a plan over the limit before any work, then
- * hands the limit to the library's allocator. Every rank computes the same. */
-/* Another model than the GPT: the library plans no activations for it, so
- * --dry-run prints the shards only and --mem-limit SIZE caps the allocator
- * without a plan (auto: no check). */
-static void shards_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *root, int pworld) {
-    if (o->batch % pworld != 0)
-        fail_all("--batch %d (global) is not divisible by the world size %d", o->batch, pworld);
-    check_strategy_flags(o, pworld);
-    if (o->dry_run) {
-        if (fsdp_ctx_rank(ctx) == 0) {
-            int k = strcmp(o->optim, "adamw") ? (o->momentum > 0 ? 1 : 0) : 2;
-            int64_t n = fsdp_module_numel(root);
-            int shard = !strcasecmp(o->sharding, "NO_SHARD") ? 1
-                        : !strcasecmp(o->sharding, "HYBRID_SHARD") && o->shard_group ? o->shard_group
-                                                                                    : pworld;
-            char a[32], b[32];
-            mib(a, sizeof a, (size_t)n * 4);
-            mib(b, sizeof b, (size_t)((double)n * 4.0 * (2 + k) / shard));
-            printf("memory plan: %s, world %d, batch %d images per rank, %s (%d state floats per element): "
-                   "%.3fM parameters (%s); parameter, gradient and optimizer shards about %s per rank "
-                   "(activations are planned for the GPT only)\n",
-                   o->sharding, pworld, o->batch / pworld, o->optim, k, (double)n / 1e6, a, b);
-        }
-        fsdp_module_free(root);
-        fsdp_ctx_free(ctx);
-        exit(0);
-    }
-    fsdp_mem_set_limit(ctx, o->mem_limit_bytes);
+/* The planner's step and set-up: the task's own, on the measuring context
+ * (src/fsdp/plan.c, [Note: measure mode]). */
+struct plan_task {
+    struct task *t;
+    const struct opts *o;
+};
+
+static enum fsdp_status plan_step(struct fsdp_ctx *ctx, struct fsdp_model *fm, int step, void *ud) {
+    struct plan_task *pt = ud;
+    struct fsdp_step_result r;
+    return pt->t->ops->step(pt->t, ctx, fm, pt->o, step, pt->o->lr, &r);
 }
 
+static enum fsdp_status plan_prepare(struct fsdp_ctx *ctx, struct fsdp_optim *opt, void *ud) {
+    struct plan_task *pt = ud;
+    if (pt->t->ops->prepare_optim) pt->t->ops->prepare_optim(pt->t, ctx, pt->o, opt);
+    return FSDP_OK;
+}
+
+static enum fsdp_status plan_setup(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_optim *opt, void *ud) {
+    struct plan_task *pt = ud;
+    if (pt->t->ops->after_shard) pt->t->ops->after_shard(pt->t, ctx, pt->o, fm, opt);
+    return FSDP_OK;
+}
+
+/* Plans the run for `pworld` ranks by measuring the task's real step
+ * (fsdp_plan_memory_run): --dry-run prints the plan per rank and exits;
+ * --mem-limit refuses a plan over the limit before any work, then hands the
+ * limit to the library's allocator. Every rank computes the same. */
 static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *gpt, int pworld) {
-    if (!g_task->is_gpt) {
-        shards_plan(ctx, o, gpt, pworld);
-        return;
-    }
     if (!o->dry_run && !o->mem_limit_bytes && !o->mem_limit_auto) return;
     size_t limit = o->mem_limit_bytes;
     if (o->batch % pworld != 0)
         fail_all("--batch %d (global) is not divisible by the world size %d", o->batch, pworld);
-    int k = strcmp(o->optim, "adamw") ? (o->momentum > 0 ? 1 : 0) : 2;
     int threads = o->threads;
     if (threads == 0) {
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         threads = pworld > 1 && !getenv("OMPI_COMM_WORLD_SIZE") ? (int)(cores / pworld) : (int)(cores / local_ranks());
         if (threads < 1) threads = 1;
     }
-    /* the units and checkpointing prepare_model will ask fsdp_parallelize_model for */
+    /* the units, precision and checkpointing prepare_model will ask fsdp_parallelize_model for */
     struct fsdp_shard_opts so = fsdp_shard_opts_default();
     so.reshard_after_forward = o->reshard_after_forward;
     fsdp_sharding_parse(ctx, o->sharding, &so.sharding);
@@ -642,12 +634,28 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
                                                                    : FSDP_MP_DEFAULT;
     check_strategy_flags(o, pworld);
     static int64_t min_size;
+    so.wrap_ud = (void *)g_task->block_type;
+    if (g_task->wrap) {
+        so.wrap = g_task->wrap;
+        so.wrap_ud = (void *)g_task;
+    }
     if (!strcmp(o->wrap, "none")) so.wrap = NULL;
     else if (!strncmp(o->wrap, "size:", 5)) {
         min_size = atol(o->wrap + 5);
         so.wrap = fsdp_wrap_by_size;
         so.wrap_ud = &min_size;
     }
+    struct plan_task pt = {(struct task *)g_task, o}; /* the task runs its step */
+    struct fsdp_plan_opts po = fsdp_plan_opts_default();
+    po.threads = threads;
+    po.optim.kind = !strcmp(o->optim, "sgd") ? FSDP_OPTIM_SGD : !strcmp(o->optim, "lars") ? FSDP_OPTIM_LARS
+                                                                                         : FSDP_OPTIM_ADAMW;
+    po.optim.momentum = o->momentum;
+    po.optim.nesterov = o->nesterov;
+    po.prepare_optim = plan_prepare;
+    po.setup = plan_setup;
+    po.step = plan_step;
+    po.ud = &pt;
     plan_mark_ac(gpt, o, 1);
     struct fsdp_mem_stats held; /* the communicator and the data, already allocated */
     fsdp_mem_get(ctx, &held);
@@ -655,21 +663,23 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
     int me = fsdp_ctx_rank(ctx);
     struct fsdp_mem_plan p0;
     memset(&p0, 0, sizeof p0);
+    double t0 = now_s();
     for (int i = 0; i < (o->dry_run ? shown : 1); i++) {
         int r = pworld <= 8 ? i : (i ? pworld - 1 : 0);
         struct fsdp_mem_plan p;
-        enum fsdp_status pst = fsdp_plan_memory_accum(
-            ctx, gpt, &so, pworld, r, k, o->batch / pworld / o->grad_accum, o->seq, threads, o->grad_accum,
-            !strcmp(o->accum_mode, "no_sync") ? FSDP_ACCUM_NO_SYNC : FSDP_ACCUM_REDUCE_EACH, &p);
-        if (pst != FSDP_OK) fail_all("memory plan: %s", fsdp_errmsg(ctx));
+        po.world = pworld;
+        po.rank = r; /* a run checks rank 0's plan on every rank: the same verdict everywhere */
+        if (fsdp_plan_memory_run(ctx, gpt, &so, &po, &p) != FSDP_OK) fail_all("memory plan: %s", fsdp_errmsg(ctx));
         p.workspace += held.cur_total;
         p.total += held.cur_total;
-        if (i == 0) p0 = p;
+        if (i == 0 || p.total > p0.total) p0 = p;
         if (!o->dry_run || me != 0) continue;
         if (i == 0) {
-            printf("memory plan: %s, world %d, %d units (--wrap %s), --ac %s, batch %d x %d tokens per "
-                   "rank, %s (%d state floats per element), %d threads per rank, %s%s%s\n", o->sharding,
-                   pworld, p.n_units, o->wrap, o->ac, o->batch / pworld, o->seq, o->optim, k, threads,
+            printf("memory plan: %s, world %d, %d units (--wrap %s), --ac %s, batch %d %s per rank, %s (%s), "
+                   "%d threads per rank, %s%s%s\n", o->sharding, pworld, p.n_units, o->wrap, o->ac,
+                   o->batch / pworld, g_task->batch_unit, o->optim,
+                   po.optim.kind == FSDP_OPTIM_ADAMW ? "2 state floats per element"
+                   : o->momentum > 0 ? "1 state float per element" : "no state", threads,
                    precision_name(o), so.precision != FSDP_F32 ? " mixed_precision " : "",
                    so.precision != FSDP_F32 ? o->mixed_precision : "");
             if (o->grad_accum > 1)
@@ -684,6 +694,7 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
         for (int j = 0; j < 7; j++) mib(c[j], sizeof c[j], v[j]);
         printf("%-6d %12s %12s %12s %12s %12s %12s %12s\n", r, c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
     }
+    if (o->dry_run && me == 0) printf("(measured by running two steps in measure mode: %.2f s)\n", now_s() - t0);
     /* --mem-limit auto: the host's memory per local rank, the smallest over
      * the job's hosts so that every rank reaches the same verdict */
     struct host_mem hm = {0};

@@ -79,6 +79,15 @@ void fsdp__comm_abort(struct fsdp_comm *c, int code);
 /* This process's hostname, NUL-padded to FSDP_HOST_MAX bytes (mpi.c). */
 void fsdp__comm_hostname(char name[FSDP_HOST_MAX]);
 enum fsdp_status fsdp__comm_self_create(struct fsdp_ctx *ctx, struct fsdp_comm **out);
+/* The measuring communicator (measure.c): rank `rank` of `size` ranks that
+ * do not exist; collectives move no data; like_mpi: reductions hold MPI's
+ * staging bytes (ordered: MPI's rank-ordered reductions); each request
+ * counts req_bytes (fsdp__comm_req_bytes of the backend planned for). */
+enum fsdp_status fsdp__comm_measure_create(struct fsdp_ctx *ctx, int size, int rank, int like_mpi, int ordered,
+                                           size_t req_bytes, struct fsdp_comm **out);
+/* A group of a measuring communicator c: `size` ranks, this one `rank`
+ * (fsdp_comm_split cannot know the group's size without its peers). */
+enum fsdp_status fsdp__comm_measure_group(struct fsdp_comm *c, int size, int rank, struct fsdp_comm **out);
 enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **out);
 /* Sets *local to the number of ranks of the MPI communicator c that share
  * this rank's host (mpi.c, [Note: hosts]: one Open MPI node and one
@@ -152,6 +161,11 @@ void fsdp__peers_silence(char *buf, size_t n);
 /* Allocates a zeroed request of `bytes` (>= sizeof(struct fsdp_comm_req)) for coll. */
 void *fsdp__comm_req_alloc(struct fsdp_comm *c, size_t bytes, enum fsdp_coll coll);
 void fsdp__comm_req_free(struct fsdp_comm *c, void *req);
+/* The bytes of one request of c's backend (mpi.c, shm.c: their request
+ * structs), for the measuring communicator to count as c would. */
+size_t fsdp__comm_req_bytes(const struct fsdp_comm *c);
+size_t fsdp__comm_mpi_req_bytes(void);
+size_t fsdp__comm_shm_req_bytes(void);
 /* The name of a collective ("allgather", ...), for messages. */
 const char *fsdp__coll_name(enum fsdp_coll coll);
 

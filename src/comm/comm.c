@@ -149,7 +149,10 @@ enum fsdp_status fsdp_comm_split(struct fsdp_comm *c, int color, int key, struct
     if (color < 0) return fsdp__err(c->ctx, FSDP_ERR_INVALID, "comm split: color %d is negative", color);
     struct fsdp_comm *m = NULL, *n = NULL;
     enum fsdp_status st = FSDP_OK;
-    if (!strcmp(c->backend, "self")) {
+    if (!strcmp(c->backend, "measure")) {
+        return fsdp__err(c->ctx, FSDP_ERR_UNSUPPORTED, "comm split: a measuring communicator has no peers to "
+                         "agree on groups with");
+    } else if (!strcmp(c->backend, "self")) {
         st = fsdp__comm_self_create(c->ctx, &n);
     } else {
         struct fsdp_comm *base = !strcmp(c->backend, "shm") ? fsdp__comm_shm_mpi(c) : c;
@@ -185,6 +188,13 @@ void *fsdp__comm_req_alloc(struct fsdp_comm *c, size_t bytes, enum fsdp_coll col
     struct fsdp_comm_req *r = fsdp__calloc(c->ctx, bytes, FSDP_MEM_OTHER, "comm request");
     if (r) r->coll = coll;
     return r;
+}
+
+size_t fsdp__comm_req_bytes(const struct fsdp_comm *c) {
+    if (!c) return sizeof(struct fsdp_comm_req);
+    if (!strcmp(c->backend, "mpi")) return fsdp__comm_mpi_req_bytes();
+    if (!strcmp(c->backend, "shm")) return fsdp__comm_shm_req_bytes();
+    return sizeof(struct fsdp_comm_req);
 }
 
 void fsdp__comm_req_free(struct fsdp_comm *c, void *req) { fsdp__free(c->ctx, req); }

@@ -668,6 +668,8 @@ static int req_ordered(struct fsdp_comm *c) {
     return ((struct mpi_state *)c->state)->ordered && c->size > 1;
 }
 
+size_t fsdp__comm_mpi_req_bytes(void) { return sizeof(struct mpi_req); }
+
 int fsdp__comm_mpi_ordered(const struct fsdp_comm *c) {
     FSDP_ASSERT(!strcmp(c->backend, "mpi"), "not an MPI communicator (%s)", c->backend);
     return ((const struct mpi_state *)c->state)->ordered;

@@ -485,6 +485,9 @@ static void *progress_main(void *arg) {
 
 /* ---- The vtable ---- */
 
+
+size_t fsdp__comm_shm_req_bytes(void) { return sizeof(struct shm_req); }
+
 static enum fsdp_status enqueue(struct fsdp_comm *c, enum fsdp_coll coll, const void *send,
                                 void *recv, size_t count, enum fsdp_dtype dt, enum fsdp_red_op op,
                                 int root, struct fsdp_comm_req **req) {

@@ -26,6 +26,8 @@ struct fsdp_ctx {
     char errmsg[1024];
     struct fsdp_mem_stats mem;
     size_t mem_limit;                /* fsdp__alloc refuses past this many bytes; 0 = none */
+    int measure;                     /* a measuring context ([Note: measure mode], src/fsdp/plan.c):
+                                        large blocks are reserved, not committed */
     /* activation arena: one growing list of chunks, reset per step */
     struct fsdp__arena_chunk *arena; /* current chunk (head of list) */
     size_t arena_used;               /* bytes handed out in total (mark) */
@@ -80,6 +82,10 @@ struct fsdp__module_priv {
 };
 
 /* ---- Errors ---- */
+/* In a measuring context, prefixes the message with the module whose
+ * `pass` ("forward", "backward") failed (the innermost; once); returns st. */
+enum fsdp_status fsdp__measure_failed(struct fsdp_ctx *ctx, const struct fsdp_module *m, const char *pass,
+                                      enum fsdp_status st);
 /* Records a printf-style message on ctx and returns st (for `return fsdp__err(...)`). */
 enum fsdp_status fsdp__err(struct fsdp_ctx *ctx, enum fsdp_status st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -124,6 +130,13 @@ void fsdp__log(const struct fsdp_ctx *ctx, int level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 /* ---- Accounted allocation ---- */
+/* Set while a measured step runs ([Note: measure mode], src/fsdp/plan.c):
+ * the kernels (GEMM, oneDNN primitives), the layers' element-wise loops,
+ * the optimizer update, initialisation and the precision casts skip their
+ * arithmetic, while every allocation, arena call, gather and release still
+ * happens. Process-wide, not per thread: the layers' OpenMP workers read it
+ * too (so no other thread of the process may train while a plan runs). */
+extern int fsdp__measuring;
 /* 64-byte aligned; returns NULL and sets errmsg naming `what` on failure. */
 void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);
 void *fsdp__calloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);
@@ -158,24 +171,6 @@ extern long fsdp__fault_step;
 
 /* ---- Arena ---- */
 void fsdp__arena_free_all(struct fsdp_ctx *ctx);
-
-/* ---- Arena simulation (arena_plan.c), for the memory planner ---- */
-/* Replays allocations over sizes only with the arena's chunk policy; `peak`
- * is the most bytes (chunks and their headers, plus transients) the real
- * arena would hold. Start from a zeroed struct; free with _free. */
-struct fsdp__arena_sim_chunk { size_t base, cap, used; };
-struct fsdp__arena_sim {
-    struct fsdp__arena_sim_chunk *chunks; /* live chunks, oldest first */
-    int n, cap_chunks, failed;
-    size_t used, high;                    /* logical offset (mark) and its high-water */
-    size_t live, peak;                    /* bytes held now and at most */
-};
-void fsdp__arena_sim_alloc(struct fsdp__arena_sim *s, size_t bytes);
-void fsdp__arena_sim_release(struct fsdp__arena_sim *s, size_t mark); /* mark = s->used earlier */
-void fsdp__arena_sim_reset(struct fsdp__arena_sim *s);
-/* A short-lived FSDP_MEM_ACT block outside the arena (checkpointed outputs). */
-void fsdp__arena_sim_transient(struct fsdp__arena_sim *s, size_t bytes);
-void fsdp__arena_sim_free(struct fsdp__arena_sim *s);
 
 /* ---- Counter-based RNG (Philox4x32-10) ---- */
 /* Four 32-bit words for (key, counter): a pure function. */

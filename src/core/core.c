@@ -71,6 +71,21 @@ void fsdp__ctx_release(struct fsdp_ctx *ctx) {
     free(ctx);
 }
 
+int fsdp_ctx_measuring(const struct fsdp_ctx *ctx) { return ctx && ctx->measure; }
+
+/* [Note: measure mode] (src/fsdp/plan.c): names the module whose forward or backward failed in measure mode (the
+ * innermost: the first to see the failure), once per run. */
+enum fsdp_status fsdp__measure_failed(struct fsdp_ctx *ctx, const struct fsdp_module *m, const char *pass,
+                                      enum fsdp_status st) {
+    if (!ctx->measure || ctx->measure == 2) return st;
+    char msg[sizeof ctx->errmsg];
+    snprintf(msg, sizeof msg, "%s", ctx->errmsg);
+    fsdp__err(ctx, st, "module '%s' (%s) cannot run its %s in measure mode: %s",
+              !m->fqn ? m->name : m->fqn[0] ? m->fqn : "(root)", m->ops->type, pass, msg);
+    ctx->measure = 2; /* named */
+    return st;
+}
+
 int fsdp_ctx_rank(const struct fsdp_ctx *ctx) { return ctx->rank; }
 int fsdp_ctx_world(const struct fsdp_ctx *ctx) { return ctx->world; }
 const char *fsdp_errmsg(const struct fsdp_ctx *ctx) { return ctx ? ctx->errmsg : ""; }
@@ -146,6 +161,7 @@ static void mem_add(struct fsdp_ctx *ctx, int kind, size_t bytes) {
 }
 
 long fsdp__alloc_count, fsdp__alloc_fail_at, fsdp__alloc_failures;
+int fsdp__measuring;
 
 /* Counts one library allocation; 1 if failure injection fails it. Atomic:
  * the progress threads allocate too. */
@@ -178,8 +194,8 @@ void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, c
     if (inject || bytes > SIZE_MAX - 128) {
         raw = NULL;
     } else if (bytes >= ALLOC_MAP_MIN) { /* [Note: large blocks are mapped] */
-        raw = mmap(NULL, sizeof(struct alloc_hdr) + bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                   -1, 0);
+        raw = mmap(NULL, sizeof(struct alloc_hdr) + bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | (ctx && ctx->measure ? MAP_NORESERVE : 0), -1, 0);
         if (raw == MAP_FAILED) raw = NULL;
     } else if (posix_memalign(&raw, 64, sizeof(struct alloc_hdr) + bytes) != 0) {
         raw = NULL;
@@ -198,7 +214,7 @@ void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, c
 
 void *fsdp__calloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
     void *p = fsdp__alloc(ctx, bytes, kind, what);
-    if (p) memset(p, 0, bytes);
+    if (p && bytes < ALLOC_MAP_MIN) memset(p, 0, bytes); /* fresh pages are zero */
     return p;
 }
 

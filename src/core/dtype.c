@@ -194,10 +194,11 @@ static void zero_run(const float *unused, float *dst, size_t n) {
 }
 
 void fsdp__zero(float *x, int64_t n) {
-    if (n > 0) CVT_SPLIT(zero_run, (const float *)x, x, (size_t)n); /* src unused */
+    if (n > 0 && !fsdp__measuring) CVT_SPLIT(zero_run, (const float *)x, x, (size_t)n); /* src unused */
 }
 
 void fsdp__cvt_from_f32(enum fsdp_dtype dt, const float *src, void *dst, size_t n) {
+    if (fsdp__measuring) return;
     switch (dt) {
     case FSDP_F32: if (n && (const void *)src != dst) memcpy(dst, src, n * sizeof(float)); return;
     case FSDP_BF16: fsdp__cvt_f32_to_bf16(src, dst, n); return;
@@ -207,6 +208,7 @@ void fsdp__cvt_from_f32(enum fsdp_dtype dt, const float *src, void *dst, size_t 
 }
 
 void fsdp__cvt_to_f32(enum fsdp_dtype dt, const void *src, float *dst, size_t n) {
+    if (fsdp__measuring) return;
     switch (dt) {
     case FSDP_F32: if (n && src != (const void *)dst) memcpy(dst, src, n * sizeof(float)); return;
     case FSDP_BF16: fsdp__cvt_bf16_to_f32(src, dst, n); return;

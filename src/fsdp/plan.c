@@ -1,21 +1,36 @@
 /*
- * plan.c - the memory planner: predicts, per rank, the bytes a FULL_SHARD
- * training run will hold, in the library's own accounting (fsdp_mem_get),
- * without allocating any of it: shards from the unit layout fsdp_fully_shard
- * would make (fsdp__model_layout), pooled full buffers by replaying the
- * gather/release order of the unit hooks over a model of the pool (unit.c),
- * and activations by replaying the arena use of a step (fsdp__gpt_act_trace
- * over fsdp__arena_sim). Mixed precision (opts->precision, mixed_precision)
- * is resolved per unit as fsdp_fully_shard does (fsdp__mp_resolve on the
- * shadow layout; the modules' compute dtypes are put back afterwards): a
- * 16-bit gather pools fsdp__mp_full_numel floats, the trace follows each
- * module's compute dtype and whether its weight is gathered in it, and the
- * workspace holds the MPI backend's fp32 staging of 16-bit reductions.
- * Also the size parser behind --mem-limit.
- * Invariant: every figure mirrors an allocation site: shards
- * fsdp__unit_alloc_shards, full buffers fsdp__pool_get, activations the
- * arena, staging comm/mpi.c's stage(); tests/test_mpi_plan.c checks the
- * prediction against a real run.
+ * plan.c - the memory planner: the bytes per rank a training run will hold,
+ * in the library's own accounting (fsdp_mem_get), found by running the real
+ * code in measure mode rather than by a second copy of the schedule or the
+ * layers. Also the size parser behind --mem-limit.
+ *
+ * [Note: measure mode]
+ * fsdp_plan_memory_run shards the caller's model (shapes only) in a
+ * measuring context: rank `rank` of a world of `world` ranks whose
+ * communicator (src/comm/measure.c) completes every collective at once
+ * without moving data, and whose allocator counts every block as usual but
+ * reserves large ones without committing them (MAP_NORESERVE: a page costs
+ * memory only once written). It attaches the optimizer and runs the
+ * caller's training step twice (the second runs in the arena's merged
+ * chunk) with fsdp__measuring set on this thread: the GEMMs, the oneDNN
+ * primitives, initialisation, the optimizer update, the norms and the
+ * precision casts skip their arithmetic, while every allocation, arena call,
+ * gather, prefetch, reduction, wait and release happens as in a real run,
+ * in the same order. The figures are that context's counters: shards
+ * (cur[FSDP_MEM_SHARD], split by the unit sizes into parameters, gradients
+ * and, after attaching, optimizer state), pooled full buffers, activation
+ * arena and the rest (comm requests, MPI's staging of 16-bit reductions as
+ * the measuring communicator reproduces it) at their peaks, and the total at
+ * its peak over the whole run. Values are never read, so results are
+ * garbage and no check of them (non-finite loss or gradients) applies. The
+ * layers still run their element-wise loops (a layer norm, a softmax, a
+ * copy), which cost time linear in the activations and write only the
+ * activation memory a real run writes. A user module may ask
+ * fsdp_ctx_measuring to skip its own arithmetic; one whose forward or
+ * backward fails in measure mode makes the plan fail naming it.
+ * Like ggml-alloc's measure allocator, the plan is what the allocator is
+ * asked for; unlike it, the real step code runs (only the kernels stop),
+ * so a plan can't drift from what the layers allocate.
  */
 #include "fsdp/fsdp-impl.h"
 #include "nn/nn-impl.h"
@@ -24,10 +39,10 @@
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
+#include <omp.h>
 #include <string.h>
 
 /* ---- Sizes ---- */
-
 enum fsdp_status fsdp_mem_parse_size(struct fsdp_ctx *ctx, const char *text, size_t *out) {
     if (!text)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "memory size is NULL");
@@ -55,236 +70,17 @@ enum fsdp_status fsdp_mem_parse_size(struct fsdp_ctx *ctx, const char *text, siz
     return FSDP_OK;
 }
 
-/* ---- The pool ---- */
+/* ---- Keeping the caller's model as it was ---- */
 
-/* A model of fsdp__pool_get/_put: buffers are never freed, a request takes
- * the smallest free buffer that fits, else a new one of exactly its size. */
-struct pool_sim {
-    int64_t *cap;
-    int *in_use;
-    int n, room;
-    size_t bytes;
-    size_t stage, stage_peak; /* the MPI backend's reduction buffers, live and peak */
-    int ordered;              /* ... with its ordered reductions (comm/mpi.c) */
-    int failed;
+/* What a measured run changes on the caller's tree and puts back: the
+ * modules' compute dtypes (set by sharding under mixed precision), their
+ * checkpoint state, and the buffers' values (a batch norm's running
+ * statistics are updated by its training forward). */
+struct keep {
+    enum fsdp_dtype *dt;
+    void **buf;
+    int n_mod, n_buf;
 };
-
-static void stage_note(struct pool_sim *p, size_t extra) {
-    if (p->stage + extra > p->stage_peak) p->stage_peak = p->stage + extra;
-}
-
-
-static int pool_get(struct pool_sim *p, int64_t numel) {
-    int best = -1;
-    for (int i = 0; i < p->n; i++)
-        if (!p->in_use[i] && p->cap[i] >= numel && (best < 0 || p->cap[i] < p->cap[best])) best = i;
-    if (best >= 0) {
-        p->in_use[best] = 1;
-        return best;
-    }
-    if (p->n == p->room) {
-        int nr = p->room ? 2 * p->room : 16;
-        int64_t *c = realloc(p->cap, (size_t)nr * sizeof *c);
-        if (c) p->cap = c;
-        int *u = c ? realloc(p->in_use, (size_t)nr * sizeof *u) : NULL;
-        if (u) p->in_use = u;
-        if (!c || !u) {
-            p->failed = 1;
-            return -1;
-        }
-        p->room = nr;
-    }
-    p->cap[p->n] = numel;
-    p->in_use[p->n] = 1;
-    p->bytes += (size_t)(numel ? numel : 1) * sizeof(float);
-    return p->n++;
-}
-
-static void pool_put(struct pool_sim *p, int i) {
-    if (i >= 0) p->in_use[i] = 0;
-}
-
-/* What the unit hooks do with the pool under a strategy, an accumulation
- * mode and overlap (unit.c): params pooled when the shard group has 2+
- * ranks or the unit gathers 16-bit (unit_gather_start; fsdp__mp_full_numel
- * floats), gradients when the world has 2+ ranks ([Note: sharding
- * strategies]); prefetches and the pipelined reductions (reduce-scatter,
- * then HYBRID's replica all-reduce) as [Note: prefetch and overlap]. */
-struct pool_mode {
-    int params, grads;  /* full parameters of fp32 units / gradients come from the pool */
-    int no_sync;        /* this backward keeps its full gradients */
-    int accumulate;     /* this backward adds into the shard (a numel_shard buffer) */
-    int overlap;        /* prefetch and deferred reductions (shard group of 2+) */
-    int ahead;          /* units that may be gathered ahead (max_inflight - 1) */
-};
-
-/* The simulated state: per unit its full parameter buffer (held), full
- * gradient (grad), accumulation buffer (prev), whether it was prefetched;
- * the units whose reduce-scatter (last) and replica all-reduce (ar_last)
- * are in flight, or -1. */
-struct pool_state {
-    int *held, *grad, *prev, *pref, *bwd;
-    int inflight, last, ar_last;
-    const struct fsdp_model *fm;
-};
-
-/* Whether u's full parameters come from the pool (unit_gather_start). */
-static int params_pooled(const struct pool_mode *m, const struct fsdp__unit *u) {
-    return m->params || u->param_dtype != FSDP_F32;
-}
-
-static void consume(struct pool_state *s, int u) {
-    if (s->pref[u]) {
-        s->pref[u] = 0;
-        s->inflight--;
-    }
-}
-
-static void prefetch(const struct fsdp_model *fm, struct pool_sim *p, const struct pool_mode *m,
-                     struct pool_state *s, const int *order, int pos) {
-    for (int q = pos + 1; q < fm->n_units && s->inflight < m->ahead; q++) {
-        int v = order ? order[q] : q;
-        if (s->held[v] >= 0) continue;
-        s->held[v] = pool_get(p, fsdp__mp_full_numel(&fm->units[v]));
-        s->pref[v] = 1;
-        s->inflight++;
-    }
-}
-
-/* Units directly below u, in pre-order (their forward order). */
-static void pool_forward(const struct fsdp_model *fm, const struct fsdp__unit *u, struct pool_sim *p,
-                         const struct pool_mode *m, struct pool_state *s) {
-    int i = u->index;
-    consume(s, i);
-    if (params_pooled(m, u) && s->held[i] < 0) s->held[i] = pool_get(p, fsdp__mp_full_numel(u)); /* gather */
-    if (m->overlap) prefetch(fm, p, m, s, NULL, i);
-    for (int c = i + 1; c < fm->n_units; c++)
-        if (fm->units[c].parent == u) pool_forward(fm, &fm->units[c], p, m, s);
-    if (u->reshard_after_forward) { /* post_forward */
-        pool_put(p, s->held[i]);
-        s->held[i] = -1;
-    }
-}
-
-/* The MPI backend's staging (comm/mpi.c [Note: low-precision reductions])
- * of reduce_start's 16-bit collective, held from its start to its wait: a
- * reduce-scatter of the full gradient, or all-reduce of the shard (a shard
- * group of one). */
-static size_t reduce_stage(const struct pool_sim *p, const struct fsdp_model *fm, const struct fsdp__unit *u) {
-    return fm->shard_size > 1
-               ? fsdp__comm_mpi_reduce_bytes(FSDP_COLL_REDUCE_SCATTER, (size_t)u->numel_shard, u->reduce_dtype,
-                                             fm->shard_size, fm->shard_rank, p->ordered)
-               : fsdp__comm_mpi_reduce_bytes(FSDP_COLL_ALLREDUCE, (size_t)u->numel_shard, u->reduce_dtype,
-                                             fm->rep_size, fm->rep_rank, p->ordered);
-}
-
-/* Whether a reduce-scatter is followed by an all-reduce over the replicas
- * (HYBRID with 2+ ranks per group and 2+ replicas). */
-static int two_stage(const struct fsdp_model *fm) { return fm->shard_size > 1 && fm->rep_size > 1; }
-
-/* The staging of that all-reduce, held from its start to its wait. */
-static size_t replica_stage(const struct pool_sim *p, const struct fsdp_model *fm, const struct fsdp__unit *u) {
-    return fsdp__comm_mpi_reduce_bytes(FSDP_COLL_ALLREDUCE, (size_t)u->numel_shard, u->reduce_dtype, fm->rep_size,
-                                       fm->rep_rank, p->ordered);
-}
-
-/* unit.c's reduce_start: the accumulation buffer, then the collective */
-static void reduce_start(struct pool_sim *p, struct pool_state *s, const struct pool_mode *m, int u) {
-    const struct fsdp__unit *fu = &s->fm->units[u];
-    if (m->accumulate) s->prev[u] = pool_get(p, fu->numel_shard);
-    p->stage += reduce_stage(p, s->fm, fu);
-    stage_note(p, 0);
-}
-
-/* reduce_scattered: the first collective's wait, the full gradient put when
- * the result lies in the shard (a shard group of 2+), the replica
- * all-reduce started */
-static void scattered(struct pool_sim *p, struct pool_state *s, int u) {
-    const struct fsdp__unit *fu = &s->fm->units[u];
-    p->stage -= reduce_stage(p, s->fm, fu);
-    if (s->fm->shard_size > 1) {
-        pool_put(p, s->grad[u]);
-        s->grad[u] = -1;
-    }
-    if (two_stage(s->fm)) {
-        p->stage += replica_stage(p, s->fm, fu);
-        stage_note(p, 0);
-    }
-}
-
-/* reduce_land: the replica all-reduce's wait, the accumulation buffer, then
- * the full gradient if still held */
-static void land(struct pool_sim *p, struct pool_state *s, int u) {
-    const struct fsdp__unit *fu = &s->fm->units[u];
-    if (two_stage(s->fm)) p->stage -= replica_stage(p, s->fm, fu);
-    pool_put(p, s->prev[u]);
-    s->prev[u] = -1;
-    pool_put(p, s->grad[u]);
-    s->grad[u] = -1;
-}
-
-/* reduce_advance ([Note: prefetch and overlap]): lands the all-reduce in
- * flight, takes the last reduce-scatter through both stages, leaving its
- * all-reduce in flight when `leave`. */
-static void advance(struct pool_sim *p, struct pool_state *s, int leave) {
-    int a = s->ar_last, r = s->last;
-    s->ar_last = s->last = -1;
-    if (a >= 0) land(p, s, a);
-    if (r < 0) return;
-    scattered(p, s, r);
-    if (leave && two_stage(s->fm)) s->ar_last = r;
-    else land(p, s, r);
-}
-
-static void pool_backward(const struct fsdp_model *fm, const struct fsdp__unit *u, struct pool_sim *p,
-                          const struct pool_mode *m, struct pool_state *s) {
-    int i = u->index;
-    consume(s, i);
-    if (params_pooled(m, u) && s->held[i] < 0) s->held[i] = pool_get(p, fsdp__mp_full_numel(u)); /* pre_backward */
-    if (m->overlap) {
-        int pos = 0;
-        while (s->bwd[pos] != i) pos++;
-        prefetch(fm, p, m, s, s->bwd, pos);
-    }
-    if (m->grads && s->grad[i] < 0) s->grad[i] = pool_get(p, u->numel_padded);
-    for (int c = fm->n_units - 1; c > i; c--)
-        if (fm->units[c].parent == u) pool_backward(fm, &fm->units[c], p, m, s);
-    if (!m->no_sync && m->grads) { /* post_backward: reduce_start, then the stages */
-        reduce_start(p, s, m, i);
-        if (m->overlap) {
-            advance(p, s, 1);
-            s->last = i;
-        } else {
-            scattered(p, s, i);
-            land(p, s, i);
-        }
-    }
-    pool_put(p, s->held[i]); /* reshard */
-    s->held[i] = -1;
-}
-
-/* Puts the units still prefetched (step.c's fsdp__model_drop_prefetched). */
-static void drop_prefetched(const struct fsdp_model *fm, struct pool_sim *p, struct pool_state *s) {
-    for (int i = 0; i < fm->n_units; i++)
-        if (s->pref[i]) {
-            pool_put(p, s->held[i]);
-            s->held[i] = -1;
-            s->pref[i] = 0;
-            s->inflight--;
-        }
-}
-
-/* ---- The plan ---- */
-
-/* Saves (save != 0) the compute dtypes of m's subtree into dt, pre-order,
- * or puts them back; returns the next index. */
-static int keep_dtypes(struct fsdp_module *m, enum fsdp_dtype *dt, int i, int save) {
-    if (save) dt[i] = m->compute_dtype;
-    else m->compute_dtype = dt[i];
-    i++;
-    for (int c = 0; c < m->n_children; c++) i = keep_dtypes(m->children[c], dt, i, save);
-    return i;
-}
 
 static int count_modules(const struct fsdp_module *m) {
     int n = 1;
@@ -292,13 +88,209 @@ static int count_modules(const struct fsdp_module *m) {
     return n;
 }
 
-/* The activation trace's `gathered`: the param_dtype of p's unit. */
-static enum fsdp_dtype unit_param_dtype(const struct fsdp_param *p, void *ud) {
-    const struct fsdp_model *fm = ud;
-    for (int i = 0; i < fm->n_units; i++)
-        for (int j = 0; j < fm->units[i].n_params; j++)
-            if (fm->units[i].params[j] == p) return fm->units[i].param_dtype;
-    return FSDP_F32;
+static int keep_dtypes(struct fsdp_module *m, enum fsdp_dtype *dt, int i, int save) {
+    if (save) dt[i] = m->compute_dtype;
+    else {
+        m->compute_dtype = dt[i];
+        m->priv->ckpt_saved = 0;
+        memset(&m->priv->ckpt_in, 0, sizeof m->priv->ckpt_in);
+    }
+    i++;
+    for (int c = 0; c < m->n_children; c++) i = keep_dtypes(m->children[c], dt, i, save);
+    return i;
+}
+
+struct buf_walk {
+    struct keep *k;
+    int i, save, failed;
+};
+
+static int keep_buffer(struct fsdp_buffer *b, void *ud) {
+    struct buf_walk *w = ud;
+    size_t n = (size_t)b->numel * fsdp_dtype_size(b->dtype);
+    if (w->save) {
+        void *c = malloc(n ? n : 1);
+        if (!c) {
+            w->failed = 1;
+            return 1;
+        }
+        if (n) memcpy(c, b->data, n);
+        w->k->buf[w->i] = c;
+    } else {
+        if (n) memcpy(b->data, w->k->buf[w->i], n);
+        free(w->k->buf[w->i]);
+    }
+    w->i++;
+    return 0;
+}
+
+static int count_buffer(struct fsdp_buffer *b, void *ud) {
+    (void)b;
+    (*(int *)ud)++;
+    return 0;
+}
+
+static int clear_param(struct fsdp_param *p, void *ud) {
+    (void)ud;
+    p->priv->data_lp = NULL;
+    p->priv->data_stale = 0;
+    p->priv->grad_unset = 0;
+    return 0;
+}
+
+static enum fsdp_status keep_save(struct fsdp_ctx *ctx, struct fsdp_module *root, struct keep *k) {
+    memset(k, 0, sizeof *k);
+    k->n_mod = count_modules(root);
+    fsdp_module_foreach_buffer(root, count_buffer, &k->n_buf);
+    k->dt = malloc((size_t)k->n_mod * sizeof *k->dt);
+    k->buf = calloc((size_t)k->n_buf + 1, sizeof *k->buf);
+    struct buf_walk w = {k, 0, 1, 0};
+    if (k->dt && k->buf) fsdp_module_foreach_buffer(root, keep_buffer, &w);
+    if (!k->dt || !k->buf || w.failed) {
+        for (int i = 0; k->buf && i < w.i; i++) free(k->buf[i]);
+        free(k->dt);
+        free(k->buf);
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
+    }
+    keep_dtypes(root, k->dt, 0, 1);
+    return FSDP_OK;
+}
+
+static void keep_restore(struct fsdp_module *root, struct keep *k) {
+    keep_dtypes(root, k->dt, 0, 0);
+    struct buf_walk w = {k, 0, 0, 0};
+    fsdp_module_foreach_buffer(root, keep_buffer, &w);
+    fsdp_module_foreach_param(root, clear_param, NULL);
+    free(k->dt);
+    free(k->buf);
+}
+
+static int has_storage(struct fsdp_param *p, void *ud) {
+    *(struct fsdp_param **)ud = p;
+    return p->data != NULL || p->priv->unit != NULL;
+}
+
+/* ---- The measured run ---- */
+
+struct fsdp_plan_opts fsdp_plan_opts_default(void) {
+    struct fsdp_plan_opts o;
+    memset(&o, 0, sizeof o);
+    o.world = 1;
+    o.optim = fsdp_optim_opts_default();
+    o.steps = 2;
+    return o;
+}
+
+/* The measuring context: rank `rank` of `world`, its communicator shaped
+ * like ctx's backend (MPI's staging), no memory limit. */
+static enum fsdp_status measure_ctx(struct fsdp_ctx *ctx, int world, int rank, struct fsdp_ctx **out) {
+    struct fsdp_ctx *m;
+    if (fsdp__ctx_alloc(&m) != FSDP_OK) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
+    m->measure = 1;
+    m->world = world;
+    m->rank = rank;
+    m->threads = ctx ? ctx->threads : 0;
+    /* a shm or self context is planned as MPI's native path */
+    int like_mpi = ctx && ctx->comm && !strcmp(fsdp_comm_backend(ctx->comm), "mpi");
+    enum fsdp_status st = fsdp__comm_measure_create(m, world, rank, like_mpi,
+                                                    like_mpi && fsdp__comm_mpi_ordered(ctx->comm),
+                                                    fsdp__comm_req_bytes(ctx ? ctx->comm : NULL), &m->comm);
+    if (st != FSDP_OK) {
+        fsdp__err(ctx, st, "plan: %s", m->errmsg);
+        fsdp__ctx_release(m);
+        return st;
+    }
+    *out = m;
+    return FSDP_OK;
+}
+
+/* Shards root in mctx, attaches the optimizer, runs the steps: the
+ * figures are mctx's counters. */
+static enum fsdp_status measure_run(struct fsdp_ctx *mctx, struct fsdp_module *root, const struct fsdp_shard_opts *so,
+                                    const struct fsdp_plan_opts *po, struct fsdp_mem_plan *p) {
+    struct fsdp_mem_stats m0, m1;
+    fsdp_mem_get(mctx, &m0);
+    struct fsdp_model *fm = NULL;
+    struct fsdp_optim *opt = NULL;
+    enum fsdp_status st = fsdp_fully_shard(mctx, root, so, &fm);
+    if (st == FSDP_OK) st = fsdp_optim_create(mctx, &po->optim, &opt);
+    if (st == FSDP_OK && po->prepare_optim) st = po->prepare_optim(mctx, opt, po->ud);
+    if (st == FSDP_OK) st = fsdp_model_attach_optim(mctx, fm, opt);
+    if (st == FSDP_OK) { /* the shards' blocks, split by the units' sizes */
+        fsdp_mem_get(mctx, &m1);
+        size_t n = 0;
+        for (int i = 0; i < fm->n_units; i++) n += (size_t)fm->units[i].numel_shard;
+        p->n_units = fm->n_units;
+        p->grads = n * sizeof(float);
+        p->optim = (size_t)fsdp_optim_state_per_elem(opt) * n * sizeof(float);
+        p->params = m1.cur[FSDP_MEM_SHARD] - m0.cur[FSDP_MEM_SHARD] - p->grads - p->optim;
+    }
+    if (st == FSDP_OK && po->setup) st = po->setup(mctx, fm, opt, po->ud);
+    for (int k = 0; k < po->steps && st == FSDP_OK; k++) st = po->step(mctx, fm, k, po->ud);
+    fsdp_mem_get(mctx, &m1);
+    p->full = m1.peak[FSDP_MEM_FULL] - m0.cur[FSDP_MEM_FULL];
+    p->act = m1.peak[FSDP_MEM_ACT] - m0.cur[FSDP_MEM_ACT];
+    p->workspace = m1.peak[FSDP_MEM_OTHER] - m0.cur[FSDP_MEM_OTHER];
+    p->total = m1.peak_total - m0.cur_total;
+    fsdp_model_free(fm);
+    fsdp_optim_free(opt);
+    return st;
+}
+
+enum fsdp_status fsdp_plan_memory_run(struct fsdp_ctx *ctx, struct fsdp_module *root, const struct fsdp_shard_opts *so,
+                                      const struct fsdp_plan_opts *po, struct fsdp_mem_plan *out) {
+    if (!root || !po || !out || !po->step)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "plan: root, options, a step function and the output are required");
+    if (po->world < 1 || po->rank < 0 || po->rank >= po->world || po->steps < 1 || po->threads < 0)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "plan: rank %d of world %d, %d steps, %d threads are not valid",
+                         po->rank, po->world, po->steps, po->threads);
+    struct fsdp_param *q = NULL;
+    if (fsdp_module_foreach_param(root, has_storage, &q))
+        return fsdp__err(ctx, FSDP_ERR_STATE,
+                         "plan: parameter '%s' has storage: plan a model built with shapes only, before "
+                         "fsdp_fully_shard or fsdp_module_materialize", q->fqn ? q->fqn : q->name);
+    if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
+    struct keep k;
+    FSDP_TRY(keep_save(ctx, root, &k));
+    struct fsdp_ctx *mctx = NULL;
+    enum fsdp_status st = measure_ctx(ctx, po->world, po->rank, &mctx);
+    if (st != FSDP_OK) {
+        keep_restore(root, &k);
+        return st;
+    }
+    int threads0 = omp_get_max_threads();
+    if (po->threads > 0) omp_set_num_threads(po->threads);
+    int measuring0 = fsdp__measuring;
+    fsdp__measuring = 1;
+    struct fsdp_mem_plan p;
+    memset(&p, 0, sizeof p);
+    p.world = po->world;
+    p.rank = po->rank;
+    st = measure_run(mctx, root, so, po, &p);
+    fsdp__measuring = measuring0;
+    omp_set_num_threads(threads0);
+    fsdp_arena_reset(mctx); /* the arena's chunks are mctx's */
+    if (st != FSDP_OK) fsdp__err(ctx, st, "plan (rank %d of %d): %s", po->rank, po->world, mctx->errmsg);
+    fsdp__comm_free(mctx->comm);
+    fsdp__ctx_release(mctx);
+    keep_restore(root, &k);
+    if (st == FSDP_OK) *out = p;
+    return st;
+}
+
+/* ---- The GPT's step ---- */
+
+struct gpt_step {
+    int B, T, accum;
+    enum fsdp_grad_accum mode;
+    int32_t *tok; /* (accum, B, T) zeros: inputs and targets */
+};
+
+static enum fsdp_status gpt_step(struct fsdp_ctx *ctx, struct fsdp_model *fm, int step, void *ud) {
+    (void)step;
+    struct gpt_step *g = ud;
+    struct fsdp_step_result r;
+    return fsdp_model_train_step_accum(ctx, fm, g->tok, g->tok, g->B, g->T, g->accum, g->mode, 1e-4f, 1.0f, &r);
 }
 
 enum fsdp_status fsdp_plan_memory(struct fsdp_ctx *ctx, struct fsdp_module *root,
@@ -313,127 +305,25 @@ enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module
                                         const struct fsdp_shard_opts *opts, int world, int rank,
                                         int optim_state, int B_local, int T, int threads, int accum,
                                         enum fsdp_grad_accum mode, struct fsdp_mem_plan *out) {
-    if (world < 1 || rank < 0 || rank >= world || optim_state < 0 || B_local < 1 || T < 1 || accum < 1)
+    if (world < 1 || rank < 0 || rank >= world || optim_state < 0 || optim_state > 2 || B_local < 1 || T < 1 ||
+        accum < 1)
         return fsdp__err(ctx, FSDP_ERR_INVALID,
                          "plan: world %d, rank %d, optimizer state %d, batch (%d, %d), %d micro-batches are "
                          "not valid", world, rank, optim_state, B_local, T, accum);
-    if (strcmp(root->ops->type, "GPT") != 0)
-        return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
-                         "plan: activations are known for the built-in GPT only, not a %s root",
-                         root->ops->type);
-    /* the layout at `world`: a shadow context, so nothing of ctx changes */
-    struct fsdp_ctx *sh = malloc(sizeof *sh);
-    if (!sh) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
-    *sh = *ctx;
-    sh->world = world;
-    sh->rank = rank;
-    sh->verbose = 0;
-    /* a 16-bit precision: the unit policies fsdp_fully_shard resolves, and
-     * the modules' compute dtypes it sets, put back after the trace */
-    enum fsdp_dtype precision = opts ? opts->precision : FSDP_F32;
-    enum fsdp_dtype *kept = NULL;
-    if (precision != FSDP_F32) {
-        if (!root->fqn) {
-            enum fsdp_status fst = fsdp_module_finalize(ctx, root);
-            if (fst != FSDP_OK) {
-                free(sh);
-                return fst;
-            }
-        }
-        kept = malloc((size_t)count_modules(root) * sizeof *kept);
-        if (!kept) {
-            free(sh);
-            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
-        }
-        keep_dtypes(root, kept, 0, 1);
+    struct fsdp_plan_opts po = fsdp_plan_opts_default();
+    po.world = world;
+    po.rank = rank;
+    po.threads = threads;
+    /* an optimizer keeping optim_state floats per element */
+    if (optim_state < 2) {
+        po.optim.kind = FSDP_OPTIM_SGD;
+        po.optim.momentum = optim_state ? 0.9f : 0.0f;
     }
-    struct fsdp_model *fm = NULL;
-    enum fsdp_status st = fsdp__model_layout(sh, root, opts, &fm);
-    if (st == FSDP_OK && precision != FSDP_F32) st = fsdp__mp_resolve(sh, fm, precision, opts->mixed_precision);
-    if (st != FSDP_OK) {
-        fsdp__err(ctx, st, "%s", sh->errmsg);
-        fsdp_model_free(fm);
-        if (kept) keep_dtypes(root, kept, 0, 0);
-        free(kept);
-        free(sh);
-        return st;
-    }
-    struct fsdp_mem_plan p;
-    memset(&p, 0, sizeof p);
-    p.world = world;
-    p.rank = rank;
-    p.n_units = fm->n_units;
-    size_t last_unit = 0;
-    for (int i = 0; i < fm->n_units; i++) { /* fsdp__unit_alloc_shards: one block per unit */
-        size_t n = (size_t)fm->units[i].numel_shard;
-        p.params += n * sizeof(float) + 64; /* + the block's padding */
-        if (fm->units[i].param_dtype != FSDP_F32) p.params += n * sizeof(uint16_t); /* shard_lp */
-        p.grads += n * sizeof(float);
-        p.optim += (size_t)optim_state * n * sizeof(float);
-        last_unit = 2 * n * sizeof(float) + 64;
-    }
-    /* full buffers: a world of one uses its shards (unit.c), a shard group
-     * of one its parameter shards, except where a unit gathers 16-bit */
-    struct pool_sim pool = {0};
-    /* the MPI backend's buffers: a shm or self context is planned as MPI's native path */
-    pool.ordered = ctx && ctx->comm && !strcmp(fsdp_comm_backend(ctx->comm), "mpi") && fsdp__comm_mpi_ordered(ctx->comm);
-    int lp_units = 0;
-    for (int i = 0; i < fm->n_units; i++) lp_units |= fm->units[i].param_dtype != FSDP_F32;
-    if (world > 1 || lp_units) {
-        size_t n = (size_t)fm->n_units;
-        struct pool_state ps = {malloc(n * sizeof(int)), malloc(n * sizeof(int)), malloc(n * sizeof(int)),
-                                malloc(n * sizeof(int)), malloc(n * sizeof(int)), 0, -1, -1, fm};
-        if (!ps.held || !ps.grad || !ps.prev || !ps.pref || !ps.bwd)
-            st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
-        else
-            fsdp__model_bwd_order(fm, ps.bwd);
-        for (int step = 0; step < 2 && st == FSDP_OK; step++) {
-            for (size_t i = 0; i < n; i++) ps.held[i] = ps.grad[i] = ps.prev[i] = -1, ps.pref[i] = 0;
-            for (int k = 0; k < accum; k++) { /* step.c's micro_batches */
-                struct pool_mode m = {fm->shard_size > 1, world > 1, mode == FSDP_ACCUM_NO_SYNC && k < accum - 1,
-                                      k > 0 && mode == FSDP_ACCUM_REDUCE_EACH,
-                                      fm->overlap && fm->shard_size > 1, fm->max_inflight - 1};
-                pool_forward(fm, &fm->units[0], &pool, &m, &ps);
-                drop_prefetched(fm, &pool, &ps);
-                pool_backward(fm, &fm->units[0], &pool, &m, &ps);
-                advance(&pool, &ps, 0); /* fsdp__model_finish_reduce */
-                drop_prefetched(fm, &pool, &ps);
-            }
-        }
-        free(ps.held);
-        free(ps.grad);
-        free(ps.prev);
-        free(ps.pref);
-        free(ps.bwd);
-        if (pool.failed) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
-    }
-    p.full = pool.bytes;
-    size_t staging = pool.stage_peak;
-    free(pool.cap);
-    free(pool.in_use);
-    /* activations: two steps (the second one runs in the merged chunk) */
-    struct fsdp__arena_sim as = {0};
-    for (int step = 0; step < 2 && st == FSDP_OK; step++) {
-        fsdp__arena_sim_reset(&as);
-        fsdp__arena_sim_alloc(&as, (size_t)B_local * (size_t)T * sizeof(int32_t)); /* tokens */
-        fsdp__gpt_act_trace(root, B_local, T, threads, unit_param_dtype, fm, &as);
-    }
-    if (as.failed) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
-    fsdp_model_free(fm);
-    if (kept) keep_dtypes(root, kept, 0, 0);
-    free(kept);
-    free(sh);
-    p.act = as.peak;
-    fsdp__arena_sim_free(&as);
-    if (st != FSDP_OK) return st;
-    /* workspace: per-step transients (comm requests, a few hundred bytes) and
-     * the MPI backend's fp32 staging of 16-bit reductions (shm reduces in
-     * its communicator's own accumulators: none) */
-    p.workspace = 4096 + staging;
-    size_t steady = p.params + p.grads + p.optim + p.full + p.act + p.workspace;
-    /* attaching the optimizer holds the last unit's old shard block next to the new one */
-    size_t attach = p.params + p.grads + p.optim + last_unit;
-    p.total = steady > attach ? steady : attach;
-    *out = p;
-    return FSDP_OK;
+    struct gpt_step g = {B_local, T, accum, mode, calloc((size_t)accum * (size_t)B_local * (size_t)T, sizeof(int32_t))};
+    if (!g.tok) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
+    po.step = gpt_step;
+    po.ud = &g;
+    enum fsdp_status st = fsdp_plan_memory_run(ctx, root, opts, &po, out);
+    free(g.tok);
+    return st;
 }

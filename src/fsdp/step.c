@@ -127,7 +127,7 @@ static enum fsdp_status group_total(struct fsdp_ctx *ctx, struct fsdp_model *fm,
 enum fsdp_status fsdp_model_grad_norm(struct fsdp_ctx *ctx, struct fsdp_model *fm, double *out) {
     FSDP_TRY(fsdp__model_finish_reduce(ctx, fm)); /* as in read_full */
     double local = 0.0;
-    for (int i = 0; i < fm->n_units; i++) {
+    for (int i = 0; i < fm->n_units && !fsdp__measuring; i++) {
         const struct fsdp__unit *u = &fm->units[i];
         const float *x = u->grad_shard;
         double s = 0.0;
@@ -150,7 +150,7 @@ enum fsdp_status fsdp_model_grad_norm(struct fsdp_ctx *ctx, struct fsdp_model *f
  * (optim_step_all): a skipped step reports the bits the applied one did. */
 static double param_sumsq_local(const struct fsdp_model *fm) {
     double local = 0.0;
-    for (int i = 0; i < fm->n_units; i++) {
+    for (int i = 0; i < fm->n_units && !fsdp__measuring; i++) {
         const struct fsdp__unit *u = &fm->units[i];
         int64_t lo = (int64_t)fm->shard_rank * u->numel_shard, hi = lo + u->numel_shard;
         for (int j = 0; j < u->n_params; j++) {
@@ -650,6 +650,7 @@ enum fsdp_status fsdp_model_optim_step(struct fsdp_ctx *ctx, struct fsdp_model *
     double gnorm;
     fsdp__scaler_inject(ctx, fm); /* test hook (mixed.c) */
     FSDP_TRY(fsdp_model_grad_norm(ctx, fm, &gnorm));
+    if (fsdp__measuring) loss = gnorm = 0.0; /* values are not computed ([Note: measure mode], plan.c) */
     float unscale;
     res->skipped = fsdp__scaler_update(fm, loss, &gnorm, &unscale); /* unscales gnorm */
     res->loss_scale = loss_scale;

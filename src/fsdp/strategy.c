@@ -22,10 +22,13 @@
  *     gradient is all-reduced over the world (DDP).
  *   HYBRID_SHARD: K = shard_group, by default the number of ranks on this
  *     host (ranks are assumed numbered host by host, as mpirun does by
- *     default); the planner, which sees no hosts, takes K = W then.
+ *     default); the planner's measuring communicator, which sees no hosts, takes K = W
+ *     then.
  */
 #include "fsdp/fsdp-impl.h"
+#include "comm/comm-impl.h"
 
+#include <string.h>
 #include <strings.h>
 
 static const char *const names[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"};
@@ -96,12 +99,15 @@ enum fsdp_status fsdp__sharding_comms(struct fsdp_ctx *ctx, const struct fsdp_sh
     FSDP_TRY(fsdp__sharding_layout(ctx, o, ctx->world, ctx->rank, local, fm));
     if (fm->shard_size == ctx->world) fm->shard_comm = ctx->world > 1 ? ctx->comm : NULL;
     if (fm->rep_size == ctx->world) fm->rep_comm = ctx->world > 1 ? ctx->comm : NULL;
+    int measure = !strcmp(fsdp_comm_backend(ctx->comm), "measure"); /* no peers to split with */
     if (fm->shard_size > 1 && fm->shard_size < ctx->world) {
-        FSDP_TRY(fsdp_comm_split(ctx->comm, fm->rep_rank, ctx->rank, &fm->shard_comm));
+        FSDP_TRY(measure ? fsdp__comm_measure_group(ctx->comm, fm->shard_size, fm->shard_rank, &fm->shard_comm)
+                         : fsdp_comm_split(ctx->comm, fm->rep_rank, ctx->rank, &fm->shard_comm));
         fm->own_shard_comm = 1;
     }
     if (fm->rep_size > 1 && fm->rep_size < ctx->world) {
-        FSDP_TRY(fsdp_comm_split(ctx->comm, fm->shard_rank, ctx->rank, &fm->rep_comm));
+        FSDP_TRY(measure ? fsdp__comm_measure_group(ctx->comm, fm->rep_size, fm->rep_rank, &fm->rep_comm)
+                         : fsdp_comm_split(ctx->comm, fm->shard_rank, ctx->rank, &fm->rep_comm));
         fm->own_rep_comm = 1;
     }
     return FSDP_OK;

@@ -96,7 +96,7 @@ static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__uni
     if (!u->full) return FSDP_ERR_NOMEM;
     /* in place: this rank's block of the full buffer is its shard */
     float *mine = u->full + (int64_t)fm->shard_rank * u->numel_shard;
-    if (!lp) memcpy(mine, u->shard, (size_t)u->numel_shard * sizeof(float));
+    if (!lp && !fsdp__measuring) memcpy(mine, u->shard, (size_t)u->numel_shard * sizeof(float));
     unit_tag(ctx, u->model, u);
     enum fsdp_status st = lp ? fsdp__mp_gather_start(fm->shard_comm, fm->shard_rank, u, &u->req)
                              : fsdp_comm_allgather_start(fm->shard_comm, mine, u->full, (size_t)u->numel_shard,
@@ -353,7 +353,7 @@ static enum fsdp_status reduce_start(struct fsdp_ctx *ctx, struct fsdp__unit *u)
     if (fm->grad_accumulate) {
         u->rs_prev = fsdp__pool_get(fm, u->numel_shard, "gradient accumulation");
         if (!u->rs_prev) return FSDP_ERR_NOMEM;
-        memcpy(u->rs_prev, u->grad_shard, (size_t)u->numel_shard * sizeof(float));
+        if (!fsdp__measuring) memcpy(u->rs_prev, u->grad_shard, (size_t)u->numel_shard * sizeof(float));
     }
     /* in reduce_dtype: send and recv are 16-bit views for BF16/F16 (mixed.c) */
     void *send = fsdp__mp_grad_send(u, ctx->world), *recv = fm->shard_size > 1 ? fsdp__mp_grad_recv(u) : send;
@@ -403,7 +403,7 @@ static enum fsdp_status reduce_land(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
     if (req && fsdp_comm_wait(fm->rep_comm, req) != FSDP_OK)
         return reduce_fail(ctx, u, "all-reduce over the replicas");
     void *recv = u->rs_recv;
-    if (recv != u->grad_shard) {
+    if (recv != u->grad_shard && !fsdp__measuring) {
         if (u->reduce_dtype == FSDP_F32) memcpy(u->grad_shard, recv, (size_t)u->numel_shard * sizeof(float));
         else fsdp__mp_grad_land(u, recv);
     }
@@ -411,7 +411,9 @@ static enum fsdp_status reduce_land(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
     float inv = (float)fsdp__mp_predivide(u->reduce_dtype, ctx->world) / (float)ctx->world;
     float *g = u->grad_shard, *prev = u->rs_prev;
     u->grad_fresh = 1;
-    if (prev)
+    if (fsdp__measuring) /* [Note: measure mode] (plan.c) */
+        ;
+    else if (prev)
         for (int64_t i = 0; i < u->numel_shard; i++) g[i] = g[i] * inv + prev[i];
     else
         for (int64_t i = 0; i < u->numel_shard; i++) g[i] *= inv;

@@ -267,7 +267,7 @@ enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit
     float *mem = fsdp__calloc(ctx, (2 + (size_t)k_state) * n * sizeof(float) + lp + 64, FSDP_MEM_SHARD,
                               u->module->fqn[0] ? u->module->fqn : "root unit shards");
     if (!mem) return FSDP_ERR_NOMEM;
-    if (u->shard_mem) memcpy(mem, u->shard, n * sizeof(float)); /* keep the values */
+    if (u->shard_mem && !fsdp__measuring) memcpy(mem, u->shard, n * sizeof(float)); /* keep the values */
     fsdp__free(ctx, u->shard_mem);
     u->shard_mem = mem;
     u->shard = mem;
@@ -275,6 +275,25 @@ enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit
     u->state = k_state ? mem + 2 * n : NULL;
     u->shard_lp = lp ? (uint16_t *)(void *)(mem + (2 + (size_t)k_state) * n) : NULL;
     u->shard_lp_valid = 0;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp__model_layout(struct fsdp_ctx *ctx, struct fsdp_module *root,
+                                    const struct fsdp_shard_opts *opts, struct fsdp_model **out) {
+    struct fsdp_shard_opts def = fsdp_shard_opts_default();
+    if (!opts) opts = &def;
+    if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
+    struct fsdp_model *fm = fsdp__zalloc(1, sizeof *fm);
+    if (!fm) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory laying out units");
+    fm->ctx = ctx;
+    fm->root = root;
+    enum fsdp_status st = fsdp__sharding_layout(ctx, opts, ctx->world, ctx->rank, 0, fm);
+    if (st == FSDP_OK) st = build_units(fm, opts);
+    if (st != FSDP_OK) {
+        fsdp_model_free(fm);
+        return st;
+    }
+    *out = fm;
     return FSDP_OK;
 }
 
@@ -300,25 +319,6 @@ enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root
     for (int i = 0; i < fm->n_units; i++) {
         fm->units[i].module->priv->hooks = &fsdp__unit_hooks;
         fm->units[i].module->priv->hook_data = &fm->units[i];
-    }
-    *out = fm;
-    return FSDP_OK;
-}
-
-enum fsdp_status fsdp__model_layout(struct fsdp_ctx *ctx, struct fsdp_module *root,
-                                    const struct fsdp_shard_opts *opts, struct fsdp_model **out) {
-    struct fsdp_shard_opts def = fsdp_shard_opts_default();
-    if (!opts) opts = &def;
-    if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
-    struct fsdp_model *fm = fsdp__zalloc(1, sizeof *fm);
-    if (!fm) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory laying out units");
-    fm->ctx = ctx;
-    fm->root = root;
-    enum fsdp_status st = fsdp__sharding_layout(ctx, opts, ctx->world, ctx->rank, 0, fm);
-    if (st == FSDP_OK) st = build_units(fm, opts);
-    if (st != FSDP_OK) {
-        fsdp_model_free(fm);
-        return st;
     }
     *out = fm;
     return FSDP_OK;
@@ -369,6 +369,7 @@ enum fsdp_status fsdp_model_init_params(struct fsdp_ctx *ctx, struct fsdp_model 
         if (u->state_ != UNIT_SHARDED)
             return fsdp__err(ctx, FSDP_ERR_STATE, "init_params while unit '%s' is gathered",
                              u->module->fqn);
+        if (fsdp__measuring) continue; /* [Note: measure mode] (plan.c) */
         int64_t lo = (int64_t)fm->shard_rank * u->numel_shard, hi = lo + u->numel_shard;
         memset(u->shard, 0, (size_t)u->numel_shard * sizeof(float));
         for (int j = 0; j < u->n_params; j++) {

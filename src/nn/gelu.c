@@ -39,14 +39,14 @@ static enum fsdp_status gelu_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     if (odt == FSDP_F32) {
         float *y = out->data;
 #pragma omp parallel for schedule(static)
-        for (int64_t k = 0; k < nb; k++) {
+        for (int64_t k = 0; k < (fsdp__measuring ? 0 : nb); k++) {
             int64_t i0 = k * GELU_BLOCK, len = n - i0 < GELU_BLOCK ? n - i0 : GELU_BLOCK;
             gelu_run(x + i0, y + i0, len);
         }
     } else {
         uint16_t *y = out->data;
 #pragma omp parallel for schedule(static)
-        for (int64_t k = 0; k < nb; k++) {
+        for (int64_t k = 0; k < (fsdp__measuring ? 0 : nb); k++) {
             float blk[GELU_BLOCK];
             int64_t i0 = k * GELU_BLOCK, len = n - i0 < GELU_BLOCK ? n - i0 : GELU_BLOCK;
             gelu_run(x + i0, blk, len);
@@ -72,7 +72,7 @@ static enum fsdp_status gelu_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     float *dx = din->data; /* may equal dy */
     int64_t n = G->n;
 #pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < (fsdp__measuring ? 0 : n); i++) {
         float v = x[i];
         float sg = 1.0f / (1.0f + fsdp__expf(-2.0f * GELU_K * (v + GELU_A * v * v * v)));
         float d = sg + 2.0f * v * sg * (1.0f - sg) * GELU_K * (1.0f + 3.0f * GELU_A * v * v);

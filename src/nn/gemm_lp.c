@@ -297,7 +297,7 @@ void fsdp__gemm_lp_batched(enum fsdp_dtype dt, int64_t batch, int transa, int tr
                            int64_t ldb, int64_t sb, float beta, float *C, int64_t ldc, int64_t sc) {
     FSDP_ASSERT(dt == FSDP_F32 || dt == FSDP_BF16 || dt == FSDP_F16, "GEMM input dtype %s (want f32, bf16 or f16)",
                 fsdp_dtype_name(dt));
-    if (batch <= 0 || M <= 0 || N <= 0) return;
+    if (batch <= 0 || M <= 0 || N <= 0 || fsdp__measuring) return;
     const char *a = A, *b = B;
     size_t es = fsdp_dtype_size(dt);
     if (batch == 1) { /* not inside a parallel construct: a team of one would make oneDNN nest a new team */
@@ -325,7 +325,7 @@ void fsdp__gemm_lp(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_
 
 void fsdp__gemm_lp_bias(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, const void *A,
                         int64_t lda, const void *B, int64_t ldb, const float *bias, float *C, int64_t ldc) {
-    if (M <= 0 || N <= 0) return;
+    if (M <= 0 || N <= 0 || fsdp__measuring) return;
     if (!mm_native(dt) || K <= 0) { /* every row starts as the bias, then C += op(A) op(B) */
 #pragma omp parallel for schedule(static) if (!omp_in_parallel())
         for (int64_t i = 0; i < M; i++) memcpy(C + i * ldc, bias, (size_t)N * sizeof(float));

@@ -416,8 +416,8 @@ enum fsdp_status fsdp_module_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
                                      const struct fsdp_tensor *in, struct fsdp_tensor *out) {
     const struct fsdp_module_hooks *h = m->priv->hooks;
     if (h && h->pre_forward) FSDP_TRY(h->pre_forward(m->priv->hook_data, ctx));
-    if (m->checkpoint) FSDP_TRY(ckpt_forward(m, ctx, in, out));
-    else FSDP_TRY(m->ops->forward(m, ctx, in, out));
+    enum fsdp_status st = m->checkpoint ? ckpt_forward(m, ctx, in, out) : m->ops->forward(m, ctx, in, out);
+    if (st != FSDP_OK) return fsdp__measure_failed(ctx, m, "forward", st);
     if (h && h->post_forward) FSDP_TRY(h->post_forward(m->priv->hook_data, ctx));
     return FSDP_OK;
 }
@@ -426,8 +426,8 @@ enum fsdp_status fsdp_module_backward(struct fsdp_module *m, struct fsdp_ctx *ct
                                       const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
     const struct fsdp_module_hooks *h = m->priv->hooks;
     if (h && h->pre_backward) FSDP_TRY(h->pre_backward(m->priv->hook_data, ctx));
-    if (m->checkpoint) FSDP_TRY(ckpt_backward(m, ctx, dout, din));
-    else FSDP_TRY(m->ops->backward(m, ctx, dout, din));
+    enum fsdp_status st = m->checkpoint ? ckpt_backward(m, ctx, dout, din) : m->ops->backward(m, ctx, dout, din);
+    if (st != FSDP_OK) return fsdp__measure_failed(ctx, m, "backward", st);
     if (h && h->post_backward) FSDP_TRY(h->post_backward(m->priv->hook_data, ctx));
     return FSDP_OK;
 }

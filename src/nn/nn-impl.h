@@ -231,14 +231,5 @@ enum fsdp_status fsdp__loss_check(struct fsdp_ctx *ctx, const struct fsdp_loss *
 void fsdp__loss_builtin(const struct fsdp_loss *loss, const struct fsdp_tensor *out, const struct fsdp_tensor *target,
                         float g, double *sum, float *dout);
 
-/* ---- Activation planning (gpt.c) ---- */
-/* Replays on s the arena use of one training step of the GPT `gpt` on (B, T)
- * tokens with nthr threads, checkpointed modules included, each module in its
- * compute dtype, without running it ([Note: activation trace]). gathered(p,
- * ud) is the dtype parameter p's unit gathers in (its param_dtype; NULL: all
- * fp32). The caller allocates the token batch first. */
-void fsdp__gpt_act_trace(struct fsdp_module *gpt, int64_t B, int64_t T, int nthr,
-                         enum fsdp_dtype (*gathered)(const struct fsdp_param *p, void *ud), void *ud,
-                         struct fsdp__arena_sim *s);
 
 #endif

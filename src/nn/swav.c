@@ -67,6 +67,10 @@ enum fsdp_status fsdp_sinkhorn(struct fsdp_ctx *ctx, struct fsdp_comm *comm, con
     double N = (double)n, mx = -INFINITY;
     FSDP_TRY(allreduce_d(ctx, comm, &N, 1, FSDP_SUM, "the row count"));
     if (N <= 0) return fsdp__err(ctx, FSDP_ERR_INVALID, "sinkhorn: no rows on any rank");
+    if (fsdp__measuring) { /* no values to balance ([Note: measure mode], src/fsdp/plan.c) */
+        if (n) memset(codes, 0, (size_t)(n * K) * sizeof(float));
+        return FSDP_OK;
+    }
     int64_t bad = -1;
     for (int64_t i = 0; i < n * K && bad < 0; i++) {
         if (!isfinite(scores[i])) bad = i;

@@ -402,6 +402,7 @@ void fsdp_optim_step(struct fsdp_optim *opt, const struct fsdp_optim_slice *slic
     FSDP_ASSERT(opt != NULL, "fsdp_optim_step: opt is NULL");
     FSDP_ASSERT(n_slices >= 0 && (n_slices == 0 || slices != NULL),
                 "fsdp_optim_step: %d slices at %p", n_slices, (const void *)slices);
+    if (fsdp__measuring) return; /* [Note: measure mode] (src/fsdp/plan.c) */
     const int k = fsdp_optim_state_per_elem(opt);
     for (int j = 0; j < n_slices; j++) {
         const struct fsdp_optim_slice *s = &slices[j];

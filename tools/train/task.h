@@ -59,7 +59,7 @@ struct task {
     struct fsdp_module *root;   /* the model, shapes only until sharded; freed by fsdp-train */
     const char *block_type;     /* --wrap block and --ac blocks / every:K select this module type */
     const char *ac_attn_type;   /* --ac attn's module type, NULL when the model has none */
-    int is_gpt;                 /* --dry-run's activation plan and --mem-limit auto know the GPT only */
+    int is_gpt;                 /* the GPT on tokens (the summary's rate in tokens) */
     const char *item, *item_json; /* rates: "tok" / "tokens_per_s", "img" / "images_per_s" */
     char batch_unit[48];        /* after the batch size in messages: "x 64 tokens", "images" */
     double items_per_step;      /* items in one global batch */

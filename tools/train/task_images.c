@@ -319,7 +319,8 @@ static enum fsdp_status img_step(struct task *t, struct fsdp_ctx *ctx, struct fs
     if (fsdp_images_batch(ctx, k->train, &k->bo, step, o->batch, fsdp_ctx_rank(ctx), fsdp_ctx_world(ctx), k->x,
                           k->y) != FSDP_OK)
         fail_rank("step %d: --data: %s", step + 1, fsdp_errmsg(ctx));
-    int accum = o->grad_accum, mb = k->Bl / accum, no_sync = !strcmp(o->accum_mode, "no_sync");
+    /* the batch per rank of ctx's world (k->Bl's, or the memory plan's: fsdp-train --dry-run --nproc) */
+    int accum = o->grad_accum, mb = o->batch / fsdp_ctx_world(ctx) / accum, no_sync = !strcmp(o->accum_mode, "no_sync");
     struct fsdp_loss loss = {0};
     loss.kind = FSDP_LOSS_CROSS_ENTROPY;
     loss.label_smoothing = o->label_smoothing;

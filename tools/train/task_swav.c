@@ -459,6 +459,7 @@ static void swav_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o
 static void swav_prepare_optim(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_optim *opt) {
     struct swav *k = t->impl;
     k->opt = opt;
+    k->frozen = 0; /* a new optimizer's groups start unfrozen (the memory plan ran steps on its own) */
     if (o->freeze_prototypes_iters <= 0) return;
     char names[64][32];
     const char *fq[64];
@@ -565,7 +566,8 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
         k->baseline_done = 1;
     }
     set_frozen(ctx, k, step < o->freeze_prototypes_iters);
-    int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), C = k->ti.channels, Bl = k->Bl, V = k->V;
+    int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), C = k->ti.channels, V = k->V;
+    int Bl = o->batch / world; /* k->Bl, or the memory plan's world (fsdp-train --dry-run --nproc) */
     int64_t n = k->ti.count, K = k->hc.n_prototypes, D = k->hc.out_dim, W = k->W;
     float *tmp = malloc((size_t)C * (size_t)(k->Sg > k->Ss ? k->Sg : k->Ss) * (size_t)(k->Sg > k->Ss ? k->Sg : k->Ss) *
                         sizeof(float));

@@ -120,7 +120,7 @@ static enum fsdp_status tok_step(struct task *t, struct fsdp_ctx *ctx, struct fs
     if (fsdp_data_batch(k->data, step, o->batch, k->T, fsdp_ctx_rank(ctx), fsdp_ctx_world(ctx), k->inputs,
                         k->targets) != FSDP_OK)
         fail_rank("step %d: --data: %s", step + 1, fsdp_errmsg(ctx));
-    return fsdp_model_train_step_accum(ctx, fm, k->inputs, k->targets, k->Bl / o->grad_accum, k->T, o->grad_accum,
+    return fsdp_model_train_step_accum(ctx, fm, k->inputs, k->targets, o->batch / fsdp_ctx_world(ctx) / o->grad_accum, k->T, o->grad_accum,
                                        !strcmp(o->accum_mode, "no_sync") ? FSDP_ACCUM_NO_SYNC
                                                                          : FSDP_ACCUM_REDUCE_EACH,
                                        lr, o->clip, r);
