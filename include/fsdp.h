@@ -1646,6 +1646,11 @@ enum fsdp_status fsdp_model_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
  * COLLECTIVE: yes (every rank returns the same status). */
 enum fsdp_status fsdp_model_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path,
                                  struct fsdp_ckpt_meta *meta);
+/* As fsdp_model_load, the parameters and buffers only (Composer's
+ * load_weights_only): a sharded folder's optimizer state, step count and
+ * loss scale are not read, whatever optimizer saved it, and fm's optimizer
+ * starts from zero state (fine-tuning from a checkpoint). COLLECTIVE: yes. */
+enum fsdp_status fsdp_model_load_weights(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path);
 
 /* Offline tools (no model needed). COLLECTIVE: no. */
 /* Prints a checkpoint's contents (a sharded folder or a safetensors file) to

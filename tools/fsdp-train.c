@@ -894,7 +894,7 @@ int main(int argc, char **argv) {
     } else if (o.init_from) {
         /* --init rank0 (load_monolith_rank0_only): rank 0 reads each unit and broadcasts it */
         int rank0 = !strcmp(o.init, "rank0");
-        if (fsdp_model_load(ctx, fm, o.init_from, NULL) != FSDP_OK) fail_all("--init-from: %s", fsdp_errmsg(ctx));
+        if (fsdp_model_load_weights(ctx, fm, o.init_from) != FSDP_OK) fail_all("--init-from: %s", fsdp_errmsg(ctx));
         if (rank == 0) printf("initial weights from %s%s\n", o.init_from, rank0 ? " (rank 0, sent unit by unit)" : "");
     }
 

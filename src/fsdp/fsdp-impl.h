@@ -111,6 +111,8 @@ struct fsdp_model {
     /* fsdp_parallelize_model's config, for the state-dict code */
     enum fsdp_state_dict_type state_dict_type;
     int load_monolith_rank0_only;
+    int load_weights_only;        /* fsdp_model_load_weights: a folder's optimizer state, step
+                                     count and loss scale are left as they are */
     /* fsdp_summon_full_params: active, and how it ends */
     int summon_active, summon_writeback, summon_rank0_only;
     /* the sharding strategy ([Note: sharding strategies], wrap.c): units shard

@@ -373,7 +373,7 @@ static enum fsdp_status load_local(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
     int k;
     const char *const *snames = fsdp__ckpt_state_names(fm->optim, &k);
     int load_state = 0;
-    if (k && mt->n_state) {
+    if (k && mt->n_state && !fm->load_weights_only) {
         int same = mt->n_state == k;
         for (int i = 0; same && i < k; i++) same = !strcmp(mt->state[i], snames[i]);
         if (!same)
@@ -418,7 +418,7 @@ static enum fsdp_status load_local(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
     }
     if (st == FSDP_OK) st = load_buffers(ctx, fm, mt, &c);
     if (st == FSDP_OK && fm->optim) fsdp__optim_set_step_count(fm->optim, load_state ? mt->m.optim_step : 0);
-    if (st == FSDP_OK && fm->scaler.opts.enabled && mt->m.has_loss_scale) { /* torch's GradScaler state */
+    if (st == FSDP_OK && fm->scaler.opts.enabled && mt->m.has_loss_scale && !fm->load_weights_only) { /* torch's GradScaler state */
         fm->scaler.scale = mt->m.loss_scale;
         fm->scaler.clean = mt->m.loss_scale_growth_tracker;
         fm->scaler.skipped = mt->m.loss_scale_skipped;

@@ -41,3 +41,10 @@ enum fsdp_status fsdp_model_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
     if (meta) memset(meta, 0, sizeof *meta);
     return fsdp_model_load_full(ctx, fm, path, fm->load_monolith_rank0_only);
 }
+
+enum fsdp_status fsdp_model_load_weights(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path) {
+    fm->load_weights_only = 1;
+    enum fsdp_status st = fsdp_model_load(ctx, fm, path, NULL);
+    fm->load_weights_only = 0;
+    return st;
+}
