@@ -19,7 +19,7 @@
 #endif
 
 /* internal (core-impl.h): the injection hook */
-extern long fsdp__alloc_count, fsdp__alloc_fail_at;
+extern _Thread_local long fsdp__alloc_count, fsdp__alloc_fail_at;
 
 struct rig {
     struct fsdp_ctx *ctx;

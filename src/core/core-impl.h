@@ -142,10 +142,14 @@ void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, c
 void *fsdp__calloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);
 /* Frees memory from fsdp__alloc; NULL is a no-op. */
 void fsdp__free(struct fsdp_ctx *ctx, void *p);
-/* Allocation-failure injection (tests): every fsdp__alloc call increments
- * fsdp__alloc_count; the call that makes it equal fsdp__alloc_fail_at (when
- * > 0) fails as if out of memory. Not thread-safe; set from one thread. */
-extern long fsdp__alloc_count, fsdp__alloc_fail_at;
+/* Allocation-failure injection (tests): every library allocation made by a
+ * thread increments that thread's fsdp__alloc_count; the call that makes it
+ * equal the thread's fsdp__alloc_fail_at (when > 0) fails as if out of
+ * memory. Per thread, so that the background threads (the MPI progress
+ * thread, the shm engine's) neither shift the count of the thread under
+ * test nor fail: the k-th allocation is the same call on every rank, and a
+ * collective that one rank skips for lack of memory is skipped by all. */
+extern _Thread_local long fsdp__alloc_count, fsdp__alloc_fail_at;
 /* Allocations that failed (injected or not), so that a parser that returns
  * NULL for both (cJSON) can say out of memory rather than bad input. */
 extern long fsdp__alloc_failures;

@@ -160,15 +160,13 @@ static void mem_add(struct fsdp_ctx *ctx, int kind, size_t bytes) {
     if (m->cur_total > m->peak_total) m->peak_total = m->cur_total;
 }
 
-long fsdp__alloc_count, fsdp__alloc_fail_at, fsdp__alloc_failures;
+_Thread_local long fsdp__alloc_count, fsdp__alloc_fail_at;
+long fsdp__alloc_failures;
 int fsdp__measuring;
 
-/* Counts one library allocation; 1 if failure injection fails it. Atomic:
- * the progress threads allocate too. */
-static int alloc_tick(void) {
-    long n = __atomic_add_fetch(&fsdp__alloc_count, 1, __ATOMIC_RELAXED);
-    return n == __atomic_load_n(&fsdp__alloc_fail_at, __ATOMIC_RELAXED);
-}
+/* Counts one library allocation of this thread; 1 if failure injection
+ * fails it (core-impl.h). */
+static int alloc_tick(void) { return ++fsdp__alloc_count == fsdp__alloc_fail_at; }
 
 static void *failed(void) {
     __atomic_add_fetch(&fsdp__alloc_failures, 1, __ATOMIC_RELAXED);

@@ -305,7 +305,11 @@ typedef void (*update_fn)(const struct fsdp_optim_slice *s, const void *coef, in
  * chunk followed by its 16-bit copy and sum of squares (see the note). */
 static void run_chunks(const struct fsdp_optim_slice *s, update_fn update, const void *coef) {
     const int64_t n = s->n, nc = n_chunks(n);
-    double *part = s->sumsq ? fsdp__malloc((size_t)(nc ? nc : 1) * sizeof *part) : NULL;
+    /* plain malloc, not counted by the failure injection (core-impl.h): how
+     * many slices a rank updates depends on its shard, so a counted block
+     * here would shift the k-th allocation from rank to rank; and its
+     * failure changes nothing but the time (the second pass below) */
+    double *part = s->sumsq ? malloc((size_t)(nc ? nc : 1) * sizeof *part) : NULL;
 #pragma omp parallel for schedule(static) if (n >= OPTIM_PAR_MIN)
     for (int64_t k = 0; k < nc; k++) {
         int64_t a = k * OPTIM_CHUNK, b = chunk_end(k, nc, n);
