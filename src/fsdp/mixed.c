@@ -125,10 +125,14 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
     *req = NULL;
     u->lp_direct = 0;
     if (u->shard_lp_valid) check_lp_copy(u); /* the optimizer's copy ([Note: fused 16-bit copy]): no cast */
-    if (alone) { /* the copy is the whole gathered buffer: read in place, cast there first if stale */
+    if (alone && u->shard_lp) { /* the copy is the whole gathered buffer: read in place, cast there first if stale */
         if (!u->shard_lp_valid) fsdp__cvt_from_f32(u->param_dtype, u->shard, u->shard_lp, (size_t)u->numel_shard);
         u->shard_lp_valid = 1;
         u->lp_direct = 1;
+        return FSDP_OK;
+    }
+    if (alone) { /* no 16-bit copy yet (no optimizer attached): the staging area holds the cast */
+        fsdp__cvt_from_f32(u->param_dtype, u->shard, mine, (size_t)u->numel_shard);
         return FSDP_OK;
     }
     if (u->shard_lp_valid)
@@ -138,7 +142,8 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
 }
 
 int64_t fsdp__mp_full_numel(const struct fsdp__unit *u) {
-    int staged = u->param_dtype != FSDP_F32 && u->model->shard_size > 1; /* a group of one reads shard_lp */
+    /* a group of one reads shard_lp in place once the unit has it (it comes with the optimizer) */
+    int staged = u->param_dtype != FSDP_F32 && (u->model->shard_size > 1 || !u->shard_lp);
     return u->numel_padded + (staged ? (u->numel_padded + 1) / 2 : 0);
 }
 
