@@ -63,7 +63,7 @@ static void parse(void) {
 
 void fsdp__fault_point(const char *point, const char *where) {
     if (!F.parsed) parse();
-    if (!F.on || F.fired || fsdp__global_rank != F.rank || fsdp__fault_step < F.step ||
+    if (!F.on || F.fired || fsdp__measuring || fsdp__global_rank != F.rank || fsdp__fault_step < F.step ||
         strcmp(point, F.point) != 0)
         return;
     F.fired = 1;

@@ -364,7 +364,7 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                              (long long)in->shape[i]);
     fm->step.fwd_pending = 0; /* the reset below drops what a pending forward saved */
     if (train && step && !fm->step.open) { /* the step's first forward opens it */
-        fsdp__fault_step++; /* FSDP_FAULT's step ([Note: fault injection]) */
+        if (!fsdp__measuring) fsdp__fault_step++; /* FSDP_FAULT's step ([Note: fault injection]); not a plan's */
         fm->step.open = 1;
         fm->step.w0 = comm_wait_total(fm);
         fm->step.loss_scale = fsdp__scaler_scale(fm); /* 1 without loss scaling */

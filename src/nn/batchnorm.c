@@ -143,7 +143,7 @@ static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
             }
             count = tot;
         }
-        if (count < 2) {
+        if (count < 2 && !fsdp__measuring) { /* measuring: the no-op gather left no counts */
             fsdp_arena_release(ctx, mark);
             return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': training needs more than 1 value per channel "
                              "(input (%lld, %lld) x %lld values per plane)", fsdp__mname(m), (long long)N,

@@ -561,7 +561,7 @@ static void append_extra(struct task *t, const char *key, double v);
 static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
                                   int step, float lr, struct fsdp_step_result *r) {
     struct swav *k = t->impl;
-    if (o->eval_baseline && !k->baseline_done) {
+    if (o->eval_baseline && !k->baseline_done && !fsdp_ctx_measuring(ctx)) { /* not in the memory plan's steps */
         TRY(baseline(t, ctx, fm, o));
         k->baseline_done = 1;
     }
