@@ -141,7 +141,7 @@ if timeout -k 5 60 "$TRAIN" "${common[@]}" --crops-small 0 --steps 2 --eval-base
 else bad "global crops only" "$(tail -5 "$tmp/og")"; fi
 if msg=$(python3 - "$tmp/g.jsonl" "$tmp/og" <<'EOF' 2>&1
 import json, sys
-r = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l][0]
+r = [json.loads(l) for l in open(sys.argv[1]) if '"base_knn_acc"' in l][0]
 for k in ("base_knn_acc", "base_probe_acc", "raw_knn_acc", "raw_probe_acc"):
     assert 0.3 < r[k] <= 1, (k, r[k])
 assert "baseline: untrained trunk knn_acc" in open(sys.argv[2]).read()
