@@ -278,15 +278,23 @@ enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit
     return FSDP_OK;
 }
 
+/* The empty model both constructors below start from: root finalized (FQNs),
+ * *fm zeroed with its context and root; `what` names the job in the error. */
+static enum fsdp_status model_new(struct fsdp_ctx *ctx, struct fsdp_module *root, const char *what,
+                                  struct fsdp_model **fm) {
+    if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
+    if (!(*fm = fsdp__zalloc(1, sizeof **fm))) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory %s", what);
+    (*fm)->ctx = ctx;
+    (*fm)->root = root;
+    return FSDP_OK;
+}
+
 enum fsdp_status fsdp__model_layout(struct fsdp_ctx *ctx, struct fsdp_module *root,
                                     const struct fsdp_shard_opts *opts, struct fsdp_model **out) {
     struct fsdp_shard_opts def = fsdp_shard_opts_default();
     if (!opts) opts = &def;
-    if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
-    struct fsdp_model *fm = fsdp__zalloc(1, sizeof *fm);
-    if (!fm) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory laying out units");
-    fm->ctx = ctx;
-    fm->root = root;
+    struct fsdp_model *fm;
+    FSDP_TRY(model_new(ctx, root, "laying out units", &fm));
     enum fsdp_status st = fsdp__sharding_layout(ctx, opts, ctx->world, ctx->rank, 0, fm);
     if (st == FSDP_OK) st = build_units(fm, opts);
     if (st != FSDP_OK) {
@@ -301,11 +309,8 @@ enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root
                                   const struct fsdp_shard_opts *opts, struct fsdp_model **out) {
     struct fsdp_shard_opts def = fsdp_shard_opts_default();
     if (!opts) opts = &def;
-    if (!root->fqn) FSDP_TRY(fsdp_module_finalize(ctx, root));
-    struct fsdp_model *fm = fsdp__zalloc(1, sizeof *fm);
-    if (!fm) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating the sharded model");
-    fm->ctx = ctx;
-    fm->root = root;
+    struct fsdp_model *fm;
+    FSDP_TRY(model_new(ctx, root, "creating the sharded model", &fm));
     enum fsdp_status st = fsdp__sharding_comms(ctx, opts, fm);
     if (st == FSDP_OK) st = build_units(fm, opts);
     for (int i = 0; i < fm->n_units && st == FSDP_OK; i++)
