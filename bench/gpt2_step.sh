@@ -5,12 +5,41 @@
 #  2. the same at 2 ranks x 1 thread and 4 ranks x 1 thread (oversubscribed,
 #     FULL_SHARD): step time relative to 1 rank and peak RSS per rank.
 # Usage: bench/gpt2_step.sh [STEPS]   (default 6; the first step is not timed)
+#
+# BEFORE=DIR (a build folder of another commit, e.g. a worktree's build/):
+# instead, a before/after comparison of the 1-rank step in one run: ROUNDS
+# (default 3) rounds, each running DIR's fsdp-train and then $BUILD's, same
+# flags; prints each build's median step over all its timed steps and the
+# ratio after/before.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 STEPS=${1:-6}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+if [ -n "${BEFORE:-}" ]; then
+  [ -x "$BEFORE/fsdp-train" ] || { echo "gpt2_step: BEFORE=$BEFORE: no fsdp-train there"; exit 1; }
+  for r in $(seq "${ROUNDS:-3}"); do
+    for side in before after; do
+      b=$BUILD; [ $side = before ] && b=$BEFORE
+      "$b/fsdp-train" --model gpt2 --data synthetic --batch 4 --seq 256 --steps "$STEPS" --warmup 1 --threads 2 \
+        --sample 0 --log "$tmp/$side$r.jsonl" > "$tmp/$side$r.out" 2>&1 || { cat "$tmp/$side$r.out"; exit 1; }
+    done
+  done
+  python3 - "$tmp" "${ROUNDS:-3}" <<'PY'
+import json, statistics, sys
+d, rounds = sys.argv[1], int(sys.argv[2])
+med = {}
+for side in ("before", "after"):
+    ms = []
+    for r in range(1, rounds + 1):  # the log's step lines, without each run's first step
+        ms += [x["step_ms"] for x in map(json.loads, open(f"{d}/{side}{r}.jsonl")) if "step" in x][1:]
+    med[side] = statistics.median(ms) / 1e3
+    print(f"{side}: {med[side]:.3f} s/step median of {len(ms)} steps (min {min(ms) / 1e3:.3f}, max {max(ms) / 1e3:.3f})")
+print(f"after / before: {med['after'] / med['before']:.3f}")
+PY
+  exit 0
+fi
 gemm=$("$BUILD/bench/gemm_rate" 2 | awk '{print $2}')
 echo "fp32 GEMM rate (2 threads): $gemm GFLOP/s"
 run() { # name nproc threads

@@ -56,6 +56,7 @@ while True:
     for l in lines[seen:]:
         if not l.endswith("\n"): break
         r = json.loads(l); seen += 1
+        if "step" not in r: continue  # the configuration line
         train_s += r["step_ms"] / 1e3
         if "eval_acc" in r:
             acc = r["eval_acc"]

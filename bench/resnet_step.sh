@@ -57,7 +57,7 @@ ours() {
   fi
   python3 - "$tmp/$1.jsonl" <<'EOF'
 import json, statistics, sys
-r = [json.loads(l) for l in open(sys.argv[1])][2:]
+r = [x for x in map(json.loads, open(sys.argv[1])) if "step" in x][2:]  # step lines without the first 2
 med = lambda k: statistics.median(x[k] for x in r)
 print(f"{med('step_ms'):.1f} {min(x['step_ms'] for x in r):.1f} {med('forward_ms'):.1f} {med('backward_ms'):.1f} {med('update_ms'):.1f}")
 EOF

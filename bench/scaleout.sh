@@ -54,7 +54,7 @@ run() { # run NAME: a run across the hosts, its per-step log in $tmp/NAME.jsonl
 med() { # med NAME EXPR: the median over the timed steps of EXPR (a Python expression over r)
   python3 - "$tmp/$1.jsonl" "$2" <<'PY'
 import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1])][1:]
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r][1:]  # the step lines, without the first step
 print(f"{statistics.median(eval(sys.argv[2], {}, {'r': r}) for r in rows):.1f}")
 PY
 }

@@ -30,7 +30,7 @@ t0=$(date +%s)
 grep -E '^(model|data|baseline|summary|eval:)' "$tmp/out"
 python3 - "$tmp/log.jsonl" "$(( $(date +%s) - t0 ))" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r]  # the first line is the configuration
 b = rows[0]
 print(f"baseline (same run): untrained trunk kNN {100 * b['base_knn_acc']:.2f}% probe {100 * b['base_probe_acc']:.2f}% | "
       f"raw pixels kNN {100 * b['raw_knn_acc']:.2f}% probe {100 * b['raw_probe_acc']:.2f}%")

@@ -33,7 +33,7 @@ import json, statistics, sys
 d, rounds, B = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 c, p = [], []
 for r in range(1, rounds + 1):
-    c.append(statistics.median(json.loads(l)["step_ms"] for l in list(open(f"{d}/c{r}.jsonl"))[1:]))
+    c.append(statistics.median([x["step_ms"] for x in map(json.loads, open(f"{d}/c{r}.jsonl")) if "step" in x][1:]))
     p.append(statistics.median(float(l.split()[1]) for l in list(open(f"{d}/p{r}.out"))[1:]))
     print(f"round {r}: fsdp-train {c[-1]:.1f} ms/step, PyTorch {p[-1]:.1f} ms/step")
 mc, mp = statistics.median(c), statistics.median(p)

@@ -53,9 +53,11 @@ run_one() { # $1 = name, rest = command
   local name=$1; shift
   local out; out=$(mktemp)
   echo "== $name"
+  local t0=$SECONDS
   timeout -k 10 "${SUITE_TIMEOUT:-600}" "$@" > "$out" 2>&1
   local rc=$?
   grep -vE '^ok ' "$out" | tail -n 60
+  echo "   ($((SECONDS - t0)) s)"
   tally "$name" "$out" "$rc"
   rm -f "$out"
 }

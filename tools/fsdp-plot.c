@@ -342,20 +342,24 @@ int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             usage(stdout);
+            free(runs);
             return 0;
         } else if (!strcmp(argv[i], "-o") || !strcmp(argv[i], "--output")) {
             if (i + 1 >= argc) {
                 fprintf(stderr, "fsdp-plot: %s needs a file name\n", argv[i]);
+                free(runs);
                 return 2;
             }
             out = argv[++i];
         } else if (argv[i][0] == '-' && argv[i][1]) {
             fprintf(stderr, "fsdp-plot: unknown option '%s' (see --help)\n", argv[i]);
+            free(runs);
             return 2;
         } else runs[nr++].path = argv[i];
     }
     if (!nr || !out) {
         usage(stderr);
+        free(runs);
         return 2;
     }
     check_out(out);

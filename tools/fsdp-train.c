@@ -1058,5 +1058,6 @@ int main(int argc, char **argv) {
     fsdp_module_free(root);
     task.ops->free(&task);
     fsdp_ctx_free(ctx);
+    config_release();
     return 0;
 }

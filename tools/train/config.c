@@ -291,11 +291,12 @@ static char *read_file(const char *path, const char **why) {
     return buf;
 }
 
-/* argv being built: each string is borrowed or owned by the list (leaked
- * deliberately: the options point into it for the whole run). */
+/* argv being built: each string is borrowed (argv's) or owned by the list
+ * (own: the ones add_flag wrote). The options point into it for the whole run:
+ * config_release frees it when the run is over. */
 struct args {
-    char **v;
-    int n, cap;
+    char **v, **own;
+    int n, cap, n_own;
 };
 
 static void args_add(struct args *a, const char *s) {
@@ -308,10 +309,21 @@ static void args_add(struct args *a, const char *s) {
     a->v[a->n] = NULL;
 }
 
-static char *dup(const char *s) {
+/* a copy of s, added to a and owned by it */
+static void args_add_copy(struct args *a, const char *s) {
     char *d = malloc(strlen(s) + 1);
-    if (!d) usage_error("out of memory");
-    return strcpy(d, s);
+    char **own = realloc(a->own, (size_t)(a->n_own + 1) * sizeof *own);
+    if (!d || !own) usage_error("out of memory");
+    a->own = own;
+    a->own[a->n_own++] = strcpy(d, s);
+    args_add(a, d);
+}
+
+static void args_free(struct args *a) {
+    for (int i = 0; i < a->n_own; i++) free(a->own[i]);
+    free(a->own);
+    free(a->v);
+    *a = (struct args){0};
 }
 
 /* "--name" [value] for flag f whose JSON value is v; 0 when nothing (null, a false switch). */
@@ -324,12 +336,13 @@ static int add_flag(struct args *a, const struct flag *f, const cJSON *v, const 
     if (r == 0 || (f->kind == K_SWITCH && !strcmp(b, "false"))) return 0;
     char name[80];
     snprintf(name, sizeof name, "--%s", f->name);
-    args_add(a, dup(name));
-    if (f->kind != K_SWITCH) args_add(a, dup(b));
+    args_add_copy(a, name);
+    if (f->kind != K_SWITCH) args_add_copy(a, b);
     return 1;
 }
 
 static int g_cfg_end = 1;       /* argv[1, g_cfg_end) came from --config */
+static struct args g_config_args; /* config_argv's argv */
 static struct args g_resume_args; /* config_resume's argv */
 static const char *g_cfg_name;  /* its file */
 
@@ -378,8 +391,14 @@ void config_argv(int argc, char **argv, int *nargc, char ***nargv) {
     g_cfg_name = path;
     for (int i = 1; i < argc; i++) args_add(&a, argv[i]);
     opts_set_origin(1, NULL, g_cfg_end, g_cfg_name);
+    g_config_args = a;
     *nargc = a.n;
     *nargv = a.v;
+}
+
+void config_release(void) {
+    args_free(&g_config_args);
+    args_free(&g_resume_args);
 }
 
 char *config_json(const struct opts *o) {
@@ -417,7 +436,8 @@ int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, co
         if (!f || f->kind != K_SWITCH) i++;
     }
     if (o->override) {
-        char *list = dup(o->override), *save = NULL;
+        char *list = strdup(o->override), *save = NULL;
+        if (!list) usage_error("out of memory");
         for (char *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
             const struct flag *f = find_flag(t);
             if (!f || !f->restore) {

@@ -25,5 +25,8 @@ char *config_json(const struct opts *o);
  * parsed again from the checkpoint's values and argv. Returns the number of
  * flags taken from the checkpoint. Every rank computes the same. */
 int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, const char *ck_dir);
+/* The run is over: frees the argv config_argv and config_resume built (the
+ * options and config_argv's *nargv point into them; neither is used after). */
+void config_release(void);
 
 #endif
