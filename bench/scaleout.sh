@@ -18,6 +18,7 @@
 # exposed communication at the limit minus its prediction at an unlimited
 # link, with the compute time of a step measured in the unlimited run
 # (step_ms - update_ms - exposed_comm_ms, median).
+# RPH=1 runs 2 hosts x 1 rank (a core per rank on a 2-core machine) instead of 2 x 2.
 # Usage: bench/scaleout.sh [STEPS] [MBPS...]   (defaults 4, "10 5"); needs root
 # (namespaces) and tc. Prints one line per limit and the prediction's error.
 set -uo pipefail
@@ -33,7 +34,8 @@ rig=""
 trap '[ -n "$rig" ] && scripts/simhosts.sh down "$rig"; rm -rf "$tmp"' EXIT
 trap 'exit 130' INT TERM
 command -v tc > /dev/null || { echo "scaleout: no tc (iproute2)"; exit 1; }
-rig=$(scripts/simhosts.sh up 2 2) || exit 1
+RPH=${RPH:-2}
+rig=$(scripts/simhosts.sh up 2 "$RPH") || exit 1
 id=$(cat "$rig/id")
 FLAGS="--model small --batch ${BATCH:-8} --seq ${SEQ:-32} --threads 1 --sample 0 --sharding FULL_SHARD"
 
@@ -48,7 +50,7 @@ limit() { # limit MBPS|none: tbf both ways on each host's link
   done
 }
 run() { # run NAME: a run across the hosts, its per-step log in $tmp/NAME.jsonl
-  scripts/simhosts.sh run "$rig" bash -c "mpirun \$SIMHOSTS_MPIRUN --oversubscribe -x FSDP_MPI_PROGRESS=1 -np 4 $BUILD/fsdp-train \
+  scripts/simhosts.sh run "$rig" bash -c "mpirun \$SIMHOSTS_MPIRUN --oversubscribe -x FSDP_MPI_PROGRESS=1 -np $((2 * RPH)) $BUILD/fsdp-train \
     $FLAGS --steps $STEPS --log $tmp/$1.jsonl" > "$tmp/$1.out" 2>&1 || { tail -5 "$tmp/$1.out"; exit 1; }
 }
 med() { # med NAME EXPR: the median over the timed steps of EXPR (a Python expression over r)
@@ -59,7 +61,7 @@ print(f"{statistics.median(eval(sys.argv[2], {}, {'r': r}) for r in rows):.1f}")
 PY
 }
 predict() { # predict MBPS COMPUTE_MS: fsdp_plan_comm's exposed communication (ms)
-  "$BUILD/fsdp-train" $FLAGS --dry-run --hosts 2 --ranks-per-host 2 --net-gbps "$(python3 -c "print($1 / 1000)")" --net-latency-us "$LAT_US" \
+  "$BUILD/fsdp-train" $FLAGS --dry-run --hosts 2 --ranks-per-host "$RPH" --net-gbps "$(python3 -c "print($1 / 1000)")" --net-latency-us "$LAT_US" \
     --step-compute-ms "$2" | sed -n 's/.*predicted exposed communication \([0-9.]*\) ms.*/\1/p'
 }
 

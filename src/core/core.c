@@ -140,17 +140,27 @@ void fsdp__log(const struct fsdp_ctx *ctx, int level, const char *fmt, ...) {
  * bytes in RSS (bench/mem_plan.sh), within the plan with this. Sanitized
  * builds keep malloc, so that AddressSanitizer still guards and leak-checks
  * every block. */
+#define MAP_MIN ((size_t)1 << 20)
 #if defined(__SANITIZE_ADDRESS__)
 #define ALLOC_MAP_MIN SIZE_MAX
 #else
-#define ALLOC_MAP_MIN ((size_t)1 << 20)
+#define ALLOC_MAP_MIN MAP_MIN
 #endif
 
 struct alloc_hdr {
     size_t bytes;
     int kind;
-    char pad[64 - sizeof(size_t) - sizeof(int)];
+    int mapped; /* pages of its own (mmap) */
+    char pad[64 - sizeof(size_t) - 2 * sizeof(int)];
 };
+
+/* A measuring context's large blocks are always mapped, reserved and never
+ * touched ([Note: measure mode] in src/fsdp/plan.c), sanitized builds too:
+ * through malloc, AddressSanitizer's allocator would commit (and calloc
+ * zero) every byte of a plan that may be far larger than the host. */
+static int alloc_mapped(const struct fsdp_ctx *ctx, size_t bytes) {
+    return bytes >= ALLOC_MAP_MIN || (ctx && ctx->measure && bytes >= MAP_MIN);
+}
 
 static void mem_add(struct fsdp_ctx *ctx, int kind, size_t bytes) {
     struct fsdp_mem_stats *m = &ctx->mem;
@@ -191,7 +201,7 @@ void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, c
     }
     if (inject || bytes > SIZE_MAX - 128) {
         raw = NULL;
-    } else if (bytes >= ALLOC_MAP_MIN) { /* [Note: large blocks are mapped] */
+    } else if (alloc_mapped(ctx, bytes)) { /* [Note: large blocks are mapped] */
         raw = mmap(NULL, sizeof(struct alloc_hdr) + bytes, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | (ctx && ctx->measure ? MAP_NORESERVE : 0), -1, 0);
         if (raw == MAP_FAILED) raw = NULL;
@@ -206,13 +216,14 @@ void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, c
     struct alloc_hdr *h = raw;
     h->bytes = bytes;
     h->kind = (int)kind;
+    h->mapped = alloc_mapped(ctx, bytes);
     if (ctx) mem_add(ctx, (int)kind, bytes);
     return h + 1;
 }
 
 void *fsdp__calloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
     void *p = fsdp__alloc(ctx, bytes, kind, what);
-    if (p && bytes < ALLOC_MAP_MIN) memset(p, 0, bytes); /* fresh pages are zero */
+    if (p && !((struct alloc_hdr *)p - 1)->mapped) memset(p, 0, bytes); /* fresh pages are zero */
     return p;
 }
 
@@ -223,7 +234,7 @@ void fsdp__free(struct fsdp_ctx *ctx, void *p) {
         ctx->mem.cur[h->kind] -= h->bytes;
         ctx->mem.cur_total -= h->bytes;
     }
-    if (h->bytes >= ALLOC_MAP_MIN) munmap(h, sizeof *h + h->bytes);
+    if (h->mapped) munmap(h, sizeof *h + h->bytes);
     else free(h);
 }
 
