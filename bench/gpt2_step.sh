@@ -29,14 +29,19 @@ if [ -n "${BEFORE:-}" ]; then
   python3 - "$tmp" "${ROUNDS:-3}" <<'PY'
 import json, statistics, sys
 d, rounds = sys.argv[1], int(sys.argv[2])
-med = {}
+med, runs = {}, {}
 for side in ("before", "after"):
-    ms = []
+    ms, runs[side] = [], []
     for r in range(1, rounds + 1):  # the log's step lines, without each run's first step
-        ms += [x["step_ms"] for x in map(json.loads, open(f"{d}/{side}{r}.jsonl")) if "step" in x][1:]
+        m = [x["step_ms"] for x in map(json.loads, open(f"{d}/{side}{r}.jsonl")) if "step" in x][1:]
+        ms += m
+        runs[side].append(statistics.median(m) / 1e3)
     med[side] = statistics.median(ms) / 1e3
-    print(f"{side}: {med[side]:.3f} s/step median of {len(ms)} steps (min {min(ms) / 1e3:.3f}, max {max(ms) / 1e3:.3f})")
-print(f"after / before: {med['after'] / med['before']:.3f}")
+    print(f"{side}: {med[side]:.3f} s/step median of {len(ms)} steps (min {min(ms) / 1e3:.3f}, max {max(ms) / 1e3:.3f}); "
+          f"per run: {', '.join(f'{x:.3f}' for x in runs[side])}")
+pairs = [a / b for a, b in zip(runs["after"], runs["before"])]
+print(f"after / before: {med['after'] / med['before']:.3f} (medians of all steps); per round {', '.join(f'{x:.3f}' for x in pairs)}, "
+      f"median {statistics.median(pairs):.3f}")
 PY
   exit 0
 fi
