@@ -36,7 +36,7 @@ for n in ${RANKS:-1 2 4}; do
     saves+=("$(sed -nE 's/^saved .* in ([0-9.]+) s$/\1/p' "$tmp/save.out")")
     rss_trsv=$(sed -nE 's/.*peak RSS ([0-9]+) MB per rank.*/\1/p' "$tmp/save.out")
     bytes=$(du -sb "$tmp/c/step-00000001" | awk '{print $1}')
-    "$BUILD/fsdp-train" "${common[@]}" --nproc $n --steps 1 --resume "$tmp/c" > "$tmp/load.out" 2>&1 ||
+    "$BUILD/fsdp-train" "${common[@]}" --nproc $n --steps 2 --override steps --resume "$tmp/c" > "$tmp/load.out" 2>&1 ||
       { cat "$tmp/load.out"; exit 1; }
     loads+=("$(sed -nE 's/^resumed .*, ([0-9.]+) s$/\1/p' "$tmp/load.out")")
     t0=$(now); cat "$tmp"/c/step-00000001/* > /dev/null; t1=$(now)

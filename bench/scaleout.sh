@@ -39,14 +39,17 @@ rig=$(scripts/simhosts.sh up 2 "$RPH") || exit 1
 id=$(cat "$rig/id")
 FLAGS="--model small --batch ${BATCH:-8} --seq ${SEQ:-32} --threads 1 --sample 0 --sharding FULL_SHARD"
 
-limit() { # limit MBPS|none: tbf both ways on each host's link
-  local i
+limit() { # limit MBPS|none: tbf both ways on each host's link; its bucket holds BURST_MS
+  # (default 2) ms at the rate, at least 64 KB: a bucket smaller than the bytes one timer tick
+  # lets through caps the rate below the limit (64 KB at 1 Gbit/s: about half of it)
+  local i b=0
+  [ "$1" = none ] || b=$(python3 -c "print(max(65536, int($1 * 1e6 / 8 * ${BURST_MS:-2} / 1e3)))")
   for i in 0 1; do
     tc -n "fsdp-$id-h$i" qdisc del dev eth0 root 2> /dev/null
     tc -n "fsdp-$id-rig" qdisc del dev "v$i" root 2> /dev/null
     [ "$1" = none ] && continue
-    tc -n "fsdp-$id-h$i" qdisc add dev eth0 root tbf rate "${1}mbit" burst 64kb latency 2s || return 1
-    tc -n "fsdp-$id-rig" qdisc add dev "v$i" root tbf rate "${1}mbit" burst 64kb latency 2s || return 1
+    tc -n "fsdp-$id-h$i" qdisc add dev eth0 root tbf rate "${1}mbit" burst "$b" latency 2s || return 1
+    tc -n "fsdp-$id-rig" qdisc add dev "v$i" root tbf rate "${1}mbit" burst "$b" latency 2s || return 1
   done
 }
 run() { # run NAME: a run across the hosts, its per-step log in $tmp/NAME.jsonl
@@ -65,12 +68,77 @@ predict() { # predict MBPS COMPUTE_MS: fsdp_plan_comm's exposed communication (m
     --step-compute-ms "$2" | sed -n 's/.*predicted exposed communication \([0-9.]*\) ms.*/\1/p'
 }
 
+probe() { # probe: "GBPS LAT_US" of the path between hosts 0 and 1 as it is now: the rate of
+  # 64 MB TCP streams sent both ways at once (as a collective's exchange does; each way's
+  # acknowledgements queue behind the other way's data), and half the round trip of 1-byte
+  # messages (2000 of them)
+  python3 - "fsdp-$id-h0" "fsdp-$id-h1" <<'PY'
+import socket, subprocess, sys, time
+srv = subprocess.Popen(["ip", "netns", "exec", sys.argv[1], "python3", "-c", """
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("198.18.0.1", 5599)); s.listen(1)
+print("up", flush=True)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+import threading
+t = threading.Thread(target=lambda: [c.sendall(bytes(1 << 20)) for _ in range(64)]); t.start()
+n = 0
+while n < 64 << 20:
+    b = c.recv(1 << 20); n += len(b)
+t.join()
+c.sendall(b"k")
+while True:
+    b = c.recv(1)
+    if not b: break
+    c.sendall(b)
+"""], stdout=subprocess.PIPE, text=True)
+srv.stdout.readline()
+out = subprocess.run(["ip", "netns", "exec", sys.argv[2], "python3", "-c", """
+import socket, time
+c = socket.create_connection(("198.18.0.1", 5599)); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+import threading
+buf = bytes(1 << 20); got = [0]
+def rx():
+    while got[0] < (64 << 20) + 1:
+        b = c.recv(1 << 20); got[0] += len(b)
+r = threading.Thread(target=rx); t = time.perf_counter(); r.start()
+for _ in range(64): c.sendall(buf)
+r.join(); rate = 64 * 8 * (1 << 20) / (time.perf_counter() - t) / 1e9
+t = time.perf_counter()
+for _ in range(2000): c.sendall(b"x"); c.recv(1)
+print(f"{rate:.3f} {(time.perf_counter() - t) / 2000 / 2 * 1e6:.1f}")
+"""], capture_output=True, text=True).stdout
+srv.wait(timeout=30)
+print(out.strip())
+PY
+}
+predict_at() { # predict_at GBPS LAT_US COMPUTE_MS
+  "$BUILD/fsdp-train" $FLAGS --dry-run --hosts 2 --ranks-per-host "$RPH" --net-gbps "$1" --net-latency-us "$2" \
+    --step-compute-ms "$3" | sed -n 's/.*predicted exposed communication \([0-9.]*\) ms.*/\1/p'
+}
+
 limit none && run base
 compute=$(med base 'max(1, r["step_ms"] - r["update_ms"] - r["exposed_comm_ms"])')
 base=$(med base 'r["exposed_comm_ms"]')
 base_step=$(med base 'r["step_ms"]')
 pbase=$(predict 1000000 "$compute")
 echo "no limit: step $base_step ms, compute $compute ms, exposed comm $base ms (model at an unlimited link: $pbase ms)"
+if [ "${CALIBRATE:-0}" = 1 ]; then
+  # CALIBRATE=1: the model given the path's own figures, as probed (a limit does not make the
+  # path faster than it is without one): the total exposed communication, not the difference
+  printf "%-8s %10s %9s %10s %12s %14s %8s\n" limit probe_gbps lat_us step_ms exposed_ms predicted_ms error
+  for g in none $LIMITS; do
+    limit "$g" || { echo "scaleout: tc cannot add tbf here"; exit 1; }
+    read -r pg pl < <(probe)
+    [ "$g" = none ] || run "c$g"
+    limit none
+    n=base; [ "$g" = none ] || n="c$g"
+    e=$(med "$n" 'r["exposed_comm_ms"]'); s=$(med "$n" 'r["step_ms"]')
+    p=$(predict_at "$pg" "$pl" "$compute")
+    python3 -c "import sys; g,pg,pl,s,e,p=sys.argv[1],*map(float,sys.argv[2:]); print(f'{g:8s} {pg:10.3f} {pl:9.1f} {s:10.1f} {e:12.1f} {p:14.1f} {100*(p-e)/e:+7.0f}%')" \
+      "$g" "$pg" "$pl" "$s" "$e" "$p"
+  done
+  exit 0
+fi
 printf "%-8s %10s %12s %14s %14s %8s\n" limit step_ms exposed_ms measured_ms predicted_ms error
 for g in $LIMITS; do
   limit "$g" || { echo "scaleout: tc cannot add tbf here"; exit 1; }
