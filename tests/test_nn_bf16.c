@@ -220,9 +220,9 @@ TEST(gemm_lp_batched_matches_double_per_entry) {
 }
 
 /* [Note: lazy widening]: a gathered 16-bit weight whose fp32 values were not
- * written (data_stale, data holding NaN here) is read right: an fp32 Linear
- * widens it on demand, Embedding widens just the rows it looks up, and both
- * give exactly what the widened values give. */
+ * made (data_stale, data NULL) is read right: an fp32 Linear widens a copy
+ * for its product, Embedding widens just the rows it looks up, and both give
+ * exactly what the widened values give. */
 TEST(stale_gathered_weights_are_widened_when_read) {
     rseed(6);
     struct fsdp_ctx *ctx = make_ctx();
@@ -232,7 +232,7 @@ TEST(stale_gathered_weights_are_widened_when_read) {
     ASSERT_OK(fsdp__embedding_create(ctx, "emb", V, I, 0.02f, &emb), ctx);
     struct fsdp_module *ms[2] = {lin, emb};
     uint16_t *lp[2];
-    float *want_w[2];
+    float *want_w[2], *own[2];
     for (int k = 0; k < 2; k++) {
         ASSERT_OK(fsdp_module_finalize(ctx, ms[k]), ctx);
         ASSERT_OK(fsdp_module_materialize(ctx, ms[k], 3), ctx);
@@ -243,8 +243,9 @@ TEST(stale_gathered_weights_are_widened_when_read) {
         for (int64_t i = 0; i < p->numel; i++) {
             lp[k][i] = fsdp__f32_to_bf16(urand());
             want_w[k][i] = fsdp__bf16_to_f32(lp[k][i]);
-            p->data[i] = NAN; /* what a lazily gathered unit leaves in the fp32 part */
         }
+        own[k] = p->data;
+        p->data = NULL; /* a lazily gathered unit makes no fp32 values */
         p->priv->data_lp = lp[k];
         p->priv->data_lp_dtype = FSDP_BF16;
         p->priv->data_stale = 1;
@@ -253,7 +254,8 @@ TEST(stale_gathered_weights_are_widened_when_read) {
     for (int64_t i = 0; i < N * I; i++) x[i] = urand();
     struct fsdp_tensor in = {x, FSDP_F32, 2, {N, I}}, out = {0};
     ASSERT_OK(fsdp_module_forward(lin, ctx, &in, &out), ctx); /* compute dtype F32: reads fsdp__pdata */
-    CHECK_INT_EQ(lin->params[0]->priv->data_stale, 0);
+    CHECK_INT_EQ(lin->params[0]->priv->data_stale, 1); /* a copy for the product: still no fp32 values */
+    CHECK(lin->params[0]->data == NULL);
     int bad = 0;
     for (int64_t r = 0; r < N; r++)
         for (int64_t o = 0; o < O; o++) {
@@ -274,6 +276,7 @@ TEST(stale_gathered_weights_are_widened_when_read) {
     for (int k = 0; k < 2; k++) {
         ms[k]->params[0]->priv->data_lp = NULL;
         ms[k]->params[0]->priv->data_stale = 0;
+        ms[k]->params[0]->data = own[k];
         free(lp[k]);
         free(want_w[k]);
         fsdp_module_free(ms[k]);

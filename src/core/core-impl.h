@@ -55,8 +55,8 @@ struct fsdp__param_priv {
     enum fsdp_dtype data_lp_dtype;
     int lp_reader;       /* set by a built-in layer that reads these values only through data_lp
                             when gathered 16-bit (Linear and Embedding weights); others get data */
-    int data_stale;      /* data not yet widened from data_lp (training passes, lp_reader only);
-                            the built-in layers widen on demand (fsdp__pdata) */
+    int data_stale;      /* a 16-bit training pass gathered data_lp alone and data is NULL
+                            (lp_reader only); an fp32 reader widens a copy (fsdp__pdata_f32) */
     int grad_writer;     /* set by a built-in layer whose backward takes this gradient only through
                             the library's accessors, which honour grad_unset; cleared by sharding
                             when a layer without it shares the parameter (tied_to) */

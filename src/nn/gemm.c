@@ -93,7 +93,7 @@ float *fsdp__pgrad_first(struct fsdp_param *p, float *beta) {
 enum fsdp_status fsdp__param_ready(struct fsdp_ctx *ctx, struct fsdp_param *p, int need_grad) {
     const char *name = p->fqn ? p->fqn : p->name;
     const struct fsdp_param *q = p->tied_to ? p->tied_to : p;
-    if (!q->data) /* not fsdp__pdata: a stale value is there, widened when read */
+    if (!q->data && !q->priv->data_stale) /* a lazily gathered weight has data_lp alone ([Note: lazy widening]) */
         return fsdp__err(ctx, FSDP_ERR_STATE,
                          "parameter '%s' has no values (not materialized, or its unit is not gathered)", name);
     if (need_grad && !q->grad)

@@ -47,8 +47,11 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
             for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++) memcpy(y + i * O, b, (size_t)O * sizeof(float));
             beta = 1.0f;
         }
-        const float *w = fsdp__pdata(L->weight); /* (out, in) */
+        size_t mark = fsdp_arena_mark(ctx);
+        const float *w = fsdp__pdata_f32(ctx, L->weight, "Linear weight (fp32)"); /* (out, in) */
+        if (!w) return FSDP_ERR_NOMEM;
         fsdp__sgemm(0, 1, N, O, L->in, 1.0f, x, L->in, w, L->in, beta, y, O);
+        fsdp_arena_release(ctx, mark);
     } else {
         const void *xl = handed ? in->data : fsdp__lp_copy(ctx, lp, x, N * L->in, "Linear input (low precision)");
         if (!xl) return FSDP_ERR_NOMEM; /* kept either way */
@@ -91,7 +94,7 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     size_t mark = fsdp_arena_mark(ctx);
     const void *dyl = dy, *wl = NULL; /* operands in dtype lp */
     if (lp == FSDP_F32) {
-        wl = fsdp__pdata(L->weight);
+        if (din && !(wl = fsdp__pdata_f32(ctx, L->weight, "Linear weight (fp32)"))) return FSDP_ERR_NOMEM;
     } else {
         dyl = fsdp__lp_copy(ctx, lp, dy, N * O, "Linear output gradient (low precision)");
         if (dyl && din) wl = fsdp__pdata_lp(ctx, L->weight, lp);

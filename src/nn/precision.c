@@ -50,17 +50,32 @@ enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp
 }
 
 /* [Note: lazy widening] A unit gathered 16-bit during a training pass
- * leaves the fp32 values of its lp_reader parameters unwritten (data_stale):
- * Linear multiplies with data_lp and Embedding widens just the rows it looks
- * up, so widening the whole weight (GPT-2's tied wte alone is 38.6M
- * elements, twice a step) would be written and never read. Anything that
- * reads the values through fsdp__pdata (a Linear set to fp32 compute inside
- * a 16-bit unit, a tied reader) widens them here first; every other path
- * that gathers (summon, checkpoints, sync) widens eagerly. The values read
- * are the same bits either way. */
-void fsdp__param_widen(struct fsdp_param *q) {
-    fsdp__cvt_to_f32(q->priv->data_lp_dtype, q->priv->data_lp, q->data, (size_t)q->numel);
-    q->priv->data_stale = 0;
+ * makes no fp32 values for its lp_reader parameters (Linear and Embedding
+ * weights): Linear multiplies with data_lp and Embedding widens just the
+ * rows it looks up, so widening the whole weight (GPT-2's tied wte alone is
+ * 38.6M elements, twice a step) would be written and never read, and the
+ * pooled full buffer holding them would be as large as fp32's for nothing.
+ * So the pass's gather sizes the buffer's fp32 part for the other
+ * parameters alone (biases, norms), packed end to end, and leaves an
+ * lp_reader's data NULL and data_stale set (fsdp__mp_gather_finish,
+ * src/fsdp/mixed.c). A reader that does need its fp32 values (a Linear set to
+ * fp32 compute inside a 16-bit unit, or to another 16-bit dtype) widens a
+ * copy into the arena for the product (fsdp__pdata_f32); fsdp__pdata asserts
+ * that nobody reads them otherwise, and a parameter tied to by a layer that
+ * is not lp_reader is not lp_reader either (hoist_tied, src/fsdp/wrap.c).
+ * Every other path that gathers (summon, checkpoints, sync) widens eagerly
+ * into the flat layout. The values read are the same bits either way. */
+const float *fsdp__pdata_f32(struct fsdp_ctx *ctx, struct fsdp_param *p, const char *what) {
+    struct fsdp_param *q = p->tied_to ? p->tied_to : p;
+    if (!q->priv->data_stale) return q->data;
+    float *w = fsdp_arena_alloc(ctx, (size_t)q->numel * sizeof(float));
+    if (!w) {
+        fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s ('%s', %lld elements) in the activation arena", what,
+                  q->fqn ? q->fqn : q->name, (long long)q->numel);
+        return NULL;
+    }
+    if (!fsdp__measuring) fsdp__cvt_to_f32(q->priv->data_lp_dtype, q->priv->data_lp, w, (size_t)q->numel);
+    return w;
 }
 
 enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m) {
@@ -82,10 +97,22 @@ void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, 
 }
 
 const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp_dtype dt) {
-    if (dt == FSDP_F32) return fsdp__pdata(p);
+    if (dt == FSDP_F32) return fsdp__pdata_f32(ctx, p, "a weight in fp32");
     const struct fsdp_param *q = p->tied_to ? p->tied_to : p;
     if (q->priv->data_lp && q->priv->data_lp_dtype == dt) return q->priv->data_lp; /* gathered in dt: no cast */
     char what[96];
     snprintf(what, sizeof what, "%s in %s", p->fqn ? p->fqn : p->name, fsdp_dtype_name(dt));
-    return fsdp__lp_copy(ctx, dt, fsdp__pdata(p), p->numel, what);
+    if (!q->priv->data_stale) return fsdp__lp_copy(ctx, dt, fsdp__pdata(p), p->numel, what);
+    /* gathered in another 16-bit dtype, fp32 values unmade: widen above the cast, then drop the widened copy */
+    void *c = fsdp_arena_alloc(ctx, (size_t)p->numel * fsdp_dtype_size(dt));
+    if (!c) {
+        fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s (%lld %s elements) in the activation arena", what,
+                  (long long)p->numel, fsdp_dtype_name(dt));
+        return NULL;
+    }
+    size_t mark = fsdp_arena_mark(ctx);
+    const float *w = fsdp__pdata_f32(ctx, p, what);
+    if (w && !fsdp__measuring) fsdp__cvt_from_f32(dt, w, c, (size_t)p->numel);
+    fsdp_arena_release(ctx, mark);
+    return w ? c : NULL;
 }
