@@ -140,7 +140,23 @@ extern int fsdp__measuring;
 /* 64-byte aligned; returns NULL and sets errmsg naming `what` on failure. */
 void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);
 void *fsdp__calloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);
-/* Frees memory from fsdp__alloc; NULL is a no-op. */
+/* [Note: reserved blocks] A block from fsdp__reserve is allocated as by
+ * fsdp__alloc (mapped pages when large: [Note: large blocks are mapped] in
+ * core.c) but accounted as it is used: fsdp__commit(p, upto) counts its
+ * first `upto` bytes (rounded up to a page) against the block's kind and
+ * the memory limit, once; fsdp__free subtracts what was counted. Fresh
+ * mapped pages take no memory until written, so a block used only in part
+ * (the activation arena's chunk, whose tail an allocation too large for it
+ * skips) costs what its used part costs, and is counted so. */
+void *fsdp__reserve(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);
+/* 0, or -1 with the limit error set (naming `what`) when the growth would
+ * exceed ctx's memory limit (nothing counted then). */
+int fsdp__commit(struct fsdp_ctx *ctx, void *p, size_t upto, const char *what);
+/* After fsdp_arena_alloc returned NULL (its message names the cause: the
+ * memory limit, or the allocation): sets the message to the caller's text
+ * followed by that cause, and returns FSDP_ERR_NOMEM. */
+enum fsdp_status fsdp__arena_err(struct fsdp_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Frees memory from fsdp__alloc or fsdp__reserve; NULL is a no-op. */
 void fsdp__free(struct fsdp_ctx *ctx, void *p);
 /* Allocation-failure injection (tests): every library allocation made by a
  * thread increments that thread's fsdp__alloc_count; the call that makes it

@@ -116,7 +116,7 @@ enum fsdp_status fsdp__tensor_prepare(struct fsdp_ctx *ctx, struct fsdp_tensor *
     if (!t->data) {
         t->data = fsdp_arena_alloc(ctx, (size_t)n * fsdp_dtype_size(dt));
         if (!t->data)
-            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s (%lld elements) in the activation arena",
+            return fsdp__arena_err(ctx, "out of memory for %s (%lld elements) in the activation arena",
                              what, (long long)n);
     }
     return FSDP_OK;
@@ -146,7 +146,7 @@ enum fsdp_status fsdp__check_input(struct fsdp_ctx *ctx, const struct fsdp_modul
 float *fsdp__scratch(struct fsdp_ctx *ctx, int64_t n, const char *what) {
     float *p = fsdp_arena_alloc(ctx, (size_t)n * sizeof(float));
     if (!p)
-        fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s (%lld floats) in the activation arena", what,
+        fsdp__arena_err(ctx, "out of memory for %s (%lld floats) in the activation arena", what,
                   (long long)n);
     return p;
 }

@@ -70,7 +70,7 @@ const float *fsdp__pdata_f32(struct fsdp_ctx *ctx, struct fsdp_param *p, const c
     if (!q->priv->data_stale) return q->data;
     float *w = fsdp_arena_alloc(ctx, (size_t)q->numel * sizeof(float));
     if (!w) {
-        fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s ('%s', %lld elements) in the activation arena", what,
+        fsdp__arena_err(ctx, "out of memory for %s ('%s', %lld elements) in the activation arena", what,
                   q->fqn ? q->fqn : q->name, (long long)q->numel);
         return NULL;
     }
@@ -88,7 +88,7 @@ enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m) {
 void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what) {
     void *p = fsdp_arena_alloc(ctx, (size_t)n * fsdp_dtype_size(dt));
     if (!p) {
-        fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s (%lld %s elements) in the activation arena", what,
+        fsdp__arena_err(ctx, "out of memory for %s (%lld %s elements) in the activation arena", what,
                   (long long)n, fsdp_dtype_name(dt));
         return NULL;
     }
@@ -106,7 +106,7 @@ const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp
     /* gathered in another 16-bit dtype, fp32 values unmade: widen above the cast, then drop the widened copy */
     void *c = fsdp_arena_alloc(ctx, (size_t)p->numel * fsdp_dtype_size(dt));
     if (!c) {
-        fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s (%lld %s elements) in the activation arena", what,
+        fsdp__arena_err(ctx, "out of memory for %s (%lld %s elements) in the activation arena", what,
                   (long long)p->numel, fsdp_dtype_name(dt));
         return NULL;
     }
