@@ -72,6 +72,15 @@ enum fsdp_status fsdp__arena_err(struct fsdp_ctx *ctx, const char *fmt, ...) {
     return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: %s", mine, cause[0] ? cause : "(no cause given)");
 }
 
+int fsdp__arena_shrink(struct fsdp_ctx *ctx, void *p, size_t bytes, size_t keep) {
+    struct fsdp__arena_chunk *c = ctx->arena;
+    size_t have = round64(bytes ? bytes : 1), want = round64(keep ? keep : 1);
+    if (!c || want >= have || c->used < have || (char *)p + have != c->mem + c->used) return 0;
+    c->used -= have - want;
+    ctx->arena_used = c->base + c->used;
+    return 1;
+}
+
 size_t fsdp_arena_mark(struct fsdp_ctx *ctx) { return ctx->arena_used; }
 
 void fsdp_arena_release(struct fsdp_ctx *ctx, size_t mark) {

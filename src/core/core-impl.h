@@ -79,6 +79,10 @@ struct fsdp__module_priv {
     void *hook_data;
     struct fsdp_tensor ckpt_in; /* the saved input while checkpointed (arena) */
     int ckpt_saved;             /* ckpt_in is valid (forward ran, backward not yet) */
+    enum fsdp_dtype dout_dtype; /* the 16-bit dtype in which the last forward's backward takes
+                                   its output gradient as it is (BF16 / F16), or FSDP_F32: set by
+                                   the layer's forward ([Note: 16-bit output gradient],
+                                   src/nn/precision.c) */
 };
 
 /* ---- Errors ---- */
@@ -191,6 +195,9 @@ extern long fsdp__fault_step;
 
 /* ---- Arena ---- */
 void fsdp__arena_free_all(struct fsdp_ctx *ctx);
+/* When p (an allocation of `bytes`) is the arena's last, shrinks it to its
+ * first `keep` bytes, handing the rest back, and returns 1; else 0. */
+int fsdp__arena_shrink(struct fsdp_ctx *ctx, void *p, size_t bytes, size_t keep);
 
 /* ---- Counter-based RNG (Philox4x32-10) ---- */
 /* Four 32-bit words for (key, counter): a pure function. */

@@ -250,6 +250,9 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
  * lp_reader, packed, and the others get data NULL and data_stale ([Note:
  * lazy widening] in src/nn/precision.c). */
 void fsdp__mp_gather_finish(struct fsdp__unit *u);
+/* Narrows buf[0..n) to n 16-bit values of dt at bytes [0, 2n), in place
+ * (nothing while measuring). */
+void fsdp__mp_narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n);
 /* Narrows u->full_grad in place to reduce_dtype (no-op for F32) and returns
  * the send buffer of the reduce-scatter (numel_padded elements). */
 void *fsdp__mp_grad_send(struct fsdp__unit *u, int world);

