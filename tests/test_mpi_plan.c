@@ -483,6 +483,14 @@ TEST(plan_bf16_against_fp32) {
         printf("  GPT-2, 4 x 256 tokens: activations planned %.0f MiB in fp32, %.0f MiB in bf16\n",
                (double)p32.act / (1 << 20), (double)p16.act / (1 << 20));
     if (!(p16.act < p32.act)) TEST_FAILF("bf16 activations %zu bytes, fp32 %zu", p16.act, p32.act);
+    /* issue 19's memory target (bf16 <= 0.8 x fp32) is not met; what is met stays met: activations
+       0.660 of fp32's (the logits' gradient handed to lm_head in 16 bits, [Note: 16-bit output
+       gradient]), the total 0.969 of fp32's at one rank, 0.876 at two, 0.818 at four */
+    if ((double)p16.act > 0.68 * (double)p32.act)
+        TEST_FAILF("bf16 activations %zu bytes > 0.68 x fp32's %zu", p16.act, p32.act);
+    double most = world == 1 ? 0.975 : 0.90;
+    if ((double)p16.total > most * (double)p32.total)
+        TEST_FAILF("bf16 plan %zu bytes > %.3f x fp32's %zu", p16.total, most, p32.total);
     if (world == 1) { /* a shard group of one multiplies with shard_lp in place: the full buffers (root
                          unit and one Block) hold no 16-bit staging, and fp32 values only for what is
                          not a Linear or embedding weight ([Note: lazy widening]): ln_f (2C); a
