@@ -483,12 +483,14 @@ TEST(plan_bf16_against_fp32) {
         printf("  GPT-2, 4 x 256 tokens: activations planned %.0f MiB in fp32, %.0f MiB in bf16\n",
                (double)p32.act / (1 << 20), (double)p16.act / (1 << 20));
     if (!(p16.act < p32.act)) TEST_FAILF("bf16 activations %zu bytes, fp32 %zu", p16.act, p32.act);
-    /* issue 19's memory target (bf16 <= 0.8 x fp32) is not met; what is met stays met: activations
-       0.660 of fp32's (the logits' gradient handed to lm_head in 16 bits, [Note: 16-bit output
-       gradient]), the total 0.969 of fp32's at one rank, 0.876 at two, 0.818 at four */
-    if ((double)p16.act > 0.68 * (double)p32.act)
-        TEST_FAILF("bf16 activations %zu bytes > 0.68 x fp32's %zu", p16.act, p32.act);
-    double most = world == 1 ? 0.975 : 0.90;
+    /* issue 19's memory target is bf16 <= 0.8 x fp32; what is reached stays reached: activations
+       0.604 of fp32's (the logits' gradient handed to lm_head in 16 bits, [Note: 16-bit output
+       gradient]; GELU's input kept in 16 bits, [Note: 16-bit activations]), the total 0.950 of
+       fp32's at one rank, 0.854 at two, 0.815 at three, 0.791 at four (4 x 256 tokens per rank) */
+    if ((double)p16.act > 0.62 * (double)p32.act)
+        TEST_FAILF("bf16 activations %zu bytes > 0.62 x fp32's %zu", p16.act, p32.act);
+    static const double most_at[4] = {0.955, 0.86, 0.82, 0.80};
+    double most = most_at[(world < 4 ? world : 4) - 1];
     if ((double)p16.total > most * (double)p32.total)
         TEST_FAILF("bf16 plan %zu bytes > %.3f x fp32's %zu", p16.total, most, p32.total);
     if (world == 1) { /* a shard group of one multiplies with shard_lp in place: the full buffers (root

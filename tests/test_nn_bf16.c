@@ -553,11 +553,13 @@ TEST(linear_takes_its_input_in_16_bits) {
 }
 
 /* A Block's forward in bf16 keeps ln_1, qkv, the heads' y, ln_2 and GELU
- * (10 C per token) in 16 bits and nothing else extra, and not the attention
- * probabilities (recomputed in backward): exactly 5 N C + B nh T T fp32
- * values less in the arena than in fp32 (every tensor here a multiple of the
- * arena's alignment); without the hand-off the 16-bit copies of the Linears'
- * inputs came on top of the fp32 tensors (3.5 N C more). */
+ * (10 C per token) in 16 bits and nothing else extra, c_fc's output (GELU's
+ * input, 4 C per token) in 16 bits too ([Note: 16-bit activations]), and
+ * not the attention probabilities (recomputed in backward): exactly
+ * 7 N C + B nh T T fp32 values less in the arena than in fp32 (every tensor
+ * here a multiple of the arena's alignment); without the hand-off the 16-bit
+ * copies of the Linears' inputs came on top of the fp32 tensors (3.5 N C
+ * more), and with GELU's input in fp32 it was 5 N C + B nh T T less. */
 TEST(block_in_16_bits_keeps_less_than_fp32) {
     rseed(33);
     const int64_t B = 2, T = 32, C = 64, N = B * T;
@@ -579,7 +581,7 @@ TEST(block_in_16_bits_keeps_less_than_fp32) {
     }
     fprintf(stderr, "  Block forward keeps %zu bytes in fp32, %zu in bf16 (N C = %lld)\n", used[0], used[1],
             (long long)(N * C));
-    const int64_t less = (5 * N * C + B * 4 * T * T) * 4; /* 4 heads */
+    const int64_t less = (7 * N * C + B * 4 * T * T) * 4; /* 4 heads */
     if (used[1] + (size_t)less != used[0])
         TEST_FAILF("bf16 keeps %zu bytes, fp32 %zu: expected %lld less", used[1], used[0], (long long)less);
     free(x);

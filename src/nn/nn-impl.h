@@ -97,6 +97,7 @@ static inline enum fsdp_dtype fsdp__wanted_dtype(const struct fsdp_tensor *out) 
 enum fsdp_dtype fsdp__linear_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__attention_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__mlp_input_dtype(const struct fsdp_module *m);
+enum fsdp_dtype fsdp__gelu_input_dtype(const struct fsdp_module *m);
 
 /* db[c] += sum over rows i of x[i*cols + c], each column summed in row order
  * in fp32 from zero, then added: the same bits whatever the team size. Each

@@ -55,6 +55,19 @@
  * freed 98 MiB. The 16-bit values are the bits the copy had (the same
  * rounding of the same fp32 values), so training is bit-identical with or
  * without it; the loss itself still computes from the fp32 logits.
+ *
+ * [Note: 16-bit activations] One activation is kept in 16 bits with
+ * different numerics from fp32 compute: under 16-bit compute, MLP asks c_fc
+ * for its output (GELU's input, which GELU keeps for backward) in the
+ * compute dtype, and GELU computes in fp32 from the rounded values. This is
+ * what PyTorch's autocast does (a Linear's output is in the autocast dtype,
+ * and GELU runs on it), and it halves the largest activation of a Block
+ * (4C per token: 72 of GPT-2's 144 MiB at 4 x 256 tokens). Which tensors
+ * are 16-bit is decided in one place, fsdp__input_dtype (a GELU computing
+ * in 16 bits takes 16-bit input); the rest stays as above: LayerNorm,
+ * softmax, the residual stream, the logits and the loss are fp32, and every
+ * other 16-bit tensor is the exact rounding the consumer's cast would make.
+ * fp32 compute is untouched (bit-identical).
  */
 #include "nn/nn-impl.h"
 
@@ -101,6 +114,7 @@ enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m) {
     enum fsdp_dtype dt = fsdp__linear_input_dtype(m);
     if (dt == FSDP_F32) dt = fsdp__attention_input_dtype(m);
     if (dt == FSDP_F32) dt = fsdp__mlp_input_dtype(m);
+    if (dt == FSDP_F32) dt = fsdp__gelu_input_dtype(m); /* [Note: 16-bit activations] */
     return dt;
 }
 
