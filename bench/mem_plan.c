@@ -5,8 +5,9 @@
  * global batch B x T with AdamW and prints, from rank 0, the plan next to
  * the measured peaks (max over ranks): the library's accounting
  * (fsdp_mem_get) and the process's peak RSS less its RSS before the model
- * existed (MPI, oneDNN, the program). Usage: mem_plan [MODEL B T STEPS [ac]]
- * (ac: checkpoint every Block), and the time the plan took (it runs the
+ * existed (MPI, oneDNN, the program). Usage: mem_plan [MODEL B T STEPS [ac|-]
+ * [PRECISION]] (ac: checkpoint every Block; PRECISION: FP32 (default),
+ * AMP_BF16 or AMP_FP16, mixed_precision DEFAULT), and the time the plan took (it runs the
  * step in measure mode, [Note: measure mode] in src/fsdp/plan.c).
  */
 #include "fsdp.h"
@@ -36,6 +37,12 @@ int main(int argc, char **argv) {
     if (fsdp_ctx_create(&co, &ctx) != FSDP_OK) return 1;
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), Bl = B / world;
     struct fsdp_gpt_config cfg;
+    struct fsdp_shard_opts so = fsdp_shard_opts_default();
+    const char *prec = argc > 6 ? argv[6] : "FP32";
+    if (fsdp_precision_parse(ctx, prec, &so.precision) != FSDP_OK) {
+        fprintf(stderr, "mem_plan: %s\n", fsdp_errmsg(ctx));
+        fsdp_ctx_abort(ctx, 2);
+    }
     if (fsdp_gpt_config_preset(model, &cfg) != FSDP_OK || B % world || T > cfg.block_size) {
         fprintf(stderr, "mem_plan: bad model '%s' or batch %d x %d for world %d\n", model, B, T, world);
         fsdp_ctx_abort(ctx, 2);
@@ -56,9 +63,9 @@ int main(int argc, char **argv) {
         fsdp_module_find_param(gpt, fqn)->owner->parent->checkpoint = 1;
     }
     double t0 = now();
-    OK(fsdp_plan_memory(ctx, gpt, NULL, world, rank, 2, Bl, T, co.threads, &plan));
+    OK(fsdp_plan_memory(ctx, gpt, &so, world, rank, 2, Bl, T, co.threads, &plan));
     double plan_s = now() - t0;
-    OK(fsdp_fully_shard(ctx, gpt, NULL, &fm));
+    OK(fsdp_fully_shard(ctx, gpt, &so, &fm));
     OK(fsdp_model_init_params(ctx, fm, 1));
     OK(fsdp_optim_create(ctx, &oo, &opt));
     OK(fsdp_model_attach_optim(ctx, fm, opt));
@@ -82,10 +89,10 @@ int main(int argc, char **argv) {
         for (int r = 0; r < world; r++) mx[j] = all[3 * r + j] > mx[j] ? all[3 * r + j] : mx[j];
     }
     if (rank == 0)
-        printf("%s%s world %d, batch %d x %d per rank: plan %.1f MB (shards %.1f, full %.1f, act %.1f) | "
+        printf("%s%s %s world %d, batch %d x %d per rank: plan %.1f MB (shards %.1f, full %.1f, act %.1f) | "
                "accounted peak %.1f MB = %.3f of plan (act %.1f) | RSS growth %.1f MB = %.3f of plan | "
                "plan measured in %.2f s\n",
-               model, ac ? " (ac)" : "", world, Bl, T, mb((double)plan.total), mb((double)(plan.params + plan.grads + plan.optim)),
+               model, ac ? " (ac)" : "", prec, world, Bl, T, mb((double)plan.total), mb((double)(plan.params + plan.grads + plan.optim)),
                mb((double)plan.full), mb((double)plan.act), mb(mx[0]), mx[0] / (double)plan.total, mb(mx[2]),
                mb(mx[1]), mx[1] / (double)plan.total, plan_s);
     free(all);

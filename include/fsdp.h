@@ -1113,7 +1113,11 @@ enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
  * backward and reduce-scatters its gradient into the gradient shard (adding
  * to what earlier backwards of the step left), as fsdp_model_train_step
  * does. Without a train-mode forward since the last backward it is
- * FSDP_ERR_STATE; a dout of another shape or dtype is FSDP_ERR_INVALID. */
+ * FSDP_ERR_STATE; a dout of another shape or dtype is FSDP_ERR_INVALID.
+ * When dout->data is the output's buffer (fsdp_model_loss wrote the
+ * gradient over the output, as fsdp_model_train_step does) and the model's
+ * last layer multiplies in 16 bits, the buffer is narrowed in place and its
+ * upper half reused: its contents are unspecified afterwards. */
 enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_tensor *dout);
 
 /* Gradient synchronisation of the following backwards (on = 1, the default):

@@ -14,6 +14,7 @@
 #pragma GCC diagnostic pop
 #include "toy_norm.h"
 #include "fsdp/fsdp-impl.h"
+#include "nn/nn-impl.h"
 #include "harness.h"
 #include "mpi_harness.h"
 
@@ -125,6 +126,27 @@ static void check_syncnorm(enum fsdp_sharding sh, int overlap, int hybrid_group)
     finish(&r);
     finish(&ref);
     fsdp_ctx_free(one);
+}
+
+/* [Note: lazy widening]: a weight tied to by a layer that reads its values
+ * through data (a user module) is no longer lp_reader once sharded, so a
+ * 16-bit training pass widens it (the user module would find data NULL
+ * otherwise); untied, the built-in Linear's weight stays lazily widened */
+TEST(weight_tied_to_user_reader_is_widened) {
+    struct fsdp_ctx *c = get_ctx();
+    for (int tie = 0; tie < 2; tie++) {
+        struct fsdp_module *root = toy_seq(c, NULL, ""), *lin;
+        ASSERT_OK(fsdp__linear_create(c, "lin", 8, 8, 0, 0.02f, &lin), c);
+        ASSERT_OK(fsdp_module_add_child(c, root, lin), c);
+        struct fsdp_module *user = toy_linear(c, root, "user", 8, 8, 0.3f);
+        if (tie) user->params[0]->tied_to = lin->params[0];
+        ASSERT_OK(fsdp_module_finalize(c, root), c);
+        struct fsdp_model *fm;
+        ASSERT_OK(fsdp_fully_shard(c, root, NULL, &fm), c);
+        CHECK_INT_EQ(lin->params[0]->priv->lp_reader, !tie);
+        fsdp_model_free(fm);
+        fsdp_module_free(root);
+    }
 }
 
 TEST(syncnorm_full_shard_overlap_matches_one_rank) { check_syncnorm(FSDP_FULL_SHARD, 1, 0); }

@@ -186,6 +186,38 @@ TEST(plan_equals_measured_bf16_fp32_unit_checkpointed) { check_plan_prec(1, 12, 
 TEST(plan_equals_measured_attention_checkpointed) { check_plan(2, 12, 64); }
 TEST(plan_equals_measured_bf16_attention_checkpointed) { check_plan_prec(2, 12, 64, FSDP_BF16, FSDP_MP_DEFAULT); }
 
+/* [Note: the arena counts what it hands out]: allocations that each open a
+ * chunk (9, 12, 196 MiB, then 3 MiB that opens a fourth chunk as large as
+ * the third) count what they use, to a page per chunk, not the chunks'
+ * 413 MiB; every byte handed out is written. */
+TEST(arena_counts_what_it_hands_out) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_mem_stats m0, m;
+    measure_from(c, &m0);
+    const size_t MiB = (size_t)1 << 20, sizes[4] = {9 * MiB, 12 * MiB, 196 * MiB, 3 * MiB};
+    size_t used = 0;
+    for (int i = 0; i < 4; i++) {
+        char *p = fsdp_arena_alloc(c, sizes[i]);
+        ASSERT(p != NULL);
+        memset(p, 0x5a, sizes[i]);
+        used += sizes[i];
+    }
+    fsdp_mem_get(c, &m);
+    size_t act = m.peak[FSDP_MEM_ACT] - m0.cur[FSDP_MEM_ACT];
+    if (!(act >= used && act <= used + 4 * (4096 + 64)))
+        TEST_FAILF("activations counted %zu bytes for %zu handed out in 4 chunks", act, used);
+    fsdp_arena_reset(c); /* one chunk of the high-water size and its header */
+    fsdp_mem_get(c, &m);
+    size_t steady = m.cur[FSDP_MEM_ACT] - m0.cur[FSDP_MEM_ACT];
+    if (!(steady >= used && steady <= used + 64)) TEST_FAILF("one chunk counted %zu bytes for %zu", steady, used);
+    char *p = fsdp_arena_alloc(c, used);
+    ASSERT(p != NULL);
+    memset(p, 0x5a, used);
+    fsdp_mem_get(c, &m);
+    CHECK_INT_EQ(m.cur[FSDP_MEM_ACT] - m0.cur[FSDP_MEM_ACT], steady);
+    fsdp__arena_free_all(c);
+}
+
 /* HYBRID_SHARD: the reduce-scatter's full gradient is released before the
  * replica all-reduce, which overlap leaves in flight to the next unit's
  * post-backward with its MPI staging (PURE) */
@@ -414,11 +446,13 @@ TEST(plan_names_a_module_that_cannot_be_measured) {
     free(k.y.data);
 }
 
-/* a 16-bit plan needs more full buffers than the fp32 one and a 16-bit
- * copy of each shard, and leaves the model's compute dtypes as they were
- * (its activations: plan_equals_measured_bf16*; fewer than fp32's for
- * GPT-2, whose Linears' inputs are handed off in 16 bits, [Note: 16-bit
- * hand-off], while the tiny model's are all within the first arena chunk) */
+/* a 16-bit plan needs a 16-bit copy of each shard and fewer full-buffer
+ * bytes than the fp32 one at 2+ ranks (the training pass gathers 16-bit and
+ * makes no fp32 values for the Linear and embedding weights: [Note: lazy
+ * widening]), and leaves the model's compute dtypes as they were (its
+ * activations: plan_equals_measured_bf16*; fewer than fp32's for GPT-2,
+ * whose Linears' inputs are handed off in 16 bits, [Note: 16-bit hand-off],
+ * while the tiny model's are all within the first arena chunk) */
 TEST(plan_bf16_against_fp32) {
     struct fsdp_ctx *c = get_ctx();
     int world = fsdp_ctx_world(c);
@@ -431,7 +465,7 @@ TEST(plan_bf16_against_fp32) {
     ASSERT_OK(fsdp_plan_memory(c, gpt, &so, world, 0, 2, 4, 32, 1, &p32), c);
     so.precision = FSDP_BF16;
     ASSERT_OK(fsdp_plan_memory(c, gpt, &so, world, 0, 2, 4, 32, 1, &p16), c);
-    CHECK(p16.full > p32.full);
+    if (world > 1 && !(p16.full < p32.full)) TEST_FAILF("bf16 full buffers %zu bytes, fp32 %zu", p16.full, p32.full);
     /* + each shard's 16-bit copy (the optimizer writes it for the gathers): 2 bytes of every 4 */
     CHECK_INT_EQ(p16.params, p32.params + (p32.params - 64 * (size_t)p32.n_units) / 2);
     CHECK_INT_EQ(gpt->compute_dtype, FSDP_F32);
@@ -449,10 +483,24 @@ TEST(plan_bf16_against_fp32) {
         printf("  GPT-2, 4 x 256 tokens: activations planned %.0f MiB in fp32, %.0f MiB in bf16\n",
                (double)p32.act / (1 << 20), (double)p16.act / (1 << 20));
     if (!(p16.act < p32.act)) TEST_FAILF("bf16 activations %zu bytes, fp32 %zu", p16.act, p32.act);
+    /* issue 19's memory target is bf16 <= 0.8 x fp32; what is reached stays reached: activations
+       0.604 of fp32's (the logits' gradient handed to lm_head in 16 bits, [Note: 16-bit output
+       gradient]; GELU's input kept in 16 bits, [Note: 16-bit activations]), the total 0.950 of
+       fp32's at one rank, 0.854 at two, 0.815 at three, 0.791 at four (4 x 256 tokens per rank) */
+    if ((double)p16.act > 0.62 * (double)p32.act)
+        TEST_FAILF("bf16 activations %zu bytes > 0.62 x fp32's %zu", p16.act, p32.act);
+    static const double most_at[4] = {0.955, 0.86, 0.82, 0.80};
+    double most = most_at[(world < 4 ? world : 4) - 1];
+    if ((double)p16.total > most * (double)p32.total)
+        TEST_FAILF("bf16 plan %zu bytes > %.3f x fp32's %zu", p16.total, most, p32.total);
     if (world == 1) { /* a shard group of one multiplies with shard_lp in place: the full buffers (root
-                         unit and one Block) hold the fp32 values alone, no 16-bit staging */
-        int64_t C = cfg.n_embd, root = ((int64_t)cfg.vocab_size + cfg.block_size + 2) * C, blk = 12 * C * C + 13 * C;
+                         unit and one Block) hold no 16-bit staging, and fp32 values only for what is
+                         not a Linear or embedding weight ([Note: lazy widening]): ln_f (2C); a
+                         Block's two LayerNorms (4C) and four biases (3C + C + 4C + C) */
+        int64_t C = cfg.n_embd, root = 2 * C, blk = 13 * C;
         CHECK_INT_EQ(p16.full, (size_t)(root + blk) * sizeof(float));
+    } else if (!(p16.full < p32.full)) {
+        TEST_FAILF("GPT-2: bf16 full buffers %zu bytes, fp32 %zu", p16.full, p32.full);
     }
     fsdp_module_free(gpt);
 }
@@ -488,7 +536,11 @@ TEST(mem_limit_enforced_at_run_time) {
         if (tight) {
             CHECK_INT_EQ(st, FSDP_ERR_NOMEM);
             CHECK_STR_CONTAINS(fsdp_errmsg(c), "memory limit of");
-            CHECK_STR_CONTAINS(fsdp_errmsg(c), "(activations)");
+            CHECK_STR_CONTAINS(fsdp_errmsg(c), "bytes per rank exceeded allocating");
+            /* the allocation that crosses it: the arena's at one rank; at 2 ranks the arena grows
+               page by page ([Note: the arena counts what it hands out]) and a gather's full
+               buffer may cross first */
+            if (world == 1) CHECK_STR_CONTAINS(fsdp_errmsg(c), "(activations)");
         } else {
             CHECK_OK(st, c);
         }

@@ -55,8 +55,8 @@ struct fsdp__param_priv {
     enum fsdp_dtype data_lp_dtype;
     int lp_reader;       /* set by a built-in layer that reads these values only through data_lp
                             when gathered 16-bit (Linear and Embedding weights); others get data */
-    int data_stale;      /* data not yet widened from data_lp (training passes, lp_reader only);
-                            the built-in layers widen on demand (fsdp__pdata) */
+    int data_stale;      /* a 16-bit training pass gathered data_lp alone and data is NULL
+                            (lp_reader only); an fp32 reader widens a copy (fsdp__pdata_f32) */
     int grad_writer;     /* set by a built-in layer whose backward takes this gradient only through
                             the library's accessors, which honour grad_unset; cleared by sharding
                             when a layer without it shares the parameter (tied_to) */
@@ -79,6 +79,10 @@ struct fsdp__module_priv {
     void *hook_data;
     struct fsdp_tensor ckpt_in; /* the saved input while checkpointed (arena) */
     int ckpt_saved;             /* ckpt_in is valid (forward ran, backward not yet) */
+    enum fsdp_dtype dout_dtype; /* the 16-bit dtype in which the last forward's backward takes
+                                   its output gradient as it is (BF16 / F16), or FSDP_F32: set by
+                                   the layer's forward ([Note: 16-bit output gradient],
+                                   src/nn/precision.c) */
 };
 
 /* ---- Errors ---- */
@@ -140,7 +144,23 @@ extern int fsdp__measuring;
 /* 64-byte aligned; returns NULL and sets errmsg naming `what` on failure. */
 void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);
 void *fsdp__calloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);
-/* Frees memory from fsdp__alloc; NULL is a no-op. */
+/* [Note: reserved blocks] A block from fsdp__reserve is allocated as by
+ * fsdp__alloc (mapped pages when large: [Note: large blocks are mapped] in
+ * core.c) but accounted as it is used: fsdp__commit(p, upto) counts its
+ * first `upto` bytes (rounded up to a page) against the block's kind and
+ * the memory limit, once; fsdp__free subtracts what was counted. Fresh
+ * mapped pages take no memory until written, so a block used only in part
+ * (the activation arena's chunk, whose tail an allocation too large for it
+ * skips) costs what its used part costs, and is counted so. */
+void *fsdp__reserve(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what);
+/* 0, or -1 with the limit error set (naming `what`) when the growth would
+ * exceed ctx's memory limit (nothing counted then). */
+int fsdp__commit(struct fsdp_ctx *ctx, void *p, size_t upto, const char *what);
+/* After fsdp_arena_alloc returned NULL (its message names the cause: the
+ * memory limit, or the allocation): sets the message to the caller's text
+ * followed by that cause, and returns FSDP_ERR_NOMEM. */
+enum fsdp_status fsdp__arena_err(struct fsdp_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Frees memory from fsdp__alloc or fsdp__reserve; NULL is a no-op. */
 void fsdp__free(struct fsdp_ctx *ctx, void *p);
 /* Allocation-failure injection (tests): every library allocation made by a
  * thread increments that thread's fsdp__alloc_count; the call that makes it
@@ -175,6 +195,9 @@ extern long fsdp__fault_step;
 
 /* ---- Arena ---- */
 void fsdp__arena_free_all(struct fsdp_ctx *ctx);
+/* When p (an allocation of `bytes`) is the arena's last, shrinks it to its
+ * first `keep` bytes, handing the rest back, and returns 1; else 0. */
+int fsdp__arena_shrink(struct fsdp_ctx *ctx, void *p, size_t bytes, size_t keep);
 
 /* ---- Counter-based RNG (Philox4x32-10) ---- */
 /* Four 32-bit words for (key, counter): a pure function. */

@@ -146,12 +146,14 @@ void fsdp__log(const struct fsdp_ctx *ctx, int level, const char *fmt, ...) {
 #else
 #define ALLOC_MAP_MIN MAP_MIN
 #endif
+#define COMMIT_PAGE ((size_t)4096) /* fsdp__commit's unit: a page the first write makes resident */
 
 struct alloc_hdr {
-    size_t bytes;
+    size_t bytes;  /* accounted: the payload, or what fsdp__commit counted of a reserved block */
+    size_t size;   /* the payload */
     int kind;
-    int mapped; /* pages of its own (mmap) */
-    char pad[64 - sizeof(size_t) - 2 * sizeof(int)];
+    int mapped;    /* pages of its own (munmap at free), else a malloc block */
+    char pad[64 - 2 * sizeof(size_t) - 2 * sizeof(int)];
 };
 
 /* A measuring context's large blocks are always mapped, reserved and never
@@ -189,19 +191,28 @@ static const char *mem_kind_name(enum fsdp_mem_kind kind) {
     return (int)kind >= 0 && kind < FSDP_MEM_KIND_COUNT ? names[kind] : "?";
 }
 
-void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
+/* 0 if `bytes` more fit under ctx's memory limit, else -1 with the error set. */
+static int within_limit(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
+    if (!ctx || !ctx->mem_limit || (bytes <= ctx->mem_limit && ctx->mem.cur_total <= ctx->mem_limit - bytes))
+        return 0;
+    fsdp__err(ctx, FSDP_ERR_NOMEM,
+              "memory limit of %zu bytes per rank exceeded allocating %zu bytes for %s (%s); "
+              "%zu bytes in use", ctx->mem_limit, bytes, what ? what : "?", mem_kind_name(kind),
+              ctx->mem.cur_total);
+    return -1;
+}
+
+/* fsdp__alloc, accounting the payload (reserve == 0) or nothing yet (a
+ * reserved block: fsdp__commit accounts it as it is used). */
+static void *alloc_block(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what,
+                         int reserve) {
     void *raw = NULL;
     int inject = alloc_tick();
-    if (ctx && ctx->mem_limit && (bytes > ctx->mem_limit || ctx->mem.cur_total > ctx->mem_limit - bytes)) {
-        fsdp__err(ctx, FSDP_ERR_NOMEM,
-                  "memory limit of %zu bytes per rank exceeded allocating %zu bytes for %s (%s); "
-                  "%zu bytes in use", ctx->mem_limit, bytes, what ? what : "?", mem_kind_name(kind),
-                  ctx->mem.cur_total);
-        return NULL;
-    }
+    if (!reserve && within_limit(ctx, bytes, kind, what)) return NULL;
+    int map = alloc_mapped(ctx, bytes);
     if (inject || bytes > SIZE_MAX - 128) {
         raw = NULL;
-    } else if (alloc_mapped(ctx, bytes)) { /* [Note: large blocks are mapped] */
+    } else if (map) { /* [Note: large blocks are mapped] */
         raw = mmap(NULL, sizeof(struct alloc_hdr) + bytes, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | (ctx && ctx->measure ? MAP_NORESERVE : 0), -1, 0);
         if (raw == MAP_FAILED) raw = NULL;
@@ -214,11 +225,31 @@ void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, c
         return failed();
     }
     struct alloc_hdr *h = raw;
-    h->bytes = bytes;
+    h->bytes = reserve ? 0 : bytes;
+    h->size = bytes;
+    h->mapped = map;
     h->kind = (int)kind;
-    h->mapped = alloc_mapped(ctx, bytes);
-    if (ctx) mem_add(ctx, (int)kind, bytes);
+    if (ctx) mem_add(ctx, (int)kind, h->bytes);
     return h + 1;
+}
+
+void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
+    return alloc_block(ctx, bytes, kind, what, 0);
+}
+
+void *fsdp__reserve(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
+    return alloc_block(ctx, bytes, kind, what, 1);
+}
+
+int fsdp__commit(struct fsdp_ctx *ctx, void *p, size_t upto, const char *what) {
+    struct alloc_hdr *h = (struct alloc_hdr *)p - 1;
+    size_t want = (upto + COMMIT_PAGE - 1) & ~(COMMIT_PAGE - 1);
+    if (want > h->size) want = h->size; /* the block's last page */
+    if (want <= h->bytes) return 0;
+    if (within_limit(ctx, want - h->bytes, (enum fsdp_mem_kind)h->kind, what)) return -1;
+    if (ctx) mem_add(ctx, h->kind, want - h->bytes);
+    h->bytes = want;
+    return 0;
 }
 
 void *fsdp__calloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
@@ -234,7 +265,7 @@ void fsdp__free(struct fsdp_ctx *ctx, void *p) {
         ctx->mem.cur[h->kind] -= h->bytes;
         ctx->mem.cur_total -= h->bytes;
     }
-    if (h->mapped) munmap(h, sizeof *h + h->bytes);
+    if (h->mapped) munmap(h, sizeof *h + h->size);
     else free(h);
 }
 

@@ -50,7 +50,13 @@ struct fsdp__unit {
     int shard_lp_valid;           /* shard_lp == the cast of shard (cleared by every other writer:
                                      fsdp__model_shards_written) */
     int lp_direct;                /* the gather reads shard_lp in place (a shard group of one) */
-    float *full;                  /* (numel_padded) gathered params while not SHARDED */
+    float *full;                  /* gathered params while not SHARDED: full_f32 floats of fp32
+                                     values, then a 16-bit unit's staging area (mixed.c) */
+    int64_t full_f32;             /* fp32 floats at the head of full for this gather: numel_padded
+                                     (the flat layout), or in a training pass of a 16-bit unit only
+                                     the eagerly widened parameters', end to end ([Note: lazy
+                                     widening] in src/nn/precision.c) */
+    int gather_lazy;              /* this gather is a 16-bit training pass's (lazy widening) */
     float *full_grad;             /* (numel_padded) gradient accumulator during backward */
     struct fsdp_comm_req *req;    /* the all-gather in flight (GATHERING) */
     enum fsdp__unit_state state_;
@@ -189,8 +195,11 @@ struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
 /* ---- Mixed precision (mixed.c) ----
  * [Note: low-precision gather and reduce] A unit whose param_dtype is 16-bit
  * gathers into a pooled buffer of fsdp__mp_full_numel(u) floats: the fp32
- * full values (numel_padded floats) followed by the 16-bit staging area
- * (numel_padded elements). Each rank casts its fp32 shard into its block of
+ * full values (u->full_f32 floats) followed by the 16-bit staging area
+ * (numel_padded elements). The fp32 part is the flat layout (numel_padded)
+ * except in a training pass, where it holds only the parameters the layers
+ * read in fp32, end to end: the others' fp32 values are never made there
+ * ([Note: lazy widening] in src/nn/precision.c). Each rank casts its fp32 shard into its block of
  * the staging area (or, once the optimizer has written the shard's 16-bit
  * copy u->shard_lp, sends that copy: [Note: fused 16-bit copy] in
  * src/optim/optim.c). A shard group of one has no staging area: it reads
@@ -213,8 +222,11 @@ struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
  * overlap], unit.c). A shard group of one all-reduces the narrowed full
  * gradient in place instead. A world of one takes the same casts (so that
  * it computes what N ranks compute) and skips the collective. */
-/* Floats of pooled buffer a gather of u needs: numel_padded, plus the
- * 16-bit staging area when param_dtype is BF16 / F16. */
+/* fp32 floats a gather of u widens into: numel_padded, or with lazy (a
+ * training pass) the sum of its parameters that are not lp_reader. */
+int64_t fsdp__mp_f32_numel(const struct fsdp__unit *u, int lazy);
+/* Floats of pooled buffer a gather of u needs: u->full_f32, plus the 16-bit
+ * staging area when param_dtype is BF16 / F16. */
 int64_t fsdp__mp_full_numel(const struct fsdp__unit *u);
 
 /* Resolves every unit's policy from the model-wide compute precision and
@@ -232,10 +244,15 @@ enum fsdp_status fsdp__mp_resolve(struct fsdp_ctx *ctx, struct fsdp_model *fm, e
  * into it first when it is not valid (and marking it valid). COLLECTIVE: yes. */
 enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct fsdp__unit *u,
                                        struct fsdp_comm_req **req);
-/* After the gather's wait: widens u->full to fp32 in place; with lazy (a
- * training pass), only the parameters that are not lp_reader, marking the
- * others data_stale ([Note: lazy widening] in src/nn/precision.c). */
-void fsdp__mp_gather_finish(struct fsdp__unit *u, int lazy);
+/* After the gather's wait: widens the gathered values into u->full's fp32
+ * part and points every parameter at its values (data, data_lp); with
+ * u->gather_lazy (a training pass), only the parameters that are not
+ * lp_reader, packed, and the others get data NULL and data_stale ([Note:
+ * lazy widening] in src/nn/precision.c). */
+void fsdp__mp_gather_finish(struct fsdp__unit *u);
+/* Narrows buf[0..n) to n 16-bit values of dt at bytes [0, 2n), in place
+ * (nothing while measuring). */
+void fsdp__mp_narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n);
 /* Narrows u->full_grad in place to reduce_dtype (no-op for F32) and returns
  * the send buffer of the reduce-scatter (numel_padded elements). */
 void *fsdp__mp_grad_send(struct fsdp__unit *u, int world);

@@ -85,7 +85,8 @@ static uint16_t *upper_half(float *buf, int64_t n) { return (uint16_t *)(void *)
 
 /* Narrows buf[0..n) to 16-bit values at bytes [0, 2n), in place. Pass
  * [a, b) writes bytes [2a, 2b) and reads [4a, 4b): safe while b <= 2a. */
-static void narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n) {
+void fsdp__mp_narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n) {
+    if (fsdp__measuring) return;
     uint16_t *dst = (uint16_t *)(void *)buf;
     int64_t head = n < INPLACE_SEQ ? n : INPLACE_SEQ;
     for (int64_t i = 0; i < head; i++) /* sequential: each read before its write */
@@ -119,7 +120,7 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
                                        struct fsdp_comm_req **req) {
     FSDP_ASSERT(u->param_dtype == FSDP_BF16 || u->param_dtype == FSDP_F16, "unit %d: param dtype %s", u->index,
                 fsdp_dtype_name(u->param_dtype));
-    uint16_t *stage = (uint16_t *)(void *)(u->full + u->numel_padded); /* after the fp32 values */
+    uint16_t *stage = (uint16_t *)(void *)(u->full + u->full_f32); /* after the fp32 values */
     uint16_t *mine = stage + (int64_t)rank * u->numel_shard;
     int alone = !comm || fsdp_comm_size(comm) == 1;
     *req = NULL;
@@ -141,23 +142,42 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
     return fsdp_comm_allgather_start(comm, mine, stage, (size_t)u->numel_shard, u->param_dtype, req);
 }
 
+int64_t fsdp__mp_f32_numel(const struct fsdp__unit *u, int lazy) {
+    if (!lazy) return u->numel_padded;
+    int64_t n = 0;
+    for (int j = 0; j < u->n_params; j++)
+        if (!u->params[j]->priv->lp_reader) n += u->params[j]->numel;
+    return n;
+}
+
 int64_t fsdp__mp_full_numel(const struct fsdp__unit *u) {
     /* a group of one reads shard_lp in place once the unit has it (it comes with the optimizer) */
     int staged = u->param_dtype != FSDP_F32 && (u->model->shard_size > 1 || !u->shard_lp);
-    return u->numel_padded + (staged ? (u->numel_padded + 1) / 2 : 0);
+    return u->full_f32 + (staged ? (u->numel_padded + 1) / 2 : 0);
 }
 
-void fsdp__mp_gather_finish(struct fsdp__unit *u, int lazy) {
-    const uint16_t *stage = u->lp_direct ? u->shard_lp : (const uint16_t *)(const void *)(u->full + u->numel_padded);
+void fsdp__mp_gather_finish(struct fsdp__unit *u) {
+    const uint16_t *stage = u->lp_direct ? u->shard_lp : (const uint16_t *)(const void *)(u->full + u->full_f32);
+    int lazy = u->gather_lazy;
     if (!lazy) fsdp__cvt_to_f32(u->param_dtype, stage, u->full, (size_t)u->numel_padded);
+    int64_t at = 0; /* a lazy gather's fp32 part: the eagerly widened parameters, end to end */
     for (int j = 0; j < u->n_params; j++) { /* the layers' 16-bit weights (fsdp__pdata_lp) */
         struct fsdp_param *p = u->params[j];
         p->priv->data_lp = stage + u->offsets[j];
         p->priv->data_lp_dtype = u->param_dtype;
         p->priv->data_stale = lazy && p->priv->lp_reader; /* [Note: lazy widening] (src/nn/precision.c) */
-        if (lazy && !p->priv->lp_reader)
-            fsdp__cvt_to_f32(u->param_dtype, p->priv->data_lp, u->full + u->offsets[j], (size_t)p->numel);
+        if (!lazy) {
+            p->data = u->full + u->offsets[j];
+        } else if (p->priv->lp_reader) {
+            p->data = NULL; /* no fp32 values exist: the layers read data_lp */
+        } else {
+            p->data = u->full + at;
+            fsdp__cvt_to_f32(u->param_dtype, p->priv->data_lp, p->data, (size_t)p->numel);
+            at += p->numel;
+        }
     }
+    FSDP_ASSERT(!lazy || at == u->full_f32, "unit %d: %lld fp32 values widened, %lld sized", u->index,
+                (long long)at, (long long)u->full_f32);
 }
 
 int fsdp__mp_predivide(enum fsdp_dtype reduce_dtype, int world) {
@@ -175,7 +195,7 @@ void *fsdp__mp_grad_send(struct fsdp__unit *u, int world) {
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < u->numel_padded; i++) g[i] *= inv;
     }
-    narrow_inplace(u->reduce_dtype, u->full_grad, u->numel_padded);
+    fsdp__mp_narrow_inplace(u->reduce_dtype, u->full_grad, u->numel_padded);
     return u->full_grad;
 }
 

@@ -522,7 +522,17 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
     fm->in_backward = 1;
     sp->fwd_pending = 0;
     ctx->errmsg[0] = '\0';
-    enum fsdp_status st = fsdp_module_backward(fm->root, ctx, dout, NULL);
+    /* [Note: 16-bit output gradient] (src/nn/precision.c): a gradient the loss wrote over the
+     * model's output in the arena is the library's to narrow in place */
+    struct fsdp_tensor d16 = *dout;
+    enum fsdp_dtype ddt = fm->root->priv->dout_dtype;
+    if (ddt != FSDP_F32 && dout->data == o->data) {
+        size_t n = (size_t)fsdp_tensor_numel(dout);
+        fsdp__mp_narrow_inplace(ddt, dout->data, (int64_t)n);
+        d16.dtype = ddt;
+        fsdp__arena_shrink(ctx, dout->data, n * sizeof(float), n * fsdp_dtype_size(ddt)); /* the upper half is free */
+    }
+    enum fsdp_status st = fsdp_module_backward(fm->root, ctx, &d16, NULL);
     if (st != FSDP_OK && !ctx->errmsg[0])
         fsdp__err(ctx, st, "backward of the model failed: %s (a module gave no message)", fsdp_status_str(st));
     fm->in_backward = 0;

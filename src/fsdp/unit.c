@@ -92,6 +92,8 @@ static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__uni
         point_params(u);
         return FSDP_OK;
     }
+    u->gather_lazy = lp && (fm->in_forward || fm->in_backward); /* [Note: lazy widening] */
+    u->full_f32 = lp ? fsdp__mp_f32_numel(u, u->gather_lazy) : u->numel_padded;
     u->full = fsdp__pool_get(u->model, fsdp__mp_full_numel(u), "full parameters");
     if (!u->full) return FSDP_ERR_NOMEM;
     /* in place: this rank's block of the full buffer is its shard */
@@ -112,9 +114,9 @@ static enum fsdp_status unit_gather_wait(struct fsdp_ctx *ctx, struct fsdp__unit
     struct fsdp_comm_req *r = u->req;
     u->req = NULL;
     if (fsdp_comm_wait(u->model->shard_comm, r) != FSDP_OK) return unit_fail(ctx, u, "all-gather wait");
-    if (u->param_dtype != FSDP_F32) fsdp__mp_gather_finish(u, u->model->in_forward || u->model->in_backward);
     u->state_ = UNIT_UNSHARDED;
-    point_params(u);
+    if (u->param_dtype != FSDP_F32) fsdp__mp_gather_finish(u); /* points the parameters itself */
+    else point_params(u);
     return FSDP_OK;
 }
 

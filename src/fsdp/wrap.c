@@ -173,6 +173,7 @@ static void hoist_tied(struct assign_args *a, struct fsdp_module *m) {
         struct fsdp_param *p = m->params[i];
         if (!p->tied_to) continue;
         if (!p->priv->grad_writer) p->tied_to->priv->grad_writer = 0; /* its layer adds into grad directly */
+        if (!p->priv->lp_reader) p->tied_to->priv->lp_reader = 0; /* its layer reads data ([Note: lazy widening]) */
         int user = unit_index_of_module(a->pl, m);
         for (int j = 0; j < a->n; j++) {
             if (a->visit[j] != p->tied_to) continue;

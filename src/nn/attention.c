@@ -102,7 +102,7 @@ static void heads_from(const float *src, int64_t B, int64_t T, int64_t nh, int64
 }
 
 static enum fsdp_status lp_nomem(struct fsdp_ctx *ctx, enum fsdp_dtype lp) {
-    return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for attention %s scratch in the activation arena",
+    return fsdp__arena_err(ctx, "out of memory for attention %s scratch in the activation arena",
                      fsdp_dtype_name(lp));
 }
 

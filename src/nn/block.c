@@ -19,6 +19,7 @@ static enum fsdp_status mlp_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     struct mlp *M = m->impl;
     struct fsdp_tensor h = {0}, g = {0};                  /* (..., 4C) each */
     g.dtype = fsdp__input_dtype(M->c_proj);
+    h.dtype = fsdp__input_dtype(M->gelu); /* 16-bit under 16-bit compute: [Note: 16-bit activations] */
     FSDP_TRY(fsdp_module_forward(M->c_fc, ctx, in, &h));
     FSDP_TRY(fsdp_module_forward(M->gelu, ctx, &h, &g));  /* gelu saves h */
     return fsdp_module_forward(M->c_proj, ctx, &g, out);  /* c_proj saves g */

@@ -6,6 +6,8 @@
  * Elementwise on any F32 shape; saves x (arena). Backward may run in place.
  * Writes y in 16 bits when asked ([Note: 16-bit hand-off]): blocks of
  * GELU_BLOCK elements computed in fp32 by the same loop, then rounded.
+ * Computing in 16 bits it also takes x in its compute dtype and keeps it so
+ * for backward, widening each block ([Note: 16-bit activations], precision.c).
  */
 #include "nn/nn-impl.h"
 
@@ -24,36 +26,47 @@ static void gelu_run(const float *x, float *y, int64_t n) {
 }
 
 struct gelu {
-    const float *x; /* (n) saved input, borrowed from the arena */
+    const void *x;      /* (n) saved input in xdt, borrowed from the arena */
+    enum fsdp_dtype xdt; /* F32, or the 16-bit compute dtype ([Note: 16-bit activations]) */
     int64_t n;
 };
+
+/* x[i0, i0 + len) in fp32: x itself, or widened into blk */
+static const float *block_in(enum fsdp_dtype xdt, const void *x, int64_t i0, int64_t len, float *blk) {
+    if (xdt == FSDP_F32) return (const float *)x + i0;
+    fsdp__cvt_to_f32(xdt, (const uint16_t *)x + i0, blk, (size_t)len);
+    return blk;
+}
 
 static enum fsdp_status gelu_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                      const struct fsdp_tensor *in, struct fsdp_tensor *out) {
     struct gelu *G = m->impl;
-    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 0, 0));
+    enum fsdp_dtype xdt = in && in->dtype == fsdp__gelu_input_dtype(m) ? in->dtype : FSDP_F32;
+    FSDP_TRY(fsdp__check_input(ctx, m, in, xdt, 0, 0));
     enum fsdp_dtype odt = fsdp__wanted_dtype(out);
     FSDP_TRY(fsdp__tensor_prepare(ctx, out, odt, in->ndim, in->shape, "GELU output"));
-    const float *x = in->data;
+    const void *x = in->data;
     int64_t n = fsdp_tensor_numel(in), nb = (n + GELU_BLOCK - 1) / GELU_BLOCK;
     if (odt == FSDP_F32) {
         float *y = out->data;
 #pragma omp parallel for schedule(static)
         for (int64_t k = 0; k < (fsdp__measuring ? 0 : nb); k++) {
+            float xb[GELU_BLOCK];
             int64_t i0 = k * GELU_BLOCK, len = n - i0 < GELU_BLOCK ? n - i0 : GELU_BLOCK;
-            gelu_run(x + i0, y + i0, len);
+            gelu_run(block_in(xdt, x, i0, len, xb), y + i0, len);
         }
     } else {
         uint16_t *y = out->data;
 #pragma omp parallel for schedule(static)
         for (int64_t k = 0; k < (fsdp__measuring ? 0 : nb); k++) {
-            float blk[GELU_BLOCK];
+            float xb[GELU_BLOCK], blk[GELU_BLOCK];
             int64_t i0 = k * GELU_BLOCK, len = n - i0 < GELU_BLOCK ? n - i0 : GELU_BLOCK;
-            gelu_run(x + i0, blk, len);
+            gelu_run(block_in(xdt, x, i0, len, xb), blk, len);
             fsdp__cvt_from_f32(odt, blk, y + i0, (size_t)len);
         }
     }
     G->x = x;
+    G->xdt = xdt;
     G->n = n;
     return FSDP_OK;
 }
@@ -68,15 +81,23 @@ static enum fsdp_status gelu_backward(struct fsdp_module *m, struct fsdp_ctx *ct
                          fsdp__mname(m), (long long)fsdp_tensor_numel(dout), (long long)G->n);
     if (!din) return FSDP_OK;
     FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, dout->shape, "GELU input gradient"));
-    const float *x = G->x, *dy = dout->data;
+    const float *dy = dout->data;
     float *dx = din->data; /* may equal dy */
-    int64_t n = G->n;
-#pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < (fsdp__measuring ? 0 : n); i++) {
-        float v = x[i];
-        float sg = 1.0f / (1.0f + fsdp__expf(-2.0f * GELU_K * (v + GELU_A * v * v * v)));
-        float d = sg + 2.0f * v * sg * (1.0f - sg) * GELU_K * (1.0f + 3.0f * GELU_A * v * v);
-        dx[i] = dy[i] * d;
+    int64_t n = G->n, nb = (n + GELU_BLOCK - 1) / GELU_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < (fsdp__measuring ? 0 : nb); k++) {
+        float xb[GELU_BLOCK];
+        int64_t i0 = k * GELU_BLOCK, len = n - i0 < GELU_BLOCK ? n - i0 : GELU_BLOCK;
+        const float *x = block_in(G->xdt, G->x, i0, len, xb);
+        const float *dyb = dy + i0;
+        float *dxb = dx + i0;
+#pragma omp simd
+        for (int64_t i = 0; i < len; i++) {
+            float v = x[i];
+            float sg = 1.0f / (1.0f + fsdp__expf(-2.0f * GELU_K * (v + GELU_A * v * v * v)));
+            float d = sg + 2.0f * v * sg * (1.0f - sg) * GELU_K * (1.0f + 3.0f * GELU_A * v * v);
+            dxb[i] = dyb[i] * d;
+        }
     }
     return FSDP_OK;
 }
@@ -84,6 +105,10 @@ static enum fsdp_status gelu_backward(struct fsdp_module *m, struct fsdp_ctx *ct
 static void gelu_destroy(struct fsdp_module *m) { free(m->impl); }
 
 static const struct fsdp_module_ops gelu_ops = {"GELU", gelu_forward, gelu_backward, gelu_destroy};
+
+enum fsdp_dtype fsdp__gelu_input_dtype(const struct fsdp_module *m) {
+    return m->ops == &gelu_ops ? fsdp__compute_dtype(m) : FSDP_F32;
+}
 
 enum fsdp_status fsdp__gelu_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out_m) {
     struct fsdp_module *m;

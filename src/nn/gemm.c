@@ -93,7 +93,7 @@ float *fsdp__pgrad_first(struct fsdp_param *p, float *beta) {
 enum fsdp_status fsdp__param_ready(struct fsdp_ctx *ctx, struct fsdp_param *p, int need_grad) {
     const char *name = p->fqn ? p->fqn : p->name;
     const struct fsdp_param *q = p->tied_to ? p->tied_to : p;
-    if (!q->data) /* not fsdp__pdata: a stale value is there, widened when read */
+    if (!q->data && !q->priv->data_stale) /* a lazily gathered weight has data_lp alone ([Note: lazy widening]) */
         return fsdp__err(ctx, FSDP_ERR_STATE,
                          "parameter '%s' has no values (not materialized, or its unit is not gathered)", name);
     if (need_grad && !q->grad)
@@ -116,7 +116,7 @@ enum fsdp_status fsdp__tensor_prepare(struct fsdp_ctx *ctx, struct fsdp_tensor *
     if (!t->data) {
         t->data = fsdp_arena_alloc(ctx, (size_t)n * fsdp_dtype_size(dt));
         if (!t->data)
-            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s (%lld elements) in the activation arena",
+            return fsdp__arena_err(ctx, "out of memory for %s (%lld elements) in the activation arena",
                              what, (long long)n);
     }
     return FSDP_OK;
@@ -146,7 +146,7 @@ enum fsdp_status fsdp__check_input(struct fsdp_ctx *ctx, const struct fsdp_modul
 float *fsdp__scratch(struct fsdp_ctx *ctx, int64_t n, const char *what) {
     float *p = fsdp_arena_alloc(ctx, (size_t)n * sizeof(float));
     if (!p)
-        fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s (%lld floats) in the activation arena", what,
+        fsdp__arena_err(ctx, "out of memory for %s (%lld floats) in the activation arena", what,
                   (long long)n);
     return p;
 }

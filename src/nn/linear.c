@@ -40,6 +40,7 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
     const float *b = L->bias ? fsdp__pdata(L->bias) : NULL;
     L->lp = lp;
     L->xl = NULL;
+    m->priv->dout_dtype = L->bias ? FSDP_F32 : lp; /* [Note: 16-bit output gradient]: the bias sums dy in fp32 */
     if (lp == FSDP_F32) {
         float beta = 0.0f;
         if (b) { /* y starts as the bias in every row, then y += x W^T */
@@ -47,8 +48,11 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
             for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++) memcpy(y + i * O, b, (size_t)O * sizeof(float));
             beta = 1.0f;
         }
-        const float *w = fsdp__pdata(L->weight); /* (out, in) */
+        size_t mark = fsdp_arena_mark(ctx);
+        const float *w = fsdp__pdata_f32(ctx, L->weight, "Linear weight (fp32)"); /* (out, in) */
+        if (!w) return FSDP_ERR_NOMEM;
         fsdp__sgemm(0, 1, N, O, L->in, 1.0f, x, L->in, w, L->in, beta, y, O);
+        fsdp_arena_release(ctx, mark);
     } else {
         const void *xl = handed ? in->data : fsdp__lp_copy(ctx, lp, x, N * L->in, "Linear input (low precision)");
         if (!xl) return FSDP_ERR_NOMEM; /* kept either way */
@@ -73,7 +77,8 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     struct linear *L = m->impl;
     if (!L->x && !L->xl)
         return fsdp__err(ctx, FSDP_ERR_STATE, "Linear '%s': backward without forward", fsdp__mname(m));
-    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 0, L->out));
+    int handed = L->lp != FSDP_F32 && dout && dout->dtype == L->lp && !L->bias; /* [Note: 16-bit output gradient] */
+    FSDP_TRY(fsdp__check_input(ctx, m, dout, handed ? L->lp : FSDP_F32, 0, L->out));
     if (fsdp_tensor_numel(dout) != L->n * L->out)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "Linear '%s': gradient has %lld rows, forward had %lld",
                          fsdp__mname(m), (long long)(fsdp_tensor_numel(dout) / L->out), (long long)L->n);
@@ -91,9 +96,9 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     size_t mark = fsdp_arena_mark(ctx);
     const void *dyl = dy, *wl = NULL; /* operands in dtype lp */
     if (lp == FSDP_F32) {
-        wl = fsdp__pdata(L->weight);
+        if (din && !(wl = fsdp__pdata_f32(ctx, L->weight, "Linear weight (fp32)"))) return FSDP_ERR_NOMEM;
     } else {
-        dyl = fsdp__lp_copy(ctx, lp, dy, N * O, "Linear output gradient (low precision)");
+        dyl = handed ? dout->data : fsdp__lp_copy(ctx, lp, dy, N * O, "Linear output gradient (low precision)");
         if (dyl && din) wl = fsdp__pdata_lp(ctx, L->weight, lp);
         if (!dyl || (din && !wl)) {
             fsdp_arena_release(ctx, mark);

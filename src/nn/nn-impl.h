@@ -97,6 +97,7 @@ static inline enum fsdp_dtype fsdp__wanted_dtype(const struct fsdp_tensor *out) 
 enum fsdp_dtype fsdp__linear_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__attention_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__mlp_input_dtype(const struct fsdp_module *m);
+enum fsdp_dtype fsdp__gelu_input_dtype(const struct fsdp_module *m);
 
 /* db[c] += sum over rows i of x[i*cols + c], each column summed in row order
  * in fp32 from zero, then added: the same bits whatever the team size. Each
@@ -108,13 +109,20 @@ void fsdp__colsum_add(const float *x, int64_t rows, int64_t cols, float *db);
 /* ---- Parameters (ties honoured) ---- */
 /* A tied parameter (tied_to != NULL) has no storage of its own: its values
  * and gradient are those of the parameter it is tied to. */
-/* Widens q->data from q->priv->data_lp (q->priv->data_stale: see [Note: lazy widening]). */
-void fsdp__param_widen(struct fsdp_param *q);
+/* The fp32 values of p. Not for an lp_reader weight, whose fp32 values a
+ * 16-bit training pass does not make (data_stale: [Note: lazy widening]);
+ * its layer reads it through fsdp__pdata_f32 or fsdp__pdata_lp. */
 static inline float *fsdp__pdata(struct fsdp_param *p) {
     struct fsdp_param *q = p->tied_to ? p->tied_to : p;
-    if (q->priv->data_stale) fsdp__param_widen(q);
+    FSDP_ASSERT(!q->priv->data_stale, "parameter '%s' has no fp32 values in a 16-bit training pass: its reader "
+                "must use fsdp__pdata_f32 ([Note: lazy widening])", q->fqn ? q->fqn : q->name);
     return q->data;
 }
+/* The fp32 values of p: fsdp__pdata(p), or, when a 16-bit training pass
+ * left them unmade (data_stale), a copy widened from data_lp into the arena
+ * (the caller releases it with its arena mark); NULL with the error set
+ * naming `what` when the arena is full. */
+const float *fsdp__pdata_f32(struct fsdp_ctx *ctx, struct fsdp_param *p, const char *what);
 /* The 16-bit copy of p's values FSDP gathered (p->priv->data_lp of the storage
  * parameter) and its dtype in *dt, or NULL when there is none. */
 static inline const void *fsdp__pdata_gathered_lp(const struct fsdp_param *p, enum fsdp_dtype *dt) {

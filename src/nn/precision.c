@@ -36,6 +36,38 @@
  * training is bit-identical with or without the hand-off. Any other module
  * ignores the request and returns fp32, which the consumer casts as before.
  * A consumer computing in fp32 (a per-unit override) is asked for fp32.
+ *
+ * [Note: 16-bit output gradient] The same hand-off backwards, for the one
+ * gradient that is not the library's own: the model's output gradient. A
+ * Linear computing in 16 bits without a bias uses its output gradient dy
+ * only as the 16-bit copy it makes of it (dW = dy^T x and dx = dy W, both
+ * 16-bit products); with a bias it also sums dy in fp32. Each forward
+ * records in m->priv->dout_dtype the 16-bit dtype its backward takes dy in
+ * as it is (a composite whose output is such a Linear's, GPT for its
+ * lm_head, passes it on), and the backward of a Linear given dy in that
+ * dtype uses it without a copy. fsdp_model_backward narrows the output
+ * gradient in place to that dtype when the loss wrote it over the model's
+ * output in the arena (so the buffer is the library's, and nobody reads
+ * the output after the loss), and hands the buffer's upper half back to the
+ * arena (fsdp__arena_shrink: the output is the arena's last allocation).
+ * GPT-2's logits gradient at 4 x 256 tokens is 196 MiB in fp32: the lm_head's
+ * 16-bit copy of it (98 MiB) is no longer made, and backward runs in the
+ * freed 98 MiB. The 16-bit values are the bits the copy had (the same
+ * rounding of the same fp32 values), so training is bit-identical with or
+ * without it; the loss itself still computes from the fp32 logits.
+ *
+ * [Note: 16-bit activations] One activation is kept in 16 bits with
+ * different numerics from fp32 compute: under 16-bit compute, MLP asks c_fc
+ * for its output (GELU's input, which GELU keeps for backward) in the
+ * compute dtype, and GELU computes in fp32 from the rounded values. This is
+ * what PyTorch's autocast does (a Linear's output is in the autocast dtype,
+ * and GELU runs on it), and it halves the largest activation of a Block
+ * (4C per token: 72 of GPT-2's 144 MiB at 4 x 256 tokens). Which tensors
+ * are 16-bit is decided in one place, fsdp__input_dtype (a GELU computing
+ * in 16 bits takes 16-bit input); the rest stays as above: LayerNorm,
+ * softmax, the residual stream, the logits and the loss are fp32, and every
+ * other 16-bit tensor is the exact rounding the consumer's cast would make.
+ * fp32 compute is untouched (bit-identical).
  */
 #include "nn/nn-impl.h"
 
@@ -50,30 +82,46 @@ enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp
 }
 
 /* [Note: lazy widening] A unit gathered 16-bit during a training pass
- * leaves the fp32 values of its lp_reader parameters unwritten (data_stale):
- * Linear multiplies with data_lp and Embedding widens just the rows it looks
- * up, so widening the whole weight (GPT-2's tied wte alone is 38.6M
- * elements, twice a step) would be written and never read. Anything that
- * reads the values through fsdp__pdata (a Linear set to fp32 compute inside
- * a 16-bit unit, a tied reader) widens them here first; every other path
- * that gathers (summon, checkpoints, sync) widens eagerly. The values read
- * are the same bits either way. */
-void fsdp__param_widen(struct fsdp_param *q) {
-    fsdp__cvt_to_f32(q->priv->data_lp_dtype, q->priv->data_lp, q->data, (size_t)q->numel);
-    q->priv->data_stale = 0;
+ * makes no fp32 values for its lp_reader parameters (Linear and Embedding
+ * weights): Linear multiplies with data_lp and Embedding widens just the
+ * rows it looks up, so widening the whole weight (GPT-2's tied wte alone is
+ * 38.6M elements, twice a step) would be written and never read, and the
+ * pooled full buffer holding them would be as large as fp32's for nothing.
+ * So the pass's gather sizes the buffer's fp32 part for the other
+ * parameters alone (biases, norms), packed end to end, and leaves an
+ * lp_reader's data NULL and data_stale set (fsdp__mp_gather_finish,
+ * src/fsdp/mixed.c). A reader that does need its fp32 values (a Linear set to
+ * fp32 compute inside a 16-bit unit, or to another 16-bit dtype) widens a
+ * copy into the arena for the product (fsdp__pdata_f32); fsdp__pdata asserts
+ * that nobody reads them otherwise, and a parameter tied to by a layer that
+ * is not lp_reader is not lp_reader either (hoist_tied, src/fsdp/wrap.c).
+ * Every other path that gathers (summon, checkpoints, sync) widens eagerly
+ * into the flat layout. The values read are the same bits either way. */
+const float *fsdp__pdata_f32(struct fsdp_ctx *ctx, struct fsdp_param *p, const char *what) {
+    struct fsdp_param *q = p->tied_to ? p->tied_to : p;
+    if (!q->priv->data_stale) return q->data;
+    float *w = fsdp_arena_alloc(ctx, (size_t)q->numel * sizeof(float));
+    if (!w) {
+        fsdp__arena_err(ctx, "out of memory for %s ('%s', %lld elements) in the activation arena", what,
+                  q->fqn ? q->fqn : q->name, (long long)q->numel);
+        return NULL;
+    }
+    if (!fsdp__measuring) fsdp__cvt_to_f32(q->priv->data_lp_dtype, q->priv->data_lp, w, (size_t)q->numel);
+    return w;
 }
 
 enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m) {
     enum fsdp_dtype dt = fsdp__linear_input_dtype(m);
     if (dt == FSDP_F32) dt = fsdp__attention_input_dtype(m);
     if (dt == FSDP_F32) dt = fsdp__mlp_input_dtype(m);
+    if (dt == FSDP_F32) dt = fsdp__gelu_input_dtype(m); /* [Note: 16-bit activations] */
     return dt;
 }
 
 void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what) {
     void *p = fsdp_arena_alloc(ctx, (size_t)n * fsdp_dtype_size(dt));
     if (!p) {
-        fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s (%lld %s elements) in the activation arena", what,
+        fsdp__arena_err(ctx, "out of memory for %s (%lld %s elements) in the activation arena", what,
                   (long long)n, fsdp_dtype_name(dt));
         return NULL;
     }
@@ -82,10 +130,22 @@ void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, 
 }
 
 const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp_dtype dt) {
-    if (dt == FSDP_F32) return fsdp__pdata(p);
+    if (dt == FSDP_F32) return fsdp__pdata_f32(ctx, p, "a weight in fp32");
     const struct fsdp_param *q = p->tied_to ? p->tied_to : p;
     if (q->priv->data_lp && q->priv->data_lp_dtype == dt) return q->priv->data_lp; /* gathered in dt: no cast */
     char what[96];
     snprintf(what, sizeof what, "%s in %s", p->fqn ? p->fqn : p->name, fsdp_dtype_name(dt));
-    return fsdp__lp_copy(ctx, dt, fsdp__pdata(p), p->numel, what);
+    if (!q->priv->data_stale) return fsdp__lp_copy(ctx, dt, fsdp__pdata(p), p->numel, what);
+    /* gathered in another 16-bit dtype, fp32 values unmade: widen above the cast, then drop the widened copy */
+    void *c = fsdp_arena_alloc(ctx, (size_t)p->numel * fsdp_dtype_size(dt));
+    if (!c) {
+        fsdp__arena_err(ctx, "out of memory for %s (%lld %s elements) in the activation arena", what,
+                  (long long)p->numel, fsdp_dtype_name(dt));
+        return NULL;
+    }
+    size_t mark = fsdp_arena_mark(ctx);
+    const float *w = fsdp__pdata_f32(ctx, p, what);
+    if (w && !fsdp__measuring) fsdp__cvt_from_f32(dt, w, c, (size_t)p->numel);
+    fsdp_arena_release(ctx, mark);
+    return w ? c : NULL;
 }
