@@ -4,7 +4,9 @@
  * engine, stream and execution helpers the other vision layers share.
  * weight (out, in/groups, kh, kw) as PyTorch (oneDNN's oihw, or goihw with
  * groups), optional bias (out). Tensors stay in the plain layout at the API;
- * oneDNN runs on them in place (no reorders).
+ * each primitive takes the layouts oneDNN prefers, and every tensor whose
+ * layout differs is reordered into arena scratch around the call
+ * ([Note: conv layouts] below; in place where they agree).
  * Primitives are made for one input shape and kept in the module until the
  * shape or the compute dtype changes ([Note: conv primitives]).
  * 16-bit compute ([Note: compute precision]): with BF16 the input and the
