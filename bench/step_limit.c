@@ -334,8 +334,10 @@ static void memory(struct table *t, const struct cfg *g, int lp, int64_t Bn, int
          * (read 4C, write 2C), dq, dk, dv scattered (24C) */
         add(t, "attention head-major copies", tok * L * (12 * C + 6 * C + 12 * C + 6 * C + 24 * C), bw, 1);
         /* Linear backward casts dy to 16 bits: read 4, write 2 per output
-         * (9C outputs a layer) */
-        add(t, "Linear dy casts to 16 bits", tok * L * 9 * C * 6, bw, 1);
+         * (9C outputs a layer); c_attn's forward rounds qkv to 16 bits from
+         * fp32 scratch (read 12C, write 6C); the other inputs arrive in 16
+         * bits already ([Note: 16-bit hand-off], counted with their producers) */
+        add(t, "Linear casts to 16 bits (dy; qkv)", tok * L * (9 * C * 6 + 18 * C), bw, 1);
     }
     /* embeddings: forward reads the wte row and wpe row, writes x (12C);
      * backward reads dx, adds into the wte and wpe gradient rows (rw 16C) */
@@ -367,7 +369,10 @@ static void print_table(const char *title, struct table *t, int first_mem, doubl
         total += t->r[i].sec;
         if (i >= first_mem) t->mem_s += t->r[i].sec;
     }
+    double pf = 0;
+    for (int i = 0; i < first_mem; i++) pf += t->r[i].amount;
     printf("products %.3f s + memory-bound %.3f s = limit %.3f s\n", t->flop_s, t->mem_s, total);
+    printf("product_flops %s %.0f\n", key, pf); /* all ranks: the model's FLOPs (+ the recompute in 16 bits) */
     printf("limit %s %.4f %.3f (model %.1f GFLOP a step at the limit = %.1f GFLOP/s = %.3f of the %s rate %.1f)\n",
            key, total, model_flops / total / 1e9 / ref_rate, model_flops / 1e9, model_flops / total / 1e9,
            model_flops / total / 1e9 / ref_rate, ref_name, ref_rate);
