@@ -173,6 +173,8 @@ struct row {
     double amount; /* FLOPs or bytes a step (all ranks) */
     double rate;   /* GFLOP/s or GB/s */
     double sec;
+    double fwd; /* the share of it in fsdp-train's forward phase (the rest: backward, or update if upd) */
+    int upd;
 };
 
 struct table {
@@ -180,6 +182,12 @@ struct table {
     int n;
     double flop_s, mem_s;
 };
+
+/* The last row's phase: a share in forward, the rest in backward, or update. */
+static void phase(struct table *t, double fwd, int upd) {
+    t->r[t->n - 1].fwd = fwd;
+    t->r[t->n - 1].upd = upd;
+}
 
 static void add(struct table *t, const char *name, double amount, double rate_, double share) {
     if (t->n == (int)(sizeof t->r / sizeof t->r[0])) {
@@ -234,6 +242,7 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
                      (long long)ps[k]->N, (long long)ps[k]->K);
             double fl = 2.0 * (double)(N * I * O) * (double)(lin[i].count * ranks);
             add(t, name, fl, rate(ps[k], seconds), share);
+            phase(t, k == 0, 0);
             t->flop_s += t->r[t->n - 1].sec;
         }
         free((void *)x), free((void *)w), free((void *)dy), free(bias), free(y), free(dw), free(dx);
@@ -266,6 +275,7 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
                      (long long)att[i].M, (long long)att[i].N, (long long)att[i].K);
             double fl = 2.0 * (double)(T * T * hs) * (double)(BH * L * att[i].count * ranks);
             add(t, name, fl, rate(&p, seconds), share);
+            phase(t, i == 0 ? 1.0 / att[i].count : i == 1, 0); /* q k^T and att v run in forward */
             t->flop_s += t->r[t->n - 1].sec;
         }
         free(qh), free(kh), free(pt), free(out);
@@ -287,6 +297,7 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
                      (long long)att[i].M, (long long)att[i].N, (long long)att[i].K);
             double fl = 2.0 * (double)(T * T * hs) * (double)(BH * L * att[i].count * ranks);
             add(t, name, fl, rate(&p, seconds), share);
+            phase(t, i == 0 ? 1.0 / att[i].count : i == 1, 0); /* q k^T and att v run in forward */
             t->flop_s += t->r[t->n - 1].sec;
         }
         free(qkv), free(yv), free(s), free(o);
@@ -308,50 +319,62 @@ static void memory(struct table *t, const struct cfg *g, int lp, int64_t Bn, int
      * parameter); under AMP also the 16-bit copy (2 B; [Note: fused 16-bit
      * copy]); the parameter norm is fused (in L2) */
     add(t, "AdamW (p,g,m,v read; p,m,v[,p16] written)", P * (lp ? 30 : 28), bw, 1);
+    phase(t, 0, 1);
     /* the gradient norm for clipping: one read of the gradient shards */
     add(t, "gradient norm (g read)", P * 4, bw, 1);
+    phase(t, 0, 1);
     /* LayerNorm (2 a layer + ln_f): forward reads x (4C), writes y (es C;
      * the input of c_attn / c_fc / lm_head); backward reads x, dy, writes dx (12C) */
     add(t, "LayerNorm fwd+bwd", tok * (2 * L + 1) * (4 * C + es * C + 12 * C), bw, 1);
+    phase(t, (4 + es) / (16 + es), 0);
     /* GELU on 4C: forward reads h (16C), writes g (4C es); backward reads h,
      * dg, writes dh (48C) */
     add(t, "GELU fwd+bwd", tok * L * (16 * C + 4 * C * es + 48 * C), bw, 1);
+    phase(t, (16 + 4 * es) / (64 + 4 * es), 0);
     /* residual adds (2 a layer): forward x += r (read 8C, write 4C); backward
      * the gradient sum dx = d + d_branch (12C) */
     add(t, "residual adds fwd+bwd", tok * L * 2 * 24 * C, bw, 1);
+    phase(t, 0.5, 0);
     /* biases (c_attn 3C, c_proj C, c_fc 4C, mlp.c_proj C = 9C outputs):
      * fp32 forward fills y with the bias (write 36C; 16-bit adds it in the
      * product); backward sums the columns of dy (read 36C) */
     add(t, "bias fill + column sums", tok * L * (lp ? 36 * C : 72 * C), bw, 1);
+    phase(t, lp ? 0 : 0.5, 0);
     if (!lp) {
         /* fp32 attention: each head's scores stay in L2 through the softmax;
          * the probabilities (nh T floats a token) are written once and read
          * once in backward */
         add(t, "attention probabilities (saved, read back)", tok * L * nh * Tt * 8, bw, 1);
+        phase(t, 0.5, 0);
     } else {
         /* 16-bit attention: the batched products write all heads' T x T
          * scores (out of L2): forward softmax rw (8), cast to 16 bits (4 + 2);
          * backward: recomputed softmax rw (8) and cast (6), softmax backward
          * reads att and dS, writes dS (12), cast dS (6): 44 bytes per score */
         add(t, "attention softmax + casts (T x T, 16-bit path)", tok * L * nh * Tt * 44, bw, 1);
+        phase(t, 14.0 / 44, 0);
         /* head-major copies: forward q, k, v (read 2 x 3C, write 2 x 3C), y
          * scattered back (read 4C, write 2C); backward q, k, v again (12C), dY
          * (read 4C, write 2C), dq, dk, dv scattered (24C) */
         add(t, "attention head-major copies", tok * L * (12 * C + 6 * C + 12 * C + 6 * C + 24 * C), bw, 1);
+        phase(t, 18.0 / 60, 0);
         /* Linear backward casts dy to 16 bits: read 4, write 2 per output
          * (9C outputs a layer); c_attn's forward rounds qkv to 16 bits from
          * fp32 scratch (read 12C, write 6C); the other inputs arrive in 16
          * bits already ([Note: 16-bit hand-off], counted with their producers) */
         add(t, "Linear casts to 16 bits (dy; qkv)", tok * L * (9 * C * 6 + 18 * C), bw, 1);
+        phase(t, 18.0 / 72, 0);
     }
     /* embeddings: forward reads the wte row and wpe row, writes x (12C);
      * backward reads dx, adds into the wte and wpe gradient rows (rw 16C) */
     add(t, "embeddings fwd+bwd", tok * 32 * C, bw, 1);
+    phase(t, 12.0 / 32, 0);
     /* logits (N, V) fp32, written by the lm_head product; the loss reads
      * each row once (in L2 for the max and the sum) and writes the gradient
      * in place (8V); under AMP the gradient is cast to 16 bits for the
      * lm_head backward (read 4, write 2) */
     add(t, "cross-entropy (+ dlogits cast)", tok * V * (lp ? 14 : 8), bw, 1);
+    phase(t, lp ? 8.0 / 14 : 1, 0); /* the loss and its gradient: forward's loss; the cast: lm_head's backward */
     /* parameter gathers ([Note: sharding] src/fsdp/unit.c): fp32 at 1 rank
      * uses the shard itself (nothing); otherwise each gather, twice a step
      * (forward, and backward after resharding), copies the full unit into
@@ -360,7 +383,9 @@ static void memory(struct table *t, const struct cfg *g, int lp, int64_t Bn, int
      * rank's part of its shard (4P / ranks x ranks) and writes its shard. */
     double gath = (ranks == 1 && !lp) ? 0 : 2.0 * 2.0 * P * (lp ? 2 : 4) * ranks;
     if (gath > 0) add(t, "parameter gathers (2 a step)", gath, bw, 1);
+    if (gath > 0) phase(t, 0.5, 0);
     if (ranks > 1) add(t, "gradient reduce-scatter", ranks * (4 * P + 4 * Pr), bw, 1);
+    if (ranks > 1) phase(t, 0, 0);
 }
 
 static void print_table(const char *title, struct table *t, int first_mem, double model_flops, double ref_rate,
@@ -377,6 +402,13 @@ static void print_table(const char *title, struct table *t, int first_mem, doubl
     double pf = 0;
     for (int i = 0; i < first_mem; i++) pf += t->r[i].amount;
     printf("products %.3f s + memory-bound %.3f s = limit %.3f s\n", t->flop_s, t->mem_s, total);
+    double ph[3] = {0, 0, 0}; /* forward, backward, update */
+    for (int i = 0; i < t->n; i++) {
+        const struct row *r = &t->r[i];
+        if (r->upd) ph[2] += r->sec;
+        else ph[0] += r->fwd * r->sec, ph[1] += (1 - r->fwd) * r->sec;
+    }
+    printf("phases %s %.6g %.6g %.6g (forward, backward, update seconds)\n", key, ph[0], ph[1], ph[2]);
     printf("product_flops %s %.0f\n", key, pf); /* all ranks: the model's FLOPs (+ the recompute in 16 bits) */
     printf("limit %s %.6g %.4g (model %.1f GFLOP a step at the limit = %.1f GFLOP/s = %.3f of the %s rate %.1f)\n",
            key, total, model_flops / total / 1e9 / ref_rate, model_flops / 1e9, model_flops / total / 1e9,

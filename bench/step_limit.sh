@@ -6,7 +6,7 @@
 #     the memory-bound passes at the bandwidth), fp32 and AMP_BF16, 1 rank x
 #     2 threads and 4 ranks x 1 thread;
 #  2. fsdp-train on the same step (--batch 4 --seq 256, synthetic data):
-#     fp32 and AMP_BF16 at 1 rank x 2 threads, fp32 at 4 ranks x 1 thread;
+#     fp32 and AMP_BF16, each at 1 rank x 2 threads and 4 ranks x 1 thread;
 #     median of steps 2..STEPS, its forward / backward / update phases, and
 #     measured / limit.
 # Usage: bench/step_limit.sh [STEPS]   (default 6)
@@ -30,25 +30,31 @@ run() { # name nproc threads precision
 run fp32_1x2 1 2 FP32
 run bf16_1x2 1 2 AMP_BF16
 run fp32_4x1 4 1 FP32
+run bf16_4x1 4 1 AMP_BF16
 echo
 python3 - "$tmp" <<'PY'
 import json, statistics, sys
 d = sys.argv[1]
-lim = {}
+lim, ph = {}, {}
 for line in open(f"{d}/limit.out"):
     f = line.split()
     if f and f[0] == "limit" and len(f) > 3 and "_" in f[1]:
         lim[f[1]] = (float(f[2]), float(f[3]))
+    if f[:1] == ["phases"]:
+        ph[f[1]] = [float(x) for x in f[2:5]]
 def med(name):  # the log's step lines, without the first step
     rows = [r for r in map(json.loads, open(f"{d}/{name}.jsonl")) if "step" in r][1:]
     return {k: statistics.median(r[k] for r in rows) / 1e3 for k in ("step_ms", "forward_ms", "backward_ms", "update_ms")}
-m = {n: med(n) for n in ("fp32_1x2", "bf16_1x2", "fp32_4x1")}
+m = {n: med(n) for n in ("fp32_1x2", "bf16_1x2", "fp32_4x1", "bf16_4x1")}
 print("measured (median of steps 2..) against the limit:")
 for n, x in m.items():
     t, frac = lim[n]
     print(f"{n}: step {x['step_ms']:.3f} s (forward {x['forward_ms']:.3f}, backward {x['backward_ms']:.3f}, "
           f"update {x['update_ms']:.3f}); limit {t:.3f} s = {frac:.3f} of the GEMM rate; measured / limit {x['step_ms'] / t:.3f}")
-r = m["fp32_4x1"]["step_ms"] / m["fp32_1x2"]["step_ms"]
-lr = lim["fp32_4x1"][0] / lim["fp32_1x2"][0]
-print(f"4 ranks x 1 thread / 1 rank x 2 threads: measured {r:.3f} (target <= 1.15), limits {lr:.3f}")
+    print(f"    by phase, measured / limit: " + ", ".join(
+        f"{k} {x[k + '_ms']:.3f} / {l:.3f} = {x[k + '_ms'] / l:.2f}" for k, l in zip(("forward", "backward", "update"), ph[n])))
+for p in ("fp32", "bf16"):
+    r = m[f"{p}_4x1"]["step_ms"] / m[f"{p}_1x2"]["step_ms"]
+    lr = lim[f"{p}_4x1"][0] / lim[f"{p}_1x2"][0]
+    print(f"{p}: 4 ranks x 1 thread / 1 rank x 2 threads: measured {r:.3f} (target <= 1.15), limits {lr:.3f}")
 PY
