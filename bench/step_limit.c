@@ -15,7 +15,10 @@
  * it), a table: class, GFLOP or GB a step, measured rate, seconds; then the
  * limit in seconds and as model FLOP/s over the plain fp32 (or bf16) GEMM
  * rate (fsdp_gemm_rate at B*T rows on THREADS threads, measured here too).
- * Lines "limit <config> <seconds> <fraction>" are for bench/step_limit.sh.
+ * Lines "limit <config> <seconds> <fraction>", "phases <config> <forward>
+ * <backward> <update>" (the limit split as fsdp-train's log splits a step)
+ * and "product_flops <config> <FLOPs>" are for bench/step_limit.sh and the
+ * test.
  *
  * [Note: oversubscribed ranks] WORLD ranks x 1 thread on THREADS cores: the
  * ranks time-share the cores, WORLD / THREADS ranks to a core. The products
@@ -30,7 +33,7 @@
  * ([Note: rounds]).
  *
  * Usage: build/bench/step_limit [model] [B] [T] [threads] [world] [seconds]
- *   (defaults gpt2 4 256 2 4 0.2; model gpt2 or tiny; `tiny 2 32 2 4 0.01`
+ *   (defaults gpt2 4 256 2 4 0.2; model gpt2 or tiny; `tiny 4 32 2 4 0.01`
  *    checks the program in a second)
  */
 #include "core/core-impl.h"
