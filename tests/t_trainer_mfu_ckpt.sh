@@ -11,6 +11,29 @@
 CKPT="$BUILD/fsdp-ckpt"
 common=(--model tiny --data synthetic --batch 8 --seq 32 --lr 3e-3 --warmup 2 --threads 1 --sample 0)
 
+# ---- bench/step_limit: every product of the step counted once ----
+# (its tiny mode: rates are not checked, only that the product classes add
+# up to the model's FLOPs, with one more q k^T per layer under AMP_BF16 and
+# the same total when 4 ranks split the batch)
+if timeout -k 5 120 "$BUILD/bench/step_limit" tiny 4 32 2 4 0.002 > "$tmp/limit" 2>&1 && msg=$(python3 - "$tmp/limit" <<'PY'
+import math, sys
+L, C, V, T, B, nh = 2, 32, 256, 32, 4, 2  # the tiny preset at --batch 4 --seq 32
+model = (6 * (L * 12 * C * C + C * V) + 12 * L * T * C) * B * T
+recompute = 2 * T * T * (C // nh) * B * nh * L  # the 16-bit path's second q k^T
+want = {"fp32_1x2": model, "fp32_4x1": model, "bf16_1x2": model + recompute, "bf16_4x1": model + recompute}
+got, lim = {}, {}
+for line in open(sys.argv[1]):
+    f = line.split()
+    if f[:1] == ["product_flops"]: got[f[1]] = float(f[2])
+    if f[:1] == ["limit"] and len(f) > 3 and "_" in f[1]: lim[f[1]] = float(f[2])
+assert got == want, f"product FLOPs {got}, want {want}"
+assert set(lim) == set(want) and all(math.isfinite(x) and x > 0 for x in lim.values()), f"limits {lim}"
+print(len(got))
+PY
+); then
+  ok "bench/step_limit (tiny): the product classes add up to the model FLOPs in all $msg configurations"
+else bad "bench/step_limit (tiny)" "$msg" "$(tail -3 "$tmp/limit")"; fi
+
 # ---- MFU ----
 for n in 1 2; do
   if timeout -k 5 300 "$TRAIN" "${common[@]}" --steps 4 --nproc $n --peak-gflops 10 --log "$tmp/m$n.jsonl" > "$tmp/o" 2>&1 \
