@@ -204,6 +204,14 @@ static void add(struct table *t, const char *name, double amount, double rate_, 
     r->sec = amount / (rate_ * 1e9) / share;
 }
 
+/* A product class's row: fl FLOPs a step at p's measured rate, the share fwd of it in forward. */
+static void add_product(struct table *t, const char *name, double fl, const struct prod *p, double seconds,
+                        double share, double fwd) {
+    add(t, name, fl, rate(p, seconds), share);
+    phase(t, fwd, 0);
+    t->flop_s += t->r[t->n - 1].sec;
+}
+
 /* The products of one rank's step (Bn sequences of T tokens, all L layers)
  * in dtype dt on `threads` threads, each class timed; `ranks` ranks run the
  * same on `cores` cores ([Note: oversubscribed ranks]). */
@@ -243,10 +251,8 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
             char name[64];
             snprintf(name, sizeof name, "%s %s (%lldx%lldx%lld)", lin[i].name, orient[k], (long long)ps[k]->M,
                      (long long)ps[k]->N, (long long)ps[k]->K);
-            double fl = 2.0 * (double)(N * I * O) * (double)(lin[i].count * ranks);
-            add(t, name, fl, rate(ps[k], seconds), share);
-            phase(t, k == 0, 0);
-            t->flop_s += t->r[t->n - 1].sec;
+            add_product(t, name, 2.0 * (double)(N * I * O) * (double)(lin[i].count * ranks), ps[k], seconds, share,
+                        k == 0);
         }
         free((void *)x), free((void *)w), free((void *)dy), free(bias), free(y), free(dw), free(dx);
     }
@@ -261,6 +267,15 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
     } att[] = {{"q k^T", 0, 1, T, T, hs, lp ? 2 : 1}, {"att v", 0, 0, T, hs, T, 1},
                {"dY v^T", 0, 1, T, T, hs, 1},            {"att^T dY", 1, 0, T, hs, T, 1},
                {"dS k", 0, 0, T, hs, T, 1},              {"dS^T q", 1, 0, T, hs, T, 1}};
+    /* the row of att[i] measured with p (q k^T and att v run in forward) */
+#define ATTN_ROW()                                                                                                 \
+    do {                                                                                                           \
+        char name[64];                                                                                             \
+        snprintf(name, sizeof name, "attn %s (%lld x %lldx%lldx%lld)", att[i].name, (long long)BH,               \
+                 (long long)att[i].M, (long long)att[i].N, (long long)att[i].K);                                 \
+        add_product(t, name, 2.0 * (double)(T * T * hs) * (double)(BH * L * att[i].count * ranks), &p, seconds, \
+                    share, i == 0 ? 1.0 / att[i].count : i == 1);                                                  \
+    } while (0)
     if (lp) { /* head-major dense copies (B*nh, T, hs), probabilities (B*nh, T, T), all 16-bit */
         uint16_t *qh = buf16(dt, BH * T * hs), *kh = buf16(dt, BH * T * hs), *pt = buf16(dt, BH * T * T);
         float *out = buf(BH * T * T);
@@ -273,13 +288,7 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
             struct prod p = {.kind = 1, .dt = dt, .ta = att[i].ta, .tb = att[i].tb, .M = att[i].M, .N = att[i].N,
                              .K = att[i].K, .batch = BH, .A = A, .B = kh, .lda = lda, .ldb = ldb, .ldc = ldc,
                              .sa = sa, .sb = sb, .sc = sc, .C = out};
-            char name[64];
-            snprintf(name, sizeof name, "attn %s (%lld x %lldx%lldx%lld)", att[i].name, (long long)BH,
-                     (long long)att[i].M, (long long)att[i].N, (long long)att[i].K);
-            double fl = 2.0 * (double)(T * T * hs) * (double)(BH * L * att[i].count * ranks);
-            add(t, name, fl, rate(&p, seconds), share);
-            phase(t, i == 0 ? 1.0 / att[i].count : i == 1, 0); /* q k^T and att v run in forward */
-            t->flop_s += t->r[t->n - 1].sec;
+            ATTN_ROW();
         }
         free(qh), free(kh), free(pt), free(out);
     } else { /* strided views into qkv (N, 3C) and y / dY (N, C), T x T blocks per head */
@@ -295,17 +304,12 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
             p.la = lay[i][0], p.lb = lay[i][1], p.lc = lay[i][2];
             p.nh = g->nh, p.T = T, p.Cm = C, p.hs = hs;
             p.qkv = qkv, p.dqkv = o, p.y = yv, p.tt = s;
-            char name[64];
-            snprintf(name, sizeof name, "attn %s (%lld x %lldx%lldx%lld)", att[i].name, (long long)BH,
-                     (long long)att[i].M, (long long)att[i].N, (long long)att[i].K);
-            double fl = 2.0 * (double)(T * T * hs) * (double)(BH * L * att[i].count * ranks);
-            add(t, name, fl, rate(&p, seconds), share);
-            phase(t, i == 0 ? 1.0 / att[i].count : i == 1, 0); /* q k^T and att v run in forward */
-            t->flop_s += t->r[t->n - 1].sec;
+            ATTN_ROW();
         }
         free(qkv), free(yv), free(s), free(o);
     }
 }
+#undef ATTN_ROW
 
 /* The memory-bound passes of a step, in bytes over all ranks, from the code
  * (src/nn, src/optim, src/fsdp); each assumption beside its count. Per
