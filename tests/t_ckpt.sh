@@ -149,12 +149,16 @@ if msg=$(py same "$tmp/a/step-00000020" "$tmp/b/step-00000020" 2>&1); then ok "e
 else bad "exact resume: step-20 checkpoints" "$msg"; fi
 
 # ---- resharding: save at N, load at M ----
-for n in 1 2 3 4; do
+# (sanitized builds: 1-3, one world, an even and an uneven one, the code paths; the plain suite
+# keeps 1-4, as tests/run.sh does for the MPI tests)
+worlds="1 2 3 4"
+case "$BUILD" in *asan*|*tsan*) worlds="1 2 3" ;; esac
+for n in $worlds; do
   train --nproc $n --steps 6 --save-dir "$tmp/s$n" > "$tmp/o" 2>&1 || bad "save at $n" "$(tail -3 "$tmp/o")"
 done
 rf=0 rc=0
-for n in 1 2 3 4; do
-  for m in 1 2 3 4; do
+for n in $worlds; do
+  for m in $worlds; do
     # zero steps: load at M and save again at M
     if ! train --nproc $m --steps 6 --resume "$tmp/s$n" --save-dir "$tmp/r$n$m" > "$tmp/o" 2>&1; then
       bad "load $n -> $m" "$(tail -3 "$tmp/o")"; rf=1; continue
@@ -168,8 +172,8 @@ for n in 1 2 3 4; do
     py losses "$tmp/c$n$m.jsonl" 6 | awk '{print $1, $2}' > "$tmp/l$n$m"
   done
 done
-[ $rf -eq 0 ] && ok "resharding: saved at N, loaded at M (N, M in 1..4): parameters and AdamW state identical"
-for n in 1 2 3 4; do for m in 1 2 3 4; do
+[ $rf -eq 0 ] && ok "resharding: saved at N, loaded at M (N, M in $worlds): parameters and AdamW state identical"
+for n in $worlds; do for m in $worlds; do
   [ -f "$tmp/l$n$m" ] || continue
   if ! msg=$(py close "$tmp/l11" "$tmp/l$n$m" 2>&1); then bad "continue $n -> $m vs 1 -> 1" "$msg"; rc=1; fi
 done; done

@@ -19,6 +19,7 @@
 #include "fsdp.h"
 #include "harness.h"
 
+#include <fcntl.h>
 #include <mpi.h>
 #include <time.h>
 
@@ -223,6 +224,17 @@ TEST(comm_basics) {
         CHECK_INT_EQ(fsdp_ctx_rank(bc), backends[b] == FSDP_COMM_SELF ? 0 : test_rank);
         CHECK_OK(fsdp_comm_barrier(fsdp_ctx_comm(bc)), bc);
     }
+}
+
+/* Contexts on every backend (the peer watch of each MPI context set up and,
+ * on one host, released at once) leave the process's standard descriptors
+ * open: a released watch once closed descriptor 0 and whatever fds its
+ * unset table held, and the rank's output vanished. */
+TEST(comm_keeps_std_fds) {
+    ASSERT(get_ctx() != NULL);
+    for (int b = 0; b < N_BACKENDS; b++) (void)backend_ctx(b);
+    for (int fd = 0; fd <= 2; fd++)
+        if (fcntl(fd, F_GETFD) == -1) TEST_FAILF("descriptor %d was closed by the library", fd);
 }
 
 static const enum fsdp_dtype all_dts[] = {FSDP_F32, FSDP_BF16, FSDP_F16, FSDP_I32, FSDP_U16, FSDP_U8, FSDP_I64};

@@ -342,6 +342,10 @@ int fsdp__peers_start(int me, int world, const struct fsdp_peer_rec *all) {
     W.hello = calloc((size_t)world, sizeof *W.hello);
     W.hello_n = calloc((size_t)world, sizeof *W.hello_n);
     W.world = world;
+    for (int r = 0; r < world; r++) { /* no socket yet: release() closes only what is >= 0 */
+        if (W.p) W.p[r].fd = -1;
+        if (W.pending) W.pending[r] = -1;
+    }
     if (!other || !W.recs || !W.p || !W.pending || !W.hello || !W.hello_n) { release(); return 0; }
     memcpy(W.recs, all, (size_t)world * sizeof *W.recs);
     W.me = me;
