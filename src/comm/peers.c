@@ -353,8 +353,6 @@ int fsdp__peers_start(int me, int world, const struct fsdp_peer_rec *all) {
     atomic_store(&W.lost, 0);
     atomic_store(&W.stop, 0);
     for (int r = 0; r < world; r++) {
-        W.pending[r] = -1;
-        W.p[r].fd = -1;
         int remote = all[r].port && r != me && memcmp(all[r].host, all[me].host, FSDP_HOST_MAX) != 0;
         W.p[r].state = !remote ? P_NONE : r > me ? P_CONNECTING : P_HELLO;
         W.p[r].heard = W.started;
