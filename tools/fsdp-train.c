@@ -76,13 +76,16 @@ static void relaunch(int argc, char **argv, int nproc) {
  * busy in a long step or blocked in a collective), and the main loop checks
  * before every step and every save, so a rank never starts either after the
  * launcher is gone; it exits with status 1. Started alone (no launcher), a
- * rank watches nothing. */
+ * rank watches nothing. A watched rank ignores SIGPIPE from the start: its
+ * stdout and stderr are pipes to the launcher, so a step line printed in the
+ * 20 ms before the poll sees the launcher gone would otherwise kill the rank
+ * with SIGPIPE instead of letting it stop by this check (the write fails with
+ * EPIPE; the check runs before the next step). */
 static pid_t g_launcher; /* 0 = not watched */
 
 static void launcher_check(void) {
     if (!g_launcher || getppid() == g_launcher) return;
     const char *r = getenv("OMPI_COMM_WORLD_RANK");
-    signal(SIGPIPE, SIG_IGN); /* stderr went through the launcher: the message may have nowhere to go */
     fprintf(stderr, "fsdp-train: rank %s: the launcher (pid %ld) is gone; stopping\n", r ? r : "?",
             (long)g_launcher);
     fflush(NULL); /* the --log lines written so far */
@@ -101,6 +104,7 @@ static void *launcher_watch(void *arg) {
 
 static void launcher_watch_start(void) {
     g_launcher = getppid();
+    signal(SIGPIPE, SIG_IGN);
     pthread_t th;
     pthread_attr_t at;
     pthread_attr_init(&at);
