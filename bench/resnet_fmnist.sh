@@ -17,6 +17,11 @@
 #   below 10 epochs)
 #   env EXTRA="..." appends fsdp-train flags (e.g. --precision AMP_BF16);
 #   TRAIN=PATH runs that fsdp-train binary (default: $BUILD/fsdp-train, made first).
+#   RUN_DIR=DIR makes the run resumable across invocations (a run longer than
+#   one sitting): a sharded checkpoint every epoch in DIR (the newest 2 kept),
+#   each invocation's log as DIR/log-N.jsonl, and an invocation that finds a
+#   checkpoint there continues from it (same arguments); the report counts the
+#   training time of every invocation's log.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -29,6 +34,15 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+LOG=$tmp/log.jsonl
+RESUME=()
+if [ -n "${RUN_DIR:-}" ]; then
+  mkdir -p "$RUN_DIR" || exit 1
+  n=1; while [ -e "$RUN_DIR/log-$n.jsonl" ]; do n=$((n + 1)); done
+  LOG=$RUN_DIR/log-$n.jsonl
+  last=$(ls -d "$RUN_DIR"/step-*/meta.json 2>/dev/null | sort | tail -1); last=${last%/meta.json}
+  if [ -n "$last" ]; then RESUME=(--resume "$RUN_DIR"); FROM=$((10#${last##*step-})); fi
+fi
 if [ -z "${TRAIN:-}" ]; then make -s -j2 "$BUILD/fsdp-train" >/dev/null || exit 1; fi
 TRAIN=${TRAIN:-$BUILD/fsdp-train}
 SPE=$(( (60000 + BATCH - 1) / BATCH )) # steps per epoch
@@ -38,15 +52,33 @@ echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
 cmd=("$TRAIN" --model-config "$tmp/m.json" --data fashion-mnist --batch $BATCH --epochs "$EPOCHS"
      --nproc "$NPROC" --threads "$THREADS" --optim sgd --lr 0.1 --min-lr 0 --warmup $WARMUP --lr-schedule cosine
      --momentum 0.9 --nesterov --weight-decay 5e-4 --clip 0 --label-smoothing 0.1 --augment crop-flip --crop-padding 4
-     --shuffle on --eval-every $SPE --eval-batch 1000 --log "$tmp/log.jsonl" ${EXTRA:-})
+     --shuffle on --eval-every $SPE --eval-batch 1000 --log "$LOG" ${EXTRA:-})
+[ -n "${RUN_DIR:-}" ] && cmd+=(--save-dir "$RUN_DIR" --save-every $SPE --keep-last 2 "${RESUME[@]}")
 echo "command: ${cmd[*]}" | sed "s|$tmp/m.json|<{\"arch\":\"resnet18\",\"in_chans\":1,\"num_classes\":10,\"stem\":\"$STEM\"}>|; s| --log [^ ]*||"
 "${cmd[@]}" > "$tmp/out" 2>&1 &
 pid=$!
 # follow the log: one line per evaluation
-python3 - "$tmp/log.jsonl" "$pid" "$SPE" <<'EOF'
-import json, os, sys, time
+python3 - "$LOG" "$pid" "$SPE" "${FROM:-0}" <<'EOF'
+import glob, json, os, re, sys, time
 path, pid, spe = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 seen, train_s, best, t94 = 0, 0.0, 0.0, None
+# the earlier invocations of a resumed run (RUN_DIR): each step once (a later log redoes the
+# steps after the checkpoint it resumed from), up to the checkpoint this one resumes from
+earlier = sorted((p for p in glob.glob(os.path.join(os.path.dirname(path), "log-*.jsonl")) if p != path),
+                 key=lambda p: int(re.search(r"log-(\d+)\.jsonl$", p).group(1)))
+steps = {}
+for p in earlier if os.path.basename(path).startswith("log-") else []:
+    for l in open(p):
+        try: r = json.loads(l)
+        except ValueError: continue  # the last line of an invocation that was killed
+        if "step" in r and r["step"] <= int(sys.argv[4]): steps[r["step"]] = (r, p)
+for _, (r, p) in sorted(steps.items()):
+        train_s += r["step_ms"] / 1e3
+        if "eval_acc" in r:
+            best = max(best, r["eval_acc"])
+            if r["eval_acc"] >= 0.94 and t94 is None: t94 = train_s
+            print(f"epoch {r['step'] / spe:5.2f} (step {r['step']}, {os.path.basename(p)}): test top-1 "
+                  f"{100 * r['eval_acc']:.2f}% | {train_s:.0f} s of training", flush=True)
 def alive():
     try: os.kill(pid, 0); return True
     except OSError: return False
