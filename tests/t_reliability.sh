@@ -69,13 +69,27 @@ done
 t0=$SECONDS
 timeout -k 5 60 "$TRAIN" --model gpt2 --batch 256 --seq 1024 --steps 2 --sample 0 > "$tmp/a1" 2> "$tmp/a1e"
 rc=$?
-if [ $rc -eq 1 ] && grep -q "the plan needs [0-9.]* MiB per rank, most of it activations [0-9.]* MiB, .*this host can give each rank [0-9.]* MiB (MemAvailable .* over 1 local rank).*--mem-limit off" "$tmp/a1e" &&
+if [ $rc -eq 1 ] && grep -q "the plan needs [0-9.]* MiB per rank, most of it activations [0-9.]* MiB, .*this host can give each rank [0-9.]* MiB (MemAvailable .* over 1 local rank, less [0-9.]* MiB each kept for what the plan does not count).*--mem-limit off" "$tmp/a1e" &&
    ! grep -q "^step" "$tmp/a1"; then ok "--mem-limit auto refuses a 520 GB plan before any work ($((SECONDS - t0)) s)"
 else bad "--mem-limit auto refusal" "exit $rc" "$(head -3 "$tmp/a1e")"; fi
 if timeout 60 "$TRAIN" --model gpt2 --batch 256 --seq 1024 --dry-run > "$tmp/a2" 2>&1 &&
    grep -q "host memory (--mem-limit auto): [0-9.]* MiB per rank (MemAvailable .*): EXCEEDED, a run would be refused" "$tmp/a2"
 then ok "--dry-run shows the host's memory per rank and that the run would be refused"
 else bad "--dry-run host memory line" "$(tail -3 "$tmp/a2")"; fi
+# the check keeps 64 MiB + 1% of each rank's share back for what the plan does not count (page
+# tables, oneDNN, MPI): at 2 local ranks, per rank = MemAvailable / 2 - reserve, reserve printed
+if timeout 60 "$TRAIN" --model tiny --nproc 2 --seq 32 --batch 4 --dry-run > "$tmp/a4" 2>&1 &&
+   python3 - "$tmp/a4" <<'PY'
+import re, sys
+m = re.search(r"host memory \(--mem-limit auto\): ([0-9.]+) MiB per rank \(MemAvailable ([0-9.]+) MiB(, cgroup limit "
+              r"([0-9.]+) MiB)? over 2 local ranks, less ([0-9.]+) MiB each kept for what the plan does not count\): fits",
+              open(sys.argv[1]).read())
+per, avail, reserve = float(m.group(1)), float(m.group(2)), float(m.group(5))
+share = min(avail, float(m.group(4) or avail)) / 2
+assert abs(reserve - (64 + share / 100)) < 0.2 and abs(per - (share - reserve)) < 0.2, (per, avail, reserve)
+PY
+then ok "--mem-limit auto keeps 64 MiB + 1% per rank back ($(grep -o 'less [0-9.]* MiB' "$tmp/a4"))"
+else bad "--mem-limit auto reserve" "$(grep 'host memory' "$tmp/a4")"; fi
 if timeout 60 "$TRAIN" --model tiny --steps 2 --seq 32 --batch 4 --sample 0 --mem-limit off > "$tmp/a3" 2>&1 &&
    [ "$(grep -c "^step" "$tmp/a3")" -eq 2 ]; then ok "--mem-limit off is accepted"
 else bad "--mem-limit off" "$(tail -3 "$tmp/a3")"; fi
