@@ -7,19 +7,20 @@
 #     thread FULL_SHARD fp32 AdamW, SEQ tokens per sequence, the largest global
 #     batch (a multiple of NPROC) that `fsdp-train --dry-run` says fits this
 #     host's memory (--mem-limit auto: the library's measured plan against
-#     MemAvailable), STEPS steps; the median step of steps 2..STEPS, the model
+#     MemAvailable), STEPS steps; the median step of steps 3..STEPS (the first
+#     two fault in fresh pages: the arena's chunks are merged after step 1), the model
 #     FLOP/s (3 x fsdp_gpt_flops_per_token: 6 N_matmul + 12 L T C per token),
 #     its ratio to the GEMM rate, peak RSS per rank, and the spread of the
 #     per-FLOP step times (target: every model within 10% of each other);
 #  3. the largest GPT of gpt2-large's width (n_embd 1280, 20 heads) by layers:
 #     the most layers whose plan fits at a global batch of NPROC sequences,
 #     then one real step of it (LARGEST=0 skips this part).
-# Usage: bench/gpt2_scaling.sh [STEPS]   (default 4; the first step is not timed)
+# Usage: bench/gpt2_scaling.sh [STEPS]   (default 5; the first two steps are not timed)
 #   env MODELS="..." (empty: only part 3), NPROC (2), SEQ (256), MAXB (the largest batch tried, 256)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
-STEPS=${1:-4}
+STEPS=${1:-5}
 MODELS=${MODELS-gpt2 gpt2-medium gpt2-large}
 NPROC=${NPROC:-2}
 SEQ=${SEQ:-256}
@@ -59,7 +60,7 @@ for m in $MODELS; do
   fits --model "$m" --batch "$b"; plan=$(awk '$1 == "0" {print $(NF-1), $NF}' "$tmp/dry")
   "$BUILD/fsdp-train" --model "$m" --data synthetic --batch "$b" --seq "$SEQ" --steps "$STEPS" --warmup 1 \
     --nproc "$NPROC" --threads 1 --sample 0 --log "$tmp/$m.jsonl" > "$tmp/$m.out" 2>&1 ||
-    { echo "fsdp-train --model $m --batch $b failed:"; tail -5 "$tmp/$m.out"; exit 1; }
+    { echo "fsdp-train --model $m --batch $b failed:"; grep -m3 -i "error" "$tmp/$m.out"; tail -3 "$tmp/$m.out"; exit 1; }
   python3 - "$tmp/$m.jsonl" "$gemm" "$b" "$plan" "$m" <<'PY' | tee -a "$tmp/rows"
 import json, statistics, sys
 log, gemm, b, plan, name = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -71,7 +72,7 @@ L, C, V = {"gpt2": (12, 768, 50257), "gpt2-medium": (24, 1024, 50257), "gpt2-lar
 T = steps[0]["tokens"] // b
 flops = 3 * (2.0 * (L * 12.0 * C * C + C * V) + 4.0 * L * T * C) * steps[0]["tokens"]  # fsdp_gpt_flops_per_token
 params = L * 12 * C * C + V * C + 1024 * C + L * 13 * C + 2 * C
-s = statistics.median(r["step_ms"] for r in steps[1:]) / 1e3
+s = statistics.median(r["step_ms"] for r in steps[2:]) / 1e3
 rss = max(r["peak_rss_mb"] for r in steps)
 print(f"| {name} | {params / 1e6:.0f}M | {b} x {T} | {plan} | {s:.2f} s | {flops / s / 1e9:.1f} | "
       f"{flops / s / 1e9 / gemm:.3f} | {s / flops * 1e15:.1f} | {rss:.0f} MB |")

@@ -259,4 +259,54 @@ TEST(large_blocks_are_accounted_and_fail_cleanly) {
     fsdp_ctx_free(ctx);
 }
 
+/* The VmFlags of the mapping that holds p ("" when none is found). */
+static void vm_flags(const void *p, char *flags, size_t n) {
+    flags[0] = 0;
+    FILE *f = fopen("/proc/self/smaps", "r");
+    if (!f) return;
+    char line[512];
+    int in = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' '))
+            in = (uintptr_t)p >= lo && (uintptr_t)p < hi;
+        else if (in && !strncmp(line, "VmFlags:", 8)) {
+            snprintf(flags, n, "%.200s", line + 8);
+            break;
+        }
+    }
+    fclose(f);
+}
+
+/* [Note: huge pages]: a mapped block of 2 MiB or more carries the huge-page
+ * advice (VmFlags "hg"), a smaller one does not, and FSDP_THP=0 (read once per
+ * process: checked in a child) turns the advice off. */
+TEST(large_blocks_ask_for_huge_pages) {
+#if defined(__SANITIZE_ADDRESS__)
+    SKIP("sanitized builds allocate every block through malloc ([Note: large blocks are mapped])");
+#else
+    if (access("/sys/kernel/mm/transparent_hugepage/enabled", F_OK) != 0) SKIP("no transparent huge pages here");
+    char fl[256];
+    pid_t pid = fork();
+    if (pid == 0) {
+        setenv("FSDP_THP", "0", 1);
+        void *q = fsdp__alloc(NULL, (size_t)4 << 20, FSDP_MEM_OTHER, "test block");
+        vm_flags(q, fl, sizeof fl);
+        _exit(q && fl[0] && !strstr(fl, " hg") ? 0 : 1);
+    }
+    int st = 0;
+    ASSERT(pid > 0 && waitpid(pid, &st, 0) == pid);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0); /* FSDP_THP=0: a 4 MiB block without the advice */
+    void *big = fsdp__alloc(NULL, (size_t)4 << 20, FSDP_MEM_OTHER, "test block");
+    void *mid = fsdp__alloc(NULL, ((size_t)3 << 19), FSDP_MEM_OTHER, "test block"); /* 1.5 MiB: mapped, no advice */
+    ASSERT(big && mid);
+    vm_flags(big, fl, sizeof fl);
+    CHECK_STR_CONTAINS(fl, " hg");
+    vm_flags(mid, fl, sizeof fl);
+    CHECK(fl[0] && !strstr(fl, " hg"));
+    fsdp__free(NULL, big);
+    fsdp__free(NULL, mid);
+#endif
+}
+
 TEST_MAIN()

@@ -53,6 +53,7 @@ static const struct env_var vars[] = {
     {"FSDP_GEMM_BF16", ENV_WORD, 0, 0, 0, 0, gemm_bf16_words, NULL, NULL},
     {"FSDP_WIDEN_SCRATCH", ENV_INT, 4096, (long long)1 << 40, 0, 0, NULL, NULL, NULL},
     {"FSDP_CHECK_LP_COPY", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},
+    {"FSDP_THP", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},
     {"FSDP_INJECT_OVERFLOW_STEP", ENV_INT, 0, INT64_MAX, 0, 0, NULL, NULL, NULL},
     {"FSDP_INJECT_OVERFLOW_RANK", ENV_INT, 0, INT32_MAX, 0, 0, NULL, NULL, NULL},
     {"FSDP_CKPT_CRASH_AT", ENV_INT, 0, INT32_MAX, 0, 0, NULL, NULL, NULL},
