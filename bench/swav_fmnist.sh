@@ -18,12 +18,16 @@ EPOCHS=${1:-6}
 shift || true
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-recipe=(--task swav --model cnn --data fashion-mnist --batch 64 --epochs "$EPOCHS" --threads 1
-        --optim sgd --lr 0.1 --momentum 0.9 --weight-decay 1e-5 --warmup 50
-        --swav-hidden 128 --swav-dim 64 --nmb-prototypes 300 --freeze-prototypes-iters 200
-        --queue-length 1280 --queue-start-epoch 1 --crops-small 2
+W=${WIDTH:-16}
+echo "{\"arch\": \"resnet18\", \"in_chans\": 1, \"stem\": \"cifar\", \"width\": $W}" > "$tmp/trunk.json"
+recipe=(--task swav --model-config "$tmp/trunk.json" --data fashion-mnist --batch 64 --epochs "$EPOCHS" --threads 1
+        --optim lars --lr 1.2 --momentum 0.9 --weight-decay 1e-6 --clip 0 --warmup 300
+        --swav-hidden 512 --swav-dim 128 --nmb-prototypes 300 --freeze-prototypes-iters 200
+        --queue-length 1920 --queue-start-epoch 0
+        --crops-global-size 24 --crops-global-scale 0.25,1 --crops-small 4 --crops-small-size 12 --crops-small-scale 0.08,0.3
         --knn-train 60000 --probe-train 60000 --eval-every 938 --eval-baseline --seed 0)
 echo "$(date -u '+%F %H:%M UTC'); $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'); load: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "trunk: $(cat "$tmp/trunk.json")"
 echo "recipe: fsdp-train ${recipe[*]} $*"
 t0=$(date +%s)
 "$BUILD/fsdp-train" "${recipe[@]}" "$@" --log "$tmp/log.jsonl" > "$tmp/out" 2>&1 || { tail -5 "$tmp/out"; exit 1; }
