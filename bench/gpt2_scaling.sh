@@ -61,20 +61,19 @@ for m in $MODELS; do
   "$BUILD/fsdp-train" --model "$m" --data synthetic --batch "$b" --seq "$SEQ" --steps "$STEPS" --warmup 1 \
     --nproc "$NPROC" --threads 1 --sample 0 --log "$tmp/$m.jsonl" > "$tmp/$m.out" 2>&1 ||
     { echo "fsdp-train --model $m --batch $b failed:"; grep -m3 -i "error" "$tmp/$m.out"; tail -3 "$tmp/$m.out"; exit 1; }
-  python3 - "$tmp/$m.jsonl" "$gemm" "$b" "$plan" "$m" <<'PY' | tee -a "$tmp/rows"
-import json, statistics, sys
-log, gemm, b, plan, name = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-rows = list(map(json.loads, open(log)))
-cfg = rows[0]["model_config"] if "model_config" in rows[0] else None
-steps = [r for r in rows if "step" in r]
-L, C, V = {"gpt2": (12, 768, 50257), "gpt2-medium": (24, 1024, 50257), "gpt2-large": (36, 1280, 50257),
-           "gpt2-xl": (48, 1600, 50257)}[name]
+  python3 - "$tmp/$m.jsonl" "$tmp/$m.out" "$gemm" "$b" "$plan" "$m" <<'PY' | tee -a "$tmp/rows"
+import json, re, statistics, sys
+log, out, gemm, b, plan, name = sys.argv[1], open(sys.argv[2]).read(), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+steps = [r for r in map(json.loads, open(log)) if "step" in r]
+# the trainer's own figures (fsdp_gpt_flops_per_token behind its MFU): model FLOPs a step =
+# mfu x the MFU peak it printed x the step's seconds; the parameter count from its model line
+peak = float(re.search(r"^MFU peak: ([0-9.]+) GFLOP/s", out, re.M).group(1)) * 1e9
+params = re.search(r"^model: .*: ([0-9.]+)M parameters", out, re.M).group(1)
+flops = statistics.median(r["mfu"] * peak * r["step_ms"] / 1e3 for r in steps)
 T = steps[0]["tokens"] // b
-flops = 3 * (2.0 * (L * 12.0 * C * C + C * V) + 4.0 * L * T * C) * steps[0]["tokens"]  # fsdp_gpt_flops_per_token
-params = L * 12 * C * C + V * C + 1024 * C + L * 13 * C + 2 * C
 s = statistics.median(r["step_ms"] for r in steps[2:]) / 1e3
 rss = max(r["peak_rss_mb"] for r in steps)
-print(f"| {name} | {params / 1e6:.0f}M | {b} x {T} | {plan} | {s:.2f} s | {flops / s / 1e9:.1f} | "
+print(f"| {name} | {float(params):.0f}M | {b} x {T} | {plan} | {s:.2f} s | {flops / s / 1e9:.1f} | "
       f"{flops / s / 1e9 / gemm:.3f} | {s / flops * 1e15:.1f} | {rss:.0f} MB |")
 PY
 done
@@ -96,17 +95,17 @@ while [ $((hi - lo)) -gt 1 ]; do
   if fits --model-config "$(cfgf $mid)" --batch "$NPROC"; then lo=$mid; else hi=$mid; fi
 done
 fits --model-config "$(cfgf $lo)" --batch "$NPROC"
-params=$(python3 -c "L, C, V = $lo, 1280, 50257; print(f'{(L * 12 * C * C + V * C + 1024 * C + L * 13 * C + 2 * C) / 1e9:.3f}')")
 echo "largest GPT (n_embd 1280, 20 heads, batch $NPROC x $SEQ, FULL_SHARD fp32 AdamW, $NPROC ranks): $lo layers," \
-     "${params}B parameters; plan per rank: $(awk '$1 == "0" {print $(NF-1), $NF}' "$tmp/dry")"
+     "plan per rank: $(awk '$1 == "0" {print $(NF-1), $NF}' "$tmp/dry")"
 fits --model-config "$(cfgf $((lo + 1)))" --batch "$NPROC" || true
 echo "  $((lo + 1)) layers: plan per rank $(awk '$1 == "0" {print $(NF-1), $NF}' "$tmp/dry"), $(grep -- '--mem-limit auto' "$tmp/dry" | sed 's/.*(--mem-limit auto): //')"
 t0=$(date +%s)
 if "$BUILD/fsdp-train" --model-config "$(cfgf $lo)" --data synthetic --batch "$NPROC" --seq "$SEQ" --steps 1 \
      --nproc "$NPROC" --threads 1 --sample 0 --log "$tmp/largest.jsonl" > "$tmp/largest.out" 2>&1; then
-  python3 - "$tmp/largest.jsonl" "$(( $(date +%s) - t0 ))" <<'PY'
-import json, sys
+  python3 - "$tmp/largest.jsonl" "$(( $(date +%s) - t0 ))" "$tmp/largest.out" <<'PY'
+import json, re, sys
 r = [x for x in map(json.loads, open(sys.argv[1])) if "step" in x][0]
+print("  " + re.search(r"^model: (.*)$", open(sys.argv[3]).read(), re.M).group(1))
 print(f"  one real step: loss {r['loss']:.4f}, grad norm {r['grad_norm']:.3f}, {r['step_ms'] / 1e3:.1f} s "
       f"(the first step: fresh memory), peak RSS {r['peak_rss_mb']:.0f} MB per rank; {sys.argv[2]} s with start-up")
 PY
