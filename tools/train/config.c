@@ -4,8 +4,10 @@
  * [Note: run configuration]
  * The flags table below lists every flag a configuration holds: its long
  * name, where it lives in struct opts, its type, and whether --resume
- * restores it (R: the schedule, the optimizer, the batch, the precision and
- * the loss scaling, what decides the numbers of the run). A configuration is
+ * restores it (1: the schedule, the optimizer, the batch, the precision and
+ * the loss scaling, what decides the numbers of the run; 2: the data files,
+ * taken from the checkpoint when not given, and a given one wins, since files
+ * move between machines: a resumed run never falls back to the default data). A configuration is
  * a JSON object keyed by those names; each value becomes the text a flag
  * takes on the command line, and the flags go through parse_args, so a value
  * in a file or a checkpoint is checked exactly as the flag is:
@@ -50,7 +52,7 @@ struct flag {
     const char *name;  /* the long name, without "--" */
     enum kind kind;
     size_t off, aux;   /* the field in struct opts; K_INTS / K_FLOATS: the count's */
-    int restore;       /* --resume restores it */
+    int restore;       /* --resume restores it: 1 (a given value must agree), 2 (a given value wins) */
     const char *alias; /* another spelling of the flag, or NULL */
 };
 
@@ -62,9 +64,9 @@ static const struct flag flags[] = {
     F("model", K_STR, model, 0),
     F("model-config", K_STR, model_config, 0),
     F("task", K_STR, task, 0),
-    F("data", K_STR, data, 0),
-    F("val-data", K_STR, val_data, 0),
-    F("tokenizer", K_STR, tokenizer, 0),
+    F("data", K_STR, data, 2),
+    F("val-data", K_STR, val_data, 2),
+    F("tokenizer", K_STR, tokenizer, 2),
     F("batch", K_INT, batch, 1),
     F("seq", K_INT, seq, 1),
     F("steps", K_INT, steps, 1),
@@ -440,11 +442,11 @@ int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, co
         if (!list) usage_error("out of memory");
         for (char *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
             const struct flag *f = find_flag(t);
-            if (!f || !f->restore) {
+            if (!f || f->restore != 1) {
                 char names[2048] = "";
                 size_t at = 0;
                 for (int i = 0; i < N_FLAGS; i++)
-                    if (flags[i].restore && at < sizeof names)
+                    if (flags[i].restore == 1 && at < sizeof names)
                         at += (size_t)snprintf(names + at, sizeof names - at, "%s%s", at ? "," : "", flags[i].name);
                 usage_error("--override: '%s' is not a flag --resume restores (those are: %s)", t, names);
             }
@@ -463,6 +465,7 @@ int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, co
         if (by_epochs && !strcmp(f->name, "steps")) continue; /* follows from the epochs */
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(ck, f->name);
         if (!v) continue; /* a flag the checkpoint's program did not have */
+        if (given[i] && f->restore == 2) continue;
         if (given[i]) {
             char mine[4096], theirs[4096];
             const char *want = "";

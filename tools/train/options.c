@@ -251,7 +251,8 @@ static void usage(FILE *f) {
             "                        (or their defaults) instead of the checkpoint. Without it --resume\n"
             "                        restores the schedule, optimizer, batch and precision flags and the\n"
             "                        fp16 loss scale from the checkpoint, and a flag given otherwise is\n"
-            "                        an error naming both values\n"
+            "                        an error naming both values; --data, --val-data and --tokenizer\n"
+            "                        not given are the checkpoint's too (given ones are used as given)\n"
             "  --help                this text\n",
             MODEL_DEFAULT, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
             (double)d.beta1, (double)d.beta2, (double)d.eps, (double)d.momentum,
