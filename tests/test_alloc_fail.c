@@ -147,6 +147,58 @@ TEST(every_allocation_of_setup_fails_cleanly) {
 #endif
 }
 
+/* The memory planner (--dry-run, --mem-limit): it builds a measuring
+ * context and runs the real step there, so every allocation of both, and its
+ * own bookkeeping (the saved buffers and dtypes it restores), fails in turn;
+ * the plan reports out of memory, leaves the model as it was (the next plan
+ * gives the same figures) and returns every byte. */
+static enum fsdp_status plan_tiny(struct fsdp_ctx *c, struct fsdp_module *gpt, struct fsdp_mem_plan *p) {
+    struct fsdp_shard_opts so = fsdp_shard_opts_default();
+    return fsdp_plan_memory(c, gpt, &so, 2, 0, 2, 2, 16, 1, p);
+}
+
+TEST(every_allocation_of_a_plan_fails_cleanly) {
+    struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+    co.comm = FSDP_COMM_SELF;
+    co.threads = 1;
+    struct fsdp_ctx *c;
+    ASSERT(fsdp_ctx_create(&co, &c) == FSDP_OK);
+    struct fsdp_gpt_config cfg = {1, 2, 16, 32, 16};
+    struct fsdp_module *gpt;
+    ASSERT_OK(fsdp_gpt_create(c, &cfg, &gpt), c);
+    struct fsdp_mem_stats m0, m1;
+    fsdp_mem_get(c, &m0);
+    struct fsdp_mem_plan ref, p;
+    fsdp__alloc_count = 0;
+    ASSERT_OK(plan_tiny(c, gpt, &ref), c);
+    long n = fsdp__alloc_count;
+    fprintf(stderr, "  a plan makes %ld library allocations\n", n);
+    ASSERT(n >= 10);
+    for (long k = 1; k <= n; k++) {
+        fsdp__alloc_count = 0;
+        fsdp__alloc_fail_at = k;
+        enum fsdp_status st = plan_tiny(c, gpt, &p);
+        fsdp__alloc_fail_at = 0;
+        if (st != FSDP_OK && st != FSDP_ERR_NOMEM)
+            TEST_FAILF("allocation %ld of %ld: got %s (%s), expected out of memory", k, n, fsdp_status_str(st),
+                       fsdp_errmsg(c));
+        else if (st != FSDP_OK && !strstr(fsdp_errmsg(c), "out of memory"))
+            TEST_FAILF("allocation %ld of %ld: \"%s\"", k, n, fsdp_errmsg(c));
+        fsdp_mem_get(c, &m1);
+        if (m1.cur_total != m0.cur_total)
+            TEST_FAILF("allocation %ld of %ld: %lld accounted bytes left", k, n,
+                       (long long)m1.cur_total - (long long)m0.cur_total);
+        CHECK_OK(plan_tiny(c, gpt, &p), c); /* the model is as it was: the same plan */
+        if (p.total != ref.total || p.act != ref.act || p.full != ref.full)
+            TEST_FAILF("allocation %ld of %ld: the next plan gives %zu bytes, not %zu", k, n, p.total, ref.total);
+    }
+    fsdp_module_free(gpt);
+    fsdp_ctx_free(c);
+#if defined(__SANITIZE_ADDRESS__)
+    CHECK(__lsan_do_recoverable_leak_check() == 0);
+#endif
+}
+
 static void rm_rf(const char *p) {
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s.tmp' '%s.old'", p, p, p);

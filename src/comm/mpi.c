@@ -969,7 +969,7 @@ static int progress_wanted(MPI_Comm comm, int forced) {
 /* Starts the peer watch over c's ranks: every rank's record (peers.c) to
  * every rank. COLLECTIVE: yes. */
 static enum fsdp_status watch_peers(struct fsdp_ctx *ctx, struct fsdp_comm *c) {
-    struct fsdp_peer_rec mine, *all = malloc((size_t)c->size * sizeof *all);
+    struct fsdp_peer_rec mine, *all = fsdp__malloc((size_t)c->size * sizeof *all);
     if (!all) return fsdp__err(ctx, FSDP_ERR_NOMEM, "peer watch: %d records", c->size);
     fsdp__peers_listen(&mine);
     mpi_enter();

@@ -224,8 +224,8 @@ static void peer_read(int r) {
 static void *watch_main(void *arg) {
     (void)arg;
     int W_ = W.world;
-    struct pollfd *pf = malloc(((size_t)W_ * 2 + 1) * sizeof *pf);
-    int *who = malloc(((size_t)W_ * 2 + 1) * sizeof *who); /* >= 0 peer, -1 listener, -2 - slot pending */
+    struct pollfd *pf = fsdp__malloc(((size_t)W_ * 2 + 1) * sizeof *pf);
+    int *who = fsdp__malloc(((size_t)W_ * 2 + 1) * sizeof *who); /* >= 0 peer, -1 listener, -2 - slot pending */
     if (!pf || !who) { free(pf); free(who); return NULL; }
     double next_beat = 0;
     pthread_mutex_lock(&W.mu);
@@ -336,11 +336,11 @@ int fsdp__peers_start(int me, int world, const struct fsdp_peer_rec *all) {
     int other = 0;
     for (int r = 0; r < world; r++)
         other |= all[r].port && memcmp(all[r].host, all[me].host, FSDP_HOST_MAX) != 0;
-    W.recs = malloc((size_t)world * sizeof *W.recs);
-    W.p = calloc((size_t)world, sizeof *W.p);
-    W.pending = malloc((size_t)world * sizeof *W.pending);
-    W.hello = calloc((size_t)world, sizeof *W.hello);
-    W.hello_n = calloc((size_t)world, sizeof *W.hello_n);
+    W.recs = fsdp__malloc((size_t)world * sizeof *W.recs);
+    W.p = fsdp__zalloc((size_t)world, sizeof *W.p);
+    W.pending = fsdp__malloc((size_t)world * sizeof *W.pending);
+    W.hello = fsdp__zalloc((size_t)world, sizeof *W.hello);
+    W.hello_n = fsdp__zalloc((size_t)world, sizeof *W.hello_n);
     W.world = world;
     for (int r = 0; r < world; r++) { /* no socket yet: release() closes only what is >= 0 */
         if (W.p) W.p[r].fd = -1;

@@ -175,7 +175,10 @@ extern _Thread_local long fsdp__alloc_count, fsdp__alloc_fail_at;
 extern long fsdp__alloc_failures;
 /* Unaccounted bookkeeping (names, pointer arrays, parser output): malloc,
  * calloc, realloc and strdup that count as library allocations for the
- * injection hook (src/ calls no other allocator); free them with free(). */
+ * injection hook; free them with free(). src/ calls no other allocator but
+ * in two places that say why: the optimizer's per-chunk partial sums
+ * (src/optim/optim.c) and the 16-bit GEMM's aligned per-thread scratch
+ * (src/nn/gemm_lp.c). */
 void *fsdp__malloc(size_t n);
 void *fsdp__zalloc(size_t n, size_t size);
 void *fsdp__realloc(void *p, size_t n);

@@ -110,7 +110,7 @@ enum fsdp_status fsdp_plan_comm(struct fsdp_ctx *ctx, struct fsdp_module *root, 
         return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED,
                          "comm plan: HYBRID_SHARD is modelled with a shard group per host (%d ranks), not %d",
                          R, so.shard_group);
-    struct fsdp_ctx *sh = malloc(sizeof *sh); /* the layout at W: a shadow context */
+    struct fsdp_ctx *sh = fsdp__malloc(sizeof *sh); /* the layout at W: a shadow context */
     if (!sh) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning communication");
     *sh = *ctx;
     sh->world = W;
@@ -118,8 +118,8 @@ enum fsdp_status fsdp_plan_comm(struct fsdp_ctx *ctx, struct fsdp_module *root, 
     sh->verbose = 0;
     struct fsdp_model *fm = NULL;
     enum fsdp_status st = fsdp__model_layout(sh, root, &so, &fm);
-    int *bwd = st == FSDP_OK ? malloc((size_t)fm->n_units * sizeof *bwd) : NULL;
-    double *done = st == FSDP_OK ? calloc((size_t)fm->n_units, sizeof *done) : NULL;
+    int *bwd = st == FSDP_OK ? fsdp__malloc((size_t)fm->n_units * sizeof *bwd) : NULL;
+    double *done = st == FSDP_OK ? fsdp__zalloc((size_t)fm->n_units, sizeof *done) : NULL;
     if (st == FSDP_OK && (!bwd || !done)) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning communication");
     else if (st != FSDP_OK) fsdp__err(ctx, st, "%s", sh->errmsg);
     if (st != FSDP_OK) {
@@ -144,7 +144,7 @@ enum fsdp_status fsdp_plan_comm(struct fsdp_ctx *ctx, struct fsdp_module *root, 
     out->world = W;
 
     /* per unit: the seconds of its gather, and of its gradient's reductions */
-    double *t_ag = malloc((size_t)n * sizeof *t_ag), *t_red = malloc((size_t)n * sizeof *t_red);
+    double *t_ag = fsdp__malloc((size_t)n * sizeof *t_ag), *t_red = fsdp__malloc((size_t)n * sizeof *t_red);
     if (!t_ag || !t_red) {
         free(t_ag);
         free(t_red);
@@ -190,7 +190,7 @@ enum fsdp_status fsdp_plan_comm(struct fsdp_ctx *ctx, struct fsdp_module *root, 
 
     /* forward: units in pre-order (the root unit first) */
     struct sim s = {0, 0, 0};
-    int *issued = calloc((size_t)n, sizeof *issued);
+    int *issued = fsdp__zalloc((size_t)n, sizeof *issued);
     if (!issued) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning communication");
     for (int k = 0; st == FSDP_OK && k < n; k++) {
         for (int j = k; gather && j < n && j <= k + ahead; j++)

@@ -109,7 +109,7 @@ static int keep_buffer(struct fsdp_buffer *b, void *ud) {
     struct buf_walk *w = ud;
     size_t n = (size_t)b->numel * fsdp_dtype_size(b->dtype);
     if (w->save) {
-        void *c = malloc(n ? n : 1);
+        void *c = fsdp__malloc(n ? n : 1);
         if (!c) {
             w->failed = 1;
             return 1;
@@ -142,8 +142,8 @@ static enum fsdp_status keep_save(struct fsdp_ctx *ctx, struct fsdp_module *root
     memset(k, 0, sizeof *k);
     k->n_mod = count_modules(root);
     fsdp_module_foreach_buffer(root, count_buffer, &k->n_buf);
-    k->dt = malloc((size_t)k->n_mod * sizeof *k->dt);
-    k->buf = calloc((size_t)k->n_buf + 1, sizeof *k->buf);
+    k->dt = fsdp__malloc((size_t)k->n_mod * sizeof *k->dt);
+    k->buf = fsdp__zalloc((size_t)k->n_buf + 1, sizeof *k->buf);
     struct buf_walk w = {k, 0, 1, 0};
     if (k->dt && k->buf) fsdp_module_foreach_buffer(root, keep_buffer, &w);
     if (!k->dt || !k->buf || w.failed) {
@@ -319,7 +319,7 @@ enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module
         po.optim.kind = FSDP_OPTIM_SGD;
         po.optim.momentum = optim_state ? 0.9f : 0.0f;
     }
-    struct gpt_step g = {B_local, T, accum, mode, calloc((size_t)accum * (size_t)B_local * (size_t)T, sizeof(int32_t))};
+    struct gpt_step g = {B_local, T, accum, mode, fsdp__zalloc((size_t)accum * (size_t)B_local * (size_t)T, sizeof(int32_t))};
     if (!g.tok) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
     po.step = gpt_step;
     po.ud = &g;

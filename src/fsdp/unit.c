@@ -74,11 +74,16 @@ static void point_params(struct fsdp__unit *u) {
     for (int j = 0; j < u->n_params; j++) u->params[j]->data = u->full + u->offsets[j];
 }
 
-static enum fsdp_status unit_fail(struct fsdp_ctx *ctx, struct fsdp__unit *u, const char *what) {
+/* A collective of u failed with status st: u goes to ERROR, and the error
+ * names the unit and the collective; a start that ran out of memory (its
+ * request) stays FSDP_ERR_NOMEM, anything else is FSDP_ERR_COMM. */
+static enum fsdp_status unit_fail(struct fsdp_ctx *ctx, struct fsdp__unit *u, const char *what,
+                                  enum fsdp_status st) {
     char cause[sizeof ctx->errmsg];
     snprintf(cause, sizeof cause, "%s", ctx->errmsg);
     u->state_ = UNIT_ERROR;
-    return fsdp__err(ctx, FSDP_ERR_COMM, "unit '%s': %s failed: %s", unit_name(u), what, cause);
+    return fsdp__err(ctx, st == FSDP_ERR_NOMEM ? st : FSDP_ERR_COMM, "unit '%s': %s failed: %s", unit_name(u), what,
+                     cause);
 }
 
 /* Starts the all-gather of u's parameters (SHARDED -> GATHERING). */
@@ -104,7 +109,7 @@ static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__uni
                              : fsdp_comm_allgather_start(fm->shard_comm, mine, u->full, (size_t)u->numel_shard,
                                                          FSDP_F32, &u->req);
     unit_tag(ctx, u->model, NULL);
-    if (st != FSDP_OK) return unit_fail(ctx, u, "all-gather");
+    if (st != FSDP_OK) return unit_fail(ctx, u, "all-gather", st);
     u->state_ = UNIT_GATHERING;
     return FSDP_OK;
 }
@@ -113,7 +118,8 @@ static enum fsdp_status unit_gather_wait(struct fsdp_ctx *ctx, struct fsdp__unit
     FSDP_ASSERT(u->state_ == UNIT_GATHERING, "unit %s: wait in state %d", unit_name(u), u->state_);
     struct fsdp_comm_req *r = u->req;
     u->req = NULL;
-    if (fsdp_comm_wait(u->model->shard_comm, r) != FSDP_OK) return unit_fail(ctx, u, "all-gather wait");
+    enum fsdp_status st = fsdp_comm_wait(u->model->shard_comm, r);
+    if (st != FSDP_OK) return unit_fail(ctx, u, "all-gather wait", st);
     u->state_ = UNIT_UNSHARDED;
     if (u->param_dtype != FSDP_F32) fsdp__mp_gather_finish(u); /* points the parameters itself */
     else point_params(u);
@@ -179,10 +185,11 @@ static struct fsdp_comm *reduce_comm(const struct fsdp__unit *u) {
  * collective. The accumulation buffer goes back (no collective touches it);
  * the full gradient stays with the unit, since a collective that failed its
  * wait may still be reading it (MPI cannot cancel one). */
-static enum fsdp_status reduce_fail(struct fsdp_ctx *ctx, struct fsdp__unit *u, const char *what) {
+static enum fsdp_status reduce_fail(struct fsdp_ctx *ctx, struct fsdp__unit *u, const char *what,
+                                    enum fsdp_status st) {
     fsdp__pool_put(u->model, u->rs_prev);
     u->rs_prev = NULL;
-    return unit_fail(ctx, u, what);
+    return unit_fail(ctx, u, what, st);
 }
 
 void fsdp__model_reshard_all(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
@@ -369,7 +376,7 @@ static enum fsdp_status reduce_start(struct fsdp_ctx *ctx, struct fsdp__unit *u)
                                        FSDP_SUM, &u->rs_req);
     unit_tag(ctx, u->model, NULL);
     u->rs_recv = recv;
-    if (st != FSDP_OK) return reduce_fail(ctx, u, fm->shard_size > 1 ? "reduce-scatter" : "all-reduce");
+    if (st != FSDP_OK) return reduce_fail(ctx, u, fm->shard_size > 1 ? "reduce-scatter" : "all-reduce", st);
     return FSDP_OK;
 }
 
@@ -381,16 +388,16 @@ static enum fsdp_status reduce_scattered(struct fsdp_ctx *ctx, struct fsdp__unit
     struct fsdp_model *fm = u->model;
     struct fsdp_comm_req *req = u->rs_req;
     u->rs_req = NULL;
-    if (fsdp_comm_wait(reduce_comm(u), req) != FSDP_OK)
-        return reduce_fail(ctx, u, fm->shard_size > 1 ? "reduce-scatter" : "all-reduce");
+    enum fsdp_status st = fsdp_comm_wait(reduce_comm(u), req);
+    if (st != FSDP_OK) return reduce_fail(ctx, u, fm->shard_size > 1 ? "reduce-scatter" : "all-reduce", st);
     if (fm->shard_size == 1) return FSDP_OK; /* the result is in the full gradient */
     release_grad(u);
     if (fm->rep_size == 1) return FSDP_OK;
     unit_tag(ctx, fm, u);
-    enum fsdp_status st = fsdp_comm_allreduce_start(fm->rep_comm, u->rs_recv, u->rs_recv, (size_t)u->numel_shard,
-                                                    u->reduce_dtype, FSDP_SUM, &u->ar_req);
+    st = fsdp_comm_allreduce_start(fm->rep_comm, u->rs_recv, u->rs_recv, (size_t)u->numel_shard, u->reduce_dtype,
+                                   FSDP_SUM, &u->ar_req);
     unit_tag(ctx, fm, NULL);
-    if (st != FSDP_OK) return reduce_fail(ctx, u, "all-reduce over the replicas");
+    if (st != FSDP_OK) return reduce_fail(ctx, u, "all-reduce over the replicas", st);
     return FSDP_OK;
 }
 
@@ -402,8 +409,8 @@ static enum fsdp_status reduce_land(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
     struct fsdp_model *fm = u->model;
     struct fsdp_comm_req *req = u->ar_req;
     u->ar_req = NULL;
-    if (req && fsdp_comm_wait(fm->rep_comm, req) != FSDP_OK)
-        return reduce_fail(ctx, u, "all-reduce over the replicas");
+    enum fsdp_status st = req ? fsdp_comm_wait(fm->rep_comm, req) : FSDP_OK;
+    if (st != FSDP_OK) return reduce_fail(ctx, u, "all-reduce over the replicas", st);
     void *recv = u->rs_recv;
     if (recv != u->grad_shard && !fsdp__measuring) {
         if (u->reduce_dtype == FSDP_F32) memcpy(u->grad_shard, recv, (size_t)u->numel_shard * sizeof(float));

@@ -184,6 +184,9 @@ static const struct mm_entry *mm_get(const struct mm_key *k, float alpha, float 
     return e;
 }
 
+/* A thread's scratch, grown to the largest product it ran and kept: 64-byte
+ * aligned for the kernels, so aligned_alloc rather than fsdp__malloc (the
+ * failure injection does not reach it; running out here is fatal). */
 static void *tl_grow(void **buf, size_t *cap, size_t bytes) {
     if (bytes > *cap) {
         free(*buf);
