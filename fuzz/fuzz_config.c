@@ -1,7 +1,7 @@
 /*
  * fuzz_config.c - libFuzzer target for the JSON model-config readers: the
  * GPT's (fsdp_gpt_config_load through fsdp__gpt_config_parse) and the
- * ResNet's (fsdp_resnet_config_load through fsdp__resnet_config_parse), each
+ * ResNet's (fsdp_resnet_config_load through fsdp_resnet_config_parse), each
  * given every input. On success the config must pass its validator; on
  * failure a message must name the problem.
  */
@@ -20,7 +20,7 @@ static enum fsdp_status fuzz_config_one(const uint8_t *data, size_t size) {
     else
         FUZZ_CHECK_REFUSAL(ctx, st);
     struct fsdp_resnet_config rc;
-    enum fsdp_status rs = fsdp__resnet_config_parse(ctx, "fuzz.json", (const char *)data, size, &rc);
+    enum fsdp_status rs = fsdp_resnet_config_parse(ctx, "fuzz.json", (const char *)data, size, &rc);
     if (rs == FSDP_OK)
         FSDP_ASSERT(fsdp_resnet_config_validate(ctx, &rc) == FSDP_OK, "accepted an invalid ResNet config: %s",
                     fsdp_errmsg(ctx));

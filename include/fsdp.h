@@ -832,6 +832,13 @@ enum fsdp_status fsdp_resnet_config_preset(const char *name, struct fsdp_resnet_
  * is one error naming the file and the key; *cfg is written only on
  * success. COLLECTIVE: no. */
 enum fsdp_status fsdp_resnet_config_load(struct fsdp_ctx *ctx, const char *path, struct fsdp_resnet_config *cfg);
+/* The same from len bytes of JSON text (need not be NUL-terminated); its
+ * messages name `path` as the file. */
+enum fsdp_status fsdp_resnet_config_parse(struct fsdp_ctx *ctx, const char *path, const char *text, size_t len,
+                                          struct fsdp_resnet_config *cfg);
+/* cfg as the JSON object the readers take, every key written (a checkpoint
+ * records its model so); snprintf's return value. */
+int fsdp_resnet_config_json(const struct fsdp_resnet_config *cfg, char *buf, size_t cap);
 /* FSDP_ERR_INVALID naming the field for an unknown arch or stem, or
  * in_chans, num_classes or width out of range. */
 enum fsdp_status fsdp_resnet_config_validate(struct fsdp_ctx *ctx, const struct fsdp_resnet_config *cfg);

@@ -186,6 +186,32 @@ EOF
 ); then ok "a run with a queue resumed mid-way: bit-identical at 1 rank, within 1e-5 at 3 ranks"
 else bad "resume with a queue" "$msg"; fi
 
+# the queue and jitter flags are part of the run's configuration, and the trunk is in meta.json:
+# resumed with no training or model flags (threads are the machine's, never restored), and the
+# log's configuration given back as --config, the run is the same
+timeout -k 5 120 "$TRAIN" --resume "$tmp/qck/step-00000003" --threads 1 --log "$tmp/qbare.jsonl" > "$tmp/oqb" 2>&1 ||
+  bad "resume with no flags" "$(tail -3 "$tmp/oqb")"
+python3 - "$tmp" <<'EOF' > "$tmp/qagain.json"
+import json, sys
+c = json.loads(open(sys.argv[1] + "/q1.jsonl").readline())["config"]
+c["log"] = sys.argv[1] + "/qagain.jsonl"; c["save-dir"] = None; c["save-every"] = 0
+print(json.dumps(c))
+EOF
+timeout -k 5 120 "$TRAIN" --config "$tmp/qagain.json" > "$tmp/oqa" 2>&1 || bad "--config from the log" "$(tail -3 "$tmp/oqa")"
+if msg=$(python3 - "$tmp/q1.jsonl" "$tmp/qbare.jsonl" "$tmp/qagain.jsonl" <<'EOF' 2>&1
+import json, sys
+cfg = json.loads(open(sys.argv[1]).readline())["config"]
+assert cfg["queue-length"] == 24 and cfg["queue-start-epoch"] == 0 and cfg["crops-jitter"] == 0.4, cfg
+a, b, c = [[r for r in map(json.loads, open(p)) if "step" in r] for p in sys.argv[1:]]
+assert [x["step"] for x in b] == [4, 5] and len(c) == len(a), ([x["step"] for x in b], len(c))
+for x, y in zip(a[3:], b):
+    assert (x["loss"], x["queue_used"], x["proto_hash"]) == (y["loss"], y["queue_used"], y["proto_hash"]), (x, y)
+for x, y in zip(a, c):
+    assert (x["loss"], x["grad_norm"], x["queue_used"]) == (y["loss"], y["grad_norm"], y["queue_used"]), (x, y)
+EOF
+); then ok "the queue and jitter flags are in the configuration: --resume alone continues with the queue bit for bit, the log's configuration as --config reruns the run"
+else bad "the queue flags in the configuration" "$msg"; fi
+
 # ---- (6) bad input ----
 expect_input() {
   local name=$1 pat=$2; shift 3

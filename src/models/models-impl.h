@@ -15,11 +15,4 @@
 enum fsdp_status fsdp__gpt_config_parse(struct fsdp_ctx *ctx, const char *name, const char *text,
                                         size_t len, struct fsdp_gpt_config *cfg);
 
-/* ---- ResNet (resnet.c) ---- */
-/* Parses a ResNet model config from len bytes of JSON text (need not be
- * NUL-terminated) as fsdp_resnet_config_load does; messages name `path`.
- * *cfg is written only on success. */
-enum fsdp_status fsdp__resnet_config_parse(struct fsdp_ctx *ctx, const char *path, const char *text, size_t len,
-                                           struct fsdp_resnet_config *cfg);
-
 #endif

@@ -344,8 +344,8 @@ static enum fsdp_status config_parse(struct fsdp_ctx *ctx, const char *path, con
     return FSDP_OK;
 }
 
-enum fsdp_status fsdp__resnet_config_parse(struct fsdp_ctx *ctx, const char *path, const char *text, size_t len,
-                                           struct fsdp_resnet_config *cfg) {
+enum fsdp_status fsdp_resnet_config_parse(struct fsdp_ctx *ctx, const char *path, const char *text, size_t len,
+                                          struct fsdp_resnet_config *cfg) {
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
     enum fsdp_status st;
@@ -366,7 +366,15 @@ enum fsdp_status fsdp_resnet_config_load(struct fsdp_ctx *ctx, const char *path,
     char *buf;
     size_t len;
     FSDP_TRY(fsdp__read_file(ctx, "model config", path, CONFIG_MAX_BYTES, &buf, &len));
-    enum fsdp_status st = fsdp__resnet_config_parse(ctx, path, buf, len, cfg);
+    enum fsdp_status st = fsdp_resnet_config_parse(ctx, path, buf, len, cfg);
     free(buf);
     return st;
+}
+
+int fsdp_resnet_config_json(const struct fsdp_resnet_config *cfg, char *buf, size_t cap) {
+    return snprintf(buf, cap,
+                    "{\"arch\":\"%s\",\"in_chans\":%d,\"num_classes\":%d,\"stem\":\"%s\",\"width\":%d,"
+                    "\"zero_init_residual\":%s}",
+                    fsdp_resnet_arch_name(cfg->arch), cfg->in_chans, cfg->num_classes,
+                    fsdp_resnet_stem_name(cfg->stem), cfg->width, cfg->zero_init_residual ? "true" : "false");
 }

@@ -40,6 +40,7 @@ enum kind {
     K_INT0,   /* int, 0 = unset (null) */
     K_U64,    /* uint64_t */
     K_FLOAT,  /* float */
+    K_FLOAT0, /* float, 0 = unset (null) */
     K_DOUBLE, /* double */
     K_SWITCH, /* int 0/1, a flag without value */
     K_ONOFF,  /* int 0/1 as on | off; -1 = unset (null) */
@@ -115,7 +116,13 @@ static const struct flag flags[] = {
     F("swav-temperature", K_FLOAT, swav_temperature, 1),
     F("swav-epsilon", K_FLOAT, swav_epsilon, 1),
     F("sinkhorn-iters", K_INT, sinkhorn_iters, 1),
+    F("crops-jitter", K_FLOAT, crops_jitter, 1),
+    F("queue-length", K_INT, queue_length, 1),
+    F("queue-start-epoch", K_INT, queue_start_epoch, 1),
     F("knn-train", K_INT, knn_train, 0),
+    F("probe-train", K_INT, probe_train, 0),
+    F("probe-epochs", K_INT, probe_epochs, 0),
+    F("eval-baseline", K_SWITCH, eval_baseline, 0),
     F("seed", K_U64, seed, 0), /* --resume takes the checkpoint's seed itself (meta.json's "seed") */
     F("wrap", K_STR, wrap, 0),
     F("ac", K_STR, ac, 0),
@@ -138,9 +145,17 @@ static const struct flag flags[] = {
     F("keep-last", K_INT, keep_last, 0),
     F("resume", K_STR, resume, 0),
     F("save-full", K_STR, save_full, 0),
+    F("state-dict-type", K_STR, state_dict_type, 0),
     F("init-from", K_STR, init_from, 0),
     F("mem-limit", K_STR, mem_limit, 0),
     F("dry-run", K_SWITCH, dry_run, 0),
+    F("hosts", K_INT0, hosts, 0),
+    F("ranks-per-host", K_INT0, ranks_per_host, 0),
+    F("net-gbps", K_FLOAT0, net_gbps, 0),
+    F("net-latency-us", K_FLOAT, net_latency_us, 0),
+    F("shm-gbps", K_FLOAT, shm_gbps, 0),
+    F("step-compute-ms", K_FLOAT0, step_compute_ms, 0),
+    F("peak-gflops", K_FLOAT0, peak_gflops, 0),
     F("verbose", K_SWITCH, verbose, 0),
 };
 #define N_FLAGS ((int)(sizeof flags / sizeof flags[0]))
@@ -192,6 +207,8 @@ static cJSON *value_json(const struct flag *f, const struct opts *o) {
         snprintf(b, sizeof b, "%llu", (unsigned long long)*CFIELD(o, f, uint64_t));
         return cJSON_CreateRaw(b);
     case K_FLOAT:
+    case K_FLOAT0:
+        if (f->kind == K_FLOAT0 && *CFIELD(o, f, float) == 0.0f) return cJSON_CreateNull();
         fmt_num(b, sizeof b, (double)*CFIELD(o, f, float), 0);
         return cJSON_CreateRaw(b);
     case K_DOUBLE:
@@ -239,6 +256,7 @@ static int to_arg(const struct flag *f, const cJSON *v, char *b, size_t n, const
         snprintf(b, n, "%lld", (long long)v->valuedouble);
         return 1;
     case K_FLOAT:
+    case K_FLOAT0:
     case K_DOUBLE:
         *want = "a number";
         if (!cJSON_IsNumber(v)) return -1;

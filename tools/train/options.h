@@ -24,7 +24,7 @@ struct opts {
     const char *save_dir, *resume, *init_from, *save_full; /* checkpoints */
     int save_every, keep_last;
     const char *state_dict_type; /* --state-dict-type sharded | full: what --save-dir saves */
-    double peak_gflops;         /* --peak-gflops X per rank for MFU; 0 = measure (train/mfu.c) */
+    float peak_gflops;          /* --peak-gflops X per rank for MFU; 0 = measure (train/mfu.c) */
     int dry_run;                /* --dry-run: print the memory plan and stop */
     /* the scale-out model with --dry-run (tools/train/scaleout.c) */
     int hosts, ranks_per_host;  /* --hosts H --ranks-per-host R (0: one host of --nproc) */

@@ -775,13 +775,51 @@ static enum fsdp_status swav_eval(struct task *t, struct fsdp_ctx *ctx, struct f
     return FSDP_OK;
 }
 
+/* The trunk as meta.json records it: "cnn", or the ResNet's config object. */
+static void trunk_json(const struct swav *k, char *buf, size_t cap) {
+    if (is_resnet(k->arch)) fsdp_resnet_config_json(&k->rc, buf, cap);
+    else snprintf(buf, cap, "\"%s\"", k->arch);
+}
+
 static void swav_meta(struct task *t, struct fsdp_ckpt_meta *m) {
     struct swav *k = t->impl;
+    char trunk[256];
+    trunk_json(k, trunk, sizeof trunk);
     snprintf(m->model_json, sizeof m->model_json,
-             "{\"task\":\"swav\",\"trunk\":\"%s\",\"swav_hidden\":%lld,\"swav_dim\":%lld,\"nmb_prototypes\":%lld,"
+             "{\"task\":\"swav\",\"trunk\":%s,\"swav_hidden\":%lld,\"swav_dim\":%lld,\"nmb_prototypes\":%lld,"
              "\"nmb_heads\":%d}",
-             k->arch, (long long)k->hc.hidden_dim, (long long)k->hc.out_dim, (long long)k->hc.n_prototypes,
+             trunk, (long long)k->hc.hidden_dim, (long long)k->hc.out_dim, (long long)k->hc.n_prototypes,
              k->hc.n_heads);
+}
+
+/* --resume: the checkpoint's trunk (meta.json's "trunk": "cnn", a ResNet's
+ * config object, or, from older checkpoints, a ResNet's name) into k->arch
+ * and k->rc; 0 when it records none. */
+static int ck_trunk(struct fsdp_ctx *ctx, struct swav *k, const struct fsdp_ckpt_meta *ck, const char *resume_dir) {
+    cJSON *j = cJSON_Parse(ck->model_json);
+    const cJSON *tr = cJSON_GetObjectItemCaseSensitive(j, "trunk");
+    int found = tr != NULL;
+    char name[600];
+    snprintf(name, sizeof name, "--resume %s: meta.json's \"trunk\"", resume_dir);
+    if (cJSON_IsString(tr) && (!strcmp(tr->valuestring, "cnn") || is_resnet(tr->valuestring))) {
+        snprintf(k->arch, sizeof k->arch, "%s", tr->valuestring);
+        if (is_resnet(k->arch)) fsdp_resnet_config_preset(k->arch, &k->rc);
+        k->rc.in_chans = k->ti.channels;
+    } else if (cJSON_IsObject(tr)) {
+        char *txt = cJSON_PrintUnformatted(tr);
+        enum fsdp_status st = txt ? fsdp_resnet_config_parse(ctx, name, txt, strlen(txt), &k->rc) : FSDP_ERR_NOMEM;
+        free(txt);
+        if (st != FSDP_OK) {
+            cJSON_Delete(j);
+            fail_input("%s", st == FSDP_ERR_NOMEM ? "out of memory" : fsdp_errmsg(ctx));
+        }
+        snprintf(k->arch, sizeof k->arch, "%s", fsdp_resnet_arch_name(k->rc.arch));
+    } else if (found) {
+        cJSON_Delete(j);
+        fail_input("%s is not a trunk (cnn, a ResNet's name or config)", name);
+    }
+    cJSON_Delete(j);
+    return found;
 }
 
 static void swav_summary_note(struct task *t, char *buf, size_t cap) {
@@ -809,8 +847,6 @@ static const struct task_ops swav_ops = {swav_open, swav_describe_model, swav_de
 
 void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck, const char *resume_dir,
                       struct task *t) {
-    (void)ck;
-    (void)resume_dir;
     struct swav *k = calloc(1, sizeof *k);
     if (!k) fail_rank("out of memory");
     t->impl = k; /* reachable from here on, so an error exit leaks nothing */
@@ -825,8 +861,11 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
         if (y > mx) mx = y;
     }
     k->n_classes = mx + 1;
-    /* the trunk: --model cnn | resnet18/34/50, or a ResNet --model-config */
-    if (o->model_config) {
+    /* the trunk: --model cnn | resnet18/34/50, or a ResNet --model-config, else the checkpoint's */
+    int from_ck = !o->model && !o->model_config && ck && ck_trunk(ctx, k, ck, resume_dir);
+    if (from_ck) {
+        k->cfg_source = resume_dir;
+    } else if (o->model_config) {
         if (fsdp_resnet_config_load(ctx, o->model_config, &k->rc) != FSDP_OK) fail_input("%s", fsdp_errmsg(ctx));
         snprintf(k->arch, sizeof k->arch, "%s", fsdp_resnet_arch_name(k->rc.arch));
         k->cfg_source = o->model_config;
@@ -840,6 +879,18 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
         k->cfg_source = "--model";
     }
     k->rc.num_classes = 0;
+    if (!from_ck && ck && (o->model || o->model_config)) { /* resuming with model flags: the checkpoint's trunk */
+        struct swav c = *k;
+        char mine[256], theirs[256];
+        trunk_json(k, mine, sizeof mine);
+        if (ck_trunk(ctx, &c, ck, resume_dir)) {
+            c.rc.num_classes = 0;
+            trunk_json(&c, theirs, sizeof theirs);
+            if (strcmp(mine, theirs))
+                fail_all("%s: the trunk %s differs from the checkpoint %s's %s (leave out the model flags to use the "
+                         "checkpoint's trunk)", k->cfg_source, mine, resume_dir, theirs);
+        }
+    }
     if (is_resnet(k->arch) && k->rc.in_chans != k->ti.channels)
         fail_input("--data %s: the images have %d channels, but the trunk's in_chans is %d (%s)", k->data_name,
                    k->ti.channels, k->rc.in_chans, k->cfg_source);
