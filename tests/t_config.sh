@@ -52,6 +52,21 @@ EOF
   ok "the resolved configuration is the terminal's config line, --log's first line and meta.json's train_config; as --config it reruns the run bit for bit"
 else bad "resolved configuration" "${msg:-}" "$(tail -2 "$tmp/r1")"; fi
 
+# ---- every flag is a configuration key (a flag left out of the table is an unknown key to --config,
+# missing from the logged configuration and lost by --resume) ----
+"$TRAIN" --help > "$tmp/help" 2>&1
+"$TRAIN" --model tiny --steps 1 --dry-run > "$tmp/dry" 2>&1
+if msg=$(python3 - "$tmp/help" "$tmp/dry" <<'EOF' 2>&1
+import json, re, sys
+flags = set(re.findall(r"(?m)^  --([a-z0-9-]+)", open(sys.argv[1]).read())) - {"config", "help", "override"}
+cfg = json.loads([l for l in open(sys.argv[2]) if l.startswith("config: ")][0][8:])
+assert len(flags) > 60, f"only {len(flags)} flags read from --help"
+missing = sorted(flags - set(cfg))
+assert not missing, f"flags missing from the configuration: {missing}"
+EOF
+); then ok "every flag --help lists (but --config, --override, --help) is a key of the resolved configuration"
+else bad "flags missing from the configuration" "$msg"; fi
+
 # ---- bad config files: one line naming the file and the key ----
 cfg_error() { # NAME JSON PATTERN
   printf '%s\n' "$2" > "$tmp/bad.json"
