@@ -16,6 +16,7 @@
 #      checkpoint) is bit-identical at the same world size and matches at another;
 #  (8) the linear probe (probe_acc) agrees across world sizes (1); --eval-baseline logs the
 #      untrained trunk's and raw pixels' kNN and probe accuracies (5);
+#  (9) --bn-stats-crops global: the same training, running statistics from the global crops only;
 # and a resumed run (the task read from the checkpoint) is bit-identical to the uninterrupted one.
 # Crops carry the intensity jitter (default 0.4) everywhere, so (1) checks it is rank-independent.
 # Prints "N passed, N failed" at the end.
@@ -54,6 +55,26 @@ assert 0.3 < a[-1]["probe_acc"] <= 1 and abs(a[-1]["probe_acc"] - b[-1]["probe_a
 EOF
   ); then ok "$n ranks reproduce the 1-rank losses (1e-5) and kNN accuracy"; else bad "$n ranks vs 1" "$msg"; fi
 done
+# --bn-stats-crops global: the same training (batch statistics), the running statistics from the
+# global crops' forward alone (num_batches_tracked counts one forward a step, not two)
+timeout -k 5 120 "$TRAIN" "${common[@]}" --bn-stats-crops global --log "$tmp/bg.jsonl" --save-full "$tmp/bg.safetensors" \
+  > "$tmp/obg" 2>&1 || bad "--bn-stats-crops global" "$(tail -3 "$tmp/obg")"
+if msg=$(python3 - "$tmp/r1.jsonl" "$tmp/bg.jsonl" "$tmp/m1.safetensors" "$tmp/bg.safetensors" <<'EOF' 2>&1
+import json, struct, sys
+def read_st(path):
+    b = open(path, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    return {k: b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]] for k, v in h.items() if k != "__metadata__"}
+a, b = [[(r["loss"], r["proto_hash"]) for r in map(json.loads, open(p)) if "step" in r] for p in sys.argv[1:3]]
+assert a == b, "the training changed"
+x, y = read_st(sys.argv[3]), read_st(sys.argv[4])
+nbt = [k for k in x if k.endswith("num_batches_tracked")]
+assert nbt and all(struct.unpack("<q", x[k])[0] == 10 and struct.unpack("<q", y[k])[0] == 5 for k in nbt), \
+    [(k, struct.unpack("<q", x[k])[0], struct.unpack("<q", y[k])[0]) for k in nbt]
+assert any(x[k] != y[k] for k in x if k.endswith("running_mean")), "the running means did not change"
+assert all(x[k] == y[k] for k in x if "running" not in k and "batches" not in k), "a parameter differs"
+EOF
+); then ok "--bn-stats-crops global: the same losses and prototypes, running statistics from one forward a step (5 of 5 steps, not 10)"
+else bad "--bn-stats-crops global" "$msg"; fi
 for n in 1 2 3; do
   if msg=$(python3 - "$tmp/r$n.jsonl" "$tmp/o$n" <<'EOF' 2>&1
 import json, sys

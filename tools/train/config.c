@@ -117,6 +117,7 @@ static const struct flag flags[] = {
     F("swav-epsilon", K_FLOAT, swav_epsilon, 1),
     F("sinkhorn-iters", K_INT, sinkhorn_iters, 1),
     F("crops-jitter", K_FLOAT, crops_jitter, 1),
+    F("bn-stats-crops", K_STR, bn_stats_crops, 1),
     F("queue-length", K_INT, queue_length, 1),
     F("queue-start-epoch", K_INT, queue_start_epoch, 1),
     F("knn-train", K_INT, knn_train, 0),

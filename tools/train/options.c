@@ -72,6 +72,7 @@ struct opts opts_default(void) {
     o.probe_epochs = 10;
     o.queue_start_epoch = 15;
     o.crops_jitter = 0.4f;
+    o.bn_stats_crops = "all";
     o.swav_temperature = 0.1f;
     o.swav_epsilon = 0.05f;
     o.sinkhorn_iters = 3;
@@ -147,6 +148,9 @@ static void usage(FILE *f) {
             "                        --batch, in the codes from --queue-start-epoch E (default 0: none; E 15)\n"
             "  --crops-jitter X      brightness and contrast factors in [1-X, 1+X], with probability 0.8\n"
             "                        (default 0.4; 0: none)\n"
+            "  --bn-stats-crops all|global  the crops whose batch statistics update batch norm's running\n"
+            "                        statistics (default all, as SwAV; global: not the small crops, whose\n"
+            "                        statistics at 12-16 px are far from the whole images evaluated)\n"
             "  --lr X                peak learning rate (default %g)\n"
             "  --min-lr X            cosine floor (default lr/10)\n"
             "  --warmup N            linear warmup steps (default %d)\n"
@@ -519,6 +523,10 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--queue-length")) o->queue_length = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--queue-start-epoch")) o->queue_start_epoch = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--crops-jitter")) o->crops_jitter = parse_float(a, v, 0, 1);
+        else if (!strcmp(a, "--bn-stats-crops")) {
+            if (strcmp(v, "all") && strcmp(v, "global")) usage_error("--bn-stats-crops: '%s' is not all or global", v);
+            o->bn_stats_crops = v;
+        }
         else if (!strcmp(a, "--swav-temperature")) o->swav_temperature = parse_float(a, v, 1e-4, 100);
         else if (!strcmp(a, "--swav-epsilon")) o->swav_epsilon = parse_float(a, v, 1e-4, 100);
         else if (!strcmp(a, "--sinkhorn-iters")) o->sinkhorn_iters = (int)parse_int(a, v, 0, 1000);

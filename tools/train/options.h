@@ -77,6 +77,7 @@ struct opts {
     int eval_baseline;            /* --eval-baseline: the probes on the untrained trunk and raw pixels */
     int queue_length, queue_start_epoch; /* --queue-length L (global rows), --queue-start-epoch E */
     float crops_jitter;           /* --crops-jitter X: brightness and contrast in [1-X, 1+X] */
+    const char *bn_stats_crops;   /* --bn-stats-crops all | global: the crops batch norm's running statistics follow */
     float swav_temperature, swav_epsilon;
     int sinkhorn_iters;
     float lars_eta;               /* --lars-eta: LARS's trust coefficient */

@@ -592,8 +592,12 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
     struct fsdp_tensor outg = {0}, outs = {0};
     TRY(fsdp_model_forward_tensor(ctx, fm, &ing, &outg));
     memcpy(k->og, outg.data, (size_t)(2 * Bl * W) * sizeof(float));
-    if (V) {
-        TRY(fsdp_model_forward_tensor(ctx, fm, &ins, &outs));
+    if (V) { /* --bn-stats-crops global: the small crops leave the running statistics alone */
+        int global_only = !strcmp(o->bn_stats_crops, "global");
+        if (global_only) fsdp_batchnorm_set_update_stats(t->root, 0, NULL);
+        enum fsdp_status st = fsdp_model_forward_tensor(ctx, fm, &ins, &outs);
+        if (global_only) fsdp_batchnorm_set_update_stats(t->root, 1, NULL);
+        TRY(st);
         memcpy(k->os, outs.data, (size_t)(V * Bl * W) * sizeof(float));
     }
     /* SwAV's loss per head, averaged; d loss / d out: z slice 0 */
