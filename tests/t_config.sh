@@ -123,7 +123,8 @@ else bad "--override lr" "$(tail -2 "$tmp/oo4")"; fi
 [ $rc = 2 ] && grep -q -- "--override: 'bogus' is not a flag --resume restores" "$tmp/err" &&
   ok "--override of a flag --resume does not restore" || bad "--override bogus" "exit $rc" "$(head -2 "$tmp/err")"
 
-# ---- the data files: --resume without --data keeps the checkpoint's file (it once fell back to the synthetic corpus) ----
+# ---- the data and evaluation flags: --resume without --data keeps the checkpoint's file (it once fell back to the
+# synthetic corpus), and without --val-data/--eval-every it goes on evaluating ----
 python3 - "$tmp/tok.bin" <<'PY'
 import random, struct, sys
 random.seed(7); n = 4000
@@ -136,7 +137,14 @@ import json, sys
 for r in map(json.loads, open(sys.argv[1])):
     if "step" in r and r["step"] > int(sys.argv[2]):
         print(r["step"], r["loss"], r["grad_norm"], r["param_norm"])' "$1" "$2"; }
-dat=(--model tiny --data "$tmp/tok.bin" --batch 4 --seq 32 --lr 3e-3 --warmup 1 --threads 1 --sample 0)
+# step and eval_loss of the evaluations after $2
+evals_after() { python3 -c '
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    if "step" in r and r["step"] > int(sys.argv[2]) and "eval_loss" in r:
+        print(r["step"], r["eval_loss"])' "$1" "$2"; }
+dat=(--model tiny --data "$tmp/tok.bin" --val-data "$tmp/tok.bin" --eval-every 2 --eval-batches 1 --batch 4 --seq 32
+     --lr 3e-3 --warmup 1 --threads 1 --sample 0)
 "$TRAIN" "${dat[@]}" --steps 4 --log "$tmp/d4.jsonl" > "$tmp/od4" 2>&1 || bad "4 steps on a token file" "$(tail -3 "$tmp/od4")"
 "$TRAIN" "${dat[@]}" --steps 4 --save-every 2 --save-dir "$tmp/d" --log "$tmp/d2.jsonl" > "$tmp/od2" 2>&1 ||
   bad "4 steps on a token file, saved at 2" "$(tail -3 "$tmp/od2")"
@@ -144,9 +152,10 @@ cp "$tmp/tok.bin" "$tmp/moved.bin"
 if "$TRAIN" --resume "$tmp/d/step-00000002" --log "$tmp/dr.jsonl" > "$tmp/odr" 2>&1 &&
    [ "$(cfgof "$tmp/dr.jsonl" data)" = "\"$tmp/tok.bin\"" ] && [ "$(losses_after "$tmp/dr.jsonl" 2 | wc -l)" = 2 ] &&
    [ "$(losses_after "$tmp/d4.jsonl" 2)" = "$(losses_after "$tmp/dr.jsonl" 2)" ] &&
+   [ -n "$(evals_after "$tmp/dr.jsonl" 2)" ] && [ "$(evals_after "$tmp/d4.jsonl" 2)" = "$(evals_after "$tmp/dr.jsonl" 2)" ] &&
    "$TRAIN" --resume "$tmp/d/step-00000002" --data "$tmp/moved.bin" --log "$tmp/dm.jsonl" > "$tmp/odm" 2>&1 &&
    [ "$(cfgof "$tmp/dm.jsonl" data)" = "\"$tmp/moved.bin\"" ] && [ "$(losses_after "$tmp/d4.jsonl" 2)" = "$(losses_after "$tmp/dm.jsonl" 2)" ]
-then ok "--resume without --data trains on the checkpoint's token file (steps 3-4 as the uninterrupted run); a given --data (the file moved) is used as given"
+then ok "--resume without --data trains on the checkpoint's token file and evaluates as configured (steps 3-4 and the step-4 eval_loss as the uninterrupted run); a given --data (the file moved) is used as given"
 else bad "--resume and --data" "$(paste <(losses_after "$tmp/d4.jsonl" 2) <(losses_after "$tmp/dr.jsonl" 2))" "$(grep -E 'error|data' "$tmp/odr" | head -3)"; fi
 
 finish

@@ -824,7 +824,7 @@ int main(int argc, char **argv) {
         /* the schedule, optimizer, batch and precision flags from its train_config */
         int restored = config_resume(&o, cargc, cargv, ck.train_config, resume_dir);
         if (rank == 0 && restored)
-            printf("resume: %d flags from %s's configuration (schedule, optimizer, batch, precision, data); --override "
+            printf("resume: %d flags from %s's configuration (schedule, optimizer, batch, precision, data, evaluation); --override "
                    "FLAG takes one from the command line\n", restored, resume_dir);
     }
 

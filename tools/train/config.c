@@ -5,9 +5,10 @@
  * The flags table below lists every flag a configuration holds: its long
  * name, where it lives in struct opts, its type, and whether --resume
  * restores it (1: the schedule, the optimizer, the batch, the precision and
- * the loss scaling, what decides the numbers of the run; 2: the data files,
- * taken from the checkpoint when not given, and a given one wins, since files
- * move between machines: a resumed run never falls back to the default data). A configuration is
+ * the loss scaling, what decides the numbers of the run; 2: the data files
+ * and the evaluation's cadence and sizes, taken from the checkpoint when not
+ * given, and a given one wins, since files move between machines: a resumed
+ * run never falls back to the default data, nor stops evaluating). A configuration is
  * a JSON object keyed by those names; each value becomes the text a flag
  * takes on the command line, and the flags go through parse_args, so a value
  * in a file or a checkpoint is checked exactly as the flag is:
@@ -72,9 +73,9 @@ static const struct flag flags[] = {
     F("seq", K_INT, seq, 1),
     F("steps", K_INT, steps, 1),
     F("epochs", K_INT0, epochs, 1),
-    F("eval-every", K_INT, eval_every, 0),
-    F("eval-batch", K_INT0, eval_batch, 0),
-    F("eval-batches", K_INT, eval_batches, 0),
+    F("eval-every", K_INT, eval_every, 2),
+    F("eval-batch", K_INT0, eval_batch, 2),
+    F("eval-batches", K_INT, eval_batches, 2),
     F("lr", K_FLOAT, lr, 1),
     F("min-lr", K_FLOAT, min_lr, 1),
     F("warmup", K_INT, warmup, 1),
@@ -120,9 +121,9 @@ static const struct flag flags[] = {
     F("bn-stats-crops", K_STR, bn_stats_crops, 1),
     F("queue-length", K_INT, queue_length, 1),
     F("queue-start-epoch", K_INT, queue_start_epoch, 1),
-    F("knn-train", K_INT, knn_train, 0),
-    F("probe-train", K_INT, probe_train, 0),
-    F("probe-epochs", K_INT, probe_epochs, 0),
+    F("knn-train", K_INT, knn_train, 2),
+    F("probe-train", K_INT, probe_train, 2),
+    F("probe-epochs", K_INT, probe_epochs, 2),
     F("eval-baseline", K_SWITCH, eval_baseline, 0),
     F("seed", K_U64, seed, 0), /* --resume takes the checkpoint's seed itself (meta.json's "seed") */
     F("wrap", K_STR, wrap, 0),

@@ -255,8 +255,10 @@ static void usage(FILE *f) {
             "                        (or their defaults) instead of the checkpoint. Without it --resume\n"
             "                        restores the schedule, optimizer, batch and precision flags and the\n"
             "                        fp16 loss scale from the checkpoint, and a flag given otherwise is\n"
-            "                        an error naming both values; --data, --val-data and --tokenizer\n"
-            "                        not given are the checkpoint's too (given ones are used as given)\n"
+            "                        an error naming both values; the data (--data, --val-data,\n"
+            "                        --tokenizer) and evaluation flags (--eval-every, --eval-batch,\n"
+            "                        --eval-batches, --knn-train, --probe-train, --probe-epochs) not\n"
+            "                        given are the checkpoint's too (given ones are used as given)\n"
             "  --help                this text\n",
             MODEL_DEFAULT, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
             (double)d.beta1, (double)d.beta2, (double)d.eps, (double)d.momentum,
