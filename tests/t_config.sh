@@ -119,6 +119,9 @@ if "$TRAIN" --resume "$tmp/c3" --steps 4 --lr 1e-3 --override steps,lr --log "$t
    grep -q '"step": 4, "loss": [0-9.]*, "lr": 0.00100000005' "$tmp/o4.jsonl" && [ "$(cfgof "$tmp/o4.jsonl" beta2)" = 0.98 ]; then
   ok "--override steps,lr: those from the command line, the rest (beta2 0.98) from the checkpoint"
 else bad "--override lr" "$(tail -2 "$tmp/oo4")"; fi
+"$TRAIN" --resume "$tmp/c3" --data synthetic --override data > "$tmp/out" 2> "$tmp/err"; rc=$?
+[ $rc = 2 ] && grep -q -- "--override: 'data' needs no override: a --data given with --resume is used as given" "$tmp/err" &&
+  ok "--override of a data flag says a given one is used anyway" || bad "--override data" "exit $rc" "$(head -2 "$tmp/err")"
 "$TRAIN" --resume "$tmp/c3" --override bogus > "$tmp/out" 2> "$tmp/err"; rc=$?
 [ $rc = 2 ] && grep -q -- "--override: 'bogus' is not a flag --resume restores" "$tmp/err" &&
   ok "--override of a flag --resume does not restore" || bad "--override bogus" "exit $rc" "$(head -2 "$tmp/err")"

@@ -462,6 +462,9 @@ int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, co
         if (!list) usage_error("out of memory");
         for (char *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
             const struct flag *f = find_flag(t);
+            if (f && f->restore == 2)
+                usage_error("--override: '%s' needs no override: a --%s given with --resume is used as given", t,
+                            f->name);
             if (!f || f->restore != 1) {
                 char names[2048] = "";
                 size_t at = 0;
