@@ -24,7 +24,7 @@ echo "{\"arch\": \"resnet18\", \"in_chans\": 1, \"stem\": \"cifar\", \"width\": 
 recipe=(--task swav --model-config "$tmp/trunk.json" --data fashion-mnist --batch 64 --epochs "$EPOCHS" --threads 1
         --optim lars --lr 0.6 --momentum 0.9 --weight-decay 1e-6 --clip 0 --warmup 300
         --swav-hidden 512 --swav-dim 128 --nmb-prototypes 300 --freeze-prototypes-iters 300
-        --queue-length 1920 --queue-start-epoch 0
+        --queue-length 1920 --queue-start-epoch 0 --bn-stats-crops global
         --crops-global-size 24 --crops-global-scale 0.25,1 --crops-small 4 --crops-small-size 12 --crops-small-scale 0.08,0.3
         --knn-train 60000 --probe-train 60000 --eval-every 938 --eval-baseline --seed 0)
 echo "$(date -u '+%F %H:%M UTC'); $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'); load: $(cut -d' ' -f1-3 /proc/loadavg)"
