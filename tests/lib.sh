@@ -19,6 +19,17 @@ pass=0 fail=0
 ok() { echo "ok $1"; pass=$((pass + 1)); }
 bad() { echo "FAIL $1"; shift; for l in "$@"; do echo "  $l"; done; fail=$((fail + 1)); }
 finish() { echo "$pass passed, $fail failed"; [ "$fail" -eq 0 ]; exit; }
+# LOG's configuration (its first line) with KEY=JSON values replaced, as a --config file on stdout
+config_again() {
+  python3 - "$@" <<'EOF'
+import json, sys
+c = json.loads(open(sys.argv[1]).readline())["config"]
+for kv in sys.argv[2:]:
+    k, v = kv.split("=", 1)
+    c[k] = json.loads(v)
+print(json.dumps(c))
+EOF
+}
 same_bits() {
   local show='import json,sys; [print(r["loss"], r["grad_norm"], r["param_norm"]) for r in map(json.loads, open(sys.argv[1])) if "step" in r]'
   [ -s "$1" ] && diff <(python3 -c "$show" "$1") <(python3 -c "$show" "$2") > /dev/null

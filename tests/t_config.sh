@@ -33,12 +33,7 @@ else bad "--config precedence" "$(head -c 300 "$tmp/p.jsonl")" "$(tail -2 "$tmp/
 # ---- the resolved configuration: printed, first in --log, in meta.json; given back, the same run ----
 "$TRAIN" --config "$tmp/run.json" --nproc 2 --save-dir "$tmp/ck0" --log "$tmp/r0.jsonl" > "$tmp/r0" 2>&1 ||
   bad "run with --config" "$(tail -3 "$tmp/r0")"
-python3 - "$tmp" <<'EOF' > "$tmp/again.json"
-import json, sys
-c = json.loads(open(sys.argv[1] + "/r0.jsonl").readline())["config"]
-c["log"] = sys.argv[1] + "/r1.jsonl"; c["save-dir"] = None; c["nproc"] = 2
-print(json.dumps(c))
-EOF
+config_again "$tmp/r0.jsonl" log="\"$tmp/r1.jsonl\"" save-dir=null nproc=2 > "$tmp/again.json"
 if msg=$(python3 - "$tmp" <<'EOF' 2>&1
 import json, sys
 d = sys.argv[1]

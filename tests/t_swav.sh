@@ -212,12 +212,7 @@ else bad "resume with a queue" "$msg"; fi
 # log's configuration given back as --config, the run is the same
 timeout -k 5 120 "$TRAIN" --resume "$tmp/qck/step-00000003" --threads 1 --log "$tmp/qbare.jsonl" > "$tmp/oqb" 2>&1 ||
   bad "resume with no flags" "$(tail -3 "$tmp/oqb")"
-python3 - "$tmp" <<'EOF' > "$tmp/qagain.json"
-import json, sys
-c = json.loads(open(sys.argv[1] + "/q1.jsonl").readline())["config"]
-c["log"] = sys.argv[1] + "/qagain.jsonl"; c["save-dir"] = None; c["save-every"] = 0
-print(json.dumps(c))
-EOF
+config_again "$tmp/q1.jsonl" log="\"$tmp/qagain.jsonl\"" save-dir=null save-every=0 > "$tmp/qagain.json"
 timeout -k 5 120 "$TRAIN" --config "$tmp/qagain.json" > "$tmp/oqa" 2>&1 || bad "--config from the log" "$(tail -3 "$tmp/oqa")"
 if msg=$(python3 - "$tmp/q1.jsonl" "$tmp/qbare.jsonl" "$tmp/qagain.jsonl" <<'EOF' 2>&1
 import json, sys

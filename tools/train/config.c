@@ -4,8 +4,8 @@
  * [Note: run configuration]
  * The flags table below lists every flag a configuration holds: its long
  * name, where it lives in struct opts, its type, and whether --resume
- * restores it (1: the schedule, the optimizer, the batch, the precision and
- * the loss scaling, what decides the numbers of the run; 2: the data files
+ * restores it (R_AGREE: the schedule, the optimizer, the batch, the precision and
+ * the loss scaling, what decides the numbers of the run; R_FILL: the data files
  * and the evaluation's cadence and sizes, taken from the checkpoint when not
  * given, and a given one wins, since files move between machines: a resumed
  * run never falls back to the default data, nor stops evaluating). A configuration is
@@ -50,11 +50,18 @@ enum kind {
     K_PAIR    /* float[2] */
 };
 
+/* What --resume does with a flag ([Note: run configuration]) */
+enum restore {
+    R_NO,    /* nothing: the command line's or the default */
+    R_AGREE, /* the checkpoint's; a given value must agree (or be named by --override) */
+    R_FILL   /* the checkpoint's when not given; a given value wins */
+};
+
 struct flag {
     const char *name;  /* the long name, without "--" */
     enum kind kind;
     size_t off, aux;   /* the field in struct opts; K_INTS / K_FLOATS: the count's */
-    int restore;       /* --resume restores it: 1 (a given value must agree), 2 (a given value wins) */
+    int restore;       /* enum restore */
     const char *alias; /* another spelling of the flag, or NULL */
 };
 
@@ -63,102 +70,102 @@ struct flag {
     {name, kind, offsetof(struct opts, field), offsetof(struct opts, count), restore, NULL}
 
 static const struct flag flags[] = {
-    F("model", K_STR, model, 0),
-    F("model-config", K_STR, model_config, 0),
-    F("task", K_STR, task, 0),
-    F("data", K_STR, data, 2),
-    F("val-data", K_STR, val_data, 2),
-    F("tokenizer", K_STR, tokenizer, 2),
-    F("batch", K_INT, batch, 1),
-    F("seq", K_INT, seq, 1),
-    F("steps", K_INT, steps, 1),
-    F("epochs", K_INT0, epochs, 1),
-    F("eval-every", K_INT, eval_every, 2),
-    F("eval-batch", K_INT0, eval_batch, 2),
-    F("eval-batches", K_INT, eval_batches, 2),
-    F("lr", K_FLOAT, lr, 1),
-    F("min-lr", K_FLOAT, min_lr, 1),
-    F("warmup", K_INT, warmup, 1),
-    F("lr-schedule", K_STR, schedule, 1),
-    FN("lr-steps", K_INTS, lr_steps, n_lr_steps, 1),
-    F("optim", K_STR, optim, 1),
-    {"lars-eta", K_FLOAT, offsetof(struct opts, lars_eta), 0, 1, "trust-coefficient"},
-    F("beta1", K_FLOAT, beta1, 1),
-    F("beta2", K_FLOAT, beta2, 1),
-    F("eps", K_FLOAT, eps, 1),
-    F("momentum", K_FLOAT, momentum, 1),
-    F("nesterov", K_SWITCH, nesterov, 1),
-    F("weight-decay", K_FLOAT, weight_decay, 1),
-    F("decay-all", K_SWITCH, decay_all, 1),
-    F("clip", K_FLOAT, clip, 1),
-    F("grad-accum", K_INT, grad_accum, 1),
-    F("accum-mode", K_STR, accum_mode, 0),
-    F("precision", K_STR, precision, 1),
-    F("mixed-precision", K_STR, mixed_precision, 1),
-    F("loss-scale-init", K_DOUBLE, loss_scale_init, 1),
-    F("loss-scale-growth-interval", K_INT, loss_scale_growth, 1),
-    F("label-smoothing", K_FLOAT, label_smoothing, 1),
-    F("augment", K_STR, augment, 1),
-    F("crop-padding", K_INT, crop_padding, 1),
-    F("shuffle", K_ONOFF, shuffle, 1),
-    FN("mean", K_FLOATS, mean, n_mean, 1),
-    FN("std", K_FLOATS, std, n_std, 1),
-    F("sync-bn", K_ONOFF, sync_bn, 0),
-    F("swav-hidden", K_INT, swav_hidden, 1),
-    F("swav-dim", K_INT, swav_dim, 1),
-    F("nmb-prototypes", K_INT, nmb_prototypes, 1),
-    F("nmb-heads", K_INT, nmb_heads, 1),
-    F("crops-global-size", K_INT, crops_global_size, 1),
-    F("crops-small", K_INT, crops_small, 1),
-    F("crops-small-size", K_INT, crops_small_size, 1),
-    F("crops-global-scale", K_PAIR, crops_global_scale, 1),
-    F("crops-small-scale", K_PAIR, crops_small_scale, 1),
-    F("freeze-prototypes-iters", K_INT, freeze_prototypes_iters, 1),
-    F("swav-temperature", K_FLOAT, swav_temperature, 1),
-    F("swav-epsilon", K_FLOAT, swav_epsilon, 1),
-    F("sinkhorn-iters", K_INT, sinkhorn_iters, 1),
-    F("crops-jitter", K_FLOAT, crops_jitter, 1),
-    F("bn-stats-crops", K_STR, bn_stats_crops, 1),
-    F("queue-length", K_INT, queue_length, 1),
-    F("queue-start-epoch", K_INT, queue_start_epoch, 1),
-    F("knn-train", K_INT, knn_train, 2),
-    F("probe-train", K_INT, probe_train, 2),
-    F("probe-epochs", K_INT, probe_epochs, 2),
-    F("eval-baseline", K_SWITCH, eval_baseline, 0),
-    F("seed", K_U64, seed, 0), /* --resume takes the checkpoint's seed itself (meta.json's "seed") */
-    F("wrap", K_STR, wrap, 0),
-    F("ac", K_STR, ac, 0),
-    F("reshard-after-forward", K_ONOFF, reshard_after_forward, 0),
-    F("sharding", K_STR, sharding, 0),
-    F("shard-group", K_INT0, shard_group, 0),
-    F("overlap", K_ONOFF, overlap, 0),
-    F("max-inflight", K_INT, max_inflight, 0),
-    F("init", K_STR, init, 0),
-    F("threads", K_INT, threads, 0),
-    F("nproc", K_INT0, nproc, 0),
-    F("comm", K_STR, comm, 0),
-    F("mpi-reduce", K_STR, mpi_reduce, 0),
-    F("collective-timeout", K_FLOAT, collective_timeout, 0),
-    F("check-collectives", K_SWITCH, check_collectives, 0),
-    F("log", K_STR, log_path, 0),
-    F("sample", K_INT, sample, 0),
-    F("save-dir", K_STR, save_dir, 0),
-    F("save-every", K_INT, save_every, 0),
-    F("keep-last", K_INT, keep_last, 0),
-    F("resume", K_STR, resume, 0),
-    F("save-full", K_STR, save_full, 0),
-    F("state-dict-type", K_STR, state_dict_type, 0),
-    F("init-from", K_STR, init_from, 0),
-    F("mem-limit", K_STR, mem_limit, 0),
-    F("dry-run", K_SWITCH, dry_run, 0),
-    F("hosts", K_INT0, hosts, 0),
-    F("ranks-per-host", K_INT0, ranks_per_host, 0),
-    F("net-gbps", K_FLOAT0, net_gbps, 0),
-    F("net-latency-us", K_FLOAT, net_latency_us, 0),
-    F("shm-gbps", K_FLOAT, shm_gbps, 0),
-    F("step-compute-ms", K_FLOAT0, step_compute_ms, 0),
-    F("peak-gflops", K_FLOAT0, peak_gflops, 0),
-    F("verbose", K_SWITCH, verbose, 0),
+    F("model", K_STR, model, R_NO),
+    F("model-config", K_STR, model_config, R_NO),
+    F("task", K_STR, task, R_NO),
+    F("data", K_STR, data, R_FILL),
+    F("val-data", K_STR, val_data, R_FILL),
+    F("tokenizer", K_STR, tokenizer, R_FILL),
+    F("batch", K_INT, batch, R_AGREE),
+    F("seq", K_INT, seq, R_AGREE),
+    F("steps", K_INT, steps, R_AGREE),
+    F("epochs", K_INT0, epochs, R_AGREE),
+    F("eval-every", K_INT, eval_every, R_FILL),
+    F("eval-batch", K_INT0, eval_batch, R_FILL),
+    F("eval-batches", K_INT, eval_batches, R_FILL),
+    F("lr", K_FLOAT, lr, R_AGREE),
+    F("min-lr", K_FLOAT, min_lr, R_AGREE),
+    F("warmup", K_INT, warmup, R_AGREE),
+    F("lr-schedule", K_STR, schedule, R_AGREE),
+    FN("lr-steps", K_INTS, lr_steps, n_lr_steps, R_AGREE),
+    F("optim", K_STR, optim, R_AGREE),
+    {"lars-eta", K_FLOAT, offsetof(struct opts, lars_eta), 0, R_AGREE, "trust-coefficient"},
+    F("beta1", K_FLOAT, beta1, R_AGREE),
+    F("beta2", K_FLOAT, beta2, R_AGREE),
+    F("eps", K_FLOAT, eps, R_AGREE),
+    F("momentum", K_FLOAT, momentum, R_AGREE),
+    F("nesterov", K_SWITCH, nesterov, R_AGREE),
+    F("weight-decay", K_FLOAT, weight_decay, R_AGREE),
+    F("decay-all", K_SWITCH, decay_all, R_AGREE),
+    F("clip", K_FLOAT, clip, R_AGREE),
+    F("grad-accum", K_INT, grad_accum, R_AGREE),
+    F("accum-mode", K_STR, accum_mode, R_NO),
+    F("precision", K_STR, precision, R_AGREE),
+    F("mixed-precision", K_STR, mixed_precision, R_AGREE),
+    F("loss-scale-init", K_DOUBLE, loss_scale_init, R_AGREE),
+    F("loss-scale-growth-interval", K_INT, loss_scale_growth, R_AGREE),
+    F("label-smoothing", K_FLOAT, label_smoothing, R_AGREE),
+    F("augment", K_STR, augment, R_AGREE),
+    F("crop-padding", K_INT, crop_padding, R_AGREE),
+    F("shuffle", K_ONOFF, shuffle, R_AGREE),
+    FN("mean", K_FLOATS, mean, n_mean, R_AGREE),
+    FN("std", K_FLOATS, std, n_std, R_AGREE),
+    F("sync-bn", K_ONOFF, sync_bn, R_NO),
+    F("swav-hidden", K_INT, swav_hidden, R_AGREE),
+    F("swav-dim", K_INT, swav_dim, R_AGREE),
+    F("nmb-prototypes", K_INT, nmb_prototypes, R_AGREE),
+    F("nmb-heads", K_INT, nmb_heads, R_AGREE),
+    F("crops-global-size", K_INT, crops_global_size, R_AGREE),
+    F("crops-small", K_INT, crops_small, R_AGREE),
+    F("crops-small-size", K_INT, crops_small_size, R_AGREE),
+    F("crops-global-scale", K_PAIR, crops_global_scale, R_AGREE),
+    F("crops-small-scale", K_PAIR, crops_small_scale, R_AGREE),
+    F("freeze-prototypes-iters", K_INT, freeze_prototypes_iters, R_AGREE),
+    F("swav-temperature", K_FLOAT, swav_temperature, R_AGREE),
+    F("swav-epsilon", K_FLOAT, swav_epsilon, R_AGREE),
+    F("sinkhorn-iters", K_INT, sinkhorn_iters, R_AGREE),
+    F("crops-jitter", K_FLOAT, crops_jitter, R_AGREE),
+    F("bn-stats-crops", K_STR, bn_stats_crops, R_AGREE),
+    F("queue-length", K_INT, queue_length, R_AGREE),
+    F("queue-start-epoch", K_INT, queue_start_epoch, R_AGREE),
+    F("knn-train", K_INT, knn_train, R_FILL),
+    F("probe-train", K_INT, probe_train, R_FILL),
+    F("probe-epochs", K_INT, probe_epochs, R_FILL),
+    F("eval-baseline", K_SWITCH, eval_baseline, R_NO),
+    F("seed", K_U64, seed, R_NO), /* --resume takes the checkpoint's seed itself (meta.json's "seed") */
+    F("wrap", K_STR, wrap, R_NO),
+    F("ac", K_STR, ac, R_NO),
+    F("reshard-after-forward", K_ONOFF, reshard_after_forward, R_NO),
+    F("sharding", K_STR, sharding, R_NO),
+    F("shard-group", K_INT0, shard_group, R_NO),
+    F("overlap", K_ONOFF, overlap, R_NO),
+    F("max-inflight", K_INT, max_inflight, R_NO),
+    F("init", K_STR, init, R_NO),
+    F("threads", K_INT, threads, R_NO),
+    F("nproc", K_INT0, nproc, R_NO),
+    F("comm", K_STR, comm, R_NO),
+    F("mpi-reduce", K_STR, mpi_reduce, R_NO),
+    F("collective-timeout", K_FLOAT, collective_timeout, R_NO),
+    F("check-collectives", K_SWITCH, check_collectives, R_NO),
+    F("log", K_STR, log_path, R_NO),
+    F("sample", K_INT, sample, R_NO),
+    F("save-dir", K_STR, save_dir, R_NO),
+    F("save-every", K_INT, save_every, R_NO),
+    F("keep-last", K_INT, keep_last, R_NO),
+    F("resume", K_STR, resume, R_NO),
+    F("save-full", K_STR, save_full, R_NO),
+    F("state-dict-type", K_STR, state_dict_type, R_NO),
+    F("init-from", K_STR, init_from, R_NO),
+    F("mem-limit", K_STR, mem_limit, R_NO),
+    F("dry-run", K_SWITCH, dry_run, R_NO),
+    F("hosts", K_INT0, hosts, R_NO),
+    F("ranks-per-host", K_INT0, ranks_per_host, R_NO),
+    F("net-gbps", K_FLOAT0, net_gbps, R_NO),
+    F("net-latency-us", K_FLOAT, net_latency_us, R_NO),
+    F("shm-gbps", K_FLOAT, shm_gbps, R_NO),
+    F("step-compute-ms", K_FLOAT0, step_compute_ms, R_NO),
+    F("peak-gflops", K_FLOAT0, peak_gflops, R_NO),
+    F("verbose", K_SWITCH, verbose, R_NO),
 };
 #define N_FLAGS ((int)(sizeof flags / sizeof flags[0]))
 
@@ -462,14 +469,14 @@ int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, co
         if (!list) usage_error("out of memory");
         for (char *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
             const struct flag *f = find_flag(t);
-            if (f && f->restore == 2)
+            if (f && f->restore == R_FILL)
                 usage_error("--override: '%s' needs no override: a --%s given with --resume is used as given", t,
                             f->name);
-            if (!f || f->restore != 1) {
+            if (!f || f->restore != R_AGREE) {
                 char names[2048] = "";
                 size_t at = 0;
                 for (int i = 0; i < N_FLAGS; i++)
-                    if (flags[i].restore == 1 && at < sizeof names)
+                    if (flags[i].restore == R_AGREE && at < sizeof names)
                         at += (size_t)snprintf(names + at, sizeof names - at, "%s%s", at ? "," : "", flags[i].name);
                 usage_error("--override: '%s' is not a flag --resume restores (those are: %s)", t, names);
             }
@@ -488,7 +495,7 @@ int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, co
         if (by_epochs && !strcmp(f->name, "steps")) continue; /* follows from the epochs */
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(ck, f->name);
         if (!v) continue; /* a flag the checkpoint's program did not have */
-        if (given[i] && f->restore == 2) continue;
+        if (given[i] && f->restore == R_FILL) continue;
         if (given[i]) {
             char mine[4096], theirs[4096];
             const char *want = "";
