@@ -95,7 +95,18 @@ void fsdp__dnnl_exec(struct dnnl_primitive *prim, int n, const int *arg, const v
  * fp32 takes tens of milliseconds; PyTorch alike). There the weight gradient runs in
  * fp32 on the bf16 values widened (x) and dy rounded to bf16 and widened:
  * the same products (a product of two bf16 values is exact in fp32), the
- * same fp32 accumulation. */
+ * same fp32 accumulation.
+ * [Note: one pass into the primitives' layout] The input and the output
+ * gradient reach the primitives through one reorder each from the plain
+ * fp32 tensor, which converts to bf16 on the way (no separate cast pass):
+ * the input's reordered copy is what forward saves for the weight gradient
+ * (where that primitive takes the forward's layout, and the copy is not
+ * padded much beyond the plain tensor), and the output gradient's serves
+ * both backward primitives (where they take one layout; fp32 too). Before,
+ * each operand went through a cast and then a reorder per primitive: 8
+ * passes over activation-sized tensors per convolution and step, now 4
+ * (with the output's and the input gradient's reorders back to NCHW). The
+ * same values: oneDNN's conversion rounds to nearest even, as ours. */
 struct xarg {                 /* one operand of a primitive */
     dnnl_memory_desc_t md;    /* the layout the primitive runs on */
     dnnl_memory_desc_t user;  /* the plain layout at the API */
@@ -116,16 +127,23 @@ struct conv_prims {
     dnnl_memory_desc_t bias;    /* (out) fp32: the bias and its gradient */
     struct xarg a[N_XARG];
     dnnl_primitive_t fwd, bwd_data, bwd_wei;
+    /* [Note: one pass into the primitives' layout]: plain fp32 -> the layout and dtype of FWD_SRC (made when
+       the weight gradient takes the forward's input layout: keep_x) and of both backward primitives' output
+       gradient (made when they agree); reorder NULL when not made */
+    struct xarg x_in, dy_in;
+    int keep_x;
 };
 
 struct conv {
     struct fsdp_conv2d_opts o;
     struct fsdp_param *weight; /* (out, in/groups, kh, kw) */
     struct fsdp_param *bias;   /* (out) or NULL */
-    const void *x;             /* (N, in, H, W) saved input in xdt (arena or the caller's) */
+    const void *x;             /* (N, in, H, W) saved input in xdt (arena or the caller's; plain, or in
+                                  p.x_in's layout when x_kept) */
     enum fsdp_dtype xdt;       /* FSDP_F32 or FSDP_BF16 */
     enum fsdp_dtype lp;        /* compute dtype of the last forward */
     int widen;                 /* the last forward rounded 16-bit values and ran in fp32 */
+    int x_kept;                /* x is in the primitives' layout (p.x_in), not plain */
     int64_t n, h, w, oh, ow;
     struct conv_prims p;
 };
@@ -136,13 +154,15 @@ static void prims_free(struct conv_prims *p) {
     if (p->bwd_wei) dnnl_primitive_destroy(p->bwd_wei);
     for (int i = 0; i < N_XARG; i++)
         if (p->a[i].reorder) dnnl_primitive_destroy(p->a[i].reorder);
+    if (p->x_in.reorder) dnnl_primitive_destroy(p->x_in.reorder);
+    if (p->dy_in.reorder) dnnl_primitive_destroy(p->dy_in.reorder);
     memset(p, 0, sizeof *p);
 }
 
-/* operand a of primitive pd (queried as q) against its plain layout user */
-static dnnl_status_t xarg_make(struct xarg *a, const_dnnl_primitive_desc_t pd, dnnl_query_t q,
-                               const dnnl_memory_desc_t *user, int output) {
-    a->md = *dnnl_primitive_desc_query_md(pd, q, 0);
+/* operand a in layout md against its plain layout user */
+static dnnl_status_t xarg_make_md(struct xarg *a, const dnnl_memory_desc_t *md, const dnnl_memory_desc_t *user,
+                                  int output) {
+    a->md = *md;
     a->user = *user;
     a->output = output;
     a->reorder = NULL;
@@ -155,6 +175,32 @@ static dnnl_status_t xarg_make(struct xarg *a, const_dnnl_primitive_desc_t pd, d
     if (st == dnnl_success) st = dnnl_primitive_create(&a->reorder, rpd);
     dnnl_primitive_desc_destroy(rpd);
     return st;
+}
+
+/* operand a of primitive pd (queried as q) against its plain layout user */
+static dnnl_status_t xarg_make(struct xarg *a, const_dnnl_primitive_desc_t pd, dnnl_query_t q,
+                               const dnnl_memory_desc_t *user, int output) {
+    return xarg_make_md(a, dnnl_primitive_desc_query_md(pd, q, 0), user, output);
+}
+
+/* a's operand already in a's layout: passed to the primitive as it is */
+static struct xarg xarg_ready(const struct xarg *a) {
+    struct xarg r = *a;
+    r.reorder = NULL;
+    r.output = 0;
+    return r;
+}
+
+/* the plain fp32 tensor at src reordered (and converted) into a's layout, in
+ * the arena; NULL when the arena is full */
+static void *xarg_from_f32(struct fsdp_ctx *ctx, const struct xarg *a, const void *src) {
+    void *buf = fsdp_arena_alloc(ctx, a->bytes);
+    if (!buf) return NULL;
+    int args[2] = {DNNL_ARG_FROM, DNNL_ARG_TO};
+    const void *mds[2] = {&a->user, &a->md};
+    void *ptrs[2] = {(void *)src, buf};
+    fsdp__dnnl_exec(a->reorder, 2, args, mds, ptrs);
+    return buf;
 }
 
 /* The pointer the primitive takes for operand a whose plain data is at ptr:
@@ -317,6 +363,16 @@ static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W,
     if (st == dnnl_success) st = xarg_make(&p->a[BW_SRC], wpd, dnnl_query_src_md, &wsrc, 0);
     if (st == dnnl_success) st = xarg_make(&p->a[BW_DDST], wpd, dnnl_query_diff_dst_md, &wddst, 0);
     if (st == dnnl_success) st = xarg_make(&p->a[BW_DWEI], wpd, dnnl_query_diff_weights_md, &dwei, 1);
+    /* [Note: one pass into the primitives' layout] (a layout the reorders can make: dsrc and dst are the
+       plain fp32 input and output; a blocked copy padded beyond 1/4 more than plain is not kept) */
+    size_t plain_x = dnnl_memory_desc_get_size(&src);
+    p->keep_x = st == dnnl_success && dt == FSDP_BF16 && !p->bw_f32 && p->a[FWD_SRC].reorder &&
+                dnnl_memory_desc_equal(&p->a[FWD_SRC].md, &p->a[BW_SRC].md) &&
+                dnnl_memory_desc_get_size(&p->a[FWD_SRC].md) <= plain_x + plain_x / 4;
+    if (p->keep_x) st = xarg_make_md(&p->x_in, &p->a[FWD_SRC].md, &dsrc, 0);
+    if (st == dnnl_success && !p->bw_f32 && (p->a[BD_DDST].reorder || dt == FSDP_BF16) &&
+        dnnl_memory_desc_equal(&p->a[BD_DDST].md, &p->a[BW_DDST].md))
+        st = xarg_make_md(&p->dy_in, &p->a[BD_DDST].md, &dst, 0);
     dnnl_primitive_desc_destroy(fpd);
     dnnl_primitive_desc_destroy(dpd);
     dnnl_primitive_desc_destroy(wpd);
@@ -422,7 +478,13 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     const void *x = in->data, *w = NULL;
     enum fsdp_dtype xdt = FSDP_F32;
     int64_t nx = fsdp_tensor_numel(in);
-    if (ok) { /* native bf16: the 16-bit input is kept for backward */
+    struct xarg kept; /* the kept input's operand, already in the primitive's layout */
+    if (ok && C->p.keep_x) { /* [Note: one pass into the primitives' layout]: kept for backward */
+        x = xarg_from_f32(ctx, &C->p.x_in, in->data);
+        if (!x) return fsdp__err(ctx, FSDP_ERR_NOMEM, "Conv2d '%s': no memory for the input (bf16)", fsdp__mname(m));
+        xdt = FSDP_BF16;
+        kept = xarg_ready(&C->p.x_in);
+    } else if (ok) { /* native bf16: the 16-bit input is kept for backward */
         x = fsdp__lp_copy(ctx, FSDP_BF16, in->data, nx, "Conv2d input (bf16)");
         if (!x) return FSDP_ERR_NOMEM;
         xdt = FSDP_BF16;
@@ -435,7 +497,8 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     else if (C->widen) w = rounded_copy(ctx, lp, fsdp__pdata(C->weight), C->weight->numel, "Conv2d weight (rounded)");
     else w = fsdp__pdata(C->weight);
     if (!w) return FSDP_ERR_NOMEM;
-    const struct xarg *a[3] = {&C->p.a[FWD_SRC], &C->p.a[FWD_WEI], &C->p.a[FWD_DST]};
+    const struct xarg *a[3] = {xdt == FSDP_BF16 && C->p.keep_x ? &kept : &C->p.a[FWD_SRC], &C->p.a[FWD_WEI],
+                               &C->p.a[FWD_DST]};
     int args[3] = {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST};
     void *ptrs[3] = {(void *)x, (void *)w, out->data};
     enum fsdp_status st = run_prim(ctx, m, C->p.fwd, a, args, 3, ptrs, C->bias ? fsdp__pdata(C->bias) : NULL,
@@ -444,6 +507,7 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     FSDP_TRY(st);
     C->x = x;
     C->xdt = xdt;
+    C->x_kept = xdt == FSDP_BF16 && C->p.keep_x;
     return FSDP_OK;
 }
 
@@ -469,7 +533,14 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     size_t mark = fsdp_arena_mark(ctx);
     int64_t ny = fsdp_tensor_numel(dout);
     const void *dy = dout->data;
-    if (C->xdt == FSDP_BF16) dy = fsdp__lp_copy(ctx, FSDP_BF16, dout->data, ny, "Conv2d output gradient (bf16)");
+    struct xarg bw_src = C->p.a[BW_SRC], bw_ddst = C->p.a[BW_DDST], bd_ddst = C->p.a[BD_DDST];
+    if (C->x_kept) bw_src = xarg_ready(&C->p.x_in);
+    if (C->p.dy_in.reorder && !C->widen) { /* [Note: one pass into the primitives' layout] (widened: rounded first) */
+        dy = xarg_from_f32(ctx, &C->p.dy_in, dout->data);
+        bw_ddst = bd_ddst = xarg_ready(&C->p.dy_in);
+    } else if (C->xdt == FSDP_BF16) {
+        dy = fsdp__lp_copy(ctx, FSDP_BF16, dout->data, ny, "Conv2d output gradient (bf16)");
+    }
     else if (C->widen) dy = rounded_copy(ctx, C->lp, dout->data, ny, "Conv2d output gradient (rounded)");
     if (!dy) return FSDP_ERR_NOMEM;
     /* weights (and bias) gradient: written outright when unset, else via scratch and added */
@@ -497,7 +568,7 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
         for (int64_t i = 0; i < nx; i++) x32[i] = fsdp__bf16_to_f32(xb[i]);
         wx = x32;
     }
-    const struct xarg *aw[3] = {&C->p.a[BW_SRC], &C->p.a[BW_DDST], &C->p.a[BW_DWEI]};
+    const struct xarg *aw[3] = {&bw_src, &bw_ddst, &C->p.a[BW_DWEI]};
     int argw[3] = {DNNL_ARG_SRC, DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_WEIGHTS};
     void *ptrw[3] = {(void *)wx, (void *)wdy, tw};
     enum fsdp_status st = run_prim(ctx, m, C->p.bwd_wei, aw, argw, 3, ptrw, tb, DNNL_ARG_DIFF_BIAS);
@@ -522,7 +593,7 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
             fsdp_arena_release(ctx, mark);
             return FSDP_ERR_NOMEM;
         }
-        const struct xarg *ad[3] = {&C->p.a[BD_DDST], &C->p.a[BD_WEI], &C->p.a[BD_DSRC]};
+        const struct xarg *ad[3] = {&bd_ddst, &C->p.a[BD_WEI], &C->p.a[BD_DSRC]};
         int argd[3] = {DNNL_ARG_DIFF_DST, DNNL_ARG_WEIGHTS, DNNL_ARG_DIFF_SRC};
         void *ptrd[3] = {(void *)dy, (void *)w, din->data};
         st = run_prim(ctx, m, C->p.bwd_data, ad, argd, 3, ptrd, NULL, 0);
