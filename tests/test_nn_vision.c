@@ -14,6 +14,7 @@
 #include "nn_helpers.h"
 #include "nn/nn-impl.h"
 
+#include <omp.h>
 #include <sys/stat.h>
 
 
@@ -459,6 +460,66 @@ TEST(batchnorm2d_running_stats_and_eval) {
     CHECK_NEAR(((float *)rm->data)[0], em[0], 1e-5, 1e-6);
     free(x.data);
     fsdp_module_free(m);
+    fsdp_ctx_free(ctx);
+}
+
+/* [Note: eight partial sums] in batchnorm.c: the order of each channel's
+ * sums is fixed by the shape, so forward and backward (output, input
+ * gradient, weight and bias gradients, running statistics) give the same
+ * bits at 1 and 3 threads; and the running mean after one step is the
+ * batch mean (summed as the note says) to the bit. Planes of 63 values:
+ * the partial sums run on across planes that are not a multiple of 8. */
+TEST(batchnorm2d_sums_fixed_order) {
+    rng_seed(9);
+    struct fsdp_ctx *ctx = make_ctx();
+    int64_t shape[4] = {3, 5, 7, 9}, C = 5, HW = 63;
+    struct fsdp_tensor x = make_input(4, shape, 1.0f, 1000.0f), dy = make_input(4, shape, 1.0f, 0.5f);
+    int64_t n = fsdp_tensor_numel(&x);
+    float *out[2][4];
+    int threads[2] = {1, 3}, saved = omp_get_max_threads();
+    for (int t = 0; t < 2; t++) {
+        omp_set_num_threads(threads[t]);
+        struct fsdp_batchnorm_opts o = fsdp_batchnorm_opts_default(C);
+        struct fsdp_module *m;
+        ASSERT_OK(fsdp_batchnorm2d_create(ctx, "bn", &o, &m), ctx);
+        rng_seed(10); /* the same weight and bias both times */
+        prepare(ctx, m, 0.3f);
+        ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
+        fsdp_arena_reset(ctx);
+        struct fsdp_tensor y = {0}, dx = {0};
+        ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y), ctx);
+        ASSERT_OK(fsdp_module_backward(m, ctx, &dy, &dx), ctx);
+        struct fsdp_buffer *rm = fsdp_module_find_buffer(m, "running_mean");
+        ASSERT(rm);
+        for (int64_t c = 0; c < C && t == 0; c++) {
+            double p[8] = {0};
+            for (int64_t b = 0; b < 3; b++)
+                for (int64_t i = 0; i < HW; i++) p[(b * HW + i) % 8] += ((const float *)x.data)[(b * C + c) * HW + i];
+            double mean = (((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))) / (double)(3 * HW);
+            float want = (1.0f - 0.1f) * 0.0f + 0.1f * (float)mean;
+            CHECK(((float *)rm->data)[c] == want);
+        }
+        out[t][0] = malloc((size_t)n * sizeof(float));
+        out[t][1] = malloc((size_t)n * sizeof(float));
+        out[t][2] = malloc((size_t)(2 * C) * sizeof(float));
+        out[t][3] = malloc((size_t)(2 * C) * sizeof(float));
+        memcpy(out[t][0], y.data, (size_t)n * sizeof(float));
+        memcpy(out[t][1], dx.data, (size_t)n * sizeof(float));
+        memcpy(out[t][2], m->params[0]->grad, (size_t)C * sizeof(float));
+        memcpy(out[t][2] + C, m->params[1]->grad, (size_t)C * sizeof(float));
+        memcpy(out[t][3], rm->data, (size_t)C * sizeof(float));
+        memcpy(out[t][3] + C, fsdp_module_find_buffer(m, "running_var")->data, (size_t)C * sizeof(float));
+        fsdp_module_free(m);
+    }
+    omp_set_num_threads(saved);
+    CHECK(memcmp(out[0][0], out[1][0], (size_t)n * sizeof(float)) == 0);
+    CHECK(memcmp(out[0][1], out[1][1], (size_t)n * sizeof(float)) == 0);
+    CHECK(memcmp(out[0][2], out[1][2], (size_t)(2 * C) * sizeof(float)) == 0);
+    CHECK(memcmp(out[0][3], out[1][3], (size_t)(2 * C) * sizeof(float)) == 0);
+    for (int t = 0; t < 2; t++)
+        for (int k = 0; k < 4; k++) free(out[t][k]);
+    free(x.data);
+    free(dy.data);
     fsdp_ctx_free(ctx);
 }
 
