@@ -100,7 +100,6 @@ static void sum8_add_dy(struct sum8 *a, struct sum8 *b, const float *g, const fl
 #undef TERM
 }
 
-
 /* double -> (hi, lo) floats with hi + lo == d to about 48 bits */
 static void split2(double d, float *hi, float *lo) {
     *hi = (float)d;

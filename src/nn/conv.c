@@ -129,8 +129,9 @@ struct conv_prims {
     dnnl_primitive_t fwd, bwd_data, bwd_wei;
     /* [Note: one pass into the primitives' layout]: plain fp32 -> the layout and dtype of FWD_SRC (made when
        the weight gradient takes the forward's input layout: keep_x) and of both backward primitives' output
-       gradient (made when they agree); reorder NULL when not made */
-    struct xarg x_in, dy_in;
+       gradient (made when they agree); reorder NULL when not made. x_op, dy_op: the same operands as the
+       primitives take them once reordered (no reorder of their own) */
+    struct xarg x_in, dy_in, x_op, dy_op;
     int keep_x;
 };
 
@@ -183,7 +184,7 @@ static dnnl_status_t xarg_make(struct xarg *a, const_dnnl_primitive_desc_t pd, d
     return xarg_make_md(a, dnnl_primitive_desc_query_md(pd, q, 0), user, output);
 }
 
-/* a's operand already in a's layout: passed to the primitive as it is */
+/* a's operand once in a's layout: passed to the primitive as it is */
 static struct xarg xarg_ready(const struct xarg *a) {
     struct xarg r = *a;
     r.reorder = NULL;
@@ -373,6 +374,8 @@ static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W,
     if (st == dnnl_success && !p->bw_f32 && (p->a[BD_DDST].reorder || dt == FSDP_BF16) &&
         dnnl_memory_desc_equal(&p->a[BD_DDST].md, &p->a[BW_DDST].md))
         st = xarg_make_md(&p->dy_in, &p->a[BD_DDST].md, &dst, 0);
+    p->x_op = xarg_ready(&p->x_in);
+    p->dy_op = xarg_ready(&p->dy_in);
     dnnl_primitive_desc_destroy(fpd);
     dnnl_primitive_desc_destroy(dpd);
     dnnl_primitive_desc_destroy(wpd);
@@ -478,12 +481,11 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     const void *x = in->data, *w = NULL;
     enum fsdp_dtype xdt = FSDP_F32;
     int64_t nx = fsdp_tensor_numel(in);
-    struct xarg kept; /* the kept input's operand, already in the primitive's layout */
-    if (ok && C->p.keep_x) { /* [Note: one pass into the primitives' layout]: kept for backward */
+    int keep = ok && C->p.keep_x;
+    if (keep) { /* [Note: one pass into the primitives' layout]: kept for backward */
         x = xarg_from_f32(ctx, &C->p.x_in, in->data);
         if (!x) return fsdp__err(ctx, FSDP_ERR_NOMEM, "Conv2d '%s': no memory for the input (bf16)", fsdp__mname(m));
         xdt = FSDP_BF16;
-        kept = xarg_ready(&C->p.x_in);
     } else if (ok) { /* native bf16: the 16-bit input is kept for backward */
         x = fsdp__lp_copy(ctx, FSDP_BF16, in->data, nx, "Conv2d input (bf16)");
         if (!x) return FSDP_ERR_NOMEM;
@@ -497,8 +499,7 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     else if (C->widen) w = rounded_copy(ctx, lp, fsdp__pdata(C->weight), C->weight->numel, "Conv2d weight (rounded)");
     else w = fsdp__pdata(C->weight);
     if (!w) return FSDP_ERR_NOMEM;
-    const struct xarg *a[3] = {xdt == FSDP_BF16 && C->p.keep_x ? &kept : &C->p.a[FWD_SRC], &C->p.a[FWD_WEI],
-                               &C->p.a[FWD_DST]};
+    const struct xarg *a[3] = {keep ? &C->p.x_op : &C->p.a[FWD_SRC], &C->p.a[FWD_WEI], &C->p.a[FWD_DST]};
     int args[3] = {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST};
     void *ptrs[3] = {(void *)x, (void *)w, out->data};
     enum fsdp_status st = run_prim(ctx, m, C->p.fwd, a, args, 3, ptrs, C->bias ? fsdp__pdata(C->bias) : NULL,
@@ -507,7 +508,7 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     FSDP_TRY(st);
     C->x = x;
     C->xdt = xdt;
-    C->x_kept = xdt == FSDP_BF16 && C->p.keep_x;
+    C->x_kept = keep;
     return FSDP_OK;
 }
 
@@ -533,15 +534,16 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     size_t mark = fsdp_arena_mark(ctx);
     int64_t ny = fsdp_tensor_numel(dout);
     const void *dy = dout->data;
-    struct xarg bw_src = C->p.a[BW_SRC], bw_ddst = C->p.a[BW_DDST], bd_ddst = C->p.a[BD_DDST];
-    if (C->x_kept) bw_src = xarg_ready(&C->p.x_in);
+    const struct xarg *bw_src = C->x_kept ? &C->p.x_op : &C->p.a[BW_SRC];
+    const struct xarg *bw_ddst = &C->p.a[BW_DDST], *bd_ddst = &C->p.a[BD_DDST];
     if (C->p.dy_in.reorder && !C->widen) { /* [Note: one pass into the primitives' layout] (widened: rounded first) */
         dy = xarg_from_f32(ctx, &C->p.dy_in, dout->data);
-        bw_ddst = bd_ddst = xarg_ready(&C->p.dy_in);
+        bw_ddst = bd_ddst = &C->p.dy_op;
     } else if (C->xdt == FSDP_BF16) {
         dy = fsdp__lp_copy(ctx, FSDP_BF16, dout->data, ny, "Conv2d output gradient (bf16)");
+    } else if (C->widen) {
+        dy = rounded_copy(ctx, C->lp, dout->data, ny, "Conv2d output gradient (rounded)");
     }
-    else if (C->widen) dy = rounded_copy(ctx, C->lp, dout->data, ny, "Conv2d output gradient (rounded)");
     if (!dy) return FSDP_ERR_NOMEM;
     /* weights (and bias) gradient: written outright when unset, else via scratch and added */
     float bw = 0.0f, bb = 0.0f;
@@ -568,7 +570,7 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
         for (int64_t i = 0; i < nx; i++) x32[i] = fsdp__bf16_to_f32(xb[i]);
         wx = x32;
     }
-    const struct xarg *aw[3] = {&bw_src, &bw_ddst, &C->p.a[BW_DWEI]};
+    const struct xarg *aw[3] = {bw_src, bw_ddst, &C->p.a[BW_DWEI]};
     int argw[3] = {DNNL_ARG_SRC, DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_WEIGHTS};
     void *ptrw[3] = {(void *)wx, (void *)wdy, tw};
     enum fsdp_status st = run_prim(ctx, m, C->p.bwd_wei, aw, argw, 3, ptrw, tb, DNNL_ARG_DIFF_BIAS);
@@ -593,7 +595,7 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
             fsdp_arena_release(ctx, mark);
             return FSDP_ERR_NOMEM;
         }
-        const struct xarg *ad[3] = {&bd_ddst, &C->p.a[BD_WEI], &C->p.a[BD_DSRC]};
+        const struct xarg *ad[3] = {bd_ddst, &C->p.a[BD_WEI], &C->p.a[BD_DSRC]};
         int argd[3] = {DNNL_ARG_DIFF_DST, DNNL_ARG_WEIGHTS, DNNL_ARG_DIFF_SRC};
         void *ptrd[3] = {(void *)dy, (void *)w, din->data};
         st = run_prim(ctx, m, C->p.bwd_data, ad, argd, 3, ptrd, NULL, 0);
