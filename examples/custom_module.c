@@ -140,7 +140,8 @@ int main(void) {
     for (int s = 0; s < steps; s++) {
         toy_batch(s % 2, B, T, V, rank, world, in, tg);
         /* fsdp_model_train_step(ctx, fm, in, tg, B / world, T, ...) spelled out as its split calls */
-        struct fsdp_tensor x = {in, FSDP_I32, 2, {B / world, T}}, t = {tg, FSDP_I32, 2, {B / world, T}};
+        struct fsdp_tensor x = {in, FSDP_I32, 2, {B / world, T}, FSDP_LAYOUT_PLAIN};
+        struct fsdp_tensor t = {tg, FSDP_I32, 2, {B / world, T}, FSDP_LAYOUT_PLAIN};
         struct fsdp_tensor y = {0};
         struct fsdp_loss ce = {.kind = FSDP_LOSS_CROSS_ENTROPY};
         struct fsdp_step_result r;
@@ -155,7 +156,9 @@ int main(void) {
     /* an evaluation pass: eval mode keeps no activations; the loss without a gradient */
     fsdp_module_set_training(root, 0);
     toy_batch(0, B, T, V, rank, world, in, tg);
-    struct fsdp_tensor x = {in, FSDP_I32, 2, {B / world, T}}, t = {tg, FSDP_I32, 2, {B / world, T}}, y = {0};
+    struct fsdp_tensor x = {in, FSDP_I32, 2, {B / world, T}, FSDP_LAYOUT_PLAIN};
+    struct fsdp_tensor t = {tg, FSDP_I32, 2, {B / world, T}, FSDP_LAYOUT_PLAIN};
+    struct fsdp_tensor y = {0};
     double eval = 0;
     float mine, sum = 0;
     toy_check(ctx, fsdp_model_forward_tensor(ctx, fm, &x, &y), "eval forward");

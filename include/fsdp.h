@@ -159,11 +159,22 @@ size_t fsdp_peak_rss_bytes(void);
 
 #define FSDP_MAX_DIMS 4
 
+/* How a tensor's values lie in memory. PLAIN: row-major over shape (NCHW
+ * for images). BLOCKED16: a 4-D (N, C, H, W) tensor with C a multiple of 16
+ * stored as (N, C/16, H, W, 16), oneDNN's nChw16c: the layout its
+ * convolutions run on, so that a chain of vision layers passes activations
+ * on without converting them at every layer ([Note: blocked activations] in
+ * src/nn/conv.c). The same number of values, the same bytes. Modules that
+ * take BLOCKED16 say so; every other one refuses it with an error naming
+ * the module. A zeroed tensor is PLAIN. */
+enum fsdp_layout { FSDP_LAYOUT_PLAIN, FSDP_LAYOUT_BLOCKED16 };
+
 struct fsdp_tensor {
     void *data;
     enum fsdp_dtype dtype;
     int ndim;
     int64_t shape[FSDP_MAX_DIMS];
+    enum fsdp_layout layout;
 };
 
 int64_t fsdp_tensor_numel(const struct fsdp_tensor *t);
@@ -368,8 +379,13 @@ enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp
 
 /* ---- Vision layers (src/nn) ------------------------------------------- */
 
-/* Image tensors are NCHW fp32 (batch, channels, height, width), as PyTorch.
- * Each constructor returns *out to the caller, who owns it until
+/* Image tensors are NCHW fp32 (batch, channels, height, width), as PyTorch,
+ * in the PLAIN layout, or BLOCKED16 (enum fsdp_layout) where a layer says
+ * so: Conv2d writes its output as opts.out_layout asks and takes either;
+ * BatchNorm2d, ReLU and MaxPool2d keep their input's layout, AdaptiveAvgPool2d
+ * takes either; BasicBlock and Bottleneck write FSDP_VISION_LAYOUT's
+ * (BLOCKED16 where the widths are multiples of 16, by default), as the ResNet
+ * does between its stem and its pooling. Each constructor returns *out to the caller, who owns it until
  * fsdp_module_add_child hands it to a parent. Types (ops->type, for wrap
  * policies): "Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d",
  * "AdaptiveAvgPool2d", "Flatten". */
@@ -388,6 +404,8 @@ struct fsdp_conv2d_opts {
     int groups;
     int bias;       /* 1: add a bias (PyTorch's default), 0: none */
     float init_std; /* weight init; 0: kaiming normal, fan_out */
+    enum fsdp_layout out_layout; /* of the output: PLAIN (default), or BLOCKED16 where out_channels
+                                    is a multiple of 16 (PLAIN otherwise) */
 };
 /* kernel x kernel, stride 1, padding 0, dilation 1, groups 1, with a bias. */
 struct fsdp_conv2d_opts fsdp_conv2d_opts_default(int64_t in_channels, int64_t out_channels, int kernel);

@@ -58,7 +58,7 @@ static inline double ref_step(struct ref *r, struct fsdp_ctx *c, const int32_t *
                               int T, float lr, float clip, double out[3]) {
     fsdp_arena_reset(c);
     fsdp_module_zero_grad(c, r->gpt);
-    struct fsdp_tensor tok = {(void *)in, FSDP_I32, 2, {B, T}}, logits = {0};
+    struct fsdp_tensor tok = {(void *)in, FSDP_I32, 2, {B, T}, FSDP_LAYOUT_PLAIN}, logits = {0};
     if (fsdp_module_forward(r->gpt, c, &tok, &logits) != FSDP_OK) abort();
     float loss;
     fsdp_cross_entropy(c, logits.data, tg, (int64_t)B * T, logits.shape[2], 1.0f, &loss, logits.data);

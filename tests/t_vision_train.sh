@@ -93,6 +93,23 @@ if timeout -k 5 120 "$TRAIN" "${rn[@]}" --steps 6 --override steps --nproc 2 --r
   else bad "meta.json records the model" "$(grep -A8 '"model"' "$tmp/rck/step-00000003/meta.json" | head -8)"; fi
 else bad "ResNet-18 resumed without model flags" "$(tail -3 "$tmp/orn4")"; fi
 
+# ---- blocked activations (nChw16c between the layers, [Note: blocked activations] in src/nn/conv.c): the
+# same bits as plain NCHW, both stems, fp32 and AMP_BF16, 2 ranks with checkpointed blocks ----
+for stem in imagenet cifar; do
+  echo "{\"arch\":\"resnet18\",\"in_chans\":1,\"num_classes\":10,\"stem\":\"$stem\",\"width\":16}" > "$tmp/w16.json"
+  for prec in FP32 AMP_BF16; do
+    lay=(--model-config "$tmp/w16.json" --batch 8 --steps 3 --threads 1 --nproc 2 --precision $prec --ac blocks
+         --optim sgd --lr 0.05 --momentum 0.9 --eval-batch 2000)
+    if timeout -k 5 120 "$TRAIN" "${lay[@]}" --log "$tmp/lb.jsonl" > "$tmp/olb" 2>&1 &&
+       FSDP_VISION_LAYOUT=plain timeout -k 5 120 "$TRAIN" "${lay[@]}" --log "$tmp/lp.jsonl" > "$tmp/olp" 2>&1 &&
+       same_bits "$tmp/lp.jsonl" "$tmp/lb.jsonl" &&
+       python3 -c 'import json,sys; a,b=(json.loads(open(f).readlines()[-1]) for f in sys.argv[1:3]); sys.exit(not (a["eval_loss"]==b["eval_loss"]))' \
+         "$tmp/lp.jsonl" "$tmp/lb.jsonl"; then
+      ok "ResNet-18 ($stem stem, width 16, $prec, 2 ranks, --ac blocks): blocked activations give the plain layout's losses, norms and evaluation bit for bit"
+    else bad "ResNet-18 blocked vs plain activations ($stem, $prec)" "$(tail -2 "$tmp/olb")" "$(tail -2 "$tmp/olp")"; fi
+  done
+done
+
 # ---- other strategies, 16-bit compute, checkpointing and accumulation run for image models too ----
 if timeout -k 5 120 "$TRAIN" --model cnn --batch 16 --steps 2 --threads 1 --nproc 2 --sharding HYBRID_SHARD --shard-group 1 \
      --precision AMP_BF16 --ac blocks --grad-accum 2 --accum-mode no_sync --eval-batch 1000 --log "$tmp/mix.jsonl" \

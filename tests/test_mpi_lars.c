@@ -73,7 +73,9 @@ static void lars_case(enum fsdp_sharding sh, int freeze) {
             in[i] = (gi * 7 + s) % cfg.vocab_size;
             tg[i] = (gi * 5 + 2 * s + 1) % cfg.vocab_size;
         }
-        struct fsdp_tensor x = {in, FSDP_I32, 2, {Bl, T}}, y = {0}, t = {tg, FSDP_I32, 2, {Bl, T}};
+        struct fsdp_tensor x = {in, FSDP_I32, 2, {Bl, T}, FSDP_LAYOUT_PLAIN};
+        struct fsdp_tensor y = {0};
+        struct fsdp_tensor t = {tg, FSDP_I32, 2, {Bl, T}, FSDP_LAYOUT_PLAIN};
         ASSERT_OK(fsdp_model_forward_tensor(c, fm, &x, &y), c);
         ASSERT_OK(fsdp_model_loss(c, fm, NULL, &y, &t, 1, NULL, &y), c);
         ASSERT_OK(fsdp_model_backward(c, fm, &y), c);

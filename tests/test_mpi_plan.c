@@ -292,11 +292,11 @@ static void case_batch(struct model_case *k, int Bl, int images) {
     memset(x, 0, sizeof *x);
     memset(y, 0, sizeof *y);
     if (images) {
-        *x = (struct fsdp_tensor){NULL, FSDP_F32, 4, {Bl, 3, 12, 12}};
-        *y = (struct fsdp_tensor){NULL, FSDP_I32, 1, {Bl}};
+        *x = (struct fsdp_tensor){NULL, FSDP_F32, 4, {Bl, 3, 12, 12}, FSDP_LAYOUT_PLAIN};
+        *y = (struct fsdp_tensor){NULL, FSDP_I32, 1, {Bl}, FSDP_LAYOUT_PLAIN};
     } else {
-        *x = (struct fsdp_tensor){NULL, FSDP_I32, 2, {Bl, TOY_T}};
-        *y = (struct fsdp_tensor){NULL, FSDP_I32, 2, {Bl, TOY_T}};
+        *x = (struct fsdp_tensor){NULL, FSDP_I32, 2, {Bl, TOY_T}, FSDP_LAYOUT_PLAIN};
+        *y = (struct fsdp_tensor){NULL, FSDP_I32, 2, {Bl, TOY_T}, FSDP_LAYOUT_PLAIN};
     }
     int64_t nx = fsdp_tensor_numel(x), ny = fsdp_tensor_numel(y);
     x->data = malloc((size_t)nx * 4);

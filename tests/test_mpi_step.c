@@ -97,8 +97,8 @@ static void gpt_run(const struct gpt_case *k, int split, double *res, float *par
                 abort();
         } else {
             for (int m = 0; m < k->accum; m++) {
-                struct fsdp_tensor x = {in + m * mb * T, FSDP_I32, 2, {mb, T}}, y = {0};
-                struct fsdp_tensor t = {tg + m * mb * T, FSDP_I32, 2, {mb, T}};
+                struct fsdp_tensor x = {in + m * mb * T, FSDP_I32, 2, {mb, T}, FSDP_LAYOUT_PLAIN}, y = {0};
+                struct fsdp_tensor t = {tg + m * mb * T, FSDP_I32, 2, {mb, T}, FSDP_LAYOUT_PLAIN};
                 if (fsdp_model_forward_tensor(c, fm, &x, &y) != FSDP_OK) abort();
                 if (fsdp_model_loss(c, fm, NULL, &y, &t, k->accum, NULL, &y) != FSDP_OK) abort();
                 fsdp_model_set_grad_sync(fm, !(k->mode == FSDP_ACCUM_NO_SYNC && m < k->accum - 1));
@@ -368,9 +368,11 @@ static void model_sharded(int cls, const struct model_case *k, double *res, floa
         class_ids(s, ids);
         for (int m = 0; m < k->accum; m++) {
             int row = rank * Bl + m * mb;
-            struct fsdp_tensor in = {x + row * NIN, FSDP_F32, 4, {mb, IC, IH, IW}}, out = {0}, dout = {0};
-            struct fsdp_tensor tg = {(cls ? ycls : yreg) + row * C, FSDP_F32, 2, {mb, C}};
-            if (cls == 2) tg = (struct fsdp_tensor){ids + row, FSDP_I32, 1, {mb}};
+            struct fsdp_tensor in = {x + row * NIN, FSDP_F32, 4, {mb, IC, IH, IW}, FSDP_LAYOUT_PLAIN};
+            struct fsdp_tensor out = {0};
+            struct fsdp_tensor dout = {0};
+            struct fsdp_tensor tg = {(cls ? ycls : yreg) + row * C, FSDP_F32, 2, {mb, C}, FSDP_LAYOUT_PLAIN};
+            if (cls == 2) tg = (struct fsdp_tensor){ids + row, FSDP_I32, 1, {mb}, FSDP_LAYOUT_PLAIN};
             if (fsdp_model_forward_tensor(c, fm, &in, &out) != FSDP_OK ||
                 fsdp_model_loss(c, fm, &loss, &out, &tg, k->accum, NULL, &dout) != FSDP_OK) {
                 fprintf(stderr, "step: %s\n", fsdp_errmsg(c));
@@ -437,7 +439,7 @@ static void model_reference(int cls, enum fsdp_dtype prec, double *res, float *p
             memcpy(master[i], pl.p[i]->data, (size_t)pl.p[i]->numel * sizeof(float));
             for (int64_t j = 0; j < pl.p[i]->numel; j++) pl.p[i]->data[j] = round_bf16(pl.p[i]->data[j]);
         }
-        struct fsdp_tensor in = {x, FSDP_F32, 4, {NB, IC, IH, IW}}, out = {0};
+        struct fsdp_tensor in = {x, FSDP_F32, 4, {NB, IC, IH, IW}, FSDP_LAYOUT_PLAIN}, out = {0};
         if (fsdp_module_forward(root, c, &in, &out) != FSDP_OK) abort();
         double loss = ref_loss(cls, s, out.data, yreg, ycls, d);
         struct fsdp_tensor dout = out;
@@ -568,7 +570,7 @@ TEST(eval_forward_equals_train_forward_and_keeps_no_activations) {
         struct fsdp_model *fm = regressor_model(c, (enum fsdp_sharding)sh, &root, &opt);
         float x[NB * NIN], yreg[NB * NREG], ycls[NB * NCLS], train_out[NB * NREG];
         batch(0, x, yreg, ycls);
-        struct fsdp_tensor in = {x + world_of(c) * 0, FSDP_F32, 4, {Bl, IC, IH, IW}}, out = {0};
+        struct fsdp_tensor in = {x + world_of(c) * 0, FSDP_F32, 4, {Bl, IC, IH, IW}, FSDP_LAYOUT_PLAIN}, out = {0};
         ASSERT_OK(fsdp_model_forward_tensor(c, fm, &in, &out), c);
         memcpy(train_out, out.data, sizeof(float) * (size_t)(Bl * NREG));
         size_t train_used = fsdp_arena_mark(c);
@@ -590,7 +592,7 @@ TEST(eval_forward_equals_train_forward_and_keeps_no_activations) {
         CHECK_STR_CONTAINS(fsdp_errmsg(c), "train-mode forward");
         fsdp_module_set_training(root, 1);
         struct fsdp_loss mse = {.kind = FSDP_LOSS_MSE};
-        struct fsdp_tensor tg = {yreg, FSDP_F32, 2, {Bl, NREG}}, dout = {0};
+        struct fsdp_tensor tg = {yreg, FSDP_F32, 2, {Bl, NREG}, FSDP_LAYOUT_PLAIN}, dout = {0};
         struct fsdp_step_result r;
         ASSERT_OK(fsdp_model_forward_tensor(c, fm, &in, &out), c);
         ASSERT_OK(fsdp_model_loss(c, fm, &mse, &out, &tg, 1, NULL, &dout), c);
@@ -614,21 +616,21 @@ TEST(bad_input_is_a_named_error) {
     float x[NB * NIN], yreg[NB * NREG], ycls[NB * NCLS];
     int32_t ids[NB * NIN] = {0};
     batch(0, x, yreg, ycls);
-    struct fsdp_tensor in = {x, FSDP_F32, 4, {Bl, IC, IH, IW}}, out = {0}, dout = {0};
+    struct fsdp_tensor in = {x, FSDP_F32, 4, {Bl, IC, IH, IW}, FSDP_LAYOUT_PLAIN}, out = {0}, dout = {0};
     /* an input dtype the model cannot take */
-    struct fsdp_tensor bad_in = {ids, FSDP_I32, 4, {Bl, IC, IH, IW}};
+    struct fsdp_tensor bad_in = {ids, FSDP_I32, 4, {Bl, IC, IH, IW}, FSDP_LAYOUT_PLAIN};
     CHECK_INT_EQ(fsdp_model_forward_tensor(c, fm, &bad_in, &out), FSDP_ERR_INVALID);
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "Flatten 'flatten': input dtype I32, expected F32");
     /* loss targets that do not fit the output (Bl, NREG) */
     ASSERT_OK(fsdp_model_forward_tensor(c, fm, &in, &out), c);
     struct fsdp_loss mse = {.kind = FSDP_LOSS_MSE}, ce = {0}, user = {.kind = FSDP_LOSS_USER};
-    struct fsdp_tensor wide = {yreg, FSDP_F32, 2, {Bl, NREG - 1}};
+    struct fsdp_tensor wide = {yreg, FSDP_F32, 2, {Bl, NREG - 1}, FSDP_LAYOUT_PLAIN};
     CHECK_INT_EQ(fsdp_model_loss(c, fm, &mse, &out, &wide, 1, NULL, &dout), FSDP_ERR_INVALID);
     char want[128];
     snprintf(want, sizeof want, "MSE: target F32 (%d, %d) does not match model output F32 (%d, %d)", Bl, NREG - 1,
              Bl, NREG);
     CHECK_STR_CONTAINS(fsdp_errmsg(c), want);
-    struct fsdp_tensor floats = {yreg, FSDP_F32, 1, {Bl}};
+    struct fsdp_tensor floats = {yreg, FSDP_F32, 1, {Bl}, FSDP_LAYOUT_PLAIN};
     CHECK_INT_EQ(fsdp_model_loss(c, fm, &ce, &out, &floats, 1, NULL, &dout), FSDP_ERR_INVALID);
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "cross-entropy: target F32");
     CHECK_INT_EQ(fsdp_model_loss(c, fm, &user, &out, &wide, 1, NULL, &dout), FSDP_ERR_INVALID);
@@ -644,7 +646,7 @@ TEST(bad_input_is_a_named_error) {
     CHECK_INT_EQ(fsdp_model_optim_step(c, fm, 1e-2f, 1.0f, &r), FSDP_ERR_STATE);
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "without a backward");
     /* and the model trains after all of it */
-    struct fsdp_tensor tg = {yreg, FSDP_F32, 2, {Bl, NREG}};
+    struct fsdp_tensor tg = {yreg, FSDP_F32, 2, {Bl, NREG}, FSDP_LAYOUT_PLAIN};
     ASSERT_OK(fsdp_model_forward_tensor(c, fm, &in, &out), c);
     ASSERT_OK(fsdp_model_loss(c, fm, &mse, &out, &tg, 1, NULL, &dout), c);
     ASSERT_OK(fsdp_model_backward(c, fm, &dout), c);
@@ -665,12 +667,12 @@ TEST(gpt_refuses_float_input) {
     ASSERT_OK(fsdp_fully_shard(c, g, NULL, &fm), c);
     ASSERT_OK(fsdp_model_init_params(c, fm, 3), c);
     float x[2 * 8] = {0};
-    struct fsdp_tensor in = {x, FSDP_F32, 2, {2, 8}}, out = {0};
+    struct fsdp_tensor in = {x, FSDP_F32, 2, {2, 8}, FSDP_LAYOUT_PLAIN}, out = {0};
     CHECK_INT_EQ(fsdp_model_forward_tensor(c, fm, &in, &out), FSDP_ERR_INVALID);
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "GPT '(root)': input dtype F32, expected I32");
     int32_t t[2 * 8] = {0};
     float *lg;
-    struct fsdp_tensor tok = {t, FSDP_I32, 2, {2, 8}};
+    struct fsdp_tensor tok = {t, FSDP_I32, 2, {2, 8}, FSDP_LAYOUT_PLAIN};
     CHECK_OK(fsdp_model_forward_tensor(c, fm, &tok, &out), c);
     /* no optimizer is attached while a forward awaits its backward (it moves the shards) */
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
@@ -716,7 +718,7 @@ TEST(silent_module_failure_gets_a_message) {
     struct fsdp_model *fm;
     ASSERT_OK(fsdp_fully_shard(c, m, NULL, &fm), c);
     float x[4] = {0};
-    struct fsdp_tensor in = {x, FSDP_F32, 1, {4}}, out = {0};
+    struct fsdp_tensor in = {x, FSDP_F32, 1, {4}, FSDP_LAYOUT_PLAIN}, out = {0};
     CHECK_INT_EQ(fsdp_model_forward_tensor(c, fm, &in, &out), FSDP_ERR_UNSUPPORTED);
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "forward of the model on an input F32 of 1 dimensions failed");
     fsdp_model_free(fm);

@@ -95,7 +95,9 @@ TEST(two_forwards_and_a_recompute_equal_one_pass) {
     float out[NC * BL * W], grad[NC * BL * W];
     struct fsdp_step_result r2, r1;
     /* (a) the task's way: two forwards, loss, backward(small), recompute(global), backward(global) */
-    struct fsdp_tensor ing = {x, FSDP_F32, 2, {2 * BL, IN}}, ins = {x + 2 * BL * IN, FSDP_F32, 2, {V * BL, IN}}, y = {0};
+    struct fsdp_tensor ing = {x, FSDP_F32, 2, {2 * BL, IN}, FSDP_LAYOUT_PLAIN};
+    struct fsdp_tensor ins = {x + 2 * BL * IN, FSDP_F32, 2, {V * BL, IN}, FSDP_LAYOUT_PLAIN};
+    struct fsdp_tensor y = {0};
     ASSERT_OK(fsdp_model_forward_tensor(c, fm, &ing, &y), c);
     memcpy(out, y.data, 2 * BL * W * sizeof(float));
     ASSERT_OK(fsdp_model_forward_tensor(c, fm, &ins, &y), c);
@@ -108,7 +110,7 @@ TEST(two_forwards_and_a_recompute_equal_one_pass) {
     for (int p = 0; p < 3; p++) ASSERT_OK(fsdp_model_get_grad(c, fm, fq[p], g2[p]), c);
     ASSERT_OK(fsdp_model_optim_step(c, fm, 0.0f, 0.0f, &r2), c); /* lr 0: ends the step, moves nothing */
     /* (b) one forward and one backward of all the crops */
-    struct fsdp_tensor all = {x, FSDP_F32, 2, {NC * BL, IN}};
+    struct fsdp_tensor all = {x, FSDP_F32, 2, {NC * BL, IN}, FSDP_LAYOUT_PLAIN};
     ASSERT_OK(fsdp_model_forward_tensor(c, fm, &all, &y), c);
     memcpy(out, y.data, sizeof out);
     double loss1 = swav_grad(c, out, grad);

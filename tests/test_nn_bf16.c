@@ -252,7 +252,7 @@ TEST(stale_gathered_weights_are_widened_when_read) {
     }
     float x[8 * 32];
     for (int64_t i = 0; i < N * I; i++) x[i] = urand();
-    struct fsdp_tensor in = {x, FSDP_F32, 2, {N, I}}, out = {0};
+    struct fsdp_tensor in = {x, FSDP_F32, 2, {N, I}, FSDP_LAYOUT_PLAIN}, out = {0};
     ASSERT_OK(fsdp_module_forward(lin, ctx, &in, &out), ctx); /* compute dtype F32: reads fsdp__pdata */
     CHECK_INT_EQ(lin->params[0]->priv->data_stale, 1); /* a copy for the product: still no fp32 values */
     CHECK(lin->params[0]->data == NULL);
@@ -268,7 +268,7 @@ TEST(stale_gathered_weights_are_widened_when_read) {
         }
     CHECK_INT_EQ(bad, 0);
     int32_t ids[8] = {0, 49, 7, 7, 13, 2, 31, 48};
-    struct fsdp_tensor tok = {ids, FSDP_I32, 1, {N}}, rows = {0};
+    struct fsdp_tensor tok = {ids, FSDP_I32, 1, {N}, FSDP_LAYOUT_PLAIN}, rows = {0};
     ASSERT_OK(fsdp_module_forward(emb, ctx, &tok, &rows), ctx);
     CHECK_INT_EQ(emb->params[0]->priv->data_stale, 1); /* the rows only: the table stays unwidened */
     for (int64_t r = 0; r < N; r++)
@@ -302,7 +302,7 @@ TEST(linear_lowp_is_product_of_rounded_inputs) {
         ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, dts[d]), ctx);
         float *x = malloc((size_t)(N * I) * sizeof(float));
         for (int64_t i = 0; i < N * I; i++) x[i] = urand();
-        struct fsdp_tensor in = {x, FSDP_F32, 2, {N, I}}, out = {0};
+        struct fsdp_tensor in = {x, FSDP_F32, 2, {N, I}, FSDP_LAYOUT_PLAIN}, out = {0};
         ASSERT_OK(fsdp_module_forward(m, ctx, &in, &out), ctx);
         CHECK_INT_EQ(out.dtype, FSDP_F32);
         const float *y = out.data;
@@ -441,7 +441,7 @@ static void compare_layer(const char *layer, struct fsdp_module *m, const struct
 
 static struct fsdp_tensor rand_input(int64_t B, int64_t T, int64_t C, float *buf) {
     for (int64_t i = 0; i < B * T * C; i++) buf[i] = urand();
-    struct fsdp_tensor t = {buf, FSDP_F32, 3, {B, T, C}};
+    struct fsdp_tensor t = {buf, FSDP_F32, 3, {B, T, C}, FSDP_LAYOUT_PLAIN};
     return t;
 }
 
@@ -495,7 +495,7 @@ TEST(producers_hand_off_the_rounding_of_their_fp32_output) {
     float *x = malloc(3 * 7 * 40 * sizeof(float)), *g = malloc(5003 * sizeof(float));
     struct fsdp_tensor in = rand_input(3, 7, 40, x);
     for (int i = 0; i < 5003; i++) g[i] = 4 * urand();
-    struct fsdp_tensor gin = {g, FSDP_F32, 2, {1, 5003}}; /* blocks of 2048 and a tail */
+    struct fsdp_tensor gin = {g, FSDP_F32, 2, {1, 5003}, FSDP_LAYOUT_PLAIN}; /* blocks of 2048 and a tail */
     check_handoff_output("LayerNorm", ctx, ln, &in);
     check_handoff_output("GELU", ctx, gelu, &gin);
     ASSERT_OK(fsdp_module_set_compute_dtype(ctx, lin, FSDP_BF16), ctx); /* only a 16-bit Linear honours it */
@@ -527,7 +527,8 @@ TEST(linear_takes_its_input_in_16_bits) {
         for (int64_t i = 0; i < N * I; i++) x[i] = urand();
         for (int64_t i = 0; i < N * O; i++) dy[i] = urand();
         fsdp__cvt_from_f32(dts[d], x, xl, (size_t)(N * I));
-        struct fsdp_tensor in32 = {x, FSDP_F32, 2, {N, I}}, in16 = {xl, dts[d], 2, {N, I}};
+        struct fsdp_tensor in32 = {x, FSDP_F32, 2, {N, I}, FSDP_LAYOUT_PLAIN};
+        struct fsdp_tensor in16 = {xl, dts[d], 2, {N, I}, FSDP_LAYOUT_PLAIN};
         struct run_result a, b;
         ASSERT_OK(run_layer(ctx, m, dts[d], &in32, dy, &a), ctx);
         ASSERT_OK(run_layer(ctx, m, dts[d], &in16, dy, &b), ctx);
@@ -651,7 +652,7 @@ TEST(bf16_gpt_within_tolerance) { /* logits, every parameter gradient: measured 
     fsdp_ctx_free(c);
     int32_t ids[2 * 32];
     for (int i = 0; i < 64; i++) ids[i] = (int32_t)((i * 37 + 11) % cfg.vocab_size);
-    struct fsdp_tensor in = {ids, FSDP_I32, 2, {2, 32}};
+    struct fsdp_tensor in = {ids, FSDP_I32, 2, {2, 32}, FSDP_LAYOUT_PLAIN};
     compare_layer("GPT", m, &in, 2.5e-2);
 }
 
@@ -665,7 +666,7 @@ TEST(f16_gpt_within_tolerance) { /* fp16 keeps 11 bits: measured 9.2e-4; tol 3e-
     fsdp_ctx_free(c);
     int32_t ids[2 * 32];
     for (int i = 0; i < 64; i++) ids[i] = (int32_t)((i * 53 + 5) % cfg.vocab_size);
-    struct fsdp_tensor in = {ids, FSDP_I32, 2, {2, 32}};
+    struct fsdp_tensor in = {ids, FSDP_I32, 2, {2, 32}, FSDP_LAYOUT_PLAIN};
     compare_layer_dt("GPT", m, &in, 3e-3, FSDP_F16);
 }
 

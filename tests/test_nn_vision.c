@@ -589,6 +589,176 @@ TEST(conv2d_16bit_matches_rounded_fp32) {
     fsdp_ctx_free(ctx);
 }
 
+/* ---- BLOCKED16 activations ([Note: blocked activations] in conv.c) ---- */
+
+/* One forward and backward of m on x (PLAIN values) handed over in layout
+ * in_l, with the output gradient dy = seeded values in PLAIN order handed
+ * over in the output's layout; everything read back in PLAIN order. */
+struct lrun {
+    float *y, *dx, *g[8], *b[8];
+    int64_t ny, nx, ng[8], nb[8];
+    int np, nbuf;
+    enum fsdp_layout out_l;
+};
+
+static void lrun_free(struct lrun *r) {
+    free(r->y);
+    free(r->dx);
+    for (int i = 0; i < r->np; i++) free(r->g[i]);
+    for (int i = 0; i < r->nbuf; i++) free(r->b[i]);
+}
+
+static float *plain_copy(const struct fsdp_tensor *t) {
+    int64_t n = fsdp_tensor_numel(t);
+    float *o = malloc((size_t)n * sizeof(float));
+    if (t->ndim == 4) fsdp__relayout(o, FSDP_LAYOUT_PLAIN, t->data, t->layout, t->shape);
+    else memcpy(o, t->data, (size_t)n * sizeof(float));
+    return o;
+}
+
+static void lrun(struct fsdp_ctx *ctx, struct fsdp_module *m, const struct fsdp_tensor *x, enum fsdp_layout in_l,
+                 struct lrun *r) {
+    memset(r, 0, sizeof *r);
+    int64_t nx = fsdp_tensor_numel(x);
+    struct fsdp_tensor xin = *x;
+    xin.data = malloc((size_t)nx * sizeof(float));
+    xin.layout = in_l;
+    fsdp__relayout(xin.data, in_l, x->data, FSDP_LAYOUT_PLAIN, x->shape);
+    ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
+    fsdp_arena_reset(ctx);
+    struct fsdp_tensor y = {0}, dx = {0};
+    ASSERT_OK(fsdp_module_forward(m, ctx, &xin, &y), ctx);
+    r->out_l = y.layout;
+    r->ny = fsdp_tensor_numel(&y);
+    r->y = plain_copy(&y);
+    float *dyp = malloc((size_t)r->ny * sizeof(float)), *dyl = malloc((size_t)r->ny * sizeof(float));
+    rng_seed(77);
+    for (int64_t i = 0; i < r->ny; i++) dyp[i] = urand();
+    if (y.ndim == 4) fsdp__relayout(dyl, y.layout, dyp, FSDP_LAYOUT_PLAIN, y.shape);
+    else memcpy(dyl, dyp, (size_t)r->ny * sizeof(float));
+    struct fsdp_tensor d = y;
+    d.data = dyl;
+    ASSERT_OK(fsdp_module_backward(m, ctx, &d, &dx), ctx);
+    CHECK_INT_EQ((int)dx.layout, (int)in_l);
+    r->nx = nx;
+    r->dx = plain_copy(&dx);
+    struct plist pl = {0};
+    struct blist bl = {0};
+    fsdp_module_foreach_param(m, collect_param, &pl);
+    fsdp_module_foreach_buffer(m, collect_buffer, &bl);
+    for (int i = 0; i < pl.n && i < 8; i++, r->np++) {
+        r->ng[i] = pl.p[i]->numel;
+        r->g[i] = malloc((size_t)r->ng[i] * sizeof(float));
+        memcpy(r->g[i], pl.p[i]->grad, (size_t)r->ng[i] * sizeof(float));
+    }
+    for (int i = 0; i < bl.n && i < 8; i++) {
+        if (bl.b[i]->dtype != FSDP_F32) continue;
+        r->nb[r->nbuf] = bl.b[i]->numel;
+        r->b[r->nbuf] = malloc((size_t)bl.b[i]->numel * sizeof(float));
+        memcpy(r->b[r->nbuf++], bl.b[i]->data, (size_t)bl.b[i]->numel * sizeof(float));
+    }
+    free(dyp);
+    free(dyl);
+    free(xin.data);
+}
+
+/* a and b the same bits: output, input gradient, parameter gradients, float buffers */
+static void lrun_same(const char *what, const struct lrun *a, const struct lrun *b) {
+    int same = a->ny == b->ny && a->nx == b->nx && a->np == b->np && a->nbuf == b->nbuf &&
+               !memcmp(a->y, b->y, (size_t)a->ny * sizeof(float)) &&
+               !memcmp(a->dx, b->dx, (size_t)a->nx * sizeof(float));
+    for (int i = 0; same && i < a->np; i++) same = !memcmp(a->g[i], b->g[i], (size_t)a->ng[i] * sizeof(float));
+    for (int i = 0; same && i < a->nbuf; i++) same = !memcmp(a->b[i], b->b[i], (size_t)a->nb[i] * sizeof(float));
+    if (!same) TEST_FAILF("%s: BLOCKED16 and PLAIN differ", what);
+}
+
+/* Each layer that takes BLOCKED16 gives, from the same values in either
+ * layout, the same bits as from PLAIN: outputs, input gradients, parameter
+ * gradients and BN's running statistics; fp32 and bf16 convolutions. */
+TEST(blocked_layout_gives_the_plain_bits) {
+    rng_seed(21);
+    struct fsdp_ctx *ctx = make_ctx();
+    int64_t s16[4] = {3, 16, 9, 9}, s32[4] = {2, 32, 6, 7};
+    struct fsdp_tensor x16 = make_distinct(4, s16, 1.0f / 1024), x32 = make_input(4, s32, 1.0f, 0.2f);
+    /* Conv2d: PLAIN or BLOCKED16 in, PLAIN or BLOCKED16 out, stride 1 and 2, fp32 and bf16 */
+    for (int k = 0; k < 8; k++) {
+        int stride = k % 2 ? 2 : 1, bf16 = k / 4;
+        struct lrun ref, got[2];
+        for (int v = 0; v < 3; v++) { /* v 0: PLAIN -> PLAIN, 1: PLAIN -> k's, 2: BLOCKED16 -> k's */
+            struct fsdp_conv2d_opts o = fsdp_conv2d_opts_default(16, 32, 3);
+            o.stride[0] = o.stride[1] = stride;
+            o.padding[0] = o.padding[1] = 1;
+            o.out_layout = v && (k / 2) % 2 == 0 ? FSDP_LAYOUT_BLOCKED16 : FSDP_LAYOUT_PLAIN;
+            struct fsdp_module *m = NULL;
+            ASSERT_OK(fsdp_conv2d_create(ctx, "conv", &o, &m), ctx);
+            rng_seed(22);
+            prepare(ctx, m, 0.3f);
+            if (bf16) ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, FSDP_BF16), ctx);
+            lrun(ctx, m, &x16, v == 2 ? FSDP_LAYOUT_BLOCKED16 : FSDP_LAYOUT_PLAIN, v ? &got[v - 1] : &ref);
+            CHECK_INT_EQ((int)(v ? got[v - 1] : ref).out_l, (int)o.out_layout);
+            fsdp_module_free(m);
+        }
+        char what[64];
+        snprintf(what, sizeof what, "Conv2d case %d", k);
+        lrun_same(what, &ref, &got[0]);
+        lrun_same(what, &ref, &got[1]);
+        lrun_free(&ref);
+        lrun_free(&got[0]);
+        lrun_free(&got[1]);
+    }
+    /* BatchNorm2d (train and eval), ReLU, MaxPool2d, AdaptiveAvgPool2d: the output in the input's layout */
+    for (int k = 0; k < 5; k++) {
+        struct lrun r[2];
+        for (int v = 0; v < 2; v++) {
+            struct fsdp_module *m = NULL;
+            struct fsdp_batchnorm_opts bo = fsdp_batchnorm_opts_default(32);
+            if (k < 2) ASSERT_OK(fsdp_batchnorm2d_create(ctx, "bn", &bo, &m), ctx);
+            else if (k == 2) ASSERT_OK(fsdp_relu_create(ctx, "relu", &m), ctx);
+            else if (k == 3) ASSERT_OK(fsdp_maxpool2d_create(ctx, "pool", 3, 2, 1, &m), ctx);
+            else ASSERT_OK(fsdp_global_avgpool2d_create(ctx, "avg", &m), ctx);
+            rng_seed(23);
+            prepare(ctx, m, 0.3f);
+            if (k == 1) fsdp_module_set_training(m, 0);
+            lrun(ctx, m, k == 3 ? &x16 : &x32, v ? FSDP_LAYOUT_BLOCKED16 : FSDP_LAYOUT_PLAIN, &r[v]);
+            CHECK_INT_EQ((int)r[v].out_l, k == 4 ? (int)FSDP_LAYOUT_PLAIN : (int)(v ? FSDP_LAYOUT_BLOCKED16 : FSDP_LAYOUT_PLAIN));
+            fsdp_module_free(m);
+        }
+        const char *names[5] = {"BatchNorm2d (train)", "BatchNorm2d (eval)", "ReLU", "MaxPool2d", "AdaptiveAvgPool2d"};
+        lrun_same(names[k], &r[0], &r[1]);
+        lrun_free(&r[0]);
+        lrun_free(&r[1]);
+    }
+    /* residual blocks: all PLAIN (FSDP_VISION_LAYOUT=plain) against BLOCKED16 convolutions fed either
+       layout (a PLAIN input without downsample: the identity converted, its gradient back) */
+    struct { int bottleneck; int64_t in, planes; int stride; const struct fsdp_tensor *x; } blocks[] = {
+        {0, 16, 32, 2, &x16}, {0, 32, 32, 1, &x32}, {1, 16, 16, 2, &x16}};
+    for (int k = 0; k < 3; k++) {
+        struct lrun r[3];
+        for (int v = 0; v < 3; v++) {
+            if (v == 0) setenv("FSDP_VISION_LAYOUT", "plain", 1);
+            struct fsdp_module *m = NULL;
+            if (blocks[k].bottleneck)
+                ASSERT_OK(fsdp_bottleneck_create(ctx, "", blocks[k].in, blocks[k].planes, blocks[k].stride, &m), ctx);
+            else
+                ASSERT_OK(fsdp_basic_block_create(ctx, "", blocks[k].in, blocks[k].planes, blocks[k].stride, &m), ctx);
+            unsetenv("FSDP_VISION_LAYOUT");
+            rng_seed(24);
+            prepare(ctx, m, 0.3f);
+            lrun(ctx, m, blocks[k].x, v == 2 ? FSDP_LAYOUT_BLOCKED16 : FSDP_LAYOUT_PLAIN, &r[v]);
+            CHECK_INT_EQ((int)r[v].out_l, v ? (int)FSDP_LAYOUT_BLOCKED16 : (int)FSDP_LAYOUT_PLAIN);
+            fsdp_module_free(m);
+        }
+        char what[64];
+        snprintf(what, sizeof what, "residual block case %d", k);
+        lrun_same(what, &r[0], &r[1]);
+        lrun_same(what, &r[0], &r[2]);
+        for (int v = 0; v < 3; v++) lrun_free(&r[v]);
+    }
+    free(x16.data);
+    free(x32.data);
+    fsdp_ctx_free(ctx);
+}
+
 TEST(gradcheck_residual_blocks) { /* through 2-3 BNs and ReLUs: eps 1e-3, rtol 1e-2, atol 1e-3 */
     rng_seed(8);
     struct fsdp_ctx *ctx = make_ctx();
@@ -785,6 +955,39 @@ TEST(vision_layers_reject_bad_input) {
     CHECK_INT_EQ(n, 1);
     fsdp_module_free(m);
     CHECK(fsdp_maxpool2d_create(ctx, "mp", 3, 2, 2, &m) == FSDP_ERR_INVALID);
+    /* BLOCKED16: refused by a module that takes PLAIN only, and where the channels are not a multiple of
+       16; a gradient in another layout than the output's is refused */
+    int64_t s20[4] = {2, 20, 3, 3}, s16[4] = {2, 16, 3, 3};
+    struct fsdp_tensor xb = make_input(4, s20, 1.0f, 0.0f), yb = {0};
+    xb.layout = FSDP_LAYOUT_BLOCKED16;
+    bo = fsdp_batchnorm_opts_default(20);
+    ASSERT_OK(fsdp_batchnorm2d_create(ctx, "bn20", &bo, &m), ctx);
+    prepare(ctx, m, 0);
+    CHECK(fsdp_module_forward(m, ctx, &xb, &yb) == FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "multiple of 16");
+    fsdp_module_free(m);
+    xb.shape[1] = 16;
+    ASSERT_OK(fsdp_flatten_create(ctx, "flat", &m), ctx);
+    prepare(ctx, m, 0);
+    yb = (struct fsdp_tensor){0};
+    CHECK(fsdp_module_forward(m, ctx, &xb, &yb) == FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "Flatten '(root)': input in the BLOCKED16 layout");
+    fsdp_module_free(m);
+    o = fsdp_conv2d_opts_default(16, 16, 1);
+    o.out_layout = FSDP_LAYOUT_BLOCKED16;
+    ASSERT_OK(fsdp_conv2d_create(ctx, "cb", &o, &m), ctx);
+    prepare(ctx, m, 0);
+    struct fsdp_tensor x16 = make_input(4, s16, 1.0f, 0.0f);
+    yb = (struct fsdp_tensor){0};
+    ASSERT_OK(fsdp_module_forward(m, ctx, &x16, &yb), ctx);
+    CHECK_INT_EQ((int)yb.layout, (int)FSDP_LAYOUT_BLOCKED16);
+    struct fsdp_tensor dyb = yb, dxb = {0};
+    dyb.layout = FSDP_LAYOUT_PLAIN;
+    CHECK(fsdp_module_backward(m, ctx, &dyb, &dxb) == FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "Conv2d '(root)': gradient in the PLAIN layout, the output was BLOCKED16");
+    fsdp_module_free(m);
+    free(xb.data);
+    free(x16.data);
     free(x.data);
     free(x1.data);
     fsdp_ctx_free(ctx);

@@ -313,7 +313,8 @@ TEST(resnet_without_fc_is_the_trunk) {
             for (int k = 0; k < K; k++) g += (double)w[k * F + f] * gl[n * K + k];
             gf[n * F + f] = (float)g;
         }
-    struct fsdp_tensor tl = {gl, FSDP_F32, 2, {N, K}}, tf = {gf, FSDP_F32, 2, {N, F}};
+    struct fsdp_tensor tl = {gl, FSDP_F32, 2, {N, K}, FSDP_LAYOUT_PLAIN};
+    struct fsdp_tensor tf = {gf, FSDP_F32, 2, {N, F}, FSDP_LAYOUT_PLAIN};
     ASSERT_OK(fsdp_module_backward(trunk, ctx, &tf, &dt), ctx);
     ASSERT_OK(fsdp_module_forward(full, ctx, &in, &yl), ctx);
     ASSERT_OK(fsdp_module_backward(full, ctx, &tl, &dl), ctx);

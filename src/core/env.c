@@ -38,6 +38,7 @@ struct env_var {
 
 static const char *const gemm_bf16_words[] = {"auto", "widen", NULL};
 static const char *const mpi_reduce_words[] = {"native", "ordered", NULL};
+static const char *const vision_layout_words[] = {"blocked", "plain", NULL};
 
 static const struct env_var vars[] = {
     {"FSDP_SHM_SLOT", ENV_INT, 4096, (long long)1 << 30, 0, 0, NULL, NULL, NULL},
@@ -51,6 +52,7 @@ static const struct env_var vars[] = {
     {"FSDP_CHECK_COLLECTIVES", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},
     {"FSDP_COLLECTIVE_TIMEOUT", ENV_REAL, 0, 0, 0, 1e9, NULL, NULL, NULL},
     {"FSDP_GEMM_BF16", ENV_WORD, 0, 0, 0, 0, gemm_bf16_words, NULL, NULL},
+    {"FSDP_VISION_LAYOUT", ENV_WORD, 0, 0, 0, 0, vision_layout_words, NULL, NULL},
     {"FSDP_WIDEN_SCRATCH", ENV_INT, 4096, (long long)1 << 40, 0, 0, NULL, NULL, NULL},
     {"FSDP_CHECK_LP_COPY", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},
     {"FSDP_THP", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},

@@ -125,6 +125,7 @@ static enum fsdp_status resnet_build(struct fsdp_ctx *ctx, struct fsdp_module *r
     struct fsdp_module *c = NULL;
     struct fsdp_conv2d_opts co = fsdp_conv2d_opts_default(cfg->in_chans, w, 7);
     co.bias = 0;
+    co.out_layout = fsdp__vision_layout(); /* [Note: blocked activations] in src/nn/conv.c */
     if (cfg->stem == FSDP_RESNET_STEM_IMAGENET) {
         co.stride[0] = co.stride[1] = 2;
         co.padding[0] = co.padding[1] = 3;

@@ -82,7 +82,7 @@ static enum fsdp_status head_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     /* backward in reverse order of the forward, as the units' hooks expect */
     for (int j = c->n_heads - 1; st == FSDP_OK && j >= 0; j--) {
         for (int64_t i = 0; i < N; i++) memcpy(ds + i * K, g + i * W + D + j * K, (size_t)K * sizeof(float));
-        struct fsdp_tensor dst = {ds, FSDP_F32, 2, {sshape[0], sshape[1]}}, dzj = {0};
+        struct fsdp_tensor dst = {ds, FSDP_F32, 2, {sshape[0], sshape[1]}, FSDP_LAYOUT_PLAIN}, dzj = {0};
         size_t m2 = fsdp_arena_mark(ctx);
         st = fsdp_module_backward(H->protos[j], ctx, &dst, &dzj);
         if (st == FSDP_OK) {
@@ -91,7 +91,7 @@ static enum fsdp_status head_backward(struct fsdp_module *m, struct fsdp_ctx *ct
         }
         fsdp_arena_release(ctx, m2);
     }
-    struct fsdp_tensor dzt = {dz, FSDP_F32, 2, {zshape[0], zshape[1]}}, dh = {0};
+    struct fsdp_tensor dzt = {dz, FSDP_F32, 2, {zshape[0], zshape[1]}, FSDP_LAYOUT_PLAIN}, dh = {0};
     if (st == FSDP_OK) st = fsdp_module_backward(H->norm, ctx, &dzt, &dh);
     if (st == FSDP_OK) st = fsdp_module_backward(H->proj, ctx, &dh, din);
     fsdp_arena_release(ctx, mark);

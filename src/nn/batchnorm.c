@@ -15,6 +15,10 @@
  * Plain loops (the layer is memory-bound), a thread per channel range;
  * statistics in double, each sum over 8 interleaved partial sums
  * ([Note: eight partial sums]). Saves x, the per-channel mean and 1/std (arena).
+ * A BLOCKED16 input ([Note: blocked activations] in conv.c) gives a BLOCKED16
+ * output and input gradient (the output gradient must be BLOCKED16 too); the
+ * loops then run over 16 channels at once, each channel's values in the
+ * same order as in NCHW: the same bits.
  * Weight, bias and the buffers are fp32 whatever the compute dtype.
  * [Note: synchronised statistics] A sync module's ranks all-gather, per
  * channel, their count, mean and M2 = sum (x - mean)^2 as double-float
@@ -33,6 +37,7 @@ struct bn {
     struct fsdp_param *weight, *bias;                /* (C) each */
     struct fsdp_buffer *rmean, *rvar, *nbt;          /* (C), (C) F32; () I64 */
     const float *x;                                  /* (N, C, H, W) or (N, C) saved input (arena or the caller's) */
+    enum fsdp_layout layout;                         /* of x (and the output) */
     float *mean, *rstd;                              /* (C) each, in the arena */
     int64_t n, hw;                                   /* of the saved input */
     double count;                                    /* values per channel over the (global) batch */
@@ -100,6 +105,59 @@ static void sum8_add_dy(struct sum8 *a, struct sum8 *b, const float *g, const fl
 #undef TERM
 }
 
+/* The same for 16 channels at once, stored interleaved (BLOCKED16): lane l
+ * of every element is channel l's value, and each lane's partial sums see
+ * that channel's values in the order sum8 would. */
+struct sum8x16 {
+    double s[NSUM][16];
+    unsigned k;
+};
+
+/* TERM(i, l): element i's term for lane l */
+#define SUM8X16_LOOP(a, n, TERM)                                                 \
+    do {                                                                        \
+        int64_t i_ = 0;                                                         \
+        unsigned k_ = (a)->k;                                                   \
+        for (; i_ < (n) && k_; i_++, k_ = (k_ + 1) & (NSUM - 1))                \
+            for (int l_ = 0; l_ < 16; l_++) (a)->s[k_][l_] += TERM(i_, l_);     \
+        for (; i_ + NSUM <= (n); i_ += NSUM)                                    \
+            for (int j_ = 0; j_ < NSUM; j_++)                                   \
+                _Pragma("omp simd") for (int l_ = 0; l_ < 16; l_++) (a)->s[j_][l_] += TERM(i_ + j_, l_); \
+        for (; i_ < (n); i_++, k_ = (k_ + 1) & (NSUM - 1))                      \
+            for (int l_ = 0; l_ < 16; l_++) (a)->s[k_][l_] += TERM(i_, l_);     \
+        (a)->k = k_;                                                            \
+    } while (0)
+
+static double sum8x16_total(const struct sum8x16 *a, int l) {
+    return ((a->s[0][l] + a->s[1][l]) + (a->s[2][l] + a->s[3][l])) +
+           ((a->s[4][l] + a->s[5][l]) + (a->s[6][l] + a->s[7][l]));
+}
+
+/* a += p[i * 16 + l] over i in [0, n) */
+static void sum8x16_add(struct sum8x16 *a, const float *p, int64_t n) {
+#define TERM(i, l) (double)p[(i) * 16 + (l)]
+    SUM8X16_LOOP(a, n, TERM);
+#undef TERM
+}
+
+/* a += (p[i * 16 + l] - mu[l])^2 */
+static void sum8x16_add_sq(struct sum8x16 *a, const float *p, int64_t n, const double *mu) {
+#define TERM(i, l) (((double)p[(i) * 16 + (l)] - mu[l]) * ((double)p[(i) * 16 + (l)] - mu[l]))
+    SUM8X16_LOOP(a, n, TERM);
+#undef TERM
+}
+
+/* a += g, b += g (p - mu[l]) r[l], lane by lane, as sum8_add_dy */
+static void sum8x16_add_dy(struct sum8x16 *a, struct sum8x16 *b, const float *g, const float *p, int64_t n,
+                           const float *mu, const float *r) {
+#define TERM(i, l) (double)g[(i) * 16 + (l)]
+    SUM8X16_LOOP(a, n, TERM);
+#undef TERM
+#define TERM(i, l) ((double)g[(i) * 16 + (l)] * (double)((p[(i) * 16 + (l)] - mu[l]) * r[l]))
+    SUM8X16_LOOP(b, n, TERM);
+#undef TERM
+}
+
 /* double -> (hi, lo) floats with hi + lo == d to about 48 bits */
 static void split2(double d, float *hi, float *lo) {
     *hi = (float)d;
@@ -134,7 +192,7 @@ static struct fsdp_comm *bn_comm(struct fsdp_ctx *ctx, const struct bn *B) {
 static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
                                    struct fsdp_tensor *out) {
     struct bn *B = m->impl;
-    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 0, 0));
+    FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 0, 0));
     if (in->ndim != 2 && in->ndim != 4) /* (N, C): BatchNorm1d's case, H = W = 1 */
         return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': input has %d dimensions, expected 4 (N, C, H, W) "
                          "or 2 (N, C)", fsdp__mname(m), in->ndim);
@@ -152,6 +210,8 @@ static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
     if (!mean) return FSDP_ERR_NOMEM;
     float *rstd = mean + C;
     FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim, in->shape, "BatchNorm2d output"));
+    out->layout = in->layout;
+    int blocked = in->layout == FSDP_LAYOUT_BLOCKED16;
     const float *x = in->data, *w = fsdp__pdata(B->weight), *b = fsdp__pdata(B->bias);
     float *rm = B->rmean->data, *rv = B->rvar->data;
     double count = (double)N * (double)HW;
@@ -162,14 +222,30 @@ static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
         if (!loc) return FSDP_ERR_NOMEM;
         double *lmean = loc + 1, *lm2 = loc + 1 + C; /* loc[0]: count */
         loc[0] = count;
+        if (blocked) {
+            int64_t G = C / 16;
 #pragma omp parallel for schedule(static)
-        for (int64_t c = 0; c < C; c++) { /* two passes in double: mean, then M2 */
-            struct sum8 s = {{0}, 0}, s2 = {{0}, 0}; /* [Note: eight partial sums] */
-            for (int64_t n = 0; n < N; n++) sum8_add(&s, x + (n * C + c) * HW, HW);
-            double mu = count > 0 ? sum8_total(&s) / count : 0.0;
-            for (int64_t n = 0; n < N; n++) sum8_add_sq(&s2, x + (n * C + c) * HW, HW, mu);
-            lmean[c] = mu;
-            lm2[c] = sum8_total(&s2);
+            for (int64_t g = 0; g < G; g++) { /* channels 16 g .. 16 g + 15, as below */
+                struct sum8x16 s = {{{0}}, 0}, s2 = {{{0}}, 0};
+                double mu[16];
+                for (int64_t n = 0; n < N; n++) sum8x16_add(&s, x + (n * G + g) * HW * 16, HW);
+                for (int l = 0; l < 16; l++) mu[l] = count > 0 ? sum8x16_total(&s, l) / count : 0.0;
+                for (int64_t n = 0; n < N; n++) sum8x16_add_sq(&s2, x + (n * G + g) * HW * 16, HW, mu);
+                for (int l = 0; l < 16; l++) {
+                    lmean[g * 16 + l] = mu[l];
+                    lm2[g * 16 + l] = sum8x16_total(&s2, l);
+                }
+            }
+        } else {
+#pragma omp parallel for schedule(static)
+            for (int64_t c = 0; c < C; c++) { /* two passes in double: mean, then M2 */
+                struct sum8 s = {{0}, 0}, s2 = {{0}, 0}; /* [Note: eight partial sums] */
+                for (int64_t n = 0; n < N; n++) sum8_add(&s, x + (n * C + c) * HW, HW);
+                double mu = count > 0 ? sum8_total(&s) / count : 0.0;
+                for (int64_t n = 0; n < N; n++) sum8_add_sq(&s2, x + (n * C + c) * HW, HW, mu);
+                lmean[c] = mu;
+                lm2[c] = sum8_total(&s2);
+            }
         }
         if (sync) { /* [Note: synchronised statistics] */
             double *all = loc + 2 * C + 1;
@@ -221,16 +297,35 @@ static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
         }
     }
     float *y = out->data; /* may equal x */
+    if (blocked) {
+        int64_t G = C / 16;
 #pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t c = 0; c < C; c++) {
-            float sc = rstd[c] * w[c], sh = b[c] - mean[c] * sc;
-            const float *p = x + (n * C + c) * HW;
-            float *q = y + (n * C + c) * HW;
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t g = 0; g < G; g++) {
+                float sc[16], sh[16];
+                for (int l = 0; l < 16; l++) {
+                    int64_t c = g * 16 + l;
+                    sc[l] = rstd[c] * w[c], sh[l] = b[c] - mean[c] * sc[l];
+                }
+                const float *p = x + (n * G + g) * HW * 16;
+                float *q = y + (n * G + g) * HW * 16;
+                for (int64_t i = 0; i < HW; i++)
 #pragma omp simd
-            for (int64_t i = 0; i < HW; i++) q[i] = p[i] * sc + sh;
-        }
+                    for (int l = 0; l < 16; l++) q[i * 16 + l] = p[i * 16 + l] * sc[l] + sh[l];
+            }
+    } else {
+#pragma omp parallel for collapse(2) schedule(static)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t c = 0; c < C; c++) {
+                float sc = rstd[c] * w[c], sh = b[c] - mean[c] * sc;
+                const float *p = x + (n * C + c) * HW;
+                float *q = y + (n * C + c) * HW;
+#pragma omp simd
+                for (int64_t i = 0; i < HW; i++) q[i] = p[i] * sc + sh;
+            }
+    }
     B->x = x;
+    B->layout = in->layout;
     B->mean = mean;
     B->rstd = rstd;
     B->n = N;
@@ -247,7 +342,12 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                     struct fsdp_tensor *din) {
     struct bn *B = m->impl;
     if (!B->mean) return fsdp__err(ctx, FSDP_ERR_STATE, "BatchNorm2d '%s': backward without forward", fsdp__mname(m));
-    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 0, 0));
+    FSDP_TRY(fsdp__check_input_any(ctx, m, dout, FSDP_F32, 0, 0));
+    if (dout->layout != B->layout)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': gradient in the %s layout, the output was %s",
+                         fsdp__mname(m), dout->layout == FSDP_LAYOUT_PLAIN ? "PLAIN" : "BLOCKED16",
+                         B->layout == FSDP_LAYOUT_PLAIN ? "PLAIN" : "BLOCKED16");
+    int blocked = B->layout == FSDP_LAYOUT_BLOCKED16;
     int64_t N = B->n, C = B->o.num_features, HW = B->hw;
     if ((dout->ndim != 2 && dout->ndim != 4) || dout->shape[0] != N || dout->shape[1] != C ||
         (dout->ndim == 4 ? dout->shape[2] * dout->shape[3] : 1) != HW)
@@ -258,19 +358,38 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     int sync = B->train && B->o.sync;
     int world = sync ? fsdp_comm_size(bn_comm(ctx, B)) : 1;
     /* before the scratch, which is released below; din may alias dout */
-    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, dout->shape, "BatchNorm2d input gradient"));
+    if (din) {
+        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, dout->shape, "BatchNorm2d input gradient"));
+        din->layout = B->layout;
+    }
     size_t mark = fsdp_arena_mark(ctx);
     double *sums = (double *)fsdp__scratch(ctx, 2 * 2 * C * (world + 1), "BatchNorm2d gradient sums");
     if (!sums) return FSDP_ERR_NOMEM;
     double *sdy = sums, *sdyx = sums + C;
     const float *x = B->x, *dy = dout->data, *mean = B->mean, *rstd = B->rstd, *w = fsdp__pdata(B->weight);
+    if (blocked) {
+        int64_t G = C / 16;
 #pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < C; c++) {
-        struct sum8 a = {{0}, 0}, s = {{0}, 0}; /* [Note: eight partial sums] */
-        for (int64_t n = 0; n < N; n++)
-            sum8_add_dy(&a, &s, dy + (n * C + c) * HW, x + (n * C + c) * HW, HW, mean[c], rstd[c]);
-        sdy[c] = sum8_total(&a);
-        sdyx[c] = sum8_total(&s);
+        for (int64_t g = 0; g < G; g++) {
+            struct sum8x16 a = {{{0}}, 0}, s = {{{0}}, 0};
+            for (int64_t n = 0; n < N; n++) {
+                int64_t o = (n * G + g) * HW * 16;
+                sum8x16_add_dy(&a, &s, dy + o, x + o, HW, mean + g * 16, rstd + g * 16);
+            }
+            for (int l = 0; l < 16; l++) {
+                sdy[g * 16 + l] = sum8x16_total(&a, l);
+                sdyx[g * 16 + l] = sum8x16_total(&s, l);
+            }
+        }
+    } else {
+#pragma omp parallel for schedule(static)
+        for (int64_t c = 0; c < C; c++) {
+            struct sum8 a = {{0}, 0}, s = {{0}, 0}; /* [Note: eight partial sums] */
+            for (int64_t n = 0; n < N; n++)
+                sum8_add_dy(&a, &s, dy + (n * C + c) * HW, x + (n * C + c) * HW, HW, mean[c], rstd[c]);
+            sdy[c] = sum8_total(&a);
+            sdyx[c] = sum8_total(&s);
+        }
     }
     float *dw = fsdp__pgrad(B->weight), *db = fsdp__pgrad(B->bias);
     for (int64_t c = 0; c < C; c++) {
@@ -301,16 +420,37 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     float *dx = din->data; /* may equal dy: each element reads only its own dy */
     double M = B->count;
     int train = B->train;
+    if (blocked) {
+        int64_t G = C / 16;
 #pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t c = 0; c < C; c++) {
-            float mu = mean[c], r = rstd[c], k = w[c] * r;
-            float a = train ? (float)(sdy[c] / M) : 0.0f, s = train ? (float)(sdyx[c] / M) : 0.0f;
-            const float *p = x + (n * C + c) * HW, *g = dy + (n * C + c) * HW;
-            float *q = dx + (n * C + c) * HW;
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t gb = 0; gb < G; gb++) {
+                float mu[16], r[16], k[16], a[16], s[16];
+                for (int l = 0; l < 16; l++) {
+                    int64_t c = gb * 16 + l;
+                    mu[l] = mean[c], r[l] = rstd[c], k[l] = w[c] * r[l];
+                    a[l] = train ? (float)(sdy[c] / M) : 0.0f, s[l] = train ? (float)(sdyx[c] / M) : 0.0f;
+                }
+                int64_t o = (n * G + gb) * HW * 16;
+                const float *p = x + o, *g = dy + o;
+                float *q = dx + o;
+                for (int64_t i = 0; i < HW; i++)
 #pragma omp simd
-            for (int64_t i = 0; i < HW; i++) q[i] = k * (g[i] - a - (p[i] - mu) * r * s);
-        }
+                    for (int l = 0; l < 16; l++)
+                        q[i * 16 + l] = k[l] * (g[i * 16 + l] - a[l] - (p[i * 16 + l] - mu[l]) * r[l] * s[l]);
+            }
+    } else {
+#pragma omp parallel for collapse(2) schedule(static)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t c = 0; c < C; c++) {
+                float mu = mean[c], r = rstd[c], k = w[c] * r;
+                float a = train ? (float)(sdy[c] / M) : 0.0f, s = train ? (float)(sdyx[c] / M) : 0.0f;
+                const float *p = x + (n * C + c) * HW, *g = dy + (n * C + c) * HW;
+                float *q = dx + (n * C + c) * HW;
+#pragma omp simd
+                for (int64_t i = 0; i < HW; i++) q[i] = k * (g[i] - a - (p[i] - mu) * r * s);
+            }
+    }
     fsdp_arena_release(ctx, mark);
     return FSDP_OK;
 }

@@ -3,10 +3,12 @@
  * primitives (forward, backward data, backward weights), and the oneDNN
  * engine, stream and execution helpers the other vision layers share.
  * weight (out, in/groups, kh, kw) as PyTorch (oneDNN's oihw, or goihw with
- * groups), optional bias (out). Tensors stay in the plain layout at the API;
- * each primitive takes the layouts oneDNN prefers, and every tensor whose
- * layout differs is reordered into arena scratch around the call
- * ([Note: conv layouts] below; in place where they agree).
+ * groups), optional bias (out). At the API the input (and its gradient) is
+ * PLAIN or BLOCKED16, the output (and its gradient) in opts.out_layout
+ * ([Note: blocked activations]); each primitive takes the layouts oneDNN
+ * prefers, and every tensor whose layout differs is reordered into arena
+ * scratch around the call ([Note: conv layouts] below; in place where they
+ * agree).
  * Primitives are made for one input shape and kept in the module until the
  * shape or the compute dtype changes ([Note: conv primitives]).
  * 16-bit compute ([Note: compute precision]): with BF16 the input and the
@@ -79,7 +81,21 @@ void fsdp__dnnl_exec(struct dnnl_primitive *prim, int n, const int *arg, const v
  * oneDNN's choice (format "any": blocked nChw16c and the like), and every
  * operand whose chosen layout differs from the plain one goes through a
  * reorder into arena scratch before (inputs) or after (outputs) the
- * primitive. The tensors at the API stay NCHW.
+ * primitive. The tensors at the API keep their layouts (PLAIN or BLOCKED16).
+ * [Note: blocked activations] oneDNN's convolutions run on nChw16c (16
+ * channels interleaved), so a ResNet in plain NCHW tensors paid two passes
+ * per convolution just for the layout: the output back to NCHW after
+ * forward, the input gradient back after backward data (with the casts,
+ * 28% of oneDNN's time in an AMP_BF16 ResNet-18 step, 2026-12-02). A
+ * tensor's layout field says BLOCKED16 when it is nChw16c itself; Conv2d
+ * writes its output so when opts.out_layout asks (the ResNet's convolutions
+ * do, FSDP_VISION_LAYOUT=plain aside) and takes either layout in; the
+ * layers between two convolutions (BatchNorm2d, ReLU, the residual add,
+ * MaxPool2d, AdaptiveAvgPool2d) take BLOCKED16 as it comes, with the same
+ * arithmetic in the same order per value, so the results are the same bits
+ * in either layout. What remains is the conversion to bf16 where the
+ * primitives compute in bf16; fp32 primitives read the blocked tensors as
+ * they are.
  * [Note: cropped kernels] Where some kernel taps fall in the padding for
  * every output (a 3x3 kernel with padding 1 on a 1x1 input: only the centre
  * tap meets the image; on 2x2 with stride 2, a 2x2 corner), the primitives
@@ -109,7 +125,7 @@ void fsdp__dnnl_exec(struct dnnl_primitive *prim, int n, const int *arg, const v
  * same values: oneDNN's conversion rounds to nearest even, as ours. */
 struct xarg {                 /* one operand of a primitive */
     dnnl_memory_desc_t md;    /* the layout the primitive runs on */
-    dnnl_memory_desc_t user;  /* the plain layout at the API */
+    dnnl_memory_desc_t user;  /* the layout at the API (PLAIN or BLOCKED16, fp32 or bf16) */
     dnnl_primitive_t reorder; /* user -> md (input) or md -> user (output); NULL when equal */
     size_t bytes;             /* of md */
     int output;
@@ -120,6 +136,7 @@ enum { FWD_SRC, FWD_WEI, FWD_DST, BD_DDST, BD_WEI, BD_DSRC, BW_SRC, BW_DDST, BW_
 struct conv_prims {
     int64_t n, h, w;
     enum fsdp_dtype dt;  /* FSDP_F32 or FSDP_BF16 (native) */
+    enum fsdp_layout in_l, out_l; /* the API layouts of the input (and its gradient) and the output (and its) */
     int made;
     int crop;                   /* the primitives see a part of the kernel ([Note: cropped kernels]) */
     int bw_f32;                 /* dt BF16, but backward weights in fp32 ([Note: bf16 weight gradients
@@ -139,13 +156,14 @@ struct conv {
     struct fsdp_conv2d_opts o;
     struct fsdp_param *weight; /* (out, in/groups, kh, kw) */
     struct fsdp_param *bias;   /* (out) or NULL */
-    const void *x;             /* (N, in, H, W) saved input in xdt (arena or the caller's; plain, or in
-                                  p.x_in's layout when x_kept) */
+    const void *x;             /* (N, in, H, W) saved input in xdt (arena or the caller's; in the input's
+                                  layout, or in p.x_in's when x_kept) */
     enum fsdp_dtype xdt;       /* FSDP_F32 or FSDP_BF16 */
     enum fsdp_dtype lp;        /* compute dtype of the last forward */
     int widen;                 /* the last forward rounded 16-bit values and ran in fp32 */
-    int x_kept;                /* x is in the primitives' layout (p.x_in), not plain */
+    int x_kept;                /* x is in the primitives' layout (p.x_in), not the input's */
     int64_t n, h, w, oh, ow;
+    enum fsdp_layout in_l, out_l; /* of the last forward's input and output */
     struct conv_prims p;
 };
 
@@ -268,6 +286,8 @@ static int crop_taps(int64_t n, int64_t out, int k, int st, int p, int d, int *k
  * dtype dt (F32 or BF16) with their operands ([Note: conv layouts]); a
  * failure leaves p empty and returns oneDNN's status. */
 static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W, enum fsdp_dtype dt) {
+    dnnl_format_tag_t itag = C->in_l == FSDP_LAYOUT_BLOCKED16 ? dnnl_nChw16c : dnnl_nchw;
+    dnnl_format_tag_t otag = C->out_l == FSDP_LAYOUT_BLOCKED16 ? dnnl_nChw16c : dnnl_nchw;
     struct conv_prims *p = &C->p;
     prims_free(p);
     const struct fsdp_conv2d_opts *o = &C->o;
@@ -293,12 +313,12 @@ static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W,
     p->crop = cut[0] || cut[1];
     dnnl_dims_t cd = {O, I, kc[0], kc[1]}, coff = {0, 0, k0[0], k0[1]};
     if (p->crop) wdims = cd;
-    /* plain layouts (the API's) and "any" layouts (the primitives') */
+    /* the API's layouts (itag, otag: [Note: blocked activations]) and "any" layouts (the primitives') */
     dnnl_memory_desc_t src, wei, dst, dsrc, dwei, ddst, asrc, awei, adst, adsrc, adwei, addst;
-    dnnl_status_t st = dnnl_memory_desc_init_by_tag(&src, 4, sd, ddt, dnnl_nchw);
+    dnnl_status_t st = dnnl_memory_desc_init_by_tag(&src, 4, sd, ddt, itag);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&wei, wnd, G > 1 ? gwd : wd, ddt, wtag);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dst, 4, dd, dnnl_f32, dnnl_nchw);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dsrc, 4, sd, dnnl_f32, dnnl_nchw);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dst, 4, dd, dnnl_f32, otag);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dsrc, 4, sd, dnnl_f32, itag);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&dwei, wnd, G > 1 ? gwd : wd, dnnl_f32, wtag);
     if (st == dnnl_success && p->crop) { /* the taps' part of the full weight and its gradient, in place */
         dnnl_memory_desc_t full = wei;
@@ -306,7 +326,7 @@ static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W,
         full = dwei;
         if (st == dnnl_success) st = dnnl_memory_desc_init_submemory(&dwei, &full, cd, coff);
     }
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&ddst, 4, dd, ddt, dnnl_nchw);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&ddst, 4, dd, ddt, otag);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&asrc, 4, sd, ddt, any);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&awei, wnd, wdims, ddt, any);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&adst, 4, dd, dnnl_f32, any);
@@ -336,8 +356,8 @@ static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W,
         dnnl_memory_desc_t bsrc, bddst, bdst;
         dnnl_convolution_desc_t f32d;
         dnnl_primitive_desc_t hint = NULL;
-        st = dnnl_memory_desc_init_by_tag(&wsrc, 4, sd, dnnl_f32, dnnl_nchw);
-        wddst = dst; /* f32 (N, out, OH, OW) plain */
+        st = dnnl_memory_desc_init_by_tag(&wsrc, 4, sd, dnnl_f32, itag);
+        wddst = dst; /* f32 (N, out, OH, OW) in the output's layout */
         if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&bsrc, 4, sd, dnnl_f32, any);
         if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&bddst, 4, dd, dnnl_f32, any);
         if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&bdst, 4, dd, dnnl_f32, any);
@@ -384,6 +404,7 @@ static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W,
         return st;
     }
     p->n = N, p->h = H, p->w = W, p->dt = dt, p->made = 1;
+    p->in_l = C->in_l, p->out_l = C->out_l;
     return dnnl_success;
 }
 
@@ -393,7 +414,9 @@ static dnnl_status_t prims_make(struct conv *C, int64_t N, int64_t H, int64_t W,
 static enum fsdp_status prims_get(struct fsdp_ctx *ctx, struct fsdp_module *m, enum fsdp_dtype dt, int *ok) {
     struct conv *C = m->impl;
     *ok = 1;
-    if (C->p.made && C->p.n == C->n && C->p.h == C->h && C->p.w == C->w && C->p.dt == dt) return FSDP_OK;
+    if (C->p.made && C->p.n == C->n && C->p.h == C->h && C->p.w == C->w && C->p.dt == dt && C->p.in_l == C->in_l &&
+        C->p.out_l == C->out_l)
+        return FSDP_OK;
     dnnl_status_t st = prims_make(C, C->n, C->h, C->w, dt);
     if (st == dnnl_success) return FSDP_OK;
     *ok = 0;
@@ -458,7 +481,7 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
                                      struct fsdp_tensor *out) {
     struct conv *C = m->impl;
     const struct fsdp_conv2d_opts *o = &C->o;
-    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 4, 0));
+    FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 4, 0));
     if (in->shape[1] != o->in_channels)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': input has %lld channels, expected %lld",
                          fsdp__mname(m), (long long)in->shape[1], (long long)o->in_channels);
@@ -472,7 +495,9 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     if (C->bias) FSDP_TRY(fsdp__param_ready(ctx, C->bias, 0));
     int64_t oshape[4] = {N, o->out_channels, OH, OW};
     FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, 4, oshape, "Conv2d output"));
+    out->layout = fsdp__layout_for(o->out_layout, 4, o->out_channels);
     C->n = N, C->h = H, C->w = W, C->oh = OH, C->ow = OW;
+    C->in_l = in->layout, C->out_l = out->layout;
     enum fsdp_dtype lp = fsdp__compute_dtype(m);
     int ok = 0;
     if (lp == FSDP_BF16 && fsdp_gemm_native(FSDP_BF16)) FSDP_TRY(prims_get(ctx, m, FSDP_BF16, &ok));
@@ -517,7 +542,11 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     struct conv *C = m->impl;
     const struct fsdp_conv2d_opts *o = &C->o;
     if (!C->x) return fsdp__err(ctx, FSDP_ERR_STATE, "Conv2d '%s': backward without forward", fsdp__mname(m));
-    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 4, 0));
+    FSDP_TRY(fsdp__check_input_any(ctx, m, dout, FSDP_F32, 4, 0));
+    if (dout->layout != C->out_l)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': gradient in the %s layout, the output was %s",
+                         fsdp__mname(m), dout->layout == FSDP_LAYOUT_PLAIN ? "PLAIN" : "BLOCKED16",
+                         C->out_l == FSDP_LAYOUT_PLAIN ? "PLAIN" : "BLOCKED16");
     if (dout->shape[0] != C->n || dout->shape[1] != o->out_channels || dout->shape[2] != C->oh ||
         dout->shape[3] != C->ow)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': gradient is (%lld, %lld, %lld, %lld), output was "
@@ -530,7 +559,10 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     FSDP_TRY(prims_get(ctx, m, C->xdt, &ok)); /* the forward's (remade if another shape ran since) */
     if (!ok) return fsdp__err(ctx, FSDP_ERR_STATE, "Conv2d '%s': bf16 primitives vanished", fsdp__mname(m));
     int64_t in_shape[4] = {C->n, o->in_channels, C->h, C->w};
-    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 4, in_shape, "Conv2d input gradient"));
+    if (din) {
+        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 4, in_shape, "Conv2d input gradient"));
+        din->layout = C->in_l;
+    }
     size_t mark = fsdp_arena_mark(ctx);
     int64_t ny = fsdp_tensor_numel(dout);
     const void *dy = dout->data;

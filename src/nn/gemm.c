@@ -107,6 +107,7 @@ enum fsdp_status fsdp__tensor_prepare(struct fsdp_ctx *ctx, struct fsdp_tensor *
     FSDP_ASSERT(ndim >= 1 && ndim <= FSDP_MAX_DIMS, "tensor rank %d for %s", ndim, what);
     t->dtype = dt;
     t->ndim = ndim;
+    t->layout = FSDP_LAYOUT_PLAIN;
     int64_t n = 1;
     for (int i = 0; i < ndim; i++) {
         t->shape[i] = shape[i];
@@ -122,8 +123,21 @@ enum fsdp_status fsdp__tensor_prepare(struct fsdp_ctx *ctx, struct fsdp_tensor *
     return FSDP_OK;
 }
 
+static enum fsdp_status check_input(struct fsdp_ctx *ctx, const struct fsdp_module *m, const struct fsdp_tensor *t,
+                                    enum fsdp_dtype dt, int ndim, int64_t last, int any_layout);
+
 enum fsdp_status fsdp__check_input(struct fsdp_ctx *ctx, const struct fsdp_module *m,
                                    const struct fsdp_tensor *t, enum fsdp_dtype dt, int ndim, int64_t last) {
+    return check_input(ctx, m, t, dt, ndim, last, 0);
+}
+
+enum fsdp_status fsdp__check_input_any(struct fsdp_ctx *ctx, const struct fsdp_module *m,
+                                       const struct fsdp_tensor *t, enum fsdp_dtype dt, int ndim, int64_t last) {
+    return check_input(ctx, m, t, dt, ndim, last, 1);
+}
+
+static enum fsdp_status check_input(struct fsdp_ctx *ctx, const struct fsdp_module *m, const struct fsdp_tensor *t,
+                                    enum fsdp_dtype dt, int ndim, int64_t last, int any_layout) {
     const char *who = fsdp__mname(m);
     if (!t || !t->data)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input tensor has no data", m->ops->type, who);
@@ -140,6 +154,17 @@ enum fsdp_status fsdp__check_input(struct fsdp_ctx *ctx, const struct fsdp_modul
     if (last > 0 && t->shape[t->ndim - 1] != last)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input last dimension is %lld, expected %lld",
                          m->ops->type, who, (long long)t->shape[t->ndim - 1], (long long)last);
+    if (t->layout == FSDP_LAYOUT_PLAIN) return FSDP_OK;
+    if (t->layout != FSDP_LAYOUT_BLOCKED16)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input layout %d is unknown", m->ops->type, who,
+                         (int)t->layout);
+    if (!any_layout)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input in the BLOCKED16 layout; this module takes PLAIN "
+                         "tensors only", m->ops->type, who);
+    if (t->ndim != 4 || t->shape[1] % 16)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': a BLOCKED16 input must be 4-D with a multiple of 16 "
+                         "channels (has %d dimensions, %lld channels)", m->ops->type, who, t->ndim,
+                         (long long)(t->ndim > 1 ? t->shape[1] : 0));
     return FSDP_OK;
 }
 

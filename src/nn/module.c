@@ -395,6 +395,7 @@ static enum fsdp_status ckpt_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     if (din && !din->data) { /* din outlives the recompute: place it before the mark */
         din->dtype = FSDP_F32;
         din->ndim = m->priv->ckpt_in.ndim;
+        din->layout = m->priv->ckpt_in.layout;
         memcpy(din->shape, m->priv->ckpt_in.shape, sizeof din->shape);
         din->data = fsdp_arena_alloc(ctx, (size_t)fsdp_tensor_numel(&m->priv->ckpt_in) * sizeof(float));
         if (!din->data)

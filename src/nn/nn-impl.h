@@ -152,15 +152,38 @@ float *fsdp__pgrad_first(struct fsdp_param *p, float *beta);
 enum fsdp_status fsdp__param_ready(struct fsdp_ctx *ctx, struct fsdp_param *p, int need_grad);
 
 /* ---- Tensors ---- */
-/* Sets t's dtype and shape and, if t->data is NULL, allocates it from the
+/* Sets t's dtype and shape, and its layout to PLAIN (a module writing
+ * BLOCKED16 sets it after), and, if t->data is NULL, allocates it from the
  * arena (`what` names it in the error). */
 enum fsdp_status fsdp__tensor_prepare(struct fsdp_ctx *ctx, struct fsdp_tensor *t, enum fsdp_dtype dt,
                                       int ndim, const int64_t *shape, const char *what);
 /* FSDP_ERR_INVALID naming module m unless t has dtype dt, 1 <= ndim <=
- * FSDP_MAX_DIMS (exactly `ndim` if ndim > 0), data, and last dimension
- * `last` (if last > 0). */
+ * FSDP_MAX_DIMS (exactly `ndim` if ndim > 0), data, last dimension `last`
+ * (if last > 0), and the PLAIN layout. */
 enum fsdp_status fsdp__check_input(struct fsdp_ctx *ctx, const struct fsdp_module *m,
                                    const struct fsdp_tensor *t, enum fsdp_dtype dt, int ndim, int64_t last);
+/* The same for a module that also takes BLOCKED16 (then a 4-D tensor with a
+ * multiple of 16 channels). */
+enum fsdp_status fsdp__check_input_any(struct fsdp_ctx *ctx, const struct fsdp_module *m,
+                                       const struct fsdp_tensor *t, enum fsdp_dtype dt, int ndim, int64_t last);
+
+/* ---- Blocked activations (layout.c, [Note: blocked activations] in conv.c) ---- */
+/* Channels per block of FSDP_LAYOUT_BLOCKED16 (1 for PLAIN). */
+static inline int64_t fsdp__lanes(enum fsdp_layout l) { return l == FSDP_LAYOUT_BLOCKED16 ? 16 : 1; }
+/* The layout the vision models' convolutions write: BLOCKED16 unless
+ * FSDP_VISION_LAYOUT=plain (for comparisons; the same values either way). */
+enum fsdp_layout fsdp__vision_layout(void);
+/* l if a 4-D tensor of C channels can be in it, else PLAIN */
+static inline enum fsdp_layout fsdp__layout_for(enum fsdp_layout l, int ndim, int64_t channels) {
+    return l == FSDP_LAYOUT_BLOCKED16 && ndim == 4 && channels % 16 == 0 ? l : FSDP_LAYOUT_PLAIN;
+}
+/* dst (layout dl) = src (layout sl), both fp32 (N, C, H, W) = shape; not in
+ * place (a plain copy where the layouts agree). */
+void fsdp__relayout(float *dst, enum fsdp_layout dl, const float *src, enum fsdp_layout sl, const int64_t *shape);
+/* t in layout l: t itself, or a copy in the arena (NULL with the error set
+ * naming `what` when it is full); *out gets the tensor. */
+enum fsdp_status fsdp__as_layout(struct fsdp_ctx *ctx, const struct fsdp_tensor *t, enum fsdp_layout l,
+                                 struct fsdp_tensor *out, const char *what);
 /* n floats from the arena, or NULL with the error set naming `what`. */
 float *fsdp__scratch(struct fsdp_ctx *ctx, int64_t n, const char *what);
 /* Adds the child a constructor just made (st is that constructor's status;

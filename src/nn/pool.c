@@ -1,11 +1,14 @@
 /*
- * pool.c - the parameter-free vision layers, NCHW fp32:
+ * pool.c - the parameter-free vision layers, NCHW fp32 (ReLU, MaxPool2d and
+ * AdaptiveAvgPool2d also BLOCKED16: [Note: blocked activations] in conv.c):
  *   ReLU               y = max(x, 0); saves y (backward: dy where y > 0), so it
- *                      may run in place; any shape.
+ *                      may run in place; any shape, either layout (kept).
  *   MaxPool2d          oneDNN's max pooling (forward_training keeps a
  *                      workspace of argmax positions in the arena for
  *                      backward); primitives kept per input shape as Conv2d's.
- *   AdaptiveAvgPool2d  (1): the mean of each (n, c) plane -> (N, C, 1, 1).
+ *   AdaptiveAvgPool2d  (1): the mean of each (n, c) plane -> (N, C, 1, 1)
+ *                      (PLAIN: with one value per plane it is BLOCKED16's
+ *                      bytes too); the input gradient in the input's layout.
  *   Flatten            (start_dim 1): a view when the caller leaves out->data NULL.
  */
 #include "nn/nn-impl.h"
@@ -17,13 +20,15 @@
 struct relu {
     const float *y; /* (n) saved output (arena or the caller's) */
     int64_t n;
+    enum fsdp_layout layout; /* of y */
 };
 
 static enum fsdp_status relu_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
                                      struct fsdp_tensor *out) {
     struct relu *R = m->impl;
-    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 0, 0));
+    FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 0, 0));
     FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim, in->shape, "ReLU output"));
+    out->layout = in->layout;
     const float *x = in->data;
     float *y = out->data; /* may equal x */
     int64_t n = fsdp_tensor_numel(in);
@@ -31,6 +36,7 @@ static enum fsdp_status relu_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     for (int64_t i = 0; i < n; i++) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
     R->y = y;
     R->n = n;
+    R->layout = in->layout;
     return FSDP_OK;
 }
 
@@ -38,12 +44,15 @@ static enum fsdp_status relu_backward(struct fsdp_module *m, struct fsdp_ctx *ct
                                       struct fsdp_tensor *din) {
     struct relu *R = m->impl;
     if (!R->y) return fsdp__err(ctx, FSDP_ERR_STATE, "ReLU '%s': backward without forward", fsdp__mname(m));
-    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 0, 0));
+    FSDP_TRY(fsdp__check_input_any(ctx, m, dout, FSDP_F32, 0, 0));
+    if (dout->layout != R->layout)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "ReLU '%s': gradient and output in different layouts", fsdp__mname(m));
     if (fsdp_tensor_numel(dout) != R->n)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "ReLU '%s': gradient has %lld elements, forward had %lld",
                          fsdp__mname(m), (long long)fsdp_tensor_numel(dout), (long long)R->n);
     if (!din) return FSDP_OK;
     FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, dout->shape, "ReLU input gradient"));
+    din->layout = dout->layout;
     const float *y = R->y, *dy = dout->data;
     float *dx = din->data; /* may equal dy */
     int64_t n = R->n;
@@ -58,8 +67,10 @@ struct maxpool {
     int k, s, p;
     int64_t n, c, h, w, oh, ow;     /* of the last forward */
     void *ws;                       /* its workspace (arena) */
-    int made;                       /* primitives for (pn, pc, ph, pw) */
+    enum fsdp_layout l;             /* of the last forward's input (and output) */
+    int made;                       /* primitives for (pn, pc, ph, pw) in pl */
     int64_t pn, pc, ph, pw;
+    enum fsdp_layout pl;
     dnnl_memory_desc_t src, dst, wsd;
     dnnl_primitive_t fwd, bwd;
     size_t ws_bytes;
@@ -78,8 +89,9 @@ static dnnl_status_t maxpool_prims_make(struct maxpool *P) {
     dnnl_dims_t k = {P->k, P->k}, s = {P->s, P->s}, dil = {0, 0}, pad = {P->p, P->p};
     dnnl_pooling_v2_desc_t fd, bd;
     dnnl_primitive_desc_t fpd = NULL, bpd = NULL;
-    dnnl_status_t st = dnnl_memory_desc_init_by_tag(&P->src, 4, sd, dnnl_f32, dnnl_nchw);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&P->dst, 4, dd, dnnl_f32, dnnl_nchw);
+    dnnl_format_tag_t tag = P->l == FSDP_LAYOUT_BLOCKED16 ? dnnl_nChw16c : dnnl_nchw;
+    dnnl_status_t st = dnnl_memory_desc_init_by_tag(&P->src, 4, sd, dnnl_f32, tag);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_tag(&P->dst, 4, dd, dnnl_f32, tag);
     if (st == dnnl_success)
         st = dnnl_pooling_v2_forward_desc_init(&fd, dnnl_forward_training, dnnl_pooling_max, &P->src, &P->dst, s, k,
                                                dil, pad, pad);
@@ -99,13 +111,14 @@ static dnnl_status_t maxpool_prims_make(struct maxpool *P) {
         return st;
     }
     P->made = 1;
-    P->pn = P->n, P->pc = P->c, P->ph = P->h, P->pw = P->w;
+    P->pn = P->n, P->pc = P->c, P->ph = P->h, P->pw = P->w, P->pl = P->l;
     return dnnl_success;
 }
 
 static enum fsdp_status maxpool_prims(struct fsdp_ctx *ctx, struct fsdp_module *m) {
     struct maxpool *P = m->impl;
-    if (P->made && P->pn == P->n && P->pc == P->c && P->ph == P->h && P->pw == P->w) return FSDP_OK;
+    if (P->made && P->pn == P->n && P->pc == P->c && P->ph == P->h && P->pw == P->w && P->pl == P->l)
+        return FSDP_OK;
     dnnl_status_t st = maxpool_prims_make(P);
     if (st != dnnl_success)
         return fsdp__err(ctx, FSDP_ERR_UNSUPPORTED, "MaxPool2d '%s': oneDNN has no pooling for input (%lld, %lld, "
@@ -117,7 +130,7 @@ static enum fsdp_status maxpool_prims(struct fsdp_ctx *ctx, struct fsdp_module *
 static enum fsdp_status maxpool_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
                                         struct fsdp_tensor *out) {
     struct maxpool *P = m->impl;
-    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 4, 0));
+    FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 4, 0));
     int64_t H = in->shape[2], W = in->shape[3];
     int64_t OH = (H + 2 * P->p - P->k) / P->s + 1, OW = (W + 2 * P->p - P->k) / P->s + 1;
     if (H + 2 * P->p < P->k || W + 2 * P->p < P->k)
@@ -125,10 +138,11 @@ static enum fsdp_status maxpool_forward(struct fsdp_module *m, struct fsdp_ctx *
                          fsdp__mname(m), (long long)H, (long long)W, P->k);
     if (out->data && out->data == in->data)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "MaxPool2d '%s': cannot run in place", fsdp__mname(m));
-    P->n = in->shape[0], P->c = in->shape[1], P->h = H, P->w = W, P->oh = OH, P->ow = OW;
+    P->n = in->shape[0], P->c = in->shape[1], P->h = H, P->w = W, P->oh = OH, P->ow = OW, P->l = in->layout;
     FSDP_TRY(maxpool_prims(ctx, m));
     int64_t oshape[4] = {P->n, P->c, OH, OW};
     FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, 4, oshape, "MaxPool2d output"));
+    out->layout = P->l;
     void *ws = fsdp_arena_alloc(ctx, P->ws_bytes ? P->ws_bytes : 1);
     if (!ws) return fsdp__err(ctx, FSDP_ERR_NOMEM, "MaxPool2d '%s': no memory for the workspace", fsdp__mname(m));
     int args[3] = {DNNL_ARG_SRC, DNNL_ARG_DST, DNNL_ARG_WORKSPACE};
@@ -143,14 +157,16 @@ static enum fsdp_status maxpool_backward(struct fsdp_module *m, struct fsdp_ctx 
                                          struct fsdp_tensor *din) {
     struct maxpool *P = m->impl;
     if (!P->ws) return fsdp__err(ctx, FSDP_ERR_STATE, "MaxPool2d '%s': backward without forward", fsdp__mname(m));
-    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 4, 0));
-    if (dout->shape[0] != P->n || dout->shape[1] != P->c || dout->shape[2] != P->oh || dout->shape[3] != P->ow)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "MaxPool2d '%s': gradient shape differs from the output's",
+    FSDP_TRY(fsdp__check_input_any(ctx, m, dout, FSDP_F32, 4, 0));
+    if (dout->shape[0] != P->n || dout->shape[1] != P->c || dout->shape[2] != P->oh || dout->shape[3] != P->ow ||
+        dout->layout != P->l)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "MaxPool2d '%s': gradient shape or layout differs from the output's",
                          fsdp__mname(m));
     if (!din) return FSDP_OK;
     FSDP_TRY(maxpool_prims(ctx, m));
     int64_t ishape[4] = {P->n, P->c, P->h, P->w};
     FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 4, ishape, "MaxPool2d input gradient"));
+    din->layout = P->l;
     int args[3] = {DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_SRC, DNNL_ARG_WORKSPACE};
     const void *mds[3] = {&P->dst, &P->src, &P->wsd};
     void *ptrs[3] = {dout->data, din->data, P->ws};
@@ -169,13 +185,14 @@ static void maxpool_destroy(struct fsdp_module *m) {
 
 struct avgpool {
     int64_t n, c, h, w;
+    enum fsdp_layout l; /* of the input */
     int ran;
 };
 
 static enum fsdp_status avgpool_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
                                         struct fsdp_tensor *out) {
     struct avgpool *A = m->impl;
-    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 4, 0));
+    FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 4, 0));
     if (out->data && out->data == in->data)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "AdaptiveAvgPool2d '%s': cannot run in place", fsdp__mname(m));
     int64_t NC = in->shape[0] * in->shape[1], HW = in->shape[2] * in->shape[3];
@@ -183,13 +200,15 @@ static enum fsdp_status avgpool_forward(struct fsdp_module *m, struct fsdp_ctx *
     FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, 4, oshape, "AdaptiveAvgPool2d output"));
     const float *x = in->data;
     float *y = out->data;
+    int64_t L = fsdp__lanes(in->layout); /* plane i = (n, c): its values at x[(i - i % L) * HW + j * L + i % L] */
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < NC; i++) {
+        const float *p = x + (i - i % L) * HW + i % L;
         float s = 0.0f;
-        for (int64_t j = 0; j < HW; j++) s += x[i * HW + j];
+        for (int64_t j = 0; j < HW; j++) s += p[j * L];
         y[i] = s / (float)HW;
     }
-    A->n = in->shape[0], A->c = in->shape[1], A->h = in->shape[2], A->w = in->shape[3];
+    A->n = in->shape[0], A->c = in->shape[1], A->h = in->shape[2], A->w = in->shape[3], A->l = in->layout;
     A->ran = 1;
     return FSDP_OK;
 }
@@ -206,13 +225,15 @@ static enum fsdp_status avgpool_backward(struct fsdp_module *m, struct fsdp_ctx 
     if (!din) return FSDP_OK;
     int64_t ishape[4] = {A->n, A->c, A->h, A->w};
     FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 4, ishape, "AdaptiveAvgPool2d input gradient"));
+    din->layout = A->l;
     const float *dy = dout->data;
     float *dx = din->data;
     float inv = 1.0f / (float)HW;
+    int64_t L = fsdp__lanes(A->l);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < NC; i++) {
-        float g = dy[i] * inv;
-        for (int64_t j = 0; j < HW; j++) dx[i * HW + j] = g;
+        float g = dy[i] * inv, *q = dx + (i - i % L) * HW + i % L;
+        for (int64_t j = 0; j < HW; j++) q[j * L] = g;
     }
     return FSDP_OK;
 }

@@ -8,6 +8,11 @@
  * relu(last bn + identity). The ReLUs run inline, in place on each bn's
  * output and on the sum (a BatchNorm saves its own input, so nothing
  * overwritten is read again); the block saves the ReLU outputs for backward.
+ * Layouts ([Note: blocked activations] in conv.c): Sequential passes its
+ * children's on; a block's convolutions write FSDP_VISION_LAYOUT's (BLOCKED16
+ * where the width is a multiple of 16), the output is in that layout, and an
+ * identity in another one (a PLAIN input without downsample) is converted
+ * for the add (and its gradient back).
  */
 #include "nn/nn-impl.h"
 
@@ -22,7 +27,7 @@ static enum fsdp_status seq_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                     struct fsdp_tensor *out) {
     struct sequential *S = m->impl;
     if (!m->n_children) return fsdp__err(ctx, FSDP_ERR_STATE, "Sequential '%s' is empty", fsdp__mname(m));
-    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 0, 0));
+    FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 0, 0));
     S->ndim = in->ndim;
     memcpy(S->shape, in->shape, sizeof S->shape);
     struct fsdp_tensor cur = *in;
@@ -82,6 +87,7 @@ struct resblock {
     int64_t nr[RB_MAX];
     int ndim;
     int64_t shape[FSDP_MAX_DIMS]; /* of the input */
+    enum fsdp_layout in_l, out_l; /* of the input and the output */
 };
 
 static void relu_inplace(float *x, int64_t n) {
@@ -98,7 +104,7 @@ static void relu_mask(float *g, const float *y, int64_t n) {
 static enum fsdp_status rb_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
                                    struct fsdp_tensor *out) {
     struct resblock *K = m->impl;
-    FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 4, 0));
+    FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 4, 0));
     if (out->data && out->data == in->data)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': cannot run in place", m->ops->type, fsdp__mname(m));
     struct fsdp_tensor cur = *in, id = {0};
@@ -115,7 +121,7 @@ static enum fsdp_status rb_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
         }
     }
     if (K->downsample) FSDP_TRY(fsdp_module_forward(K->downsample, ctx, in, &id));
-    else id = *in;
+    else FSDP_TRY(fsdp__as_layout(ctx, in, out->layout, &id, "residual block identity (relaid out)"));
     int64_t n = fsdp_tensor_numel(out);
     if (fsdp_tensor_numel(&id) != n)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': the identity has %lld values, the residual %lld",
@@ -128,6 +134,7 @@ static enum fsdp_status rb_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
     K->nr[K->n - 1] = n;
     K->ndim = in->ndim;
     memcpy(K->shape, in->shape, sizeof K->shape);
+    K->in_l = in->layout, K->out_l = out->layout;
     return FSDP_OK;
 }
 
@@ -139,7 +146,10 @@ static enum fsdp_status rb_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     const float *yout = K->r[K->n - 1];
     int64_t nout = K->nr[K->n - 1];
     if (!yout) return fsdp__err(ctx, FSDP_ERR_STATE, "%s '%s': backward without forward", m->ops->type, fsdp__mname(m));
-    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 4, 0));
+    FSDP_TRY(fsdp__check_input_any(ctx, m, dout, FSDP_F32, 4, 0));
+    if (dout->layout != K->out_l)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': gradient and output in different layouts", m->ops->type,
+                         fsdp__mname(m));
     if (fsdp_tensor_numel(dout) != nout)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': gradient has %lld values, output had %lld", m->ops->type,
                          fsdp__mname(m), (long long)fsdp_tensor_numel(dout), (long long)nout);
@@ -163,8 +173,11 @@ static enum fsdp_status rb_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
         }
     }
     if (st == FSDP_OK && K->downsample) st = fsdp_module_backward(K->downsample, ctx, &gt, din ? &did : NULL);
+    struct fsdp_tensor gid = gt; /* the identity's gradient, in the input's layout */
+    if (st == FSDP_OK && din && !K->downsample)
+        st = fsdp__as_layout(ctx, &gt, K->in_l, &gid, "residual block identity gradient (relaid out)");
     if (st == FSDP_OK && din) {
-        const float *s = K->downsample ? did.data : g;
+        const float *s = K->downsample ? did.data : gid.data;
         float *dx = din->data;
         int64_t n = fsdp_tensor_numel(din);
 #pragma omp parallel for simd schedule(static)
@@ -185,6 +198,7 @@ static enum fsdp_status add_conv(struct fsdp_ctx *ctx, struct fsdp_module *paren
     o.stride[0] = o.stride[1] = stride;
     o.padding[0] = o.padding[1] = k / 2;
     o.bias = 0;
+    o.out_layout = fsdp__vision_layout();
     struct fsdp_module *c = NULL;
     return fsdp__adopt(ctx, parent, fsdp_conv2d_create(ctx, name, &o, &c), &c, slot);
 }

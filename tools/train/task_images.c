@@ -243,7 +243,7 @@ void task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const cha
 /* ---- The task ---- */
 
 static struct fsdp_tensor tensor4(float *x, int64_t n, const struct fsdp_images_info *ti) {
-    struct fsdp_tensor t = {x, FSDP_F32, 4, {n, ti->channels, ti->height, ti->width}};
+    struct fsdp_tensor t = {x, FSDP_F32, 4, {n, ti->channels, ti->height, ti->width}, FSDP_LAYOUT_PLAIN};
     return t;
 }
 
@@ -327,7 +327,7 @@ static enum fsdp_status img_step(struct task *t, struct fsdp_ctx *ctx, struct fs
     for (int a = 0; a < accum; a++) {
         if (no_sync) fsdp_model_set_grad_sync(fm, a == accum - 1);
         struct fsdp_tensor in = tensor4(k->x + (int64_t)a * mb * k->chw, mb, &k->ti), out = {0};
-        struct fsdp_tensor tg = {k->y + (int64_t)a * mb, FSDP_I32, 1, {mb}};
+        struct fsdp_tensor tg = {k->y + (int64_t)a * mb, FSDP_I32, 1, {mb}, FSDP_LAYOUT_PLAIN};
         TRY(fsdp_model_forward_tensor(ctx, fm, &in, &out));
         struct fsdp_tensor dout = out; /* in place */
         TRY(fsdp_model_loss(ctx, fm, &loss, &out, &tg, accum, NULL, &dout));

@@ -587,8 +587,8 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
     int use_queue = k->L && *(const int64_t *)k->queue_filled->data >= k->L;
     if (use_queue) TRY(queue_scores(ctx, fm, k));
     k->queue_used = use_queue;
-    struct fsdp_tensor ing = {k->xg, FSDP_F32, 4, {2 * (int64_t)Bl, C, k->Sg, k->Sg}};
-    struct fsdp_tensor ins = {k->xs, FSDP_F32, 4, {(int64_t)V * Bl, C, k->Ss, k->Ss}};
+    struct fsdp_tensor ing = {k->xg, FSDP_F32, 4, {2 * (int64_t)Bl, C, k->Sg, k->Sg}, FSDP_LAYOUT_PLAIN};
+    struct fsdp_tensor ins = {k->xs, FSDP_F32, 4, {(int64_t)V * Bl, C, k->Ss, k->Ss}, FSDP_LAYOUT_PLAIN};
     struct fsdp_tensor outg = {0}, outs = {0};
     TRY(fsdp_model_forward_tensor(ctx, fm, &ing, &outg));
     memcpy(k->og, outg.data, (size_t)(2 * Bl * W) * sizeof(float));
@@ -677,7 +677,9 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
         int64_t cnt = n - s < EB ? n - s : EB;
         int64_t lo = s + rank * cnt / world, m = s + (rank + 1) * cnt / world - lo;
         for (int64_t i = 0; i < (m ? m : 1); i++) task_load_image(im, &k->bo, m ? lo + i : s, x + i * chw);
-        struct fsdp_tensor in = {x, FSDP_F32, 4, {m ? m : 1, k->ti.channels, k->ti.height, k->ti.width}}, out = {0};
+        struct fsdp_tensor in = {x, FSDP_F32, 4, {m ? m : 1, k->ti.channels, k->ti.height, k->ti.width},
+                                 FSDP_LAYOUT_PLAIN};
+        struct fsdp_tensor out = {0};
         if ((st = fsdp_model_forward_tensor(ctx, fm, &in, &out)) != FSDP_OK) break;
         memset(mine, 0, (size_t)(mmax * F) * sizeof(float));
         memcpy(mine, out.data, (size_t)(m * F) * sizeof(float));

@@ -148,7 +148,7 @@ static enum fsdp_status tok_eval(struct task *t, struct fsdp_ctx *ctx, struct fs
         for (int64_t i = 0; i < (m ? m : 1); i++)
             if (fsdp_data_batch(k->val, j * EB + (m ? lo + i : 0), 1, T, 0, 1, in + i * T, tg + i * T) != FSDP_OK)
                 fail_rank("evaluation: --val-data: %s", fsdp_errmsg(ctx));
-        struct fsdp_tensor x = {in, FSDP_I32, 2, {m ? m : 1, T}}, out = {0};
+        struct fsdp_tensor x = {in, FSDP_I32, 2, {m ? m : 1, T}, FSDP_LAYOUT_PLAIN}, out = {0};
         if ((st = fsdp_model_forward_tensor(ctx, fm, &x, &out)) != FSDP_OK) break;
         const float *lg = out.data; /* (m, T, V) */
         for (int64_t i = 0; i < m; i++) {
