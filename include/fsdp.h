@@ -397,7 +397,9 @@ enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp
  * (out kh kw)); bias (out) zero-initialised, exempt from weight decay. With a
  * 16-bit compute dtype (fsdp_module_set_compute_dtype) the convolution takes
  * 16-bit input and weight and accumulates in fp32: oneDNN's bf16 kernels
- * where fsdp_gemm_native(FSDP_BF16), else the rounded values in fp32. */
+ * where fsdp_gemm_native(FSDP_BF16), else the rounded values in fp32; it
+ * then also takes its input and its output gradient already in that 16-bit
+ * dtype (the same values as its own rounding gives), F32 otherwise. */
 struct fsdp_conv2d_opts {
     int64_t in_channels, out_channels;
     int kernel[2], stride[2], padding[2], dilation[2];

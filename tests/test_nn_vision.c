@@ -759,6 +759,127 @@ TEST(blocked_layout_gives_the_plain_bits) {
     fsdp_ctx_free(ctx);
 }
 
+/* [Note: fused ReLU and 16-bit hand-off] (batchnorm.c): a Conv2d computing in
+ * bf16 given its input and output gradient already rounded to bf16 gives the
+ * bits it gives from fp32 (which it rounds itself); a BatchNorm2d with its
+ * ReLU fused writes relu(BN(x)) rounded as asked, and its backward (the
+ * gradient masked by the ReLU, written in bf16 as asked) gives the bits of
+ * BN, a ReLU and the rounding run one after the other. */
+TEST(handoff_gives_the_cast_bits) {
+    rng_seed(31);
+    struct fsdp_ctx *ctx = make_ctx();
+    int64_t shape[4] = {2, 16, 6, 6}, oshape[4] = {2, 32, 6, 6};
+    struct fsdp_tensor x = make_input(4, shape, 1.0f, 0.1f);
+    int64_t nx = fsdp_tensor_numel(&x), ny = 2 * 32 * 36;
+    uint16_t *xb = malloc((size_t)nx * 2), *dyb = malloc((size_t)ny * 2);
+    float *dy = malloc((size_t)ny * sizeof(float));
+    for (int64_t i = 0; i < nx; i++) xb[i] = fsdp__f32_to_bf16(((float *)x.data)[i]);
+    for (int64_t i = 0; i < ny; i++) dyb[i] = fsdp__f32_to_bf16(dy[i] = urand());
+    for (int L = 0; L < 2; L++) { /* PLAIN, BLOCKED16 */
+        float *out[2][3];
+        for (int v = 0; v < 2; v++) { /* v 0: fp32 in, 1: bf16 in */
+            struct fsdp_conv2d_opts o = fsdp_conv2d_opts_default(16, 32, 3);
+            o.padding[0] = o.padding[1] = 1;
+            o.out_layout = L ? FSDP_LAYOUT_BLOCKED16 : FSDP_LAYOUT_PLAIN;
+            struct fsdp_module *m = NULL;
+            ASSERT_OK(fsdp_conv2d_create(ctx, "conv", &o, &m), ctx);
+            rng_seed(32);
+            prepare(ctx, m, 0.3f);
+            ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, FSDP_BF16), ctx);
+            CHECK_INT_EQ((int)fsdp__input_dtype(m), (int)FSDP_BF16);
+            ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
+            fsdp_arena_reset(ctx);
+            struct fsdp_tensor xi = x, y = {0}, d, dx = {0};
+            if (v) xi.data = xb, xi.dtype = FSDP_BF16;
+            ASSERT_OK(fsdp_module_forward(m, ctx, &xi, &y), ctx);
+            CHECK_INT_EQ((int)m->priv->dout_dtype, (int)FSDP_BF16);
+            float *dyl = malloc((size_t)ny * sizeof(float));
+            uint16_t *dybl = malloc((size_t)ny * 2);
+            fsdp__relayout(dyl, y.layout, dy, FSDP_LAYOUT_PLAIN, oshape);
+            for (int64_t i = 0; i < ny; i++) dybl[i] = fsdp__f32_to_bf16(dyl[i]);
+            d = y;
+            d.data = v ? (void *)dybl : (void *)dyl;
+            d.dtype = v ? FSDP_BF16 : FSDP_F32;
+            ASSERT_OK(fsdp_module_backward(m, ctx, &d, &dx), ctx);
+            out[v][0] = plain_copy(&y);
+            out[v][1] = plain_copy(&dx);
+            out[v][2] = malloc((size_t)m->params[0]->numel * sizeof(float));
+            memcpy(out[v][2], m->params[0]->grad, (size_t)m->params[0]->numel * sizeof(float));
+            free(dyl);
+            free(dybl);
+            fsdp_module_free(m);
+        }
+        CHECK(!memcmp(out[0][0], out[1][0], (size_t)ny * sizeof(float)));
+        CHECK(!memcmp(out[0][1], out[1][1], (size_t)nx * sizeof(float)));
+        CHECK(!memcmp(out[0][2], out[1][2], (size_t)(32 * 16 * 9) * sizeof(float)));
+        for (int v = 0; v < 2; v++)
+            for (int k = 0; k < 3; k++) free(out[v][k]);
+    }
+    /* BatchNorm2d with its ReLU fused, bf16 out and bf16 input gradient, against BN + ReLU + rounding */
+    for (int L = 0; L < 2; L++) {
+        uint16_t *got[2];
+        float *ref[2], *gw[2];
+        for (int v = 0; v < 2; v++) { /* v 0: separate passes, 1: fused */
+            struct fsdp_batchnorm_opts bo = fsdp_batchnorm_opts_default(16);
+            struct fsdp_module *m = NULL;
+            ASSERT_OK(fsdp_batchnorm2d_create(ctx, "bn", &bo, &m), ctx);
+            rng_seed(33);
+            prepare(ctx, m, 0.3f);
+            if (v) fsdp__batchnorm_fuse_relu(m);
+            ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
+            fsdp_arena_reset(ctx);
+            struct fsdp_tensor xi = x, y = {0}, dx = {0};
+            float *xl = malloc((size_t)nx * sizeof(float)), *g = malloc((size_t)nx * sizeof(float));
+            fsdp__relayout(xl, L ? FSDP_LAYOUT_BLOCKED16 : FSDP_LAYOUT_PLAIN, x.data, FSDP_LAYOUT_PLAIN, shape);
+            xi.data = xl;
+            xi.layout = L ? FSDP_LAYOUT_BLOCKED16 : FSDP_LAYOUT_PLAIN;
+            rng_seed(34);
+            for (int64_t i = 0; i < nx; i++) g[i] = urand();
+            if (v) y.dtype = FSDP_BF16; /* asked for bf16 */
+            ASSERT_OK(fsdp_module_forward(m, ctx, &xi, &y), ctx);
+            CHECK_INT_EQ((int)y.dtype, v ? (int)FSDP_BF16 : (int)FSDP_F32);
+            struct fsdp_tensor d = y;
+            d.data = g, d.dtype = FSDP_F32;
+            if (v) {
+                got[L] = malloc((size_t)nx * 2);
+                memcpy(got[L], y.data, (size_t)nx * 2);
+                dx.dtype = FSDP_BF16;
+            } else { /* the ReLU and its mask by hand */
+                float *yy = y.data;
+                ref[L] = malloc((size_t)nx * sizeof(float));
+                for (int64_t i = 0; i < nx; i++) {
+                    ref[L][i] = yy[i] > 0.0f ? yy[i] : 0.0f;
+                    if (!(yy[i] > 0.0f)) g[i] = 0.0f;
+                }
+            }
+            ASSERT_OK(fsdp_module_backward(m, ctx, &d, &dx), ctx);
+            CHECK_INT_EQ((int)dx.dtype, v ? (int)FSDP_BF16 : (int)FSDP_F32);
+            gw[v] = malloc((size_t)(nx + 32) * sizeof(float));
+            for (int64_t i = 0; i < nx; i++)
+                gw[v][i] = v ? fsdp__bf16_to_f32(((uint16_t *)dx.data)[i])
+                             : fsdp__bf16_to_f32(fsdp__f32_to_bf16(((float *)dx.data)[i]));
+            memcpy(gw[v] + nx, m->params[0]->grad, 16 * sizeof(float));
+            memcpy(gw[v] + nx + 16, m->params[1]->grad, 16 * sizeof(float));
+            free(xl);
+            free(g);
+            fsdp_module_free(m);
+        }
+        int same = 1;
+        for (int64_t i = 0; i < nx; i++) same &= got[L][i] == fsdp__f32_to_bf16(ref[L][i]);
+        CHECK(same);
+        CHECK(!memcmp(gw[0], gw[1], (size_t)(nx + 32) * sizeof(float)));
+        free(got[L]);
+        free(ref[L]);
+        free(gw[0]);
+        free(gw[1]);
+    }
+    free(xb);
+    free(dyb);
+    free(dy);
+    free(x.data);
+    fsdp_ctx_free(ctx);
+}
+
 TEST(gradcheck_residual_blocks) { /* through 2-3 BNs and ReLUs: eps 1e-3, rtol 1e-2, atol 1e-3 */
     rng_seed(8);
     struct fsdp_ctx *ctx = make_ctx();

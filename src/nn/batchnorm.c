@@ -43,6 +43,7 @@ struct bn {
     double count;                                    /* values per channel over the (global) batch */
     int train;                                       /* the saved forward ran in train mode */
     int frozen_stats;                                /* fsdp_batchnorm_set_update_stats off */
+    int relu;                                        /* a ReLU fused on the output (fsdp__batchnorm_fuse_relu) */
 };
 
 static const struct fsdp_module_ops bn_ops;
@@ -95,8 +96,25 @@ static void sum8_add_sq(struct sum8 *a, const float *p, int64_t n, double mu) {
 #undef TERM
 }
 
-/* a += g[i], b += g[i] (p[i] - mu) r over i in [0, n) (xhat in float, as the input gradient uses it) */
-static void sum8_add_dy(struct sum8 *a, struct sum8 *b, const float *g, const float *p, int64_t n, float mu, float r) {
+#define SUM_CHUNK 1024 /* floats of masked gradient at a time */
+
+/* g where the fused ReLU's output v was positive, else 0 (g loaded either way: the loops vectorise) */
+static inline float relu_grad(float g, float v) { return v > 0.0f ? g : 0.0f; }
+
+/* a += g[i], b += g[i] (p[i] - mu) r over i in [0, n) (xhat in float, as the input gradient uses it);
+ * with relu, g[i] counts only where the output p[i] sc + sh was positive (the fused ReLU's mask) */
+static void sum8_add_dy(struct sum8 *a, struct sum8 *b, const float *g, const float *p, int64_t n, float mu, float r,
+                        int relu, float sc, float sh) {
+    if (relu) { /* the masked gradient a chunk at a time (a float loop that vectorises), then the sums */
+        float t[SUM_CHUNK];
+        for (int64_t i0 = 0; i0 < n; i0 += SUM_CHUNK) {
+            int64_t m = n - i0 < SUM_CHUNK ? n - i0 : SUM_CHUNK;
+#pragma omp simd
+            for (int64_t i = 0; i < m; i++) t[i] = relu_grad(g[i0 + i], p[i0 + i] * sc + sh);
+            sum8_add_dy(a, b, t, p + i0, m, mu, r, 0, 0.0f, 0.0f);
+        }
+        return;
+    }
 #define TERM(i) (double)g[i]
     SUM8_LOOP(a, n, TERM);
 #undef TERM
@@ -147,15 +165,91 @@ static void sum8x16_add_sq(struct sum8x16 *a, const float *p, int64_t n, const d
 #undef TERM
 }
 
-/* a += g, b += g (p - mu[l]) r[l], lane by lane, as sum8_add_dy */
+/* a += g, b += g (p - mu[l]) r[l], lane by lane, as sum8_add_dy (and its relu mask) */
 static void sum8x16_add_dy(struct sum8x16 *a, struct sum8x16 *b, const float *g, const float *p, int64_t n,
-                           const float *mu, const float *r) {
+                           const float *mu, const float *r, int relu, const float *sc, const float *sh) {
+    if (relu) { /* as sum8_add_dy */
+        float t[SUM_CHUNK];
+        for (int64_t i0 = 0; i0 < n; i0 += SUM_CHUNK / 16) {
+            int64_t m = n - i0 < SUM_CHUNK / 16 ? n - i0 : SUM_CHUNK / 16;
+            for (int64_t i = 0; i < m; i++)
+#pragma omp simd
+                for (int l = 0; l < 16; l++)
+                    t[i * 16 + l] = relu_grad(g[(i0 + i) * 16 + l], p[(i0 + i) * 16 + l] * sc[l] + sh[l]);
+            sum8x16_add_dy(a, b, t, p + i0 * 16, m, mu, r, 0, NULL, NULL);
+        }
+        return;
+    }
 #define TERM(i, l) (double)g[(i) * 16 + (l)]
     SUM8X16_LOOP(a, n, TERM);
 #undef TERM
 #define TERM(i, l) ((double)g[(i) * 16 + (l)] * (double)((p[(i) * 16 + (l)] - mu[l]) * r[l]))
     SUM8X16_LOOP(b, n, TERM);
 #undef TERM
+}
+
+/* [Note: fused ReLU and 16-bit hand-off] A BatchNorm2d that a residual block
+ * follows by a ReLU and a convolution (fsdp__batchnorm_fuse_relu) writes
+ * max(y, 0) itself, in the dtype the caller asks (fsdp__wanted_dtype: the
+ * convolution's 16-bit compute dtype, [Note: 16-bit hand-off] in
+ * precision.c): one pass writing 2 bytes a value where BN's fp32 output, the
+ * ReLU in place and the convolution's cast read and wrote 18. Backward
+ * recomputes the ReLU's mask from x (the same float expression as forward:
+ * the same mask), and writes the input gradient in the 16-bit dtype the
+ * caller asks (the convolution before it rounds dy anyway). The values are
+ * the bits the separate passes gave. Each helper below does one (n, block)
+ * plane: len positions of L lanes (L = 1 plain, 16 BLOCKED16). */
+#define BN_CHUNK 1024
+
+static inline float relu_if(int relu, float v) { return relu && !(v > 0.0f) ? 0.0f : v; }
+
+/* y = relu?(x sc + sh), stored in dt */
+static void bn_apply(void *y, enum fsdp_dtype dt, const float *x, const float *sc, const float *sh, int64_t len,
+                     int L, int relu) {
+    float tmp[BN_CHUNK];
+    int64_t step = BN_CHUNK / L;
+    for (int64_t i0 = 0; i0 < len; i0 += step) {
+        int64_t m = len - i0 < step ? len - i0 : step;
+        const float *p = x + i0 * L;
+        float *q = dt == FSDP_F32 ? (float *)y + i0 * L : tmp;
+        if (L == 16) {
+            for (int64_t i = 0; i < m; i++)
+#pragma omp simd
+                for (int l = 0; l < 16; l++) q[i * 16 + l] = relu_if(relu, p[i * 16 + l] * sc[l] + sh[l]);
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < m; i++) q[i] = relu_if(relu, p[i] * sc[0] + sh[0]);
+        }
+        if (dt != FSDP_F32) fsdp__cvt_from_f32(dt, tmp, (char *)y + i0 * L * (int64_t)fsdp_dtype_size(dt), (size_t)(m * L));
+    }
+}
+
+/* dx = k (gm - a - (p - mu) r s), gm the gradient under relu's mask (p sc + sh > 0), stored in dt */
+static void bn_dx(void *dx, enum fsdp_dtype dt, const float *g, const float *x, const float *k, const float *a,
+                  const float *mu, const float *r, const float *s, const float *sc, const float *sh, int64_t len,
+                  int L, int relu) {
+    float tmp[BN_CHUNK];
+    int64_t step = BN_CHUNK / L;
+    for (int64_t i0 = 0; i0 < len; i0 += step) {
+        int64_t m = len - i0 < step ? len - i0 : step;
+        const float *p = x + i0 * L, *gg = g + i0 * L;
+        float *q = dt == FSDP_F32 ? (float *)dx + i0 * L : tmp;
+        if (L == 16) {
+            for (int64_t i = 0; i < m; i++)
+#pragma omp simd
+                for (int l = 0; l < 16; l++) {
+                    float pv = p[i * 16 + l], gv = gg[i * 16 + l], gm = relu ? relu_grad(gv, pv * sc[l] + sh[l]) : gv;
+                    q[i * 16 + l] = k[l] * (gm - a[l] - (pv - mu[l]) * r[l] * s[l]);
+                }
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < m; i++) {
+                float gv = gg[i], gm = relu ? relu_grad(gv, p[i] * sc[0] + sh[0]) : gv;
+                q[i] = k[0] * (gm - a[0] - (p[i] - mu[0]) * r[0] * s[0]);
+            }
+        }
+        if (dt != FSDP_F32) fsdp__cvt_from_f32(dt, tmp, (char *)dx + i0 * L * (int64_t)fsdp_dtype_size(dt), (size_t)(m * L));
+    }
 }
 
 /* double -> (hi, lo) floats with hi + lo == d to about 48 bits */
@@ -209,7 +303,8 @@ static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
     float *mean = fsdp__scratch(ctx, 2 * C, "BatchNorm2d statistics");
     if (!mean) return FSDP_ERR_NOMEM;
     float *rstd = mean + C;
-    FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim, in->shape, "BatchNorm2d output"));
+    enum fsdp_dtype ydt = fsdp__wanted_dtype(out); /* [Note: fused ReLU and 16-bit hand-off] */
+    FSDP_TRY(fsdp__tensor_prepare(ctx, out, ydt, in->ndim, in->shape, "BatchNorm2d output"));
     out->layout = in->layout;
     int blocked = in->layout == FSDP_LAYOUT_BLOCKED16;
     const float *x = in->data, *w = fsdp__pdata(B->weight), *b = fsdp__pdata(B->bias);
@@ -296,32 +391,20 @@ static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
             rstd[c] = (float)(1.0 / sqrt((double)rv[c] + (double)B->o.eps));
         }
     }
-    float *y = out->data; /* may equal x */
-    if (blocked) {
-        int64_t G = C / 16;
+    {
+        int64_t L = blocked ? 16 : 1, G = C / L, ysz = (int64_t)fsdp_dtype_size(ydt);
+        char *y = out->data;
+        int relu = B->relu;
 #pragma omp parallel for collapse(2) schedule(static)
         for (int64_t n = 0; n < N; n++)
-            for (int64_t g = 0; g < G; g++) {
+            for (int64_t g = 0; g < G; g++) { /* channels g L .. g L + L - 1 of image n */
                 float sc[16], sh[16];
-                for (int l = 0; l < 16; l++) {
-                    int64_t c = g * 16 + l;
+                for (int64_t l = 0; l < L; l++) {
+                    int64_t c = g * L + l;
                     sc[l] = rstd[c] * w[c], sh[l] = b[c] - mean[c] * sc[l];
                 }
-                const float *p = x + (n * G + g) * HW * 16;
-                float *q = y + (n * G + g) * HW * 16;
-                for (int64_t i = 0; i < HW; i++)
-#pragma omp simd
-                    for (int l = 0; l < 16; l++) q[i * 16 + l] = p[i * 16 + l] * sc[l] + sh[l];
-            }
-    } else {
-#pragma omp parallel for collapse(2) schedule(static)
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t c = 0; c < C; c++) {
-                float sc = rstd[c] * w[c], sh = b[c] - mean[c] * sc;
-                const float *p = x + (n * C + c) * HW;
-                float *q = y + (n * C + c) * HW;
-#pragma omp simd
-                for (int64_t i = 0; i < HW; i++) q[i] = p[i] * sc + sh;
+                int64_t o = (n * G + g) * HW * L;
+                bn_apply(y + o * ysz, ydt, x + o, sc, sh, HW, (int)L, relu);
             }
     }
     B->x = x;
@@ -358,8 +441,9 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     int sync = B->train && B->o.sync;
     int world = sync ? fsdp_comm_size(bn_comm(ctx, B)) : 1;
     /* before the scratch, which is released below; din may alias dout */
+    enum fsdp_dtype ddt = din ? fsdp__wanted_dtype(din) : FSDP_F32; /* [Note: fused ReLU and 16-bit hand-off] */
     if (din) {
-        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, dout->shape, "BatchNorm2d input gradient"));
+        FSDP_TRY(fsdp__tensor_prepare(ctx, din, ddt, dout->ndim, dout->shape, "BatchNorm2d input gradient"));
         din->layout = B->layout;
     }
     size_t mark = fsdp_arena_mark(ctx);
@@ -367,6 +451,17 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     if (!sums) return FSDP_ERR_NOMEM;
     double *sdy = sums, *sdyx = sums + C;
     const float *x = B->x, *dy = dout->data, *mean = B->mean, *rstd = B->rstd, *w = fsdp__pdata(B->weight);
+    const float *bb = fsdp__pdata(B->bias);
+    int relu = B->relu;
+    float *scsh = relu ? fsdp__scratch(ctx, 2 * C, "BatchNorm2d scale and shift") : NULL; /* the forward's */
+    if (relu && !scsh) {
+        fsdp_arena_release(ctx, mark);
+        return FSDP_ERR_NOMEM;
+    }
+    for (int64_t c = 0; c < C && relu; c++) {
+        scsh[c] = rstd[c] * w[c];
+        scsh[C + c] = bb[c] - mean[c] * scsh[c];
+    }
     if (blocked) {
         int64_t G = C / 16;
 #pragma omp parallel for schedule(static)
@@ -374,7 +469,8 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
             struct sum8x16 a = {{{0}}, 0}, s = {{{0}}, 0};
             for (int64_t n = 0; n < N; n++) {
                 int64_t o = (n * G + g) * HW * 16;
-                sum8x16_add_dy(&a, &s, dy + o, x + o, HW, mean + g * 16, rstd + g * 16);
+                sum8x16_add_dy(&a, &s, dy + o, x + o, HW, mean + g * 16, rstd + g * 16, relu,
+                               relu ? scsh + g * 16 : NULL, relu ? scsh + C + g * 16 : NULL);
             }
             for (int l = 0; l < 16; l++) {
                 sdy[g * 16 + l] = sum8x16_total(&a, l);
@@ -386,7 +482,8 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
         for (int64_t c = 0; c < C; c++) {
             struct sum8 a = {{0}, 0}, s = {{0}, 0}; /* [Note: eight partial sums] */
             for (int64_t n = 0; n < N; n++)
-                sum8_add_dy(&a, &s, dy + (n * C + c) * HW, x + (n * C + c) * HW, HW, mean[c], rstd[c]);
+                sum8_add_dy(&a, &s, dy + (n * C + c) * HW, x + (n * C + c) * HW, HW, mean[c], rstd[c], relu,
+                            relu ? scsh[c] : 0.0f, relu ? scsh[C + c] : 0.0f);
             sdy[c] = sum8_total(&a);
             sdyx[c] = sum8_total(&s);
         }
@@ -417,40 +514,23 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
         fsdp_arena_release(ctx, mark);
         return FSDP_OK;
     }
-    float *dx = din->data; /* may equal dy: each element reads only its own dy */
+    char *dx = din->data; /* may equal dy (fp32): each element reads only its own dy */
     double M = B->count;
     int train = B->train;
-    if (blocked) {
-        int64_t G = C / 16;
+    int64_t L = blocked ? 16 : 1, G = C / L, dsz = (int64_t)fsdp_dtype_size(ddt);
 #pragma omp parallel for collapse(2) schedule(static)
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t gb = 0; gb < G; gb++) {
-                float mu[16], r[16], k[16], a[16], s[16];
-                for (int l = 0; l < 16; l++) {
-                    int64_t c = gb * 16 + l;
-                    mu[l] = mean[c], r[l] = rstd[c], k[l] = w[c] * r[l];
-                    a[l] = train ? (float)(sdy[c] / M) : 0.0f, s[l] = train ? (float)(sdyx[c] / M) : 0.0f;
-                }
-                int64_t o = (n * G + gb) * HW * 16;
-                const float *p = x + o, *g = dy + o;
-                float *q = dx + o;
-                for (int64_t i = 0; i < HW; i++)
-#pragma omp simd
-                    for (int l = 0; l < 16; l++)
-                        q[i * 16 + l] = k[l] * (g[i * 16 + l] - a[l] - (p[i * 16 + l] - mu[l]) * r[l] * s[l]);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t gb = 0; gb < G; gb++) { /* channels gb L .. gb L + L - 1 of image n */
+            float mu[16], r[16], k[16], a[16], s[16], sc[16] = {0}, sh[16] = {0};
+            for (int64_t l = 0; l < L; l++) {
+                int64_t c = gb * L + l;
+                mu[l] = mean[c], r[l] = rstd[c], k[l] = w[c] * r[l];
+                a[l] = train ? (float)(sdy[c] / M) : 0.0f, s[l] = train ? (float)(sdyx[c] / M) : 0.0f;
+                if (relu) sc[l] = scsh[c], sh[l] = scsh[C + c];
             }
-    } else {
-#pragma omp parallel for collapse(2) schedule(static)
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t c = 0; c < C; c++) {
-                float mu = mean[c], r = rstd[c], k = w[c] * r;
-                float a = train ? (float)(sdy[c] / M) : 0.0f, s = train ? (float)(sdyx[c] / M) : 0.0f;
-                const float *p = x + (n * C + c) * HW, *g = dy + (n * C + c) * HW;
-                float *q = dx + (n * C + c) * HW;
-#pragma omp simd
-                for (int64_t i = 0; i < HW; i++) q[i] = k * (g[i] - a - (p[i] - mu) * r * s);
-            }
-    }
+            int64_t o = (n * G + gb) * HW * L;
+            bn_dx(dx + o * dsz, ddt, dy + o, x + o, k, a, mu, r, s, sc, sh, HW, (int)L, relu);
+        }
     fsdp_arena_release(ctx, mark);
     return FSDP_OK;
 }
@@ -499,6 +579,10 @@ enum fsdp_status fsdp_batchnorm2d_create(struct fsdp_ctx *ctx, const char *name,
     B->weight->priv->grad_writer = B->bias->priv->grad_writer = 1; /* [Note: unset gradients] */
     *out_m = m;
     return FSDP_OK;
+}
+
+void fsdp__batchnorm_fuse_relu(struct fsdp_module *m) {
+    if (m && m->ops == &bn_ops) ((struct bn *)m->impl)->relu = 1;
 }
 
 static void set_sync_rec(struct fsdp_module *m, int on, struct fsdp_comm *comm, int *n) {

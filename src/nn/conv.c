@@ -477,11 +477,15 @@ static int64_t out_size(int64_t in, int k, int s, int p, int d) {
     return (in + 2 * (int64_t)p - (int64_t)d * (k - 1) - 1) / s + 1;
 }
 
+static const struct fsdp_module_ops conv_ops;
+
 static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
                                      struct fsdp_tensor *out) {
     struct conv *C = m->impl;
     const struct fsdp_conv2d_opts *o = &C->o;
-    FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 4, 0));
+    enum fsdp_dtype lp = fsdp__compute_dtype(m);
+    int in16 = lp != FSDP_F32 && in && in->dtype == lp; /* [Note: 16-bit hand-off]: the rounded input */
+    FSDP_TRY(fsdp__check_input_any(ctx, m, in, in16 ? lp : FSDP_F32, 4, 0));
     if (in->shape[1] != o->in_channels)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': input has %lld channels, expected %lld",
                          fsdp__mname(m), (long long)in->shape[1], (long long)o->in_channels);
@@ -498,7 +502,6 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     out->layout = fsdp__layout_for(o->out_layout, 4, o->out_channels);
     C->n = N, C->h = H, C->w = W, C->oh = OH, C->ow = OW;
     C->in_l = in->layout, C->out_l = out->layout;
-    enum fsdp_dtype lp = fsdp__compute_dtype(m);
     int ok = 0;
     if (lp == FSDP_BF16 && fsdp_gemm_native(FSDP_BF16)) FSDP_TRY(prims_get(ctx, m, FSDP_BF16, &ok));
     C->lp = lp;
@@ -506,8 +509,16 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     const void *x = in->data, *w = NULL;
     enum fsdp_dtype xdt = FSDP_F32;
     int64_t nx = fsdp_tensor_numel(in);
-    int keep = ok && C->p.keep_x;
-    if (keep) { /* [Note: one pass into the primitives' layout]: kept for backward */
+    int keep = ok && C->p.keep_x && !in16;
+    if (in16 && ok) { /* the caller's bf16 input, kept for backward as it is */
+        xdt = FSDP_BF16;
+    } else if (in16) { /* widened: the 16-bit values in fp32 are the rounded copy */
+        float *xw = fsdp__scratch(ctx, nx, "Conv2d input (16-bit, widened)");
+        if (!xw) return FSDP_ERR_NOMEM;
+        fsdp__cvt_to_f32(lp, in->data, xw, (size_t)nx);
+        FSDP_TRY(prims_get(ctx, m, FSDP_F32, &ok));
+        x = xw;
+    } else if (keep) { /* [Note: one pass into the primitives' layout]: kept for backward */
         x = xarg_from_f32(ctx, &C->p.x_in, in->data);
         if (!x) return fsdp__err(ctx, FSDP_ERR_NOMEM, "Conv2d '%s': no memory for the input (bf16)", fsdp__mname(m));
         xdt = FSDP_BF16;
@@ -534,7 +545,12 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     C->x = x;
     C->xdt = xdt;
     C->x_kept = keep;
+    m->priv->dout_dtype = lp; /* [Note: 16-bit hand-off]: 16-bit compute rounds dy, so it takes dy rounded */
     return FSDP_OK;
+}
+
+enum fsdp_dtype fsdp__conv_input_dtype(const struct fsdp_module *m) {
+    return m->ops == &conv_ops ? fsdp__compute_dtype(m) : FSDP_F32;
 }
 
 static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
@@ -542,7 +558,8 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     struct conv *C = m->impl;
     const struct fsdp_conv2d_opts *o = &C->o;
     if (!C->x) return fsdp__err(ctx, FSDP_ERR_STATE, "Conv2d '%s': backward without forward", fsdp__mname(m));
-    FSDP_TRY(fsdp__check_input_any(ctx, m, dout, FSDP_F32, 4, 0));
+    int d16 = C->lp != FSDP_F32 && dout && dout->dtype == C->lp; /* [Note: 16-bit hand-off]: dy rounded */
+    FSDP_TRY(fsdp__check_input_any(ctx, m, dout, d16 ? C->lp : FSDP_F32, 4, 0));
     if (dout->layout != C->out_l)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': gradient in the %s layout, the output was %s",
                          fsdp__mname(m), dout->layout == FSDP_LAYOUT_PLAIN ? "PLAIN" : "BLOCKED16",
@@ -568,7 +585,12 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     const void *dy = dout->data;
     const struct xarg *bw_src = C->x_kept ? &C->p.x_op : &C->p.a[BW_SRC];
     const struct xarg *bw_ddst = &C->p.a[BW_DDST], *bd_ddst = &C->p.a[BD_DDST];
-    if (C->p.dy_in.reorder && !C->widen) { /* [Note: one pass into the primitives' layout] (widened: rounded first) */
+    if (d16 && C->xdt == FSDP_BF16) { /* as it is */
+    } else if (d16) { /* widened: the 16-bit values in fp32 are the rounded copy */
+        float *dw = fsdp__scratch(ctx, ny, "Conv2d output gradient (16-bit, widened)");
+        if (dw) fsdp__cvt_to_f32(C->lp, dout->data, dw, (size_t)ny);
+        dy = dw;
+    } else if (C->p.dy_in.reorder && !C->widen) { /* [Note: one pass into the primitives' layout] (widened: rounded first) */
         dy = xarg_from_f32(ctx, &C->p.dy_in, dout->data);
         bw_ddst = bd_ddst = &C->p.dy_op;
     } else if (C->xdt == FSDP_BF16) {
@@ -592,7 +614,13 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     if (C->p.bw_f32) { /* [Note: bf16 weight gradients of small images] */
         int64_t nx = C->n * o->in_channels * C->h * C->w;
         float *x32 = fsdp__scratch(ctx, nx, "Conv2d input (bf16, widened)");
-        wdy = rounded_copy(ctx, FSDP_BF16, dout->data, ny, "Conv2d output gradient (bf16, widened)");
+        if (d16) { /* dy is the caller's bf16 */
+            float *dw = fsdp__scratch(ctx, ny, "Conv2d output gradient (bf16, widened)");
+            if (dw) fsdp__cvt_to_f32(FSDP_BF16, dout->data, dw, (size_t)ny);
+            wdy = dw;
+        } else {
+            wdy = rounded_copy(ctx, FSDP_BF16, dout->data, ny, "Conv2d output gradient (bf16, widened)");
+        }
         if (!x32 || !wdy) {
             fsdp_arena_release(ctx, mark);
             return FSDP_ERR_NOMEM;

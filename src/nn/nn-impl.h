@@ -85,7 +85,7 @@ void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, 
  * gathered the parameter in dt (p->priv->data_lp), that copy is returned as is. */
 const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp_dtype dt);
 /* The dtype in which m's forward takes its input without casting it
- * ([Note: 16-bit hand-off]): a Linear's 16-bit compute dtype, a
+ * ([Note: 16-bit hand-off]): a Linear's or a Conv2d's 16-bit compute dtype, a
  * CausalSelfAttention's or MLP's first Linear's; FSDP_F32 for anything else. */
 enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m);
 /* The output dtype a caller asked of a producer ([Note: 16-bit hand-off]):
@@ -98,6 +98,7 @@ enum fsdp_dtype fsdp__linear_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__attention_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__mlp_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__gelu_input_dtype(const struct fsdp_module *m);
+enum fsdp_dtype fsdp__conv_input_dtype(const struct fsdp_module *m);
 
 /* db[c] += sum over rows i of x[i*cols + c], each column summed in row order
  * in fp32 from zero, then added: the same bits whatever the team size. Each
@@ -166,6 +167,10 @@ enum fsdp_status fsdp__check_input(struct fsdp_ctx *ctx, const struct fsdp_modul
  * multiple of 16 channels). */
 enum fsdp_status fsdp__check_input_any(struct fsdp_ctx *ctx, const struct fsdp_module *m,
                                        const struct fsdp_tensor *t, enum fsdp_dtype dt, int ndim, int64_t last);
+
+/* Makes BatchNorm2d m apply a ReLU to its output, as its forward and
+ * backward ([Note: fused ReLU and 16-bit hand-off] in batchnorm.c). */
+void fsdp__batchnorm_fuse_relu(struct fsdp_module *m);
 
 /* ---- Blocked activations (layout.c, [Note: blocked activations] in conv.c) ---- */
 /* Channels per block of FSDP_LAYOUT_BLOCKED16 (1 for PLAIN). */

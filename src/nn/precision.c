@@ -28,7 +28,9 @@
  * ln_1, qkv, the heads' y, ln_2 and GELU are 10 of a Block's C-wide
  * activations per token: 10 fp32 values kept, and the 16-bit copies on top,
  * became 5 fp32 values' worth. The composite that wires them (Block, MLP,
- * CausalSelfAttention, GPT) asks for it by setting the output tensor's dtype
+ * CausalSelfAttention, GPT; a residual block for the BatchNorm with its
+ * fused ReLU before a Conv2d, [Note: fused ReLU and 16-bit hand-off] in
+ * batchnorm.c) asks for it by setting the output tensor's dtype
  * before the producer's forward, to fsdp__input_dtype(consumer); a producer
  * that honours the request (fsdp__wanted_dtype: LayerNorm, GELU, a Linear
  * computing in 16 bits) computes each row or block in fp32 as before and
@@ -115,6 +117,7 @@ enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m) {
     if (dt == FSDP_F32) dt = fsdp__attention_input_dtype(m);
     if (dt == FSDP_F32) dt = fsdp__mlp_input_dtype(m);
     if (dt == FSDP_F32) dt = fsdp__gelu_input_dtype(m); /* [Note: 16-bit activations] */
+    if (dt == FSDP_F32) dt = fsdp__conv_input_dtype(m);
     return dt;
 }
 

@@ -5,9 +5,11 @@
  * (3x3), bn2; Bottleneck conv1 (1x1), bn1, conv2 (3x3, stride s), bn2, conv3
  * (1x1, 4x wider), bn3; both with downsample = Sequential(Conv2d 1x1 stride
  * s, BatchNorm2d) when the stride or the width changes, and out =
- * relu(last bn + identity). The ReLUs run inline, in place on each bn's
- * output and on the sum (a BatchNorm saves its own input, so nothing
- * overwritten is read again); the block saves the ReLU outputs for backward.
+ * relu(last bn + identity). The inner ReLUs are fused into their BNs, which
+ * write the next convolution's input in its compute dtype ([Note: fused ReLU
+ * and 16-bit hand-off] in batchnorm.c), and take the gradient back in it;
+ * the last ReLU runs inline on the sum, and the block saves its output for
+ * backward.
  * Layouts ([Note: blocked activations] in conv.c): Sequential passes its
  * children's on; a block's convolutions write FSDP_VISION_LAYOUT's (BLOCKED16
  * where the width is a multiple of 16), the output is in that layout, and an
@@ -83,22 +85,17 @@ enum fsdp_status fsdp_sequential_create(struct fsdp_ctx *ctx, const char *name, 
 struct resblock {
     int n;
     struct fsdp_module *conv[RB_MAX], *bn[RB_MAX], *downsample; /* children; downsample may be NULL */
-    const float *r[RB_MAX]; /* saved ReLU outputs: after bn[0..n-2], then the block's output (arena) */
-    int64_t nr[RB_MAX];
+    const float *y;         /* the saved block output (after its ReLU; arena) */
+    int64_t ny;
     int ndim;
     int64_t shape[FSDP_MAX_DIMS]; /* of the input */
     enum fsdp_layout in_l, out_l; /* of the input and the output */
 };
 
-static void relu_inplace(float *x, int64_t n) {
+/* g[i] = y[i] > 0 ? d[i] : 0 (d may be g) */
+static void relu_mask(float *g, const float *d, const float *y, int64_t n) {
 #pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; i++) x[i] = x[i] > 0.0f ? x[i] : 0.0f;
-}
-
-/* g[i] = y[i] > 0 ? g[i] : 0 */
-static void relu_mask(float *g, const float *y, int64_t n) {
-#pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; i++) g[i] = y[i] > 0.0f ? g[i] : 0.0f;
+    for (int64_t i = 0; i < n; i++) g[i] = y[i] > 0.0f ? d[i] : 0.0f;
 }
 
 static enum fsdp_status rb_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
@@ -112,13 +109,9 @@ static enum fsdp_status rb_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
         struct fsdp_tensor t = {0}, u = {0};
         int last = i + 1 == K->n;
         FSDP_TRY(fsdp_module_forward(K->conv[i], ctx, &cur, &t));
+        if (!last) u.dtype = fsdp__input_dtype(K->conv[i + 1]); /* bn[i] with its ReLU: conv[i+1]'s input */
         FSDP_TRY(fsdp_module_forward(K->bn[i], ctx, &t, last ? out : &u));
-        if (!last) { /* bn saved its input, conv[i+1] saves this output: nothing reads it before the ReLU */
-            relu_inplace(u.data, fsdp_tensor_numel(&u));
-            K->r[i] = u.data;
-            K->nr[i] = fsdp_tensor_numel(&u);
-            cur = u;
-        }
+        if (!last) cur = u;
     }
     if (K->downsample) FSDP_TRY(fsdp_module_forward(K->downsample, ctx, in, &id));
     else FSDP_TRY(fsdp__as_layout(ctx, in, out->layout, &id, "residual block identity (relaid out)"));
@@ -130,8 +123,8 @@ static enum fsdp_status rb_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
     const float *s = id.data;
 #pragma omp parallel for simd schedule(static)
     for (int64_t i = 0; i < n; i++) y[i] = y[i] + s[i] > 0.0f ? y[i] + s[i] : 0.0f;
-    K->r[K->n - 1] = y;
-    K->nr[K->n - 1] = n;
+    K->y = y;
+    K->ny = n;
     K->ndim = in->ndim;
     memcpy(K->shape, in->shape, sizeof K->shape);
     K->in_l = in->layout, K->out_l = out->layout;
@@ -143,8 +136,8 @@ static enum fsdp_status rb_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
 static enum fsdp_status rb_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
                                     struct fsdp_tensor *din) {
     struct resblock *K = m->impl;
-    const float *yout = K->r[K->n - 1];
-    int64_t nout = K->nr[K->n - 1];
+    const float *yout = K->y;
+    int64_t nout = K->ny;
     if (!yout) return fsdp__err(ctx, FSDP_ERR_STATE, "%s '%s': backward without forward", m->ops->type, fsdp__mname(m));
     FSDP_TRY(fsdp__check_input_any(ctx, m, dout, FSDP_F32, 4, 0));
     if (dout->layout != K->out_l)
@@ -157,20 +150,17 @@ static enum fsdp_status rb_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     size_t mark = fsdp_arena_mark(ctx);
     float *g = fsdp__scratch(ctx, nout, "residual block output gradient");
     if (!g) return FSDP_ERR_NOMEM;
-    memcpy(g, dout->data, (size_t)nout * sizeof(float));
-    relu_mask(g, yout, nout);
+    relu_mask(g, dout->data, yout, nout);
     struct fsdp_tensor gt = *dout, cur = *dout, did = {0};
     gt.data = g;
     cur.data = g;
     enum fsdp_status st = FSDP_OK;
-    for (int i = K->n - 1; i >= 0 && st == FSDP_OK; i--) {
+    for (int i = K->n - 1; i >= 0 && st == FSDP_OK; i--) { /* bn[i < n-1] mask with their fused ReLUs */
         struct fsdp_tensor t = {0}, u = {0};
+        t.dtype = K->conv[i]->priv->dout_dtype; /* the gradient in the dtype conv[i] takes it in */
         st = fsdp_module_backward(K->bn[i], ctx, &cur, &t);
         if (st == FSDP_OK) st = fsdp_module_backward(K->conv[i], ctx, &t, i ? &u : din);
-        if (st == FSDP_OK && i) {
-            relu_mask(u.data, K->r[i - 1], K->nr[i - 1]);
-            cur = u;
-        }
+        cur = u;
     }
     if (st == FSDP_OK && K->downsample) st = fsdp_module_backward(K->downsample, ctx, &gt, din ? &did : NULL);
     struct fsdp_tensor gid = gt; /* the identity's gradient, in the input's layout */
@@ -234,6 +224,7 @@ static enum fsdp_status rb_create(struct fsdp_ctx *ctx, const struct fsdp_module
         snprintf(bn, sizeof bn, "bn%d", i + 1);
         st = add_conv(ctx, m, cn, w[i], w[i + 1], k[i], i == sp ? stride : 1, &K->conv[i]);
         if (st == FSDP_OK) st = add_bn(ctx, m, bn, w[i + 1], &K->bn[i]);
+        if (st == FSDP_OK && i + 1 < n) fsdp__batchnorm_fuse_relu(K->bn[i]);
     }
     if (st == FSDP_OK && (stride != 1 || w[0] != w[n])) {
         struct fsdp_module *ds = NULL;
