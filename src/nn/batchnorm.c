@@ -426,10 +426,7 @@ static enum fsdp_status bn_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     struct bn *B = m->impl;
     if (!B->mean) return fsdp__err(ctx, FSDP_ERR_STATE, "BatchNorm2d '%s': backward without forward", fsdp__mname(m));
     FSDP_TRY(fsdp__check_input_any(ctx, m, dout, FSDP_F32, 0, 0));
-    if (dout->layout != B->layout)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': gradient in the %s layout, the output was %s",
-                         fsdp__mname(m), dout->layout == FSDP_LAYOUT_PLAIN ? "PLAIN" : "BLOCKED16",
-                         B->layout == FSDP_LAYOUT_PLAIN ? "PLAIN" : "BLOCKED16");
+    FSDP_TRY(fsdp__check_grad_layout(ctx, m, dout, B->layout));
     int blocked = B->layout == FSDP_LAYOUT_BLOCKED16;
     int64_t N = B->n, C = B->o.num_features, HW = B->hw;
     if ((dout->ndim != 2 && dout->ndim != 4) || dout->shape[0] != N || dout->shape[1] != C ||

@@ -560,10 +560,7 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     if (!C->x) return fsdp__err(ctx, FSDP_ERR_STATE, "Conv2d '%s': backward without forward", fsdp__mname(m));
     int d16 = C->lp != FSDP_F32 && dout && dout->dtype == C->lp; /* [Note: 16-bit hand-off]: dy rounded */
     FSDP_TRY(fsdp__check_input_any(ctx, m, dout, d16 ? C->lp : FSDP_F32, 4, 0));
-    if (dout->layout != C->out_l)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': gradient in the %s layout, the output was %s",
-                         fsdp__mname(m), dout->layout == FSDP_LAYOUT_PLAIN ? "PLAIN" : "BLOCKED16",
-                         C->out_l == FSDP_LAYOUT_PLAIN ? "PLAIN" : "BLOCKED16");
+    FSDP_TRY(fsdp__check_grad_layout(ctx, m, dout, C->out_l));
     if (dout->shape[0] != C->n || dout->shape[1] != o->out_channels || dout->shape[2] != C->oh ||
         dout->shape[3] != C->ow)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "Conv2d '%s': gradient is (%lld, %lld, %lld, %lld), output was "

@@ -40,3 +40,12 @@ enum fsdp_status fsdp__as_layout(struct fsdp_ctx *ctx, const struct fsdp_tensor 
     out->layout = l;
     return FSDP_OK;
 }
+
+static const char *layout_name(enum fsdp_layout l) { return l == FSDP_LAYOUT_BLOCKED16 ? "BLOCKED16" : "PLAIN"; }
+
+enum fsdp_status fsdp__check_grad_layout(struct fsdp_ctx *ctx, const struct fsdp_module *m,
+                                         const struct fsdp_tensor *g, enum fsdp_layout want) {
+    if (g->layout == want) return FSDP_OK;
+    return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': gradient in the %s layout, the output was %s", m->ops->type,
+                     fsdp__mname(m), layout_name(g->layout), layout_name(want));
+}

@@ -178,6 +178,10 @@ static inline int64_t fsdp__lanes(enum fsdp_layout l) { return l == FSDP_LAYOUT_
 /* The layout the vision models' convolutions write: BLOCKED16 unless
  * FSDP_VISION_LAYOUT=plain (for comparisons; the same values either way). */
 enum fsdp_layout fsdp__vision_layout(void);
+/* FSDP_ERR_INVALID naming module m unless the output gradient g is in the
+ * layout its forward wrote the output in (want). */
+enum fsdp_status fsdp__check_grad_layout(struct fsdp_ctx *ctx, const struct fsdp_module *m,
+                                         const struct fsdp_tensor *g, enum fsdp_layout want);
 /* l if a 4-D tensor of C channels can be in it, else PLAIN */
 static inline enum fsdp_layout fsdp__layout_for(enum fsdp_layout l, int ndim, int64_t channels) {
     return l == FSDP_LAYOUT_BLOCKED16 && ndim == 4 && channels % 16 == 0 ? l : FSDP_LAYOUT_PLAIN;

@@ -45,8 +45,7 @@ static enum fsdp_status relu_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     struct relu *R = m->impl;
     if (!R->y) return fsdp__err(ctx, FSDP_ERR_STATE, "ReLU '%s': backward without forward", fsdp__mname(m));
     FSDP_TRY(fsdp__check_input_any(ctx, m, dout, FSDP_F32, 0, 0));
-    if (dout->layout != R->layout)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "ReLU '%s': gradient and output in different layouts", fsdp__mname(m));
+    FSDP_TRY(fsdp__check_grad_layout(ctx, m, dout, R->layout));
     if (fsdp_tensor_numel(dout) != R->n)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "ReLU '%s': gradient has %lld elements, forward had %lld",
                          fsdp__mname(m), (long long)fsdp_tensor_numel(dout), (long long)R->n);
@@ -158,9 +157,9 @@ static enum fsdp_status maxpool_backward(struct fsdp_module *m, struct fsdp_ctx 
     struct maxpool *P = m->impl;
     if (!P->ws) return fsdp__err(ctx, FSDP_ERR_STATE, "MaxPool2d '%s': backward without forward", fsdp__mname(m));
     FSDP_TRY(fsdp__check_input_any(ctx, m, dout, FSDP_F32, 4, 0));
-    if (dout->shape[0] != P->n || dout->shape[1] != P->c || dout->shape[2] != P->oh || dout->shape[3] != P->ow ||
-        dout->layout != P->l)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "MaxPool2d '%s': gradient shape or layout differs from the output's",
+    FSDP_TRY(fsdp__check_grad_layout(ctx, m, dout, P->l));
+    if (dout->shape[0] != P->n || dout->shape[1] != P->c || dout->shape[2] != P->oh || dout->shape[3] != P->ow)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "MaxPool2d '%s': gradient shape differs from the output's",
                          fsdp__mname(m));
     if (!din) return FSDP_OK;
     FSDP_TRY(maxpool_prims(ctx, m));

@@ -140,9 +140,7 @@ static enum fsdp_status rb_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     int64_t nout = K->ny;
     if (!yout) return fsdp__err(ctx, FSDP_ERR_STATE, "%s '%s': backward without forward", m->ops->type, fsdp__mname(m));
     FSDP_TRY(fsdp__check_input_any(ctx, m, dout, FSDP_F32, 4, 0));
-    if (dout->layout != K->out_l)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': gradient and output in different layouts", m->ops->type,
-                         fsdp__mname(m));
+    FSDP_TRY(fsdp__check_grad_layout(ctx, m, dout, K->out_l));
     if (fsdp_tensor_numel(dout) != nout)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': gradient has %lld values, output had %lld", m->ops->type,
                          fsdp__mname(m), (long long)fsdp_tensor_numel(dout), (long long)nout);
