@@ -8,7 +8,8 @@
  * BasicBlock, 4 for Bottleneck):
  *   ""          ResNet             (N, in_chans, H, W) -> logits (N, num_classes)
  *   conv1       Conv2d             in_chans -> w: 7x7 s2 p3 (imagenet) or 3x3 s1 p1 (cifar)
- *   bn1, relu   BatchNorm2d, ReLU  (relu in place on bn1's output)
+ *   bn1, relu   BatchNorm2d, ReLU  (the ReLU runs fused in bn1: relu is in the
+ *               tree for torchvision's structure and is not run)
  *   maxpool     MaxPool2d(3, 2, 1) imagenet stem only
  *   layer1..4   Sequential         blocks "0".."n-1", planes w, 2w, 4w, 8w, stride 1, 2, 2, 2
  *   avgpool     AdaptiveAvgPool2d  (N, 8 w e, 1, 1), seen as (N, 8 w e) by fc (a view)
@@ -51,8 +52,8 @@ static enum fsdp_status resnet_forward(struct fsdp_module *m, struct fsdp_ctx *c
     struct fsdp_tensor cur = *in;
     for (int i = RN_CONV1; i <= RN_AVGPOOL; i++) {
         if (!R->mod[i]) continue;
+        if (i == RN_RELU) continue; /* fused in bn1 (resnet_build) */
         struct fsdp_tensor next = {0};
-        if (i == RN_RELU) next = cur; /* in place: bn1 saved its own input */
         FSDP_TRY(fsdp_module_forward(R->mod[i], ctx, &cur, &next));
         cur = next;
     }
@@ -95,9 +96,8 @@ static enum fsdp_status resnet_backward(struct fsdp_module *m, struct fsdp_ctx *
         memcpy(g.shape, R->pool_shape, sizeof g.shape);
     }
     for (int i = RN_AVGPOOL; i >= RN_CONV1 && st == FSDP_OK; i--) {
-        if (!R->mod[i]) continue;
+        if (!R->mod[i] || i == RN_RELU) continue; /* relu: fused in bn1 */
         struct fsdp_tensor prev = {0};
-        if (i == RN_RELU) prev = g; /* in place: nothing reads this gradient again */
         st = fsdp_module_backward(R->mod[i], ctx, &g, i == RN_CONV1 ? din : &prev);
         g = prev;
     }
@@ -136,6 +136,7 @@ static enum fsdp_status resnet_build(struct fsdp_ctx *ctx, struct fsdp_module *r
     FSDP_TRY(fsdp__adopt(ctx, root, fsdp_conv2d_create(ctx, "conv1", &co, &c), &c, &R->mod[RN_CONV1]));
     struct fsdp_batchnorm_opts bo = fsdp_batchnorm_opts_default(w);
     FSDP_TRY(fsdp__adopt(ctx, root, fsdp_batchnorm2d_create(ctx, "bn1", &bo, &c), &c, &R->mod[RN_BN1]));
+    fsdp__batchnorm_fuse_relu(R->mod[RN_BN1]); /* one pass instead of two each way, the same bits */
     FSDP_TRY(fsdp__adopt(ctx, root, fsdp_relu_create(ctx, "relu", &c), &c, &R->mod[RN_RELU]));
     if (cfg->stem == FSDP_RESNET_STEM_IMAGENET)
         FSDP_TRY(fsdp__adopt(ctx, root, fsdp_maxpool2d_create(ctx, "maxpool", 3, 2, 1, &c), &c, &R->mod[RN_MAXPOOL]));
