@@ -99,15 +99,21 @@ enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp
  * is not lp_reader is not lp_reader either (hoist_tied, src/fsdp/wrap.c).
  * Every other path that gathers (summon, checkpoints, sync) widens eagerly
  * into the flat layout. The values read are the same bits either way. */
+/* n elements of dt in the arena for `what` (of parameter `name`, or NULL);
+ * NULL with the error set (FSDP_ERR_NOMEM) when the arena cannot hold them */
+static void *arena_elems(struct fsdp_ctx *ctx, int64_t n, enum fsdp_dtype dt, const char *what, const char *name) {
+    void *p = fsdp_arena_alloc(ctx, (size_t)n * fsdp_dtype_size(dt));
+    if (!p)
+        fsdp__arena_err(ctx, "out of memory for %s (%s%s%lld %s elements) in the activation arena", what,
+                        name ? name : "", name ? ", " : "", (long long)n, fsdp_dtype_name(dt));
+    return p;
+}
+
 const float *fsdp__pdata_f32(struct fsdp_ctx *ctx, struct fsdp_param *p, const char *what) {
     struct fsdp_param *q = p->tied_to ? p->tied_to : p;
     if (!q->priv->data_stale) return q->data;
-    float *w = fsdp_arena_alloc(ctx, (size_t)q->numel * sizeof(float));
-    if (!w) {
-        fsdp__arena_err(ctx, "out of memory for %s ('%s', %lld elements) in the activation arena", what,
-                  q->fqn ? q->fqn : q->name, (long long)q->numel);
-        return NULL;
-    }
+    float *w = arena_elems(ctx, q->numel, FSDP_F32, what, q->fqn ? q->fqn : q->name);
+    if (!w) return NULL;
     if (!fsdp__measuring) fsdp__cvt_to_f32(q->priv->data_lp_dtype, q->priv->data_lp, w, (size_t)q->numel);
     return w;
 }
@@ -122,12 +128,8 @@ enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m) {
 }
 
 void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what) {
-    void *p = fsdp_arena_alloc(ctx, (size_t)n * fsdp_dtype_size(dt));
-    if (!p) {
-        fsdp__arena_err(ctx, "out of memory for %s (%lld %s elements) in the activation arena", what,
-                  (long long)n, fsdp_dtype_name(dt));
-        return NULL;
-    }
+    void *p = arena_elems(ctx, n, dt, what, NULL);
+    if (!p) return NULL;
     fsdp__cvt_from_f32(dt, src, p, (size_t)n);
     return p;
 }
@@ -140,12 +142,8 @@ const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp
     snprintf(what, sizeof what, "%s in %s", p->fqn ? p->fqn : p->name, fsdp_dtype_name(dt));
     if (!q->priv->data_stale) return fsdp__lp_copy(ctx, dt, fsdp__pdata(p), p->numel, what);
     /* gathered in another 16-bit dtype, fp32 values unmade: widen above the cast, then drop the widened copy */
-    void *c = fsdp_arena_alloc(ctx, (size_t)p->numel * fsdp_dtype_size(dt));
-    if (!c) {
-        fsdp__arena_err(ctx, "out of memory for %s (%lld %s elements) in the activation arena", what,
-                  (long long)p->numel, fsdp_dtype_name(dt));
-        return NULL;
-    }
+    void *c = arena_elems(ctx, p->numel, dt, what, NULL);
+    if (!c) return NULL;
     size_t mark = fsdp_arena_mark(ctx);
     const float *w = fsdp__pdata_f32(ctx, p, what);
     if (w && !fsdp__measuring) fsdp__cvt_from_f32(dt, w, c, (size_t)p->numel);
