@@ -51,8 +51,7 @@ static enum fsdp_status resnet_forward(struct fsdp_module *m, struct fsdp_ctx *c
     R->ran = 0;
     struct fsdp_tensor cur = *in;
     for (int i = RN_CONV1; i <= RN_AVGPOOL; i++) {
-        if (!R->mod[i]) continue;
-        if (i == RN_RELU) continue; /* fused in bn1 (resnet_build) */
+        if (!R->mod[i] || i == RN_RELU) continue; /* relu: fused in bn1 (resnet_build) */
         struct fsdp_tensor next = {0};
         FSDP_TRY(fsdp_module_forward(R->mod[i], ctx, &cur, &next));
         cur = next;

@@ -96,7 +96,7 @@ static void sum8_add_sq(struct sum8 *a, const float *p, int64_t n, double mu) {
 #undef TERM
 }
 
-#define SUM_CHUNK 1024 /* floats of masked gradient at a time */
+#define BN_CHUNK 1024 /* floats at a time in the stack buffers below (masked gradient, 16-bit output) */
 
 /* g where the fused ReLU's output v was positive, else 0 (g loaded either way: the loops vectorise) */
 static inline float relu_grad(float g, float v) { return v > 0.0f ? g : 0.0f; }
@@ -106,9 +106,9 @@ static inline float relu_grad(float g, float v) { return v > 0.0f ? g : 0.0f; }
 static void sum8_add_dy(struct sum8 *a, struct sum8 *b, const float *g, const float *p, int64_t n, float mu, float r,
                         int relu, float sc, float sh) {
     if (relu) { /* the masked gradient a chunk at a time (a float loop that vectorises), then the sums */
-        float t[SUM_CHUNK];
-        for (int64_t i0 = 0; i0 < n; i0 += SUM_CHUNK) {
-            int64_t m = n - i0 < SUM_CHUNK ? n - i0 : SUM_CHUNK;
+        float t[BN_CHUNK];
+        for (int64_t i0 = 0; i0 < n; i0 += BN_CHUNK) {
+            int64_t m = n - i0 < BN_CHUNK ? n - i0 : BN_CHUNK;
 #pragma omp simd
             for (int64_t i = 0; i < m; i++) t[i] = relu_grad(g[i0 + i], p[i0 + i] * sc + sh);
             sum8_add_dy(a, b, t, p + i0, m, mu, r, 0, 0.0f, 0.0f);
@@ -169,9 +169,9 @@ static void sum8x16_add_sq(struct sum8x16 *a, const float *p, int64_t n, const d
 static void sum8x16_add_dy(struct sum8x16 *a, struct sum8x16 *b, const float *g, const float *p, int64_t n,
                            const float *mu, const float *r, int relu, const float *sc, const float *sh) {
     if (relu) { /* as sum8_add_dy */
-        float t[SUM_CHUNK];
-        for (int64_t i0 = 0; i0 < n; i0 += SUM_CHUNK / 16) {
-            int64_t m = n - i0 < SUM_CHUNK / 16 ? n - i0 : SUM_CHUNK / 16;
+        float t[BN_CHUNK];
+        for (int64_t i0 = 0; i0 < n; i0 += BN_CHUNK / 16) {
+            int64_t m = n - i0 < BN_CHUNK / 16 ? n - i0 : BN_CHUNK / 16;
             for (int64_t i = 0; i < m; i++)
 #pragma omp simd
                 for (int l = 0; l < 16; l++)
@@ -199,7 +199,6 @@ static void sum8x16_add_dy(struct sum8x16 *a, struct sum8x16 *b, const float *g,
  * caller asks (the convolution before it rounds dy anyway). The values are
  * the bits the separate passes gave. Each helper below does one (n, block)
  * plane: len positions of L lanes (L = 1 plain, 16 BLOCKED16). */
-#define BN_CHUNK 1024
 
 static inline float relu_if(int relu, float v) { return relu && !(v > 0.0f) ? 0.0f : v; }
 

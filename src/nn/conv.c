@@ -459,6 +459,13 @@ static enum fsdp_status run_prim(struct fsdp_ctx *ctx, struct fsdp_module *m, dn
     return FSDP_OK;
 }
 
+/* n 16-bit values of dt (BF16/F16) at src widened to fp32, in the arena (exact) */
+static float *widened_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const void *src, int64_t n, const char *what) {
+    float *out = fsdp__scratch(ctx, n, what);
+    if (out) fsdp__cvt_to_f32(dt, src, out, (size_t)n);
+    return out;
+}
+
 /* n values of src rounded to dt (BF16/F16) and widened back to fp32, in the arena */
 static float *rounded_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what) {
     float *out = fsdp__scratch(ctx, n, what);
@@ -513,9 +520,8 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     if (in16 && ok) { /* the caller's bf16 input, kept for backward as it is */
         xdt = FSDP_BF16;
     } else if (in16) { /* widened: the 16-bit values in fp32 are the rounded copy */
-        float *xw = fsdp__scratch(ctx, nx, "Conv2d input (16-bit, widened)");
+        float *xw = widened_copy(ctx, lp, in->data, nx, "Conv2d input (16-bit, widened)");
         if (!xw) return FSDP_ERR_NOMEM;
-        fsdp__cvt_to_f32(lp, in->data, xw, (size_t)nx);
         FSDP_TRY(prims_get(ctx, m, FSDP_F32, &ok));
         x = xw;
     } else if (keep) { /* [Note: one pass into the primitives' layout]: kept for backward */
@@ -584,9 +590,7 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     const struct xarg *bw_ddst = &C->p.a[BW_DDST], *bd_ddst = &C->p.a[BD_DDST];
     if (d16 && C->xdt == FSDP_BF16) { /* as it is */
     } else if (d16) { /* widened: the 16-bit values in fp32 are the rounded copy */
-        float *dw = fsdp__scratch(ctx, ny, "Conv2d output gradient (16-bit, widened)");
-        if (dw) fsdp__cvt_to_f32(C->lp, dout->data, dw, (size_t)ny);
-        dy = dw;
+        dy = widened_copy(ctx, C->lp, dout->data, ny, "Conv2d output gradient (16-bit, widened)");
     } else if (C->p.dy_in.reorder && !C->widen) { /* [Note: one pass into the primitives' layout] (widened: rounded first) */
         dy = xarg_from_f32(ctx, &C->p.dy_in, dout->data);
         bw_ddst = bd_ddst = &C->p.dy_op;
@@ -610,22 +614,13 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     size_t wmark = fsdp_arena_mark(ctx);
     if (C->p.bw_f32) { /* [Note: bf16 weight gradients of small images] */
         int64_t nx = C->n * o->in_channels * C->h * C->w;
-        float *x32 = fsdp__scratch(ctx, nx, "Conv2d input (bf16, widened)");
-        if (d16) { /* dy is the caller's bf16 */
-            float *dw = fsdp__scratch(ctx, ny, "Conv2d output gradient (bf16, widened)");
-            if (dw) fsdp__cvt_to_f32(FSDP_BF16, dout->data, dw, (size_t)ny);
-            wdy = dw;
-        } else {
-            wdy = rounded_copy(ctx, FSDP_BF16, dout->data, ny, "Conv2d output gradient (bf16, widened)");
-        }
-        if (!x32 || !wdy) {
+        wx = widened_copy(ctx, FSDP_BF16, C->x, nx, "Conv2d input (bf16, widened)");
+        wdy = d16 ? widened_copy(ctx, FSDP_BF16, dout->data, ny, "Conv2d output gradient (bf16, widened)")
+                  : rounded_copy(ctx, FSDP_BF16, dout->data, ny, "Conv2d output gradient (bf16, widened)");
+        if (!wx || !wdy) {
             fsdp_arena_release(ctx, mark);
             return FSDP_ERR_NOMEM;
         }
-        const uint16_t *xb = C->x;
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < nx; i++) x32[i] = fsdp__bf16_to_f32(xb[i]);
-        wx = x32;
     }
     const struct xarg *aw[3] = {bw_src, bw_ddst, &C->p.a[BW_DWEI]};
     int argw[3] = {DNNL_ARG_SRC, DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_WEIGHTS};
