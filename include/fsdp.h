@@ -1747,6 +1747,11 @@ struct fsdp_plan_opts {
     struct fsdp_optim_opts optim; /* the optimizer attached (default fsdp_optim_opts_default) */
     int steps;                   /* steps measured (default 2: the second runs in the arena's
                                     merged chunk, as every later step) */
+    long long shared_window;     /* plan the shm backend's shared window of the shards (README,
+                                    FSDP_SHM_WINDOW: a training step's fp32 gathers hold no full
+                                    buffer) when the window takes at most this many bytes (0:
+                                    none); -1 (default): as ctx's communicator does; -2: as a shm
+                                    communicator made now on this host would (a launch to come) */
     /* Optional (NULL: none): what the run does to its optimizer before
      * attaching it (parameter groups), and after attaching it, before its
      * first step (post-step hooks, re-initialisation). */

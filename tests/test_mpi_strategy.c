@@ -172,6 +172,62 @@ TEST(hybrid_on_shm_matches_unsharded) {
     fsdp_ctx_free(c);
 }
 
+/* [Note: shared window] (src/fsdp/unit.c): on shm the shards lie in one
+ * window of the host's ranks and a training step's fp32 gathers are
+ * barriers: the unsharded reference's values under FULL_SHARD and
+ * SHARD_GRAD_OP, overlap on and off; no parameter all-gathered in a training
+ * step with it, the gathers' bytes with FSDP_SHM_WINDOW=0. */
+static uint64_t step_gather_bytes(struct fsdp_ctx *c, struct run *x, uint64_t *barriers) {
+    const int B = 4, T = 16;
+    int32_t in[4 * 16], tg[4 * 16];
+    for (int i = 0; i < B * T; i++) in[i] = i % 61, tg[i] = (i * 7) % 61;
+    struct fsdp_comm_stats s0, s1;
+    fsdp_model_comm_stats(x->fm, &s0);
+    struct fsdp_step_result got;
+    CHECK_OK(fsdp_model_train_step(c, x->fm, in, tg, B, T, 0.01f, 1.0f, &got), c);
+    fsdp_model_comm_stats(x->fm, &s1);
+    *barriers = s1.calls[FSDP_COLL_BARRIER] - s0.calls[FSDP_COLL_BARRIER];
+    return s1.bytes[FSDP_COLL_ALLGATHER] - s0.bytes[FSDP_COLL_ALLGATHER];
+}
+
+TEST(shm_window_matches_unsharded) {
+    int world = fsdp_comm_size(fsdp_ctx_comm(get_ctx()));
+    if (world < 2) SKIP("needs 2+ ranks");
+    for (int win = 1; win >= 0; win--) {
+        setenv("FSDP_SHM_WINDOW", win ? "1073741824" : "0", 1); /* a bound of 1 GiB, or none */
+        struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+        co.threads = 1;
+        co.comm = FSDP_COMM_SHM;
+        struct fsdp_ctx *c;
+        ASSERT_OK(fsdp_ctx_create(&co, &c), ctx);
+        unsetenv("FSDP_SHM_WINDOW");
+        for (int ov = 1; ov >= 0 && win; ov--) {
+            struct fsdp_shard_opts so = opts_of(FSDP_FULL_SHARD, 0);
+            so.overlap = ov;
+            check_strategy(c, &so, 3);
+        }
+        if (win) {
+            struct fsdp_shard_opts so = opts_of(FSDP_SHARD_GRAD_OP, 0);
+            check_strategy(c, &so, 2);
+        }
+        struct fsdp_shard_opts so = opts_of(FSDP_FULL_SHARD, 0);
+        struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+        struct run x;
+        ASSERT_OK(run_open(c, &so, 5, &oo, &x), c);
+        uint64_t barriers, bytes = step_gather_bytes(c, &x, &barriers);
+        /* what is left is the step's few partial sums (step.c), not parameters */
+        if (win) {
+            CHECK(bytes < 256);
+            CHECK(barriers >= (uint64_t)2 * 2); /* each Block unit: forward and backward */
+        } else {
+            CHECK(bytes > 4096);
+            CHECK_INT_EQ(barriers, 0);
+        }
+        run_close(&x);
+        fsdp_ctx_free(c);
+    }
+}
+
 TEST(comm_split_groups) {
     struct fsdp_ctx *c = get_ctx();
     struct fsdp_comm *w = fsdp_ctx_comm(c), *s;

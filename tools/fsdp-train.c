@@ -664,6 +664,8 @@ static void memory_plan(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_
                                                                                          : FSDP_OPTIM_ADAMW;
     po.optim.momentum = o->momentum;
     po.optim.nesterov = o->nesterov;
+    if (pworld > 1 && !getenv("OMPI_COMM_WORLD_SIZE")) /* planned, not launched: --nproc ranks on this host */
+        po.shared_window = !strcmp(o->comm, "auto") || !strcmp(o->comm, "shm") ? -2 : 0;
     po.prepare_optim = plan_prepare;
     po.setup = plan_setup;
     po.step = plan_step;

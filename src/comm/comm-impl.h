@@ -42,6 +42,12 @@ struct fsdp_comm_ops {
     void (*abort)(struct fsdp_comm *c, int code);
     /* Releases the backend state and the struct itself. COLLECTIVE: yes. */
     void (*free)(struct fsdp_comm *c);
+    /* Optional (NULL: the backend has none): `bytes` of memory that every
+     * rank maps, zero-filled, one copy for all ([Note: shared window] in
+     * src/fsdp/unit.c): *base, or NULL where it could not be made (every rank
+     * then gets NULL). COLLECTIVE: yes. window_free unmaps it (not collective). */
+    enum fsdp_status (*window)(struct fsdp_comm *c, size_t bytes, void **base);
+    void (*window_free)(struct fsdp_comm *c, void *base, size_t bytes);
 };
 
 struct fsdp_comm {
@@ -74,6 +80,12 @@ void fsdp__comm_free(struct fsdp_comm *c);
  * returns otherwise, and the caller exits. */
 void fsdp__comm_abort(struct fsdp_comm *c, int code);
 
+/* A shared window of c (ops->window): *base NULL and FSDP_OK where the
+ * backend has none, c is a world of one, or bytes is 0. COLLECTIVE: yes. */
+enum fsdp_status fsdp__comm_window(struct fsdp_comm *c, size_t bytes, void **base);
+/* Unmaps a window of c; base NULL is a no-op. */
+void fsdp__comm_window_free(struct fsdp_comm *c, void *base, size_t bytes);
+
 /* ---- Backends ---- */
 #define FSDP_HOST_MAX 64
 /* This process's hostname, NUL-padded to FSDP_HOST_MAX bytes (mpi.c). */
@@ -81,10 +93,12 @@ void fsdp__comm_hostname(char name[FSDP_HOST_MAX]);
 enum fsdp_status fsdp__comm_self_create(struct fsdp_ctx *ctx, struct fsdp_comm **out);
 /* The measuring communicator (measure.c): rank `rank` of `size` ranks that
  * do not exist; collectives move no data; like_mpi: reductions hold MPI's
- * staging bytes (ordered: MPI's rank-ordered reductions); each request
- * counts req_bytes (fsdp__comm_req_bytes of the backend planned for). */
+ * staging bytes (ordered: MPI's rank-ordered reductions); window_max: it
+ * makes shared windows up to that many bytes as shm does (reserved pages the
+ * plan never touches; its MiB are kept, SIZE_MAX as no bound); each
+ * request counts req_bytes (fsdp__comm_req_bytes of the backend planned for). */
 enum fsdp_status fsdp__comm_measure_create(struct fsdp_ctx *ctx, int size, int rank, int like_mpi, int ordered,
-                                           size_t req_bytes, struct fsdp_comm **out);
+                                           size_t window_max, size_t req_bytes, struct fsdp_comm **out);
 /* A group of a measuring communicator c: `size` ranks, this one `rank`
  * (fsdp_comm_split cannot know the group's size without its peers). */
 enum fsdp_status fsdp__comm_measure_group(struct fsdp_comm *c, int size, int rank, struct fsdp_comm **out);
@@ -123,6 +137,12 @@ void fsdp__comm_mpi_latest(char *buf, size_t n);
  * (shm_cma.c, [Note: single copy]): 0 staged only, 1 reduce-scatters,
  * 2 all-gathers and broadcasts too. */
 int fsdp__comm_shm_cma(const struct fsdp_comm *c);
+/* The largest shared window a communicator c makes: shm's bound ([Note:
+ * window size] in shm.c; env FSDP_SHM_WINDOW), 0 for other backends. */
+size_t fsdp__comm_shm_window_max(const struct fsdp_comm *c);
+/* The bound a shm communicator made now on this host would have; *huge:
+ * its windows would lie on transparent huge pages. */
+size_t fsdp__shm_window_bound(struct fsdp_ctx *ctx, int *huge);
 /* The inner MPI communicator of a shm communicator (borrowed), for splitting. */
 struct fsdp_comm *fsdp__comm_shm_mpi(struct fsdp_comm *c);
 /* The shared-memory backend over the ranks of `mpi` (an MPI communicator

@@ -199,6 +199,16 @@ size_t fsdp__comm_req_bytes(const struct fsdp_comm *c) {
 
 void fsdp__comm_req_free(struct fsdp_comm *c, void *req) { fsdp__free(c->ctx, req); }
 
+enum fsdp_status fsdp__comm_window(struct fsdp_comm *c, size_t bytes, void **base) {
+    *base = NULL;
+    if (!c || !c->ops->window || c->size < 2 || bytes == 0) return FSDP_OK;
+    return c->ops->window(c, bytes, base);
+}
+
+void fsdp__comm_window_free(struct fsdp_comm *c, void *base, size_t bytes) {
+    if (c && base) c->ops->window_free(c, base, bytes);
+}
+
 const char *fsdp__coll_name(enum fsdp_coll coll) {
     switch (coll) {
     case FSDP_COLL_ALLGATHER: return "allgather";

@@ -17,12 +17,18 @@
  */
 #include "comm/comm-impl.h"
 
+#include <limits.h>
+#include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #define MEASURE_COPY_MAX 4096
 
+/* 16 bytes, as mpi.c's state: a plan's split groups hold what the real
+ * run's MPI splits hold (tests/test_mpi_plan.c's hybrid plans, to the byte) */
 struct measure_state {
-    int like_mpi, ordered;
+    unsigned window_mib;  /* shared windows up to this many MiB (UINT_MAX: any) */
+    short like_mpi, ordered;
     size_t req_bytes; /* counted per request: the size of the planned backend's */
 };
 
@@ -104,6 +110,25 @@ static void measure_free(struct fsdp_comm *c) {
     fsdp__free(c->ctx, c);
 }
 
+/* A shared window as shm makes one ([Note: shared window] in
+ * src/fsdp/unit.c): reserved, never touched by a plan (no arithmetic). */
+static enum fsdp_status measure_window(struct fsdp_comm *c, size_t bytes, void **base) {
+    const struct measure_state *s = c->state;
+    *base = NULL;
+    if (s->window_mib != UINT_MAX && bytes > ((size_t)s->window_mib << 20)) return FSDP_OK;
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+        return fsdp__err(c->ctx, FSDP_ERR_NOMEM, "measuring communicator: cannot reserve a window of %zu bytes",
+                         bytes);
+    *base = p;
+    return FSDP_OK;
+}
+
+static void measure_window_free(struct fsdp_comm *c, void *base, size_t bytes) {
+    (void)c;
+    munmap(base, bytes);
+}
+
 static const struct fsdp_comm_ops measure_ops = {
     .allgather_start = measure_allgather_start,
     .reduce_scatter_start = measure_reduce_scatter_start,
@@ -113,10 +138,12 @@ static const struct fsdp_comm_ops measure_ops = {
     .wait = measure_wait,
     .abort = measure_abort,
     .free = measure_free,
+    .window = measure_window,
+    .window_free = measure_window_free,
 };
 
 enum fsdp_status fsdp__comm_measure_create(struct fsdp_ctx *ctx, int size, int rank, int like_mpi, int ordered,
-                                           size_t req_bytes, struct fsdp_comm **out) {
+                                           size_t window_max, size_t req_bytes, struct fsdp_comm **out) {
     if (size < 1 || rank < 0 || rank >= size)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "measuring communicator: rank %d of %d ranks", rank, size);
     struct fsdp_comm *c = fsdp__calloc(ctx, sizeof *c, FSDP_MEM_OTHER, "communicator");
@@ -126,8 +153,9 @@ enum fsdp_status fsdp__comm_measure_create(struct fsdp_ctx *ctx, int size, int r
         fsdp__free(ctx, s);
         return FSDP_ERR_NOMEM;
     }
-    s->like_mpi = like_mpi;
-    s->ordered = ordered;
+    s->like_mpi = (short)like_mpi;
+    s->ordered = (short)ordered;
+    s->window_mib = window_max >= ((size_t)UINT_MAX << 20) ? UINT_MAX : (unsigned)(window_max >> 20);
     /* a request holds the staging pointer when it stages (MPI's are larger) */
     s->req_bytes = req_bytes > sizeof(struct measure_req) || !like_mpi ? req_bytes : sizeof(struct measure_req);
     if (s->req_bytes < sizeof(struct fsdp_comm_req)) s->req_bytes = sizeof(struct fsdp_comm_req);
@@ -143,5 +171,6 @@ enum fsdp_status fsdp__comm_measure_create(struct fsdp_ctx *ctx, int size, int r
 
 enum fsdp_status fsdp__comm_measure_group(struct fsdp_comm *c, int size, int rank, struct fsdp_comm **out) {
     const struct measure_state *s = c->state;
-    return fsdp__comm_measure_create(c->ctx, size, rank, s->like_mpi, s->ordered, s->req_bytes, out);
+    size_t wmax = s->window_mib == UINT_MAX ? SIZE_MAX : (size_t)s->window_mib << 20;
+    return fsdp__comm_measure_create(c->ctx, size, rank, s->like_mpi, s->ordered, wmax, s->req_bytes, out);
 }

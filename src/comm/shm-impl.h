@@ -22,6 +22,8 @@
 #define SHM_CHUNK_DEFAULT ((size_t)256 << 10)   /* reduce-scatter chunk of a single-copy collective */
 #define SHM_CMA_MIN_DEFAULT ((size_t)64 << 10)  /* single copy from blocks of this many bytes */
 #define SHM_NT_MIN ((size_t)4 << 20)           /* streaming stores for blocks of this many bytes */
+#define SHM_WINDOW_MAX_SMALL ((size_t)256 << 20) /* shared windows on 4 KiB pages up to this
+                                                    ([Note: window size] in shm.c) */
 #define SHM_MAGIC 0x46534d31u              /* "FSM1" */
 #define SHM_PREFIX "fsdp-shm-"
 #define SHM_NAME_MAX 64
@@ -101,6 +103,8 @@ struct shm_state {
     uint64_t *xpeer;             /* (world) the peers' published addresses */
     uint32_t xop;                /* single-copy collectives so far (progress thread) */
     uint64_t probe;              /* SHM_MAGIC ^ pid, read by the peers at creation */
+    size_t window_max;           /* shared windows offered up to this many bytes (shm_window) */
+    int window_huge;             /* ... on transparent huge pages (the kernel's shmem THP allows it) */
 };
 
 /* ---- Shared by the staged and the single-copy collectives (shm.c) ---- */

@@ -35,6 +35,11 @@
  * straight from the owner's buffer with process_vm_readv instead of through
  * the slots.
  *
+ * Shared windows (shm_window): further segments made the same way, one per
+ * request, which src/fsdp fills with the units' shards so that gathers need
+ * no copy ([Note: shared window] in src/fsdp/unit.c); env FSDP_SHM_WINDOW=0
+ * declines them.
+ *
  * [Note: reduction order]
  * A reduction sums the contributions of ranks 0, 1, ..., world-1 in that
  * order, element by element (acc = x0; acc += x1; ...), on every rank: the
@@ -589,6 +594,9 @@ static void shm_free(struct fsdp_comm *c) {
     fsdp__free(c->ctx, c);
 }
 
+static enum fsdp_status shm_window(struct fsdp_comm *c, size_t bytes, void **base);
+static void shm_window_free(struct fsdp_comm *c, void *base, size_t bytes);
+
 static const struct fsdp_comm_ops shm_ops = {
     .allgather_start = shm_allgather_start,
     .reduce_scatter_start = shm_reduce_scatter_start,
@@ -598,6 +606,8 @@ static const struct fsdp_comm_ops shm_ops = {
     .wait = shm_wait,
     .abort = shm_abort,
     .free = shm_free,
+    .window = shm_window,
+    .window_free = shm_window_free,
 };
 
 /* Removes segments of earlier jobs whose creator is gone (a job killed
@@ -628,60 +638,79 @@ static size_t slot_bytes(int world, long long v) {
     return (b + 63) & ~(size_t)63;
 }
 
-/* The handshake: rank 0 creates and sizes the segment, broadcasts its name;
- * everyone maps it; after a barrier rank 0 unlinks it. Every rank leaves
- * with the same status (a failure anywhere is combined with a MAX). */
-static enum fsdp_status attach(struct fsdp_comm *c, struct shm_state *s) {
+/* A segment of `bytes` that every rank maps: rank 0 creates and reserves it
+ * (posix_fallocate: a full /dev/shm fails here, not with a SIGBUS later)
+ * under a fresh name, which it broadcasts over the inner MPI communicator;
+ * every rank maps it. Every rank leaves with the same status (a failure
+ * anywhere is combined with a MAX): FSDP_OK with *map and `name` set (the
+ * caller unlinks it on rank 0 after a barrier, once every rank has done
+ * what it must before peers look), or FSDP_ERR_IO with nothing left mapped
+ * or named, the message set where `quiet` is 0. */
+static enum fsdp_status shared_segment(struct fsdp_comm *c, size_t bytes, const char *what, int quiet,
+                                       unsigned char **map, char name[SHM_NAME_MAX]) {
+    struct shm_state *s = c->state;
     struct fsdp_comm *m = s->mpi;
-    char name[SHM_NAME_MAX] = {0};
     int32_t err = 0;
-    size_t ctl_off = 4096, data_off = (ctl_off + (size_t)c->size * sizeof(struct shm_ctl) + 4095) & ~(size_t)4095;
-    s->map_bytes = data_off + (size_t)c->size * SHM_NBUF * s->slot;
+    *map = NULL;
+    memset(name, 0, SHM_NAME_MAX);
     if (c->rank == 0) {
         static int counter;
         sweep_stale();
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        snprintf(name, sizeof name, "/" SHM_PREFIX "%d-%d-%ld", (int)getpid(), counter++, (long)ts.tv_nsec);
+        snprintf(name, SHM_NAME_MAX, "/" SHM_PREFIX "%d-%d-%ld", (int)getpid(), counter++, (long)ts.tv_nsec);
         int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        /* reserve the pages now: a sparse file on a full /dev/shm would SIGBUS later */
-        int rc = fd < 0 ? errno : posix_fallocate(fd, 0, (off_t)s->map_bytes);
+        int rc = fd < 0 ? errno : posix_fallocate(fd, 0, (off_t)bytes);
         if (rc != 0) {
             err = rc;
-            fsdp__err(c->ctx, FSDP_ERR_IO,
-                      "comm shm: cannot create /dev/shm%s of %zu bytes: %s (a container may need a "
-                      "larger /dev/shm, e.g. docker --shm-size; or use --comm mpi)", name,
-                      s->map_bytes, strerror(err));
+            if (!quiet)
+                fsdp__err(c->ctx, FSDP_ERR_IO,
+                          "comm shm: cannot create /dev/shm%s of %zu bytes for %s: %s (a container may need a "
+                          "larger /dev/shm, e.g. docker --shm-size; or use --comm mpi)", name, bytes, what,
+                          strerror(err));
             if (fd >= 0) { close(fd); shm_unlink(name); }
             name[0] = 0;
         } else {
             close(fd);
         }
     }
-    FSDP_TRY(fsdp_comm_broadcast(m, name, sizeof name, FSDP_U8, 0));
+    FSDP_TRY(fsdp_comm_broadcast(m, name, SHM_NAME_MAX, FSDP_U8, 0));
     name[SHM_NAME_MAX - 1] = 0;
     if (!name[0]) {
-        if (c->rank != 0) fsdp__err(c->ctx, FSDP_ERR_IO, "comm shm: rank 0 could not create the segment");
+        if (c->rank != 0 && !quiet) fsdp__err(c->ctx, FSDP_ERR_IO, "comm shm: rank 0 could not create the %s", what);
         return FSDP_ERR_IO;
     }
     int fd = shm_open(name, O_RDWR, 0600);
     if (fd >= 0) {
-        void *p = mmap(NULL, s->map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (p == MAP_FAILED) err = errno;
-        else s->map = p;
+        else *map = p;
         close(fd);
     } else {
         err = errno;
     }
-    if (err) fsdp__err(c->ctx, FSDP_ERR_IO, "comm shm: rank %d cannot map /dev/shm%s (%zu bytes): %s",
-                       c->rank, name, s->map_bytes, strerror(err));
+    if (err && !quiet)
+        fsdp__err(c->ctx, FSDP_ERR_IO, "comm shm: rank %d cannot map /dev/shm%s (%zu bytes, %s): %s", c->rank,
+                  name, bytes, what, strerror(err));
     int32_t any = err;
     FSDP_TRY(fsdp_comm_allreduce(m, &err, &any, 1, FSDP_I32, FSDP_MAX));
     if (any) {
         if (c->rank == 0) shm_unlink(name);
-        if (!err) fsdp__err(c->ctx, FSDP_ERR_IO, "comm shm: another rank could not map the segment");
+        if (*map) munmap(*map, bytes);
+        *map = NULL;
+        if (!err && !quiet) fsdp__err(c->ctx, FSDP_ERR_IO, "comm shm: another rank could not map the %s", what);
         return FSDP_ERR_IO;
     }
+    return FSDP_OK;
+}
+
+/* The handshake: the segment (shared_segment), its header and every rank's
+ * control block written, then a barrier, after which rank 0 unlinks it. */
+static enum fsdp_status attach(struct fsdp_comm *c, struct shm_state *s) {
+    char name[SHM_NAME_MAX];
+    size_t ctl_off = 4096, data_off = (ctl_off + (size_t)c->size * sizeof(struct shm_ctl) + 4095) & ~(size_t)4095;
+    s->map_bytes = data_off + (size_t)c->size * SHM_NBUF * s->slot;
+    FSDP_TRY(shared_segment(c, s->map_bytes, "the segment", 0, &s->map, name));
     s->hdr = (struct shm_header *)s->map;
     s->ctl = (struct shm_ctl *)(s->map + ctl_off);
     s->data = s->map + data_off;
@@ -694,7 +723,7 @@ static enum fsdp_status attach(struct fsdp_comm *c, struct shm_state *s) {
     s->probe = SHM_MAGIC ^ (uint64_t)getpid();
     s->ctl[c->rank].probe_addr = (uint64_t)(uintptr_t)&s->probe;
     /* posix_fallocate zeroed the counters; everyone has mapped and written its pid */
-    enum fsdp_status st = fsdp_comm_barrier(m);
+    enum fsdp_status st = fsdp_comm_barrier(s->mpi);
     if (c->rank == 0) shm_unlink(name);
     if (st != FSDP_OK) return st;
     s->peer_pid = fsdp__calloc(c->ctx, (size_t)c->size * sizeof(int32_t), FSDP_MEM_OTHER, "shm peer pids");
@@ -704,6 +733,74 @@ static enum fsdp_status attach(struct fsdp_comm *c, struct shm_state *s) {
         s->peer_pid[k] = k != c->rank && fsdp__shm_pid_alive(pid) && kill((pid_t)pid, 0) == 0 ? pid : 0;
     }
     return fsdp__shm_probe_cma(c, s);
+}
+
+/* [Note: window size]
+ * A window lies on tmpfs pages, 4 KiB each unless the kernel's shmem
+ * transparent huge pages are on (/sys/kernel/mm/transparent_hugepage/
+ * shmem_enabled: always, within_size or advise; the window is then
+ * madvise'd), while private shards and full buffers get 2 MiB pages
+ * (core.c, [Note: huge pages]). Measured on a 2-core VM with 4 KiB shmem
+ * (bench/README.md, "the shared window"): ResNet-18 (45 MB of parameters)
+ * at 2 ranks 10% faster a step with its window, GPT-2 124M (500 MB) 15%
+ * slower (the optimizer and the products over 4 KiB pages cost more than
+ * the copies saved). So without huge pages shm offers windows up to
+ * SHM_WINDOW_MAX_SMALL bytes; env FSDP_SHM_WINDOW sets the bound (bytes;
+ * 0: no window), with huge pages there is none. */
+size_t fsdp__shm_window_bound(struct fsdp_ctx *ctx, int *huge) {
+    long long v;
+    *huge = 0;
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "r");
+    char line[256] = "";
+    if (f) {
+        if (!fgets(line, sizeof line, f)) line[0] = 0;
+        fclose(f);
+    }
+    *huge = strstr(line, "[always]") || strstr(line, "[within_size]") || strstr(line, "[advise]") ||
+            strstr(line, "[force]");
+    if (fsdp__env_int(ctx, "FSDP_SHM_WINDOW", -1, &v) != FSDP_OK || v < 0)
+        return *huge ? SIZE_MAX : SHM_WINDOW_MAX_SMALL;
+    return (size_t)v;
+}
+
+size_t fsdp__comm_shm_window_max(const struct fsdp_comm *c) {
+    return !strcmp(c->backend, "shm") ? ((const struct shm_state *)c->state)->window_max : 0;
+}
+
+/* ops->window: a segment of its own (shared_segment), within the bound of
+ * [Note: window size]; one /dev/shm too small for it leaves every rank
+ * without (NULL), which FSDP_SHM_VERBOSE=1 makes rank 0 say. */
+static enum fsdp_status shm_window(struct fsdp_comm *c, size_t bytes, void **base) {
+    struct shm_state *s = c->state;
+    char name[SHM_NAME_MAX];
+    unsigned char *map;
+    *base = NULL;
+    if (bytes > s->window_max) return FSDP_OK;
+    enum fsdp_status st = shared_segment(c, bytes, "a shared window", 1, &map, name);
+    if (st == FSDP_ERR_IO) {
+        long long verbose = 0;
+        if (fsdp__env_int(c->ctx, "FSDP_SHM_VERBOSE", 0, &verbose) != FSDP_OK) return FSDP_ERR_INVALID;
+        if (c->rank == 0 && verbose)
+            fprintf(stderr, "fsdp: shm: no shared window of %zu bytes (/dev/shm): the units gather by copy\n", bytes);
+        return FSDP_OK;
+    }
+    if (st != FSDP_OK) return st;
+#ifdef MADV_HUGEPAGE
+    if (s->window_huge) (void)madvise(map, bytes, MADV_HUGEPAGE); /* a hint: refused is fine */
+#endif
+    st = fsdp_comm_barrier(s->mpi); /* every rank has it mapped */
+    if (c->rank == 0) shm_unlink(name);
+    if (st != FSDP_OK) {
+        munmap(map, bytes);
+        return st;
+    }
+    *base = map;
+    return FSDP_OK;
+}
+
+static void shm_window_free(struct fsdp_comm *c, void *base, size_t bytes) {
+    (void)c;
+    munmap(base, bytes);
 }
 
 struct fsdp_comm *fsdp__comm_shm_mpi(struct fsdp_comm *c) { return ((struct shm_state *)c->state)->mpi; }
@@ -740,6 +837,7 @@ enum fsdp_status fsdp__comm_shm_create(struct fsdp_ctx *ctx, struct fsdp_comm *m
     s->mpi = mpi;
     s->slot = slot_bytes(c->size, slot);
     s->xchunk = chunk;
+    s->window_max = fsdp__shm_window_bound(ctx, &s->window_huge);
     /* from here shm_free undoes everything */
     s->acc = fsdp__alloc(ctx, s->slot, FSDP_MEM_OTHER, "shm fp32 accumulators");
     if (!s->acc) { shm_free(c); return FSDP_ERR_NOMEM; }

@@ -160,6 +160,11 @@ int fsdp__commit(struct fsdp_ctx *ctx, void *p, size_t upto, const char *what);
  * memory limit, or the allocation): sets the message to the caller's text
  * followed by that cause, and returns FSDP_ERR_NOMEM. */
 enum fsdp_status fsdp__arena_err(struct fsdp_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Counts (add 1) or uncounts (add 0) `bytes` of memory the library holds
+ * outside fsdp__alloc (a communicator's shared window, [Note: shared
+ * window] in src/fsdp/unit.c) against `kind`; counting checks the memory
+ * limit first: 0, or -1 with the limit error set (naming `what`). */
+int fsdp__mem_count(struct fsdp_ctx *ctx, enum fsdp_mem_kind kind, size_t bytes, int add, const char *what);
 /* Frees memory from fsdp__alloc or fsdp__reserve; NULL is a no-op. */
 void fsdp__free(struct fsdp_ctx *ctx, void *p);
 /* Allocation-failure injection (tests): every library allocation made by a

@@ -273,6 +273,18 @@ int fsdp__commit(struct fsdp_ctx *ctx, void *p, size_t upto, const char *what) {
     return 0;
 }
 
+int fsdp__mem_count(struct fsdp_ctx *ctx, enum fsdp_mem_kind kind, size_t bytes, int add, const char *what) {
+    if (!ctx) return 0;
+    if (!add) {
+        ctx->mem.cur[kind] -= bytes;
+        ctx->mem.cur_total -= bytes;
+        return 0;
+    }
+    if (within_limit(ctx, bytes, kind, what)) return -1;
+    mem_add(ctx, (int)kind, bytes);
+    return 0;
+}
+
 void *fsdp__calloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
     void *p = fsdp__alloc(ctx, bytes, kind, what);
     if (p && !((struct alloc_hdr *)p - 1)->mapped) memset(p, 0, bytes); /* fresh pages are zero */

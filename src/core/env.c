@@ -46,6 +46,7 @@ static const struct env_var vars[] = {
     {"FSDP_SHM_CMA", ENV_INT, 0, 2, 0, 0, NULL, NULL, NULL},
     {"FSDP_SHM_CMA_MIN", ENV_INT, 0, INT32_MAX, 0, 0, NULL, NULL, NULL},
     {"FSDP_SHM_VERBOSE", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},
+    {"FSDP_SHM_WINDOW", ENV_INT, 0, (long long)1 << 50, 0, 0, NULL, NULL, NULL},
     {"FSDP_MPI_PROGRESS", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},
     {"FSDP_PEER_WATCH", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},
     {"FSDP_MPI_REDUCE", ENV_WORD, 0, 0, 0, 0, mpi_reduce_words, NULL, NULL},

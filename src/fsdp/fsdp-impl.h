@@ -40,7 +40,8 @@ struct fsdp__unit {
     enum fsdp_dtype output_dtype;  /* tensors leaving the unit's modules: always F32 here */
     enum fsdp_dtype compute_dtype; /* set on the unit's modules (fsdp_module_set_compute_dtype) */
     float *summoned;              /* (numel_padded) fsdp_summon_full_params buffer, or NULL */
-    /* one allocation: param shard | grad shard | optimizer state (k x numel_shard) | shard_lp */
+    /* one allocation: param shard (unless in the window) | grad shard | optimizer state
+     * (k x numel_shard) | shard_lp */
     float *shard_mem;
     float *shard;                 /* (numel_shard) this rank's slice of the flat params */
     float *grad_shard;            /* (numel_shard) reduced, averaged gradient slice */
@@ -57,8 +58,12 @@ struct fsdp__unit {
                                      the eagerly widened parameters', end to end ([Note: lazy
                                      widening] in src/nn/precision.c) */
     int gather_lazy;              /* this gather is a 16-bit training pass's (lazy widening) */
+    float *win_full;              /* (numel_padded) this unit's region of the model's shared
+                                     window, its shard the rank's block there ([Note: shared
+                                     window], unit.c), or NULL */
+    int full_win;                 /* full is win_full: gathered in place (a barrier, no copy) */
     float *full_grad;             /* (numel_padded) gradient accumulator during backward */
-    struct fsdp_comm_req *req;    /* the all-gather in flight (GATHERING) */
+    struct fsdp_comm_req *req;    /* the all-gather (or the window's barrier) in flight (GATHERING) */
     enum fsdp__unit_state state_;
     enum fsdp__unit_phase phase;
     int n_slices;
@@ -140,6 +145,12 @@ struct fsdp_model {
      * are set by step.c around the passes (not during a recompute's forward
      * inside backward, which runs with in_forward 0) */
     int overlap, max_inflight, n_inflight, in_forward, in_backward;
+    /* [Note: shared window] (unit.c): the shard group's window holding every
+     * unit's shards (NULL: none), and whether a gather now may read it in
+     * place (set by step.c around a training step's forward and backward) */
+    void *win;
+    size_t win_bytes;
+    int win_pass;
     int *bwd_order;               /* (n_units) pre-backward order of the units */
     struct fsdp__unit *rs_last;   /* the unit whose reduce-scatter (rs_req) is still pending */
     struct fsdp__unit *ar_last;   /* the unit whose replica all-reduce (ar_req) is still pending */
@@ -182,6 +193,11 @@ extern const struct fsdp_module_hooks fsdp__unit_hooks;
 /* Allocates one block per unit: param shard | grad shard | k_state arrays,
  * keeping the current parameter values. */
 enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit *u, int k_state);
+/* [Note: shared window] (unit.c): lays every unit's shards of the shard
+ * group out in one window of fm->shard_comm where its backend has one
+ * (before fsdp__unit_alloc_shards); fsdp__model_window_free unmaps it. */
+enum fsdp_status fsdp__model_window(struct fsdp_ctx *ctx, struct fsdp_model *fm);
+void fsdp__model_window_free(struct fsdp_model *fm);
 
 /* Every writer of the parameter shards other than the optimizer step (init,
  * checkpoint loads, summon write-back) calls this: the units' 16-bit copies

@@ -178,12 +178,16 @@ struct fsdp_plan_opts fsdp_plan_opts_default(void) {
     o.world = 1;
     o.optim = fsdp_optim_opts_default();
     o.steps = 2;
+    o.shared_window = -1;
     return o;
 }
 
 /* The measuring context: rank `rank` of `world`, its communicator shaped
- * like ctx's backend (MPI's staging), no memory limit. */
-static enum fsdp_status measure_ctx(struct fsdp_ctx *ctx, int world, int rank, struct fsdp_ctx **out) {
+ * like ctx's backend (MPI's staging; shm's shared windows up to window_max
+ * bytes; -1: as ctx's communicator; -2: as a shm communicator made on this
+ * host now), no memory limit. */
+static enum fsdp_status measure_ctx(struct fsdp_ctx *ctx, int world, int rank, long long window_max,
+                                    struct fsdp_ctx **out) {
     struct fsdp_ctx *m;
     if (fsdp__ctx_alloc(&m) != FSDP_OK) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory planning");
     m->measure = 1;
@@ -192,8 +196,12 @@ static enum fsdp_status measure_ctx(struct fsdp_ctx *ctx, int world, int rank, s
     m->threads = ctx ? ctx->threads : 0;
     /* a shm or self context is planned as MPI's native path */
     int like_mpi = ctx && ctx->comm && !strcmp(fsdp_comm_backend(ctx->comm), "mpi");
+    int huge;
+    size_t window = window_max >= 0   ? (size_t)window_max
+                    : window_max == -2 ? fsdp__shm_window_bound(ctx, &huge)
+                    : ctx && ctx->comm ? fsdp__comm_shm_window_max(ctx->comm) : 0;
     enum fsdp_status st = fsdp__comm_measure_create(m, world, rank, like_mpi,
-                                                    like_mpi && fsdp__comm_mpi_ordered(ctx->comm),
+                                                    like_mpi && fsdp__comm_mpi_ordered(ctx->comm), window,
                                                     fsdp__comm_req_bytes(ctx ? ctx->comm : NULL), &m->comm);
     if (st != FSDP_OK) {
         fsdp__err(ctx, st, "plan: %s", m->errmsg);
@@ -253,7 +261,7 @@ enum fsdp_status fsdp_plan_memory_run(struct fsdp_ctx *ctx, struct fsdp_module *
     struct keep k;
     FSDP_TRY(keep_save(ctx, root, &k));
     struct fsdp_ctx *mctx = NULL;
-    enum fsdp_status st = measure_ctx(ctx, po->world, po->rank, &mctx);
+    enum fsdp_status st = measure_ctx(ctx, po->world, po->rank, po->shared_window, &mctx);
     if (st != FSDP_OK) {
         keep_restore(root, &k);
         return st;

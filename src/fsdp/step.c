@@ -307,7 +307,7 @@ static enum fsdp_status check_idle(struct fsdp_ctx *ctx, struct fsdp_model *fm) 
 static void step_abandon(struct fsdp_model *fm) {
     fm->no_sync = 0;
     fm->grad_accumulate = 0;
-    fm->in_forward = fm->in_backward = 0;
+    fm->in_forward = fm->in_backward = fm->win_pass = 0;
     int sync_off = fm->step.sync_off;
     memset(&fm->step, 0, sizeof fm->step);
     fm->step.sync_off = sync_off;
@@ -381,8 +381,9 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
     enum fsdp_status st;
     if (train) {
         fm->in_forward = 1;
+        fm->win_pass = step; /* [Note: shared window] (unit.c) */
         st = fsdp_module_forward(fm->root, ctx, &x, out);
-        fm->in_forward = 0;
+        fm->in_forward = fm->win_pass = 0;
     } else {
         st = eval_forward(ctx, fm, &x, out);
     }
@@ -519,7 +520,7 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
         for (int i = 0; i < fm->n_units; i++) fm->units[i].grad_fresh = 0;
     fm->no_sync = sp->sync_off;
     fm->grad_accumulate = !first && (sp->reduced || ctx->world == 1);
-    fm->in_backward = 1;
+    fm->in_backward = fm->win_pass = 1;
     sp->fwd_pending = 0;
     ctx->errmsg[0] = '\0';
     /* [Note: 16-bit output gradient] (src/nn/precision.c): a gradient the loss wrote over the
@@ -535,7 +536,7 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
     enum fsdp_status st = fsdp_module_backward(fm->root, ctx, &d16, NULL);
     if (st != FSDP_OK && !ctx->errmsg[0])
         fsdp__err(ctx, st, "backward of the model failed: %s (a module gave no message)", fsdp_status_str(st));
-    fm->in_backward = 0;
+    fm->in_backward = fm->win_pass = 0;
     if (st == FSDP_OK) st = fsdp__model_finish_reduce(ctx, fm); /* the last reduction in flight */
     for (int i = 0; first && st == FSDP_OK && i < fm->n_units; i++)
         if (!fm->units[i].grad_fresh) fsdp__zero(fm->units[i].grad_shard, fm->units[i].numel_shard);

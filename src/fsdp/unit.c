@@ -10,9 +10,11 @@
  * unit's post-backward.
  */
 #include "fsdp/fsdp-impl.h"
+#include "comm/comm-impl.h"
 #include "optim/optim-impl.h"
 
 #include <string.h>
+#include <stdlib.h>
 
 /* ---- Pool ---- */
 
@@ -86,6 +88,69 @@ static enum fsdp_status unit_fail(struct fsdp_ctx *ctx, struct fsdp__unit *u, co
                      cause);
 }
 
+/* ---- The shared window ----
+ *
+ * [Note: shared window]
+ * Where the shard group's communicator can map one region for all its ranks
+ * (the shm backend: ranks of one host; fsdp__comm_window), the model lays
+ * every unit's shards out there, unit by unit: unit u's region holds the
+ * numel_padded floats of its flat parameters, rank r's block
+ * [r * numel_shard, (r + 1) * numel_shard) being rank r's shard. The host
+ * holds the same bytes as the ranks' private shards would (each rank counts
+ * its block as FSDP_MEM_SHARD), but the region already is the unit's full
+ * buffer: a gather of an fp32 unit during a training step's forward or
+ * backward (fm->win_pass) is a barrier of the shard group instead of an
+ * all-gather (no copy, no full buffer), after which the parameters point
+ * into the region. Other gathers (eval forwards, summon_full_params, state
+ * dicts, 16-bit units) copy as before, the shard simply lying in the window.
+ * Safety: a rank writes its block only in its own optimizer step and
+ * post-step hooks, which follow its last reduce-scatter of the step; that
+ * completes only once every peer has posted its gradient for every unit,
+ * i.e. finished every read of the step's parameters (a unit's forward and
+ * backward, recomputation included, end before its post-backward starts
+ * the reduce-scatter). Peers read a block only after the barrier that the
+ * owner enters once its earlier writes are done. Writers outside the step
+ * (checkpoint loads, initialisation, summon write-back) run between steps,
+ * when no peer is inside a training pass. Bits: the same values in the same
+ * flat layout, so results equal the copying gathers' (FSDP_SHM_WINDOW=0
+ * turns the window off; tests/t_strategy.sh compares the two). */
+
+/* 64-byte aligned regions */
+static int64_t window_floats(int64_t numel) { return (numel + 15) & ~(int64_t)15; }
+
+enum fsdp_status fsdp__model_window(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
+    if (fm->shard_size < 2) return FSDP_OK;
+    int64_t total = 0, mine = 0;
+    for (int i = 0; i < fm->n_units; i++) {
+        total += window_floats(fm->units[i].numel_padded);
+        mine += fm->units[i].numel_shard;
+    }
+    void *base;
+    FSDP_TRY(fsdp__comm_window(fm->shard_comm, (size_t)total * sizeof(float), &base));
+    if (!base) return FSDP_OK;
+    if (fsdp__mem_count(ctx, FSDP_MEM_SHARD, (size_t)mine * sizeof(float), 1, "the shards in the shared window")) {
+        fsdp__comm_window_free(fm->shard_comm, base, (size_t)total * sizeof(float));
+        return FSDP_ERR_NOMEM;
+    }
+    fm->win = base;
+    fm->win_bytes = (size_t)total * sizeof(float);
+    float *at = base;
+    for (int i = 0; i < fm->n_units; i++) {
+        fm->units[i].win_full = at;
+        at += window_floats(fm->units[i].numel_padded);
+    }
+    return FSDP_OK;
+}
+
+void fsdp__model_window_free(struct fsdp_model *fm) {
+    if (!fm->win) return;
+    int64_t mine = 0;
+    for (int i = 0; i < fm->n_units; i++) mine += fm->units[i].numel_shard, fm->units[i].win_full = NULL;
+    fsdp__mem_count(fm->ctx, FSDP_MEM_SHARD, (size_t)mine * sizeof(float), 0, NULL);
+    fsdp__comm_window_free(fm->shard_comm, fm->win, fm->win_bytes);
+    fm->win = NULL;
+}
+
 /* Starts the all-gather of u's parameters (SHARDED -> GATHERING). */
 static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
     FSDP_ASSERT(u->state_ == UNIT_SHARDED, "unit %s: gather in state %d", unit_name(u), u->state_);
@@ -95,6 +160,17 @@ static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__uni
         u->full = u->shard;
         u->state_ = UNIT_UNSHARDED;
         point_params(u);
+        return FSDP_OK;
+    }
+    if (u->win_full && !lp && fm->win_pass) { /* [Note: shared window] */
+        u->full = u->win_full;
+        u->full_win = 1;
+        u->full_f32 = u->numel_padded;
+        unit_tag(ctx, fm, u);
+        enum fsdp_status st = fsdp_comm_barrier_start(fm->shard_comm, &u->req);
+        unit_tag(ctx, fm, NULL);
+        if (st != FSDP_OK) return unit_fail(ctx, u, "the shared window's barrier", st);
+        u->state_ = UNIT_GATHERING;
         return FSDP_OK;
     }
     u->gather_lazy = lp && (fm->in_forward || fm->in_backward); /* [Note: lazy widening] */
@@ -119,7 +195,7 @@ static enum fsdp_status unit_gather_wait(struct fsdp_ctx *ctx, struct fsdp__unit
     struct fsdp_comm_req *r = u->req;
     u->req = NULL;
     enum fsdp_status st = fsdp_comm_wait(u->model->shard_comm, r);
-    if (st != FSDP_OK) return unit_fail(ctx, u, "all-gather wait", st);
+    if (st != FSDP_OK) return unit_fail(ctx, u, u->full_win ? "the shared window's barrier wait" : "all-gather wait", st);
     u->state_ = UNIT_UNSHARDED;
     if (u->param_dtype != FSDP_F32) fsdp__mp_gather_finish(u); /* points the parameters itself */
     else point_params(u);
@@ -143,7 +219,8 @@ enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
     }
     for (int j = 0; j < u->n_params; j++)
         u->params[j]->data = NULL, u->params[j]->priv->data_lp = NULL, u->params[j]->priv->data_stale = 0;
-    if (u->full != u->shard) fsdp__pool_put(u->model, u->full);
+    if (u->full_win) u->full_win = 0;
+    else if (u->full != u->shard) fsdp__pool_put(u->model, u->full);
     u->full = NULL;
     u->state_ = UNIT_SHARDED;
     return FSDP_OK;

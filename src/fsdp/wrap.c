@@ -265,16 +265,17 @@ enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit
      * it, and fsdp_fully_shard's first call runs before the dtypes resolve,
      * so it comes with fsdp_model_attach_optim's call */
     size_t lp = u->param_dtype != FSDP_F32 ? n * sizeof(uint16_t) : 0;
-    float *mem = fsdp__calloc(ctx, (2 + (size_t)k_state) * n * sizeof(float) + lp + 64, FSDP_MEM_SHARD,
+    size_t own = u->win_full ? 0 : 1; /* the parameter shard, unless it lies in the shared window */
+    float *mem = fsdp__calloc(ctx, (own + 1 + (size_t)k_state) * n * sizeof(float) + lp + 64, FSDP_MEM_SHARD,
                               u->module->fqn[0] ? u->module->fqn : "root unit shards");
     if (!mem) return FSDP_ERR_NOMEM;
-    if (u->shard_mem && !fsdp__measuring) memcpy(mem, u->shard, n * sizeof(float)); /* keep the values */
+    if (own && u->shard_mem && !fsdp__measuring) memcpy(mem, u->shard, n * sizeof(float)); /* keep the values */
     fsdp__free(ctx, u->shard_mem);
     u->shard_mem = mem;
-    u->shard = mem;
-    u->grad_shard = mem + n;
-    u->state = k_state ? mem + 2 * n : NULL;
-    u->shard_lp = lp ? (uint16_t *)(void *)(mem + (2 + (size_t)k_state) * n) : NULL;
+    u->shard = own ? mem : u->win_full + (int64_t)u->model->shard_rank * u->numel_shard;
+    u->grad_shard = mem + own * n;
+    u->state = k_state ? mem + (own + 1) * n : NULL;
+    u->shard_lp = lp ? (uint16_t *)(void *)(mem + (own + 1 + (size_t)k_state) * n) : NULL;
     u->shard_lp_valid = 0;
     return FSDP_OK;
 }
@@ -314,6 +315,7 @@ enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root
     FSDP_TRY(model_new(ctx, root, "creating the sharded model", &fm));
     enum fsdp_status st = fsdp__sharding_comms(ctx, opts, fm);
     if (st == FSDP_OK) st = build_units(fm, opts);
+    if (st == FSDP_OK) st = fsdp__model_window(ctx, fm);
     for (int i = 0; i < fm->n_units && st == FSDP_OK; i++)
         st = fsdp__unit_alloc_shards(ctx, &fm->units[i], 0);
     if (st == FSDP_OK && opts->precision != FSDP_F32) /* per-unit dtypes (mixed.c) */
@@ -355,6 +357,7 @@ void fsdp_model_free(struct fsdp_model *fm) {
     }
     for (int i = 0; i < fm->n_pool; i++) fsdp__free(ctx, fm->pool[i].mem);
     free(fm->pool);
+    fsdp__model_window_free(fm);
     free(fm->units);
     free(fm->bwd_order);
     fsdp__post_step_hooks_free(fm);
