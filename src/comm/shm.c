@@ -741,10 +741,10 @@ static enum fsdp_status attach(struct fsdp_comm *c, struct shm_state *s) {
  * shmem_enabled: always, within_size or advise; the window is then
  * madvise'd), while private shards and full buffers get 2 MiB pages
  * (core.c, [Note: huge pages]). Measured on a 2-core VM with 4 KiB shmem
- * (bench/README.md, "the shared window"): ResNet-18 (45 MB of parameters)
- * at 2 ranks 10% faster a step with its window, GPT-2 124M (500 MB) 15%
- * slower (the optimizer and the products over 4 KiB pages cost more than
- * the copies saved). So without huge pages shm offers windows up to
+ * (bench/README.md, "The shared window"): ResNet-18 (45 MB of parameters)
+ * at 2 ranks 10-20% faster a step with its window, GPT-2 124M (500 MB)
+ * 15-30% slower at 2-4 ranks (the optimizer and the products over 4 KiB
+ * pages cost more than the copies saved). So without huge pages shm offers windows up to
  * SHM_WINDOW_MAX_SMALL bytes; env FSDP_SHM_WINDOW sets the bound (bytes;
  * 0: no window), with huge pages there is none. */
 size_t fsdp__shm_window_bound(struct fsdp_ctx *ctx, int *huge) {
