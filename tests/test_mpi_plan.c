@@ -118,7 +118,7 @@ static void batch(int n, int V, int32_t *in, int32_t *tg) {
  * even (at 4 ranks 2 replicas, whose all-reduces overlap pipelines), else
  * of 1. */
 static void check_plan_on(struct fsdp_ctx *c, int ckpt, int B, int T, enum fsdp_dtype prec, int mp,
-                          enum fsdp_sharding sh) {
+                          enum fsdp_sharding sh, struct fsdp_mem_plan *out) {
     int world = fsdp_ctx_world(c);
     struct fsdp_gpt_config cfg;
     fsdp_gpt_config_preset("tiny", &cfg);
@@ -154,30 +154,40 @@ static void check_plan_on(struct fsdp_ctx *c, int ckpt, int B, int T, enum fsdp_
     snprintf(what, sizeof what, "GPT %s %s mp %d ckpt %d (%s)", fsdp_sharding_name(sh), fsdp_dtype_name(prec), mp,
              ckpt, fsdp_comm_backend(fsdp_ctx_comm(c)));
     check_equal(c, &plan, &m0, what);
+    if (out) *out = plan;
     free(in);
     free(tg);
     run_free(&r);
 }
 
 static void check_plan_sharded(int ckpt, int B, int T, enum fsdp_dtype prec, int mp, enum fsdp_sharding sh) {
-    check_plan_on(get_ctx(), ckpt, B, T, prec, mp, sh);
+    check_plan_on(get_ctx(), ckpt, B, T, prec, mp, sh, NULL);
 }
 
 /* On the shm backend, whose shards lie in the shared window ([Note: shared
  * window] in src/fsdp/unit.c): fp32 gathers in a training step hold no full
- * buffer, 16-bit ones still do; the plan (measure.c's window) says the same. */
+ * buffer, 16-bit ones still do; the plan (measure.c's window) says the same,
+ * to the byte, with the window and without it (FSDP_SHM_WINDOW=0), and the
+ * window's fp32 plan holds fewer full buffers than the copying one. */
 static void check_plan_shm(int ckpt, enum fsdp_dtype prec) {
     if (fsdp_ctx_world(get_ctx()) < 2) SKIP("a shard group of one has no window");
-    struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
-    co.threads = 1;
-    co.comm = FSDP_COMM_SHM;
-    struct fsdp_ctx *c;
-    ASSERT_OK(fsdp_ctx_create(&co, &c), ctx);
-    /* the schedule check (on under tests/run.sh) is a debugging aid the plan leaves out: its
-     * fingerprints would be the peak of shm's small workspace (MPI's staging hides them) */
-    fsdp_comm_set_check(fsdp_ctx_comm(c), 0);
-    check_plan_on(c, ckpt, 12, 64, prec, FSDP_MP_DEFAULT, FSDP_FULL_SHARD);
-    fsdp_ctx_free(c);
+    struct fsdp_mem_plan p[2];
+    for (int win = 1; win >= 0; win--) {
+        if (!win) setenv("FSDP_SHM_WINDOW", "0", 1);
+        struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+        co.threads = 1;
+        co.comm = FSDP_COMM_SHM;
+        struct fsdp_ctx *c;
+        ASSERT_OK(fsdp_ctx_create(&co, &c), ctx);
+        unsetenv("FSDP_SHM_WINDOW");
+        /* the schedule check (on under tests/run.sh) is a debugging aid the plan leaves out: its
+         * fingerprints would be the peak of shm's small workspace (MPI's staging hides them) */
+        fsdp_comm_set_check(fsdp_ctx_comm(c), 0);
+        check_plan_on(c, ckpt, 12, 64, prec, FSDP_MP_DEFAULT, FSDP_FULL_SHARD, &p[win]);
+        fsdp_ctx_free(c);
+    }
+    if (prec == FSDP_F32) CHECK(p[1].full < p[0].full);
+    else CHECK_INT_EQ(p[1].full, p[0].full);
 }
 
 TEST(plan_equals_measured_shm_window) { check_plan_shm(0, FSDP_F32); }

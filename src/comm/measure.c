@@ -110,12 +110,18 @@ static void measure_free(struct fsdp_comm *c) {
     fsdp__free(c->ctx, c);
 }
 
+/* window_mib <-> bytes (SIZE_MAX: no bound) */
+static unsigned window_mib(size_t bytes) {
+    return bytes >= ((size_t)UINT_MAX << 20) ? UINT_MAX : (unsigned)(bytes >> 20);
+}
+static size_t window_bytes(unsigned mib) { return mib == UINT_MAX ? SIZE_MAX : (size_t)mib << 20; }
+
 /* A shared window as shm makes one ([Note: shared window] in
  * src/fsdp/unit.c): reserved, never touched by a plan (no arithmetic). */
 static enum fsdp_status measure_window(struct fsdp_comm *c, size_t bytes, void **base) {
     const struct measure_state *s = c->state;
     *base = NULL;
-    if (s->window_mib != UINT_MAX && bytes > ((size_t)s->window_mib << 20)) return FSDP_OK;
+    if (bytes > window_bytes(s->window_mib)) return FSDP_OK;
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED)
         return fsdp__err(c->ctx, FSDP_ERR_NOMEM, "measuring communicator: cannot reserve a window of %zu bytes",
@@ -155,7 +161,7 @@ enum fsdp_status fsdp__comm_measure_create(struct fsdp_ctx *ctx, int size, int r
     }
     s->like_mpi = (short)like_mpi;
     s->ordered = (short)ordered;
-    s->window_mib = window_max >= ((size_t)UINT_MAX << 20) ? UINT_MAX : (unsigned)(window_max >> 20);
+    s->window_mib = window_mib(window_max);
     /* a request holds the staging pointer when it stages (MPI's are larger) */
     s->req_bytes = req_bytes > sizeof(struct measure_req) || !like_mpi ? req_bytes : sizeof(struct measure_req);
     if (s->req_bytes < sizeof(struct fsdp_comm_req)) s->req_bytes = sizeof(struct fsdp_comm_req);
@@ -171,6 +177,6 @@ enum fsdp_status fsdp__comm_measure_create(struct fsdp_ctx *ctx, int size, int r
 
 enum fsdp_status fsdp__comm_measure_group(struct fsdp_comm *c, int size, int rank, struct fsdp_comm **out) {
     const struct measure_state *s = c->state;
-    size_t wmax = s->window_mib == UINT_MAX ? SIZE_MAX : (size_t)s->window_mib << 20;
-    return fsdp__comm_measure_create(c->ctx, size, rank, s->like_mpi, s->ordered, wmax, s->req_bytes, out);
+    return fsdp__comm_measure_create(c->ctx, size, rank, s->like_mpi, s->ordered, window_bytes(s->window_mib),
+                                     s->req_bytes, out);
 }

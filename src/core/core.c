@@ -189,6 +189,11 @@ static void mem_add(struct fsdp_ctx *ctx, int kind, size_t bytes) {
     if (m->cur_total > m->peak_total) m->peak_total = m->cur_total;
 }
 
+static void mem_sub(struct fsdp_ctx *ctx, int kind, size_t bytes) {
+    ctx->mem.cur[kind] -= bytes;
+    ctx->mem.cur_total -= bytes;
+}
+
 _Thread_local long fsdp__alloc_count, fsdp__alloc_fail_at;
 long fsdp__alloc_failures;
 int fsdp__measuring;
@@ -276,8 +281,7 @@ int fsdp__commit(struct fsdp_ctx *ctx, void *p, size_t upto, const char *what) {
 int fsdp__mem_count(struct fsdp_ctx *ctx, enum fsdp_mem_kind kind, size_t bytes, int add, const char *what) {
     if (!ctx) return 0;
     if (!add) {
-        ctx->mem.cur[kind] -= bytes;
-        ctx->mem.cur_total -= bytes;
+        mem_sub(ctx, (int)kind, bytes);
         return 0;
     }
     if (within_limit(ctx, bytes, kind, what)) return -1;
@@ -294,10 +298,7 @@ void *fsdp__calloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, 
 void fsdp__free(struct fsdp_ctx *ctx, void *p) {
     if (!p) return;
     struct alloc_hdr *h = (struct alloc_hdr *)p - 1;
-    if (ctx) {
-        ctx->mem.cur[h->kind] -= h->bytes;
-        ctx->mem.cur_total -= h->bytes;
-    }
+    if (ctx) mem_sub(ctx, h->kind, h->bytes);
     if (h->mapped) munmap(h, sizeof *h + h->size);
     else free(h);
 }

@@ -14,7 +14,6 @@
 #include "optim/optim-impl.h"
 
 #include <string.h>
-#include <stdlib.h>
 
 /* ---- Pool ---- */
 
@@ -113,7 +112,9 @@ static enum fsdp_status unit_fail(struct fsdp_ctx *ctx, struct fsdp__unit *u, co
  * (checkpoint loads, initialisation, summon write-back) run between steps,
  * when no peer is inside a training pass. Bits: the same values in the same
  * flat layout, so results equal the copying gathers' (FSDP_SHM_WINDOW=0
- * turns the window off; tests/t_strategy.sh compares the two). */
+ * turns the window off; tests/test_mpi_strategy.c checks both against the
+ * unsharded reference). Its size is bounded by the backend ([Note: window
+ * size] in src/comm/shm.c). */
 
 /* 64-byte aligned regions */
 static int64_t window_floats(int64_t numel) { return (numel + 15) & ~(int64_t)15; }
@@ -162,30 +163,21 @@ static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__uni
         point_params(u);
         return FSDP_OK;
     }
-    if (u->win_full && !lp && fm->win_pass) { /* [Note: shared window] */
-        u->full = u->win_full;
-        u->full_win = 1;
-        u->full_f32 = u->numel_padded;
-        unit_tag(ctx, fm, u);
-        enum fsdp_status st = fsdp_comm_barrier_start(fm->shard_comm, &u->req);
-        unit_tag(ctx, fm, NULL);
-        if (st != FSDP_OK) return unit_fail(ctx, u, "the shared window's barrier", st);
-        u->state_ = UNIT_GATHERING;
-        return FSDP_OK;
-    }
+    u->full_win = u->win_full && !lp && fm->win_pass; /* [Note: shared window]: a barrier, no copy */
     u->gather_lazy = lp && (fm->in_forward || fm->in_backward); /* [Note: lazy widening] */
     u->full_f32 = lp ? fsdp__mp_f32_numel(u, u->gather_lazy) : u->numel_padded;
-    u->full = fsdp__pool_get(u->model, fsdp__mp_full_numel(u), "full parameters");
+    u->full = u->full_win ? u->win_full : fsdp__pool_get(u->model, fsdp__mp_full_numel(u), "full parameters");
     if (!u->full) return FSDP_ERR_NOMEM;
     /* in place: this rank's block of the full buffer is its shard */
     float *mine = u->full + (int64_t)fm->shard_rank * u->numel_shard;
-    if (!lp && !fsdp__measuring) memcpy(mine, u->shard, (size_t)u->numel_shard * sizeof(float));
+    if (!lp && !u->full_win && !fsdp__measuring) memcpy(mine, u->shard, (size_t)u->numel_shard * sizeof(float));
     unit_tag(ctx, u->model, u);
-    enum fsdp_status st = lp ? fsdp__mp_gather_start(fm->shard_comm, fm->shard_rank, u, &u->req)
-                             : fsdp_comm_allgather_start(fm->shard_comm, mine, u->full, (size_t)u->numel_shard,
-                                                         FSDP_F32, &u->req);
+    enum fsdp_status st = u->full_win ? fsdp_comm_barrier_start(fm->shard_comm, &u->req)
+                          : lp        ? fsdp__mp_gather_start(fm->shard_comm, fm->shard_rank, u, &u->req)
+                                      : fsdp_comm_allgather_start(fm->shard_comm, mine, u->full,
+                                                                  (size_t)u->numel_shard, FSDP_F32, &u->req);
     unit_tag(ctx, u->model, NULL);
-    if (st != FSDP_OK) return unit_fail(ctx, u, "all-gather", st);
+    if (st != FSDP_OK) return unit_fail(ctx, u, u->full_win ? "the shared window's barrier" : "all-gather", st);
     u->state_ = UNIT_GATHERING;
     return FSDP_OK;
 }
