@@ -31,4 +31,18 @@ static struct fsdp_ctx *get_ctx(void) {
 
 __attribute__((destructor)) static void teardown(void) { fsdp_ctx_free(ctx); }
 
+/* A second context of one thread over the shared-memory backend, its
+ * FSDP_SHM_WINDOW set to `window` while it is made (NULL: the default);
+ * NULL if it could not be made (ctx's message says why). */
+static inline struct fsdp_ctx *shm_ctx_window(const char *window) {
+    struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+    co.threads = 1;
+    co.comm = FSDP_COMM_SHM;
+    if (window) setenv("FSDP_SHM_WINDOW", window, 1);
+    struct fsdp_ctx *c = NULL;
+    if (fsdp_ctx_create(&co, &c) != FSDP_OK) c = NULL;
+    if (window) unsetenv("FSDP_SHM_WINDOW");
+    return c;
+}
+
 #endif

@@ -173,13 +173,8 @@ static void check_plan_shm(int ckpt, enum fsdp_dtype prec) {
     if (fsdp_ctx_world(get_ctx()) < 2) SKIP("a shard group of one has no window");
     struct fsdp_mem_plan p[2];
     for (int win = 1; win >= 0; win--) {
-        if (!win) setenv("FSDP_SHM_WINDOW", "0", 1);
-        struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
-        co.threads = 1;
-        co.comm = FSDP_COMM_SHM;
-        struct fsdp_ctx *c;
-        ASSERT_OK(fsdp_ctx_create(&co, &c), ctx);
-        unsetenv("FSDP_SHM_WINDOW");
+        struct fsdp_ctx *c = shm_ctx_window(win ? NULL : "0");
+        ASSERT(c != NULL);
         /* the schedule check (on under tests/run.sh) is a debugging aid the plan leaves out: its
          * fingerprints would be the peak of shm's small workspace (MPI's staging hides them) */
         fsdp_comm_set_check(fsdp_ctx_comm(c), 0);

@@ -194,13 +194,8 @@ TEST(shm_window_matches_unsharded) {
     int world = fsdp_comm_size(fsdp_ctx_comm(get_ctx()));
     if (world < 2) SKIP("needs 2+ ranks");
     for (int win = 1; win >= 0; win--) {
-        setenv("FSDP_SHM_WINDOW", win ? "1073741824" : "0", 1); /* a bound of 1 GiB, or none */
-        struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
-        co.threads = 1;
-        co.comm = FSDP_COMM_SHM;
-        struct fsdp_ctx *c;
-        ASSERT_OK(fsdp_ctx_create(&co, &c), ctx);
-        unsetenv("FSDP_SHM_WINDOW");
+        struct fsdp_ctx *c = shm_ctx_window(win ? "1073741824" : "0"); /* a bound of 1 GiB, or none */
+        ASSERT(c != NULL);
         for (int ov = 1; ov >= 0 && win; ov--) {
             struct fsdp_shard_opts so = opts_of(FSDP_FULL_SHARD, 0);
             so.overlap = ov;
