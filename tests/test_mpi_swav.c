@@ -5,6 +5,9 @@
  *  - the loss and this rank's rows of d loss / d scores equal the one-process
  *    values (the global batch is split unevenly at 3 and 4 ranks);
  *  - with a queue of past scores joined for Sinkhorn, likewise;
+ *  - in two phases (fsdp_swav_codes, then fsdp_swav_predict over crops
+ *    [0, 2) and [2, NC) apart): the same gradient rows bit for bit, the
+ *    parts summing to the loss;
  *  - against PyTorch (tests/swav_ref.py, written from the paper's formulas,
  *    autograd with the codes detached), where python3-torch is installed:
  *    loss and gradient within 1e-5;
@@ -113,6 +116,21 @@ static void loss_case(int with_queue) {
                 worst = d > worst || d != d ? d : worst;
             }
     if (!(worst <= 1e-7)) TEST_FAILF("d loss / d scores differs from one process by %g", worst);
+    /* in two phases (the trainer's: global crops, then small ones): codes
+     * once, the terms of crops [0, 2) and [2, NC) apart; the same gradient
+     * rows bit for bit, the parts summing to the loss */
+    float *codes = malloc((size_t)(2 * n * K + 1) * sizeof(float)), *part = malloc((size_t)(NC * n * K + 1) * sizeof(float));
+    const float *sp[2] = {mine, mine + (size_t)n * K};
+    CHECK_OK(fsdp_swav_codes(c, fsdp_ctx_comm(c), &o, sp, n, K, 2, with_queue ? (const float *const *)qmine : NULL,
+                             with_queue ? qlen : NULL, codes), c);
+    double l01, l23;
+    CHECK_OK(fsdp_swav_predict(c, fsdp_ctx_comm(c), &o, mine, 0, 2, NC, n, K, assign, 2, codes, &l01, part), c);
+    CHECK_OK(fsdp_swav_predict(c, fsdp_ctx_comm(c), &o, mine + (size_t)2 * n * K, 2, NC - 2, NC, n, K, assign, 2,
+                               codes, &l23, part + (size_t)2 * n * K), c);
+    CHECK_NEAR(l01 + l23, lgot, 1e-12, 1e-12);
+    CHECK(l01 > 0 && l23 > 0);
+    CHECK(memcmp(part, got, (size_t)(NC * n * K) * sizeof(float)) == 0);
+    free(codes), free(part);
     /* the gradient is not trivially zero, and the queue changes the codes */
     double gmax = 0;
     for (int i = 0; i < NC * GB * K; i++) gmax = fmax(gmax, fabs(gref[i]));

@@ -110,40 +110,75 @@ enum fsdp_status fsdp_sinkhorn(struct fsdp_ctx *ctx, struct fsdp_comm *comm, con
     return st;
 }
 
-enum fsdp_status fsdp_swav_loss(struct fsdp_ctx *ctx, struct fsdp_comm *comm, const struct fsdp_swav_opts *opts,
-                                const float *scores, int n_crops, int64_t B, int64_t K, const int *assign,
-                                int n_assign, const float *const *queue, const int64_t *queue_len, double *loss,
-                                float *dscores) {
-    struct fsdp_swav_opts o = opts ? *opts : fsdp_swav_opts_default();
-    if (n_crops < 2 || B < 0 || K <= 0 || n_assign < 1 || !assign || (B && !scores) || !(o.temperature > 0))
-        return fsdp__err(ctx, FSDP_ERR_INVALID,
-                         "swav_loss: bad arguments (%d crops, batch %lld, K %lld, %d assigned crops, temperature %g)",
-                         n_crops, (long long)B, (long long)K, n_assign, o.temperature);
+/* The checks fsdp_swav_codes, fsdp_swav_predict and fsdp_swav_loss share. */
+static enum fsdp_status check_assign(struct fsdp_ctx *ctx, const char *fn, int n_crops, int64_t B, int64_t K,
+                                     const int *assign, int n_assign, const float *const *queue,
+                                     const int64_t *queue_len, double temperature) {
+    if (n_crops < 2 || B < 0 || K <= 0 || n_assign < 1 || !assign || !(temperature > 0))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: bad arguments (%d crops, batch %lld, K %lld, %d assigned crops, "
+                         "temperature %g)", fn, n_crops, (long long)B, (long long)K, n_assign, temperature);
     for (int a = 0; a < n_assign; a++) {
         if (assign[a] < 0 || assign[a] >= n_crops)
-            return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_loss: assigned crop %d is outside [0, %d)", assign[a],
-                             n_crops);
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: assigned crop %d is outside [0, %d)", fn, assign[a], n_crops);
         for (int a2 = 0; a2 < a; a2++)
             if (assign[a2] == assign[a])
-                return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_loss: crop %d assigned twice", assign[a]);
+                return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: crop %d assigned twice", fn, assign[a]);
         int64_t lq = queue && queue_len ? queue_len[a] : 0;
         if (lq < 0 || (lq && !queue[a]))
-            return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_loss: queue %d: %lld rows", a, (long long)lq);
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: queue %d: %lld rows", fn, a, (long long)lq);
     }
-    double Bg = (double)B;
-    FSDP_TRY(allreduce_d(ctx, comm, &Bg, 1, FSDP_SUM, "the batch size"));
-    if (Bg <= 0) return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_loss: empty batch on every rank");
-    size_t nBK = (size_t)(n_crops * B * K);
-    /* log softmax(S_v / tau) and softmax, per crop and row, kept as p (float) */
-    float *p = fsdp__malloc((nBK + 1) * sizeof(float));
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_swav_codes(struct fsdp_ctx *ctx, struct fsdp_comm *comm, const struct fsdp_swav_opts *opts,
+                                 const float *const *scores, int64_t B, int64_t K, int n_assign,
+                                 const float *const *queue, const int64_t *queue_len, float *codes) {
+    struct fsdp_swav_opts o = opts ? *opts : fsdp_swav_opts_default();
+    if (B < 0 || K <= 0 || n_assign < 1 || !(o.epsilon > 0))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_codes: bad arguments (batch %lld, K %lld, %d assigned crops)",
+                         (long long)B, (long long)K, n_assign);
+    for (int a = 0; a < n_assign; a++) {
+        int64_t lq = queue && queue_len ? queue_len[a] : 0;
+        if ((B && (!scores || !scores[a] || !codes)) || lq < 0 || (lq && !queue[a]))
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_codes: assigned crop %d: no scores, or queue of %lld rows",
+                             a, (long long)lq);
+    }
     int64_t lq_max = 0;
     for (int a = 0; queue && queue_len && a < n_assign; a++) lq_max = queue_len[a] > lq_max ? queue_len[a] : lq_max;
     float *joined = fsdp__malloc((size_t)((lq_max + B) * K + 1) * sizeof(float));
-    float *codes = fsdp__malloc((size_t)((lq_max + B) * K + 1) * sizeof(float));
-    double *ls = fsdp__malloc((size_t)(n_crops * B + 1) * sizeof(double)); /* logsumexp of each row / tau */
+    float *all = fsdp__malloc((size_t)((lq_max + B) * K + 1) * sizeof(float));
     enum fsdp_status st = FSDP_OK;
-    if (!p || !joined || !codes || !ls) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "swav_loss: out of memory");
-    for (int64_t r = 0; st == FSDP_OK && r < n_crops * B; r++) {
+    if (!joined || !all) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "swav_codes: out of memory");
+    for (int a = 0; st == FSDP_OK && a < n_assign; a++) {
+        int64_t lq = queue && queue_len ? queue_len[a] : 0;
+        if (lq) memcpy(joined, queue[a], (size_t)(lq * K) * sizeof(float));
+        if (B) memcpy(joined + lq * K, scores[a], (size_t)(B * K) * sizeof(float));
+        st = fsdp_sinkhorn(ctx, comm, joined, lq + B, K, o.epsilon, o.sinkhorn_iters, all);
+        if (st == FSDP_OK && B) memcpy(codes + (int64_t)a * B * K, all + lq * K, (size_t)(B * K) * sizeof(float));
+    }
+    free(joined);
+    free(all);
+    return st;
+}
+
+enum fsdp_status fsdp_swav_predict(struct fsdp_ctx *ctx, struct fsdp_comm *comm, const struct fsdp_swav_opts *opts,
+                                   const float *scores, int v0, int nv, int n_crops, int64_t B, int64_t K,
+                                   const int *assign, int n_assign, const float *codes, double *loss, float *dscores) {
+    struct fsdp_swav_opts o = opts ? *opts : fsdp_swav_opts_default();
+    FSDP_TRY(check_assign(ctx, "swav_predict", n_crops, B, K, assign, n_assign, NULL, NULL, o.temperature));
+    if (v0 < 0 || nv < 0 || v0 + nv > n_crops || (B && nv && (!scores || !codes)))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_predict: crops [%d, %d) of %d, or no scores or codes", v0,
+                         v0 + nv, n_crops);
+    double Bg = (double)B;
+    FSDP_TRY(allreduce_d(ctx, comm, &Bg, 1, FSDP_SUM, "the batch size"));
+    if (Bg <= 0) return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_predict: empty batch on every rank");
+    size_t nBK = (size_t)(nv * B * K);
+    /* softmax(S_v / tau) per crop and row, kept as p (float), and the logsumexp of each row / tau */
+    float *p = fsdp__malloc((nBK + 1) * sizeof(float));
+    double *ls = fsdp__malloc((size_t)(nv * B + 1) * sizeof(double));
+    enum fsdp_status st = FSDP_OK;
+    if (!p || !ls) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "swav_predict: out of memory");
+    for (int64_t r = 0; st == FSDP_OK && r < nv * B; r++) {
         const float *s = scores + r * K;
         double mx = -INFINITY, sum = 0.0;
         for (int64_t k = 0; k < K; k++) mx = s[k] / o.temperature > mx ? s[k] / o.temperature : mx;
@@ -155,16 +190,11 @@ enum fsdp_status fsdp_swav_loss(struct fsdp_ctx *ctx, struct fsdp_comm *comm, co
     double total = 0.0;
     double g = 1.0 / ((double)n_assign * (double)(n_crops - 1) * Bg);
     for (int a = 0; st == FSDP_OK && a < n_assign; a++) {
-        int c = assign[a];
-        int64_t lq = queue && queue_len ? queue_len[a] : 0;
-        if (lq) memcpy(joined, queue[a], (size_t)(lq * K) * sizeof(float));
-        if (B) memcpy(joined + lq * K, scores + (int64_t)c * B * K, (size_t)(B * K) * sizeof(float));
-        st = fsdp_sinkhorn(ctx, comm, joined, lq + B, K, o.epsilon, o.sinkhorn_iters, codes);
-        const float *q = codes + lq * K; /* (B, K): this batch's codes */
-        for (int v = 0; st == FSDP_OK && v < n_crops; v++) {
-            if (v == c) continue;
+        const float *q = codes + (int64_t)a * B * K; /* (B, K): crop assign[a]'s codes */
+        for (int v = v0; v < v0 + nv; v++) {
+            if (v == assign[a]) continue;
             for (int64_t b = 0; b < B; b++) {
-                int64_t r = (int64_t)v * B + b;
+                int64_t r = (int64_t)(v - v0) * B + b;
                 const float *s = scores + r * K;
                 double sub = 0.0;
                 for (int64_t k = 0; k < K; k++) sub -= (double)q[b * K + k] * ((double)s[k] / o.temperature - ls[r]);
@@ -179,8 +209,27 @@ enum fsdp_status fsdp_swav_loss(struct fsdp_ctx *ctx, struct fsdp_comm *comm, co
     if (st == FSDP_OK) st = allreduce_d(ctx, comm, &total, 1, FSDP_SUM, "the loss");
     if (st == FSDP_OK && loss) *loss = total * g;
     free(p);
-    free(joined);
-    free(codes);
     free(ls);
+    return st;
+}
+
+enum fsdp_status fsdp_swav_loss(struct fsdp_ctx *ctx, struct fsdp_comm *comm, const struct fsdp_swav_opts *opts,
+                                const float *scores, int n_crops, int64_t B, int64_t K, const int *assign,
+                                int n_assign, const float *const *queue, const int64_t *queue_len, double *loss,
+                                float *dscores) {
+    struct fsdp_swav_opts o = opts ? *opts : fsdp_swav_opts_default();
+    FSDP_TRY(check_assign(ctx, "swav_loss", n_crops, B, K, assign, n_assign, queue, queue_len, o.temperature));
+    if (B && !scores) return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_loss: no scores");
+    float *codes = fsdp__malloc((size_t)(n_assign * B * K + 1) * sizeof(float));
+    if (!codes) return fsdp__err(ctx, FSDP_ERR_NOMEM, "swav_loss: out of memory");
+    const float *as[8];
+    const float **asp = n_assign <= 8 ? as : fsdp__malloc((size_t)n_assign * sizeof(*asp));
+    enum fsdp_status st = asp ? FSDP_OK : fsdp__err(ctx, FSDP_ERR_NOMEM, "swav_loss: out of memory");
+    for (int a = 0; st == FSDP_OK && a < n_assign; a++) asp[a] = scores + (int64_t)assign[a] * B * K;
+    if (st == FSDP_OK) st = fsdp_swav_codes(ctx, comm, &o, asp, B, K, n_assign, queue, queue_len, codes);
+    if (st == FSDP_OK)
+        st = fsdp_swav_predict(ctx, comm, &o, scores, 0, n_crops, n_crops, B, K, assign, n_assign, codes, loss, dscores);
+    if (asp != as) free(asp);
+    free(codes);
     return st;
 }

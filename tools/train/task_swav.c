@@ -18,16 +18,18 @@
  * from (seed, epoch, image, crop) only, so a batch is the same at any world
  * size). Crops of one resolution go through the model together, crop-major
  * (row v Bl + b is crop v of this rank's image b, as fsdp_swav_loss reads
- * them). The layers save one forward's activations, so a step is:
- *   forward(global) -> copy the output; forward(small) -> copy the output;
- *   SwAV's loss over all crops (averaged over heads), d loss / d scores;
- *   loss(small) + backward(small); forward(global) again with batch norm's
- *   running statistics frozen (fsdp_batchnorm_set_update_stats) + backward;
- *   optimizer step.
- * fsdp_model_loss's convention is a rank's gradient of its own mean loss,
- * the ranks' gradients averaged; fsdp_swav_loss returns this rank's share of
- * the global gradient, so it is multiplied by the world. The loss value is
- * recorded once (on the first backward's call), the other call adds 0.
+ * them). The layers save one forward's activations, and the codes come from
+ * the global crops alone (no gradient flows through them), so each
+ * resolution goes forward and backward once, in turn:
+ *   forward(global) -> codes (fsdp_swav_codes) and the global crops' terms of
+ *   the loss (fsdp_swav_predict), d loss / d scores -> backward(global);
+ *   forward(small) -> their terms with the same codes -> backward(small)
+ *   (the two backwards accumulate); optimizer step.
+ * The loss over heads is averaged. fsdp_model_loss's convention is a rank's
+ * gradient of its own mean loss, the ranks' gradients averaged; the terms
+ * come as this rank's share of the global gradient, so they are multiplied
+ * by the world. Each backward's call records its part of the loss value,
+ * which the step sums.
  *
  * Prototypes: a post-step hook renormalises every row to unit L2 norm (under
  * fsdp_summon_full_params with write-back, one prototype unit at a time)
@@ -74,6 +76,7 @@ struct swav {
     int Bl, V, Sg, Ss, n_classes;
     int64_t W; /* output width D + H K */
     float *xg, *xs, *og, *os, *sc, *dsc, *dg, *ds;
+    float *codes; /* (H, 2, Bl, K) this step's codes of the global crops, per head */
     struct fsdp_module *root_m, *head;
     struct swav_root *R;
     struct fsdp_optim *opt;
@@ -436,7 +439,8 @@ static void swav_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o
     k->ds = malloc((size_t)(ns * k->W + 1) * sizeof(float));
     k->sc = malloc((size_t)((ng + ns) * K) * sizeof(float));
     k->dsc = malloc((size_t)((ng + ns) * K) * sizeof(float));
-    if (!k->xg || !k->xs || !k->og || !k->os || !k->dg || !k->ds || !k->sc || !k->dsc)
+    k->codes = malloc((size_t)((int64_t)k->hc.n_heads * ng * K) * sizeof(float));
+    if (!k->xg || !k->xs || !k->og || !k->os || !k->dg || !k->ds || !k->sc || !k->dsc || !k->codes)
         fail_rank("out of memory for the crops");
     if (k->L) {
         int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
@@ -555,6 +559,44 @@ static enum fsdp_status loss_backward(struct fsdp_ctx *ctx, struct fsdp_model *f
     return fsdp_model_backward(ctx, fm, &d);
 }
 
+/* SwAV's loss terms, averaged over the heads, of the global crops (small 0:
+ * out holds their 2 Bl rows of W, and the codes of every head are made
+ * first) or of the V small crops (small 1: V Bl rows, the codes the global
+ * call made); d loss / d out into dout (zero in z's columns [0, D): the loss
+ * reads the scores only), scaled to the ranks' averaging convention
+ * ([Note: SwAV step]). COLLECTIVE. */
+static enum fsdp_status crop_terms(struct fsdp_ctx *ctx, struct swav *k, int Bl, int V, int small, const float *out,
+                                   float *dout, double *loss) {
+    struct fsdp_comm *comm = fsdp_ctx_comm(ctx);
+    int64_t K = k->hc.n_prototypes, D = k->hc.out_dim, W = k->W;
+    int nv = small ? V : 2, v0 = small ? 2 : 0;
+    int64_t rows = (int64_t)nv * Bl;
+    const int assign[2] = {0, 1};
+    float gscale = (float)fsdp_ctx_world(ctx) / (float)k->hc.n_heads;
+    memset(dout, 0, (size_t)(rows * W) * sizeof(float));
+    *loss = 0;
+    for (int j = 0; j < k->hc.n_heads; j++) {
+        for (int64_t i = 0; i < rows; i++) memcpy(k->sc + i * K, out + i * W + D + j * K, (size_t)K * sizeof(float));
+        float *codes = k->codes + (int64_t)j * 2 * Bl * K;
+        if (!small) {
+            const float *sp[2] = {k->sc, k->sc + (int64_t)Bl * K}, *qp[2] = {NULL, NULL};
+            int64_t ql[2] = {0, 0};
+            for (int a = 0; k->queue_used && a < 2; a++) {
+                qp[a] = k->qsc + ((int64_t)j * 2 + a) * k->q_rows * K;
+                ql[a] = k->q_rows;
+            }
+            TRY(fsdp_swav_codes(ctx, comm, &k->so, sp, Bl, K, 2, k->queue_used ? qp : NULL,
+                                k->queue_used ? ql : NULL, codes));
+        }
+        double lj;
+        TRY(fsdp_swav_predict(ctx, comm, &k->so, k->sc, v0, nv, 2 + V, Bl, K, assign, 2, codes, &lj, k->dsc));
+        *loss += lj / k->hc.n_heads;
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t c = 0; c < K; c++) dout[i * W + D + j * K + c] = k->dsc[i * K + c] * gscale;
+    }
+    return FSDP_OK;
+}
+
 static enum fsdp_status baseline(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o);
 static void append_extra(struct task *t, const char *key, double v);
 
@@ -568,7 +610,7 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
     set_frozen(ctx, k, step < o->freeze_prototypes_iters);
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), C = k->ti.channels, V = k->V;
     int Bl = o->batch / world; /* k->Bl, or the memory plan's world (fsdp-train --dry-run --nproc) */
-    int64_t n = k->ti.count, K = k->hc.n_prototypes, D = k->hc.out_dim, W = k->W;
+    int64_t n = k->ti.count, W = k->W;
     float *tmp = malloc((size_t)C * (size_t)(k->Sg > k->Ss ? k->Sg : k->Ss) * (size_t)(k->Sg > k->Ss ? k->Sg : k->Ss) *
                         sizeof(float));
     if (!tmp) fail_rank("out of memory for a crop");
@@ -584,14 +626,18 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
     }
     free(tmp);
     /* the queue's scores, before any forward ([Note: SwAV queue]) */
-    int use_queue = k->L && *(const int64_t *)k->queue_filled->data >= k->L;
-    if (use_queue) TRY(queue_scores(ctx, fm, k));
-    k->queue_used = use_queue;
+    k->queue_used = k->L && *(const int64_t *)k->queue_filled->data >= k->L;
+    if (k->queue_used) TRY(queue_scores(ctx, fm, k));
     struct fsdp_tensor ing = {k->xg, FSDP_F32, 4, {2 * (int64_t)Bl, C, k->Sg, k->Sg}, FSDP_LAYOUT_PLAIN};
     struct fsdp_tensor ins = {k->xs, FSDP_F32, 4, {(int64_t)V * Bl, C, k->Ss, k->Ss}, FSDP_LAYOUT_PLAIN};
     struct fsdp_tensor outg = {0}, outs = {0};
     TRY(fsdp_model_forward_tensor(ctx, fm, &ing, &outg));
     memcpy(k->og, outg.data, (size_t)(2 * Bl * W) * sizeof(float));
+    /* the global crops: codes and their terms, their backward; then the small crops' */
+    double loss_g = 0;
+    TRY(crop_terms(ctx, k, Bl, V, 0, k->og, k->dg, &loss_g));
+    if (k->L && (int64_t)step * o->batch / n >= o->queue_start_epoch) TRY(queue_push(ctx, k));
+    TRY(loss_backward(ctx, fm, k, &outg, k->dg, loss_g, k->og));
     if (V) { /* --bn-stats-crops global: the small crops leave the running statistics alone */
         int global_only = !strcmp(o->bn_stats_crops, "global");
         if (global_only) fsdp_batchnorm_set_update_stats(t->root, 0, NULL);
@@ -599,45 +645,9 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
         if (global_only) fsdp_batchnorm_set_update_stats(t->root, 1, NULL);
         TRY(st);
         memcpy(k->os, outs.data, (size_t)(V * Bl * W) * sizeof(float));
-    }
-    /* SwAV's loss per head, averaged; d loss / d out: z slice 0 */
-    int64_t ng = 2 * (int64_t)Bl, rows = ng + (int64_t)V * Bl;
-    memset(k->dg, 0, (size_t)(ng * W) * sizeof(float));
-    memset(k->ds, 0, (size_t)((int64_t)V * Bl * W) * sizeof(float));
-    const int assign[2] = {0, 1};
-    double loss = 0;
-    float gscale = (float)world / (float)k->hc.n_heads;
-    for (int j = 0; j < k->hc.n_heads; j++) {
-        for (int64_t i = 0; i < rows; i++) {
-            const float *src = i < ng ? k->og + i * W : k->os + (i - ng) * W;
-            memcpy(k->sc + i * K, src + D + j * K, (size_t)K * sizeof(float));
-        }
-        double lj;
-        const float *qp[2] = {NULL, NULL};
-        int64_t ql[2] = {0, 0};
-        for (int a = 0; use_queue && a < 2; a++) {
-            qp[a] = k->qsc + ((int64_t)j * 2 + a) * k->q_rows * K;
-            ql[a] = k->q_rows;
-        }
-        TRY(fsdp_swav_loss(ctx, fsdp_ctx_comm(ctx), &k->so, k->sc, 2 + V, Bl, K, assign, 2, use_queue ? qp : NULL,
-                           use_queue ? ql : NULL, &lj, k->dsc));
-        loss += lj / k->hc.n_heads;
-        for (int64_t i = 0; i < rows; i++) {
-            float *dst = (i < ng ? k->dg + i * W : k->ds + (i - ng) * W) + D + j * K;
-            for (int64_t c = 0; c < K; c++) dst[c] = k->dsc[i * K + c] * gscale;
-        }
-    }
-    if (k->L && (int64_t)step * o->batch / n >= o->queue_start_epoch) TRY(queue_push(ctx, k));
-    if (V) {
-        TRY(loss_backward(ctx, fm, k, &outs, k->ds, loss, k->os));
-        /* the global crops again: their activations went with the small crops' forward */
-        fsdp_batchnorm_set_update_stats(t->root, 0, NULL);
-        enum fsdp_status st = fsdp_model_forward_tensor(ctx, fm, &ing, &outg);
-        if (st == FSDP_OK) st = loss_backward(ctx, fm, k, &outg, k->dg, 0.0, k->og);
-        fsdp_batchnorm_set_update_stats(t->root, 1, NULL);
-        TRY(st);
-    } else {
-        TRY(loss_backward(ctx, fm, k, &outg, k->dg, loss, k->og));
+        double loss_s = 0;
+        TRY(crop_terms(ctx, k, Bl, V, 1, k->os, k->ds, &loss_s));
+        TRY(loss_backward(ctx, fm, k, &outs, k->ds, loss_s, k->os));
     }
     TRY(fsdp_model_optim_step(ctx, fm, lr, o->clip, r));
     char hx[24];
@@ -838,6 +848,7 @@ static void swav_free(struct task *t) {
     struct swav *k = t->impl;
     if (!k) return;
     free(k->xg), free(k->xs), free(k->og), free(k->os), free(k->dg), free(k->ds), free(k->sc), free(k->dsc);
+    free(k->codes);
     free(k->zmine), free(k->zall), free(k->qsc);
     fsdp_images_free(k->train);
     fsdp_images_free(k->test);
