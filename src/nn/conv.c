@@ -540,7 +540,10 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     if (xdt == FSDP_BF16) w = fsdp__pdata_lp(ctx, C->weight, FSDP_BF16);
     else if (C->widen) w = rounded_copy(ctx, lp, fsdp__pdata(C->weight), C->weight->numel, "Conv2d weight (rounded)");
     else w = fsdp__pdata(C->weight);
-    if (!w) return FSDP_ERR_NOMEM;
+    if (!w) {
+        fsdp_arena_release(ctx, mark);
+        return FSDP_ERR_NOMEM;
+    }
     const struct xarg *a[3] = {keep ? &C->p.x_op : &C->p.a[FWD_SRC], &C->p.a[FWD_WEI], &C->p.a[FWD_DST]};
     int args[3] = {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST};
     void *ptrs[3] = {(void *)x, (void *)w, out->data};
@@ -599,7 +602,10 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     } else if (C->widen) {
         dy = rounded_copy(ctx, C->lp, dout->data, ny, "Conv2d output gradient (rounded)");
     }
-    if (!dy) return FSDP_ERR_NOMEM;
+    if (!dy) {
+        fsdp_arena_release(ctx, mark);
+        return FSDP_ERR_NOMEM;
+    }
     /* weights (and bias) gradient: written outright when unset, else via scratch and added */
     float bw = 0.0f, bb = 0.0f;
     float *gw = fsdp__pgrad_first(C->weight, &bw), *gb = C->bias ? fsdp__pgrad_first(C->bias, &bb) : NULL;
