@@ -8,9 +8,10 @@
 # training images) every epoch. Prints the recipe, the baseline, the curve
 # (accuracy per epoch, with the training time so far: step times only, the
 # evaluations not counted) and the summary.
-# Usage: bench/swav_fmnist.sh [EPOCHS] [extra fsdp-train flags...]   (default 14: about 60
-# minutes at 250-270 ms a step; env WIDTH: the ResNet-18 trunk's width, default 16; THREADS:
-# default 2, both cores: 253 ms a step on the AMD EPYC of 2026-12-02, 375 ms with 1)
+# Usage: bench/swav_fmnist.sh [EPOCHS] [extra fsdp-train flags...]   (default 14: 59 minutes
+# at the 253 ms a step of 2026-12-02, about 32 at the 140 ms of 2026-12-03 (one forward per
+# resolution); 30 epochs fill the hour but scored lower, bench/README.md; env WIDTH: the
+# ResNet-18 trunk's width, default 16; THREADS: default 2, both cores)
 # Targets (issue): within 60 minutes of training on the 2-core box, probe_acc
 # >= 90% and knn_acc >= 88%.
 set -euo pipefail
