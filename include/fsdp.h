@@ -690,17 +690,18 @@ enum fsdp_status fsdp_swav_loss(struct fsdp_ctx *ctx, struct fsdp_comm *comm, co
                                 float *dscores);
 /* The same loss in two phases, for a model whose crops of each resolution
  * go through forward and backward in turn (one forward per resolution):
- * fsdp_swav_codes: the codes (n_assign, B, K) of the assigned crops' scores
- * (scores[a]: (B, K), this rank's rows of crop assign[a]), each queue joined
- * before them as fsdp_swav_loss joins it. COLLECTIVE.
+ * fsdp_swav_codes: the codes (n_assign, B, K) of the assigned crops, scores
+ * (n_crops * B, K) crop-major as fsdp_swav_loss's (only the assigned crops'
+ * rows are read), each queue joined before them as fsdp_swav_loss joins it.
+ * COLLECTIVE.
  * fsdp_swav_predict: the terms of crops [v0, v0 + nv) of n_crops, scores
  * (nv * B, K) of those crops: *loss their part of the global mean (every rank
  * the same value), dscores (nv * B, K) as fsdp_swav_loss's rows. The parts
  * over crops partitioned sum to fsdp_swav_loss's loss, and the rows equal its
  * gradient's (bit for bit). COLLECTIVE. */
 enum fsdp_status fsdp_swav_codes(struct fsdp_ctx *ctx, struct fsdp_comm *comm, const struct fsdp_swav_opts *opts,
-                                 const float *const *scores, int64_t B, int64_t K, int n_assign,
-                                 const float *const *queue, const int64_t *queue_len, float *codes);
+                                 const float *scores, int n_crops, int64_t B, int64_t K, const int *assign,
+                                 int n_assign, const float *const *queue, const int64_t *queue_len, float *codes);
 enum fsdp_status fsdp_swav_predict(struct fsdp_ctx *ctx, struct fsdp_comm *comm, const struct fsdp_swav_opts *opts,
                                    const float *scores, int v0, int nv, int n_crops, int64_t B, int64_t K,
                                    const int *assign, int n_assign, const float *codes, double *loss, float *dscores);

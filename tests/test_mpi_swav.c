@@ -120,9 +120,8 @@ static void loss_case(int with_queue) {
      * once, the terms of crops [0, 2) and [2, NC) apart; the same gradient
      * rows bit for bit, the parts summing to the loss */
     float *codes = malloc((size_t)(2 * n * K + 1) * sizeof(float)), *part = malloc((size_t)(NC * n * K + 1) * sizeof(float));
-    const float *sp[2] = {mine, mine + (size_t)n * K};
-    CHECK_OK(fsdp_swav_codes(c, fsdp_ctx_comm(c), &o, sp, n, K, 2, with_queue ? (const float *const *)qmine : NULL,
-                             with_queue ? qlen : NULL, codes), c);
+    CHECK_OK(fsdp_swav_codes(c, fsdp_ctx_comm(c), &o, mine, 2, n, K, assign, 2,
+                             with_queue ? (const float *const *)qmine : NULL, with_queue ? qlen : NULL, codes), c);
     double l01, l23;
     CHECK_OK(fsdp_swav_predict(c, fsdp_ctx_comm(c), &o, mine, 0, 2, NC, n, K, assign, 2, codes, &l01, part), c);
     CHECK_OK(fsdp_swav_predict(c, fsdp_ctx_comm(c), &o, mine + (size_t)2 * n * K, 2, NC - 2, NC, n, K, assign, 2,

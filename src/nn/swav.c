@@ -110,7 +110,7 @@ enum fsdp_status fsdp_sinkhorn(struct fsdp_ctx *ctx, struct fsdp_comm *comm, con
     return st;
 }
 
-/* The checks fsdp_swav_codes, fsdp_swav_predict and fsdp_swav_loss share. */
+/* The argument checks of fsdp_swav_codes, fsdp_swav_predict and fsdp_swav_loss. */
 static enum fsdp_status check_assign(struct fsdp_ctx *ctx, const char *fn, int n_crops, int64_t B, int64_t K,
                                      const int *assign, int n_assign, const float *const *queue,
                                      const int64_t *queue_len, double temperature) {
@@ -131,18 +131,11 @@ static enum fsdp_status check_assign(struct fsdp_ctx *ctx, const char *fn, int n
 }
 
 enum fsdp_status fsdp_swav_codes(struct fsdp_ctx *ctx, struct fsdp_comm *comm, const struct fsdp_swav_opts *opts,
-                                 const float *const *scores, int64_t B, int64_t K, int n_assign,
-                                 const float *const *queue, const int64_t *queue_len, float *codes) {
+                                 const float *scores, int n_crops, int64_t B, int64_t K, const int *assign,
+                                 int n_assign, const float *const *queue, const int64_t *queue_len, float *codes) {
     struct fsdp_swav_opts o = opts ? *opts : fsdp_swav_opts_default();
-    if (B < 0 || K <= 0 || n_assign < 1 || !(o.epsilon > 0))
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_codes: bad arguments (batch %lld, K %lld, %d assigned crops)",
-                         (long long)B, (long long)K, n_assign);
-    for (int a = 0; a < n_assign; a++) {
-        int64_t lq = queue && queue_len ? queue_len[a] : 0;
-        if ((B && (!scores || !scores[a] || !codes)) || lq < 0 || (lq && !queue[a]))
-            return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_codes: assigned crop %d: no scores, or queue of %lld rows",
-                             a, (long long)lq);
-    }
+    FSDP_TRY(check_assign(ctx, "swav_codes", n_crops, B, K, assign, n_assign, queue, queue_len, o.temperature));
+    if (B && (!scores || !codes)) return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_codes: no scores or codes");
     int64_t lq_max = 0;
     for (int a = 0; queue && queue_len && a < n_assign; a++) lq_max = queue_len[a] > lq_max ? queue_len[a] : lq_max;
     float *joined = fsdp__malloc((size_t)((lq_max + B) * K + 1) * sizeof(float));
@@ -152,7 +145,7 @@ enum fsdp_status fsdp_swav_codes(struct fsdp_ctx *ctx, struct fsdp_comm *comm, c
     for (int a = 0; st == FSDP_OK && a < n_assign; a++) {
         int64_t lq = queue && queue_len ? queue_len[a] : 0;
         if (lq) memcpy(joined, queue[a], (size_t)(lq * K) * sizeof(float));
-        if (B) memcpy(joined + lq * K, scores[a], (size_t)(B * K) * sizeof(float));
+        if (B) memcpy(joined + lq * K, scores + (int64_t)assign[a] * B * K, (size_t)(B * K) * sizeof(float));
         st = fsdp_sinkhorn(ctx, comm, joined, lq + B, K, o.epsilon, o.sinkhorn_iters, all);
         if (st == FSDP_OK && B) memcpy(codes + (int64_t)a * B * K, all + lq * K, (size_t)(B * K) * sizeof(float));
     }
@@ -218,18 +211,14 @@ enum fsdp_status fsdp_swav_loss(struct fsdp_ctx *ctx, struct fsdp_comm *comm, co
                                 int n_assign, const float *const *queue, const int64_t *queue_len, double *loss,
                                 float *dscores) {
     struct fsdp_swav_opts o = opts ? *opts : fsdp_swav_opts_default();
+    /* checked here too before the arguments size codes */
     FSDP_TRY(check_assign(ctx, "swav_loss", n_crops, B, K, assign, n_assign, queue, queue_len, o.temperature));
-    if (B && !scores) return fsdp__err(ctx, FSDP_ERR_INVALID, "swav_loss: no scores");
     float *codes = fsdp__malloc((size_t)(n_assign * B * K + 1) * sizeof(float));
     if (!codes) return fsdp__err(ctx, FSDP_ERR_NOMEM, "swav_loss: out of memory");
-    const float *as[8];
-    const float **asp = n_assign <= 8 ? as : fsdp__malloc((size_t)n_assign * sizeof(*asp));
-    enum fsdp_status st = asp ? FSDP_OK : fsdp__err(ctx, FSDP_ERR_NOMEM, "swav_loss: out of memory");
-    for (int a = 0; st == FSDP_OK && a < n_assign; a++) asp[a] = scores + (int64_t)assign[a] * B * K;
-    if (st == FSDP_OK) st = fsdp_swav_codes(ctx, comm, &o, asp, B, K, n_assign, queue, queue_len, codes);
+    enum fsdp_status st = fsdp_swav_codes(ctx, comm, &o, scores, n_crops, B, K, assign, n_assign, queue, queue_len,
+                                          codes);
     if (st == FSDP_OK)
         st = fsdp_swav_predict(ctx, comm, &o, scores, 0, n_crops, n_crops, B, K, assign, n_assign, codes, loss, dscores);
-    if (asp != as) free(asp);
     free(codes);
     return st;
 }

@@ -578,15 +578,14 @@ static enum fsdp_status crop_terms(struct fsdp_ctx *ctx, struct swav *k, int Bl,
     for (int j = 0; j < k->hc.n_heads; j++) {
         for (int64_t i = 0; i < rows; i++) memcpy(k->sc + i * K, out + i * W + D + j * K, (size_t)K * sizeof(float));
         float *codes = k->codes + (int64_t)j * 2 * Bl * K;
-        if (!small) {
-            const float *sp[2] = {k->sc, k->sc + (int64_t)Bl * K}, *qp[2] = {NULL, NULL};
+        if (!small) { /* the queue's rows, when it is in the codes (else none) */
+            const float *qp[2] = {NULL, NULL};
             int64_t ql[2] = {0, 0};
             for (int a = 0; k->queue_used && a < 2; a++) {
                 qp[a] = k->qsc + ((int64_t)j * 2 + a) * k->q_rows * K;
                 ql[a] = k->q_rows;
             }
-            TRY(fsdp_swav_codes(ctx, comm, &k->so, sp, Bl, K, 2, k->queue_used ? qp : NULL,
-                                k->queue_used ? ql : NULL, codes));
+            TRY(fsdp_swav_codes(ctx, comm, &k->so, k->sc, 2, Bl, K, assign, 2, qp, ql, codes));
         }
         double lj;
         TRY(fsdp_swav_predict(ctx, comm, &k->so, k->sc, v0, nv, 2 + V, Bl, K, assign, 2, codes, &lj, k->dsc));
