@@ -886,6 +886,12 @@ const char *fsdp_resnet_stem_name(enum fsdp_resnet_stem stem);
  * gives it values); finalized (FQNs set). *out is returned to the caller. */
 enum fsdp_status fsdp_resnet_create(struct fsdp_ctx *ctx, const struct fsdp_resnet_config *cfg,
                                     struct fsdp_module **out);
+/* on 1: the ResNet's output is layer4's feature map (N, 8w * expansion, h, w)
+ * F32 NCHW, avgpool and fc skipped, and backward takes its gradient (the
+ * feature extractors of VISSL's evaluations, which pool the last stage's map
+ * themselves); on 0: the model's output again. FSDP_ERR_INVALID if resnet is
+ * not a ResNet's root. COLLECTIVE: no. */
+enum fsdp_status fsdp_resnet_set_feature_map(struct fsdp_ctx *ctx, struct fsdp_module *resnet, int on);
 /* The residual block's module type: "BasicBlock" (resnet18/34) or
  * "Bottleneck" (resnet50). The default wrap policy for sharding a ResNet, a
  * unit per block with the stem and the head (fc) in the root unit (VISSL's

@@ -17,6 +17,8 @@
 #  (8) the linear probe (probe_acc) agrees across world sizes (1); --eval-baseline logs the
 #      untrained trunk's and raw pixels' kNN and probe accuracies (5);
 #  (9) --bn-stats-crops global: the same training, running statistics from the global crops only;
+#  (10) --eval-pool 2: the evaluations read a ResNet trunk's last map pooled to 2 x 2, at 1 and 2
+#      ranks alike, the training untouched;
 # and a resumed run (the task read from the checkpoint) is bit-identical to the uninterrupted one.
 # Crops carry the intensity jitter (default 0.4) everywhere, so (1) checks it is rank-independent.
 # Prints "N passed, N failed" at the end.
@@ -155,6 +157,31 @@ EOF
    ); then ok "ResNet-18 trunk with LARS, 2 heads, bf16 (prototypes fp32 units) at 2 ranks"
 else bad "ResNet-18 trunk" "${msg:-$(tail -5 "$tmp/orn")}"; fi
 
+# ---- (10) --eval-pool 2: kNN and probe on layer4's map pooled to 2 x 2 (4 x 64 features), the
+# same at 1 and 2 ranks; the 1-rank training is the one without the flag (the evaluation only reads)
+for n in 1 2; do
+  timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" --data fashion-mnist --batch 8 --steps 2 \
+    --swav-hidden 16 --swav-dim 8 --nmb-prototypes 10 --crops-global-size 16 --crops-small 1 --crops-small-size 8 \
+    --knn-train 200 --probe-train 500 --threads 1 --optim lars --momentum 0.9 --lr 0.1 --comm shm --nproc $n \
+    --eval-pool 2 --eval-baseline --log "$tmp/ep$n.jsonl" > "$tmp/oep$n" 2>&1 || bad "--eval-pool 2 at $n ranks" "$(tail -5 "$tmp/oep$n")"
+done
+timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" --data fashion-mnist --batch 8 --steps 2 \
+  --swav-hidden 16 --swav-dim 8 --nmb-prototypes 10 --crops-global-size 16 --crops-small 1 --crops-small-size 8 \
+  --knn-train 200 --probe-train 500 --threads 1 --optim lars --momentum 0.9 --lr 0.1 --comm shm \
+  --log "$tmp/ep0.jsonl" > "$tmp/oep0" 2>&1 || bad "the run without --eval-pool" "$(tail -5 "$tmp/oep0")"
+if msg=$(python3 - "$tmp/ep1.jsonl" "$tmp/ep2.jsonl" "$tmp/ep0.jsonl" "$tmp/oep1" <<'EOF' 2>&1
+import json, sys
+a, b, c = ([r for r in map(json.loads, open(f)) if "step" in r] for f in sys.argv[1:4])
+assert [r["loss"] for r in a] == [r["loss"] for r in c], "--eval-pool changed the training"
+for k in ("knn_acc", "probe_acc"):
+    assert 0.3 < a[-1][k] <= 1 and abs(a[-1][k] - b[-1][k]) <= 5e-4, (k, a[-1][k], b[-1][k])
+assert a[-1]["probe_acc"] != c[-1]["probe_acc"], "the same probe with and without the pooled grid"
+assert 0.3 < a[0]["base_probe_acc"] <= 1
+assert "256 features each (the last map pooled to a grid)" in open(sys.argv[4]).read()
+EOF
+); then ok "--eval-pool 2: the kNN and probe read the 2 x 2 pooled map (256 features), the same at 1 and 2 ranks"
+else bad "--eval-pool 2" "$msg"; fi
+
 # ---- (5) one resolution ----
 # (and --eval-baseline: the untrained trunk's and raw pixels' kNN and probe in the first log line)
 if timeout -k 5 60 "$TRAIN" "${common[@]}" --crops-small 0 --steps 2 --eval-baseline --log "$tmp/g.jsonl" > "$tmp/og" 2>&1 &&
@@ -246,5 +273,6 @@ expect_input "no prototypes" "--nmb-prototypes" -- "${common[@]}" --nmb-prototyp
 expect_input "a bad scale range" "--crops-small-scale" -- "${common[@]}" --crops-small-scale 0.5,0.1
 expect_input "a queue that is not whole batches" "--queue-length 30.*--batch 12" -- "${common[@]}" --nproc 2 --queue-length 30
 expect_input "a queue of too many batches" "--queue-length 780 is longer" -- "${common[@]}" --nproc 3 --queue-length 780
+expect_input "--eval-pool with the cnn trunk" "--eval-pool 2: the cnn trunk" -- "${common[@]}" --eval-pool 2
 expect_input "a trunk that is not one" "--model.*small" -- --task swav --model small --steps 1
 finish

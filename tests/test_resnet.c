@@ -331,6 +331,75 @@ TEST(resnet_without_fc_is_the_trunk) {
     fsdp_ctx_free(ctx);
 }
 
+/* fsdp_resnet_set_feature_map: the output is layer4's map (N, C, h, w),
+ * whose spatial mean is the trunk's pooled features; its backward, given
+ * the pooled gradient spread evenly over the map, gives the trunk's input
+ * and parameter gradients; off again, the output is the pooled features. */
+TEST(resnet_feature_map_is_the_map_the_trunk_pools) {
+    rng_seed(21);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_resnet_config ct = config(FSDP_RESNET18, 1, 0, FSDP_RESNET_STEM_CIFAR, 4);
+    struct fsdp_module *trunk;
+    ASSERT_OK(fsdp_resnet_create(ctx, &ct, &trunk), ctx);
+    ASSERT_OK(fsdp_module_materialize(ctx, trunk, 5), ctx);
+    enum { N = 3, S = 12, F = 32 };
+    float *x = random_images(N * S * S);
+    struct fsdp_tensor in = image_tensor(x, N, 1, S, S), yf = {0}, ym = {0}, d1 = {0}, d2 = {0};
+    fsdp_arena_reset(ctx);
+    ASSERT_OK(fsdp_module_forward(trunk, ctx, &in, &yf), ctx);
+    float pooled[N * F];
+    memcpy(pooled, yf.data, sizeof pooled);
+    ASSERT_OK(fsdp_resnet_set_feature_map(ctx, trunk, 1), ctx);
+    ASSERT_OK(fsdp_module_forward(trunk, ctx, &in, &ym), ctx);
+    CHECK_INT_EQ(ym.ndim, 4);
+    CHECK_INT_EQ(ym.shape[0], N);
+    CHECK_INT_EQ(ym.shape[1], F);
+    CHECK_INT_EQ(ym.shape[2], 2); /* 12 -> 12, 6, 3, 2 */
+    CHECK_INT_EQ(ym.shape[3], 2);
+    CHECK_INT_EQ(ym.layout, FSDP_LAYOUT_PLAIN);
+    int64_t hw = ym.shape[2] * ym.shape[3];
+    for (int n = 0; n < N; n++)
+        for (int f = 0; f < F; f++) {
+            double s = 0;
+            for (int64_t q = 0; q < hw; q++) s += ((float *)ym.data)[(n * F + f) * hw + q];
+            CHECK_NEAR(s / (double)hw, pooled[n * F + f], 1e-5, 1e-6);
+        }
+    /* backward: the map's gradient g / (h w) everywhere against the pooled gradient g */
+    float gf[N * F], gm[N * F * 4];
+    for (int i = 0; i < N * F; i++) gf[i] = 0.05f * (float)(i % 11) - 0.25f;
+    for (int i = 0; i < N * F * 4; i++) gm[i] = gf[i / 4] / 4.0f;
+    struct fsdp_tensor tf = {gf, FSDP_F32, 2, {N, F}, FSDP_LAYOUT_PLAIN};
+    struct fsdp_tensor tm = {gm, FSDP_F32, 4, {N, F, 2, 2}, FSDP_LAYOUT_PLAIN};
+    ASSERT_OK(fsdp_module_zero_grad(ctx, trunk), ctx);
+    ASSERT_OK(fsdp_module_backward(trunk, ctx, &tm, &d2), ctx);
+    struct fsdp_param *w1 = fsdp_module_find_param(trunk, "conv1.weight");
+    float gw_map[4 * 9];
+    memcpy(gw_map, w1->grad, sizeof gw_map);
+    struct fsdp_tensor wrong = {gf, FSDP_F32, 2, {N, F}, FSDP_LAYOUT_PLAIN}, dn = {0};
+    CHECK(fsdp_module_backward(trunk, ctx, &wrong, &dn) == FSDP_ERR_INVALID); /* the map's backward wants the map */
+    ASSERT_OK(fsdp_resnet_set_feature_map(ctx, trunk, 0), ctx);
+    ASSERT_OK(fsdp_module_forward(trunk, ctx, &in, &yf), ctx);
+    CHECK_INT_EQ(yf.ndim, 2);
+    for (int i = 0; i < N * F; i++) CHECK(((float *)yf.data)[i] == pooled[i]);
+    ASSERT_OK(fsdp_module_zero_grad(ctx, trunk), ctx);
+    ASSERT_OK(fsdp_module_backward(trunk, ctx, &tf, &d1), ctx);
+    double worst = 0, mx = 0;
+    for (int i = 0; i < N * S * S; i++) {
+        worst = fmax(worst, fabs(((float *)d1.data)[i] - ((float *)d2.data)[i]));
+        mx = fmax(mx, fabs(((float *)d1.data)[i]));
+    }
+    CHECK(mx > 0);
+    if (!(worst <= 1e-5 * (1 + mx))) TEST_FAILF("input gradients differ by %g (max %g)", worst, mx);
+    for (int i = 0; i < 4 * 9; i++) CHECK_NEAR(gw_map[i], w1->grad[i], 1e-4, 1e-6);
+    /* only a ResNet's root takes it */
+    struct fsdp_module *c1 = trunk->children[0];
+    CHECK(fsdp_resnet_set_feature_map(ctx, c1, 1) == FSDP_ERR_INVALID);
+    CHECK(strstr(fsdp_errmsg(ctx), "conv1") && strstr(fsdp_errmsg(ctx), "not a ResNet"));
+    free(x);
+    fsdp_module_free(trunk);
+    fsdp_ctx_free(ctx);
+}
+
 TEST(resnet_eval_mode_uses_running_stats) {
     rng_seed(9);
     struct fsdp_ctx *ctx = make_ctx();

@@ -33,8 +33,10 @@ struct resnet {
     struct fsdp_resnet_config cfg;
     struct fsdp_module *mod[RN_N]; /* children (owned by the tree); mod[RN_MAXPOOL] NULL for cifar */
     int ran;                       /* forward ran (backward may follow) */
+    int feature_map;               /* fsdp_resnet_set_feature_map: the output is layer4's (N, C, h, w) */
+    enum fsdp_layout map_layout;   /* the layout layer4 wrote it in (its gradient goes back so) */
     int64_t in_shape[4];           /* (N, C, H, W) of the last input */
-    int64_t pool_shape[4];         /* (N, C, 1, 1): avgpool's output */
+    int64_t pool_shape[4];         /* (N, C, 1, 1): avgpool's output; (N, C, h, w): layer4's (feature_map) */
 };
 
 static const int blocks_of[3][4] = {{2, 2, 2, 2}, {3, 4, 6, 3}, {3, 4, 6, 3}};
@@ -50,13 +52,22 @@ static enum fsdp_status resnet_forward(struct fsdp_module *m, struct fsdp_ctx *c
                          (long long)in->shape[1], R->cfg.in_chans);
     R->ran = 0;
     struct fsdp_tensor cur = *in;
-    for (int i = RN_CONV1; i <= RN_AVGPOOL; i++) {
+    int last = R->feature_map ? RN_LAYER4 : RN_AVGPOOL;
+    for (int i = RN_CONV1; i <= last; i++) {
         if (!R->mod[i] || i == RN_RELU) continue; /* relu: fused in bn1 (resnet_build) */
         struct fsdp_tensor next = {0};
         FSDP_TRY(fsdp_module_forward(R->mod[i], ctx, &cur, &next));
         cur = next;
     }
     memcpy(R->pool_shape, cur.shape, sizeof R->pool_shape);
+    memcpy(R->in_shape, in->shape, sizeof R->in_shape);
+    if (R->feature_map) { /* layer4's output, NCHW whatever layout the convolutions wrote */
+        FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, 4, cur.shape, "ResNet feature map"));
+        fsdp__relayout(out->data, FSDP_LAYOUT_PLAIN, cur.data, cur.layout, cur.shape); /* out is never cur */
+        R->map_layout = cur.layout;
+        R->ran = 1;
+        return FSDP_OK;
+    }
     struct fsdp_tensor flat = cur; /* (N, C, 1, 1) seen as (N, C) */
     flat.ndim = 2;
     flat.shape[2] = flat.shape[3] = 0;
@@ -67,7 +78,6 @@ static enum fsdp_status resnet_forward(struct fsdp_module *m, struct fsdp_ctx *c
         if (out->data != flat.data)
             memcpy(out->data, flat.data, (size_t)(flat.shape[0] * flat.shape[1]) * sizeof(float));
     }
-    memcpy(R->in_shape, in->shape, sizeof R->in_shape);
     R->ran = 1;
     return FSDP_OK;
 }
@@ -76,25 +86,32 @@ static enum fsdp_status resnet_backward(struct fsdp_module *m, struct fsdp_ctx *
                                         struct fsdp_tensor *din) {
     struct resnet *R = m->impl;
     if (!R->ran) return fsdp__err(ctx, FSDP_ERR_STATE, "ResNet: backward without forward");
-    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, 2, R->mod[RN_FC] ? R->cfg.num_classes : R->pool_shape[1]));
+    int fm = R->feature_map;
+    FSDP_TRY(fsdp__check_input(ctx, m, dout, FSDP_F32, fm ? 4 : 2,
+                               fm ? R->pool_shape[3] : R->mod[RN_FC] ? R->cfg.num_classes : R->pool_shape[1]));
+    if (fm && memcmp(dout->shape, R->pool_shape, sizeof R->pool_shape) != 0)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "ResNet: the feature map's gradient is not the shape of its output");
     /* din is allocated before the mark, so releasing the step's scratch keeps it */
     if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 4, R->in_shape, "ResNet input gradient"));
     size_t mark = fsdp_arena_mark(ctx);
     struct fsdp_tensor g = {0};
     enum fsdp_status st = FSDP_OK;
-    if (R->mod[RN_FC]) {
+    int64_t n = R->pool_shape[0] * R->pool_shape[1] * (fm ? R->pool_shape[2] * R->pool_shape[3] : 1);
+    if (R->mod[RN_FC] && !fm) {
         st = fsdp_module_backward(R->mod[RN_FC], ctx, dout, &g);
-    } else { /* no fc: the gradient of the pooled features, copied (dout is borrowed) */
+    } else { /* the gradient of the pooled features or of the map, copied (dout is borrowed) */
         g.dtype = FSDP_F32;
-        g.data = fsdp__scratch(ctx, R->pool_shape[0] * R->pool_shape[1], "ResNet feature gradient");
+        g.data = fsdp__scratch(ctx, n, "ResNet feature gradient");
         if (!g.data) st = FSDP_ERR_NOMEM;
-        else memcpy(g.data, dout->data, (size_t)(R->pool_shape[0] * R->pool_shape[1]) * sizeof(float));
+        else if (fm) fsdp__relayout(g.data, R->map_layout, dout->data, FSDP_LAYOUT_PLAIN, R->pool_shape);
+        else memcpy(g.data, dout->data, (size_t)n * sizeof(float));
+        g.layout = fm ? R->map_layout : FSDP_LAYOUT_PLAIN;
     }
     if (st == FSDP_OK) { /* (N, C) back to (N, C, 1, 1) */
         g.ndim = 4;
         memcpy(g.shape, R->pool_shape, sizeof g.shape);
     }
-    for (int i = RN_AVGPOOL; i >= RN_CONV1 && st == FSDP_OK; i--) {
+    for (int i = fm ? RN_LAYER4 : RN_AVGPOOL; i >= RN_CONV1 && st == FSDP_OK; i--) {
         if (!R->mod[i] || i == RN_RELU) continue; /* relu: fused in bn1 */
         struct fsdp_tensor prev = {0};
         st = fsdp_module_backward(R->mod[i], ctx, &g, i == RN_CONV1 ? din : &prev);
@@ -186,6 +203,16 @@ enum fsdp_status fsdp_resnet_create(struct fsdp_ctx *ctx, const struct fsdp_resn
         return st;
     }
     *out = root;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_resnet_set_feature_map(struct fsdp_ctx *ctx, struct fsdp_module *resnet, int on) {
+    if (!resnet || resnet->ops != &resnet_ops)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "fsdp_resnet_set_feature_map: module '%s' is not a ResNet",
+                         resnet ? (resnet->fqn ? resnet->fqn : resnet->name) : "(null)");
+    struct resnet *R = resnet->impl;
+    R->feature_map = on != 0;
+    R->ran = 0; /* a backward pairs with a forward of the same output */
     return FSDP_OK;
 }
 

@@ -106,6 +106,10 @@ struct swav {
         if (try_st_ != FSDP_OK) return try_st_;                                                                    \
     } while (0)
 
+/* The evaluations' features per image: the trunk's output, or with
+ * --eval-pool G > 1 its last feature map pooled to G x G. */
+static int64_t eval_dim(const struct swav *k, const struct opts *o) { return k->feat_dim * o->eval_pool * o->eval_pool; }
+
 /* ---- The root module: trunk then head ---- */
 
 static enum fsdp_status root_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
@@ -523,11 +527,11 @@ static void swav_describe_data(struct task *t, struct fsdp_ctx *ctx, const struc
     (void)fm;
     struct swav *k = t->impl;
     printf("data: %s, %lld training images of %dx%dx%d; crops per image: 2 x %dx%d (scale %g-%g) + %d x %dx%d "
-           "(scale %g-%g), intensity jitter %g; kNN on %d, linear probe on %d training images\n",
+           "(scale %g-%g), intensity jitter %g; kNN on %d, linear probe on %d training images, %lld features each%s\n",
            k->data_name, (long long)k->ti.count, k->ti.channels, k->ti.height, k->ti.width, k->Sg, k->Sg,
            (double)o->crops_global_scale[0], (double)o->crops_global_scale[1], k->V, k->Ss, k->Ss,
            (double)o->crops_small_scale[0], (double)o->crops_small_scale[1], (double)o->crops_jitter, o->knn_train,
-           o->probe_train);
+           o->probe_train, (long long)eval_dim(k, o), o->eval_pool > 1 ? " (the last map pooled to a grid)" : "");
     if (k->L)
         printf("queue: %lld global-crop embeddings per crop (%lld batches), filled from epoch %d, in the codes once full\n",
                (long long)k->L, (long long)(k->L / o->batch), o->queue_start_epoch);
@@ -664,6 +668,28 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
     return FSDP_OK;
 }
 
+/* [Note: evaluation pooling] --eval-pool G: VISSL's linear evaluations of a
+ * ResNet read the last stage's map average-pooled to a small grid (res5:
+ * AvgPool2d 6 x 6, stride 1 on the 7 x 7 map of a 224 px image, 2 x 2 x
+ * 2048 features) rather than the trunk's global pool. Here the trunk hands
+ * over layer4's map (fsdp_resnet_set_feature_map) and each of its C
+ * channels is pooled as AdaptiveAvgPool2d(G) does (cell i of G covers rows
+ * floor(i h / G) .. ceil((i + 1) h / G) - 1, the same for columns), written
+ * (C, G, G) in order, as torch's flatten of the pooled map. */
+static void pool_map(const float *map, int64_t C, int64_t h, int64_t w, int G, float *out) {
+    for (int64_t c = 0; c < C; c++)
+        for (int i = 0; i < G; i++) {
+            int64_t r0 = i * h / G, r1 = ((i + 1) * h + G - 1) / G;
+            for (int j = 0; j < G; j++) {
+                int64_t c0 = j * w / G, c1 = ((j + 1) * w + G - 1) / G;
+                double s = 0;
+                for (int64_t r = r0; r < r1; r++)
+                    for (int64_t q = c0; q < c1; q++) s += map[(c * h + r) * w + q];
+                out[(c * G + i) * G + j] = (float)(s / (double)((r1 - r0) * (c1 - c0)));
+            }
+        }
+}
+
 /* Trunk features (eval mode, whole images; raw: the normalised pixels) of
  * images [0, n) of im, every rank getting all of them: rank r computes its
  * share of each batch, all-gathered. COLLECTIVE (unless raw). */
@@ -676,7 +702,7 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
         for (int64_t i = 0; i < n; i++) task_load_image(im, &k->bo, i, feat + i * chw);
         return FSDP_OK;
     }
-    int64_t F = k->feat_dim;
+    int64_t F = eval_dim(k, o);
     int64_t mmax = (EB + world - 1) / world;
     float *x = malloc((size_t)(mmax * chw) * sizeof(float)), *mine = malloc((size_t)(mmax * F) * sizeof(float));
     float *all = malloc((size_t)(mmax * F * world) * sizeof(float));
@@ -691,7 +717,12 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
         struct fsdp_tensor out = {0};
         if ((st = fsdp_model_forward_tensor(ctx, fm, &in, &out)) != FSDP_OK) break;
         memset(mine, 0, (size_t)(mmax * F) * sizeof(float));
-        memcpy(mine, out.data, (size_t)(m * F) * sizeof(float));
+        if (o->eval_pool > 1) { /* out: layer4's map (m, C, h, w) */
+            int64_t C = out.shape[1], h = out.shape[2], w = out.shape[3];
+            for (int64_t i = 0; i < m; i++) pool_map((const float *)out.data + i * C * h * w, C, h, w, o->eval_pool, mine + i * F);
+        } else {
+            memcpy(mine, out.data, (size_t)(m * F) * sizeof(float));
+        }
         if ((st = fsdp_comm_allgather(fsdp_ctx_comm(ctx), mine, all, (size_t)(mmax * F), FSDP_F32)) != FSDP_OK) break;
         for (int r = 0; r < world; r++) {
             int64_t rlo = s + r * cnt / world, rm = s + (r + 1) * cnt / world - rlo;
@@ -714,7 +745,7 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
     fsdp_images_info(k->test, &vi);
     int64_t nb = o->knn_train < k->ti.count ? o->knn_train : k->ti.count, nt = vi.count;
     int64_t np = o->probe_train < k->ti.count ? o->probe_train : k->ti.count, ntr = nb > np ? nb : np;
-    int64_t F = raw ? (int64_t)k->ti.channels * k->ti.height * k->ti.width : k->feat_dim;
+    int64_t F = raw ? (int64_t)k->ti.channels * k->ti.height * k->ti.width : eval_dim(k, o);
     float *tr = malloc((size_t)(ntr * F) * sizeof(float)), *te = malloc((size_t)(nt * F) * sizeof(float));
     float *bank = malloc((size_t)(nb * F + 1) * sizeof(float)), *ten = malloc((size_t)(nt * F) * sizeof(float));
     int32_t *ytr = malloc((size_t)ntr * sizeof(int32_t)), *yte = malloc((size_t)nt * sizeof(int32_t));
@@ -723,8 +754,10 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
     for (int64_t i = 0; i < nt; i++) yte[i] = fsdp_images_label(k->test, i);
     fsdp_module_set_training(t->root, 0);
     k->R->trunk_only = 1;
-    enum fsdp_status st = features(t, ctx, fm, o, k->train, ntr, raw, tr);
+    enum fsdp_status st = o->eval_pool > 1 ? fsdp_resnet_set_feature_map(ctx, k->R->trunk, 1) : FSDP_OK;
+    if (st == FSDP_OK) st = features(t, ctx, fm, o, k->train, ntr, raw, tr);
     if (st == FSDP_OK) st = features(t, ctx, fm, o, k->test, nt, raw, te);
+    if (o->eval_pool > 1) (void)fsdp_resnet_set_feature_map(ctx, k->R->trunk, 0); /* a ResNet: it took the 1 */
     k->R->trunk_only = 0;
     fsdp_module_set_training(t->root, 1);
     int64_t correct = 0, tot = 0;
@@ -907,6 +940,8 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
                          "checkpoint's trunk)", k->cfg_source, mine, resume_dir, theirs);
         }
     }
+    if (o->eval_pool > 1 && !is_resnet(k->arch))
+        fail_input("--eval-pool %d: the %s trunk has no feature map to pool (a ResNet trunk has)", o->eval_pool, k->arch);
     if (is_resnet(k->arch) && k->rc.in_chans != k->ti.channels)
         fail_input("--data %s: the images have %d channels, but the trunk's in_chans is %d (%s)", k->data_name,
                    k->ti.channels, k->rc.in_chans, k->cfg_source);
