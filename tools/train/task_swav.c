@@ -719,7 +719,8 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
         memset(mine, 0, (size_t)(mmax * F) * sizeof(float));
         if (o->eval_pool > 1) { /* out: layer4's map (m, C, h, w) */
             int64_t C = out.shape[1], h = out.shape[2], w = out.shape[3];
-            for (int64_t i = 0; i < m; i++) pool_map((const float *)out.data + i * C * h * w, C, h, w, o->eval_pool, mine + i * F);
+            for (int64_t i = 0; i < m; i++)
+                pool_map((const float *)out.data + i * C * h * w, C, h, w, o->eval_pool, mine + i * F);
         } else {
             memcpy(mine, out.data, (size_t)(m * F) * sizeof(float));
         }
