@@ -274,6 +274,18 @@ static int buffers_equal(struct fsdp_module *m, void **saved, int save) {
     return same;
 }
 
+/* Input gradients a (the reference) and b of n values agree to 1e-5 of a's
+ * largest, which is not zero. */
+static void check_input_grads(const struct fsdp_tensor *a, const struct fsdp_tensor *b, int64_t n) {
+    double worst = 0, mx = 0;
+    for (int64_t i = 0; i < n; i++) {
+        worst = fmax(worst, fabs(((float *)a->data)[i] - ((float *)b->data)[i]));
+        mx = fmax(mx, fabs(((float *)a->data)[i]));
+    }
+    CHECK(mx > 0);
+    if (!(worst <= 1e-5 * (1 + mx))) TEST_FAILF("input gradients differ by %g (max %g)", worst, mx);
+}
+
 /* num_classes 0: a trunk without fc whose output is the pooled features:
  * the classifier's logits are fc of them, and the input gradient through
  * the trunk from fc's weights' transpose equals the classifier's. */
@@ -318,13 +330,7 @@ TEST(resnet_without_fc_is_the_trunk) {
     ASSERT_OK(fsdp_module_backward(trunk, ctx, &tf, &dt), ctx);
     ASSERT_OK(fsdp_module_forward(full, ctx, &in, &yl), ctx);
     ASSERT_OK(fsdp_module_backward(full, ctx, &tl, &dl), ctx);
-    double worst = 0, mx = 0;
-    for (int i = 0; i < N * S * S; i++) {
-        worst = fmax(worst, fabs(((float *)dl.data)[i] - ((float *)dt.data)[i]));
-        mx = fmax(mx, fabs(((float *)dl.data)[i]));
-    }
-    CHECK(mx > 0);
-    if (!(worst <= 1e-5 * (1 + mx))) TEST_FAILF("input gradients differ by %g (max %g)", worst, mx);
+    check_input_grads(&dl, &dt, N * S * S);
     free(x);
     fsdp_module_free(full);
     fsdp_module_free(trunk);
@@ -383,13 +389,7 @@ TEST(resnet_feature_map_is_the_map_the_trunk_pools) {
     for (int i = 0; i < N * F; i++) CHECK(((float *)yf.data)[i] == pooled[i]);
     ASSERT_OK(fsdp_module_zero_grad(ctx, trunk), ctx);
     ASSERT_OK(fsdp_module_backward(trunk, ctx, &tf, &d1), ctx);
-    double worst = 0, mx = 0;
-    for (int i = 0; i < N * S * S; i++) {
-        worst = fmax(worst, fabs(((float *)d1.data)[i] - ((float *)d2.data)[i]));
-        mx = fmax(mx, fabs(((float *)d1.data)[i]));
-    }
-    CHECK(mx > 0);
-    if (!(worst <= 1e-5 * (1 + mx))) TEST_FAILF("input gradients differ by %g (max %g)", worst, mx);
+    check_input_grads(&d1, &d2, N * S * S);
     for (int i = 0; i < 4 * 9; i++) CHECK_NEAR(gw_map[i], w1->grad[i], 1e-4, 1e-6);
     /* only a ResNet's root takes it */
     struct fsdp_module *c1 = trunk->children[0];
