@@ -37,6 +37,8 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -867,9 +869,11 @@ enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, s
 /* mpirun reads our stderr through a pipe, and when MPI_Abort makes it end
  * the job it may kill us before reading what is still there ("you may or may
  * not see output from other processes"): the message saying why the job ends
- * was lost that way once (a rank naming a dead peer, then aborting). With
- * other ranks around, a short pause lets the launcher drain the pipe first;
- * shm.c sets its abort flag before calling us, so no peer waits on us.
+ * was lost that way (a rank naming a dead peer, then aborting; a fixed 300 ms
+ * pause was not enough on a loaded machine). With other ranks around we wait
+ * until the launcher has read the pipe (FIONREAD says 0 bytes left), then a
+ * little more for it to pass them on (stderr_drained); shm.c sets its abort
+ * flag before calling us, so no peer waits on us.
  * The peer watch tells the other hosts that this rank aborts. MPI_Abort
  * needs the launcher: a rank on a host cut off from mpirun (a dead link)
  * would sit in it for good, so a thread ends the process with `code` after
@@ -883,6 +887,27 @@ static void *abort_grace(void *arg) {
     _exit((int)(intptr_t)arg);
 }
 
+static void sleep_ms(long ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000 * 1000};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+}
+
+/* Waits (at most 3 s) until whoever reads our stderr pipe has read it all,
+ * then 200 ms for it to pass it on; 300 ms where stderr is not a pipe. */
+static void stderr_drained(void) {
+    struct stat st;
+    if (fstat(STDERR_FILENO, &st) != 0 || !S_ISFIFO(st.st_mode)) {
+        sleep_ms(300);
+        return;
+    }
+    for (int i = 0; i < 150; i++) {
+        int left = 0;
+        if (ioctl(STDERR_FILENO, FIONREAD, &left) != 0 || left == 0) break;
+        sleep_ms(20);
+    }
+    sleep_ms(200);
+}
+
 static void mpi_abort_hook(int code) {
     int init = 0, fin = 0, size = 1;
     MPI_Initialized(&init);
@@ -893,10 +918,7 @@ static void mpi_abort_hook(int code) {
     if (pthread_create(&th, NULL, abort_grace, (void *)(intptr_t)(code ? code : 1)) == 0) pthread_detach(th);
     fflush(NULL);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (size > 1) {
-        struct timespec ts = {0, 300 * 1000 * 1000};
-        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
-    }
+    if (size > 1) stderr_drained();
     MPI_Abort(MPI_COMM_WORLD, code);
 }
 
