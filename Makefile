@@ -34,13 +34,19 @@ EXAMPLES := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c)
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
 HDRS     := include/fsdp.h $(wildcard src/*/*.h) $(wildcard tests/*.h) $(wildcard tools/*/*.h) \
             $(wildcard fuzz/*.h fuzz/*.c) # tests replay corpora through the fuzz targets' code
+# Each object's headers (and the fuzz sources tests include) come from the compiler (-MMD) in
+# a .d file beside it, so a header rebuilds only what includes it; objects also depend on this
+# Makefile (its flags), so an older build without .d files is rebuilt once, which writes them.
+DEPS     := $(patsubst %.c,$(BUILD)/%.d,$(LIB_SRC) $(wildcard tools/*.c tools/train/*.c tests/test_*.c examples/*.c bench/*.c))
 
 all: $(BUILD)/libfsdp.a $(BUILD)/libfsdp.so $(TOOLS) $(TESTS) $(EXAMPLES) $(BENCHES)
 
-$(BUILD)/%.o: %.c $(HDRS)
+$(BUILD)/%.o: %.c Makefile
 	@mkdir -p $(dir $@)
 	@echo "CC $<"
-	@$(CC) $(CFLAGS) -c $< -o $@
+	@$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
+
+-include $(wildcard $(DEPS))
 
 $(BUILD)/libfsdp.a: $(LIB_OBJ)
 	@rm -f $@
