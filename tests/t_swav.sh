@@ -15,7 +15,8 @@
 #      1-rank losses once the queue is in use; a run resumed mid-way (the queue from the
 #      checkpoint) is bit-identical at the same world size and matches at another;
 #  (8) the linear probe (probe_acc) agrees across world sizes (1); --eval-baseline logs the
-#      untrained trunk's and raw pixels' kNN and probe accuracies (5);
+#      untrained trunk's and raw pixels' kNN and probe accuracies (5); --probe-wd with
+#      candidates trains the probe with the one the held-out training images chose (5);
 #  (9) --bn-stats-crops global: the same training, running statistics from the global crops only;
 #  (10) --eval-pool 2: the evaluations read a ResNet trunk's last map pooled to 2 x 2, at 1 and 2
 #      ranks alike, the training untouched;
@@ -122,6 +123,21 @@ for x, y in zip(a, b):
 EOF
    ); then ok "a resumed run (its task from the checkpoint) reproduces the uninterrupted one"
 else bad "resume" "${msg:-$(tail -5 "$tmp/orr")}"; fi
+# --init-from DIR --steps 0 --eval-baseline evaluates a checkpoint's trunk and trains nothing: the
+# run's final checkpoint reads as the run's own last evaluation did
+if "$TRAIN" "${common[@]}" --init-from "$tmp/ck/step-00000005" --steps 0 --eval-baseline > "$tmp/oe" 2>&1 &&
+   msg=$(python3 - "$tmp/r1.jsonl" "$tmp/oe" "$tmp/ck/step-00000005" <<'EOF' 2>&1
+import json, re, sys
+r = [r for r in map(json.loads, open(sys.argv[1])) if "knn_acc" in r][-1]
+out = open(sys.argv[2]).read()
+m = re.search(r"baseline: the trunk loaded from (\S+), knn_acc ([0-9.]+)% probe_acc ([0-9.]+)%", out)
+assert m and m.group(1) == sys.argv[3], out
+assert abs(float(m.group(2)) - 100 * r["knn_acc"]) < 0.006 and abs(float(m.group(3)) - 100 * r["probe_acc"]) < 0.006, \
+    (m.groups(), r["knn_acc"], r["probe_acc"])
+assert not re.search(r"^step +[0-9]", out, re.M), "a step ran"
+EOF
+   ); then ok "--init-from DIR --steps 0 --eval-baseline: the checkpoint's trunk reads as the run's last evaluation"
+else bad "--steps 0 --eval-baseline" "${msg:-$(tail -5 "$tmp/oe")}"; fi
 
 # ---- (3) frozen prototypes ----
 if timeout -k 5 120 "$TRAIN" "${common[@]}" --nproc 2 --freeze-prototypes-iters 3 --log "$tmp/f.jsonl" > "$tmp/of" 2>&1 &&
@@ -196,6 +212,26 @@ assert "baseline: untrained trunk knn_acc" in open(sys.argv[2]).read()
 EOF
 ); then ok "--eval-baseline: the untrained trunk's and raw pixels' kNN and probe accuracies"
 else bad "--eval-baseline" "$msg"; fi
+# --probe-wd with candidates: the probe is trained again on all its images with the weight decay
+# the held-out sixth chose, so its accuracy is the one of a run given that weight decay alone
+for w in 1e-4 1 1e-4,1; do
+  timeout -k 5 60 "$TRAIN" "${common[@]}" --crops-small 0 --steps 2 --probe-wd $w --log "$tmp/w$w.jsonl" > "$tmp/ow" 2>&1 ||
+    bad "--probe-wd $w: the run" "$(tail -3 "$tmp/ow")"
+done
+if msg=$(python3 - "$tmp/w1e-4.jsonl" "$tmp/w1.jsonl" "$tmp/w1e-4,1.jsonl" "$tmp/ow" <<'EOF' 2>&1
+import json, sys
+last = lambda f: [json.loads(l) for l in open(f) if '"probe_acc"' in l][-1]
+a, b, c = (last(f) for f in sys.argv[1:4])
+assert a["probe_acc"] != b["probe_acc"], f"weight decay 1e-4 and 1: the same probe ({a['probe_acc']})"
+assert "probe_wd" not in a and "probe_wd" not in b, "probe_wd logged without a choice"
+want = {1e-4: a, 1.0: b}[min((1e-4, 1.0), key=lambda w: abs(w - c["probe_wd"]))]
+assert abs(want["probe_acc"] - c["probe_acc"]) < 1e-9, (c["probe_wd"], c["probe_acc"], want["probe_acc"])
+assert "chosen on held-out train images" in open(sys.argv[4]).read()
+print(f"chose {c['probe_wd']:g}: {100 * c['probe_acc']:.2f}% (1e-4: {100 * a['probe_acc']:.2f}%, "
+      f"1: {100 * b['probe_acc']:.2f}%)")
+EOF
+); then ok "--probe-wd 1e-4,1: $msg"
+else bad "--probe-wd 1e-4,1" "$msg"; fi
 
 # ---- (7) the queue: 2 batches, filled from the first step, in the codes from step 3 ----
 # 1 rank (saving at step 3) and 3 ranks; resumed from the 1-rank checkpoint at 1 and 3 ranks

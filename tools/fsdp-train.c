@@ -956,6 +956,8 @@ int main(int argc, char **argv) {
     struct eval_result ev = {NAN, NAN, 0};
     int timed = 0, skipped = 0, evaluated = 0;
     struct comm_delta comm_total = {0}; /* over the timed steps (all but the first) */
+    if (task.ops->before_train && task.ops->before_train(&task, ctx, fm, &o) != FSDP_OK)
+        fail_rank("before the first step: %s", fsdp_errmsg(ctx));
     for (int step = start_step; step < steps; step++) {
         launcher_check();
         float lr = lr_at(&o, &sched, step);
@@ -1036,7 +1038,9 @@ int main(int argc, char **argv) {
 
     float rss = (float)((double)fsdp_peak_rss_bytes() / 1048576.0), rss_max = rss;
     fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &rss, &rss_max, 1, FSDP_F32, FSDP_MAX);
-    if (rank == 0 && !nothing_left) {
+    if (rank == 0 && !nothing_left && start_step >= steps) /* --steps 0: e.g. an evaluation only */
+        printf("summary: no training steps (--steps %d) | peak RSS %.0f MB per rank\n", steps, (double)rss_max);
+    else if (rank == 0 && !nothing_left) {
         double tps = timed ? task.items_per_step * timed / total_s : 0;
         /* ZeRO-3: 16 bytes per parameter (param, grad, m, v) over the world,
          * plus a gathered unit's full parameters and gradients */

@@ -131,6 +131,7 @@ static const struct flag flags[] = {
     F("knn-train", K_INT, knn_train, R_FILL),
     F("probe-train", K_INT, probe_train, R_FILL),
     F("probe-epochs", K_INT, probe_epochs, R_FILL),
+    FN("probe-wd", K_FLOATS, probe_wd, n_probe_wd, R_FILL),
     F("eval-pool", K_INT, eval_pool, R_FILL),
     F("eval-baseline", K_SWITCH, eval_baseline, R_NO),
     F("seed", K_U64, seed, R_NO), /* --resume takes the checkpoint's seed itself (meta.json's "seed") */

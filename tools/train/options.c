@@ -70,6 +70,8 @@ struct opts opts_default(void) {
     o.knn_train = 10000;
     o.probe_train = 60000;
     o.probe_epochs = 10;
+    o.probe_wd[0] = 1e-4f;
+    o.n_probe_wd = 1;
     o.eval_pool = 1;
     o.queue_start_epoch = 15;
     o.crops_jitter = 0.4f;
@@ -144,10 +146,13 @@ static void usage(FILE *f) {
             "                        --probe-epochs 0: no evaluation)\n"
             "  --probe-train N       train images of the linear probe (probe_acc) (default 60000: all)\n"
             "  --probe-epochs E      the probe's epochs of SGD on the frozen features (default 10)\n"
+            "  --probe-wd X[,X..]    the probe's weight decay (default 1e-4); 2 to 4 values: the one whose\n"
+            "                        probe does best on a held-out sixth of the probe's training images\n"
             "  --eval-pool G         kNN and probe features: a ResNet trunk's last feature map average-pooled\n"
             "                        to G x G (VISSL's res5 linear evaluation pools to 2 x 2; default 1: the\n"
             "                        trunk's output)\n"
-            "  --eval-baseline       before training: kNN and probe of the untrained trunk and of raw pixels\n"
+            "  --eval-baseline       before training: kNN and probe of the untrained trunk (or the one\n"
+            "                        --init-from loaded; with --steps 0 only that) and of raw pixels\n"
             "  --queue-length L      SwAV's queue: L past global-crop embeddings per crop, a multiple of\n"
             "                        --batch, in the codes from --queue-start-epoch E (default 0: none; E 15)\n"
             "  --crops-jitter X      brightness and contrast factors in [1-X, 1+X], with probability 0.8\n"
@@ -261,8 +266,9 @@ static void usage(FILE *f) {
             "                        fp16 loss scale from the checkpoint, and a flag given otherwise is\n"
             "                        an error naming both values; the data (--data, --val-data,\n"
             "                        --tokenizer) and evaluation flags (--eval-every, --eval-batch,\n"
-            "                        --eval-batches, --knn-train, --probe-train, --probe-epochs, --eval-pool) not\n"
-            "                        given are the checkpoint's too (given ones are used as given)\n"
+            "                        --eval-batches, --knn-train, --probe-train, --probe-epochs, --probe-wd,\n"
+            "                        --eval-pool) not given are the checkpoint's too (given ones are used\n"
+            "                        as given)\n"
             "  --help                this text\n",
             MODEL_DEFAULT, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
             (double)d.beta1, (double)d.beta2, (double)d.eps, (double)d.momentum,
@@ -526,6 +532,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--knn-train")) o->knn_train = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--probe-train")) o->probe_train = (int)parse_int(a, v, 1, 1 << 30);
         else if (!strcmp(a, "--probe-epochs")) o->probe_epochs = (int)parse_int(a, v, 0, 10000);
+        else if (!strcmp(a, "--probe-wd")) o->n_probe_wd = parse_floats(a, v, o->probe_wd, 0, 1);
         else if (!strcmp(a, "--eval-pool")) o->eval_pool = (int)parse_int(a, v, 1, 8);
         else if (!strcmp(a, "--queue-length")) o->queue_length = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--queue-start-epoch")) o->queue_start_epoch = (int)parse_int(a, v, 0, 1 << 30);

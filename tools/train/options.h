@@ -74,6 +74,8 @@ struct opts {
     int freeze_prototypes_iters;
     int knn_train;                /* --knn-train N train images for the kNN bank */
     int probe_train, probe_epochs; /* --probe-train N images, --probe-epochs E of the linear probe */
+    float probe_wd[4];            /* --probe-wd X[,X..]: the probe's weight decay, or candidates to select from */
+    int n_probe_wd;
     int eval_pool;                /* --eval-pool G: the evaluations read the trunk's last map pooled to G x G */
     int eval_baseline;            /* --eval-baseline: the probes on the untrained trunk and raw pixels */
     int queue_length, queue_start_epoch; /* --queue-length L (global rows), --queue-start-epoch E */

@@ -12,9 +12,14 @@
  * deviation (what a batch norm before the linear layer does in VISSL's
  * linear evaluation), then W (C, F) and b (C) from zero by SGD with momentum
  * 0.9, batches of 256 in an order drawn from (seed, epoch), learning rate
- * 0.1 on a cosine to 0 over the epochs, weight decay 1e-4 on W, minimising
- * the mean cross-entropy; the result is the test rows' top-1 accuracy.
- * Deterministic and independent of the world size.
+ * 0.1 on a cosine to 0 over the epochs, weight decay wd on W (1e-4 by
+ * default), minimising the mean cross-entropy; the result is the test
+ * rows' top-1 accuracy. Given several weight decays, the probe's own
+ * training rows choose (as linear evaluations select their regularisation
+ * on a validation split, never on the test set): a probe for each is
+ * trained on the first n - n/6 rows and scored on the last n/6, and the
+ * best (the first of equals) is trained again on all n rows. Deterministic
+ * and independent of the world size.
  */
 #include "task.h"
 
@@ -25,7 +30,6 @@
 #define PROBE_BATCH 256
 #define PROBE_LR 0.1
 #define PROBE_MOMENTUM 0.9f
-#define PROBE_WD 1e-4f
 
 static uint64_t mix(uint64_t x) {
     x += 0x9E3779B97F4A7C15ull;
@@ -47,32 +51,43 @@ static int logits(const float *W, const float *b, const float *x, int64_t F, int
     return best;
 }
 
-int task_linear_probe(float *xtr, const int32_t *ytr, int64_t n, float *xte, const int32_t *yte, int64_t nt,
-                      int64_t F, int C, int epochs, uint64_t seed, double *acc) {
-    *acc = NAN;
-    if (n <= 0 || nt <= 0 || F <= 0 || C <= 0) return 0;
+/* Standardises xtr (n rows) and xte (nt rows) with xtr's per-feature mean
+ * and standard deviation; -1 when out of memory. */
+static int standardise(float *xtr, int64_t n, float *xte, int64_t nt, int64_t F) {
+    double *mu = calloc((size_t)F, sizeof(double)), *var = calloc((size_t)F, sizeof(double));
+    if (!mu || !var) {
+        free(mu), free(var);
+        return -1;
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t f = 0; f < F; f++) mu[f] += xtr[i * F + f];
+    for (int64_t f = 0; f < F; f++) mu[f] /= (double)n;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t f = 0; f < F; f++) {
+            double d = xtr[i * F + f] - mu[f];
+            var[f] += d * d;
+        }
+    for (int64_t f = 0; f < F; f++) var[f] = 1.0 / sqrt(var[f] / (double)n + 1e-5);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t f = 0; f < F; f++) xtr[i * F + f] = (float)((xtr[i * F + f] - mu[f]) * var[f]);
+    for (int64_t i = 0; i < nt; i++)
+        for (int64_t f = 0; f < F; f++) xte[i * F + f] = (float)((xte[i * F + f] - mu[f]) * var[f]);
+    free(mu), free(var);
+    return 0;
+}
+
+/* One probe (standardised features): trained on the n rows of xtr with
+ * weight decay wd, its top-1 accuracy on the nt rows of xte in *acc; -1
+ * when out of memory. */
+static int probe_once(const float *xtr, const int32_t *ytr, int64_t n, const float *xte, const int32_t *yte,
+                      int64_t nt, int64_t F, int C, int epochs, float wd, uint64_t seed, double *acc) {
     float *W = calloc((size_t)(C * F), sizeof(float)), *mW = calloc((size_t)(C * F), sizeof(float));
     float *b = calloc((size_t)C, sizeof(float)), *mb = calloc((size_t)C, sizeof(float));
     float *gW = malloc((size_t)(C * F) * sizeof(float)), *gb = malloc((size_t)C * sizeof(float));
     float *z = malloc((size_t)C * sizeof(float));
-    double *mu = calloc((size_t)F, sizeof(double)), *var = calloc((size_t)F, sizeof(double));
     int64_t *order = malloc((size_t)n * sizeof(int64_t));
-    int ok = W && mW && b && mb && gW && gb && z && mu && var && order;
+    int ok = W && mW && b && mb && gW && gb && z && order;
     if (ok) {
-        /* standardise both sets with the training rows' statistics */
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t f = 0; f < F; f++) mu[f] += xtr[i * F + f];
-        for (int64_t f = 0; f < F; f++) mu[f] /= (double)n;
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t f = 0; f < F; f++) {
-                double d = xtr[i * F + f] - mu[f];
-                var[f] += d * d;
-            }
-        for (int64_t f = 0; f < F; f++) var[f] = 1.0 / sqrt(var[f] / (double)n + 1e-5);
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t f = 0; f < F; f++) xtr[i * F + f] = (float)((xtr[i * F + f] - mu[f]) * var[f]);
-        for (int64_t i = 0; i < nt; i++)
-            for (int64_t f = 0; f < F; f++) xte[i * F + f] = (float)((xte[i * F + f] - mu[f]) * var[f]);
         int64_t per_epoch = (n + PROBE_BATCH - 1) / PROBE_BATCH, total = per_epoch * epochs, it = 0;
         for (int e = 0; e < epochs; e++) {
             for (int64_t i = 0; i < n; i++) order[i] = i;
@@ -103,7 +118,7 @@ int task_linear_probe(float *xtr, const int32_t *ytr, int64_t n, float *xte, con
                 }
                 float lr = (float)(PROBE_LR * 0.5 * (1.0 + cos(M_PI * (double)it / (double)total)));
                 for (int64_t q = 0; q < C * F; q++) {
-                    mW[q] = PROBE_MOMENTUM * mW[q] + gW[q] + PROBE_WD * W[q];
+                    mW[q] = PROBE_MOMENTUM * mW[q] + gW[q] + wd * W[q];
                     W[q] -= lr * mW[q];
                 }
                 for (int c = 0; c < C; c++) {
@@ -116,8 +131,28 @@ int task_linear_probe(float *xtr, const int32_t *ytr, int64_t n, float *xte, con
         for (int64_t i = 0; i < nt; i++) correct += logits(W, b, xte + i * F, F, C, z) == yte[i];
         *acc = (double)correct / (double)nt;
     }
-    free(W), free(mW), free(b), free(mb), free(gW), free(gb), free(z), free(mu), free(var), free(order);
+    free(W), free(mW), free(b), free(mb), free(gW), free(gb), free(z), free(order);
     return ok ? 0 : -1;
+}
+
+int task_linear_probe(float *xtr, const int32_t *ytr, int64_t n, float *xte, const int32_t *yte, int64_t nt,
+                      int64_t F, int C, int epochs, const float *wd, int n_wd, uint64_t seed, double *acc,
+                      float *wd_used) {
+    *acc = NAN;
+    *wd_used = wd[0];
+    if (n <= 0 || nt <= 0 || F <= 0 || C <= 0) return 0;
+    if (standardise(xtr, n, xte, nt, F)) return -1;
+    int64_t nv = n / 6;
+    if (n_wd > 1 && nv > 0) { /* choose on the held-out last sixth */
+        double best = -1;
+        for (int i = 0; i < n_wd; i++) {
+            double a;
+            if (probe_once(xtr, ytr, n - nv, xtr + (n - nv) * F, ytr + (n - nv), nv, F, C, epochs, wd[i], seed, &a))
+                return -1;
+            if (a > best) best = a, *wd_used = wd[i];
+        }
+    }
+    return probe_once(xtr, ytr, n, xte, yte, nt, F, C, epochs, *wd_used, seed, acc);
 }
 
 int64_t task_knn_correct(struct fsdp_ctx *ctx, const float *bank, const int32_t *ybank, int64_t nb, const float *test,

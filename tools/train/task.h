@@ -52,6 +52,9 @@ struct task_ops {
     void (*prepare_optim)(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_optim *opt);
     void (*after_shard)(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_model *fm,
                         struct fsdp_optim *opt);
+    /* Optional: once before this run's first step, outside the step's clock
+     * (e.g. --eval-baseline's evaluations). COLLECTIVE. */
+    enum fsdp_status (*before_train)(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o);
 };
 
 struct task {
@@ -113,13 +116,16 @@ void eval_summary(const struct task *t, const struct eval_result *e);
 /* Evaluations of frozen features (probe.c), the same on every rank, no
  * communication. The linear probe ([Note: linear probe]) standardises xtr
  * (n, F) and xte (nt, F) in place, trains a linear classifier of C classes
- * on xtr, ytr for `epochs` epochs from `seed` and sets *acc to the top-1
- * accuracy on xte, yte; -1 when out of memory, else 0. The kNN counts the
+ * on xtr, ytr for `epochs` epochs from `seed` with weight decay wd[0], or
+ * with the best of wd[0..n_wd) on held-out training rows (*wd_used), and
+ * sets *acc to the top-1 accuracy on xte, yte; -1 when out of memory, else
+ * 0. The kNN counts the
  * test rows [lo, hi) of test (L2-normalised rows) whose k nearest bank rows
  * (cosine; bank L2-normalised, nb rows), weighted exp(sim / temperature),
  * vote for their label; *st is an fsdp_gemm failure or FSDP_OK. */
 int task_linear_probe(float *xtr, const int32_t *ytr, int64_t n, float *xte, const int32_t *yte, int64_t nt,
-                      int64_t F, int C, int epochs, uint64_t seed, double *acc);
+                      int64_t F, int C, int epochs, const float *wd, int n_wd, uint64_t seed, double *acc,
+                      float *wd_used);
 int64_t task_knn_correct(struct fsdp_ctx *ctx, const float *bank, const int32_t *ybank, int64_t nb, const float *test,
                          const int32_t *ytest, int64_t lo, int64_t hi, int64_t F, int C, int k, double temperature,
                          enum fsdp_status *st);

@@ -435,7 +435,7 @@ static void img_free(struct task *t) {
 }
 
 static const struct task_ops images_ops = {img_open, img_describe_model, img_describe_data, img_step, img_eval,
-                                           img_meta, img_summary_note,   NULL,              img_free, NULL, NULL};
+                                           img_meta, img_summary_note,   NULL,              img_free, NULL, NULL, NULL};
 
 void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck, const char *resume_dir,
                         struct task *t) {

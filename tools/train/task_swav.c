@@ -600,16 +600,11 @@ static enum fsdp_status crop_terms(struct fsdp_ctx *ctx, struct swav *k, int Bl,
     return FSDP_OK;
 }
 
-static enum fsdp_status baseline(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o);
 static void append_extra(struct task *t, const char *key, double v);
 
 static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
                                   int step, float lr, struct fsdp_step_result *r) {
     struct swav *k = t->impl;
-    if (o->eval_baseline && !k->baseline_done && !fsdp_ctx_measuring(ctx)) { /* not in the memory plan's steps */
-        TRY(baseline(t, ctx, fm, o));
-        k->baseline_done = 1;
-    }
     set_frozen(ctx, k, step < o->freeze_prototypes_iters);
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), C = k->ti.channels, V = k->V;
     int Bl = o->batch / world; /* k->Bl, or the memory plan's world (fsdp-train --dry-run --nproc) */
@@ -740,7 +735,7 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
  * first --probe-train ([Note: linear probe]: every rank trains the same).
  * COLLECTIVE. */
 static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
-                                 int raw, double *knn, double *probe, int64_t *count) {
+                                 int raw, double *knn, double *probe, float *wd, int64_t *count) {
     struct swav *k = t->impl;
     struct fsdp_images_info vi;
     fsdp_images_info(k->test, &vi);
@@ -777,7 +772,8 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
     *knn = nt && nb ? (double)tot / (double)nt : NAN;
     *probe = NAN;
     if (st == FSDP_OK && o->probe_epochs > 0 &&
-        task_linear_probe(tr, ytr, np, te, yte, nt, F, k->n_classes, o->probe_epochs, o->seed, probe))
+        task_linear_probe(tr, ytr, np, te, yte, nt, F, k->n_classes, o->probe_epochs, o->probe_wd, o->n_probe_wd,
+                          o->seed, probe, wd))
         fail_rank("out of memory for the linear probe");
     *count = nt;
     free(tr), free(te), free(bank), free(ten), free(ytr), free(yte);
@@ -790,37 +786,52 @@ static void append_extra(struct task *t, const char *key, double v) {
     else snprintf(t->log_extra + len, sizeof t->log_extra - len, "\"%s\": null, ", key);
 }
 
-/* --eval-baseline: before the first step, both evaluations of the
- * untrained trunk and of raw pixels (rank 0 prints them; the first step's
- * --log line carries them). COLLECTIVE. */
-static enum fsdp_status baseline(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o) {
+/* --eval-baseline: before the first step and outside its clock, both
+ * evaluations of the untrained trunk (or the one --init-from / --resume
+ * loaded) and of raw pixels (rank 0 prints them; the first step's --log line
+ * carries them). With --steps 0 that is all the run does: a checkpoint's
+ * trunk evaluated. COLLECTIVE. */
+static enum fsdp_status swav_before_train(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                          const struct opts *o) {
+    if (!o->eval_baseline) return FSDP_OK;
     double kt, pt, kr, pr;
+    float wt = o->probe_wd[0], wr = o->probe_wd[0];
     int64_t cnt;
     double t0 = now_s();
-    TRY(evaluate(t, ctx, fm, o, 0, &kt, &pt, &cnt));
-    TRY(evaluate(t, ctx, fm, o, 1, &kr, &pr, &cnt));
+    TRY(evaluate(t, ctx, fm, o, 0, &kt, &pt, &wt, &cnt));
+    TRY(evaluate(t, ctx, fm, o, 1, &kr, &pr, &wr, &cnt));
+    char wnt[32] = "", wnr[32] = "";
+    if (o->n_probe_wd > 1) snprintf(wnt, sizeof wnt, " (wd %g)", (double)wt), snprintf(wnr, sizeof wnr, " (wd %g)", (double)wr);
     if (fsdp_ctx_rank(ctx) == 0)
-        printf("baseline: untrained trunk knn_acc %.2f%% probe_acc %.2f%% | raw pixels knn_acc %.2f%% probe_acc "
-               "%.2f%% (%lld test images, %.1f s)\n",
-               100 * kt, 100 * pt, 100 * kr, 100 * pr, (long long)cnt, now_s() - t0);
+        printf("baseline: %s%s%s knn_acc %.2f%% probe_acc %.2f%%%s | raw pixels knn_acc %.2f%% probe_acc "
+               "%.2f%%%s (%lld test images, %.1f s)\n",
+               o->init_from || o->resume ? "the trunk loaded from " : "untrained trunk",
+               o->resume ? o->resume : o->init_from ? o->init_from : "", o->init_from || o->resume ? "," : "",
+               100 * kt, 100 * pt, wnt, 100 * kr, 100 * pr, wnr, (long long)cnt, now_s() - t0);
     fflush(stdout);
     struct swav *k = t->impl;
     k->base[0] = kt, k->base[1] = pt, k->base[2] = kr, k->base[3] = pr;
+    k->baseline_done = 1;
     return FSDP_OK;
 }
 
 static enum fsdp_status swav_eval(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
                                   double *loss_out, double *acc_out, int64_t *count_out) {
     double probe;
+    float wd = o->probe_wd[0];
     if (!o->knn_train && !o->probe_epochs) { /* no evaluation (step-time benchmarks) */
         *loss_out = *acc_out = NAN;
         *count_out = 0;
         return FSDP_OK;
     }
-    TRY(evaluate(t, ctx, fm, o, 0, acc_out, &probe, count_out));
+    TRY(evaluate(t, ctx, fm, o, 0, acc_out, &probe, &wd, count_out));
     *loss_out = NAN;
     append_extra(t, "probe_acc", probe);
-    if (isfinite(probe)) snprintf(t->eval_note, sizeof t->eval_note, "  probe_acc %.2f%%", 100.0 * probe);
+    if (o->n_probe_wd > 1) append_extra(t, "probe_wd", wd); /* the one the held-out rows chose */
+    if (isfinite(probe) && o->n_probe_wd > 1)
+        snprintf(t->eval_note, sizeof t->eval_note, "  probe_acc %.2f%% (wd %g, chosen on held-out train images)",
+                 100.0 * probe, (double)wd);
+    else if (isfinite(probe)) snprintf(t->eval_note, sizeof t->eval_note, "  probe_acc %.2f%%", 100.0 * probe);
     return FSDP_OK;
 }
 
@@ -893,7 +904,7 @@ static void swav_free(struct task *t) {
 
 static const struct task_ops swav_ops = {swav_open, swav_describe_model, swav_describe_data, swav_step,
                                          swav_eval, swav_meta,           swav_summary_note,  NULL,
-                                         swav_free, swav_prepare_optim,  swav_after_shard};
+                                         swav_free, swav_prepare_optim,  swav_after_shard, swav_before_train};
 
 void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck, const char *resume_dir,
                       struct task *t) {

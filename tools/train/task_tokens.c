@@ -271,10 +271,10 @@ static void tok_free(struct task *t) {
 }
 
 static const struct task_ops tokens_ops = {tok_open,     tok_describe_model, tok_describe_data, tok_step, NULL,
-                                           tok_meta,     tok_summary_note,   tok_finish,        tok_free, NULL, NULL};
+                                           tok_meta,     tok_summary_note,   tok_finish,        tok_free, NULL, NULL, NULL};
 /* with --val-data */
 static const struct task_ops tokens_val_ops = {tok_open, tok_describe_model, tok_describe_data, tok_step, tok_eval,
-                                               tok_meta, tok_summary_note,   tok_finish,        tok_free, NULL, NULL};
+                                               tok_meta, tok_summary_note,   tok_finish,        tok_free, NULL, NULL, NULL};
 
 void task_tokens_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck, const char *resume_dir,
                         struct task *t) {
