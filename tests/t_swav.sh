@@ -226,7 +226,7 @@ assert a["probe_acc"] != b["probe_acc"], f"weight decay 1e-4 and 1: the same pro
 assert "probe_wd" not in a and "probe_wd" not in b, "probe_wd logged without a choice"
 want = {1e-4: a, 1.0: b}[min((1e-4, 1.0), key=lambda w: abs(w - c["probe_wd"]))]
 assert abs(want["probe_acc"] - c["probe_acc"]) < 1e-9, (c["probe_wd"], c["probe_acc"], want["probe_acc"])
-assert "chosen on held-out train images" in open(sys.argv[4]).read()
+assert f"(wd {c['probe_wd']:g} chosen)" in open(sys.argv[4]).read()
 print(f"chose {c['probe_wd']:g}: {100 * c['probe_acc']:.2f}% (1e-4: {100 * a['probe_acc']:.2f}%, "
       f"1: {100 * b['probe_acc']:.2f}%)")
 EOF

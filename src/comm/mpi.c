@@ -866,6 +866,11 @@ enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, s
     return FSDP_OK;
 }
 
+static void sleep_ms(long ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000 * 1000};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+}
+
 /* mpirun reads our stderr through a pipe, and when MPI_Abort makes it end
  * the job it may kill us before reading what is still there ("you may or may
  * not see output from other processes"): the message saying why the job ends
@@ -879,17 +884,11 @@ enum fsdp_status fsdp__comm_mpi_split(struct fsdp_comm *c, int color, int key, s
  * would sit in it for good, so a thread ends the process with `code` after
  * ABORT_GRACE_S if MPI_Abort has not. */
 static void *abort_grace(void *arg) {
-    struct timespec ts = {ABORT_GRACE_S, 0};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+    sleep_ms(ABORT_GRACE_S * 1000L);
     fprintf(stderr, "fsdp: rank %d: MPI_Abort did not end this process in %d s (the launcher is out of "
             "reach); exiting\n", fsdp__global_rank, ABORT_GRACE_S);
     fflush(NULL);
     _exit((int)(intptr_t)arg);
-}
-
-static void sleep_ms(long ms) {
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000 * 1000};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
 }
 
 /* Waits (at most 3 s) until whoever reads our stderr pipe has read it all,

@@ -786,6 +786,13 @@ static void append_extra(struct task *t, const char *key, double v) {
     else snprintf(t->log_extra + len, sizeof t->log_extra - len, "\"%s\": null, ", key);
 }
 
+/* " (wd X chosen)" after a probe's accuracy when --probe-wd gave candidates, else "". */
+static const char *wd_note(const struct opts *o, float wd, char *buf, size_t cap) {
+    if (o->n_probe_wd > 1) snprintf(buf, cap, " (wd %g chosen)", (double)wd);
+    else buf[0] = 0;
+    return buf;
+}
+
 /* --eval-baseline: before the first step and outside its clock, both
  * evaluations of the untrained trunk (or the one --init-from / --resume
  * loaded) and of raw pixels (rank 0 prints them; the first step's --log line
@@ -800,14 +807,15 @@ static enum fsdp_status swav_before_train(struct task *t, struct fsdp_ctx *ctx, 
     double t0 = now_s();
     TRY(evaluate(t, ctx, fm, o, 0, &kt, &pt, &wt, &cnt));
     TRY(evaluate(t, ctx, fm, o, 1, &kr, &pr, &wr, &cnt));
-    char wnt[32] = "", wnr[32] = "";
-    if (o->n_probe_wd > 1) snprintf(wnt, sizeof wnt, " (wd %g)", (double)wt), snprintf(wnr, sizeof wnr, " (wd %g)", (double)wr);
+    char trunk[1100], wnt[32], wnr[32];
+    const char *from = o->resume ? o->resume : o->init_from;
+    if (from) snprintf(trunk, sizeof trunk, "the trunk loaded from %s,", from);
+    else snprintf(trunk, sizeof trunk, "untrained trunk");
     if (fsdp_ctx_rank(ctx) == 0)
-        printf("baseline: %s%s%s knn_acc %.2f%% probe_acc %.2f%%%s | raw pixels knn_acc %.2f%% probe_acc "
+        printf("baseline: %s knn_acc %.2f%% probe_acc %.2f%%%s | raw pixels knn_acc %.2f%% probe_acc "
                "%.2f%%%s (%lld test images, %.1f s)\n",
-               o->init_from || o->resume ? "the trunk loaded from " : "untrained trunk",
-               o->resume ? o->resume : o->init_from ? o->init_from : "", o->init_from || o->resume ? "," : "",
-               100 * kt, 100 * pt, wnt, 100 * kr, 100 * pr, wnr, (long long)cnt, now_s() - t0);
+               trunk, 100 * kt, 100 * pt, wd_note(o, wt, wnt, sizeof wnt), 100 * kr, 100 * pr,
+               wd_note(o, wr, wnr, sizeof wnr), (long long)cnt, now_s() - t0);
     fflush(stdout);
     struct swav *k = t->impl;
     k->base[0] = kt, k->base[1] = pt, k->base[2] = kr, k->base[3] = pr;
@@ -828,10 +836,9 @@ static enum fsdp_status swav_eval(struct task *t, struct fsdp_ctx *ctx, struct f
     *loss_out = NAN;
     append_extra(t, "probe_acc", probe);
     if (o->n_probe_wd > 1) append_extra(t, "probe_wd", wd); /* the one the held-out rows chose */
-    if (isfinite(probe) && o->n_probe_wd > 1)
-        snprintf(t->eval_note, sizeof t->eval_note, "  probe_acc %.2f%% (wd %g, chosen on held-out train images)",
-                 100.0 * probe, (double)wd);
-    else if (isfinite(probe)) snprintf(t->eval_note, sizeof t->eval_note, "  probe_acc %.2f%%", 100.0 * probe);
+    char wn[32];
+    if (isfinite(probe))
+        snprintf(t->eval_note, sizeof t->eval_note, "  probe_acc %.2f%%%s", 100.0 * probe, wd_note(o, wd, wn, sizeof wn));
     return FSDP_OK;
 }
 
