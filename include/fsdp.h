@@ -451,6 +451,16 @@ void fsdp_batchnorm_set_sync(struct fsdp_module *root, int on, struct fsdp_comm 
  * SwAV's second pass over the same crops, must not count twice). *n_out
  * (may be NULL) gets how many it set. COLLECTIVE: no. */
 void fsdp_batchnorm_set_update_stats(struct fsdp_module *root, int on, int *n_out);
+/* PyTorch's bn.momentum = None for every BatchNorm2d below root (on != 0):
+ * the running statistics a train-mode forward updates become the plain mean
+ * of the batches' statistics since the last reset (factor 1 /
+ * num_batches_tracked), e.g. to re-estimate them on other images (precise
+ * BN); off (0, the default) the module's own momentum again. *n_out (may be
+ * NULL) gets how many it set. COLLECTIVE: no. */
+void fsdp_batchnorm_set_cumulative(struct fsdp_module *root, int on, int *n_out);
+/* PyTorch's reset_running_stats() for every BatchNorm2d below root:
+ * running_mean 0, running_var 1, num_batches_tracked 0. COLLECTIVE: no. */
+void fsdp_batchnorm_reset_stats(struct fsdp_module *root, int *n_out);
 
 /* ReLU: max(x, 0) on any F32 shape. Runs in place when the caller passes
  * out->data == in->data (then the input is overwritten: safe when nothing

@@ -372,8 +372,6 @@ TEST(gradcheck_relu_pools_flatten) { /* piecewise linear away from kinks and tie
     fsdp_ctx_free(ctx);
 }
 
-/* Running statistics after 3 train steps against PyTorch's update rule in
- * double; eval mode uses them and updates nothing. */
 /* fsdp_batchnorm_set_update_stats off: a train-mode forward normalises with
  * the batch statistics (the same output) but leaves the running statistics
  * and the batch count alone; on again, it updates them. */
@@ -408,6 +406,69 @@ TEST(batchnorm2d_update_stats_switch) {
     fsdp_ctx_free(ctx);
 }
 
+/* fsdp_batchnorm_reset_stats is PyTorch's reset_running_stats (mean 0,
+ * variance 1, count 0); with fsdp_batchnorm_set_cumulative on (momentum
+ * None) the running statistics after 3 batches are the plain means of the
+ * batches' mean and unbiased variance (in double here); off again, the
+ * module's momentum 0.1 applies to the next batch. */
+TEST(batchnorm2d_reset_and_cumulative) {
+    rng_seed(8);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_batchnorm_opts o = fsdp_batchnorm_opts_default(2);
+    struct fsdp_module *m;
+    ASSERT_OK(fsdp_batchnorm2d_create(ctx, "bn", &o, &m), ctx);
+    prepare(ctx, m, 0.3f);
+    struct fsdp_buffer *rm = fsdp_module_find_buffer(m, "running_mean"), *rv = fsdp_module_find_buffer(m, "running_var"),
+                       *nbt = fsdp_module_find_buffer(m, "num_batches_tracked");
+    ASSERT(rm && rv && nbt);
+    int64_t shape[4] = {3, 2, 3, 4};
+    struct fsdp_tensor x0 = make_input(4, shape, 2.0f, 5.0f), y = {0};
+    fsdp_arena_reset(ctx);
+    ASSERT_OK(fsdp_module_forward(m, ctx, &x0, &y), ctx); /* statistics away from (0, 1) */
+    free(x0.data);
+    CHECK(((float *)rm->data)[1] != 0.0f && ((int64_t *)nbt->data)[0] == 1);
+    int n = 0;
+    fsdp_batchnorm_reset_stats(m, &n);
+    CHECK_INT_EQ(n, 1);
+    for (int c = 0; c < 2; c++) CHECK(((float *)rm->data)[c] == 0.0f && ((float *)rv->data)[c] == 1.0f);
+    CHECK_INT_EQ(((int64_t *)nbt->data)[0], 0);
+    fsdp_batchnorm_set_cumulative(m, 1, &n);
+    CHECK_INT_EQ(n, 1);
+    double sm[2] = {0, 0}, sv[2] = {0, 0}, last[2][2] = {{0, 0}, {0, 0}};
+    for (int b = 0; b < 4; b++) {
+        if (b == 3) fsdp_batchnorm_set_cumulative(m, 0, NULL);
+        struct fsdp_tensor x = make_input(4, shape, 1.0f + (float)b, 4.0f * (float)b - 3.0f);
+        fsdp_arena_reset(ctx);
+        ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y), ctx);
+        const float *xv = x.data;
+        for (int c = 0; c < 2; c++) {
+            double s = 0, s2 = 0;
+            for (int i = 0; i < 3; i++)
+                for (int j = 0; j < 12; j++) s += xv[(i * 2 + c) * 12 + j];
+            double mu = s / 36;
+            for (int i = 0; i < 3; i++)
+                for (int j = 0; j < 12; j++) s2 += pow(xv[(i * 2 + c) * 12 + j] - mu, 2);
+            if (b < 3) sm[c] += mu / 3, sv[c] += s2 / 35 / 3;
+            last[c][0] = mu, last[c][1] = s2 / 35;
+        }
+        free(x.data);
+        if (b == 2)
+            for (int c = 0; c < 2; c++) {
+                CHECK_NEAR(((float *)rm->data)[c], sm[c], 1e-5, 1e-6);
+                CHECK_NEAR(((float *)rv->data)[c], sv[c], 1e-5, 1e-6);
+            }
+    }
+    for (int c = 0; c < 2; c++) { /* momentum 0.1 again */
+        CHECK_NEAR(((float *)rm->data)[c], 0.9 * sm[c] + 0.1 * last[c][0], 1e-5, 1e-6);
+        CHECK_NEAR(((float *)rv->data)[c], 0.9 * sv[c] + 0.1 * last[c][1], 1e-5, 1e-6);
+    }
+    CHECK_INT_EQ(((int64_t *)nbt->data)[0], 4);
+    fsdp_module_free(m);
+    fsdp_ctx_free(ctx);
+}
+
+/* Running statistics after 3 train steps against PyTorch's update rule in
+ * double; eval mode uses them and updates nothing. */
 TEST(batchnorm2d_running_stats_and_eval) {
     rng_seed(5);
     struct fsdp_ctx *ctx = make_ctx();

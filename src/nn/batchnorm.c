@@ -43,6 +43,7 @@ struct bn {
     double count;                                    /* values per channel over the (global) batch */
     int train;                                       /* the saved forward ran in train mode */
     int frozen_stats;                                /* fsdp_batchnorm_set_update_stats off */
+    int cumulative;                                  /* fsdp_batchnorm_set_cumulative on (momentum None) */
     int relu;                                        /* a ReLU fused on the output (fsdp__batchnorm_fuse_relu) */
 };
 
@@ -372,8 +373,10 @@ static enum fsdp_status bn_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, 
                              "(input (%lld, %lld) x %lld values per plane)", fsdp__mname(m), (long long)N,
                              (long long)C, (long long)HW);
         }
-        float mom = B->o.momentum;
         int update = !B->frozen_stats && !ctx->recompute;
+        /* cumulative (PyTorch's momentum None): the running statistics are the mean over the batches since
+         * the last reset, the factor 1 / num_batches_tracked after its increment */
+        float mom = B->cumulative ? 1.0f / (float)(((int64_t *)B->nbt->data)[0] + 1) : B->o.momentum;
         for (int64_t c = 0; c < C; c++) {
             double var = lm2[c] / count;
             mean[c] = (float)lmean[c];
@@ -608,5 +611,33 @@ static void set_update_rec(struct fsdp_module *m, int on, int *n) {
 void fsdp_batchnorm_set_update_stats(struct fsdp_module *root, int on, int *n_out) {
     int n = 0;
     if (root) set_update_rec(root, on, &n);
+    if (n_out) *n_out = n;
+}
+
+/* what: 0 the cumulative flag, 1 reset the statistics */
+static void stats_rec(struct fsdp_module *m, int what, int on, int *n) {
+    if (m->ops == &bn_ops) {
+        struct bn *B = m->impl;
+        if (what == 0) {
+            B->cumulative = on;
+        } else {
+            float *rm = B->rmean->data, *rv = B->rvar->data;
+            for (int64_t c = 0; c < B->o.num_features; c++) rm[c] = 0.0f, rv[c] = 1.0f;
+            ((int64_t *)B->nbt->data)[0] = 0;
+        }
+        (*n)++;
+    }
+    for (int i = 0; i < m->n_children; i++) stats_rec(m->children[i], what, on, n);
+}
+
+void fsdp_batchnorm_set_cumulative(struct fsdp_module *root, int on, int *n_out) {
+    int n = 0;
+    if (root) stats_rec(root, 0, on, &n);
+    if (n_out) *n_out = n;
+}
+
+void fsdp_batchnorm_reset_stats(struct fsdp_module *root, int *n_out) {
+    int n = 0;
+    if (root) stats_rec(root, 1, 0, &n);
     if (n_out) *n_out = n;
 }
