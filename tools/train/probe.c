@@ -5,7 +5,7 @@
  * the same accuracy on every rank without communicating: the kNN votes of a
  * rank's share of the test set are summed by the caller; the probe is small
  * enough that each rank trains the same one (the same bits: the same inputs
- * and the same serial arithmetic).
+ * and sums in an order that no thread count changes, [Note: probe sums]).
  *
  * [Note: linear probe] Multinomial logistic regression on features x (n, F):
  * each feature standardised with the training rows' mean and standard
@@ -38,17 +38,45 @@ static uint64_t mix(uint64_t x) {
     return x ^ (x >> 31);
 }
 
+/* [Note: probe sums] A dot product of F floats as one chain of adds waits
+ * out the add's latency at every element: the probe at 4096 features spent
+ * minutes there. Element f goes to partial sum f mod 32 instead (vector
+ * lanes, independent chains) and the 32 are added pairwise at the end: an
+ * order fixed by F alone. The batch's rows run in parallel (each row's
+ * logits are its own), and each gradient element sums the rows in order in
+ * the one thread that owns its block of features: the same bits at any
+ * thread count, so every rank still trains the same probe. */
+#define NLANE 32
+static float dot(const float *w, const float *x, int64_t F) {
+    float p[NLANE] = {0};
+    int64_t f = 0;
+    for (; f + NLANE <= F; f += NLANE) {
+#pragma omp simd
+        for (int l = 0; l < NLANE; l++) p[l] += w[f + l] * x[f + l];
+    }
+    for (int l = 0; f < F; f++, l++) p[l] += w[f] * x[f];
+    for (int h = NLANE / 2; h; h >>= 1)
+        for (int l = 0; l < h; l++) p[l] += p[l + h];
+    return p[0];
+}
+
 /* logits (C) = W x + b; returns the argmax */
 static int logits(const float *W, const float *b, const float *x, int64_t F, int C, float *z) {
     int best = 0;
     for (int c = 0; c < C; c++) {
-        const float *w = W + (int64_t)c * F;
-        float s = b[c];
-        for (int64_t f = 0; f < F; f++) s += w[f] * x[f];
-        z[c] = s;
-        if (s > z[best]) best = c;
+        z[c] = b[c] + dot(W + (int64_t)c * F, x, F);
+        if (z[c] > z[best]) best = c;
     }
     return best;
+}
+
+/* Correct top-1 predictions of the probe (W, b) on the nt rows of x (z: nt C logits). */
+static int64_t count_correct(const float *W, const float *b, const float *x, const int32_t *y, int64_t nt, int64_t F,
+                             int C, float *z) {
+    int64_t correct = 0;
+#pragma omp parallel for schedule(static) reduction(+ : correct)
+    for (int64_t i = 0; i < nt; i++) correct += logits(W, b, x + i * F, F, C, z + i * C) == y[i];
+    return correct;
 }
 
 /* Standardises xtr (n rows) and xte (nt rows) with xtr's per-feature mean
@@ -83,10 +111,11 @@ static int probe_once(const float *xtr, const int32_t *ytr, int64_t n, const flo
                       int64_t nt, int64_t F, int C, int epochs, float wd, uint64_t seed, double *acc) {
     float *W = calloc((size_t)(C * F), sizeof(float)), *mW = calloc((size_t)(C * F), sizeof(float));
     float *b = calloc((size_t)C, sizeof(float)), *mb = calloc((size_t)C, sizeof(float));
-    float *gW = malloc((size_t)(C * F) * sizeof(float)), *gb = malloc((size_t)C * sizeof(float));
-    float *z = malloc((size_t)C * sizeof(float));
+    int64_t nblk = (F + 255) / 256; /* blocks of 256 features */
+    float *gW = malloc((size_t)(C * nblk * 256) * sizeof(float)), *g = malloc((size_t)(PROBE_BATCH * C) * sizeof(float));
+    float *z = malloc((size_t)(nt * C + 1) * sizeof(float));
     int64_t *order = malloc((size_t)n * sizeof(int64_t));
-    int ok = W && mW && b && mb && gW && gb && z && order;
+    int ok = W && mW && b && mb && gW && g && z && order;
     if (ok) {
         int64_t per_epoch = (n + PROBE_BATCH - 1) / PROBE_BATCH, total = per_epoch * epochs, it = 0;
         for (int e = 0; e < epochs; e++) {
@@ -100,38 +129,51 @@ static int probe_once(const float *xtr, const int32_t *ytr, int64_t n, const flo
             }
             for (int64_t s = 0; s < n; s += PROBE_BATCH, it++) {
                 int64_t m = n - s < PROBE_BATCH ? n - s : PROBE_BATCH;
-                memset(gW, 0, (size_t)(C * F) * sizeof(float));
-                memset(gb, 0, (size_t)C * sizeof(float));
+                /* g (m, C): the softmax less the one-hot target, over m, row by row in parallel */
+#pragma omp parallel for schedule(static)
                 for (int64_t r = 0; r < m; r++) {
                     int64_t i = order[s + r];
-                    const float *x = xtr + i * F;
-                    int best = logits(W, b, x, F, C, z);
+                    float *zr = g + r * C;
+                    int best = logits(W, b, xtr + i * F, F, C, zr);
                     double sum = 0;
-                    for (int c = 0; c < C; c++) sum += exp((double)(z[c] - z[best]));
-                    for (int c = 0; c < C; c++) {
-                        float g = (float)(exp((double)(z[c] - z[best])) / sum) - (c == ytr[i] ? 1.0f : 0.0f);
-                        g /= (float)m;
-                        gb[c] += g;
-                        float *gw = gW + (int64_t)c * F;
-                        for (int64_t f = 0; f < F; f++) gw[f] += g * x[f];
-                    }
-                }
-                float lr = (float)(PROBE_LR * 0.5 * (1.0 + cos(M_PI * (double)it / (double)total)));
-                for (int64_t q = 0; q < C * F; q++) {
-                    mW[q] = PROBE_MOMENTUM * mW[q] + gW[q] + wd * W[q];
-                    W[q] -= lr * mW[q];
+                    for (int c = 0; c < C; c++) sum += exp((double)(zr[c] - zr[best]));
+                    float zb = zr[best];
+                    for (int c = 0; c < C; c++)
+                        zr[c] = ((float)(exp((double)(zr[c] - zb)) / sum) - (c == ytr[i] ? 1.0f : 0.0f)) / (float)m;
                 }
                 for (int c = 0; c < C; c++) {
-                    mb[c] = PROBE_MOMENTUM * mb[c] + gb[c];
-                    b[c] -= lr * mb[c];
+                    float gb = 0.0f;
+                    for (int64_t r = 0; r < m; r++) gb += g[r * C + c];
+                    mb[c] = PROBE_MOMENTUM * mb[c] + gb;
                 }
+                float lr = (float)(PROBE_LR * 0.5 * (1.0 + cos(M_PI * (double)it / (double)total)));
+                /* per block of 256 features (all C rows of W): the gradient over the rows in order, then
+                 * momentum, weight decay and the step */
+#pragma omp parallel for schedule(static)
+                for (int64_t k = 0; k < nblk; k++) {
+                    int64_t f0 = k * 256, f1 = f0 + 256 < F ? f0 + 256 : F;
+                    float *gw = gW + k * 256 * C;
+                    memset(gw, 0, sizeof(float) * (size_t)(C * (f1 - f0)));
+                    for (int64_t r = 0; r < m; r++) {
+                        const float *x = xtr + order[s + r] * F;
+                        for (int c = 0; c < C; c++) {
+                            float gc = g[r * C + c], *gwc = gw + c * (f1 - f0);
+                            for (int64_t f = f0; f < f1; f++) gwc[f - f0] += gc * x[f];
+                        }
+                    }
+                    for (int c = 0; c < C; c++)
+                        for (int64_t f = f0; f < f1; f++) {
+                            int64_t q = (int64_t)c * F + f;
+                            mW[q] = PROBE_MOMENTUM * mW[q] + gw[c * (f1 - f0) + f - f0] + wd * W[q];
+                            W[q] -= lr * mW[q];
+                        }
+                }
+                for (int c = 0; c < C; c++) b[c] -= lr * mb[c];
             }
         }
-        int64_t correct = 0;
-        for (int64_t i = 0; i < nt; i++) correct += logits(W, b, xte + i * F, F, C, z) == yte[i];
-        *acc = (double)correct / (double)nt;
+        *acc = (double)count_correct(W, b, xte, yte, nt, F, C, z) / (double)nt;
     }
-    free(W), free(mW), free(b), free(mb), free(gW), free(gb), free(z), free(order);
+    free(W), free(mW), free(b), free(mb), free(gW), free(g), free(z), free(order);
     return ok ? 0 : -1;
 }
 
