@@ -20,6 +20,8 @@
 #  (9) --bn-stats-crops global: the same training, running statistics from the global crops only;
 #  (10) --eval-pool 2: the evaluations read a ResNet trunk's last map pooled to 2 x 2, at 1 and 2
 #      ranks alike, the training untouched;
+#  (11) --eval-precise-bn N: the evaluations read the trunk with batch norm statistics of N whole
+#      training images, at 1 and 2 ranks alike; the training and the saved model untouched;
 # and a resumed run (the task read from the checkpoint) is bit-identical to the uninterrupted one.
 # Crops carry the intensity jitter (default 0.4) everywhere, so (1) checks it is rank-independent.
 # Prints "N passed, N failed" at the end.
@@ -197,6 +199,30 @@ assert "256 features each (the last map pooled to a grid)" in open(sys.argv[4]).
 EOF
 ); then ok "--eval-pool 2: the kNN and probe read the 2 x 2 pooled map (256 features), the same at 1 and 2 ranks"
 else bad "--eval-pool 2" "$msg"; fi
+
+# ---- (11) --eval-precise-bn 200: the evaluations read the trunk with batch norm statistics of 200
+# whole training images, at 1 and 2 ranks alike; the training's own statistics come back after each
+# evaluation (here after step 1 and 2), so the losses and the saved model are the run's without it
+for n in 0 1 2; do
+  f=(); [ $n = 0 ] || f=(--eval-precise-bn 200 --nproc $n)
+  timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" --data fashion-mnist --batch 8 --steps 2 \
+    --swav-hidden 16 --swav-dim 8 --nmb-prototypes 10 --crops-global-size 16 --crops-small 1 --crops-small-size 8 \
+    --knn-train 200 --probe-train 500 --threads 1 --optim lars --momentum 0.9 --lr 0.1 --comm shm --eval-every 1 \
+    "${f[@]}" --save-full "$tmp/pb$n.safetensors" --log "$tmp/pb$n.jsonl" > "$tmp/opb$n" 2>&1 ||
+    bad "--eval-precise-bn at $n ranks" "$(tail -5 "$tmp/opb$n")"
+done
+if msg=$(python3 - "$tmp/pb0.jsonl" "$tmp/pb1.jsonl" "$tmp/pb2.jsonl" "$tmp/opb1" <<'EOF' 2>&1
+import json, sys
+a, b, c = ([r for r in map(json.loads, open(f)) if "step" in r] for f in sys.argv[1:4])
+assert [r["loss"] for r in a] == [r["loss"] for r in b], "--eval-precise-bn changed the training"
+for k in ("knn_acc", "probe_acc"):
+    assert 0.3 < b[-1][k] <= 1 and abs(b[-1][k] - c[-1][k]) <= 5e-4, (k, b[-1][k], c[-1][k])
+assert (a[0]["knn_acc"], a[0]["probe_acc"]) != (b[0]["knn_acc"], b[0]["probe_acc"]), "the same evaluation"
+assert "re-estimated on 200 whole training images" in open(sys.argv[4]).read()
+EOF
+) && cmp -s "$tmp/pb0.safetensors" "$tmp/pb1.safetensors"; then
+  ok "--eval-precise-bn 200: other evaluations, the same at 1 and 2 ranks; the training and the saved model untouched"
+else bad "--eval-precise-bn" "${msg:-the saved models differ: the running statistics were not restored}"; fi
 
 # ---- (5) one resolution ----
 # (and --eval-baseline: the untrained trunk's and raw pixels' kNN and probe in the first log line)

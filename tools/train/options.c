@@ -151,6 +151,10 @@ static void usage(FILE *f) {
             "  --eval-pool G         kNN and probe features: a ResNet trunk's last feature map average-pooled\n"
             "                        to G x G (VISSL's res5 linear evaluation pools to 2 x 2; default 1: the\n"
             "                        trunk's output)\n"
+            "  --eval-precise-bn N   before each evaluation, the trunk's batch norm statistics re-estimated on\n"
+            "                        the first N training images, whole, as the evaluation sees them (the\n"
+            "                        mean of their batches' statistics: precise BN), then restored (default\n"
+            "                        0: the running statistics of training's crops)\n"
             "  --eval-baseline       before training: kNN and probe of the untrained trunk (or the one\n"
             "                        --init-from loaded; with --steps 0 only that) and of raw pixels\n"
             "  --queue-length L      SwAV's queue: L past global-crop embeddings per crop, a multiple of\n"
@@ -267,8 +271,8 @@ static void usage(FILE *f) {
             "                        an error naming both values; the data (--data, --val-data,\n"
             "                        --tokenizer) and evaluation flags (--eval-every, --eval-batch,\n"
             "                        --eval-batches, --knn-train, --probe-train, --probe-epochs, --probe-wd,\n"
-            "                        --eval-pool) not given are the checkpoint's too (given ones are used\n"
-            "                        as given)\n"
+            "                        --eval-pool, --eval-precise-bn) not given are the checkpoint's too\n"
+            "                        (given ones are used as given)\n"
             "  --help                this text\n",
             MODEL_DEFAULT, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
             (double)d.beta1, (double)d.beta2, (double)d.eps, (double)d.momentum,
@@ -534,6 +538,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--probe-epochs")) o->probe_epochs = (int)parse_int(a, v, 0, 10000);
         else if (!strcmp(a, "--probe-wd")) o->n_probe_wd = parse_floats(a, v, o->probe_wd, 0, 1);
         else if (!strcmp(a, "--eval-pool")) o->eval_pool = (int)parse_int(a, v, 1, 8);
+        else if (!strcmp(a, "--eval-precise-bn")) o->eval_precise_bn = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--queue-length")) o->queue_length = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--queue-start-epoch")) o->queue_start_epoch = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--crops-jitter")) o->crops_jitter = parse_float(a, v, 0, 1);

@@ -532,6 +532,9 @@ static void swav_describe_data(struct task *t, struct fsdp_ctx *ctx, const struc
            (double)o->crops_global_scale[0], (double)o->crops_global_scale[1], k->V, k->Ss, k->Ss,
            (double)o->crops_small_scale[0], (double)o->crops_small_scale[1], (double)o->crops_jitter, o->knn_train,
            o->probe_train, (long long)eval_dim(k, o), o->eval_pool > 1 ? " (the last map pooled to a grid)" : "");
+    if (o->eval_precise_bn > 0)
+        printf("evaluation: the trunk's batch norm statistics re-estimated on %d whole training images first "
+               "(precise BN)\n", o->eval_precise_bn);
     if (k->L)
         printf("queue: %lld global-crop embeddings per crop (%lld batches), filled from epoch %d, in the codes once full\n",
                (long long)k->L, (long long)(k->L / o->batch), o->queue_start_epoch);
@@ -711,6 +714,7 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
                                  FSDP_LAYOUT_PLAIN};
         struct fsdp_tensor out = {0};
         if ((st = fsdp_model_forward_tensor(ctx, fm, &in, &out)) != FSDP_OK) break;
+        if (!feat) continue; /* precise BN: the forward's statistics are all it wants */
         memset(mine, 0, (size_t)(mmax * F) * sizeof(float));
         if (o->eval_pool > 1) { /* out: layer4's map (m, C, h, w) */
             int64_t C = out.shape[1], h = out.shape[2], w = out.shape[3];
@@ -727,6 +731,66 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
     }
     free(x), free(mine), free(all);
     return st;
+}
+
+/* [Note: precise BN] Training's running statistics come from its crops
+ * (momentum 0.1 over the last steps' global crops, --bn-stats-crops), but
+ * the evaluations read whole images, which are zoomed out against the
+ * crops: each layer's activations have other means and variances there.
+ * --eval-precise-bn N re-estimates them as the evaluation sees its images:
+ * every batch norm of the trunk reset, then train-mode forwards of the
+ * first N training images, whole (batches of --eval-batch, SyncBN's global
+ * statistics at N ranks), with the cumulative mean of the batches'
+ * statistics (PyTorch's momentum None; Wu and Johnson's precise BN). No
+ * labels are read. The training's own statistics are restored after the
+ * evaluation: the run and its checkpoints are as without the flag. */
+struct bn_saved {
+    float *data;
+    size_t n, cap;
+    int restore;
+};
+
+static int save_buffer(struct fsdp_buffer *b, void *ud) {
+    struct bn_saved *s = ud;
+    size_t bytes = (size_t)b->numel * (b->dtype == FSDP_I64 ? 8 : 4);
+    if (s->restore) memcpy(b->data, (char *)s->data + s->n, bytes);
+    else memcpy((char *)s->data + s->n, b->data, bytes);
+    s->n += bytes;
+    return 0;
+}
+
+static int buffer_bytes(struct fsdp_buffer *b, void *ud) {
+    *(size_t *)ud += (size_t)b->numel * (b->dtype == FSDP_I64 ? 8 : 4);
+    return 0;
+}
+
+/* Saves the trunk's buffers into *s, then re-estimates its batch norm
+ * statistics on the first n training images ([Note: precise BN]); the model
+ * is left in eval mode. COLLECTIVE. */
+static enum fsdp_status precise_bn(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                   const struct opts *o, int64_t n, struct bn_saved *s) {
+    struct swav *k = t->impl;
+    size_t bytes = 0;
+    fsdp_module_foreach_buffer(k->R->trunk, buffer_bytes, &bytes);
+    *s = (struct bn_saved){malloc(bytes + 1), 0, bytes, 0};
+    if (!s->data) fail_rank("out of memory for --eval-precise-bn's copy of the trunk's buffers");
+    fsdp_module_foreach_buffer(k->R->trunk, save_buffer, s);
+    fsdp_batchnorm_reset_stats(k->R->trunk, NULL);
+    fsdp_batchnorm_set_cumulative(k->R->trunk, 1, NULL);
+    fsdp_module_set_training(t->root, 1);
+    enum fsdp_status st = features(t, ctx, fm, o, k->train, n < k->ti.count ? n : k->ti.count, 0, NULL);
+    fsdp_module_set_training(t->root, 0);
+    fsdp_batchnorm_set_cumulative(k->R->trunk, 0, NULL);
+    return st;
+}
+
+static void restore_bn(struct task *t, struct bn_saved *s) {
+    struct swav *k = t->impl;
+    if (!s->data) return;
+    s->n = 0, s->restore = 1;
+    fsdp_module_foreach_buffer(k->R->trunk, save_buffer, s);
+    free(s->data);
+    s->data = NULL;
 }
 
 /* Both evaluations of one kind of features (the trunk's, or raw pixels):
@@ -750,9 +814,12 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
     for (int64_t i = 0; i < nt; i++) yte[i] = fsdp_images_label(k->test, i);
     fsdp_module_set_training(t->root, 0);
     k->R->trunk_only = 1;
+    struct bn_saved saved = {0};
     enum fsdp_status st = o->eval_pool > 1 ? fsdp_resnet_set_feature_map(ctx, k->R->trunk, 1) : FSDP_OK;
+    if (st == FSDP_OK && !raw && o->eval_precise_bn > 0) st = precise_bn(t, ctx, fm, o, o->eval_precise_bn, &saved);
     if (st == FSDP_OK) st = features(t, ctx, fm, o, k->train, ntr, raw, tr);
     if (st == FSDP_OK) st = features(t, ctx, fm, o, k->test, nt, raw, te);
+    restore_bn(t, &saved);
     if (o->eval_pool > 1) (void)fsdp_resnet_set_feature_map(ctx, k->R->trunk, 0); /* a ResNet: it took the 1 */
     k->R->trunk_only = 0;
     fsdp_module_set_training(t->root, 1);
