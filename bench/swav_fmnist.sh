@@ -7,11 +7,12 @@
 # (probe_acc: logistic regression on the frozen features of the 60000
 # training images, its weight decay chosen among 1e-4..1e-1 on a held-out
 # sixth of them) every 3 epochs, both reading layer4's whole 4 x 4 map
-# (--eval-pool 4; EVAL_POOL=1: the trunk's global pool). Prints the recipe, the baseline, the curve
-# (accuracy per epoch, with the training time so far: step times only, the
+# (--eval-pool 4; EVAL_POOL=1: the trunk's global pool), with batch norm
+# statistics of 10000 whole training images (--eval-precise-bn). Prints the recipe, the baseline,
+# the curve (accuracy per epoch, with the training time so far: step times only, the
 # evaluations not counted) and the summary.
-# Usage: bench/swav_fmnist.sh [EPOCHS] [extra fsdp-train flags...]   (default 13: about 56
-# minutes at the 275 ms a step of 2026-12-03 on a quiet 2-core AMD EPYC with AVX512-BF16; lr
+# Usage: bench/swav_fmnist.sh [EPOCHS] [extra fsdp-train flags...]   (default 11: about 55
+# minutes at the 320 ms a step of 2026-12-03 on a quiet 2-core AMD EPYC with AVX512-BF16; lr
 # 0.15, at which the loss falls without the climbs of lr 0.3, bench/README.md; env WIDTH: the
 # ResNet-18 trunk's width, default 32; PRECISION: AMP_BF16 where the CPU has native bf16
 # products, else FP32; THREADS: default 2, both cores; EVAL_POOL: default 4)
@@ -20,7 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
-EPOCHS=${1:-13}
+EPOCHS=${1:-11}
 shift || true
 # one rank on both cores: threads that spin between the many small parallel regions (active) beat
 # sleeping ones: 190 against 237 ms a step (2026-12-02); passive is for more ranks than cores
@@ -36,8 +37,8 @@ recipe=(--task swav --model-config "$tmp/trunk.json" --data fashion-mnist --batc
         --optim lars --lr 0.15 --momentum 0.9 --weight-decay 1e-6 --clip 0 --warmup 300
         --swav-hidden 512 --swav-dim 128 --nmb-prototypes 300 --freeze-prototypes-iters 300
         --queue-length 1920 --queue-start-epoch 0 --bn-stats-crops global
-        --crops-global-size 24 --crops-global-scale 0.25,1 --crops-small 4 --crops-small-size 12 --crops-small-scale 0.08,0.3
-        --knn-train 60000 --probe-train 60000 --probe-wd 1e-4,1e-3,1e-2,1e-1 --eval-pool "${EVAL_POOL:-4}"
+        --crops-global-size 24 --crops-global-scale 0.25,1 --crops-small 6 --crops-small-size 12 --crops-small-scale 0.08,0.3
+        --knn-train 60000 --probe-train 60000 --probe-wd 1e-4,1e-3,1e-2,1e-1 --eval-pool "${EVAL_POOL:-4}" --eval-precise-bn 10000
         --eval-every 2814 --eval-baseline --precision "$PRECISION" --seed 0)
 echo "$(date -u '+%F %H:%M UTC'); $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'); load: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "trunk: $(cat "$tmp/trunk.json")"
