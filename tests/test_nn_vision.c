@@ -372,16 +372,23 @@ TEST(gradcheck_relu_pools_flatten) { /* piecewise linear away from kinks and tie
     fsdp_ctx_free(ctx);
 }
 
+/* A BatchNorm2d of 2 channels with `momentum`, its weight and bias random. */
+static struct fsdp_module *new_bn(struct fsdp_ctx *ctx, float momentum) {
+    struct fsdp_batchnorm_opts o = fsdp_batchnorm_opts_default(2);
+    o.momentum = momentum;
+    struct fsdp_module *m;
+    if (fsdp_batchnorm2d_create(ctx, "bn", &o, &m) != FSDP_OK) abort();
+    prepare(ctx, m, 0.3f);
+    return m;
+}
+
 /* fsdp_batchnorm_set_update_stats off: a train-mode forward normalises with
  * the batch statistics (the same output) but leaves the running statistics
  * and the batch count alone; on again, it updates them. */
 TEST(batchnorm2d_update_stats_switch) {
     rng_seed(6);
     struct fsdp_ctx *ctx = make_ctx();
-    struct fsdp_batchnorm_opts o = fsdp_batchnorm_opts_default(2);
-    struct fsdp_module *m;
-    ASSERT_OK(fsdp_batchnorm2d_create(ctx, "bn", &o, &m), ctx);
-    prepare(ctx, m, 0.3f);
+    struct fsdp_module *m = new_bn(ctx, 0.1f);
     struct fsdp_buffer *rm = fsdp_module_find_buffer(m, "running_mean"), *nbt = fsdp_module_find_buffer(m, "num_batches_tracked");
     ASSERT(rm && nbt);
     int64_t shape[4] = {3, 2, 3, 4};
@@ -406,6 +413,16 @@ TEST(batchnorm2d_update_stats_switch) {
     fsdp_ctx_free(ctx);
 }
 
+/* Channel c of a (3, 2, 3, 4) input: its mean and sum of squared deviations, in double. */
+static void channel_stats(const float *xv, int c, double *mu, double *s2) {
+    double s = 0;
+    for (int n = 0; n < 3; n++)
+        for (int i = 0; i < 12; i++) s += xv[(n * 2 + c) * 12 + i];
+    *mu = s / 36, *s2 = 0;
+    for (int n = 0; n < 3; n++)
+        for (int i = 0; i < 12; i++) *s2 += pow(xv[(n * 2 + c) * 12 + i] - *mu, 2);
+}
+
 /* fsdp_batchnorm_reset_stats is PyTorch's reset_running_stats (mean 0,
  * variance 1, count 0); with fsdp_batchnorm_set_cumulative on (momentum
  * None) the running statistics after 3 batches are the plain means of the
@@ -414,10 +431,7 @@ TEST(batchnorm2d_update_stats_switch) {
 TEST(batchnorm2d_reset_and_cumulative) {
     rng_seed(8);
     struct fsdp_ctx *ctx = make_ctx();
-    struct fsdp_batchnorm_opts o = fsdp_batchnorm_opts_default(2);
-    struct fsdp_module *m;
-    ASSERT_OK(fsdp_batchnorm2d_create(ctx, "bn", &o, &m), ctx);
-    prepare(ctx, m, 0.3f);
+    struct fsdp_module *m = new_bn(ctx, 0.1f);
     struct fsdp_buffer *rm = fsdp_module_find_buffer(m, "running_mean"), *rv = fsdp_module_find_buffer(m, "running_var"),
                        *nbt = fsdp_module_find_buffer(m, "num_batches_tracked");
     ASSERT(rm && rv && nbt);
@@ -442,12 +456,8 @@ TEST(batchnorm2d_reset_and_cumulative) {
         ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y), ctx);
         const float *xv = x.data;
         for (int c = 0; c < 2; c++) {
-            double s = 0, s2 = 0;
-            for (int i = 0; i < 3; i++)
-                for (int j = 0; j < 12; j++) s += xv[(i * 2 + c) * 12 + j];
-            double mu = s / 36;
-            for (int i = 0; i < 3; i++)
-                for (int j = 0; j < 12; j++) s2 += pow(xv[(i * 2 + c) * 12 + j] - mu, 2);
+            double mu, s2;
+            channel_stats(xv, c, &mu, &s2);
             if (b < 3) sm[c] += mu / 3, sv[c] += s2 / 35 / 3;
             last[c][0] = mu, last[c][1] = s2 / 35;
         }
@@ -472,11 +482,7 @@ TEST(batchnorm2d_reset_and_cumulative) {
 TEST(batchnorm2d_running_stats_and_eval) {
     rng_seed(5);
     struct fsdp_ctx *ctx = make_ctx();
-    struct fsdp_batchnorm_opts o = fsdp_batchnorm_opts_default(2);
-    o.momentum = 0.25f;
-    struct fsdp_module *m;
-    ASSERT_OK(fsdp_batchnorm2d_create(ctx, "bn", &o, &m), ctx);
-    prepare(ctx, m, 0.3f);
+    struct fsdp_module *m = new_bn(ctx, 0.25f);
     struct fsdp_buffer *rm = fsdp_module_find_buffer(m, "running_mean"), *rv = fsdp_module_find_buffer(m, "running_var"),
                        *nbt = fsdp_module_find_buffer(m, "num_batches_tracked");
     ASSERT(rm && rv && nbt);
@@ -489,12 +495,8 @@ TEST(batchnorm2d_running_stats_and_eval) {
         ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y), ctx);
         const float *xv = x.data;
         for (int c = 0; c < 2; c++) {
-            double s = 0, s2 = 0;
-            for (int n = 0; n < 3; n++)
-                for (int i = 0; i < 12; i++) s += xv[(n * 2 + c) * 12 + i];
-            double mu = s / 36;
-            for (int n = 0; n < 3; n++)
-                for (int i = 0; i < 12; i++) s2 += pow(xv[(n * 2 + c) * 12 + i] - mu, 2);
+            double mu, s2;
+            channel_stats(xv, c, &mu, &s2);
             em[c] = 0.75 * em[c] + 0.25 * mu;
             ev[c] = 0.75 * ev[c] + 0.25 * s2 / 35; /* unbiased */
             /* the output is normalised with the biased variance */
