@@ -382,6 +382,15 @@ static struct fsdp_module *new_bn(struct fsdp_ctx *ctx, float momentum) {
     return m;
 }
 
+/* Its running_mean, running_var and num_batches_tracked (aborts without them). */
+static void bn_buffers(struct fsdp_module *m, struct fsdp_buffer **rm, struct fsdp_buffer **rv,
+                       struct fsdp_buffer **nbt) {
+    *rm = fsdp_module_find_buffer(m, "running_mean");
+    *rv = fsdp_module_find_buffer(m, "running_var");
+    *nbt = fsdp_module_find_buffer(m, "num_batches_tracked");
+    if (!*rm || !*rv || !*nbt) abort();
+}
+
 /* fsdp_batchnorm_set_update_stats off: a train-mode forward normalises with
  * the batch statistics (the same output) but leaves the running statistics
  * and the batch count alone; on again, it updates them. */
@@ -432,9 +441,8 @@ TEST(batchnorm2d_reset_and_cumulative) {
     rng_seed(8);
     struct fsdp_ctx *ctx = make_ctx();
     struct fsdp_module *m = new_bn(ctx, 0.1f);
-    struct fsdp_buffer *rm = fsdp_module_find_buffer(m, "running_mean"), *rv = fsdp_module_find_buffer(m, "running_var"),
-                       *nbt = fsdp_module_find_buffer(m, "num_batches_tracked");
-    ASSERT(rm && rv && nbt);
+    struct fsdp_buffer *rm, *rv, *nbt;
+    bn_buffers(m, &rm, &rv, &nbt);
     int64_t shape[4] = {3, 2, 3, 4};
     struct fsdp_tensor x0 = make_input(4, shape, 2.0f, 5.0f), y = {0};
     fsdp_arena_reset(ctx);
@@ -483,9 +491,8 @@ TEST(batchnorm2d_running_stats_and_eval) {
     rng_seed(5);
     struct fsdp_ctx *ctx = make_ctx();
     struct fsdp_module *m = new_bn(ctx, 0.25f);
-    struct fsdp_buffer *rm = fsdp_module_find_buffer(m, "running_mean"), *rv = fsdp_module_find_buffer(m, "running_var"),
-                       *nbt = fsdp_module_find_buffer(m, "num_batches_tracked");
-    ASSERT(rm && rv && nbt);
+    struct fsdp_buffer *rm, *rv, *nbt;
+    bn_buffers(m, &rm, &rv, &nbt);
     CHECK_INT_EQ(nbt->dtype, FSDP_I64);
     double em[2] = {0, 0}, ev[2] = {1, 1};
     int64_t shape[4] = {3, 2, 3, 4};
