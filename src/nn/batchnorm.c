@@ -600,44 +600,41 @@ void fsdp_batchnorm_set_sync(struct fsdp_module *root, int on, struct fsdp_comm 
     if (n_out) *n_out = n;
 }
 
-static void set_update_rec(struct fsdp_module *m, int on, int *n) {
+/* Calls fn(B, on) for every batch norm below m; *n counts them. */
+static void bn_visit(struct fsdp_module *m, void (*fn)(struct bn *B, int on), int on, int *n) {
     if (m->ops == &bn_ops) {
-        ((struct bn *)m->impl)->frozen_stats = !on;
+        fn(m->impl, on);
         (*n)++;
     }
-    for (int i = 0; i < m->n_children; i++) set_update_rec(m->children[i], on, n);
+    for (int i = 0; i < m->n_children; i++) bn_visit(m->children[i], fn, on, n);
+}
+
+static int bn_visit_root(struct fsdp_module *root, void (*fn)(struct bn *B, int on), int on) {
+    int n = 0;
+    if (root) bn_visit(root, fn, on, &n);
+    return n;
+}
+
+static void set_update(struct bn *B, int on) { B->frozen_stats = !on; }
+static void set_cumulative(struct bn *B, int on) { B->cumulative = on; }
+static void reset_stats(struct bn *B, int on) {
+    (void)on;
+    float *rm = B->rmean->data, *rv = B->rvar->data;
+    for (int64_t c = 0; c < B->o.num_features; c++) rm[c] = 0.0f, rv[c] = 1.0f;
+    ((int64_t *)B->nbt->data)[0] = 0;
 }
 
 void fsdp_batchnorm_set_update_stats(struct fsdp_module *root, int on, int *n_out) {
-    int n = 0;
-    if (root) set_update_rec(root, on, &n);
+    int n = bn_visit_root(root, set_update, on);
     if (n_out) *n_out = n;
 }
 
-/* what: 0 the cumulative flag, 1 reset the statistics */
-static void stats_rec(struct fsdp_module *m, int what, int on, int *n) {
-    if (m->ops == &bn_ops) {
-        struct bn *B = m->impl;
-        if (what == 0) {
-            B->cumulative = on;
-        } else {
-            float *rm = B->rmean->data, *rv = B->rvar->data;
-            for (int64_t c = 0; c < B->o.num_features; c++) rm[c] = 0.0f, rv[c] = 1.0f;
-            ((int64_t *)B->nbt->data)[0] = 0;
-        }
-        (*n)++;
-    }
-    for (int i = 0; i < m->n_children; i++) stats_rec(m->children[i], what, on, n);
-}
-
 void fsdp_batchnorm_set_cumulative(struct fsdp_module *root, int on, int *n_out) {
-    int n = 0;
-    if (root) stats_rec(root, 0, on, &n);
+    int n = bn_visit_root(root, set_cumulative, on);
     if (n_out) *n_out = n;
 }
 
 void fsdp_batchnorm_reset_stats(struct fsdp_module *root, int *n_out) {
-    int n = 0;
-    if (root) stats_rec(root, 1, 0, &n);
+    int n = bn_visit_root(root, reset_stats, 0);
     if (n_out) *n_out = n;
 }

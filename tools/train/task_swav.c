@@ -745,22 +745,23 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
  * labels are read. The training's own statistics are restored after the
  * evaluation: the run and its checkpoints are as without the flag. */
 struct bn_saved {
-    float *data;
-    size_t n, cap;
+    char *data; /* the trunk's buffers, one after another */
+    size_t n;   /* bytes copied so far */
     int restore;
 };
 
+static size_t buffer_size(const struct fsdp_buffer *b) { return (size_t)b->numel * fsdp_dtype_size(b->dtype); }
+
 static int save_buffer(struct fsdp_buffer *b, void *ud) {
     struct bn_saved *s = ud;
-    size_t bytes = (size_t)b->numel * (b->dtype == FSDP_I64 ? 8 : 4);
-    if (s->restore) memcpy(b->data, (char *)s->data + s->n, bytes);
-    else memcpy((char *)s->data + s->n, b->data, bytes);
-    s->n += bytes;
+    if (s->restore) memcpy(b->data, s->data + s->n, buffer_size(b));
+    else memcpy(s->data + s->n, b->data, buffer_size(b));
+    s->n += buffer_size(b);
     return 0;
 }
 
 static int buffer_bytes(struct fsdp_buffer *b, void *ud) {
-    *(size_t *)ud += (size_t)b->numel * (b->dtype == FSDP_I64 ? 8 : 4);
+    *(size_t *)ud += buffer_size(b);
     return 0;
 }
 
@@ -772,7 +773,7 @@ static enum fsdp_status precise_bn(struct task *t, struct fsdp_ctx *ctx, struct 
     struct swav *k = t->impl;
     size_t bytes = 0;
     fsdp_module_foreach_buffer(k->R->trunk, buffer_bytes, &bytes);
-    *s = (struct bn_saved){malloc(bytes + 1), 0, bytes, 0};
+    *s = (struct bn_saved){malloc(bytes + 1), 0, 0};
     if (!s->data) fail_rank("out of memory for --eval-precise-bn's copy of the trunk's buffers");
     fsdp_module_foreach_buffer(k->R->trunk, save_buffer, s);
     fsdp_batchnorm_reset_stats(k->R->trunk, NULL);
