@@ -85,26 +85,45 @@ enum fsdp_status fsdp_sinkhorn(struct fsdp_ctx *ctx, struct fsdp_comm *comm, con
     double *q = fsdp__malloc((size_t)(n * K + 2 * K + 1) * sizeof(double)); /* (n, K) row-major: Q^T */
     if (!q) return fsdp__err(ctx, FSDP_ERR_NOMEM, "sinkhorn: out of memory (%lld x %lld)", (long long)n, (long long)K);
     double *rows = q + n * K; /* (K) sums over images of each prototype: Q's row sums */
+    /* [Note: parallel Sinkhorn] Threads split the work so that every sum keeps
+     * the serial order: the exponentials in parallel, their total in index
+     * order; a prototype's sum over images in image order within one thread
+     * (threads split the prototypes); an image's normalisation within one
+     * thread. So the codes have the same bits at any thread count. */
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n * K; i++) q[i] = exp(((double)scores[i] - mx) / eps);
     double total = 0.0;
-    for (int64_t i = 0; i < n * K; i++) total += q[i] = exp(((double)scores[i] - mx) / eps);
+    for (int64_t i = 0; i < n * K; i++) total += q[i];
     enum fsdp_status st = allreduce_d(ctx, comm, &total, 1, FSDP_SUM, "the total");
-    for (int64_t i = 0; st == FSDP_OK && i < n * K; i++) q[i] /= total;
+    if (st == FSDP_OK) {
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n * K; i++) q[i] /= total;
+    }
     for (int it = 0; st == FSDP_OK && it < iters; it++) {
-        for (int64_t k = 0; k < K; k++) rows[k] = 0.0;
-        for (int64_t b = 0; b < n; b++)
-            for (int64_t k = 0; k < K; k++) rows[k] += q[b * K + k];
+#pragma omp parallel for schedule(static)
+        for (int64_t k0 = 0; k0 < K; k0 += 64) {
+            int64_t k1 = k0 + 64 < K ? k0 + 64 : K;
+            for (int64_t k = k0; k < k1; k++) rows[k] = 0.0;
+            for (int64_t b = 0; b < n; b++)
+                for (int64_t k = k0; k < k1; k++) rows[k] += q[b * K + k];
+        }
         st = allreduce_d(ctx, comm, rows, (size_t)K, FSDP_SUM, "the prototype sums");
-        for (int64_t b = 0; st == FSDP_OK && b < n; b++) {
+        if (st != FSDP_OK) break;
+#pragma omp parallel for schedule(static)
+        for (int64_t b = 0; b < n; b++) {
             double *r = q + b * K, col = 0.0;
             for (int64_t k = 0; k < K; k++) col += r[k] = r[k] / rows[k] / (double)K;
             for (int64_t k = 0; k < K; k++) r[k] = r[k] / col / N;
         }
     }
-    for (int64_t b = 0; st == FSDP_OK && b < n; b++) {
-        double col = 0.0;
-        for (int64_t k = 0; k < K; k++) col += q[b * K + k];
-        /* Q *= N; after a column step col is 1/N already; with iters 0 normalise */
-        for (int64_t k = 0; k < K; k++) codes[b * K + k] = (float)(q[b * K + k] / col);
+    if (st == FSDP_OK) {
+#pragma omp parallel for schedule(static)
+        for (int64_t b = 0; b < n; b++) {
+            double col = 0.0;
+            for (int64_t k = 0; k < K; k++) col += q[b * K + k];
+            /* Q *= N; after a column step col is 1/N already; with iters 0 normalise */
+            for (int64_t k = 0; k < K; k++) codes[b * K + k] = (float)(q[b * K + k] / col);
+        }
     }
     free(q);
     return st;
@@ -171,36 +190,41 @@ enum fsdp_status fsdp_swav_predict(struct fsdp_ctx *ctx, struct fsdp_comm *comm,
     double *ls = fsdp__malloc((size_t)(nv * B + 1) * sizeof(double));
     enum fsdp_status st = FSDP_OK;
     if (!p || !ls) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "swav_predict: out of memory");
-    for (int64_t r = 0; st == FSDP_OK && r < nv * B; r++) {
+    /* sub (n_assign, nv * B): each (code, crop, image) term of the loss, summed below in that order */
+    double *sub = fsdp__malloc((size_t)(n_assign * nv * B + 1) * sizeof(double));
+    if (st == FSDP_OK && !sub) st = fsdp__err(ctx, FSDP_ERR_NOMEM, "swav_predict: out of memory");
+    double g = 1.0 / ((double)n_assign * (double)(n_crops - 1) * Bg);
+    float gg = (float)(g / o.temperature);
+    /* rows in parallel; within a row the serial order of every sum ([Note: parallel Sinkhorn]) */
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < (st == FSDP_OK ? nv * B : 0); r++) {
         const float *s = scores + r * K;
         double mx = -INFINITY, sum = 0.0;
         for (int64_t k = 0; k < K; k++) mx = s[k] / o.temperature > mx ? s[k] / o.temperature : mx;
         for (int64_t k = 0; k < K; k++) sum += exp(s[k] / o.temperature - mx);
         ls[r] = mx + log(sum);
         for (int64_t k = 0; k < K; k++) p[r * K + k] = (float)exp(s[k] / o.temperature - ls[r]);
-    }
-    if (st == FSDP_OK && dscores) memset(dscores, 0, nBK * sizeof(float));
-    double total = 0.0;
-    double g = 1.0 / ((double)n_assign * (double)(n_crops - 1) * Bg);
-    for (int a = 0; st == FSDP_OK && a < n_assign; a++) {
-        const float *q = codes + (int64_t)a * B * K; /* (B, K): crop assign[a]'s codes */
-        for (int v = v0; v < v0 + nv; v++) {
+        int v = v0 + (int)(r / B);
+        int64_t b = r % B;
+        if (dscores) memset(dscores + r * K, 0, (size_t)K * sizeof(float));
+        for (int a = 0; a < n_assign; a++) {
+            sub[(int64_t)a * nv * B + r] = 0.0;
             if (v == assign[a]) continue;
-            for (int64_t b = 0; b < B; b++) {
-                int64_t r = (int64_t)(v - v0) * B + b;
-                const float *s = scores + r * K;
-                double sub = 0.0;
-                for (int64_t k = 0; k < K; k++) sub -= (double)q[b * K + k] * ((double)s[k] / o.temperature - ls[r]);
-                total += sub;
-                if (dscores) {
-                    float gg = (float)(g / o.temperature);
-                    for (int64_t k = 0; k < K; k++) dscores[r * K + k] += gg * (p[r * K + k] - q[b * K + k]);
-                }
-            }
+            const float *q = codes + ((int64_t)a * B + b) * K; /* crop assign[a]'s code of image b */
+            double t = 0.0;
+            for (int64_t k = 0; k < K; k++) t -= (double)q[k] * ((double)s[k] / o.temperature - ls[r]);
+            sub[(int64_t)a * nv * B + r] = t;
+            if (dscores)
+                for (int64_t k = 0; k < K; k++) dscores[r * K + k] += gg * (p[r * K + k] - q[k]);
         }
     }
+    double total = 0.0;
+    for (int a = 0; st == FSDP_OK && a < n_assign; a++)
+        for (int64_t r = 0; r < nv * B; r++)
+            if (v0 + (int)(r / B) != assign[a]) total += sub[(int64_t)a * nv * B + r];
     if (st == FSDP_OK) st = allreduce_d(ctx, comm, &total, 1, FSDP_SUM, "the loss");
     if (st == FSDP_OK && loss) *loss = total * g;
+    free(sub);
     free(p);
     free(ls);
     return st;
