@@ -6,16 +6,18 @@
 # (k 20, cosine, bank of all 60000 training images) and the linear probe
 # (probe_acc: logistic regression on the frozen features of the 60000
 # training images, its weight decay chosen among 1e-4..1e-1 on a held-out
-# sixth of them) every 3 epochs, both reading layer4's whole 4 x 4 map
-# (--eval-pool 4; EVAL_POOL=1: the trunk's global pool), with batch norm
-# statistics of 10000 whole training images (--eval-precise-bn). Prints the recipe, the baseline,
+# sixth of them) every 3 epochs, both reading layer3's and layer4's maps pooled
+# to 4 x 4 (--eval-pool 4; EVAL_POOL=1: global pools) and each reporting the
+# layer that did better on held-out training images (--eval-layer 3,4;
+# EVAL_LAYER=4: layer4's only), with batch norm statistics of 10000 whole
+# training images (--eval-precise-bn). Prints the recipe, the baseline,
 # the curve (accuracy per epoch, with the training time so far: step times only, the
 # evaluations not counted) and the summary.
 # Usage: bench/swav_fmnist.sh [EPOCHS] [extra fsdp-train flags...]   (default 11: about 55
 # minutes at the 320 ms a step of 2026-12-03 on a quiet 2-core AMD EPYC with AVX512-BF16; lr
 # 0.15, at which the loss falls without the climbs of lr 0.3, bench/README.md; env WIDTH: the
 # ResNet-18 trunk's width, default 32; PRECISION: AMP_BF16 where the CPU has native bf16
-# products, else FP32; THREADS: default 2, both cores; EVAL_POOL: default 4)
+# products, else FP32; THREADS: default 2, both cores; EVAL_POOL: default 4; EVAL_LAYER: default 3,4)
 # Targets (issue): within 60 minutes of training on the 2-core box, probe_acc
 # >= 90% and knn_acc >= 88%.
 set -euo pipefail
@@ -38,7 +40,7 @@ recipe=(--task swav --model-config "$tmp/trunk.json" --data fashion-mnist --batc
         --swav-hidden 512 --swav-dim 128 --nmb-prototypes 300 --freeze-prototypes-iters 300
         --queue-length 1920 --queue-start-epoch 0 --bn-stats-crops global
         --crops-global-size 24 --crops-global-scale 0.25,1 --crops-small 6 --crops-small-size 12 --crops-small-scale 0.08,0.3
-        --knn-train 60000 --probe-train 60000 --probe-wd 1e-4,1e-3,1e-2,1e-1 --eval-pool "${EVAL_POOL:-4}" --eval-precise-bn 10000
+        --knn-train 60000 --probe-train 60000 --probe-wd 1e-4,1e-3,1e-2,1e-1 --eval-pool "${EVAL_POOL:-4}" --eval-layer "${EVAL_LAYER:-3,4}" --eval-precise-bn 10000
         --eval-every 2814 --eval-baseline --precision "$PRECISION" --seed 0)
 echo "$(date -u '+%F %H:%M UTC'); $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'); load: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "trunk: $(cat "$tmp/trunk.json")"
@@ -50,7 +52,10 @@ python3 - "$tmp/log.jsonl" "$(( $(date +%s) - t0 ))" <<'PY'
 import json, sys
 rows = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r]  # the first line is the configuration
 b = rows[0]
-print(f"baseline (same run): untrained trunk kNN {100 * b['base_knn_acc']:.2f}% probe {100 * b['base_probe_acc']:.2f}% | "
+def layer(r, key):  # " (layer3)": the layer held-out images chose for it (--eval-layer with several)
+    return f" (layer{int(r[key])})" if key in r else ""
+print(f"baseline (same run): untrained trunk kNN {100 * b['base_knn_acc']:.2f}%{layer(b, 'base_knn_layer')} "
+      f"probe {100 * b['base_probe_acc']:.2f}%{layer(b, 'base_probe_layer')} | "
       f"raw pixels kNN {100 * b['raw_knn_acc']:.2f}% probe {100 * b['raw_probe_acc']:.2f}%")
 print("| step | epoch | training time | loss | knn_acc | probe_acc |")
 print("| --- | --- | --- | --- | --- | --- |")
@@ -59,6 +64,6 @@ for r in rows:
     t += r["step_ms"] / 1e3
     if "knn_acc" in r:
         print(f"| {r['step']} | {r['step'] * 64 / 60000:.2f} | {t / 60:.1f} min | {r['loss']:.3f} | "
-              f"{100 * r['knn_acc']:.2f}% | {100 * r['probe_acc']:.2f}% |")
+              f"{100 * r['knn_acc']:.2f}%{layer(r, 'knn_layer')} | {100 * r['probe_acc']:.2f}%{layer(r, 'probe_layer')} |")
 print(f"training {t / 60:.1f} min (step times), wall {int(sys.argv[2]) / 60:.1f} min with evaluations")
 PY

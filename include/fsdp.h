@@ -896,12 +896,13 @@ const char *fsdp_resnet_stem_name(enum fsdp_resnet_stem stem);
  * gives it values); finalized (FQNs set). *out is returned to the caller. */
 enum fsdp_status fsdp_resnet_create(struct fsdp_ctx *ctx, const struct fsdp_resnet_config *cfg,
                                     struct fsdp_module **out);
-/* on 1: the ResNet's output is layer4's feature map (N, 8w * expansion, h, w)
- * F32 NCHW, avgpool and fc skipped, and backward takes its gradient (the
- * feature extractors of VISSL's evaluations, which pool the last stage's map
- * themselves); on 0: the model's output again. FSDP_ERR_INVALID if resnet is
- * not a ResNet's root. COLLECTIVE: no. */
-enum fsdp_status fsdp_resnet_set_feature_map(struct fsdp_ctx *ctx, struct fsdp_module *resnet, int on);
+/* layer L in 1..4: the ResNet's output is layerL's feature map (N,
+ * 2^(L-1) w * expansion, h, w) F32 NCHW, the later layers, avgpool and fc
+ * skipped, and backward takes its gradient (the feature extractors of VISSL's
+ * evaluations, which read res2..res5 and pool the maps themselves); 0: the
+ * model's output again. FSDP_ERR_INVALID if resnet is not a ResNet's root or
+ * L is outside 0..4. COLLECTIVE: no. */
+enum fsdp_status fsdp_resnet_set_feature_map(struct fsdp_ctx *ctx, struct fsdp_module *resnet, int layer);
 /* The residual block's module type: "BasicBlock" (resnet18/34) or
  * "Bottleneck" (resnet50). The default wrap policy for sharding a ResNet, a
  * unit per block with the stem and the head (fc) in the root unit (VISSL's

@@ -22,6 +22,8 @@
 #      ranks alike, the training untouched;
 #  (11) --eval-precise-bn N: the evaluations read the trunk with batch norm statistics of N whole
 #      training images, at 1 and 2 ranks alike; the training and the saved model untouched;
+#  (12) --eval-layer 3,4: the layer chosen on held-out training images for the kNN and for the
+#      probe, reporting that layer's own figure, at 1 and 2 ranks alike;
 # and a resumed run (the task read from the checkpoint) is bit-identical to the uninterrupted one.
 # Crops carry the intensity jitter (default 0.4) everywhere, so (1) checks it is rank-independent.
 # Prints "N passed, N failed" at the end.
@@ -195,7 +197,7 @@ for k in ("knn_acc", "probe_acc"):
     assert 0.3 < a[-1][k] <= 1 and abs(a[-1][k] - b[-1][k]) <= 5e-4, (k, a[-1][k], b[-1][k])
 assert a[-1]["probe_acc"] != c[-1]["probe_acc"], "the same probe with and without the pooled grid"
 assert 0.3 < a[0]["base_probe_acc"] <= 1
-assert "256 features each (the last map pooled to a grid)" in open(sys.argv[4]).read()
+assert "features: 256 (layer4's map pooled to 2 x 2)" in open(sys.argv[4]).read()
 EOF
 ); then ok "--eval-pool 2: the kNN and probe read the 2 x 2 pooled map (256 features), the same at 1 and 2 ranks"
 else bad "--eval-pool 2" "$msg"; fi
@@ -223,6 +225,40 @@ EOF
 ) && cmp -s "$tmp/pb0.safetensors" "$tmp/pb1.safetensors"; then
   ok "--eval-precise-bn 200: other evaluations, the same at 1 and 2 ranks; the training and the saved model untouched"
 else bad "--eval-precise-bn" "${msg:-the saved models differ: the running statistics were not restored}"; fi
+
+# ---- (12) --eval-layer 3,4: each evaluation reads layer3's and layer4's maps and reports, for the
+# kNN and the probe apart, the layer that did best on held-out training images; the figure of the
+# layer chosen is that layer's read alone (--eval-layer 3, --eval-layer 4), at 1 and 2 ranks alike
+for v in 3 4 34 34n2; do
+  case $v in 3|4) f=(--eval-layer "$v") ;; 34) f=(--eval-layer 3,4) ;; *) f=(--eval-layer 3,4 --nproc 2) ;; esac
+  timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" --data fashion-mnist --batch 8 --steps 1 \
+    --swav-hidden 16 --swav-dim 8 --nmb-prototypes 10 --crops-global-size 16 --crops-small 1 --crops-small-size 8 \
+    --knn-train 300 --probe-train 600 --threads 1 --optim lars --momentum 0.9 --lr 0.1 --comm shm --eval-pool 2 \
+    --eval-precise-bn 100 --eval-baseline "${f[@]}" --log "$tmp/el$v.jsonl" > "$tmp/oel$v" 2>&1 ||
+    bad "--eval-layer ${f[1]}" "$(tail -5 "$tmp/oel$v")"
+done
+if msg=$(python3 - "$tmp" <<'EOF' 2>&1
+import json, sys
+t = sys.argv[1]
+last = {v: [r for r in map(json.loads, open(f"{t}/el{v}.jsonl")) if "step" in r][-1] for v in ("3", "4", "34", "34n2")}
+first = [r for r in map(json.loads, open(f"{t}/el34.jsonl")) if "step" in r][0]
+c = last["34"]
+assert c["knn_layer"] in (3, 4) and c["probe_layer"] in (3, 4), c
+assert c["knn_acc"] == last[str(int(c["knn_layer"]))]["knn_acc"], "the kNN figure is not its layer's"
+for L in (3, 4):
+    assert c[f"knn_acc_layer{L}"] == last[str(L)]["knn_acc"] and c[f"probe_acc_layer{L}"] == last[str(L)]["probe_acc"], L
+assert c["probe_acc"] == last[str(int(c["probe_layer"]))]["probe_acc"], "the probe figure is not its layer's"
+assert first["base_knn_layer"] in (3, 4) and first["base_probe_layer"] in (3, 4), first
+assert last["3"]["knn_acc"] != last["4"]["knn_acc"] or last["3"]["probe_acc"] != last["4"]["probe_acc"]
+d = last["34n2"]
+for k in ("knn_layer", "probe_layer"): assert d[k] == c[k], (k, c[k], d[k])
+for k in ("knn_acc", "probe_acc"): assert abs(d[k] - c[k]) <= 5e-4, (k, c[k], d[k])
+out = open(f"{t}/oel34").read()
+assert "features: 128 (layer3's map pooled to 2 x 2), 256 (layer4's map pooled to 2 x 2)" in out, out
+assert "chosen)" in out
+EOF
+); then ok "--eval-layer 3,4: the layer chosen on held-out images for the kNN and the probe, its own figure, 1 and 2 ranks alike"
+else bad "--eval-layer 3,4" "$msg"; fi
 
 # ---- (5) one resolution ----
 # (and --eval-baseline: the untrained trunk's and raw pixels' kNN and probe in the first log line)
@@ -336,5 +372,7 @@ expect_input "a bad scale range" "--crops-small-scale" -- "${common[@]}" --crops
 expect_input "a queue that is not whole batches" "--queue-length 30.*--batch 12" -- "${common[@]}" --nproc 2 --queue-length 30
 expect_input "a queue of too many batches" "--queue-length 780 is longer" -- "${common[@]}" --nproc 3 --queue-length 780
 expect_input "--eval-pool with the cnn trunk" "--eval-pool 2: the cnn trunk" -- "${common[@]}" --eval-pool 2
+expect_input "--eval-layer with the cnn trunk" "--eval-layer: the cnn trunk" -- "${common[@]}" --eval-layer 3
+expect_input "--eval-layer outside 1..4" "--eval-layer: '3,5'" -- "${common[@]}" --eval-layer 3,5
 expect_input "a trunk that is not one" "--model.*small" -- --task swav --model small --steps 1
 finish

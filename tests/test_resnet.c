@@ -12,6 +12,7 @@
  */
 #include "fsdp.h"
 #include "harness.h"
+#include "nn/nn-impl.h"
 #include "nn_helpers.h"
 
 #include <math.h>
@@ -355,7 +356,7 @@ TEST(resnet_feature_map_is_the_map_the_trunk_pools) {
     ASSERT_OK(fsdp_module_forward(trunk, ctx, &in, &yf), ctx);
     float pooled[N * F];
     memcpy(pooled, yf.data, sizeof pooled);
-    ASSERT_OK(fsdp_resnet_set_feature_map(ctx, trunk, 1), ctx);
+    ASSERT_OK(fsdp_resnet_set_feature_map(ctx, trunk, 4), ctx);
     ASSERT_OK(fsdp_module_forward(trunk, ctx, &in, &ym), ctx);
     CHECK_INT_EQ(ym.ndim, 4);
     CHECK_INT_EQ(ym.shape[0], N);
@@ -391,9 +392,31 @@ TEST(resnet_feature_map_is_the_map_the_trunk_pools) {
     ASSERT_OK(fsdp_module_backward(trunk, ctx, &tf, &d1), ctx);
     check_input_grads(&d1, &d2, N * S * S);
     for (int i = 0; i < 4 * 9; i++) CHECK_NEAR(gw_map[i], w1->grad[i], 1e-4, 1e-6);
-    /* only a ResNet's root takes it */
+    /* layer3's map (N, F / 2, 3, 3), which layer4 run on its own turns into layer4's map */
+    ASSERT_OK(fsdp_resnet_set_feature_map(ctx, trunk, 4), ctx);
+    ASSERT_OK(fsdp_module_forward(trunk, ctx, &in, &ym), ctx);
+    float map4[N * F * 4];
+    memcpy(map4, ym.data, sizeof map4);
+    struct fsdp_tensor y3 = {0}, y4 = {0};
+    ASSERT_OK(fsdp_resnet_set_feature_map(ctx, trunk, 3), ctx);
+    ASSERT_OK(fsdp_module_forward(trunk, ctx, &in, &y3), ctx);
+    CHECK_INT_EQ(y3.ndim, 4);
+    CHECK_INT_EQ(y3.shape[1], F / 2);
+    CHECK_INT_EQ(y3.shape[2], 3);
+    CHECK_INT_EQ(y3.shape[3], 3);
+    struct fsdp_module *layer4 = NULL;
+    for (int i = 0; i < trunk->n_children; i++)
+        if (!strcmp(trunk->children[i]->name, "layer4")) layer4 = trunk->children[i];
+    ASSERT(layer4);
+    ASSERT_OK(fsdp_module_forward(layer4, ctx, &y3, &y4), ctx);
+    float p4[N * F * 4];
+    fsdp__relayout(p4, FSDP_LAYOUT_PLAIN, y4.data, y4.layout, y4.shape); /* layer4 alone may write blocked */
+    for (int i = 0; i < N * F * 4; i++) CHECK_NEAR(p4[i], map4[i], 1e-5, 1e-6);
+    /* only a ResNet's root takes it, and only layers 0..4 */
+    CHECK(fsdp_resnet_set_feature_map(ctx, trunk, 5) == FSDP_ERR_INVALID);
+    CHECK(strstr(fsdp_errmsg(ctx), "layer 5"));
     struct fsdp_module *c1 = trunk->children[0];
-    CHECK(fsdp_resnet_set_feature_map(ctx, c1, 1) == FSDP_ERR_INVALID);
+    CHECK(fsdp_resnet_set_feature_map(ctx, c1, 4) == FSDP_ERR_INVALID);
     CHECK(strstr(fsdp_errmsg(ctx), "conv1") && strstr(fsdp_errmsg(ctx), "not a ResNet"));
     free(x);
     fsdp_module_free(trunk);

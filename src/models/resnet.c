@@ -33,10 +33,10 @@ struct resnet {
     struct fsdp_resnet_config cfg;
     struct fsdp_module *mod[RN_N]; /* children (owned by the tree); mod[RN_MAXPOOL] NULL for cifar */
     int ran;                       /* forward ran (backward may follow) */
-    int feature_map;               /* fsdp_resnet_set_feature_map: the output is layer4's (N, C, h, w) */
+    int feature_map;               /* fsdp_resnet_set_feature_map: 0, or L: the output is layerL's (N, C, h, w) */
     enum fsdp_layout map_layout;   /* the layout layer4 wrote it in (its gradient goes back so) */
     int64_t in_shape[4];           /* (N, C, H, W) of the last input */
-    int64_t pool_shape[4];         /* (N, C, 1, 1): avgpool's output; (N, C, h, w): layer4's (feature_map) */
+    int64_t pool_shape[4];         /* (N, C, 1, 1): avgpool's output; (N, C, h, w): layerL's (feature_map) */
 };
 
 static const int blocks_of[3][4] = {{2, 2, 2, 2}, {3, 4, 6, 3}, {3, 4, 6, 3}};
@@ -52,7 +52,7 @@ static enum fsdp_status resnet_forward(struct fsdp_module *m, struct fsdp_ctx *c
                          (long long)in->shape[1], R->cfg.in_chans);
     R->ran = 0;
     struct fsdp_tensor cur = *in;
-    int last = R->feature_map ? RN_LAYER4 : RN_AVGPOOL;
+    int last = R->feature_map ? RN_LAYER1 + R->feature_map - 1 : RN_AVGPOOL;
     for (int i = RN_CONV1; i <= last; i++) {
         if (!R->mod[i] || i == RN_RELU) continue; /* relu: fused in bn1 (resnet_build) */
         struct fsdp_tensor next = {0};
@@ -61,7 +61,7 @@ static enum fsdp_status resnet_forward(struct fsdp_module *m, struct fsdp_ctx *c
     }
     memcpy(R->pool_shape, cur.shape, sizeof R->pool_shape);
     memcpy(R->in_shape, in->shape, sizeof R->in_shape);
-    if (R->feature_map) { /* layer4's output, NCHW whatever layout the convolutions wrote */
+    if (R->feature_map) { /* layerL's output, NCHW whatever layout the convolutions wrote */
         FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, 4, cur.shape, "ResNet feature map"));
         fsdp__relayout(out->data, FSDP_LAYOUT_PLAIN, cur.data, cur.layout, cur.shape); /* out is never cur */
         R->map_layout = cur.layout;
@@ -111,7 +111,7 @@ static enum fsdp_status resnet_backward(struct fsdp_module *m, struct fsdp_ctx *
         g.ndim = 4;
         memcpy(g.shape, R->pool_shape, sizeof g.shape);
     }
-    for (int i = fm ? RN_LAYER4 : RN_AVGPOOL; i >= RN_CONV1 && st == FSDP_OK; i--) {
+    for (int i = fm ? RN_LAYER1 + fm - 1 : RN_AVGPOOL; i >= RN_CONV1 && st == FSDP_OK; i--) {
         if (!R->mod[i] || i == RN_RELU) continue; /* relu: fused in bn1 */
         struct fsdp_tensor prev = {0};
         st = fsdp_module_backward(R->mod[i], ctx, &g, i == RN_CONV1 ? din : &prev);
@@ -206,12 +206,15 @@ enum fsdp_status fsdp_resnet_create(struct fsdp_ctx *ctx, const struct fsdp_resn
     return FSDP_OK;
 }
 
-enum fsdp_status fsdp_resnet_set_feature_map(struct fsdp_ctx *ctx, struct fsdp_module *resnet, int on) {
+enum fsdp_status fsdp_resnet_set_feature_map(struct fsdp_ctx *ctx, struct fsdp_module *resnet, int layer) {
     if (!resnet || resnet->ops != &resnet_ops)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "fsdp_resnet_set_feature_map: module '%s' is not a ResNet",
                          resnet ? (resnet->fqn ? resnet->fqn : resnet->name) : "(null)");
+    if (layer < 0 || layer > 4)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "fsdp_resnet_set_feature_map: layer %d of '%s' (0: off, 1-4: layer1-4)",
+                         layer, resnet->fqn ? resnet->fqn : resnet->name);
     struct resnet *R = resnet->impl;
-    R->feature_map = on != 0;
+    R->feature_map = layer;
     R->ran = 0; /* a backward pairs with a forward of the same output */
     return FSDP_OK;
 }

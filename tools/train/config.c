@@ -133,6 +133,7 @@ static const struct flag flags[] = {
     F("probe-epochs", K_INT, probe_epochs, R_FILL),
     FN("probe-wd", K_FLOATS, probe_wd, n_probe_wd, R_FILL),
     F("eval-pool", K_INT, eval_pool, R_FILL),
+    FN("eval-layer", K_INTS, eval_layer, n_eval_layer, R_FILL),
     F("eval-precise-bn", K_INT, eval_precise_bn, R_FILL),
     F("eval-baseline", K_SWITCH, eval_baseline, R_NO),
     F("seed", K_U64, seed, R_NO), /* --resume takes the checkpoint's seed itself (meta.json's "seed") */

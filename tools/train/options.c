@@ -73,6 +73,8 @@ struct opts opts_default(void) {
     o.probe_wd[0] = 1e-4f;
     o.n_probe_wd = 1;
     o.eval_pool = 1;
+    o.eval_layer[0] = 4;
+    o.n_eval_layer = 1;
     o.queue_start_epoch = 15;
     o.crops_jitter = 0.4f;
     o.bn_stats_crops = "all";
@@ -151,6 +153,9 @@ static void usage(FILE *f) {
             "  --eval-pool G         kNN and probe features: a ResNet trunk's last feature map average-pooled\n"
             "                        to G x G (VISSL's res5 linear evaluation pools to 2 x 2; default 1: the\n"
             "                        trunk's output)\n"
+            "  --eval-layer L[,L..]  a ResNet trunk's layers whose maps (pooled by --eval-pool) the kNN and\n"
+            "                        probe read (default 4); several: for each, the layer doing best on\n"
+            "                        held-out training images (the last sixth of the kNN bank or the probe's)\n"
             "  --eval-precise-bn N   before each evaluation, the trunk's batch norm statistics re-estimated on\n"
             "                        the first N training images, whole, as the evaluation sees them (the\n"
             "                        mean of their batches' statistics: precise BN), then restored (default\n"
@@ -271,7 +276,7 @@ static void usage(FILE *f) {
             "                        an error naming both values; the data (--data, --val-data,\n"
             "                        --tokenizer) and evaluation flags (--eval-every, --eval-batch,\n"
             "                        --eval-batches, --knn-train, --probe-train, --probe-epochs, --probe-wd,\n"
-            "                        --eval-pool, --eval-precise-bn) not given are the checkpoint's too\n"
+            "                        --eval-pool, --eval-layer, --eval-precise-bn) not given are the checkpoint's too\n"
             "                        (given ones are used as given)\n"
             "  --help                this text\n",
             MODEL_DEFAULT, d.batch, d.seq, d.steps, (double)d.lr, d.warmup, d.schedule, d.optim,
@@ -342,6 +347,24 @@ static void parse_lr_steps(struct opts *o, const char *v) {
             (o->n_lr_steps && x <= o->lr_steps[o->n_lr_steps - 1]) || o->n_lr_steps == 16)
             usage_error("--lr-steps: '%s' is not up to 16 increasing positive step numbers (e.g. 30,60,80)", v);
         o->lr_steps[o->n_lr_steps++] = (int)x;
+        if (!*end) break;
+        p = end + 1;
+    }
+}
+
+/* --eval-layer L[,L..]: up to 4 different ResNet layers, 1..4. */
+static void parse_eval_layers(struct opts *o, const char *v) {
+    const char *p = v;
+    o->n_eval_layer = 0;
+    for (;;) {
+        char *end;
+        errno = 0;
+        long x = strtol(p, &end, 10);
+        int seen = 0;
+        for (int i = 0; i < o->n_eval_layer; i++) seen |= o->eval_layer[i] == x;
+        if (errno || end == p || x < 1 || x > 4 || (*end && *end != ',') || seen || o->n_eval_layer == 4)
+            usage_error("--eval-layer: '%s' is not up to 4 different ResNet layers 1..4 (e.g. 3,4)", v);
+        o->eval_layer[o->n_eval_layer++] = (int)x;
         if (!*end) break;
         p = end + 1;
     }
@@ -538,6 +561,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--probe-epochs")) o->probe_epochs = (int)parse_int(a, v, 0, 10000);
         else if (!strcmp(a, "--probe-wd")) o->n_probe_wd = parse_floats(a, v, o->probe_wd, 0, 1);
         else if (!strcmp(a, "--eval-pool")) o->eval_pool = (int)parse_int(a, v, 1, 8);
+        else if (!strcmp(a, "--eval-layer")) parse_eval_layers(o, v);
         else if (!strcmp(a, "--eval-precise-bn")) o->eval_precise_bn = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--queue-length")) o->queue_length = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--queue-start-epoch")) o->queue_start_epoch = (int)parse_int(a, v, 0, 1 << 30);

@@ -179,13 +179,14 @@ static int probe_once(const float *xtr, const int32_t *ytr, int64_t n, const flo
 
 int task_linear_probe(float *xtr, const int32_t *ytr, int64_t n, float *xte, const int32_t *yte, int64_t nt,
                       int64_t F, int C, int epochs, const float *wd, int n_wd, uint64_t seed, double *acc,
-                      float *wd_used) {
+                      float *wd_used, double *held) {
     *acc = NAN;
     *wd_used = wd[0];
+    if (held) *held = NAN;
     if (n <= 0 || nt <= 0 || F <= 0 || C <= 0) return 0;
     if (standardise(xtr, n, xte, nt, F)) return -1;
     int64_t nv = n / 6;
-    if (n_wd > 1 && nv > 0) { /* choose on the held-out last sixth */
+    if ((n_wd > 1 || held) && nv > 0) { /* choose on the held-out last sixth */
         double best = -1;
         for (int i = 0; i < n_wd; i++) {
             double a;
@@ -193,6 +194,7 @@ int task_linear_probe(float *xtr, const int32_t *ytr, int64_t n, float *xte, con
                 return -1;
             if (a > best) best = a, *wd_used = wd[i];
         }
+        if (held) *held = best;
     }
     return probe_once(xtr, ytr, n, xte, yte, nt, F, C, epochs, *wd_used, seed, acc);
 }

@@ -73,7 +73,7 @@ struct task {
     const char *acc_name;       /* the evaluation's accuracy in the log (NULL: "eval_acc") */
     int eval_ppl;               /* the evaluation is a text's: perplexity, no accuracy (eval.c) */
     const char *eval_count;     /* what it counts in the log (NULL: "eval_images") */
-    char log_extra[384];        /* after a step: JSON members (`"k": v, `) for the --log line
+    char log_extra[1024];       /* after a step: JSON members (`"k": v, `) for the --log line
                                    (an evaluation may append its own) */
     char eval_note[96];         /* after the accuracy in the evaluation's lines (e.g. "  probe_acc 90.1%") */
     void *impl;
@@ -118,14 +118,15 @@ void eval_summary(const struct task *t, const struct eval_result *e);
  * (n, F) and xte (nt, F) in place, trains a linear classifier of C classes
  * on xtr, ytr for `epochs` epochs from `seed` with weight decay wd[0], or
  * with the best of wd[0..n_wd) on held-out training rows (*wd_used), and
- * sets *acc to the top-1 accuracy on xte, yte; -1 when out of memory, else
- * 0. The kNN counts the
+ * sets *acc to the top-1 accuracy on xte, yte (held non-NULL: *held the
+ * held-out accuracy of the chosen wd, even with one); -1 when out of
+ * memory, else 0. The kNN counts the
  * test rows [lo, hi) of test (L2-normalised rows) whose k nearest bank rows
  * (cosine; bank L2-normalised, nb rows), weighted exp(sim / temperature),
  * vote for their label; *st is an fsdp_gemm failure or FSDP_OK. */
 int task_linear_probe(float *xtr, const int32_t *ytr, int64_t n, float *xte, const int32_t *yte, int64_t nt,
                       int64_t F, int C, int epochs, const float *wd, int n_wd, uint64_t seed, double *acc,
-                      float *wd_used);
+                      float *wd_used, double *held);
 int64_t task_knn_correct(struct fsdp_ctx *ctx, const float *bank, const int32_t *ybank, int64_t nb, const float *test,
                          const int32_t *ytest, int64_t lo, int64_t hi, int64_t F, int C, int k, double temperature,
                          enum fsdp_status *st);

@@ -68,6 +68,8 @@ struct swav {
     struct fsdp_resnet_config rc; /* a ResNet trunk */
     int cnn_width;
     int64_t feat_dim;
+    int map_layer; /* while evaluating: the ResNet layer whose map the forwards give (0: the trunk's output) */
+    double layer_acc[4][2]; /* the last evaluation's kNN and probe test accuracies at each --eval-layer */
     struct fsdp_swav_head_config hc;
     const char *data_name, *cfg_source;
     struct fsdp_images *train, *test;
@@ -93,7 +95,8 @@ struct swav {
     int64_t q_lo, q_rows;             /* this rank's rows [q_lo, q_lo + q_rows) of the queue */
     int queue_used;                   /* the last step's codes used the queue */
     int baseline_done;                /* --eval-baseline ran (1), and its figures are logged (2) */
-    double base[4];                   /* its kNN and probe accuracies: untrained trunk, raw pixels */
+    double base[6];                   /* its kNN and probe accuracies: untrained trunk, raw pixels; the trunk's
+                                         layers chosen (several --eval-layer) */
     /* the last hook's checks */
     double proto_err;
     int proto_agree;
@@ -106,9 +109,30 @@ struct swav {
         if (try_st_ != FSDP_OK) return try_st_;                                                                    \
     } while (0)
 
-/* The evaluations' features per image: the trunk's output, or with
- * --eval-pool G > 1 its last feature map pooled to G x G. */
-static int64_t eval_dim(const struct swav *k, const struct opts *o) { return k->feat_dim * o->eval_pool * o->eval_pool; }
+/* The layer whose map reading --eval-layer L means (0: the trunk's output; [Note: evaluation layers]). */
+static int map_layer(const struct opts *o, int L) { return o->eval_pool > 1 || L != 4 ? L : 0; }
+
+/* The evaluations' features per image: the trunk's output (ml 0), or layer
+ * ml's map pooled to G x G ([Note: evaluation layers]). */
+static int64_t eval_dim(const struct swav *k, const struct opts *o, int ml) {
+    return ml ? (k->feat_dim >> (4 - ml)) * o->eval_pool * o->eval_pool : k->feat_dim;
+}
+
+/* "4096 (layer4's map pooled to 4 x 4)", or one such per --eval-layer, into buf. */
+static const char *eval_features(const struct swav *k, const struct opts *o, char *buf, size_t cap) {
+    size_t at = 0;
+    buf[0] = 0;
+    for (int l = 0; l < o->n_eval_layer; l++) {
+        int ml = map_layer(o, o->eval_layer[l]);
+        if (ml)
+            at += (size_t)snprintf(buf + at, at < cap ? cap - at : 0, "%s%lld (layer%d's map pooled to %d x %d)",
+                                   l ? ", " : "", (long long)eval_dim(k, o, ml), ml, o->eval_pool, o->eval_pool);
+        else
+            at += (size_t)snprintf(buf + at, at < cap ? cap - at : 0, "%s%lld (the trunk's output)", l ? ", " : "",
+                                   (long long)eval_dim(k, o, 0));
+    }
+    return buf;
+}
 
 /* ---- The root module: trunk then head ---- */
 
@@ -526,12 +550,13 @@ static void swav_describe_data(struct task *t, struct fsdp_ctx *ctx, const struc
     (void)ctx;
     (void)fm;
     struct swav *k = t->impl;
+    char fl[160];
     printf("data: %s, %lld training images of %dx%dx%d; crops per image: 2 x %dx%d (scale %g-%g) + %d x %dx%d "
-           "(scale %g-%g), intensity jitter %g; kNN on %d, linear probe on %d training images, %lld features each%s\n",
+           "(scale %g-%g), intensity jitter %g; kNN on %d, linear probe on %d training images, features: %s%s\n",
            k->data_name, (long long)k->ti.count, k->ti.channels, k->ti.height, k->ti.width, k->Sg, k->Sg,
            (double)o->crops_global_scale[0], (double)o->crops_global_scale[1], k->V, k->Ss, k->Ss,
            (double)o->crops_small_scale[0], (double)o->crops_small_scale[1], (double)o->crops_jitter, o->knn_train,
-           o->probe_train, (long long)eval_dim(k, o), o->eval_pool > 1 ? " (the last map pooled to a grid)" : "");
+           o->probe_train, eval_features(k, o, fl, sizeof fl), o->n_eval_layer > 1 ? " (the layer chosen on held-out training images)" : "");
     if (o->eval_precise_bn > 0)
         printf("evaluation: the trunk's batch norm statistics re-estimated on %d whole training images first "
                "(precise BN)\n", o->eval_precise_bn);
@@ -661,6 +686,7 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
     if (k->baseline_done == 1) {
         static const char *const keys[4] = {"base_knn_acc", "base_probe_acc", "raw_knn_acc", "raw_probe_acc"};
         for (int i = 0; i < 4; i++) append_extra(t, keys[i], k->base[i]);
+        if (o->n_eval_layer > 1) append_extra(t, "base_knn_layer", k->base[4]), append_extra(t, "base_probe_layer", k->base[5]);
         k->baseline_done = 2;
     }
     return FSDP_OK;
@@ -700,7 +726,7 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
         for (int64_t i = 0; i < n; i++) task_load_image(im, &k->bo, i, feat + i * chw);
         return FSDP_OK;
     }
-    int64_t F = eval_dim(k, o);
+    int64_t F = eval_dim(k, o, k->map_layer);
     int64_t mmax = (EB + world - 1) / world;
     float *x = malloc((size_t)(mmax * chw) * sizeof(float)), *mine = malloc((size_t)(mmax * F) * sizeof(float));
     float *all = malloc((size_t)(mmax * F * world) * sizeof(float));
@@ -716,7 +742,7 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
         if ((st = fsdp_model_forward_tensor(ctx, fm, &in, &out)) != FSDP_OK) break;
         if (!feat) continue; /* precise BN: the forward's statistics are all it wants */
         memset(mine, 0, (size_t)(mmax * F) * sizeof(float));
-        if (o->eval_pool > 1) { /* out: layer4's map (m, C, h, w) */
+        if (k->map_layer) { /* out: the layer's map (m, C, h, w) */
             int64_t C = out.shape[1], h = out.shape[2], w = out.shape[3];
             for (int64_t i = 0; i < m; i++)
                 pool_map((const float *)out.data + i * C * h * w, C, h, w, o->eval_pool, mine + i * F);
@@ -794,57 +820,110 @@ static void restore_bn(struct task *t, struct bn_saved *s) {
     s->data = NULL;
 }
 
+/* The kNN's accuracy: queries q (nq rows, L2-normalised, labels yq) against
+ * the bank (nb rows, L2-normalised), rank r voting for its share of the
+ * queries, summed over ranks. Every rank reaches the all-reduce, whatever
+ * its own status. COLLECTIVE. */
+static double knn_accuracy(struct swav *k, struct fsdp_ctx *ctx, const float *bank, const int32_t *yb, int64_t nb,
+                           const float *q, const int32_t *yq, int64_t nq, int64_t F, enum fsdp_status *st) {
+    int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
+    int64_t correct = 0, tot = 0;
+    if (*st == FSDP_OK)
+        correct = task_knn_correct(ctx, bank, yb, nb, q, yq, rank * nq / world, (rank + 1) * nq / world, F,
+                                   k->n_classes, KNN_K, KNN_T, st);
+    enum fsdp_status st2 = fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &correct, &tot, 1, FSDP_I64, FSDP_SUM);
+    if (*st == FSDP_OK) *st = st2;
+    return nq && nb ? (double)tot / (double)nq : NAN;
+}
+
+/* [Note: evaluation layers] --eval-layer L reads layerL's map (VISSL's
+ * res(L+1)) pooled to --eval-pool G x G: (C_L, G, G) features, C_L = 2^(L-1)
+ * x the width (x 4 for Bottleneck). The default, layer 4 with G = 1, is the
+ * trunk's own output. VISSL's benchmarks evaluate several layers (a convnet's
+ * best features for a linear classifier are not always its last stage's);
+ * with a list, each evaluation reads every layer in it and chooses, for the
+ * kNN and for the probe separately, the layer that does best on held-out
+ * training images: the kNN with a bank of the first five sixths of its bank
+ * voting for the last sixth, the probe on the held-out sixth it chooses its
+ * weight decay on ([Note: linear probe]). The test split plays no part in
+ * the choice; the chosen layer's test accuracy is the one reported. */
+
 /* Both evaluations of one kind of features (the trunk's, or raw pixels):
  * the weighted kNN on the first --knn-train training images (rank r votes
  * for its share of the test images, summed) and the linear probe on the
- * first --probe-train ([Note: linear probe]: every rank trains the same).
+ * first --probe-train ([Note: linear probe]: every rank trains the same);
+ * for the trunk, at each --eval-layer, the held-out figures choosing
+ * ([Note: evaluation layers]). *knn_layer, *probe_layer: the layers chosen.
  * COLLECTIVE. */
 static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
-                                 int raw, double *knn, double *probe, float *wd, int64_t *count) {
+                                 int raw, double *knn, double *probe, float *wd, int *knn_layer, int *probe_layer,
+                                 int64_t *count) {
     struct swav *k = t->impl;
     struct fsdp_images_info vi;
     fsdp_images_info(k->test, &vi);
     int64_t nb = o->knn_train < k->ti.count ? o->knn_train : k->ti.count, nt = vi.count;
     int64_t np = o->probe_train < k->ti.count ? o->probe_train : k->ti.count, ntr = nb > np ? nb : np;
-    int64_t F = raw ? (int64_t)k->ti.channels * k->ti.height * k->ti.width : eval_dim(k, o);
-    float *tr = malloc((size_t)(ntr * F) * sizeof(float)), *te = malloc((size_t)(nt * F) * sizeof(float));
-    float *bank = malloc((size_t)(nb * F + 1) * sizeof(float)), *ten = malloc((size_t)(nt * F) * sizeof(float));
+    /* pbn: the layer precise BN runs the trunk to (0: all of it, as when the trunk's output is read);
+     * pbn_ok: a layer's map is read (the trunk is a ResNet) */
+    int nl = raw ? 1 : o->n_eval_layer, choose = nl > 1, pbn = 1, pbn_ok = 0;
+    for (int l = 0; l < nl; l++) {
+        int ml = map_layer(o, o->eval_layer[l]);
+        pbn = !ml || !pbn ? 0 : ml > pbn ? ml : pbn;
+        pbn_ok |= ml != 0;
+    }
     int32_t *ytr = malloc((size_t)ntr * sizeof(int32_t)), *yte = malloc((size_t)nt * sizeof(int32_t));
-    if (!tr || !te || !bank || !ten || !ytr || !yte) fail_rank("out of memory for the evaluation");
+    if (!ytr || !yte) fail_rank("out of memory for the evaluation");
     for (int64_t i = 0; i < ntr; i++) ytr[i] = fsdp_images_label(k->train, i);
     for (int64_t i = 0; i < nt; i++) yte[i] = fsdp_images_label(k->test, i);
     fsdp_module_set_training(t->root, 0);
     k->R->trunk_only = 1;
     struct bn_saved saved = {0};
-    enum fsdp_status st = o->eval_pool > 1 ? fsdp_resnet_set_feature_map(ctx, k->R->trunk, 1) : FSDP_OK;
-    if (st == FSDP_OK && !raw && o->eval_precise_bn > 0) st = precise_bn(t, ctx, fm, o, o->eval_precise_bn, &saved);
-    if (st == FSDP_OK) st = features(t, ctx, fm, o, k->train, ntr, raw, tr);
-    if (st == FSDP_OK) st = features(t, ctx, fm, o, k->test, nt, raw, te);
+    enum fsdp_status st = FSDP_OK;
+    if (!raw && o->eval_precise_bn > 0) { /* through the deepest layer read */
+        if (pbn_ok) st = fsdp_resnet_set_feature_map(ctx, k->R->trunk, pbn);
+        if (st == FSDP_OK) st = precise_bn(t, ctx, fm, o, o->eval_precise_bn, &saved);
+    }
+    double best_k = -1, best_p = -1;
+    *knn = *probe = NAN;
+    *knn_layer = *probe_layer = raw ? 0 : o->eval_layer[0];
+    for (int l = 0; l < nl && st == FSDP_OK; l++) {
+        int L = o->eval_layer[l], ml = raw ? 0 : map_layer(o, L);
+        int64_t F = raw ? (int64_t)k->ti.channels * k->ti.height * k->ti.width : eval_dim(k, o, ml);
+        float *tr = malloc((size_t)(ntr * F) * sizeof(float)), *te = malloc((size_t)(nt * F) * sizeof(float));
+        float *bank = malloc((size_t)(nb * F + 1) * sizeof(float)), *ten = malloc((size_t)(nt * F) * sizeof(float));
+        if (!tr || !te || !bank || !ten) fail_rank("out of memory for the evaluation");
+        k->map_layer = ml;
+        if (!raw && pbn_ok) st = fsdp_resnet_set_feature_map(ctx, k->R->trunk, ml);
+        if (st == FSDP_OK) st = features(t, ctx, fm, o, k->train, ntr, raw, tr);
+        if (st == FSDP_OK) st = features(t, ctx, fm, o, k->test, nt, raw, te);
+        double kacc = NAN, kheld = NAN, pacc = NAN, pheld = NAN;
+        float pwd = o->probe_wd[0];
+        if (nb > 0) { /* --knn-train 0: no kNN */
+            memcpy(bank, tr, (size_t)(nb * F) * sizeof(float));
+            memcpy(ten, te, (size_t)(nt * F) * sizeof(float));
+            normalise_rows(bank, nb, F);
+            normalise_rows(ten, nt, F);
+            int64_t nv = nb / 6;
+            if (choose && nv > 0) /* the bank's last sixth against its first five sixths */
+                kheld = knn_accuracy(k, ctx, bank, ytr, nb - nv, bank + (nb - nv) * F, ytr + (nb - nv), nv, F, &st);
+            kacc = knn_accuracy(k, ctx, bank, ytr, nb, ten, yte, nt, F, &st);
+        }
+        if (st == FSDP_OK && o->probe_epochs > 0 &&
+            task_linear_probe(tr, ytr, np, te, yte, nt, F, k->n_classes, o->probe_epochs, o->probe_wd, o->n_probe_wd,
+                              o->seed, &pacc, &pwd, choose ? &pheld : NULL))
+            fail_rank("out of memory for the linear probe");
+        if (!raw) k->layer_acc[l][0] = kacc, k->layer_acc[l][1] = pacc;
+        if (!choose || kheld > best_k) best_k = kheld, *knn = kacc, *knn_layer = L;
+        if (!choose || pheld > best_p) best_p = pheld, *probe = pacc, *wd = pwd, *probe_layer = L;
+        free(tr), free(te), free(bank), free(ten);
+    }
     restore_bn(t, &saved);
-    if (o->eval_pool > 1) (void)fsdp_resnet_set_feature_map(ctx, k->R->trunk, 0); /* a ResNet: it took the 1 */
+    if (!raw && pbn_ok) (void)fsdp_resnet_set_feature_map(ctx, k->R->trunk, 0); /* a ResNet: it took the layer */
+    k->map_layer = 0;
     k->R->trunk_only = 0;
     fsdp_module_set_training(t->root, 1);
-    int64_t correct = 0, tot = 0;
-    if (st == FSDP_OK && nb > 0) { /* --knn-train 0: no kNN */
-        memcpy(bank, tr, (size_t)(nb * F) * sizeof(float));
-        memcpy(ten, te, (size_t)(nt * F) * sizeof(float));
-        normalise_rows(bank, nb, F);
-        normalise_rows(ten, nt, F);
-        int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
-        correct = task_knn_correct(ctx, bank, ytr, nb, ten, yte, rank * nt / world, (rank + 1) * nt / world, F,
-                                   k->n_classes, KNN_K, KNN_T, &st);
-    }
-    /* every rank reaches the all-reduce, whatever its own status */
-    enum fsdp_status st2 = fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &correct, &tot, 1, FSDP_I64, FSDP_SUM);
-    if (st == FSDP_OK) st = st2;
-    *knn = nt && nb ? (double)tot / (double)nt : NAN;
-    *probe = NAN;
-    if (st == FSDP_OK && o->probe_epochs > 0 &&
-        task_linear_probe(tr, ytr, np, te, yte, nt, F, k->n_classes, o->probe_epochs, o->probe_wd, o->n_probe_wd,
-                          o->seed, probe, wd))
-        fail_rank("out of memory for the linear probe");
     *count = nt;
-    free(tr), free(te), free(bank), free(ten), free(ytr), free(yte);
+    free(ytr), free(yte);
     return st;
 }
 
@@ -854,9 +933,13 @@ static void append_extra(struct task *t, const char *key, double v) {
     else snprintf(t->log_extra + len, sizeof t->log_extra - len, "\"%s\": null, ", key);
 }
 
-/* " (wd X chosen)" after a probe's accuracy when --probe-wd gave candidates, else "". */
-static const char *wd_note(const struct opts *o, float wd, char *buf, size_t cap) {
-    if (o->n_probe_wd > 1) snprintf(buf, cap, " (wd %g chosen)", (double)wd);
+/* What held-out images chose for an accuracy: " (wd X, layerL chosen)" after a probe's when --probe-wd
+ * and --eval-layer gave candidates (wd < 0: a kNN's, no weight decay; layer 0: raw pixels), else "". */
+static const char *chosen_note(const struct opts *o, float wd, int layer, char *buf, size_t cap) {
+    int w = wd >= 0 && o->n_probe_wd > 1, l = layer && o->n_eval_layer > 1;
+    if (w && l) snprintf(buf, cap, " (wd %g, layer%d chosen)", (double)wd, layer);
+    else if (w) snprintf(buf, cap, " (wd %g chosen)", (double)wd);
+    else if (l) snprintf(buf, cap, " (layer%d chosen)", layer);
     else buf[0] = 0;
     return buf;
 }
@@ -871,22 +954,23 @@ static enum fsdp_status swav_before_train(struct task *t, struct fsdp_ctx *ctx, 
     if (!o->eval_baseline) return FSDP_OK;
     double kt, pt, kr, pr;
     float wt = o->probe_wd[0], wr = o->probe_wd[0];
+    int kl, pl, rl;
     int64_t cnt;
     double t0 = now_s();
-    TRY(evaluate(t, ctx, fm, o, 0, &kt, &pt, &wt, &cnt));
-    TRY(evaluate(t, ctx, fm, o, 1, &kr, &pr, &wr, &cnt));
-    char trunk[1100], wnt[32], wnr[32];
+    TRY(evaluate(t, ctx, fm, o, 0, &kt, &pt, &wt, &kl, &pl, &cnt));
+    TRY(evaluate(t, ctx, fm, o, 1, &kr, &pr, &wr, &rl, &rl, &cnt));
+    char trunk[1100], knt[48], wnt[48], wnr[48];
     const char *from = o->resume ? o->resume : o->init_from;
     if (from) snprintf(trunk, sizeof trunk, "the trunk loaded from %s,", from);
     else snprintf(trunk, sizeof trunk, "untrained trunk");
     if (fsdp_ctx_rank(ctx) == 0)
-        printf("baseline: %s knn_acc %.2f%% probe_acc %.2f%%%s | raw pixels knn_acc %.2f%% probe_acc "
+        printf("baseline: %s knn_acc %.2f%%%s probe_acc %.2f%%%s | raw pixels knn_acc %.2f%% probe_acc "
                "%.2f%%%s (%lld test images, %.1f s)\n",
-               trunk, 100 * kt, 100 * pt, wd_note(o, wt, wnt, sizeof wnt), 100 * kr, 100 * pr,
-               wd_note(o, wr, wnr, sizeof wnr), (long long)cnt, now_s() - t0);
+               trunk, 100 * kt, chosen_note(o, -1, kl, knt, sizeof knt), 100 * pt, chosen_note(o, wt, pl, wnt, sizeof wnt),
+               100 * kr, 100 * pr, chosen_note(o, wr, 0, wnr, sizeof wnr), (long long)cnt, now_s() - t0);
     fflush(stdout);
     struct swav *k = t->impl;
-    k->base[0] = kt, k->base[1] = pt, k->base[2] = kr, k->base[3] = pr;
+    k->base[0] = kt, k->base[1] = pt, k->base[2] = kr, k->base[3] = pr, k->base[4] = kl, k->base[5] = pl;
     k->baseline_done = 1;
     return FSDP_OK;
 }
@@ -895,18 +979,31 @@ static enum fsdp_status swav_eval(struct task *t, struct fsdp_ctx *ctx, struct f
                                   double *loss_out, double *acc_out, int64_t *count_out) {
     double probe;
     float wd = o->probe_wd[0];
+    int kl, pl;
     if (!o->knn_train && !o->probe_epochs) { /* no evaluation (step-time benchmarks) */
         *loss_out = *acc_out = NAN;
         *count_out = 0;
         return FSDP_OK;
     }
-    TRY(evaluate(t, ctx, fm, o, 0, acc_out, &probe, &wd, count_out));
+    TRY(evaluate(t, ctx, fm, o, 0, acc_out, &probe, &wd, &kl, &pl, count_out));
     *loss_out = NAN;
     append_extra(t, "probe_acc", probe);
     if (o->n_probe_wd > 1) append_extra(t, "probe_wd", wd); /* the one the held-out rows chose */
-    char wn[32];
+    if (o->n_eval_layer > 1) { /* the choice, and every layer's own figures */
+        append_extra(t, "knn_layer", kl), append_extra(t, "probe_layer", pl);
+        struct swav *k = t->impl;
+        for (int l = 0; l < o->n_eval_layer; l++) {
+            char key[32];
+            snprintf(key, sizeof key, "knn_acc_layer%d", o->eval_layer[l]);
+            append_extra(t, key, k->layer_acc[l][0]);
+            snprintf(key, sizeof key, "probe_acc_layer%d", o->eval_layer[l]);
+            append_extra(t, key, k->layer_acc[l][1]);
+        }
+    }
+    char kn[48], wn[48];
     if (isfinite(probe))
-        snprintf(t->eval_note, sizeof t->eval_note, "  probe_acc %.2f%%%s", 100.0 * probe, wd_note(o, wd, wn, sizeof wn));
+        snprintf(t->eval_note, sizeof t->eval_note, "%s  probe_acc %.2f%%%s", chosen_note(o, -1, kl, kn, sizeof kn),
+                 100.0 * probe, chosen_note(o, wd, pl, wn, sizeof wn));
     return FSDP_OK;
 }
 
@@ -1029,6 +1126,8 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
     }
     if (o->eval_pool > 1 && !is_resnet(k->arch))
         fail_input("--eval-pool %d: the %s trunk has no feature map to pool (a ResNet trunk has)", o->eval_pool, k->arch);
+    if ((o->n_eval_layer > 1 || o->eval_layer[0] != 4) && !is_resnet(k->arch))
+        fail_input("--eval-layer: the %s trunk has no layers to read (a ResNet trunk has)", k->arch);
     if (is_resnet(k->arch) && k->rc.in_chans != k->ti.channels)
         fail_input("--data %s: the images have %d channels, but the trunk's in_chans is %d (%s)", k->data_name,
                    k->ti.channels, k->rc.in_chans, k->cfg_source);
