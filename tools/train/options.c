@@ -335,37 +335,22 @@ static float parse_float(const char *flag, const char *v, double lo, double hi) 
     return (float)x;
 }
 
-/* --lr-steps a,b,...: increasing positive step numbers. */
-static void parse_lr_steps(struct opts *o, const char *v) {
+/* A,B,.. into out: up to cap whole numbers in [lo, hi], each one above the
+ * one before (increasing) or unlike every one before (else); returns the
+ * count. Anything else is a usage error naming the flag and `want`. */
+static int parse_int_list(const char *flag, const char *v, int *out, int cap, long lo, long hi, int increasing,
+                          const char *want) {
     const char *p = v;
-    o->n_lr_steps = 0;
+    int n = 0;
     for (;;) {
         char *end;
         errno = 0;
         long x = strtol(p, &end, 10);
-        if (errno || end == p || x < 1 || x > (1L << 30) || (*end && *end != ',') ||
-            (o->n_lr_steps && x <= o->lr_steps[o->n_lr_steps - 1]) || o->n_lr_steps == 16)
-            usage_error("--lr-steps: '%s' is not up to 16 increasing positive step numbers (e.g. 30,60,80)", v);
-        o->lr_steps[o->n_lr_steps++] = (int)x;
-        if (!*end) break;
-        p = end + 1;
-    }
-}
-
-/* --eval-layer L[,L..]: up to 4 different ResNet layers, 1..4. */
-static void parse_eval_layers(struct opts *o, const char *v) {
-    const char *p = v;
-    o->n_eval_layer = 0;
-    for (;;) {
-        char *end;
-        errno = 0;
-        long x = strtol(p, &end, 10);
-        int seen = 0;
-        for (int i = 0; i < o->n_eval_layer; i++) seen |= o->eval_layer[i] == x;
-        if (errno || end == p || x < 1 || x > 4 || (*end && *end != ',') || seen || o->n_eval_layer == 4)
-            usage_error("--eval-layer: '%s' is not up to 4 different ResNet layers 1..4 (e.g. 3,4)", v);
-        o->eval_layer[o->n_eval_layer++] = (int)x;
-        if (!*end) break;
+        int bad = errno || end == p || x < lo || x > hi || (*end && *end != ',') || n == cap;
+        for (int i = 0; i < n && !bad; i++) bad = increasing ? x <= out[i] : x == out[i];
+        if (bad) usage_error("%s: '%s' is not %s", flag, v, want);
+        out[n++] = (int)x;
+        if (!*end) return n;
         p = end + 1;
     }
 }
@@ -495,7 +480,9 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--override")) o->override = v;
         else if (!strcmp(a, "--label-smoothing")) o->label_smoothing = parse_float(a, v, 0, 1);
         else if (!strcmp(a, "--crop-padding")) o->crop_padding = (int)parse_int(a, v, 1, 1 << 12);
-        else if (!strcmp(a, "--lr-steps")) parse_lr_steps(o, v);
+        else if (!strcmp(a, "--lr-steps"))
+            o->n_lr_steps = parse_int_list(a, v, o->lr_steps, 16, 1, 1L << 30, 1,
+                                           "up to 16 increasing positive step numbers (e.g. 30,60,80)");
         else if (!strcmp(a, "--mean")) o->n_mean = parse_floats(a, v, o->mean, -1e3, 1e3);
         else if (!strcmp(a, "--std")) o->n_std = parse_floats(a, v, o->std, 1e-6, 1e3);
         else if (!strcmp(a, "--augment")) {
@@ -561,7 +548,9 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--probe-epochs")) o->probe_epochs = (int)parse_int(a, v, 0, 10000);
         else if (!strcmp(a, "--probe-wd")) o->n_probe_wd = parse_floats(a, v, o->probe_wd, 0, 1);
         else if (!strcmp(a, "--eval-pool")) o->eval_pool = (int)parse_int(a, v, 1, 8);
-        else if (!strcmp(a, "--eval-layer")) parse_eval_layers(o, v);
+        else if (!strcmp(a, "--eval-layer"))
+            o->n_eval_layer = parse_int_list(a, v, o->eval_layer, 4, 1, 4, 0,
+                                             "up to 4 different ResNet layers 1..4 (e.g. 3,4)");
         else if (!strcmp(a, "--eval-precise-bn")) o->eval_precise_bn = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--queue-length")) o->queue_length = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--queue-start-epoch")) o->queue_start_epoch = (int)parse_int(a, v, 0, 1 << 30);
