@@ -16,6 +16,10 @@
  *   --stop-rank R   rank R SIGSTOPs itself there instead (a stalled rank);
  *   --fault-coll rs reduce-scatters instead of all-gathers;
  * the others must report it and end the job.
+ * --comm mpi without a fault mode times the MPI backend alone (its world may
+ * span hosts, where shm cannot run): per size, the median milliseconds of
+ * each collective, the link's own figures for the scale-out model (across
+ * simulated hosts: bench/README.md, "Scale-out model").
  */
 #include "fsdp.h"
 
@@ -96,9 +100,38 @@ static void fault_mode(size_t bytes, int victim, int sig, enum fsdp_comm_kind ki
     exit(0);
 }
 
+/* --comm mpi: the MPI backend alone, the median ms of each collective per size S. */
+static int mpi_alone(size_t min_b, size_t max_b, int iters) {
+    struct fsdp_ctx *mpi = make_ctx(FSDP_COMM_MPI);
+    struct fsdp_comm *ref = fsdp_ctx_comm(mpi);
+    int rank = fsdp_ctx_rank(mpi), world = fsdp_ctx_world(mpi);
+    float *a = calloc(max_b / sizeof(float), sizeof(float)), *b = calloc(max_b / sizeof(float), sizeof(float));
+    double *t = malloc(sizeof(double) * (size_t)iters);
+    if (!a || !b || !t) die(mpi, "out of memory");
+    if (rank == 0) printf("%-15s %12s %12s %10s\n", "collective", "bytes", "ms", "bus GB/s");
+    for (size_t S = min_b; S <= max_b; S *= 2) {
+        size_t count = S / sizeof(float) / (size_t)world;
+        double bytes = (double)(count * sizeof(float) * (size_t)world);
+        for (int coll = 0; coll < 2; coll++) {
+            time_coll(mpi, ref, coll, a, b, count); /* warm up */
+            for (int i = 0; i < iters; i++) t[i] = time_coll(mpi, ref, coll, a, b, count);
+            double m = median(t, iters);
+            if (rank == 0)
+                printf("%-15s %12.0f %12.3f %10.4f\n", coll == 0 ? "allgather" : "reduce-scatter", bytes, m * 1e3,
+                       bytes * (world - 1) / world / m / 1e9);
+            fflush(stdout);
+        }
+    }
+    free(t);
+    free(a);
+    free(b);
+    fsdp_ctx_free(mpi);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     size_t min_b = (size_t)1 << 20, max_b = (size_t)256 << 20;
-    int iters = 5, victim = -1, sig = SIGKILL, fault_rs = 0;
+    int iters = 5, victim = -1, sig = SIGKILL, fault_rs = 0, only_mpi = 0;
     double timeout = 0;
     enum fsdp_comm_kind kind = FSDP_COMM_SHM;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -109,7 +142,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--stop-rank")) { victim = atoi(argv[i + 1]); sig = SIGSTOP; }
         else if (!strcmp(argv[i], "--timeout")) timeout = atof(argv[i + 1]);
         else if (!strcmp(argv[i], "--fault-coll")) fault_rs = !strcmp(argv[i + 1], "rs");
-        else if (!strcmp(argv[i], "--comm")) kind = !strcmp(argv[i + 1], "mpi") ? FSDP_COMM_MPI : FSDP_COMM_SHM;
+        else if (!strcmp(argv[i], "--comm")) only_mpi = (kind = !strcmp(argv[i + 1], "mpi") ? FSDP_COMM_MPI : FSDP_COMM_SHM) == FSDP_COMM_MPI;
         else {
             fprintf(stderr, "comm_bw: unknown flag '%s' (--min B --max B --iters N; --kill-rank R | "
                     "--stop-rank R, --comm shm|mpi, --timeout S, --fault-coll ag|rs)\n", argv[i]);
@@ -121,6 +154,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (victim >= 0) fault_mode(max_b, victim, sig, kind, timeout, fault_rs);
+    if (only_mpi) return mpi_alone(min_b, max_b, iters);
 
     struct fsdp_ctx *mpi = make_ctx(FSDP_COMM_MPI), *shm = make_ctx(FSDP_COMM_SHM);
     setenv("FSDP_SHM_CMA", "0", 1);

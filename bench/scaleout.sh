@@ -17,8 +17,13 @@
 # minus the same median without a limit. The prediction is fsdp_plan_comm's
 # exposed communication at the limit minus its prediction at an unlimited
 # link, with the compute time of a step measured in the unlimited run
-# (step_ms - update_ms - exposed_comm_ms, median).
+# (step_ms - update_ms - exposed_comm_ms, median) and its forward's part as
+# that run's forward_ms / (forward_ms + backward_ms).
 # RPH=1 runs 2 hosts x 1 rank (a core per rank on a 2-core machine) instead of 2 x 2.
+# PIN=1 sets CPU 1 aside for communication: every rank's compute on CPU 0 (taskset), its MPI
+# progress thread on CPU 1 (FSDP_MPI_PROGRESS_CPU), and with it the kernel's TCP and veth work,
+# which runs on the CPU of the thread that sends or receives: the transfers then move beside the
+# compute as a NIC's would, instead of taking the compute's cores. The probe runs on CPU 1 too.
 # Usage: bench/scaleout.sh [STEPS] [MBPS...]   (defaults 4, "10 5"); needs root
 # (namespaces) and tc. Prints one line per limit and the prediction's error.
 set -uo pipefail
@@ -37,7 +42,7 @@ command -v tc > /dev/null || { echo "scaleout: no tc (iproute2)"; exit 1; }
 RPH=${RPH:-2}
 rig=$(scripts/simhosts.sh up 2 "$RPH") || exit 1
 id=$(cat "$rig/id")
-FLAGS="--model small --batch ${BATCH:-8} --seq ${SEQ:-32} --threads 1 --sample 0 --sharding FULL_SHARD"
+FLAGS="--model small --batch ${BATCH:-8} --seq ${SEQ:-32} --threads 1 --sample 0 --sharding FULL_SHARD ${EXTRA:-}"
 
 limit() { # limit MBPS|none: tbf both ways on each host's link; its bucket holds BURST_MS
   # (default 2) ms at the rate, at least 64 KB: a bucket smaller than the bytes one timer tick
@@ -52,8 +57,19 @@ limit() { # limit MBPS|none: tbf both ways on each host's link; its bucket holds
     tc -n "fsdp-$id-rig" qdisc add dev "v$i" root tbf rate "${1}mbit" burst "$b" latency 2s || return 1
   done
 }
+# EAGER=BYTES (default 1 MiB; 0: Open MPI's defaults) sends messages up to that size eagerly
+# over TCP: with its default 64 KiB limit a larger message waits for the receiver's
+# acknowledgement (rendezvous), and on a shaped link that reply queues behind the other
+# direction's data: every other all-gather of 0.8 MB took 90 ms instead of 34 at 100 Mbit/s
+# (raw TCP exchanges of the same bytes: 35 ms each), the link idle a third of the time.
+EAGER=${EAGER:-1048576}
+mca=""
+[ "$EAGER" != 0 ] && mca="--mca btl_tcp_eager_limit $EAGER --mca btl_tcp_rndv_eager_limit $EAGER --mca btl_tcp_max_send_size $EAGER"
+PIN=${PIN:-0}
+pin_run="" pin_probe=""
+[ "$PIN" = 1 ] && pin_run="-x FSDP_MPI_PROGRESS_CPU=1 taskset -c 0" pin_probe="taskset -c 1"
 run() { # run NAME: a run across the hosts, its per-step log in $tmp/NAME.jsonl
-  scripts/simhosts.sh run "$rig" bash -c "mpirun \$SIMHOSTS_MPIRUN --oversubscribe -x FSDP_MPI_PROGRESS=1 -np $((2 * RPH)) $BUILD/fsdp-train \
+  scripts/simhosts.sh run "$rig" bash -c "mpirun \$SIMHOSTS_MPIRUN --oversubscribe $mca -x FSDP_MPI_PROGRESS=1 -np $((2 * RPH)) $pin_run $BUILD/fsdp-train \
     $FLAGS --steps $STEPS --log $tmp/$1.jsonl" > "$tmp/$1.out" 2>&1 || { tail -5 "$tmp/$1.out"; exit 1; }
 }
 med() { # med NAME EXPR: the median over the timed steps of EXPR (a Python expression over r)
@@ -65,16 +81,17 @@ PY
 }
 predict() { # predict MBPS COMPUTE_MS: fsdp_plan_comm's exposed communication (ms)
   "$BUILD/fsdp-train" $FLAGS --dry-run --hosts 2 --ranks-per-host "$RPH" --net-gbps "$(python3 -c "print($1 / 1000)")" --net-latency-us "$LAT_US" \
-    --step-compute-ms "$2" | sed -n 's/.*predicted exposed communication \([0-9.]*\) ms.*/\1/p'
+    --step-compute-ms "$2" --step-forward-ms "$forward" | sed -n 's/.*predicted exposed communication \([0-9.]*\) ms.*/\1/p'
 }
 
 probe() { # probe: "GBPS LAT_US" of the path between hosts 0 and 1 as it is now: the rate of
   # 64 MB TCP streams sent both ways at once (as a collective's exchange does; each way's
   # acknowledgements queue behind the other way's data), and half the round trip of 1-byte
   # messages (2000 of them)
-  python3 - "fsdp-$id-h0" "fsdp-$id-h1" <<'PY'
+  python3 - "fsdp-$id-h0" "fsdp-$id-h1" "$pin_probe" <<'PY'
 import socket, subprocess, sys, time
-srv = subprocess.Popen(["ip", "netns", "exec", sys.argv[1], "python3", "-c", """
+pin = sys.argv[3].split()
+srv = subprocess.Popen(pin + ["ip", "netns", "exec", sys.argv[1], "python3", "-c", """
 import socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("198.18.0.1", 5599)); s.listen(1)
 print("up", flush=True)
@@ -92,7 +109,7 @@ while True:
     c.sendall(b)
 """], stdout=subprocess.PIPE, text=True)
 srv.stdout.readline()
-out = subprocess.run(["ip", "netns", "exec", sys.argv[2], "python3", "-c", """
+out = subprocess.run(pin + ["ip", "netns", "exec", sys.argv[2], "python3", "-c", """
 import socket, time
 c = socket.create_connection(("198.18.0.1", 5599)); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 import threading
@@ -113,15 +130,16 @@ PY
 }
 predict_at() { # predict_at GBPS LAT_US COMPUTE_MS
   "$BUILD/fsdp-train" $FLAGS --dry-run --hosts 2 --ranks-per-host "$RPH" --net-gbps "$1" --net-latency-us "$2" \
-    --step-compute-ms "$3" | sed -n 's/.*predicted exposed communication \([0-9.]*\) ms.*/\1/p'
+    --step-compute-ms "$3" --step-forward-ms "$forward" | sed -n 's/.*predicted exposed communication \([0-9.]*\) ms.*/\1/p'
 }
 
 limit none && run base
 compute=$(med base 'max(1, r["step_ms"] - r["update_ms"] - r["exposed_comm_ms"])')
+forward=$(python3 -c "print($compute * $(med base 'r["forward_ms"] / (r["forward_ms"] + r["backward_ms"])'))")
 base=$(med base 'r["exposed_comm_ms"]')
 base_step=$(med base 'r["step_ms"]')
 pbase=$(predict 1000000 "$compute")
-echo "no limit: step $base_step ms, compute $compute ms, exposed comm $base ms (model at an unlimited link: $pbase ms)"
+echo "no limit: step $base_step ms, compute $compute ms ($forward forward), exposed comm $base ms (model at an unlimited link: $pbase ms)"
 if [ "${CALIBRATE:-0}" = 1 ]; then
   # CALIBRATE=1: the model given the path's own figures, as probed (a limit does not make the
   # path faster than it is without one): the total exposed communication, not the difference

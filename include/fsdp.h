@@ -1054,6 +1054,7 @@ struct fsdp_net_model {
     double net_gbps, net_latency_us;
     double shm_gbps;   /* shared memory within a host; 0: not counted */
     double compute_ms; /* one step's forward + backward compute per rank */
+    double forward_ms; /* the forward's part of compute_ms; 0: a third of it */
 };
 /* Per rank and step: bytes sent over the network and through shared memory
  * per collective kind, the time the collectives occupy the link, and the part

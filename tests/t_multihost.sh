@@ -153,6 +153,19 @@ if [ $r1 = 2 ] && echo "$o1" | grep -q -- "--hosts and --ranks-per-host go toget
    && [ $r2 = 2 ] && echo "$o2" | grep -q -- "plan a world with --dry-run"; then
   ok "--hosts without --ranks-per-host, and --net-gbps without --dry-run, are usage errors"
 else bad "scale-out flags" "$r1: $o1" "$r2: $o2"; fi
+# --step-forward-ms: the forward's part of --step-compute-ms (a third unless given): a third
+# given predicts what the default does, another share another figure; alone or above the
+# step's compute it is a usage error
+plan() { $TRAIN --model small --batch 64 --seq 64 --threads 1 --dry-run --hosts 2 --ranks-per-host 1 --net-gbps 0.5 \
+  --step-compute-ms 150 "$@" 2>&1 | sed -n 's/.*predicted exposed communication \([0-9.]*\) ms.*/\1/p'; }
+p0=$(plan); p50=$(plan --step-forward-ms 50); p100=$(plan --step-forward-ms 100)
+o3=$($TRAIN --model tiny --dry-run --hosts 2 --ranks-per-host 1 --net-gbps 1 --step-forward-ms 5 2>&1); r3=$?
+o4=$($TRAIN --model tiny --dry-run --hosts 2 --ranks-per-host 1 --net-gbps 1 --step-compute-ms 5 --step-forward-ms 6 2>&1); r4=$?
+if [ -n "$p0" ] && [ "$p0" = "$p50" ] && [ -n "$p100" ] && [ "$p100" != "$p0" ] \
+   && [ $r3 = 2 ] && echo "$o3" | grep -q -- "--step-forward-ms is the forward's part of --step-compute-ms" \
+   && [ $r4 = 2 ] && echo "$o4" | grep -q -- "--step-forward-ms 6 is more than --step-compute-ms 5"; then
+  ok "--step-forward-ms: a third is the default ($p0 ms exposed), two thirds predicts $p100 ms; alone or too large refused"
+else bad "--step-forward-ms" "default $p0, 50: $p50, 100: $p100" "$r3: $o3" "$r4: $o4"; fi
 
 # ---- faults across hosts ([Note: peer watch], src/comm/peers.c) ----
 # A run of 2 hosts x 2 ranks whose rank 2 stops itself (FSDP_FAULT, SIGSTOP) in its first

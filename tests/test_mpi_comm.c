@@ -19,7 +19,9 @@
 #include "fsdp.h"
 #include "harness.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <mpi.h>
 #include <time.h>
 
@@ -931,6 +933,68 @@ TEST(comm_mpi_progress) {
 }
 
 /* A second context on the self backend works next to the MPI one. */
+/* The threads of this process whose CPU mask is exactly {cpu}. */
+static int threads_on(int cpu) {
+    DIR *d = opendir("/proc/self/task");
+    int n = 0;
+    if (!d) return -1;
+    for (struct dirent *e; (e = readdir(d));) {
+        if (e->d_name[0] == '.') continue;
+        cpu_set_t set;
+        if (sched_getaffinity((pid_t)atoi(e->d_name), sizeof set, &set) == 0 && CPU_COUNT(&set) == 1 &&
+            CPU_ISSET(cpu, &set))
+            n++;
+    }
+    closedir(d);
+    return n;
+}
+
+/* FSDP_MPI_PROGRESS_CPU=N puts the progress thread on CPU N (and turns it
+ * on): after a collective one more thread of this process runs on N alone
+ * (N outside the launcher's binding where there is such a CPU, so that the
+ * main thread cannot be the one counted). A CPU the host does not have is
+ * refused naming the variable. */
+TEST(comm_mpi_progress_cpu) {
+    backend_ctx(0);
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    char v[32];
+    snprintf(v, sizeof v, "%ld", online);
+    setenv("FSDP_MPI_PROGRESS_CPU", v, 1);
+    struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
+    co.threads = 1;
+    co.comm = FSDP_COMM_MPI;
+    struct fsdp_ctx *bad = NULL;
+    enum fsdp_status st = fsdp_ctx_create(&co, &bad);
+    CHECK_INT_EQ(st, FSDP_ERR_INVALID);
+    if (st == FSDP_OK) fsdp_ctx_free(bad);
+    if (online < 2) {
+        unsetenv("FSDP_MPI_PROGRESS_CPU");
+        SKIP("one CPU: nothing to set aside");
+    }
+    cpu_set_t mine;
+    int cpu = 0;
+    if (sched_getaffinity(0, sizeof mine, &mine) == 0)
+        for (int i = 0; i < online; i++)
+            if (!CPU_ISSET(i, &mine)) { cpu = i; break; }
+    int before = threads_on(cpu);
+    snprintf(v, sizeof v, "%d", cpu);
+    setenv("FSDP_MPI_PROGRESS_CPU", v, 1);
+    struct fsdp_ctx *c = make_ctx(FSDP_COMM_MPI);
+    unsetenv("FSDP_MPI_PROGRESS_CPU");
+    struct fsdp_comm *comm = fsdp_ctx_comm(c);
+    if (fsdp__comm_mpi_progress(comm) <= 0) {
+        fsdp_ctx_free(c);
+        SKIP("MPI gives less than MPI_THREAD_MULTIPLE");
+    }
+    int32_t x = 1;
+    struct fsdp_comm_req *r = NULL;
+    CHECK_OK(fsdp_comm_allreduce_start(comm, &x, &x, 1, FSDP_I32, FSDP_SUM, &r), c);
+    if (r) CHECK_OK(fsdp_comm_wait(comm, r), c);
+    CHECK_INT_EQ(x, fsdp_comm_size(comm));
+    CHECK_INT_EQ(threads_on(cpu), before + 1);
+    fsdp_ctx_free(c);
+}
+
 TEST(comm_self_backend) {
     get_ctx();
     struct fsdp_ctx *s;

@@ -164,6 +164,16 @@ static int mpi_multiple; /* MPI provides MPI_THREAD_MULTIPLE */
  *     did. The request stays allocated and with the thread (MPI may still
  *     write its buffers; the job must end): the thread keeps testing it, and
  *     drops it without touching it when it stops.
+ *   Pinned: FSDP_MPI_PROGRESS_CPU=N puts the thread on CPU N (and turns it
+ *     on unless FSDP_MPI_PROGRESS=0), the core set aside for communication
+ *     while the compute threads are bound elsewhere (`taskset`, the
+ *     launcher's binding). The kernel's TCP copies and the veths' packet
+ *     work run on the CPU of the thread that sends or receives, so pinned,
+ *     transfers move beside the compute as a NIC's DMA would instead of
+ *     taking its cores (bench/scaleout.sh's PIN=1). The thread is the
+ *     process's: a communicator created with the variable pins it, running
+ *     or when it starts. Should the kernel refuse the CPU (a cpuset without
+ *     it), the thread runs unpinned.
  *   Off: with FSDP_MPI_PROGRESS=0 at a communicator's creation (its splits
  *     inherit the choice), by default when no core is free for the thread
  *     (progress_wanted), or an MPI below MPI_THREAD_MULTIPLE (a verbose
@@ -184,10 +194,11 @@ static struct {
     pthread_cond_t done;         /* waits sleep here */
     pthread_t thread;
     int running, stop;
+    int cpu;                     /* FSDP_MPI_PROGRESS_CPU, or -1 */
     int sleeping;                /* the thread is in a wait on work */
     int waiters;                 /* compute threads asleep on done */
     struct mpi_req *head, *tail; /* outstanding requests, oldest first */
-} prog = {.once = PTHREAD_ONCE_INIT, .mu = PTHREAD_MUTEX_INITIALIZER};
+} prog = {.once = PTHREAD_ONCE_INIT, .mu = PTHREAD_MUTEX_INITIALIZER, .cpu = -1};
 
 /* ---- Helpers ---- */
 
@@ -379,12 +390,24 @@ static void *prog_main(void *arg) {
     return NULL;
 }
 
+/* Puts the running thread on prog.cpu, if one is set (prog.mu held). */
+static void prog_pin(void) {
+    if (!prog.running || prog.cpu < 0) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(prog.cpu, &set);
+    pthread_setaffinity_np(prog.thread, sizeof set, &set); /* refused: runs unpinned */
+}
+
 /* Hands q, just started, to the progress thread, starting the thread if it
  * is not running; if it cannot start, q stays with the compute thread. */
 static void prog_add(struct mpi_req *q) {
     pthread_once(&prog.once, prog_init);
     pthread_mutex_lock(&prog.mu);
-    if (!prog.running && pthread_create(&prog.thread, NULL, prog_main, NULL) == 0) prog.running = 1;
+    if (!prog.running && pthread_create(&prog.thread, NULL, prog_main, NULL) == 0) {
+        prog.running = 1;
+        prog_pin();
+    }
     if (prog.running) {
         q->on_thread = 1;
         if (prog.tail) prog.tail->next = q;
@@ -1014,8 +1037,14 @@ static void note_no_progress(struct fsdp_ctx *ctx, int rank, int level) {
 
 enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **out) {
     int init = 0, fin = 0, rc, ordered;
-    long long forced;
+    long long forced, cpu;
     FSDP_TRY(fsdp__env_int(ctx, "FSDP_MPI_PROGRESS", -1, &forced));
+    FSDP_TRY(fsdp__env_int(ctx, "FSDP_MPI_PROGRESS_CPU", -1, &cpu));
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    if (cpu >= online)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "FSDP_MPI_PROGRESS_CPU=%lld: this host has CPUs 0..%ld", cpu,
+                         online - 1);
+    if (cpu >= 0 && forced < 0) forced = 1; /* a core set aside for it */
     FSDP_TRY(fsdp__env_word(ctx, "FSDP_MPI_REDUCE", 1, &ordered));
     MPI_Finalized(&fin);
     if (fin)
@@ -1067,6 +1096,13 @@ enum fsdp_status fsdp__comm_mpi_create(struct fsdp_ctx *ctx, struct fsdp_comm **
         if (st != FSDP_OK) { mpi_free(c); return st; }
     }
     s->progress = progress_wanted(s->comm, (int)forced) && mpi_multiple;
+    if (s->progress && cpu >= 0) { /* the process's one thread: pinned now if it runs, else when it starts */
+        pthread_once(&prog.once, prog_init);
+        pthread_mutex_lock(&prog.mu);
+        prog.cpu = (int)cpu;
+        prog_pin();
+        pthread_mutex_unlock(&prog.mu);
+    }
     s->ordered = ordered; /* "native" 0, "ordered" 1 */
     note_no_progress(ctx, c->rank, level);
     fsdp__abort_hook = mpi_abort_hook;

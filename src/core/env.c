@@ -22,6 +22,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <sched.h>
 #include <string.h>
 
 enum env_kind { ENV_INT, ENV_REAL, ENV_WORD, ENV_SPEC };
@@ -48,6 +49,7 @@ static const struct env_var vars[] = {
     {"FSDP_SHM_VERBOSE", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},
     {"FSDP_SHM_WINDOW", ENV_INT, 0, (long long)1 << 50, 0, 0, NULL, NULL, NULL},
     {"FSDP_MPI_PROGRESS", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},
+    {"FSDP_MPI_PROGRESS_CPU", ENV_INT, 0, CPU_SETSIZE - 1, 0, 0, NULL, NULL, NULL},
     {"FSDP_PEER_WATCH", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},
     {"FSDP_MPI_REDUCE", ENV_WORD, 0, 0, 0, 0, mpi_reduce_words, NULL, NULL},
     {"FSDP_CHECK_COLLECTIVES", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},

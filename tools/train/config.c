@@ -168,6 +168,7 @@ static const struct flag flags[] = {
     F("net-latency-us", K_FLOAT, net_latency_us, R_NO),
     F("shm-gbps", K_FLOAT, shm_gbps, R_NO),
     F("step-compute-ms", K_FLOAT0, step_compute_ms, R_NO),
+    F("step-forward-ms", K_FLOAT0, step_forward_ms, R_NO),
     F("peak-gflops", K_FLOAT0, peak_gflops, R_NO),
     F("verbose", K_SWITCH, verbose, R_NO),
 };

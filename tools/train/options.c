@@ -258,6 +258,7 @@ static void usage(FILE *f) {
             "  --shm-gbps G          shared memory's rate within a host (default 0: not counted)\n"
             "  --step-compute-ms MS  one step's forward + backward compute per rank (default: from the\n"
             "                        model's FLOPs and a short GEMM measurement on this machine)\n"
+            "  --step-forward-ms MS  the forward's part of it (default: a third), as a run logs forward_ms\n"
             "  --mem-limit SIZE      per-rank memory limit, at least 1M, e.g. 1.5G: refuse a plan over it\n"
             "                        before any work, and stop the run if the library's allocations pass it;\n"
             "                        auto = refuse a plan over the memory this host can give each of its ranks\n"
@@ -504,6 +505,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--net-latency-us")) o->net_latency_us = parse_float(a, v, 0, 1e7);
         else if (!strcmp(a, "--shm-gbps")) o->shm_gbps = parse_float(a, v, 0, 1e7);
         else if (!strcmp(a, "--step-compute-ms")) o->step_compute_ms = parse_float(a, v, 1e-6, 1e9);
+        else if (!strcmp(a, "--step-forward-ms")) o->step_forward_ms = parse_float(a, v, 1e-6, 1e9);
         else if (!strcmp(a, "--sample")) o->sample = (int)parse_int(a, v, 0, 1 << 20);
         else if (!strcmp(a, "--collective-timeout")) o->collective_timeout = parse_float(a, v, 0, 1e7);
         else if (!strcmp(a, "--seed")) o->seed = (uint64_t)parse_int(a, v, 0, 0x7fffffffL);
@@ -598,6 +600,11 @@ void parse_args(int argc, char **argv, struct opts *o) {
                         o->ranks_per_host, w);
         o->nproc = (int)w;
     }
+    if (o->step_forward_ms > 0 && !(o->step_compute_ms > 0))
+        usage_error("--step-forward-ms is the forward's part of --step-compute-ms: give both");
+    if (o->step_forward_ms > o->step_compute_ms)
+        usage_error("--step-forward-ms %g is more than --step-compute-ms %g (the step's forward and backward)",
+                    (double)o->step_forward_ms, (double)o->step_compute_ms);
     if (o->resume && o->init_from) usage_error("--resume and --init-from exclude each other");
     if (!strcmp(o->init, "rank0") && !o->init_from)
         usage_error("--init rank0 needs --init-from FILE (the weights rank 0 reads and sends)");

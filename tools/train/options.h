@@ -32,6 +32,7 @@ struct opts {
     float net_latency_us;       /* --net-latency-us: per network message */
     float shm_gbps;             /* --shm-gbps: shared memory within a host (0: free) */
     float step_compute_ms;      /* --step-compute-ms (0: measured on this machine) */
+    float step_forward_ms;      /* --step-forward-ms (0: a third of the step's compute) */
     const char *mem_limit;      /* --mem-limit auto | off | SIZE per rank (default auto) */
     int mem_limit_auto;         /* auto: refuse a plan over the host's memory per local rank */
     size_t mem_limit_bytes;     /* SIZE: refuse a plan over it and cap the allocator; 0 = none */

@@ -54,7 +54,9 @@ void scaleout_print(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_modu
     char how[160];
     if (o->step_compute_ms > 0) {
         net.compute_ms = o->step_compute_ms;
-        snprintf(how, sizeof how, "--step-compute-ms");
+        net.forward_ms = o->step_forward_ms;
+        if (net.forward_ms > 0) snprintf(how, sizeof how, "--step-compute-ms, %.1f ms of it forward", net.forward_ms);
+        else snprintf(how, sizeof how, "--step-compute-ms");
     } else {
         if (!(t->train_flops_per_item > 0))
             fail_all("--net-gbps: this model has no FLOP count; give --step-compute-ms (one step's forward and "
