@@ -903,6 +903,10 @@ enum fsdp_status fsdp_resnet_create(struct fsdp_ctx *ctx, const struct fsdp_resn
  * model's output again. FSDP_ERR_INVALID if resnet is not a ResNet's root or
  * L is outside 0..4. COLLECTIVE: no. */
 enum fsdp_status fsdp_resnet_set_feature_map(struct fsdp_ctx *ctx, struct fsdp_module *resnet, int layer);
+/* The channels of layer L's output map, L in 1..4: 2^(L-1) w x expansion
+ * (1 for resnet18/34, 4 for resnet50); 0 gives layer4's, the width of the
+ * pooled features fc reads. -1 for L outside 0..4. */
+int64_t fsdp_resnet_channels(const struct fsdp_resnet_config *cfg, int layer);
 /* The residual block's module type: "BasicBlock" (resnet18/34) or
  * "Bottleneck" (resnet50). The default wrap policy for sharding a ResNet, a
  * unit per block with the stem and the head (fc) in the root unit (VISSL's

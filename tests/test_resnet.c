@@ -412,6 +412,18 @@ TEST(resnet_feature_map_is_the_map_the_trunk_pools) {
     float p4[N * F * 4];
     fsdp__relayout(p4, FSDP_LAYOUT_PLAIN, y4.data, y4.layout, y4.shape); /* layer4 alone may write blocked */
     for (int i = 0; i < N * F * 4; i++) CHECK_NEAR(p4[i], map4[i], 1e-5, 1e-6);
+    /* fsdp_resnet_channels gives every layer's map its channels (0: the pooled features) */
+    for (int L = 1; L <= 4; L++) {
+        struct fsdp_tensor yl = {0};
+        ASSERT_OK(fsdp_resnet_set_feature_map(ctx, trunk, L), ctx);
+        ASSERT_OK(fsdp_module_forward(trunk, ctx, &in, &yl), ctx);
+        CHECK_INT_EQ(yl.shape[1], fsdp_resnet_channels(&ct, L));
+    }
+    CHECK_INT_EQ(fsdp_resnet_channels(&ct, 0), F);
+    CHECK_INT_EQ(fsdp_resnet_channels(&ct, 5), -1);
+    struct fsdp_resnet_config c50 = config(FSDP_RESNET50, 1, 0, FSDP_RESNET_STEM_CIFAR, 4);
+    CHECK_INT_EQ(fsdp_resnet_channels(&c50, 1), 16); /* a bottleneck's 4x expansion */
+    CHECK_INT_EQ(fsdp_resnet_channels(&c50, 0), 128);
     /* only a ResNet's root takes it, and only layers 0..4 */
     CHECK(fsdp_resnet_set_feature_map(ctx, trunk, 5) == FSDP_ERR_INVALID);
     CHECK(strstr(fsdp_errmsg(ctx), "layer 5"));

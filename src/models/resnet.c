@@ -219,6 +219,11 @@ enum fsdp_status fsdp_resnet_set_feature_map(struct fsdp_ctx *ctx, struct fsdp_m
     return FSDP_OK;
 }
 
+int64_t fsdp_resnet_channels(const struct fsdp_resnet_config *cfg, int layer) {
+    if (!cfg || layer < 0 || layer > 4) return -1;
+    return ((int64_t)cfg->width << ((layer ? layer : 4) - 1)) * expansion(cfg);
+}
+
 const char *fsdp_resnet_block_type(const struct fsdp_resnet_config *cfg) {
     return cfg->arch == FSDP_RESNET50 ? "Bottleneck" : "BasicBlock";
 }

@@ -68,7 +68,6 @@ struct swav {
     struct fsdp_resnet_config rc; /* a ResNet trunk */
     int cnn_width;
     int64_t feat_dim;
-    int map_layer; /* while evaluating: the ResNet layer whose map the forwards give (0: the trunk's output) */
     double layer_acc[4][2]; /* the last evaluation's kNN and probe test accuracies at each --eval-layer */
     struct fsdp_swav_head_config hc;
     const char *data_name, *cfg_source;
@@ -115,7 +114,7 @@ static int map_layer(const struct opts *o, int L) { return o->eval_pool > 1 || L
 /* The evaluations' features per image: the trunk's output (ml 0), or layer
  * ml's map pooled to G x G ([Note: evaluation layers]). */
 static int64_t eval_dim(const struct swav *k, const struct opts *o, int ml) {
-    return ml ? (k->feat_dim >> (4 - ml)) * o->eval_pool * o->eval_pool : k->feat_dim;
+    return ml ? fsdp_resnet_channels(&k->rc, ml) * o->eval_pool * o->eval_pool : k->feat_dim;
 }
 
 /* "4096 (layer4's map pooled to 4 x 4)", or one such per --eval-layer, into buf. */
@@ -716,9 +715,11 @@ static void pool_map(const float *map, int64_t C, int64_t h, int64_t w, int G, f
 
 /* Trunk features (eval mode, whole images; raw: the normalised pixels) of
  * images [0, n) of im, every rank getting all of them: rank r computes its
- * share of each batch, all-gathered. COLLECTIVE (unless raw). */
+ * share of each batch, all-gathered. ml: the layer whose map the trunk
+ * gives (fsdp_resnet_set_feature_map), pooled here; 0: the trunk's output.
+ * COLLECTIVE (unless raw). */
 static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o,
-                                 const struct fsdp_images *im, int64_t n, int raw, float *feat) {
+                                 const struct fsdp_images *im, int64_t n, int raw, int ml, float *feat) {
     struct swav *k = t->impl;
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
     int64_t EB = o->eval_batch ? o->eval_batch : o->batch, chw = (int64_t)k->ti.channels * k->ti.height * k->ti.width;
@@ -726,7 +727,7 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
         for (int64_t i = 0; i < n; i++) task_load_image(im, &k->bo, i, feat + i * chw);
         return FSDP_OK;
     }
-    int64_t F = eval_dim(k, o, k->map_layer);
+    int64_t F = eval_dim(k, o, ml);
     int64_t mmax = (EB + world - 1) / world;
     float *x = malloc((size_t)(mmax * chw) * sizeof(float)), *mine = malloc((size_t)(mmax * F) * sizeof(float));
     float *all = malloc((size_t)(mmax * F * world) * sizeof(float));
@@ -742,7 +743,7 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
         if ((st = fsdp_model_forward_tensor(ctx, fm, &in, &out)) != FSDP_OK) break;
         if (!feat) continue; /* precise BN: the forward's statistics are all it wants */
         memset(mine, 0, (size_t)(mmax * F) * sizeof(float));
-        if (k->map_layer) { /* out: the layer's map (m, C, h, w) */
+        if (ml) { /* out: the layer's map (m, C, h, w) */
             int64_t C = out.shape[1], h = out.shape[2], w = out.shape[3];
             for (int64_t i = 0; i < m; i++)
                 pool_map((const float *)out.data + i * C * h * w, C, h, w, o->eval_pool, mine + i * F);
@@ -805,7 +806,7 @@ static enum fsdp_status precise_bn(struct task *t, struct fsdp_ctx *ctx, struct 
     fsdp_batchnorm_reset_stats(k->R->trunk, NULL);
     fsdp_batchnorm_set_cumulative(k->R->trunk, 1, NULL);
     fsdp_module_set_training(t->root, 1);
-    enum fsdp_status st = features(t, ctx, fm, o, k->train, n < k->ti.count ? n : k->ti.count, 0, NULL);
+    enum fsdp_status st = features(t, ctx, fm, o, k->train, n < k->ti.count ? n : k->ti.count, 0, 0, NULL);
     fsdp_module_set_training(t->root, 0);
     fsdp_batchnorm_set_cumulative(k->R->trunk, 0, NULL);
     return st;
@@ -892,10 +893,9 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
         float *tr = malloc((size_t)(ntr * F) * sizeof(float)), *te = malloc((size_t)(nt * F) * sizeof(float));
         float *bank = malloc((size_t)(nb * F + 1) * sizeof(float)), *ten = malloc((size_t)(nt * F) * sizeof(float));
         if (!tr || !te || !bank || !ten) fail_rank("out of memory for the evaluation");
-        k->map_layer = ml;
         if (!raw && pbn_ok) st = fsdp_resnet_set_feature_map(ctx, k->R->trunk, ml);
-        if (st == FSDP_OK) st = features(t, ctx, fm, o, k->train, ntr, raw, tr);
-        if (st == FSDP_OK) st = features(t, ctx, fm, o, k->test, nt, raw, te);
+        if (st == FSDP_OK) st = features(t, ctx, fm, o, k->train, ntr, raw, ml, tr);
+        if (st == FSDP_OK) st = features(t, ctx, fm, o, k->test, nt, raw, ml, te);
         double kacc = NAN, kheld = NAN, pacc = NAN, pheld = NAN;
         float pwd = o->probe_wd[0];
         if (nb > 0) { /* --knn-train 0: no kNN */
@@ -919,7 +919,6 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
     }
     restore_bn(t, &saved);
     if (!raw && pbn_ok) (void)fsdp_resnet_set_feature_map(ctx, k->R->trunk, 0); /* a ResNet: it took the layer */
-    k->map_layer = 0;
     k->R->trunk_only = 0;
     fsdp_module_set_training(t->root, 1);
     *count = nt;
@@ -1132,7 +1131,7 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
         fail_input("--data %s: the images have %d channels, but the trunk's in_chans is %d (%s)", k->data_name,
                    k->ti.channels, k->rc.in_chans, k->cfg_source);
     k->cnn_width = 16;
-    k->feat_dim = is_resnet(k->arch) ? 8LL * k->rc.width * (k->rc.arch == FSDP_RESNET50 ? 4 : 1) : 2LL * k->cnn_width;
+    k->feat_dim = is_resnet(k->arch) ? fsdp_resnet_channels(&k->rc, 0) : 2LL * k->cnn_width;
     k->hc = fsdp_swav_head_config_default(k->feat_dim);
     k->hc.hidden_dim = o->swav_hidden;
     k->hc.out_dim = o->swav_dim;
