@@ -867,7 +867,7 @@ static void check_overlapped(const float *ag_recv, size_t ag_n, const float *rs_
                "overlapped reduce-scatter");
 }
 
-/* The MPI backend's progress thread ([Note: MPI progress thread] in mpi.c):
+/* The MPI backend's progress thread ([Note: MPI progress thread] in mpi_progress.c):
  * a 16 MiB all-gather and an 8 MiB reduce-scatter, started and then left
  * alone while this thread computes, complete before their waits are called,
  * their data in place. The compute loop makes no MPI (or fsdp) call; between

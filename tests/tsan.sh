@@ -23,7 +23,7 @@
 #    MPI backend's progress thread testing requests while the compute thread
 #    starts the next collective) hand its buffers over through lock-free lists
 #    TSan cannot see, and it reports a race between two memcpy's in Open MPI
-#    (seen in 1 of 4 runs at 4 ranks). mpi.c therefore makes its MPI calls one
+#    (seen in 1 of 4 runs at 4 ranks). The MPI backend therefore makes its MPI calls one
 #    at a time under a mutex ([Note: MPI progress thread]), which TSan sees,
 #    and the progress thread is forced on here (FSDP_MPI_PROGRESS=1: by
 #    default it runs only when a core is free for it, never on 2 cores).

@@ -122,7 +122,7 @@ int fsdp__comm_mpi_ordered(const struct fsdp_comm *c);
 size_t fsdp__comm_mpi_reduce_bytes(enum fsdp_coll coll, size_t count, enum fsdp_dtype dt, int world, int rank,
                                    int ordered);
 /* Whether the MPI communicator c hands its requests to the progress thread
- * (mpi.c, [Note: MPI progress thread]): 1 yes; 0 no, FSDP_MPI_PROGRESS=0 at
+ * (mpi_progress.c, [Note: MPI progress thread]): 1 yes; 0 no, FSDP_MPI_PROGRESS=0 at
  * its creation; -1 no, MPI gives less than MPI_THREAD_MULTIPLE. */
 int fsdp__comm_mpi_progress(const struct fsdp_comm *c);
 /* Has the progress thread seen req, a request of the MPI communicator c not

@@ -318,7 +318,7 @@ void fsdp__model_reshard_all(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
  * Progress: both backends move a started gather while the compute thread
  * works: shm runs collectives on its progress thread, and the MPI backend
  * hands its requests to a progress thread that drives them with MPI_Test
- * ([Note: MPI progress thread] in src/comm/mpi.c). Where that thread is off
+ * ([Note: MPI progress thread] in src/comm/mpi_progress.c). Where that thread is off
  * (FSDP_MPI_PROGRESS=0, or an MPI without MPI_THREAD_MULTIPLE), MPI's
  * non-blocking collectives advance only inside MPI calls and much of a
  * prefetched gather runs at its wait; the schedule stays correct, only less
