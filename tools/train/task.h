@@ -92,6 +92,14 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
 void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck,
                       const char *resume_dir, struct task *t);
 
+
+/* Returns the status of expr from the calling function unless it is FSDP_OK. */
+#define TRY(expr)                                                                                                  \
+    do {                                                                                                           \
+        enum fsdp_status try_st_ = (expr);                                                                         \
+        if (try_st_ != FSDP_OK) return try_st_;                                                                    \
+    } while (0)
+
 /* Shared by the image tasks (task_images.c): the small CNN (num_classes 0:
  * no fc, the output is the pooled features (N, 2 width)); the data set's
  * two splits, checked alike (exit 2 naming --data); normalisation of the

@@ -44,12 +44,6 @@ struct images {
     int64_t chw;
 };
 
-#define TRY(expr)                                                                                                  \
-    do {                                                                                                           \
-        enum fsdp_status try_st_ = (expr);                                                                         \
-        if (try_st_ != FSDP_OK) return try_st_;                                                                    \
-    } while (0)
-
 static int is_resnet(const char *arch) {
     return !strcmp(arch, "resnet18") || !strcmp(arch, "resnet34") || !strcmp(arch, "resnet50");
 }
