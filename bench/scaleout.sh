@@ -24,6 +24,9 @@
 # progress thread on CPU 1 (FSDP_MPI_PROGRESS_CPU), and with it the kernel's TCP and veth work,
 # which runs on the CPU of the thread that sends or receives: the transfers then move beside the
 # compute as a NIC's would, instead of taking the compute's cores. The probe runs on CPU 1 too.
+# EXTRA="FLAGS" adds fsdp-train flags to the runs and the model alike (e.g. --max-inflight 3).
+# CALIBRATE=1 gives the model the path as probed under each limit (see below). The figures in
+# bench/README.md: CALIBRATE=1 RPH=1 PIN=1 [BATCH=64 SEQ=64] bench/scaleout.sh 8 100 250 1000 ...
 # Usage: bench/scaleout.sh [STEPS] [MBPS...]   (defaults 4, "10 5"); needs root
 # (namespaces) and tc. Prints one line per limit and the prediction's error.
 set -uo pipefail
