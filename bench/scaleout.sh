@@ -82,10 +82,11 @@ rows = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r][1:]  # the
 print(f"{statistics.median(eval(sys.argv[2], {}, {'r': r}) for r in rows):.1f}")
 PY
 }
-predict() { # predict MBPS COMPUTE_MS: fsdp_plan_comm's exposed communication (ms)
-  "$BUILD/fsdp-train" $FLAGS --dry-run --hosts 2 --ranks-per-host "$RPH" --net-gbps "$(python3 -c "print($1 / 1000)")" --net-latency-us "$LAT_US" \
-    --step-compute-ms "$2" --step-forward-ms "$forward" | sed -n 's/.*predicted exposed communication \([0-9.]*\) ms.*/\1/p'
+predict_at() { # predict_at GBPS LAT_US COMPUTE_MS: fsdp_plan_comm's exposed communication (ms)
+  "$BUILD/fsdp-train" $FLAGS --dry-run --hosts 2 --ranks-per-host "$RPH" --net-gbps "$1" --net-latency-us "$2" \
+    --step-compute-ms "$3" --step-forward-ms "$forward" | sed -n 's/.*predicted exposed communication \([0-9.]*\) ms.*/\1/p'
 }
+predict() { predict_at "$(python3 -c "print($1 / 1000)")" "$LAT_US" "$2"; } # predict MBPS COMPUTE_MS, at LAT_US
 
 probe() { # probe: "GBPS LAT_US" of the path between hosts 0 and 1 as it is now: the rate of
   # 64 MB TCP streams sent both ways at once (as a collective's exchange does; each way's
@@ -130,10 +131,6 @@ print(f"{rate:.3f} {(time.perf_counter() - t) / 2000 / 2 * 1e6:.1f}")
 srv.wait(timeout=30)
 print(out.strip())
 PY
-}
-predict_at() { # predict_at GBPS LAT_US COMPUTE_MS
-  "$BUILD/fsdp-train" $FLAGS --dry-run --hosts 2 --ranks-per-host "$RPH" --net-gbps "$1" --net-latency-us "$2" \
-    --step-compute-ms "$3" --step-forward-ms "$forward" | sed -n 's/.*predicted exposed communication \([0-9.]*\) ms.*/\1/p'
 }
 
 limit none && run base

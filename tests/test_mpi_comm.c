@@ -932,7 +932,6 @@ TEST(comm_mpi_progress) {
     check_progress_off();
 }
 
-/* A second context on the self backend works next to the MPI one. */
 /* The threads of this process whose CPU mask is exactly {cpu}. */
 static int threads_on(int cpu) {
     DIR *d = opendir("/proc/self/task");
@@ -995,6 +994,7 @@ TEST(comm_mpi_progress_cpu) {
     fsdp_ctx_free(c);
 }
 
+/* A second context on the self backend works next to the MPI one. */
 TEST(comm_self_backend) {
     get_ctx();
     struct fsdp_ctx *s;

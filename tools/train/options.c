@@ -551,7 +551,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--probe-wd")) o->n_probe_wd = parse_floats(a, v, o->probe_wd, 0, 1);
         else if (!strcmp(a, "--eval-pool")) o->eval_pool = (int)parse_int(a, v, 1, 8);
         else if (!strcmp(a, "--eval-layer"))
-            o->n_eval_layer = parse_int_list(a, v, o->eval_layer, 4, 1, 4, 0,
+            o->n_eval_layer = parse_int_list(a, v, o->eval_layer, EVAL_LAYERS_MAX, 1, 4, 0,
                                              "up to 4 different ResNet layers 1..4 (e.g. 3,4)");
         else if (!strcmp(a, "--eval-precise-bn")) o->eval_precise_bn = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--queue-length")) o->queue_length = (int)parse_int(a, v, 0, 1 << 30);

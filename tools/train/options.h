@@ -10,6 +10,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#define EVAL_LAYERS_MAX 4 /* --eval-layer: layer1..layer4, each at most once */
+
 struct opts {
     const char *model, *model_config, *data, *log_path;
     const char *tokenizer;      /* --tokenizer DIR (GPT-2 BPE), or NULL */
@@ -78,7 +80,8 @@ struct opts {
     float probe_wd[4];            /* --probe-wd X[,X..]: the probe's weight decay, or candidates to select from */
     int n_probe_wd;
     int eval_pool;                /* --eval-pool G: the evaluations read the trunk's last map pooled to G x G */
-    int eval_layer[16], n_eval_layer; /* --eval-layer L[,L..]: the ResNet layers read, chosen on held-out images */
+    int eval_layer[EVAL_LAYERS_MAX], n_eval_layer; /* --eval-layer L[,L..]: the ResNet layers read, chosen on
+                                                      held-out images */
     int eval_precise_bn;          /* --eval-precise-bn N: batch norm statistics of N whole training images */
     int eval_baseline;            /* --eval-baseline: the probes on the untrained trunk and raw pixels */
     int queue_length, queue_start_epoch; /* --queue-length L (global rows), --queue-start-epoch E */

@@ -18,7 +18,7 @@ struct swav {
     struct fsdp_resnet_config rc; /* a ResNet trunk */
     int cnn_width;
     int64_t feat_dim;
-    double layer_acc[4][2]; /* the last evaluation's kNN and probe test accuracies at each --eval-layer */
+    double layer_acc[EVAL_LAYERS_MAX][2]; /* the last evaluation's kNN and probe test accuracies at each --eval-layer */
     struct fsdp_swav_head_config hc;
     const char *data_name, *cfg_source;
     struct fsdp_images *train, *test;
@@ -53,7 +53,6 @@ struct swav {
 };
 
 /* task_swav.c */
-int swav_is_resnet(const char *arch);
 /* Scales each of rows rows of cols floats to unit L2 norm (zero rows stay). */
 void swav_normalise_rows(float *w, int64_t rows, int64_t cols);
 /* Appends "key": v (null when not finite) to the step's --log extras. */

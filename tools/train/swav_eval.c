@@ -45,12 +45,11 @@ const char *swav_eval_features(const struct swav *k, const struct opts *o, char 
     return buf;
 }
 
-
 /* [Note: evaluation pooling] --eval-pool G: VISSL's linear evaluations of a
  * ResNet read the last stage's map average-pooled to a small grid (res5:
  * AvgPool2d 6 x 6, stride 1 on the 7 x 7 map of a 224 px image, 2 x 2 x
  * 2048 features) rather than the trunk's global pool. Here the trunk hands
- * over layer4's map (fsdp_resnet_set_feature_map) and each of its C
+ * over layerL's map (--eval-layer, fsdp_resnet_set_feature_map) and each of its C
  * channels is pooled as AdaptiveAvgPool2d(G) does (cell i of G covers rows
  * floor(i h / G) .. ceil((i + 1) h / G) - 1, the same for columns), written
  * (C, G, G) in order, as torch's flatten of the pooled map. */
@@ -239,7 +238,7 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
         if (pbn_ok) st = fsdp_resnet_set_feature_map(ctx, k->R->trunk, pbn);
         if (st == FSDP_OK) st = precise_bn(t, ctx, fm, o, o->eval_precise_bn, &saved);
     }
-    double best_k = -1, best_p = -1;
+    double best_k = NAN, best_p = NAN; /* the chosen layers' held-out figures */
     *knn = *probe = NAN;
     *knn_layer = *probe_layer = raw ? 0 : o->eval_layer[0];
     for (int l = 0; l < nl && st == FSDP_OK; l++) {
@@ -268,8 +267,9 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
                               o->seed, &pacc, &pwd, choose ? &pheld : NULL))
             fail_rank("out of memory for the linear probe");
         if (!raw) k->layer_acc[l][0] = kacc, k->layer_acc[l][1] = pacc;
-        if (!choose || kheld > best_k) best_k = kheld, *knn = kacc, *knn_layer = L;
-        if (!choose || pheld > best_p) best_p = pheld, *probe = pacc, *wd = pwd, *probe_layer = L;
+        /* the first layer, then any that does better held out (no held-out rows: the first) */
+        if (l == 0 || kheld > best_k) best_k = kheld, *knn = kacc, *knn_layer = L;
+        if (l == 0 || pheld > best_p) best_p = pheld, *probe = pacc, *wd = pwd, *probe_layer = L;
         free(tr), free(te), free(bank), free(ten);
     }
     restore_bn(t, &saved);

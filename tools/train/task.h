@@ -92,7 +92,6 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
 void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ckpt_meta *ck,
                       const char *resume_dir, struct task *t);
 
-
 /* Returns the status of expr from the calling function unless it is FSDP_OK. */
 #define TRY(expr)                                                                                                  \
     do {                                                                                                           \
@@ -110,6 +109,8 @@ void task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const cha
                            struct fsdp_images **train, struct fsdp_images **test);
 void task_images_norm(const struct opts *o, struct fsdp_image_batch_opts *bo);
 void task_load_image(const struct fsdp_images *im, const struct fsdp_image_batch_opts *bo, int64_t i, float *dst);
+/* arch names one of the library's ResNets (fsdp_resnet_config_preset takes it). */
+int task_is_resnet(const char *arch);
 
 /* eval.c: an evaluation's figures on the terminal (the line after step
  * `step`), in a --log line (JSON members `"k": v, `) and in the summary. */

@@ -44,8 +44,9 @@ struct images {
     int64_t chw;
 };
 
-static int is_resnet(const char *arch) {
-    return !strcmp(arch, "resnet18") || !strcmp(arch, "resnet34") || !strcmp(arch, "resnet50");
+int task_is_resnet(const char *arch) {
+    struct fsdp_resnet_config c;
+    return arch && fsdp_resnet_config_preset(arch, &c) == FSDP_OK;
 }
 
 /* ---- The small CNN ----
@@ -139,7 +140,7 @@ static void cfg_preset(const char *arch, struct img_cfg *c) {
 
 /* The config as a JSON object (checkpoint meta, and the comparison on resume). */
 static void cfg_json(const struct img_cfg *c, char *buf, size_t cap) {
-    if (is_resnet(c->arch))
+    if (task_is_resnet(c->arch))
         snprintf(buf, cap,
                  "{\"arch\":\"%s\",\"in_chans\":%d,\"num_classes\":%d,\"stem\":\"%s\",\"width\":%d,"
                  "\"zero_init_residual\":%s}",
@@ -154,11 +155,11 @@ static int cfg_parse(const cJSON *j, struct img_cfg *c, char *err, size_t n) {
     const cJSON *a = cJSON_GetObjectItemCaseSensitive(j, "arch");
     if (!cJSON_IsObject(j)) return snprintf(err, n, "not a JSON object"), 1;
     if (!cJSON_IsString(a)) return snprintf(err, n, "\"arch\" is missing or not a string"), 1;
-    if (strcmp(a->valuestring, "cnn") && !is_resnet(a->valuestring))
+    if (strcmp(a->valuestring, "cnn") && !task_is_resnet(a->valuestring))
         return snprintf(err, n, "\"arch\": unknown arch '%.40s' (cnn, resnet18, resnet34, resnet50)", a->valuestring),
                1;
     cfg_preset(a->valuestring, c);
-    int resnet = is_resnet(c->arch);
+    int resnet = task_is_resnet(c->arch);
     for (const cJSON *e = j->child; e; e = e->next) {
         const char *k = e->string;
         if (!strcmp(k, "arch")) continue;
@@ -447,7 +448,7 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
         if (bad) fail_input("--model-config %s: %s", o->model_config, err);
         k->cfg_source = o->model_config;
     } else if (o->model) {
-        if (strcmp(o->model, "cnn") && !is_resnet(o->model))
+        if (strcmp(o->model, "cnn") && !task_is_resnet(o->model))
             fail_input("--model: unknown image model '%s' (cnn, resnet18, resnet34, resnet50)", o->model);
         cfg_preset(o->model, &k->cfg);
         k->cfg_source = "--model";

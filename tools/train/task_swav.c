@@ -75,7 +75,6 @@ static void root_destroy(struct fsdp_module *m) { free(m->impl); }
 
 static const struct fsdp_module_ops root_ops = {"SwAV", root_forward, root_backward, root_destroy};
 
-int swav_is_resnet(const char *a) { return !strcmp(a, "resnet18") || !strcmp(a, "resnet34") || !strcmp(a, "resnet50"); }
 
 /* --wrap block: a unit per residual block (per layer of the CNN), the head,
  * and each prototype layer an fp32 unit inside it (VISSL's FSDP SwAV). */
@@ -95,7 +94,7 @@ static enum fsdp_wrap swav_wrap(struct fsdp_module *m, void *ud, struct fsdp_uni
 
 static enum fsdp_status build(struct fsdp_ctx *ctx, struct swav *k, struct fsdp_module **out) {
     struct fsdp_module *root, *trunk = NULL, *head = NULL;
-    if (swav_is_resnet(k->arch)) TRY(fsdp_resnet_create(ctx, &k->rc, &trunk));
+    if (task_is_resnet(k->arch)) TRY(fsdp_resnet_create(ctx, &k->rc, &trunk));
     else TRY(task_cnn_create(ctx, k->ti.channels, k->cnn_width, 0, &trunk));
     snprintf(trunk->name, sizeof trunk->name, "trunk");
     enum fsdp_status st = fsdp_swav_head_create(ctx, "head", &k->hc, &head);
@@ -616,7 +615,7 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
 
 /* The trunk as meta.json records it: "cnn", or the ResNet's config object. */
 static void trunk_json(const struct swav *k, char *buf, size_t cap) {
-    if (swav_is_resnet(k->arch)) fsdp_resnet_config_json(&k->rc, buf, cap);
+    if (task_is_resnet(k->arch)) fsdp_resnet_config_json(&k->rc, buf, cap);
     else snprintf(buf, cap, "\"%s\"", k->arch);
 }
 
@@ -640,9 +639,9 @@ static int ck_trunk(struct fsdp_ctx *ctx, struct swav *k, const struct fsdp_ckpt
     int found = tr != NULL;
     char name[600];
     snprintf(name, sizeof name, "--resume %s: meta.json's \"trunk\"", resume_dir);
-    if (cJSON_IsString(tr) && (!strcmp(tr->valuestring, "cnn") || swav_is_resnet(tr->valuestring))) {
+    if (cJSON_IsString(tr) && (!strcmp(tr->valuestring, "cnn") || task_is_resnet(tr->valuestring))) {
         snprintf(k->arch, sizeof k->arch, "%s", tr->valuestring);
-        if (swav_is_resnet(k->arch)) fsdp_resnet_config_preset(k->arch, &k->rc);
+        if (task_is_resnet(k->arch)) fsdp_resnet_config_preset(k->arch, &k->rc);
         k->rc.in_chans = k->ti.channels;
     } else if (cJSON_IsObject(tr)) {
         char *txt = cJSON_PrintUnformatted(tr);
@@ -711,10 +710,10 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
         k->cfg_source = o->model_config;
     } else {
         const char *m = o->model ? o->model : "resnet18";
-        if (strcmp(m, "cnn") && !swav_is_resnet(m))
+        if (strcmp(m, "cnn") && !task_is_resnet(m))
             fail_input("--model: '%s' is not a trunk for --task swav (cnn, resnet18, resnet34, resnet50)", m);
         snprintf(k->arch, sizeof k->arch, "%s", m);
-        if (swav_is_resnet(m)) fsdp_resnet_config_preset(m, &k->rc);
+        if (task_is_resnet(m)) fsdp_resnet_config_preset(m, &k->rc);
         k->rc.in_chans = k->ti.channels;
         k->cfg_source = "--model";
     }
@@ -731,15 +730,15 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
                          "checkpoint's trunk)", k->cfg_source, mine, resume_dir, theirs);
         }
     }
-    if (o->eval_pool > 1 && !swav_is_resnet(k->arch))
+    if (o->eval_pool > 1 && !task_is_resnet(k->arch))
         fail_input("--eval-pool %d: the %s trunk has no feature map to pool (a ResNet trunk has)", o->eval_pool, k->arch);
-    if ((o->n_eval_layer > 1 || o->eval_layer[0] != 4) && !swav_is_resnet(k->arch))
+    if ((o->n_eval_layer > 1 || o->eval_layer[0] != 4) && !task_is_resnet(k->arch))
         fail_input("--eval-layer: the %s trunk has no layers to read (a ResNet trunk has)", k->arch);
-    if (swav_is_resnet(k->arch) && k->rc.in_chans != k->ti.channels)
+    if (task_is_resnet(k->arch) && k->rc.in_chans != k->ti.channels)
         fail_input("--data %s: the images have %d channels, but the trunk's in_chans is %d (%s)", k->data_name,
                    k->ti.channels, k->rc.in_chans, k->cfg_source);
     k->cnn_width = 16;
-    k->feat_dim = swav_is_resnet(k->arch) ? fsdp_resnet_channels(&k->rc, 0) : 2LL * k->cnn_width;
+    k->feat_dim = task_is_resnet(k->arch) ? fsdp_resnet_channels(&k->rc, 0) : 2LL * k->cnn_width;
     k->hc = fsdp_swav_head_config_default(k->feat_dim);
     k->hc.hidden_dim = o->swav_hidden;
     k->hc.out_dim = o->swav_dim;
