@@ -118,7 +118,6 @@ struct prod {
     const void *A, *B;
     int64_t lda, ldb, ldc, sa, sb, sc;
     const float *bias;
-    float beta;
     float *C;
     /* kind 2: operand layouts (0: a head's columns of qkv, row stride 3C;
      * 1: of y or dY, row stride C; 2: a dense T x T block per head), and
@@ -139,7 +138,7 @@ static void run(const struct prod *p) {
     if (p->kind == 0) {
         if (p->bias) fsdp__gemm_lp_bias(p->dt, p->ta, p->tb, p->M, p->N, p->K, p->A, p->lda, p->B, p->ldb, p->bias,
                                         p->C, p->ldc);
-        else fsdp__gemm_lp(p->dt, p->ta, p->tb, p->M, p->N, p->K, 1.0f, p->A, p->lda, p->B, p->ldb, p->beta, p->C,
+        else fsdp__gemm_lp(p->dt, p->ta, p->tb, p->M, p->N, p->K, 1.0f, p->A, p->lda, p->B, p->ldb, 0.0f, p->C,
                            p->ldc);
     } else if (p->kind == 1) {
         fsdp__gemm_lp_batched(p->dt, p->batch, p->ta, p->tb, p->M, p->N, p->K, 1.0f, p->A, p->lda, p->sa, p->B,
@@ -232,19 +231,21 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
         /* operands as linear.c holds them: x (N, I), w (O, I), dy (N, O);
          * in 16 bits all three are 16-bit copies made before the product
          * (their casts are memory passes below) */
+        /* a bias-free 16-bit Linear takes dy in rows fsdp_rows16_stride(O) apart ([Note: padded rows]) */
+        int64_t ldy = lp && !lin[i].bias ? fsdp_rows16_stride(O) : O;
         const void *x = lp ? (const void *)buf16(dt, N * I) : buf(N * I);
         const void *w = lp ? (const void *)buf16(dt, O * I) : buf(O * I);
-        const void *dy = lp ? (const void *)buf16(dt, N * O) : buf(N * O);
+        const void *dy = lp ? (const void *)buf16(dt, N * ldy) : buf(N * O);
         float *bias = lin[i].bias ? buf(O) : NULL, *y = buf(N * O), *dw = buf(O * I), *dx = buf(N * I);
-        /* forward: y = x w^T (+ b: fp32 fills y with b and accumulates, beta 1; 16-bit adds it in the product) */
+        /* forward: y = x w^T (+ b, added in the product) */
         struct prod f = {.kind = 0, .dt = dt, .ta = 0, .tb = 1, .M = N, .N = O, .K = I, .A = x, .B = w, .lda = I,
-                         .ldb = I, .ldc = O, .bias = lp ? bias : NULL, .beta = bias ? 1.0f : 0.0f, .C = y};
+                         .ldb = I, .ldc = O, .bias = bias, .C = y};
         /* dW = dy^T x (the first backward writes it: beta 0, [Note: unset gradients]) */
-        struct prod bw = {.kind = 0, .dt = dt, .ta = 1, .tb = 0, .M = O, .N = I, .K = N, .A = dy, .B = x, .lda = O,
-                          .ldb = I, .ldc = I, .C = dw};
+        struct prod bw = {.kind = 0, .dt = dt, .ta = 1, .tb = 0, .M = O, .N = I, .K = N, .A = dy, .B = x,
+                          .lda = ldy, .ldb = I, .ldc = I, .C = dw};
         /* dX = dy w */
-        struct prod bx = {.kind = 0, .dt = dt, .ta = 0, .tb = 0, .M = N, .N = I, .K = O, .A = dy, .B = w, .lda = O,
-                          .ldb = I, .ldc = I, .C = dx};
+        struct prod bx = {.kind = 0, .dt = dt, .ta = 0, .tb = 0, .M = N, .N = I, .K = O, .A = dy, .B = w,
+                          .lda = ldy, .ldb = I, .ldc = I, .C = dx};
         const char *orient[3] = {"fwd", "dW", "dX"};
         struct prod *ps[3] = {&f, &bw, &bx};
         for (int k = 0; k < 3; k++) {
@@ -343,10 +344,10 @@ static void memory(struct table *t, const struct cfg *g, int lp, int64_t Bn, int
     add(t, "residual adds fwd+bwd", tok * L * 2 * 24 * C, bw, 1);
     phase(t, 0.5, 0);
     /* biases (c_attn 3C, c_proj C, c_fc 4C, mlp.c_proj C = 9C outputs):
-     * fp32 forward fills y with the bias (write 36C; 16-bit adds it in the
-     * product); backward sums the columns of dy (read 36C) */
-    add(t, "bias fill + column sums", tok * L * (lp ? 36 * C : 72 * C), bw, 1);
-    phase(t, lp ? 0 : 0.5, 0);
+     * the forward adds them in the product; backward sums the columns of dy
+     * (read 36C) */
+    add(t, "bias column sums", tok * L * 36 * C, bw, 1);
+    phase(t, 0, 0);
     if (!lp) {
         /* fp32 attention: each head's scores stay in L2 through the softmax;
          * the probabilities (nh T floats a token) are written once and read

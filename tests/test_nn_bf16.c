@@ -25,6 +25,7 @@
  *    fp32 loss curve within 0.5% relative at every step (measured 0.01%).
  */
 #include "core/core-impl.h"
+#include "fsdp/fsdp-impl.h"
 #include "fsdp.h"
 #include "harness.h"
 #include "nn/nn-impl.h"
@@ -549,6 +550,110 @@ TEST(linear_takes_its_input_in_16_bits) {
         free(xl);
         free(dy);
         fsdp_module_free(m);
+        fsdp_ctx_free(ctx);
+    }
+}
+
+/* [Note: padded rows] (src/fsdp/step.c): rows x cols floats narrowed in
+ * place to 16-bit rows ld apart hold the cast of every value, bit for bit,
+ * at every shape the passes split differently (one row, a few, many; ld up
+ * to twice cols). */
+TEST(narrowing_in_place_to_padded_rows) {
+    rseed(33);
+    const int64_t shapes[][2] = {{1, 17}, {2, 17}, {5, 40}, {37, 50}, {300, 1000}, {64, 50257}};
+    enum fsdp_dtype dts[2] = {FSDP_BF16, FSDP_F16};
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++)
+        for (int d = 0; d < 2; d++) {
+            int64_t rows = shapes[k][0], cols = shapes[k][1], ld = fsdp_rows16_stride(cols), bad = 0;
+            ASSERT(ld <= 2 * cols);
+            float *buf = malloc((size_t)(rows * cols) * sizeof(float)), *ref = malloc((size_t)(rows * cols) * sizeof(float));
+            for (int64_t i = 0; i < rows * cols; i++) buf[i] = ref[i] = 8 * urand();
+            fsdp__mp_narrow_rows_inplace(dts[d], buf, rows, cols, ld);
+            const uint16_t *h = (const uint16_t *)buf;
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = 0; j < cols; j++) {
+                    float v = ref[r * cols + j];
+                    uint16_t want = dts[d] == FSDP_BF16 ? fsdp__f32_to_bf16(v) : fsdp__f32_to_f16(v);
+                    if (h[r * ld + j] != want && bad++ < 3)
+                        TEST_FAILF("%lld x %lld %s: row %lld column %lld is 0x%04x, the cast of %.9g is 0x%04x",
+                                   (long long)rows, (long long)cols, fsdp_dtype_name(dts[d]), (long long)r,
+                                   (long long)j, h[r * ld + j], (double)v, want);
+                }
+            free(buf);
+            free(ref);
+        }
+}
+
+/* A bias-free 16-bit Linear takes its output gradient in 16 bits in padded
+ * rows (dout_layout ROWS16) and reads nothing in the gaps: filled with NaN
+ * there, dW and dx are finite and agree with the same values in PLAIN rows;
+ * with a bias, or in fp32, it asks for PLAIN and refuses ROWS16 by name. */
+TEST(linear_takes_its_output_gradient_in_padded_rows) {
+    rseed(34);
+    enum fsdp_dtype dts[2] = {FSDP_BF16, FSDP_F16};
+    const int64_t I = 48, O = 40, N = 24, ld = fsdp_rows16_stride(O);
+    for (int d = 0; d < 2; d++) {
+        struct fsdp_ctx *ctx = make_ctx();
+        struct fsdp_module *m, *mb;
+        ASSERT_OK(fsdp__linear_create(ctx, "lin", I, O, 0, 0.02f, &m), ctx);
+        ASSERT_OK(fsdp__linear_create(ctx, "linb", I, O, 1, 0.02f, &mb), ctx);
+        struct fsdp_module *ms[2] = {m, mb};
+        for (int k = 0; k < 2; k++) {
+            ASSERT_OK(fsdp_module_finalize(ctx, ms[k]), ctx);
+            ASSERT_OK(fsdp_module_materialize(ctx, ms[k], 7), ctx);
+            fsdp_module_foreach_param(ms[k], randomize, NULL);
+            ASSERT_OK(fsdp_module_set_compute_dtype(ctx, ms[k], dts[d]), ctx);
+        }
+        float *x = malloc((size_t)(N * I) * sizeof(float)), *dy = malloc((size_t)(N * O) * sizeof(float));
+        uint16_t *plain = malloc((size_t)(N * O) * sizeof(uint16_t)), *pad = malloc((size_t)(N * ld) * sizeof(uint16_t));
+        for (int64_t i = 0; i < N * I; i++) x[i] = urand();
+        for (int64_t i = 0; i < N * O; i++) dy[i] = urand();
+        fsdp__cvt_from_f32(dts[d], dy, plain, (size_t)(N * O));
+        uint16_t nan16 = dts[d] == FSDP_BF16 ? 0x7fc0 : 0x7e00;
+        for (int64_t i = 0; i < N * ld; i++) pad[i] = nan16;
+        for (int64_t r = 0; r < N; r++) memcpy(pad + r * ld, plain + r * O, (size_t)O * sizeof(uint16_t));
+        struct fsdp_tensor in = {x, FSDP_F32, 2, {N, I}, FSDP_LAYOUT_PLAIN};
+        float *res[2][2]; /* [plain, padded][dW, dx] */
+        for (int v = 0; v < 2; v++) {
+            fsdp_arena_reset(ctx);
+            ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
+            struct fsdp_tensor out = {0}, din = {0};
+            ASSERT_OK(fsdp_module_forward(m, ctx, &in, &out), ctx);
+            CHECK_INT_EQ((int)m->priv->dout_dtype, (int)dts[d]);
+            CHECK_INT_EQ((int)m->priv->dout_layout, (int)FSDP_LAYOUT_ROWS16);
+            struct fsdp_tensor dout = {v ? (void *)pad : (void *)plain, dts[d], 2, {N, O},
+                                       v ? FSDP_LAYOUT_ROWS16 : FSDP_LAYOUT_PLAIN};
+            ASSERT_OK(fsdp_module_backward(m, ctx, &dout, &din), ctx);
+            res[v][0] = malloc((size_t)(O * I) * sizeof(float));
+            res[v][1] = malloc((size_t)(N * I) * sizeof(float));
+            struct fsdp_param *w = fsdp_module_find_param(m, "weight");
+            ASSERT(w);
+            memcpy(res[v][0], fsdp__pgrad(w), (size_t)(O * I) * sizeof(float));
+            memcpy(res[v][1], din.data, (size_t)(N * I) * sizeof(float));
+        }
+        double worst = 0;
+        check_rel("Linear (padded rows)", "dW", res[1][0], res[0][0], O * I, 1e-6, &worst);
+        check_rel("Linear (padded rows)", "dx", res[1][1], res[0][1], N * I, 1e-6, &worst);
+        for (int v = 0; v < 2; v++) free(res[v][0]), free(res[v][1]);
+        /* with a bias: PLAIN asked, ROWS16 refused */
+        fsdp_arena_reset(ctx);
+        ASSERT_OK(fsdp_module_zero_grad(ctx, mb), ctx);
+        struct fsdp_tensor out = {0}, din = {0};
+        ASSERT_OK(fsdp_module_forward(mb, ctx, &in, &out), ctx);
+        CHECK_INT_EQ((int)mb->priv->dout_layout, (int)FSDP_LAYOUT_PLAIN);
+        CHECK_INT_EQ((int)mb->priv->dout_dtype, (int)FSDP_F32);
+        struct fsdp_tensor dpad = {dy, FSDP_F32, 2, {N, O}, FSDP_LAYOUT_ROWS16};
+        CHECK_INT_EQ(fsdp_module_backward(mb, ctx, &dpad, &din), FSDP_ERR_INVALID);
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "input in the ROWS16 layout; this module takes PLAIN tensors only");
+        /* fp32 compute: PLAIN asked */
+        ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, FSDP_F32), ctx);
+        fsdp_arena_reset(ctx);
+        out = (struct fsdp_tensor){0};
+        ASSERT_OK(fsdp_module_forward(m, ctx, &in, &out), ctx);
+        CHECK_INT_EQ((int)m->priv->dout_layout, (int)FSDP_LAYOUT_PLAIN);
+        free(x), free(dy), free(plain), free(pad);
+        fsdp_module_free(m);
+        fsdp_module_free(mb);
         fsdp_ctx_free(ctx);
     }
 }

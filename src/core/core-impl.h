@@ -83,6 +83,8 @@ struct fsdp__module_priv {
                                    its output gradient as it is (BF16 / F16), or FSDP_F32: set by
                                    the layer's forward ([Note: 16-bit output gradient],
                                    src/nn/precision.c) */
+    enum fsdp_layout dout_layout; /* and in which layout: ROWS16 where it takes padded rows (a
+                                     Linear; [Note: padded rows], src/fsdp/step.c), else PLAIN */
 };
 
 /* ---- Errors ---- */

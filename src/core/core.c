@@ -48,6 +48,8 @@ const char *fsdp_dtype_name(enum fsdp_dtype dt) {
     return "?";
 }
 
+int64_t fsdp_rows16_stride(int64_t n) { return (n + 15) / 16 * 16; }
+
 int64_t fsdp_tensor_numel(const struct fsdp_tensor *t) {
     int64_t n = 1;
     for (int i = 0; i < t->ndim; i++) n *= t->shape[i];

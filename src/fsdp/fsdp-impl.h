@@ -269,6 +269,7 @@ void fsdp__mp_gather_finish(struct fsdp__unit *u);
 /* Narrows buf[0..n) to n 16-bit values of dt at bytes [0, 2n), in place
  * (nothing while measuring). */
 void fsdp__mp_narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n);
+void fsdp__mp_narrow_rows_inplace(enum fsdp_dtype dt, float *buf, int64_t rows, int64_t cols, int64_t ld);
 /* Narrows u->full_grad in place to reduce_dtype (no-op for F32) and returns
  * the send buffer of the reduce-scatter (numel_padded elements). */
 void *fsdp__mp_grad_send(struct fsdp__unit *u, int world);

@@ -98,6 +98,36 @@ void fsdp__mp_narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n) {
     }
 }
 
+/* Narrows rows x cols floats in place to 16-bit rows that start every ld
+ * elements (cols <= ld <= 2 cols): row r's values move from bytes 4 cols r to
+ * 2 ld r, never to a higher address than they are read from. Rows [a, b) in
+ * parallel write bytes [2 ld a, 2 ld b) and read [4 cols a, 4 cols b): safe
+ * while ld b <= 2 cols a; before that, row by row (in element order, so
+ * each 16-value read comes before the writes that reach it). */
+void fsdp__mp_narrow_rows_inplace(enum fsdp_dtype dt, float *buf, int64_t rows, int64_t cols, int64_t ld) {
+    FSDP_ASSERT(cols > 0 && cols <= ld && ld <= 2 * cols, "narrow rows: %lld columns at a stride of %lld",
+                (long long)cols, (long long)ld);
+    if (fsdp__measuring) return;
+    uint16_t *dst = (uint16_t *)(void *)buf;
+    for (int64_t a = 0; a < rows;) {
+        int64_t b = 2 * cols * a / ld;
+        if (b > rows) b = rows;
+        if (b <= a + 1) { /* one row, its values in order */
+            for (int64_t j = 0; j < cols; j += 16) {
+                int64_t n = cols - j < 16 ? cols - j : 16;
+                float v[16];
+                memcpy(v, buf + a * cols + j, (size_t)n * sizeof(float));
+                fsdp__cvt_from_f32(dt, v, dst + a * ld + j, (size_t)n);
+            }
+            a++;
+            continue;
+        }
+#pragma omp parallel for schedule(static)
+        for (int64_t r = a; r < b; r++) fsdp__cvt_from_f32(dt, buf + r * cols, dst + r * ld, (size_t)cols);
+        a = b;
+    }
+}
+
 /* Env FSDP_CHECK_LP_COPY=1 (the test suite sets it): every gather from a
  * valid 16-bit copy first checks it against a fresh cast of the shard, so a
  * writer of the shard that forgot fsdp__model_shards_written fails loudly. */

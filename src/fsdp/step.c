@@ -524,14 +524,29 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
     sp->fwd_pending = 0;
     ctx->errmsg[0] = '\0';
     /* [Note: 16-bit output gradient] (src/nn/precision.c): a gradient the loss wrote over the
-     * model's output in the arena is the library's to narrow in place */
+     * model's output in the arena is the library's to narrow in place.
+     * [Note: padded rows] oneDNN runs a 16-bit product whose operand rows
+     * start at unaligned addresses on its slower brgemm kernels: GPT-2's
+     * lm_head backward with dlogits rows of 50257 bf16 values ran dW = dy^T x
+     * at 424 GFLOP/s and dx = dy W at 585 where rows 50272 apart ran 785 and
+     * 765 (2 threads, AVX512-BF16; bench/README.md). So where the receiving
+     * module takes them (dout_layout ROWS16: a bias-free Linear), the
+     * narrowing spaces the rows fsdp_rows16_stride apart, which still fits in
+     * the fp32 buffer; the values are the same bits. */
     struct fsdp_tensor d16 = *dout;
     enum fsdp_dtype ddt = fm->root->priv->dout_dtype;
     if (ddt != FSDP_F32 && dout->data == o->data) {
         size_t n = (size_t)fsdp_tensor_numel(dout);
-        fsdp__mp_narrow_inplace(ddt, dout->data, (int64_t)n);
+        int64_t cols = dout->shape[dout->ndim - 1], rows = (int64_t)n / cols, ld = fsdp_rows16_stride(cols);
+        if (fm->root->priv->dout_layout == FSDP_LAYOUT_ROWS16 && ld != cols && ld <= 2 * cols) {
+            fsdp__mp_narrow_rows_inplace(ddt, dout->data, rows, cols, ld);
+            d16.layout = FSDP_LAYOUT_ROWS16;
+        } else {
+            fsdp__mp_narrow_inplace(ddt, dout->data, (int64_t)n);
+            ld = cols;
+        }
         d16.dtype = ddt;
-        fsdp__arena_shrink(ctx, dout->data, n * sizeof(float), n * fsdp_dtype_size(ddt)); /* the upper half is free */
+        fsdp__arena_shrink(ctx, dout->data, n * sizeof(float), (size_t)(rows * ld) * fsdp_dtype_size(ddt));
     }
     enum fsdp_status st = fsdp_module_backward(fm->root, ctx, &d16, NULL);
     if (st != FSDP_OK && !ctx->errmsg[0])

@@ -67,6 +67,7 @@ static enum fsdp_status gpt_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     FSDP_TRY(fsdp_module_forward(G->ln_f, ctx, &x, &xf));
     FSDP_TRY(fsdp_module_forward(G->lm_head, ctx, &xf, out)); /* (B, T, V) */
     m->priv->dout_dtype = G->lm_head->priv->dout_dtype; /* dlogits go to lm_head as they come */
+    m->priv->dout_layout = G->lm_head->priv->dout_layout;
     G->B = B;
     G->T = T;
     return FSDP_OK;
@@ -80,7 +81,8 @@ static enum fsdp_status gpt_backward(struct fsdp_module *m, struct fsdp_ctx *ctx
     struct gpt *G = m->impl;
     if (!G->T) return fsdp__err(ctx, FSDP_ERR_STATE, "GPT: backward without forward");
     enum fsdp_dtype ddt = dout && dout->dtype == m->priv->dout_dtype ? m->priv->dout_dtype : FSDP_F32;
-    FSDP_TRY(fsdp__check_input(ctx, m, dout, ddt, 3, G->cfg.vocab_size)); /* [Note: 16-bit output gradient] */
+    FSDP_TRY(ddt != FSDP_F32 ? fsdp__check_input_rows16(ctx, m, dout, ddt, 3, G->cfg.vocab_size)
+                             : fsdp__check_input(ctx, m, dout, ddt, 3, G->cfg.vocab_size)); /* [Note: 16-bit output gradient] */
     if (dout->shape[0] != G->B || dout->shape[1] != G->T)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "GPT: gradient is (%lld, %lld, V), forward was (%lld, %lld, V)",
                          (long long)dout->shape[0], (long long)dout->shape[1], (long long)G->B, (long long)G->T);

@@ -123,21 +123,32 @@ enum fsdp_status fsdp__tensor_prepare(struct fsdp_ctx *ctx, struct fsdp_tensor *
     return FSDP_OK;
 }
 
+/* takes: the layout besides PLAIN that the module takes (PLAIN: none) */
 static enum fsdp_status check_input(struct fsdp_ctx *ctx, const struct fsdp_module *m, const struct fsdp_tensor *t,
-                                    enum fsdp_dtype dt, int ndim, int64_t last, int any_layout);
+                                    enum fsdp_dtype dt, int ndim, int64_t last, enum fsdp_layout takes);
 
 enum fsdp_status fsdp__check_input(struct fsdp_ctx *ctx, const struct fsdp_module *m,
                                    const struct fsdp_tensor *t, enum fsdp_dtype dt, int ndim, int64_t last) {
-    return check_input(ctx, m, t, dt, ndim, last, 0);
+    return check_input(ctx, m, t, dt, ndim, last, FSDP_LAYOUT_PLAIN);
 }
 
 enum fsdp_status fsdp__check_input_any(struct fsdp_ctx *ctx, const struct fsdp_module *m,
                                        const struct fsdp_tensor *t, enum fsdp_dtype dt, int ndim, int64_t last) {
-    return check_input(ctx, m, t, dt, ndim, last, 1);
+    return check_input(ctx, m, t, dt, ndim, last, FSDP_LAYOUT_BLOCKED16);
+}
+
+enum fsdp_status fsdp__check_input_rows16(struct fsdp_ctx *ctx, const struct fsdp_module *m,
+                                          const struct fsdp_tensor *t, enum fsdp_dtype dt, int ndim, int64_t last) {
+    return check_input(ctx, m, t, dt, ndim, last, FSDP_LAYOUT_ROWS16);
+}
+
+int64_t fsdp__row_stride(const struct fsdp_tensor *t) {
+    int64_t last = t->shape[t->ndim - 1];
+    return t->layout == FSDP_LAYOUT_ROWS16 ? fsdp_rows16_stride(last) : last;
 }
 
 static enum fsdp_status check_input(struct fsdp_ctx *ctx, const struct fsdp_module *m, const struct fsdp_tensor *t,
-                                    enum fsdp_dtype dt, int ndim, int64_t last, int any_layout) {
+                                    enum fsdp_dtype dt, int ndim, int64_t last, enum fsdp_layout takes) {
     const char *who = fsdp__mname(m);
     if (!t || !t->data)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input tensor has no data", m->ops->type, who);
@@ -155,12 +166,15 @@ static enum fsdp_status check_input(struct fsdp_ctx *ctx, const struct fsdp_modu
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input last dimension is %lld, expected %lld",
                          m->ops->type, who, (long long)t->shape[t->ndim - 1], (long long)last);
     if (t->layout == FSDP_LAYOUT_PLAIN) return FSDP_OK;
-    if (t->layout != FSDP_LAYOUT_BLOCKED16)
+    if (t->layout != FSDP_LAYOUT_BLOCKED16 && t->layout != FSDP_LAYOUT_ROWS16)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input layout %d is unknown", m->ops->type, who,
                          (int)t->layout);
-    if (!any_layout)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input in the BLOCKED16 layout; this module takes PLAIN "
-                         "tensors only", m->ops->type, who);
+    const char *lname = t->layout == FSDP_LAYOUT_ROWS16 ? "ROWS16" : "BLOCKED16";
+    if (t->layout != takes)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input in the %s layout; this module takes %s%s tensors "
+                         "only", m->ops->type, who, lname, takes == FSDP_LAYOUT_PLAIN ? "PLAIN" : "PLAIN or ",
+                         takes == FSDP_LAYOUT_ROWS16 ? "ROWS16" : takes == FSDP_LAYOUT_BLOCKED16 ? "BLOCKED16" : "");
+    if (t->layout == FSDP_LAYOUT_ROWS16) return FSDP_OK;
     if (t->ndim != 4 || t->shape[1] % 16)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': a BLOCKED16 input must be 4-D with a multiple of 16 "
                          "channels (has %d dimensions, %lld channels)", m->ops->type, who, t->ndim,

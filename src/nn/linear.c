@@ -41,17 +41,13 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
     L->lp = lp;
     L->xl = NULL;
     m->priv->dout_dtype = L->bias ? FSDP_F32 : lp; /* [Note: 16-bit output gradient]: the bias sums dy in fp32 */
+    m->priv->dout_layout = lp != FSDP_F32 && !L->bias ? FSDP_LAYOUT_ROWS16 : FSDP_LAYOUT_PLAIN; /* [Note: padded rows] */
     if (lp == FSDP_F32) {
-        float beta = 0.0f;
-        if (b) { /* y starts as the bias in every row, then y += x W^T */
-#pragma omp parallel for schedule(static)
-            for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++) memcpy(y + i * O, b, (size_t)O * sizeof(float));
-            beta = 1.0f;
-        }
         size_t mark = fsdp_arena_mark(ctx);
         const float *w = fsdp__pdata_f32(ctx, L->weight, "Linear weight (fp32)"); /* (out, in) */
         if (!w) return FSDP_ERR_NOMEM;
-        fsdp__sgemm(0, 1, N, O, L->in, 1.0f, x, L->in, w, L->in, beta, y, O);
+        if (b) fsdp__gemm_lp_bias(FSDP_F32, 0, 1, N, O, L->in, x, L->in, w, L->in, b, y, O); /* bias in the product */
+        else fsdp__sgemm(0, 1, N, O, L->in, 1.0f, x, L->in, w, L->in, 0.0f, y, O);
         fsdp_arena_release(ctx, mark);
     } else {
         const void *xl = handed ? in->data : fsdp__lp_copy(ctx, lp, x, N * L->in, "Linear input (low precision)");
@@ -78,13 +74,14 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     if (!L->x && !L->xl)
         return fsdp__err(ctx, FSDP_ERR_STATE, "Linear '%s': backward without forward", fsdp__mname(m));
     int handed = L->lp != FSDP_F32 && dout && dout->dtype == L->lp && !L->bias; /* [Note: 16-bit output gradient] */
-    FSDP_TRY(fsdp__check_input(ctx, m, dout, handed ? L->lp : FSDP_F32, 0, L->out));
+    FSDP_TRY(handed ? fsdp__check_input_rows16(ctx, m, dout, L->lp, 0, L->out)
+                    : fsdp__check_input(ctx, m, dout, FSDP_F32, 0, L->out));
     if (fsdp_tensor_numel(dout) != L->n * L->out)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "Linear '%s': gradient has %lld rows, forward had %lld",
                          fsdp__mname(m), (long long)(fsdp_tensor_numel(dout) / L->out), (long long)L->n);
     FSDP_TRY(fsdp__param_ready(ctx, L->weight, 1));
     if (L->bias) FSDP_TRY(fsdp__param_ready(ctx, L->bias, 1));
-    int64_t N = L->n, I = L->in, O = L->out;
+    int64_t N = L->n, I = L->in, O = L->out, ldy = handed ? fsdp__row_stride(dout) : O;
     const float *dy = dout->data; /* (N, out) */
     enum fsdp_dtype lp = L->lp;
     if (din) { /* prepared before any scratch, which is released below */
@@ -107,10 +104,10 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     }
     /* dW (out, in) += dy^T x, or = when unset ([Note: unset gradients]) */
     float beta, *dw = fsdp__pgrad_first(L->weight, &beta);
-    fsdp__gemm_lp(lp, 1, 0, O, I, N, 1.0f, dyl, O, lp == FSDP_F32 ? (const void *)L->x : L->xl, I, beta, dw, I);
+    fsdp__gemm_lp(lp, 1, 0, O, I, N, 1.0f, dyl, ldy, lp == FSDP_F32 ? (const void *)L->x : L->xl, I, beta, dw, I);
     if (L->bias) fsdp__colsum_add(dy, N, O, fsdp__pgrad(L->bias)); /* db (out) += column sums of dy */
     if (din) /* dx (N, in) = dy W */
-        fsdp__gemm_lp(lp, 0, 0, N, I, O, 1.0f, dyl, O, wl, I, 0.0f, din->data, I);
+        fsdp__gemm_lp(lp, 0, 0, N, I, O, 1.0f, dyl, ldy, wl, I, 0.0f, din->data, I);
     fsdp_arena_release(ctx, mark);
     return FSDP_OK;
 }

@@ -167,6 +167,13 @@ enum fsdp_status fsdp__check_input(struct fsdp_ctx *ctx, const struct fsdp_modul
  * multiple of 16 channels). */
 enum fsdp_status fsdp__check_input_any(struct fsdp_ctx *ctx, const struct fsdp_module *m,
                                        const struct fsdp_tensor *t, enum fsdp_dtype dt, int ndim, int64_t last);
+/* The same for a module that also takes ROWS16 (a 16-bit output gradient
+ * handed on as it is: [Note: padded rows], src/fsdp/step.c). */
+enum fsdp_status fsdp__check_input_rows16(struct fsdp_ctx *ctx, const struct fsdp_module *m,
+                                          const struct fsdp_tensor *t, enum fsdp_dtype dt, int ndim, int64_t last);
+/* The row stride of t's last dimension, in elements: fsdp_rows16_stride for
+ * ROWS16, the dimension itself otherwise. */
+int64_t fsdp__row_stride(const struct fsdp_tensor *t);
 
 /* Makes BatchNorm2d m apply a ReLU to its output, as its forward and
  * backward ([Note: fused ReLU and 16-bit hand-off] in batchnorm.c). */
