@@ -118,15 +118,19 @@ struct attention {
 };
 
 /* att (B*nh, T, T) = softmax(scale q k^T) from the head-major 16-bit q and k
- * (the scores product, then the causal softmax row by row): forward and the
+ * (the scores product, then the causal softmax row by row), and ab, its
+ * rounding to lp, each row cast while it is in cache: forward and the
  * backward's recompute run this same code on the same operands, so the two
  * give the same bits ([Note: recomputed probabilities]). */
 static void heads_probs_lp(enum fsdp_dtype lp, const uint16_t *q, const uint16_t *k, int64_t BH, int64_t T,
-                           int64_t hs, float *att) {
+                           int64_t hs, float *att, uint16_t *ab) {
     float scale = 1.0f / sqrtf((float)hs);
     fsdp__gemm_lp_batched(lp, BH, 0, 1, T, T, hs, scale, q, hs, T * hs, k, hs, T * hs, 0.0f, att, T, T * T);
 #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < (fsdp__measuring ? 0 : BH * T); r++) softmax_row(att + r * T, r % T, T);
+    for (int64_t r = 0; r < (fsdp__measuring ? 0 : BH * T); r++) {
+        softmax_row(att + r * T, r % T, T);
+        fsdp__cvt_from_f32(lp, att + r * T, ab + r * T, (size_t)T); /* serial inside the loop */
+    }
 }
 
 /* att = softmax(scale q k^T), y = att v: the 16-bit path; y (B, T, C) in
@@ -145,8 +149,7 @@ static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype l
     heads_to_lp(lp, qdt, qkv, 3 * C, 0, B, T, nh, hs, q);
     heads_to_lp(lp, qdt, qkv, 3 * C, C, B, T, nh, hs, k);
     heads_to_lp(lp, qdt, qkv, 3 * C, 2 * C, B, T, nh, hs, v);
-    heads_probs_lp(lp, q, k, BH, T, hs, att);
-    fsdp__cvt_from_f32(lp, att, ab, (size_t)(BH * T * T));
+    heads_probs_lp(lp, q, k, BH, T, hs, att, ab);
     fsdp__gemm_lp_batched(lp, BH, 0, 0, T, hs, T, 1.0f, ab, T, T * T, v, hs, T * hs, 0.0f, yh, hs, T * hs);
     heads_from(yh, B, T, nh, hs, ydt, y, C, 0);
     fsdp_arena_release(ctx, mark);
@@ -212,16 +215,17 @@ static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype 
     uint16_t *k = q + n, *v = k + n, *dyh = v + n;
     for (int part = 0; part < 3; part++) heads_to_lp(lp, qdt, qkv, 3 * C, part * C, B, T, nh, hs, q + part * n);
     heads_to_lp(lp, FSDP_F32, dy, C, 0, B, T, nh, hs, dyh);
-    heads_probs_lp(lp, q, k, BH, T, hs, att);
-    fsdp__cvt_from_f32(lp, att, ab, (size_t)(BH * T * T));
+    heads_probs_lp(lp, q, k, BH, T, hs, att, ab);
     float scale = 1.0f / sqrtf((float)hs);
     /* datt = dY v^T;  dv = att^T dY */
     fsdp__gemm_lp_batched(lp, BH, 0, 1, T, T, hs, 1.0f, dyh, hs, T * hs, v, hs, T * hs, 0.0f, ds, T, T * T);
     fsdp__gemm_lp_batched(lp, BH, 1, 0, T, hs, T, 1.0f, ab, T, T * T, dyh, hs, T * hs, 0.0f, dh + 2 * n, hs,
                           T * hs);
 #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < (fsdp__measuring ? 0 : BH * T); r++) softmax_bwd_row(att + r * T, ds + r * T, r % T, T);
-    fsdp__cvt_from_f32(lp, ds, ab, (size_t)(BH * T * T)); /* dS */
+    for (int64_t r = 0; r < (fsdp__measuring ? 0 : BH * T); r++) { /* dS, and its rounding over att's in ab */
+        softmax_bwd_row(att + r * T, ds + r * T, r % T, T);
+        fsdp__cvt_from_f32(lp, ds + r * T, ab + r * T, (size_t)T);
+    }
     /* dq = scale dS k;  dk = scale dS^T q */
     fsdp__gemm_lp_batched(lp, BH, 0, 0, T, hs, T, scale, ab, T, T * T, k, hs, T * hs, 0.0f, dh, hs, T * hs);
     fsdp__gemm_lp_batched(lp, BH, 1, 0, T, hs, T, scale, ab, T, T * T, q, hs, T * hs, 0.0f, dh + n, hs, T * hs);

@@ -52,7 +52,8 @@ const char *fsdp__mname(const struct fsdp_module *m) {
 
 #define COLSUM_RUN 2048
 
-void fsdp__colsum_add(const float *x, int64_t rows, int64_t cols, float *db) {
+void fsdp__colsum_add(const float *x, int64_t rows, int64_t cols, float *db, enum fsdp_dtype dt, void *xl) {
+    size_t es = xl ? fsdp_dtype_size(dt) : 0;
     if (fsdp__measuring) return;
 #pragma omp parallel
     {
@@ -68,6 +69,7 @@ void fsdp__colsum_add(const float *x, int64_t rows, int64_t cols, float *db) {
                 const float *row = x + i * cols + c0;
 #pragma omp simd
                 for (int64_t c = 0; c < w; c++) acc[c] += row[c];
+                if (xl) fsdp__cvt_from_f32(dt, row, (char *)xl + (size_t)(i * cols + c0) * es, (size_t)w);
             }
             for (int64_t c = 0; c < w; c++) db[c0 + c] += acc[c];
         }

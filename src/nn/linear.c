@@ -95,17 +95,20 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     if (lp == FSDP_F32) {
         if (din && !(wl = fsdp__pdata_f32(ctx, L->weight, "Linear weight (fp32)"))) return FSDP_ERR_NOMEM;
     } else {
-        dyl = handed ? dout->data : fsdp__lp_copy(ctx, lp, dy, N * O, "Linear output gradient (low precision)");
+        const char *what = "Linear output gradient (low precision)";
+        /* with a bias, the copy is made by the column sums' pass below */
+        dyl = handed ? dout->data : L->bias ? fsdp__lp_alloc(ctx, lp, N * O, what) : fsdp__lp_copy(ctx, lp, dy, N * O, what);
         if (dyl && din) wl = fsdp__pdata_lp(ctx, L->weight, lp);
         if (!dyl || (din && !wl)) {
             fsdp_arena_release(ctx, mark);
             return FSDP_ERR_NOMEM;
         }
     }
+    if (L->bias) /* db (out) += column sums of dy; in 16 bits, dyl = dy rounded in the same pass */
+        fsdp__colsum_add(dy, N, O, fsdp__pgrad(L->bias), lp, lp == FSDP_F32 ? NULL : (void *)(uintptr_t)dyl);
     /* dW (out, in) += dy^T x, or = when unset ([Note: unset gradients]) */
     float beta, *dw = fsdp__pgrad_first(L->weight, &beta);
     fsdp__gemm_lp(lp, 1, 0, O, I, N, 1.0f, dyl, ldy, lp == FSDP_F32 ? (const void *)L->x : L->xl, I, beta, dw, I);
-    if (L->bias) fsdp__colsum_add(dy, N, O, fsdp__pgrad(L->bias)); /* db (out) += column sums of dy */
     if (din) /* dx (N, in) = dy W */
         fsdp__gemm_lp(lp, 0, 0, N, I, O, 1.0f, dyl, ldy, wl, I, 0.0f, din->data, I);
     fsdp_arena_release(ctx, mark);

@@ -79,6 +79,8 @@ static inline enum fsdp_dtype fsdp__compute_dtype(const struct fsdp_module *m) {
 /* n elements of dt from the arena, converted from src (fp32), or NULL with
  * the error set naming `what`. */
 void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what);
+/* The same, unconverted: n elements of dt from the arena. */
+void *fsdp__lp_alloc(struct fsdp_ctx *ctx, enum fsdp_dtype dt, int64_t n, const char *what);
 /* The values of parameter p as dtype dt for a product: fsdp__pdata(p) for
  * FSDP_F32, else a cast into the arena (NULL with the error set if the arena
  * is full). The one place a layer gets its low-precision weight: when FSDP
@@ -104,8 +106,10 @@ enum fsdp_dtype fsdp__conv_input_dtype(const struct fsdp_module *m);
  * in fp32 from zero, then added: the same bits whatever the team size. Each
  * thread owns a contiguous range of columns and walks the rows in runs of
  * up to COLSUM_RUN columns (gemm.c), so rows are read as contiguous runs,
- * not 64-column strips a page apart. */
-void fsdp__colsum_add(const float *x, int64_t rows, int64_t cols, float *db);
+ * not 64-column strips a page apart. With xl non-NULL it also writes x
+ * rounded to dt there (the same layout), each run while it is in cache:
+ * one pass for a Linear's bias gradient and the 16-bit copy of dy. */
+void fsdp__colsum_add(const float *x, int64_t rows, int64_t cols, float *db, enum fsdp_dtype dt, void *xl);
 
 /* ---- Parameters (ties honoured) ---- */
 /* A tied parameter (tied_to != NULL) has no storage of its own: its values

@@ -127,6 +127,10 @@ enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m) {
     return dt;
 }
 
+void *fsdp__lp_alloc(struct fsdp_ctx *ctx, enum fsdp_dtype dt, int64_t n, const char *what) {
+    return arena_elems(ctx, n, dt, what, NULL);
+}
+
 void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what) {
     void *p = arena_elems(ctx, n, dt, what, NULL);
     if (!p) return NULL;
