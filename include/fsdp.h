@@ -1483,6 +1483,11 @@ struct fsdp_parallel_config {
                                     buffers every rank's buffers */
     int verbose;                 /* default 0: 1 = rank 0 prints the unit plan (stderr) */
     uint64_t seed;               /* built-in init when param_init is NULL; default 1337 */
+    int skip_init;               /* default 0: 1 = no init after sharding (neither param_init
+                                    nor the built-in one): the parameters the model does not
+                                    bring as values are zero, for a caller that loads every
+                                    parameter next (fsdp-train's --resume: a checkpoint
+                                    holds them all, fsdp_ckpt_load checks it) */
     enum fsdp_sharding sharding; /* default FULL_SHARD (a 2-D mesh: HYBRID_SHARD) */
     int overlap;                 /* default 1: prefetch and asynchronous reduce-scatters */
     int max_inflight;            /* default 2: gathered units at once (fsdp_shard_opts) */

@@ -12,6 +12,7 @@
 
 #include <math.h>
 #include <mpi.h>
+#include <unistd.h>
 
 #include "mpi_harness.h"
 #include "ref_model.h"
@@ -352,6 +353,53 @@ TEST(deferred_init_matches_eager) {
     compare_to(c, fm, eager);
     fsdp_model_free(fm);
     fsdp_module_free(g);
+    fsdp_module_free(eager);
+}
+
+/* skip_init: neither the built-in init nor param_init runs, so every
+ * parameter is zero after sharding; a load of a full checkpoint then gives
+ * the saved model's values bit for bit (what fsdp-train's --resume does). */
+TEST(skip_init_leaves_zeros_for_a_load) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_gpt_config cfg = tiny_cfg();
+    uint64_t seed = 77;
+    struct fsdp_module *eager, *ga, *gb;
+    ASSERT_OK(fsdp_gpt_create(c, &cfg, &eager), c);
+    ASSERT_OK(fsdp_module_materialize(c, eager, seed), c);
+    struct fsdp_wrap_policy wp = {fsdp_wrap_by_type, (void *)"Block"};
+    struct fsdp_parallel_config pc = fsdp_parallel_config_default();
+    pc.seed = seed;
+    struct fsdp_model *fa, *fb;
+    ASSERT_OK(prepare(c, &ga, &wp, &pc, NULL, NULL, &fa), c);
+    int pid = (int)getpid();
+    ASSERT_OK(fsdp_comm_broadcast(fsdp_ctx_comm(c), &pid, 1, FSDP_I32, 0), c);
+    char path[256];
+    snprintf(path, sizeof path, "/tmp/fsdp-skip-init-%d-w%d.safetensors", pid, fsdp_ctx_world(c));
+    ASSERT_OK(fsdp_model_save_full(c, fa, path), c);
+    pc.skip_init = 1;
+    ASSERT_OK(fsdp_gpt_create(c, &cfg, &gb), c);
+    struct fsdp_param_init pi = {my_init, &seed}; /* skipped too */
+    ASSERT_OK(fsdp_parallelize_model(c, gb, &pc, NULL, FSDP_F32, &wp, NULL, &pi, &fb), c);
+    struct ref r = {0};
+    fsdp_module_foreach_param(eager, ref_collect, &r);
+    ASSERT(r.n > 0);
+    for (int i = 0; i < r.n; i++) {
+        float *buf = malloc((size_t)r.p[i]->numel * sizeof(float));
+        CHECK_OK(fsdp_model_get_param(c, fb, r.p[i]->fqn, buf), c);
+        int64_t nz = 0;
+        for (int64_t k = 0; k < r.p[i]->numel; k++) nz += buf[k] != 0.0f;
+        if (nz) TEST_FAILF("skip_init: %s has %lld non-zero values", r.p[i]->fqn, (long long)nz);
+        free(buf);
+    }
+    free(r.p);
+    ASSERT_OK(fsdp_model_load_full(c, fb, path, 0), c);
+    compare_to(c, fb, eager);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (fsdp_ctx_rank(c) == 0) unlink(path);
+    fsdp_model_free(fa);
+    fsdp_model_free(fb);
+    fsdp_module_free(ga);
+    fsdp_module_free(gb);
     fsdp_module_free(eager);
 }
 

@@ -286,6 +286,7 @@ static enum fsdp_status init_unit(struct fsdp_ctx *ctx, struct fsdp__unit *u, co
             const float *d = saved_data(sv, p, &slot);
             if (d) { /* this rank's own values (an eager model) */
                 memcpy(u->shard + (s - lo), d + (s - a), (size_t)(e - s) * sizeof(float));
+            } else if (c->skip_init) { /* zero, as memset above: the caller loads every parameter next */
             } else if (pi && pi->fn) {
                 st = pi->fn(ctx, p, full + a, pi->ud);
                 if (st != FSDP_OK) {
