@@ -346,11 +346,12 @@ static void check_strategy_flags(const struct opts *o, int world) {
                  o->grad_accum, o->batch / world, o->batch, world);
 }
 
-/* resuming: the checkpoint's values replace every parameter, so none is initialised first */
+/* loading: --resume or --init-from replaces every parameter (both loads
+ * refuse a file that lacks one), so none is initialised first */
 static struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *gpt,
-                                        struct fsdp_optim *opt, int resuming) {
+                                        struct fsdp_optim *opt, int loading) {
     struct fsdp_parallel_config pc = fsdp_parallel_config_default();
-    pc.skip_init = resuming;
+    pc.skip_init = loading;
     pc.reshard_after_forward = o->reshard_after_forward;
     pc.verbose = o->verbose;
     pc.seed = o->seed;
@@ -894,7 +895,7 @@ int main(int argc, char **argv) {
     struct fsdp_optim *opt;
     if (fsdp_optim_create(ctx, &oo, &opt) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
     if (task.ops->prepare_optim) task.ops->prepare_optim(&task, ctx, &o, opt);
-    struct fsdp_model *fm = prepare_model(ctx, &o, root, opt, resume_dir != NULL);
+    struct fsdp_model *fm = prepare_model(ctx, &o, root, opt, resume_dir || o.init_from);
     int start_step = 0;
     if (resume_dir) {
         double t0 = now_s();
