@@ -566,7 +566,8 @@ TEST(narrowing_in_place_to_padded_rows) {
         for (int d = 0; d < 2; d++) {
             int64_t rows = shapes[k][0], cols = shapes[k][1], ld = fsdp_rows16_stride(cols), bad = 0;
             ASSERT(ld <= 2 * cols);
-            float *buf = malloc((size_t)(rows * cols) * sizeof(float)), *ref = malloc((size_t)(rows * cols) * sizeof(float));
+            float *buf = malloc((size_t)(rows * cols) * sizeof(float));
+            float *ref = malloc((size_t)(rows * cols) * sizeof(float));
             for (int64_t i = 0; i < rows * cols; i++) buf[i] = ref[i] = 8 * urand();
             fsdp__mp_narrow_rows_inplace(dts[d], buf, rows, cols, ld);
             const uint16_t *h = (const uint16_t *)buf;
@@ -605,7 +606,8 @@ TEST(linear_takes_its_output_gradient_in_padded_rows) {
             ASSERT_OK(fsdp_module_set_compute_dtype(ctx, ms[k], dts[d]), ctx);
         }
         float *x = malloc((size_t)(N * I) * sizeof(float)), *dy = malloc((size_t)(N * O) * sizeof(float));
-        uint16_t *plain = malloc((size_t)(N * O) * sizeof(uint16_t)), *pad = malloc((size_t)(N * ld) * sizeof(uint16_t));
+        uint16_t *plain = malloc((size_t)(N * O) * sizeof(uint16_t));
+        uint16_t *pad = malloc((size_t)(N * ld) * sizeof(uint16_t));
         for (int64_t i = 0; i < N * I; i++) x[i] = urand();
         for (int64_t i = 0; i < N * O; i++) dy[i] = urand();
         fsdp__cvt_from_f32(dts[d], dy, plain, (size_t)(N * O));

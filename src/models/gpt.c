@@ -81,8 +81,9 @@ static enum fsdp_status gpt_backward(struct fsdp_module *m, struct fsdp_ctx *ctx
     struct gpt *G = m->impl;
     if (!G->T) return fsdp__err(ctx, FSDP_ERR_STATE, "GPT: backward without forward");
     enum fsdp_dtype ddt = dout && dout->dtype == m->priv->dout_dtype ? m->priv->dout_dtype : FSDP_F32;
+    /* [Note: 16-bit output gradient]: 16-bit dlogits may come in padded rows, for lm_head */
     FSDP_TRY(ddt != FSDP_F32 ? fsdp__check_input_rows16(ctx, m, dout, ddt, 3, G->cfg.vocab_size)
-                             : fsdp__check_input(ctx, m, dout, ddt, 3, G->cfg.vocab_size)); /* [Note: 16-bit output gradient] */
+                             : fsdp__check_input(ctx, m, dout, ddt, 3, G->cfg.vocab_size));
     if (dout->shape[0] != G->B || dout->shape[1] != G->T)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "GPT: gradient is (%lld, %lld, V), forward was (%lld, %lld, V)",
                          (long long)dout->shape[0], (long long)dout->shape[1], (long long)G->B, (long long)G->T);

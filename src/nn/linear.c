@@ -41,7 +41,8 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
     L->lp = lp;
     L->xl = NULL;
     m->priv->dout_dtype = L->bias ? FSDP_F32 : lp; /* [Note: 16-bit output gradient]: the bias sums dy in fp32 */
-    m->priv->dout_layout = lp != FSDP_F32 && !L->bias ? FSDP_LAYOUT_ROWS16 : FSDP_LAYOUT_PLAIN; /* [Note: padded rows] */
+    /* [Note: padded rows] (src/fsdp/step.c): that dy may come in rows spaced for the products */
+    m->priv->dout_layout = lp != FSDP_F32 && !L->bias ? FSDP_LAYOUT_ROWS16 : FSDP_LAYOUT_PLAIN;
     if (lp == FSDP_F32) {
         size_t mark = fsdp_arena_mark(ctx);
         const float *w = fsdp__pdata_f32(ctx, L->weight, "Linear weight (fp32)"); /* (out, in) */
@@ -97,7 +98,9 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     } else {
         const char *what = "Linear output gradient (low precision)";
         /* with a bias, the copy is made by the column sums' pass below */
-        dyl = handed ? dout->data : L->bias ? fsdp__lp_alloc(ctx, lp, N * O, what) : fsdp__lp_copy(ctx, lp, dy, N * O, what);
+        dyl = handed   ? dout->data
+              : L->bias ? fsdp__lp_alloc(ctx, lp, N * O, what)
+                        : fsdp__lp_copy(ctx, lp, dy, N * O, what);
         if (dyl && din) wl = fsdp__pdata_lp(ctx, L->weight, lp);
         if (!dyl || (din && !wl)) {
             fsdp_arena_release(ctx, mark);
