@@ -371,10 +371,10 @@ TEST(skip_init_leaves_zeros_for_a_load) {
     pc.seed = seed;
     struct fsdp_model *fa, *fb;
     ASSERT_OK(prepare(c, &ga, &wp, &pc, NULL, NULL, &fa), c);
-    int pid = (int)getpid();
-    ASSERT_OK(fsdp_comm_broadcast(fsdp_ctx_comm(c), &pid, 1, FSDP_I32, 0), c);
-    char path[256];
-    snprintf(path, sizeof path, "/tmp/fsdp-skip-init-%d-w%d.safetensors", pid, fsdp_ctx_world(c));
+    char dir[64] = "/tmp/fsdp-skip-init-XXXXXX", path[128]; /* a folder this test makes, and removes */
+    if (fsdp_ctx_rank(c) == 0) ASSERT(mkdtemp(dir));
+    ASSERT_OK(fsdp_comm_broadcast(fsdp_ctx_comm(c), dir, sizeof dir, FSDP_U8, 0), c);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
     ASSERT_OK(fsdp_model_save_full(c, fa, path), c);
     pc.skip_init = 1;
     ASSERT_OK(fsdp_gpt_create(c, &cfg, &gb), c);
@@ -395,7 +395,10 @@ TEST(skip_init_leaves_zeros_for_a_load) {
     ASSERT_OK(fsdp_model_load_full(c, fb, path, 0), c);
     compare_to(c, fb, eager);
     MPI_Barrier(MPI_COMM_WORLD);
-    if (fsdp_ctx_rank(c) == 0) unlink(path);
+    if (fsdp_ctx_rank(c) == 0) {
+        CHECK(unlink(path) == 0);
+        CHECK(rmdir(dir) == 0);
+    }
     fsdp_model_free(fa);
     fsdp_model_free(fb);
     fsdp_module_free(ga);

@@ -103,10 +103,15 @@ void fsdp__mp_narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n) {
  * 2 ld r, never to a higher address than they are read from. Rows [a, b) in
  * parallel write bytes [2 ld a, 2 ld b) and read [4 cols a, 4 cols b): safe
  * while ld b <= 2 cols a; before that, row by row (in element order, so
- * each 16-value read comes before the writes that reach it). */
+ * each 16-value read comes before the writes that reach it). ld == cols
+ * is the flat narrowing of rows * cols values. */
 void fsdp__mp_narrow_rows_inplace(enum fsdp_dtype dt, float *buf, int64_t rows, int64_t cols, int64_t ld) {
     FSDP_ASSERT(cols > 0 && cols <= ld && ld <= 2 * cols, "narrow rows: %lld columns at a stride of %lld",
                 (long long)cols, (long long)ld);
+    if (ld == cols) {
+        fsdp__mp_narrow_inplace(dt, buf, rows * cols);
+        return;
+    }
     if (fsdp__measuring) return;
     uint16_t *dst = (uint16_t *)(void *)buf;
     for (int64_t a = 0; a < rows;) {

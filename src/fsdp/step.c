@@ -538,13 +538,9 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
     if (ddt != FSDP_F32 && dout->data == o->data) {
         size_t n = (size_t)fsdp_tensor_numel(dout);
         int64_t cols = dout->shape[dout->ndim - 1], rows = (int64_t)n / cols, ld = fsdp_rows16_stride(cols);
-        if (fm->root->priv->dout_layout == FSDP_LAYOUT_ROWS16 && ld != cols && ld <= 2 * cols) {
-            fsdp__mp_narrow_rows_inplace(ddt, dout->data, rows, cols, ld);
-            d16.layout = FSDP_LAYOUT_ROWS16;
-        } else {
-            fsdp__mp_narrow_inplace(ddt, dout->data, (int64_t)n);
-            ld = cols;
-        }
+        if (fm->root->priv->dout_layout != FSDP_LAYOUT_ROWS16 || ld > 2 * cols) ld = cols; /* not asked, or no room */
+        fsdp__mp_narrow_rows_inplace(ddt, dout->data, rows, cols, ld);
+        if (ld != cols) d16.layout = FSDP_LAYOUT_ROWS16; /* else the output's own */
         d16.dtype = ddt;
         fsdp__arena_shrink(ctx, dout->data, n * sizeof(float), (size_t)(rows * ld) * fsdp_dtype_size(ddt));
     }

@@ -125,6 +125,16 @@ enum fsdp_status fsdp__tensor_prepare(struct fsdp_ctx *ctx, struct fsdp_tensor *
     return FSDP_OK;
 }
 
+/* The name of layout l, or NULL for a value that is none. */
+static const char *layout_name(enum fsdp_layout l) {
+    switch (l) {
+    case FSDP_LAYOUT_PLAIN: return "PLAIN";
+    case FSDP_LAYOUT_BLOCKED16: return "BLOCKED16";
+    case FSDP_LAYOUT_ROWS16: return "ROWS16";
+    }
+    return NULL;
+}
+
 /* takes: the layout besides PLAIN that the module takes (PLAIN: none) */
 static enum fsdp_status check_input(struct fsdp_ctx *ctx, const struct fsdp_module *m, const struct fsdp_tensor *t,
                                     enum fsdp_dtype dt, int ndim, int64_t last, enum fsdp_layout takes);
@@ -168,14 +178,13 @@ static enum fsdp_status check_input(struct fsdp_ctx *ctx, const struct fsdp_modu
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input last dimension is %lld, expected %lld",
                          m->ops->type, who, (long long)t->shape[t->ndim - 1], (long long)last);
     if (t->layout == FSDP_LAYOUT_PLAIN) return FSDP_OK;
-    if (t->layout != FSDP_LAYOUT_BLOCKED16 && t->layout != FSDP_LAYOUT_ROWS16)
+    if (!layout_name(t->layout))
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input layout %d is unknown", m->ops->type, who,
                          (int)t->layout);
-    const char *lname = t->layout == FSDP_LAYOUT_ROWS16 ? "ROWS16" : "BLOCKED16";
     if (t->layout != takes)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input in the %s layout; this module takes %s%s tensors "
-                         "only", m->ops->type, who, lname, takes == FSDP_LAYOUT_PLAIN ? "PLAIN" : "PLAIN or ",
-                         takes == FSDP_LAYOUT_ROWS16 ? "ROWS16" : takes == FSDP_LAYOUT_BLOCKED16 ? "BLOCKED16" : "");
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': input in the %s layout; this module takes PLAIN%s%s "
+                         "tensors only", m->ops->type, who, layout_name(t->layout),
+                         takes == FSDP_LAYOUT_PLAIN ? "" : " or ", takes == FSDP_LAYOUT_PLAIN ? "" : layout_name(takes));
     if (t->layout == FSDP_LAYOUT_ROWS16) return FSDP_OK;
     if (t->ndim != 4 || t->shape[1] % 16)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s '%s': a BLOCKED16 input must be 4-D with a multiple of 16 "

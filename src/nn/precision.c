@@ -132,7 +132,7 @@ void *fsdp__lp_alloc(struct fsdp_ctx *ctx, enum fsdp_dtype dt, int64_t n, const 
 }
 
 void *fsdp__lp_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what) {
-    void *p = arena_elems(ctx, n, dt, what, NULL);
+    void *p = fsdp__lp_alloc(ctx, dt, n, what);
     if (!p) return NULL;
     fsdp__cvt_from_f32(dt, src, p, (size_t)n);
     return p;
