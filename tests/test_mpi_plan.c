@@ -21,6 +21,8 @@
 #include "../examples/toy.h" /* before mpi_harness.h, whose global ctx its parameters would shadow */
 #include "mpi_harness.h"
 
+#include <sys/resource.h>
+
 /* internal (core-impl.h): frees the activation arena, so that each test
  * measures its own arena from empty */
 void fsdp__arena_free_all(struct fsdp_ctx *ctx);
@@ -197,9 +199,28 @@ static void check_plan(int ckpt, int B, int T) { check_plan_prec(ckpt, B, T, FSD
 
 TEST(plan_equals_measured) { check_plan(0, 4, 32); }
 TEST(plan_equals_measured_checkpointed) { check_plan(1, 4, 32); }
-/* activations over several arena chunks */
-TEST(plan_equals_measured_many_chunks) { check_plan(0, 12, 64); }
-TEST(plan_equals_measured_many_chunks_checkpointed) { check_plan(1, 12, 64); }
+/* activations over several arena chunks: the growth of machines that refuse
+ * the one span ([Note: one arena chunk]) */
+static void chunked(int on) {
+    if (on) setenv("FSDP_ARENA_SPAN", "0", 1);
+    else unsetenv("FSDP_ARENA_SPAN");
+    fsdp__arena_free_all(get_ctx()); /* the next allocation opens the first chunk again */
+}
+TEST(plan_equals_measured_many_chunks) {
+    chunked(1);
+    check_plan(0, 12, 64);
+    chunked(0);
+}
+TEST(plan_equals_measured_many_chunks_checkpointed) {
+    chunked(1);
+    check_plan(1, 12, 64);
+    chunked(0);
+}
+TEST(plan_equals_measured_many_chunks_bf16) {
+    chunked(1);
+    check_plan_prec(0, 12, 64, FSDP_BF16, FSDP_MP_DEFAULT);
+    chunked(0);
+}
 /* mixed precision: 16-bit gathers (staging in the full buffers from 2 ranks;
  * pooled fp32 values even at one rank), the layers' 16-bit copies and
  * scratch in the arena */
@@ -222,6 +243,7 @@ TEST(plan_equals_measured_bf16_attention_checkpointed) { check_plan_prec(2, 12, 
  * the third) count what they use, to a page per chunk, not the chunks'
  * 413 MiB; every byte handed out is written. */
 TEST(arena_counts_what_it_hands_out) {
+    chunked(1);
     struct fsdp_ctx *c = get_ctx();
     struct fsdp_mem_stats m0, m;
     measure_from(c, &m0);
@@ -246,6 +268,53 @@ TEST(arena_counts_what_it_hands_out) {
     memset(p, 0x5a, used);
     fsdp_mem_get(c, &m);
     CHECK_INT_EQ(m.cur[FSDP_MEM_ACT] - m0.cur[FSDP_MEM_ACT], steady);
+    fsdp__arena_free_all(c);
+    chunked(0);
+}
+
+/* [Note: one arena chunk]: the same allocations in the one span (where the
+ * machine maps it): counted as handed out, in one chunk that a reset keeps;
+ * a release to a mark and a larger allocation after it stay in the chunk
+ * (the chunked arena would open a second one there and count both). */
+static int span_expected(void) { /* where Linux maps it: not strict overcommit, no address-space limit */
+    FILE *f = fopen("/proc/sys/vm/overcommit_memory", "r");
+    int mode = 0;
+    if (f && fscanf(f, "%d", &mode) != 1) mode = 0;
+    if (f) fclose(f);
+    struct rlimit rl;
+    return mode != 2 && !(getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY);
+}
+
+TEST(arena_runs_in_one_span) {
+    if (!span_expected()) SKIP("no span here (strict overcommit or an address-space limit)");
+    struct fsdp_ctx *c = get_ctx();
+    fsdp__arena_free_all(c);
+    struct fsdp_mem_stats m0, m;
+    measure_from(c, &m0);
+    const size_t MiB = (size_t)1 << 20, sizes[4] = {9 * MiB, 12 * MiB, 196 * MiB, 3 * MiB};
+    size_t used = 0;
+    char *first = NULL;
+    for (int i = 0; i < 4; i++) {
+        char *p = fsdp_arena_alloc(c, sizes[i]);
+        ASSERT(p != NULL);
+        if (!first) first = p;
+        else if (p != first + used) TEST_FAILF("allocation %d opened a chunk of its own", i);
+        memset(p, 0x5a, sizes[i]);
+        used += sizes[i];
+    }
+    fsdp_mem_get(c, &m);
+    size_t act = m.peak[FSDP_MEM_ACT] - m0.cur[FSDP_MEM_ACT];
+    if (!(act >= used && act <= used + 4096 + 64)) TEST_FAILF("one span counted %zu bytes for %zu", act, used);
+    fsdp_arena_release(c, 9 * MiB);          /* back to after the first */
+    char *p = fsdp_arena_alloc(c, 300 * MiB); /* larger than what was released */
+    ASSERT(p == first + 9 * MiB);
+    memset(p, 0x5a, 300 * MiB);
+    fsdp_mem_get(c, &m);
+    act = m.peak[FSDP_MEM_ACT] - m0.cur[FSDP_MEM_ACT];
+    if (!(act >= 309 * MiB && act <= 309 * MiB + 4096 + 64))
+        TEST_FAILF("one span counted %zu bytes for a high-water mark of %zu", act, 309 * MiB);
+    fsdp_arena_reset(c); /* the same chunk: nothing freed or merged */
+    CHECK(fsdp_arena_alloc(c, 64) == first);
     fsdp__arena_free_all(c);
 }
 
@@ -511,19 +580,24 @@ TEST(plan_bf16_against_fp32) {
     so.precision = FSDP_BF16;
     ASSERT_OK(fsdp_plan_memory(c, gpt, &so, world, 0, 2, 4, 256, 2, &p16), c);
     if (test_rank == 0)
-        printf("  GPT-2, 4 x 256 tokens: activations planned %.0f MiB in fp32, %.0f MiB in bf16\n",
-               (double)p32.act / (1 << 20), (double)p16.act / (1 << 20));
+        printf("  GPT-2, 4 x 256 tokens: activations planned %.0f MiB in fp32, %.0f MiB in bf16; total bf16 / fp32 "
+               "%.3f\n", (double)p32.act / (1 << 20), (double)p16.act / (1 << 20),
+               (double)p16.total / (double)p32.total);
     if (!(p16.act < p32.act)) TEST_FAILF("bf16 activations %zu bytes, fp32 %zu", p16.act, p32.act);
     /* issue 19's memory target is bf16 <= 0.8 x fp32; what is reached stays reached: activations
-       0.604 of fp32's (the logits' gradient handed to lm_head in 16 bits, [Note: 16-bit output
-       gradient]; GELU's input kept in 16 bits, [Note: 16-bit activations]), the total 0.950 of
-       fp32's at one rank, 0.854 at two, 0.815 at three, 0.791 at four (4 x 256 tokens per rank) */
-    if ((double)p16.act > 0.62 * (double)p32.act)
-        TEST_FAILF("bf16 activations %zu bytes > 0.62 x fp32's %zu", p16.act, p32.act);
-    static const double most_at[4] = {0.955, 0.86, 0.82, 0.80};
-    double most = most_at[(world < 4 ? world : 4) - 1];
-    if ((double)p16.total > most * (double)p32.total)
-        TEST_FAILF("bf16 plan %zu bytes > %.3f x fp32's %zu", p16.total, most, p32.total);
+       0.548 of fp32's (the logits' gradient handed to lm_head in 16 bits, [Note: 16-bit output
+       gradient]; GELU's input kept in 16 bits, [Note: 16-bit activations]; the first step in one
+       arena chunk as the later ones, [Note: one arena chunk]), the total 0.931 of fp32's at one
+       rank, 0.833 at two, 0.790 at three, 0.764 at four (4 x 256 tokens per rank). An arena
+       growing in chunks (a machine that refuses the span) strands more in bf16's first step. */
+    if (span_expected()) {
+        if ((double)p16.act > 0.56 * (double)p32.act)
+            TEST_FAILF("bf16 activations %zu bytes > 0.56 x fp32's %zu", p16.act, p32.act);
+        static const double most_at[4] = {0.935, 0.84, 0.795, 0.77};
+        double most = most_at[(world < 4 ? world : 4) - 1];
+        if ((double)p16.total > most * (double)p32.total)
+            TEST_FAILF("bf16 plan %zu bytes > %.3f x fp32's %zu", p16.total, most, p32.total);
+    }
     if (world == 1) { /* a shard group of one multiplies with shard_lp in place: the full buffers (root
                          unit and one Block) hold no 16-bit staging, and fp32 values only for what is
                          not a Linear or embedding weight ([Note: lazy widening]): ln_f (2C); a

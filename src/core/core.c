@@ -14,6 +14,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <time.h>
+#include <unistd.h>
 
 const char *fsdp_status_str(enum fsdp_status st) {
     static const char *const names[] = {
@@ -267,6 +268,29 @@ void *fsdp__alloc(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, c
 
 void *fsdp__reserve(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind, const char *what) {
     return alloc_block(ctx, bytes, kind, what, 1);
+}
+
+void *fsdp__reserve_span(struct fsdp_ctx *ctx, enum fsdp_mem_kind kind, size_t *bytes) {
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    size_t span = pages > 0 && psz > 0 ? (size_t)pages * (size_t)psz : 0;
+    if (ctx && ctx->mem_limit && ctx->mem_limit < span) span = ctx->mem_limit;
+    /* mapped in sanitized builds too: a chunk is one block to AddressSanitizer
+     * either way (no guards between the arena's allocations) */
+    if (!span || !fsdp__env_checked("FSDP_ARENA_SPAN", 1)) return NULL; /* chunks asked for */
+    void *raw = mmap(NULL, sizeof(struct alloc_hdr) + span, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+#ifdef MADV_HUGEPAGE
+    if (!(ctx && ctx->measure) && thp_wanted()) /* [Note: huge pages] */
+        (void)madvise(raw, sizeof(struct alloc_hdr) + span, MADV_HUGEPAGE);
+#endif
+    struct alloc_hdr *h = raw;
+    h->bytes = 0;
+    h->size = span;
+    h->mapped = 1;
+    h->kind = (int)kind;
+    *bytes = span;
+    return h + 1;
 }
 
 int fsdp__commit(struct fsdp_ctx *ctx, void *p, size_t upto, const char *what) {
