@@ -725,6 +725,21 @@ TEST(bf16_attention_within_tolerance) { /* measured 3.9e-3; tol 1.2e-2 */
     free(x);
 }
 
+/* T = 256 and 12 heads: the 16-bit path runs its heads in two groups (8 and
+ * 4, [Note: head groups], src/nn/attention.c), forward and the backward's
+ * recompute; a head read from another group's rows would be far off */
+TEST(bf16_attention_in_head_groups_within_tolerance) { /* measured 4.1e-3; tol 1.2e-2 */
+    rseed(27);
+    struct fsdp_ctx *c = make_ctx();
+    struct fsdp_module *m;
+    ASSERT_OK(fsdp__attention_create(c, "attn", 96, 12, 0.02f, &m), c);
+    fsdp_ctx_free(c);
+    float *x = malloc(1 * 256 * 96 * sizeof(float));
+    struct fsdp_tensor in = rand_input(1, 256, 96, x);
+    compare_layer("CausalSelfAttention (head groups)", m, &in, 1.2e-2);
+    free(x);
+}
+
 TEST(bf16_mlp_within_tolerance) { /* measured 3.4e-3; tol 1e-2 */
     rseed(23);
     struct fsdp_ctx *c = make_ctx();

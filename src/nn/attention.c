@@ -12,12 +12,13 @@
  * ever copied out.
  * 16-bit compute ([Note: compute precision]): [Note: batched heads] q, k, v
  * (and in backward dY) are cast once into head-major 16-bit copies (B*nh, T,
- * hs), dense, and every product runs as one batched matmul over all B*nh
- * heads (fsdp__gemm_lp_batched): oneDNN takes its AMX kernels only for dense
- * operands, and one call per product instead of one per head removes a
- * per-call setup that cost more than the arithmetic (48 heads x 6 products x
- * 12 layers of 256 x 256 x 64 in GPT-2). The probabilities are cast as one
- * block, and the heads' results (fp32, head-major) are scattered back into
+ * hs), dense, and every product runs as one batched matmul over a group of
+ * heads (fsdp__gemm_lp_batched; [Note: head groups]): oneDNN takes its AMX
+ * kernels only for dense operands, and one call per product and group
+ * instead of one per head removes a per-call setup that cost more than the
+ * arithmetic (48 heads x 6 products x 12 layers of 256 x 256 x 64 in GPT-2).
+ * The probabilities are cast row by row, and the heads' results (fp32,
+ * head-major) are scattered back into
  * y / dqkv. The softmax and its backward stay fp32; qkv is saved in 16
  * bits (below) and the backward makes its head-major copies again rather
  * than keeping them alive. All 16-bit scratch is released before the layer
@@ -117,8 +118,26 @@ struct attention {
     int64_t B, T;
 };
 
-/* att (B*nh, T, T) = softmax(scale q k^T) from the head-major 16-bit q and k
- * (the scores product, then the causal softmax row by row), and ab, its
+/* [Note: head groups]
+ * The 16-bit path's (T, T) scores, probabilities and dS of all B*nh heads
+ * are 12.6 MB each in fp32 for GPT-2 (B 4, T 256), so every pass over them
+ * (a product, the softmax and its cast, the next product) went to memory.
+ * The heads run in groups whose fp32 (T, T) buffer is ATT_GROUP_BYTES (8
+ * heads at T = 256), so that it stays in cache: one group's products,
+ * softmax and casts, then the next group's; the buffers are a group's size.
+ * Each head's values are the same whatever the grouping (each head is its
+ * own entry of the batched product and its own rows of the softmax), and
+ * the backward's recompute uses the same groups. */
+#define ATT_GROUP_BYTES ((int64_t)2 << 20)
+
+static int64_t head_group(int64_t BH, int64_t T) {
+    int64_t g = ATT_GROUP_BYTES / (T * T * (int64_t)sizeof(float));
+    return g < 1 ? 1 : g > BH ? BH : g;
+}
+
+/* att (BH, T, T) = softmax(scale q k^T) from the head-major 16-bit q and k
+ * of BH heads (a group of them: the scores product, then the causal softmax
+ * row by row), and ab, its
  * rounding to lp, each row cast while it is in cache: forward and the
  * backward's recompute run this same code on the same operands, so the two
  * give the same bits ([Note: recomputed probabilities]). */
@@ -138,19 +157,23 @@ static void heads_probs_lp(enum fsdp_dtype lp, const uint16_t *q, const uint16_t
 static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
                                          const void *qkv, int64_t B, int64_t T, int64_t nh, int64_t hs,
                                          enum fsdp_dtype ydt, void *y) {
-    int64_t C = nh * hs, BH = B * nh;
+    int64_t C = nh * hs, BH = B * nh, G = head_group(BH, T), n = BH * T * hs;
     size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
-    uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(3 * BH * T * hs) * es); /* q, k, v head-major */
-    float *att = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * sizeof(float));
-    uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * es);
-    float *yh = fsdp_arena_alloc(ctx, (size_t)(BH * T * hs) * sizeof(float));
+    uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(3 * n) * es); /* q, k, v head-major */
+    float *att = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * sizeof(float));
+    uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * es);
+    float *yh = fsdp_arena_alloc(ctx, (size_t)n * sizeof(float));
     if (!q || !att || !ab || !yh) return lp_nomem(ctx, lp);
-    uint16_t *k = q + BH * T * hs, *v = k + BH * T * hs;
+    uint16_t *k = q + n, *v = k + n;
     heads_to_lp(lp, qdt, qkv, 3 * C, 0, B, T, nh, hs, q);
     heads_to_lp(lp, qdt, qkv, 3 * C, C, B, T, nh, hs, k);
     heads_to_lp(lp, qdt, qkv, 3 * C, 2 * C, B, T, nh, hs, v);
-    heads_probs_lp(lp, q, k, BH, T, hs, att, ab);
-    fsdp__gemm_lp_batched(lp, BH, 0, 0, T, hs, T, 1.0f, ab, T, T * T, v, hs, T * hs, 0.0f, yh, hs, T * hs);
+    for (int64_t h0 = 0; h0 < BH; h0 += G) { /* [Note: head groups] */
+        int64_t g = BH - h0 < G ? BH - h0 : G, o = h0 * T * hs;
+        heads_probs_lp(lp, q + o, k + o, g, T, hs, att, ab);
+        fsdp__gemm_lp_batched(lp, g, 0, 0, T, hs, T, 1.0f, ab, T, T * T, v + o, hs, T * hs, 0.0f, yh + o, hs,
+                              T * hs);
+    }
     heads_from(yh, B, T, nh, hs, ydt, y, C, 0);
     fsdp_arena_release(ctx, mark);
     return FSDP_OK;
@@ -204,31 +227,37 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
 static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
                                           const void *qkv, const float *dy, int64_t B, int64_t T, int64_t nh,
                                           int64_t hs, float *dqkv) {
-    int64_t C = nh * hs, BH = B * nh, n = BH * T * hs;
+    int64_t C = nh * hs, BH = B * nh, n = BH * T * hs, G = head_group(BH, T);
     size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
     uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(4 * n) * es); /* q, k, v, dY head-major */
-    uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * es);   /* att, then dS */
-    float *att = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * sizeof(float)); /* recomputed */
-    float *ds = fsdp_arena_alloc(ctx, (size_t)(BH * T * T) * sizeof(float));
+    uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * es);   /* att, then dS */
+    float *att = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * sizeof(float)); /* recomputed */
+    float *ds = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * sizeof(float));
     float *dh = fsdp_arena_alloc(ctx, (size_t)(3 * n) * sizeof(float)); /* dq, dk, dv head-major */
     if (!q || !ab || !att || !ds || !dh) return lp_nomem(ctx, lp);
     uint16_t *k = q + n, *v = k + n, *dyh = v + n;
     for (int part = 0; part < 3; part++) heads_to_lp(lp, qdt, qkv, 3 * C, part * C, B, T, nh, hs, q + part * n);
     heads_to_lp(lp, FSDP_F32, dy, C, 0, B, T, nh, hs, dyh);
-    heads_probs_lp(lp, q, k, BH, T, hs, att, ab);
     float scale = 1.0f / sqrtf((float)hs);
-    /* datt = dY v^T;  dv = att^T dY */
-    fsdp__gemm_lp_batched(lp, BH, 0, 1, T, T, hs, 1.0f, dyh, hs, T * hs, v, hs, T * hs, 0.0f, ds, T, T * T);
-    fsdp__gemm_lp_batched(lp, BH, 1, 0, T, hs, T, 1.0f, ab, T, T * T, dyh, hs, T * hs, 0.0f, dh + 2 * n, hs,
-                          T * hs);
+    for (int64_t h0 = 0; h0 < BH; h0 += G) { /* [Note: head groups] */
+        int64_t g = BH - h0 < G ? BH - h0 : G, o = h0 * T * hs;
+        heads_probs_lp(lp, q + o, k + o, g, T, hs, att, ab);
+        /* datt = dY v^T;  dv = att^T dY */
+        fsdp__gemm_lp_batched(lp, g, 0, 1, T, T, hs, 1.0f, dyh + o, hs, T * hs, v + o, hs, T * hs, 0.0f, ds, T,
+                              T * T);
+        fsdp__gemm_lp_batched(lp, g, 1, 0, T, hs, T, 1.0f, ab, T, T * T, dyh + o, hs, T * hs, 0.0f,
+                              dh + 2 * n + o, hs, T * hs);
 #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < (fsdp__measuring ? 0 : BH * T); r++) { /* dS, and its rounding over att's in ab */
-        softmax_bwd_row(att + r * T, ds + r * T, r % T, T);
-        fsdp__cvt_from_f32(lp, ds + r * T, ab + r * T, (size_t)T);
+        for (int64_t r = 0; r < (fsdp__measuring ? 0 : g * T); r++) { /* dS, and its rounding over att's in ab */
+            softmax_bwd_row(att + r * T, ds + r * T, r % T, T);
+            fsdp__cvt_from_f32(lp, ds + r * T, ab + r * T, (size_t)T);
+        }
+        /* dq = scale dS k;  dk = scale dS^T q */
+        fsdp__gemm_lp_batched(lp, g, 0, 0, T, hs, T, scale, ab, T, T * T, k + o, hs, T * hs, 0.0f, dh + o, hs,
+                              T * hs);
+        fsdp__gemm_lp_batched(lp, g, 1, 0, T, hs, T, scale, ab, T, T * T, q + o, hs, T * hs, 0.0f, dh + n + o, hs,
+                              T * hs);
     }
-    /* dq = scale dS k;  dk = scale dS^T q */
-    fsdp__gemm_lp_batched(lp, BH, 0, 0, T, hs, T, scale, ab, T, T * T, k, hs, T * hs, 0.0f, dh, hs, T * hs);
-    fsdp__gemm_lp_batched(lp, BH, 1, 0, T, hs, T, scale, ab, T, T * T, q, hs, T * hs, 0.0f, dh + n, hs, T * hs);
     for (int part = 0; part < 3; part++) heads_from(dh + part * n, B, T, nh, hs, FSDP_F32, dqkv, 3 * C, part * C);
     fsdp_arena_release(ctx, mark);
     return FSDP_OK;
