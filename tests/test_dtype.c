@@ -223,6 +223,26 @@ TEST(array_forms_match_scalar_bits) {
     for (size_t i = 0; i < 1000; i++)
         bad += bits_of(f[i]) != bits_of(fsdp__bf16_to_f32(fsdp__f32_to_bf16(x[i]))) && !isnan(f[i]);
     CHECK_INT_EQ(bad, 0);
+    /* rounding in fp32 (fsdp__cvt_round): the scalar round trip's bits, split
+     * over threads, in place too; F32 copies */
+    float *r = malloc(n * sizeof *r);
+    ASSERT(r);
+    enum fsdp_dtype rdt[2] = {FSDP_BF16, FSDP_F16};
+    for (int d = 0; d < 2; d++)
+        for (int inplace = 0; inplace < 2; inplace++) {
+            if (inplace) memcpy(r, x, n * sizeof *r);
+            fsdp__cvt_round(rdt[d], inplace ? r : x, r, n);
+            bad = 0;
+            for (size_t i = 0; i < n; i++) {
+                float want = rdt[d] == FSDP_BF16 ? fsdp__bf16_to_f32(fsdp__f32_to_bf16(x[i]))
+                                                 : fsdp__f16_to_f32(fsdp__f32_to_f16(x[i]));
+                if (isnan(want) ? !isnan(r[i]) : bits_of(r[i]) != bits_of(want)) bad++;
+            }
+            CHECK_INT_EQ(bad, 0);
+        }
+    fsdp__cvt_round(FSDP_F32, x, r, 1000);
+    CHECK_INT_EQ(memcmp(r, x, 1000 * sizeof *r), 0);
+    free(r);
     free(h);
     free(h2);
     free(f);

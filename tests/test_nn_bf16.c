@@ -4,7 +4,8 @@
  *    every transpose pair, leading dimensions wider than the matrix, alpha,
  *    beta, and calls from inside an OpenMP parallel region, against a double
  *    product of the same 16-bit inputs (so only fp32 accumulation error is
- *    allowed: 1e-5 of the row's magnitude);
+ *    allowed: 1e-5 of the row's magnitude); the same with a bias row added
+ *    (fsdp__gemm_lp_bias), widened whole or in blocks of K;
  *  - batched products (fsdp__gemm_lp_batched, attention's heads) entry by
  *    entry against double, strides with gaps left untouched;
  *  - gathered 16-bit weights left unwidened (lazy widening) read right from
@@ -63,8 +64,8 @@ static int all_finite(const float *x, int64_t n) {
 
 /* One product C (M, N) = alpha op(A) op(B) + beta C0 with 16-bit A, B of the
  * given leading dimensions, checked against double. Returns mismatches. */
-static int check_gemm(enum fsdp_dtype dt, int ta, int tb, int64_t M, int64_t N, int64_t K, int64_t pad, float alpha,
-                      float beta, int in_parallel) {
+static int check_gemm_b(enum fsdp_dtype dt, int ta, int tb, int64_t M, int64_t N, int64_t K, int64_t pad, float alpha,
+                        float beta, int in_parallel, int with_bias) {
     int64_t ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
     int64_t lda = ac + pad, ldb = bc + pad, ldc = N + pad;
     uint16_t *A = malloc((size_t)(ar * lda) * 2), *B = malloc((size_t)(br * ldb) * 2);
@@ -84,11 +85,12 @@ static int check_gemm(enum fsdp_dtype dt, int ta, int tb, int64_t M, int64_t N, 
     for (int64_t i = 0; i < M * ldc; i++) C0[i] = C[i] = urand();
     if (beta == 0.0f)
         for (int64_t i = 0; i < M * ldc; i++) C[i] = NAN; /* beta 0 ignores C */
-    if (in_parallel) {
-#pragma omp parallel num_threads(2)
-        if (omp_get_thread_num() == 0) fsdp__gemm_lp(dt, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-    } else {
-        fsdp__gemm_lp(dt, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    float *bias = with_bias ? malloc((size_t)N * 4) : NULL; /* with a bias: alpha 1, beta 0 */
+    for (int64_t j = 0; with_bias && j < N; j++) bias[j] = urand();
+#pragma omp parallel num_threads(2) if (in_parallel)
+    if (omp_get_thread_num() == 0) {
+        if (with_bias) fsdp__gemm_lp_bias(dt, ta, tb, M, N, K, A, lda, B, ldb, bias, C, ldc);
+        else fsdp__gemm_lp(dt, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     }
     int bad = 0;
     for (int64_t i = 0; i < M; i++)
@@ -101,8 +103,8 @@ static int check_gemm(enum fsdp_dtype dt, int ta, int tb, int64_t M, int64_t N, 
                 s += av * bv;
                 mag += fabs(av * bv);
             }
-            double want = alpha * s + (beta != 0.0f ? beta * C0[i * ldc + j] : 0.0);
-            double tol = 1e-5 * (fabs(alpha) * mag + fabs(beta * C0[i * ldc + j])) + 1e-6;
+            double want = alpha * s + (beta != 0.0f ? beta * C0[i * ldc + j] : 0.0) + (with_bias ? bias[j] : 0.0);
+            double tol = 1e-5 * (fabs(alpha) * mag + fabs(beta * C0[i * ldc + j]) + (with_bias ? fabs(bias[j]) : 0.0)) + 1e-6;
             if (!(fabs(C[i * ldc + j] - want) <= tol) && bad++ < 3)
                 TEST_FAILF("%s %c%c M%lld N%lld K%lld pad %lld alpha %g beta %g par %d: C[%lld,%lld] %.7g want %.7g",
                            fsdp_dtype_name(dt), ta ? 'T' : 'N', tb ? 'T' : 'N', (long long)M, (long long)N,
@@ -117,7 +119,13 @@ static int check_gemm(enum fsdp_dtype dt, int ta, int tb, int64_t M, int64_t N, 
     free(B);
     free(C);
     free(C0);
+    free(bias);
     return bad;
+}
+
+static int check_gemm(enum fsdp_dtype dt, int ta, int tb, int64_t M, int64_t N, int64_t K, int64_t pad, float alpha,
+                      float beta, int in_parallel) {
+    return check_gemm_b(dt, ta, tb, M, N, K, pad, alpha, beta, in_parallel, 0);
 }
 
 TEST(gemm_lp_matches_double_on_16bit_inputs) {
@@ -150,6 +158,24 @@ TEST(widened_products_in_blocks_of_k) {
             CHECK_INT_EQ(check_gemm(FSDP_F16, ta, tb, 3, 5, 5000, 2, 0.5f, ta == tb ? 0.0f : 1.0f, 0), 0);
             CHECK_INT_EQ(check_gemm(FSDP_F16, ta, tb, 60, 40, 3000, 1, 1.0f, 1.0f, ta), 0);
         }
+}
+
+/* The product with a bias row added (the Linear forward's): oneDNN's matmul
+ * with the bias inside for native bf16; widened, both inputs whole in fp32
+ * and fp32's own biased product when they fit the scratch (64 KiB here: 16384
+ * floats, (M + N) K = 4026 and 10368), else every row set to the bias and
+ * the products added block by block of K (60 + 40 rows, K = 300). */
+TEST(gemm_lp_bias_matches_double) {
+    setenv("FSDP_WIDEN_SCRATCH", "65536", 1);
+    rseed(6);
+    enum fsdp_dtype dts[2] = {FSDP_BF16, FSDP_F16};
+    for (int d = 0; d < 2; d++)
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++) {
+                CHECK_INT_EQ(check_gemm_b(dts[d], ta, tb, 37, 29, 61, 0, 1.0f, 0.0f, 0, 1), 0);
+                CHECK_INT_EQ(check_gemm_b(dts[d], ta, tb, 64, 48, 96, 5, 1.0f, 0.0f, 1, 1), 0);
+                CHECK_INT_EQ(check_gemm_b(dts[d], ta, tb, 60, 40, 300, 3, 1.0f, 0.0f, ta, 1), 0);
+            }
 }
 
 /* Batched products (attention's heads): entry i of a batch with gaps between

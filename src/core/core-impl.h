@@ -247,6 +247,9 @@ void fsdp__cvt_f16_to_f32(const uint16_t *src, float *dst, size_t n);
 /* Dispatch on dt (F32: a copy; BF16, F16 as above; others: FSDP_ASSERT). */
 void fsdp__cvt_from_f32(enum fsdp_dtype dt, const float *src, void *dst, size_t n);
 void fsdp__cvt_to_f32(enum fsdp_dtype dt, const void *src, float *dst, size_t n);
+/* dst = src rounded to dt (BF16, F16; F32: a copy) and widened back: the
+ * values a 16-bit copy holds, in fp32. dst may equal src. */
+void fsdp__cvt_round(enum fsdp_dtype dt, const float *src, float *dst, size_t n);
 
 /* x[0..n) = 0, split over the OpenMP team when n is large (a serial memset
  * of a GPT-2 gradient, 0.5 GB, left the other threads waiting). */

@@ -207,6 +207,35 @@ void fsdp__cvt_from_f32(enum fsdp_dtype dt, const float *src, void *dst, size_t 
     }
 }
 
+/* n values rounded to bf16 (f16) and widened back, through a stack block */
+static void bf16_round_run(const float *src, float *dst, size_t n) {
+    uint16_t h[1024];
+    for (size_t i = 0; i < n; i += 1024) {
+        size_t len = n - i < 1024 ? n - i : 1024;
+        f32_to_bf16_run(src + i, h, len);
+        bf16_to_f32_run(h, dst + i, len);
+    }
+}
+
+static void f16_round_run(const float *src, float *dst, size_t n) {
+    uint16_t h[1024];
+    for (size_t i = 0; i < n; i += 1024) {
+        size_t len = n - i < 1024 ? n - i : 1024;
+        f32_to_f16_run(src + i, h, len);
+        f16_to_f32_run(h, dst + i, len);
+    }
+}
+
+void fsdp__cvt_round(enum fsdp_dtype dt, const float *src, float *dst, size_t n) {
+    if (fsdp__measuring) return;
+    switch (dt) {
+    case FSDP_F32: if (n && src != dst) memcpy(dst, src, n * sizeof(float)); return;
+    case FSDP_BF16: CVT_SPLIT(bf16_round_run, src, dst, n); return;
+    case FSDP_F16: CVT_SPLIT(f16_round_run, src, dst, n); return;
+    default: FSDP_ASSERT(0, "no rounding of f32 to %s", fsdp_dtype_name(dt));
+    }
+}
+
 void fsdp__cvt_to_f32(enum fsdp_dtype dt, const void *src, float *dst, size_t n) {
     if (fsdp__measuring) return;
     switch (dt) {

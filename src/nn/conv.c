@@ -469,14 +469,7 @@ static float *widened_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const void 
 /* n values of src rounded to dt (BF16/F16) and widened back to fp32, in the arena */
 static float *rounded_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float *src, int64_t n, const char *what) {
     float *out = fsdp__scratch(ctx, n, what);
-    if (!out) return NULL;
-    if (dt == FSDP_BF16) {
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < n; i++) out[i] = fsdp__bf16_to_f32(fsdp__f32_to_bf16(src[i]));
-    } else {
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < n; i++) out[i] = fsdp__f16_to_f32(fsdp__f32_to_f16(src[i]));
-    }
+    if (out) fsdp__cvt_round(dt, src, out, (size_t)n);
     return out;
 }
 

@@ -336,6 +336,16 @@ void fsdp__gemm_lp(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_
 void fsdp__gemm_lp_bias(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, const void *A,
                         int64_t lda, const void *B, int64_t ldb, const float *bias, float *C, int64_t ldc) {
     if (M <= 0 || N <= 0 || fsdp__measuring) return;
+    pthread_once(&mm_once, mm_engine_init); /* mm_widen_floats */
+    if (dt != FSDP_F32 && !mm_native(dt) && K > 0 && (M + N) * K <= (int64_t)mm_widen_floats) {
+        /* widened ([Note: widened products]): both inputs whole in this thread's
+         * scratch, then fp32's own product with the bias inside it */
+        float *a = tl_grow((void **)&tl_wide, &tl_wide_cap, (size_t)((M + N) * K) * sizeof(float)), *b = a + M * K;
+        widen_block(dt, A, lda, 0, transa ? K : M, 0, transa ? M : K, a); /* stored as A is, dense */
+        widen_block(dt, B, ldb, 0, transb ? N : K, 0, transb ? K : N, b);
+        fsdp__gemm_lp_bias(FSDP_F32, transa, transb, M, N, K, a, transa ? M : K, b, transb ? K : N, bias, C, ldc);
+        return;
+    }
     if ((dt != FSDP_F32 && !mm_native(dt)) || K <= 0) { /* every row starts as the bias, then C += op(A) op(B) */
 #pragma omp parallel for schedule(static) if (!omp_in_parallel())
         for (int64_t i = 0; i < M; i++) memcpy(C + i * ldc, bias, (size_t)N * sizeof(float));

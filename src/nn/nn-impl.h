@@ -48,9 +48,12 @@ void fsdp__gemm_lp(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_
 void fsdp__gemm_lp_batched(enum fsdp_dtype dt, int64_t batch, int transa, int transb, int64_t M, int64_t N,
                            int64_t K, float alpha, const void *A, int64_t lda, int64_t sa, const void *B,
                            int64_t ldb, int64_t sb, float beta, float *C, int64_t ldc, int64_t sc);
-/* C (M, N) = op(A) op(B) + bias in every row (bias: N fp32), 16-bit A and B:
- * for BF16 oneDNN adds the bias in the matmul, so C is written once instead
- * of filled with the bias and read back by a sum (Linear's forward). */
+/* C (M, N) = op(A) op(B) + bias in every row (bias: N fp32), A and B of dt
+ * (F32, or 16-bit): oneDNN adds the bias in the matmul (native BF16, and
+ * F32), so C is written once instead of filled with the bias and read back by
+ * a sum (Linear's forward); widened, A and B go whole into fp32 scratch for
+ * F32's biased product where they fit it, else C is filled with the bias and
+ * the widened products add to it. */
 void fsdp__gemm_lp_bias(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, const void *A,
                         int64_t lda, const void *B, int64_t ldb, const float *bias, float *C, int64_t ldc);
 void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A,
