@@ -9,8 +9,9 @@
 # BEFORE=DIR (a build folder of another commit, e.g. a worktree's build/):
 # instead, a before/after comparison of the 1-rank step in one run: ROUNDS
 # (default 3) rounds, each running DIR's fsdp-train and then $BUILD's, same
-# flags; prints each build's median step over all its timed steps and the
-# ratio after/before.
+# flags (FLAGS adds fsdp-train flags to both, e.g. FLAGS='--precision AMP_BF16');
+# prints each build's median step over all its timed steps and the ratio
+# after/before.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -23,7 +24,7 @@ if [ -n "${BEFORE:-}" ]; then
     for side in before after; do
       b=$BUILD; [ $side = before ] && b=$BEFORE
       "$b/fsdp-train" --model gpt2 --data synthetic --batch 4 --seq 256 --steps "$STEPS" --warmup 1 --threads 2 \
-        --sample 0 --log "$tmp/$side$r.jsonl" > "$tmp/$side$r.out" 2>&1 || { cat "$tmp/$side$r.out"; exit 1; }
+        --sample 0 ${FLAGS:-} --log "$tmp/$side$r.jsonl" > "$tmp/$side$r.out" 2>&1 || { cat "$tmp/$side$r.out"; exit 1; }
     done
   done
   python3 - "$tmp" "${ROUNDS:-3}" <<'PY'
