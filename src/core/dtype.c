@@ -207,24 +207,22 @@ void fsdp__cvt_from_f32(enum fsdp_dtype dt, const float *src, void *dst, size_t 
     }
 }
 
-/* n values rounded to bf16 (f16) and widened back, through a stack block */
-static void bf16_round_run(const float *src, float *dst, size_t n) {
+/* n values rounded to 16 bits by down and widened back by up, through a stack block */
+static void round_via(void (*down)(const float *, uint16_t *, size_t), void (*up)(const uint16_t *, float *, size_t),
+                      const float *src, float *dst, size_t n) {
     uint16_t h[1024];
     for (size_t i = 0; i < n; i += 1024) {
         size_t len = n - i < 1024 ? n - i : 1024;
-        f32_to_bf16_run(src + i, h, len);
-        bf16_to_f32_run(h, dst + i, len);
+        down(src + i, h, len);
+        up(h, dst + i, len);
     }
 }
 
-static void f16_round_run(const float *src, float *dst, size_t n) {
-    uint16_t h[1024];
-    for (size_t i = 0; i < n; i += 1024) {
-        size_t len = n - i < 1024 ? n - i : 1024;
-        f32_to_f16_run(src + i, h, len);
-        f16_to_f32_run(h, dst + i, len);
-    }
+static void bf16_round_run(const float *src, float *dst, size_t n) {
+    round_via(f32_to_bf16_run, bf16_to_f32_run, src, dst, n);
 }
+
+static void f16_round_run(const float *src, float *dst, size_t n) { round_via(f32_to_f16_run, f16_to_f32_run, src, dst, n); }
 
 void fsdp__cvt_round(enum fsdp_dtype dt, const float *src, float *dst, size_t n) {
     if (fsdp__measuring) return;
