@@ -112,6 +112,7 @@ static uint16_t *buf16(enum fsdp_dtype dt, int64_t n) { /* the same values round
 /* One product class: what run() does once, the FLOPs of one call. */
 struct prod {
     int kind; /* 0 Linear-like fsdp__gemm_lp / _bias; 1 batched heads (16-bit); 2 fp32 per-head sgemm loop */
+    int64_t group; /* kind 1: heads a call ([Note: head groups], src/nn/attention.c) */
     enum fsdp_dtype dt;
     int ta, tb;
     int64_t M, N, K, batch;
@@ -140,9 +141,15 @@ static void run(const struct prod *p) {
                                         p->C, p->ldc);
         else fsdp__gemm_lp(p->dt, p->ta, p->tb, p->M, p->N, p->K, 1.0f, p->A, p->lda, p->B, p->ldb, 0.0f, p->C,
                            p->ldc);
-    } else if (p->kind == 1) {
-        fsdp__gemm_lp_batched(p->dt, p->batch, p->ta, p->tb, p->M, p->N, p->K, 1.0f, p->A, p->lda, p->sa, p->B,
-                              p->ldb, p->sb, 0.0f, p->C, p->ldc, p->sc);
+    } else if (p->kind == 1) { /* group by group, as attention.c runs them */
+        size_t es = fsdp_dtype_size(p->dt);
+        for (int64_t h0 = 0; h0 < p->batch; h0 += p->group) {
+            int64_t g = p->batch - h0 < p->group ? p->batch - h0 : p->group;
+            fsdp__gemm_lp_batched(p->dt, g, p->ta, p->tb, p->M, p->N, p->K, 1.0f,
+                                  (const char *)p->A + (size_t)(h0 * p->sa) * es, p->lda, p->sa,
+                                  (const char *)p->B + (size_t)(h0 * p->sb) * es, p->ldb, p->sb, 0.0f,
+                                  p->C + h0 * p->sc, p->ldc, p->sc);
+        }
     } else { /* attention.c's fp32 loop: heads in parallel, one single-threaded sgemm each on strided views */
 #pragma omp parallel for schedule(dynamic, 1)
         for (int64_t bh = 0; bh < p->batch; bh++) {
@@ -168,6 +175,35 @@ static double rate(const struct prod *p, double seconds) {
     return best;
 }
 
+/* [Note: flushed caches] The rate above is the fastest of repeated calls on
+ * one operand set, whose operands stay in cache between calls. In the step
+ * each layer brings its own weights and activations: the same class then
+ * runs nearer the mean call on operands from memory. So each class is also
+ * timed as the mean of FLUSH_CALLS calls, each after writing a buffer of
+ * FLUSH_BYTES (past the caches) outside the timing: the "flushed" column and
+ * limit, a bound the step can come nearer. */
+enum { FLUSH_CALLS = 3 };
+static char *flush_buf;
+static size_t flush_bytes;
+
+static void flush_caches(void) {
+    static unsigned char v;
+    v++;
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < flush_bytes; i += 64) flush_buf[i] = (char)v; /* every cache line written */
+}
+
+static double rate_flushed(const struct prod *p) {
+    double flops = 2.0 * (double)p->M * (double)p->N * (double)p->K * (double)(p->batch ? p->batch : 1), t = 0;
+    for (int k = 0; k < FLUSH_CALLS; k++) {
+        flush_caches();
+        double t0 = now();
+        run(p);
+        t += now() - t0;
+    }
+    return flops * FLUSH_CALLS / fmax(t, 1e-9) / 1e9;
+}
+
 /* ---- one configuration's table ---- */
 
 struct row {
@@ -175,6 +211,7 @@ struct row {
     double amount; /* FLOPs or bytes a step (all ranks) */
     double rate;   /* GFLOP/s or GB/s */
     double sec;
+    double flushed, flushed_sec; /* products: [Note: flushed caches]; memory-bound rows: rate, sec */
     double fwd; /* the share of it in fsdp-train's forward phase (the rest: backward, or update if upd) */
     int upd;
 };
@@ -199,8 +236,8 @@ static void add(struct table *t, const char *name, double amount, double rate_, 
     struct row *r = &t->r[t->n++];
     snprintf(r->name, sizeof r->name, "%s", name);
     r->amount = amount;
-    r->rate = rate_;
-    r->sec = amount / (rate_ * 1e9) / share;
+    r->rate = r->flushed = rate_;
+    r->sec = r->flushed_sec = amount / (rate_ * 1e9) / share;
 }
 
 /* A product class's row: fl FLOPs a step at p's measured rate, the share fwd of it in forward. */
@@ -208,7 +245,10 @@ static void add_product(struct table *t, const char *name, double fl, const stru
                         double share, double fwd) {
     add(t, name, fl, rate(p, seconds), share);
     phase(t, fwd, 0);
-    t->flop_s += t->r[t->n - 1].sec;
+    struct row *r = &t->r[t->n - 1];
+    r->flushed = rate_flushed(p);
+    r->flushed_sec = fl / (r->flushed * 1e9) / share;
+    t->flop_s += r->sec;
 }
 
 /* The products of one rank's step (Bn sequences of T tokens, all L layers)
@@ -287,7 +327,7 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
             int64_t lda = a_tt ? T : hs, sa = a_tt ? T * T : T * hs;
             int64_t ldb = hs, sb = T * hs, ldc = att[i].N, sc = att[i].M * att[i].N;
             struct prod p = {.kind = 1, .dt = dt, .ta = att[i].ta, .tb = att[i].tb, .M = att[i].M, .N = att[i].N,
-                             .K = att[i].K, .batch = BH, .A = A, .B = kh, .lda = lda, .ldb = ldb, .ldc = ldc,
+                             .K = att[i].K, .batch = BH, .group = fsdp__attention_head_group(BH, T), .A = A, .B = kh, .lda = lda, .ldb = ldb, .ldc = ldc,
                              .sa = sa, .sb = sb, .sc = sc, .C = out};
             ATTN_ROW();
         }
@@ -399,12 +439,17 @@ static void memory(struct table *t, const struct cfg *g, int lp, int64_t Bn, int
 static void print_table(const char *title, struct table *t, int first_mem, double model_flops, double ref_rate,
                         const char *ref_name, const char *key) {
     printf("\n== %s ==\n", title);
-    printf("%-52s %12s %10s %9s\n", "class", "GFLOP|GB", "GFLOP/s|GB/s", "seconds");
-    double total = 0;
+    printf("%-52s %12s %10s %9s %9s %9s\n", "class", "GFLOP|GB", "GFLOP/s|GB/s", "seconds", "flushed", "seconds");
+    double total = 0, total_fl = 0, flop_fl = 0;
     for (int i = 0; i < t->n; i++) {
         if (i == first_mem) printf("-- memory-bound passes --\n");
-        printf("%-52s %12.3f %10.1f %9.4f\n", t->r[i].name, t->r[i].amount / 1e9, t->r[i].rate, t->r[i].sec);
+        if (i < first_mem)
+            printf("%-52s %12.3f %10.1f %9.4f %9.1f %9.4f\n", t->r[i].name, t->r[i].amount / 1e9, t->r[i].rate,
+                   t->r[i].sec, t->r[i].flushed, t->r[i].flushed_sec);
+        else printf("%-52s %12.3f %10.1f %9.4f\n", t->r[i].name, t->r[i].amount / 1e9, t->r[i].rate, t->r[i].sec);
         total += t->r[i].sec;
+        total_fl += t->r[i].flushed_sec;
+        if (i < first_mem) flop_fl += t->r[i].flushed_sec;
         if (i >= first_mem) t->mem_s += t->r[i].sec;
     }
     double pf = 0;
@@ -421,6 +466,8 @@ static void print_table(const char *title, struct table *t, int first_mem, doubl
     printf("limit %s %.6g %.4g (model %.1f GFLOP a step at the limit = %.1f GFLOP/s = %.3f of the %s rate %.1f)\n",
            key, total, model_flops / total / 1e9 / ref_rate, model_flops / 1e9, model_flops / total / 1e9,
            model_flops / total / 1e9 / ref_rate, ref_name, ref_rate);
+    printf("limit_flushed %s %.6g %.4g (products %.3f s at their flushed mean rates + memory-bound %.3f s; "
+           "[Note: flushed caches])\n", key, total_fl, model_flops / total_fl / 1e9 / ref_rate, flop_fl, t->mem_s);
 }
 
 int main(int argc, char **argv) {
@@ -471,6 +518,10 @@ int main(int argc, char **argv) {
     printf("bandwidth 1 thread: copy %.1f GB/s, triad %.1f GB/s\n", cp, tr);
     (void)bw1;
 
+    flush_bytes = strcmp(model, "tiny") ? (size_t)256 << 20 : (size_t)1 << 20; /* [Note: flushed caches] */
+    flush_buf = malloc(flush_bytes);
+    if (!flush_buf) return fprintf(stderr, "step_limit: no memory for the flush buffer\n"), 1;
+    memset(flush_buf, 0, flush_bytes);
     /* [Note: rounds] each class is timed in ROUNDS windows of seconds / ROUNDS,
      * one per pass over all four configurations, and keeps its fastest: a busy
      * minute then slows one window of a class, not all of it */
@@ -483,8 +534,13 @@ int main(int argc, char **argv) {
             struct table u = {0};
             omp_set_num_threads(multi ? 1 : threads);
             products(&u, &g, lp ? FSDP_BF16 : FSDP_F32, B / ranks, T, ranks, threads, seconds / ROUNDS);
-            for (int i = 0; i < u.n; i++)
-                if (round == 0 || u.r[i].rate > tab[c].r[i].rate) tab[c].r[i] = u.r[i];
+            for (int i = 0; i < u.n; i++) {
+                struct row best = round == 0 || u.r[i].rate > tab[c].r[i].rate ? u.r[i] : tab[c].r[i];
+                if (round > 0 && tab[c].r[i].flushed > u.r[i].flushed) /* the fastest flushed mean too */
+                    best.flushed = tab[c].r[i].flushed, best.flushed_sec = tab[c].r[i].flushed_sec;
+                else best.flushed = u.r[i].flushed, best.flushed_sec = u.r[i].flushed_sec;
+                tab[c].r[i] = best;
+            }
             tab[c].n = u.n;
         }
     }
@@ -508,6 +564,7 @@ int main(int argc, char **argv) {
         print_table(title, t, first_mem, model_flops, lp ? r16 : r32, lp ? "bf16 GEMM" : "fp32 GEMM", key);
     }
     omp_set_num_threads(threads);
+    free(flush_buf);
     fsdp_ctx_free(ctx);
     return 0;
 }

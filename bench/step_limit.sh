@@ -4,7 +4,9 @@
 #     step (forward, dW, dX of each Linear, the attention products), the
 #     memory bandwidth, and the step's limit (products at their rates plus
 #     the memory-bound passes at the bandwidth), fp32 and AMP_BF16, 1 rank x
-#     2 threads and 4 ranks x 1 thread;
+#     2 threads and 4 ranks x 1 thread; and a second limit with each class
+#     at its mean rate after the caches are flushed ([Note: flushed caches]
+#     in bench/step_limit.c), nearer what a step's products meet;
 #  2. fsdp-train on the same step (--batch 4 --seq 256, synthetic data):
 #     fp32 and AMP_BF16, each at 1 rank x 2 threads and 4 ranks x 1 thread;
 #     median of steps 2..STEPS, its forward / backward / update phases, and
@@ -35,11 +37,13 @@ echo
 python3 - "$tmp" <<'PY'
 import json, statistics, sys
 d = sys.argv[1]
-lim, ph = {}, {}
+lim, ph, flushed = {}, {}, {}
 for line in open(f"{d}/limit.out"):
     f = line.split()
     if f and f[0] == "limit" and len(f) > 3 and "_" in f[1]:
         lim[f[1]] = (float(f[2]), float(f[3]))
+    if f[:1] == ["limit_flushed"]:
+        flushed[f[1]] = (float(f[2]), float(f[3]))
     if f[:1] == ["phases"]:
         ph[f[1]] = [float(x) for x in f[2:5]]
 def med(name):  # the log's step lines, without the first step
@@ -53,6 +57,9 @@ for n, x in m.items():
           f"update {x['update_ms']:.3f}); limit {t:.3f} s = {frac:.3f} of the GEMM rate; measured / limit {x['step_ms'] / t:.3f}")
     print(f"    by phase, measured / limit: " + ", ".join(
         f"{k} {x[k + '_ms']:.3f} / {l:.3f} = {x[k + '_ms'] / l:.2f}" for k, l in zip(("forward", "backward", "update"), ph[n])))
+    tf, ff = flushed[n]
+    print(f"    against the flushed-cache limit (products at their mean rate on operands from memory): "
+          f"{tf:.3f} s = {ff:.3f} of the GEMM rate; measured / that {x['step_ms'] / tf:.3f}")
 for p in ("fp32", "bf16"):
     r = m[f"{p}_4x1"]["step_ms"] / m[f"{p}_1x2"]["step_ms"]
     lr = lim[f"{p}_4x1"][0] / lim[f"{p}_1x2"][0]

@@ -130,7 +130,7 @@ struct attention {
  * the backward's recompute uses the same groups. */
 #define ATT_GROUP_BYTES ((int64_t)2 << 20)
 
-static int64_t head_group(int64_t BH, int64_t T) {
+int64_t fsdp__attention_head_group(int64_t BH, int64_t T) {
     int64_t g = ATT_GROUP_BYTES / (T * T * (int64_t)sizeof(float));
     return g < 1 ? 1 : g > BH ? BH : g;
 }
@@ -157,7 +157,7 @@ static void heads_probs_lp(enum fsdp_dtype lp, const uint16_t *q, const uint16_t
 static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
                                          const void *qkv, int64_t B, int64_t T, int64_t nh, int64_t hs,
                                          enum fsdp_dtype ydt, void *y) {
-    int64_t C = nh * hs, BH = B * nh, G = head_group(BH, T), n = BH * T * hs;
+    int64_t C = nh * hs, BH = B * nh, G = fsdp__attention_head_group(BH, T), n = BH * T * hs;
     size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
     uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(3 * n) * es); /* q, k, v head-major */
     float *att = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * sizeof(float));
@@ -227,7 +227,7 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
 static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
                                           const void *qkv, const float *dy, int64_t B, int64_t T, int64_t nh,
                                           int64_t hs, float *dqkv) {
-    int64_t C = nh * hs, BH = B * nh, n = BH * T * hs, G = head_group(BH, T);
+    int64_t C = nh * hs, BH = B * nh, n = BH * T * hs, G = fsdp__attention_head_group(BH, T);
     size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
     uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(4 * n) * es); /* q, k, v, dY head-major */
     uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * es);   /* att, then dS */

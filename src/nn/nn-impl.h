@@ -101,6 +101,9 @@ static inline enum fsdp_dtype fsdp__wanted_dtype(const struct fsdp_tensor *out) 
 /* Per-module input dtypes for fsdp__input_dtype (each file knows its ops). */
 enum fsdp_dtype fsdp__linear_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__attention_input_dtype(const struct fsdp_module *m);
+/* How many of BH heads of T tokens the 16-bit attention runs at once ([Note:
+ * head groups], attention.c; bench/step_limit.c times its products so). */
+int64_t fsdp__attention_head_group(int64_t BH, int64_t T);
 enum fsdp_dtype fsdp__mlp_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__gelu_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__conv_input_dtype(const struct fsdp_module *m);
