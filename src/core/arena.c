@@ -56,10 +56,9 @@ void *fsdp_arena_alloc(struct fsdp_ctx *ctx, size_t bytes) {
         struct fsdp__arena_chunk *n = fsdp__alloc(ctx, sizeof *n, FSDP_MEM_ACT, "arena chunk header");
         if (!n) return NULL;
         size_t span = 0; /* [Note: one arena chunk] */
-        n->mem = c ? NULL : fsdp__reserve_span(ctx, FSDP_MEM_ACT, &span);
-        if (n->mem && span >= cap) cap = span;
-        else if (n->mem) fsdp__free(ctx, n->mem), n->mem = NULL; /* smaller than this allocation */
-        if (!n->mem) n->mem = fsdp__reserve(ctx, cap, FSDP_MEM_ACT, "activations");
+        n->mem = c ? NULL : fsdp__reserve_span(ctx, FSDP_MEM_ACT, cap, &span);
+        if (n->mem) cap = span;
+        else n->mem = fsdp__reserve(ctx, cap, FSDP_MEM_ACT, "activations");
         if (!n->mem) {
             fsdp__free(ctx, n);
             return NULL;

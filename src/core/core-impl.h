@@ -158,10 +158,11 @@ void *fsdp__reserve(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind,
 /* A reserved block spanning the machine's memory (or ctx's memory limit,
  * if lower) in address space only (MAP_NORESERVE; the activation arena's one
  * chunk, [Note: one arena chunk] in arena.c); *bytes gets its size. NULL,
- * with nothing set or counted, where FSDP_ARENA_SPAN=0 asks for growing
+ * with nothing set or counted, where that is less than min bytes,
+ * FSDP_ARENA_SPAN=0 asks for growing
  * chunks (tests cover that path so) or the mapping is refused (strict
  * overcommit, an address-space limit). */
-void *fsdp__reserve_span(struct fsdp_ctx *ctx, enum fsdp_mem_kind kind, size_t *bytes);
+void *fsdp__reserve_span(struct fsdp_ctx *ctx, enum fsdp_mem_kind kind, size_t min, size_t *bytes);
 /* 0, or -1 with the limit error set (naming `what`) when the growth would
  * exceed ctx's memory limit (nothing counted then). */
 int fsdp__commit(struct fsdp_ctx *ctx, void *p, size_t upto, const char *what);

@@ -270,13 +270,13 @@ void *fsdp__reserve(struct fsdp_ctx *ctx, size_t bytes, enum fsdp_mem_kind kind,
     return alloc_block(ctx, bytes, kind, what, 1);
 }
 
-void *fsdp__reserve_span(struct fsdp_ctx *ctx, enum fsdp_mem_kind kind, size_t *bytes) {
+void *fsdp__reserve_span(struct fsdp_ctx *ctx, enum fsdp_mem_kind kind, size_t min, size_t *bytes) {
     long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
     size_t span = pages > 0 && psz > 0 ? (size_t)pages * (size_t)psz : 0;
     if (ctx && ctx->mem_limit && ctx->mem_limit < span) span = ctx->mem_limit;
     /* mapped in sanitized builds too: a chunk is one block to AddressSanitizer
      * either way (no guards between the arena's allocations) */
-    if (!span || !fsdp__env_checked("FSDP_ARENA_SPAN", 1)) return NULL; /* chunks asked for */
+    if (span < min || !span || !fsdp__env_checked("FSDP_ARENA_SPAN", 1)) return NULL; /* chunks asked for */
     void *raw = mmap(NULL, sizeof(struct alloc_hdr) + span, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (raw == MAP_FAILED) return NULL;

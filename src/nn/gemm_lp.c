@@ -245,6 +245,16 @@ static void widen_block(enum fsdp_dtype dt, const uint16_t *X, int64_t ld, int64
     for (int64_t i = 0; i < nr; i++) fsdp__cvt_to_f32(dt, X + (r0 + i) * ld + c0, out + i * nc, (size_t)nc);
 }
 
+/* op(A)[:, k0:k0+kn] into a (dense, stored as A is) and op(B)[k0:k0+kn, :]
+ * into b, widened to fp32: the inputs of one block of K */
+static void widen_k_block(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t k0, int64_t kn,
+                          const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb, float *a, float *b) {
+    if (transa) widen_block(dt, A, lda, k0, kn, 0, M, a); /* stored (K, M): kn rows */
+    else widen_block(dt, A, lda, 0, M, k0, kn, a);        /* stored (M, K): kn columns */
+    if (transb) widen_block(dt, B, ldb, 0, N, k0, kn, b); /* stored (N, K) */
+    else widen_block(dt, B, ldb, k0, kn, 0, N, b);        /* stored (K, N) */
+}
+
 /* A product oneDNN has no 16-bit kernel for ([Note: widened products]):
  * fsdp__sgemm on the inputs widened to fp32, over blocks of K so that this
  * thread's scratch stays near FSDP_WIDEN_SCRATCH (the lm_head's products would
@@ -260,11 +270,7 @@ static void gemm_widen(enum fsdp_dtype dt, int transa, int transb, int64_t M, in
     float *a = tl_grow((void **)&tl_wide, &tl_wide_cap, (size_t)((M + N) * kb) * sizeof(float)), *b = a + M * kb;
     for (int64_t k0 = 0; k0 < K; k0 += kb) {
         int64_t kn = K - k0 < kb ? K - k0 : kb;
-        /* op(A)[:, k0:k0+kn] and op(B)[k0:k0+kn, :], dense, stored as A and B are */
-        if (transa) widen_block(dt, A, lda, k0, kn, 0, M, a); /* stored (K, M): kn rows */
-        else widen_block(dt, A, lda, 0, M, k0, kn, a);        /* stored (M, K): kn columns */
-        if (transb) widen_block(dt, B, ldb, 0, N, k0, kn, b); /* stored (N, K) */
-        else widen_block(dt, B, ldb, k0, kn, 0, N, b);        /* stored (K, N) */
+        widen_k_block(dt, transa, transb, M, N, k0, kn, A, lda, B, ldb, a, b);
         fsdp__sgemm(transa, transb, M, N, kn, alpha, a, transa ? M : kn, b, transb ? kn : N, k0 ? 1.0f : beta, C,
                     ldc);
     }
@@ -341,8 +347,7 @@ void fsdp__gemm_lp_bias(enum fsdp_dtype dt, int transa, int transb, int64_t M, i
         /* widened ([Note: widened products]): both inputs whole in this thread's
          * scratch, then fp32's own product with the bias inside it */
         float *a = tl_grow((void **)&tl_wide, &tl_wide_cap, (size_t)((M + N) * K) * sizeof(float)), *b = a + M * K;
-        widen_block(dt, A, lda, 0, transa ? K : M, 0, transa ? M : K, a); /* stored as A is, dense */
-        widen_block(dt, B, ldb, 0, transb ? N : K, 0, transb ? K : N, b);
+        widen_k_block(dt, transa, transb, M, N, 0, K, A, lda, B, ldb, a, b); /* K whole: one block */
         fsdp__gemm_lp_bias(FSDP_F32, transa, transb, M, N, K, a, transa ? M : K, b, transb ? K : N, bias, C, ldc);
         return;
     }
