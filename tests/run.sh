@@ -76,7 +76,7 @@ for t in "$BUILD"/tests/test_*; do
       for n in ${TEST_RANKS:-$ranks}; do
         run_one "$name -np $n" mpirun -np "$n" --oversubscribe "$t"
       done ;;
-    test_gemm_lp|test_nn_bf16|test_nn_vision) # and once more with bf16 products widened to fp32, the
+    test_gemm_lp|test_nn_bf16|test_nn_vision_lp) # and once more with bf16 products widened to fp32, the
       # path of CPUs without native bf16 kernels (src/nn/gemm_lp.c, src/nn/conv.c)
       run_one "$name" "$t"
       run_one "$name (FSDP_GEMM_BF16=widen)" env FSDP_GEMM_BF16=widen "$t" ;;

@@ -1,0 +1,87 @@
+/*
+ * vision_helpers.h - what the vision layer tests share (test_nn_vision.c,
+ * test_nn_batchnorm.c, test_nn_vision_lp.c): random and tie-free inputs
+ * (make_input, make_distinct), a module's parameters and buffers listed
+ * (collect_param, collect_buffer), finalize + materialize + random weights
+ * (prepare) and a Conv2d with every option (conv_with).
+ * Include after fsdp.h, harness.h and nn_helpers.h.
+ */
+#ifndef FSDP_TEST_VISION_HELPERS_H
+#define FSDP_TEST_VISION_HELPERS_H
+
+#include <stdlib.h>
+#include <string.h>
+
+static inline struct fsdp_tensor make_input(int ndim, const int64_t *shape, float scale, float offset) {
+    struct fsdp_tensor t = {0};
+    t.dtype = FSDP_F32;
+    t.ndim = ndim;
+    memcpy(t.shape, shape, (size_t)ndim * sizeof(int64_t));
+    int64_t n = fsdp_tensor_numel(&t);
+    float *x = malloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) x[i] = offset + scale * urand();
+    t.data = x;
+    return t;
+}
+
+/* values spaced `gap` apart in random order (max pooling: no ties, no near-ties) */
+static inline struct fsdp_tensor make_distinct(int ndim, const int64_t *shape, float gap) {
+    struct fsdp_tensor t = make_input(ndim, shape, 0.0f, 0.0f);
+    int64_t n = fsdp_tensor_numel(&t);
+    float *x = t.data;
+    for (int64_t i = 0; i < n; i++) x[i] = gap * (float)(i - n / 2);
+    for (int64_t i = n - 1; i > 0; i--) {
+        int64_t j = irand(i + 1);
+        float v = x[i];
+        x[i] = x[j];
+        x[j] = v;
+    }
+    return t;
+}
+
+struct plist {
+    int n;
+    struct fsdp_param *p[64];
+};
+static inline int collect_param(struct fsdp_param *p, void *ud) {
+    struct plist *l = ud;
+    if (l->n < 64) l->p[l->n++] = p;
+    return 0;
+}
+struct blist {
+    int n;
+    struct fsdp_buffer *b[64];
+};
+static inline int collect_buffer(struct fsdp_buffer *b, void *ud) {
+    struct blist *l = ud;
+    if (l->n < 64) l->b[l->n++] = b;
+    return 0;
+}
+static inline int randomize_one(struct fsdp_param *p, void *ud) {
+    float s = *(float *)ud;
+    for (int64_t i = 0; i < p->numel; i++) p->data[i] = (p->init.kind == FSDP_INIT_ONES ? 1.0f : 0.0f) + s * urand();
+    return 0;
+}
+static inline void prepare(struct fsdp_ctx *ctx, struct fsdp_module *m, float scale) {
+    if (fsdp_module_finalize(ctx, m) != FSDP_OK || fsdp_module_materialize(ctx, m, 7) != FSDP_OK) abort();
+    if (scale > 0) fsdp_module_foreach_param(m, randomize_one, &scale);
+}
+
+static inline struct fsdp_module *conv_with(struct fsdp_ctx *ctx, const char *name, int64_t in, int64_t out, int kh, int kw,
+                                     int sh, int sw, int ph, int pw, int dil, int groups, int bias) {
+    struct fsdp_conv2d_opts o = fsdp_conv2d_opts_default(in, out, kh);
+    o.kernel[1] = kw;
+    o.stride[0] = sh, o.stride[1] = sw;
+    o.padding[0] = ph, o.padding[1] = pw;
+    o.dilation[0] = o.dilation[1] = dil;
+    o.groups = groups;
+    o.bias = bias;
+    struct fsdp_module *m = NULL;
+    if (fsdp_conv2d_create(ctx, name, &o, &m) != FSDP_OK) {
+        TEST_FAILF("conv create: %s", fsdp_errmsg(ctx));
+        return NULL;
+    }
+    return m;
+}
+
+#endif
