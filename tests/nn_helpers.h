@@ -1,7 +1,9 @@
 /*
  * nn_helpers.h - what the single-process layer tests share: a seeded
  * xorshift stream (rng_seed, rng_next, urand in [-1, 1), irand in [0, n))
- * and a context on the self communicator (make_ctx, aborts on failure).
+ * a context on the self communicator (make_ctx, aborts on failure) and an
+ * fp32 input of uniform values in malloc'd memory (make_input: it survives
+ * fsdp_arena_reset).
  * Include after fsdp.h and harness.h.
  */
 #ifndef FSDP_TEST_NN_HELPERS_H
@@ -9,6 +11,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 static uint64_t rng_state = 88172645463325252ull;
 static inline void rng_seed(uint64_t s) { rng_state = s * 2654435761ull + 88172645463325252ull; }
@@ -27,6 +30,19 @@ static inline struct fsdp_ctx *make_ctx(void) {
     struct fsdp_ctx *ctx = NULL;
     if (fsdp_ctx_create(&o, &ctx) != FSDP_OK) abort();
     return ctx;
+}
+
+/* offset + scale * U[-1, 1) in every element */
+static inline struct fsdp_tensor make_input(int ndim, const int64_t *shape, float scale, float offset) {
+    struct fsdp_tensor t = {0};
+    t.dtype = FSDP_F32;
+    t.ndim = ndim;
+    memcpy(t.shape, shape, (size_t)ndim * sizeof(int64_t));
+    int64_t n = fsdp_tensor_numel(&t);
+    float *x = malloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) x[i] = offset + scale * urand();
+    t.data = x;
+    return t;
 }
 
 #endif

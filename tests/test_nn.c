@@ -24,20 +24,6 @@
 
 /* ---- helpers ---- */
 
-
-/* An input tensor in malloc'd memory (it must survive fsdp_arena_reset). */
-static struct fsdp_tensor make_input(int ndim, const int64_t *shape, float scale) {
-    struct fsdp_tensor t = {0};
-    t.dtype = FSDP_F32;
-    t.ndim = ndim;
-    memcpy(t.shape, shape, (size_t)ndim * sizeof(int64_t));
-    int64_t n = fsdp_tensor_numel(&t);
-    float *x = malloc((size_t)n * sizeof(float));
-    for (int64_t i = 0; i < n; i++) x[i] = scale * urand();
-    t.data = x;
-    return t;
-}
-
 static struct fsdp_tensor make_ids(int ndim, const int64_t *shape, int64_t num) {
     struct fsdp_tensor t = {0};
     t.dtype = FSDP_I32;
@@ -203,7 +189,7 @@ TEST(gradcheck_linear) { /* linear in x and W: only rounding noise; rtol 1e-3, a
     ASSERT_OK(fsdp__linear_create(ctx, "lin", 7, 5, 1, 0.02f, &m), ctx);
     prepare(ctx, m, 0.5f);
     int64_t shape[3] = {2, 3, 7};
-    struct fsdp_tensor x = make_input(3, shape, 1.0f);
+    struct fsdp_tensor x = make_input(3, shape, 1.0f, 0.0f);
     struct gc g = {.name = "Linear", .ctx = ctx, .m = m, .in = &x, .eps = 1e-2, .rtol = 1e-3, .atol = 1e-4, .coords = 1000};
     gradcheck(&g);
     /* without bias, and a 2-D input */
@@ -212,7 +198,7 @@ TEST(gradcheck_linear) { /* linear in x and W: only rounding noise; rtol 1e-3, a
     prepare(ctx, m2, 0.5f);
     CHECK_INT_EQ(m2->n_params, 1);
     int64_t s2[2] = {5, 4};
-    struct fsdp_tensor x2 = make_input(2, s2, 1.0f);
+    struct fsdp_tensor x2 = make_input(2, s2, 1.0f, 0.0f);
     struct gc g2 = {.name = "Linear(no bias)", .ctx = ctx, .m = m2, .in = &x2, .eps = 1e-2, .rtol = 1e-3, .atol = 1e-4, .coords = 1000};
     gradcheck(&g2);
     free(x.data);
@@ -249,7 +235,7 @@ TEST(gradcheck_layernorm) { /* smooth; rtol 1e-2, atol 1e-4 */
     ASSERT_OK(fsdp__layernorm_create(ctx, "ln", 10, &m), ctx);
     prepare(ctx, m, 0.5f);
     int64_t shape[3] = {2, 3, 10};
-    struct fsdp_tensor x = make_input(3, shape, 2.0f);
+    struct fsdp_tensor x = make_input(3, shape, 2.0f, 0.0f);
     struct gc g = {.name = "LayerNorm", .ctx = ctx, .m = m, .in = &x, .eps = 1e-2, .rtol = 1e-2, .atol = 1e-4, .coords = 1000};
     gradcheck(&g);
     free(x.data);
@@ -264,7 +250,7 @@ TEST(gradcheck_gelu) { /* elementwise and smooth; rtol 1e-2, atol 1e-4 */
     ASSERT_OK(fsdp__gelu_create(ctx, "gelu", &m), ctx);
     prepare(ctx, m, 0);
     int64_t shape[2] = {4, 9};
-    struct fsdp_tensor x = make_input(2, shape, 3.0f);
+    struct fsdp_tensor x = make_input(2, shape, 3.0f, 0.0f);
     struct gc g = {.name = "GELU", .ctx = ctx, .m = m, .in = &x, .eps = 1e-2, .rtol = 1e-2, .atol = 1e-4, .coords = 1000};
     gradcheck(&g);
     /* the forward against the formula, in double */
@@ -288,7 +274,7 @@ TEST(gradcheck_attention) { /* softmax: rtol 1e-2, atol 2e-4 */
     ASSERT_OK(fsdp__attention_create(ctx, "attn", 16, 4, 0.02f, &m), ctx);
     prepare(ctx, m, 0.5f);
     int64_t shape[3] = {2, 5, 16};
-    struct fsdp_tensor x = make_input(3, shape, 1.0f);
+    struct fsdp_tensor x = make_input(3, shape, 1.0f, 0.0f);
     struct gc g = {.name = "CausalSelfAttention", .ctx = ctx, .m = m, .in = &x, .eps = 1e-2, .rtol = 1e-2, .atol = 2e-4, .coords = 60};
     gradcheck(&g);
     /* causality: changing position 3 leaves outputs at positions 0..2 as they were */
@@ -319,7 +305,7 @@ TEST(gradcheck_mlp) { /* rtol 1e-2, atol 2e-4 */
     ASSERT_OK(fsdp__mlp_create(ctx, "mlp", 6, 0.02f, &m), ctx);
     prepare(ctx, m, 0.5f);
     int64_t shape[3] = {2, 3, 6};
-    struct fsdp_tensor x = make_input(3, shape, 1.0f);
+    struct fsdp_tensor x = make_input(3, shape, 1.0f, 0.0f);
     struct gc g = {.name = "MLP", .ctx = ctx, .m = m, .in = &x, .eps = 1e-2, .rtol = 1e-2, .atol = 2e-4, .coords = 40};
     gradcheck(&g);
     free(x.data);
@@ -334,7 +320,7 @@ TEST(gradcheck_block) { /* rtol 1e-2, atol 3e-4 */
     ASSERT_OK(fsdp__block_create(ctx, "blk", 16, 2, 0.02f, &m), ctx);
     prepare(ctx, m, 0.4f);
     int64_t shape[3] = {2, 4, 16};
-    struct fsdp_tensor x = make_input(3, shape, 1.0f);
+    struct fsdp_tensor x = make_input(3, shape, 1.0f, 0.0f);
     struct gc g = {.name = "Block", .ctx = ctx, .m = m, .in = &x, .eps = 1e-2, .rtol = 1e-2, .atol = 3e-4, .coords = 30};
     gradcheck(&g);
     free(x.data);
@@ -607,7 +593,7 @@ TEST(layers_overwrite_given_output) {
     ASSERT_OK(fsdp__block_create(ctx, "blk", 8, 2, 0.02f, &m), ctx);
     prepare(ctx, m, 0.3f);
     int64_t shape[3] = {1, 3, 8};
-    struct fsdp_tensor x = make_input(3, shape, 1.0f);
+    struct fsdp_tensor x = make_input(3, shape, 1.0f, 0.0f);
     struct fsdp_tensor a = {0};
     ASSERT_OK(fsdp_module_forward(m, ctx, &x, &a), ctx);
     float buf[24];

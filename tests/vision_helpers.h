@@ -1,7 +1,7 @@
 /*
  * vision_helpers.h - what the vision layer tests share (test_nn_vision.c,
- * test_nn_batchnorm.c, test_nn_vision_lp.c): random and tie-free inputs
- * (make_input, make_distinct), a module's parameters and buffers listed
+ * test_nn_batchnorm.c, test_nn_vision_lp.c): tie-free inputs
+ * (make_distinct; make_input is nn_helpers.h's), a module's parameters and buffers listed
  * (collect_param, collect_buffer), finalize + materialize + random weights
  * (prepare) and a Conv2d with every option (conv_with).
  * Include after fsdp.h, harness.h and nn_helpers.h.
@@ -11,18 +11,6 @@
 
 #include <stdlib.h>
 #include <string.h>
-
-static inline struct fsdp_tensor make_input(int ndim, const int64_t *shape, float scale, float offset) {
-    struct fsdp_tensor t = {0};
-    t.dtype = FSDP_F32;
-    t.ndim = ndim;
-    memcpy(t.shape, shape, (size_t)ndim * sizeof(int64_t));
-    int64_t n = fsdp_tensor_numel(&t);
-    float *x = malloc((size_t)n * sizeof(float));
-    for (int64_t i = 0; i < n; i++) x[i] = offset + scale * urand();
-    t.data = x;
-    return t;
-}
 
 /* values spaced `gap` apart in random order (max pooling: no ties, no near-ties) */
 static inline struct fsdp_tensor make_distinct(int ndim, const int64_t *shape, float gap) {
