@@ -1,5 +1,5 @@
 /*
- * test_bpe.c - GPT-2's byte-level BPE (src/io/bpe.c) without the real
+ * test_bpe.c - GPT-2's byte-level BPE (src/io/bpe.c, bpe_load.c) without the real
  * vocabulary (tests/t_bpe.sh compares with the JavaScript reference on it):
  * the pre-tokenizer's pieces on chosen strings, both merge algorithms against
  * a plain transcription of GPT-2's bpe() on a random vocabulary whose merge

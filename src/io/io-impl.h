@@ -18,8 +18,8 @@
 enum fsdp_status fsdp__data_open_mem(struct fsdp_ctx *ctx, const char *name, const void *buf,
                                      size_t len, int vocab_size, struct fsdp_data **out);
 
-/* ---- GPT-2's byte-level BPE (bpe.c) ---- */
-/* fsdp_bpe_open on files already in memory (borrowed for the call): GPT-2's
+/* ---- GPT-2's byte-level BPE (bpe.c, bpe_load.c; their shared internals: bpe-impl.h) ---- */
+/* (bpe_load.c) fsdp_bpe_open on files already in memory (borrowed for the call): GPT-2's
  * encoder.json + vocab.bpe, or a Hugging Face tokenizer.json; the names
  * appear in messages. *out is returned to free with fsdp_bpe_free. */
 enum fsdp_status fsdp__bpe_from_gpt2(struct fsdp_ctx *ctx, const char *enc_name, const void *enc,
