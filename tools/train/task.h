@@ -144,6 +144,24 @@ int64_t task_knn_correct(struct fsdp_ctx *ctx, const float *bank, const int32_t 
 void scaleout_print(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_module *root, const struct task *t,
                     int world);
 
+/* The flags as the library's sharding (prepare.c). check_strategy_flags:
+ * --sharding, --shard-group and --grad-accum against the world (the same
+ * verdict on every rank). prepare_model: fsdp_parallelize_model of root with
+ * --wrap, --ac, --precision, --mixed-precision, the strategy and, loading
+ * (--resume or --init-from replace every parameter), no initialisation.
+ * memory_plan: plans the run for `pworld` ranks by measuring the task's real
+ * step (fsdp_plan_memory_run); --dry-run prints the plan per rank and exits,
+ * --mem-limit refuses a plan over the limit before any work and hands the
+ * limit to the library's allocator. precision_name: --precision as Composer
+ * spells it. local_ranks: this host's ranks (Open MPI's local size, else 1). */
+void check_strategy_flags(const struct opts *o, int world);
+struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct task *t, const struct opts *o,
+                                 struct fsdp_module *root, struct fsdp_optim *opt, int loading);
+void memory_plan(struct fsdp_ctx *ctx, const struct task *t, const struct opts *o, struct fsdp_module *root,
+                 int pworld);
+const char *precision_name(const struct opts *o);
+int local_ranks(void);
+
 /* fsdp-train.c's error exits and clock, for the tasks. */
 _Noreturn void fail_all(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 _Noreturn void fail_input(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
