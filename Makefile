@@ -80,10 +80,10 @@ ubsan:
 	$(MAKE) BUILD=build-ubsan SAN="-fsanitize=undefined -fno-sanitize-recover=undefined" OPT=-O1
 
 # ThreadSanitizer for the threaded parts (shm's progress thread): only what
-# tests/tsan.sh runs (the trainer and the collective conformance suite)
+# tests/tsan.sh runs (the trainer and the collective tests)
 tsan:
 	$(MAKE) BUILD=build-tsan SAN="-fsanitize=thread -fno-omit-frame-pointer" OPT=-O1 \
-	    build-tsan/fsdp-train build-tsan/tests/test_mpi_comm
+	    build-tsan/fsdp-train build-tsan/tests/test_mpi_comm build-tsan/tests/test_mpi_comm_backends
 
 # libFuzzer targets (fuzz/fuzz_*.c) in build-fuzz/fuzz/; needs clang and
 # libclang-rt-14-dev (scripts/install-deps.sh --with-fuzz). Not part of `all`;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tests/run.sh - runs the whole suite and prints "N passed, N failed, N skipped".
 #  - build/tests/test_*      C unit tests (the harness forks each test)
-#  - build/tests/test_mpi_*  run under mpirun at 1..4 ranks, test_mpi_comm at 1..5
+#  - build/tests/test_mpi_*  run under mpirun at 1..4 ranks, test_mpi_comm and
+#                            test_mpi_comm_backends at 1..5
 #                            (TEST_RANKS overrides)
 #  - tests/t_*.sh            end-to-end checks of the tools; each prints its own
 #                            "N passed, N failed" line
@@ -68,11 +69,12 @@ for t in "$BUILD"/tests/test_*; do
   [ -n "$filter" ] && [[ "$name" != *"$filter"* ]] && continue
   case "$name" in
     test_mpi_*)
-      ranks="1 2 3 4"
-      [ "$name" = test_mpi_comm ] && ranks="1 2 3 4 5" # the conformance suite: world sizes 1-5
+      ranks="1 2 3 4" sanitized="1 2 3"
+      # the collectives' tests: world sizes 1-5
+      case "$name" in test_mpi_comm|test_mpi_comm_backends) ranks="1 2 3 4 5" sanitized="1 2 3 5" ;; esac
       # sanitized builds: one world, two ranks and uneven shares are the code paths; the
       # numerics at every world size are the plain suite's (it keeps CI within its time)
-      case "$BUILD" in *asan*|*tsan*) ranks="1 2 3"; [ "$name" = test_mpi_comm ] && ranks="1 2 3 5" ;; esac
+      case "$BUILD" in *asan*|*tsan*) ranks=$sanitized ;; esac
       for n in ${TEST_RANKS:-$ranks}; do
         run_one "$name -np $n" mpirun -np "$n" --oversubscribe "$t"
       done ;;

@@ -2,9 +2,10 @@
 # tests/tsan.sh - ThreadSanitizer over the threaded parts (after `make tsan`):
 # the progress threads of the shm and MPI backends against the compute
 # thread, through the collective conformance suite (tests/test_mpi_comm.c,
-# every backend) at 2 and 4 ranks and short fsdp-train runs on shm (2 and 3
-# ranks) and MPI (2 ranks). Any report fails the run (TSan exits 66). Prints
-# "N passed, N failed" at the end.
+# every backend) and the backends' own tests (tests/test_mpi_comm_backends.c:
+# MPI's progress thread, shm's single copy) at 2 and 4 ranks, and short
+# fsdp-train runs on shm (2 and 3 ranks) and MPI (2 ranks). Any report
+# fails the run (TSan exits 66). Prints "N passed, N failed" at the end.
 # Usage: BUILD=build-tsan tests/tsan.sh   (the default BUILD here is build-tsan)
 #
 # Caveats, each the reason for a setting below:
@@ -39,13 +40,15 @@ export FSDP_CHECK_COLLECTIVES=1 FSDP_MPI_PROGRESS=1
 
 reports() { grep -c "WARNING: ThreadSanitizer" "$1"; }
 
-for n in 2 4; do
-  timeout -k 10 900 mpirun -np $n --bind-to none "$BUILD/tests/test_mpi_comm" > "$tmp/comm$n" 2>&1
-  rc=$?
-  if [ $rc -eq 0 ] && [ "$(reports "$tmp/comm$n")" -eq 0 ] && grep -qE "^[0-9]+ passed, 0 failed" "$tmp/comm$n"; then
-    ok "test_mpi_comm at $n ranks: $(grep -E '^[0-9]+ passed' "$tmp/comm$n"), no TSan report"
-  else bad "test_mpi_comm at $n ranks" "exit $rc, $(reports "$tmp/comm$n") TSan reports" \
-           "$(grep -E 'FAIL|SUMMARY' "$tmp/comm$n" | sort | uniq -c | head -10)"; fi
+for t in test_mpi_comm test_mpi_comm_backends; do
+  for n in 2 4; do
+    timeout -k 10 900 mpirun -np $n --bind-to none "$BUILD/tests/$t" > "$tmp/$t$n" 2>&1
+    rc=$?
+    if [ $rc -eq 0 ] && [ "$(reports "$tmp/$t$n")" -eq 0 ] && grep -qE "^[0-9]+ passed, 0 failed" "$tmp/$t$n"; then
+      ok "$t at $n ranks: $(grep -E '^[0-9]+ passed' "$tmp/$t$n"), no TSan report"
+    else bad "$t at $n ranks" "exit $rc, $(reports "$tmp/$t$n") TSan reports" \
+             "$(grep -E 'FAIL|SUMMARY' "$tmp/$t$n" | sort | uniq -c | head -10)"; fi
+  done
 done
 
 for run in shm:2 shm:3 mpi:2; do
