@@ -1401,7 +1401,7 @@ enum fsdp_status fsdp_images_random_resized_crop(struct fsdp_ctx *ctx, const str
 enum fsdp_status fsdp_images_batch(struct fsdp_ctx *ctx, struct fsdp_images *im, const struct fsdp_image_batch_opts *o,
                                    int64_t step, int64_t B, int rank, int world, float *x, int32_t *labels);
 
-/* ---- GPT-2's byte-level BPE tokenizer (src/io/bpe.c) -------------------- */
+/* ---- GPT-2's byte-level BPE tokenizer (src/io/bpe.c, bpe_load.c) -------- */
 
 struct fsdp_bpe;
 
