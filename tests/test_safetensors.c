@@ -10,6 +10,8 @@
 #include "harness.h"
 
 #include <fcntl.h>
+#include <omp.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static struct fsdp_ctx *mkctx(void) {
@@ -295,6 +297,65 @@ TEST(crc32c_matches_a_bitwise_reference) {
         CHECK_INT_EQ(fsdp__crc32c(0x1234567u, buf, lens[i]), crc_bitwise(0x1234567u, buf, lens[i]));
     }
     free(buf);
+}
+
+/* [Note: parallel chunks]: whole chunks written by several threads give the
+ * very file one thread writes (data and per-chunk checksums), over calls that
+ * start mid-chunk, end mid-chunk and span more than one group of 16 chunks. */
+static void write_big_u8(struct fsdp_ctx *c, const char *path, const uint8_t *v, size_t n, int threads) {
+    struct fsdp__st_desc d[1] = {{"v", FSDP_U8, 1, {(int64_t)n, 0, 0, 0}}};
+    const char *kv[] = {"format", "pt"};
+    struct fsdp__st_writer *w;
+    int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    ASSERT_OK(fsdp__st_writer_open(c, path, 1, d, 1, kv, &w), c);
+    size_t cuts[] = {1000, (2u << 20) + 5, 30u << 20, n};
+    for (size_t i = 0, at = 0; i < 4; at = cuts[i++]) ASSERT_OK(fsdp__st_writer_write(w, v + at, cuts[i] - at), c);
+    ASSERT_OK(fsdp__st_writer_commit(w), c);
+    omp_set_num_threads(saved);
+}
+
+static uint8_t *slurp_file(const char *path, size_t *n) {
+    struct stat sb;
+    int fd = open(path, O_RDONLY);
+    if (fd < 0 || fstat(fd, &sb) != 0) abort();
+    uint8_t *b = malloc((size_t)sb.st_size);
+    if (!b || pread(fd, b, (size_t)sb.st_size, 0) != sb.st_size) abort();
+    close(fd);
+    *n = (size_t)sb.st_size;
+    return b;
+}
+
+TEST(parallel_chunk_writes_match_one_thread) {
+    struct fsdp_ctx *c = mkctx();
+    size_t n = ((size_t)37 << 20) + 123;
+    uint8_t *v = malloc(n);
+    for (size_t i = 0; i < n; i++) v[i] = (uint8_t)(i * 2654435761u >> 13);
+    char p1[128], p3[128];
+    tmpname(p1, sizeof p1, "par1");
+    tmpname(p3, sizeof p3, "par3");
+    write_big_u8(c, p1, v, n, 1);
+    write_big_u8(c, p3, v, n, 3);
+    size_t n1, n3;
+    uint8_t *b1 = slurp_file(p1, &n1), *b3 = slurp_file(p3, &n3);
+    CHECK_INT_EQ(n3, n1);
+    CHECK(n1 == n3 && memcmp(b1, b3, n1) == 0);
+    struct fsdp__st_file f;
+    ASSERT_OK(fsdp__st_open(c, p3, &f), c);
+    CHECK_INT_EQ(f.t[0].n_crc, 38);
+    int unchecked = -1;
+    CHECK_OK(fsdp__st_verify(c, &f, &unchecked), c);
+    CHECK_INT_EQ(unchecked, 0);
+    memset(b3, 0, n);
+    ASSERT_OK(fsdp__st_read(c, &f, 0, 0, n, b3), c);
+    CHECK(memcmp(v, b3, n) == 0);
+    fsdp__st_close(&f);
+    unlink(p1);
+    unlink(p3);
+    free(b1);
+    free(b3);
+    free(v);
+    fsdp_ctx_free(c);
 }
 
 TEST_MAIN()

@@ -23,6 +23,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <omp.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -810,6 +811,48 @@ enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, in
 
 uint64_t fsdp__st_writer_data_start(const struct fsdp__st_writer *w) { return w->data_start; }
 
+/* [Note: early writeback] Start writing each 8 MiB to disk as soon as it is
+ * in the page cache, so the disk works while the next bytes are checksummed
+ * and copied, and the fsync at commit has little left (a plain write + fsync
+ * leaves it all to the end). Only a hint: durability still comes from that
+ * fsync. Starts it for [kicked, upto) once that is 8 MiB or more. */
+static void kick_writeback(struct fsdp__st_writer *w, uint64_t upto) {
+    if (upto - w->kicked < ((uint64_t)8 << 20)) return;
+    (void)sync_file_range(w->fd, (off_t)w->kicked, (off_t)(upto - w->kicked), SYNC_FILE_RANGE_WRITE);
+    w->kicked = upto;
+}
+
+/* [Note: parallel chunks] A write of whole chunks checksums and writes each
+ * chunk on its own (its CRC starts at zero, its bytes go to their own file
+ * offset), so the compute threads share them: on one rank the save is one
+ * thread copying into fresh page-cache pages, which both cores can do at
+ * once. Writes chunks [c0, c0 + nc) of tensor cur from p at file offset off;
+ * returns 0, or the errno of the first failed chunk in file order (the
+ * message is made after the loop, on this thread). */
+static int write_chunks(struct fsdp__st_writer *w, const uint8_t *p, uint64_t c0, int64_t nc, uint64_t off) {
+    int64_t first = nc;
+    int err = 0;
+#pragma omp parallel for schedule(dynamic, 1) if (nc >= 4 && !omp_in_parallel())
+    for (int64_t i = 0; i < nc; i++) {
+        const uint8_t *q = p + (size_t)i * FSDP__ST_CHUNK;
+        w->crc[w->cur][c0 + (uint64_t)i] = fsdp__crc32c(0, q, FSDP__ST_CHUNK);
+        size_t n = FSDP__ST_CHUNK;
+        uint64_t o = off + (uint64_t)i * FSDP__ST_CHUNK;
+        int e = 0;
+        while (n && !e) {
+            ssize_t r = pwrite(w->fd, q, n, (off_t)o);
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) e = r < 0 ? errno : EIO;
+            else q += r, n -= (size_t)r, o += (uint64_t)r;
+        }
+        if (e) {
+#pragma omp critical(st_write_chunks)
+            if (i < first) first = i, err = e;
+        }
+    }
+    return err;
+}
+
 enum fsdp_status fsdp__st_writer_write(struct fsdp__st_writer *w, const void *data, size_t bytes) {
     const uint8_t *p = data;
     while (bytes) {
@@ -823,6 +866,16 @@ enum fsdp_status fsdp__st_writer_write(struct fsdp__st_writer *w, const void *da
         size_t done = 0;
         while (done < k) {
             uint64_t c = (w->filled + done) / FSDP__ST_CHUNK;
+            if ((w->filled + done) % FSDP__ST_CHUNK == 0 && k - done >= FSDP__ST_CHUNK) {
+                /* whole chunks, 16 at a time ([Note: parallel chunks]), each group's writeback started */
+                int64_t nc = (int64_t)((k - done) / FSDP__ST_CHUNK);
+                if (nc > 16) nc = 16;
+                int e = write_chunks(w, p + done, c, nc, w->off + done);
+                if (e) return fsdp__err(w->ctx, FSDP_ERR_IO, "%s: write failed: %s", w->tmp, strerror(e));
+                done += (size_t)nc * FSDP__ST_CHUNK;
+                kick_writeback(w, w->off + done);
+                continue;
+            }
             uint64_t chunk_end = (c + 1) * FSDP__ST_CHUNK;
             size_t m = (size_t)(chunk_end - (w->filled + done));
             if (m > k - done) m = k - done;
@@ -831,15 +884,7 @@ enum fsdp_status fsdp__st_writer_write(struct fsdp__st_writer *w, const void *da
             done += m;
         }
         w->off += k;
-        /* [Note: early writeback] Start writing each 8 MiB to disk as soon as
-         * it is in the page cache, so the disk works while the next bytes are
-         * checksummed and copied, and the fsync at commit has little left
-         * (a plain write + fsync leaves it all to the end). Only a hint:
-         * durability still comes from that fsync. */
-        if (w->off - w->kicked >= ((uint64_t)8 << 20)) {
-            (void)sync_file_range(w->fd, (off_t)w->kicked, (off_t)(w->off - w->kicked), SYNC_FILE_RANGE_WRITE);
-            w->kicked = w->off;
-        }
+        kick_writeback(w, w->off);
         w->filled += k;
         p += k;
         bytes -= k;
