@@ -1,7 +1,8 @@
 /*
  * task.h - what fsdp-train trains: a task builds the model and its data and
- * runs one step; fsdp-train.c owns everything around it (flags, sharding,
- * the step loop, logging, checkpoints, the summary). Two tasks:
+ * runs one step; fsdp-train.c and its other files here own everything
+ * around it (flags, sharding, the launch, the step loop, logging,
+ * checkpoints, the summary). Two tasks:
  *   tokens (task_tokens.c): a GPT on token data, next-token cross-entropy;
  *   images (task_images.c): an image classifier (a small CNN or a ResNet)
  *       on an IDX image set, cross-entropy, top-1 evaluation on the test split;
@@ -161,6 +162,26 @@ void memory_plan(struct fsdp_ctx *ctx, const struct task *t, const struct opts *
                  int pworld);
 const char *precision_name(const struct opts *o);
 int local_ranks(void);
+
+/* The job's ranks and their launcher (launch.c). relaunch: --nproc N
+ * without mpirun re-runs this program under mpirun (does not return; exit 1
+ * when mpirun cannot run). launcher_watch_start: a rank under mpirun stops
+ * (exit 1) as soon as its launcher is gone, [Note: launcher watch];
+ * launcher_check: that check now (nothing when unwatched). */
+_Noreturn void relaunch(int argc, char **argv, int nproc);
+void launcher_watch_start(void);
+void launcher_check(void);
+
+/* Checkpoint folders and output paths (ckpt.c). resolve_resume: --resume
+ * DIR as a checkpoint (DIR itself, else its newest step-N, written into buf;
+ * NULL: none). save_ckpt: every rank saves --save-dir/step-N, then rank 0
+ * keeps the newest --keep-last. COLLECTIVE. check_outputs: rank 0 checks
+ * --log, --save-full and --save-dir and locks --save-dir ([Note: output
+ * preflight]); every rank ends alike on a failure. COLLECTIVE. */
+const char *resolve_resume(const char *dir, char *buf, size_t n);
+void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o, struct task *t, int step,
+               int tty);
+void check_outputs(struct fsdp_ctx *ctx, const struct opts *o);
 
 /* fsdp-train.c's error exits and clock, for the tasks. */
 _Noreturn void fail_all(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

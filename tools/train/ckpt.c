@@ -1,0 +1,213 @@
+/*
+ * ckpt.c - fsdp-train's checkpoint folders and output locations: where
+ * --resume finds a checkpoint, saving DIR/step-N every --save-every steps
+ * and keeping the newest --keep-last, and the check of every output path
+ * before step 1, with the lock on --save-dir ([Note: output preflight]).
+ * The library writes and reads the checkpoints themselves (src/fsdp/ckpt/).
+ * Part of fsdp-train (tools/fsdp-train.c runs the job; task.h declares these).
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "task.h"
+
+/* ---- Checkpoints: DIR/step-NNNNNNNN folders, each complete only with
+ * meta.json (--state-dict-type sharded), or DIR/step-NNNNNNNN.safetensors
+ * files (full; written under a temporary name, then renamed) ---- */
+
+static const char *ckpt_suffix(int full) { return full ? ".safetensors" : ""; }
+
+/* The step numbers of the complete checkpoints of one kind in dir, ascending; returns the count. */
+static int list_ckpts(const char *dir, int full, long **steps) {
+    *steps = NULL;
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        char *end;
+        if (strncmp(e->d_name, "step-", 5)) continue;
+        long st = strtol(e->d_name + 5, &end, 10);
+        if (strcmp(end, ckpt_suffix(full)) || end == e->d_name + 5) continue; /* skips step-N.tmp and step-N.old */
+        char meta[4096];
+        struct stat sb;
+        snprintf(meta, sizeof meta, full ? "%s/%s" : "%s/%s/meta.json", dir, e->d_name);
+        if (stat(meta, &sb) != 0 || (full && !S_ISREG(sb.st_mode))) continue;
+        long *ns = realloc(*steps, (size_t)(n + 1) * sizeof **steps);
+        if (!ns) break;
+        *steps = ns;
+        int i = n++;
+        for (; i > 0 && (*steps)[i - 1] > st; i--) (*steps)[i] = (*steps)[i - 1];
+        (*steps)[i] = st;
+    }
+    closedir(d);
+    return n;
+}
+
+static void ckpt_path(char *buf, size_t n, const char *dir, long step, int full) {
+    snprintf(buf, n, "%s/step-%08ld%s", dir, step, ckpt_suffix(full));
+}
+
+/* --resume DIR: DIR itself if it holds meta.json, else its newest checkpoint. */
+const char *resolve_resume(const char *dir, char *buf, size_t n) {
+    struct stat sb;
+    snprintf(buf, n, "%s/meta.json", dir);
+    if (stat(buf, &sb) == 0) {
+        snprintf(buf, n, "%s", dir);
+        return buf;
+    }
+    long *steps;
+    int k = list_ckpts(dir, 0, &steps);
+    if (k == 0) {
+        free(steps);
+        return NULL;
+    }
+    ckpt_path(buf, n, dir, steps[k - 1], 0);
+    free(steps);
+    return buf;
+}
+
+/* Keeps the newest `keep` checkpoints of dir (rank 0 only). */
+static void prune_ckpts(struct fsdp_ctx *ctx, const char *dir, int keep, int full) {
+    long *steps;
+    int k = list_ckpts(dir, full, &steps);
+    for (int i = 0; i + keep < k; i++) {
+        char p[4096];
+        ckpt_path(p, sizeof p, dir, steps[i], full);
+        /* removes only a checkpoint's own files; one holding others is kept */
+        if (fsdp_ckpt_remove(ctx, p) != FSDP_OK)
+            fprintf(stderr, "fsdp-train: --keep-last: keeping %s\n", fsdp_errmsg(ctx));
+    }
+    free(steps);
+}
+
+/* Saves DIR/step-N (every rank), then keeps the newest --keep-last. */
+void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o, struct task *t, int step,
+               int tty) {
+    int rank = fsdp_ctx_rank(ctx);
+    char path[4096];
+    launcher_check();
+    int full = !strcmp(o->state_dict_type, "full");
+    ckpt_path(path, sizeof path, o->save_dir, step, full);
+    if (rank == 0 && mkdir(o->save_dir, 0755) != 0 && errno != EEXIST)
+        fail_rank("--save-dir: cannot create '%s': %s", o->save_dir, strerror(errno));
+    struct fsdp_ckpt_meta m = {0};
+    m.step = m.data_step = step;
+    m.seed = o->seed;
+    t->ops->meta(t, &m);
+    char *cfg = config_json(o); /* [Note: run configuration] in train/config.c */
+    if (strlen(cfg) >= sizeof m.train_config)
+        fail_all("saving %s: the configuration is %zu bytes, more than a checkpoint keeps (%zu)", path, strlen(cfg),
+                 sizeof m.train_config - 1);
+    memcpy(m.train_config, cfg, strlen(cfg) + 1);
+    free(cfg);
+    double t0 = now_s();
+    /* the barrier: nobody writes into --save-dir before rank 0 made it; the
+     * model's state_dict_type (--state-dict-type) chooses the kind */
+    if (fsdp_comm_barrier(fsdp_ctx_comm(ctx)) != FSDP_OK || fsdp_model_save(ctx, fm, path, &m) != FSDP_OK)
+        fail_all("saving %s: %s", path, fsdp_errmsg(ctx));
+    if (rank == 0) {
+        if (o->keep_last) prune_ckpts(ctx, o->save_dir, o->keep_last, full);
+        if (!tty) printf("saved %s in %.2f s\n", path, now_s() - t0);
+    }
+}
+
+/* ---- Output locations, checked before step 1 ([Note: output preflight]) ----
+ * A bad --save-full used to fail after all the training, a bad --save-dir at
+ * the first save. Rank 0 checks every output location before any step and
+ * creates nothing but what the flags name: the --save-dir folder (one level,
+ * as the first save would) and its lock file DIR/.lock, which it holds with
+ * flock for the whole run so that a second job on the same folder stops at
+ * once, naming the first one's pid. The lock file stays (removing it would
+ * let a third job lock a new file while a second still waits on the old). */
+
+static int g_lock_fd = -1; /* DIR/.lock, held until exit */
+
+/* The folder holding path: "." for a bare name. */
+static void dir_of(const char *path, char *buf, size_t n) {
+    snprintf(buf, n, "%s", path);
+    char *sl = strrchr(buf, '/');
+    if (!sl) snprintf(buf, n, ".");
+    else if (sl == buf) buf[1] = 0;
+    else *sl = 0;
+}
+
+/* A file the run will write (created or replaced): its folder must exist and
+ * be writable, and the path must not be a folder. 0 or a message in err. */
+static int check_out_file(const char *flag, const char *path, char *err, size_t n) {
+    struct stat sb;
+    char dir[4096];
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode))
+        return snprintf(err, n, "%s '%s' is a folder; give a file path", flag, path), 1;
+    dir_of(path, dir, sizeof dir);
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return snprintf(err, n, "%s '%s': the folder '%s' does not exist", flag, path, dir), 1;
+    if (access(dir, W_OK | X_OK) != 0)
+        return snprintf(err, n, "%s '%s': cannot write in '%s': %s", flag, path, dir, strerror(errno)), 1;
+    if (access(path, F_OK) == 0 && access(path, W_OK) != 0)
+        return snprintf(err, n, "%s '%s': cannot write it: %s", flag, path, strerror(errno)), 1;
+    return 0;
+}
+
+/* --save-dir: an existing writable folder, or one level to create; then its lock. */
+static int check_save_dir(const char *dir, char *err, size_t n) {
+    struct stat sb;
+    if (stat(dir, &sb) == 0) {
+        if (!S_ISDIR(sb.st_mode)) return snprintf(err, n, "--save-dir '%s' exists and is not a folder", dir), 1;
+        if (access(dir, W_OK | X_OK) != 0)
+            return snprintf(err, n, "--save-dir '%s': cannot write in it: %s", dir, strerror(errno)), 1;
+    } else {
+        char parent[4096];
+        dir_of(dir, parent, sizeof parent);
+        if (stat(parent, &sb) != 0 || !S_ISDIR(sb.st_mode))
+            return snprintf(err, n, "--save-dir '%s': the folder '%s' does not exist", dir, parent), 1;
+        if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+            return snprintf(err, n, "--save-dir: cannot create '%s': %s", dir, strerror(errno)), 1;
+    }
+    char lock[4096];
+    snprintf(lock, sizeof lock, "%s/.lock", dir);
+    int fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) return snprintf(err, n, "--save-dir: cannot open its lock file '%s': %s", lock, strerror(errno)), 1;
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        char who[64] = "";
+        ssize_t r = pread(fd, who, sizeof who - 1, 0);
+        who[r > 0 ? r : 0] = 0;
+        who[strcspn(who, "\n")] = 0;
+        close(fd);
+        if (e == EWOULDBLOCK)
+            return snprintf(err, n, "--save-dir '%s' is in use by another training job (%s, holding %s); give "
+                            "another --save-dir or wait for it to end", dir, who[0] ? who : "pid unknown", lock), 1;
+        return snprintf(err, n, "--save-dir: cannot lock '%s': %s", lock, strerror(e)), 1;
+    }
+    char host[256] = "?", line[320];
+    gethostname(host, sizeof host - 1);
+    host[sizeof host - 1] = 0;
+    int len = snprintf(line, sizeof line, "pid %ld on %s\n", (long)getpid(), host);
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, line, (size_t)len, 0) != len) { /* only informs the other job */ }
+    g_lock_fd = fd;
+    return 0;
+}
+
+/* Every rank: rank 0 checks --log, --save-full and --save-dir (and takes the
+ * lock), and all ranks end alike on a failure. */
+void check_outputs(struct fsdp_ctx *ctx, const struct opts *o) {
+    char err[8192] = "";
+    int bad = 0;
+    if (fsdp_ctx_rank(ctx) == 0) {
+        bad = (o->log_path && check_out_file("--log", o->log_path, err, sizeof err)) ||
+              (o->save_full && check_out_file("--save-full", o->save_full, err, sizeof err)) ||
+              (o->save_dir && check_save_dir(o->save_dir, err, sizeof err));
+    }
+    int32_t v = bad;
+    if (fsdp_comm_broadcast(fsdp_ctx_comm(ctx), &v, 1, FSDP_I32, 0) != FSDP_OK) fail_rank("%s", fsdp_errmsg(ctx));
+    if (v) fail_all("%s", err); /* rank 0 prints it */
+}
