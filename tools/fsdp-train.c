@@ -9,8 +9,9 @@
  * prunes checkpoints and checks the output paths before step 1.
  * One of the programs in tools/, the only code that prints and exits.
  * Errors that every rank detects alike (flags, config, data) end the job
- * with one message from rank 0 and exit code 1 (2 for usage); an error on
- * one rank alone aborts the whole job so that no peer waits forever.
+ * with one message from rank 0 and exit code 1 (2 for usage, and for an
+ * image model's bad config or data: fail_input); an error on one rank
+ * alone aborts the whole job so that no peer waits forever.
  */
 #include "fsdp.h"
 
