@@ -1629,7 +1629,7 @@ typedef enum fsdp_status (*fsdp_post_step_fn)(struct fsdp_ctx *ctx, struct fsdp_
 enum fsdp_status fsdp_model_add_post_step_hook(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                                struct fsdp_module *m, fsdp_post_step_fn fn, void *ud);
 
-/* ---- Checkpoints (src/fsdp/ckpt*.c, src/io/safetensors.c) ------------- */
+/* ---- Checkpoints (src/fsdp/ckpt*.c, src/io/safetensors.c, st_write.c) - */
 
 /* Training position saved with a sharded checkpoint. */
 struct fsdp_ckpt_meta {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # t_ckpt_foreign.sh - no checkpoint writer deletes or replaces a file it did not
-# make ([Note: only our own files], src/fsdp/ckpt/ckpt.c and src/io/safetensors.c):
+# make ([Note: only our own files], src/fsdp/ckpt/ckpt.c and src/io/st_write.c):
 # every writer (fsdp-ckpt to-sharded and to-full, fsdp-train --save-dir,
 # --save-full and --keep-last) is pointed at a target that already holds foreign
 # files, a regular file, an existing --save-dir, or a foreign ".tmp" sibling.

@@ -1,10 +1,11 @@
 /*
- * test_safetensors.c - the safetensors reader and writer (src/io/safetensors.c):
- * round trips across checksum chunks, headers that lie (each rejected with a
- * message naming the file and the tensor), and a sweep that flips every byte
- * and truncates at every length of a small file: each is either rejected or
- * (for bytes that carry no meaning, e.g. metadata values) reads back the
- * exact original values; never a silent wrong load.
+ * test_safetensors.c - the safetensors reader and writer (src/io/safetensors.c,
+ * st_write.c): round trips across checksum chunks, whole chunks written by
+ * several threads, headers that lie (each rejected with a message naming the
+ * file and the tensor), and a sweep that flips every byte and truncates at
+ * every length of a small file: each is either rejected or (for bytes that
+ * carry no meaning, e.g. metadata values) reads back the exact original
+ * values; never a silent wrong load.
  */
 #include "io/io-impl.h"
 #include "harness.h"

@@ -39,7 +39,7 @@ size_t fsdp__bpe_pieces(const void *text, size_t len, size_t *ends, size_t cap);
 /* The pre-tokenizer class of a code point: 0 other, 1 \p{L}, 2 \p{N}, 3 \s. */
 int fsdp__bpe_class(int32_t cp);
 
-/* ---- safetensors (safetensors.c) ---- */
+/* ---- safetensors (reader: safetensors.c; writer: st_write.c) ---- */
 /* A file is: 8-byte little-endian header length H, H bytes of JSON
  * {"name": {"dtype": "F32", "shape": [..], "data_offsets": [b, e]}, ...,
  *  "__metadata__": {"k": "v"}} padded with spaces to a multiple of 8, then the
@@ -48,6 +48,11 @@ int fsdp__bpe_class(int32_t cp);
  * the tensor, which readers verify for every chunk they touch
  * ([Note: chunked checksums] in safetensors.c). */
 #define FSDP__ST_CHUNK ((uint64_t)1 << 20)
+#define FSDP__ST_CRC_KEY "fsdp.crc32c." /* + the tensor's name: its checksums */
+/* The checksums of a tensor of `bytes` bytes (one for an empty tensor). */
+static inline int64_t fsdp__st_chunks(uint64_t bytes) {
+    return bytes == 0 ? 1 : (int64_t)((bytes + FSDP__ST_CHUNK - 1) / FSDP__ST_CHUNK);
+}
 #define FSDP__ST_MAX_HEADER ((uint64_t)100 << 20)
 
 struct fsdp__st_tensor {
@@ -119,7 +124,7 @@ int fsdp__st_written_by_us(const char *path);
 /* Byte offset of tensor i's data in the file, as the writer lays it out. */
 uint64_t fsdp__st_writer_data_start(const struct fsdp__st_writer *w);
 
-/* ---- Durable files (safetensors.c) ---- */
+/* ---- Durable files (st_write.c; CRC-32C: safetensors.c) ---- */
 uint32_t fsdp__crc32c(uint32_t crc, const void *buf, size_t n);
 /* Writes all of buf at offset (pwrite, retrying short writes). */
 enum fsdp_status fsdp__write_all(struct fsdp_ctx *ctx, int fd, const char *path, const void *buf,
