@@ -16,16 +16,8 @@
 #include <mpi.h>
 
 #include "mpi_harness.h"
+#include "plist.h"
 
-struct plist {
-    int n;
-    struct fsdp_param *p[256];
-};
-static int collect(struct fsdp_param *p, void *ud) {
-    struct plist *l = ud;
-    if (l->n < 256) l->p[l->n++] = p;
-    return 0;
-}
 
 static void lars_case(enum fsdp_sharding sh, int freeze) {
     struct fsdp_ctx *c = get_ctx();
@@ -55,7 +47,7 @@ static void lars_case(enum fsdp_sharding sh, int freeze) {
     }
     ASSERT_OK(fsdp_model_attach_optim(c, fm, opt), c);
     struct plist pl = {0};
-    fsdp_module_foreach_param(g, collect, &pl);
+    fsdp_module_foreach_param(g, collect_param, &pl);
     float **w = calloc((size_t)pl.n, sizeof *w), **gr = calloc((size_t)pl.n, sizeof *gr);
     double **buf = calloc((size_t)pl.n, sizeof *buf);
     for (int i = 0; i < pl.n; i++) {
@@ -113,6 +105,7 @@ static void lars_case(enum fsdp_sharding sh, int freeze) {
     if (!(worst <= 1e-5)) TEST_FAILF("LARS update differs from the formula by %g (relative)", worst);
     CHECK(moved > 1e-4); /* the steps did something */
     for (int i = 0; i < pl.n; i++) free(w[i]), free(gr[i]), free(buf[i]);
+    plist_free(&pl);
     free(w), free(gr), free(buf);
     fsdp_model_free(fm);
     fsdp_optim_free(opt);

@@ -24,21 +24,11 @@
 #include "../examples/toy.h"
 
 #include "mpi_harness.h" /* after toy.h: its `ctx` would shadow toy.h's parameters */
+#include "plist.h"
 
 static int rank_of(struct fsdp_ctx *c) { return fsdp_comm_rank(fsdp_ctx_comm(c)); }
 static int world_of(struct fsdp_ctx *c) { return fsdp_comm_size(fsdp_ctx_comm(c)); }
 
-/* Every parameter of a module tree, in definition order (ties skipped). */
-struct plist {
-    struct fsdp_param **p;
-    int n;
-};
-static int plist_add(struct fsdp_param *p, void *ud) {
-    struct plist *l = ud;
-    l->p = realloc(l->p, (size_t)(l->n + 1) * sizeof *l->p);
-    l->p[l->n++] = p;
-    return 0;
-}
 
 /* ---- the GPT: split calls == fsdp_model_train_step, bit for bit ---- */
 
@@ -110,13 +100,13 @@ static void gpt_run(const struct gpt_case *k, int split, double *res, float *par
     }
     *skipped = fsdp_model_skipped_steps(fm);
     struct plist pl = {0};
-    fsdp_module_foreach_param(g, plist_add, &pl);
+    fsdp_module_foreach_param(g, collect_param, &pl);
     int64_t off = 0;
     for (int i = 0; i < pl.n; i++) {
         if (fsdp_model_get_param(c, fm, pl.p[i]->fqn, params + off) != FSDP_OK) abort();
         off += pl.p[i]->numel;
     }
-    free(pl.p);
+    plist_free(&pl);
     fsdp_model_free(fm);
     fsdp_optim_free(opt);
     fsdp_module_free(g);
@@ -386,13 +376,13 @@ static void model_sharded(int cls, const struct model_case *k, double *res, floa
         res[3 * s] = r.loss, res[3 * s + 1] = r.grad_norm, res[3 * s + 2] = r.param_norm;
     }
     struct plist pl = {0};
-    fsdp_module_foreach_param(root, plist_add, &pl);
+    fsdp_module_foreach_param(root, collect_param, &pl);
     int64_t off = 0;
     for (int i = 0; i < pl.n; i++) {
         if (fsdp_model_get_param(c, fm, pl.p[i]->fqn, params + off) != FSDP_OK) abort();
         off += pl.p[i]->numel;
     }
-    free(pl.p);
+    plist_free(&pl);
     fsdp_model_free(fm);
     fsdp_optim_free(opt);
     fsdp_module_free(root);
@@ -417,7 +407,7 @@ static void model_reference(int cls, enum fsdp_dtype prec, double *res, float *p
     if (fsdp_module_materialize(c, root, 7) != FSDP_OK) abort();
     if (fsdp_module_set_compute_dtype(c, root, prec) != FSDP_OK) abort();
     struct plist pl = {0};
-    fsdp_module_foreach_param(root, plist_add, &pl);
+    fsdp_module_foreach_param(root, collect_param, &pl);
     for (int i = 0, off = 0; i < pl.n; off += (int)pl.p[i]->numel, i++)
         memcpy(init + off, pl.p[i]->data, (size_t)pl.p[i]->numel * sizeof(float));
     struct fsdp_optim_opts oo = sgd_opts();
@@ -469,7 +459,7 @@ static void model_reference(int cls, enum fsdp_dtype prec, double *res, float *p
     free(state);
     free(master);
     free(sl);
-    free(pl.p);
+    plist_free(&pl);
     fsdp_optim_free(opt);
     fsdp_module_free(root);
 }

@@ -18,6 +18,7 @@
 #include "harness.h"
 #include "nn_helpers.h"
 #include "nn/nn-impl.h"
+#include "plist.h"
 
 #include <errno.h>
 #include <sys/stat.h>
@@ -34,17 +35,6 @@ static struct fsdp_tensor make_ids(int ndim, const int64_t *shape, int64_t num) 
     for (int64_t i = 0; i < n; i++) x[i] = (int32_t)irand(num);
     t.data = x;
     return t;
-}
-
-struct plist {
-    int n;
-    struct fsdp_param *p[256];
-};
-
-static int collect_param(struct fsdp_param *p, void *ud) {
-    struct plist *l = ud;
-    if (l->n < 256) l->p[l->n++] = p;
-    return 0;
 }
 
 /* Replaces initial values by uniform(-scale, scale) (LayerNorm weights: 1 +
@@ -163,6 +153,7 @@ static void gradcheck(struct gc *g) {
     fsdp_module_foreach_param(g->m, collect_param, &pl);
     for (int i = 0; i < pl.n; i++)
         gc_check_tensor(g, pl.p[i]->fqn, pl.p[i]->data, pl.p[i]->grad, pl.p[i]->numel);
+    plist_free(&pl);
     free(dx);
     free(dy);
     free(g->r);
@@ -418,6 +409,7 @@ TEST(gpt_fqns_match_nanogpt) {
     fsdp_module_foreach_param(m, collect_param, &pl);
     ASSERT_INT_EQ(pl.n, n);
     for (int i = 0; i < n; i++) CHECK_STR_EQ(pl.p[i]->fqn, want[i]);
+    plist_free(&pl);
     /* lm_head.weight exists, is tied to wte, and has the same shape */
     struct fsdp_param *lm = fsdp_module_find_param(m, "lm_head.weight");
     struct fsdp_param *wte = fsdp_module_find_param(m, "transformer.wte.weight");
@@ -782,6 +774,7 @@ TEST(gpt_matches_pytorch_nanogpt) {
         for (int d = 0; d < p->ndim; d++) fprintf(f, "%s%lld", d ? ", " : "", (long long)p->shape[d]);
         fprintf(f, "], \"param\": \"param_%d.bin\", \"grad\": \"grad_%d.bin\"}%s\n", i, i, i + 1 < pl.n ? "," : "");
     }
+    plist_free(&pl);
     fprintf(f, " ]}\n");
     CHECK(fclose(f) == 0);
     char cmd[8600];

@@ -13,6 +13,7 @@
 #include "fsdp.h"
 #include "harness.h"
 #include "nn_helpers.h"
+#include "plist.h"
 #include "vision_helpers.h"
 
 /* ---- finite differences ---- */
@@ -84,6 +85,7 @@ static void gradcheck(struct gc *g) {
     struct plist pl = {0};
     fsdp_module_foreach_param(g->m, collect_param, &pl);
     for (int i = 0; i < pl.n; i++) gc_tensor(g, pl.p[i]->fqn, pl.p[i]->data, pl.p[i]->grad, pl.p[i]->numel);
+    plist_free(&pl);
     free(dx);
     free(dy);
     free(g->r);
@@ -398,6 +400,7 @@ TEST(gradcheck_swav_head) { /* through a BN and normalisation: eps 1e-3, rtol 1e
         for (int j = 0; j < 5; j++) s += (double)r[j] * c1[j];
         CHECK_NEAR(r[5 + 7 + 3], s, 1e-5, 1e-6);
     }
+    plist_free(&pl);
     struct gc g3 = {.name = "SwAVHead", .ctx = ctx, .m = m, .in = &x, .eps = 1e-3, .rtol = 1e-2, .atol = 2e-4,
                     .coords = 30};
     gradcheck(&g3);
@@ -568,7 +571,7 @@ static void ref_case_nd(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx,
         if (fsdp_module_zero_grad(ctx, m) != FSDP_OK || fsdp_module_forward(m, ctx, &x, &y) != FSDP_OK) {
             TEST_FAILF("case %d: %s", id, fsdp_errmsg(ctx));
             free(x.data);
-            return;
+            break;
         }
         int64_t nx = fsdp_tensor_numel(&x), ny = fsdp_tensor_numel(&y);
         snprintf(name, sizeof name, "c%d_s%d_x.bin", id, s);
@@ -595,6 +598,8 @@ static void ref_case_nd(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx,
         free(dy);
         free(x.data);
     }
+    plist_free(&pl);
+    blist_free(&bl);
 }
 
 static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, struct fsdp_module *m, const char *spec,

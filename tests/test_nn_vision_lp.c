@@ -9,6 +9,7 @@
 #include "harness.h"
 #include "nn_helpers.h"
 #include "nn/nn-impl.h"
+#include "plist.h"
 #include "vision_helpers.h"
 
 /* 16-bit compute: BF16 (native where the CPU has it, else widened) and F16
@@ -145,6 +146,8 @@ static void lrun(struct fsdp_ctx *ctx, struct fsdp_module *m, const struct fsdp_
         r->b[r->nbuf] = malloc((size_t)bl.b[i]->numel * sizeof(float));
         memcpy(r->b[r->nbuf++], bl.b[i]->data, (size_t)bl.b[i]->numel * sizeof(float));
     }
+    plist_free(&pl);
+    blist_free(&bl);
     free(dyp);
     free(dyl);
     free(xin.data);

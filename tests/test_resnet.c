@@ -14,6 +14,7 @@
 #include "harness.h"
 #include "nn/nn-impl.h"
 #include "nn_helpers.h"
+#include "plist.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -62,24 +63,6 @@ static void json_names(FILE *js, struct fsdp_module *m, int *first) {
     for (int i = 0; i < m->n_children; i++) json_names(js, m->children[i], first);
 }
 
-struct plist {
-    int n, cap;
-    struct fsdp_param **p;
-};
-static int collect_param(struct fsdp_param *p, void *ud) {
-    struct plist *l = ud;
-    if (l->n < l->cap) l->p[l->n++] = p;
-    return 0;
-}
-struct blist {
-    int n, cap;
-    struct fsdp_buffer **b;
-};
-static int collect_buffer(struct fsdp_buffer *b, void *ud) {
-    struct blist *l = ud;
-    if (l->n < l->cap) l->b[l->n++] = b;
-    return 0;
-}
 /* BN weights and biases moved off 1 and 0, so that a mix-up shows */
 static int perturb_bn(struct fsdp_param *p, void *ud) {
     (void)ud;
@@ -108,10 +91,8 @@ static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, co
         TEST_FAILF("case %d: %s", id, fsdp_errmsg(ctx));
         return;
     }
-    struct fsdp_param *pp[256];
-    struct fsdp_buffer *bb[256];
-    struct plist pl = {0, 256, pp};
-    struct blist bl = {0, 256, bb};
+    struct plist pl = {0};
+    struct blist bl = {0};
     fsdp_module_foreach_param(m, collect_param, &pl);
     fsdp_module_foreach_buffer(m, collect_buffer, &bl);
     fprintf(js, "%s{\"arch\": \"%s\", \"in_chans\": %d, \"num_classes\": %d, \"stem\": \"%s\", \"width\": %d, "
@@ -184,6 +165,8 @@ static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, co
         free(t);
         free(x);
     }
+    plist_free(&pl);
+    blist_free(&bl);
     fsdp_module_free(m);
 }
 
@@ -258,9 +241,9 @@ TEST(resnet_matches_torchvision) { run_reference(1); }
 /* ---- without Python ---- */
 
 static int buffers_equal(struct fsdp_module *m, void **saved, int save) {
-    struct fsdp_buffer *bb[256];
-    struct blist bl = {0, 256, bb};
+    struct blist bl = {0};
     fsdp_module_foreach_buffer(m, collect_buffer, &bl);
+    if (bl.n > 256) abort(); /* saved[] holds 256 */
     int same = 1;
     for (int i = 0; i < bl.n; i++) {
         size_t bytes = (size_t)bl.b[i]->numel * fsdp_dtype_size(bl.b[i]->dtype);
@@ -272,6 +255,7 @@ static int buffers_equal(struct fsdp_module *m, void **saved, int save) {
             free(saved[i]);
         }
     }
+    blist_free(&bl);
     return same;
 }
 

@@ -1,10 +1,10 @@
 /*
  * vision_helpers.h - what the vision layer tests share (test_nn_vision.c,
  * test_nn_batchnorm.c, test_nn_vision_lp.c): tie-free inputs
- * (make_distinct; make_input is nn_helpers.h's), a module's parameters and buffers listed
- * (collect_param, collect_buffer), finalize + materialize + random weights
+ * (make_distinct; make_input is nn_helpers.h's), finalize + materialize + random weights
  * (prepare) and a Conv2d with every option (conv_with).
- * Include after fsdp.h, harness.h and nn_helpers.h.
+ * Include after fsdp.h, harness.h and nn_helpers.h (and plist.h, for the
+ * files that list a module's parameters).
  */
 #ifndef FSDP_TEST_VISION_HELPERS_H
 #define FSDP_TEST_VISION_HELPERS_H
@@ -27,24 +27,6 @@ static inline struct fsdp_tensor make_distinct(int ndim, const int64_t *shape, f
     return t;
 }
 
-struct plist {
-    int n;
-    struct fsdp_param *p[64];
-};
-static inline int collect_param(struct fsdp_param *p, void *ud) {
-    struct plist *l = ud;
-    if (l->n < 64) l->p[l->n++] = p;
-    return 0;
-}
-struct blist {
-    int n;
-    struct fsdp_buffer *b[64];
-};
-static inline int collect_buffer(struct fsdp_buffer *b, void *ud) {
-    struct blist *l = ud;
-    if (l->n < 64) l->b[l->n++] = b;
-    return 0;
-}
 static inline int randomize_one(struct fsdp_param *p, void *ud) {
     float s = *(float *)ud;
     for (int64_t i = 0; i < p->numel; i++) p->data[i] = (p->init.kind == FSDP_INIT_ONES ? 1.0f : 0.0f) + s * urand();
