@@ -206,7 +206,9 @@ static double knn_accuracy(struct swav *k, struct fsdp_ctx *ctx, const float *ba
 /* Both evaluations of one kind of features (the trunk's, or raw pixels):
  * the weighted kNN on the first --knn-train training images (rank r votes
  * for its share of the test images, summed) and the linear probe on the
- * first --probe-train ([Note: linear probe]: every rank trains the same);
+ * first --probe-train ([Note: linear probe]: every rank trains the same),
+ * both tested on the test split (its first --eval-batches global batches of
+ * --eval-batch images, where given);
  * for the trunk, at each --eval-layer, the held-out figures choosing
  * ([Note: evaluation layers]). *knn_layer, *probe_layer: the layers chosen.
  * COLLECTIVE. */
@@ -217,6 +219,8 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
     struct fsdp_images_info vi;
     fsdp_images_info(k->test, &vi);
     int64_t nb = o->knn_train < k->ti.count ? o->knn_train : k->ti.count, nt = vi.count;
+    int64_t EB = o->eval_batch ? o->eval_batch : o->batch;
+    if (o->eval_batches && (int64_t)o->eval_batches * EB < nt) nt = (int64_t)o->eval_batches * EB; /* the first batches */
     int64_t np = o->probe_train < k->ti.count ? o->probe_train : k->ti.count, ntr = nb > np ? nb : np;
     /* pbn: the layer precise BN runs the trunk to (0: all of it, as when the trunk's output is read);
      * pbn_ok: a layer's map is read (the trunk is a ResNet) */
