@@ -76,7 +76,7 @@ static enum fsdp_status features(struct task *t, struct fsdp_ctx *ctx, struct fs
                                  const struct fsdp_images *im, int64_t n, int raw, int ml, float *feat) {
     struct swav *k = t->impl;
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
-    int64_t EB = o->eval_batch ? o->eval_batch : o->batch, chw = (int64_t)k->ti.channels * k->ti.height * k->ti.width;
+    int64_t EB = task_eval_batch(o), chw = (int64_t)k->ti.channels * k->ti.height * k->ti.width;
     if (raw) {
         for (int64_t i = 0; i < n; i++) task_load_image(im, &k->bo, i, feat + i * chw);
         return FSDP_OK;
@@ -218,9 +218,7 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
     struct swav *k = t->impl;
     struct fsdp_images_info vi;
     fsdp_images_info(k->test, &vi);
-    int64_t nb = o->knn_train < k->ti.count ? o->knn_train : k->ti.count, nt = vi.count;
-    int64_t EB = o->eval_batch ? o->eval_batch : o->batch;
-    if (o->eval_batches && (int64_t)o->eval_batches * EB < nt) nt = (int64_t)o->eval_batches * EB; /* the first batches */
+    int64_t nb = o->knn_train < k->ti.count ? o->knn_train : k->ti.count, nt = task_eval_images(o, vi.count);
     int64_t np = o->probe_train < k->ti.count ? o->probe_train : k->ti.count, ntr = nb > np ? nb : np;
     /* pbn: the layer precise BN runs the trunk to (0: all of it, as when the trunk's output is read);
      * pbn_ok: a layer's map is read (the trunk is a ResNet) */

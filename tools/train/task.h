@@ -100,6 +100,15 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
         if (try_st_ != FSDP_OK) return try_st_;                                                                    \
     } while (0)
 
+/* --eval-batch: items of one evaluation forward over all ranks (default
+ * --batch); of n held-out images, an image evaluation reads the first
+ * --eval-batches global batches of them, or all (0). */
+static inline int64_t task_eval_batch(const struct opts *o) { return o->eval_batch ? o->eval_batch : o->batch; }
+static inline int64_t task_eval_images(const struct opts *o, int64_t n) {
+    int64_t first = (int64_t)o->eval_batches * task_eval_batch(o);
+    return o->eval_batches && first < n ? first : n;
+}
+
 /* Shared by the image tasks (task_images.c): the small CNN (num_classes 0:
  * no fc, the output is the pooled features (N, 2 width)); the data set's
  * two splits, checked alike (exit 2 naming --data); normalisation of the

@@ -351,14 +351,13 @@ static enum fsdp_status img_eval(struct task *t, struct fsdp_ctx *ctx, struct fs
     struct fsdp_images_info vi;
     fsdp_images_info(k->test, &vi);
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
-    int64_t EB = o->eval_batch ? o->eval_batch : o->batch, n = vi.count;
+    int64_t EB = task_eval_batch(o), n = task_eval_images(o, vi.count);
     float *x = malloc((size_t)(EB / world + 1) * (size_t)k->chw * sizeof(float));
     if (!x) fail_rank("out of memory for evaluation");
     double sum = 0;
     int64_t correct = 0, seen = 0;
     enum fsdp_status st = FSDP_OK;
     fsdp_module_set_training(t->root, 0);
-    if (o->eval_batches && (int64_t)o->eval_batches * EB < n) n = (int64_t)o->eval_batches * EB; /* the first batches */
     for (int64_t s = 0; s < n && st == FSDP_OK; s += EB) {
         int64_t cnt = n - s < EB ? n - s : EB;
         int64_t lo = s + rank * cnt / world, hi = s + (rank + 1) * cnt / world, m = hi - lo;

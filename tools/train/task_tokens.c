@@ -106,7 +106,7 @@ static void tok_describe_data(struct task *t, struct fsdp_ctx *ctx, const struct
         printf("data: %s, %zu tokens, loss floor %.3f nats/token\n", k->data_name, fsdp_data_ntokens(k->data), floor_);
     else printf("data: %s, %zu tokens\n", k->data_name, fsdp_data_ntokens(k->data));
     if (k->val) {
-        int64_t EB = o->eval_batch ? o->eval_batch : o->batch;
+        int64_t EB = task_eval_batch(o);
         printf("held-out data: %s, %zu tokens; each evaluation: ", o->val_data, fsdp_data_ntokens(k->val));
         if (o->eval_batches) printf("%d", o->eval_batches);
         else printf("all %lld", (long long)(int64_t)((fsdp_data_ntokens(k->val) - 1) / (size_t)k->T) / EB);
@@ -131,7 +131,7 @@ static enum fsdp_status tok_eval(struct task *t, struct fsdp_ctx *ctx, struct fs
                                  double *loss_out, double *acc_out, int64_t *count_out) {
     struct tokens *k = t->impl;
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), T = k->T, V = k->cfg.vocab_size;
-    int64_t EB = o->eval_batch ? o->eval_batch : o->batch, cap = (EB + world - 1) / world;
+    int64_t EB = task_eval_batch(o), cap = (EB + world - 1) / world;
     int64_t nb = o->eval_batches;
     if (nb == 0) { /* the whole set once (at least one batch) */
         nb = (int64_t)((fsdp_data_ntokens(k->val) - 1) / (size_t)T) / EB;
