@@ -364,9 +364,9 @@ static void memory(struct table *t, const struct cfg *g, int lp, int64_t Bn, int
     double Pr = P / ranks;                 /* each rank's shard */
     double es = lp ? 2 : 4;                /* a 16-bit hand-off writes the consumer's copy in 2 bytes */
     /* AdamW (optim.c adamw_update): reads p, g, m, v, writes p, m, v (28 B a
-     * parameter); under AMP also the 16-bit copy (2 B; [Note: fused 16-bit
-     * copy]); the parameter norm is fused (in L2) */
-    add(t, "AdamW (p,g,m,v read; p,m,v[,p16] written)", P * (lp ? 30 : 28), bw, 1);
+     * parameter; the 16-bit copy of --lp-shard-copy is not the default, so
+     * the gathers below cast instead); the parameter norm is fused (in L2) */
+    add(t, "AdamW (p,g,m,v read; p,m,v written)", P * 28, bw, 1);
     phase(t, 0, 1);
     /* the gradient norm for clipping: one read of the gradient shards */
     add(t, "gradient norm (g read)", P * 4, bw, 1);
@@ -423,13 +423,16 @@ static void memory(struct table *t, const struct cfg *g, int lp, int64_t Bn, int
      * lm_head backward (read 4, write 2) */
     add(t, "cross-entropy (+ dlogits cast)", tok * V * (lp ? 14 : 8), bw, 1);
     phase(t, lp ? 8.0 / 14 : 1, 0); /* the loss and its gradient: forward's loss; the cast: lm_head's backward */
-    /* parameter gathers ([Note: sharding] src/fsdp/unit.c): fp32 at 1 rank
-     * uses the shard itself (nothing); otherwise each gather, twice a step
-     * (forward, and backward after resharding), copies the full unit into
-     * each rank's buffer: read + write of P x (4 or 2) bytes per rank. The
-     * gradient reduce-scatter (ranks > 1, fp32): each rank reads every
-     * rank's part of its shard (4P / ranks x ranks) and writes its shard. */
-    double gath = (ranks == 1 && !lp) ? 0 : 2.0 * 2.0 * P * (lp ? 2 : 4) * ranks;
+    /* parameter gathers ([Note: sharding] src/fsdp/unit.c), twice a step
+     * (forward, and backward after resharding): under AMP each rank first
+     * casts its shard to 16 bits (read 4, write 2: 6P over all ranks,
+     * [Note: low-precision gather and reduce]); with more than one rank the
+     * all-gather then copies the full unit into each rank's buffer: read +
+     * write of P x (4 or 2) bytes per rank (fp32 at 1 rank uses the shard
+     * itself). The gradient reduce-scatter (ranks > 1, fp32): each rank
+     * reads every rank's part of its shard (4P / ranks x ranks) and writes
+     * its shard. */
+    double gath = 2.0 * ((lp ? 6 * P : 0) + (ranks > 1 ? 2.0 * P * (lp ? 2 : 4) * ranks : 0));
     if (gath > 0) add(t, "parameter gathers (2 a step)", gath, bw, 1);
     if (gath > 0) phase(t, 0.5, 0);
     if (ranks > 1) add(t, "gradient reduce-scatter", ranks * (4 * P + 4 * Pr), bw, 1);

@@ -803,6 +803,12 @@ struct fsdp_shard_opts {
                                    fsdp_parallelize_model does. FSDP_F32 leaves the
                                    modules' compute dtypes as they are */
     enum fsdp_mixed_precision mixed_precision; /* default FSDP_MP_DEFAULT; with precision */
+    int lp_shard_copy;          /* default 0: a unit gathered in 16 bits casts its fp32
+                                   shard at each gather, so no 16-bit copy of the weights
+                                   outlives the gather (FSDP2's). 1 = each 16-bit unit also
+                                   keeps its shard's 16-bit copy, written by the optimizer
+                                   and gathered without a cast: 2 bytes a parameter for
+                                   fewer casts ([Note: fused 16-bit copy]) */
 };
 
 struct fsdp_shard_opts fsdp_shard_opts_default(void);
@@ -1491,6 +1497,8 @@ struct fsdp_parallel_config {
     enum fsdp_sharding sharding; /* default FULL_SHARD (a 2-D mesh: HYBRID_SHARD) */
     int overlap;                 /* default 1: prefetch and asynchronous reduce-scatters */
     int max_inflight;            /* default 2: gathered units at once (fsdp_shard_opts) */
+    int lp_shard_copy;           /* default 0: 1 = 16-bit units keep their shard's 16-bit
+                                    copy between steps (fsdp_shard_opts) */
 };
 
 struct fsdp_parallel_config fsdp_parallel_config_default(void);

@@ -77,6 +77,23 @@ if grep -q '"exposed_comm_ms": [0-9.]*' "$tmp/ov.on.json" && grep -q "exposed co
   ok "exposed communication in the JSON log and the summary"
 else bad "exposed communication" "$(head -c 400 "$tmp/ov.on.json")"; fi
 
+# ---- the shards' 16-bit copy: the same bits, 2 bytes a parameter more in the plan ----
+run lp.on 2 --precision AMP_BF16 --lp-shard-copy on
+run lp.off 2 --precision AMP_BF16
+if bits lp.on lp.off; then
+  ok "AMP_BF16 with --lp-shard-copy on and off gives the same bits"
+else bad "--lp-shard-copy on and off" "$(tail -3 "$tmp/lp.on.out")" "$(tail -3 "$tmp/lp.off.out")"; fi
+params() { # the plan's params column (MiB) of rank 0 for fsdp-train's dry run with these flags
+  "$TRAIN" --model gpt2 --batch 1 --seq 64 --dry-run --precision AMP_BF16 "$@" 2>&1 | awk '$1 == "0" { print $2; exit }'
+}
+p_on=$(params --lp-shard-copy on); p_off=$(params); p32=$("$TRAIN" --model gpt2 --batch 1 --seq 64 --dry-run 2>&1 | awk '$1 == "0" { print $2; exit }')
+if [ -n "$p_off" ] && [ "$p_off" = "$p32" ] && python3 -c "import sys; sys.exit(not abs($p_on - 1.5 * $p_off) < 0.2)"; then
+  ok "--dry-run: no 16-bit shard copy by default, 2 bytes of every 4 more with --lp-shard-copy on"
+else bad "--lp-shard-copy in the plan" "on '$p_on' off '$p_off' fp32 '$p32'"; fi
+"$TRAIN" --model tiny --lp-shard-copy yes > "$tmp/e0" 2>&1; rc=$?
+if [ $rc -eq 2 ] && grep -q "^fsdp-train: --lp-shard-copy: 'yes' is not on or off" "$tmp/e0"; then ok "bad --lp-shard-copy"
+else bad "bad --lp-shard-copy (exit $rc)" "$(cat "$tmp/e0")"; fi
+
 # ---- checkpoint: HYBRID_SHARD save, NO_SHARD resume at another world size ----
 ck="$tmp/ck"
 if run ck.save 4 --sharding HYBRID_SHARD --shard-group 2 --steps 2 --save-dir "$ck" --lr-schedule constant \

@@ -566,8 +566,15 @@ TEST(plan_bf16_against_fp32) {
     so.precision = FSDP_BF16;
     ASSERT_OK(fsdp_plan_memory(c, gpt, &so, world, 0, 2, 4, 32, 1, &p16), c);
     if (world > 1 && !(p16.full < p32.full)) TEST_FAILF("bf16 full buffers %zu bytes, fp32 %zu", p16.full, p32.full);
-    /* + each shard's 16-bit copy (the optimizer writes it for the gathers): 2 bytes of every 4 */
-    CHECK_INT_EQ(p16.params, p32.params + (p32.params - 64 * (size_t)p32.n_units) / 2);
+    /* the same shards: no 16-bit copy outlives a gather (fsdp_shard_opts' lp_shard_copy 0) */
+    CHECK_INT_EQ(p16.params, p32.params);
+    /* with lp_shard_copy each shard's 16-bit copy (the optimizer writes it for the gathers): 2 bytes
+       of every 4 */
+    so.lp_shard_copy = 1;
+    struct fsdp_mem_plan pc;
+    ASSERT_OK(fsdp_plan_memory(c, gpt, &so, world, 0, 2, 4, 32, 1, &pc), c);
+    CHECK_INT_EQ(pc.params, p32.params + (p32.params - 64 * (size_t)p32.n_units) / 2);
+    so.lp_shard_copy = 0;
     CHECK_INT_EQ(gpt->compute_dtype, FSDP_F32);
     CHECK_INT_EQ(fsdp_module_find_param(gpt, "transformer.h.0.attn.c_attn.weight")->owner->compute_dtype, FSDP_F32);
     fsdp_module_free(gpt);
@@ -587,27 +594,35 @@ TEST(plan_bf16_against_fp32) {
     /* issue 19's memory target is bf16 <= 0.8 x fp32; what is reached stays reached: activations
        0.548 of fp32's (the logits' gradient handed to lm_head in 16 bits, [Note: 16-bit output
        gradient]; GELU's input kept in 16 bits, [Note: 16-bit activations]; the first step in one
-       arena chunk as the later ones, [Note: one arena chunk]), the total 0.931 of fp32's at one
-       rank, 0.833 at two, 0.790 at three, 0.764 at four (4 x 256 tokens per rank). An arena
+       arena chunk as the later ones, [Note: one arena chunk]; no 16-bit copy of the shards
+       between steps), the total 0.879 of fp32's at one rank, 0.785 at two, 0.754 at three, 0.735
+       at four (4 x 256 tokens per rank). An arena
        growing in chunks (a machine that refuses the span) strands more in bf16's first step. */
     if (span_expected()) {
         if ((double)p16.act > 0.56 * (double)p32.act)
             TEST_FAILF("bf16 activations %zu bytes > 0.56 x fp32's %zu", p16.act, p32.act);
-        static const double most_at[4] = {0.935, 0.84, 0.795, 0.77};
+        static const double most_at[4] = {0.885, 0.79, 0.76, 0.74};
         double most = most_at[(world < 4 ? world : 4) - 1];
         if ((double)p16.total > most * (double)p32.total)
             TEST_FAILF("bf16 plan %zu bytes > %.3f x fp32's %zu", p16.total, most, p32.total);
     }
-    if (world == 1) { /* a shard group of one multiplies with shard_lp in place: the full buffers (root
-                         unit and one Block) hold no 16-bit staging, and fp32 values only for what is
-                         not a Linear or embedding weight ([Note: lazy widening]): ln_f (2C); a
-                         Block's two LayerNorms (4C) and four biases (3C + C + 4C + C) */
+    if (world == 1) { /* a shard group of one: the full buffers (root unit and one Block) hold fp32
+                         values only for what is not a Linear or embedding weight ([Note: lazy
+                         widening]): ln_f (2C); a Block's two LayerNorms (4C) and four biases (3C +
+                         C + 4C + C); and the unit's 16-bit values cast at its gather (half a float
+                         an element), which with lp_shard_copy the layers read in the shard's copy */
         int64_t C = cfg.n_embd, root = 2 * C, blk = 13 * C;
-        CHECK_INT_EQ(p16.full, (size_t)(root + blk) * sizeof(float));
+        int64_t root_n = (int64_t)cfg.vocab_size * C + (int64_t)cfg.block_size * C + 2 * C, blk_n = 12 * C * C + 13 * C;
+        CHECK_INT_EQ(p16.full, (size_t)(root + (root_n + 1) / 2 + blk + (blk_n + 1) / 2) * sizeof(float));
+        struct fsdp_mem_plan pl;
+        so.lp_shard_copy = 1;
+        ASSERT_OK(fsdp_plan_memory(c, gpt, &so, world, 0, 2, 4, 256, 2, &pl), c);
+        so.lp_shard_copy = 0;
+        CHECK_INT_EQ(pl.full, (size_t)(root + blk) * sizeof(float));
     } else if (!(p16.full < p32.full)) {
         TEST_FAILF("GPT-2: bf16 full buffers %zu bytes, fp32 %zu", p16.full, p32.full);
     }
-    /* the states are the same in both precisions (but the 16-bit copy), so the ratio falls with the
+    /* the states are the same in both precisions, so the ratio falls with the
        batch: the issue's 0.8 holds at every world size from 12 x 256 tokens a rank (0.777 at one) */
     if (span_expected()) {
         so.precision = FSDP_F32;

@@ -39,8 +39,10 @@ struct run {
     struct fsdp_model *fm;
 };
 
-static enum fsdp_status run_create(struct fsdp_ctx *c, enum fsdp_dtype prec, enum fsdp_mixed_precision mp,
-                                   const struct fsdp_wrap_policy *wp, struct run *r) {
+/* lp_copy: fsdp_parallel_config's lp_shard_copy (16-bit units keep their
+ * shard's 16-bit copy between steps) */
+static enum fsdp_status run_create_lp(struct fsdp_ctx *c, enum fsdp_dtype prec, enum fsdp_mixed_precision mp,
+                                      const struct fsdp_wrap_policy *wp, int lp_copy, struct run *r) {
     struct fsdp_gpt_config cfg = tiny_cfg();
     memset(r, 0, sizeof *r);
     if (fsdp_gpt_create(c, &cfg, &r->g) != FSDP_OK) abort();
@@ -49,7 +51,13 @@ static enum fsdp_status run_create(struct fsdp_ctx *c, enum fsdp_dtype prec, enu
     struct fsdp_parallel_config pc = fsdp_parallel_config_default();
     pc.seed = 5;
     pc.mixed_precision = mp;
+    pc.lp_shard_copy = lp_copy;
     return fsdp_parallelize_model(c, r->g, &pc, r->opt, prec, wp, NULL, NULL, &r->fm);
+}
+
+static enum fsdp_status run_create(struct fsdp_ctx *c, enum fsdp_dtype prec, enum fsdp_mixed_precision mp,
+                                   const struct fsdp_wrap_policy *wp, struct run *r) {
+    return run_create_lp(c, prec, mp, wp, 0, r);
 }
 
 static void run_free(struct run *r) {
@@ -132,9 +140,9 @@ static enum fsdp_status halve_params(struct fsdp_ctx *c, struct run *r) {
     return fsdp_summon_end(c, r->fm);
 }
 
-/* A 16-bit unit gathers the 16-bit copy of its shard that AdamW writes
- * ([Note: fused 16-bit copy]); every other writer of the shard must make the
- * next gather cast the shard afresh. Run A: 2 steps, forward (logits L0),
+/* With lp_shard_copy a 16-bit unit gathers the 16-bit copy of its shard
+ * that AdamW writes ([Note: fused 16-bit copy]); every other writer of the
+ * shard must make the next gather cast the shard afresh. Run A: 2 steps, forward (logits L0),
  * save, a 3rd step, load the save: a forward must give L0 again (a stale
  * copy would carry step 3's weights). Run B: the same 2 steps, then halve
  * weights by summon write-back; A, whose copy the load already dropped,
@@ -150,8 +158,8 @@ TEST(shard_writers_refresh_16bit_copy) {
     snprintf(dir, sizeof dir, "/tmp/fsdp-lpcopy-test-%d-w%d", pid, fsdp_ctx_world(c));
     struct run a, b;
     struct fsdp_step_result res[3];
-    ASSERT_OK(run_create(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, &a), c);
-    ASSERT_OK(run_create(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, &b), c);
+    ASSERT_OK(run_create_lp(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, 1, &a), c);
+    ASSERT_OK(run_create_lp(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, 1, &b), c);
     CHECK_OK(train(c, &a, data, 2, res), c);
     CHECK_OK(train(c, &b, data, 2, res), c);
     float *l0 = logits_of(c, &a, data);
@@ -179,6 +187,52 @@ TEST(shard_writers_refresh_16bit_copy) {
     }
     run_free(&a);
     run_free(&b);
+    fsdp_data_free(data);
+}
+
+/* The shard's 16-bit copy (lp_shard_copy) is the cast a gather without it
+ * makes: bf16 training with and without it, DEFAULT and PURE, gives the same
+ * bits: losses, gradient and parameter norms, and a forward's logits after. */
+TEST(lp_shard_copy_same_bits_as_casting_gathers) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_data *data;
+    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
+    enum { STEPS = 4 };
+    const enum fsdp_mixed_precision mps[2] = {FSDP_MP_DEFAULT, FSDP_MP_PURE};
+    for (int k = 0; k < 2; k++) {
+        struct run with, without;
+        struct fsdp_step_result rw[STEPS], ro[STEPS];
+        struct fsdp_mem_stats m0, m1, m2;
+        fsdp_mem_get(c, &m0);
+        ASSERT_OK(run_create_lp(c, FSDP_BF16, mps[k], NULL, 1, &with), c);
+        fsdp_mem_get(c, &m1);
+        ASSERT_OK(run_create_lp(c, FSDP_BF16, mps[k], NULL, 0, &without), c);
+        fsdp_mem_get(c, &m2);
+        /* the copy is 2 bytes of every shard element more, nothing else */
+        int64_t shard_numel = 0;
+        for (int i = 0; i < fsdp_model_n_units(without.fm); i++) {
+            struct fsdp_unit_info ui;
+            fsdp_model_unit_info(without.fm, i, &ui);
+            shard_numel += ui.numel_shard;
+        }
+        size_t sw = m1.cur[FSDP_MEM_SHARD] - m0.cur[FSDP_MEM_SHARD], so = m2.cur[FSDP_MEM_SHARD] - m1.cur[FSDP_MEM_SHARD];
+        CHECK_INT_EQ(sw - so, 2 * (size_t)shard_numel);
+        CHECK_OK(train(c, &with, data, STEPS, rw), c);
+        CHECK_OK(train(c, &without, data, STEPS, ro), c);
+        for (int s = 0; s < STEPS; s++) {
+            CHECK(rw[s].loss == ro[s].loss);
+            CHECK(rw[s].grad_norm == ro[s].grad_norm);
+            CHECK(rw[s].param_norm == ro[s].param_norm);
+        }
+        CHECK(ro[STEPS - 1].loss < ro[0].loss); /* it trains */
+        float *lw = logits_of(c, &with, data), *lo = logits_of(c, &without, data);
+        size_t n = (size_t)(B / fsdp_ctx_world(c)) * T * (size_t)tiny_cfg().vocab_size;
+        if (!lw || !lo) TEST_FAILF("a forward failed: %s", fsdp_errmsg(c));
+        else CHECK(memcmp(lw, lo, n * sizeof(float)) == 0);
+        free(lw), free(lo);
+        run_free(&with);
+        run_free(&without);
+    }
     fsdp_data_free(data);
 }
 

@@ -145,6 +145,7 @@ struct fsdp_model {
      * are set by step.c around the passes (not during a recompute's forward
      * inside backward, which runs with in_forward 0) */
     int overlap, max_inflight, n_inflight, in_forward, in_backward;
+    int lp_shard_copy; /* 16-bit units keep u->shard_lp (fsdp_shard_opts) */
     /* [Note: shared window] (unit.c): the shard group's window holding every
      * unit's shards (NULL: none), and whether a gather now may read it in
      * place (set by step.c around a training step's forward and backward) */
@@ -216,9 +217,11 @@ struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
  * except in a training pass, where it holds only the parameters the layers
  * read in fp32, end to end: the others' fp32 values are never made there
  * ([Note: lazy widening] in src/nn/precision.c). Each rank casts its fp32 shard into its block of
- * the staging area (or, once the optimizer has written the shard's 16-bit
- * copy u->shard_lp, sends that copy: [Note: fused 16-bit copy] in
- * src/optim/optim.c). A shard group of one has no staging area: it reads
+ * the staging area, so by default no 16-bit copy of a unit's weights
+ * outlives the gather (FSDP2's). With the model's lp_shard_copy each
+ * 16-bit unit also keeps u->shard_lp, which the optimizer writes ([Note:
+ * fused 16-bit copy] in src/optim/optim.c) and the gather sends instead of
+ * casting; a shard group of one then has no staging area: it reads
  * shard_lp in place, casting the shard there first when the copy is stale
  * (a gather before the first optimizer step, after a load), so the 16-bit
  * values exist once, not in shard_lp and a pooled copy. The all-gather

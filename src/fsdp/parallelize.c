@@ -434,6 +434,7 @@ enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module
     so.sharding = c.sharding;
     so.overlap = c.overlap;
     so.max_inflight = c.max_inflight;
+    so.lp_shard_copy = c.lp_shard_copy;
     so.precision = precision;
     so.mixed_precision = c.mixed_precision;
     if (c.mesh[1] != 0) { /* validated: {replicas, shard group} */

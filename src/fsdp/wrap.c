@@ -222,6 +222,7 @@ static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_sha
     }
     fm->overlap = o->overlap != 0;
     fm->max_inflight = o->max_inflight > 0 ? o->max_inflight : 2;
+    fm->lp_shard_copy = o->lp_shard_copy != 0;
     struct assign_args a = {fm, &pl, NULL, NULL, 0, 0, FSDP_OK};
     fsdp_module_foreach_param(fm->root, assign_one, &a);
     if (a.st == FSDP_OK) hoist_tied(&a, fm->root);
@@ -261,10 +262,11 @@ static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_sha
 
 enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit *u, int k_state) {
     size_t n = (size_t)u->numel_shard;
-    /* a 16-bit unit's copy for its gathers (mixed.c): the optimizer writes
-     * it, and fsdp_fully_shard's first call runs before the dtypes resolve,
-     * so it comes with fsdp_model_attach_optim's call */
-    size_t lp = u->param_dtype != FSDP_F32 ? n * sizeof(uint16_t) : 0;
+    /* a 16-bit unit's copy for its gathers when the model keeps one
+     * (lp_shard_copy; mixed.c): the optimizer writes it, and
+     * fsdp_fully_shard's first call runs before the dtypes resolve, so it
+     * comes with fsdp_model_attach_optim's call */
+    size_t lp = u->param_dtype != FSDP_F32 && u->model->lp_shard_copy ? n * sizeof(uint16_t) : 0;
     size_t own = u->win_full ? 0 : 1; /* the parameter shard, unless it lies in the shared window */
     float *mem = fsdp__calloc(ctx, (own + 1 + (size_t)k_state) * n * sizeof(float) + lp + 64, FSDP_MEM_SHARD,
                               u->module->fqn[0] ? u->module->fqn : "root unit shards");

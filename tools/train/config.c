@@ -102,6 +102,7 @@ static const struct flag flags[] = {
     F("accum-mode", K_STR, accum_mode, R_NO),
     F("precision", K_STR, precision, R_AGREE),
     F("mixed-precision", K_STR, mixed_precision, R_AGREE),
+    F("lp-shard-copy", K_ONOFF, lp_shard_copy, R_NO),
     F("loss-scale-init", K_DOUBLE, loss_scale_init, R_AGREE),
     F("loss-scale-growth-interval", K_INT, loss_scale_growth, R_AGREE),
     F("label-smoothing", K_FLOAT, label_smoothing, R_AGREE),

@@ -49,6 +49,7 @@ struct opts {
     /* mixed precision */
     const char *precision;        /* --precision FP32 | AMP_BF16 | AMP_FP16 */
     const char *mixed_precision;  /* --mixed-precision FULL | DEFAULT | PURE */
+    int lp_shard_copy;            /* --lp-shard-copy on|off */
     double loss_scale_init;       /* --loss-scale-init (AMP_FP16) */
     int loss_scale_growth;        /* --loss-scale-growth-interval (AMP_FP16) */
     /* image classification (tools/train/task_images.c) */

@@ -110,6 +110,7 @@ struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct task *t, con
     }
     enum fsdp_dtype prec = precision_of(ctx, o);
     pc.mixed_precision = mp_mode(o);
+    pc.lp_shard_copy = o->lp_shard_copy;
     struct fsdp_model *fm;
     if (fsdp_parallelize_model(ctx, root, &pc, opt, prec, &wp, acp, NULL, &fm) != FSDP_OK)
         fail_all("%s", fsdp_errmsg(ctx));
@@ -269,6 +270,7 @@ void memory_plan(struct fsdp_ctx *ctx, const struct task *t, const struct opts *
     so.max_inflight = o->max_inflight;
     so.precision = precision_of(ctx, o);
     so.mixed_precision = mp_mode(o);
+    so.lp_shard_copy = o->lp_shard_copy;
     check_strategy_flags(o, pworld);
     struct fsdp_wrap_policy wp = wrap_policy(t, o);
     so.wrap = wp.fn;

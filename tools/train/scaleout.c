@@ -74,6 +74,7 @@ void scaleout_print(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_modu
     so.reshard_after_forward = o->reshard_after_forward;
     so.overlap = o->overlap;
     so.max_inflight = o->max_inflight;
+    so.lp_shard_copy = o->lp_shard_copy;
     if (fsdp_precision_parse(ctx, o->precision, &so.precision) != FSDP_OK) fail_all("--precision: %s", fsdp_errmsg(ctx));
     so.mixed_precision = !strcasecmp(o->mixed_precision, "FULL")   ? FSDP_MP_FULL
                          : !strcasecmp(o->mixed_precision, "PURE") ? FSDP_MP_PURE
