@@ -71,7 +71,7 @@ else bad "3 ranks, last partial evaluation batch" "${msg:-}" "$(tail -3 "$tmp/oe
 # bit for bit, batch-norm buffers included (the final evaluation uses the running statistics) ----
 echo '{"arch":"resnet18","in_chans":1,"num_classes":10,"stem":"imagenet","width":8}' > "$tmp/r18.json"
 rn=(--batch 8 --threads 1 --optim sgd --lr 0.05 --momentum 0.9 --warmup 1
-    --lr-schedule constant --eval-batch 400)
+    --lr-schedule constant --eval-batch 400 --eval-batches 3)
 "$TRAIN" --model-config "$tmp/r18.json" "${rn[@]}" --steps 6 --log "$tmp/rn1.jsonl" > "$tmp/orn1" 2>&1 ||
   bad "ResNet-18, 1 rank" "$(tail -3 "$tmp/orn1")"
 if timeout -k 5 120 "$TRAIN" --model-config "$tmp/r18.json" "${rn[@]}" --steps 6 --nproc 2 --log "$tmp/rn2.jsonl" > "$tmp/orn2" 2>&1 &&
@@ -99,7 +99,7 @@ for stem in imagenet cifar; do
   echo "{\"arch\":\"resnet18\",\"in_chans\":1,\"num_classes\":10,\"stem\":\"$stem\",\"width\":16}" > "$tmp/w16.json"
   for prec in FP32 AMP_BF16; do
     lay=(--model-config "$tmp/w16.json" --batch 8 --steps 3 --threads 1 --nproc 2 --precision $prec --ac blocks
-         --optim sgd --lr 0.05 --momentum 0.9 --eval-batch 2000)
+         --optim sgd --lr 0.05 --momentum 0.9 --eval-batch 1000 --eval-batches 1)
     if timeout -k 5 120 "$TRAIN" "${lay[@]}" --log "$tmp/lb.jsonl" > "$tmp/olb" 2>&1 &&
        FSDP_VISION_LAYOUT=plain timeout -k 5 120 "$TRAIN" "${lay[@]}" --log "$tmp/lp.jsonl" > "$tmp/olp" 2>&1 &&
        same_bits "$tmp/lp.jsonl" "$tmp/lb.jsonl" &&
@@ -112,7 +112,8 @@ done
 
 # ---- other strategies, 16-bit compute, checkpointing and accumulation run for image models too ----
 if timeout -k 5 120 "$TRAIN" --model cnn --batch 16 --steps 2 --threads 1 --nproc 2 --sharding HYBRID_SHARD --shard-group 1 \
-     --precision AMP_BF16 --ac blocks --grad-accum 2 --accum-mode no_sync --eval-batch 1000 --log "$tmp/mix.jsonl" \
+     --precision AMP_BF16 --ac blocks --grad-accum 2 --accum-mode no_sync --eval-batch 1000 --eval-batches 1 \
+     --log "$tmp/mix.jsonl" \
      > "$tmp/omix" 2>&1 &&
    python3 -c 'import json,math,sys; a=[r for r in map(json.loads, open(sys.argv[1])) if "step" in r]; sys.exit(not (len(a)==2 and all(math.isfinite(x["loss"]) for x in a) and a[-1]["precision"]=="AMP_BF16"))' "$tmp/mix.jsonl"; then
   ok "HYBRID_SHARD, AMP_BF16, --ac blocks and --grad-accum 2 (no_sync) train the CNN"
