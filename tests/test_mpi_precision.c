@@ -3,7 +3,8 @@
  * run by tests/run.sh at 1, 2, 3 and 4 ranks: bf16 training against the
  * same configuration's 1-rank run (a world-of-one context in every process),
  * fp16 dynamic loss scaling with an injected overflow, an fp32-override unit
- * against the same unit of an all-fp32 model, and the all-gather and
+ * against the same unit of an all-fp32 model, the shards' 16-bit copy
+ * (lp_shard_copy) against gathers that cast, and the all-gather and
  * reduce-scatter byte counters.
  */
 #include "fsdp.h"
@@ -142,12 +143,12 @@ static enum fsdp_status halve_params(struct fsdp_ctx *c, struct run *r) {
 
 /* With lp_shard_copy a 16-bit unit gathers the 16-bit copy of its shard
  * that AdamW writes ([Note: fused 16-bit copy]); every other writer of the
- * shard must make the next gather cast the shard afresh. Run A: 2 steps, forward (logits L0),
- * save, a 3rd step, load the save: a forward must give L0 again (a stale
- * copy would carry step 3's weights). Run B: the same 2 steps, then halve
- * weights by summon write-back; A, whose copy the load already dropped,
- * halves the same weights: both forwards must agree (a stale copy in B would
- * miss the halving). */
+ * shard must make the next gather cast the shard afresh. Run A: 2 steps,
+ * forward (logits L0), save, a 3rd step, load the save: a forward must give
+ * L0 again (a stale copy would carry step 3's weights). Run B: the same 2
+ * steps, then halve weights by summon write-back; A, whose copy the load
+ * already dropped, halves the same weights: both forwards must agree (a
+ * stale copy in B would miss the halving). */
 TEST(shard_writers_refresh_16bit_copy) {
     struct fsdp_ctx *c = get_ctx();
     struct fsdp_data *data;
