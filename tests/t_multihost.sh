@@ -167,6 +167,15 @@ if [ -n "$p0" ] && [ "$p0" = "$p50" ] && [ -n "$p100" ] && [ "$p100" != "$p0" ] 
   ok "--step-forward-ms: a third is the default ($p0 ms exposed), two thirds predicts $p100 ms; alone or too large refused"
 else bad "--step-forward-ms" "default $p0, 50: $p50, 100: $p100" "$r3: $o3" "$r4: $o4"; fi
 
+# the scale-out plan lays out the units the run would: ResNet-18's BasicBlocks (9 units, as the
+# memory plan), not the GPT's default wrap (the root alone)
+o5=$($TRAIN --model resnet18 --data fashion-mnist --batch 32 --dry-run --hosts 2 --ranks-per-host 2 --net-gbps 1 \
+  --step-compute-ms 100 2>&1)
+if echo "$o5" | grep -q "^scale-out plan: FULL_SHARD, 2 hosts x 2 ranks (world 4), 9 units" \
+   && echo "$o5" | grep -q "^memory plan: FULL_SHARD, world 4, 9 units"; then
+  ok "the scale-out plan of resnet18 has the run's 9 units (the task's wrap policy)"
+else bad "scale-out plan of resnet18" "$(echo "$o5" | grep "plan:")"; fi
+
 # ---- faults across hosts ([Note: peer watch], src/comm/peers.c) ----
 # A run of 2 hosts x 2 ranks whose rank 2 stops itself (FSDP_FAULT, SIGSTOP) in its first
 # forward: the test then acts on a run known to be mid-training. Every rank's stderr goes to

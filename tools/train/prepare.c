@@ -64,6 +64,22 @@ static enum fsdp_mixed_precision mp_mode(const struct opts *o) {
                                                      : FSDP_MP_DEFAULT;
 }
 
+struct fsdp_shard_opts shard_opts_of(struct fsdp_ctx *ctx, const struct task *t, const struct opts *o) {
+    struct fsdp_shard_opts so = fsdp_shard_opts_default();
+    so.reshard_after_forward = o->reshard_after_forward;
+    fsdp_sharding_parse(ctx, o->sharding, &so.sharding);
+    so.shard_group = o->shard_group;
+    so.overlap = o->overlap;
+    so.max_inflight = o->max_inflight;
+    so.precision = precision_of(ctx, o);
+    so.mixed_precision = mp_mode(o);
+    so.lp_shard_copy = o->lp_shard_copy;
+    struct fsdp_wrap_policy wp = wrap_policy(t, o);
+    so.wrap = wp.fn;
+    so.wrap_ud = wp.ud;
+    return so;
+}
+
 /* --sharding, --shard-group and --grad-accum against the world: every rank
  * computes the same verdict. */
 void check_strategy_flags(const struct opts *o, int world) {
@@ -261,20 +277,8 @@ void memory_plan(struct fsdp_ctx *ctx, const struct task *t, const struct opts *
         threads = pworld > 1 && !getenv("OMPI_COMM_WORLD_SIZE") ? (int)(cores / pworld) : (int)(cores / local_ranks());
         if (threads < 1) threads = 1;
     }
-    /* the units, precision and checkpointing prepare_model will ask fsdp_parallelize_model for */
-    struct fsdp_shard_opts so = fsdp_shard_opts_default();
-    so.reshard_after_forward = o->reshard_after_forward;
-    fsdp_sharding_parse(ctx, o->sharding, &so.sharding);
-    so.shard_group = o->shard_group;
-    so.overlap = o->overlap;
-    so.max_inflight = o->max_inflight;
-    so.precision = precision_of(ctx, o);
-    so.mixed_precision = mp_mode(o);
-    so.lp_shard_copy = o->lp_shard_copy;
+    struct fsdp_shard_opts so = shard_opts_of(ctx, t, o);
     check_strategy_flags(o, pworld);
-    struct fsdp_wrap_policy wp = wrap_policy(t, o);
-    so.wrap = wp.fn;
-    so.wrap_ud = wp.ud;
     struct plan_task pt = {(struct task *)t, o}; /* the task runs its step */
     struct fsdp_plan_opts po = fsdp_plan_opts_default();
     po.threads = threads;

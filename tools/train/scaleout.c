@@ -12,7 +12,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <time.h>
 
 #include "task.h"
@@ -68,24 +67,7 @@ void scaleout_print(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_modu
         snprintf(how, sizeof how, "%.3g GFLOP per rank at this machine's fp32 GEMM rate, %.1f GFLOP/s",
                  t->train_flops_per_item * items / 1e9, rate / 1e9);
     }
-    struct fsdp_shard_opts so = fsdp_shard_opts_default();
-    fsdp_sharding_parse(ctx, o->sharding, &so.sharding);
-    so.shard_group = o->shard_group;
-    so.reshard_after_forward = o->reshard_after_forward;
-    so.overlap = o->overlap;
-    so.max_inflight = o->max_inflight;
-    so.lp_shard_copy = o->lp_shard_copy;
-    if (fsdp_precision_parse(ctx, o->precision, &so.precision) != FSDP_OK) fail_all("--precision: %s", fsdp_errmsg(ctx));
-    so.mixed_precision = !strcasecmp(o->mixed_precision, "FULL")   ? FSDP_MP_FULL
-                         : !strcasecmp(o->mixed_precision, "PURE") ? FSDP_MP_PURE
-                                                                   : FSDP_MP_DEFAULT;
-    static int64_t min_size;
-    if (!strcmp(o->wrap, "none")) so.wrap = NULL;
-    else if (!strncmp(o->wrap, "size:", 5)) {
-        min_size = atol(o->wrap + 5);
-        so.wrap = fsdp_wrap_by_size;
-        so.wrap_ud = &min_size;
-    }
+    struct fsdp_shard_opts so = shard_opts_of(ctx, t, o); /* the units and strategy the run would have */
     struct fsdp_comm_plan p;
     if (fsdp_plan_comm(ctx, root, &so, &net, &p) != FSDP_OK) fail_all("scale-out plan: %s", fsdp_errmsg(ctx));
     printf("scale-out plan: %s, %d host%s x %d ranks (world %d), %d units; links %g Gbit/s, %g us per message%s; "
