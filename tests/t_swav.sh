@@ -43,12 +43,13 @@ common=(--task swav --model cnn --data fashion-mnist --batch 12 --steps 5 --swav
 # sanitized builds evaluate on the first 2000 test images (--eval-batches), not all 10000: the
 # evaluations' forwards were most of this script's time under ASan (9 of CI's minutes); the
 # ResNet-18 runs from (4) on do in every build (ev8), the small CNN's read all 10000 in the plain one
-ev=()
-export T_SWAV_IMAGES=10000 # the test images each evaluation reads; accuracies agree within 5 of them
-case "$BUILD" in *asan*|*tsan*) ev=(--eval-batches 25 --eval-batch 80) T_SWAV_IMAGES=2000 ;; esac
+first=(--eval-batches 25 --eval-batch 80) # the first 25 x 80 test images
+export T_SWAV_R8_IMAGES=$((25 * 80))       # the test images each evaluation reads; accuracies agree within 5 of them
+ev=() T_SWAV_IMAGES=10000
+case "$BUILD" in *asan*|*tsan*) ev=("${first[@]}") T_SWAV_IMAGES=$T_SWAV_R8_IMAGES ;; esac
+export T_SWAV_IMAGES
 common+=("${ev[@]}")
-ev8=(--eval-batches 25 --eval-batch 80)
-export T_SWAV_R8_IMAGES=2000
+ev8=("${first[@]}")
 
 # ---- (1) world sizes agree; (2) prototypes agree and have unit rows ----
 for n in 1 2 3; do
