@@ -1035,7 +1035,12 @@ struct fsdp_step_result {
  * overflow instead: the update is skipped on every rank, res->skipped = 1,
  * and FSDP_OK is returned. It is fsdp_model_forward_tensor, fsdp_model_loss
  * (cross-entropy), fsdp_model_backward and fsdp_model_optim_step in turn
- * (see "Training step, split"); the model must be in train mode.
+ * (see "Training step, split"); the model must be in train mode. Where the
+ * root computes in 16 bits the logits stay in that dtype from the last
+ * layer's product to the loss (a bf16 module's output is bf16 under FSDP2
+ * and autocast as well): the cross-entropy widens each row to fp32, and the
+ * split calls, which return F32 logits, give the same bits once those are
+ * rounded to it ([Note: 16-bit model output], src/fsdp/step.c).
  * COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                        const int32_t *inputs, const int32_t *targets, int B, int T,
@@ -1172,6 +1177,10 @@ struct fsdp_loss {                /* all zero: cross-entropy, no smoothing, noth
 };
 
 /* Computes `loss` (NULL: cross-entropy) on out and target (both borrowed)
+ * (out F32; or 16-bit, as fsdp_model_train_step's logits, PLAIN or ROWS16:
+ * then plain cross-entropy only, no smoothing or ignored ids, its gradient
+ * written over out in out's dtype and rows, dout->data == out->data, or not
+ * at all; anything else is FSDP_ERR_INVALID naming it)
  * and, if dout is non-NULL, writes into *dout (F32, out's shape; allocated
  * from the arena when dout->data is NULL, and dout->data == out->data is
  * allowed: the output is then overwritten) the gradient of
@@ -1198,7 +1207,9 @@ enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
  * When dout->data is the output's buffer (fsdp_model_loss wrote the
  * gradient over the output, as fsdp_model_train_step does) and the model's
  * last layer multiplies in 16 bits, the buffer is narrowed in place and its
- * upper half reused: its contents are unspecified afterwards. */
+ * upper half reused: its contents are unspecified afterwards. A 16-bit
+ * output (fsdp_model_train_step's) takes its gradient in its own dtype and
+ * rows as well as in F32. */
 enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_tensor *dout);
 
 /* Gradient synchronisation of the following backwards (on = 1, the default):
@@ -1233,7 +1244,8 @@ enum fsdp_status fsdp_model_optim_step(struct fsdp_ctx *ctx, struct fsdp_model *
  * optimizer state are always fp32; param_dtype is what the all-gather moves
  * (each rank casts its shard first) and what the layers see; the
  * reduce-scatter runs in reduce_dtype and lands in the fp32 gradient shard.
- * Tensors between modules (output_dtype) are fp32. */
+ * Tensors between modules (output_dtype) are fp32, except the 16-bit
+ * hand-offs between layers and fsdp_model_train_step's logits. */
 struct fsdp_unit_precision {
     enum fsdp_dtype param_dtype, reduce_dtype, output_dtype, compute_dtype;
     enum fsdp_mixed_precision mixed_precision; /* the unit's resolved mode */

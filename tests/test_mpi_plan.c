@@ -592,16 +592,17 @@ TEST(plan_bf16_against_fp32) {
                (double)p16.total / (double)p32.total);
     if (!(p16.act < p32.act)) TEST_FAILF("bf16 activations %zu bytes, fp32 %zu", p16.act, p32.act);
     /* issue 19's memory target is bf16 <= 0.8 x fp32; what is reached stays reached: activations
-       0.548 of fp32's (the logits' gradient handed to lm_head in 16 bits, [Note: 16-bit output
+       0.504 of fp32's (the logits' gradient handed to lm_head in 16 bits, [Note: 16-bit output
        gradient]; GELU's input kept in 16 bits, [Note: 16-bit activations]; the first step in one
        arena chunk as the later ones, [Note: one arena chunk]; no 16-bit copy of the shards
-       between steps), the total 0.879 of fp32's at one rank, 0.785 at two, 0.754 at three, 0.735
-       at four (4 x 256 tokens per rank). An arena
-       growing in chunks (a machine that refuses the span) strands more in bf16's first step. */
+       between steps; the logits in 16 bits, [Note: 16-bit model output]), the total 0.864 of
+       fp32's at one rank, 0.768 at two, 0.735 at three, 0.714 at four (4 x 256 tokens per rank).
+       An arena growing in chunks (a machine that refuses the span) strands more in bf16's first
+       step. */
     if (span_expected()) {
-        if ((double)p16.act > 0.56 * (double)p32.act)
-            TEST_FAILF("bf16 activations %zu bytes > 0.56 x fp32's %zu", p16.act, p32.act);
-        static const double most_at[4] = {0.885, 0.79, 0.76, 0.74};
+        if ((double)p16.act > 0.51 * (double)p32.act)
+            TEST_FAILF("bf16 activations %zu bytes > 0.51 x fp32's %zu", p16.act, p32.act);
+        static const double most_at[4] = {0.87, 0.775, 0.74, 0.72};
         double most = most_at[(world < 4 ? world : 4) - 1];
         if ((double)p16.total > most * (double)p32.total)
             TEST_FAILF("bf16 plan %zu bytes > %.3f x fp32's %zu", p16.total, most, p32.total);

@@ -3,7 +3,10 @@
  * fsdp_model_loss, fsdp_model_backward, fsdp_model_optim_step), run by
  * tests/run.sh at 1, 2, 3 and 4 ranks:
  *  - the GPT through the split calls gives the bits of fsdp_model_train_step
- *    (losses, norms, every parameter after 5 steps);
+ *    (losses, norms, every parameter after 5 steps); in 16 bits, where the
+ *    composed step keeps the logits in the compute dtype ([Note: 16-bit
+ *    model output], src/fsdp/step.c), once the split calls' F32 logits are
+ *    rounded to it here;
  *  - user models (examples/toy.h layers behind a Flatten of float
  *    (N, C, H, W) images): an MLP regressor with a user MSE loss and a
  *    classifier with the built-in soft cross-entropy and label smoothing (and
@@ -14,6 +17,7 @@
  *  - an eval forward gives the train forward's output and keeps no
  *    activations; bad input is a named error on every rank.
  */
+#include "core/core-impl.h"
 #include "fsdp.h"
 #include "harness.h"
 
@@ -24,6 +28,7 @@
 #include "../examples/toy.h"
 
 #include "mpi_harness.h" /* after toy.h: its `ctx` would shadow toy.h's parameters */
+#include "nn/nn-impl.h"    /* the built-in Linear, for a user model's head */
 #include "plist.h"
 
 static int rank_of(struct fsdp_ctx *c) { return fsdp_comm_rank(fsdp_ctx_comm(c)); }
@@ -43,6 +48,16 @@ struct gpt_case {
     enum fsdp_grad_accum mode;
     enum fsdp_dtype prec; /* F16: loss scaling with an overflow injected at step 1 */
 };
+
+/* The logits of the split calls rounded to the composed step's 16-bit dtype. */
+static void round_like_composed(enum fsdp_dtype dt, struct fsdp_tensor *y) {
+    size_t n = (size_t)fsdp_tensor_numel(y);
+    uint16_t *h = malloc(n * sizeof *h);
+    if (!h) abort();
+    fsdp__cvt_from_f32(dt, y->data, h, n);
+    fsdp__cvt_to_f32(dt, h, y->data, n);
+    free(h);
+}
 
 /* 5 steps of the tiny GPT, through train_step_accum (split == 0) or the
  * split calls; res (5 x 3) gets loss, grad norm, param norm per step and
@@ -89,7 +104,8 @@ static void gpt_run(const struct gpt_case *k, int split, double *res, float *par
             for (int m = 0; m < k->accum; m++) {
                 struct fsdp_tensor x = {in + m * mb * T, FSDP_I32, 2, {mb, T}, FSDP_LAYOUT_PLAIN}, y = {0};
                 struct fsdp_tensor t = {tg + m * mb * T, FSDP_I32, 2, {mb, T}, FSDP_LAYOUT_PLAIN};
-                if (fsdp_model_forward_tensor(c, fm, &x, &y) != FSDP_OK) abort();
+                if (fsdp_model_forward_tensor(c, fm, &x, &y) != FSDP_OK || y.dtype != FSDP_F32) abort();
+                if (k->prec != FSDP_F32) round_like_composed(k->prec, &y); /* the composed step's logits */
                 if (fsdp_model_loss(c, fm, NULL, &y, &t, k->accum, NULL, &y) != FSDP_OK) abort();
                 fsdp_model_set_grad_sync(fm, !(k->mode == FSDP_ACCUM_NO_SYNC && m < k->accum - 1));
                 if (fsdp_model_backward(c, fm, &y) != FSDP_OK) abort();
@@ -149,6 +165,70 @@ TEST(gpt_split_calls_equal_train_step_bits) {
     }
     free(pa);
     free(pb);
+}
+
+/* A token model whose root is a user module, toy.h's Seq of its embedding
+ * and the built-in Linear (with a bias, or without), in bf16. The head
+ * writes the composed step's 16-bit output; the user root takes its output
+ * gradient in F32 only, so fsdp_model_backward widens the 16-bit gradient
+ * the loss wrote over the output ([Note: 16-bit model output]): with a
+ * bias, whose gradient sums it, that rounding shows (as under autocast,
+ * where the logits' gradient reaches the Linear in bf16). 3 steps through
+ * train_step (split == 0) or the split calls, logits and their gradient
+ * rounded here;
+ * res (3 x 3) gets loss, grad norm and param norm per step. */
+static void token_run(int bias, int split, double *res) {
+    struct fsdp_ctx *c = get_ctx();
+    int rank = rank_of(c);
+    enum { V = 50, D = 24, Bl = 4, T = 8 };
+    struct fsdp_module *root = toy_seq(c, NULL, ""), *head;
+    if (!root || !toy_embed(c, root, "embed", V, D)) abort();
+    if (fsdp__linear_create(c, "head", D, V, bias, 0.1f, &head) != FSDP_OK) abort();
+    if (fsdp_module_add_child(c, root, head) != FSDP_OK) abort();
+    struct fsdp_shard_opts so = fsdp_shard_opts_default();
+    so.precision = FSDP_BF16;
+    so.mixed_precision = FSDP_MP_DEFAULT;
+    struct fsdp_model *fm;
+    if (fsdp_fully_shard(c, root, &so, &fm) != FSDP_OK || fsdp_model_init_params(c, fm, 9) != FSDP_OK) abort();
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    struct fsdp_optim *opt;
+    if (fsdp_optim_create(c, &oo, &opt) != FSDP_OK || fsdp_model_attach_optim(c, fm, opt) != FSDP_OK) abort();
+    int32_t in[Bl * T], tg[Bl * T];
+    for (int s = 0; s < 3; s++) {
+        for (int i = 0; i < Bl * T; i++) { /* the same batch each step: the loss falls */
+            in[i] = (i * 7 + 3 * rank) % V;
+            tg[i] = (i * 5 + rank) % V;
+        }
+        struct fsdp_step_result r;
+        if (!split) {
+            if (fsdp_model_train_step(c, fm, in, tg, Bl, T, 1e-2f, 1.0f, &r) != FSDP_OK) abort();
+        } else {
+            struct fsdp_tensor x = {in, FSDP_I32, 2, {Bl, T}, FSDP_LAYOUT_PLAIN}, y = {0};
+            struct fsdp_tensor t = {tg, FSDP_I32, 2, {Bl, T}, FSDP_LAYOUT_PLAIN};
+            if (fsdp_model_forward_tensor(c, fm, &x, &y) != FSDP_OK || y.dtype != FSDP_F32) abort();
+            round_like_composed(FSDP_BF16, &y);
+            if (fsdp_model_loss(c, fm, NULL, &y, &t, 1, NULL, &y) != FSDP_OK) abort();
+            round_like_composed(FSDP_BF16, &y); /* and its gradient, which the loss writes in 16 bits */
+            if (fsdp_model_backward(c, fm, &y) != FSDP_OK || fsdp_model_optim_step(c, fm, 1e-2f, 1.0f, &r) != FSDP_OK)
+                abort();
+        }
+        res[3 * s] = r.loss, res[3 * s + 1] = r.grad_norm, res[3 * s + 2] = r.param_norm;
+    }
+    fsdp_model_free(fm);
+    fsdp_optim_free(opt);
+    fsdp_module_free(root);
+}
+
+TEST(user_token_model_16bit_output_widened_for_its_root) {
+    for (int bias = 0; bias < 2; bias++) {
+        double a[9], b[9];
+        token_run(bias, 0, a);
+        token_run(bias, 1, b);
+        if (memcmp(a, b, sizeof a))
+            TEST_FAILF("head with%s bias: train_step differs from the split calls: loss %.9g vs %.9g, grad norm "
+                       "%.9g vs %.9g at the last step", bias ? "" : "out", a[6], b[6], a[7], b[7]);
+        if (!(a[6] < a[0])) TEST_FAILF("head with%s bias: loss %.6g -> %.6g does not fall", bias ? "" : "out", a[0], a[6]);
+    }
 }
 
 /* ---- user models on float images ---- */
@@ -625,6 +705,23 @@ TEST(bad_input_is_a_named_error) {
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "cross-entropy: target F32");
     CHECK_INT_EQ(fsdp_model_loss(c, fm, &user, &out, &wide, 1, NULL, &dout), FSDP_ERR_INVALID);
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "no function");
+    /* a 16-bit output (the composed step's, [Note: 16-bit model output]) takes plain cross-entropy,
+     * its gradient written over it */
+    uint16_t h16[NB * NCLS] = {0};
+    int32_t cls[NB] = {0};
+    struct fsdp_tensor o16 = {h16, FSDP_BF16, 2, {Bl, NCLS}, FSDP_LAYOUT_PLAIN}, d16 = {0};
+    struct fsdp_tensor ids_t = {cls, FSDP_I32, 1, {Bl}, FSDP_LAYOUT_PLAIN};
+    struct fsdp_loss smooth = {.label_smoothing = 0.1f};
+    CHECK_INT_EQ(fsdp_model_loss(c, fm, &smooth, &o16, &ids_t, 1, NULL, NULL), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "the model output is BF16; a 16-bit output takes plain cross-entropy only");
+    d16.data = yreg;
+    CHECK_INT_EQ(fsdp_model_loss(c, fm, &ce, &o16, &ids_t, 1, NULL, &d16), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "the gradient of a 16-bit model output is written over the output");
+    double v16 = -1.0;
+    d16 = o16;
+    CHECK_OK(fsdp_model_loss(c, fm, &ce, &o16, &ids_t, 1, &v16, &d16), c);
+    CHECK(fabs(v16 - log((double)NCLS)) < 1e-6); /* zero logits: log C */
+    CHECK_INT_EQ(d16.dtype, FSDP_BF16);
     /* the user loss's own error comes through */
     user.fn = user_mse;
     CHECK_INT_EQ(fsdp_model_loss(c, fm, &user, &out, &wide, 1, NULL, &dout), FSDP_ERR_INVALID);

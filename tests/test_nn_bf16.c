@@ -326,6 +326,58 @@ TEST(producers_hand_off_the_rounding_of_their_fp32_output) {
     fsdp_ctx_free(ctx);
 }
 
+/* [Note: 16-bit output rounding] (linear.c): an output too large for the
+ * fp32 scratch (16 MiB) is rounded in blocks of columns (64 rows of 70001:
+ * 65536 and a tail; 4100 x 4100: 1024 at least, and a tail of 4), and a
+ * bias-free Linear asked for ROWS16 too spaces its rows: every element the
+ * cast of the fp32 output's, with and without a bias, bf16 and f16 (and
+ * bf16 widened, FSDP_GEMM_BF16=widen). */
+TEST(linear_rounds_a_large_output_as_its_fp32_output) {
+    rng_seed(37);
+    struct fsdp_ctx *ctx = make_ctx();
+    enum { I = 16 };
+    const int64_t shapes[2][2] = {{64, 70001}, {4100, 4100}}; /* rows N, outputs O */
+    const enum fsdp_dtype dts[2] = {FSDP_BF16, FSDP_F16};
+    for (int k = 0; k < 4; k++) {
+        int bias = k % 2;
+        int64_t N = shapes[k / 2][0], O = shapes[k / 2][1];
+        float *x = malloc((size_t)(N * I) * sizeof(float));
+        struct fsdp_tensor in = rand_input(1, N, I, x);
+        struct fsdp_module *lin;
+        ASSERT_OK(fsdp__linear_create(ctx, "lin", I, O, bias, 0.02f, &lin), ctx);
+        ASSERT_OK(fsdp_module_finalize(ctx, lin), ctx);
+        ASSERT_OK(fsdp_module_materialize(ctx, lin, 3), ctx);
+        fsdp_module_foreach_param(lin, randomize, NULL);
+        ASSERT_OK(fsdp_module_set_compute_dtype(ctx, lin, FSDP_BF16), ctx);
+        for (int d = 0; d < 2; d++) {
+            fsdp_arena_reset(ctx);
+            struct fsdp_tensor o32 = {0}, o16 = {0};
+            ASSERT_OK(fsdp_module_forward(lin, ctx, &in, &o32), ctx);
+            o16.dtype = dts[d];
+            o16.layout = FSDP_LAYOUT_ROWS16;
+            ASSERT_OK(fsdp_module_forward(lin, ctx, &in, &o16), ctx);
+            ASSERT_INT_EQ(o16.dtype, dts[d]);
+            ASSERT_INT_EQ(o16.layout, bias ? FSDP_LAYOUT_PLAIN : FSDP_LAYOUT_ROWS16);
+            ASSERT_INT_EQ(o16.shape[o16.ndim - 1], O);
+            int64_t ld = bias ? O : fsdp_rows16_stride(O), bad = 0;
+            const float *y = o32.data;
+            const uint16_t *h = o16.data;
+            for (int64_t r = 0; r < N; r++)
+                for (int64_t c = 0; c < O; c++) {
+                    float v = y[r * O + c];
+                    uint16_t want = dts[d] == FSDP_BF16 ? fsdp__f32_to_bf16(v) : fsdp__f32_to_f16(v);
+                    if (h[r * ld + c] != want && bad++ < 3)
+                        TEST_FAILF("%lld x %lld, bias %d, %s output [%lld, %lld]: 0x%04x, the cast of %.9g is "
+                                   "0x%04x", (long long)N, (long long)O, bias, fsdp_dtype_name(dts[d]),
+                                   (long long)r, (long long)c, h[r * ld + c], (double)v, want);
+                }
+        }
+        fsdp_module_free(lin);
+        free(x);
+    }
+    fsdp_ctx_free(ctx);
+}
+
 /* A 16-bit Linear given x already rounded computes what it computes from x:
  * output, input gradient and parameter gradients, bit for bit; an fp32
  * Linear refuses a 16-bit input, naming it. */

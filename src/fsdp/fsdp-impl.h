@@ -37,7 +37,8 @@ struct fsdp__unit {
     /* precision policy (mixed.c; all FSDP_F32 = 0 unless fsdp__mp_resolve set them) */
     enum fsdp_dtype param_dtype;   /* the all-gather's dtype and the values the compute sees */
     enum fsdp_dtype reduce_dtype;  /* the reduce-scatter's dtype */
-    enum fsdp_dtype output_dtype;  /* tensors leaving the unit's modules: always F32 here */
+    enum fsdp_dtype output_dtype;  /* tensors leaving the unit's modules: F32 (the composed step keeps the
+                                      root's logits in compute_dtype: [Note: 16-bit model output]) */
     enum fsdp_dtype compute_dtype; /* set on the unit's modules (fsdp_module_set_compute_dtype) */
     float *summoned;              /* (numel_padded) fsdp_summon_full_params buffer, or NULL */
     /* one allocation: param shard (unless in the window) | grad shard | optimizer state

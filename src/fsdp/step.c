@@ -353,7 +353,7 @@ static enum fsdp_status eval_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm
  * activations that point into it) and runs the forward: a train-mode one
  * (that opens a step if `step`) or an eval one. */
 static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_tensor *in,
-                                    struct fsdp_tensor *out, int train, int step) {
+                                    struct fsdp_tensor *out, int train, int step, enum fsdp_dtype want) {
     FSDP_TRY(check_idle(ctx, fm));
     if (!in || !in->data || in->ndim < 1 || in->ndim > FSDP_MAX_DIMS || (unsigned)in->dtype > FSDP_I64)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "forward: the input tensor needs data, a dtype and 1 to %d "
@@ -377,6 +377,10 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
     if (!x.data) return FSDP_ERR_NOMEM; /* the arena named it (a limit, or the allocation) */
     memcpy(x.data, in->data, bytes);
     memset(out, 0, sizeof *out);
+    if (want != FSDP_F32) { /* [Note: 16-bit model output] */
+        out->dtype = want;
+        out->layout = FSDP_LAYOUT_ROWS16;
+    }
     ctx->errmsg[0] = '\0'; /* a module failing without a message gets one below */
     enum fsdp_status st;
     if (train) {
@@ -388,6 +392,8 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
         st = eval_forward(ctx, fm, &x, out);
     }
     fsdp__model_drop_prefetched(ctx, fm); /* units gathered ahead that never ran */
+    if (out->dtype == FSDP_F32 && out->layout == FSDP_LAYOUT_ROWS16)
+        out->layout = FSDP_LAYOUT_PLAIN; /* the request passed through a layer that wrote F32 and kept it */
     if (st != FSDP_OK) {
         if (!ctx->errmsg[0])
             fsdp__err(ctx, st, "forward of the model on an input %s of %d dimensions failed: %s (a module gave "
@@ -408,7 +414,7 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
 
 enum fsdp_status fsdp_model_forward_tensor(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                            const struct fsdp_tensor *in, struct fsdp_tensor *out) {
-    return run_forward(ctx, fm, in, out, fm->root->training, 1);
+    return run_forward(ctx, fm, in, out, fm->root->training, 1, FSDP_F32);
 }
 
 /* A (B, T) token batch as a tensor. */
@@ -431,7 +437,7 @@ enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
     FSDP_TRY(tokens(ctx, inputs, B, T, &tok));
     /* a train-mode forward outside any step (the memory and bits it always
      * had), with no backward after it */
-    FSDP_TRY(run_forward(ctx, fm, &tok, &out, 1, 0));
+    FSDP_TRY(run_forward(ctx, fm, &tok, &out, 1, 0, FSDP_F32));
     *logits = out.data;
     return FSDP_OK;
 }
@@ -449,12 +455,30 @@ enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
     double t0 = fsdp__now();
     float scale = (fm->step.fwd_pending ? fm->step.loss_scale : fsdp__scaler_scale(fm)) / (float)accum;
     int64_t C = out->shape[out->ndim - 1], N = fsdp_tensor_numel(out) / C;
+    if (out->dtype != FSDP_F32) { /* plain cross-entropy (checked) over the train step's 16-bit output */
+        void *d = NULL;
+        if (dout && dout->data && dout->data != out->data)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "loss: the gradient of a 16-bit model output is written over "
+                             "the output (dout->data == out->data) or nowhere");
+        if (dout) {
+            *dout = *out; /* its dtype and row layout: [Note: 16-bit model output] */
+            d = out->data;
+        }
+        float l = 0.0f;
+        FSDP_TRY(fsdp__cross_entropy_lp(ctx, out->dtype, out->data, fsdp__row_stride(out), target->data, N, C, scale,
+                                        &l, d));
+        if (fm->step.fwd_pending) fm->step.loss += l / (float)accum;
+        if (value) *value = (double)l;
+        fm->step.fwd_s += fsdp__now() - t0;
+        return FSDP_OK;
+    }
     if (dout && !dout->data) {
         dout->data = fsdp_arena_alloc(ctx, (size_t)(N * C) * sizeof(float));
         if (!dout->data) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the loss gradient in the arena");
     }
     if (dout) {
         dout->dtype = FSDP_F32;
+        dout->layout = FSDP_LAYOUT_PLAIN;
         dout->ndim = out->ndim;
         memcpy(dout->shape, out->shape, sizeof dout->shape);
     }
@@ -508,11 +532,16 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
         return fsdp__err(ctx, FSDP_ERR_STATE, "backward without a train-mode forward before it (after an eval "
                          "forward, a backward, or an error)");
     const struct fsdp_tensor *o = &fm->step.out;
-    int same = dout && dout->data && dout->dtype == FSDP_F32 && dout->ndim == o->ndim;
+    /* F32, or a 16-bit output's own dtype and rows ([Note: 16-bit model output]) */
+    int lp = dout && o->dtype != FSDP_F32 && dout->dtype == o->dtype && dout->layout == o->layout;
+    int same = dout && dout->data && (lp || dout->dtype == FSDP_F32) &&
+               dout->ndim == o->ndim;
     for (int i = 0; same && i < o->ndim; i++) same = dout->shape[i] == o->shape[i];
     if (!same)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "backward: the output gradient must be F32 shaped as the model "
-                         "output (%d dimensions, last %lld)", o->ndim, (long long)o->shape[o->ndim - 1]);
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "backward: the output gradient must be F32%s%s shaped as the model "
+                         "output (%d dimensions, last %lld)", o->dtype != FSDP_F32 ? " or " : "",
+                         o->dtype != FSDP_F32 ? fsdp_dtype_name(o->dtype) : "", o->ndim,
+                         (long long)o->shape[o->ndim - 1]);
     double t0 = fsdp__now();
     struct fsdp__step *sp = &fm->step;
     int first = sp->n_backward == 0;
@@ -535,7 +564,19 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
      * the fp32 buffer; the values are the same bits. */
     struct fsdp_tensor d16 = *dout;
     enum fsdp_dtype ddt = fm->root->priv->dout_dtype;
-    if (ddt != FSDP_F32 && dout->data == o->data) {
+    if (lp && !(ddt == dout->dtype && (dout->layout == FSDP_LAYOUT_PLAIN ||
+                                       fm->root->priv->dout_layout == dout->layout))) {
+        /* the root takes it otherwise: widened into the arena, as an F32 gradient */
+        size_t n = (size_t)fsdp_tensor_numel(dout);
+        int64_t cols = dout->shape[dout->ndim - 1], ld = fsdp__row_stride(dout);
+        float *w = fsdp_arena_alloc(ctx, n * sizeof(float));
+        if (!w) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory widening the output gradient in the arena");
+        for (int64_t r = 0; !fsdp__measuring && r < (int64_t)n / cols; r++)
+            fsdp__cvt_to_f32(dout->dtype, (const uint16_t *)dout->data + r * ld, w + r * cols, (size_t)cols);
+        d16.data = w;
+        d16.dtype = FSDP_F32;
+        d16.layout = FSDP_LAYOUT_PLAIN;
+    } else if (!lp && ddt != FSDP_F32 && dout->data == o->data) {
         size_t n = (size_t)fsdp_tensor_numel(dout);
         int64_t cols = dout->shape[dout->ndim - 1], rows = (int64_t)n / cols, ld = fsdp_rows16_stride(cols);
         if (fm->root->priv->dout_layout != FSDP_LAYOUT_ROWS16 || ld > 2 * cols) ld = cols; /* not asked, or no room */
@@ -708,6 +749,22 @@ enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *
                                        res);
 }
 
+/* [Note: 16-bit model output] The model output's dtype in the composed step:
+ * the compute dtype of the root, whose last layer (GPT's lm_head) then
+ * rounds its products block by block ([Note: 16-bit output rounding],
+ * src/nn/linear.c), as the output of a bf16 module is bf16 under PyTorch's
+ * FSDP2 (MixedPrecisionPolicy with no output_dtype) and autocast: GPT-2's
+ * logits at 4 x 256 tokens are 98 MiB instead of 196 at their peak. The
+ * cross-entropy widens each row to fp32, computes as over fp32 logits and
+ * rounds the gradient into the output in place (fsdp__cross_entropy_lp);
+ * the rows are spaced as lm_head's backward takes them ([Note: padded rows]),
+ * so the gradient goes to it as it is. What differs from fp32 logits is
+ * the logits' rounding to 16 bits before the softmax (the gradient was
+ * rounded before as well: [Note: 16-bit output gradient]). The split calls
+ * keep returning F32 (fsdp_model_forward_tensor); fsdp_model_loss and
+ * fsdp_model_backward take the 16-bit output this step makes. */
+static enum fsdp_dtype output_dtype(const struct fsdp_model *fm) { return fm->root->compute_dtype; }
+
 /* The composition of the split step ([Note: the split step]). */
 enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                              const int32_t *inputs, const int32_t *targets, int B, int T,
@@ -731,7 +788,7 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
         struct fsdp_tensor tok, logits, tg;
         int64_t N = (int64_t)B * T;
         st = tokens(ctx, inputs + (size_t)k * (size_t)N, B, T, &tok);
-        if (st == FSDP_OK) st = fsdp_model_forward_tensor(ctx, fm, &tok, &logits);
+        if (st == FSDP_OK) st = run_forward(ctx, fm, &tok, &logits, 1, 1, output_dtype(fm));
         if (st != FSDP_OK) break;
         st = tokens(ctx, targets + (size_t)k * (size_t)N, B, T, &tg);
         if (st == FSDP_OK) st = fsdp_model_loss(ctx, fm, NULL, &logits, &tg, accum, NULL, &logits);

@@ -11,6 +11,50 @@
  */
 #include "nn/nn-impl.h"
 
+/* [Note: 16-bit output rounding] A Linear asked for its output in 16 bits
+ * (the hand-off, [Note: 16-bit hand-off]; the model's output under
+ * [Note: 16-bit model output], src/fsdp/step.c) rounds the fp32 product once.
+ * The product runs over blocks of output columns (weight rows) into fp32
+ * scratch of about ROUND_SCRATCH bytes (ROUND_MIN_COLS columns at least),
+ * each block rounded into place:
+ * GPT-2's lm_head at 4 x 256 tokens would otherwise need 196 MiB of fp32
+ * beside its 98 MiB of bf16 logits (one block for its other Linears). Each
+ * output element is the same dot product, rounded to nearest even. oneDNN
+ * can store a bf16 matmul's output rounded itself, but for the lm_head it
+ * kept an fp32 accumulator of the whole output in its scratchpad (outside
+ * the arena: peak RSS 108 MB higher, bench/README.md). Asked for
+ * ROWS16 as well, a bias-free Linear spaces its output rows as its own
+ * backward takes its output gradient ([Note: padded rows], src/fsdp/step.c),
+ * so a gradient written over the output in place comes back in them. */
+#define ROUND_SCRATCH ((int64_t)16 << 20)
+#define ROUND_MIN_COLS 1024
+
+/* y (N, O, row stride ldy, dtype odt) = x W^T (+ b) rounded to odt, x (N, I)
+ * and W (O, I) of the 16-bit compute dtype lp. */
+static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp, int64_t N, int64_t O, int64_t I,
+                                        const void *x, const void *w, const float *b, void *y, enum fsdp_dtype odt,
+                                        int64_t ldy) {
+    /* every row (a block of rows would be a product of another M, whose fp32
+     * kernels may sum in another order) and as many columns as fit, at least
+     * ROUND_MIN_COLS: x is read once per block */
+    int64_t nc = ROUND_SCRATCH / ((int64_t)sizeof(float) * N);
+    nc = nc < ROUND_MIN_COLS ? ROUND_MIN_COLS : nc;
+    nc = nc > O ? O : nc;
+    float *s = fsdp__scratch(ctx, N * nc, "Linear output before rounding");
+    if (!s) return FSDP_ERR_NOMEM;
+    size_t es = fsdp_dtype_size(lp), os = fsdp_dtype_size(odt);
+    for (int64_t c0 = 0; c0 < O; c0 += nc) {
+        int64_t n = O - c0 < nc ? O - c0 : nc;
+        const void *wc = (const char *)w + (size_t)(c0 * I) * es; /* weight rows [c0, c0 + n) */
+        if (b) fsdp__gemm_lp_bias(lp, 0, 1, N, n, I, x, I, wc, I, b + c0, s, n);
+        else fsdp__gemm_lp(lp, 0, 1, N, n, I, 1.0f, x, I, wc, I, 0.0f, s, n);
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++)
+            fsdp__cvt_from_f32(odt, s + i * n, (char *)y + (size_t)(i * ldy + c0) * os, (size_t)n);
+    }
+    return FSDP_OK;
+}
+
 struct linear {
     int64_t in, out;
     struct fsdp_param *weight; /* (out, in) */
@@ -33,9 +77,15 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
     memcpy(shape, in->shape, sizeof shape);
     shape[in->ndim - 1] = L->out;
     enum fsdp_dtype odt = lp != FSDP_F32 ? fsdp__wanted_dtype(out) : FSDP_F32;
+    /* [Note: 16-bit output rounding]: rows spaced for this Linear's backward, when asked */
+    int rows16 = odt != FSDP_F32 && !L->bias && out->layout == FSDP_LAYOUT_ROWS16;
+    int64_t ldo = rows16 ? fsdp_rows16_stride(L->out) : L->out;
+    shape[in->ndim - 1] = ldo; /* allocated with the stride, then shaped as it is */
     FSDP_TRY(fsdp__tensor_prepare(ctx, out, odt, in->ndim, shape, "Linear output"));
+    out->shape[in->ndim - 1] = L->out;
+    if (rows16) out->layout = FSDP_LAYOUT_ROWS16;
     const float *x = in->data;   /* (N, in) */
-    float *y = out->data;        /* (N, out); fp32 scratch below when out is 16-bit */
+    float *y = out->data;        /* (N, out), fp32 compute */
     int64_t N = fsdp_tensor_numel(in) / L->in, O = L->out;
     const float *b = L->bias ? fsdp__pdata(L->bias) : NULL;
     L->lp = lp;
@@ -54,13 +104,11 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
         const void *xl = handed ? in->data : fsdp__lp_copy(ctx, lp, x, N * L->in, "Linear input (low precision)");
         if (!xl) return FSDP_ERR_NOMEM; /* kept either way */
         size_t mark = fsdp_arena_mark(ctx);
-        if (odt != FSDP_F32 && !(y = fsdp__scratch(ctx, N * O, "Linear output before rounding")))
-            return FSDP_ERR_NOMEM;
         const void *wl = fsdp__pdata_lp(ctx, L->weight, lp);
         if (!wl) return FSDP_ERR_NOMEM;
-        if (b) fsdp__gemm_lp_bias(lp, 0, 1, N, O, L->in, xl, L->in, wl, L->in, b, y, O); /* bias in the product */
+        if (odt != FSDP_F32) FSDP_TRY(product_rounded(ctx, lp, N, O, L->in, xl, wl, b, out->data, odt, ldo));
+        else if (b) fsdp__gemm_lp_bias(lp, 0, 1, N, O, L->in, xl, L->in, wl, L->in, b, y, O); /* bias in the product */
         else fsdp__gemm_lp(lp, 0, 1, N, O, L->in, 1.0f, xl, L->in, wl, L->in, 0.0f, y, O);
-        if (odt != FSDP_F32) fsdp__cvt_from_f32(odt, y, out->data, (size_t)(N * O));
         fsdp_arena_release(ctx, mark);
         L->xl = xl;
     }

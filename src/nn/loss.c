@@ -14,13 +14,51 @@
 #include "nn/nn-impl.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 
 #define CE_CHUNKS 256
 
-enum fsdp_status fsdp_cross_entropy(struct fsdp_ctx *ctx, const float *logits, const int32_t *targets,
-                                    int64_t N, int64_t V, float scale, float *loss, float *dlogits) {
-    if (N <= 0 || V <= 0 || !logits || !targets)
+/* Row i's loss term (max + log sum exp - target logit) from its logits l (V),
+ * and, with d non-NULL (may be l), its gradient (softmax - onehot(t)) * g. */
+static double ce_row(const float *l, float *d, int64_t V, int64_t t, float g) {
+    float mx = l[0];
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 1; j < V; j++) mx = l[j] > mx ? l[j] : mx;
+    float lt = l[t];
+    double sum = 0.0; /* float sums over blocks of 1024, in double across them */
+    for (int64_t j0 = 0; j0 < V; j0 += 1024) {
+        int64_t j1 = j0 + 1024 < V ? j0 + 1024 : V;
+        float s = 0.0f;
+        if (d) {
+#pragma omp simd reduction(+ : s)
+            for (int64_t j = j0; j < j1; j++) {
+                float e = fsdp__expf(l[j] - mx);
+                d[j] = e;
+                s += e;
+            }
+        } else {
+#pragma omp simd reduction(+ : s)
+            for (int64_t j = j0; j < j1; j++) s += fsdp__expf(l[j] - mx);
+        }
+        sum += (double)s;
+    }
+    if (d) {
+        float k = (float)(1.0 / sum) * g;
+#pragma omp simd
+        for (int64_t j = 0; j < V; j++) d[j] *= k;
+        d[t] -= g;
+    }
+    return (double)mx + log(sum) - (double)lt;
+}
+
+/* The rows of fsdp_cross_entropy and fsdp__cross_entropy_lp: logits of dtype
+ * dt (F32, or 16-bit widened a row at a time into rows[thread]), row stride
+ * ld, gradient rows of the same dtype and stride (rounded from fp32). */
+static enum fsdp_status ce_rows(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const void *logits, int64_t ld,
+                                const int32_t *targets, int64_t N, int64_t V, float scale, float *loss, void *dlogits,
+                                float *rows) {
+    if (N <= 0 || V <= 0 || ld < V || !logits || !targets)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "cross_entropy: bad arguments (N %lld, V %lld)", (long long)N,
                          (long long)V);
     for (int64_t i = 0; i < N; i++)
@@ -30,42 +68,22 @@ enum fsdp_status fsdp_cross_entropy(struct fsdp_ctx *ctx, const float *logits, c
     double part[CE_CHUNKS] = {0};
     int64_t per = (N + CE_CHUNKS - 1) / CE_CHUNKS, nch = (N + per - 1) / per;
     float g = scale / (float)N;
+    size_t es = fsdp_dtype_size(dt);
 #pragma omp parallel for schedule(static)
     for (int64_t ch = 0; ch < (fsdp__measuring ? 0 : nch); ch++) {
         int64_t i1 = (ch + 1) * per < N ? (ch + 1) * per : N;
+        float *r = rows ? rows + (int64_t)omp_get_thread_num() * V : NULL;
         double acc = 0.0;
         for (int64_t i = ch * per; i < i1; i++) {
-            const float *l = logits + i * V; /* (V) */
-            int64_t t = targets[i];
-            float mx = l[0];
-#pragma omp simd reduction(max : mx)
-            for (int64_t j = 1; j < V; j++) mx = l[j] > mx ? l[j] : mx;
-            float lt = l[t];
-            float *d = dlogits ? dlogits + i * V : NULL; /* (V); may be l */
-            double sum = 0.0; /* float sums over blocks of 1024, in double across them */
-            for (int64_t j0 = 0; j0 < V; j0 += 1024) {
-                int64_t j1 = j0 + 1024 < V ? j0 + 1024 : V;
-                float s = 0.0f;
-                if (d) {
-#pragma omp simd reduction(+ : s)
-                    for (int64_t j = j0; j < j1; j++) {
-                        float e = fsdp__expf(l[j] - mx);
-                        d[j] = e;
-                        s += e;
-                    }
-                } else {
-#pragma omp simd reduction(+ : s)
-                    for (int64_t j = j0; j < j1; j++) s += fsdp__expf(l[j] - mx);
-                }
-                sum += (double)s;
+            const void *li = (const char *)logits + (size_t)(i * ld) * es;
+            void *di = dlogits ? (char *)dlogits + (size_t)(i * ld) * es : NULL; /* may be li */
+            if (dt == FSDP_F32) {
+                acc += ce_row(li, di, V, targets[i], g);
+                continue;
             }
-            if (d) {
-                float k = (float)(1.0 / sum) * g;
-#pragma omp simd
-                for (int64_t j = 0; j < V; j++) d[j] *= k;
-                d[t] -= g;
-            }
-            acc += (double)mx + log(sum) - (double)lt;
+            fsdp__cvt_to_f32(dt, li, r, (size_t)V);
+            acc += ce_row(r, di ? r : NULL, V, targets[i], g);
+            if (di) fsdp__cvt_from_f32(dt, r, di, (size_t)V);
         }
         part[ch] = acc;
     }
@@ -73,6 +91,22 @@ enum fsdp_status fsdp_cross_entropy(struct fsdp_ctx *ctx, const float *logits, c
     for (int64_t ch = 0; ch < nch; ch++) total += part[ch];
     if (loss) *loss = (float)(total / (double)N);
     return FSDP_OK;
+}
+
+enum fsdp_status fsdp_cross_entropy(struct fsdp_ctx *ctx, const float *logits, const int32_t *targets,
+                                    int64_t N, int64_t V, float scale, float *loss, float *dlogits) {
+    return ce_rows(ctx, FSDP_F32, logits, V, targets, N, V, scale, loss, dlogits, NULL);
+}
+
+enum fsdp_status fsdp__cross_entropy_lp(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const void *logits, int64_t ld,
+                                        const int32_t *targets, int64_t N, int64_t V, float scale, float *loss,
+                                        void *dlogits) {
+    size_t mark = fsdp_arena_mark(ctx);
+    float *rows = fsdp__scratch(ctx, (int64_t)omp_get_max_threads() * V, "cross-entropy rows");
+    if (!rows) return FSDP_ERR_NOMEM;
+    enum fsdp_status st = ce_rows(ctx, dt, logits, ld, targets, N, V, scale, loss, dlogits, rows);
+    fsdp_arena_release(ctx, mark);
+    return st;
 }
 
 /* ---- The losses of fsdp_model_loss ----
@@ -107,9 +141,17 @@ enum fsdp_status fsdp__loss_check(struct fsdp_ctx *ctx, const struct fsdp_loss *
     const char *what = kind_name(loss->kind);
     if ((unsigned)loss->kind > FSDP_LOSS_USER)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "loss: unknown kind %d", (int)loss->kind);
-    if (!out || !out->data || out->dtype != FSDP_F32 || out->ndim < 1 || out->ndim > FSDP_MAX_DIMS)
+    if (!out || !out->data || out->ndim < 1 || out->ndim > FSDP_MAX_DIMS ||
+        !(out->dtype == FSDP_F32 || out->dtype == FSDP_BF16 || out->dtype == FSDP_F16))
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: the model output must be an F32 tensor of 1 to %d dimensions",
                          what, FSDP_MAX_DIMS);
+    int plain_ce = loss->kind == FSDP_LOSS_CROSS_ENTROPY && loss->label_smoothing == 0.0f && !loss->ignore;
+    if (out->dtype != FSDP_F32 && !plain_ce) /* [Note: 16-bit model output], src/fsdp/step.c */
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: the model output is %s; a 16-bit output takes plain "
+                         "cross-entropy only (no label smoothing, nothing ignored)", what, fsdp_dtype_name(out->dtype));
+    if (out->layout != FSDP_LAYOUT_PLAIN && !(out->layout == FSDP_LAYOUT_ROWS16 && out->dtype != FSDP_F32))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: the model output's layout %d is not one a loss reads", what,
+                         (int)out->layout);
     for (int i = 0; i < out->ndim; i++)
         if (out->shape[i] <= 0) return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: model output dimension %d is %lld",
                                                  what, i, (long long)out->shape[i]);

@@ -56,7 +56,8 @@
  * 16-bit copy of it (98 MiB) is no longer made, and backward runs in the
  * freed 98 MiB. The 16-bit values are the bits the copy had (the same
  * rounding of the same fp32 values), so training is bit-identical with or
- * without it; the loss itself still computes from the fp32 logits.
+ * without it. (The composed step now keeps the logits themselves in 16
+ * bits: [Note: 16-bit model output], src/fsdp/step.c.)
  *
  * [Note: 16-bit activations] One activation is kept in 16 bits with
  * different numerics from fp32 compute: under 16-bit compute, MLP asks c_fc
@@ -67,7 +68,8 @@
  * (4C per token: 72 of GPT-2's 144 MiB at 4 x 256 tokens). Which tensors
  * are 16-bit is decided in one place, fsdp__input_dtype (a GELU computing
  * in 16 bits takes 16-bit input); the rest stays as above: LayerNorm,
- * softmax, the residual stream, the logits and the loss are fp32, and every
+ * softmax, the residual stream and the loss are fp32 (the composed step's
+ * logits are 16-bit: [Note: 16-bit model output], src/fsdp/step.c), and every
  * other 16-bit tensor is the exact rounding the consumer's cast would make.
  * fp32 compute is untouched (bit-identical).
  */
