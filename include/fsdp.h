@@ -1205,11 +1205,12 @@ enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
  * does. Without a train-mode forward since the last backward it is
  * FSDP_ERR_STATE; a dout of another shape or dtype is FSDP_ERR_INVALID.
  * When dout->data is the output's buffer (fsdp_model_loss wrote the
- * gradient over the output, as fsdp_model_train_step does) and the model's
- * last layer multiplies in 16 bits, the buffer is narrowed in place and its
- * upper half reused: its contents are unspecified afterwards. A 16-bit
- * output (fsdp_model_train_step's) takes its gradient in its own dtype and
- * rows as well as in F32. */
+ * gradient over the output, as fsdp_model_train_step does) the buffer is
+ * the library's: where the model's last layer multiplies in 16 bits it is
+ * narrowed in place and its upper half reused, and a GPT reuses all of it
+ * once lm_head has read it, so its contents are unspecified afterwards. A
+ * 16-bit output (fsdp_model_train_step's) takes its gradient in its own
+ * dtype and rows as well as in F32. */
 enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_tensor *dout);
 
 /* Gradient synchronisation of the following backwards (on = 1, the default):

@@ -24,8 +24,9 @@
 #include <sys/resource.h>
 
 /* internal (core-impl.h): frees the activation arena, so that each test
- * measures its own arena from empty */
+ * measures its own arena from empty; and moves its last allocation down */
 void fsdp__arena_free_all(struct fsdp_ctx *ctx);
+int fsdp__arena_slide(struct fsdp_ctx *ctx, void *dead, void *p, size_t bytes);
 
 #define TRY(expr)                                   \
     do {                                            \
@@ -318,6 +319,32 @@ TEST(arena_runs_in_one_span) {
     fsdp__arena_free_all(c);
 }
 
+/* fsdp__arena_slide (GPT's backward over its dead output gradient): the
+ * last allocation moves down over a dead one below it, the arena's top
+ * after it; refused (nothing moved) when it is not the last, when the dead
+ * one is not below it or not 64-byte aligned. */
+TEST(arena_slide_moves_the_last_allocation_down) {
+    struct fsdp_ctx *c = get_ctx();
+    fsdp__arena_free_all(c);
+    char *a = fsdp_arena_alloc(c, 1000), *dead = fsdp_arena_alloc(c, 5000), *p = fsdp_arena_alloc(c, 300);
+    ASSERT(a && dead && p);
+    for (int i = 0; i < 300; i++) p[i] = (char)(i * 7 + 1);
+    char *q = fsdp_arena_alloc(c, 64);
+    ASSERT(q != NULL);
+    CHECK_INT_EQ(fsdp__arena_slide(c, dead, p, 300), 0); /* p is not the last */
+    fsdp_arena_release(c, fsdp_arena_mark(c) - 64);
+    CHECK_INT_EQ(fsdp__arena_slide(c, p, dead, 300), 0);    /* "dead" above */
+    CHECK_INT_EQ(fsdp__arena_slide(c, dead + 8, p, 300), 0); /* unaligned */
+    size_t before = fsdp_arena_mark(c);
+    CHECK_INT_EQ(fsdp__arena_slide(c, dead, p, 300), 1);
+    int same = 1;
+    for (int i = 0; i < 300; i++) same &= dead[i] == (char)(i * 7 + 1);
+    CHECK(same);
+    CHECK_INT_EQ(before - fsdp_arena_mark(c), (size_t)(p - dead)); /* handed back: the dead bytes */
+    CHECK(fsdp_arena_alloc(c, 64) == dead + 320);                   /* the next one after the moved 300 */
+    fsdp__arena_free_all(c);
+}
+
 /* HYBRID_SHARD: the reduce-scatter's full gradient is released before the
  * replica all-reduce, which overlap leaves in flight to the next unit's
  * post-backward with its MPI staging (PURE) */
@@ -592,17 +619,18 @@ TEST(plan_bf16_against_fp32) {
                (double)p16.total / (double)p32.total);
     if (!(p16.act < p32.act)) TEST_FAILF("bf16 activations %zu bytes, fp32 %zu", p16.act, p32.act);
     /* issue 19's memory target is bf16 <= 0.8 x fp32; what is reached stays reached: activations
-       0.504 of fp32's (the logits' gradient handed to lm_head in 16 bits, [Note: 16-bit output
+       0.479 of fp32's (the logits' gradient handed to lm_head in 16 bits, [Note: 16-bit output
        gradient]; GELU's input kept in 16 bits, [Note: 16-bit activations]; the first step in one
        arena chunk as the later ones, [Note: one arena chunk]; no 16-bit copy of the shards
-       between steps; the logits in 16 bits, [Note: 16-bit model output]), the total 0.864 of
-       fp32's at one rank, 0.768 at two, 0.735 at three, 0.714 at four (4 x 256 tokens per rank).
+       between steps; the logits in 16 bits, [Note: 16-bit model output]; in both precisions,
+       GPT's backward over its dead output gradient, 926 MiB of fp32's 960), the total 0.861 of
+       fp32's at one rank, 0.762 at two, 0.727 at three, 0.706 at four (4 x 256 tokens per rank).
        An arena growing in chunks (a machine that refuses the span) strands more in bf16's first
        step. */
     if (span_expected()) {
-        if ((double)p16.act > 0.51 * (double)p32.act)
-            TEST_FAILF("bf16 activations %zu bytes > 0.51 x fp32's %zu", p16.act, p32.act);
-        static const double most_at[4] = {0.87, 0.775, 0.74, 0.72};
+        if ((double)p16.act > 0.49 * (double)p32.act)
+            TEST_FAILF("bf16 activations %zu bytes > 0.49 x fp32's %zu", p16.act, p32.act);
+        static const double most_at[4] = {0.865, 0.77, 0.73, 0.71};
         double most = most_at[(world < 4 ? world : 4) - 1];
         if ((double)p16.total > most * (double)p32.total)
             TEST_FAILF("bf16 plan %zu bytes > %.3f x fp32's %zu", p16.total, most, p32.total);

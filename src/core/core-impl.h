@@ -32,6 +32,9 @@ struct fsdp_ctx {
     struct fsdp__arena_chunk *arena; /* current chunk (head of list) */
     size_t arena_used;               /* bytes handed out in total (mark) */
     size_t arena_high;               /* largest arena_used since the last reset */
+    const void *dead_dout;           /* the output gradient fsdp_model_backward hands the root
+                                        when it is the library's: dead once the root's last
+                                        layer has taken it (fsdp__arena_slide) */
     int recompute;                   /* > 0 while a checkpointed module's forward runs
                                         again inside its backward (module.c): a layer
                                         with state (BatchNorm2d's running statistics)
@@ -216,6 +219,12 @@ void fsdp__arena_free_all(struct fsdp_ctx *ctx);
 /* When p (an allocation of `bytes`) is the arena's last, shrinks it to its
  * first `keep` bytes, handing the rest back, and returns 1; else 0. */
 int fsdp__arena_shrink(struct fsdp_ctx *ctx, void *p, size_t bytes, size_t keep);
+/* When p (an allocation of `bytes`) is the arena's last and `dead` lies
+ * below it in the same chunk, moves p's bytes down to `dead`, hands back
+ * everything above them and returns 1 (the caller then uses `dead`, and
+ * fsdp_arena_mark() - p's rounded size marks it); else 0. For a tensor made
+ * above one that is no longer read (GPT's backward, ctx->dead_dout). */
+int fsdp__arena_slide(struct fsdp_ctx *ctx, void *dead, void *p, size_t bytes);
 
 /* ---- Counter-based RNG (Philox4x32-10) ---- */
 /* Four 32-bit words for (key, counter): a pure function. */

@@ -585,7 +585,9 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
         d16.dtype = ddt;
         fsdp__arena_shrink(ctx, dout->data, n * sizeof(float), (size_t)(rows * ld) * fsdp_dtype_size(ddt));
     }
+    ctx->dead_dout = d16.data == o->data ? o->data : NULL; /* the library's, in place: dead once taken */
     enum fsdp_status st = fsdp_module_backward(fm->root, ctx, &d16, NULL);
+    ctx->dead_dout = NULL;
     if (st != FSDP_OK && !ctx->errmsg[0])
         fsdp__err(ctx, st, "backward of the model failed: %s (a module gave no message)", fsdp_status_str(st));
     fm->in_backward = fm->win_pass = 0;
