@@ -417,12 +417,14 @@ static void memory(struct table *t, const struct cfg *g, int lp, int64_t Bn, int
      * backward reads dx, adds into the wte and wpe gradient rows (rw 16C) */
     add(t, "embeddings fwd+bwd", tok * 32 * C, bw, 1);
     phase(t, 12.0 / 32, 0);
-    /* logits (N, V) fp32, written by the lm_head product; the loss reads
-     * each row once (in L2 for the max and the sum) and writes the gradient
-     * in place (8V); under AMP the gradient is cast to 16 bits for the
-     * lm_head backward (read 4, write 2) */
-    add(t, "cross-entropy (+ dlogits cast)", tok * V * (lp ? 14 : 8), bw, 1);
-    phase(t, lp ? 8.0 / 14 : 1, 0); /* the loss and its gradient: forward's loss; the cast: lm_head's backward */
+    /* logits (N, V), written by the lm_head product; the loss reads each
+     * row once (in L2 for the max and the sum) and writes the gradient in
+     * place: fp32, 8V. Under AMP the train step keeps them in 16 bits
+     * ([Note: 16-bit model output]): the product's fp32 blocks (16 MiB, in
+     * cache) are rounded into place (write 2), the loss reads 2 and writes
+     * 2, and lm_head's backward takes the gradient as it is: 6V */
+    add(t, lp ? "cross-entropy (+ logits rounding)" : "cross-entropy", tok * V * (lp ? 6 : 8), bw, 1);
+    phase(t, 1, 0); /* forward's: the lm_head product's rounding and the loss */
     /* parameter gathers ([Note: sharding] src/fsdp/unit.c), twice a step
      * (forward, and backward after resharding): under AMP each rank first
      * casts its shard to 16 bits (read 4, write 2: 6P over all ranks,
