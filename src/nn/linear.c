@@ -48,6 +48,10 @@ static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp
         const void *wc = (const char *)w + (size_t)(c0 * I) * es; /* weight rows [c0, c0 + n) */
         if (b) fsdp__gemm_lp_bias(lp, 0, 1, N, n, I, x, I, wc, I, b + c0, s, n);
         else fsdp__gemm_lp(lp, 0, 1, N, n, I, 1.0f, x, I, wc, I, 0.0f, s, n);
+        if (n == ldy) { /* whole rows, contiguous: one cast (threaded inside) */
+            fsdp__cvt_from_f32(odt, s, y, (size_t)(N * n));
+            continue;
+        }
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++)
             fsdp__cvt_from_f32(odt, s + i * n, (char *)y + (size_t)(i * ldy + c0) * os, (size_t)n);
