@@ -26,7 +26,7 @@
 /* internal (core-impl.h): frees the activation arena, so that each test
  * measures its own arena from empty; and moves its last allocation down */
 void fsdp__arena_free_all(struct fsdp_ctx *ctx);
-int fsdp__arena_slide(struct fsdp_ctx *ctx, void *dead, void *p, size_t bytes);
+int fsdp__arena_slide(struct fsdp_ctx *ctx, void *dead, void *p, size_t bytes, size_t *at);
 
 #define TRY(expr)                                   \
     do {                                            \
@@ -331,17 +331,21 @@ TEST(arena_slide_moves_the_last_allocation_down) {
     for (int i = 0; i < 300; i++) p[i] = (char)(i * 7 + 1);
     char *q = fsdp_arena_alloc(c, 64);
     ASSERT(q != NULL);
-    CHECK_INT_EQ(fsdp__arena_slide(c, dead, p, 300), 0); /* p is not the last */
+    size_t at = 1;
+    CHECK_INT_EQ(fsdp__arena_slide(c, dead, p, 300, &at), 0); /* p is not the last */
     fsdp_arena_release(c, fsdp_arena_mark(c) - 64);
-    CHECK_INT_EQ(fsdp__arena_slide(c, p, dead, 300), 0);    /* "dead" above */
-    CHECK_INT_EQ(fsdp__arena_slide(c, dead + 8, p, 300), 0); /* unaligned */
+    CHECK_INT_EQ(fsdp__arena_slide(c, p, dead, 300, &at), 0);    /* "dead" above */
+    CHECK_INT_EQ(fsdp__arena_slide(c, dead + 8, p, 300, &at), 0); /* unaligned */
+    CHECK_INT_EQ(at, 1);                                          /* untouched by a refusal */
     size_t before = fsdp_arena_mark(c);
-    CHECK_INT_EQ(fsdp__arena_slide(c, dead, p, 300), 1);
+    CHECK_INT_EQ(fsdp__arena_slide(c, dead, p, 300, &at), 1);
     int same = 1;
     for (int i = 0; i < 300; i++) same &= dead[i] == (char)(i * 7 + 1);
     CHECK(same);
     CHECK_INT_EQ(before - fsdp_arena_mark(c), (size_t)(p - dead)); /* handed back: the dead bytes */
     CHECK(fsdp_arena_alloc(c, 64) == dead + 320);                   /* the next one after the moved 300 */
+    fsdp_arena_release(c, at);                                      /* the mark of dead: frees all above it */
+    CHECK(fsdp_arena_alloc(c, 64) == dead);
     fsdp__arena_free_all(c);
 }
 

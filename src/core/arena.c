@@ -96,12 +96,13 @@ int fsdp__arena_shrink(struct fsdp_ctx *ctx, void *p, size_t bytes, size_t keep)
     return 1;
 }
 
-int fsdp__arena_slide(struct fsdp_ctx *ctx, void *dead, void *p, size_t bytes) {
+int fsdp__arena_slide(struct fsdp_ctx *ctx, void *dead, void *p, size_t bytes, size_t *at) {
     struct fsdp__arena_chunk *c = ctx->arena;
     size_t have = round64(bytes ? bytes : 1);
     char *d = dead, *q = p;
     if (!c || d >= q || d < c->mem || ((uintptr_t)d & 63) || q + have != c->mem + c->used) return 0;
     if (!fsdp__measuring) memmove(d, q, bytes);
+    *at = c->base + (size_t)(d - c->mem);
     c->used = (size_t)(d - c->mem) + have;
     ctx->arena_used = c->base + c->used;
     return 1;

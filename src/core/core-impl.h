@@ -220,11 +220,12 @@ void fsdp__arena_free_all(struct fsdp_ctx *ctx);
  * first `keep` bytes, handing the rest back, and returns 1; else 0. */
 int fsdp__arena_shrink(struct fsdp_ctx *ctx, void *p, size_t bytes, size_t keep);
 /* When p (an allocation of `bytes`) is the arena's last and `dead` lies
- * below it in the same chunk, moves p's bytes down to `dead`, hands back
- * everything above them and returns 1 (the caller then uses `dead`, and
- * fsdp_arena_mark() - p's rounded size marks it); else 0. For a tensor made
- * above one that is no longer read (GPT's backward, ctx->dead_dout). */
-int fsdp__arena_slide(struct fsdp_ctx *ctx, void *dead, void *p, size_t bytes);
+ * below it in the same chunk (64-byte aligned), moves p's bytes down to
+ * `dead`, hands back everything above them, sets *at to the mark of `dead`
+ * (releasing to it frees the moved bytes too) and returns 1; else 0 and
+ * nothing moved. For a tensor made above one that is no longer read (GPT's
+ * backward, ctx->dead_dout). */
+int fsdp__arena_slide(struct fsdp_ctx *ctx, void *dead, void *p, size_t bytes, size_t *at);
 
 /* ---- Counter-based RNG (Philox4x32-10) ---- */
 /* Four 32-bit words for (key, counter): a pure function. */

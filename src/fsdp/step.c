@@ -455,38 +455,25 @@ enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
     double t0 = fsdp__now();
     float scale = (fm->step.fwd_pending ? fm->step.loss_scale : fsdp__scaler_scale(fm)) / (float)accum;
     int64_t C = out->shape[out->ndim - 1], N = fsdp_tensor_numel(out) / C;
-    if (out->dtype != FSDP_F32) { /* plain cross-entropy (checked) over the train step's 16-bit output */
-        void *d = NULL;
+    if (out->dtype != FSDP_F32) { /* the train step's 16-bit output (plain cross-entropy, checked) */
         if (dout && dout->data && dout->data != out->data)
             return fsdp__err(ctx, FSDP_ERR_INVALID, "loss: the gradient of a 16-bit model output is written over "
                              "the output (dout->data == out->data) or nowhere");
-        if (dout) {
-            *dout = *out; /* its dtype and row layout: [Note: 16-bit model output] */
-            d = out->data;
-        }
-        float l = 0.0f;
-        FSDP_TRY(fsdp__cross_entropy_lp(ctx, out->dtype, out->data, fsdp__row_stride(out), target->data, N, C, scale,
-                                        &l, d));
-        if (fm->step.fwd_pending) fm->step.loss += l / (float)accum;
-        if (value) *value = (double)l;
-        fm->step.fwd_s += fsdp__now() - t0;
-        return FSDP_OK;
-    }
-    if (dout && !dout->data) {
-        dout->data = fsdp_arena_alloc(ctx, (size_t)(N * C) * sizeof(float));
-        if (!dout->data) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the loss gradient in the arena");
-    }
-    if (dout) {
+        if (dout) *dout = *out; /* its dtype and row layout: [Note: 16-bit model output] */
+    } else if (dout) {
+        if (!dout->data && !(dout->data = fsdp_arena_alloc(ctx, (size_t)(N * C) * sizeof(float))))
+            return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the loss gradient in the arena");
         dout->dtype = FSDP_F32;
         dout->layout = FSDP_LAYOUT_PLAIN;
         dout->ndim = out->ndim;
         memcpy(dout->shape, out->shape, sizeof dout->shape);
     }
-    float *d = dout ? dout->data : NULL;
+    void *d = dout ? dout->data : NULL;
     double v;
     if (loss->kind == FSDP_LOSS_CROSS_ENTROPY && loss->label_smoothing == 0.0f && !loss->ignore) {
         float l = 0.0f; /* the GPT's loss, unchanged */
-        FSDP_TRY(fsdp_cross_entropy(ctx, out->data, target->data, N, C, scale, &l, d));
+        FSDP_TRY(fsdp__cross_entropy_rows(ctx, out->dtype, out->data, fsdp__row_stride(out), target->data, N, C,
+                                          scale, &l, d));
         v = (double)l;
     } else if (loss->kind == FSDP_LOSS_USER) {
         struct fsdp_tensor g = dout ? *dout : (struct fsdp_tensor){0};
@@ -571,7 +558,8 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
         int64_t cols = dout->shape[dout->ndim - 1], ld = fsdp__row_stride(dout);
         float *w = fsdp_arena_alloc(ctx, n * sizeof(float));
         if (!w) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory widening the output gradient in the arena");
-        for (int64_t r = 0; !fsdp__measuring && r < (int64_t)n / cols; r++)
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < (fsdp__measuring ? 0 : (int64_t)n / cols); r++)
             fsdp__cvt_to_f32(dout->dtype, (const uint16_t *)dout->data + r * ld, w + r * cols, (size_t)cols);
         d16.data = w;
         d16.dtype = FSDP_F32;
@@ -758,7 +746,7 @@ enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *
  * FSDP2 (MixedPrecisionPolicy with no output_dtype) and autocast: GPT-2's
  * logits at 4 x 256 tokens are 98 MiB instead of 196 at their peak. The
  * cross-entropy widens each row to fp32, computes as over fp32 logits and
- * rounds the gradient into the output in place (fsdp__cross_entropy_lp);
+ * rounds the gradient into the output in place (fsdp__cross_entropy_rows);
  * the rows are spaced as lm_head's backward takes them ([Note: padded rows]),
  * so the gradient goes to it as it is. What differs from fp32 logits is
  * the logits' rounding to 16 bits before the softmax (the gradient was

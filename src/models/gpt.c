@@ -96,11 +96,9 @@ static enum fsdp_status gpt_backward(struct fsdp_module *m, struct fsdp_ctx *ctx
      * allocation below g), g moves down over them and the blocks' backward
      * runs in their place: GPT-2's at 4 x 256 tokens are 98 MiB in 16 bits,
      * 196 in fp32 */
-    size_t gb = (size_t)fsdp_tensor_numel(&g) * sizeof(float);
-    if (st == FSDP_OK && dout->data == ctx->dead_dout && fsdp__arena_slide(ctx, dout->data, g.data, gb)) {
-        g.data = dout->data;
-        mark = fsdp_arena_mark(ctx) - (gb + 63) / 64 * 64; /* g is released with the rest at the end */
-    }
+    if (st == FSDP_OK && dout->data == ctx->dead_dout &&
+        fsdp__arena_slide(ctx, dout->data, g.data, (size_t)fsdp_tensor_numel(&g) * sizeof(float), &mark))
+        g.data = dout->data; /* and released with the rest at the end */
     if (st == FSDP_OK) st = fsdp_module_backward(G->ln_f, ctx, &g, &g2);
     for (int l = G->cfg.n_layer - 1; l >= 0 && st == FSDP_OK; l--) {
         struct fsdp_tensor next = g;

@@ -79,7 +79,6 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
     if (L->bias) FSDP_TRY(fsdp__param_ready(ctx, L->bias, 0));
     int64_t shape[FSDP_MAX_DIMS];
     memcpy(shape, in->shape, sizeof shape);
-    shape[in->ndim - 1] = L->out;
     enum fsdp_dtype odt = lp != FSDP_F32 ? fsdp__wanted_dtype(out) : FSDP_F32;
     /* [Note: 16-bit output rounding]: rows spaced for this Linear's backward, when asked */
     int rows16 = odt != FSDP_F32 && !L->bias && out->layout == FSDP_LAYOUT_ROWS16;

@@ -52,7 +52,7 @@ static double ce_row(const float *l, float *d, int64_t V, int64_t t, float g) {
     return (double)mx + log(sum) - (double)lt;
 }
 
-/* The rows of fsdp_cross_entropy and fsdp__cross_entropy_lp: logits of dtype
+/* The rows of fsdp__cross_entropy_rows: logits of dtype
  * dt (F32, or 16-bit widened a row at a time into rows[thread]), row stride
  * ld, gradient rows of the same dtype and stride (rounded from fp32). */
 static enum fsdp_status ce_rows(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const void *logits, int64_t ld,
@@ -93,20 +93,21 @@ static enum fsdp_status ce_rows(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const 
     return FSDP_OK;
 }
 
-enum fsdp_status fsdp_cross_entropy(struct fsdp_ctx *ctx, const float *logits, const int32_t *targets,
-                                    int64_t N, int64_t V, float scale, float *loss, float *dlogits) {
-    return ce_rows(ctx, FSDP_F32, logits, V, targets, N, V, scale, loss, dlogits, NULL);
-}
-
-enum fsdp_status fsdp__cross_entropy_lp(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const void *logits, int64_t ld,
-                                        const int32_t *targets, int64_t N, int64_t V, float scale, float *loss,
-                                        void *dlogits) {
+enum fsdp_status fsdp__cross_entropy_rows(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const void *logits, int64_t ld,
+                                          const int32_t *targets, int64_t N, int64_t V, float scale, float *loss,
+                                          void *dlogits) {
+    if (dt == FSDP_F32) return ce_rows(ctx, dt, logits, ld, targets, N, V, scale, loss, dlogits, NULL);
     size_t mark = fsdp_arena_mark(ctx);
     float *rows = fsdp__scratch(ctx, (int64_t)omp_get_max_threads() * V, "cross-entropy rows");
     if (!rows) return FSDP_ERR_NOMEM;
     enum fsdp_status st = ce_rows(ctx, dt, logits, ld, targets, N, V, scale, loss, dlogits, rows);
     fsdp_arena_release(ctx, mark);
     return st;
+}
+
+enum fsdp_status fsdp_cross_entropy(struct fsdp_ctx *ctx, const float *logits, const int32_t *targets,
+                                    int64_t N, int64_t V, float scale, float *loss, float *dlogits) {
+    return fsdp__cross_entropy_rows(ctx, FSDP_F32, logits, V, targets, N, V, scale, loss, dlogits);
 }
 
 /* ---- The losses of fsdp_model_loss ----
@@ -143,8 +144,8 @@ enum fsdp_status fsdp__loss_check(struct fsdp_ctx *ctx, const struct fsdp_loss *
         return fsdp__err(ctx, FSDP_ERR_INVALID, "loss: unknown kind %d", (int)loss->kind);
     if (!out || !out->data || out->ndim < 1 || out->ndim > FSDP_MAX_DIMS ||
         !(out->dtype == FSDP_F32 || out->dtype == FSDP_BF16 || out->dtype == FSDP_F16))
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: the model output must be an F32 tensor of 1 to %d dimensions",
-                         what, FSDP_MAX_DIMS);
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: the model output must be an F32 (or the train step's BF16 "
+                         "or F16) tensor of 1 to %d dimensions", what, FSDP_MAX_DIMS);
     int plain_ce = loss->kind == FSDP_LOSS_CROSS_ENTROPY && loss->label_smoothing == 0.0f && !loss->ignore;
     if (out->dtype != FSDP_F32 && !plain_ce) /* [Note: 16-bit model output], src/fsdp/step.c */
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: the model output is %s; a 16-bit output takes plain "

@@ -287,16 +287,15 @@ enum fsdp_status fsdp__loss_check(struct fsdp_ctx *ctx, const struct fsdp_loss *
  * is non-NULL, dout (out's shape; may be out->data) = g * d(sum)/d(out). */
 void fsdp__loss_builtin(const struct fsdp_loss *loss, const struct fsdp_tensor *out, const struct fsdp_tensor *target,
                         float g, double *sum, float *dout);
-/* fsdp_cross_entropy over 16-bit logits of dtype dt (rows ld elements
- * apart: a ROWS16 model output), each row widened into fp32 scratch in the
- * arena, computed as fsdp_cross_entropy computes it, and its gradient
- * rounded into dlogits (dt, the same row stride; may be logits) when
- * non-NULL: the loss and the rounding of the gradient that fsdp_cross_entropy
- * gives on the widened logits, bit for bit ([Note: 16-bit model output],
- * src/fsdp/step.c). */
-enum fsdp_status fsdp__cross_entropy_lp(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const void *logits, int64_t ld,
-                                        const int32_t *targets, int64_t N, int64_t V, float scale, float *loss,
-                                        void *dlogits);
+/* fsdp_cross_entropy over logits of dtype dt in rows ld elements apart (a
+ * ROWS16 model output), the gradient written in dt with the same stride (may
+ * be logits). A 16-bit row is widened into fp32 scratch in the arena,
+ * computed as an fp32 row and its gradient rounded: the loss and the rounding
+ * of the gradient that the fp32 rows of the widened logits give, bit for bit
+ * ([Note: 16-bit model output], src/fsdp/step.c). */
+enum fsdp_status fsdp__cross_entropy_rows(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const void *logits, int64_t ld,
+                                          const int32_t *targets, int64_t N, int64_t V, float scale, float *loss,
+                                          void *dlogits);
 
 
 #endif
