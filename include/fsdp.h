@@ -1564,6 +1564,15 @@ enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module
                                         enum fsdp_dtype precision, const struct fsdp_wrap_policy *wrap,
                                         const struct fsdp_ac_check *ac,
                                         const struct fsdp_param_init *param_init, struct fsdp_model **out);
+/* The fsdp_shard_opts fsdp_parallelize_model shards with for config c (its
+ * sharding, mesh, reshard_after_forward, overlap, max_inflight,
+ * mixed_precision, lp_shard_copy), `precision` and `wrap` (borrowed; NULL:
+ * fsdp_shard_opts_default's, as fsdp_parallelize_model): what the planners
+ * (fsdp_plan_memory_run, fsdp_plan_comm) take, so that they see the units
+ * and strategy the model will have. c is not validated here.
+ * COLLECTIVE: no. */
+struct fsdp_shard_opts fsdp_parallel_config_shard_opts(const struct fsdp_parallel_config *c, enum fsdp_dtype precision,
+                                                       const struct fsdp_wrap_policy *wrap);
 
 /* The unit plan as text (rank 0 prints it when verbose): the tree of units
  * with parameter counts, bytes per rank, dtypes, overrides, and the

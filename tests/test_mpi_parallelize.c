@@ -82,6 +82,39 @@ static void check_units(const char *name, const struct fsdp_wrap_policy *wp, con
     fsdp_module_free(g);
 }
 
+/* fsdp_parallel_config_shard_opts: the shard options fsdp_parallelize_model
+ * shards with (the planners take them): each field of the config carried, a
+ * 2-D mesh making HYBRID_SHARD over its shard group, the wrap policy's
+ * function and data, fsdp_shard_opts_default's without one. */
+TEST(parallel_config_gives_the_shard_opts_parallelize_uses) {
+    (void)get_ctx(); /* the harness's MPI, for the verdict every test reports */
+    struct fsdp_parallel_config c = fsdp_parallel_config_default();
+    c.reshard_after_forward = 0;
+    c.sharding = FSDP_SHARD_GRAD_OP;
+    c.overlap = 0;
+    c.max_inflight = 3;
+    c.mixed_precision = FSDP_MP_PURE;
+    c.lp_shard_copy = 1;
+    static int ud;
+    struct fsdp_wrap_policy wp = {fsdp_wrap_by_type, &ud};
+    struct fsdp_shard_opts so = fsdp_parallel_config_shard_opts(&c, FSDP_BF16, &wp);
+    CHECK_INT_EQ(so.reshard_after_forward, 0);
+    CHECK_INT_EQ(so.sharding, FSDP_SHARD_GRAD_OP);
+    CHECK_INT_EQ(so.overlap, 0);
+    CHECK_INT_EQ(so.max_inflight, 3);
+    CHECK_INT_EQ(so.mixed_precision, FSDP_MP_PURE);
+    CHECK_INT_EQ(so.lp_shard_copy, 1);
+    CHECK_INT_EQ(so.precision, FSDP_BF16);
+    CHECK(so.wrap == fsdp_wrap_by_type && so.wrap_ud == &ud);
+    c.mesh[0] = 2;
+    c.mesh[1] = 3;
+    so = fsdp_parallel_config_shard_opts(&c, FSDP_F32, NULL);
+    CHECK_INT_EQ(so.sharding, FSDP_HYBRID_SHARD);
+    CHECK_INT_EQ(so.shard_group, 3);
+    struct fsdp_shard_opts def = fsdp_shard_opts_default();
+    CHECK(so.wrap == def.wrap && so.wrap_ud == def.wrap_ud);
+}
+
 TEST(units_of_each_policy) {
     struct fsdp_wrap_policy block = {fsdp_wrap_by_type, (void *)"Block"};
     const char *w_block[] = {"", "transformer.h.0", "transformer.h.1"};

@@ -403,6 +403,27 @@ static void print_plan(struct fsdp_ctx *ctx, const struct fsdp_model *fm) {
 
 /* ---- fsdp_parallelize_model ---- */
 
+struct fsdp_shard_opts fsdp_parallel_config_shard_opts(const struct fsdp_parallel_config *c, enum fsdp_dtype precision,
+                                                       const struct fsdp_wrap_policy *wrap) {
+    struct fsdp_shard_opts so = fsdp_shard_opts_default();
+    if (wrap) {
+        so.wrap = wrap->fn;
+        so.wrap_ud = wrap->ud;
+    }
+    so.reshard_after_forward = c->reshard_after_forward != 0;
+    so.sharding = c->sharding;
+    so.overlap = c->overlap;
+    so.max_inflight = c->max_inflight;
+    so.lp_shard_copy = c->lp_shard_copy;
+    so.precision = precision;
+    so.mixed_precision = c->mixed_precision;
+    if (c->mesh[1] != 0) { /* {replicas, shard group} (fsdp_parallelize_model validates it) */
+        so.sharding = FSDP_HYBRID_SHARD;
+        so.shard_group = c->mesh[1];
+    }
+    return so;
+}
+
 enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module *root,
                                         const struct fsdp_parallel_config *cfg, struct fsdp_optim *opt,
                                         enum fsdp_dtype precision, const struct fsdp_wrap_policy *wrap,
@@ -425,22 +446,7 @@ enum fsdp_status fsdp_parallelize_model(struct fsdp_ctx *ctx, struct fsdp_module
         saved_free(&sv);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory taking the materialized parameters");
     }
-    struct fsdp_shard_opts so = fsdp_shard_opts_default();
-    if (wrap) {
-        so.wrap = wrap->fn;
-        so.wrap_ud = wrap->ud;
-    }
-    so.reshard_after_forward = c.reshard_after_forward != 0;
-    so.sharding = c.sharding;
-    so.overlap = c.overlap;
-    so.max_inflight = c.max_inflight;
-    so.lp_shard_copy = c.lp_shard_copy;
-    so.precision = precision;
-    so.mixed_precision = c.mixed_precision;
-    if (c.mesh[1] != 0) { /* validated: {replicas, shard group} */
-        so.sharding = FSDP_HYBRID_SHARD;
-        so.shard_group = c.mesh[1];
-    }
+    struct fsdp_shard_opts so = fsdp_parallel_config_shard_opts(&c, precision, wrap);
     struct fsdp_model *fm;
     enum fsdp_status st = fsdp_fully_shard(ctx, root, &so, &fm);
     if (st != FSDP_OK) {

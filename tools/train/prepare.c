@@ -64,22 +64,6 @@ static enum fsdp_mixed_precision mp_mode(const struct opts *o) {
                                                      : FSDP_MP_DEFAULT;
 }
 
-struct fsdp_shard_opts shard_opts_of(struct fsdp_ctx *ctx, const struct task *t, const struct opts *o) {
-    struct fsdp_shard_opts so = fsdp_shard_opts_default();
-    so.reshard_after_forward = o->reshard_after_forward;
-    fsdp_sharding_parse(ctx, o->sharding, &so.sharding);
-    so.shard_group = o->shard_group;
-    so.overlap = o->overlap;
-    so.max_inflight = o->max_inflight;
-    so.precision = precision_of(ctx, o);
-    so.mixed_precision = mp_mode(o);
-    so.lp_shard_copy = o->lp_shard_copy;
-    struct fsdp_wrap_policy wp = wrap_policy(t, o);
-    so.wrap = wp.fn;
-    so.wrap_ud = wp.ud;
-    return so;
-}
-
 /* --sharding, --shard-group and --grad-accum against the world: every rank
  * computes the same verdict. */
 void check_strategy_flags(const struct opts *o, int world) {
@@ -93,12 +77,10 @@ void check_strategy_flags(const struct opts *o, int world) {
                  o->grad_accum, o->batch / world, o->batch, world);
 }
 
-/* loading: --resume or --init-from replaces every parameter (both loads
- * refuse a file that lacks one), so none is initialised first */
-struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct task *t, const struct opts *o,
-                                 struct fsdp_module *root, struct fsdp_optim *opt, int loading) {
+/* The config prepare_model asks fsdp_parallelize_model for, on `world` ranks
+ * (the run's, or the one a plan is made for). */
+static struct fsdp_parallel_config parallel_config_of(struct fsdp_ctx *ctx, const struct opts *o, int world) {
     struct fsdp_parallel_config pc = fsdp_parallel_config_default();
-    pc.skip_init = loading;
     pc.reshard_after_forward = o->reshard_after_forward;
     pc.verbose = o->verbose;
     pc.seed = o->seed;
@@ -109,14 +91,31 @@ struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct task *t, con
     pc.state_dict_type = !strcmp(o->state_dict_type, "full") ? FSDP_STATE_DICT_FULL : FSDP_STATE_DICT_SHARDED;
     pc.load_monolith_rank0_only = !strcmp(o->init, "rank0");
     if (o->shard_group) { /* a 2-D mesh {replicas, shard group}; divides the world (checked) */
-        pc.mesh[0] = fsdp_ctx_world(ctx) / o->shard_group;
+        pc.mesh[0] = world / o->shard_group;
         pc.mesh[1] = o->shard_group;
     }
+    if (strcmp(o->ac, "none")) pc.activation_checkpointing = 1;
+    pc.mixed_precision = mp_mode(o);
+    pc.lp_shard_copy = o->lp_shard_copy;
+    return pc;
+}
+
+struct fsdp_shard_opts shard_opts_of(struct fsdp_ctx *ctx, const struct task *t, const struct opts *o, int world) {
+    struct fsdp_parallel_config pc = parallel_config_of(ctx, o, world);
+    struct fsdp_wrap_policy wp = wrap_policy(t, o);
+    return fsdp_parallel_config_shard_opts(&pc, precision_of(ctx, o), &wp);
+}
+
+/* loading: --resume or --init-from replaces every parameter (both loads
+ * refuse a file that lacks one), so none is initialised first */
+struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct task *t, const struct opts *o,
+                                 struct fsdp_module *root, struct fsdp_optim *opt, int loading) {
+    struct fsdp_parallel_config pc = parallel_config_of(ctx, o, fsdp_ctx_world(ctx));
+    pc.skip_init = loading;
     static struct ac_every_sel every;
     struct fsdp_wrap_policy wp = wrap_policy(t, o);
     struct fsdp_ac_check ac = {fsdp_ac_by_type, (void *)ac_type(t, o)}, *acp = NULL;
     if (strcmp(o->ac, "none")) {
-        pc.activation_checkpointing = 1;
         acp = &ac;
         if (!strncmp(o->ac, "every:", 6)) {
             every = (struct ac_every_sel){t->block_type, atoi(o->ac + 6)};
@@ -125,8 +124,6 @@ struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct task *t, con
         }
     }
     enum fsdp_dtype prec = precision_of(ctx, o);
-    pc.mixed_precision = mp_mode(o);
-    pc.lp_shard_copy = o->lp_shard_copy;
     struct fsdp_model *fm;
     if (fsdp_parallelize_model(ctx, root, &pc, opt, prec, &wp, acp, NULL, &fm) != FSDP_OK)
         fail_all("%s", fsdp_errmsg(ctx));
@@ -277,8 +274,8 @@ void memory_plan(struct fsdp_ctx *ctx, const struct task *t, const struct opts *
         threads = pworld > 1 && !getenv("OMPI_COMM_WORLD_SIZE") ? (int)(cores / pworld) : (int)(cores / local_ranks());
         if (threads < 1) threads = 1;
     }
-    struct fsdp_shard_opts so = shard_opts_of(ctx, t, o);
     check_strategy_flags(o, pworld);
+    struct fsdp_shard_opts so = shard_opts_of(ctx, t, o, pworld);
     struct plan_task pt = {(struct task *)t, o}; /* the task runs its step */
     struct fsdp_plan_opts po = fsdp_plan_opts_default();
     po.threads = threads;

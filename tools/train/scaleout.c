@@ -67,7 +67,8 @@ void scaleout_print(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_modu
         snprintf(how, sizeof how, "%.3g GFLOP per rank at this machine's fp32 GEMM rate, %.1f GFLOP/s",
                  t->train_flops_per_item * items / 1e9, rate / 1e9);
     }
-    struct fsdp_shard_opts so = shard_opts_of(ctx, t, o); /* the units and strategy the run would have */
+    /* the units and strategy the run would have */
+    struct fsdp_shard_opts so = shard_opts_of(ctx, t, o, net.hosts * net.ranks_per_host);
     struct fsdp_comm_plan p;
     if (fsdp_plan_comm(ctx, root, &so, &net, &p) != FSDP_OK) fail_all("scale-out plan: %s", fsdp_errmsg(ctx));
     printf("scale-out plan: %s, %d host%s x %d ranks (world %d), %d units; links %g Gbit/s, %g us per message%s; "

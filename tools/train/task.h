@@ -165,9 +165,10 @@ void scaleout_print(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_modu
  * limit to the library's allocator. precision_name: --precision as Composer
  * spells it. local_ranks: this host's ranks (Open MPI's local size, else 1).
  * shard_opts_of: the units, precision and strategy prepare_model asks
- * fsdp_parallelize_model for, as fsdp_shard_opts (for the planners). */
+ * fsdp_parallelize_model for on `world` ranks, as fsdp_shard_opts (for the
+ * planners; from the same config, fsdp_parallel_config_shard_opts). */
 void check_strategy_flags(const struct opts *o, int world);
-struct fsdp_shard_opts shard_opts_of(struct fsdp_ctx *ctx, const struct task *t, const struct opts *o);
+struct fsdp_shard_opts shard_opts_of(struct fsdp_ctx *ctx, const struct task *t, const struct opts *o, int world);
 struct fsdp_model *prepare_model(struct fsdp_ctx *ctx, const struct task *t, const struct opts *o,
                                  struct fsdp_module *root, struct fsdp_optim *opt, int loading);
 void memory_plan(struct fsdp_ctx *ctx, const struct task *t, const struct opts *o, struct fsdp_module *root,
