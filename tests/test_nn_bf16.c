@@ -4,7 +4,8 @@
  *  - gathered 16-bit weights left unwidened (lazy widening) read right from
  *    an fp32 Linear (widened on demand) and from Embedding (rows only);
  *  - Linear in bf16/fp16 equals the double product of the rounded x and W
- *    (it really takes 16-bit inputs and accumulates in fp32);
+ *    (it really takes 16-bit inputs and accumulates in fp32), and so do its
+ *    dW and dx of the rounded dy (in blocks of columns where widened);
  *  - the 16-bit hand-off: LayerNorm, GELU and a 16-bit Linear asked for a
  *    16-bit output write the bits the cast of their fp32 output gives, a
  *    Linear given its input in 16 bits computes the same bits as given it in
@@ -142,6 +143,79 @@ TEST(linear_lowp_is_product_of_rounded_inputs) {
         CHECK_INT_EQ(bad, 0);
         CHECK(differs > N * O / 2); /* the fp32 product is not what ran */
         free(x);
+        fsdp_module_free(m);
+        fsdp_ctx_free(ctx);
+    }
+}
+
+/* The backward of a 16-bit Linear: dW = dy^T x and dx = dy W of the operands
+ * rounded to 16 bits (dy rounded from fp32 with a bias, given in 16 bits
+ * without one), accumulated in fp32: each element against the double sum;
+ * db the column sums of the fp32 dy. Widened (FSDP_GEMM_BF16=widen, and
+ * fp16 always) the backward runs over blocks of output columns ([Note:
+ * widened backward], linear.c): 64 rows of 120000 outputs take three. */
+TEST(linear_backward_is_product_of_rounded_operands) {
+    rng_seed(41);
+    const int64_t shapes[2][3] = {{24, 48, 40}, {64, 16, 120000}}; /* N, I, O */
+    for (int c = 0; c < 6; c++) { /* small: bf16/f16 x bias or not; large: bf16 without, f16 with */
+        enum fsdp_dtype dt = c % 2 ? FSDP_F16 : FSDP_BF16;
+        int big = c >= 4, bias = big ? c == 5 : c / 2;
+        int64_t N = shapes[big][0], I = shapes[big][1], O = shapes[big][2];
+        struct fsdp_ctx *ctx = make_ctx();
+        struct fsdp_module *m;
+        ASSERT_OK(fsdp__linear_create(ctx, "lin", I, O, bias, 0.02f, &m), ctx);
+        ASSERT_OK(fsdp_module_finalize(ctx, m), ctx);
+        ASSERT_OK(fsdp_module_materialize(ctx, m, 7), ctx);
+        struct fsdp_param *wp = fsdp_module_find_param(m, "weight"), *bp = bias ? fsdp_module_find_param(m, "bias") : NULL;
+        float *w = wp->data, *x = malloc((size_t)(N * I) * sizeof(float)), *dy = malloc((size_t)(N * O) * sizeof(float));
+        uint16_t *dy16 = malloc((size_t)(N * O) * sizeof(uint16_t));
+        ASSERT(x && dy && dy16);
+        for (int64_t i = 0; i < O * I; i++) w[i] = urand();
+        for (int64_t i = 0; i < N * I; i++) x[i] = urand();
+        for (int64_t i = 0; i < N * O; i++) dy[i] = urand();
+        fsdp__cvt_from_f32(dt, dy, dy16, (size_t)(N * O));
+        ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, dt), ctx);
+        ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
+        struct fsdp_tensor in = {x, FSDP_F32, 2, {N, I}, FSDP_LAYOUT_PLAIN}, out = {0}, din = {0};
+        ASSERT_OK(fsdp_module_forward(m, ctx, &in, &out), ctx);
+        struct fsdp_tensor dout = {bias ? (void *)dy : (void *)dy16, bias ? FSDP_F32 : dt, 2, {N, O},
+                                   FSDP_LAYOUT_PLAIN};
+        ASSERT_OK(fsdp_module_backward(m, ctx, &dout, &din), ctx);
+        const float *dw = wp->grad, *dx = din.data, *db = bp ? bp->grad : NULL;
+        int64_t bad = 0;
+        for (int64_t o = 0; o < O; o++) {
+            for (int64_t i = 0; i < I; i++) {
+                double s = 0, mag = 0;
+                for (int64_t r = 0; r < N; r++) {
+                    double p = (double)round_to(dt, dy[r * O + o]) * round_to(dt, x[r * I + i]);
+                    s += p, mag += fabs(p);
+                }
+                if (!(fabs(dw[o * I + i] - s) <= 1e-5 * mag + 1e-6) && bad++ < 3)
+                    TEST_FAILF("%lld x %lld -> %lld, %s, bias %d: dW[%lld, %lld] %.7g want %.7g", (long long)N,
+                               (long long)I, (long long)O, fsdp_dtype_name(dt), bias, (long long)o, (long long)i,
+                               (double)dw[o * I + i], s);
+            }
+            if (db) {
+                double s = 0, mag = 0;
+                for (int64_t r = 0; r < N; r++) s += dy[r * O + o], mag += fabs(dy[r * O + o]);
+                if (!(fabs(db[o] - s) <= 1e-5 * mag + 1e-6) && bad++ < 3)
+                    TEST_FAILF("%s: db[%lld] %.7g want %.7g", fsdp_dtype_name(dt), (long long)o, (double)db[o], s);
+            }
+        }
+        for (int64_t r = 0; r < N; r++)
+            for (int64_t i = 0; i < I; i++) {
+                double s = 0, mag = 0;
+                for (int64_t o = 0; o < O; o++) {
+                    double p = (double)round_to(dt, dy[r * O + o]) * round_to(dt, w[o * I + i]);
+                    s += p, mag += fabs(p);
+                }
+                if (!(fabs(dx[r * I + i] - s) <= 1e-5 * mag + 1e-6) && bad++ < 3)
+                    TEST_FAILF("%lld x %lld -> %lld, %s, bias %d: dx[%lld, %lld] %.7g want %.7g", (long long)N,
+                               (long long)I, (long long)O, fsdp_dtype_name(dt), bias, (long long)r, (long long)i,
+                               (double)dx[r * I + i], s);
+            }
+        CHECK_INT_EQ(bad, 0);
+        free(x), free(dy), free(dy16);
         fsdp_module_free(m);
         fsdp_ctx_free(ctx);
     }

@@ -218,8 +218,34 @@ static void round_via(void (*down)(const float *, uint16_t *, size_t), void (*up
     }
 }
 
+/* bf16 rounding in place of the two casts: the bits f32_to_bf16_run keeps,
+ * with the low 16 cleared (NaN: quieted, truncated), in one pass */
 static void bf16_round_run(const float *src, float *dst, size_t n) {
-    round_via(f32_to_bf16_run, bf16_to_f32_run, src, dst, n);
+    size_t i = 0;
+#ifdef __AVX512F__
+    const __m512i one = _mm512_set1_epi32(1), round = _mm512_set1_epi32(0x7fff);
+    const __m512i absmask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i quiet = _mm512_set1_epi32(0x00400000), high = _mm512_set1_epi32((int)0xffff0000u);
+    for (; i + 16 <= n; i += 16) {
+        __m512i u = _mm512_loadu_si512((const void *)(src + i));
+        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absmask), inf);
+        r = _mm512_mask_or_epi32(r, nan, u, quiet);
+        _mm512_storeu_si512((void *)(dst + i), _mm512_and_si512(r, high));
+    }
+#elif defined(__AVX2__)
+    const __m256i one = _mm256_set1_epi32(1), round = _mm256_set1_epi32(0x7fff);
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i quiet = _mm256_set1_epi32(0x00400000), high = _mm256_set1_epi32((int)0xffff0000u);
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_loadu_si256((const __m256i *)(const void *)(src + i));
+        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absmask), inf);
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(u, quiet), nan);
+        _mm256_storeu_si256((__m256i *)(void *)(dst + i), _mm256_and_si256(r, high));
+    }
+#endif
+    for (; i < n; i++) dst[i] = fsdp__bf16_to_f32(fsdp__f32_to_bf16(src[i]));
 }
 
 static void f16_round_run(const float *src, float *dst, size_t n) { round_via(f32_to_f16_run, f16_to_f32_run, src, dst, n); }

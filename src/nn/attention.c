@@ -67,19 +67,38 @@ static void softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T) {
     for (int64_t j = t + 1; j < T; j++) d[j] = 0.0f;
 }
 
-/* Head-major 16-bit copy: dst (B*nh, T, hs) dense from the columns
- * [col0, col0 + nh*hs) of src (B*T rows, row stride ld) of dtype sdt: fp32
- * (rounded to lp) or lp itself (copied). */
-static void heads_to_lp(enum fsdp_dtype lp, enum fsdp_dtype sdt, const void *src, int64_t ld, int64_t col0,
-                        int64_t B, int64_t T, int64_t nh, int64_t hs, uint16_t *dst) {
+/* [Note: widened operands] Where the CPU has no kernels for lp
+ * (fsdp_gemm_native; [Note: widened products] in gemm_lp.c), a 16-bit
+ * product widens both its inputs, so the heads' 16-bit copies, the rounded
+ * probabilities and dS would each be rounded to 16 bits only to be widened
+ * again by every product that reads them. There the operands are made in
+ * fp32 instead, holding the values lp rounds them to (op_dtype: F32), and the
+ * products are fp32's: the same exact products of the same values, with
+ * fp32 scratch twice the size. */
+static enum fsdp_dtype op_dtype(enum fsdp_dtype lp) { return fsdp_gemm_native(lp) ? lp : FSDP_F32; }
+
+/* n fp32 values rounded to lp into dst of the operand dtype od (lp, or F32
+ * holding lp's values); serial */
+static void to_operand(enum fsdp_dtype lp, enum fsdp_dtype od, const float *src, void *dst, size_t n) {
+    if (od == lp) fsdp__cvt_from_f32(lp, src, dst, n);
+    else fsdp__cvt_round(lp, src, dst, n);
+}
+
+/* Head-major operand copy: dst (B*nh, T, hs) dense, of the operand dtype od,
+ * from the columns [col0, col0 + nh*hs) of src (B*T rows, row stride ld) of
+ * dtype sdt: fp32 (rounded to lp) or lp itself (copied, or widened). */
+static void heads_to_lp(enum fsdp_dtype lp, enum fsdp_dtype od, enum fsdp_dtype sdt, const void *src, int64_t ld,
+                        int64_t col0, int64_t B, int64_t T, int64_t nh, int64_t hs, void *dst) {
+    size_t es = fsdp_dtype_size(od);
 #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < (fsdp__measuring ? 0 : B * T); bt++) {
         int64_t b = bt / T, t = bt % T;
         for (int64_t h = 0; h < nh; h++) { /* inside the loop: a serial cast */
-            uint16_t *d = dst + ((b * nh + h) * T + t) * hs;
+            void *d = (char *)dst + (size_t)(((b * nh + h) * T + t) * hs) * es;
             int64_t at = bt * ld + col0 + h * hs;
-            if (sdt == lp) memcpy(d, (const uint16_t *)src + at, (size_t)hs * sizeof(uint16_t));
-            else fsdp__cvt_from_f32(lp, (const float *)src + at, d, (size_t)hs);
+            if (sdt == od) memcpy(d, (const char *)src + (size_t)at * es, (size_t)hs * es);
+            else if (sdt == lp) fsdp__cvt_to_f32(lp, (const uint16_t *)src + at, d, (size_t)hs);
+            else to_operand(lp, od, (const float *)src + at, d, (size_t)hs);
         }
     }
 }
@@ -135,20 +154,21 @@ int64_t fsdp__attention_head_group(int64_t BH, int64_t T) {
     return g < 1 ? 1 : g > BH ? BH : g;
 }
 
-/* att (BH, T, T) = softmax(scale q k^T) from the head-major 16-bit q and k
- * of BH heads (a group of them: the scores product, then the causal softmax
- * row by row), and ab, its
- * rounding to lp, each row cast while it is in cache: forward and the
- * backward's recompute run this same code on the same operands, so the two
- * give the same bits ([Note: recomputed probabilities]). */
-static void heads_probs_lp(enum fsdp_dtype lp, const uint16_t *q, const uint16_t *k, int64_t BH, int64_t T,
-                           int64_t hs, float *att, uint16_t *ab) {
+/* att (BH, T, T) = softmax(scale q k^T) from the head-major operands q and k
+ * (dtype od) of BH heads (a group of them: the scores product, then the
+ * causal softmax row by row), and ab, its rounding to lp (dtype od), each
+ * row cast while it is in cache: forward and the backward's recompute run
+ * this same code on the same operands, so the two give the same bits
+ * ([Note: recomputed probabilities]). */
+static void heads_probs_lp(enum fsdp_dtype lp, enum fsdp_dtype od, const void *q, const void *k, int64_t BH,
+                           int64_t T, int64_t hs, float *att, void *ab) {
     float scale = 1.0f / sqrtf((float)hs);
-    fsdp__gemm_lp_batched(lp, BH, 0, 1, T, T, hs, scale, q, hs, T * hs, k, hs, T * hs, 0.0f, att, T, T * T);
+    size_t es = fsdp_dtype_size(od);
+    fsdp__gemm_lp_batched(od, BH, 0, 1, T, T, hs, scale, q, hs, T * hs, k, hs, T * hs, 0.0f, att, T, T * T);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < (fsdp__measuring ? 0 : BH * T); r++) {
         softmax_row(att + r * T, r % T, T);
-        fsdp__cvt_from_f32(lp, att + r * T, ab + r * T, (size_t)T); /* serial inside the loop */
+        to_operand(lp, od, att + r * T, (char *)ab + (size_t)(r * T) * es, (size_t)T);
     }
 }
 
@@ -158,21 +178,22 @@ static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype l
                                          const void *qkv, int64_t B, int64_t T, int64_t nh, int64_t hs,
                                          enum fsdp_dtype ydt, void *y) {
     int64_t C = nh * hs, BH = B * nh, G = fsdp__attention_head_group(BH, T), n = BH * T * hs;
-    size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
-    uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(3 * n) * es); /* q, k, v head-major */
+    enum fsdp_dtype od = op_dtype(lp); /* [Note: widened operands] */
+    size_t es = fsdp_dtype_size(od), mark = fsdp_arena_mark(ctx);
+    char *q = fsdp_arena_alloc(ctx, (size_t)(3 * n) * es); /* q, k, v head-major */
     float *att = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * sizeof(float));
-    uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * es);
+    void *ab = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * es);
     float *yh = fsdp_arena_alloc(ctx, (size_t)n * sizeof(float));
     if (!q || !att || !ab || !yh) return lp_nomem(ctx, lp);
-    uint16_t *k = q + n, *v = k + n;
-    heads_to_lp(lp, qdt, qkv, 3 * C, 0, B, T, nh, hs, q);
-    heads_to_lp(lp, qdt, qkv, 3 * C, C, B, T, nh, hs, k);
-    heads_to_lp(lp, qdt, qkv, 3 * C, 2 * C, B, T, nh, hs, v);
+    char *k = q + n * es, *v = k + n * es;
+    heads_to_lp(lp, od, qdt, qkv, 3 * C, 0, B, T, nh, hs, q);
+    heads_to_lp(lp, od, qdt, qkv, 3 * C, C, B, T, nh, hs, k);
+    heads_to_lp(lp, od, qdt, qkv, 3 * C, 2 * C, B, T, nh, hs, v);
     for (int64_t h0 = 0; h0 < BH; h0 += G) { /* [Note: head groups] */
         int64_t g = BH - h0 < G ? BH - h0 : G, o = h0 * T * hs;
-        heads_probs_lp(lp, q + o, k + o, g, T, hs, att, ab);
-        fsdp__gemm_lp_batched(lp, g, 0, 0, T, hs, T, 1.0f, ab, T, T * T, v + o, hs, T * hs, 0.0f, yh + o, hs,
-                              T * hs);
+        heads_probs_lp(lp, od, q + o * es, k + o * es, g, T, hs, att, ab);
+        fsdp__gemm_lp_batched(od, g, 0, 0, T, hs, T, 1.0f, ab, T, T * T, v + o * es, hs, T * hs, 0.0f, yh + o,
+                              hs, T * hs);
     }
     heads_from(yh, B, T, nh, hs, ydt, y, C, 0);
     fsdp_arena_release(ctx, mark);
@@ -228,35 +249,37 @@ static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype 
                                           const void *qkv, const float *dy, int64_t B, int64_t T, int64_t nh,
                                           int64_t hs, float *dqkv) {
     int64_t C = nh * hs, BH = B * nh, n = BH * T * hs, G = fsdp__attention_head_group(BH, T);
-    size_t es = fsdp_dtype_size(lp), mark = fsdp_arena_mark(ctx);
-    uint16_t *q = fsdp_arena_alloc(ctx, (size_t)(4 * n) * es); /* q, k, v, dY head-major */
-    uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * es);   /* att, then dS */
+    enum fsdp_dtype od = op_dtype(lp); /* [Note: widened operands] */
+    size_t es = fsdp_dtype_size(od), mark = fsdp_arena_mark(ctx);
+    char *q = fsdp_arena_alloc(ctx, (size_t)(4 * n) * es); /* q, k, v, dY head-major */
+    char *ab = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * es);       /* att, then dS */
     float *att = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * sizeof(float)); /* recomputed */
     float *ds = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * sizeof(float));
     float *dh = fsdp_arena_alloc(ctx, (size_t)(3 * n) * sizeof(float)); /* dq, dk, dv head-major */
     if (!q || !ab || !att || !ds || !dh) return lp_nomem(ctx, lp);
-    uint16_t *k = q + n, *v = k + n, *dyh = v + n;
-    for (int part = 0; part < 3; part++) heads_to_lp(lp, qdt, qkv, 3 * C, part * C, B, T, nh, hs, q + part * n);
-    heads_to_lp(lp, FSDP_F32, dy, C, 0, B, T, nh, hs, dyh);
+    char *k = q + n * es, *v = k + n * es, *dyh = v + n * es;
+    for (int part = 0; part < 3; part++)
+        heads_to_lp(lp, od, qdt, qkv, 3 * C, part * C, B, T, nh, hs, q + part * n * (int64_t)es);
+    heads_to_lp(lp, od, FSDP_F32, dy, C, 0, B, T, nh, hs, dyh);
     float scale = 1.0f / sqrtf((float)hs);
     for (int64_t h0 = 0; h0 < BH; h0 += G) { /* [Note: head groups] */
         int64_t g = BH - h0 < G ? BH - h0 : G, o = h0 * T * hs;
-        heads_probs_lp(lp, q + o, k + o, g, T, hs, att, ab);
+        heads_probs_lp(lp, od, q + o * es, k + o * es, g, T, hs, att, ab);
         /* datt = dY v^T;  dv = att^T dY */
-        fsdp__gemm_lp_batched(lp, g, 0, 1, T, T, hs, 1.0f, dyh + o, hs, T * hs, v + o, hs, T * hs, 0.0f, ds, T,
-                              T * T);
-        fsdp__gemm_lp_batched(lp, g, 1, 0, T, hs, T, 1.0f, ab, T, T * T, dyh + o, hs, T * hs, 0.0f,
+        fsdp__gemm_lp_batched(od, g, 0, 1, T, T, hs, 1.0f, dyh + o * es, hs, T * hs, v + o * es, hs, T * hs, 0.0f,
+                              ds, T, T * T);
+        fsdp__gemm_lp_batched(od, g, 1, 0, T, hs, T, 1.0f, ab, T, T * T, dyh + o * es, hs, T * hs, 0.0f,
                               dh + 2 * n + o, hs, T * hs);
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < (fsdp__measuring ? 0 : g * T); r++) { /* dS, and its rounding over att's in ab */
             softmax_bwd_row(att + r * T, ds + r * T, r % T, T);
-            fsdp__cvt_from_f32(lp, ds + r * T, ab + r * T, (size_t)T);
+            to_operand(lp, od, ds + r * T, ab + (size_t)(r * T) * es, (size_t)T);
         }
         /* dq = scale dS k;  dk = scale dS^T q */
-        fsdp__gemm_lp_batched(lp, g, 0, 0, T, hs, T, scale, ab, T, T * T, k + o, hs, T * hs, 0.0f, dh + o, hs,
+        fsdp__gemm_lp_batched(od, g, 0, 0, T, hs, T, scale, ab, T, T * T, k + o * es, hs, T * hs, 0.0f, dh + o, hs,
                               T * hs);
-        fsdp__gemm_lp_batched(lp, g, 1, 0, T, hs, T, scale, ab, T, T * T, q + o, hs, T * hs, 0.0f, dh + n + o, hs,
-                              T * hs);
+        fsdp__gemm_lp_batched(od, g, 1, 0, T, hs, T, scale, ab, T, T * T, q + o * es, hs, T * hs, 0.0f,
+                              dh + n + o, hs, T * hs);
     }
     for (int part = 0; part < 3; part++) heads_from(dh + part * n, B, T, nh, hs, FSDP_F32, dqkv, 3 * C, part * C);
     fsdp_arena_release(ctx, mark);

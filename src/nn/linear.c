@@ -59,6 +59,63 @@ static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp
     return FSDP_OK;
 }
 
+/* [Note: widened backward] On a CPU without native kernels for lp
+ * (fsdp_gemm_native, [Note: widened products] in gemm_lp.c) each 16-bit
+ * product widens both of its inputs, so a Linear's backward widened its
+ * output gradient twice (for dW and for dx), after rounding it to 16 bits
+ * when it came in fp32 (a Linear with a bias): a round trip through 16 bits
+ * for values that the fp32 products take exactly. The widened backward
+ * instead makes each operand's fp32 values once, dy rounded straight from
+ * fp32 (or widened from 16 bits) and x and W widened, and runs the fp32
+ * products on them: every product is the same exact product, only the
+ * blocking of the sums differs. It runs over blocks of output columns
+ * (dy's columns, W's rows): x and a block take about ROUND_SCRATCH bytes, so the
+ * lm_head's 50257 columns never widen whole: each block's dW rows are one
+ * product over all N rows (written once, where K blocks re-read and wrote
+ * the whole fp32 dW per block), and dx sums the blocks' products. */
+#define WIDEN_MIN_COLS 256
+
+/* rows x nc block [c0, c0 + nc) of src (row stride ld, dtype sdt: fp32 rounded
+ * to lp, or lp itself widened) into dense fp32 dst: the values lp holds */
+static void widen_cols(enum fsdp_dtype lp, enum fsdp_dtype sdt, const void *src, int64_t ld, int64_t rows,
+                       int64_t c0, int64_t nc, float *dst) {
+    size_t es = fsdp_dtype_size(sdt);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < (fsdp__measuring ? 0 : rows); r++) { /* a serial cast per row */
+        const void *s = (const char *)src + (size_t)(r * ld + c0) * es;
+        if (sdt == FSDP_F32) fsdp__cvt_round(lp, (const float *)s, dst + r * nc, (size_t)nc);
+        else fsdp__cvt_to_f32(lp, s, dst + r * nc, (size_t)nc);
+    }
+}
+
+/* weight's dW (O, I) += dy^T x (= when unset) and, with dx, dx (N, I) = dy W,
+ * on the fp32 values of the 16-bit operands ([Note: widened backward]): dy
+ * (N, O) of dtype ddt with row stride ldy, x (N, I) and W (O, I) in lp. */
+static enum fsdp_status backward_widened(struct fsdp_ctx *ctx, enum fsdp_dtype lp, int64_t N, int64_t I, int64_t O,
+                                         const void *dy, enum fsdp_dtype ddt, int64_t ldy, const void *xl,
+                                         const void *wl, struct fsdp_param *weight, float *dx) {
+    int64_t per = N + (dx ? I : 0); /* fp32 values a column of the block takes */
+    int64_t nc = (ROUND_SCRATCH / (int64_t)sizeof(float) - N * I) / per; /* x widened whole, in the budget */
+    nc = nc < WIDEN_MIN_COLS ? WIDEN_MIN_COLS : nc;
+    nc = nc > O ? O : nc;
+    float *x = fsdp__scratch(ctx, N * I, "Linear input (widened)");
+    float *dyw = x ? fsdp__scratch(ctx, N * nc, "Linear output gradient (widened)") : NULL;
+    float *w = dyw && dx ? fsdp__scratch(ctx, nc * I, "Linear weight (widened)") : NULL;
+    if (!dyw || (dx && !w)) return FSDP_ERR_NOMEM;
+    float beta, *dw = fsdp__pgrad_first(weight, &beta); /* [Note: unset gradients] */
+    if (!fsdp__measuring) fsdp__cvt_to_f32(lp, xl, x, (size_t)(N * I));
+    size_t es = fsdp_dtype_size(lp);
+    for (int64_t c0 = 0; c0 < O; c0 += nc) {
+        int64_t n = O - c0 < nc ? O - c0 : nc;
+        widen_cols(lp, ddt, dy, ldy, N, c0, n, dyw);
+        fsdp__sgemm(1, 0, n, I, N, 1.0f, dyw, n, x, I, beta, dw + c0 * I, I); /* dW's rows [c0, c0 + n) */
+        if (!dx) continue;
+        if (!fsdp__measuring) fsdp__cvt_to_f32(lp, (const char *)wl + (size_t)(c0 * I) * es, w, (size_t)(n * I));
+        fsdp__sgemm(0, 0, N, I, n, 1.0f, dyw, n, w, I, c0 ? 1.0f : 0.0f, dx, I);
+    }
+    return FSDP_OK;
+}
+
 struct linear {
     int64_t in, out;
     struct fsdp_param *weight; /* (out, in) */
@@ -144,6 +201,14 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     }
     size_t mark = fsdp_arena_mark(ctx);
     const void *dyl = dy, *wl = NULL; /* operands in dtype lp */
+    if (lp != FSDP_F32 && !fsdp_gemm_native(lp)) { /* [Note: widened backward] */
+        if (L->bias) fsdp__colsum_add(dy, N, O, fsdp__pgrad(L->bias), FSDP_F32, NULL);
+        if (din && !(wl = fsdp__pdata_lp(ctx, L->weight, lp))) return FSDP_ERR_NOMEM;
+        enum fsdp_status st = backward_widened(ctx, lp, N, I, O, dout->data, handed ? lp : FSDP_F32, ldy, L->xl,
+                                               wl, L->weight, din ? din->data : NULL);
+        fsdp_arena_release(ctx, mark);
+        return st;
+    }
     if (lp == FSDP_F32) {
         if (din && !(wl = fsdp__pdata_f32(ctx, L->weight, "Linear weight (fp32)"))) return FSDP_ERR_NOMEM;
     } else {
