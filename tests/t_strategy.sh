@@ -127,5 +127,14 @@ if "$TRAIN" --model tiny --dry-run --nproc 4 --sharding NO_SHARD --grad-accum 2 
    && grep -q "in 2 micro-batches of 1 (--accum-mode no_sync)" "$tmp/plan"; then
   ok "--dry-run plans the strategy and the micro-batches"
 else bad "--dry-run" "$(head -3 "$tmp/plan")"; fi
+# a plan of --nproc ranks checks the flags against that world, not the one process it runs in
+if "$TRAIN" --model tiny --dry-run --nproc 4 --sharding HYBRID_SHARD --shard-group 2 --batch 8 > "$tmp/plan.h" 2>&1 \
+   && grep -q "memory plan: HYBRID_SHARD, world 4" "$tmp/plan.h"; then
+  ok "--dry-run --nproc 4 plans HYBRID_SHARD --shard-group 2"
+else bad "--dry-run --nproc 4 HYBRID_SHARD --shard-group 2" "$(head -3 "$tmp/plan.h")"; fi
+"$TRAIN" --model tiny --dry-run --nproc 4 --sharding HYBRID_SHARD --shard-group 3 --batch 8 > "$tmp/plan.e" 2>&1; rc=$?
+if [ $rc -ne 0 ] && grep -q "error: --shard-group 3 does not divide the world of 4 ranks" "$tmp/plan.e"; then
+  ok "--dry-run --nproc 4: --shard-group 3 named against the planned world"
+else bad "--dry-run --nproc 4 --shard-group 3 (exit $rc)" "$(head -3 "$tmp/plan.e")"; fi
 
 finish

@@ -210,9 +210,11 @@ int main(int argc, char **argv) {
     else task_tokens_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
     int steps = task.steps;
     if (!strcmp(o.ac, "attn") && !task.ac_attn_type) fail_input("--ac attn: this model has no attention (give --ac blocks or every:K)");
-    if (o.batch % world != 0)
-        fail_all("--batch %d (global) is not divisible by the world size %d", o.batch, world);
-    check_strategy_flags(&o, world);
+    /* the world the run is for: a plan of --nproc ranks needs no launched ranks */
+    int pworld = !under_mpi && o.dry_run && o.nproc > 1 ? o.nproc : world;
+    if (o.batch % pworld != 0)
+        fail_all("--batch %d (global) is not divisible by the world size %d", o.batch, pworld);
+    check_strategy_flags(&o, pworld);
 
     /* --resume at or past the last step: nothing to train; --save-dir and --save-full
      * still write the loaded model (saving at another world size reshards) */
@@ -245,7 +247,6 @@ int main(int argc, char **argv) {
      * --mem-limit caps the allocator and before the model's memory exists */
     struct mfu_peak peak = {0};
     if (task.train_flops_per_item > 0 && !nothing_left && !o.dry_run) mfu_peak_measure(ctx, &o, 0.2, &peak);
-    int pworld = !under_mpi && o.dry_run && o.nproc > 1 ? o.nproc : world;
     if (o.dry_run && o.net_gbps > 0 && rank == 0) scaleout_print(ctx, &o, root, &task, pworld);
     memory_plan(ctx, g_task, &o, root, pworld);
     check_outputs(ctx, &o);
