@@ -148,6 +148,27 @@ TEST(linear_lowp_is_product_of_rounded_inputs) {
     }
 }
 
+/* got (rows, cols) against the double sums over k < K of a[r, k] b[k, c]
+ * rounded to dt (a at a[r * ar + k * ak], b at b[c * bc + k * bk]), each
+ * within 1e-5 of the sum of magnitudes; the count of misses */
+static int64_t check_rounded_products(const char *what, const float *got, int64_t rows, int64_t cols, int64_t K,
+                                      const float *a, int64_t ar, int64_t ak, const float *b, int64_t bc,
+                                      int64_t bk, enum fsdp_dtype dt) {
+    int64_t bad = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            double s = 0, mag = 0;
+            for (int64_t k = 0; k < K; k++) {
+                double p = (double)round_to(dt, a[r * ar + k * ak]) * round_to(dt, b[c * bc + k * bk]);
+                s += p, mag += fabs(p);
+            }
+            if (!(fabs(got[r * cols + c] - s) <= 1e-5 * mag + 1e-6) && bad++ < 3)
+                TEST_FAILF("%s, %s [%lld, %lld]: %.7g want %.7g", what, fsdp_dtype_name(dt), (long long)r,
+                           (long long)c, (double)got[r * cols + c], s);
+        }
+    return bad;
+}
+
 /* The backward of a 16-bit Linear: dW = dy^T x and dx = dy W of the operands
  * rounded to 16 bits (dy rounded from fp32 with a bias, given in 16 bits
  * without one), accumulated in fp32: each element against the double sum;
@@ -181,39 +202,18 @@ TEST(linear_backward_is_product_of_rounded_operands) {
         struct fsdp_tensor dout = {bias ? (void *)dy : (void *)dy16, bias ? FSDP_F32 : dt, 2, {N, O},
                                    FSDP_LAYOUT_PLAIN};
         ASSERT_OK(fsdp_module_backward(m, ctx, &dout, &din), ctx);
-        const float *dw = wp->grad, *dx = din.data, *db = bp ? bp->grad : NULL;
-        int64_t bad = 0;
-        for (int64_t o = 0; o < O; o++) {
-            for (int64_t i = 0; i < I; i++) {
-                double s = 0, mag = 0;
-                for (int64_t r = 0; r < N; r++) {
-                    double p = (double)round_to(dt, dy[r * O + o]) * round_to(dt, x[r * I + i]);
-                    s += p, mag += fabs(p);
-                }
-                if (!(fabs(dw[o * I + i] - s) <= 1e-5 * mag + 1e-6) && bad++ < 3)
-                    TEST_FAILF("%lld x %lld -> %lld, %s, bias %d: dW[%lld, %lld] %.7g want %.7g", (long long)N,
-                               (long long)I, (long long)O, fsdp_dtype_name(dt), bias, (long long)o, (long long)i,
-                               (double)dw[o * I + i], s);
-            }
-            if (db) {
-                double s = 0, mag = 0;
-                for (int64_t r = 0; r < N; r++) s += dy[r * O + o], mag += fabs(dy[r * O + o]);
-                if (!(fabs(db[o] - s) <= 1e-5 * mag + 1e-6) && bad++ < 3)
-                    TEST_FAILF("%s: db[%lld] %.7g want %.7g", fsdp_dtype_name(dt), (long long)o, (double)db[o], s);
-            }
+        char what[96];
+        snprintf(what, sizeof what, "%lld x %lld -> %lld, bias %d: dW", (long long)N, (long long)I, (long long)O, bias);
+        int64_t bad = check_rounded_products(what, wp->grad, O, I, N, dy, 1, O, x, 1, I, dt);
+        what[strlen(what) - 2] = 0;
+        strcat(what, "dx");
+        bad += check_rounded_products(what, din.data, N, I, O, dy, O, 1, w, 1, I, dt);
+        for (int64_t o = 0; bp && o < O; o++) {
+            double s = 0, mag = 0;
+            for (int64_t r = 0; r < N; r++) s += dy[r * O + o], mag += fabs(dy[r * O + o]);
+            if (!(fabs(bp->grad[o] - s) <= 1e-5 * mag + 1e-6) && bad++ < 3)
+                TEST_FAILF("%s: db[%lld] %.7g want %.7g", fsdp_dtype_name(dt), (long long)o, (double)bp->grad[o], s);
         }
-        for (int64_t r = 0; r < N; r++)
-            for (int64_t i = 0; i < I; i++) {
-                double s = 0, mag = 0;
-                for (int64_t o = 0; o < O; o++) {
-                    double p = (double)round_to(dt, dy[r * O + o]) * round_to(dt, w[o * I + i]);
-                    s += p, mag += fabs(p);
-                }
-                if (!(fabs(dx[r * I + i] - s) <= 1e-5 * mag + 1e-6) && bad++ < 3)
-                    TEST_FAILF("%lld x %lld -> %lld, %s, bias %d: dx[%lld, %lld] %.7g want %.7g", (long long)N,
-                               (long long)I, (long long)O, fsdp_dtype_name(dt), bias, (long long)r, (long long)i,
-                               (double)dx[r * I + i], s);
-            }
         CHECK_INT_EQ(bad, 0);
         free(x), free(dy), free(dy16);
         fsdp_module_free(m);
