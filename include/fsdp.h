@@ -69,10 +69,12 @@ enum fsdp_dtype { FSDP_F32, FSDP_BF16, FSDP_F16, FSDP_I32, FSDP_U16, FSDP_U8, FS
 size_t fsdp_dtype_size(enum fsdp_dtype dt);
 const char *fsdp_dtype_name(enum fsdp_dtype dt);
 /* 1 if matrix products with 16-bit inputs of dt run on this CPU's native
- * kernels (bf16 through oneDNN: AMX, AVX512-BF16 or AVX-512), 0 if they are
- * computed as fp32 products of the widened inputs (fp16 always; bf16 on CPUs
- * oneDNN has no bf16 matmul for, e.g. AVX2 only, or with FSDP_GEMM_BF16=widen):
- * same results up to summation order, fp32 speed. 1 for FSDP_F32. */
+ * kernels (bf16 through oneDNN where the CPU has bf16 instructions: AMX or
+ * AVX512-BF16), 0 if they are computed as fp32 products of the widened
+ * inputs (fp16 always; bf16 on AVX2, on AVX-512 without BF16, whose
+ * emulated bf16 kernels run slower than fp32's, or with
+ * FSDP_GEMM_BF16=widen): same results up to summation order, fp32 speed.
+ * 1 for FSDP_F32. */
 int fsdp_gemm_native(enum fsdp_dtype dt);
 /* This machine's GEMM rate in GFLOP/s (2 FLOPs per multiply-add) through
  * the layers' own product for dt (FSDP_F32; FSDP_BF16 or FSDP_F16: 16-bit

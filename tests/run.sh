@@ -79,9 +79,10 @@ for t in "$BUILD"/tests/test_*; do
         run_one "$name -np $n" mpirun -np "$n" --oversubscribe "$t"
       done ;;
     test_gemm_lp|test_nn_bf16|test_nn_vision_lp) # and once more with bf16 products widened to fp32, the
-      # path of CPUs without native bf16 kernels (src/nn/gemm_lp.c, src/nn/conv.c)
+      # path of CPUs without native bf16 kernels (src/nn/gemm_lp.c, src/nn/conv.c), and on each of
+      # oneDNN's two bf16 matmuls where it has them ([Note: bf16 kernels]; widened where it has none)
       run_one "$name" "$t"
-      run_one "$name (FSDP_GEMM_BF16=widen)" env FSDP_GEMM_BF16=widen "$t" ;;
+      for how in widen matmul gemm; do run_one "$name (FSDP_GEMM_BF16=$how)" env FSDP_GEMM_BF16=$how "$t"; done ;;
     *) run_one "$name" "$t" ;;
   esac
 done

@@ -33,6 +33,18 @@ if grep -qE "; BF16 products (on the CPU's native kernels|widened to fp32 \(no n
    && grep -q "; BF16 products widened to fp32 (no native kernels here)$" "$tmp/w"; then
   ok "AMP_BF16 header names the products' path"
 else bad "AMP_BF16 products' path" "$(grep -h '^precision' "$tmp/b1" "$tmp/w")"; fi
+# [Note: bf16 kernels] (src/nn/gemm_lp.c): where oneDNN only emulates bf16 (an AVX-512 CPU without
+# BF16, here by capping oneDNN's ISA) the products are widened, unless FSDP_GEMM_BF16=matmul asks
+# for oneDNN's bf16 matmul anyway (AVX2 has none: widened either way)
+emul=widened; grep -qw avx512f /proc/cpuinfo && emul=native
+if ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI "$TRAIN" "${common[@]}" --steps 1 --precision AMP_BF16 > "$tmp/e1" 2>&1 \
+   && grep -q "; BF16 products widened to fp32 (no native kernels here)$" "$tmp/e1" \
+   && ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI FSDP_GEMM_BF16=matmul "$TRAIN" "${common[@]}" --steps 1 \
+        --precision AMP_BF16 > "$tmp/e2" 2>&1 \
+   && if [ $emul = native ]; then grep -q "; BF16 products on the CPU's native kernels$" "$tmp/e2"
+      else grep -q "; BF16 products widened to fp32 (no native kernels here)$" "$tmp/e2"; fi; then
+  ok "emulated bf16 widened, FSDP_GEMM_BF16=matmul $emul"
+else bad "emulated bf16" "$(grep -h '^precision' "$tmp/e1" "$tmp/e2")" "$(tail -2 "$tmp/e2")"; fi
 
 # ---- the verbose plan names each unit's precision ----
 if "$TRAIN" "${common[@]}" --steps 1 --verbose --precision AMP_BF16 --mixed-precision PURE > "$tmp/v" 2>&1 \

@@ -75,7 +75,7 @@ FSDP_SHM_SLOT=4M expect_error "bad FSDP_SHM_SLOT, 2 shm ranks" "FSDP_SHM_SLOT='4
   -- --nproc 2 --comm shm --model tiny --steps 2
 FSDP_COLLECTIVE_TIMEOUT=soon expect_error "bad FSDP_COLLECTIVE_TIMEOUT, 2 mpi ranks" \
   "FSDP_COLLECTIVE_TIMEOUT='soon': expected a number" -- --nproc 2 --comm mpi --model tiny --steps 2
-FSDP_GEMM_BF16=fast expect_error "bad FSDP_GEMM_BF16" "FSDP_GEMM_BF16='fast': expected one of: auto, widen" \
+FSDP_GEMM_BF16=fast expect_error "bad FSDP_GEMM_BF16" "FSDP_GEMM_BF16='fast': expected one of: auto, widen, matmul, gemm" \
   -- --model tiny --precision AMP_BF16 --steps 1
 
 # ---- a rank killed mid-step ends the job ----

@@ -131,8 +131,8 @@ TEST(env_values_taken_in_full_or_refused) {
         {"FSDP_COLLECTIVE_TIMEOUT", "-1", "expected a number in [0, 1e+09]"},
         {"FSDP_COLLECTIVE_TIMEOUT", "nan", "expected a number"},
         {"FSDP_COLLECTIVE_TIMEOUT", "30s", "FSDP_COLLECTIVE_TIMEOUT='30s': expected a number"},
-        {"FSDP_GEMM_BF16", "fast", "FSDP_GEMM_BF16='fast': expected one of: auto, widen"},
-        {"FSDP_GEMM_BF16", "Widen", "expected one of: auto, widen"},
+        {"FSDP_GEMM_BF16", "fast", "FSDP_GEMM_BF16='fast': expected one of: auto, widen, matmul, gemm"},
+        {"FSDP_GEMM_BF16", "Widen", "expected one of: auto, widen, matmul, gemm"},
         {"FSDP_FAULT", "sideways:1:3", "FSDP_FAULT='sideways:1:3': expected POINT:RANK:STEP"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {

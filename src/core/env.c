@@ -37,7 +37,7 @@ struct env_var {
     const char *spec;           /* ENV_SPEC: what it takes */
 };
 
-static const char *const gemm_bf16_words[] = {"auto", "widen", NULL};
+static const char *const gemm_bf16_words[] = {"auto", "widen", "matmul", "gemm", NULL}; /* gemm_lp.c's MM_* */
 static const char *const mpi_reduce_words[] = {"native", "ordered", NULL};
 static const char *const vision_layout_words[] = {"blocked", "plain", NULL};
 

@@ -70,16 +70,34 @@ static _Thread_local size_t tl_wide_cap; /* floats */
  * What stays 16-bit is everything around the product (the gathered weights,
  * the bytes moved, the rounding of the inputs), so a bf16 run on an AVX2 CPU
  * trains like one on AMX, at fp32 GEMM speed plus the widening.
- * Whether bf16 is native is decided once per process by creating a small
- * probe primitive; FSDP_GEMM_BF16=widen forces the widened path (tests use it
+ * Whether bf16 is native is decided once per process ([Note: bf16
+ * kernels]); FSDP_GEMM_BF16=widen forces the widened path (tests use it
  * to cover it on CPUs that have the native one). The widened inputs go
  * through a per-thread scratch of about FSDP_WIDEN_SCRATCH bytes (default
  * 32 MiB; gemm_widen), read once per process too. */
-static int mm_bf16_native;
+/* [Note: bf16 kernels] oneDNN 2.6 has bf16 matmuls for every AVX-512 CPU,
+ * but only AMX and AVX512-BF16 have bf16 instructions: on AVX-512 without
+ * them (Skylake, Cascade Lake) its kernels emulate the bf16 dot products and
+ * ran GPT-2's products at 135 GFLOP/s where fp32's reach 370 (this CPU with
+ * ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI: a bf16 step 6.3 s native, 2.9 s
+ * widened). So bf16 is native where a probe primitive can be made and the
+ * CPU oneDNN runs on has bf16 instructions; elsewhere it is widened. And of
+ * oneDNN's two bf16 matmuls, the first it offers (brgemm kernels: AMX's)
+ * ran each of GPT-2's 2-D products 4-33% slower on AVX512-BF16 without AMX
+ * than the gemm-based one (gemm:jit; its lm_head dW 1.9x), while the
+ * batched (T, T) attention products ran faster on brgemm. So on AVX512-BF16
+ * without AMX a 2-D bf16 product asks for the gemm-based implementation
+ * (mm_create). FSDP_GEMM_BF16 forces a choice: widen, matmul (oneDNN's first
+ * implementation, even where bf16 is emulated), gemm (the gemm-based one for
+ * 2-D products, likewise); auto is the rule above. Each choice is fixed for
+ * the process, so runs are bit-reproducible; implementations sum in
+ * different orders, so bits differ between them. */
+enum { MM_AUTO, MM_WIDEN, MM_MATMUL, MM_GEMM }; /* FSDP_GEMM_BF16's words */
+static int mm_bf16_native, mm_bf16_gemm;
 static size_t mm_widen_floats = ((size_t)32 << 20) / sizeof(float);
 
+/* 1 if oneDNN makes a bf16 matmul on this CPU (with or without bf16 instructions) */
 static int mm_probe_bf16(void) {
-    if (fsdp__env_checked("FSDP_GEMM_BF16", 0) == 1) return 0; /* "widen" */
     dnnl_dims_t d = {16, 16};
     dnnl_memory_desc_t a, b, c;
     dnnl_matmul_desc_t md;
@@ -96,7 +114,11 @@ static int mm_probe_bf16(void) {
 static void mm_engine_init(void) {
     dnnl_status_t st = dnnl_engine_create(&mm_engine, dnnl_cpu, 0);
     FSDP_ASSERT(st == dnnl_success, "dnnl_engine_create(cpu) failed with status %d", (int)st);
-    mm_bf16_native = mm_probe_bf16();
+    long long how = fsdp__env_checked("FSDP_GEMM_BF16", MM_AUTO); /* [Note: bf16 kernels] */
+    dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+    int hw = isa == dnnl_cpu_isa_avx512_core_bf16 || isa == dnnl_cpu_isa_avx512_core_amx;
+    mm_bf16_native = how != MM_WIDEN && (hw || how != MM_AUTO) && mm_probe_bf16();
+    mm_bf16_gemm = mm_bf16_native && (how == MM_GEMM || (how == MM_AUTO && isa == dnnl_cpu_isa_avx512_core_bf16));
     long long v = fsdp__env_checked("FSDP_WIDEN_SCRATCH", 0);
     if (v) mm_widen_floats = (size_t)v / sizeof(float);
 }
@@ -113,6 +135,26 @@ static uint32_t fbits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return u;
+}
+
+/* The primitive descriptor of oneDNN's gemm-based implementation of md
+ * ([Note: bf16 kernels]), or NULL when it offers none for it. */
+static dnnl_primitive_desc_t mm_pd_gemm(const dnnl_matmul_desc_t *md, const_dnnl_primitive_attr_t attr) {
+    dnnl_primitive_desc_iterator_t it = NULL;
+    dnnl_primitive_desc_t pd = NULL;
+    if (dnnl_primitive_desc_iterator_create(&it, md, attr, mm_engine, NULL) != dnnl_success) return NULL;
+    do {
+        dnnl_primitive_desc_t p = dnnl_primitive_desc_iterator_fetch(it);
+        const char *impl = NULL;
+        if (p && dnnl_primitive_desc_query(p, dnnl_query_impl_info_str, 0, &impl) == dnnl_success && impl &&
+            !strncmp(impl, "gemm:", 5)) {
+            pd = p;
+            break;
+        }
+        dnnl_primitive_desc_destroy(p);
+    } while (dnnl_primitive_desc_iterator_next(it) == dnnl_success);
+    dnnl_primitive_desc_iterator_destroy(it);
+    return pd;
 }
 
 /* Creates the primitive for key k into *e (not yet in the table). */
@@ -149,7 +191,9 @@ static void mm_create(const struct mm_key *k, float alpha, float beta, struct mm
         if (st == dnnl_success) st = dnnl_primitive_attr_set_post_ops(attr, po);
     }
     dnnl_primitive_desc_t pd = NULL;
-    if (st == dnnl_success) st = dnnl_primitive_desc_create(&pd, &md, attr, mm_engine, NULL);
+    if (st == dnnl_success && k->dt == FSDP_BF16 && k->batch == 1 && mm_bf16_gemm)
+        pd = mm_pd_gemm(&md, attr); /* [Note: bf16 kernels] */
+    if (st == dnnl_success && !pd) st = dnnl_primitive_desc_create(&pd, &md, attr, mm_engine, NULL);
     if (st == dnnl_success) st = dnnl_primitive_create(&e->prim, pd);
     if (st == dnnl_success) {
         e->scratch = *dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
