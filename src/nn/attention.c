@@ -96,9 +96,9 @@ static void heads_to_lp(enum fsdp_dtype lp, enum fsdp_dtype od, enum fsdp_dtype 
         for (int64_t h = 0; h < nh; h++) { /* inside the loop: a serial cast */
             void *d = (char *)dst + (size_t)(((b * nh + h) * T + t) * hs) * es;
             int64_t at = bt * ld + col0 + h * hs;
-            if (sdt == od) memcpy(d, (const char *)src + (size_t)at * es, (size_t)hs * es);
+            if (sdt == lp && od == lp) memcpy(d, (const uint16_t *)src + at, (size_t)hs * es);
             else if (sdt == lp) fsdp__cvt_to_f32(lp, (const uint16_t *)src + at, d, (size_t)hs);
-            else to_operand(lp, od, (const float *)src + at, d, (size_t)hs);
+            else to_operand(lp, od, (const float *)src + at, d, (size_t)hs); /* fp32: rounded */
         }
     }
 }
