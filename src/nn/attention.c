@@ -67,39 +67,18 @@ static void softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T) {
     for (int64_t j = t + 1; j < T; j++) d[j] = 0.0f;
 }
 
-/* [Note: widened operands] Where the CPU has no kernels for lp
- * (fsdp_gemm_native; [Note: widened products] in gemm_lp.c), a 16-bit
- * product widens both its inputs, so the heads' 16-bit copies, the rounded
- * probabilities and dS would each be rounded to 16 bits only to be widened
- * again by every product that reads them. There the operands are made in
- * fp32 instead, holding the values lp rounds them to (op_dtype: F32), and the
- * products are fp32's: the same exact products of the same values, with
- * fp32 scratch twice the size. */
-static enum fsdp_dtype op_dtype(enum fsdp_dtype lp) { return fsdp_gemm_native(lp) ? lp : FSDP_F32; }
-
-/* n fp32 values rounded to lp into dst of the operand dtype od (lp, or F32
- * holding lp's values); serial */
-static void to_operand(enum fsdp_dtype lp, enum fsdp_dtype od, const float *src, void *dst, size_t n) {
-    if (od == lp) fsdp__cvt_from_f32(lp, src, dst, n);
-    else fsdp__cvt_round(lp, src, dst, n);
-}
-
-/* Head-major operand copy: dst (B*nh, T, hs) dense, of the operand dtype od,
- * from the columns [col0, col0 + nh*hs) of src (B*T rows, row stride ld) of
- * dtype sdt: fp32 (rounded to lp) or lp itself (copied, or widened). */
-static void heads_to_lp(enum fsdp_dtype lp, enum fsdp_dtype od, enum fsdp_dtype sdt, const void *src, int64_t ld,
-                        int64_t col0, int64_t B, int64_t T, int64_t nh, int64_t hs, void *dst) {
-    size_t es = fsdp_dtype_size(od);
+/* Head-major operand copy: dst (B*nh, T, hs) dense, of the operand dtype od
+ * ([Note: widened operands], precision.c), from the columns [col0, col0 +
+ * nh*hs) of src (B*T rows, row stride ld) of dtype sdt: fp32 or lp. */
+static void heads_to_operand(enum fsdp_dtype lp, enum fsdp_dtype od, enum fsdp_dtype sdt, const void *src,
+                             int64_t ld, int64_t col0, int64_t B, int64_t T, int64_t nh, int64_t hs, void *dst) {
+    size_t es = fsdp_dtype_size(od), ses = fsdp_dtype_size(sdt);
 #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < (fsdp__measuring ? 0 : B * T); bt++) {
         int64_t b = bt / T, t = bt % T;
-        for (int64_t h = 0; h < nh; h++) { /* inside the loop: a serial cast */
-            void *d = (char *)dst + (size_t)(((b * nh + h) * T + t) * hs) * es;
-            int64_t at = bt * ld + col0 + h * hs;
-            if (sdt == lp && od == lp) memcpy(d, (const uint16_t *)src + at, (size_t)hs * es);
-            else if (sdt == lp) fsdp__cvt_to_f32(lp, (const uint16_t *)src + at, d, (size_t)hs);
-            else to_operand(lp, od, (const float *)src + at, d, (size_t)hs); /* fp32: rounded */
-        }
+        for (int64_t h = 0; h < nh; h++) /* inside the loop: a serial cast */
+            fsdp__to_operand(lp, od, sdt, (const char *)src + (size_t)(bt * ld + col0 + h * hs) * ses,
+                             (char *)dst + (size_t)(((b * nh + h) * T + t) * hs) * es, (size_t)hs);
     }
 }
 
@@ -155,7 +134,7 @@ int64_t fsdp__attention_head_group(int64_t BH, int64_t T) {
 }
 
 /* att (BH, T, T) = softmax(scale q k^T) from the head-major operands q and k
- * (dtype od) of BH heads (a group of them: the scores product, then the
+ * (dtype od, [Note: widened operands]) of BH heads (a group of them: the scores product, then the
  * causal softmax row by row), and ab, its rounding to lp (dtype od), each
  * row cast while it is in cache: forward and the backward's recompute run
  * this same code on the same operands, so the two give the same bits
@@ -168,7 +147,7 @@ static void heads_probs_lp(enum fsdp_dtype lp, enum fsdp_dtype od, const void *q
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < (fsdp__measuring ? 0 : BH * T); r++) {
         softmax_row(att + r * T, r % T, T);
-        to_operand(lp, od, att + r * T, (char *)ab + (size_t)(r * T) * es, (size_t)T);
+        fsdp__to_operand(lp, od, FSDP_F32, att + r * T, (char *)ab + (size_t)(r * T) * es, (size_t)T);
     }
 }
 
@@ -178,7 +157,7 @@ static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype l
                                          const void *qkv, int64_t B, int64_t T, int64_t nh, int64_t hs,
                                          enum fsdp_dtype ydt, void *y) {
     int64_t C = nh * hs, BH = B * nh, G = fsdp__attention_head_group(BH, T), n = BH * T * hs;
-    enum fsdp_dtype od = op_dtype(lp); /* [Note: widened operands] */
+    enum fsdp_dtype od = fsdp__operand_dtype(lp); /* [Note: widened operands] */
     size_t es = fsdp_dtype_size(od), mark = fsdp_arena_mark(ctx);
     char *q = fsdp_arena_alloc(ctx, (size_t)(3 * n) * es); /* q, k, v head-major */
     float *att = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * sizeof(float));
@@ -186,9 +165,9 @@ static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype l
     float *yh = fsdp_arena_alloc(ctx, (size_t)n * sizeof(float));
     if (!q || !att || !ab || !yh) return lp_nomem(ctx, lp);
     char *k = q + n * es, *v = k + n * es;
-    heads_to_lp(lp, od, qdt, qkv, 3 * C, 0, B, T, nh, hs, q);
-    heads_to_lp(lp, od, qdt, qkv, 3 * C, C, B, T, nh, hs, k);
-    heads_to_lp(lp, od, qdt, qkv, 3 * C, 2 * C, B, T, nh, hs, v);
+    heads_to_operand(lp, od, qdt, qkv, 3 * C, 0, B, T, nh, hs, q);
+    heads_to_operand(lp, od, qdt, qkv, 3 * C, C, B, T, nh, hs, k);
+    heads_to_operand(lp, od, qdt, qkv, 3 * C, 2 * C, B, T, nh, hs, v);
     for (int64_t h0 = 0; h0 < BH; h0 += G) { /* [Note: head groups] */
         int64_t g = BH - h0 < G ? BH - h0 : G, o = h0 * T * hs;
         heads_probs_lp(lp, od, q + o * es, k + o * es, g, T, hs, att, ab);
@@ -249,7 +228,7 @@ static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype 
                                           const void *qkv, const float *dy, int64_t B, int64_t T, int64_t nh,
                                           int64_t hs, float *dqkv) {
     int64_t C = nh * hs, BH = B * nh, n = BH * T * hs, G = fsdp__attention_head_group(BH, T);
-    enum fsdp_dtype od = op_dtype(lp); /* [Note: widened operands] */
+    enum fsdp_dtype od = fsdp__operand_dtype(lp); /* [Note: widened operands] */
     size_t es = fsdp_dtype_size(od), mark = fsdp_arena_mark(ctx);
     char *q = fsdp_arena_alloc(ctx, (size_t)(4 * n) * es); /* q, k, v, dY head-major */
     char *ab = fsdp_arena_alloc(ctx, (size_t)(G * T * T) * es);       /* att, then dS */
@@ -259,8 +238,8 @@ static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype 
     if (!q || !ab || !att || !ds || !dh) return lp_nomem(ctx, lp);
     char *k = q + n * es, *v = k + n * es, *dyh = v + n * es;
     for (int part = 0; part < 3; part++)
-        heads_to_lp(lp, od, qdt, qkv, 3 * C, part * C, B, T, nh, hs, q + part * n * (int64_t)es);
-    heads_to_lp(lp, od, FSDP_F32, dy, C, 0, B, T, nh, hs, dyh);
+        heads_to_operand(lp, od, qdt, qkv, 3 * C, part * C, B, T, nh, hs, q + part * n * (int64_t)es);
+    heads_to_operand(lp, od, FSDP_F32, dy, C, 0, B, T, nh, hs, dyh);
     float scale = 1.0f / sqrtf((float)hs);
     for (int64_t h0 = 0; h0 < BH; h0 += G) { /* [Note: head groups] */
         int64_t g = BH - h0 < G ? BH - h0 : G, o = h0 * T * hs;
@@ -273,7 +252,7 @@ static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype 
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < (fsdp__measuring ? 0 : g * T); r++) { /* dS, and its rounding over att's in ab */
             softmax_bwd_row(att + r * T, ds + r * T, r % T, T);
-            to_operand(lp, od, ds + r * T, ab + (size_t)(r * T) * es, (size_t)T);
+            fsdp__to_operand(lp, od, FSDP_F32, ds + r * T, ab + (size_t)(r * T) * es, (size_t)T);
         }
         /* dq = scale dS k;  dk = scale dS^T q */
         fsdp__gemm_lp_batched(od, g, 0, 0, T, hs, T, scale, ab, T, T * T, k + o * es, hs, T * hs, 0.0f, dh + o, hs,

@@ -60,7 +60,7 @@ static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp
 }
 
 /* [Note: widened backward] On a CPU without native kernels for lp
- * (fsdp_gemm_native, [Note: widened products] in gemm_lp.c) each 16-bit
+ * ([Note: widened operands] in precision.c) each 16-bit
  * product widens both of its inputs, so a Linear's backward widened its
  * output gradient twice (for dW and for dx), after rounding it to 16 bits
  * when it came in fp32 (a Linear with a bias): a round trip through 16 bits
@@ -75,17 +75,15 @@ static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp
  * the whole fp32 dW per block), and dx sums the blocks' products. */
 #define WIDEN_MIN_COLS 256
 
-/* rows x nc block [c0, c0 + nc) of src (row stride ld, dtype sdt: fp32 rounded
- * to lp, or lp itself widened) into dense fp32 dst: the values lp holds */
+/* rows x nc block [c0, c0 + nc) of src (row stride ld, dtype sdt: fp32 or
+ * lp) into dense fp32 dst holding the values lp rounds it to ([Note:
+ * widened operands], precision.c) */
 static void widen_cols(enum fsdp_dtype lp, enum fsdp_dtype sdt, const void *src, int64_t ld, int64_t rows,
                        int64_t c0, int64_t nc, float *dst) {
     size_t es = fsdp_dtype_size(sdt);
 #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < (fsdp__measuring ? 0 : rows); r++) { /* a serial cast per row */
-        const void *s = (const char *)src + (size_t)(r * ld + c0) * es;
-        if (sdt == FSDP_F32) fsdp__cvt_round(lp, (const float *)s, dst + r * nc, (size_t)nc);
-        else fsdp__cvt_to_f32(lp, s, dst + r * nc, (size_t)nc);
-    }
+    for (int64_t r = 0; r < (fsdp__measuring ? 0 : rows); r++) /* a serial cast per row */
+        fsdp__to_operand(lp, FSDP_F32, sdt, (const char *)src + (size_t)(r * ld + c0) * es, dst + r * nc, (size_t)nc);
 }
 
 /* weight's dW (O, I) += dy^T x (= when unset) and, with dx, dx (N, I) = dy W,
@@ -201,11 +199,12 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     }
     size_t mark = fsdp_arena_mark(ctx);
     const void *dyl = dy, *wl = NULL; /* operands in dtype lp */
-    if (lp != FSDP_F32 && !fsdp_gemm_native(lp)) { /* [Note: widened backward] */
-        if (L->bias) fsdp__colsum_add(dy, N, O, fsdp__pgrad(L->bias), FSDP_F32, NULL);
-        if (din && !(wl = fsdp__pdata_lp(ctx, L->weight, lp))) return FSDP_ERR_NOMEM;
-        enum fsdp_status st = backward_widened(ctx, lp, N, I, O, dout->data, handed ? lp : FSDP_F32, ldy, L->xl,
-                                               wl, L->weight, din ? din->data : NULL);
+    if (lp != FSDP_F32 && fsdp__operand_dtype(lp) == FSDP_F32) { /* [Note: widened backward] */
+        enum fsdp_status st = din && !(wl = fsdp__pdata_lp(ctx, L->weight, lp)) ? FSDP_ERR_NOMEM : FSDP_OK;
+        if (st == FSDP_OK)
+            st = backward_widened(ctx, lp, N, I, O, dout->data, handed ? lp : FSDP_F32, ldy, L->xl, wl, L->weight,
+                                  din ? din->data : NULL);
+        if (st == FSDP_OK && L->bias) fsdp__colsum_add(dy, N, O, fsdp__pgrad(L->bias), FSDP_F32, NULL);
         fsdp_arena_release(ctx, mark);
         return st;
     }

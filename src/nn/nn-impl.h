@@ -89,6 +89,15 @@ void *fsdp__lp_alloc(struct fsdp_ctx *ctx, enum fsdp_dtype dt, int64_t n, const 
  * is full). The one place a layer gets its low-precision weight: when FSDP
  * gathered the parameter in dt (p->priv->data_lp), that copy is returned as is. */
 const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp_dtype dt);
+/* The dtype a 16-bit product's operands are made in ([Note: widened
+ * operands]): lp where the CPU has kernels for it (fsdp_gemm_native), else
+ * FSDP_F32 holding the values lp rounds them to. */
+enum fsdp_dtype fsdp__operand_dtype(enum fsdp_dtype lp);
+/* n elements of src (dtype sdt: fp32, or lp itself) into dst of the operand
+ * dtype od (lp, or F32), holding the values lp rounds them to: copied,
+ * widened, cast or rounded in fp32. Serial (for per-row calls inside a loop). */
+void fsdp__to_operand(enum fsdp_dtype lp, enum fsdp_dtype od, enum fsdp_dtype sdt, const void *src, void *dst,
+                      size_t n);
 /* The dtype in which m's forward takes its input without casting it
  * ([Note: 16-bit hand-off]): a Linear's or a Conv2d's 16-bit compute dtype, a
  * CausalSelfAttention's or MLP's first Linear's; FSDP_F32 for anything else. */

@@ -129,6 +129,27 @@ enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m) {
     return dt;
 }
 
+/* [Note: widened operands] Where the CPU has no kernels for lp
+ * (fsdp_gemm_native; [Note: widened products] in gemm_lp.c), a 16-bit
+ * product widens both its inputs, so an operand rounded to 16 bits only to
+ * be widened again by every product that reads it is a round trip. There a
+ * layer makes its operands in fp32 instead, holding the values lp rounds
+ * them to (fsdp__operand_dtype: F32), and multiplies them with fp32's
+ * products: the same exact products of the same values, with fp32 scratch
+ * twice the size. Attention makes its head-major copies, probabilities and
+ * dS so (attention.c); Linear's widened backward its dy, x and W ([Note:
+ * widened backward], linear.c). */
+enum fsdp_dtype fsdp__operand_dtype(enum fsdp_dtype lp) { return fsdp_gemm_native(lp) ? lp : FSDP_F32; }
+
+void fsdp__to_operand(enum fsdp_dtype lp, enum fsdp_dtype od, enum fsdp_dtype sdt, const void *src, void *dst,
+                      size_t n) {
+    if (fsdp__measuring) return;
+    if (sdt == lp && od == lp) memcpy(dst, src, n * fsdp_dtype_size(lp)); /* 16-bit as is */
+    else if (sdt == lp) fsdp__cvt_to_f32(lp, src, dst, n);               /* widened */
+    else if (od == lp) fsdp__cvt_from_f32(lp, src, dst, n);              /* fp32 cast */
+    else fsdp__cvt_round(lp, src, dst, n);                               /* fp32 rounded in fp32 */
+}
+
 void *fsdp__lp_alloc(struct fsdp_ctx *ctx, enum fsdp_dtype dt, int64_t n, const char *what) {
     return arena_elems(ctx, n, dt, what, NULL);
 }
