@@ -78,7 +78,7 @@ for t in "$BUILD"/tests/test_*; do
       for n in ${TEST_RANKS:-$ranks}; do
         run_one "$name -np $n" mpirun -np "$n" --oversubscribe "$t"
       done ;;
-    test_gemm_lp|test_nn_bf16|test_nn_vision_lp) # and once more with bf16 products widened to fp32, the
+    test_gemm_lp|test_nn_bf16|test_nn_lp_exact|test_nn_vision_lp) # and once more with bf16 products widened to fp32, the
       # path of CPUs without native bf16 kernels (src/nn/gemm_lp.c, src/nn/conv.c), and on each of
       # oneDNN's two bf16 matmuls where it has them ([Note: bf16 kernels]; widened where it has none)
       run_one "$name" "$t"
