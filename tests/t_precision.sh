@@ -45,6 +45,17 @@ if ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI "$TRAIN" "${common[@]}" --steps 1 --preci
       else grep -q "; BF16 products widened to fp32 (no native kernels here)$" "$tmp/e2"; fi; then
   ok "emulated bf16 widened, FSDP_GEMM_BF16=matmul $emul"
 else bad "emulated bf16" "$(grep -h '^precision' "$tmp/e1" "$tmp/e2")" "$(tail -2 "$tmp/e2")"; fi
+# where bf16 is native, FSDP_GEMM_BF16=gemm runs every 2-D bf16 product on oneDNN's gemm-based matmul
+# and =matmul on its first one (oneDNN's verbose lines name the implementation of each product)
+impl2d() { DNNL_VERBOSE=1 FSDP_GEMM_BF16=$1 "$TRAIN" "${common[@]}" --steps 1 --precision AMP_BF16 2>&1 \
+  | grep "exec,cpu,matmul" | grep src_bf16 | awk -F, '{split($(NF-1), d, ":"); if (split(d[1], e, "x") == 2) print $5}' \
+  | sort | uniq -c; }
+if grep -q "; BF16 products on the CPU's native kernels$" "$tmp/b1"; then
+  g=$(impl2d gemm); m=$(impl2d matmul)
+  if [ -n "$g" ] && [ "$(echo "$g" | grep -vc 'gemm:jit$')" = 0 ] && ! echo "$m" | grep -q 'gemm:jit$'; then
+    ok "FSDP_GEMM_BF16=gemm and =matmul pick oneDNN's implementations"
+  else bad "FSDP_GEMM_BF16 implementations" "gemm: $g" "matmul: $m"; fi
+fi
 
 # ---- the verbose plan names each unit's precision ----
 if "$TRAIN" "${common[@]}" --steps 1 --verbose --precision AMP_BF16 --mixed-precision PURE > "$tmp/v" 2>&1 \
