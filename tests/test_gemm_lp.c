@@ -12,7 +12,7 @@
  *  - batched products (fsdp__gemm_lp_batched, attention's heads) entry by
  *    entry, strides with gaps left untouched;
  *  - the column sums of a Linear's output gradient with its 16-bit copy
- *    (fsdp__colsum_add), ragged shapes.
+ *    (fsdp__colsum_add), ragged shapes, in row chunks on any team size.
  */
 #include "core/core-impl.h"
 #include "fsdp.h"
@@ -211,35 +211,52 @@ TEST(gemm_lp_batched_matches_double_per_entry) {
     CHECK_INT_EQ(check_batched(FSDP_BF16, 0, 1, 1, 20, 12, 8, 1.0f, 1.0f), 0); /* a batch of one */
 }
 
-/* fsdp__colsum_add: db += the column sums (fp32, each column in row order
- * from zero, then added) and xl = x rounded, for ragged shapes, one column
- * run and several (COLSUM_RUN 2048), on the team's threads. */
-TEST(colsum_sums_columns_and_rounds) {
+/* fsdp__colsum_add: db += the column sums (fp32: chunks of COLSUM_ROWS rows,
+ * each column in row order from zero, the chunks' sums then added in chunk
+ * order from zero, then added to db) and xl = x rounded (or no copy, fp32),
+ * for ragged shapes (one chunk and several, a partial last one), on teams of
+ * 1, 2 and 3 threads: the same bits on each. */
+TEST(colsum_sums_columns_in_row_chunks_and_rounds) {
     rng_seed(8);
-    const int64_t shapes[][2] = {{1, 1}, {7, 9}, {8, 8}, {9, 16}, {37, 45}, {64, 40}, {23, 4100}};
-    enum fsdp_dtype dts[2] = {FSDP_BF16, FSDP_F16};
-    for (int d = 0; d < 2; d++)
-        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
-            int64_t R = shapes[s][0], C = shapes[s][1];
-            float *x = malloc((size_t)(R * C) * 4), *db = malloc((size_t)C * 4);
-            uint16_t *xl = malloc((size_t)(R * C) * 2);
-            for (int64_t i = 0; i < R * C; i++) x[i] = urand();
-            for (int64_t c = 0; c < C; c++) db[c] = (float)c;
-            fsdp__colsum_add(x, R, C, db, dts[d], xl);
-            int bad = 0;
-            for (int64_t c = 0; c < C; c++) {
-                float acc = 0.0f;
-                for (int64_t i = 0; i < R; i++) acc += x[i * C + c];
-                bad += db[c] != (float)c + acc;
-            }
-            for (int64_t i = 0; i < R; i++)
+    struct fsdp_ctx *ctx = make_ctx();
+    const int64_t shapes[][2] = {{1, 1}, {7, 9}, {8, 8}, {9, 16}, {37, 45}, {64, 40}, {23, 4100}, {97, 300}};
+    enum fsdp_dtype dts[3] = {FSDP_BF16, FSDP_F16, FSDP_F32};
+    int threads[3] = {1, 2, 3}, saved = omp_get_max_threads();
+    for (int d = 0; d < 3; d++)
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            for (int t = 0; t < 3; t++) {
+                int64_t R = shapes[s][0], C = shapes[s][1];
+                float *x = malloc((size_t)(R * C) * 4), *db = malloc((size_t)C * 4);
+                uint16_t *xl = malloc((size_t)(R * C) * 2);
+                for (int64_t i = 0; i < R * C; i++) x[i] = urand();
+                for (int64_t c = 0; c < C; c++) db[c] = (float)c;
+                omp_set_num_threads(threads[t]);
+                size_t mark = fsdp_arena_mark(ctx);
+                CHECK_INT_EQ(fsdp__colsum_add(ctx, x, R, C, db, dts[d], dts[d] == FSDP_F32 ? NULL : xl), FSDP_OK);
+                CHECK(fsdp_arena_mark(ctx) == mark); /* its scratch released */
+                int bad = 0;
                 for (int64_t c = 0; c < C; c++) {
-                    uint16_t want = dts[d] == FSDP_BF16 ? fsdp__f32_to_bf16(x[i * C + c]) : fsdp__f32_to_f16(x[i * C + c]);
-                    bad += xl[i * C + c] != want;
+                    float sum = 0.0f;
+                    for (int64_t k = 0; k * COLSUM_ROWS < R; k++) {
+                        float acc = 0.0f;
+                        for (int64_t i = k * COLSUM_ROWS; i < R && i < (k + 1) * COLSUM_ROWS; i++) acc += x[i * C + c];
+                        sum += acc;
+                    }
+                    bad += db[c] != (float)c + sum;
                 }
-            if (bad) TEST_FAILF("%s, %lld x %lld: %d wrong values", fsdp_dtype_name(dts[d]), (long long)R, (long long)C, bad);
-            free(x), free(db), free(xl);
-        }
+                for (int64_t i = 0; dts[d] != FSDP_F32 && i < R; i++)
+                    for (int64_t c = 0; c < C; c++) {
+                        uint16_t want =
+                            dts[d] == FSDP_BF16 ? fsdp__f32_to_bf16(x[i * C + c]) : fsdp__f32_to_f16(x[i * C + c]);
+                        bad += xl[i * C + c] != want;
+                    }
+                if (bad)
+                    TEST_FAILF("%s, %lld x %lld, %d threads: %d wrong values", fsdp_dtype_name(dts[d]), (long long)R,
+                               (long long)C, threads[t], bad);
+                free(x), free(db), free(xl);
+            }
+    omp_set_num_threads(saved);
+    fsdp_ctx_free(ctx);
 }
 
 TEST_MAIN()

@@ -76,47 +76,47 @@ static enum fsdp_status layernorm_backward(struct fsdp_module *m, struct fsdp_ct
                          fsdp__mname(m), (long long)(fsdp_tensor_numel(dout) / L->dim), (long long)L->n);
     FSDP_TRY(fsdp__param_ready(ctx, L->weight, 1));
     FSDP_TRY(fsdp__param_ready(ctx, L->bias, 1));
-    int64_t C = L->dim, N = L->n;
+    int64_t C = L->dim, N = L->n, nch = fsdp__colsum_chunks(N);
     const float *x = L->x, *mean = L->mean, *rstd = L->rstd, *dy = dout->data;
     const float *w = fsdp__pdata(L->weight);
     float *dw = fsdp__pgrad(L->weight), *db = fsdp__pgrad(L->bias);
-    /* parameter gradients first (so din may alias dout), by column blocks */
+    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, dout->shape, "LayerNorm input gradient"));
+    float *dx = din ? din->data : NULL; /* (N, C); may equal dy */
+    /* one pass over the rows in chunks ([Note: column sums in row chunks],
+     * gemm.c): each row's parameter-gradient terms into its chunk's partial
+     * sums (dweight's, then dbias's), then its input gradient written over
+     * what it read (dx may be dy: each element is read before it is written) */
+    size_t mark = fsdp_arena_mark(ctx);
+    float *part = fsdp__scratch(ctx, 2 * nch * C, "LayerNorm parameter gradients (partial)");
+    if (!part) return FSDP_ERR_NOMEM;
 #pragma omp parallel for schedule(static)
-    for (int64_t c0 = 0; c0 < (fsdp__measuring ? 0 : C); c0 += 64) {
-        int64_t c1 = c0 + 64 < C ? c0 + 64 : C;
-        float aw[64] = {0}, ab[64] = {0};
-        for (int64_t i = 0; i < N; i++) {
+    for (int64_t k = 0; k < (fsdp__measuring ? 0 : nch); k++) {
+        float *pw = part + k * C, *pb = part + (nch + k) * C;
+        int64_t i1 = (k + 1) * COLSUM_ROWS < N ? (k + 1) * COLSUM_ROWS : N;
+        memset(pw, 0, (size_t)C * sizeof(float));
+        memset(pb, 0, (size_t)C * sizeof(float));
+        for (int64_t i = k * COLSUM_ROWS; i < i1; i++) {
             const float *xi = x + i * C, *gi = dy + i * C;
-            float mu = mean[i], r = rstd[i];
-            for (int64_t c = c0; c < c1; c++) {
-                aw[c - c0] += gi[c] * (xi[c] - mu) * r;
-                ab[c - c0] += gi[c];
-            }
-        }
-        for (int64_t c = c0; c < c1; c++) {
-            dw[c] += aw[c - c0];
-            db[c] += ab[c - c0];
-        }
-    }
-    if (!din) return FSDP_OK;
-    FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, dout->ndim, dout->shape, "LayerNorm input gradient"));
-    float *dx = din->data; /* (N, C); may equal dy */
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++) {
-        const float *xi = x + i * C, *gi = dy + i * C;
-        float *dxi = dx + i * C;
-        float mu = mean[i], r = rstd[i], s1 = 0.0f, s2 = 0.0f;
+            float mu = mean[i], r = rstd[i], s1 = 0.0f, s2 = 0.0f;
 #pragma omp simd reduction(+ : s1, s2)
-        for (int64_t c = 0; c < C; c++) {
-            float g = gi[c] * w[c];
-            s1 += g;
-            s2 += g * (xi[c] - mu) * r;
-        }
-        s1 /= (float)C;
-        s2 /= (float)C;
+            for (int64_t c = 0; c < C; c++) {
+                float g = gi[c] * w[c];
+                pw[c] += gi[c] * (xi[c] - mu) * r;
+                pb[c] += gi[c];
+                s1 += g;
+                s2 += g * (xi[c] - mu) * r;
+            }
+            if (!dx) continue;
+            float *dxi = dx + i * C;
+            s1 /= (float)C;
+            s2 /= (float)C;
 #pragma omp simd
-        for (int64_t c = 0; c < C; c++) dxi[c] = r * (gi[c] * w[c] - s1 - (xi[c] - mu) * r * s2);
+            for (int64_t c = 0; c < C; c++) dxi[c] = r * (gi[c] * w[c] - s1 - (xi[c] - mu) * r * s2);
+        }
     }
+    fsdp__colsum_chunks_add(part, nch, C, dw);
+    fsdp__colsum_chunks_add(part + nch * C, nch, C, db);
+    fsdp_arena_release(ctx, mark);
     return FSDP_OK;
 }
 

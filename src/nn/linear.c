@@ -204,7 +204,7 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
         if (st == FSDP_OK)
             st = backward_widened(ctx, lp, N, I, O, dout->data, handed ? lp : FSDP_F32, ldy, L->xl, wl, L->weight,
                                   din ? din->data : NULL);
-        if (st == FSDP_OK && L->bias) fsdp__colsum_add(dy, N, O, fsdp__pgrad(L->bias), FSDP_F32, NULL);
+        if (st == FSDP_OK && L->bias) st = fsdp__colsum_add(ctx, dy, N, O, fsdp__pgrad(L->bias), FSDP_F32, NULL);
         fsdp_arena_release(ctx, mark);
         return st;
     }
@@ -222,8 +222,12 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
             return FSDP_ERR_NOMEM;
         }
     }
-    if (L->bias) /* db (out) += column sums of dy; in 16 bits, dyl = dy rounded in the same pass */
-        fsdp__colsum_add(dy, N, O, fsdp__pgrad(L->bias), lp, lp == FSDP_F32 ? NULL : (void *)(uintptr_t)dyl);
+    if (L->bias && /* db (out) += column sums of dy; in 16 bits, dyl = dy rounded in the same pass */
+        fsdp__colsum_add(ctx, dy, N, O, fsdp__pgrad(L->bias), lp, lp == FSDP_F32 ? NULL : (void *)(uintptr_t)dyl) !=
+            FSDP_OK) {
+        fsdp_arena_release(ctx, mark);
+        return FSDP_ERR_NOMEM;
+    }
     /* dW (out, in) += dy^T x, or = when unset ([Note: unset gradients]) */
     float beta, *dw = fsdp__pgrad_first(L->weight, &beta);
     fsdp__gemm_lp(lp, 1, 0, O, I, N, 1.0f, dyl, ldy, lp == FSDP_F32 ? (const void *)L->x : L->xl, I, beta, dw, I);

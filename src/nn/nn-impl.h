@@ -117,14 +117,20 @@ enum fsdp_dtype fsdp__mlp_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__gelu_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__conv_input_dtype(const struct fsdp_module *m);
 
-/* db[c] += sum over rows i of x[i*cols + c], each column summed in row order
- * in fp32 from zero, then added: the same bits whatever the team size. Each
- * thread owns a contiguous range of columns and walks the rows in runs of
- * up to COLSUM_RUN columns (gemm.c), so rows are read as contiguous runs,
- * not 64-column strips a page apart. With xl non-NULL it also writes x
- * rounded to dt there (the same layout), each run while it is in cache:
- * one pass for a Linear's bias gradient and the 16-bit copy of dy. */
-void fsdp__colsum_add(const float *x, int64_t rows, int64_t cols, float *db, enum fsdp_dtype dt, void *xl);
+/* db[c] += sum over rows i of x[i*cols + c], summed in chunks of
+ * COLSUM_ROWS rows ([Note: column sums in row chunks], gemm.c): the same
+ * bits whatever the team size. With xl non-NULL it also writes x rounded to
+ * dt there (the same layout), each row while it is in cache: one pass for a
+ * Linear's bias gradient and the 16-bit copy of dy. Partial sums in arena
+ * scratch (FSDP_ERR_NOMEM, the error set, when it is full). */
+#define COLSUM_ROWS 32
+enum fsdp_status fsdp__colsum_add(struct fsdp_ctx *ctx, const float *x, int64_t rows, int64_t cols, float *db,
+                                  enum fsdp_dtype dt, void *xl);
+/* The chunks of COLSUM_ROWS rows a column sum over rows takes. */
+int64_t fsdp__colsum_chunks(int64_t rows);
+/* db[c] += the sum over chunks k = 0..nch-1, in that order from zero, of
+ * part[k * cols + c]: the second half of a chunked column sum. */
+void fsdp__colsum_chunks_add(const float *part, int64_t nch, int64_t cols, float *db);
 
 /* ---- Parameters (ties honoured) ---- */
 /* A tied parameter (tied_to != NULL) has no storage of its own: its values
