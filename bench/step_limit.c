@@ -112,6 +112,7 @@ static uint16_t *buf16(enum fsdp_dtype dt, int64_t n) { /* the same values round
 /* One product class: what run() does once, the FLOPs of one call. */
 struct prod {
     int kind; /* 0 Linear-like fsdp__gemm_lp / _bias; 1 batched heads (16-bit); 2 fp32 per-head sgemm loop */
+    enum fsdp__att_product how; /* kinds 1, 2: which causal product (fsdp__attention_product) */
     int64_t group; /* kind 1: heads a call ([Note: head groups], src/nn/attention.c) */
     enum fsdp_dtype dt;
     int ta, tb;
@@ -145,10 +146,9 @@ static void run(const struct prod *p) {
         size_t es = fsdp_dtype_size(p->dt);
         for (int64_t h0 = 0; h0 < p->batch; h0 += p->group) {
             int64_t g = p->batch - h0 < p->group ? p->batch - h0 : p->group;
-            fsdp__gemm_lp_batched(p->dt, g, p->ta, p->tb, p->M, p->N, p->K, 1.0f,
-                                  (const char *)p->A + (size_t)(h0 * p->sa) * es, p->lda, p->sa,
-                                  (const char *)p->B + (size_t)(h0 * p->sb) * es, p->ldb, p->sb, 0.0f,
-                                  p->C + h0 * p->sc, p->ldc, p->sc);
+            fsdp__attention_product(p->how, p->dt, g, p->T, p->hs, 1.0f, (const char *)p->A + (size_t)(h0 * p->sa) * es,
+                                    p->lda, p->sa, (const char *)p->B + (size_t)(h0 * p->sb) * es, p->ldb, p->sb,
+                                    p->C + h0 * p->sc, p->ldc, p->sc);
         }
     } else { /* attention.c's fp32 loop: heads in parallel, one single-threaded sgemm each on strided views */
 #pragma omp parallel for schedule(dynamic, 1)
@@ -156,7 +156,7 @@ static void run(const struct prod *p) {
             int64_t lda, ldb, ldc;
             const float *A = head_view(p, p->la, 0, bh, &lda), *B = head_view(p, p->lb, 0, bh, &ldb);
             float *C = head_view(p, p->lc, 1, bh, &ldc);
-            fsdp__sgemm(p->ta, p->tb, p->M, p->N, p->K, 1.0f, A, lda, B, ldb, 0.0f, C, ldc);
+            fsdp__attention_product(p->how, FSDP_F32, 1, p->T, p->hs, 1.0f, A, lda, 0, B, ldb, 0, C, ldc, 0);
         }
     }
 }
@@ -299,15 +299,19 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
     }
     /* attention.c's products per layer: forward q k^T (T x T x hs) and
      * att v (T x hs x T); backward dY v^T, att^T dY, dS k, dS^T q; in 16
-     * bits one more q k^T, the recomputed probabilities */
+     * bits one more q k^T, the recomputed probabilities. Each runs as the
+     * layer runs it, through fsdp__attention_product, which leaves out the
+     * masked blocks ([Note: causal blocks], src/nn/attention.c): its rate
+     * is the full product's (model) FLOPs per second, above the kernel's. */
     struct {
         const char *name;
         int ta, tb;
         int64_t M, N, K;
         int count; /* per layer */
-    } att[] = {{"q k^T", 0, 1, T, T, hs, lp ? 2 : 1}, {"att v", 0, 0, T, hs, T, 1},
-               {"dY v^T", 0, 1, T, T, hs, 1},            {"att^T dY", 1, 0, T, hs, T, 1},
-               {"dS k", 0, 0, T, hs, T, 1},              {"dS^T q", 1, 0, T, hs, T, 1}};
+        enum fsdp__att_product how;
+    } att[] = {{"q k^T", 0, 1, T, T, hs, lp ? 2 : 1, FSDP__ATT_SCORES}, {"att v", 0, 0, T, hs, T, 1, FSDP__ATT_ROWS},
+               {"dY v^T", 0, 1, T, T, hs, 1, FSDP__ATT_SCORES},            {"att^T dY", 1, 0, T, hs, T, 1, FSDP__ATT_COLS},
+               {"dS k", 0, 0, T, hs, T, 1, FSDP__ATT_ROWS},                {"dS^T q", 1, 0, T, hs, T, 1, FSDP__ATT_COLS}};
     /* the row of att[i] measured with p (q k^T and att v run in forward) */
 #define ATTN_ROW()                                                                                                 \
     do {                                                                                                           \
@@ -326,7 +330,7 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
             const uint16_t *A = a_tt ? pt : qh;
             int64_t lda = a_tt ? T : hs, sa = a_tt ? T * T : T * hs;
             int64_t ldb = hs, sb = T * hs, ldc = att[i].N, sc = att[i].M * att[i].N;
-            struct prod p = {.kind = 1, .dt = dt, .ta = att[i].ta, .tb = att[i].tb, .M = att[i].M, .N = att[i].N,
+            struct prod p = {.kind = 1, .how = att[i].how, .T = T, .hs = hs, .dt = dt, .ta = att[i].ta, .tb = att[i].tb, .M = att[i].M, .N = att[i].N,
                              .K = att[i].K, .batch = BH, .group = fsdp__attention_head_group(BH, T), .A = A, .B = kh, .lda = lda, .ldb = ldb, .ldc = ldc,
                              .sa = sa, .sb = sb, .sc = sc, .C = out};
             ATTN_ROW();
@@ -340,7 +344,7 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
         int lay[6][3] = {{0, 0, 2}, {2, 0, 1}, {1, 0, 2}, {2, 1, 0}, {2, 0, 0}, {2, 0, 0}};
         for (size_t i = 0; i < sizeof att / sizeof att[0]; i++) {
             struct prod p = {0};
-            p.kind = 2, p.dt = FSDP_F32, p.ta = att[i].ta, p.tb = att[i].tb;
+            p.kind = 2, p.how = att[i].how, p.dt = FSDP_F32, p.ta = att[i].ta, p.tb = att[i].tb;
             p.M = att[i].M, p.N = att[i].N, p.K = att[i].K, p.batch = BH;
             p.la = lay[i][0], p.lb = lay[i][1], p.lc = lay[i][2];
             p.nh = g->nh, p.T = T, p.Cm = C, p.hs = hs;

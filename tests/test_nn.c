@@ -258,35 +258,40 @@ TEST(gradcheck_gelu) { /* elementwise and smooth; rtol 1e-2, atol 1e-4 */
     fsdp_ctx_free(ctx);
 }
 
+/* T = 5 is one block of [Note: causal blocks]; T = 40 is three (edges 16, 32) */
 TEST(gradcheck_attention) { /* softmax: rtol 1e-2, atol 2e-4 */
     rng_seed(5);
-    struct fsdp_ctx *ctx = make_ctx();
-    struct fsdp_module *m;
-    ASSERT_OK(fsdp__attention_create(ctx, "attn", 16, 4, 0.02f, &m), ctx);
-    prepare(ctx, m, 0.5f);
-    int64_t shape[3] = {2, 5, 16};
-    struct fsdp_tensor x = make_input(3, shape, 1.0f, 0.0f);
-    struct gc g = {.name = "CausalSelfAttention", .ctx = ctx, .m = m, .in = &x, .eps = 1e-2, .rtol = 1e-2, .atol = 2e-4, .coords = 60};
-    gradcheck(&g);
-    /* causality: changing position 3 leaves outputs at positions 0..2 as they were */
-    fsdp_arena_reset(ctx);
-    struct fsdp_tensor o1 = {0}, o2 = {0};
-    ASSERT_OK(fsdp_module_forward(m, ctx, &x, &o1), ctx);
-    float *x0 = x.data;
-    for (int c = 0; c < 16; c++) x0[3 * 16 + c] += 1.0f;
-    ASSERT_OK(fsdp_module_forward(m, ctx, &x, &o2), ctx);
-    const float *a = o1.data, *b = o2.data;
-    int same_before = 1, changed_at = 0;
-    for (int t = 0; t < 5; t++)
-        for (int c = 0; c < 16; c++) {
-            if (t < 3 && a[t * 16 + c] != b[t * 16 + c]) same_before = 0;
-            if (t >= 3 && a[t * 16 + c] != b[t * 16 + c]) changed_at = 1;
-        }
-    CHECK(same_before);
-    CHECK(changed_at);
-    free(x.data);
-    fsdp_module_free(m);
-    fsdp_ctx_free(ctx);
+    const int64_t shapes[2][3] = {{2, 5, 16}, {1, 40, 16}};
+    for (int s = 0; s < 2; s++) {
+        struct fsdp_ctx *ctx = make_ctx();
+        struct fsdp_module *m;
+        ASSERT_OK(fsdp__attention_create(ctx, "attn", 16, 4, 0.02f, &m), ctx);
+        prepare(ctx, m, 0.5f);
+        int64_t B = shapes[s][0], T = shapes[s][1], p = T * 3 / 5; /* the position changed below: 3, 24 */
+        struct fsdp_tensor x = make_input(3, shapes[s], 1.0f, 0.0f);
+        struct gc g = {.name = "CausalSelfAttention", .ctx = ctx, .m = m, .in = &x, .eps = 1e-2, .rtol = 1e-2, .atol = 2e-4, .coords = 60};
+        gradcheck(&g);
+        /* causality: changing position p leaves outputs at positions 0..p-1 as they were */
+        fsdp_arena_reset(ctx);
+        struct fsdp_tensor o1 = {0}, o2 = {0};
+        ASSERT_OK(fsdp_module_forward(m, ctx, &x, &o1), ctx);
+        float *x0 = x.data;
+        for (int64_t b = 0; b < B; b++)
+            for (int c = 0; c < 16; c++) x0[(b * T + p) * 16 + c] += 1.0f;
+        ASSERT_OK(fsdp_module_forward(m, ctx, &x, &o2), ctx);
+        const float *a = o1.data, *o = o2.data;
+        int same_before = 1, changed_at = 0;
+        for (int64_t i = 0; i < B * T; i++)
+            for (int c = 0; c < 16; c++) {
+                if (i % T < p && a[i * 16 + c] != o[i * 16 + c]) same_before = 0;
+                if (i % T >= p && a[i * 16 + c] != o[i * 16 + c]) changed_at = 1;
+            }
+        CHECK(same_before);
+        CHECK(changed_at);
+        free(x.data);
+        fsdp_module_free(m);
+        fsdp_ctx_free(ctx);
+    }
 }
 
 TEST(gradcheck_mlp) { /* rtol 1e-2, atol 2e-4 */

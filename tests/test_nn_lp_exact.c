@@ -251,14 +251,16 @@ static void attention_reference(enum fsdp_dtype dt, int64_t B, int64_t T, int64_
  * rounding does (native or widened: [Note: widened operands]), to 1e-5
  * relative L2 per tensor (measured 3e-8 to 6e-7), where leaving the heads'
  * dY unrounded alone moves the gradients by more than 1e-4 (3.1e-3 in bf16,
- * 3.4e-4 in f16). */
+ * 3.4e-4 in f16). T = 12 is one block of [Note: causal blocks], T = 40 two
+ * (the edge at 32). */
 TEST(attention_16bit_is_the_rounded_reference) {
     rng_seed(43);
-    const int64_t B = 2, T = 12, C = 32;
+    const int64_t B = 2, C = 32, Ts[2] = {12, 40};
     const int nh = 2;
     const enum fsdp_dtype dts[2] = {FSDP_BF16, FSDP_F16};
-    for (int d = 0; d < 2; d++) {
-        enum fsdp_dtype dt = dts[d];
+    for (int d = 0; d < 4; d++) {
+        enum fsdp_dtype dt = dts[d % 2];
+        int64_t T = Ts[d / 2];
         struct fsdp_ctx *ctx = make_ctx();
         struct fsdp_module *m;
         ASSERT_OK(fsdp__attention_create(ctx, "attn", C, nh, 0.02f, &m), ctx);
@@ -300,8 +302,8 @@ TEST(attention_16bit_is_the_rounded_reference) {
             moved = e0 > moved ? e0 : moved;
             free(r0);
         }
-        fprintf(stderr, "  %s attention: worst relative L2 %.2e from the rounded reference; dY unrounded moves it %.2e\n",
-                fsdp_dtype_name(dt), worst, moved);
+        fprintf(stderr, "  %s attention, T %lld: worst relative L2 %.2e from the rounded reference; dY unrounded "
+                "moves it %.2e\n", fsdp_dtype_name(dt), (long long)T, worst, moved);
         CHECK(moved > 1e-4); /* the check sees the heads' dY rounding */
         for (int r = 0; r < 2; r++)
             for (int i = 0; i < 6; i++) free(ref[r][i]);

@@ -105,6 +105,58 @@ static enum fsdp_status lp_nomem(struct fsdp_ctx *ctx, enum fsdp_dtype lp) {
                      fsdp_dtype_name(lp));
 }
 
+/* [Note: causal blocks] Half of every (T, T) product of a causal head is
+ * masked: the probabilities and dS are zero above the diagonal. So each
+ * product runs over blocks of rows (query positions) or columns (key
+ * positions) and leaves out the parts that only meet zeros:
+ *  - scores, S = alpha A B^T (q k^T, dY v^T): query rows [r0, r1) against
+ *    keys [0, r1) only; what lies right of r1 is past the diagonal, never
+ *    read (the softmax and its backward read j <= t and write the zeros);
+ *  - rows, C = alpha P B (att v, dS k): rows [r0, r1) of P (T, T) against
+ *    keys [0, r1) only, the rest of those rows being zeros;
+ *  - columns, C = alpha P^T B (att^T dY, dS^T q): keys [c0, c1) against query
+ *    rows [c0, T) only.
+ * nb blocks do (nb + 1) / (2 nb) of the full products' work: 5/8 at 4, 3/4
+ * at 2, but each block is a call of its own. fp32 runs 4 (per-head sgemm
+ * calls, cheap to make: GPT-2's attention 104-119 ms a step at 1, 95 at 2,
+ * 89 at 4, bench/README.md 2026-12-05); the 16-bit path 2: its batched
+ * matmuls cost a oneDNN call each, and the blocks' strided operands run on
+ * oneDNN's gemm-based batched kernel instead of brgemm (122.7 ms at 1,
+ * 119.4 at 2). Leaving out exact zeros changes no sum's value, but each
+ * block is a product of its own shape, whose kernel may block the sums
+ * differently from the whole one; forward and the backward's recompute run
+ * the same blocks ([Note: recomputed probabilities]). The blocks' edges are
+ * multiples of 16 rows. */
+#define ATT_CAUSAL_BLOCKS 4    /* fp32: per-head sgemm calls */
+#define ATT_CAUSAL_BLOCKS_LP 2 /* 16 bits: batched oneDNN matmuls */
+
+/* Edge i of T positions cut into nb blocks (edge 0 = 0, edge nb = T). */
+static int64_t causal_edge(int64_t T, int i, int nb) {
+    int64_t e = (T * i / nb + 15) / 16 * 16;
+    return i == nb || e > T ? T : e;
+}
+
+void fsdp__attention_product(enum fsdp__att_product how, enum fsdp_dtype dt, int64_t g, int64_t T, int64_t hs,
+                             float alpha, const void *A, int64_t lda, int64_t sa, const void *B, int64_t ldb,
+                             int64_t sb, float *C, int64_t ldc, int64_t sc) {
+    size_t es = fsdp_dtype_size(dt);
+    const char *a = A, *b = B;
+    int nb = dt == FSDP_F32 ? ATT_CAUSAL_BLOCKS : ATT_CAUSAL_BLOCKS_LP;
+    for (int i = 0; i < nb; i++) {
+        int64_t e0 = causal_edge(T, i, nb), e1 = causal_edge(T, i + 1, nb);
+        if (e1 <= e0) continue;
+        if (how == FSDP__ATT_SCORES) /* C[e0:e1, 0:e1] = A[e0:e1] B[0:e1]^T */
+            fsdp__gemm_lp_batched(dt, g, 0, 1, e1 - e0, e1, hs, alpha, a + (size_t)(e0 * lda) * es, lda, sa, b, ldb,
+                                  sb, 0.0f, C + e0 * ldc, ldc, sc);
+        else if (how == FSDP__ATT_ROWS) /* C[e0:e1] = A[e0:e1, 0:e1] B[0:e1] */
+            fsdp__gemm_lp_batched(dt, g, 0, 0, e1 - e0, hs, e1, alpha, a + (size_t)(e0 * lda) * es, lda, sa, b, ldb,
+                                  sb, 0.0f, C + e0 * ldc, ldc, sc);
+        else /* C[e0:e1] = A[e0:T, e0:e1]^T B[e0:T] */
+            fsdp__gemm_lp_batched(dt, g, 1, 0, e1 - e0, hs, T - e0, alpha, a + (size_t)(e0 * lda + e0) * es, lda, sa,
+                                  b + (size_t)(e0 * ldb) * es, ldb, sb, 0.0f, C + e0 * ldc, ldc, sc);
+    }
+}
+
 struct attention {
     int64_t C;
     int n_head;
@@ -143,7 +195,7 @@ static void heads_probs_lp(enum fsdp_dtype lp, enum fsdp_dtype od, const void *q
                            int64_t T, int64_t hs, float *att, void *ab) {
     float scale = 1.0f / sqrtf((float)hs);
     size_t es = fsdp_dtype_size(od);
-    fsdp__gemm_lp_batched(od, BH, 0, 1, T, T, hs, scale, q, hs, T * hs, k, hs, T * hs, 0.0f, att, T, T * T);
+    fsdp__attention_product(FSDP__ATT_SCORES, od, BH, T, hs, scale, q, hs, T * hs, k, hs, T * hs, att, T, T * T);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < (fsdp__measuring ? 0 : BH * T); r++) {
         softmax_row(att + r * T, r % T, T);
@@ -171,8 +223,8 @@ static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype l
     for (int64_t h0 = 0; h0 < BH; h0 += G) { /* [Note: head groups] */
         int64_t g = BH - h0 < G ? BH - h0 : G, o = h0 * T * hs;
         heads_probs_lp(lp, od, q + o * es, k + o * es, g, T, hs, att, ab);
-        fsdp__gemm_lp_batched(od, g, 0, 0, T, hs, T, 1.0f, ab, T, T * T, v + o * es, hs, T * hs, 0.0f, yh + o,
-                              hs, T * hs);
+        fsdp__attention_product(FSDP__ATT_ROWS, od, g, T, hs, 1.0f, ab, T, T * T, v + o * es, hs, T * hs, yh + o, hs,
+                                T * hs);
     }
     heads_from(yh, B, T, nh, hs, ydt, y, C, 0);
     fsdp_arena_release(ctx, mark);
@@ -208,9 +260,10 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
             const float *q = q_all + b * T * 3 * C + h * hs; /* (T, hs), row stride 3C */
             const float *k = q + C, *v = q + 2 * C;
             float *s = att + bh * T * T; /* (T, T) */
-            fsdp__sgemm(0, 1, T, T, hs, scale, q, 3 * C, k, 3 * C, 0.0f, s, T);
+            fsdp__attention_product(FSDP__ATT_SCORES, FSDP_F32, 1, T, hs, scale, q, 3 * C, 0, k, 3 * C, 0, s, T, 0);
             for (int64_t t = 0; t < T; t++) softmax_row(s + t * T, t, T);
-            fsdp__sgemm(0, 0, T, hs, T, 1.0f, s, T, v, 3 * C, 0.0f, y_all + b * T * C + h * hs, C);
+            fsdp__attention_product(FSDP__ATT_ROWS, FSDP_F32, 1, T, hs, 1.0f, s, T, 0, v, 3 * C, 0,
+                                    y_all + b * T * C + h * hs, C, 0);
         }
     }
     A->lp = lp;
@@ -245,20 +298,20 @@ static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype 
         int64_t g = BH - h0 < G ? BH - h0 : G, o = h0 * T * hs;
         heads_probs_lp(lp, od, q + o * es, k + o * es, g, T, hs, att, ab);
         /* datt = dY v^T;  dv = att^T dY */
-        fsdp__gemm_lp_batched(od, g, 0, 1, T, T, hs, 1.0f, dyh + o * es, hs, T * hs, v + o * es, hs, T * hs, 0.0f,
-                              ds, T, T * T);
-        fsdp__gemm_lp_batched(od, g, 1, 0, T, hs, T, 1.0f, ab, T, T * T, dyh + o * es, hs, T * hs, 0.0f,
-                              dh + 2 * n + o, hs, T * hs);
+        fsdp__attention_product(FSDP__ATT_SCORES, od, g, T, hs, 1.0f, dyh + o * es, hs, T * hs, v + o * es, hs,
+                                T * hs, ds, T, T * T);
+        fsdp__attention_product(FSDP__ATT_COLS, od, g, T, hs, 1.0f, ab, T, T * T, dyh + o * es, hs, T * hs,
+                                dh + 2 * n + o, hs, T * hs);
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < (fsdp__measuring ? 0 : g * T); r++) { /* dS, and its rounding over att's in ab */
             softmax_bwd_row(att + r * T, ds + r * T, r % T, T);
             fsdp__to_operand(lp, od, FSDP_F32, ds + r * T, ab + (size_t)(r * T) * es, (size_t)T);
         }
         /* dq = scale dS k;  dk = scale dS^T q */
-        fsdp__gemm_lp_batched(od, g, 0, 0, T, hs, T, scale, ab, T, T * T, k + o * es, hs, T * hs, 0.0f, dh + o, hs,
-                              T * hs);
-        fsdp__gemm_lp_batched(od, g, 1, 0, T, hs, T, scale, ab, T, T * T, q + o * es, hs, T * hs, 0.0f,
-                              dh + n + o, hs, T * hs);
+        fsdp__attention_product(FSDP__ATT_ROWS, od, g, T, hs, scale, ab, T, T * T, k + o * es, hs, T * hs, dh + o,
+                                hs, T * hs);
+        fsdp__attention_product(FSDP__ATT_COLS, od, g, T, hs, scale, ab, T, T * T, q + o * es, hs, T * hs,
+                                dh + n + o, hs, T * hs);
     }
     for (int part = 0; part < 3; part++) heads_from(dh + part * n, B, T, nh, hs, FSDP_F32, dqkv, 3 * C, part * C);
     fsdp_arena_release(ctx, mark);
@@ -302,11 +355,11 @@ static enum fsdp_status attention_backward(struct fsdp_module *m, struct fsdp_ct
         const float *dY = dy_all + b * T * C + h * hs; /* (T, hs), stride C */
         const float *att = A->att + bh * T * T;        /* (T, T) */
         float *ds = scratch + (int64_t)omp_get_thread_num() * T * T; /* (T, T) */
-        fsdp__sgemm(0, 1, T, T, hs, 1.0f, dY, C, v, 3 * C, 0.0f, ds, T);
-        fsdp__sgemm(1, 0, T, hs, T, 1.0f, att, T, dY, C, 0.0f, dv, 3 * C);
+        fsdp__attention_product(FSDP__ATT_SCORES, FSDP_F32, 1, T, hs, 1.0f, dY, C, 0, v, 3 * C, 0, ds, T, 0);
+        fsdp__attention_product(FSDP__ATT_COLS, FSDP_F32, 1, T, hs, 1.0f, att, T, 0, dY, C, 0, dv, 3 * C, 0);
         for (int64_t t = 0; t < T; t++) softmax_bwd_row(att + t * T, ds + t * T, t, T);
-        fsdp__sgemm(0, 0, T, hs, T, scale, ds, T, k, 3 * C, 0.0f, dq, 3 * C);
-        fsdp__sgemm(1, 0, T, hs, T, scale, ds, T, q, 3 * C, 0.0f, dk, 3 * C);
+        fsdp__attention_product(FSDP__ATT_ROWS, FSDP_F32, 1, T, hs, scale, ds, T, 0, k, 3 * C, 0, dq, 3 * C, 0);
+        fsdp__attention_product(FSDP__ATT_COLS, FSDP_F32, 1, T, hs, scale, ds, T, 0, q, 3 * C, 0, dk, 3 * C, 0);
     }
     return fsdp_module_backward(A->c_attn, ctx, &dqkv, din);
 }

@@ -113,6 +113,17 @@ enum fsdp_dtype fsdp__attention_input_dtype(const struct fsdp_module *m);
 /* How many of BH heads of T tokens the 16-bit attention runs at once ([Note:
  * head groups], attention.c; bench/step_limit.c times its products so). */
 int64_t fsdp__attention_head_group(int64_t BH, int64_t T);
+/* One of causal attention's products over g heads, the masked blocks left
+ * out ([Note: causal blocks], attention.c; bench/step_limit.c times them
+ * so): FSDP__ATT_SCORES C (T, T) = alpha A B^T with A, B (T, hs);
+ * FSDP__ATT_ROWS C (T, hs) = alpha A B with A (T, T) of probabilities or
+ * dS and B (T, hs); FSDP__ATT_COLS the same with A transposed. A and B of
+ * dtype dt with leading dimensions lda, ldb and head strides sa, sb; C fp32
+ * (ldc, sc). */
+enum fsdp__att_product { FSDP__ATT_SCORES, FSDP__ATT_ROWS, FSDP__ATT_COLS };
+void fsdp__attention_product(enum fsdp__att_product how, enum fsdp_dtype dt, int64_t g, int64_t T, int64_t hs,
+                             float alpha, const void *A, int64_t lda, int64_t sa, const void *B, int64_t ldb,
+                             int64_t sb, float *C, int64_t ldc, int64_t sc);
 enum fsdp_dtype fsdp__mlp_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__gelu_input_dtype(const struct fsdp_module *m);
 enum fsdp_dtype fsdp__conv_input_dtype(const struct fsdp_module *m);
