@@ -9,8 +9,9 @@
  *    fp32 with a bias, given in 16 bits without one; in blocks of columns
  *    where widened), db the fp32 column sums;
  *  - CausalSelfAttention in bf16/fp16, forward and backward (dx and both
- *    Linears' dW and db), to 1e-5 relative L2, where leaving one rounding out
- *    (the heads' output gradient) moves them by more than 1e-4.
+ *    Linears' dW and db), to 1e-5 relative L2 (5e-5 at the longer sequence),
+ *    where leaving one rounding out (the heads' output gradient) moves them
+ *    by more than 1e-4.
  * (Tolerances against fp32 and the 16-bit hand-off: tests/test_nn_bf16.c.)
  */
 #include "core/core-impl.h"
@@ -249,10 +250,15 @@ static void attention_reference(enum fsdp_dtype dt, int64_t B, int64_t T, int64_
 
 /* The 16-bit attention computes what the double reference with every 16-bit
  * rounding does (native or widened: [Note: widened operands]), to 1e-5
- * relative L2 per tensor (measured 3e-8 to 6e-7), where leaving the heads'
- * dY unrounded alone moves the gradients by more than 1e-4 (3.1e-3 in bf16,
- * 3.4e-4 in f16). T = 12 is one block of [Note: causal blocks], T = 40 two
- * (the edge at 32). */
+ * relative L2 per tensor at T = 12 (measured 3e-8 to 6e-7), where leaving
+ * the heads' dY unrounded alone moves the gradients by more than 1e-4 (3.1e-3
+ * in bf16, 3.4e-4 in f16). T = 12 is one block of [Note: causal blocks],
+ * T = 40 two (the edge at 32), checked to 5e-5: with 40 positions a
+ * probability or dS whose fp32 value (our exp, our order of sums) and the
+ * reference's fall on either side of a bf16 rounding midpoint becomes likely,
+ * and one such flip moves dx by about 1e-5 (1.1e-7 in the -O2 build, 1.3e-5
+ * in the sanitizer build, whose sums run in another order; f16 5e-6 and
+ * 7e-6). */
 TEST(attention_16bit_is_the_rounded_reference) {
     rng_seed(43);
     const int64_t B = 2, C = 32, Ts[2] = {12, 40};
@@ -295,7 +301,7 @@ TEST(attention_16bit_is_the_rounded_reference) {
         for (int i = 0; i < 6; i++) {
             double e = rel_l2(got[i], ref[1][i], n[i]);
             worst = e > worst ? e : worst;
-            if (!(e <= 1e-5)) TEST_FAILF("%s %s: relative L2 %.3g from the rounded reference", fsdp_dtype_name(dt), names[i], e);
+            if (!(e <= (T > 12 ? 5e-5 : 1e-5))) TEST_FAILF("%s %s: relative L2 %.3g from the rounded reference", fsdp_dtype_name(dt), names[i], e);
             float *r0 = malloc((size_t)n[i] * sizeof(float));
             for (int64_t j = 0; j < n[i]; j++) r0[j] = (float)ref[0][i][j];
             double e0 = rel_l2(r0, ref[1][i], n[i]);
