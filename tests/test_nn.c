@@ -219,17 +219,51 @@ TEST(gradcheck_embedding) { /* ids repeat, so rows accumulate; linear: rtol 1e-3
     fsdp_ctx_free(ctx);
 }
 
+/* 6 rows are one chunk of [Note: column sums in row chunks], 70 rows three (the last partial) */
 TEST(gradcheck_layernorm) { /* smooth; rtol 1e-2, atol 1e-4 */
     rng_seed(3);
+    const int64_t shapes[2][3] = {{2, 3, 10}, {2, 35, 10}};
+    for (int s = 0; s < 2; s++) {
+        struct fsdp_ctx *ctx = make_ctx();
+        struct fsdp_module *m;
+        ASSERT_OK(fsdp__layernorm_create(ctx, "ln", 10, &m), ctx);
+        prepare(ctx, m, 0.5f);
+        struct fsdp_tensor x = make_input(3, shapes[s], 2.0f, 0.0f);
+        struct gc g = {.name = "LayerNorm", .ctx = ctx, .m = m, .in = &x, .eps = 1e-2, .rtol = 1e-2, .atol = 1e-4, .coords = 1000};
+        gradcheck(&g);
+        free(x.data);
+        fsdp_module_free(m);
+        fsdp_ctx_free(ctx);
+    }
+}
+
+/* LayerNorm's backward may write its input gradient over its output gradient
+ * (din->data == dout->data): the same bits as out of place, over several row
+ * chunks, for dx and both parameter gradients. */
+TEST(layernorm_backward_in_place) {
+    rng_seed(13);
     struct fsdp_ctx *ctx = make_ctx();
     struct fsdp_module *m;
-    ASSERT_OK(fsdp__layernorm_create(ctx, "ln", 10, &m), ctx);
+    ASSERT_OK(fsdp__layernorm_create(ctx, "ln", 24, &m), ctx);
     prepare(ctx, m, 0.5f);
-    int64_t shape[3] = {2, 3, 10};
-    struct fsdp_tensor x = make_input(3, shape, 2.0f, 0.0f);
-    struct gc g = {.name = "LayerNorm", .ctx = ctx, .m = m, .in = &x, .eps = 1e-2, .rtol = 1e-2, .atol = 1e-4, .coords = 1000};
-    gradcheck(&g);
-    free(x.data);
+    int64_t shape[3] = {2, 35, 24}, n = 2 * 35 * 24;
+    struct fsdp_tensor x = make_input(3, shape, 2.0f, 0.5f), dy = make_input(3, shape, 1.0f, 0.0f), y = {0};
+    ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y), ctx);
+    float got[2][2][24]; /* [in place][weight, bias][c] */
+    float *dx[2] = {malloc((size_t)n * sizeof(float)), malloc((size_t)n * sizeof(float))};
+    for (int inplace = 0; inplace < 2; inplace++) {
+        ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
+        memcpy(dx[1], dy.data, (size_t)n * sizeof(float));
+        struct fsdp_tensor g = dy, d = {0};
+        if (inplace) g.data = d.data = dx[1];
+        ASSERT_OK(fsdp_module_backward(m, ctx, &g, &d), ctx);
+        if (!inplace) memcpy(dx[0], d.data, (size_t)n * sizeof(float));
+        CHECK(!inplace || d.data == dx[1]);
+        for (int j = 0; j < 2; j++) memcpy(got[inplace][j], m->params[j]->grad, sizeof got[0][0]);
+    }
+    CHECK(memcmp(dx[0], dx[1], (size_t)n * sizeof(float)) == 0);
+    CHECK(memcmp(got[0], got[1], sizeof got[0]) == 0);
+    free(dx[0]), free(dx[1]), free(x.data), free(dy.data);
     fsdp_module_free(m);
     fsdp_ctx_free(ctx);
 }
