@@ -88,9 +88,8 @@ enum fsdp_status fsdp__colsum_add(struct fsdp_ctx *ctx, const float *x, int64_t 
 #pragma omp parallel for schedule(static)
     for (int64_t k = 0; k < (fsdp__measuring ? 0 : nch); k++) {
         float *pk = part + k * cols;
-        int64_t r1 = (k + 1) * COLSUM_ROWS < rows ? (k + 1) * COLSUM_ROWS : rows;
         memset(pk, 0, (size_t)cols * sizeof(float));
-        for (int64_t i = k * COLSUM_ROWS; i < r1; i++) {
+        for (int64_t i = k * COLSUM_ROWS; i < fsdp__colsum_chunk_end(k, rows); i++) {
             const float *row = x + i * cols;
 #pragma omp simd
             for (int64_t c = 0; c < cols; c++) pk[c] += row[c];

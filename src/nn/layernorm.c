@@ -92,10 +92,9 @@ static enum fsdp_status layernorm_backward(struct fsdp_module *m, struct fsdp_ct
 #pragma omp parallel for schedule(static)
     for (int64_t k = 0; k < (fsdp__measuring ? 0 : nch); k++) {
         float *pw = part + k * C, *pb = part + (nch + k) * C;
-        int64_t i1 = (k + 1) * COLSUM_ROWS < N ? (k + 1) * COLSUM_ROWS : N;
         memset(pw, 0, (size_t)C * sizeof(float));
         memset(pb, 0, (size_t)C * sizeof(float));
-        for (int64_t i = k * COLSUM_ROWS; i < i1; i++) {
+        for (int64_t i = k * COLSUM_ROWS; i < fsdp__colsum_chunk_end(k, N); i++) {
             const float *xi = x + i * C, *gi = dy + i * C;
             float mu = mean[i], r = rstd[i], s1 = 0.0f, s2 = 0.0f;
 #pragma omp simd reduction(+ : s1, s2)

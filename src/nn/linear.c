@@ -222,11 +222,12 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
             return FSDP_ERR_NOMEM;
         }
     }
-    if (L->bias && /* db (out) += column sums of dy; in 16 bits, dyl = dy rounded in the same pass */
-        fsdp__colsum_add(ctx, dy, N, O, fsdp__pgrad(L->bias), lp, lp == FSDP_F32 ? NULL : (void *)(uintptr_t)dyl) !=
-            FSDP_OK) {
+    /* db (out) += column sums of dy; in 16 bits, dyl = dy rounded in the same pass */
+    void *dyc = lp == FSDP_F32 ? NULL : (void *)(uintptr_t)dyl;
+    enum fsdp_status st = L->bias ? fsdp__colsum_add(ctx, dy, N, O, fsdp__pgrad(L->bias), lp, dyc) : FSDP_OK;
+    if (st != FSDP_OK) {
         fsdp_arena_release(ctx, mark);
-        return FSDP_ERR_NOMEM;
+        return st;
     }
     /* dW (out, in) += dy^T x, or = when unset ([Note: unset gradients]) */
     float beta, *dw = fsdp__pgrad_first(L->weight, &beta);

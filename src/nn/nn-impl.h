@@ -137,8 +137,12 @@ enum fsdp_dtype fsdp__conv_input_dtype(const struct fsdp_module *m);
 #define COLSUM_ROWS 32
 enum fsdp_status fsdp__colsum_add(struct fsdp_ctx *ctx, const float *x, int64_t rows, int64_t cols, float *db,
                                   enum fsdp_dtype dt, void *xl);
-/* The chunks of COLSUM_ROWS rows a column sum over rows takes. */
+/* The chunks of COLSUM_ROWS rows a column sum over rows takes; chunk k is
+ * rows [k COLSUM_ROWS, fsdp__colsum_chunk_end(k, rows)). */
 int64_t fsdp__colsum_chunks(int64_t rows);
+static inline int64_t fsdp__colsum_chunk_end(int64_t k, int64_t rows) {
+    return (k + 1) * COLSUM_ROWS < rows ? (k + 1) * COLSUM_ROWS : rows;
+}
 /* db[c] += the sum over chunks k = 0..nch-1, in that order from zero, of
  * part[k * cols + c]: the second half of a chunked column sum. */
 void fsdp__colsum_chunks_add(const float *part, int64_t nch, int64_t cols, float *db);
