@@ -115,7 +115,7 @@ struct prod {
     enum fsdp__att_product how; /* kinds 1, 2: which causal product (fsdp__attention_product) */
     int64_t group; /* kind 1: heads a call ([Note: head groups], src/nn/attention.c) */
     enum fsdp_dtype dt;
-    int ta, tb;
+    int ta, tb; /* kind 0 (the attention products' follow from how) */
     int64_t M, N, K, batch;
     const void *A, *B;
     int64_t lda, ldb, ldc, sa, sb, sc;
@@ -305,13 +305,12 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
      * is the full product's (model) FLOPs per second, above the kernel's. */
     struct {
         const char *name;
-        int ta, tb;
-        int64_t M, N, K;
-        int count; /* per layer */
-        enum fsdp__att_product how;
-    } att[] = {{"q k^T", 0, 1, T, T, hs, lp ? 2 : 1, FSDP__ATT_SCORES}, {"att v", 0, 0, T, hs, T, 1, FSDP__ATT_ROWS},
-               {"dY v^T", 0, 1, T, T, hs, 1, FSDP__ATT_SCORES},            {"att^T dY", 1, 0, T, hs, T, 1, FSDP__ATT_COLS},
-               {"dS k", 0, 0, T, hs, T, 1, FSDP__ATT_ROWS},                {"dS^T q", 1, 0, T, hs, T, 1, FSDP__ATT_COLS}};
+        enum fsdp__att_product how; /* its transposes and causal blocks */
+        int64_t M, N, K;            /* of the full product */
+        int count;                  /* per layer */
+    } att[] = {{"q k^T", FSDP__ATT_SCORES, T, T, hs, lp ? 2 : 1}, {"att v", FSDP__ATT_ROWS, T, hs, T, 1},
+               {"dY v^T", FSDP__ATT_SCORES, T, T, hs, 1},            {"att^T dY", FSDP__ATT_COLS, T, hs, T, 1},
+               {"dS k", FSDP__ATT_ROWS, T, hs, T, 1},                {"dS^T q", FSDP__ATT_COLS, T, hs, T, 1}};
     /* the row of att[i] measured with p (q k^T and att v run in forward) */
 #define ATTN_ROW()                                                                                                 \
     do {                                                                                                           \
@@ -330,9 +329,9 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
             const uint16_t *A = a_tt ? pt : qh;
             int64_t lda = a_tt ? T : hs, sa = a_tt ? T * T : T * hs;
             int64_t ldb = hs, sb = T * hs, ldc = att[i].N, sc = att[i].M * att[i].N;
-            struct prod p = {.kind = 1, .how = att[i].how, .T = T, .hs = hs, .dt = dt, .ta = att[i].ta, .tb = att[i].tb, .M = att[i].M, .N = att[i].N,
-                             .K = att[i].K, .batch = BH, .group = fsdp__attention_head_group(BH, T), .A = A, .B = kh, .lda = lda, .ldb = ldb, .ldc = ldc,
-                             .sa = sa, .sb = sb, .sc = sc, .C = out};
+            struct prod p = {.kind = 1, .how = att[i].how, .T = T, .hs = hs, .dt = dt, .M = att[i].M, .N = att[i].N,
+                             .K = att[i].K, .batch = BH, .group = fsdp__attention_head_group(BH, T), .A = A, .B = kh,
+                             .lda = lda, .ldb = ldb, .ldc = ldc, .sa = sa, .sb = sb, .sc = sc, .C = out};
             ATTN_ROW();
         }
         free(qh), free(kh), free(pt), free(out);
@@ -344,7 +343,7 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
         int lay[6][3] = {{0, 0, 2}, {2, 0, 1}, {1, 0, 2}, {2, 1, 0}, {2, 0, 0}, {2, 0, 0}};
         for (size_t i = 0; i < sizeof att / sizeof att[0]; i++) {
             struct prod p = {0};
-            p.kind = 2, p.how = att[i].how, p.dt = FSDP_F32, p.ta = att[i].ta, p.tb = att[i].tb;
+            p.kind = 2, p.how = att[i].how, p.dt = FSDP_F32;
             p.M = att[i].M, p.N = att[i].N, p.K = att[i].K, p.batch = BH;
             p.la = lay[i][0], p.lb = lay[i][1], p.lc = lay[i][2];
             p.nh = g->nh, p.T = T, p.Cm = C, p.hs = hs;
