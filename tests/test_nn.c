@@ -21,6 +21,7 @@
 #include "plist.h"
 
 #include <errno.h>
+#include <float.h>
 #include <sys/stat.h>
 
 /* ---- helpers ---- */
@@ -290,6 +291,42 @@ TEST(gradcheck_gelu) { /* elementwise and smooth; rtol 1e-2, atol 1e-4 */
     free(x.data);
     fsdp_module_free(m);
     fsdp_ctx_free(ctx);
+}
+
+/* one element at a time, not vectorised: what the loops' lanes must agree with */
+static __attribute__((noinline)) float expf_one(float x) { return fsdp__expf(x, fsdp__exp_range()); }
+
+/* [Note: exp range]: accuracy against libm's double exp over [-87, 88], the
+ * clamp outside it, nan and the infinities, and the vectorised loop (range
+ * hoisted, as the layers use it) giving the scalar call's bits */
+TEST(fast_expf_against_libm) {
+    enum { N = 400003 };
+    float *x = malloc(N * sizeof(float)), *e = malloc(N * sizeof(float));
+    ASSERT(x && e);
+    for (int i = 0; i < N; i++) x[i] = -95.0f + 190.0f * (float)i / (float)(N - 1);
+    x[0] = NAN, x[1] = INFINITY, x[2] = -INFINITY, x[3] = 0.0f, x[4] = -0.0f, x[5] = 1e-30f;
+    const struct fsdp__exp_range er = fsdp__exp_range();
+#pragma omp simd
+    for (int i = 0; i < N; i++) e[i] = fsdp__expf(x[i], er);
+    double worst = 0.0;
+    for (int i = 0; i < N; i++) {
+        float one = expf_one(x[i]);
+        if (memcmp(&one, &e[i], sizeof one)) {
+            TEST_FAILF("x = %.9g: the vectorised loop gives %.9g, one call %.9g", x[i], e[i], one);
+            break;
+        }
+        if (isnan(x[i])) continue;
+        double c = x[i] < -87.0f ? -87.0 : x[i] > 88.0f ? 88.0 : (double)x[i], want = exp(c);
+        double rel = fabs((double)e[i] - want) / want;
+        if (rel > worst) worst = rel;
+    }
+    if (!(worst < 4.0 * FLT_EPSILON)) TEST_FAILF("worst relative error %.3g (want under 4 ulp)", worst);
+    CHECK(isnan(e[0]));
+    CHECK(isfinite(e[1]) && e[1] == expf_one(88.0f));
+    CHECK(e[2] > 0.0f && e[2] == expf_one(-87.0f));
+    CHECK(e[3] == 1.0f && e[4] == 1.0f && e[5] == 1.0f);
+    free(x);
+    free(e);
 }
 
 /* T = 5 is one block of [Note: causal blocks]; T = 40 is three (edges 16, 32) */

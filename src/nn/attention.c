@@ -47,9 +47,10 @@ static void softmax_row(float *row, int64_t t, int64_t T) {
 #pragma omp simd reduction(max : mx)
     for (int64_t j = 1; j <= t; j++) mx = row[j] > mx ? row[j] : mx;
     float sum = 0.0f;
+    const struct fsdp__exp_range er = fsdp__exp_range(); /* [Note: exp range] */
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j <= t; j++) {
-        float e = fsdp__expf(row[j] - mx);
+        float e = fsdp__expf(row[j] - mx, er);
         row[j] = e;
         sum += e;
     }

@@ -17,10 +17,11 @@
 
 /* y[i] = gelu(x[i]) for n elements (one block; both output paths use it) */
 static void gelu_run(const float *x, float *y, int64_t n) {
+    const struct fsdp__exp_range er = fsdp__exp_range(); /* [Note: exp range] */
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
         float v = x[i];
-        float sg = 1.0f / (1.0f + fsdp__expf(-2.0f * GELU_K * (v + GELU_A * v * v * v)));
+        float sg = 1.0f / (1.0f + fsdp__expf(-2.0f * GELU_K * (v + GELU_A * v * v * v), er));
         y[i] = v * sg;
     }
 }
@@ -91,10 +92,11 @@ static enum fsdp_status gelu_backward(struct fsdp_module *m, struct fsdp_ctx *ct
         const float *x = block_in(G->xdt, G->x, i0, len, xb);
         const float *dyb = dy + i0;
         float *dxb = dx + i0;
+        const struct fsdp__exp_range er = fsdp__exp_range();
 #pragma omp simd
         for (int64_t i = 0; i < len; i++) {
             float v = x[i];
-            float sg = 1.0f / (1.0f + fsdp__expf(-2.0f * GELU_K * (v + GELU_A * v * v * v)));
+            float sg = 1.0f / (1.0f + fsdp__expf(-2.0f * GELU_K * (v + GELU_A * v * v * v), er));
             float d = sg + 2.0f * v * sg * (1.0f - sg) * GELU_K * (1.0f + 3.0f * GELU_A * v * v);
             dxb[i] = dyb[i] * d;
         }

@@ -26,6 +26,7 @@ static double ce_row(const float *l, float *d, int64_t V, int64_t t, float g) {
 #pragma omp simd reduction(max : mx)
     for (int64_t j = 1; j < V; j++) mx = l[j] > mx ? l[j] : mx;
     float lt = l[t];
+    const struct fsdp__exp_range er = fsdp__exp_range(); /* [Note: exp range] */
     double sum = 0.0; /* float sums over blocks of 1024, in double across them */
     for (int64_t j0 = 0; j0 < V; j0 += 1024) {
         int64_t j1 = j0 + 1024 < V ? j0 + 1024 : V;
@@ -33,13 +34,13 @@ static double ce_row(const float *l, float *d, int64_t V, int64_t t, float g) {
         if (d) {
 #pragma omp simd reduction(+ : s)
             for (int64_t j = j0; j < j1; j++) {
-                float e = fsdp__expf(l[j] - mx);
+                float e = fsdp__expf(l[j] - mx, er);
                 d[j] = e;
                 s += e;
             }
         } else {
 #pragma omp simd reduction(+ : s)
-            for (int64_t j = j0; j < j1; j++) s += fsdp__expf(l[j] - mx);
+            for (int64_t j = j0; j < j1; j++) s += fsdp__expf(l[j] - mx, er);
         }
         sum += (double)s;
     }
@@ -202,8 +203,9 @@ enum fsdp_status fsdp__loss_check(struct fsdp_ctx *ctx, const struct fsdp_loss *
 static double xent_row(const float *l, float *d, int64_t C, int32_t t, const float *q, float s, float g) {
     float mx = l[0];
     for (int64_t j = 1; j < C; j++) mx = l[j] > mx ? l[j] : mx;
+    const struct fsdp__exp_range er = fsdp__exp_range(); /* [Note: exp range] */
     double sum = 0.0;
-    for (int64_t j = 0; j < C; j++) sum += (double)fsdp__expf(l[j] - mx);
+    for (int64_t j = 0; j < C; j++) sum += (double)fsdp__expf(l[j] - mx, er);
     double lse = (double)mx + log(sum), qsum = 0.0, ql = 0.0;
     float u = s / (float)C; /* the smoothing's uniform part */
     for (int64_t j = 0; j < C; j++) {
@@ -216,7 +218,7 @@ static double xent_row(const float *l, float *d, int64_t C, int32_t t, const flo
         float k = (float)qsum / (float)sum;
         for (int64_t j = 0; j < C; j++) {
             float qj = (q ? (1.0f - s) * q[j] : (j == t ? 1.0f - s : 0.0f)) + u;
-            d[j] = (fsdp__expf(l[j] - mx) * k - qj) * g;
+            d[j] = (fsdp__expf(l[j] - mx, er) * k - qj) * g;
         }
     }
     return loss;

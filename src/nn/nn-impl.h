@@ -251,24 +251,44 @@ enum fsdp_status fsdp__adopt(struct fsdp_ctx *ctx, struct fsdp_module *parent, e
 const char *fsdp__mname(const struct fsdp_module *m);
 
 /* ---- Fast math (branch-free, so loops under `omp simd` vectorise) ---- */
+/* [Note: exp range] fsdp__expf clamps its argument to [-87, 88]. With the
+ * bounds as literal constants GCC 12 folds the whole polynomial for each
+ * clamped side into a constant and vectorises the three cases under masks
+ * (25 masked operations a vector): GELU's forward ran at 0.60 ns an element
+ * on one thread. Bounds the compiler cannot see through (an empty asm on
+ * them, made once before the loop: an asm inside a loop stops it from
+ * vectorising) give one max, one min and the plain polynomial: 0.38 ns, the
+ * same bits for every one of the 2^32 inputs. So a loop takes its range first:
+ *   const struct fsdp__exp_range er = fsdp__exp_range();
+ *   for (...) e[j] = fsdp__expf(x[j], er); */
+struct fsdp__exp_range {
+    float lo, hi;
+};
+static inline struct fsdp__exp_range fsdp__exp_range(void) {
+    struct fsdp__exp_range r = {-87.0f, 88.0f};
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __asm__("" : "+x"(r.lo), "+x"(r.hi));
+#endif
+    return r;
+}
 /* exp(x) to about 2 ulp for x in [-87, 88]; clamps outside (never inf/0);
- * nan gives nan (selects, not branches, so loops still vectorise; a nan
- * reaching the float -> int conversion below would be undefined behaviour). */
-static inline float fsdp__expf(float x0) {
-    float x = x0 != x0 ? 0.0f : x0;
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
+ * nan gives nan (selects, not branches, so loops still vectorise; the clamp
+ * turns a nan into lo, so none reaches the float -> int conversion below,
+ * where it would be undefined behaviour). r is fsdp__exp_range()'s. */
+static inline float fsdp__expf(float x0, struct fsdp__exp_range r) {
+    float x = x0 > r.lo ? x0 : r.lo; /* a nan fails the test: lo */
+    x = x < r.hi ? x : r.hi;
     const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
     float n = (x * 1.44269504f + magic) - magic;
-    float r = x - n * 0.693145752f; /* ln 2 in two parts (Cody-Waite) */
-    r = r - n * 1.42860677e-06f;
+    float r0 = x - n * 0.693145752f; /* ln 2 in two parts (Cody-Waite) */
+    r0 = r0 - n * 1.42860677e-06f;
     float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    p = p * r0 + 1.0f / 120.0f;
+    p = p * r0 + 1.0f / 24.0f;
+    p = p * r0 + 1.0f / 6.0f;
+    p = p * r0 + 0.5f;
+    p = p * r0 + 1.0f;
+    p = p * r0 + 1.0f;
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
