@@ -282,16 +282,19 @@ TEST(producers_hand_off_the_rounding_of_their_fp32_output) {
  * 65536 and a tail; 4100 x 4100: 1024 at least, and a tail of 4), and a
  * bias-free Linear asked for ROWS16 too spaces its rows: every element the
  * cast of the fp32 output's, with and without a bias, bf16 and f16 (and
- * bf16 widened, FSDP_GEMM_BF16=widen). */
+ * bf16 widened, FSDP_GEMM_BF16=widen). With native bf16 kernels the kernel
+ * writes bf16 itself ([Note: 16-bit output by the kernel], gemm_lp.c), in
+ * blocks halved until its scratchpad fits (70001: 32768 and a tail on two
+ * threads; 4100: 256 and a tail of 4); 256 x 3072 from 768 inputs is
+ * GPT-2's c_fc at 256 tokens. */
 TEST(linear_rounds_a_large_output_as_its_fp32_output) {
     rng_seed(37);
     struct fsdp_ctx *ctx = make_ctx();
-    enum { I = 16 };
-    const int64_t shapes[2][2] = {{64, 70001}, {4100, 4100}}; /* rows N, outputs O */
+    const int64_t shapes[3][3] = {{64, 70001, 16}, {4100, 4100, 16}, {256, 3072, 768}}; /* rows N, outputs O, inputs I */
     const enum fsdp_dtype dts[2] = {FSDP_BF16, FSDP_F16};
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < 6; k++) {
         int bias = k % 2;
-        int64_t N = shapes[k / 2][0], O = shapes[k / 2][1];
+        int64_t N = shapes[k / 2][0], O = shapes[k / 2][1], I = shapes[k / 2][2];
         float *x = malloc((size_t)(N * I) * sizeof(float));
         struct fsdp_tensor in = rand_input(1, N, I, x);
         struct fsdp_module *lin;

@@ -38,6 +38,7 @@ struct mm_key {
     int64_t M, N, K, lda, ldb, ldc;
     int64_t batch, sa, sb, sc; /* batched products: count and element strides (batch 1: 2-D) */
     int64_t bias;              /* 1: a row vector of N fp32 added to every row (2-D only) */
+    int64_t out16;             /* 1: C in bf16, rounded by the kernel ([Note: 16-bit output by the kernel]) */
     uint32_t alpha_bits, beta_bits;
 };
 
@@ -173,7 +174,7 @@ static void mm_create(const struct mm_key *k, float alpha, float beta, struct mm
     cs[o] = k->ldc, cs[o + 1] = 1;
     dnnl_status_t st = dnnl_memory_desc_init_by_strides(&e->a, nd, ad, in_dt, as);
     if (st == dnnl_success) st = dnnl_memory_desc_init_by_strides(&e->b, nd, bd, in_dt, bs);
-    if (st == dnnl_success) st = dnnl_memory_desc_init_by_strides(&e->c, nd, cd, dnnl_f32, cs);
+    if (st == dnnl_success) st = dnnl_memory_desc_init_by_strides(&e->c, nd, cd, k->out16 ? dnnl_bf16 : dnnl_f32, cs);
     if (st == dnnl_success && k->bias) {
         dnnl_dims_t vd = {1, k->N}, vs = {k->N, 1};
         st = dnnl_memory_desc_init_by_strides(&e->bias, 2, vd, dnnl_f32, vs);
@@ -248,8 +249,10 @@ static void *tl_grow(void **buf, size_t *cap, size_t bytes) {
     return *buf;
 }
 
+/* Runs k's primitive; scratch: the caller's buffer of the primitive's
+ * scratchpad size, or NULL for this thread's */
 static void gemm_onednn(const struct mm_key *k, float alpha, float beta, const void *A, const void *B,
-                        const float *bias, float *C) {
+                        const float *bias, void *C, void *scratch) {
     struct mm_entry tmp;
     int owned;
     const struct mm_entry *e = mm_get(k, alpha, beta, &tmp, &owned);
@@ -257,7 +260,8 @@ static void gemm_onednn(const struct mm_key *k, float alpha, float beta, const v
         dnnl_status_t st = dnnl_stream_create(&tl_stream, mm_engine, dnnl_stream_default_flags);
         FSDP_ASSERT(st == dnnl_success, "dnnl_stream_create failed with status %d", (int)st);
     }
-    void *scratch = e->scratch_bytes ? tl_grow(&tl_scratch, &tl_scratch_cap, e->scratch_bytes) : NULL;
+    if (!e->scratch_bytes) scratch = NULL;
+    else if (!scratch) scratch = tl_grow(&tl_scratch, &tl_scratch_cap, e->scratch_bytes);
     dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL, mv = NULL;
     dnnl_status_t st = dnnl_memory_create(&ma, &e->a, mm_engine, (void *)(uintptr_t)A);
     if (st == dnnl_success) st = dnnl_memory_create(&mb, &e->b, mm_engine, (void *)(uintptr_t)B);
@@ -348,7 +352,7 @@ static void gemm_one(enum fsdp_dtype dt, int transa, int transb, int64_t M, int6
         gemm_widen(dt, transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     } else {
         struct mm_key k = mm_key_2d(dt, transa, transb, M, N, K, lda, ldb, ldc, alpha, beta);
-        gemm_onednn(&k, alpha, beta, A, B, NULL, C);
+        gemm_onednn(&k, alpha, beta, A, B, NULL, C, NULL);
     }
 }
 
@@ -375,7 +379,7 @@ void fsdp__gemm_lp_batched(enum fsdp_dtype dt, int64_t batch, int transa, int tr
      * across it; dense (T, hs)-like operands take the AMX brgemm kernels */
     struct mm_key k = mm_key_2d(dt, transa, transb, M, N, K, lda, ldb, ldc, alpha, beta);
     k.batch = batch, k.sa = sa, k.sb = sb, k.sc = sc;
-    gemm_onednn(&k, alpha, beta, A, B, NULL, C);
+    gemm_onednn(&k, alpha, beta, A, B, NULL, C, NULL);
 }
 
 void fsdp__gemm_lp(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
@@ -403,7 +407,50 @@ void fsdp__gemm_lp_bias(enum fsdp_dtype dt, int transa, int transb, int64_t M, i
     }
     struct mm_key k = mm_key_2d(dt, transa, transb, M, N, K, lda, ldb, ldc, 1.0f, 0.0f);
     k.bias = 1;
-    gemm_onednn(&k, 1.0f, 0.0f, A, B, bias, C);
+    gemm_onednn(&k, 1.0f, 0.0f, A, B, bias, C, NULL);
+}
+
+/* [Note: 16-bit output by the kernel] A Linear whose output is wanted in
+ * bf16 rounded its fp32 product in a pass of its own ([Note: 16-bit output
+ * rounding], linear.c): 33 ms of a GPT-2 bf16 step (1024 tokens, 2 threads),
+ * the outputs of c_attn, c_fc and the lm_head. oneDNN's bf16 matmul can
+ * write bf16 itself, rounding each fp32 sum to nearest even as the cast does
+ * (the same bits: 0 of 3.1 M outputs differed for c_fc; tests/test_nn_bf16.c
+ * checks every element against the cast) in the product's own time: c_fc
+ * 6.76 ms against 6.62 + 1.02 (mean 7.97), an lm_head block of 2048 columns
+ * 4.33 against 4.89, a scratch program, 2 threads. Its gemm-based kernel
+ * keeps fp32 sums in its scratchpad, twice the output's fp32 size on two
+ * threads (25 MB for c_fc), so the caller gives the scratchpad (the arena,
+ * where the memory plan counts it) and asks its size first. Native bf16
+ * only: elsewhere fsdp__gemm_lp_out16_scratch says no (SIZE_MAX). */
+static struct mm_key out16_key(int transa, int transb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                               int64_t ldc, int bias) {
+    struct mm_key k = mm_key_2d(FSDP_BF16, transa, transb, M, N, K, lda, ldb, ldc, 1.0f, 0.0f);
+    k.bias = bias != 0;
+    k.out16 = 1;
+    return k;
+}
+
+size_t fsdp__gemm_lp_out16_scratch(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K,
+                                   int64_t lda, int64_t ldb, int64_t ldc, int bias) {
+    if (dt != FSDP_BF16 || !mm_native(dt) || M <= 0 || N <= 0 || K <= 0) return SIZE_MAX;
+    struct mm_key k = out16_key(transa, transb, M, N, K, lda, ldb, ldc, bias);
+    struct mm_entry tmp;
+    int owned;
+    const struct mm_entry *e = mm_get(&k, 1.0f, 0.0f, &tmp, &owned);
+    size_t bytes = e->scratch_bytes;
+    if (owned) dnnl_primitive_destroy(tmp.prim);
+    return bytes;
+}
+
+void fsdp__gemm_lp_out16(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, const void *A,
+                         int64_t lda, const void *B, int64_t ldb, const float *bias, uint16_t *C, int64_t ldc,
+                         void *scratch) {
+    FSDP_ASSERT(dt == FSDP_BF16 && mm_native(dt) && K > 0, "a %s product written in bf16 by the kernel needs "
+                "native bf16 kernels and K > 0 (K = %lld)", fsdp_dtype_name(dt), (long long)K);
+    if (M <= 0 || N <= 0 || fsdp__measuring) return;
+    struct mm_key k = out16_key(transa, transb, M, N, K, lda, ldb, ldc, bias != NULL);
+    gemm_onednn(&k, 1.0f, 0.0f, A, B, bias, C, scratch);
 }
 
 void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A,

@@ -29,6 +29,35 @@
 #define ROUND_SCRATCH ((int64_t)16 << 20)
 #define ROUND_MIN_COLS 1024
 
+/* product_rounded where oneDNN writes the 16-bit output itself ([Note:
+ * 16-bit output by the kernel], gemm_lp.c): blocks of columns halved from
+ * nc until the kernel's scratchpad fits ROUND_SCRATCH (two blocks for c_fc,
+ * 2048 columns for the lm_head at 1024 rows on two threads), the
+ * scratchpad in the arena. */
+static enum fsdp_status product_out16(struct fsdp_ctx *ctx, enum fsdp_dtype lp, int64_t N, int64_t O, int64_t I,
+                                      const void *x, const void *w, const float *b, void *y, int64_t ldy,
+                                      int64_t nc) {
+    size_t need = fsdp__gemm_lp_out16_scratch(lp, 0, 1, N, nc, I, I, I, ldy, b != NULL);
+    while (need > (size_t)ROUND_SCRATCH + 4096 && nc > 64) {
+        nc = (nc + 1) / 2;
+        need = fsdp__gemm_lp_out16_scratch(lp, 0, 1, N, nc, I, I, I, ldy, b != NULL);
+    }
+    /* the last block's own shape may ask for another size: the larger of the two */
+    int64_t tail = O % nc;
+    size_t need_tail = tail ? fsdp__gemm_lp_out16_scratch(lp, 0, 1, N, tail, I, I, I, ldy, b != NULL) : 0;
+    if (need_tail > need) need = need_tail;
+    void *s = need ? fsdp__scratch(ctx, (int64_t)((need + sizeof(float) - 1) / sizeof(float)),
+                                   "Linear output's product scratchpad") : NULL;
+    if (need && !s) return FSDP_ERR_NOMEM;
+    size_t es = fsdp_dtype_size(lp);
+    for (int64_t c0 = 0; c0 < O; c0 += nc) {
+        int64_t n = O - c0 < nc ? O - c0 : nc;
+        const void *wc = (const char *)w + (size_t)(c0 * I) * es; /* weight rows [c0, c0 + n) */
+        fsdp__gemm_lp_out16(lp, 0, 1, N, n, I, x, I, wc, I, b ? b + c0 : NULL, (uint16_t *)y + c0, ldy, s);
+    }
+    return FSDP_OK;
+}
+
 /* y (N, O, row stride ldy, dtype odt) = x W^T (+ b) rounded to odt, x (N, I)
  * and W (O, I) of the 16-bit compute dtype lp. */
 static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp, int64_t N, int64_t O, int64_t I,
@@ -40,9 +69,11 @@ static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp
     int64_t nc = ROUND_SCRATCH / ((int64_t)sizeof(float) * N);
     nc = nc < ROUND_MIN_COLS ? ROUND_MIN_COLS : nc;
     nc = nc > O ? O : nc;
+    size_t es = fsdp_dtype_size(lp), os = fsdp_dtype_size(odt);
+    if (odt == lp && fsdp__gemm_lp_out16_scratch(lp, 0, 1, N, nc, I, I, I, ldy, b != NULL) != SIZE_MAX)
+        return product_out16(ctx, lp, N, O, I, x, w, b, y, ldy, nc);
     float *s = fsdp__scratch(ctx, N * nc, "Linear output before rounding");
     if (!s) return FSDP_ERR_NOMEM;
-    size_t es = fsdp_dtype_size(lp), os = fsdp_dtype_size(odt);
     for (int64_t c0 = 0; c0 < O; c0 += nc) {
         int64_t n = O - c0 < nc ? O - c0 : nc;
         const void *wc = (const char *)w + (size_t)(c0 * I) * es; /* weight rows [c0, c0 + n) */

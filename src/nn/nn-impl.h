@@ -56,6 +56,16 @@ void fsdp__gemm_lp_batched(enum fsdp_dtype dt, int64_t batch, int transa, int tr
  * the widened products add to it. */
 void fsdp__gemm_lp_bias(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, const void *A,
                         int64_t lda, const void *B, int64_t ldb, const float *bias, float *C, int64_t ldc);
+/* C (M, N; row stride ldc) in bf16 = op(A) op(B) (+ bias, N fp32, when not
+ * NULL), A and B bf16, each fp32 sum rounded to nearest even by oneDNN's
+ * kernel ([Note: 16-bit output by the kernel], gemm_lp.c); scratch: the
+ * bytes fsdp__gemm_lp_out16_scratch gives for the same shape, which is
+ * SIZE_MAX where this is not available (dt not BF16, or bf16 widened). */
+size_t fsdp__gemm_lp_out16_scratch(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K,
+                                   int64_t lda, int64_t ldb, int64_t ldc, int bias);
+void fsdp__gemm_lp_out16(enum fsdp_dtype dt, int transa, int transb, int64_t M, int64_t N, int64_t K, const void *A,
+                         int64_t lda, const void *B, int64_t ldb, const float *bias, uint16_t *C, int64_t ldc,
+                         void *scratch);
 void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A,
                      int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
 /* Number of matmul primitives in the cache (for tests and benchmarks). */
