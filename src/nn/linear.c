@@ -19,10 +19,13 @@
  * each block rounded into place:
  * GPT-2's lm_head at 4 x 256 tokens would otherwise need 196 MiB of fp32
  * beside its 98 MiB of bf16 logits (one block for its other Linears). Each
- * output element is the same dot product, rounded to nearest even. oneDNN
- * can store a bf16 matmul's output rounded itself, but for the lm_head it
- * kept an fp32 accumulator of the whole output in its scratchpad (outside
- * the arena: peak RSS 108 MB higher, bench/README.md). Asked for
+ * output element is the same dot product, rounded to nearest even. With
+ * native bf16 kernels oneDNN rounds the blocks itself (product_out16, [Note:
+ * 16-bit output by the kernel] in gemm_lp.c): its scratchpad holds the fp32
+ * sums (twice a block's fp32 size on two threads), so the blocks are halved
+ * until it fits the same ROUND_SCRATCH, and it lives in the arena (left to
+ * oneDNN's own allocation, the lm_head's whole output in one product raised
+ * the peak RSS 108 MB, bench/README.md). Asked for
  * ROWS16 as well, a bias-free Linear spaces its output rows as its own
  * backward takes its output gradient ([Note: padded rows], src/fsdp/step.c),
  * so a gradient written over the output in place comes back in them. */
