@@ -460,6 +460,8 @@ void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, fl
 
 int fsdp_gemm_native(enum fsdp_dtype dt) { return dt == FSDP_F32 || mm_native(dt); }
 
+int fsdp__gemm_lp_gemm_based(enum fsdp_dtype dt) { return mm_native(dt) && mm_bf16_gemm; }
+
 int fsdp__gemm_lp_cached(void) {
     pthread_mutex_lock(&mm_lock);
     int n = mm_count;

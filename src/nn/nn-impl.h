@@ -68,6 +68,10 @@ void fsdp__gemm_lp_out16(enum fsdp_dtype dt, int transa, int transb, int64_t M, 
                          void *scratch);
 void fsdp__gemm_bf16(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A,
                      int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
+/* 1 if dt's 2-D products run on oneDNN's gemm-based native kernel ([Note:
+ * bf16 kernels], gemm_lp.c: bf16 on AVX512-BF16 without AMX, or
+ * FSDP_GEMM_BF16=gemm), 0 otherwise. */
+int fsdp__gemm_lp_gemm_based(enum fsdp_dtype dt);
 /* Number of matmul primitives in the cache (for tests and benchmarks). */
 int fsdp__gemm_lp_cached(void);
 
