@@ -111,7 +111,8 @@ static uint16_t *buf16(enum fsdp_dtype dt, int64_t n) { /* the same values round
 
 /* One product class: what run() does once, the FLOPs of one call. */
 struct prod {
-    int kind; /* 0 Linear-like fsdp__gemm_lp / _bias; 1 batched heads (16-bit); 2 fp32 per-head sgemm loop */
+    int kind; /* 0 Linear-like fsdp__gemm_lp / _bias; 1 batched heads (16-bit); 2 fp32 per-head sgemm loop;
+               * 3 16-bit heads one by one ([Note: heads one by one], src/nn/attention.c) */
     enum fsdp__att_product how; /* kinds 1, 2: which causal product (fsdp__attention_product) */
     int64_t group; /* kind 1: heads a call ([Note: head groups], src/nn/attention.c) */
     enum fsdp_dtype dt;
@@ -127,7 +128,20 @@ struct prod {
     int la, lb, lc;
     int64_t nh, T, Cm, hs;
     float *qkv, *y, *tt, *dqkv; /* dqkv: where layout-0 outputs go (attention.c's dqkv) */
+    /* kind 3: qkv and a thread's (T, T) and dense (T, hs) 16-bit operands;
+     * outputs fp32 into tt, dqkv and a thread's dense (T, hs) th (layout 3) */
+    const uint16_t *qkv16, *tt16, *th16;
+    float *th;
 };
+
+/* kind 3's operand (out 0, 16-bit) or output (out 1, fp32) of head bh on thread me */
+static void *head_view_ph(const struct prod *p, int layout, int out, int64_t bh, int64_t me, int64_t *ld) {
+    int64_t b = bh / p->nh, h = bh % p->nh, o = b * p->T * 3 * p->Cm + h * p->hs;
+    if (layout == 0) return *ld = 3 * p->Cm, out ? (void *)(p->dqkv + o) : (void *)(uintptr_t)(p->qkv16 + o);
+    if (layout == 2) return *ld = p->T, out ? (void *)(p->tt + me * p->T * p->T)
+                                            : (void *)(uintptr_t)(p->tt16 + me * p->T * p->T);
+    return *ld = p->hs, out ? (void *)(p->th + me * p->T * p->hs) : (void *)(uintptr_t)(p->th16 + me * p->T * p->hs);
+}
 
 static float *head_view(const struct prod *p, int layout, int out, int64_t bh, int64_t *ld) {
     int64_t b = bh / p->nh, h = bh % p->nh;
@@ -149,6 +163,14 @@ static void run(const struct prod *p) {
             fsdp__attention_product(p->how, p->dt, g, p->T, p->hs, 1.0f, (const char *)p->A + (size_t)(h0 * p->sa) * es,
                                     p->lda, p->sa, (const char *)p->B + (size_t)(h0 * p->sb) * es, p->ldb, p->sb,
                                     p->C + h0 * p->sc, p->ldc, p->sc);
+        }
+    } else if (p->kind == 3) { /* attention.c's 16-bit heads one by one, a thread's scratch reused */
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t bh = 0; bh < p->batch; bh++) {
+            int64_t lda, ldb, ldc, me = omp_get_thread_num();
+            const void *A = head_view_ph(p, p->la, 0, bh, me, &lda), *B = head_view_ph(p, p->lb, 0, bh, me, &ldb);
+            float *C = head_view_ph(p, p->lc, 1, bh, me, &ldc);
+            fsdp__attention_product(p->how, p->dt, 1, p->T, p->hs, 1.0f, A, lda, 0, B, ldb, 0, C, ldc, 0);
         }
     } else { /* attention.c's fp32 loop: heads in parallel, one single-threaded sgemm each on strided views */
 #pragma omp parallel for schedule(dynamic, 1)
@@ -320,7 +342,26 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
         add_product(t, name, 2.0 * (double)(T * T * hs) * (double)(BH * L * att[i].count * ranks), &p, seconds, \
                     share, i == 0 ? 1.0 / att[i].count : i == 1);                                                  \
     } while (0)
-    if (lp) { /* head-major dense copies (B*nh, T, hs), probabilities (B*nh, T, T), all 16-bit */
+    if (lp && fsdp__gemm_lp_gemm_based(dt)) { /* heads one by one, as attention.c runs them there */
+        int64_t nthr = omp_get_max_threads();
+        uint16_t *qkv16 = buf16(dt, N * 3 * C), *tt16 = buf16(dt, nthr * T * T), *th16 = buf16(dt, nthr * T * hs);
+        float *tt = buf(nthr * T * T), *th = buf(nthr * T * hs), *o = buf(N * 3 * C);
+        /* layouts (0: a head's columns of qkv / dqkv; 2: the thread's T x T;
+         * 3: the thread's dense T x hs, y's or dY's head): q k^T: q, k, s; att v:
+         * att, v, y; dY v^T: dY, v, ds; att^T dY: att, dY, dv; dS k: dS, k, dq;
+         * dS^T q: dS, q, dk */
+        int lay[6][3] = {{0, 0, 2}, {2, 0, 3}, {3, 0, 2}, {2, 3, 0}, {2, 0, 0}, {2, 0, 0}};
+        for (size_t i = 0; i < sizeof att / sizeof att[0]; i++) {
+            struct prod p = {0};
+            p.kind = 3, p.how = att[i].how, p.dt = dt;
+            p.M = att[i].M, p.N = att[i].N, p.K = att[i].K, p.batch = BH;
+            p.la = lay[i][0], p.lb = lay[i][1], p.lc = lay[i][2];
+            p.nh = g->nh, p.T = T, p.Cm = C, p.hs = hs;
+            p.qkv16 = qkv16, p.tt16 = tt16, p.th16 = th16, p.tt = tt, p.th = th, p.dqkv = o;
+            ATTN_ROW();
+        }
+        free(qkv16), free(tt16), free(th16), free(tt), free(th), free(o);
+    } else if (lp) { /* head-major dense copies (B*nh, T, hs), probabilities (B*nh, T, T), all 16-bit */
         uint16_t *qh = buf16(dt, BH * T * hs), *kh = buf16(dt, BH * T * hs), *pt = buf16(dt, BH * T * T);
         float *out = buf(BH * T * T);
         for (size_t i = 0; i < sizeof att / sizeof att[0]; i++) {
@@ -397,6 +438,12 @@ static void memory(struct table *t, const struct cfg *g, int lp, int64_t Bn, int
          * once in backward */
         add(t, "attention probabilities (saved, read back)", tok * L * nh * Tt * 8, bw, 1);
         phase(t, 0.5, 0);
+    } else if (fsdp__gemm_lp_gemm_based(FSDP_BF16)) {
+        /* 16-bit heads one by one: a head's T x T scores, probabilities and
+         * dS stay in the thread's L2; what goes to memory: y's head rows
+         * written in 16 bits (2C) and dY read (4C) for its 16-bit copy */
+        add(t, "attention y and dY casts (heads one by one)", tok * L * 6 * C, bw, 1);
+        phase(t, 2.0 / 6, 0);
     } else {
         /* 16-bit attention: the batched products write all heads' T x T
          * scores (out of L2): forward softmax rw (8), cast to 16 bits (4 + 2);
