@@ -43,31 +43,49 @@
 #include <math.h>
 #include <omp.h>
 
+/* [Note: whole vectors] A causal row's softmax and its backward run over
+ * j <= t, 1 to T elements: with 16-float vectors a row left up to 15
+ * elements to the loops' scalar tails, each with its own exp, and GPT-2's
+ * rows average 128. Every pass runs instead to the next multiple of 16 (at
+ * most T), the lanes past t selected to zero (the causal blocks' edges are
+ * multiples of 16, so those lanes were written by the row's product): one
+ * head's 256 rows 50 -> 35 us (a scratch program). The sums now add the
+ * tail's lanes in vector order: the last bits differ from the scalar tails'
+ * (4e-7 relative at most there), the same on every run. */
+static int64_t whole_vectors(int64_t t, int64_t T) {
+    int64_t n = (t + 16) / 16 * 16;
+    return n < T ? n : T;
+}
+
 /* Causal softmax of row t (length T) in place: over j <= t, zeros after. */
 static void softmax_row(float *row, int64_t t, int64_t T) {
+    int64_t n = whole_vectors(t, T);
     float mx = row[0];
 #pragma omp simd reduction(max : mx)
-    for (int64_t j = 1; j <= t; j++) mx = row[j] > mx ? row[j] : mx;
+    for (int64_t j = 0; j < n; j++) mx = j <= t && row[j] > mx ? row[j] : mx;
     float sum = 0.0f;
     const struct fsdp__exp_range er = fsdp__exp_range(); /* [Note: exp range] */
 #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j <= t; j++) {
-        float e = fsdp__expf(row[j] - mx, er);
+    for (int64_t j = 0; j < n; j++) {
+        float e = j <= t ? fsdp__expf(row[j] - mx, er) : 0.0f;
         row[j] = e;
         sum += e;
     }
     float inv = 1.0f / sum;
-    for (int64_t j = 0; j <= t; j++) row[j] *= inv;
-    for (int64_t j = t + 1; j < T; j++) row[j] = 0.0f;
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) row[j] *= inv;
+    for (int64_t j = n; j < T; j++) row[j] = 0.0f;
 }
 
 /* Softmax backward of row t: d = a * (d - sum_j a_j d_j) over j <= t, zeros after. */
 static void softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T) {
+    int64_t n = whole_vectors(t, T);
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t j = 0; j <= t; j++) dot += a[j] * d[j];
-    for (int64_t j = 0; j <= t; j++) d[j] = a[j] * (d[j] - dot);
-    for (int64_t j = t + 1; j < T; j++) d[j] = 0.0f;
+    for (int64_t j = 0; j < n; j++) dot += j <= t ? a[j] * d[j] : 0.0f;
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) d[j] = j <= t ? a[j] * (d[j] - dot) : 0.0f;
+    for (int64_t j = n; j < T; j++) d[j] = 0.0f;
 }
 
 /* Head-major operand copy: dst (B*nh, T, hs) dense, of the operand dtype od
