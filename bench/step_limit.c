@@ -342,6 +342,12 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
         add_product(t, name, 2.0 * (double)(T * T * hs) * (double)(BH * L * att[i].count * ranks), &p, seconds, \
                     share, i == 0 ? 1.0 / att[i].count : i == 1);                                                  \
     } while (0)
+    /* a per-head class (kinds 2 and 3) of att[i], operands laid out as lay[i] */
+#define HEAD_PROD(kind_, dt_)                                                                                      \
+    (struct prod) {                                                                                                \
+        .kind = (kind_), .how = att[i].how, .dt = (dt_), .M = att[i].M, .N = att[i].N, .K = att[i].K, .batch = BH, \
+        .la = lay[i][0], .lb = lay[i][1], .lc = lay[i][2], .nh = g->nh, .T = T, .Cm = C, .hs = hs                 \
+    }
     if (lp && fsdp__gemm_lp_gemm_based(dt)) { /* heads one by one, as attention.c runs them there */
         int64_t nthr = omp_get_max_threads();
         uint16_t *qkv16 = buf16(dt, N * 3 * C), *tt16 = buf16(dt, nthr * T * T), *th16 = buf16(dt, nthr * T * hs);
@@ -352,11 +358,7 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
          * dS^T q: dS, q, dk */
         int lay[6][3] = {{0, 0, 2}, {2, 0, 3}, {3, 0, 2}, {2, 3, 0}, {2, 0, 0}, {2, 0, 0}};
         for (size_t i = 0; i < sizeof att / sizeof att[0]; i++) {
-            struct prod p = {0};
-            p.kind = 3, p.how = att[i].how, p.dt = dt;
-            p.M = att[i].M, p.N = att[i].N, p.K = att[i].K, p.batch = BH;
-            p.la = lay[i][0], p.lb = lay[i][1], p.lc = lay[i][2];
-            p.nh = g->nh, p.T = T, p.Cm = C, p.hs = hs;
+            struct prod p = HEAD_PROD(3, dt);
             p.qkv16 = qkv16, p.tt16 = tt16, p.th16 = th16, p.tt = tt, p.th = th, p.dqkv = o;
             ATTN_ROW();
         }
@@ -383,11 +385,7 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
          * dS k: ds, k, dq (qkv); dS^T q: ds, q, dk (qkv) */
         int lay[6][3] = {{0, 0, 2}, {2, 0, 1}, {1, 0, 2}, {2, 1, 0}, {2, 0, 0}, {2, 0, 0}};
         for (size_t i = 0; i < sizeof att / sizeof att[0]; i++) {
-            struct prod p = {0};
-            p.kind = 2, p.how = att[i].how, p.dt = FSDP_F32;
-            p.M = att[i].M, p.N = att[i].N, p.K = att[i].K, p.batch = BH;
-            p.la = lay[i][0], p.lb = lay[i][1], p.lc = lay[i][2];
-            p.nh = g->nh, p.T = T, p.Cm = C, p.hs = hs;
+            struct prod p = HEAD_PROD(2, FSDP_F32);
             p.qkv = qkv, p.dqkv = o, p.y = yv, p.tt = s;
             ATTN_ROW();
         }
@@ -395,6 +393,7 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
     }
 }
 #undef ATTN_ROW
+#undef HEAD_PROD
 
 /* The memory-bound passes of a step, in bytes over all ranks, from the code
  * (src/nn, src/optim, src/fsdp); each assumption beside its count. Per
