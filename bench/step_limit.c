@@ -455,12 +455,17 @@ static void memory(struct table *t, const struct cfg *g, int lp, int64_t Bn, int
          * (read 4C, write 2C), dq, dk, dv scattered (24C) */
         add(t, "attention head-major copies", tok * L * (12 * C + 6 * C + 12 * C + 6 * C + 24 * C), bw, 1);
         phase(t, 18.0 / 60, 0);
+    }
+    if (lp) {
         /* Linear backward casts dy to 16 bits: read 4, write 2 per output
-         * (9C outputs a layer); c_attn's forward rounds qkv to 16 bits from
-         * fp32 scratch (read 12C, write 6C); the other inputs arrive in 16
-         * bits already ([Note: 16-bit hand-off], counted with their producers) */
-        add(t, "Linear casts to 16 bits (dy; qkv)", tok * L * (9 * C * 6 + 18 * C), bw, 1);
-        phase(t, 18.0 / 72, 0);
+         * (9C outputs a layer); widened, c_attn's forward rounds qkv to 16
+         * bits from fp32 scratch (read 12C, write 6C), which native kernels
+         * write rounded themselves ([Note: 16-bit output by the kernel]); the
+         * other inputs arrive in 16 bits already ([Note: 16-bit hand-off],
+         * counted with their producers) */
+        double qkv = fsdp_gemm_native(FSDP_BF16) ? 0 : 18 * C;
+        add(t, "Linear casts to 16 bits (dy; qkv)", tok * L * (9 * C * 6 + qkv), bw, 1);
+        phase(t, qkv / (9 * C * 6 + qkv), 0);
     }
     /* embeddings: forward reads the wte row and wpe row, writes x (12C);
      * backward reads dx, adds into the wte and wpe gradient rows (rw 16C) */
