@@ -51,14 +51,18 @@
  * multiples of 16, so those lanes were written by the row's product): one
  * head's 256 rows 50 -> 35 us (a scratch program). The sums now add the
  * tail's lanes in vector order: the last bits differ from the scalar tails'
- * (4e-7 relative at most there), the same on every run. */
+ * (4e-7 relative at most there), the same on every run. The heads one by
+ * one ([Note: heads one by one]) also stop each row there: the thread's
+ * fp32 rows keep no zeros past it (nothing reads them) and its 16-bit rows
+ * are cast up to it, their zeros past it written once a layer (ab_zeroed). */
 static int64_t whole_vectors(int64_t t, int64_t T) {
     int64_t n = (t + 16) / 16 * 16;
     return n < T ? n : T;
 }
 
-/* Causal softmax of row t (length T) in place: over j <= t, zeros after. */
-static void softmax_row(float *row, int64_t t, int64_t T) {
+/* Causal softmax of row t (length T) in place: over j <= t, zeros after
+ * (up to whole_vectors(t, T) only when tail is 0). */
+static void softmax_row(float *row, int64_t t, int64_t T, int tail) {
     int64_t n = whole_vectors(t, T);
     float mx = row[0];
 #pragma omp simd reduction(max : mx)
@@ -74,18 +78,19 @@ static void softmax_row(float *row, int64_t t, int64_t T) {
     float inv = 1.0f / sum;
 #pragma omp simd
     for (int64_t j = 0; j < n; j++) row[j] *= inv;
-    for (int64_t j = n; j < T; j++) row[j] = 0.0f;
+    for (int64_t j = n; j < (tail ? T : 0); j++) row[j] = 0.0f;
 }
 
-/* Softmax backward of row t: d = a * (d - sum_j a_j d_j) over j <= t, zeros after. */
-static void softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T) {
+/* Softmax backward of row t: d = a * (d - sum_j a_j d_j) over j <= t, zeros
+ * after (up to whole_vectors(t, T) only when tail is 0). */
+static void softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T, int tail) {
     int64_t n = whole_vectors(t, T);
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t j = 0; j < n; j++) dot += j <= t ? a[j] * d[j] : 0.0f;
 #pragma omp simd
     for (int64_t j = 0; j < n; j++) d[j] = j <= t ? a[j] * (d[j] - dot) : 0.0f;
-    for (int64_t j = n; j < T; j++) d[j] = 0.0f;
+    for (int64_t j = n; j < (tail ? T : 0); j++) d[j] = 0.0f;
 }
 
 /* Head-major operand copy: dst (B*nh, T, hs) dense, of the operand dtype od
@@ -219,7 +224,7 @@ static void heads_probs_lp(enum fsdp_dtype lp, enum fsdp_dtype od, const void *q
     fsdp__attention_product(FSDP__ATT_SCORES, od, BH, T, hs, scale, q, hs, T * hs, k, hs, T * hs, att, T, T * T);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < (fsdp__measuring ? 0 : BH * T); r++) {
-        softmax_row(att + r * T, r % T, T);
+        softmax_row(att + r * T, r % T, T, 1);
         fsdp__to_operand(lp, od, FSDP_F32, att + r * T, (char *)ab + (size_t)(r * T) * es, (size_t)T);
     }
 }
@@ -241,15 +246,23 @@ static int per_head(enum fsdp_dtype lp, enum fsdp_dtype qdt) {
     return lp == FSDP_BF16 && qdt == lp && fsdp__gemm_lp_gemm_based(lp);
 }
 
+/* Zeroes the 16-bit (T, T) scratch of each of nthr threads (stride per
+ * thread), once per layer call: every head then writes each row t only up
+ * to whole_vectors(t, T), so the zeros past it, which the causal blocks'
+ * products read up to their edge, stay ([Note: whole vectors]). */
+static void ab_zeroed(uint16_t *ab, int64_t nthr, int64_t T, int64_t per) {
+    for (int64_t i = 0; i < (fsdp__measuring ? 0 : nthr); i++) memset(ab + i * per, 0, (size_t)(T * T) * sizeof *ab);
+}
+
 /* One head's probabilities: att (T, T) = softmax(scale q k^T) and ab, its
  * rounding to lp; q and k (T, hs) in lp, row stride ld. Forward and the
  * backward's recompute both run this ([Note: recomputed probabilities]). */
 static void head_probs_ph(enum fsdp_dtype lp, const void *q, const void *k, int64_t ld, int64_t T, int64_t hs,
                           float *att, uint16_t *ab) {
     fsdp__attention_product(FSDP__ATT_SCORES, lp, 1, T, hs, 1.0f / sqrtf((float)hs), q, ld, 0, k, ld, 0, att, T, 0);
-    for (int64_t t = 0; t < T; t++) {
-        softmax_row(att + t * T, t, T);
-        fsdp__cvt_from_f32(lp, att + t * T, ab + t * T, (size_t)T);
+    for (int64_t t = 0; t < T; t++) { /* ab's zeros past whole_vectors were written once (ab_zeroed) */
+        softmax_row(att + t * T, t, T, 0);
+        fsdp__cvt_from_f32(lp, att + t * T, ab + t * T, (size_t)whole_vectors(t, T));
     }
 }
 
@@ -260,6 +273,7 @@ static enum fsdp_status heads_forward_ph(struct fsdp_ctx *ctx, enum fsdp_dtype l
     float *att = fsdp_arena_alloc(ctx, (size_t)(nthr * (T * T + T * hs)) * sizeof(float)); /* att, then yh */
     uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(nthr * T * T) * sizeof(uint16_t));
     if (!att || !ab) return lp_nomem(ctx, lp);
+    ab_zeroed(ab, nthr, T, T * T);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < (fsdp__measuring ? 0 : B * nh); bh++) {
         int64_t b = bh / nh, h = bh % nh, me = omp_get_thread_num();
@@ -285,6 +299,7 @@ static enum fsdp_status heads_backward_ph(struct fsdp_ctx *ctx, enum fsdp_dtype 
     float *att = fsdp_arena_alloc(ctx, (size_t)(nthr * 2 * T * T) * sizeof(float)); /* att and dS */
     uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(nthr * (T * T + T * hs)) * sizeof(uint16_t)); /* att, dS; dY */
     if (!att || !ab) return lp_nomem(ctx, lp);
+    ab_zeroed(ab, nthr, T, T * T + T * hs);
     float scale = 1.0f / sqrtf((float)hs);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < (fsdp__measuring ? 0 : B * nh); bh++) {
@@ -299,8 +314,8 @@ static enum fsdp_status heads_backward_ph(struct fsdp_ctx *ctx, enum fsdp_dtype 
         fsdp__attention_product(FSDP__ATT_SCORES, lp, 1, T, hs, 1.0f, dyh, hs, 0, v, 3 * C, 0, ds, T, 0);
         fsdp__attention_product(FSDP__ATT_COLS, lp, 1, T, hs, 1.0f, a, T, 0, dyh, hs, 0, dv, 3 * C, 0);
         for (int64_t t = 0; t < T; t++) { /* dS, rounded over att's copy */
-            softmax_bwd_row(s + t * T, ds + t * T, t, T);
-            fsdp__cvt_from_f32(lp, ds + t * T, a + t * T, (size_t)T);
+            softmax_bwd_row(s + t * T, ds + t * T, t, T, 0);
+            fsdp__cvt_from_f32(lp, ds + t * T, a + t * T, (size_t)whole_vectors(t, T));
         }
         /* dq = scale dS k;  dk = scale dS^T q */
         fsdp__attention_product(FSDP__ATT_ROWS, lp, 1, T, hs, scale, a, T, 0, k, 3 * C, 0, dq, 3 * C, 0);
@@ -369,7 +384,7 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
             const float *k = q + C, *v = q + 2 * C;
             float *s = att + bh * T * T; /* (T, T) */
             fsdp__attention_product(FSDP__ATT_SCORES, FSDP_F32, 1, T, hs, scale, q, 3 * C, 0, k, 3 * C, 0, s, T, 0);
-            for (int64_t t = 0; t < T; t++) softmax_row(s + t * T, t, T);
+            for (int64_t t = 0; t < T; t++) softmax_row(s + t * T, t, T, 1);
             fsdp__attention_product(FSDP__ATT_ROWS, FSDP_F32, 1, T, hs, 1.0f, s, T, 0, v, 3 * C, 0,
                                     y_all + b * T * C + h * hs, C, 0);
         }
@@ -413,7 +428,7 @@ static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype 
                                 dh + 2 * n + o, hs, T * hs);
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < (fsdp__measuring ? 0 : g * T); r++) { /* dS, and its rounding over att's in ab */
-            softmax_bwd_row(att + r * T, ds + r * T, r % T, T);
+            softmax_bwd_row(att + r * T, ds + r * T, r % T, T, 1);
             fsdp__to_operand(lp, od, FSDP_F32, ds + r * T, ab + (size_t)(r * T) * es, (size_t)T);
         }
         /* dq = scale dS k;  dk = scale dS^T q */
@@ -466,7 +481,7 @@ static enum fsdp_status attention_backward(struct fsdp_module *m, struct fsdp_ct
         float *ds = scratch + (int64_t)omp_get_thread_num() * T * T; /* (T, T) */
         fsdp__attention_product(FSDP__ATT_SCORES, FSDP_F32, 1, T, hs, 1.0f, dY, C, 0, v, 3 * C, 0, ds, T, 0);
         fsdp__attention_product(FSDP__ATT_COLS, FSDP_F32, 1, T, hs, 1.0f, att, T, 0, dY, C, 0, dv, 3 * C, 0);
-        for (int64_t t = 0; t < T; t++) softmax_bwd_row(att + t * T, ds + t * T, t, T);
+        for (int64_t t = 0; t < T; t++) softmax_bwd_row(att + t * T, ds + t * T, t, T, 1);
         fsdp__attention_product(FSDP__ATT_ROWS, FSDP_F32, 1, T, hs, scale, ds, T, 0, k, 3 * C, 0, dq, 3 * C, 0);
         fsdp__attention_product(FSDP__ATT_COLS, FSDP_F32, 1, T, hs, scale, ds, T, 0, q, 3 * C, 0, dk, 3 * C, 0);
     }
