@@ -73,7 +73,7 @@ static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp
     nc = nc < ROUND_MIN_COLS ? ROUND_MIN_COLS : nc;
     nc = nc > O ? O : nc;
     size_t es = fsdp_dtype_size(lp), os = fsdp_dtype_size(odt);
-    if (odt == lp && fsdp__gemm_lp_out16_scratch(lp, 0, 1, N, nc, I, I, I, ldy, b != NULL) != SIZE_MAX)
+    if (odt == lp && lp == FSDP_BF16 && fsdp_gemm_native(lp)) /* where fsdp__gemm_lp_out16 runs */
         return product_out16(ctx, lp, N, O, I, x, w, b, y, ldy, nc);
     float *s = fsdp__scratch(ctx, N * nc, "Linear output before rounding");
     if (!s) return FSDP_ERR_NOMEM;
