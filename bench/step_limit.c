@@ -36,6 +36,7 @@
  *   (defaults gpt2 4 256 2 4 0.2; model gpt2 or tiny; `tiny 4 32 2 4 0.01`
  *    checks the program in a second)
  */
+#include "comm/comm-impl.h"
 #include "core/core-impl.h"
 #include "nn/nn-impl.h"
 
@@ -401,15 +402,21 @@ static void products(struct table *t, const struct cfg *g, enum fsdp_dtype dt, i
  * operands stay in L2 (one head's T x T scores, one row of logits, an AdamW
  * chunk) costs only its first read and last write. */
 static void memory(struct table *t, const struct cfg *g, int lp, int64_t Bn, int64_t T, int ranks, double bw,
-                   double P) {
+                   double P, size_t window) {
     double C = (double)g->C, L = (double)g->L, V = (double)g->V, nh = (double)g->nh, Tt = (double)T;
     double tok = (double)(Bn * T) * ranks; /* tokens a step, all ranks */
     double Pr = P / ranks;                 /* each rank's shard */
     double es = lp ? 2 : 4;                /* a 16-bit hand-off writes the consumer's copy in 2 bytes */
+    /* the ranks' shared window, where shm's bound (window: bytes) lets the
+     * parameters in it ([Note: shared window] and [Note: 16-bit window] in
+     * src/fsdp/unit.c): a training gather is then a barrier, no copy */
+    int win = ranks > 1 && P * (lp ? 2 : 4) <= (double)window;
     /* AdamW (optim.c adamw_update): reads p, g, m, v, writes p, m, v (28 B a
-     * parameter; the 16-bit copy of --lp-shard-copy is not the default, so
-     * the gathers below cast instead); the parameter norm is fused (in L2) */
-    add(t, "AdamW (p,g,m,v read; p,m,v written)", P * 28, bw, 1);
+     * parameter), and in the 16-bit window the copy there (2 B more; the
+     * copy of --lp-shard-copy is not the default elsewhere, so the gathers
+     * below cast instead); the parameter norm is fused (in L2) */
+    add(t, win && lp ? "AdamW (p,g,m,v read; p,m,v,p16 written)" : "AdamW (p,g,m,v read; p,m,v written)",
+        P * (win && lp ? 30 : 28), bw, 1);
     phase(t, 0, 1);
     /* the gradient norm for clipping: one read of the gradient shards */
     add(t, "gradient norm (g read)", P * 4, bw, 1);
@@ -485,10 +492,10 @@ static void memory(struct table *t, const struct cfg *g, int lp, int64_t Bn, int
      * [Note: low-precision gather and reduce]); with more than one rank the
      * all-gather then copies the full unit into each rank's buffer: read +
      * write of P x (4 or 2) bytes per rank (fp32 at 1 rank uses the shard
-     * itself). The gradient reduce-scatter (ranks > 1, fp32): each rank
-     * reads every rank's part of its shard (4P / ranks x ranks) and writes
-     * its shard. */
-    double gath = 2.0 * ((lp ? 6 * P : 0) + (ranks > 1 ? 2.0 * P * (lp ? 2 : 4) * ranks : 0));
+     * itself; in the window nothing moves). The gradient reduce-scatter
+     * (ranks > 1, fp32): each rank reads every rank's part of its shard
+     * (4P / ranks x ranks) and writes its shard. */
+    double gath = win ? 0 : 2.0 * ((lp ? 6 * P : 0) + (ranks > 1 ? 2.0 * P * (lp ? 2 : 4) * ranks : 0));
     if (gath > 0) add(t, "parameter gathers (2 a step)", gath, bw, 1);
     if (gath > 0) phase(t, 0.5, 0);
     if (ranks > 1) add(t, "gradient reduce-scatter", ranks * (4 * P + 4 * Pr), bw, 1);
@@ -577,6 +584,10 @@ int main(int argc, char **argv) {
     printf("bandwidth 1 thread: copy %.1f GB/s, triad %.1f GB/s\n", cp, tr);
     (void)bw1;
 
+    int huge;
+    size_t window = fsdp__shm_window_bound(ctx, &huge); /* what shm would map at `world` ranks */
+    if (window == SIZE_MAX) printf("shm window: any size (shmem huge pages)\n");
+    else printf("shm window: up to %zu MiB (a model's parameters in it gather in place)\n", window >> 20);
     flush_bytes = strcmp(model, "tiny") ? (size_t)256 << 20 : (size_t)1 << 20; /* [Note: flushed caches] */
     flush_buf = malloc(flush_bytes);
     if (!flush_buf) return fprintf(stderr, "step_limit: no memory for the flush buffer\n"), 1;
@@ -614,7 +625,7 @@ int main(int argc, char **argv) {
         t->flop_s = 0;
         for (int i = 0; i < t->n; i++) t->flop_s += t->r[i].sec;
         int first_mem = t->n;
-        memory(t, &g, lp, B / ranks, T, ranks, bw2, P);
+        memory(t, &g, lp, B / ranks, T, ranks, bw2, P, window);
         char title[160], key[64];
         snprintf(title, sizeof title, "%s, %d rank%s x %d thread%s, %lld tokens a rank", names[lp], ranks,
                  ranks > 1 ? "s" : "", multi ? 1 : threads, multi || threads == 1 ? "" : "s",

@@ -30,23 +30,26 @@ if timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --nproc 4 --dry-run > "
     ok "dry-run gpt2, --nproc 4: 4 ranks of $p4 shards each, without starting ranks"
   else bad "dry-run gpt2, --nproc 4" "expected 4 rows of $p4:" "$(cat "$tmp/d4")"; fi
 else bad "dry-run gpt2, --nproc 4" "$(tail -5 "$tmp/d4")"; fi
-# mixed precision is planned as it runs: the shards are FP32's (with --lp-shard-copy on they
-# carry their 16-bit copy, more than FP32's shards), the full buffers hold the Linear and
-# embedding weights in 16 bits only (less than FP32's gathered by copy); FP32 on shm gathers
-# through the shared window, holding full
-# buffers for the gradients only (less still; forced: GPT-2's 500 MB are over the default bound
-# on 4 KiB shmem pages)
+# mixed precision is planned as it runs: gathering by copy (FSDP_SHM_WINDOW=0) the shards are
+# FP32's (with --lp-shard-copy on they carry their 16-bit copy, more than FP32's shards), the full
+# buffers hold the Linear and embedding weights in 16 bits only (less than FP32's gathered by
+# copy); on shm by default the 16-bit copies lie in the 16-bit window (the shards carry them as
+# with --lp-shard-copy on) and the full buffers hold less still; FP32 on shm gathers through the
+# shared window, holding full buffers for the gradients only (less than 16 bits by copy; forced:
+# GPT-2's 500 MB are over the default bound on 4 KiB shmem pages)
 if timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --nproc 4 --precision AMP_BF16 --dry-run > "$tmp/d4b" 2>&1 &&
-   timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --nproc 4 --precision AMP_BF16 --lp-shard-copy on --dry-run > "$tmp/d4l" 2>&1 &&
+   FSDP_SHM_WINDOW=0 timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --nproc 4 --precision AMP_BF16 --dry-run > "$tmp/d4bc" 2>&1 &&
+   FSDP_SHM_WINDOW=0 timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --nproc 4 --precision AMP_BF16 --lp-shard-copy on --dry-run > "$tmp/d4l" 2>&1 &&
    FSDP_SHM_WINDOW=0 timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --nproc 4 --dry-run > "$tmp/d4c" 2>&1 &&
    FSDP_SHM_WINDOW=$((1 << 40)) timeout 120 "$TRAIN" --model gpt2 --batch 4 --seq 256 --nproc 4 --dry-run > "$tmp/d4w" 2>&1; then
-  f32=$(awk '/^0 /{print $8}' "$tmp/d4c"); f16=$(awk '/^0 /{print $8}' "$tmp/d4b"); fw=$(awk '/^0 /{print $8}' "$tmp/d4w")
-  s32=$(awk '/^0 /{print $2}' "$tmp/d4"); s16=$(awk '/^0 /{print $2}' "$tmp/d4b"); sl=$(awk '/^0 /{print $2}' "$tmp/d4l")
+  f32=$(awk '/^0 /{print $8}' "$tmp/d4c"); f16c=$(awk '/^0 /{print $8}' "$tmp/d4bc"); fw=$(awk '/^0 /{print $8}' "$tmp/d4w")
+  f16=$(awk '/^0 /{print $8}' "$tmp/d4b"); s16=$(awk '/^0 /{print $2}' "$tmp/d4b")
+  s32=$(awk '/^0 /{print $2}' "$tmp/d4"); s16c=$(awk '/^0 /{print $2}' "$tmp/d4bc"); sl=$(awk '/^0 /{print $2}' "$tmp/d4l")
   if grep -q "threads per rank, AMP_BF16 mixed_precision DEFAULT" "$tmp/d4b" && ! grep -q "planned as FP32" "$tmp/d4b" &&
-     [ -n "$f32" ] && [ -n "$f16" ] && [ -n "$s32" ] && [ -n "$s16" ] && [ -n "$sl" ] &&
-     [ -n "$fw" ] && python3 -c "import sys; sys.exit(not ($f16 < $f32 and $s16 == $s32 and $sl > $s32 and $fw < $f16))"; then
-    ok "dry-run gpt2 AMP_BF16: parameter shards $s16 MiB as FP32's ($sl MiB with --lp-shard-copy on) and full buffers $f16 MiB < $f32 MiB in FP32 by copy ($fw MiB through the shared window)"
-  else bad "dry-run gpt2 AMP_BF16" "params '$s16' ('$sl' with the copy) vs FP32 '$s32', full buffers '$f16' vs FP32 '$f32' by copy, '$fw' windowed" "$(cat "$tmp/d4b")"; fi
+     [ -n "$f32" ] && [ -n "$f16c" ] && [ -n "$f16" ] && [ -n "$s32" ] && [ -n "$s16c" ] && [ -n "$s16" ] && [ -n "$sl" ] &&
+     [ -n "$fw" ] && python3 -c "import sys; sys.exit(not ($f16c < $f32 and $s16c == $s32 and $sl > $s32 and $s16 == $sl and $f16 < $f16c and $fw < $f16c))"; then
+    ok "dry-run gpt2 AMP_BF16: by copy, parameter shards $s16c MiB as FP32's ($sl MiB with --lp-shard-copy on) and full buffers $f16c MiB < $f32 MiB in FP32 ($fw MiB through the shared window); in the 16-bit window shards $s16 MiB, full buffers $f16 MiB"
+  else bad "dry-run gpt2 AMP_BF16" "by copy: params '$s16c' ('$sl' with the copy) vs FP32 '$s32', full buffers '$f16c' vs FP32 '$f32' by copy, '$fw' windowed; 16-bit window: params '$s16', full buffers '$f16'" "$(cat "$tmp/d4b")"; fi
 else bad "dry-run gpt2 AMP_BF16" "$(tail -5 "$tmp/d4b")"; fi
 
 # ---- --mem-limit ----

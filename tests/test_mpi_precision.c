@@ -4,7 +4,8 @@
  * same configuration's 1-rank run (a world-of-one context in every process),
  * fp16 dynamic loss scaling with an injected overflow, an fp32-override unit
  * against the same unit of an all-fp32 model, the shards' 16-bit copy
- * (lp_shard_copy) against gathers that cast, and the all-gather and
+ * (lp_shard_copy) against gathers that cast, the shared-memory backend's
+ * 16-bit window against gathers that copy, and the all-gather and
  * reduce-scatter byte counters.
  */
 #include "fsdp.h"
@@ -149,8 +150,7 @@ static enum fsdp_status halve_params(struct fsdp_ctx *c, struct run *r) {
  * steps, then halve weights by summon write-back; A, whose copy the load
  * already dropped, halves the same weights: both forwards must agree (a
  * stale copy in B would miss the halving). */
-TEST(shard_writers_refresh_16bit_copy) {
-    struct fsdp_ctx *c = get_ctx();
+static void check_refresh(struct fsdp_ctx *c, int lp_copy) {
     struct fsdp_data *data;
     ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
     char dir[256];
@@ -159,8 +159,8 @@ TEST(shard_writers_refresh_16bit_copy) {
     snprintf(dir, sizeof dir, "/tmp/fsdp-lpcopy-test-%d-w%d", pid, fsdp_ctx_world(c));
     struct run a, b;
     struct fsdp_step_result res[3];
-    ASSERT_OK(run_create_lp(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, 1, &a), c);
-    ASSERT_OK(run_create_lp(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, 1, &b), c);
+    ASSERT_OK(run_create_lp(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, lp_copy, &a), c);
+    ASSERT_OK(run_create_lp(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, lp_copy, &b), c);
     CHECK_OK(train(c, &a, data, 2, res), c);
     CHECK_OK(train(c, &b, data, 2, res), c);
     float *l0 = logits_of(c, &a, data);
@@ -191,51 +191,104 @@ TEST(shard_writers_refresh_16bit_copy) {
     fsdp_data_free(data);
 }
 
-/* The shard's 16-bit copy (lp_shard_copy) is the cast a gather without it
- * makes: bf16 training with and without it, DEFAULT and PURE, gives the same
- * bits: losses, gradient and parameter norms, and a forward's logits after. */
-TEST(lp_shard_copy_same_bits_as_casting_gathers) {
-    struct fsdp_ctx *c = get_ctx();
+TEST(shard_writers_refresh_16bit_copy) { check_refresh(get_ctx(), 1); }
+
+/* A context of one thread over the shared-memory backend whose windows may
+ * hold 1 GiB (win) or that has none; NULL (the test skips) at one rank. */
+static struct fsdp_ctx *shm_ctx_or_skip(int win) {
+    if (fsdp_ctx_world(get_ctx()) < 2) return NULL;
+    struct fsdp_ctx *c = shm_ctx_window(win ? "1073741824" : "0");
+    if (!c) TEST_FAILF("no shared-memory context: %s", fsdp_errmsg(get_ctx()));
+    return c;
+}
+
+/* [Note: 16-bit window] (src/fsdp/unit.c): on shm the 16-bit copies lie in
+ * a window, which a training step's gathers read in place; the same
+ * writers (a load, a summon's write-back) must leave them stale. */
+TEST(shard_writers_refresh_16bit_window) {
+    struct fsdp_ctx *c = shm_ctx_or_skip(1);
+    if (!c) SKIP("a shard group of one has no window");
+    check_refresh(c, 0); /* the window keeps the copy whatever lp_shard_copy says */
+    fsdp_ctx_free(c);
+}
+
+/* bf16 training, DEFAULT and PURE, of run a (context ca, lp_shard_copy
+ * lp_a) and run b (cb, lp_b) gives the same bits: losses, gradient and
+ * parameter norms, a forward's logits after; a holds 2 bytes of every shard
+ * element more than b (its 16-bit copy). With window_a, a's training steps
+ * (after the first, which casts the copies) all-gather no parameter: a
+ * barrier per gather instead ([Note: 16-bit window] in src/fsdp/unit.c). */
+static void check_copy_same_bits(struct fsdp_ctx *ca, int lp_a, struct fsdp_ctx *cb, int lp_b, int window_a) {
     struct fsdp_data *data;
-    ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
+    ASSERT_OK(fsdp_data_synthetic(ca, 7, 1 << 16, &data), ca);
     enum { STEPS = 4 };
     const enum fsdp_mixed_precision mps[2] = {FSDP_MP_DEFAULT, FSDP_MP_PURE};
     for (int k = 0; k < 2; k++) {
-        struct run with, without;
-        struct fsdp_step_result rw[STEPS], ro[STEPS];
-        struct fsdp_mem_stats m0, m1, m2;
-        fsdp_mem_get(c, &m0);
-        ASSERT_OK(run_create_lp(c, FSDP_BF16, mps[k], NULL, 1, &with), c);
-        fsdp_mem_get(c, &m1);
-        ASSERT_OK(run_create_lp(c, FSDP_BF16, mps[k], NULL, 0, &without), c);
-        fsdp_mem_get(c, &m2);
+        struct run a, b;
+        struct fsdp_step_result ra[STEPS], rb[STEPS];
+        struct fsdp_mem_stats a0, a1, b0, b1;
+        fsdp_mem_get(ca, &a0);
+        ASSERT_OK(run_create_lp(ca, FSDP_BF16, mps[k], NULL, lp_a, &a), ca);
+        fsdp_mem_get(ca, &a1);
+        fsdp_mem_get(cb, &b0);
+        ASSERT_OK(run_create_lp(cb, FSDP_BF16, mps[k], NULL, lp_b, &b), cb);
+        fsdp_mem_get(cb, &b1);
         /* the copy is 2 bytes of every shard element more, nothing else */
         int64_t shard_numel = 0;
-        for (int i = 0; i < fsdp_model_n_units(without.fm); i++) {
+        for (int i = 0; i < fsdp_model_n_units(b.fm); i++) {
             struct fsdp_unit_info ui;
-            fsdp_model_unit_info(without.fm, i, &ui);
+            fsdp_model_unit_info(b.fm, i, &ui);
             shard_numel += ui.numel_shard;
         }
-        size_t sw = m1.cur[FSDP_MEM_SHARD] - m0.cur[FSDP_MEM_SHARD], so = m2.cur[FSDP_MEM_SHARD] - m1.cur[FSDP_MEM_SHARD];
-        CHECK_INT_EQ(sw - so, 2 * (size_t)shard_numel);
-        CHECK_OK(train(c, &with, data, STEPS, rw), c);
-        CHECK_OK(train(c, &without, data, STEPS, ro), c);
-        for (int s = 0; s < STEPS; s++) {
-            CHECK(rw[s].loss == ro[s].loss);
-            CHECK(rw[s].grad_norm == ro[s].grad_norm);
-            CHECK(rw[s].param_norm == ro[s].param_norm);
+        size_t sa = a1.cur[FSDP_MEM_SHARD] - a0.cur[FSDP_MEM_SHARD], sb = b1.cur[FSDP_MEM_SHARD] - b0.cur[FSDP_MEM_SHARD];
+        CHECK_INT_EQ(sa - sb, 2 * (size_t)shard_numel);
+        CHECK_OK(train(ca, &a, data, 1, ra), ca); /* the first step casts the stale copies */
+        struct fsdp_comm_stats s0, s1;
+        fsdp_model_comm_stats(a.fm, &s0);
+        CHECK_OK(train(ca, &a, data, STEPS, ra), ca);
+        fsdp_model_comm_stats(a.fm, &s1);
+        CHECK_OK(train(cb, &b, data, 1, rb), cb);
+        CHECK_OK(train(cb, &b, data, STEPS, rb), cb);
+        if (window_a) {
+            /* what is left is the steps' few partial sums (step.c), not parameters */
+            CHECK(s1.bytes[FSDP_COLL_ALLGATHER] - s0.bytes[FSDP_COLL_ALLGATHER] < 256 * STEPS);
+            /* a barrier per gather: each Block unit's forward and backward, the root's once */
+            CHECK(s1.calls[FSDP_COLL_BARRIER] - s0.calls[FSDP_COLL_BARRIER] >=
+                  (uint64_t)(STEPS * (2 * fsdp_model_n_units(a.fm) - 1)));
         }
-        CHECK(ro[STEPS - 1].loss < ro[0].loss); /* it trains */
-        float *lw = logits_of(c, &with, data), *lo = logits_of(c, &without, data);
-        size_t n = (size_t)(B / fsdp_ctx_world(c)) * T * (size_t)tiny_cfg().vocab_size;
-        if (!lw || !lo) TEST_FAILF("a forward failed: %s", fsdp_errmsg(c));
-        else CHECK(memcmp(lw, lo, n * sizeof(float)) == 0);
-        free(lw), free(lo);
-        run_free(&with);
-        run_free(&without);
+        for (int s = 0; s < STEPS; s++) {
+            CHECK(ra[s].loss == rb[s].loss);
+            CHECK(ra[s].grad_norm == rb[s].grad_norm);
+            CHECK(ra[s].param_norm == rb[s].param_norm);
+        }
+        CHECK(rb[STEPS - 1].loss < rb[0].loss); /* it trains */
+        float *la = logits_of(ca, &a, data), *lb = logits_of(cb, &b, data);
+        size_t n = (size_t)(B / fsdp_ctx_world(ca)) * T * (size_t)tiny_cfg().vocab_size;
+        if (!la || !lb) TEST_FAILF("a forward failed: %s / %s", fsdp_errmsg(ca), fsdp_errmsg(cb));
+        else CHECK(memcmp(la, lb, n * sizeof(float)) == 0);
+        free(la), free(lb);
+        run_free(&a);
+        run_free(&b);
     }
     fsdp_data_free(data);
 }
+
+/* [Note: 16-bit window]: on shm, with the window (1 GiB allowed) and with
+ * gathers that copy (FSDP_SHM_WINDOW=0), lp_shard_copy off in both. */
+TEST(bf16_window_same_bits_as_copying_gathers) {
+    struct fsdp_ctx *cw = shm_ctx_or_skip(1), *cc = cw ? shm_ctx_or_skip(0) : NULL;
+    if (!cw || !cc) {
+        fsdp_ctx_free(cw);
+        SKIP("a shard group of one has no window");
+    }
+    check_copy_same_bits(cw, 0, cc, 0, 1);
+    fsdp_ctx_free(cw);
+    fsdp_ctx_free(cc);
+}
+
+/* The shard's 16-bit copy (lp_shard_copy) is the cast a gather without it
+ * makes (MPI: no window). */
+TEST(lp_shard_copy_same_bits_as_casting_gathers) { check_copy_same_bits(get_ctx(), 1, get_ctx(), 0, 0); }
 
 /* Trains a run of compute precision dt and policy mp and an fp32 run side by
  * side for `steps` steps: lo[] and fp[] hold their results. */

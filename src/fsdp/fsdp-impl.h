@@ -52,6 +52,10 @@ struct fsdp__unit {
     int shard_lp_valid;           /* shard_lp == the cast of shard (cleared by every other writer:
                                      fsdp__model_shards_written) */
     int lp_direct;                /* the gather reads shard_lp in place (a shard group of one) */
+    uint16_t *win_lp;             /* (numel_padded) a 16-bit unit's region of the model's 16-bit
+                                     window, shard_lp its block there ([Note: 16-bit window],
+                                     unit.c), or NULL */
+    int lp_win;                   /* this gather reads win_lp in place (a barrier, no copy) */
     float *full;                  /* gathered params while not SHARDED: full_f32 floats of fp32
                                      values, then a 16-bit unit's staging area (mixed.c) */
     int64_t full_f32;             /* fp32 floats at the head of full for this gather: numel_padded
@@ -153,6 +157,8 @@ struct fsdp_model {
     void *win;
     size_t win_bytes;
     int win_pass;
+    void *win_lp; /* [Note: 16-bit window] (unit.c): the 16-bit units' copies, or NULL */
+    size_t win_lp_bytes;
     int *bwd_order;               /* (n_units) pre-backward order of the units */
     struct fsdp__unit *rs_last;   /* the unit whose reduce-scatter (rs_req) is still pending */
     struct fsdp__unit *ar_last;   /* the unit whose replica all-reduce (ar_req) is still pending */
@@ -200,6 +206,10 @@ enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit
  * (before fsdp__unit_alloc_shards); fsdp__model_window_free unmaps it. */
 enum fsdp_status fsdp__model_window(struct fsdp_ctx *ctx, struct fsdp_model *fm);
 void fsdp__model_window_free(struct fsdp_model *fm);
+/* [Note: 16-bit window] (unit.c): the 16-bit units' regions for their
+ * 16-bit copies in a second window (once, when the optimizer is attached and
+ * the dtypes are known; before fsdp__unit_alloc_shards). COLLECTIVE: yes. */
+enum fsdp_status fsdp__model_window_lp(struct fsdp_ctx *ctx, struct fsdp_model *fm);
 
 /* Every writer of the parameter shards other than the optimizer step (init,
  * checkpoint loads, summon write-back) calls this: the units' 16-bit copies
@@ -219,8 +229,10 @@ struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
  * read in fp32, end to end: the others' fp32 values are never made there
  * ([Note: lazy widening] in src/nn/precision.c). Each rank casts its fp32 shard into its block of
  * the staging area, so by default no 16-bit copy of a unit's weights
- * outlives the gather (FSDP2's). With the model's lp_shard_copy each
- * 16-bit unit also keeps u->shard_lp, which the optimizer writes ([Note:
+ * outlives the gather (FSDP2's; on shm, ranks that share a 16-bit window
+ * keep the copy there instead: [Note: 16-bit window] in unit.c). With the
+ * model's lp_shard_copy each 16-bit unit also keeps u->shard_lp, which the
+ * optimizer writes ([Note:
  * fused 16-bit copy] in src/optim/optim.c) and the gather sends instead of
  * casting; a shard group of one then has no staging area: it reads
  * shard_lp in place, casting the shard there first when the copy is stale
@@ -261,7 +273,9 @@ enum fsdp_status fsdp__mp_resolve(struct fsdp_ctx *ctx, struct fsdp_model *fm, e
  * (*req NULL when comm is NULL or of size 1). With a valid 16-bit copy of
  * the shard (u->shard_lp_valid) it sends that instead of casting. A shard
  * group of one reads the copy in place (u->lp_direct), casting the shard
- * into it first when it is not valid (and marking it valid). COLLECTIVE: yes. */
+ * into it first when it is not valid (and marking it valid); so does a
+ * training pass's gather from the 16-bit window (u->lp_win), followed by a
+ * barrier of comm instead of the all-gather. COLLECTIVE: yes. */
 enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct fsdp__unit *u,
                                        struct fsdp_comm_req **req);
 /* After the gather's wait: widens the gathered values into u->full's fp32

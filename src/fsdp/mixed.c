@@ -161,11 +161,13 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
     *req = NULL;
     u->lp_direct = 0;
     if (u->shard_lp_valid) check_lp_copy(u); /* the optimizer's copy ([Note: fused 16-bit copy]): no cast */
-    if (alone && u->shard_lp) { /* the copy is the whole gathered buffer: read in place, cast there first if stale */
+    if ((alone || u->lp_win) && u->shard_lp) {
+        /* the copy is (its block of) the whole gathered buffer: read in place, cast there first if stale */
         if (!u->shard_lp_valid) fsdp__cvt_from_f32(u->param_dtype, u->shard, u->shard_lp, (size_t)u->numel_shard);
         u->shard_lp_valid = 1;
         u->lp_direct = 1;
-        return FSDP_OK;
+        /* [Note: 16-bit window] (unit.c): every rank's block written before any peer reads it */
+        return u->lp_win ? fsdp_comm_barrier_start(comm, req) : FSDP_OK;
     }
     if (alone) { /* no 16-bit copy yet (no optimizer attached): the staging area holds the cast */
         fsdp__cvt_from_f32(u->param_dtype, u->shard, mine, (size_t)u->numel_shard);
@@ -186,13 +188,16 @@ int64_t fsdp__mp_f32_numel(const struct fsdp__unit *u, int lazy) {
 }
 
 int64_t fsdp__mp_full_numel(const struct fsdp__unit *u) {
-    /* a group of one reads shard_lp in place once the unit has it (it comes with the optimizer) */
-    int staged = u->param_dtype != FSDP_F32 && (u->model->shard_size > 1 || !u->shard_lp);
+    /* a group of one reads shard_lp in place once the unit has it (it comes with the optimizer), and so
+     * does a training pass's gather from the 16-bit window ([Note: 16-bit window] in unit.c) */
+    int staged = u->param_dtype != FSDP_F32 && !u->lp_win && (u->model->shard_size > 1 || !u->shard_lp);
     return u->full_f32 + (staged ? (u->numel_padded + 1) / 2 : 0);
 }
 
 void fsdp__mp_gather_finish(struct fsdp__unit *u) {
-    const uint16_t *stage = u->lp_direct ? u->shard_lp : (const uint16_t *)(const void *)(u->full + u->full_f32);
+    const uint16_t *stage = u->lp_win      ? u->win_lp
+                            : u->lp_direct ? u->shard_lp
+                                           : (const uint16_t *)(const void *)(u->full + u->full_f32);
     int lazy = u->gather_lazy;
     if (!lazy) fsdp__cvt_to_f32(u->param_dtype, stage, u->full, (size_t)u->numel_padded);
     int64_t at = 0; /* a lazy gather's fp32 part: the eagerly widened parameters, end to end */

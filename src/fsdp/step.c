@@ -96,6 +96,7 @@ enum fsdp_status fsdp_model_attach_optim(struct fsdp_ctx *ctx, struct fsdp_model
     int k = fsdp_optim_state_per_elem(opt);
     struct group_map gm = {0};
     enum fsdp_status st = map_groups(ctx, fm, opt, &gm);
+    if (st == FSDP_OK) st = fsdp__model_window_lp(ctx, fm); /* [Note: 16-bit window] (unit.c) */
     for (int i = 0; i < fm->n_units && st == FSDP_OK; i++) {
         st = fsdp__unit_alloc_shards(ctx, &fm->units[i], k);
         if (st == FSDP_OK) st = build_slices(ctx, &fm->units[i], fsdp__optim_decay_all(opt), &gm);

@@ -119,37 +119,101 @@ static enum fsdp_status unit_fail(struct fsdp_ctx *ctx, struct fsdp__unit *u, co
 /* 64-byte aligned regions */
 static int64_t window_floats(int64_t numel) { return (numel + 15) & ~(int64_t)15; }
 
-enum fsdp_status fsdp__model_window(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
-    if (fm->shard_size < 2) return FSDP_OK;
+/* [Note: 16-bit window]
+ * A 16-bit unit's training gathers cast the shard and all-gather 16-bit
+ * values into a pooled staging area ([Note: low-precision gather and
+ * reduce] in fsdp-impl.h): at 4 ranks on 2 cores the copies into and out of
+ * the slots and the casts took about 5% of the CPU time of GPT-2's AMP_BF16
+ * step (bench/README.md). Where the shard group's communicator can map one more
+ * region for its ranks, fsdp__model_window_lp lays there, for every 16-bit
+ * unit, numel_padded 16-bit elements, rank r's block being its shard_lp
+ * (the 16-bit copy of its shard, [Note: fused 16-bit copy] in
+ * src/optim/optim.c, kept by every such unit then, whatever lp_shard_copy
+ * says: the region is the unit's whole gathered 16-bit buffer, so it
+ * replaces the staging area rather than adding a copy). The optimizer
+ * writes each rank's block as it steps; a gather in a training step's
+ * forward or backward (fm->win_pass) casts the shard into the block only
+ * when the copy is stale (a load, an init, a summon's write-back: every
+ * rank's at the same call), then enters a barrier of the shard group
+ * instead of the all-gather, after which the layers' 16-bit weights point
+ * into the region and only the parameters widened to fp32 ([Note: lazy
+ * widening]) take a pooled buffer. Safety is the fp32 window's argument: a
+ * rank writes its block in its optimizer step, after its last
+ * reduce-scatter, which completes only once every peer has finished the
+ * step's reads; a stale copy is cast at a training gather, and its stale
+ * mark came from a writer that runs between steps; the barrier orders
+ * every block's writes before every peer's reads. Gathers outside a
+ * training pass (eval, summon, state dicts) all-gather from the block as
+ * from any valid copy. Each rank counts its block (FSDP_MEM_SHARD); the
+ * window's size has the backend's bound ([Note: window size] in
+ * src/comm/shm.c), so a model whose 16-bit copy exceeds it gathers by copy.
+ * Bits: the same 16-bit values in the same layout as the all-gather's
+ * (FSDP_SHM_WINDOW=0 turns it off; tests/test_mpi_precision.c). */
+/* Whether unit u has a region in the window of kind lp (0: the fp32 shards,
+ * 1: the 16-bit copies), and the region's size in floats. */
+static int64_t window_region(const struct fsdp__unit *u, int lp) {
+    if (lp && u->param_dtype == FSDP_F32) return 0;
+    return window_floats(lp ? (u->numel_padded + 1) / 2 : u->numel_padded);
+}
+
+/* Maps the window of kind lp over fm's shard group, if its backend has one,
+ * and points each unit's region into it (see the two notes). */
+static enum fsdp_status make_window(struct fsdp_ctx *ctx, struct fsdp_model *fm, int lp) {
     int64_t total = 0, mine = 0;
     for (int i = 0; i < fm->n_units; i++) {
-        total += window_floats(fm->units[i].numel_padded);
-        mine += fm->units[i].numel_shard;
+        int64_t n = window_region(&fm->units[i], lp);
+        total += n;
+        mine += n ? fm->units[i].numel_shard : 0;
     }
     void *base;
-    FSDP_TRY(fsdp__comm_window(fm->shard_comm, (size_t)total * sizeof(float), &base));
+    size_t bytes = (size_t)total * sizeof(float), es = lp ? sizeof(uint16_t) : sizeof(float);
+    if (total == 0) return FSDP_OK;
+    FSDP_TRY(fsdp__comm_window(fm->shard_comm, bytes, &base));
     if (!base) return FSDP_OK;
-    if (fsdp__mem_count(ctx, FSDP_MEM_SHARD, (size_t)mine * sizeof(float), 1, "the shards in the shared window")) {
-        fsdp__comm_window_free(fm->shard_comm, base, (size_t)total * sizeof(float));
+    if (fsdp__mem_count(ctx, FSDP_MEM_SHARD, (size_t)mine * es, 1,
+                        lp ? "the 16-bit shard copies in the shared window" : "the shards in the shared window")) {
+        fsdp__comm_window_free(fm->shard_comm, base, bytes);
         return FSDP_ERR_NOMEM;
     }
-    fm->win = base;
-    fm->win_bytes = (size_t)total * sizeof(float);
+    *(lp ? &fm->win_lp : &fm->win) = base;
+    *(lp ? &fm->win_lp_bytes : &fm->win_bytes) = bytes;
     float *at = base;
     for (int i = 0; i < fm->n_units; i++) {
-        fm->units[i].win_full = at;
-        at += window_floats(fm->units[i].numel_padded);
+        struct fsdp__unit *u = &fm->units[i];
+        if (!window_region(u, lp)) continue;
+        if (lp) u->win_lp = (uint16_t *)(void *)at;
+        else u->win_full = at;
+        at += window_region(u, lp);
     }
     return FSDP_OK;
 }
 
-void fsdp__model_window_free(struct fsdp_model *fm) {
-    if (!fm->win) return;
+static void free_window(struct fsdp_model *fm, int lp) {
+    void **base = lp ? &fm->win_lp : &fm->win;
+    if (!*base) return;
     int64_t mine = 0;
-    for (int i = 0; i < fm->n_units; i++) mine += fm->units[i].numel_shard, fm->units[i].win_full = NULL;
-    fsdp__mem_count(fm->ctx, FSDP_MEM_SHARD, (size_t)mine * sizeof(float), 0, NULL);
-    fsdp__comm_window_free(fm->shard_comm, fm->win, fm->win_bytes);
-    fm->win = NULL;
+    for (int i = 0; i < fm->n_units; i++) {
+        struct fsdp__unit *u = &fm->units[i];
+        if (lp ? u->win_lp != NULL : u->win_full != NULL) mine += u->numel_shard;
+        if (lp) u->win_lp = NULL;
+        else u->win_full = NULL;
+    }
+    fsdp__mem_count(fm->ctx, FSDP_MEM_SHARD, (size_t)mine * (lp ? sizeof(uint16_t) : sizeof(float)), 0, NULL);
+    fsdp__comm_window_free(fm->shard_comm, *base, lp ? fm->win_lp_bytes : fm->win_bytes);
+    *base = NULL;
+}
+
+enum fsdp_status fsdp__model_window(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
+    return fm->shard_size < 2 ? FSDP_OK : make_window(ctx, fm, 0);
+}
+
+enum fsdp_status fsdp__model_window_lp(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
+    return fm->shard_size < 2 || fm->win_lp ? FSDP_OK : make_window(ctx, fm, 1);
+}
+
+void fsdp__model_window_free(struct fsdp_model *fm) {
+    free_window(fm, 1);
+    free_window(fm, 0);
 }
 
 /* Starts the all-gather of u's parameters (SHARDED -> GATHERING). */
@@ -164,6 +228,7 @@ static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__uni
         return FSDP_OK;
     }
     u->full_win = u->win_full && !lp && fm->win_pass; /* [Note: shared window]: a barrier, no copy */
+    u->lp_win = u->win_lp && lp && fm->win_pass;       /* [Note: 16-bit window]: likewise */
     u->gather_lazy = lp && (fm->in_forward || fm->in_backward); /* [Note: lazy widening] */
     u->full_f32 = lp ? fsdp__mp_f32_numel(u, u->gather_lazy) : u->numel_padded;
     u->full = u->full_win ? u->win_full : fsdp__pool_get(u->model, fsdp__mp_full_numel(u), "full parameters");
@@ -177,7 +242,8 @@ static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__uni
                                       : fsdp_comm_allgather_start(fm->shard_comm, mine, u->full,
                                                                   (size_t)u->numel_shard, FSDP_F32, &u->req);
     unit_tag(ctx, u->model, NULL);
-    if (st != FSDP_OK) return unit_fail(ctx, u, u->full_win ? "the shared window's barrier" : "all-gather", st);
+    if (st != FSDP_OK)
+        return unit_fail(ctx, u, u->full_win || u->lp_win ? "the shared window's barrier" : "all-gather", st);
     u->state_ = UNIT_GATHERING;
     return FSDP_OK;
 }
@@ -187,7 +253,9 @@ static enum fsdp_status unit_gather_wait(struct fsdp_ctx *ctx, struct fsdp__unit
     struct fsdp_comm_req *r = u->req;
     u->req = NULL;
     enum fsdp_status st = fsdp_comm_wait(u->model->shard_comm, r);
-    if (st != FSDP_OK) return unit_fail(ctx, u, u->full_win ? "the shared window's barrier wait" : "all-gather wait", st);
+    if (st != FSDP_OK)
+        return unit_fail(ctx, u, u->full_win || u->lp_win ? "the shared window's barrier wait" : "all-gather wait",
+                         st);
     u->state_ = UNIT_UNSHARDED;
     if (u->param_dtype != FSDP_F32) fsdp__mp_gather_finish(u); /* points the parameters itself */
     else point_params(u);

@@ -266,7 +266,7 @@ enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit
      * (lp_shard_copy; mixed.c): the optimizer writes it, and
      * fsdp_fully_shard's first call runs before the dtypes resolve, so it
      * comes with fsdp_model_attach_optim's call */
-    size_t lp = u->param_dtype != FSDP_F32 && u->model->lp_shard_copy ? n * sizeof(uint16_t) : 0;
+    size_t lp = u->param_dtype != FSDP_F32 && u->model->lp_shard_copy && !u->win_lp ? n * sizeof(uint16_t) : 0;
     size_t own = u->win_full ? 0 : 1; /* the parameter shard, unless it lies in the shared window */
     float *mem = fsdp__calloc(ctx, (own + 1 + (size_t)k_state) * n * sizeof(float) + lp + 64, FSDP_MEM_SHARD,
                               u->module->fqn[0] ? u->module->fqn : "root unit shards");
@@ -277,7 +277,9 @@ enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit
     u->shard = own ? mem : u->win_full + (int64_t)u->model->shard_rank * u->numel_shard;
     u->grad_shard = mem + own * n;
     u->state = k_state ? mem + (own + 1) * n : NULL;
-    u->shard_lp = lp ? (uint16_t *)(void *)(mem + (own + 1 + (size_t)k_state) * n) : NULL;
+    u->shard_lp = u->win_lp ? u->win_lp + (int64_t)u->model->shard_rank * u->numel_shard /* [Note: 16-bit window] */
+                  : lp      ? (uint16_t *)(void *)(mem + (own + 1 + (size_t)k_state) * n)
+                            : NULL;
     u->shard_lp_valid = 0;
     return FSDP_OK;
 }
