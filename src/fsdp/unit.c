@@ -228,7 +228,7 @@ static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__uni
         return FSDP_OK;
     }
     u->full_win = u->win_full && !lp && fm->win_pass; /* [Note: shared window]: a barrier, no copy */
-    u->lp_win = u->win_lp && lp && fm->win_pass;       /* [Note: 16-bit window]: likewise */
+    u->lp_win = u->win_lp && u->shard_lp && lp && fm->win_pass; /* [Note: 16-bit window]: likewise */
     u->gather_lazy = lp && (fm->in_forward || fm->in_backward); /* [Note: lazy widening] */
     u->full_f32 = lp ? fsdp__mp_f32_numel(u, u->gather_lazy) : u->numel_padded;
     u->full = u->full_win ? u->win_full : fsdp__pool_get(u->model, fsdp__mp_full_numel(u), "full parameters");
