@@ -560,8 +560,10 @@ static enum fsdp_status reduce_land(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
     if (fsdp__measuring) /* [Note: measure mode] (plan.c) */
         ;
     else if (prev)
+#pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < u->numel_shard; i++) g[i] = g[i] * inv + prev[i];
     else
+#pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < u->numel_shard; i++) g[i] *= inv;
     fsdp__pool_put(fm, u->rs_prev);
     u->rs_prev = NULL;
