@@ -150,7 +150,7 @@ static enum fsdp_status halve_params(struct fsdp_ctx *c, struct run *r) {
  * steps, then halve weights by summon write-back; A, whose copy the load
  * already dropped, halves the same weights: both forwards must agree (a
  * stale copy in B would miss the halving). */
-static void check_refresh(struct fsdp_ctx *c, int lp_copy) {
+static void check_refresh(struct fsdp_ctx *c, int lp_copy, int window) {
     struct fsdp_data *data;
     ASSERT_OK(fsdp_data_synthetic(c, 7, 1 << 16, &data), c);
     char dir[256];
@@ -161,7 +161,12 @@ static void check_refresh(struct fsdp_ctx *c, int lp_copy) {
     struct fsdp_step_result res[3];
     ASSERT_OK(run_create_lp(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, lp_copy, &a), c);
     ASSERT_OK(run_create_lp(c, FSDP_BF16, FSDP_MP_DEFAULT, NULL, lp_copy, &b), c);
+    struct fsdp_comm_stats s0, s1;
+    fsdp_model_comm_stats(a.fm, &s0);
     CHECK_OK(train(c, &a, data, 2, res), c);
+    fsdp_model_comm_stats(a.fm, &s1);
+    if (window) /* the training gathers read the 16-bit window: no parameter all-gathered */
+        CHECK(s1.bytes[FSDP_COLL_ALLGATHER] - s0.bytes[FSDP_COLL_ALLGATHER] < 256 * 2);
     CHECK_OK(train(c, &b, data, 2, res), c);
     float *l0 = logits_of(c, &a, data);
     CHECK_OK(fsdp_ckpt_save(c, a.fm, dir, NULL), c);
@@ -191,14 +196,15 @@ static void check_refresh(struct fsdp_ctx *c, int lp_copy) {
     fsdp_data_free(data);
 }
 
-TEST(shard_writers_refresh_16bit_copy) { check_refresh(get_ctx(), 1); }
+TEST(shard_writers_refresh_16bit_copy) { check_refresh(get_ctx(), 1, 0); }
 
 /* A context of one thread over the shared-memory backend whose windows may
  * hold 1 GiB (win) or that has none; NULL (the test skips) at one rank. */
 static struct fsdp_ctx *shm_ctx_or_skip(int win) {
     if (fsdp_ctx_world(get_ctx()) < 2) return NULL;
     struct fsdp_ctx *c = shm_ctx_window(win ? "1073741824" : "0");
-    if (!c) TEST_FAILF("no shared-memory context: %s", fsdp_errmsg(get_ctx()));
+    if (!c) TEST_FAILF("no shared-memory context (FSDP_SHM_WINDOW=%s) at %d ranks", win ? "1073741824" : "0",
+                       fsdp_ctx_world(get_ctx()));
     return c;
 }
 
@@ -208,7 +214,7 @@ static struct fsdp_ctx *shm_ctx_or_skip(int win) {
 TEST(shard_writers_refresh_16bit_window) {
     struct fsdp_ctx *c = shm_ctx_or_skip(1);
     if (!c) SKIP("a shard group of one has no window");
-    check_refresh(c, 0); /* the window keeps the copy whatever lp_shard_copy says */
+    check_refresh(c, 0, 1); /* the window keeps the copy whatever lp_shard_copy says */
     fsdp_ctx_free(c);
 }
 

@@ -51,7 +51,8 @@ struct fsdp__unit {
                                      ([Note: fused 16-bit copy], mixed.c), or NULL */
     int shard_lp_valid;           /* shard_lp == the cast of shard (cleared by every other writer:
                                      fsdp__model_shards_written) */
-    int lp_direct;                /* the gather reads shard_lp in place (a shard group of one) */
+    int lp_direct;                /* the gather reads the 16-bit copy in place: shard_lp (a shard
+                                     group of one) or win_lp (lp_win) */
     uint16_t *win_lp;             /* (numel_padded) a 16-bit unit's region of the model's 16-bit
                                      window, shard_lp its block there ([Note: 16-bit window],
                                      unit.c), or NULL */

@@ -149,6 +149,7 @@ static int64_t window_floats(int64_t numel) { return (numel + 15) & ~(int64_t)15
  * src/comm/shm.c), so a model whose 16-bit copy exceeds it gathers by copy.
  * Bits: the same 16-bit values in the same layout as the all-gather's
  * (FSDP_SHM_WINDOW=0 turns it off; tests/test_mpi_precision.c). */
+
 /* Whether unit u has a region in the window of kind lp (0: the fp32 shards,
  * 1: the 16-bit copies), and the region's size in floats. */
 static int64_t window_region(const struct fsdp__unit *u, int lp) {
