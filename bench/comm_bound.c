@@ -144,7 +144,7 @@ int main(int argc, char **argv) {
                 if (world == 1) { fsdp__shm_copy_out(out + off, in0, n * sizeof(float), SHM_NT_MIN); continue; }
                 for (int k = 1; k < world; k++) {
                     const float *ink = (const float *)(const void *)base[k] + (size_t)rank * per + off;
-                    fsdp__shm_add_f32(k == world - 1 ? out + off : acc, k == 1 ? in0 : acc, ink, n, k == world - 1);
+                    fsdp__shm_add_f32(k == world - 1 ? out + off : acc, k == 1 ? in0 : acc, ink, n, k == world - 1, 1.0f);
                 }
             }
             MPI_Barrier(MPI_COMM_WORLD);

@@ -533,7 +533,9 @@ enum fsdp_status fsdp_error(struct fsdp_ctx *ctx, enum fsdp_status st, const cha
 
 /* ---- Collectives (src/comm) ------------------------------------------- */
 
-enum fsdp_red_op { FSDP_SUM, FSDP_MAX, FSDP_MIN };
+/* FSDP_AVG (floating dtypes): the sum, times 1/size rounded once more (the
+ * bits of FSDP_SUM followed by x *= 1.0f / size), as torch's ReduceOp.AVG. */
+enum fsdp_red_op { FSDP_SUM, FSDP_MAX, FSDP_MIN, FSDP_AVG };
 
 enum fsdp_coll {
     FSDP_COLL_ALLGATHER, FSDP_COLL_REDUCE_SCATTER, FSDP_COLL_ALLREDUCE,

@@ -11,7 +11,8 @@
  * sum bit for bit on shm, self and MPI (shm.c and mpi.c's ordered
  * reductions sum in rank order) and within a tolerance on "mpi native"
  * (FSDP_MPI_REDUCE=native: Open MPI's reduction order depends on its
- * algorithm; the test prints whether it happened to match).
+ * algorithm; the test prints whether it happened to match). FSDP_AVG is
+ * checked there too: the rank-order sum's bits times 1/world.
  * The backends' own paths (shm's single copy and watchdog, MPI's progress
  * thread, self, a second MPI context): test_mpi_comm_backends.c; shared
  * helpers: comm_helpers.h.
@@ -341,6 +342,19 @@ static void body_reduce_rank_order_n(struct fsdp_ctx *c, size_t n) {
             /* run to run: the same call again gives the same bits */
             CHECK_OK(fsdp_comm_allreduce(comm, send, y2, n, dt, FSDP_SUM), c);
             CHECK_INT_EQ(count_bit_mismatches(y2, y, n, dt, "allreduce repeated"), 0);
+            /* FSDP_AVG: the sum's bits times 1/world, rounded once more (shm's
+             * fp32 reduce-scatter folds it into its last addition at 300007
+             * elements; the wait scales the others: src/comm/comm.c) */
+            void *ref_avg = xmalloc(total * esz);
+            for (size_t j = 0; j < total; j++)
+                put_round(ref_avg, dt, j, (float)get(ref, dt, j) * (1.0f / (float)world));
+            CHECK_OK(fsdp_comm_reduce_scatter(comm, send, rs, n, dt, FSDP_AVG), c);
+            CHECK_INT_EQ(count_bit_mismatches(rs, (const char *)ref_avg + (size_t)rank * n * esz, n, dt,
+                                              "reduce-scatter FSDP_AVG"), 0);
+            memcpy(y2, send, n * esz);
+            CHECK_OK(fsdp_comm_allreduce(comm, y2, y2, n, dt, FSDP_AVG), c);
+            CHECK_INT_EQ(count_bit_mismatches(y2, ref_avg, n, dt, "allreduce FSDP_AVG in place"), 0);
+            free(ref_avg);
         } else {
             double ulp = dt == FSDP_F32 ? 0x1p-23 : dt == FSDP_BF16 ? 0x1p-7 : 0x1p-10;
             size_t bad = 0, differ = 0;
@@ -482,6 +496,10 @@ static void body_invalid_args(struct fsdp_ctx *c) {
     CHECK_INT_EQ(fsdp_comm_allreduce(comm, buf, buf + 8, 4, FSDP_F32, (enum fsdp_red_op)9),
                  FSDP_ERR_INVALID);
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "op");
+    CHECK_INT_EQ(fsdp_comm_allreduce(comm, buf, buf + 8, 4, FSDP_I32, FSDP_AVG), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "FSDP_AVG of I32");
+    CHECK_INT_EQ(fsdp_comm_reduce_scatter(comm, buf, buf + 8, 1, FSDP_U8, FSDP_AVG), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "reduce-scatter: FSDP_AVG of U8");
     CHECK_INT_EQ(fsdp_comm_allreduce_start(comm, buf, buf + 8, 4, FSDP_F32, FSDP_SUM, NULL),
                  FSDP_ERR_INVALID);
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "req is NULL");

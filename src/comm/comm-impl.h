@@ -20,6 +20,12 @@
  * own request struct; ops->wait completes the request and frees it. */
 struct fsdp_comm_req {
     enum fsdp_coll coll; /* for the wait-time statistics */
+    /* FSDP_AVG ([Note: averaging reductions], comm.c): set by a backend that
+     * scaled the sum by 1/size itself; else comm.c scales recv at the wait */
+    int scaled;
+    void *avg_recv;     /* comm.c: what the wait scales (NULL: nothing) */
+    size_t avg_count;
+    enum fsdp_dtype avg_dt;
 };
 
 struct fsdp_comm_ops {
@@ -48,6 +54,9 @@ struct fsdp_comm_ops {
      * then gets NULL). COLLECTIVE: yes. window_free unmaps it (not collective). */
     enum fsdp_status (*window)(struct fsdp_comm *c, size_t bytes, void **base);
     void (*window_free)(struct fsdp_comm *c, void *base, size_t bytes);
+    /* 1: the reduction starts take FSDP_AVG (and set req->scaled where they
+     * fold the 1/size into the sum); 0: comm.c hands them FSDP_SUM. */
+    int avg;
 };
 
 struct fsdp_comm {

@@ -250,7 +250,53 @@ const char *fsdp_comm_tag(const struct fsdp_comm *c) { return c ? c->tag : ""; }
 /* ---- Validation ---- */
 
 static int dtype_ok(enum fsdp_dtype dt) { return (unsigned)dt <= (unsigned)FSDP_I64; }
-static int op_ok(enum fsdp_red_op op) { return (unsigned)op <= (unsigned)FSDP_MIN; }
+/* A known op, and FSDP_AVG only over floating values. */
+static enum fsdp_status op_check(struct fsdp_comm *c, const char *what, enum fsdp_red_op op, enum fsdp_dtype dt) {
+    if ((unsigned)op > (unsigned)FSDP_AVG) return fsdp__err(c->ctx, FSDP_ERR_INVALID, "%s: unknown op %d", what, (int)op);
+    if (op == FSDP_AVG && dt != FSDP_F32 && dt != FSDP_BF16 && dt != FSDP_F16)
+        return fsdp__err(c->ctx, FSDP_ERR_INVALID, "%s: FSDP_AVG of %s (a floating dtype is needed)", what,
+                         fsdp_dtype_name(dt));
+    return FSDP_OK;
+}
+
+/* [Note: averaging reductions] FSDP_AVG is the sum times 1/size, rounded
+ * once more: the bits of FSDP_SUM followed by a pass x *= 1.0f / size (in
+ * fp32 for 16-bit values, then rounded back). A backend that can fold the
+ * scaling into its last addition (shm's fp32 reduce-scatter, whose last
+ * addition streams the result out: the separate pass would read and write
+ * it back from memory) declares ops->avg, takes FSDP_AVG and sets
+ * req->scaled where it folded; every other backend gets FSDP_SUM and the
+ * wait scales recv here, on the caller's threads. */
+static enum fsdp_red_op backend_op(const struct fsdp_comm *c, enum fsdp_red_op op) {
+    return op == FSDP_AVG && !c->ops->avg ? FSDP_SUM : op;
+}
+
+static void avg_mark(const struct fsdp_comm *c, struct fsdp_comm_req *r, enum fsdp_red_op op, void *recv,
+                     size_t count, enum fsdp_dtype dt) {
+    if (op != FSDP_AVG || r->scaled || c->size == 1 || count == 0) return; /* x * 1.0f == x */
+    r->avg_recv = recv;
+    r->avg_count = count;
+    r->avg_dt = dt;
+}
+
+static void avg_scale(void *recv, size_t n, enum fsdp_dtype dt, int size) {
+    const float inv = 1.0f / (float)size;
+    const int64_t N = (int64_t)n;
+    if (dt == FSDP_F32) {
+        float *x = recv;
+#pragma omp parallel for schedule(static) if (N >= 65536)
+        for (int64_t i = 0; i < N; i++) x[i] *= inv;
+        return;
+    }
+    uint16_t *h = recv;
+    float buf[256];
+    for (size_t off = 0; off < n; off += 256) {
+        size_t m = n - off < 256 ? n - off : 256;
+        fsdp__cvt_to_f32(dt, h + off, buf, m);
+        for (size_t i = 0; i < m; i++) buf[i] *= inv;
+        fsdp__cvt_from_f32(dt, buf, h + off, m);
+    }
+}
 
 /* Do [a, a+na) and [b, b+nb) share a byte? */
 static int overlaps(const void *a, size_t na, const void *b, size_t nb) {
@@ -386,7 +432,7 @@ enum fsdp_status fsdp_comm_reduce_scatter_start(struct fsdp_comm *c, const void 
     if (!c) return FSDP_ERR_INVALID;
     size_t bytes;
     FSDP_TRY(check_common(c, FSDP_COLL_REDUCE_SCATTER, count, dt, (size_t)c->size, req, &bytes));
-    if (!op_ok(op)) return fsdp__err(c->ctx, FSDP_ERR_INVALID, "reduce-scatter: unknown op %d", (int)op);
+    FSDP_TRY(op_check(c, "reduce-scatter", op, dt));
     if (count > 0 && (!send || !recv))
         return fsdp__err(c->ctx, FSDP_ERR_INVALID, "reduce-scatter: %s is NULL with count %zu",
                          !send ? "send" : "recv", count);
@@ -396,7 +442,8 @@ enum fsdp_status fsdp_comm_reduce_scatter_start(struct fsdp_comm *c, const void 
                          "reduce-scatter: send and recv overlap (no in-place form)");
     FSDP_TRY(check_schedule(c, FSDP_COLL_REDUCE_SCATTER, count, dt, (int)op));
     c->seq++;
-    FSDP_TRY(c->ops->reduce_scatter_start(c, send, recv, count, dt, op, req));
+    FSDP_TRY(c->ops->reduce_scatter_start(c, send, recv, count, dt, backend_op(c, op), req));
+    avg_mark(c, *req, op, recv, count, dt);
     count_start(c, FSDP_COLL_REDUCE_SCATTER, total);
     fsdp__fault_point("reduce-scatter", c->tag[0] ? c->tag : NULL); /* FSDP_FAULT (core/fault.c) */
     return FSDP_OK;
@@ -408,7 +455,7 @@ enum fsdp_status fsdp_comm_allreduce_start(struct fsdp_comm *c, const void *send
     if (!c) return FSDP_ERR_INVALID;
     size_t bytes;
     FSDP_TRY(check_common(c, FSDP_COLL_ALLREDUCE, count, dt, 1, req, &bytes));
-    if (!op_ok(op)) return fsdp__err(c->ctx, FSDP_ERR_INVALID, "allreduce: unknown op %d", (int)op);
+    FSDP_TRY(op_check(c, "allreduce", op, dt));
     if (count > 0 && (!send || !recv))
         return fsdp__err(c->ctx, FSDP_ERR_INVALID, "allreduce: %s is NULL with count %zu",
                          !send ? "send" : "recv", count);
@@ -418,7 +465,8 @@ enum fsdp_status fsdp_comm_allreduce_start(struct fsdp_comm *c, const void *send
                          "allreduce: send overlaps recv but is not equal to it (in place)");
     FSDP_TRY(check_schedule(c, FSDP_COLL_ALLREDUCE, count, dt, (int)op));
     c->seq++;
-    FSDP_TRY(c->ops->allreduce_start(c, send, recv, count, dt, op, req));
+    FSDP_TRY(c->ops->allreduce_start(c, send, recv, count, dt, backend_op(c, op), req));
+    avg_mark(c, *req, op, recv, count, dt);
     count_start(c, FSDP_COLL_ALLREDUCE, bytes);
     return FSDP_OK;
 }
@@ -456,9 +504,13 @@ enum fsdp_status fsdp_comm_wait(struct fsdp_comm *c, struct fsdp_comm_req *req) 
     if (!c) return FSDP_ERR_INVALID;
     enum fsdp_coll coll = req->coll;
     FSDP_ASSERT((unsigned)coll < (unsigned)FSDP_COLL_COUNT, "corrupt request (coll %d)", (int)coll);
+    void *avg = req->avg_recv; /* ops->wait frees req */
+    size_t avg_n = req->avg_count;
+    enum fsdp_dtype avg_dt = req->avg_dt;
     double t0 = fsdp__now();
     enum fsdp_status st = c->ops->wait(c, req);
     c->stats.wait_s[coll] += fsdp__now() - t0;
+    if (st == FSDP_OK && avg) avg_scale(avg, avg_n, avg_dt, c->size);
     return st;
 }
 

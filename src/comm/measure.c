@@ -74,16 +74,19 @@ static enum fsdp_status measure_allgather_start(struct fsdp_comm *c, const void 
 static enum fsdp_status measure_reduce_scatter_start(struct fsdp_comm *c, const void *send, void *recv, size_t count,
                                                      enum fsdp_dtype dt, enum fsdp_red_op op,
                                                      struct fsdp_comm_req **req) {
-    (void)send; (void)recv; (void)op;
-    return measure_done(c, FSDP_COLL_REDUCE_SCATTER, count, dt, req);
+    (void)send; (void)recv;
+    FSDP_TRY(measure_done(c, FSDP_COLL_REDUCE_SCATTER, count, dt, req));
+    (*req)->scaled = op == FSDP_AVG; /* no arithmetic ([Note: averaging reductions]) */
+    return FSDP_OK;
 }
 
 static enum fsdp_status measure_allreduce_start(struct fsdp_comm *c, const void *send, void *recv, size_t count,
                                                 enum fsdp_dtype dt, enum fsdp_red_op op,
                                                 struct fsdp_comm_req **req) {
-    (void)op;
     small_copy(send, recv, count, dt);
-    return measure_done(c, FSDP_COLL_ALLREDUCE, count, dt, req);
+    FSDP_TRY(measure_done(c, FSDP_COLL_ALLREDUCE, count, dt, req));
+    (*req)->scaled = op == FSDP_AVG;
+    return FSDP_OK;
 }
 
 static enum fsdp_status measure_broadcast_start(struct fsdp_comm *c, void *buf, size_t count, enum fsdp_dtype dt,
@@ -146,6 +149,7 @@ static const struct fsdp_comm_ops measure_ops = {
     .free = measure_free,
     .window = measure_window,
     .window_free = measure_window_free,
+    .avg = 1,
 };
 
 enum fsdp_status fsdp__comm_measure_create(struct fsdp_ctx *ctx, int size, int rank, int like_mpi, int ordered,

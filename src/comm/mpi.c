@@ -104,6 +104,7 @@ static MPI_Op mpi_op(enum fsdp_red_op op) {
     case FSDP_SUM: return MPI_SUM;
     case FSDP_MAX: return MPI_MAX;
     case FSDP_MIN: return MPI_MIN;
+    case FSDP_AVG: break; /* comm.c hands this backend FSDP_SUM ([Note: averaging reductions]) */
     }
     return MPI_OP_NULL;
 }

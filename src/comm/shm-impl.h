@@ -62,7 +62,8 @@ struct shm_req {
     void *recv;
     size_t count;
     enum fsdp_dtype dt;
-    enum fsdp_red_op op;
+    enum fsdp_red_op op; /* FSDP_AVG arrives as FSDP_SUM with scale 1/size */
+    float scale;      /* the fp32 cross-memory reduce-scatter's last addition: (a + b) * scale */
     int root;
     uint64_t seq;     /* 1-based number of this collective on this communicator */
     double t_start;   /* when it was started (the watchdog's clock) */
@@ -123,8 +124,8 @@ int fsdp__shm_wait_ge(struct shm_state *s, struct fsdp_comm *c, _Atomic uint32_t
                       uint32_t target, int peer, const struct shm_req *q);
 /* n bytes into the user's buffer, streaming stores when `total` is large. */
 void fsdp__shm_copy_out(void *dst, const void *src, size_t n, size_t total);
-/* dst = a + b (fp32), streaming stores with nt ([Note: reduction order]). */
-void fsdp__shm_add_f32(float *dst, const float *a, const float *b, size_t n, int nt);
+/* dst = (a + b) [* scale] (fp32), streaming stores with nt ([Note: reduction order]). */
+void fsdp__shm_add_f32(float *dst, const float *a, const float *b, size_t n, int nt, float scale);
 /* fsdp__shm_reduce_into and fsdp__shm_reduce_low: comm-impl.h (mpi.c's ordered reductions use them too) */
 
 /* ---- Single copy (shm_cma.c) ---- */

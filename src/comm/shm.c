@@ -276,41 +276,49 @@ void fsdp__shm_copy_out(void *dst, const void *src, size_t n, size_t total) {
 }
 
 /* dst = a + b, n floats, each sum one IEEE single addition as in the scalar
- * loop (bit-identical; a may be dst). nt: stream the stores past the caches
- * (a final result not read again soon; saves reading dst's lines first). */
-void fsdp__shm_add_f32(float *dst, const float *a, const float *b, size_t n, int nt) {
+ * loop (bit-identical; a may be dst), times `scale` unless it is 1 (one
+ * more rounding, as a pass x *= scale after it: [Note: averaging
+ * reductions]). nt: stream the stores past the caches (a final result not
+ * read again soon; saves reading dst's lines first). */
+void fsdp__shm_add_f32(float *dst, const float *a, const float *b, size_t n, int nt, float scale) {
     size_t i = 0;
+    const int sc = scale != 1.0f;
+#define ADD1(i) (sc ? (a[i] + b[i]) * scale : a[i] + b[i])
 #if defined(__AVX512F__)
+    const __m512 vs = _mm512_set1_ps(scale);
+#define ADDV(i) (sc ? _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(a + (i)), _mm512_loadu_ps(b + (i))), vs) \
+                    : _mm512_add_ps(_mm512_loadu_ps(a + (i)), _mm512_loadu_ps(b + (i))))
     if (nt) {
-        for (; i < n && ((uintptr_t)(dst + i) & 63); i++) dst[i] = a[i] + b[i];
-        for (; i + 16 <= n; i += 16)
-            _mm512_stream_ps(dst + i, _mm512_add_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+        for (; i < n && ((uintptr_t)(dst + i) & 63); i++) dst[i] = ADD1(i);
+        for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, ADDV(i));
         _mm_sfence(); /* before the progress thread tells anyone the data is there */
     } else {
-        for (; i + 16 <= n; i += 16)
-            _mm512_storeu_ps(dst + i, _mm512_add_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, ADDV(i));
     }
 #elif defined(__AVX__)
+    const __m256 vs = _mm256_set1_ps(scale);
+#define ADDV(i) (sc ? _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(a + (i)), _mm256_loadu_ps(b + (i))), vs) \
+                    : _mm256_add_ps(_mm256_loadu_ps(a + (i)), _mm256_loadu_ps(b + (i))))
     if (nt) {
-        for (; i < n && ((uintptr_t)(dst + i) & 31); i++) dst[i] = a[i] + b[i];
-        for (; i + 8 <= n; i += 8)
-            _mm256_stream_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+        for (; i < n && ((uintptr_t)(dst + i) & 31); i++) dst[i] = ADD1(i);
+        for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, ADDV(i));
         _mm_sfence(); /* before the progress thread tells anyone the data is there */
     } else {
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, ADDV(i));
     }
 #else
     (void)nt;
 #endif
-    for (; i < n; i++) dst[i] = a[i] + b[i];
+    for (; i < n; i++) dst[i] = ADD1(i);
+#undef ADD1
+#undef ADDV
 }
 
 /* dst = src (first contribution) or dst op= src, n elements of dt (not BF16/F16). */
 void fsdp__shm_reduce_into(void *dst, const void *src, size_t n, enum fsdp_dtype dt, enum fsdp_red_op op,
                            int first) {
     if (first) { memcpy(dst, src, n * fsdp_dtype_size(dt)); return; }
-    if (dt == FSDP_F32 && op == FSDP_SUM) { fsdp__shm_add_f32(dst, dst, src, n, 0); return; }
+    if (dt == FSDP_F32 && op == FSDP_SUM) { fsdp__shm_add_f32(dst, dst, src, n, 0, 1.0f); return; }
 #define RED_LOOP(T, ADD)                                                     \
     do {                                                                     \
         T *d_ = dst;                                                         \
@@ -442,12 +450,17 @@ static int run_barrier(struct shm_state *s, struct fsdp_comm *c, struct shm_req 
     return 0;
 }
 
+/* 0: through the slots; 1: reductions by cross-memory reads; 2: all-gathers
+ * and broadcasts too. The same choice on every rank: cma, cma_min and the
+ * sizes agree. */
+static int cma_level(const struct shm_state *s, const struct shm_req *q) {
+    return q->count * fsdp_dtype_size(q->dt) >= s->cma_min ? s->cma : 0;
+}
+
 static void run_one(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
     int rc = -1;
     if (!s->failed) {
-        /* the same choice on every rank: cma, cma_min and the sizes agree */
-        int big = q->count * fsdp_dtype_size(q->dt) >= s->cma_min;
-        int x = big && s->cma >= 1, xg = big && s->cma >= 2;
+        int x = cma_level(s, q) >= 1, xg = cma_level(s, q) >= 2;
         switch (q->base.coll) {
         case FSDP_COLL_ALLGATHER: rc = xg ? fsdp__shm_allgather_cma(s, c, q) : run_allgather(s, c, q); break;
         case FSDP_COLL_REDUCE_SCATTER:
@@ -503,8 +516,15 @@ static enum fsdp_status enqueue(struct fsdp_comm *c, enum fsdp_coll coll, const 
     q->recv = recv;
     q->count = count;
     q->dt = dt;
-    q->op = op;
+    q->op = op == FSDP_AVG ? FSDP_SUM : op;
     q->root = root;
+    /* [Note: averaging reductions] (comm.c): the fp32 cross-memory
+     * reduce-scatter scales in its last addition; the wait scales the rest */
+    q->scale = 1.0f;
+    if (op == FSDP_AVG && coll == FSDP_COLL_REDUCE_SCATTER && dt == FSDP_F32 && c->size > 1 && cma_level(s, q) >= 1) {
+        q->scale = 1.0f / (float)c->size;
+        q->base.scaled = 1;
+    }
     q->seq = c->seq;
     q->t_start = fsdp__now();
     memcpy(q->tag, c->tag, sizeof q->tag);
@@ -608,6 +628,7 @@ static const struct fsdp_comm_ops shm_ops = {
     .free = shm_free,
     .window = shm_window,
     .window_free = shm_window_free,
+    .avg = 1,
 };
 
 /* Removes segments of earlier jobs whose creator is gone (a job killed

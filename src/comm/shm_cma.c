@@ -138,7 +138,8 @@ int fsdp__shm_allgather_cma(struct shm_state *s, struct fsdp_comm *c, struct shm
 
 /* The fp32 sum of fsdp__shm_reduce_scatter_cma (gradients): per chunk,
  * acc = x0 + x1 (+ x2 ...) in rank order in an L2-resident buffer, the last
- * addition storing straight to recv with streaming stores; a peer's
+ * addition storing straight to recv with streaming stores (times 1/size
+ * for FSDP_AVG: [Note: averaging reductions], comm.c); a peer's
  * contribution lands in acc (rank 0's) or xtmp, this rank's is read in place. */
 static int reduce_scatter_f32_cma(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
     int me = c->rank, W = c->size;
@@ -161,7 +162,7 @@ static int reduce_scatter_f32_cma(struct shm_state *s, struct fsdp_comm *c, stru
                 b = tmp;
             }
             int last = k == W - 1;
-            fsdp__shm_add_f32(last ? recv + off : acc, a, b, n, last);
+            fsdp__shm_add_f32(last ? recv + off : acc, a, b, n, last, last ? q->scale : 1.0f);
             a = acc;
         }
     }

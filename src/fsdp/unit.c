@@ -504,14 +504,19 @@ static enum fsdp_status reduce_start(struct fsdp_ctx *ctx, struct fsdp__unit *u)
     }
     /* in reduce_dtype: send and recv are 16-bit views for BF16/F16 (mixed.c) */
     void *send = fsdp__mp_grad_send(u, ctx->world), *recv = fm->shard_size > 1 ? fsdp__mp_grad_recv(u) : send;
+    /* one fp32 collective over the whole world averages as it sums (shm's
+     * reduce-scatter in its last addition; [Note: averaging reductions] in
+     * src/comm/comm.c): the same bits as reduce_land's 1/world after a sum */
+    u->rs_avg = u->reduce_dtype == FSDP_F32 && (fm->shard_size == 1 || fm->rep_size == 1);
+    enum fsdp_red_op op = u->rs_avg ? FSDP_AVG : FSDP_SUM;
     enum fsdp_status st;
     unit_tag(ctx, u->model, u);
     if (fm->shard_size > 1)
         st = fsdp_comm_reduce_scatter_start(fm->shard_comm, send, recv, (size_t)u->numel_shard, u->reduce_dtype,
-                                            FSDP_SUM, &u->rs_req);
+                                            op, &u->rs_req);
     else
-        st = fsdp_comm_allreduce_start(fm->rep_comm, recv, recv, (size_t)u->numel_shard, u->reduce_dtype,
-                                       FSDP_SUM, &u->rs_req);
+        st = fsdp_comm_allreduce_start(fm->rep_comm, recv, recv, (size_t)u->numel_shard, u->reduce_dtype, op,
+                                       &u->rs_req);
     unit_tag(ctx, u->model, NULL);
     u->rs_recv = recv;
     if (st != FSDP_OK) return reduce_fail(ctx, u, fm->shard_size > 1 ? "reduce-scatter" : "all-reduce", st);
@@ -540,7 +545,8 @@ static enum fsdp_status reduce_scattered(struct fsdp_ctx *ctx, struct fsdp__unit
 }
 
 /* The end of u's reduction: waits for the replica all-reduce if one runs,
- * lands the result in the fp32 gradient shard, averages by 1/world, adds
+ * lands the result in the fp32 gradient shard, averages by 1/world (where
+ * the collective did not: rs_avg), adds
  * the accumulated shard back, and releases what is left (the accumulation
  * buffer; the full gradient of a shard group of one). */
 static enum fsdp_status reduce_land(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
@@ -554,8 +560,9 @@ static enum fsdp_status reduce_land(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
         if (u->reduce_dtype == FSDP_F32) memcpy(u->grad_shard, recv, (size_t)u->numel_shard * sizeof(float));
         else fsdp__mp_grad_land(u, recv);
     }
-    /* what the pre-division left: 1/world in all ([Note: gradient pre-division]) */
-    float inv = (float)fsdp__mp_predivide(u->reduce_dtype, ctx->world) / (float)ctx->world;
+    /* what the pre-division left: 1/world in all ([Note: gradient pre-division]),
+     * unless the collective averaged (reduce_start; x * 1.0f == x) */
+    float inv = u->rs_avg ? 1.0f : (float)fsdp__mp_predivide(u->reduce_dtype, ctx->world) / (float)ctx->world;
     float *g = u->grad_shard, *prev = u->rs_prev;
     u->grad_fresh = 1;
     if (fsdp__measuring) /* [Note: measure mode] (plan.c) */
@@ -563,7 +570,7 @@ static enum fsdp_status reduce_land(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
     else if (prev)
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < u->numel_shard; i++) g[i] = g[i] * inv + prev[i];
-    else
+    else if (inv != 1.0f)
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < u->numel_shard; i++) g[i] *= inv;
     fsdp__pool_put(fm, u->rs_prev);
