@@ -156,6 +156,11 @@ void fsdp_mem_get(const struct fsdp_ctx *ctx, struct fsdp_mem_stats *out);
 void fsdp_mem_reset_peak(struct fsdp_ctx *ctx);
 /* Peak resident set size of this process in bytes (from the OS). */
 size_t fsdp_peak_rss_bytes(void);
+/* The shared memory among this process's resident pages now, in bytes (the
+ * OS's RssShmem; 0 where it does not say): the shared windows and the
+ * collectives' segment, which every rank of a host maps and each counts in
+ * its own RSS. */
+size_t fsdp_shared_rss_bytes(void);
 
 /* ---- Tensors and parameters ------------------------------------------- */
 

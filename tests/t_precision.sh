@@ -4,7 +4,8 @@
 # plan's per-unit precision, AMP_FP16 with an overflow injected on one rank
 # (FSDP_INJECT_OVERFLOW_STEP/RANK): that step skipped on every rank, the
 # scale halved, the skip in the log and the summary; usage errors naming the
-# flag. Prints "N passed, N failed" at the end.
+# flag; the summary's shared part of the peak RSS under the 16-bit window.
+# Prints "N passed, N failed" at the end.
 . "$(dirname "$0")/lib.sh"
 
 common=(--model tiny --data synthetic --batch 12 --seq 32 --steps 6 --lr 3e-3 --warmup 2 --threads 1 --sample 0)
@@ -27,6 +28,25 @@ else bad "AMP_BF16 2 ranks" "$(tail -5 "$tmp/b2")"; fi
 if grep -q "precision: AMP_BF16, mixed_precision DEFAULT: 3 of 3 units gather in 16 bits" "$tmp/b1" \
    && grep -q "^precision: AMP_BF16 | 0 skipped steps" "$tmp/b1"; then ok "AMP_BF16 reported in the header and summary"
 else bad "AMP_BF16 report" "$(grep precision "$tmp/b1")"; fi
+# the 16-bit window's pages count in every rank's RSS ([Note: 16-bit window], src/fsdp/unit.c): the
+# summary says how much of the peak is shared memory; without the window less of it is
+sh=(--model small --data synthetic --batch 4 --seq 32 --steps 1 --threads 1 --sample 0 --precision AMP_BF16 --nproc 2)
+if timeout -k 5 300 "$TRAIN" "${sh[@]}" > "$tmp/sw" 2>&1 && FSDP_SHM_WINDOW=0 timeout -k 5 300 "$TRAIN" "${sh[@]}" > "$tmp/sc" 2>&1 \
+   && msg=$(python3 - "$tmp/sw" "$tmp/sc" <<'EOF'
+import re, sys
+def shared(path):
+    t = open(path).read()
+    m = re.search(r"peak RSS (\d+) MB per rank(?:, of which (\d+) MB shared among the host's ranks)? \(", t)
+    assert m, f"{path}: no peak RSS in the summary"
+    return int(m.group(1)), int(m.group(2) or 0)
+(pw, sw), (pc, sc) = shared(sys.argv[1]), shared(sys.argv[2])
+params = float(re.search(r"([0-9.]+)M parameters", open(sys.argv[1]).read()).group(1)) * 1e6
+assert sw >= int(2 * params / 2**20) and sw < pw, f"window: {sw} MB shared of {pw} MB, params {params:.0f}"
+assert sc < sw, f"by copy: {sc} MB shared, window {sw} MB"
+print(f"{sw} MB of {pw} MB shared with the window, {sc} MB by copy")
+EOF
+); then ok "summary: the shared part of the peak RSS ($msg)"
+else bad "summary's shared RSS" "$msg $(grep -h summary "$tmp/sw" "$tmp/sc")"; fi
 # the header says where the products ran; FSDP_GEMM_BF16=widen forces the fp32 path
 if grep -qE "; BF16 products (on the CPU's native kernels|widened to fp32 \(no native kernels here\))$" "$tmp/b1" \
    && FSDP_GEMM_BF16=widen "$TRAIN" "${common[@]}" --steps 1 --precision AMP_BF16 > "$tmp/w" 2>&1 \

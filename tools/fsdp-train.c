@@ -409,8 +409,15 @@ int main(int argc, char **argv) {
 
     float rss = (float)((double)fsdp_peak_rss_bytes() / 1048576.0), rss_max = rss;
     fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &rss, &rss_max, 1, FSDP_F32, FSDP_MAX);
+    /* the shared windows' pages count in every rank's RSS ([Note: shared window], src/fsdp/unit.c) */
+    float shared = (float)((double)fsdp_shared_rss_bytes() / 1048576.0), shared_max = shared;
+    fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &shared, &shared_max, 1, FSDP_F32, FSDP_MAX);
+    char rss_note[96] = "";
+    if (world > 1 && shared_max >= 1.0f)
+        snprintf(rss_note, sizeof rss_note, ", of which %.0f MB shared among the host's ranks", (double)shared_max);
     if (rank == 0 && !nothing_left && start_step >= steps) /* --steps 0: e.g. an evaluation only */
-        printf("summary: no training steps (--steps %d) | peak RSS %.0f MB per rank\n", steps, (double)rss_max);
+        printf("summary: no training steps (--steps %d) | peak RSS %.0f MB per rank%s\n", steps, (double)rss_max,
+               rss_note);
     else if (rank == 0 && !nothing_left) {
         double tps = timed ? task.items_per_step * timed / total_s : 0;
         /* ZeRO-3: 16 bytes per parameter (param, grad, m, v) over the world,
@@ -425,9 +432,10 @@ int main(int argc, char **argv) {
                 snprintf(flops + k, sizeof flops - (size_t)k, " = %.1f%% MFU of %.1f GFLOP/s (%s)", 100.0 * mfu,
                          peak.flops / 1e9, peak.how);
         }
-        printf("summary: loss %.4f -> %.4f%s | %.0f %s/s%s | peak RSS %.0f MB per rank "
+        printf("summary: loss %.4f -> %.4f%s | %.0f %s/s%s | peak RSS %.0f MB per rank%s "
                "(ZeRO-3 estimate for params+grads+AdamW: %.0f MB)\n",
-               first_loss, last_loss, note, tps, task.is_gpt ? "tokens" : "images", flops, (double)rss_max, zero3);
+               first_loss, last_loss, note, tps, task.is_gpt ? "tokens" : "images", flops, (double)rss_max, rss_note,
+               zero3);
         if (evaluated) eval_summary(&task, &ev);
         printf("precision: %s | %d skipped steps | loss scale %g\n", precision_name(&o), skipped,
                fsdp_model_loss_scale(fm));

@@ -388,6 +388,17 @@ size_t fsdp_peak_rss_bytes(void) {
     return (size_t)ru.ru_maxrss * 1024u;
 }
 
+size_t fsdp_shared_rss_bytes(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "RssShmem: %llu kB", &kb) == 1) break;
+    fclose(f);
+    return (size_t)kb * 1024u;
+}
+
 double fsdp__now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
