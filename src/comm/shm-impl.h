@@ -124,6 +124,11 @@ int fsdp__shm_wait_ge(struct shm_state *s, struct fsdp_comm *c, _Atomic uint32_t
                       uint32_t target, int peer, const struct shm_req *q);
 /* n bytes into the user's buffer, streaming stores when `total` is large. */
 void fsdp__shm_copy_out(void *dst, const void *src, size_t n, size_t total);
+/* Whether q runs as the fp32 reduce-scatter over cross-memory reads
+ * (reduce_scatter_f32_cma, shm_cma.c): the one path that folds FSDP_AVG's
+ * 1/size into its last addition. The enqueue (which tells comm.c the sum
+ * comes scaled) and the dispatch both ask here. */
+int fsdp__shm_rs_f32_cma(const struct shm_state *s, const struct shm_req *q);
 /* dst = (a + b) [* scale] (fp32), streaming stores with nt ([Note: reduction order]). */
 void fsdp__shm_add_f32(float *dst, const float *a, const float *b, size_t n, int nt, float scale);
 /* fsdp__shm_reduce_into and fsdp__shm_reduce_low: comm-impl.h (mpi.c's ordered reductions use them too) */

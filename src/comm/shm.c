@@ -457,6 +457,10 @@ static int cma_level(const struct shm_state *s, const struct shm_req *q) {
     return q->count * fsdp_dtype_size(q->dt) >= s->cma_min ? s->cma : 0;
 }
 
+int fsdp__shm_rs_f32_cma(const struct shm_state *s, const struct shm_req *q) {
+    return q->base.coll == FSDP_COLL_REDUCE_SCATTER && q->dt == FSDP_F32 && q->op == FSDP_SUM && cma_level(s, q) >= 1;
+}
+
 static void run_one(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
     int rc = -1;
     if (!s->failed) {
@@ -520,11 +524,8 @@ static enum fsdp_status enqueue(struct fsdp_comm *c, enum fsdp_coll coll, const 
     q->root = root;
     /* [Note: averaging reductions] (comm.c): the fp32 cross-memory
      * reduce-scatter scales in its last addition; the wait scales the rest */
-    q->scale = 1.0f;
-    if (op == FSDP_AVG && coll == FSDP_COLL_REDUCE_SCATTER && dt == FSDP_F32 && c->size > 1 && cma_level(s, q) >= 1) {
-        q->scale = 1.0f / (float)c->size;
-        q->base.scaled = 1;
-    }
+    q->base.scaled = op == FSDP_AVG && fsdp__shm_rs_f32_cma(s, q);
+    q->scale = q->base.scaled ? 1.0f / (float)c->size : 1.0f;
     q->seq = c->seq;
     q->t_start = fsdp__now();
     memcpy(q->tag, c->tag, sizeof q->tag);

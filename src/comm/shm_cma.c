@@ -181,7 +181,7 @@ int fsdp__shm_reduce_scatter_cma(struct shm_state *s, struct fsdp_comm *c, struc
     x_post(s, c, send);
     for (int k = 0; k < c->size; k++)
         if (k != me && x_peer(s, c, k, q)) return -1;
-    if (q->dt == FSDP_F32 && q->op == FSDP_SUM) return reduce_scatter_f32_cma(s, c, q);
+    if (fsdp__shm_rs_f32_cma(s, q)) return reduce_scatter_f32_cma(s, c, q);
     for (size_t off = 0; off < q->count; off += per) {
         size_t n = q->count - off < per ? q->count - off : per;
         size_t boff = ((size_t)me * q->count + off) * esz; /* this chunk in every send buffer */

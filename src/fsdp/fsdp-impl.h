@@ -81,7 +81,6 @@ struct fsdp__unit {
     struct fsdp_comm_req *ar_req; /* HYBRID's all-reduce of the result over the replicas in
                                      flight (started when rs_req completed), or NULL */
     void *rs_recv;                /* where both land (fsdp__mp_grad_recv) */
-    int rs_avg;                   /* the collective averages (FSDP_AVG over the whole world) */
     float *rs_prev;               /* (numel_shard) the accumulated shard to add back, or NULL */
     int grad_fresh;               /* grad_shard written by this step's backward (step.c zeroes the rest) */
 };

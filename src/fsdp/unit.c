@@ -490,6 +490,15 @@ static enum fsdp_status pre_backward(void *data, struct fsdp_ctx *ctx) {
     return FSDP_OK;
 }
 
+/* Whether u's reduction averages as it sums: one fp32 collective over the
+ * whole world (a shard group or the replicas, not both), FSDP_AVG (shm's
+ * reduce-scatter folds it into its last addition; [Note: averaging
+ * reductions] in src/comm/comm.c): the bits of reduce_land's 1/world after
+ * a sum. */
+static int reduce_averages(const struct fsdp__unit *u) {
+    return u->reduce_dtype == FSDP_F32 && (u->model->shard_size == 1 || u->model->rep_size == 1);
+}
+
 /* Starts the reduction of u's full gradient ([Note: sharding strategies]):
  * a reduce-scatter over the shard group into the gradient shard, or, for a
  * group of one (the shard is the whole buffer), the all-reduce over the
@@ -504,11 +513,7 @@ static enum fsdp_status reduce_start(struct fsdp_ctx *ctx, struct fsdp__unit *u)
     }
     /* in reduce_dtype: send and recv are 16-bit views for BF16/F16 (mixed.c) */
     void *send = fsdp__mp_grad_send(u, ctx->world), *recv = fm->shard_size > 1 ? fsdp__mp_grad_recv(u) : send;
-    /* one fp32 collective over the whole world averages as it sums (shm's
-     * reduce-scatter in its last addition; [Note: averaging reductions] in
-     * src/comm/comm.c): the same bits as reduce_land's 1/world after a sum */
-    u->rs_avg = u->reduce_dtype == FSDP_F32 && (fm->shard_size == 1 || fm->rep_size == 1);
-    enum fsdp_red_op op = u->rs_avg ? FSDP_AVG : FSDP_SUM;
+    enum fsdp_red_op op = reduce_averages(u) ? FSDP_AVG : FSDP_SUM;
     enum fsdp_status st;
     unit_tag(ctx, u->model, u);
     if (fm->shard_size > 1)
@@ -546,7 +551,7 @@ static enum fsdp_status reduce_scattered(struct fsdp_ctx *ctx, struct fsdp__unit
 
 /* The end of u's reduction: waits for the replica all-reduce if one runs,
  * lands the result in the fp32 gradient shard, averages by 1/world (where
- * the collective did not: rs_avg), adds
+ * the collective did not: reduce_averages), adds
  * the accumulated shard back, and releases what is left (the accumulation
  * buffer; the full gradient of a shard group of one). */
 static enum fsdp_status reduce_land(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
@@ -561,8 +566,8 @@ static enum fsdp_status reduce_land(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
         else fsdp__mp_grad_land(u, recv);
     }
     /* what the pre-division left: 1/world in all ([Note: gradient pre-division]),
-     * unless the collective averaged (reduce_start; x * 1.0f == x) */
-    float inv = u->rs_avg ? 1.0f : (float)fsdp__mp_predivide(u->reduce_dtype, ctx->world) / (float)ctx->world;
+     * unless the collective averaged (reduce_averages; x * 1.0f == x) */
+    float inv = reduce_averages(u) ? 1.0f : (float)fsdp__mp_predivide(u->reduce_dtype, ctx->world) / (float)ctx->world;
     float *g = u->grad_shard, *prev = u->rs_prev;
     u->grad_fresh = 1;
     if (fsdp__measuring) /* [Note: measure mode] (plan.c) */
