@@ -630,14 +630,15 @@ TEST(plan_bf16_against_fp32) {
        gradient]; GELU's input kept in 16 bits, [Note: 16-bit activations]; the first step in one
        arena chunk as the later ones, [Note: one arena chunk]; no 16-bit copy of the shards
        between steps; the logits in 16 bits, [Note: 16-bit model output]; in both precisions,
-       GPT's backward over its dead output gradient, 926 MiB of fp32's 960), the total 0.861 of
-       fp32's at one rank, 0.762 at two, 0.727 at three, 0.706 at four (4 x 256 tokens per rank).
+       GPT's backward over its dead output gradient, 926 MiB of fp32's 960), the total 0.831 of
+       fp32's at one rank (no pooled 16-bit copy at a shard group of one, [Note: 16-bit values from
+       the shard]; 0.861 with it), 0.762 at two, 0.727 at three, 0.706 at four (4 x 256 tokens per rank).
        An arena growing in chunks (a machine that refuses the span) strands more in bf16's first
        step. */
     if (span_expected()) {
         if ((double)p16.act > 0.49 * (double)p32.act)
             TEST_FAILF("bf16 activations %zu bytes > 0.49 x fp32's %zu", p16.act, p32.act);
-        static const double most_at[4] = {0.865, 0.77, 0.73, 0.71};
+        static const double most_at[4] = {0.835, 0.77, 0.73, 0.71};
         double most = most_at[(world < 4 ? world : 4) - 1];
         if ((double)p16.total > most * (double)p32.total)
             TEST_FAILF("bf16 plan %zu bytes > %.3f x fp32's %zu", p16.total, most, p32.total);
@@ -645,11 +646,11 @@ TEST(plan_bf16_against_fp32) {
     if (world == 1) { /* a shard group of one: the full buffers (root unit and one Block) hold fp32
                          values only for what is not a Linear or embedding weight ([Note: lazy
                          widening]): ln_f (2C); a Block's two LayerNorms (4C) and four biases (3C +
-                         C + 4C + C); and the unit's 16-bit values cast at its gather (half a float
-                         an element), which with lp_shard_copy the layers read in the shard's copy */
+                         C + 4C + C). No 16-bit copy of the weights: the layers round the rows they
+                         read from the shard ([Note: 16-bit values from the shard]), or with
+                         lp_shard_copy read the shard's copy */
         int64_t C = cfg.n_embd, root = 2 * C, blk = 13 * C;
-        int64_t root_n = (int64_t)cfg.vocab_size * C + (int64_t)cfg.block_size * C + 2 * C, blk_n = 12 * C * C + 13 * C;
-        CHECK_INT_EQ(p16.full, (size_t)(root + (root_n + 1) / 2 + blk + (blk_n + 1) / 2) * sizeof(float));
+        CHECK_INT_EQ(p16.full, (size_t)(root + blk) * sizeof(float));
         struct fsdp_mem_plan pl;
         so.lp_shard_copy = 1;
         ASSERT_OK(fsdp_plan_memory(c, gpt, &so, world, 0, 2, 4, 256, 2, &pl), c);

@@ -145,6 +145,95 @@ TEST(linear_backward_is_product_of_rounded_operands) {
     }
 }
 
+/* One forward (16-bit output when out16, as a hand-off asks) and backward
+ * (dy given in 16 bits) of m, its weight read as `src` says: 0 the 16-bit
+ * copy FSDP gathered (data_lp), 1 the fp32 values a shard group of one reads
+ * in place (data_src: [Note: 16-bit values from the shard]). y, dW and dx
+ * are copied out (malloc'd). */
+static void linear_pass_from(struct fsdp_ctx *ctx, struct fsdp_module *m, int src, enum fsdp_dtype dt, int out16,
+                             const float *w, const uint16_t *w16, const float *x, const uint16_t *dy16, int64_t N,
+                             int64_t I, int64_t O, void **y, float **dw, float **dx) {
+    struct fsdp_param *p = m->params[0];
+    float *own = p->data;
+    ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
+    p->data = NULL;
+    p->priv->data_lp = src ? NULL : w16;
+    p->priv->data_src = src ? w : NULL;
+    p->priv->data_lp_dtype = dt;
+    p->priv->data_stale = 1;
+    size_t mark = fsdp_arena_mark(ctx);
+    struct fsdp_tensor in = {(void *)x, FSDP_F32, 2, {N, I}, FSDP_LAYOUT_PLAIN}, out = {0}, din = {0};
+    out.dtype = out16 ? dt : FSDP_F32;
+    ASSERT_OK(fsdp_module_forward(m, ctx, &in, &out), ctx);
+    CHECK_INT_EQ(out.dtype, out16 ? dt : FSDP_F32);
+    size_t yb = (size_t)(N * O) * fsdp_dtype_size(out.dtype);
+    *y = malloc(yb);
+    memcpy(*y, out.data, yb);
+    struct fsdp_tensor dout = {(void *)dy16, dt, 2, {N, O}, FSDP_LAYOUT_PLAIN};
+    ASSERT_OK(fsdp_module_backward(m, ctx, &dout, &din), ctx);
+    CHECK(p->data == NULL && p->priv->data_stale == 1); /* read, never widened whole */
+    *dw = malloc((size_t)(O * I) * sizeof(float));
+    *dx = malloc((size_t)(N * I) * sizeof(float));
+    memcpy(*dw, p->grad, (size_t)(O * I) * sizeof(float));
+    memcpy(*dx, din.data, (size_t)(N * I) * sizeof(float));
+    fsdp_arena_release(ctx, mark);
+    p->data = own;
+    p->priv->data_lp = NULL;
+    p->priv->data_src = NULL;
+    p->priv->data_stale = 0;
+}
+
+/* [Note: 16-bit values from the shard]: a 16-bit Linear reading its weight's
+ * fp32 values (rounding the rows of each block as it reads them: [Note:
+ * weight rows by block]) computes the very bits it computes from the
+ * gathered 16-bit copy: the forward rounded into 16 bits over three blocks
+ * of output columns (4096 rows), and dx = dy W over four blocks of W's rows
+ * (256 inputs, 100000 outputs). Every FSDP_GEMM_BF16 mode (tests/run.sh). */
+TEST(linear_reads_the_shard_as_the_gathered_copy) {
+    rng_seed(43);
+    const int64_t shapes[2][4] = {{4096, 16, 3000, 1}, {4, 256, 100000, 0}}; /* N, I, O, out16 */
+    for (int c = 0; c < 4; c++) {
+        enum fsdp_dtype dt = c % 2 ? FSDP_F16 : FSDP_BF16;
+        int64_t N = shapes[c / 2][0], I = shapes[c / 2][1], O = shapes[c / 2][2];
+        int out16 = (int)shapes[c / 2][3];
+        struct fsdp_ctx *ctx = make_ctx();
+        struct fsdp_module *m;
+        ASSERT_OK(fsdp__linear_create(ctx, "lin", I, O, 0, 0.02f, &m), ctx);
+        ASSERT_OK(fsdp_module_finalize(ctx, m), ctx);
+        ASSERT_OK(fsdp_module_materialize(ctx, m, 7), ctx);
+        ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, dt), ctx);
+        float *w = m->params[0]->data, *x = malloc((size_t)(N * I) * sizeof(float));
+        uint16_t *w16 = malloc((size_t)(O * I) * 2), *dy16 = malloc((size_t)(N * O) * 2);
+        ASSERT(x && w16 && dy16);
+        for (int64_t i = 0; i < O * I; i++) w[i] = urand();
+        for (int64_t i = 0; i < N * I; i++) x[i] = urand();
+        for (int64_t i = 0; i < N * O; i++) {
+            float v = urand();
+            fsdp__cvt_from_f32(dt, &v, dy16 + i, 1);
+        }
+        fsdp__cvt_from_f32(dt, w, w16, (size_t)(O * I));
+        void *y[2];
+        float *dw[2], *dx[2];
+        for (int src = 0; src < 2; src++)
+            linear_pass_from(ctx, m, src, dt, out16, w, w16, x, dy16, N, I, O, &y[src], &dw[src], &dx[src]);
+        size_t es = out16 ? fsdp_dtype_size(dt) : sizeof(float);
+        if (memcmp(y[0], y[1], (size_t)(N * O) * es) || memcmp(dw[0], dw[1], (size_t)(O * I) * sizeof(float)) ||
+            memcmp(dx[0], dx[1], (size_t)(N * I) * sizeof(float)))
+            TEST_FAILF("%s, %lld x %lld -> %lld: the shard's rows give other bits than the gathered copy",
+                       fsdp_dtype_name(dt), (long long)N, (long long)I, (long long)O);
+        /* and they are the products of the rounded weight, not of its fp32 values */
+        float *dyf = malloc((size_t)(N * O) * sizeof(float));
+        ASSERT(dyf);
+        fsdp__cvt_to_f32(dt, dy16, dyf, (size_t)(N * O));
+        CHECK_INT_EQ(check_rounded_products("dx from the shard", dx[1], N, I, O, dyf, O, 1, w, 1, I, dt), 0);
+        free(dyf);
+        for (int k = 0; k < 2; k++) free(y[k]), free(dw[k]), free(dx[k]);
+        free(x), free(w16), free(dy16);
+        fsdp_module_free(m);
+        fsdp_ctx_free(ctx);
+    }
+}
+
 /* x rounded to dt in float (a value the 16-bit path holds) */
 static double rd(enum fsdp_dtype dt, double x) { return round_to(dt, (float)x); }
 

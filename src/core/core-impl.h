@@ -56,9 +56,12 @@ struct fsdp__param_priv {
     const void *data_lp; /* the same values as data in data_lp_dtype (BF16 / F16) while the
                             sharding layer gathered them in that dtype, else NULL */
     enum fsdp_dtype data_lp_dtype;
+    const float *data_src; /* with data_lp NULL: the fp32 values data_lp would be the rounding to
+                            data_lp_dtype of (a shard group of one reads its shard in place:
+                            [Note: 16-bit values from the shard] in src/fsdp/mixed.c), else NULL */
     int lp_reader;       /* set by a built-in layer that reads these values only through data_lp
                             when gathered 16-bit (Linear and Embedding weights); others get data */
-    int data_stale;      /* a 16-bit training pass gathered data_lp alone and data is NULL
+    int data_stale;      /* a 16-bit training pass gathered data_lp (or data_src) alone and data is NULL
                             (lp_reader only); an fp32 reader widens a copy (fsdp__pdata_f32) */
     int grad_writer;     /* set by a built-in layer whose backward takes this gradient only through
                             the library's accessors, which honour grad_unset; cleared by sharding

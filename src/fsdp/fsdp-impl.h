@@ -53,6 +53,9 @@ struct fsdp__unit {
                                      fsdp__model_shards_written) */
     int lp_direct;                /* the gather reads the 16-bit copy in place: shard_lp (a shard
                                      group of one) or win_lp (lp_win) */
+    int lp_from_shard;            /* a shard group of one without shard_lp: no 16-bit copy is made,
+                                     the layers round the shard's values they read ([Note: 16-bit
+                                     values from the shard], mixed.c) */
     uint16_t *win_lp;             /* (numel_padded) a 16-bit unit's region of the model's 16-bit
                                      window, shard_lp its block there ([Note: 16-bit window],
                                      unit.c), or NULL */
@@ -238,7 +241,9 @@ struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
  * casting; a shard group of one then has no staging area: it reads
  * shard_lp in place, casting the shard there first when the copy is stale
  * (a gather before the first optimizer step, after a load), so the 16-bit
- * values exist once, not in shard_lp and a pooled copy. The all-gather
+ * values exist once, not in shard_lp and a pooled copy; without shard_lp it
+ * has no staging area either: the layers round the values they read from the
+ * shard ([Note: 16-bit values from the shard] in mixed.c). The all-gather
  * runs in place in the staging area in the 16-bit dtype (half the bytes),
  * and fsdp__mp_gather_finish widens it into the fp32 part
  * (what p->data shows) and leaves the 16-bit copy as p->priv->data_lp, which the
@@ -253,8 +258,8 @@ struct fsdp__unit *fsdp__model_busy_unit(struct fsdp_model *fm);
  * full gradient is released as soon as the reduce-scatter completes, while
  * HYBRID's replica all-reduce still runs on the result ([Note: prefetch and
  * overlap], unit.c). A shard group of one all-reduces the narrowed full
- * gradient in place instead. A world of one takes the same casts (so that
- * it computes what N ranks compute) and skips the collective. */
+ * gradient in place instead. A world of one takes the same roundings (so
+ * that it computes what N ranks compute) and skips the collective. */
 /* fp32 floats a gather of u widens into: numel_padded, or with lazy (a
  * training pass) the sum of its parameters that are not lp_reader. */
 int64_t fsdp__mp_f32_numel(const struct fsdp__unit *u, int lazy);
@@ -274,7 +279,9 @@ enum fsdp_status fsdp__mp_resolve(struct fsdp_ctx *ctx, struct fsdp_model *fm, e
  * (*req NULL when comm is NULL or of size 1). With a valid 16-bit copy of
  * the shard (u->shard_lp_valid) it sends that instead of casting. A shard
  * group of one reads the copy in place (u->lp_direct), casting the shard
- * into it first when it is not valid (and marking it valid); so does a
+ * into it first when it is not valid (and marking it valid), or without a
+ * copy casts nothing (u->lp_from_shard: [Note: 16-bit values from the
+ * shard]); so does a
  * training pass's gather from the 16-bit window (u->lp_win), followed by a
  * barrier of comm instead of the all-gather. COLLECTIVE: yes. */
 enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct fsdp__unit *u,
@@ -283,7 +290,9 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
  * part and points every parameter at its values (data, data_lp); with
  * u->gather_lazy (a training pass), only the parameters that are not
  * lp_reader, packed, and the others get data NULL and data_stale ([Note:
- * lazy widening] in src/nn/precision.c). */
+ * lazy widening] in src/nn/precision.c). With u->lp_from_shard the values
+ * are rounded from the shard instead and the others point into it
+ * (data_src). */
 void fsdp__mp_gather_finish(struct fsdp__unit *u);
 /* Narrows buf[0..n) to n 16-bit values of dt at bytes [0, 2n), in place
  * (nothing while measuring). */

@@ -160,6 +160,7 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
     int alone = !comm || fsdp_comm_size(comm) == 1;
     *req = NULL;
     u->lp_direct = 0;
+    u->lp_from_shard = 0;
     if (u->shard_lp_valid) check_lp_copy(u); /* the optimizer's copy ([Note: fused 16-bit copy]): no cast */
     if ((alone || u->lp_win) && u->shard_lp) {
         /* the copy is (its block of) the whole gathered buffer: read in place, cast there first if stale */
@@ -169,8 +170,8 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
         /* [Note: 16-bit window] (unit.c): every rank's block written before any peer reads it */
         return u->lp_win ? fsdp_comm_barrier_start(comm, req) : FSDP_OK;
     }
-    if (alone) { /* no 16-bit copy yet (no optimizer attached): the staging area holds the cast */
-        fsdp__cvt_from_f32(u->param_dtype, u->shard, mine, (size_t)u->numel_shard);
+    if (alone) { /* [Note: 16-bit values from the shard]: nothing to cast or move */
+        u->lp_from_shard = 1;
         return FSDP_OK;
     }
     if (u->shard_lp_valid)
@@ -188,13 +189,57 @@ int64_t fsdp__mp_f32_numel(const struct fsdp__unit *u, int lazy) {
 }
 
 int64_t fsdp__mp_full_numel(const struct fsdp__unit *u) {
-    /* a group of one reads shard_lp in place once the unit has it (it comes with the optimizer), and so
-     * does a training pass's gather from the 16-bit window ([Note: 16-bit window] in unit.c) */
-    int staged = u->param_dtype != FSDP_F32 && !u->lp_win && (u->model->shard_size > 1 || !u->shard_lp);
+    /* a group of one reads shard_lp in place, or the shard itself ([Note: 16-bit values from the shard]), and
+     * so does a training pass's gather from the 16-bit window ([Note: 16-bit window] in unit.c) */
+    int staged = u->param_dtype != FSDP_F32 && !u->lp_win && u->model->shard_size > 1;
     return u->full_f32 + (staged ? (u->numel_padded + 1) / 2 : 0);
 }
 
+/* [Note: 16-bit values from the shard] A shard group of one holds every
+ * parameter's fp32 values in its shard, so its "gather" in 16 bits would
+ * only cast the shard into a pooled copy, which then lives beside the fp32
+ * values while the unit is gathered: GPT-2's root unit (the tied wte, 74 MiB
+ * in bf16) from the embedding's forward to the end of backward, through the
+ * step's peak. Instead (unless the unit keeps shard_lp) nothing is cast: a
+ * training pass points each lp_reader parameter at its fp32 values in the
+ * shard (data_src, with data NULL and data_stale), and its layer rounds the
+ * rows it reads when it reads them (fsdp__prows, src/nn/precision.c: the
+ * lm_head's weight a block of rows at a time, [Note: weight rows by block]
+ * in linear.c; the embedding the rows it looks up); the other parameters are
+ * rounded into the pooled buffer's fp32 part, and an eager gather rounds the
+ * whole shard there. Every value is the rounding the cast would have made,
+ * so training is bit-identical with the pooled copy; a world of one keeps
+ * the pass's 16-bit values only a block at a time (the plan's full buffers
+ * at one rank: 88.7 MiB to 0.04 for GPT-2 in bf16). */
+static void finish_from_shard(struct fsdp__unit *u) {
+    int lazy = u->gather_lazy;
+    if (!lazy) fsdp__cvt_round(u->param_dtype, u->shard, u->full, (size_t)u->numel_padded);
+    int64_t at = 0;
+    for (int j = 0; j < u->n_params; j++) {
+        struct fsdp_param *p = u->params[j];
+        p->priv->data_lp = NULL;
+        p->priv->data_lp_dtype = u->param_dtype;
+        p->priv->data_stale = lazy && p->priv->lp_reader;
+        p->priv->data_src = p->priv->data_stale ? u->shard + u->offsets[j] : NULL;
+        if (!lazy) {
+            p->data = u->full + u->offsets[j];
+        } else if (p->priv->lp_reader) {
+            p->data = NULL;
+        } else {
+            p->data = u->full + at;
+            fsdp__cvt_round(u->param_dtype, u->shard + u->offsets[j], p->data, (size_t)p->numel);
+            at += p->numel;
+        }
+    }
+    FSDP_ASSERT(!lazy || at == u->full_f32, "unit %d: %lld fp32 values rounded, %lld sized", u->index,
+                (long long)at, (long long)u->full_f32);
+}
+
 void fsdp__mp_gather_finish(struct fsdp__unit *u) {
+    if (u->lp_from_shard) {
+        finish_from_shard(u);
+        return;
+    }
     const uint16_t *stage = u->lp_win      ? u->win_lp
                             : u->lp_direct ? u->shard_lp
                                            : (const uint16_t *)(const void *)(u->full + u->full_f32);
@@ -205,6 +250,7 @@ void fsdp__mp_gather_finish(struct fsdp__unit *u) {
         struct fsdp_param *p = u->params[j];
         p->priv->data_lp = stage + u->offsets[j];
         p->priv->data_lp_dtype = u->param_dtype;
+        p->priv->data_src = NULL;
         p->priv->data_stale = lazy && p->priv->lp_reader; /* [Note: lazy widening] (src/nn/precision.c) */
         if (!lazy) {
             p->data = u->full + u->offsets[j];

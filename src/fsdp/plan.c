@@ -133,6 +133,7 @@ static int count_buffer(struct fsdp_buffer *b, void *ud) {
 static int clear_param(struct fsdp_param *p, void *ud) {
     (void)ud;
     p->priv->data_lp = NULL;
+    p->priv->data_src = NULL;
     p->priv->data_stale = 0;
     p->priv->grad_unset = 0;
     return 0;

@@ -279,7 +279,8 @@ enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
         u->model->n_inflight--;
     }
     for (int j = 0; j < u->n_params; j++)
-        u->params[j]->data = NULL, u->params[j]->priv->data_lp = NULL, u->params[j]->priv->data_stale = 0;
+        u->params[j]->data = NULL, u->params[j]->priv->data_lp = NULL, u->params[j]->priv->data_src = NULL,
+        u->params[j]->priv->data_stale = 0;
     if (u->full_win) u->full_win = 0;
     else if (u->full != u->shard) fsdp__pool_put(u->model, u->full);
     u->full = NULL;

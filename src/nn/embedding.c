@@ -32,16 +32,10 @@ static enum fsdp_status embedding_forward(struct fsdp_module *m, struct fsdp_ctx
     shape[in->ndim] = D;
     FSDP_TRY(fsdp__tensor_prepare(ctx, out, FSDP_F32, in->ndim + 1, shape, "Embedding output"));
     float *y = out->data; /* (n, dim) */
-    enum fsdp_dtype ldt;
-    const uint16_t *wl = fsdp__pdata_gathered_lp(E->weight, &ldt); /* (num, dim), if gathered 16-bit */
-    if (wl) { /* the rows looked up, widened: the values fsdp__pdata would show */
+    /* the rows looked up: the values fsdp__pdata would show, widened or rounded where a 16-bit pass keeps
+     * them ([Note: lazy widening], src/nn/precision.c) */
 #pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < (fsdp__measuring ? 0 : n); i++) fsdp__cvt_to_f32(ldt, wl + (int64_t)ids[i] * D, y + i * D, (size_t)D);
-    } else {
-        const float *w = fsdp__pdata(E->weight); /* (num, dim) */
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < (fsdp__measuring ? 0 : n); i++) memcpy(y + i * D, w + (int64_t)ids[i] * D, (size_t)D * sizeof(float));
-    }
+    for (int64_t i = 0; i < (fsdp__measuring ? 0 : n); i++) fsdp__prows(E->weight, D, ids[i], 1, FSDP_F32, FSDP_F32, y + i * D);
     E->ids = ids;
     E->n = n;
     return FSDP_OK;

@@ -32,13 +32,47 @@
 #define ROUND_SCRATCH ((int64_t)16 << 20)
 #define ROUND_MIN_COLS 1024
 
+/* [Note: weight rows by block] A product over blocks of a weight's rows
+ * (the output columns of a forward, the K of dx = dy W) takes each block's
+ * rows in the compute dtype where they are: in place in the 16-bit copy
+ * FSDP gathered, or else made for the block alone (fsdp__prows) into one
+ * scratch of nc rows, so a weight read from its fp32 shard ([Note: 16-bit
+ * values from the shard], src/fsdp/mixed.c) is never cast whole: GPT-2's
+ * lm_head would hold a 74 MiB bf16 copy at the step's peak. Where the rows
+ * come from changes no bit: the blocks are the same either way. */
+struct wrows {
+    struct fsdp_param *weight;
+    enum fsdp_dtype dt;
+    int64_t cols;
+    const void *all; /* the gathered copy in dt, or NULL */
+    void *blk;       /* nc rows of scratch, when all is NULL */
+};
+
+static enum fsdp_status wrows_init(struct fsdp_ctx *ctx, struct wrows *w, struct fsdp_param *weight,
+                                   enum fsdp_dtype dt, int64_t cols, int64_t nc) {
+    w->weight = weight;
+    w->dt = dt;
+    w->cols = cols;
+    w->all = dt == FSDP_F32 ? NULL : fsdp__pdata_gathered_lp(weight, dt);
+    w->blk = w->all ? NULL : fsdp__lp_alloc(ctx, dt, nc * cols, "Linear weight rows");
+    return w->all || w->blk ? FSDP_OK : FSDP_ERR_NOMEM;
+}
+
+/* rows [r0, r0 + n) of the weight in w->dt */
+static const void *wrows(struct wrows *w, int64_t r0, int64_t n) {
+    size_t es = fsdp_dtype_size(w->dt);
+    if (w->all) return (const char *)w->all + (size_t)(r0 * w->cols) * es;
+    fsdp__prows(w->weight, w->cols, r0, n, w->dt, w->dt, w->blk);
+    return w->blk;
+}
+
 /* product_rounded where oneDNN writes the 16-bit output itself ([Note:
  * 16-bit output by the kernel], gemm_lp.c): blocks of columns halved from
  * nc until the kernel's scratchpad fits ROUND_SCRATCH (two blocks for c_fc,
  * 2048 columns for the lm_head at 1024 rows on two threads), the
  * scratchpad in the arena. */
 static enum fsdp_status product_out16(struct fsdp_ctx *ctx, enum fsdp_dtype lp, int64_t N, int64_t O, int64_t I,
-                                      const void *x, const void *w, const float *b, void *y, int64_t ldy,
+                                      const void *x, struct fsdp_param *weight, const float *b, void *y, int64_t ldy,
                                       int64_t nc) {
     size_t need = fsdp__gemm_lp_out16_scratch(lp, 0, 1, N, nc, I, I, I, ldy, b != NULL);
     while (need > (size_t)ROUND_SCRATCH + 4096 && nc > 64) {
@@ -52,10 +86,11 @@ static enum fsdp_status product_out16(struct fsdp_ctx *ctx, enum fsdp_dtype lp, 
     void *s = need ? fsdp__scratch(ctx, (int64_t)((need + sizeof(float) - 1) / sizeof(float)),
                                    "Linear output's product scratchpad") : NULL;
     if (need && !s) return FSDP_ERR_NOMEM;
-    size_t es = fsdp_dtype_size(lp);
+    struct wrows wr;
+    FSDP_TRY(wrows_init(ctx, &wr, weight, lp, I, nc));
     for (int64_t c0 = 0; c0 < O; c0 += nc) {
         int64_t n = O - c0 < nc ? O - c0 : nc;
-        const void *wc = (const char *)w + (size_t)(c0 * I) * es; /* weight rows [c0, c0 + n) */
+        const void *wc = wrows(&wr, c0, n); /* weight rows [c0, c0 + n) */
         fsdp__gemm_lp_out16(lp, 0, 1, N, n, I, x, I, wc, I, b ? b + c0 : NULL, (uint16_t *)y + c0, ldy, s);
     }
     return FSDP_OK;
@@ -64,22 +99,24 @@ static enum fsdp_status product_out16(struct fsdp_ctx *ctx, enum fsdp_dtype lp, 
 /* y (N, O, row stride ldy, dtype odt) = x W^T (+ b) rounded to odt, x (N, I)
  * and W (O, I) of the 16-bit compute dtype lp. */
 static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp, int64_t N, int64_t O, int64_t I,
-                                        const void *x, const void *w, const float *b, void *y, enum fsdp_dtype odt,
-                                        int64_t ldy) {
+                                        const void *x, struct fsdp_param *weight, const float *b, void *y,
+                                        enum fsdp_dtype odt, int64_t ldy) {
     /* every row (a block of rows would be a product of another M, whose fp32
      * kernels may sum in another order) and as many columns as fit, at least
      * ROUND_MIN_COLS: x is read once per block */
     int64_t nc = ROUND_SCRATCH / ((int64_t)sizeof(float) * N);
     nc = nc < ROUND_MIN_COLS ? ROUND_MIN_COLS : nc;
     nc = nc > O ? O : nc;
-    size_t es = fsdp_dtype_size(lp), os = fsdp_dtype_size(odt);
+    size_t os = fsdp_dtype_size(odt);
     if (odt == lp && lp == FSDP_BF16 && fsdp_gemm_native(lp)) /* where fsdp__gemm_lp_out16 runs */
-        return product_out16(ctx, lp, N, O, I, x, w, b, y, ldy, nc);
+        return product_out16(ctx, lp, N, O, I, x, weight, b, y, ldy, nc);
     float *s = fsdp__scratch(ctx, N * nc, "Linear output before rounding");
     if (!s) return FSDP_ERR_NOMEM;
+    struct wrows wr;
+    FSDP_TRY(wrows_init(ctx, &wr, weight, lp, I, nc));
     for (int64_t c0 = 0; c0 < O; c0 += nc) {
         int64_t n = O - c0 < nc ? O - c0 : nc;
-        const void *wc = (const char *)w + (size_t)(c0 * I) * es; /* weight rows [c0, c0 + n) */
+        const void *wc = wrows(&wr, c0, n); /* weight rows [c0, c0 + n) */
         if (b) fsdp__gemm_lp_bias(lp, 0, 1, N, n, I, x, I, wc, I, b + c0, s, n);
         else fsdp__gemm_lp(lp, 0, 1, N, n, I, 1.0f, x, I, wc, I, 0.0f, s, n);
         if (n == ldy) { /* whole rows, contiguous: one cast (threaded inside) */
@@ -125,7 +162,7 @@ static void widen_cols(enum fsdp_dtype lp, enum fsdp_dtype sdt, const void *src,
  * (N, O) of dtype ddt with row stride ldy, x (N, I) and W (O, I) in lp. */
 static enum fsdp_status backward_widened(struct fsdp_ctx *ctx, enum fsdp_dtype lp, int64_t N, int64_t I, int64_t O,
                                          const void *dy, enum fsdp_dtype ddt, int64_t ldy, const void *xl,
-                                         const void *wl, struct fsdp_param *weight, float *dx) {
+                                         struct fsdp_param *weight, float *dx) {
     int64_t per = N + (dx ? I : 0); /* fp32 values a column of the block takes */
     int64_t nc = (ROUND_SCRATCH / (int64_t)sizeof(float) - N * I) / per; /* x widened whole, in the budget */
     nc = nc < WIDEN_MIN_COLS ? WIDEN_MIN_COLS : nc;
@@ -136,13 +173,12 @@ static enum fsdp_status backward_widened(struct fsdp_ctx *ctx, enum fsdp_dtype l
     if (!dyw || (dx && !w)) return FSDP_ERR_NOMEM;
     float beta, *dw = fsdp__pgrad_first(weight, &beta); /* [Note: unset gradients] */
     if (!fsdp__measuring) fsdp__cvt_to_f32(lp, xl, x, (size_t)(N * I));
-    size_t es = fsdp_dtype_size(lp);
     for (int64_t c0 = 0; c0 < O; c0 += nc) {
         int64_t n = O - c0 < nc ? O - c0 : nc;
         widen_cols(lp, ddt, dy, ldy, N, c0, n, dyw);
         fsdp__sgemm(1, 0, n, I, N, 1.0f, dyw, n, x, I, beta, dw + c0 * I, I); /* dW's rows [c0, c0 + n) */
         if (!dx) continue;
-        if (!fsdp__measuring) fsdp__cvt_to_f32(lp, (const char *)wl + (size_t)(c0 * I) * es, w, (size_t)(n * I));
+        fsdp__prows(weight, I, c0, n, lp, FSDP_F32, w); /* W's rows rounded to lp, in fp32 */
         fsdp__sgemm(0, 0, N, I, n, 1.0f, dyw, n, w, I, c0 ? 1.0f : 0.0f, dx, I);
     }
     return FSDP_OK;
@@ -196,9 +232,9 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
         const void *xl = handed ? in->data : fsdp__lp_copy(ctx, lp, x, N * L->in, "Linear input (low precision)");
         if (!xl) return FSDP_ERR_NOMEM; /* kept either way */
         size_t mark = fsdp_arena_mark(ctx);
-        const void *wl = fsdp__pdata_lp(ctx, L->weight, lp);
-        if (!wl) return FSDP_ERR_NOMEM;
-        if (odt != FSDP_F32) FSDP_TRY(product_rounded(ctx, lp, N, O, L->in, xl, wl, b, out->data, odt, ldo));
+        const void *wl = NULL;
+        if (odt != FSDP_F32) FSDP_TRY(product_rounded(ctx, lp, N, O, L->in, xl, L->weight, b, out->data, odt, ldo));
+        else if (!(wl = fsdp__pdata_lp(ctx, L->weight, lp))) return FSDP_ERR_NOMEM;
         else if (b) fsdp__gemm_lp_bias(lp, 0, 1, N, O, L->in, xl, L->in, wl, L->in, b, y, O); /* bias in the product */
         else fsdp__gemm_lp(lp, 0, 1, N, O, L->in, 1.0f, xl, L->in, wl, L->in, 0.0f, y, O);
         fsdp_arena_release(ctx, mark);
@@ -234,10 +270,8 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     size_t mark = fsdp_arena_mark(ctx);
     const void *dyl = dy, *wl = NULL; /* operands in dtype lp */
     if (lp != FSDP_F32 && fsdp__operand_dtype(lp) == FSDP_F32) { /* [Note: widened backward] */
-        enum fsdp_status st = din && !(wl = fsdp__pdata_lp(ctx, L->weight, lp)) ? FSDP_ERR_NOMEM : FSDP_OK;
-        if (st == FSDP_OK)
-            st = backward_widened(ctx, lp, N, I, O, dout->data, handed ? lp : FSDP_F32, ldy, L->xl, wl, L->weight,
-                                  din ? din->data : NULL);
+        enum fsdp_status st = backward_widened(ctx, lp, N, I, O, dout->data, handed ? lp : FSDP_F32, ldy, L->xl,
+                                               L->weight, din ? din->data : NULL);
         if (st == FSDP_OK && L->bias) st = fsdp__colsum_add(ctx, dy, N, O, fsdp__pgrad(L->bias), FSDP_F32, NULL);
         fsdp_arena_release(ctx, mark);
         return st;
@@ -250,8 +284,7 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
         dyl = handed   ? dout->data
               : L->bias ? fsdp__lp_alloc(ctx, lp, N * O, what)
                         : fsdp__lp_copy(ctx, lp, dy, N * O, what);
-        if (dyl && din) wl = fsdp__pdata_lp(ctx, L->weight, lp);
-        if (!dyl || (din && !wl)) {
+        if (!dyl) {
             fsdp_arena_release(ctx, mark);
             return FSDP_ERR_NOMEM;
         }
@@ -266,10 +299,22 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
     /* dW (out, in) += dy^T x, or = when unset ([Note: unset gradients]) */
     float beta, *dw = fsdp__pgrad_first(L->weight, &beta);
     fsdp__gemm_lp(lp, 1, 0, O, I, N, 1.0f, dyl, ldy, lp == FSDP_F32 ? (const void *)L->x : L->xl, I, beta, dw, I);
-    if (din) /* dx (N, in) = dy W */
+    if (din && lp == FSDP_F32) { /* dx (N, in) = dy W */
         fsdp__gemm_lp(lp, 0, 0, N, I, O, 1.0f, dyl, ldy, wl, I, 0.0f, din->data, I);
+    } else if (din) { /* the same over blocks of W's rows, summed ([Note: weight rows by block]) */
+        int64_t nc = ROUND_SCRATCH / ((int64_t)fsdp_dtype_size(lp) * I);
+        nc = nc < ROUND_MIN_COLS ? ROUND_MIN_COLS : nc > O ? O : nc;
+        struct wrows wr;
+        st = wrows_init(ctx, &wr, L->weight, lp, I, nc);
+        size_t es = fsdp_dtype_size(lp);
+        for (int64_t c0 = 0; st == FSDP_OK && c0 < O; c0 += nc) {
+            int64_t n = O - c0 < nc ? O - c0 : nc;
+            fsdp__gemm_lp(lp, 0, 0, N, I, n, 1.0f, (const char *)dyl + (size_t)c0 * es, ldy, wrows(&wr, c0, n), I,
+                          c0 ? 1.0f : 0.0f, din->data, I);
+        }
+    }
     fsdp_arena_release(ctx, mark);
-    return FSDP_OK;
+    return st;
 }
 
 static void linear_destroy(struct fsdp_module *m) { free(m->impl); }

@@ -178,12 +178,21 @@ static inline float *fsdp__pdata(struct fsdp_param *p) {
  * (the caller releases it with its arena mark); NULL with the error set
  * naming `what` when the arena is full. */
 const float *fsdp__pdata_f32(struct fsdp_ctx *ctx, struct fsdp_param *p, const char *what);
-/* The 16-bit copy of p's values FSDP gathered (p->priv->data_lp of the storage
- * parameter) and its dtype in *dt, or NULL when there is none. */
-static inline const void *fsdp__pdata_gathered_lp(const struct fsdp_param *p, enum fsdp_dtype *dt) {
+/* Rows [r0, r0 + nr) of p's values, as rows of cols elements, into dst:
+ * the values fsdp__pdata would show, wherever they are (fp32 values, the
+ * 16-bit copy FSDP gathered, or the fp32 shard a shard group of one reads in
+ * place: [Note: 16-bit values from the shard] in src/fsdp/mixed.c), rounded
+ * to lp (FSDP_F32: as they are) and stored as od: lp, or FSDP_F32 holding
+ * the rounded values (a widened operand, [Note: widened operands]). Nothing
+ * while measuring. */
+void fsdp__prows(const struct fsdp_param *p, int64_t cols, int64_t r0, int64_t nr, enum fsdp_dtype lp,
+                 enum fsdp_dtype od, void *dst);
+/* The 16-bit copy of p's values FSDP gathered in dt as a whole (a product
+ * reads it in place), or NULL when there is none: then fsdp__prows makes the
+ * rows a product needs. */
+static inline const void *fsdp__pdata_gathered_lp(const struct fsdp_param *p, enum fsdp_dtype dt) {
     const struct fsdp_param *q = p->tied_to ? p->tied_to : p;
-    *dt = q->priv->data_lp_dtype;
-    return q->priv->data_lp;
+    return q->priv->data_lp && q->priv->data_lp_dtype == dt ? q->priv->data_lp : NULL;
 }
 /* [Note: unset gradients]
  * Before a unit's backward the sharding layer marks the gradients of

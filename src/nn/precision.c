@@ -100,7 +100,10 @@ enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp
  * that nobody reads them otherwise, and a parameter tied to by a layer that
  * is not lp_reader is not lp_reader either (hoist_tied, src/fsdp/wrap.c).
  * Every other path that gathers (summon, checkpoints, sync) widens eagerly
- * into the flat layout. The values read are the same bits either way. */
+ * into the flat layout. The values read are the same bits either way. A
+ * shard group of one has no data_lp either ([Note: 16-bit values from the
+ * shard], mixed.c): its lp_readers point at the shard (data_src), and every
+ * reader goes through fsdp__prows, which rounds what it reads. */
 /* n elements of dt in the arena for `what` (of parameter `name`, or NULL);
  * NULL with the error set (FSDP_ERR_NOMEM) when the arena cannot hold them */
 static void *arena_elems(struct fsdp_ctx *ctx, int64_t n, enum fsdp_dtype dt, const char *what, const char *name) {
@@ -111,12 +114,50 @@ static void *arena_elems(struct fsdp_ctx *ctx, int64_t n, enum fsdp_dtype dt, co
     return p;
 }
 
+/* n values of q's from element `at` into dst: the values fsdp__pdata would
+ * show, wherever they are ([Note: lazy widening]; [Note: 16-bit values from
+ * the shard] in src/fsdp/mixed.c: the fp32 values, the gathered 16-bit copy,
+ * or the fp32 values that copy would be the rounding of), rounded to lp
+ * (FSDP_F32: as they are) and stored as od (lp, or FSDP_F32 holding them:
+ * fsdp__to_operand's forms). */
+static void pvalues(const struct fsdp_param *q, size_t at, size_t n, enum fsdp_dtype lp, enum fsdp_dtype od,
+                    void *dst) {
+    const struct fsdp__param_priv *v = q->priv;
+    enum fsdp_dtype ldt = v->data_lp_dtype;
+    int lp16 = v->data_stale || (v->data_lp && od != FSDP_F32); /* read the 16-bit values, not data */
+    if (!lp16) { /* fp32 values */
+        fsdp__to_operand(lp, od, FSDP_F32, q->data + at, dst, n);
+    } else if (lp == FSDP_F32 || lp == ldt) { /* the 16-bit values are what is asked */
+        if (v->data_lp) fsdp__to_operand(ldt, od == FSDP_F32 ? FSDP_F32 : ldt, ldt, (const uint16_t *)v->data_lp + at, dst, n);
+        else fsdp__to_operand(ldt, od == FSDP_F32 ? FSDP_F32 : ldt, FSDP_F32, v->data_src + at, dst, n);
+    } else { /* rounded to another 16-bit dtype: through their fp32 values, 256 at a time */
+        float w[256];
+        for (size_t i = 0; i < n; i += 256) {
+            size_t len = n - i < 256 ? n - i : 256;
+            pvalues(q, at + i, len, FSDP_F32, FSDP_F32, w);
+            fsdp__to_operand(lp, od, FSDP_F32, w, (char *)dst + i * fsdp_dtype_size(od), len);
+        }
+    }
+}
+
+void fsdp__prows(const struct fsdp_param *p, int64_t cols, int64_t r0, int64_t nr, enum fsdp_dtype lp,
+                 enum fsdp_dtype od, void *dst) {
+    const struct fsdp_param *q = p->tied_to ? p->tied_to : p;
+    FSDP_ASSERT(r0 >= 0 && nr >= 0 && (r0 + nr) * cols <= q->numel, "parameter '%s': rows [%lld, %lld) of %lld",
+                q->fqn ? q->fqn : q->name, (long long)r0, (long long)(r0 + nr), (long long)(q->numel / cols));
+    FSDP_ASSERT(q->data || q->priv->data_lp || q->priv->data_src, "parameter '%s' has no values",
+                q->fqn ? q->fqn : q->name);
+    FSDP_ASSERT(od == lp || od == FSDP_F32, "parameter '%s': values rounded to %s stored as %s",
+                q->fqn ? q->fqn : q->name, fsdp_dtype_name(lp), fsdp_dtype_name(od));
+    if (!fsdp__measuring) pvalues(q, (size_t)(r0 * cols), (size_t)(nr * cols), lp, od, dst);
+}
+
 const float *fsdp__pdata_f32(struct fsdp_ctx *ctx, struct fsdp_param *p, const char *what) {
     struct fsdp_param *q = p->tied_to ? p->tied_to : p;
     if (!q->priv->data_stale) return q->data;
     float *w = arena_elems(ctx, q->numel, FSDP_F32, what, q->fqn ? q->fqn : q->name);
     if (!w) return NULL;
-    if (!fsdp__measuring) fsdp__cvt_to_f32(q->priv->data_lp_dtype, q->priv->data_lp, w, (size_t)q->numel);
+    fsdp__prows(q, q->numel, 0, 1, FSDP_F32, FSDP_F32, w);
     return w;
 }
 
@@ -167,13 +208,7 @@ const void *fsdp__pdata_lp(struct fsdp_ctx *ctx, struct fsdp_param *p, enum fsdp
     if (q->priv->data_lp && q->priv->data_lp_dtype == dt) return q->priv->data_lp; /* gathered in dt: no cast */
     char what[96];
     snprintf(what, sizeof what, "%s in %s", p->fqn ? p->fqn : p->name, fsdp_dtype_name(dt));
-    if (!q->priv->data_stale) return fsdp__lp_copy(ctx, dt, fsdp__pdata(p), p->numel, what);
-    /* gathered in another 16-bit dtype, fp32 values unmade: widen above the cast, then drop the widened copy */
     void *c = arena_elems(ctx, p->numel, dt, what, NULL);
-    if (!c) return NULL;
-    size_t mark = fsdp_arena_mark(ctx);
-    const float *w = fsdp__pdata_f32(ctx, p, what);
-    if (w && !fsdp__measuring) fsdp__cvt_from_f32(dt, w, c, (size_t)p->numel);
-    fsdp_arena_release(ctx, mark);
-    return w ? c : NULL;
+    if (c) fsdp__prows(q, q->numel, 0, 1, dt, dt, c);
+    return c;
 }
