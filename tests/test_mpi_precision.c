@@ -293,7 +293,8 @@ TEST(bf16_window_same_bits_as_copying_gathers) {
 }
 
 /* The shard's 16-bit copy (lp_shard_copy) is the cast a gather without it
- * makes (MPI: no window). */
+ * makes (MPI: no window); at one rank, the rounding the layers make of the
+ * shard's rows as they read them ([Note: 16-bit values from the shard]). */
 TEST(lp_shard_copy_same_bits_as_casting_gathers) { check_copy_same_bits(get_ctx(), 1, get_ctx(), 0, 0); }
 
 /* Trains a run of compute precision dt and policy mp and an fp32 run side by
