@@ -15,7 +15,11 @@
 #   Then issue 19's targets, each against this round's own probes: fp32 1 x 2
 #   >= 0.88 of the fp32 GEMM rate (or within 5% of its limit where that is
 #   lower), AMP_BF16 >= 0.78 of the bf16 rate (likewise), AMP_BF16's speedup
-#   >= 0.85 x the probes' ratio, 4 x 1 / 1 x 2 <= 1.15. This VM's figures move
+#   >= 0.85 x the probes' ratio, 4 x 1 / 1 x 2 <= 1.15. Where the bf16
+#   products are widened to fp32 (no bf16 kernels on the CPU, or
+#   FSDP_GEMM_BF16=widen), the two bf16 targets are the issue's for such CPUs
+#   instead: AMP_BF16 1 x 2 no slower than fp32 (fp32 step / bf16 step >= 1),
+#   printed with the limits' own ratio. This VM's figures move
 #   10-20% between runs minutes apart, so ROUNDS=R repeats the whole (probes,
 #   limits and the four runs) R times and also prints each figure's median
 #   over the rounds and whether a majority of the rounds met it.
@@ -49,8 +53,11 @@ for k in $(seq 1 "$ROUNDS"); do
 import json, statistics, sys
 d = sys.argv[1]
 lim, ph, flushed, probe = {}, {}, {}, {}
+widened = False
 for line in open(f"{d}/limit.out"):
     f = line.split()
+    if line.startswith("bf16 products:"):
+        widened = "widened" in line
     if f and f[0] == "limit" and len(f) > 3 and "_" in f[1]:
         lim[f[1]] = (float(f[2]), float(f[3]))  # seconds, model FLOP/s at the limit over the GEMM probe
     if f[:1] == ["limit_flushed"]:
@@ -79,15 +86,16 @@ for p in ("fp32", "bf16"):
     print(f"{p}: 4 ranks x 1 thread / 1 rank x 2 threads: measured {r:.3f} (target <= 1.15), limits {lr:.3f}")
 # issue 19's targets against this round's probes
 out = {}
-for p, want in (("fp32", 0.88), ("bf16", 0.78)):
+for p, want in (("fp32", 0.88),) if widened else (("fp32", 0.88), ("bf16", 0.78)):
     t, frac = lim[f"{p}_1x2"]
     step = m[f"{p}_1x2"]["step_ms"]
     rate = frac * t / step  # model FLOP/s over the probe: the limit's fraction scaled by limit / step
     # met: >= want of the rate, or (the limit itself below want) within 5% of the limit
     out[f"{p}_rate"] = (rate, want, rate >= want or (frac < want and step <= 1.05 * t), f"limit {frac:.3f} of the rate")
 sp = m["fp32_1x2"]["step_ms"] / m["bf16_1x2"]["step_ms"]
-ask = 0.85 * probe["gemm_bf16_gflops"] / probe["gemm_gflops"]
-out["speedup"] = (sp, ask, sp >= ask, f"limits' ratio {lim['fp32_1x2'][0] / lim['bf16_1x2'][0]:.3f}")
+ask = 1.0 if widened else 0.85 * probe["gemm_bf16_gflops"] / probe["gemm_gflops"]
+out["widened_vs_fp32" if widened else "speedup"] = (sp, ask, sp >= ask,
+                                                    f"limits' ratio {lim['fp32_1x2'][0] / lim['bf16_1x2'][0]:.3f}")
 for p in ("fp32", "bf16"):
     r = m[f"{p}_4x1"]["step_ms"] / m[f"{p}_1x2"]["step_ms"]
     out[f"{p}_4x1"] = (r, 1.15, r <= 1.15, f"limits' ratio {lim[f'{p}_4x1'][0] / lim[f'{p}_1x2'][0]:.3f}")
