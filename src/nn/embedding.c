@@ -35,7 +35,8 @@ static enum fsdp_status embedding_forward(struct fsdp_module *m, struct fsdp_ctx
     /* the rows looked up: the values fsdp__pdata would show, widened or rounded where a 16-bit pass keeps
      * them ([Note: lazy widening], src/nn/precision.c) */
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < (fsdp__measuring ? 0 : n); i++) fsdp__prows(E->weight, D, ids[i], 1, FSDP_F32, FSDP_F32, y + i * D);
+    for (int64_t i = 0; i < (fsdp__measuring ? 0 : n); i++)
+        fsdp__prows(E->weight, D, ids[i], 1, FSDP_F32, FSDP_F32, y + i * D);
     E->ids = ids;
     E->n = n;
     return FSDP_OK;

@@ -128,8 +128,9 @@ static void pvalues(const struct fsdp_param *q, size_t at, size_t n, enum fsdp_d
     if (!lp16) { /* fp32 values */
         fsdp__to_operand(lp, od, FSDP_F32, q->data + at, dst, n);
     } else if (lp == FSDP_F32 || lp == ldt) { /* the 16-bit values are what is asked */
-        if (v->data_lp) fsdp__to_operand(ldt, od == FSDP_F32 ? FSDP_F32 : ldt, ldt, (const uint16_t *)v->data_lp + at, dst, n);
-        else fsdp__to_operand(ldt, od == FSDP_F32 ? FSDP_F32 : ldt, FSDP_F32, v->data_src + at, dst, n);
+        enum fsdp_dtype o = od == FSDP_F32 ? FSDP_F32 : ldt;
+        if (v->data_lp) fsdp__to_operand(ldt, o, ldt, (const uint16_t *)v->data_lp + at, dst, n);
+        else fsdp__to_operand(ldt, o, FSDP_F32, v->data_src + at, dst, n);
     } else { /* rounded to another 16-bit dtype: through their fp32 values, 256 at a time */
         float w[256];
         for (size_t i = 0; i < n; i += 256) {
