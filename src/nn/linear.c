@@ -143,7 +143,10 @@ static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp
  * (dy's columns, W's rows): x and a block take about ROUND_SCRATCH bytes, so the
  * lm_head's 50257 columns never widen whole: each block's dW rows are one
  * product over all N rows (written once, where K blocks re-read and wrote
- * the whole fp32 dW per block), and dx sums the blocks' products. */
+ * the whole fp32 dW per block), and dx sums the blocks' products. The
+ * forward goes the same way (forward_widened): x widened once, W's rows a
+ * block at a time, fp32's products, the block rounded into place when the
+ * output is asked in 16 bits. */
 #define WIDEN_MIN_COLS 256
 
 /* rows x nc block [c0, c0 + nc) of src (row stride ld, dtype sdt: fp32 or
@@ -180,6 +183,46 @@ static enum fsdp_status backward_widened(struct fsdp_ctx *ctx, enum fsdp_dtype l
         if (!dx) continue;
         fsdp__prows(weight, I, c0, n, lp, FSDP_F32, w); /* W's rows rounded to lp, in fp32 */
         fsdp__sgemm(0, 0, N, I, n, 1.0f, dyw, n, w, I, c0 ? 1.0f : 0.0f, dx, I);
+    }
+    return FSDP_OK;
+}
+
+/* y (N, O, row stride ldy, dtype odt) = x W^T (+ b) on the fp32 values of
+ * the 16-bit operands, the forward's half of [Note: widened backward]: x
+ * widened once, W's rows made in fp32 a block of output columns at a time
+ * (widened from a gathered copy, or rounded straight from the shard:
+ * fsdp__prows), each block's output rounded into place when odt is 16-bit.
+ * Everything in the arena: x, and up to ROUND_SCRATCH bytes each of weight
+ * rows and output block. */
+static enum fsdp_status forward_widened(struct fsdp_ctx *ctx, enum fsdp_dtype lp, int64_t N, int64_t O, int64_t I,
+                                        const void *xl, struct fsdp_param *weight, const float *b, void *y,
+                                        enum fsdp_dtype odt, int64_t ldy) {
+    int out16 = odt != FSDP_F32;
+    /* the columns product_rounded takes (whole for an fp32 output), and no
+     * more weight rows than ROUND_SCRATCH holds: one block for every Linear
+     * of a GPT-2 Block, 4096 columns for the lm_head at 1024 rows */
+    int64_t nc = out16 ? ROUND_SCRATCH / ((int64_t)sizeof(float) * N) : O;
+    int64_t nw = ROUND_SCRATCH / ((int64_t)sizeof(float) * I);
+    nc = nc < nw ? nc : nw;
+    nc = nc < ROUND_MIN_COLS ? ROUND_MIN_COLS : nc;
+    nc = nc > O ? O : nc;
+    float *x = fsdp__scratch(ctx, N * I, "Linear input (widened)");
+    float *w = x ? fsdp__scratch(ctx, nc * I, "Linear weight (widened)") : NULL;
+    float *s = w && out16 ? fsdp__scratch(ctx, N * nc, "Linear output before rounding") : NULL;
+    if (!w || (out16 && !s)) return FSDP_ERR_NOMEM;
+    if (!fsdp__measuring) fsdp__cvt_to_f32(lp, xl, x, (size_t)(N * I));
+    size_t os = fsdp_dtype_size(odt);
+    for (int64_t c0 = 0; c0 < O; c0 += nc) {
+        int64_t n = O - c0 < nc ? O - c0 : nc;
+        fsdp__prows(weight, I, c0, n, lp, FSDP_F32, w); /* W's rows [c0, c0 + n) rounded to lp, in fp32 */
+        float *dst = out16 ? s : (float *)y + c0;
+        int64_t ld = out16 ? n : ldy;
+        if (b) fsdp__gemm_lp_bias(FSDP_F32, 0, 1, N, n, I, x, I, w, I, b + c0, dst, ld);
+        else fsdp__sgemm(0, 1, N, n, I, 1.0f, x, I, w, I, 0.0f, dst, ld);
+        if (!out16) continue;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++)
+            fsdp__cvt_from_f32(odt, s + i * n, (char *)y + (size_t)(i * ldy + c0) * os, (size_t)n);
     }
     return FSDP_OK;
 }
@@ -233,7 +276,9 @@ static enum fsdp_status linear_forward(struct fsdp_module *m, struct fsdp_ctx *c
         if (!xl) return FSDP_ERR_NOMEM; /* kept either way */
         size_t mark = fsdp_arena_mark(ctx);
         const void *wl = NULL;
-        if (odt != FSDP_F32) FSDP_TRY(product_rounded(ctx, lp, N, O, L->in, xl, L->weight, b, out->data, odt, ldo));
+        if (fsdp__operand_dtype(lp) == FSDP_F32) /* widened ([Note: widened backward]) */
+            FSDP_TRY(forward_widened(ctx, lp, N, O, L->in, xl, L->weight, b, out->data, odt, ldo));
+        else if (odt != FSDP_F32) FSDP_TRY(product_rounded(ctx, lp, N, O, L->in, xl, L->weight, b, out->data, odt, ldo));
         else if (!(wl = fsdp__pdata_lp(ctx, L->weight, lp))) return FSDP_ERR_NOMEM;
         else if (b) fsdp__gemm_lp_bias(lp, 0, 1, N, O, L->in, xl, L->in, wl, L->in, b, y, O); /* bias in the product */
         else fsdp__gemm_lp(lp, 0, 1, N, O, L->in, 1.0f, xl, L->in, wl, L->in, 0.0f, y, O);
