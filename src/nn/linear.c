@@ -32,6 +32,12 @@
 #define ROUND_SCRATCH ((int64_t)16 << 20)
 #define ROUND_MIN_COLS 1024
 
+/* a block's columns: nc, at least lo, at most all O */
+static int64_t block_cols(int64_t nc, int64_t lo, int64_t O) {
+    nc = nc < lo ? lo : nc;
+    return nc > O ? O : nc;
+}
+
 /* [Note: weight rows by block] A product over blocks of a weight's rows
  * (the output columns of a forward, the K of dx = dy W) takes each block's
  * rows in the compute dtype where they are: in place in the 16-bit copy
@@ -96,6 +102,20 @@ static enum fsdp_status product_out16(struct fsdp_ctx *ctx, enum fsdp_dtype lp, 
     return FSDP_OK;
 }
 
+/* s (N, n), fp32 dense, rounded into columns [c0, c0 + n) of y (row stride
+ * ldy, dtype odt) */
+static void round_block(enum fsdp_dtype odt, const float *s, int64_t N, int64_t n, void *y, int64_t ldy,
+                        int64_t c0) {
+    size_t os = fsdp_dtype_size(odt);
+    if (n == ldy) { /* whole rows, contiguous: one cast (threaded inside) */
+        fsdp__cvt_from_f32(odt, s, y, (size_t)(N * n));
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++)
+        fsdp__cvt_from_f32(odt, s + i * n, (char *)y + (size_t)(i * ldy + c0) * os, (size_t)n);
+}
+
 /* y (N, O, row stride ldy, dtype odt) = x W^T (+ b) rounded to odt, x (N, I)
  * and W (O, I) of the 16-bit compute dtype lp. */
 static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp, int64_t N, int64_t O, int64_t I,
@@ -104,10 +124,7 @@ static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp
     /* every row (a block of rows would be a product of another M, whose fp32
      * kernels may sum in another order) and as many columns as fit, at least
      * ROUND_MIN_COLS: x is read once per block */
-    int64_t nc = ROUND_SCRATCH / ((int64_t)sizeof(float) * N);
-    nc = nc < ROUND_MIN_COLS ? ROUND_MIN_COLS : nc;
-    nc = nc > O ? O : nc;
-    size_t os = fsdp_dtype_size(odt);
+    int64_t nc = block_cols(ROUND_SCRATCH / ((int64_t)sizeof(float) * N), ROUND_MIN_COLS, O);
     if (odt == lp && lp == FSDP_BF16 && fsdp_gemm_native(lp)) /* where fsdp__gemm_lp_out16 runs */
         return product_out16(ctx, lp, N, O, I, x, weight, b, y, ldy, nc);
     float *s = fsdp__scratch(ctx, N * nc, "Linear output before rounding");
@@ -119,13 +136,7 @@ static enum fsdp_status product_rounded(struct fsdp_ctx *ctx, enum fsdp_dtype lp
         const void *wc = wrows(&wr, c0, n); /* weight rows [c0, c0 + n) */
         if (b) fsdp__gemm_lp_bias(lp, 0, 1, N, n, I, x, I, wc, I, b + c0, s, n);
         else fsdp__gemm_lp(lp, 0, 1, N, n, I, 1.0f, x, I, wc, I, 0.0f, s, n);
-        if (n == ldy) { /* whole rows, contiguous: one cast (threaded inside) */
-            fsdp__cvt_from_f32(odt, s, y, (size_t)(N * n));
-            continue;
-        }
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++)
-            fsdp__cvt_from_f32(odt, s + i * n, (char *)y + (size_t)(i * ldy + c0) * os, (size_t)n);
+        round_block(odt, s, N, n, y, ldy, c0);
     }
     return FSDP_OK;
 }
@@ -160,6 +171,13 @@ static void widen_cols(enum fsdp_dtype lp, enum fsdp_dtype sdt, const void *src,
         fsdp__to_operand(lp, FSDP_F32, sdt, (const char *)src + (size_t)(r * ld + c0) * es, dst + r * nc, (size_t)nc);
 }
 
+/* x (N, I) of lp widened into fp32 arena scratch, or NULL (the error set) */
+static float *widened_input(struct fsdp_ctx *ctx, enum fsdp_dtype lp, const void *xl, int64_t N, int64_t I) {
+    float *x = fsdp__scratch(ctx, N * I, "Linear input (widened)");
+    if (x && !fsdp__measuring) fsdp__cvt_to_f32(lp, xl, x, (size_t)(N * I));
+    return x;
+}
+
 /* weight's dW (O, I) += dy^T x (= when unset) and, with dx, dx (N, I) = dy W,
  * on the fp32 values of the 16-bit operands ([Note: widened backward]): dy
  * (N, O) of dtype ddt with row stride ldy, x (N, I) and W (O, I) in lp. */
@@ -167,15 +185,13 @@ static enum fsdp_status backward_widened(struct fsdp_ctx *ctx, enum fsdp_dtype l
                                          const void *dy, enum fsdp_dtype ddt, int64_t ldy, const void *xl,
                                          struct fsdp_param *weight, float *dx) {
     int64_t per = N + (dx ? I : 0); /* fp32 values a column of the block takes */
-    int64_t nc = (ROUND_SCRATCH / (int64_t)sizeof(float) - N * I) / per; /* x widened whole, in the budget */
-    nc = nc < WIDEN_MIN_COLS ? WIDEN_MIN_COLS : nc;
-    nc = nc > O ? O : nc;
-    float *x = fsdp__scratch(ctx, N * I, "Linear input (widened)");
+    /* x widened whole, in the budget */
+    int64_t nc = block_cols((ROUND_SCRATCH / (int64_t)sizeof(float) - N * I) / per, WIDEN_MIN_COLS, O);
+    float *x = widened_input(ctx, lp, xl, N, I);
     float *dyw = x ? fsdp__scratch(ctx, N * nc, "Linear output gradient (widened)") : NULL;
     float *w = dyw && dx ? fsdp__scratch(ctx, nc * I, "Linear weight (widened)") : NULL;
     if (!dyw || (dx && !w)) return FSDP_ERR_NOMEM;
     float beta, *dw = fsdp__pgrad_first(weight, &beta); /* [Note: unset gradients] */
-    if (!fsdp__measuring) fsdp__cvt_to_f32(lp, xl, x, (size_t)(N * I));
     for (int64_t c0 = 0; c0 < O; c0 += nc) {
         int64_t n = O - c0 < nc ? O - c0 : nc;
         widen_cols(lp, ddt, dy, ldy, N, c0, n, dyw);
@@ -203,15 +219,11 @@ static enum fsdp_status forward_widened(struct fsdp_ctx *ctx, enum fsdp_dtype lp
      * of a GPT-2 Block, 4096 columns for the lm_head at 1024 rows */
     int64_t nc = out16 ? ROUND_SCRATCH / ((int64_t)sizeof(float) * N) : O;
     int64_t nw = ROUND_SCRATCH / ((int64_t)sizeof(float) * I);
-    nc = nc < nw ? nc : nw;
-    nc = nc < ROUND_MIN_COLS ? ROUND_MIN_COLS : nc;
-    nc = nc > O ? O : nc;
-    float *x = fsdp__scratch(ctx, N * I, "Linear input (widened)");
+    nc = block_cols(nc < nw ? nc : nw, ROUND_MIN_COLS, O);
+    float *x = widened_input(ctx, lp, xl, N, I);
     float *w = x ? fsdp__scratch(ctx, nc * I, "Linear weight (widened)") : NULL;
     float *s = w && out16 ? fsdp__scratch(ctx, N * nc, "Linear output before rounding") : NULL;
     if (!w || (out16 && !s)) return FSDP_ERR_NOMEM;
-    if (!fsdp__measuring) fsdp__cvt_to_f32(lp, xl, x, (size_t)(N * I));
-    size_t os = fsdp_dtype_size(odt);
     for (int64_t c0 = 0; c0 < O; c0 += nc) {
         int64_t n = O - c0 < nc ? O - c0 : nc;
         fsdp__prows(weight, I, c0, n, lp, FSDP_F32, w); /* W's rows [c0, c0 + n) rounded to lp, in fp32 */
@@ -219,10 +231,7 @@ static enum fsdp_status forward_widened(struct fsdp_ctx *ctx, enum fsdp_dtype lp
         int64_t ld = out16 ? n : ldy;
         if (b) fsdp__gemm_lp_bias(FSDP_F32, 0, 1, N, n, I, x, I, w, I, b + c0, dst, ld);
         else fsdp__sgemm(0, 1, N, n, I, 1.0f, x, I, w, I, 0.0f, dst, ld);
-        if (!out16) continue;
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++)
-            fsdp__cvt_from_f32(odt, s + i * n, (char *)y + (size_t)(i * ldy + c0) * os, (size_t)n);
+        if (out16) round_block(odt, s, N, n, y, ldy, c0);
     }
     return FSDP_OK;
 }
@@ -348,7 +357,7 @@ static enum fsdp_status linear_backward(struct fsdp_module *m, struct fsdp_ctx *
         fsdp__gemm_lp(lp, 0, 0, N, I, O, 1.0f, dyl, ldy, wl, I, 0.0f, din->data, I);
     } else if (din) { /* the same over blocks of W's rows, summed ([Note: weight rows by block]) */
         int64_t nc = ROUND_SCRATCH / ((int64_t)fsdp_dtype_size(lp) * I);
-        nc = nc < ROUND_MIN_COLS ? ROUND_MIN_COLS : nc > O ? O : nc;
+        nc = block_cols(nc, ROUND_MIN_COLS, O);
         struct wrows wr;
         st = wrows_init(ctx, &wr, L->weight, lp, I, nc);
         size_t es = fsdp_dtype_size(lp);
