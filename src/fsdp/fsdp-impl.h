@@ -53,9 +53,6 @@ struct fsdp__unit {
                                      fsdp__model_shards_written) */
     int lp_direct;                /* the gather reads the 16-bit copy in place: shard_lp (a shard
                                      group of one) or win_lp (lp_win) */
-    int lp_from_shard;            /* a shard group of one without shard_lp: no 16-bit copy is made,
-                                     the layers round the shard's values they read ([Note: 16-bit
-                                     values from the shard], mixed.c) */
     uint16_t *win_lp;             /* (numel_padded) a 16-bit unit's region of the model's 16-bit
                                      window, shard_lp its block there ([Note: 16-bit window],
                                      unit.c), or NULL */
@@ -280,8 +277,7 @@ enum fsdp_status fsdp__mp_resolve(struct fsdp_ctx *ctx, struct fsdp_model *fm, e
  * the shard (u->shard_lp_valid) it sends that instead of casting. A shard
  * group of one reads the copy in place (u->lp_direct), casting the shard
  * into it first when it is not valid (and marking it valid), or without a
- * copy casts nothing (u->lp_from_shard: [Note: 16-bit values from the
- * shard]); so does a
+ * copy casts nothing ([Note: 16-bit values from the shard]); so does a
  * training pass's gather from the 16-bit window (u->lp_win), followed by a
  * barrier of comm instead of the all-gather. COLLECTIVE: yes. */
 enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct fsdp__unit *u,
@@ -290,8 +286,8 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
  * part and points every parameter at its values (data, data_lp); with
  * u->gather_lazy (a training pass), only the parameters that are not
  * lp_reader, packed, and the others get data NULL and data_stale ([Note:
- * lazy widening] in src/nn/precision.c). With u->lp_from_shard the values
- * are rounded from the shard instead and the others point into it
+ * lazy widening] in src/nn/precision.c). A shard group of one without
+ * shard_lp rounds the values from the shard instead and the others point into it
  * (data_src). */
 void fsdp__mp_gather_finish(struct fsdp__unit *u);
 /* Narrows buf[0..n) to n 16-bit values of dt at bytes [0, 2n), in place

@@ -160,7 +160,6 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
     int alone = !comm || fsdp_comm_size(comm) == 1;
     *req = NULL;
     u->lp_direct = 0;
-    u->lp_from_shard = 0;
     if (u->shard_lp_valid) check_lp_copy(u); /* the optimizer's copy ([Note: fused 16-bit copy]): no cast */
     if ((alone || u->lp_win) && u->shard_lp) {
         /* the copy is (its block of) the whole gathered buffer: read in place, cast there first if stale */
@@ -170,10 +169,7 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
         /* [Note: 16-bit window] (unit.c): every rank's block written before any peer reads it */
         return u->lp_win ? fsdp_comm_barrier_start(comm, req) : FSDP_OK;
     }
-    if (alone) { /* [Note: 16-bit values from the shard]: nothing to cast or move */
-        u->lp_from_shard = 1;
-        return FSDP_OK;
-    }
+    if (alone) return FSDP_OK; /* [Note: 16-bit values from the shard]: nothing to cast or move */
     if (u->shard_lp_valid)
         return fsdp_comm_allgather_start(comm, u->shard_lp, stage, (size_t)u->numel_shard, u->param_dtype, req);
     fsdp__cvt_from_f32(u->param_dtype, u->shard, mine, (size_t)u->numel_shard);
@@ -211,6 +207,9 @@ int64_t fsdp__mp_full_numel(const struct fsdp__unit *u) {
  * so training is bit-identical with the pooled copy; a world of one keeps
  * the pass's 16-bit values only a block at a time (the plan's full buffers
  * at one rank: 88.7 MiB to 0.04 for GPT-2 in bf16). */
+/* whether u's 16-bit gather leaves the values in the shard (the note above) */
+static int from_shard(const struct fsdp__unit *u) { return u->model->shard_size == 1 && !u->shard_lp; }
+
 static void finish_from_shard(struct fsdp__unit *u) {
     int lazy = u->gather_lazy;
     if (!lazy) fsdp__cvt_round(u->param_dtype, u->shard, u->full, (size_t)u->numel_padded);
@@ -236,7 +235,7 @@ static void finish_from_shard(struct fsdp__unit *u) {
 }
 
 void fsdp__mp_gather_finish(struct fsdp__unit *u) {
-    if (u->lp_from_shard) {
+    if (from_shard(u)) {
         finish_from_shard(u);
         return;
     }
