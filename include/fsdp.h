@@ -853,7 +853,9 @@ void fsdp_model_unit_info(const struct fsdp_model *fm, int i, struct fsdp_unit_i
  * COLLECTIVE: yes (gathers its unit). */
 enum fsdp_status fsdp_model_get_param(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                       const char *fqn, float *dst);
-/* Same for its gradient shard gathered (after backward, before the step). COLLECTIVE: yes. */
+/* Same for its gradient shard gathered: from the backward that writes it until the next
+ * step's first forward, the optimizer step included; zeros from that forward until its
+ * step's backward writes them again (PyTorch's gradients set to None). COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_get_grad(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                      const char *fqn, float *dst);
 
@@ -1816,7 +1818,11 @@ struct fsdp_mem_plan {
     int world, rank;
     int n_units;
     size_t params, grads, optim; /* this rank's shards (FSDP_MEM_SHARD); params includes the
-                                    16-bit copy a 16-bit unit keeps for its gathers */
+                                    16-bit copy a 16-bit unit keeps for its gathers; grads the
+                                    gradient shards in buffers of their own */
+    size_t grads_lent; /* gradient shards in the activation arena's pages at once (within act:
+                          a shard lives from its backward to the optimizer step, where
+                          backward has released activations) */
     size_t full;      /* pooled full parameter and gradient buffers (FSDP_MEM_FULL) */
     size_t act;       /* activation arena at its peak, checkpointing included (FSDP_MEM_ACT) */
     size_t workspace; /* the rest the library allocates at its peak: comm requests, MPI's

@@ -40,6 +40,8 @@ struct fsdp__arena_chunk {
     struct fsdp__arena_chunk *prev; /* older chunk */
     size_t base;                    /* logical offset of this chunk's first byte */
     size_t cap, used;               /* used is relative to this chunk */
+    size_t hw;                      /* the furthest byte ever handed out (resident, counted) */
+    size_t lent;                    /* bytes lent at the top of [0, hw) (fsdp__arena_lend) */
     char *mem;
 };
 
@@ -50,9 +52,12 @@ static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
 void *fsdp_arena_alloc(struct fsdp_ctx *ctx, size_t bytes) {
     size_t need = round64(bytes ? bytes : 1);
     struct fsdp__arena_chunk *c = ctx->arena;
-    if (!c || c->used + need > c->cap) {
+    int met = c && c->lent && c->used + need > c->hw - c->lent && c->used + need <= c->cap;
+    if (met) /* the lent bytes are in the way: a chunk of its own, and more room left from now on */
+        ctx->arena_lend_room = 2 * ctx->arena_lend_room + (c->used + need - (c->hw - c->lent));
+    if (!c || c->used + need > (c->lent ? c->hw - c->lent : c->cap)) {
         size_t cap = need > ARENA_MIN_CHUNK ? need : ARENA_MIN_CHUNK;
-        if (c && cap < c->cap) cap = c->cap; /* grow geometrically-ish */
+        if (c && cap < c->cap && !met) cap = c->cap; /* grow geometrically-ish */
         struct fsdp__arena_chunk *n = fsdp__alloc(ctx, sizeof *n, FSDP_MEM_ACT, "arena chunk header");
         if (!n) return NULL;
         size_t span = 0; /* [Note: one arena chunk] */
@@ -66,12 +71,13 @@ void *fsdp_arena_alloc(struct fsdp_ctx *ctx, size_t bytes) {
         n->prev = c;
         n->base = ctx->arena_used;
         n->cap = cap;
-        n->used = 0;
+        n->used = n->hw = n->lent = 0;
         ctx->arena = c = n;
     }
     if (fsdp__commit(ctx, c->mem, c->used + need, "activations")) return NULL; /* the memory limit */
     void *p = c->mem + c->used;
     c->used += need;
+    if (c->used > c->hw) c->hw = c->used;
     ctx->arena_used = c->base + c->used;
     if (ctx->arena_used > ctx->arena_high) ctx->arena_high = ctx->arena_used;
     return p;
@@ -96,18 +102,6 @@ int fsdp__arena_shrink(struct fsdp_ctx *ctx, void *p, size_t bytes, size_t keep)
     return 1;
 }
 
-int fsdp__arena_slide(struct fsdp_ctx *ctx, void *dead, void *p, size_t bytes, size_t *at) {
-    struct fsdp__arena_chunk *c = ctx->arena;
-    size_t have = round64(bytes ? bytes : 1);
-    char *d = dead, *q = p;
-    if (!c || d >= q || d < c->mem || ((uintptr_t)d & 63) || q + have != c->mem + c->used) return 0;
-    if (!fsdp__measuring) memmove(d, q, bytes);
-    *at = c->base + (size_t)(d - c->mem);
-    c->used = (size_t)(d - c->mem) + have;
-    ctx->arena_used = c->base + c->used;
-    return 1;
-}
-
 size_t fsdp_arena_mark(struct fsdp_ctx *ctx) { return ctx->arena_used; }
 
 void fsdp_arena_release(struct fsdp_ctx *ctx, size_t mark) {
@@ -126,21 +120,75 @@ void fsdp_arena_release(struct fsdp_ctx *ctx, size_t mark) {
     }
 }
 
+/* Lent bytes outstanding: their lender moves or drops what it keeps in them. */
+static void reclaim(struct fsdp_ctx *ctx) {
+    int any = 0;
+    for (struct fsdp__arena_chunk *c = ctx->arena; c; c = c->prev) any |= c->lent != 0;
+    if (any && ctx->arena_reclaim) ctx->arena_reclaim(ctx, ctx->arena_lender);
+    fsdp__arena_unlend(ctx);
+}
+
 void fsdp_arena_reset(struct fsdp_ctx *ctx) {
+    reclaim(ctx);
     struct fsdp__arena_chunk *c = ctx->arena;
     size_t high = ctx->arena_high; /* logical bytes at the high-water mark (no chunk tails) */
     if (c && (c->prev || high > c->cap)) { /* merge into one chunk of the high-water size */
+        size_t room = ctx->arena_lend_room; /* what the arena learned stays */
         fsdp__arena_free_all(ctx);
+        ctx->arena_lend_room = room;
         void *p = fsdp_arena_alloc(ctx, high);
         (void)p;
         c = ctx->arena;
     }
-    if (c) c->used = 0;
+    if (c) c->used = c->lent = 0;
     ctx->arena_used = 0;
     ctx->arena_high = 0;
 }
 
+/* [Note: bytes lent by the arena] Backward releases what a unit's forward
+ * saved as it goes (GPT's blocks: src/models/gpt.c), but the pages stay
+ * resident up to the step's high-water mark, the forward's peak, for the next
+ * step. A gradient shard is born in backward and ends before the next step's
+ * forward (src/fsdp/unit.c, [Note: gradient shards born in backward]), so it
+ * can live in those pages: fsdp__arena_lend hands out bytes at the top of the oldest
+ * chunk's resident part, [hw - lent - bytes, hw - lent), while what is in use
+ * below them ends at least ARENA_LEND_ROOM of hw lower, room for the rest of
+ * backward's scratch. They cost no page and no count (the plan sees them in
+ * the activations' figure), and are all given back at once
+ * (fsdp__arena_unlend; a reset or free first calls the lender's reclaim
+ * function, which moves or drops what it keeps there: another model's
+ * forward on the same context, say). An allocation that would reach
+ * them takes a chunk of its own instead, of its own size (new pages, this
+ * once), and the room kept free below lent bytes grows by twice what it
+ * lacked, so a later step lends less and runs in the one chunk again. */
+#define ARENA_LEND_ROOM 8 /* at least hw / 8 kept free below the lent bytes */
+
+void *fsdp__arena_lend(struct fsdp_ctx *ctx, size_t bytes, void *lender,
+                       void (*reclaim_fn)(struct fsdp_ctx *ctx, void *lender)) {
+    struct fsdp__arena_chunk *b = ctx->arena;
+    while (b && b->prev) b = b->prev; /* the oldest chunk: a release never frees it */
+    size_t need = round64(bytes ? bytes : 1);
+    if (!b || b->hw - b->lent < need || (b->lent && ctx->arena_lender != lender)) return NULL;
+    size_t at = b->hw - b->lent - need, room = b->hw / ARENA_LEND_ROOM;
+    if (room < ctx->arena_lend_room) room = ctx->arena_lend_room;
+    if (at < b->used || at - b->used < room) return NULL;
+    b->lent += need;
+    ctx->arena_lender = lender;
+    ctx->arena_reclaim = reclaim_fn;
+    size_t total = 0;
+    for (struct fsdp__arena_chunk *c = ctx->arena; c; c = c->prev) total += c->lent;
+    if (total > ctx->arena_lent_high) ctx->arena_lent_high = total;
+    return b->mem + at;
+}
+
+void fsdp__arena_unlend(struct fsdp_ctx *ctx) {
+    for (struct fsdp__arena_chunk *c = ctx->arena; c; c = c->prev) c->lent = 0;
+    ctx->arena_lender = NULL;
+    ctx->arena_reclaim = NULL;
+}
+
 void fsdp__arena_free_all(struct fsdp_ctx *ctx) {
+    reclaim(ctx);
     struct fsdp__arena_chunk *c = ctx->arena;
     while (c) {
         struct fsdp__arena_chunk *p = c->prev;
@@ -150,4 +198,5 @@ void fsdp__arena_free_all(struct fsdp_ctx *ctx) {
     }
     ctx->arena = NULL;
     ctx->arena_used = 0;
+    ctx->arena_lend_room = 0; /* a fresh arena learns its own */
 }

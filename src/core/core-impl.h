@@ -32,9 +32,14 @@ struct fsdp_ctx {
     struct fsdp__arena_chunk *arena; /* current chunk (head of list) */
     size_t arena_used;               /* bytes handed out in total (mark) */
     size_t arena_high;               /* largest arena_used since the last reset */
+    size_t arena_lent_high;          /* most bytes lent at once (fsdp__arena_lend) */
+    size_t arena_lend_room;          /* bytes kept free below lent ones, grown when an
+                                        allocation met them (fsdp__arena_lend) */
+    void *arena_lender;              /* who holds the lent bytes, and what takes them back */
+    void (*arena_reclaim)(struct fsdp_ctx *ctx, void *lender);
     const void *dead_dout;           /* the output gradient fsdp_model_backward hands the root
                                         when it is the library's: dead once the root's last
-                                        layer has taken it (fsdp__arena_slide) */
+                                        layer has taken it (GPT's backward releases it) */
     int recompute;                   /* > 0 while a checkpointed module's forward runs
                                         again inside its backward (module.c): a layer
                                         with state (BatchNorm2d's running statistics)
@@ -222,13 +227,14 @@ void fsdp__arena_free_all(struct fsdp_ctx *ctx);
 /* When p (an allocation of `bytes`) is the arena's last, shrinks it to its
  * first `keep` bytes, handing the rest back, and returns 1; else 0. */
 int fsdp__arena_shrink(struct fsdp_ctx *ctx, void *p, size_t bytes, size_t keep);
-/* When p (an allocation of `bytes`) is the arena's last and `dead` lies
- * below it in the same chunk (64-byte aligned), moves p's bytes down to
- * `dead`, hands back everything above them, sets *at to the mark of `dead`
- * (releasing to it frees the moved bytes too) and returns 1; else 0 and
- * nothing moved. For a tensor made above one that is no longer read (GPT's
- * backward, ctx->dead_dout). */
-int fsdp__arena_slide(struct fsdp_ctx *ctx, void *dead, void *p, size_t bytes, size_t *at);
+/* `bytes` lent from the arena's resident pages above what is in use, valid
+ * until fsdp__arena_unlend or the next reset or free (which first call
+ * reclaim_fn(ctx, lender)), or NULL where there is no room or another lender
+ * holds lent bytes ([Note: bytes lent by the arena] in arena.c). */
+void *fsdp__arena_lend(struct fsdp_ctx *ctx, size_t bytes, void *lender,
+                       void (*reclaim_fn)(struct fsdp_ctx *ctx, void *lender));
+/* Takes back every lent byte. */
+void fsdp__arena_unlend(struct fsdp_ctx *ctx);
 
 /* ---- Counter-based RNG (Philox4x32-10) ---- */
 /* Four 32-bit words for (key, counter): a pure function. */

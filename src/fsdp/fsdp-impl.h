@@ -41,11 +41,17 @@ struct fsdp__unit {
                                       root's logits in compute_dtype: [Note: 16-bit model output]) */
     enum fsdp_dtype compute_dtype; /* set on the unit's modules (fsdp_module_set_compute_dtype) */
     float *summoned;              /* (numel_padded) fsdp_summon_full_params buffer, or NULL */
-    /* one allocation: param shard (unless in the window) | grad shard | optimizer state
+    /* one allocation: param shard (unless in the window) | optimizer state
      * (k x numel_shard) | shard_lp */
     float *shard_mem;
     float *shard;                 /* (numel_shard) this rank's slice of the flat params */
-    float *grad_shard;            /* (numel_shard) reduced, averaged gradient slice */
+    float *grad_shard;            /* (numel_shard) reduced, averaged gradient slice, from its
+                                     birth in backward to the optimizer step, else NULL ([Note:
+                                     gradient shards born in backward], unit.c) */
+    float *grad_own;              /* (numel_shard) the unit's own buffer for it, once needed */
+    int grad_lent;                /* grad_shard is lent by the activation arena */
+    int grad_lost;                /* this step's shard was in the arena when another reset it
+                                     and could not move (the optimizer step refuses) */
     float *state;                 /* (k, numel_shard) optimizer state, or NULL */
     uint16_t *shard_lp;           /* (numel_shard) 16-bit copy of shard written by the optimizer
                                      ([Note: fused 16-bit copy], mixed.c), or NULL */
@@ -199,9 +205,17 @@ struct fsdp__unit *fsdp__model_unit_of(struct fsdp_model *fm, const char *fqn, i
 
 /* The hooks installed on every unit root module (unit.c). */
 extern const struct fsdp_module_hooks fsdp__unit_hooks;
-/* Allocates one block per unit: param shard | grad shard | k_state arrays,
- * keeping the current parameter values. */
+/* Allocates one block per unit: param shard | k_state arrays, keeping the
+ * current parameter values. */
 enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit *u, int k_state);
+/* [Note: gradient shards born in backward] (unit.c): gives u its gradient
+ * shard (u->grad_shard) if it has none yet this step; fsdp__model_grads_none
+ * ends them all (the next step's first forward), fsdp__model_grads_keep moves
+ * the ones the arena lent into the units' own buffers (a forward inside a
+ * step, before the arena is reset). */
+enum fsdp_status fsdp__unit_grad_birth(struct fsdp_ctx *ctx, struct fsdp__unit *u);
+void fsdp__model_grads_none(struct fsdp_ctx *ctx, struct fsdp_model *fm);
+enum fsdp_status fsdp__model_grads_keep(struct fsdp_ctx *ctx, struct fsdp_model *fm);
 /* [Note: shared window] (unit.c): lays every unit's shards of the shard
  * group out in one window of fm->shard_comm where its backend has one
  * (before fsdp__unit_alloc_shards); fsdp__model_window_free unmaps it. */

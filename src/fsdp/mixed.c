@@ -366,7 +366,7 @@ void fsdp__scaler_inject(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
     if (sc->scale == 0 || sc->opts.inject_step < 0 || sc->calls != sc->opts.inject_step) return;
     if (ctx->rank != sc->opts.inject_rank) return;
     for (int i = 0; i < fm->n_units; i++)
-        if (fm->units[i].numel_shard > 0) {
+        if (fm->units[i].numel_shard > 0 && fm->units[i].grad_shard) {
             fm->units[i].grad_shard[0] = INFINITY;
             return;
         }

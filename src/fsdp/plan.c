@@ -230,12 +230,16 @@ static enum fsdp_status measure_run(struct fsdp_ctx *mctx, struct fsdp_module *r
         size_t n = 0;
         for (int i = 0; i < fm->n_units; i++) n += (size_t)fm->units[i].numel_shard;
         p->n_units = fm->n_units;
-        p->grads = n * sizeof(float);
         p->optim = (size_t)fsdp_optim_state_per_elem(opt) * n * sizeof(float);
-        p->params = m1.cur[FSDP_MEM_SHARD] - m0.cur[FSDP_MEM_SHARD] - p->grads - p->optim;
+        p->params = m1.cur[FSDP_MEM_SHARD] - m0.cur[FSDP_MEM_SHARD] - p->optim;
     }
     if (st == FSDP_OK && po->setup) st = po->setup(mctx, fm, opt, po->ud);
     for (int k = 0; k < po->steps && st == FSDP_OK; k++) st = po->step(mctx, fm, k, po->ud);
+    /* the gradient shards: their own buffers, and the most the arena lent at once
+     * ([Note: gradient shards born in backward], unit.c) */
+    for (int i = 0; fm && i < fm->n_units; i++)
+        if (fm->units[i].grad_own) p->grads += (size_t)fm->units[i].numel_shard * sizeof(float);
+    p->grads_lent = mctx->arena_lent_high;
     fsdp_mem_get(mctx, &m1);
     p->full = m1.peak[FSDP_MEM_FULL] - m0.cur[FSDP_MEM_FULL];
     p->act = m1.peak[FSDP_MEM_ACT] - m0.cur[FSDP_MEM_ACT];

@@ -74,7 +74,7 @@ static enum fsdp_status build_slices(struct fsdp_ctx *ctx, struct fsdp__unit *u,
         if (s >= e) continue;
         struct fsdp_optim_slice *sl = &u->slices[u->n_slices++];
         sl->param = u->shard + (s - lo);
-        sl->grad = u->grad_shard + (s - lo);
+        sl->grad = NULL; /* the gradient shard's, at each step (optim_step_all) */
         sl->state = u->state ? u->state + (s - lo) : NULL;
         sl->n = e - s;
         sl->state_stride = u->numel_shard;
@@ -131,6 +131,7 @@ enum fsdp_status fsdp_model_grad_norm(struct fsdp_ctx *ctx, struct fsdp_model *f
     for (int i = 0; i < fm->n_units && !fsdp__measuring; i++) {
         const struct fsdp__unit *u = &fm->units[i];
         const float *x = u->grad_shard;
+        if (!x) continue; /* none since the last step: zeros */
         double s = 0.0;
         /* simd: independent partial sums per lane (a single chain of double
          * adds is latency-bound at about a third of memory speed); the
@@ -247,7 +248,16 @@ static enum fsdp_status lars_trust(struct fsdp_model *fm, struct fsdp_optim_slic
 
 static enum fsdp_status optim_step_all(struct fsdp_model *fm, float lr, float grad_scale, double *sumsq) {
     int n = 0;
-    for (int i = 0; i < fm->n_units; i++) n += fm->units[i].n_slices;
+    for (int i = 0; i < fm->n_units; i++) {
+        const struct fsdp__unit *u = &fm->units[i];
+        if (!u->grad_shard && u->n_slices)
+            return fsdp__err(fm->ctx, FSDP_ERR_STATE, "optimizer step: unit '%s' has no gradient shard: %s",
+                             u->module->fqn[0] ? u->module->fqn : "(root)",
+                             u->grad_lost ? "the activation arena holding it was reset by another forward on "
+                                            "the context and there was no memory to move it"
+                                          : "no backward since the step's first forward");
+        n += u->n_slices;
+    }
     struct fsdp_optim_slice *all = fsdp__zalloc((size_t)n + 1, sizeof *all);
     double *sums = fsdp__zalloc((size_t)n + 1, sizeof *sums);
     if (!all || !sums) {
@@ -257,8 +267,11 @@ static enum fsdp_status optim_step_all(struct fsdp_model *fm, float lr, float gr
     }
     n = 0;
     for (int i = 0; i < fm->n_units; i++) {
-        memcpy(all + n, fm->units[i].slices, (size_t)fm->units[i].n_slices * sizeof *all);
-        n += fm->units[i].n_slices;
+        const struct fsdp__unit *u = &fm->units[i];
+        memcpy(all + n, u->slices, (size_t)u->n_slices * sizeof *all);
+        for (int k = 0; k < u->n_slices; k++) /* the slice's run of the shard, in the gradient shard */
+            all[n + k].grad = u->grad_shard + (all[n + k].param - u->shard);
+        n += u->n_slices;
     }
     for (int j = 0; j < n; j++) all[j].sumsq = &sums[j];
     if (fsdp__optim_opts(fm->optim)->kind == FSDP_OPTIM_LARS) {
@@ -364,6 +377,8 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
             return fsdp__err(ctx, FSDP_ERR_INVALID, "forward: input dimension %d is %lld", i,
                              (long long)in->shape[i]);
     fm->step.fwd_pending = 0; /* the reset below drops what a pending forward saved */
+    int mid_step = fm->step.open; /* keeps the step's gradients; else they end ([Note: gradient shards born
+                                     in backward], unit.c) */
     if (train && step && !fm->step.open) { /* the step's first forward opens it */
         if (!fsdp__measuring) fsdp__fault_step++; /* FSDP_FAULT's step ([Note: fault injection]); not a plan's */
         fm->step.open = 1;
@@ -371,6 +386,8 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
         fm->step.loss_scale = fsdp__scaler_scale(fm); /* 1 without loss scaling */
     }
     double t0 = fsdp__now();
+    if (mid_step) FSDP_TRY(fsdp__model_grads_keep(ctx, fm)); /* the arena's lent ones move out first */
+    else fsdp__model_grads_none(ctx, fm);
     fsdp_arena_reset(ctx);
     struct fsdp_tensor x = *in;
     size_t bytes = (size_t)fsdp_tensor_numel(in) * fsdp_dtype_size(in->dtype);
@@ -533,8 +550,10 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
     double t0 = fsdp__now();
     struct fsdp__step *sp = &fm->step;
     int first = sp->n_backward == 0;
-    if (first) /* backward writes the shards it reaches; the rest are zeroed after it */
-        for (int i = 0; i < fm->n_units; i++) fm->units[i].grad_fresh = 0;
+    if (first) { /* backward writes the shards it reaches; the rest are zeroed after it */
+        fsdp__model_grads_none(ctx, fm); /* born again in this backward ([Note: gradient shards born in backward]) */
+        for (int i = 0; i < fm->n_units; i++) fm->units[i].grad_fresh = fm->units[i].grad_lost = 0;
+    }
     fm->no_sync = sp->sync_off;
     fm->grad_accumulate = !first && (sp->reduced || ctx->world == 1);
     fm->in_backward = fm->win_pass = 1;
@@ -582,7 +601,8 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
     fm->in_backward = fm->win_pass = 0;
     if (st == FSDP_OK) st = fsdp__model_finish_reduce(ctx, fm); /* the last reduction in flight */
     for (int i = 0; first && st == FSDP_OK && i < fm->n_units; i++)
-        if (!fm->units[i].grad_fresh) fsdp__zero(fm->units[i].grad_shard, fm->units[i].numel_shard);
+        if (!fm->units[i].grad_fresh && (st = fsdp__unit_grad_birth(ctx, &fm->units[i])) == FSDP_OK)
+            fsdp__zero(fm->units[i].grad_shard, fm->units[i].numel_shard);
     fsdp__model_drop_prefetched(ctx, fm);
     fm->no_sync = 0;
     fm->grad_accumulate = 0;
@@ -622,7 +642,7 @@ static enum fsdp_status first_nonfinite_unit(struct fsdp_ctx *ctx, struct fsdp_m
         backward_order(fm, 0, order, &n);
         for (int k = 0; k < n; k++) {
             const struct fsdp__unit *u = &fm->units[order[k]];
-            for (int64_t j = 0; j < u->numel_shard && !bad[k]; j++) bad[k] = !isfinite(u->grad_shard[j]);
+            for (int64_t j = 0; u->grad_shard && j < u->numel_shard && !bad[k]; j++) bad[k] = !isfinite(u->grad_shard[j]);
         }
         st = fsdp_comm_allreduce(ctx->comm, bad, any, (size_t)n, FSDP_I32, FSDP_MAX);
     }
@@ -802,6 +822,10 @@ static enum fsdp_status read_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, c
     if (!u) return fsdp__err(ctx, FSDP_ERR_INVALID, "no parameter named '%s' in the sharded model", fqn);
     /* a backward run on a module below the root leaves its last reduction in flight */
     if (grads) FSDP_TRY(fsdp__model_finish_reduce(ctx, fm));
+    if (grads && !u->grad_shard) { /* none since the last step (every rank alike): zeros */
+        memset(dst, 0, (size_t)u->params[j]->numel * sizeof(float));
+        return FSDP_OK;
+    }
     float *tmp = fsdp__pool_get(fm, u->numel_padded, "full read");
     if (!tmp) return FSDP_ERR_NOMEM;
     enum fsdp_status st = FSDP_OK;

@@ -288,6 +288,94 @@ enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
     return FSDP_OK;
 }
 
+/* [Note: gradient shards born in backward]
+ * A unit's gradient shard holds something only from the backward that first
+ * writes it (the layers' own writes at a world of one, the reduction's
+ * landing elsewhere, or the zeros of a unit backward did not reach) until
+ * the next step begins; from then to that step's backward, a forward fills
+ * the activation arena to its peak. So a shard is born in backward and ends
+ * at the first forward of the next step (fsdp__model_grads_none, as
+ * PyTorch's zero_grad(set_to_none=True) at the top of a training loop: the
+ * gradients stay readable after the optimizer step), and it lives in the
+ * activation arena's pages where backward has released enough of them
+ * (fsdp__arena_lend, [Note: bytes lent by the arena] in src/core/arena.c),
+ * else in the unit's own buffer, made at the first such birth and kept.
+ * GPT-2 at one rank, 4 x 256 tokens: the blocks' 325 MiB of fp32 gradients
+ * fit where their activations were. A forward inside a step (gradient
+ * accumulation's next micro-batch, an eval forward before the optimizer
+ * step) resets the arena too, so the lent shards move to their own buffers
+ * first (fsdp__model_grads_keep). FSDP_GRAD_LEND=0 turns the lending off
+ * (every shard in its own buffer, the same values). */
+static int grad_lend_on(void) { return fsdp__env_checked("FSDP_GRAD_LEND", 1) != 0; }
+
+/* u's own buffer for its gradient shard, made at the first need */
+static enum fsdp_status grad_own(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
+    if (u->grad_own) return FSDP_OK;
+    u->grad_own = fsdp__alloc(ctx, (size_t)u->numel_shard * sizeof(float), FSDP_MEM_SHARD, "gradient shard");
+    if (!u->grad_own)
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the gradient shard of unit '%s' (%lld floats)",
+                         u->module->fqn[0] ? u->module->fqn : "(root)", (long long)u->numel_shard);
+    return FSDP_OK;
+}
+
+/* The arena is reset or freed with this model's shards in it (another
+ * model's forward on the context, a caller's reset): within a step they move
+ * to own buffers, else they end; a shard that cannot move ends too, and the
+ * optimizer step names it. */
+static void grads_reclaim(struct fsdp_ctx *ctx, void *lender) {
+    struct fsdp_model *fm = lender;
+    char keep[sizeof ctx->errmsg];
+    snprintf(keep, sizeof keep, "%s", ctx->errmsg);
+    if (!fm->step.open || fsdp__model_grads_keep(ctx, fm) != FSDP_OK) {
+        for (int i = 0; i < fm->n_units; i++)
+            if (fm->units[i].grad_shard) fm->units[i].grad_lost = fm->step.open;
+        fsdp__model_grads_none(ctx, fm);
+    }
+    snprintf(ctx->errmsg, sizeof ctx->errmsg, "%s", keep);
+}
+
+enum fsdp_status fsdp__unit_grad_birth(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
+    if (u->grad_shard) return FSDP_OK;
+    size_t bytes = (size_t)u->numel_shard * sizeof(float);
+    if (!u->grad_own && grad_lend_on() && (u->grad_shard = fsdp__arena_lend(ctx, bytes, u->model, grads_reclaim))) {
+        u->grad_lent = 1;
+    } else {
+        FSDP_TRY(grad_own(ctx, u));
+        u->grad_shard = u->grad_own;
+    }
+    /* the last shard's padding past the flat parameters: zeros, as the reductions land them */
+    int64_t live = u->numel_full - (int64_t)u->model->shard_rank * u->numel_shard;
+    if (live < 0) live = 0;
+    if (live < u->numel_shard) fsdp__zero(u->grad_shard + live, u->numel_shard - live);
+    return FSDP_OK;
+}
+
+void fsdp__model_grads_none(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
+    int lent = 0;
+    for (int i = 0; i < fm->n_units; i++) {
+        lent |= fm->units[i].grad_lent;
+        fm->units[i].grad_shard = NULL;
+        fm->units[i].grad_lent = 0;
+    }
+    if (lent && ctx->arena_lender == fm) fsdp__arena_unlend(ctx);
+}
+
+enum fsdp_status fsdp__model_grads_keep(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
+    int lent = 0;
+    for (int i = 0; i < fm->n_units; i++) {
+        struct fsdp__unit *u = &fm->units[i];
+        if (!u->grad_lent) continue;
+        lent = 1;
+        FSDP_TRY(grad_own(ctx, u));
+        if (!fsdp__measuring) memcpy(u->grad_own, u->grad_shard, (size_t)u->numel_shard * sizeof(float));
+        if (u->full_grad == u->grad_shard) u->full_grad = u->grad_own; /* a world of one's, kept by no_sync */
+        u->grad_shard = u->grad_own;
+        u->grad_lent = 0;
+    }
+    if (lent && ctx->arena_lender == fm) fsdp__arena_unlend(ctx);
+    return FSDP_OK;
+}
+
 static void release_grad(struct fsdp__unit *u) {
     for (int j = 0; j < u->n_params; j++) u->params[j]->grad = NULL, u->params[j]->priv->grad_unset = 0;
     if (u->full_grad != u->grad_shard) fsdp__pool_put(u->model, u->full_grad);
@@ -482,6 +570,7 @@ static enum fsdp_status pre_backward(void *data, struct fsdp_ctx *ctx) {
      * gradient kept by no_sync is accumulated into as it is */
     if (!u->full_grad) {
         int direct = ctx->world == 1;
+        if (direct) FSDP_TRY(fsdp__unit_grad_birth(ctx, u));
         u->full_grad = direct ? u->grad_shard : fsdp__pool_get(fm, u->numel_padded, "full gradients");
         if (!u->full_grad) return FSDP_ERR_NOMEM;
         if (!direct || !fm->grad_accumulate) grad_begin(u);
@@ -507,6 +596,7 @@ static int reduce_averages(const struct fsdp__unit *u) {
  * shard so far is set aside first (the reduction lands in the shard). */
 static enum fsdp_status reduce_start(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
     struct fsdp_model *fm = u->model;
+    FSDP_TRY(fsdp__unit_grad_birth(ctx, u)); /* where the reduction lands */
     if (fm->grad_accumulate) {
         u->rs_prev = fsdp__pool_get(fm, u->numel_shard, "gradient accumulation");
         if (!u->rs_prev) return FSDP_ERR_NOMEM;
@@ -608,11 +698,14 @@ static enum fsdp_status reduce_advance(struct fsdp_ctx *ctx, struct fsdp_model *
  * its parameters and state untouched (src/optim/optim.c). */
 static void zero_frozen_grads(struct fsdp_model *fm) {
     if (!fm->optim) return;
-    for (int i = 0; i < fm->n_units; i++)
-        for (int k = 0; k < fm->units[i].n_slices; k++) {
-            const struct fsdp_optim_slice *sl = &fm->units[i].slices[k];
-            if (sl->decay > 1 && fsdp__optim_group_frozen(fm->optim, sl->decay - 1)) fsdp__zero(sl->grad, sl->n);
+    for (int i = 0; i < fm->n_units; i++) {
+        const struct fsdp__unit *u = &fm->units[i];
+        for (int k = 0; u->grad_shard && k < u->n_slices; k++) { /* a unit backward did not reach: zeroed whole */
+            const struct fsdp_optim_slice *sl = &u->slices[k];
+            if (sl->decay > 1 && fsdp__optim_group_frozen(fm->optim, sl->decay - 1))
+                fsdp__zero(u->grad_shard + (sl->param - u->shard), sl->n);
         }
+    }
 }
 
 enum fsdp_status fsdp__model_finish_reduce(struct fsdp_ctx *ctx, struct fsdp_model *fm) {

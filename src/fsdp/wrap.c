@@ -268,17 +268,16 @@ enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit
      * comes with fsdp_model_attach_optim's call */
     size_t lp = u->param_dtype != FSDP_F32 && u->model->lp_shard_copy && !u->win_lp ? n * sizeof(uint16_t) : 0;
     size_t own = u->win_full ? 0 : 1; /* the parameter shard, unless it lies in the shared window */
-    float *mem = fsdp__calloc(ctx, (own + 1 + (size_t)k_state) * n * sizeof(float) + lp + 64, FSDP_MEM_SHARD,
+    float *mem = fsdp__calloc(ctx, (own + (size_t)k_state) * n * sizeof(float) + lp + 64, FSDP_MEM_SHARD,
                               u->module->fqn[0] ? u->module->fqn : "root unit shards");
     if (!mem) return FSDP_ERR_NOMEM;
     if (own && u->shard_mem && !fsdp__measuring) memcpy(mem, u->shard, n * sizeof(float)); /* keep the values */
     fsdp__free(ctx, u->shard_mem);
     u->shard_mem = mem;
     u->shard = own ? mem : u->win_full + (int64_t)u->model->shard_rank * u->numel_shard;
-    u->grad_shard = mem + own * n;
-    u->state = k_state ? mem + (own + 1) * n : NULL;
+    u->state = k_state ? mem + own * n : NULL;
     u->shard_lp = u->win_lp ? u->win_lp + (int64_t)u->model->shard_rank * u->numel_shard /* [Note: 16-bit window] */
-                  : lp      ? (uint16_t *)(void *)(mem + (own + 1 + (size_t)k_state) * n)
+                  : lp      ? (uint16_t *)(void *)(mem + (own + (size_t)k_state) * n)
                             : NULL;
     u->shard_lp_valid = 0;
     return FSDP_OK;
@@ -339,6 +338,7 @@ enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root
 void fsdp_model_free(struct fsdp_model *fm) {
     if (!fm) return;
     struct fsdp_ctx *ctx = fm->ctx;
+    fsdp__model_grads_none(ctx, fm); /* the arena forgets this lender */
     for (int i = 0; i < fm->n_units; i++) {
         struct fsdp__unit *u = &fm->units[i];
         if (u->req) fsdp_comm_wait(fm->shard_comm, u->req);
@@ -354,6 +354,7 @@ void fsdp_model_free(struct fsdp_model *fm) {
             u->module->priv->hook_data = NULL;
         }
         fsdp__free(ctx, u->shard_mem);
+        fsdp__free(ctx, u->grad_own);
         free(u->params);
         free(u->param_fqns);
         free(u->offsets);

@@ -27,6 +27,11 @@ struct gpt {
     struct fsdp_module *wte, *wpe, *ln_f, *lm_head; /* children (in the tree) */
     struct fsdp_module **h;                         /* (n_layer) blocks, owned by the tree */
     struct fsdp_tensor pos;                         /* (T) I32 positions 0..T-1, arena */
+    struct fsdp_tensor grad[2];                     /* (B, T, C) F32 each, arena, below the blocks:
+                                                       backward's gradient stream ([Note: backward
+                                                       releases the blocks]) */
+    size_t *marks;                                  /* (n_layer + 1) arena marks before each block's
+                                                       forward and before ln_f's */
     int64_t B, T;
 };
 
@@ -56,12 +61,19 @@ static enum fsdp_status gpt_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
         const float *p = ped + (r % T) * C;
         for (int64_t c = 0; c < C; c++) row[c] += p[c];
     }
+    /* backward's two gradient buffers, below the blocks ([Note: backward releases the blocks]) */
+    memset(G->grad, 0, sizeof G->grad);
+    int64_t gshape[3] = {B, T, C};
+    for (int k = 0; k < 2 && m->training; k++)
+        FSDP_TRY(fsdp__tensor_prepare(ctx, &G->grad[k], FSDP_F32, 3, gshape, "GPT gradient stream"));
     /* blocks: each output is a fresh buffer (each block's ln_1 saved its input) */
     for (int l = 0; l < G->cfg.n_layer; l++) {
         struct fsdp_tensor y = {0};
+        G->marks[l] = fsdp_arena_mark(ctx);
         FSDP_TRY(fsdp_module_forward(G->h[l], ctx, &x, &y));
         x = y;
     }
+    G->marks[G->cfg.n_layer] = fsdp_arena_mark(ctx);
     struct fsdp_tensor xf = {0};
     xf.dtype = fsdp__input_dtype(G->lm_head); /* [Note: 16-bit hand-off] */
     FSDP_TRY(fsdp_module_forward(G->ln_f, ctx, &x, &xf));
@@ -89,22 +101,29 @@ static enum fsdp_status gpt_backward(struct fsdp_module *m, struct fsdp_ctx *ctx
                          (long long)dout->shape[0], (long long)dout->shape[1], (long long)G->B, (long long)G->T);
     int64_t B = G->B, T = G->T, C = G->cfg.n_embd;
     size_t mark = fsdp_arena_mark(ctx);
+    /* [Note: backward releases the blocks] When dlogits are the library's
+     * (the output gradient fsdp_model_backward hands over in place,
+     * ctx->dead_dout), nothing above the blocks' forward is read after ln_f's
+     * backward and nothing of block l's after its own: the gradient runs
+     * through the two buffers the forward made below the blocks, and the
+     * arena is released to ln_f's mark, then to each block's mark as its
+     * backward ends. GPT-2's dlogits (98 MiB in 16 bits, 196 in fp32 at 4 x
+     * 256 tokens) and every block's saved activations go back as backward
+     * passes them, and the gradient shards born in backward take their pages
+     * ([Note: gradient shards born in backward], src/fsdp/unit.c). */
+    int release = dout->data == ctx->dead_dout && G->grad[0].data && G->grad[1].data &&
+                  fsdp_tensor_numel(&G->grad[0]) == B * T * C;
     struct fsdp_tensor g = {0}, g2 = {0}; /* (B, T, C) each: ping-pong through the blocks */
+    if (release) g = G->grad[0], g2 = G->grad[1];
     enum fsdp_status st = fsdp_module_backward(G->lm_head, ctx, dout, &g);
-    /* dlogits are dead now; when they are the library's (the output gradient
-     * fsdp_model_backward hands over in place, ctx->dead_dout: the arena's
-     * allocation below g), g moves down over them and the blocks' backward
-     * runs in their place: GPT-2's at 4 x 256 tokens are 98 MiB in 16 bits,
-     * 196 in fp32 */
-    if (st == FSDP_OK && dout->data == ctx->dead_dout &&
-        fsdp__arena_slide(ctx, dout->data, g.data, (size_t)fsdp_tensor_numel(&g) * sizeof(float), &mark))
-        g.data = dout->data; /* and released with the rest at the end */
     if (st == FSDP_OK) st = fsdp_module_backward(G->ln_f, ctx, &g, &g2);
+    if (st == FSDP_OK && release) fsdp_arena_release(ctx, G->marks[G->cfg.n_layer]);
     for (int l = G->cfg.n_layer - 1; l >= 0 && st == FSDP_OK; l--) {
         struct fsdp_tensor next = g;
         st = fsdp_module_backward(G->h[l], ctx, &g2, &next);
         g = g2;
         g2 = next;
+        if (st == FSDP_OK && release) fsdp_arena_release(ctx, G->marks[l]);
     }
     if (st == FSDP_OK) st = fsdp_module_backward(G->wte, ctx, &g2, NULL);
     struct fsdp_tensor dpos = {0}; /* (T, C): the batch sum of the embedding gradient */
@@ -130,7 +149,7 @@ static enum fsdp_status gpt_backward(struct fsdp_module *m, struct fsdp_ctx *ctx
 
 static void gpt_destroy(struct fsdp_module *m) {
     struct gpt *G = m->impl;
-    if (G) free(G->h);
+    if (G) free(G->h), free(G->marks);
     free(G);
 }
 
@@ -165,8 +184,9 @@ enum fsdp_status fsdp_gpt_create(struct fsdp_ctx *ctx, const struct fsdp_gpt_con
     FSDP_TRY(fsdp_module_create(ctx, &gpt_ops, "", &root));
     struct gpt *G = fsdp__zalloc(1, sizeof *G);
     if (G) G->h = fsdp__zalloc((size_t)cfg->n_layer, sizeof *G->h);
-    if (!G || !G->h) {
-        if (G) free(G);
+    if (G) G->marks = fsdp__zalloc((size_t)cfg->n_layer + 1, sizeof *G->marks);
+    if (!G || !G->h || !G->marks) {
+        if (G) free(G->h), free(G->marks), free(G);
         fsdp_module_free(root);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating GPT");
     }

@@ -328,6 +328,10 @@ void memory_plan(struct fsdp_ctx *ctx, const struct task *t, const struct opts *
         printf("%-6d %12s %12s %12s %12s %12s %12s %12s\n", r, c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
     }
     if (o->dry_run && me == 0) printf("(measured by running two steps in measure mode: %.2f s)\n", now_s() - t0);
+    if (o->dry_run && me == 0 && p0.grads_lent)
+        printf("gradient shards (the largest rank): %.1f MiB in the activations' pages that backward released (counted "
+               "under activations), %.1f MiB in buffers of their own (grads)\n",
+               (double)p0.grads_lent / 1048576.0, (double)p0.grads / 1048576.0);
     /* --mem-limit auto: the host's memory per local rank, the smallest over
      * the job's hosts so that every rank reaches the same verdict */
     struct host_mem hm = {0};
