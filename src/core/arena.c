@@ -120,11 +120,17 @@ void fsdp_arena_release(struct fsdp_ctx *ctx, size_t mark) {
     }
 }
 
+/* The oldest chunk, the one that lends (a release never frees it), or NULL. */
+static struct fsdp__arena_chunk *base_chunk(struct fsdp_ctx *ctx) {
+    struct fsdp__arena_chunk *b = ctx->arena;
+    while (b && b->prev) b = b->prev;
+    return b;
+}
+
 /* Lent bytes outstanding: their lender moves or drops what it keeps in them. */
 static void reclaim(struct fsdp_ctx *ctx) {
-    int any = 0;
-    for (struct fsdp__arena_chunk *c = ctx->arena; c; c = c->prev) any |= c->lent != 0;
-    if (any && ctx->arena_reclaim) ctx->arena_reclaim(ctx, ctx->arena_lender);
+    struct fsdp__arena_chunk *b = base_chunk(ctx);
+    if (b && b->lent && ctx->arena_reclaim) ctx->arena_reclaim(ctx, ctx->arena_lender);
     fsdp__arena_unlend(ctx);
 }
 
@@ -140,7 +146,7 @@ void fsdp_arena_reset(struct fsdp_ctx *ctx) {
         (void)p;
         c = ctx->arena;
     }
-    if (c) c->used = c->lent = 0;
+    if (c) c->used = 0; /* nothing lent: reclaim took it back */
     ctx->arena_used = 0;
     ctx->arena_high = 0;
 }
@@ -165,8 +171,7 @@ void fsdp_arena_reset(struct fsdp_ctx *ctx) {
 
 void *fsdp__arena_lend(struct fsdp_ctx *ctx, size_t bytes, void *lender,
                        void (*reclaim_fn)(struct fsdp_ctx *ctx, void *lender)) {
-    struct fsdp__arena_chunk *b = ctx->arena;
-    while (b && b->prev) b = b->prev; /* the oldest chunk: a release never frees it */
+    struct fsdp__arena_chunk *b = base_chunk(ctx);
     size_t need = round64(bytes ? bytes : 1);
     if (!b || b->hw - b->lent < need || (b->lent && ctx->arena_lender != lender)) return NULL;
     size_t at = b->hw - b->lent - need, room = b->hw / ARENA_LEND_ROOM;
@@ -175,14 +180,13 @@ void *fsdp__arena_lend(struct fsdp_ctx *ctx, size_t bytes, void *lender,
     b->lent += need;
     ctx->arena_lender = lender;
     ctx->arena_reclaim = reclaim_fn;
-    size_t total = 0;
-    for (struct fsdp__arena_chunk *c = ctx->arena; c; c = c->prev) total += c->lent;
-    if (total > ctx->arena_lent_high) ctx->arena_lent_high = total;
+    if (b->lent > ctx->arena_lent_high) ctx->arena_lent_high = b->lent;
     return b->mem + at;
 }
 
 void fsdp__arena_unlend(struct fsdp_ctx *ctx) {
-    for (struct fsdp__arena_chunk *c = ctx->arena; c; c = c->prev) c->lent = 0;
+    struct fsdp__arena_chunk *b = base_chunk(ctx);
+    if (b) b->lent = 0;
     ctx->arena_lender = NULL;
     ctx->arena_reclaim = NULL;
 }

@@ -48,8 +48,8 @@ struct fsdp__unit {
     float *grad_shard;            /* (numel_shard) reduced, averaged gradient slice, from its
                                      birth in backward to the optimizer step, else NULL ([Note:
                                      gradient shards born in backward], unit.c) */
-    float *grad_own;              /* (numel_shard) the unit's own buffer for it, once needed */
-    int grad_lent;                /* grad_shard is lent by the activation arena */
+    float *grad_own;              /* (numel_shard) the unit's own buffer for it, once needed;
+                                     a grad_shard elsewhere is lent by the activation arena */
     int grad_lost;                /* this step's shard was in the arena when another reset it
                                      and could not move (the optimizer step refuses) */
     float *state;                 /* (k, numel_shard) optimizer state, or NULL */
@@ -88,7 +88,6 @@ struct fsdp__unit {
                                      flight (started when rs_req completed), or NULL */
     void *rs_recv;                /* where both land (fsdp__mp_grad_recv) */
     float *rs_prev;               /* (numel_shard) the accumulated shard to add back, or NULL */
-    int grad_fresh;               /* grad_shard written by this step's backward (step.c zeroes the rest) */
 };
 
 /* A pooled full-size buffer. */
@@ -216,6 +215,10 @@ enum fsdp_status fsdp__unit_alloc_shards(struct fsdp_ctx *ctx, struct fsdp__unit
 enum fsdp_status fsdp__unit_grad_birth(struct fsdp_ctx *ctx, struct fsdp__unit *u);
 void fsdp__model_grads_none(struct fsdp_ctx *ctx, struct fsdp_model *fm);
 enum fsdp_status fsdp__model_grads_keep(struct fsdp_ctx *ctx, struct fsdp_model *fm);
+/* The gradients of optimizer slice sl of u (a run of its shard), in its gradient shard. */
+static inline float *fsdp__slice_grad(const struct fsdp__unit *u, const struct fsdp_optim_slice *sl) {
+    return u->grad_shard + (sl->param - u->shard);
+}
 /* [Note: shared window] (unit.c): lays every unit's shards of the shard
  * group out in one window of fm->shard_comm where its backend has one
  * (before fsdp__unit_alloc_shards); fsdp__model_window_free unmaps it. */

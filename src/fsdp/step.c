@@ -269,8 +269,7 @@ static enum fsdp_status optim_step_all(struct fsdp_model *fm, float lr, float gr
     for (int i = 0; i < fm->n_units; i++) {
         const struct fsdp__unit *u = &fm->units[i];
         memcpy(all + n, u->slices, (size_t)u->n_slices * sizeof *all);
-        for (int k = 0; k < u->n_slices; k++) /* the slice's run of the shard, in the gradient shard */
-            all[n + k].grad = u->grad_shard + (all[n + k].param - u->shard);
+        for (int k = 0; k < u->n_slices; k++) all[n + k].grad = fsdp__slice_grad(u, &all[n + k]);
         n += u->n_slices;
     }
     for (int j = 0; j < n; j++) all[j].sumsq = &sums[j];
@@ -549,11 +548,9 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
                          (long long)o->shape[o->ndim - 1]);
     double t0 = fsdp__now();
     struct fsdp__step *sp = &fm->step;
+    /* backward writes the shards it reaches (born in it: the step's first forward ended the
+     * last step's, [Note: gradient shards born in backward]); the rest are zeroed after it */
     int first = sp->n_backward == 0;
-    if (first) { /* backward writes the shards it reaches; the rest are zeroed after it */
-        fsdp__model_grads_none(ctx, fm); /* born again in this backward ([Note: gradient shards born in backward]) */
-        for (int i = 0; i < fm->n_units; i++) fm->units[i].grad_fresh = fm->units[i].grad_lost = 0;
-    }
     fm->no_sync = sp->sync_off;
     fm->grad_accumulate = !first && (sp->reduced || ctx->world == 1);
     fm->in_backward = fm->win_pass = 1;
@@ -601,7 +598,7 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
     fm->in_backward = fm->win_pass = 0;
     if (st == FSDP_OK) st = fsdp__model_finish_reduce(ctx, fm); /* the last reduction in flight */
     for (int i = 0; first && st == FSDP_OK && i < fm->n_units; i++)
-        if (!fm->units[i].grad_fresh && (st = fsdp__unit_grad_birth(ctx, &fm->units[i])) == FSDP_OK)
+        if (!fm->units[i].grad_shard && (st = fsdp__unit_grad_birth(ctx, &fm->units[i])) == FSDP_OK)
             fsdp__zero(fm->units[i].grad_shard, fm->units[i].numel_shard);
     fsdp__model_drop_prefetched(ctx, fm);
     fm->no_sync = 0;

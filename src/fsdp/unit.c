@@ -334,28 +334,27 @@ static void grads_reclaim(struct fsdp_ctx *ctx, void *lender) {
     snprintf(ctx->errmsg, sizeof ctx->errmsg, "%s", keep);
 }
 
+/* Whether u's gradient shard is the arena's (lent), not its own buffer. */
+static int grad_lent(const struct fsdp__unit *u) { return u->grad_shard && u->grad_shard != u->grad_own; }
+
 enum fsdp_status fsdp__unit_grad_birth(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
     if (u->grad_shard) return FSDP_OK;
-    size_t bytes = (size_t)u->numel_shard * sizeof(float);
-    if (!u->grad_own && grad_lend_on() && (u->grad_shard = fsdp__arena_lend(ctx, bytes, u->model, grads_reclaim))) {
-        u->grad_lent = 1;
-    } else {
+    u->grad_lost = 0;
+    /* no padding to zero: a reduction lands the whole shard, and a shard group of one has none */
+    if (!u->grad_own && grad_lend_on())
+        u->grad_shard = fsdp__arena_lend(ctx, (size_t)u->numel_shard * sizeof(float), u->model, grads_reclaim);
+    if (!u->grad_shard) {
         FSDP_TRY(grad_own(ctx, u));
         u->grad_shard = u->grad_own;
     }
-    /* the last shard's padding past the flat parameters: zeros, as the reductions land them */
-    int64_t live = u->numel_full - (int64_t)u->model->shard_rank * u->numel_shard;
-    if (live < 0) live = 0;
-    if (live < u->numel_shard) fsdp__zero(u->grad_shard + live, u->numel_shard - live);
     return FSDP_OK;
 }
 
 void fsdp__model_grads_none(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
     int lent = 0;
     for (int i = 0; i < fm->n_units; i++) {
-        lent |= fm->units[i].grad_lent;
+        lent |= grad_lent(&fm->units[i]);
         fm->units[i].grad_shard = NULL;
-        fm->units[i].grad_lent = 0;
     }
     if (lent && ctx->arena_lender == fm) fsdp__arena_unlend(ctx);
 }
@@ -364,13 +363,12 @@ enum fsdp_status fsdp__model_grads_keep(struct fsdp_ctx *ctx, struct fsdp_model 
     int lent = 0;
     for (int i = 0; i < fm->n_units; i++) {
         struct fsdp__unit *u = &fm->units[i];
-        if (!u->grad_lent) continue;
+        if (!grad_lent(u)) continue;
         lent = 1;
         FSDP_TRY(grad_own(ctx, u));
         if (!fsdp__measuring) memcpy(u->grad_own, u->grad_shard, (size_t)u->numel_shard * sizeof(float));
         if (u->full_grad == u->grad_shard) u->full_grad = u->grad_own; /* a world of one's, kept by no_sync */
         u->grad_shard = u->grad_own;
-        u->grad_lent = 0;
     }
     if (lent && ctx->arena_lender == fm) fsdp__arena_unlend(ctx);
     return FSDP_OK;
@@ -574,7 +572,6 @@ static enum fsdp_status pre_backward(void *data, struct fsdp_ctx *ctx) {
         u->full_grad = direct ? u->grad_shard : fsdp__pool_get(fm, u->numel_padded, "full gradients");
         if (!u->full_grad) return FSDP_ERR_NOMEM;
         if (!direct || !fm->grad_accumulate) grad_begin(u);
-        if (direct) u->grad_fresh = 1;
     }
     for (int j = 0; j < u->n_params; j++) u->params[j]->grad = u->full_grad + u->offsets[j];
     return FSDP_OK;
@@ -660,7 +657,6 @@ static enum fsdp_status reduce_land(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
      * unless the collective averaged (reduce_averages; x * 1.0f == x) */
     float inv = reduce_averages(u) ? 1.0f : (float)fsdp__mp_predivide(u->reduce_dtype, ctx->world) / (float)ctx->world;
     float *g = u->grad_shard, *prev = u->rs_prev;
-    u->grad_fresh = 1;
     if (fsdp__measuring) /* [Note: measure mode] (plan.c) */
         ;
     else if (prev)
@@ -703,7 +699,7 @@ static void zero_frozen_grads(struct fsdp_model *fm) {
         for (int k = 0; u->grad_shard && k < u->n_slices; k++) { /* a unit backward did not reach: zeroed whole */
             const struct fsdp_optim_slice *sl = &u->slices[k];
             if (sl->decay > 1 && fsdp__optim_group_frozen(fm->optim, sl->decay - 1))
-                fsdp__zero(u->grad_shard + (sl->param - u->shard), sl->n);
+                fsdp__zero(fsdp__slice_grad(u, sl), sl->n);
         }
     }
 }
