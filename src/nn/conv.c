@@ -473,6 +473,20 @@ static float *rounded_copy(struct fsdp_ctx *ctx, enum fsdp_dtype dt, const float
     return out;
 }
 
+/* The weight as the primitives take it (fsdp__pdata_lp's 16-bit values, the
+ * fp32 values rounded to lp where the products are widened, or the fp32
+ * values), in the arena where a copy is made. The weight is an lp_reader: a
+ * 16-bit pass may have made no fp32 values for it ([Note: lazy widening] in
+ * precision.c), so every form is read through the accessors that know where
+ * the values are. */
+static const void *conv_weight(struct fsdp_ctx *ctx, const struct conv *C, enum fsdp_dtype xdt) {
+    if (xdt == FSDP_BF16) return fsdp__pdata_lp(ctx, C->weight, FSDP_BF16);
+    if (!C->widen) return fsdp__pdata_f32(ctx, C->weight, "Conv2d weight (fp32)");
+    float *w = fsdp__scratch(ctx, C->weight->numel, "Conv2d weight (rounded)");
+    if (w) fsdp__prows(C->weight, C->weight->numel, 0, 1, C->lp, FSDP_F32, w);
+    return w;
+}
+
 static int64_t out_size(int64_t in, int k, int s, int p, int d) {
     return (in + 2 * (int64_t)p - (int64_t)d * (k - 1) - 1) / s + 1;
 }
@@ -530,10 +544,7 @@ static enum fsdp_status conv_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
         if (C->widen && !(x = rounded_copy(ctx, lp, in->data, nx, "Conv2d input (rounded)"))) return FSDP_ERR_NOMEM;
     }
     size_t mark = fsdp_arena_mark(ctx);
-    if (xdt == FSDP_BF16) w = fsdp__pdata_lp(ctx, C->weight, FSDP_BF16);
-    else if (C->widen) w = rounded_copy(ctx, lp, fsdp__pdata(C->weight), C->weight->numel, "Conv2d weight (rounded)");
-    else w = fsdp__pdata(C->weight);
-    if (!w) {
+    if (!(w = conv_weight(ctx, C, xdt))) {
         fsdp_arena_release(ctx, mark);
         return FSDP_ERR_NOMEM;
     }
@@ -638,10 +649,7 @@ static enum fsdp_status conv_backward(struct fsdp_module *m, struct fsdp_ctx *ct
     if (tb != gb)
         for (int64_t i = 0; i < o->out_channels; i++) gb[i] += tb[i];
     if (din) {
-        const void *w;
-        if (C->xdt == FSDP_BF16) w = fsdp__pdata_lp(ctx, C->weight, FSDP_BF16);
-        else if (C->widen) w = rounded_copy(ctx, C->lp, fsdp__pdata(C->weight), C->weight->numel, "Conv2d weight (rounded)");
-        else w = fsdp__pdata(C->weight);
+        const void *w = conv_weight(ctx, C, C->xdt);
         if (!w) {
             fsdp_arena_release(ctx, mark);
             return FSDP_ERR_NOMEM;
@@ -714,6 +722,7 @@ enum fsdp_status fsdp_conv2d_create(struct fsdp_ctx *ctx, const char *name, cons
         return st;
     }
     C->weight->priv->grad_writer = 1; /* [Note: unset gradients] */
+    C->weight->priv->lp_reader = 1;   /* read through conv_weight ([Note: lazy widening]) */
     if (C->bias) C->bias->priv->grad_writer = 1;
     *out_m = m;
     return FSDP_OK;

@@ -86,11 +86,13 @@ enum fsdp_status fsdp_module_set_compute_dtype(struct fsdp_ctx *ctx, struct fsdp
 }
 
 /* [Note: lazy widening] A unit gathered 16-bit during a training pass
- * makes no fp32 values for its lp_reader parameters (Linear and Embedding
- * weights): Linear multiplies with data_lp and Embedding widens just the
- * rows it looks up, so widening the whole weight (GPT-2's tied wte alone is
- * 38.6M elements, twice a step) would be written and never read, and the
- * pooled full buffer holding them would be as large as fp32's for nothing.
+ * makes no fp32 values for its lp_reader parameters (Linear, Embedding and
+ * Conv2d weights): Linear multiplies with data_lp, Embedding widens just the
+ * rows it looks up and Conv2d hands the primitives its 16-bit weight (or,
+ * widened, the values rounded: conv_weight in conv.c), so widening the whole
+ * weight (GPT-2's tied wte alone is 38.6M elements, twice a step) would be
+ * written and never read, and the pooled full buffer holding them would be
+ * as large as fp32's for nothing (ResNet-18's 42 MiB at one rank).
  * So the pass's gather sizes the buffer's fp32 part for the other
  * parameters alone (biases, norms), packed end to end, and leaves an
  * lp_reader's data NULL and data_stale set (fsdp__mp_gather_finish,
