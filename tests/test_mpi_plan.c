@@ -903,3 +903,21 @@ TEST(plan_resnet_bf16_makes_no_fp32_conv_weights) {
         fprintf(stderr, "bf16 full buffers %zu bytes, fp32's %zu + 1-D parameters %zu\n", p16.full, p32.full, b1);
     CHECK(p16.full <= p32.full + b1);
 }
+
+/* A backward that releases nothing of its forward's tensors (ResNet's: its
+ * scratch stacks above them to the end) lends no gradient shard, so its plan
+ * is the one without lending; lent bytes there were reached by the next
+ * layer's scratch, which took fresh pages of its own every step. */
+TEST(plan_resnet_lending_costs_nothing) {
+    for (int k = 0; k < 2; k++) {
+        enum fsdp_dtype prec = k ? FSDP_BF16 : FSDP_F32;
+        struct fsdp_mem_plan on, off;
+        size_t b1;
+        resnet_plan(prec, 1, &on, &b1);
+        resnet_plan(prec, 0, &off, &b1);
+        if (on.total > off.total)
+            fprintf(stderr, "%s: %zu bytes with lending, %zu without\n", fsdp_dtype_name(prec), on.total, off.total);
+        CHECK(on.total <= off.total);
+        CHECK(on.grads + on.grads_lent >= off.grads);
+    }
+}

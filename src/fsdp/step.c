@@ -591,6 +591,7 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
         fsdp__arena_shrink(ctx, dout->data, n * sizeof(float), (size_t)(rows * ld) * fsdp_dtype_size(ddt));
     }
     ctx->dead_dout = d16.data == o->data ? o->data : NULL; /* the library's, in place: dead once taken */
+    sp->bwd_mark = fsdp_arena_mark(ctx);
     enum fsdp_status st = fsdp_module_backward(fm->root, ctx, &d16, NULL);
     ctx->dead_dout = NULL;
     if (st != FSDP_OK && !ctx->errmsg[0])

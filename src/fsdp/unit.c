@@ -300,6 +300,12 @@ enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
  * activation arena's pages where backward has released enough of them
  * (fsdp__arena_lend, [Note: bytes lent by the arena] in src/core/arena.c),
  * else in the unit's own buffer, made at the first such birth and kept.
+ * Lending waits until the arena is below the mark where backward began
+ * (fsdp__step.bwd_mark): a backward that keeps every saved tensor to its
+ * end and stacks its scratch above them (ResNet's, whose layers cast each
+ * conv weight there) would reach bytes lent in the gap above its tensors,
+ * and each such reach takes a chunk of fresh pages (ResNet-18's bf16 plan
+ * was 7 MiB larger with lending than without).
  * GPT-2 at one rank, 4 x 256 tokens: the blocks' 325 MiB of fp32 gradients
  * fit where their activations were. A forward inside a step (gradient
  * accumulation's next micro-batch, an eval forward before the optimizer
@@ -341,7 +347,8 @@ enum fsdp_status fsdp__unit_grad_birth(struct fsdp_ctx *ctx, struct fsdp__unit *
     if (u->grad_shard) return FSDP_OK;
     u->grad_lost = 0;
     /* no padding to zero: a reduction lands the whole shard, and a shard group of one has none */
-    if (!u->grad_own && grad_lend_on())
+    /* lent once backward has released pages below where it began (the note above) */
+    if (!u->grad_own && grad_lend_on() && fsdp_arena_mark(ctx) < u->model->step.bwd_mark)
         u->grad_shard = fsdp__arena_lend(ctx, (size_t)u->numel_shard * sizeof(float), u->model, grads_reclaim);
     if (!u->grad_shard) {
         FSDP_TRY(grad_own(ctx, u));
