@@ -394,6 +394,10 @@ struct model_case {
     const char *unit_type;          /* a unit per module of this type */
     int B;                          /* global batch; per rank B / world */
     struct fsdp_tensor x, y;        /* this rank's batch (data owned here) */
+    int inplace;                    /* the loss's gradient over the output: the library's, dead
+                                       once taken ([Note: backward releases the blocks]) */
+    double got[4];                  /* the real run's loss and gradient norm at steps 0 and 1 */
+    struct fsdp_mem_plan plan;      /* check_case's */
 };
 
 /* A user model on tokens from examples/toy.h: embed -> fc1 -> act1 -> fc2
@@ -440,10 +444,13 @@ static enum fsdp_status case_step(struct fsdp_ctx *c, struct fsdp_model *fm, int
     struct fsdp_tensor out, dout = {0};
     double value;
     TRY(fsdp_model_forward_tensor(c, fm, &k->x, &out));
+    if (k->inplace) dout = out;
     TRY(fsdp_model_loss(c, fm, NULL, &out, &k->y, 1, &value, &dout));
     TRY(fsdp_model_backward(c, fm, &dout));
     struct fsdp_step_result res;
-    return fsdp_model_optim_step(c, fm, 1e-3f, 1.0f, &res);
+    TRY(fsdp_model_optim_step(c, fm, 1e-3f, 1.0f, &res));
+    if (step < 2) k->got[2 * step] = value, k->got[2 * step + 1] = res.grad_norm;
+    return FSDP_OK;
 }
 
 static void case_batch(struct model_case *k, int Bl, int images) {
@@ -497,8 +504,10 @@ static void check_case(struct model_case *k, int images, enum fsdp_dtype prec, i
     ASSERT_OK(fsdp_model_attach_optim(c, fm, opt), c);
     for (int s = 0; s < 2; s++) CHECK_OK(case_step(c, fm, s, k), c);
     char what[96];
-    snprintf(what, sizeof what, "%s %s ckpt %d", k->name, fsdp_dtype_name(prec), ckpt);
+    snprintf(what, sizeof what, "%s %s ckpt %d%s", k->name, fsdp_dtype_name(prec), ckpt,
+             k->inplace ? " in place" : "");
     check_equal(c, &plan, &m0, what);
+    k->plan = plan;
     fsdp_model_free(fm);
     fsdp_optim_free(opt);
     fsdp_module_free(root);
@@ -516,6 +525,27 @@ static void check_resnet(enum fsdp_dtype prec, int ckpt) {
     check_case(&k, 1, prec, ckpt);
 }
 
+/* [Note: backward releases the blocks] in ResNet and its Sequentials: with
+ * the loss's gradient over the output (the library's, as fsdp-train's image
+ * task passes it) backward moves each layer's input gradient down to where
+ * the layer's forward began and hands the rest back, so the plan (equal to
+ * the real run's figures) holds fewer activation bytes than with a gradient
+ * of the caller's, where nothing may be released; the training is the same
+ * bits either way. */
+static void check_resnet_release(enum fsdp_dtype prec, int ckpt) {
+    struct model_case own = {.name = "ResNet-18/8", .build = resnet_build, .unit_type = "BasicBlock", .B = 8};
+    struct model_case lib = own;
+    lib.inplace = 1;
+    check_case(&own, 1, prec, ckpt);
+    check_case(&lib, 1, prec, ckpt);
+    if (lib.plan.act >= own.plan.act)
+        fprintf(stderr, "activations %zu bytes releasing, %zu not\n", lib.plan.act, own.plan.act);
+    CHECK(lib.plan.act < own.plan.act);
+    CHECK(lib.plan.total < own.plan.total);
+    CHECK(own.got[1] > 0);
+    CHECK(memcmp(own.got, lib.got, sizeof own.got) == 0);
+}
+
 TEST(plan_equals_measured_user_model) { check_toy(FSDP_F32, 0); }
 TEST(plan_equals_measured_user_model_checkpointed) { check_toy(FSDP_F32, 1); }
 TEST(plan_equals_measured_user_model_bf16) { check_toy(FSDP_BF16, 0); }
@@ -524,6 +554,9 @@ TEST(plan_equals_measured_resnet) { check_resnet(FSDP_F32, 0); }
 TEST(plan_equals_measured_resnet_checkpointed) { check_resnet(FSDP_F32, 1); }
 TEST(plan_equals_measured_resnet_bf16) { check_resnet(FSDP_BF16, 0); }
 TEST(plan_equals_measured_resnet_bf16_checkpointed) { check_resnet(FSDP_BF16, 1); }
+TEST(resnet_backward_releases) { check_resnet_release(FSDP_F32, 0); }
+TEST(resnet_backward_releases_bf16) { check_resnet_release(FSDP_BF16, 0); }
+TEST(resnet_backward_releases_checkpointed) { check_resnet_release(FSDP_F32, 1); }
 
 /* The plan leaves the model as it was: a batch norm's running statistics
  * (updated by a training forward) and the compute dtypes. */

@@ -102,6 +102,19 @@ int fsdp__arena_shrink(struct fsdp_ctx *ctx, void *p, size_t bytes, size_t keep)
     return 1;
 }
 
+void *fsdp__arena_slide(struct fsdp_ctx *ctx, size_t mark, void *p, size_t bytes) {
+    struct fsdp__arena_chunk *c = ctx->arena;
+    size_t have = round64(bytes ? bytes : 1);
+    char *q = p;
+    if (!c || mark < c->base || (mark & 63) || q < c->mem || q + have != c->mem + c->used) return NULL;
+    char *d = c->mem + (mark - c->base);
+    if (d > q) return NULL;
+    if (d != q && !fsdp__measuring) memmove(d, q, bytes);
+    c->used = (size_t)(d - c->mem) + have;
+    ctx->arena_used = c->base + c->used;
+    return d;
+}
+
 size_t fsdp_arena_mark(struct fsdp_ctx *ctx) { return ctx->arena_used; }
 
 void fsdp_arena_release(struct fsdp_ctx *ctx, size_t mark) {

@@ -40,6 +40,9 @@ struct fsdp_ctx {
     const void *dead_dout;           /* the output gradient fsdp_model_backward hands the root
                                         when it is the library's: dead once the root's last
                                         layer has taken it (GPT's backward releases it) */
+    const struct fsdp_module *dead_for; /* the module dead_dout is handed to: the root, or a
+                                        child its releasing parent hands a dead gradient
+                                        ([Note: backward releases the blocks], gpt.c) */
     int recompute;                   /* > 0 while a checkpointed module's forward runs
                                         again inside its backward (module.c): a layer
                                         with state (BatchNorm2d's running statistics)
@@ -227,6 +230,11 @@ void fsdp__arena_free_all(struct fsdp_ctx *ctx);
 /* When p (an allocation of `bytes`) is the arena's last, shrinks it to its
  * first `keep` bytes, handing the rest back, and returns 1; else 0. */
 int fsdp__arena_shrink(struct fsdp_ctx *ctx, void *p, size_t bytes, size_t keep);
+/* When p (an allocation of `bytes`) is the arena's last and mark (a
+ * fsdp_arena_mark of the same chunk) lies at or below it, moves its bytes
+ * down to the mark, hands back everything above them and returns their new
+ * address; else NULL and nothing changes. */
+void *fsdp__arena_slide(struct fsdp_ctx *ctx, size_t mark, void *p, size_t bytes);
 /* `bytes` lent from the arena's resident pages above what is in use, valid
  * until fsdp__arena_unlend or the next reset or free (which first call
  * reclaim_fn(ctx, lender)), or NULL where there is no room or another lender

@@ -120,8 +120,8 @@ struct fsdp__step {
     float loss;          /* this rank's step loss: sum of value / accum of the losses */
     float loss_scale;    /* the loss scale of this step (1 without loss scaling) */
     double w0, fwd_s, bwd_s; /* comm wait at the start, time in forward + loss, in backward */
-    size_t bwd_mark;     /* the arena's mark where the last backward began ([Note: gradient shards born
-                            in backward], unit.c) */
+    size_t bwd_mark;     /* the arena's mark where the last backward began, and whether its */
+    int bwd_lend;        /* gradient shards may be lent ([Note: gradient shards born in backward], unit.c) */
 };
 
 struct fsdp_model {

@@ -531,6 +531,14 @@ enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
 
 void fsdp_model_set_grad_sync(struct fsdp_model *fm, int on) { fm->step.sync_off = !on; }
 
+/* whether m or a module below it is activation-checkpointed */
+static int tree_checkpointed(const struct fsdp_module *m) {
+    if (m->checkpoint) return 1;
+    for (int i = 0; i < m->n_children; i++)
+        if (tree_checkpointed(m->children[i])) return 1;
+    return 0;
+}
+
 enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_tensor *dout) {
     if (!fm->step.fwd_pending)
         return fsdp__err(ctx, FSDP_ERR_STATE, "backward without a train-mode forward before it (after an eval "
@@ -591,9 +599,12 @@ enum fsdp_status fsdp_model_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm
         fsdp__arena_shrink(ctx, dout->data, n * sizeof(float), (size_t)(rows * ld) * fsdp_dtype_size(ddt));
     }
     ctx->dead_dout = d16.data == o->data ? o->data : NULL; /* the library's, in place: dead once taken */
+    ctx->dead_for = fm->root;
     sp->bwd_mark = fsdp_arena_mark(ctx);
+    sp->bwd_lend = !tree_checkpointed(fm->root);
     enum fsdp_status st = fsdp_module_backward(fm->root, ctx, &d16, NULL);
     ctx->dead_dout = NULL;
+    ctx->dead_for = NULL;
     if (st != FSDP_OK && !ctx->errmsg[0])
         fsdp__err(ctx, st, "backward of the model failed: %s (a module gave no message)", fsdp_status_str(st));
     fm->in_backward = fm->win_pass = 0;

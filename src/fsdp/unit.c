@@ -305,7 +305,10 @@ enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
  * end and stacks its scratch above them (ResNet's, whose layers cast each
  * conv weight there) would reach bytes lent in the gap above its tensors,
  * and each such reach takes a chunk of fresh pages (ResNet-18's bf16 plan
- * was 7 MiB larger with lending than without).
+ * was 7 MiB larger with lending than without). A model with checkpointed
+ * modules lends nothing: each recompute stacks a module's whole forward
+ * above what is in use, past the room kept below lent bytes (ResNet's plans
+ * grew with it; GPT-2's with `--ac blocks` lost 3 MiB of 2148 by it).
  * GPT-2 at one rank, 4 x 256 tokens: the blocks' 325 MiB of fp32 gradients
  * fit where their activations were. A forward inside a step (gradient
  * accumulation's next micro-batch, an eval forward before the optimizer
@@ -348,7 +351,7 @@ enum fsdp_status fsdp__unit_grad_birth(struct fsdp_ctx *ctx, struct fsdp__unit *
     u->grad_lost = 0;
     /* no padding to zero: a reduction lands the whole shard, and a shard group of one has none */
     /* lent once backward has released pages below where it began (the note above) */
-    if (!u->grad_own && grad_lend_on() && fsdp_arena_mark(ctx) < u->model->step.bwd_mark)
+    if (!u->grad_own && grad_lend_on() && u->model->step.bwd_lend && fsdp_arena_mark(ctx) < u->model->step.bwd_mark)
         u->grad_shard = fsdp__arena_lend(ctx, (size_t)u->numel_shard * sizeof(float), u->model, grads_reclaim);
     if (!u->grad_shard) {
         FSDP_TRY(grad_own(ctx, u));

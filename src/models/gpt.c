@@ -110,8 +110,14 @@ static enum fsdp_status gpt_backward(struct fsdp_module *m, struct fsdp_ctx *ctx
      * backward ends. GPT-2's dlogits (98 MiB in 16 bits, 196 in fp32 at 4 x
      * 256 tokens) and every block's saved activations go back as backward
      * passes them, and the gradient shards born in backward take their pages
-     * ([Note: gradient shards born in backward], src/fsdp/unit.c). */
-    int release = dout->data == ctx->dead_dout && G->grad[0].data && G->grad[1].data &&
+     * ([Note: gradient shards born in backward], src/fsdp/unit.c). The dead
+     * gradient is handed to one module (ctx->dead_for: the root, fsdp__dout_dead
+     * in nn-impl.h); a releasing module may hand its children theirs in turn
+     * (ResNet and Sequential: each child's input gradient moved down to where
+     * the child's forward began, fsdp__release_to in resblock.c), a module
+     * that does not never does, so nothing releases below a caller that may
+     * still read its own buffers. */
+    int release = fsdp__dout_dead(ctx, m, dout) && G->grad[0].data && G->grad[1].data &&
                   fsdp_tensor_numel(&G->grad[0]) == B * T * C;
     struct fsdp_tensor g = {0}, g2 = {0}; /* (B, T, C) each: ping-pong through the blocks */
     if (release) g = G->grad[0], g2 = G->grad[1];

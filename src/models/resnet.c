@@ -37,6 +37,8 @@ struct resnet {
     enum fsdp_layout map_layout;   /* the layout layer4 wrote it in (its gradient goes back so) */
     int64_t in_shape[4];           /* (N, C, H, W) of the last input */
     int64_t pool_shape[4];         /* (N, C, 1, 1): avgpool's output; (N, C, h, w): layerL's (feature_map) */
+    size_t marks[RN_N];            /* the arena's mark before each child's forward (RN_FC: before the
+                                      output, fc's or the features') */
 };
 
 static const int blocks_of[3][4] = {{2, 2, 2, 2}, {3, 4, 6, 3}, {3, 4, 6, 3}};
@@ -56,6 +58,7 @@ static enum fsdp_status resnet_forward(struct fsdp_module *m, struct fsdp_ctx *c
     for (int i = RN_CONV1; i <= last; i++) {
         if (!R->mod[i] || i == RN_RELU) continue; /* relu: fused in bn1 (resnet_build) */
         struct fsdp_tensor next = {0};
+        R->marks[i] = fsdp_arena_mark(ctx);
         FSDP_TRY(fsdp_module_forward(R->mod[i], ctx, &cur, &next));
         cur = next;
     }
@@ -71,6 +74,7 @@ static enum fsdp_status resnet_forward(struct fsdp_module *m, struct fsdp_ctx *c
     struct fsdp_tensor flat = cur; /* (N, C, 1, 1) seen as (N, C) */
     flat.ndim = 2;
     flat.shape[2] = flat.shape[3] = 0;
+    R->marks[RN_FC] = fsdp_arena_mark(ctx);
     if (R->mod[RN_FC]) {
         FSDP_TRY(fsdp_module_forward(R->mod[RN_FC], ctx, &flat, out));
     } else { /* a trunk: the pooled features */
@@ -91,14 +95,22 @@ static enum fsdp_status resnet_backward(struct fsdp_module *m, struct fsdp_ctx *
                                fm ? R->pool_shape[3] : R->mod[RN_FC] ? R->cfg.num_classes : R->pool_shape[1]));
     if (fm && memcmp(dout->shape, R->pool_shape, sizeof R->pool_shape) != 0)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "ResNet: the feature map's gradient is not the shape of its output");
-    /* din is allocated before the mark, so releasing the step's scratch keeps it */
-    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 4, R->in_shape, "ResNet input gradient"));
+    /* [Note: backward releases the blocks] (src/models/gpt.c) with a dead gradient: each child's
+     * input gradient moves down to where the child's forward began and the arena above it goes
+     * back (the layers' Sequentials do the same for their blocks), so backward's peak stays
+     * below forward's and the gradient shards born in it find released pages (ResNet-50 at 64
+     * images of 28 x 28: the plan's activations 126.5 -> 100 MiB); din is then made by conv1 */
+    int release = fsdp__dout_dead(ctx, m, dout) && !fm && (!din || !din->data), handed = release;
+    /* else din is allocated before the mark, so releasing the step's scratch keeps it */
+    if (din && !release) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 4, R->in_shape, "ResNet input gradient"));
     size_t mark = fsdp_arena_mark(ctx);
     struct fsdp_tensor g = {0};
     enum fsdp_status st = FSDP_OK;
     int64_t n = R->pool_shape[0] * R->pool_shape[1] * (fm ? R->pool_shape[2] * R->pool_shape[3] : 1);
     if (R->mod[RN_FC] && !fm) {
+        if (release) fsdp__dout_dead_hand(ctx, R->mod[RN_FC], dout->data);
         st = fsdp_module_backward(R->mod[RN_FC], ctx, dout, &g);
+        if (st == FSDP_OK) fsdp__release_to(ctx, &release, R->marks[RN_FC], &g);
     } else { /* the gradient of the pooled features or of the map, copied (dout is borrowed) */
         g.dtype = FSDP_F32;
         g.data = fsdp__scratch(ctx, n, "ResNet feature gradient");
@@ -106,6 +118,9 @@ static enum fsdp_status resnet_backward(struct fsdp_module *m, struct fsdp_ctx *
         else if (fm) fsdp__relayout(g.data, R->map_layout, dout->data, FSDP_LAYOUT_PLAIN, R->pool_shape);
         else memcpy(g.data, dout->data, (size_t)n * sizeof(float));
         g.layout = fm ? R->map_layout : FSDP_LAYOUT_PLAIN;
+        g.ndim = 1;
+        g.shape[0] = n;
+        if (st == FSDP_OK) fsdp__release_to(ctx, &release, R->marks[RN_FC], &g);
     }
     if (st == FSDP_OK) { /* (N, C) back to (N, C, 1, 1) */
         g.ndim = 4;
@@ -113,11 +128,14 @@ static enum fsdp_status resnet_backward(struct fsdp_module *m, struct fsdp_ctx *
     }
     for (int i = fm ? RN_LAYER1 + fm - 1 : RN_AVGPOOL; i >= RN_CONV1 && st == FSDP_OK; i--) {
         if (!R->mod[i] || i == RN_RELU) continue; /* relu: fused in bn1 */
-        struct fsdp_tensor prev = {0};
-        st = fsdp_module_backward(R->mod[i], ctx, &g, i == RN_CONV1 ? din : &prev);
+        struct fsdp_tensor prev = {0}, *dst = i == RN_CONV1 ? din : &prev;
+        if (release) fsdp__dout_dead_hand(ctx, R->mod[i], g.data);
+        st = fsdp_module_backward(R->mod[i], ctx, &g, dst);
+        if (st == FSDP_OK) fsdp__release_to(ctx, &release, R->marks[i], dst);
         g = prev;
     }
-    fsdp_arena_release(ctx, mark);
+    if (handed) fsdp__dout_dead_hand(ctx, NULL, NULL); /* din may lie above mark: nothing released */
+    else fsdp_arena_release(ctx, mark);
     return st;
 }
 

@@ -215,6 +215,28 @@ float *fsdp__pgrad_first(struct fsdp_param *p, float *beta);
  * need_grad, no gradient buffer) right now. */
 enum fsdp_status fsdp__param_ready(struct fsdp_ctx *ctx, struct fsdp_param *p, int need_grad);
 
+/* ---- Releasing backward ([Note: backward releases the blocks], src/models/gpt.c) ---- */
+/* Whether dout is dead once m's backward has taken it: the library's output
+ * gradient handed to the root, or a gradient a releasing parent handed to m.
+ * Then nothing above m's forward is read after m's backward but the input
+ * gradient it returns, and m may hand the arena back down to where its
+ * forward began as its backward passes its children. */
+static inline int fsdp__dout_dead(const struct fsdp_ctx *cx, const struct fsdp_module *m,
+                                  const struct fsdp_tensor *dout) {
+    return dout && dout->data && dout->data == cx->dead_dout && cx->dead_for == m;
+}
+/* A releasing module hands child c the gradient g, dead once c has taken it. */
+static inline void fsdp__dout_dead_hand(struct fsdp_ctx *cx, const struct fsdp_module *c, const void *g) {
+    cx->dead_dout = g;
+    cx->dead_for = c;
+}
+/* In a releasing module, after a child's backward: the child's input
+ * gradient t (on the arena's top; NULL or without data: none) moves down to
+ * `mark`, where that child's forward began, and the arena above it goes
+ * back. Where t is not the top nothing moves and *release is cleared: the
+ * module stops releasing for the rest of its backward. (resblock.c) */
+void fsdp__release_to(struct fsdp_ctx *ctx, int *release, size_t mark, struct fsdp_tensor *t);
+
 /* ---- Tensors ---- */
 /* Sets t's dtype and shape, and its layout to PLAIN (a module writing
  * BLOCKED16 sets it after), and, if t->data is NULL, allocates it from the

@@ -19,10 +19,22 @@
 #include "nn/nn-impl.h"
 
 /* ---- Sequential ---- */
+void fsdp__release_to(struct fsdp_ctx *ctx, int *release, size_t mark, struct fsdp_tensor *t) {
+    if (!*release) return;
+    if (!t || !t->data) {
+        fsdp_arena_release(ctx, mark);
+        return;
+    }
+    void *d = fsdp__arena_slide(ctx, mark, t->data, (size_t)fsdp_tensor_numel(t) * fsdp_dtype_size(t->dtype));
+    if (d) t->data = d;
+    else *release = 0;
+}
+
 
 struct sequential {
     int ndim;
     int64_t shape[FSDP_MAX_DIMS]; /* of the last input */
+    size_t *marks;                /* (n_children) the arena's mark before each child's forward */
 };
 
 static enum fsdp_status seq_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
@@ -30,12 +42,15 @@ static enum fsdp_status seq_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     struct sequential *S = m->impl;
     if (!m->n_children) return fsdp__err(ctx, FSDP_ERR_STATE, "Sequential '%s' is empty", fsdp__mname(m));
     FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 0, 0));
+    if (!S->marks && !(S->marks = calloc((size_t)m->n_children, sizeof *S->marks)))
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for Sequential '%s'", fsdp__mname(m));
     S->ndim = in->ndim;
     memcpy(S->shape, in->shape, sizeof S->shape);
     struct fsdp_tensor cur = *in;
     for (int i = 0; i < m->n_children; i++) {
         struct fsdp_tensor next = {0};
         struct fsdp_tensor *dst = i + 1 == m->n_children ? out : &next;
+        S->marks[i] = fsdp_arena_mark(ctx);
         FSDP_TRY(fsdp_module_forward(m->children[i], ctx, &cur, dst));
         cur = *dst;
     }
@@ -46,20 +61,32 @@ static enum fsdp_status seq_backward(struct fsdp_module *m, struct fsdp_ctx *ctx
                                      struct fsdp_tensor *din) {
     struct sequential *S = m->impl;
     if (!S->ndim) return fsdp__err(ctx, FSDP_ERR_STATE, "Sequential '%s': backward without forward", fsdp__mname(m));
-    if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, S->ndim, S->shape, "Sequential input gradient"));
+    /* [Note: backward releases the blocks] (src/models/gpt.c) with a dead gradient: each child's
+     * input gradient moves down to where the child's forward began, the rest above goes back; the
+     * first child makes din itself, for the same move */
+    int release = fsdp__dout_dead(ctx, m, dout) && (!din || !din->data), handed = release;
+    if (din && !release)
+        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, S->ndim, S->shape, "Sequential input gradient"));
     size_t mark = fsdp_arena_mark(ctx);
     struct fsdp_tensor cur = *dout;
     enum fsdp_status st = FSDP_OK;
     for (int i = m->n_children - 1; i >= 0 && st == FSDP_OK; i--) {
-        struct fsdp_tensor prev = {0};
-        st = fsdp_module_backward(m->children[i], ctx, &cur, i == 0 ? din : &prev);
+        struct fsdp_tensor prev = {0}, *dst = i == 0 ? din : &prev;
+        if (release) fsdp__dout_dead_hand(ctx, m->children[i], cur.data);
+        st = fsdp_module_backward(m->children[i], ctx, &cur, dst);
+        if (st == FSDP_OK) fsdp__release_to(ctx, &release, S->marks[i], dst);
         cur = prev;
     }
-    fsdp_arena_release(ctx, mark);
+    if (handed) fsdp__dout_dead_hand(ctx, NULL, NULL); /* din may lie above mark: nothing released */
+    else fsdp_arena_release(ctx, mark);
     return st;
 }
 
-static void seq_destroy(struct fsdp_module *m) { free(m->impl); }
+static void seq_destroy(struct fsdp_module *m) {
+    struct sequential *S = m->impl;
+    if (S) free(S->marks);
+    free(S);
+}
 
 static const struct fsdp_module_ops seq_ops = {"Sequential", seq_forward, seq_backward, seq_destroy};
 
