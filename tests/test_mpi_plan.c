@@ -474,6 +474,21 @@ static void case_batch(struct model_case *k, int Bl, int images) {
     for (int64_t i = 0; i < ny; i++) ((int32_t *)y->data)[i] = (int32_t)((i * 5 + 1) % (images ? 10 : TOY_V));
 }
 
+/* The case's sharding (a unit per module of its unit type, precision prec)
+ * and plan options (this rank and world, the case's own step). */
+static void case_opts(struct fsdp_ctx *c, struct model_case *k, enum fsdp_dtype prec, struct fsdp_shard_opts *so,
+                      struct fsdp_plan_opts *po) {
+    *so = fsdp_shard_opts_default();
+    so->wrap_ud = (void *)k->unit_type;
+    so->precision = prec;
+    *po = fsdp_plan_opts_default();
+    po->world = fsdp_ctx_world(c);
+    po->rank = fsdp_ctx_rank(c);
+    po->threads = 1;
+    po->step = case_step;
+    po->ud = k;
+}
+
 /* Plans the case (fsdp_plan_memory_run with the case's own step), then runs
  * it for real: every figure equal. */
 static void check_case(struct model_case *k, int images, enum fsdp_dtype prec, int ckpt) {
@@ -482,15 +497,9 @@ static void check_case(struct model_case *k, int images, enum fsdp_dtype prec, i
     case_batch(k, k->B / world, images);
     struct fsdp_module *root;
     ASSERT_OK(k->build(c, ckpt, &root), c);
-    struct fsdp_shard_opts so = fsdp_shard_opts_default();
-    so.wrap_ud = (void *)k->unit_type;
-    so.precision = prec;
-    struct fsdp_plan_opts po = fsdp_plan_opts_default();
-    po.world = world;
-    po.rank = fsdp_ctx_rank(c);
-    po.threads = 1;
-    po.step = case_step;
-    po.ud = k;
+    struct fsdp_shard_opts so;
+    struct fsdp_plan_opts po;
+    case_opts(c, k, prec, &so, &po);
     struct fsdp_mem_stats m0;
     measure_from(c, &m0); /* after the model's buffers */
     struct fsdp_mem_plan plan;
@@ -904,15 +913,9 @@ static void resnet_plan(enum fsdp_dtype prec, int lend, struct fsdp_mem_plan *pl
     struct fsdp_module *root;
     ASSERT_OK(resnet_build(c, 0, &root), c);
     *bytes1d = param_bytes(root, 1);
-    struct fsdp_shard_opts so = fsdp_shard_opts_default();
-    so.wrap_ud = (void *)k.unit_type;
-    so.precision = prec;
-    struct fsdp_plan_opts po = fsdp_plan_opts_default();
-    po.world = world;
-    po.rank = fsdp_ctx_rank(c);
-    po.threads = 1;
-    po.step = case_step;
-    po.ud = &k;
+    struct fsdp_shard_opts so;
+    struct fsdp_plan_opts po;
+    case_opts(c, &k, prec, &so, &po);
     ASSERT_OK(fsdp_plan_memory_run(c, root, &so, &po, plan), c);
     fsdp_module_free(root);
     free(k.x.data);
