@@ -108,9 +108,7 @@ static enum fsdp_status resnet_backward(struct fsdp_module *m, struct fsdp_ctx *
     enum fsdp_status st = FSDP_OK;
     int64_t n = R->pool_shape[0] * R->pool_shape[1] * (fm ? R->pool_shape[2] * R->pool_shape[3] : 1);
     if (R->mod[RN_FC] && !fm) {
-        if (release) fsdp__dout_dead_hand(ctx, R->mod[RN_FC], dout->data);
-        st = fsdp_module_backward(R->mod[RN_FC], ctx, dout, &g);
-        if (st == FSDP_OK) fsdp__release_to(ctx, &release, R->marks[RN_FC], &g);
+        st = fsdp__backward_releasing(ctx, R->mod[RN_FC], dout, &g, R->marks[RN_FC], &release);
     } else { /* the gradient of the pooled features or of the map, copied (dout is borrowed) */
         g.dtype = FSDP_F32;
         g.data = fsdp__scratch(ctx, n, "ResNet feature gradient");
@@ -118,20 +116,16 @@ static enum fsdp_status resnet_backward(struct fsdp_module *m, struct fsdp_ctx *
         else if (fm) fsdp__relayout(g.data, R->map_layout, dout->data, FSDP_LAYOUT_PLAIN, R->pool_shape);
         else memcpy(g.data, dout->data, (size_t)n * sizeof(float));
         g.layout = fm ? R->map_layout : FSDP_LAYOUT_PLAIN;
-        g.ndim = 1;
-        g.shape[0] = n;
-        if (st == FSDP_OK) fsdp__release_to(ctx, &release, R->marks[RN_FC], &g);
     }
     if (st == FSDP_OK) { /* (N, C) back to (N, C, 1, 1) */
         g.ndim = 4;
         memcpy(g.shape, R->pool_shape, sizeof g.shape);
+        if (!R->mod[RN_FC] || fm) fsdp__release_to(ctx, &release, R->marks[RN_FC], &g); /* the copy */
     }
     for (int i = fm ? RN_LAYER1 + fm - 1 : RN_AVGPOOL; i >= RN_CONV1 && st == FSDP_OK; i--) {
         if (!R->mod[i] || i == RN_RELU) continue; /* relu: fused in bn1 */
         struct fsdp_tensor prev = {0}, *dst = i == RN_CONV1 ? din : &prev;
-        if (release) fsdp__dout_dead_hand(ctx, R->mod[i], g.data);
-        st = fsdp_module_backward(R->mod[i], ctx, &g, dst);
-        if (st == FSDP_OK) fsdp__release_to(ctx, &release, R->marks[i], dst);
+        st = fsdp__backward_releasing(ctx, R->mod[i], &g, dst, R->marks[i], &release);
         g = prev;
     }
     if (handed) fsdp__dout_dead_hand(ctx, NULL, NULL); /* din may lie above mark: nothing released */

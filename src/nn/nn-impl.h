@@ -236,6 +236,11 @@ static inline void fsdp__dout_dead_hand(struct fsdp_ctx *cx, const struct fsdp_m
  * back. Where t is not the top nothing moves and *release is cleared: the
  * module stops releasing for the rest of its backward. (resblock.c) */
 void fsdp__release_to(struct fsdp_ctx *ctx, int *release, size_t mark, struct fsdp_tensor *t);
+/* A releasing module's backward of child c (its forward began at `mark`):
+ * hands c the dead gradient dout while *release holds, runs c's backward
+ * into din, then fsdp__release_to(din). */
+enum fsdp_status fsdp__backward_releasing(struct fsdp_ctx *ctx, struct fsdp_module *c, const struct fsdp_tensor *dout,
+                                          struct fsdp_tensor *din, size_t mark, int *release);
 
 /* ---- Tensors ---- */
 /* Sets t's dtype and shape, and its layout to PLAIN (a module writing

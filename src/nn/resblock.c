@@ -30,6 +30,14 @@ void fsdp__release_to(struct fsdp_ctx *ctx, int *release, size_t mark, struct fs
     else *release = 0;
 }
 
+enum fsdp_status fsdp__backward_releasing(struct fsdp_ctx *ctx, struct fsdp_module *c, const struct fsdp_tensor *dout,
+                                          struct fsdp_tensor *din, size_t mark, int *release) {
+    if (*release) fsdp__dout_dead_hand(ctx, c, dout->data);
+    FSDP_TRY(fsdp_module_backward(c, ctx, dout, din));
+    fsdp__release_to(ctx, release, mark, din);
+    return FSDP_OK;
+}
+
 
 struct sequential {
     int ndim;
@@ -72,9 +80,7 @@ static enum fsdp_status seq_backward(struct fsdp_module *m, struct fsdp_ctx *ctx
     enum fsdp_status st = FSDP_OK;
     for (int i = m->n_children - 1; i >= 0 && st == FSDP_OK; i--) {
         struct fsdp_tensor prev = {0}, *dst = i == 0 ? din : &prev;
-        if (release) fsdp__dout_dead_hand(ctx, m->children[i], cur.data);
-        st = fsdp_module_backward(m->children[i], ctx, &cur, dst);
-        if (st == FSDP_OK) fsdp__release_to(ctx, &release, S->marks[i], dst);
+        st = fsdp__backward_releasing(ctx, m->children[i], &cur, dst, S->marks[i], &release);
         cur = prev;
     }
     if (handed) fsdp__dout_dead_hand(ctx, NULL, NULL); /* din may lie above mark: nothing released */
