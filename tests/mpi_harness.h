@@ -8,6 +8,8 @@
 #define FSDP_TEST_MPI_HARNESS_H
 
 #include <mpi.h>
+#include <stdio.h>
+#include <sys/resource.h>
 
 static int combine_max(int flag) {
     int out = flag;
@@ -43,6 +45,18 @@ static inline struct fsdp_ctx *shm_ctx_window(const char *window) {
     if (fsdp_ctx_create(&co, &c) != FSDP_OK) c = NULL;
     if (window) unsetenv("FSDP_SHM_WINDOW");
     return c;
+}
+
+/* Whether the activation arena runs in its one span here ([Note: one arena
+ * chunk]): Linux maps it unless overcommit is strict or the address space is
+ * limited. */
+static inline int arena_span_expected(void) {
+    FILE *f = fopen("/proc/sys/vm/overcommit_memory", "r");
+    int mode = 0;
+    if (f && fscanf(f, "%d", &mode) != 1) mode = 0;
+    if (f) fclose(f);
+    struct rlimit rl;
+    return mode != 2 && !(getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY);
 }
 
 #endif
