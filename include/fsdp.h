@@ -1639,7 +1639,9 @@ enum fsdp_status fsdp_optim_group_set(struct fsdp_optim *opt, int group,
  * are FSDP_ERR_STATE. Nothing needs resetting afterwards (no
  * _reset_lazy_init): units keep no state derived from parameter values,
  * and the summoned buffers are separate from the units' own, so the next
- * forward simply gathers the (written-back) shards.
+ * forward simply gathers the (written-back) shards. Where a shard holds its
+ * whole unit (one rank, or a shard group of one) a summon with writeback
+ * hands out the shard itself: no copy and no memory, the edits in place.
  * Buffers (struct fsdp_buffer) are never sharded, so there is nothing to
  * summon: b->data always holds the full values on every rank, and an edit
  * of it takes effect at once on the rank that makes it, with or without

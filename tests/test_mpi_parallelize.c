@@ -617,6 +617,44 @@ TEST(summon_full_params_writeback_and_rank0_only) {
     fsdp_optim_free(opt);
 }
 
+/* [Note: summoned in place]: on one rank a summon with write-back edits the
+ * shard itself and fsdp_model_get_param reads it, neither leaving a pooled
+ * copy behind (the pool keeps what it hands out); edits land and a summon
+ * without write-back still discards its own. */
+TEST(summon_one_rank_in_place) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_wrap_policy wp = {wrap_block_and_mlp, NULL};
+    struct fsdp_parallel_config pc = fsdp_parallel_config_default();
+    pc.seed = 5;
+    struct fsdp_module *g;
+    struct fsdp_model *fm;
+    ASSERT_OK(prepare(c, &g, &wp, &pc, NULL, NULL, &fm), c);
+    struct fsdp_param *p = fsdp_module_find_param(g, "transformer.wte.weight"); /* the largest unit's */
+    ASSERT(p != NULL);
+    float *buf = malloc((size_t)p->numel * sizeof(float));
+    ASSERT(buf != NULL);
+    struct fsdp_mem_stats m0, m1;
+    fsdp_mem_get(c, &m0);
+    ASSERT_OK(fsdp_summon_full_params(c, fm, NULL, 1, 0), c);
+    ASSERT(p->data != NULL);
+    for (int64_t i = 0; i < p->numel; i++) p->data[i] = (float)(i % 13);
+    ASSERT_OK(fsdp_summon_end(c, fm), c);
+    CHECK_OK(fsdp_model_get_param(c, fm, p->fqn, buf), c);
+    fsdp_mem_get(c, &m1);
+    for (int64_t i = 0; i < p->numel; i++)
+        if (buf[i] != (float)(i % 13)) { TEST_FAILF("element %lld not written back", (long long)i); break; }
+    if (fsdp_ctx_world(c) == 1) CHECK_INT_EQ(m1.cur[FSDP_MEM_FULL], m0.cur[FSDP_MEM_FULL]);
+    ASSERT_OK(fsdp_summon_full_params(c, fm, NULL, 0, 0), c);
+    ASSERT(p->data != NULL);
+    for (int64_t i = 0; i < p->numel; i++) p->data[i] = -1.0f;
+    ASSERT_OK(fsdp_summon_end(c, fm), c);
+    CHECK_OK(fsdp_model_get_param(c, fm, p->fqn, buf), c);
+    CHECK(buf[0] == 0.0f && buf[p->numel - 1] == (float)((p->numel - 1) % 13));
+    free(buf);
+    fsdp_model_free(fm);
+    fsdp_module_free(g);
+}
+
 /* ---- misuse ---- */
 
 TEST(config_errors_name_the_option) {

@@ -835,12 +835,14 @@ static enum fsdp_status read_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, c
         memset(dst, 0, (size_t)u->params[j]->numel * sizeof(float));
         return FSDP_OK;
     }
+    const float *mine = grads ? u->grad_shard : u->shard;
+    if (!fm->shard_comm) { /* the shard is the whole unit: no pooled copy (the pool keeps it) */
+        memcpy(dst, mine + u->offsets[j], (size_t)u->params[j]->numel * sizeof(float));
+        return FSDP_OK;
+    }
     float *tmp = fsdp__pool_get(fm, u->numel_padded, "full read");
     if (!tmp) return FSDP_ERR_NOMEM;
-    enum fsdp_status st = FSDP_OK;
-    if (!fm->shard_comm) memcpy(tmp, grads ? u->grad_shard : u->shard, (size_t)u->numel_shard * sizeof(float));
-    else st = fsdp_comm_allgather(fm->shard_comm, grads ? u->grad_shard : u->shard, tmp,
-                                              (size_t)u->numel_shard, FSDP_F32);
+    enum fsdp_status st = fsdp_comm_allgather(fm->shard_comm, mine, tmp, (size_t)u->numel_shard, FSDP_F32);
     if (st == FSDP_OK) memcpy(dst, tmp + u->offsets[j], (size_t)u->params[j]->numel * sizeof(float));
     fsdp__pool_put(fm, tmp);
     return st;
