@@ -2,7 +2,8 @@
  * test_nn_vision_lp.c - the vision layers in 16 bits and in the blocked
  * layout: the 16-bit convolution against the fp32 one on rounded operands,
  * BLOCKED16 activations giving the plain layout's bits, and the 16-bit
- * hand-off between layers giving the cast's bits. tests/run.sh runs it
+ * hand-off between layers giving the cast's bits; SwAV's head's 16-bit
+ * prototypes keeping their input. tests/run.sh runs it
  * twice: bf16 products native where the CPU has them, and widened.
  */
 #include "fsdp.h"
@@ -368,6 +369,56 @@ TEST(handoff_gives_the_cast_bits) {
     free(dyb);
     free(dy);
     free(x.data);
+    fsdp_ctx_free(ctx);
+}
+
+/* [Note: prototypes' input in their dtype] (src/models/swav_head.c): SwAV's
+ * head with its prototype layers computing in 16 bits keeps the rounded
+ * embedding they read below the scores it releases: the arena written over
+ * between forward and backward (here with NaN) leaves each prototype's
+ * weight gradient round(ds)^T round(z), z as the output holds it. */
+TEST(swav_head_16bit_prototypes_keep_their_input) {
+    rng_seed(9);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_swav_head_config hc = {6, 0, 5, 7, 2};
+    struct fsdp_module *m;
+    ASSERT_OK(fsdp_swav_head_create(ctx, "head", &hc, &m), ctx);
+    prepare(ctx, m, 0.4f);
+    ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, FSDP_BF16), ctx);
+    ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
+    enum { N = 4, D = 5, K = 7, W = D + 2 * K };
+    int64_t s2[2] = {N, 6};
+    struct fsdp_tensor x = make_input(2, s2, 1.0f, 0.3f), y = {0}, dx = {0};
+    fsdp_arena_reset(ctx);
+    ASSERT_OK(fsdp_module_forward(m, ctx, &x, &y), ctx);
+    ASSERT_INT_EQ(y.shape[1], W);
+    float *junk = fsdp__scratch(ctx, 4096, "junk");
+    ASSERT(junk != NULL);
+    for (int i = 0; i < 4096; i++) junk[i] = NAN;
+    float g[N * W];
+    for (int i = 0; i < N * W; i++) g[i] = 0.1f * (float)((i * 7) % 11) - 0.5f;
+    struct fsdp_tensor d = {g, FSDP_F32, 2, {N, W}, FSDP_LAYOUT_PLAIN};
+    ASSERT_OK(fsdp_module_backward(m, ctx, &d, &dx), ctx);
+    const float *yd = y.data;
+    for (int j = 0; j < 2; j++) {
+        char fqn[32];
+        snprintf(fqn, sizeof fqn, "prototypes%d.weight", j);
+        const float *gw = fsdp_module_find_param(m, fqn)->grad;
+        float ref[K * D];
+        for (int k = 0; k < K; k++)
+            for (int e = 0; e < D; e++) {
+                double a = 0;
+                for (int n = 0; n < N; n++)
+                    a += (double)fsdp__bf16_to_f32(fsdp__f32_to_bf16(g[n * W + D + j * K + k])) *
+                         fsdp__bf16_to_f32(fsdp__f32_to_bf16(yd[n * W + e]));
+                ref[k * D + e] = (float)a;
+            }
+        double mx;
+        double diff = max_abs_diff(gw, ref, K * D, &mx);
+        if (!(diff <= 1e-5 * mx)) TEST_FAILF("prototypes%d: weight gradient off by %g (max %g)", j, diff, mx);
+    }
+    free(x.data);
+    fsdp_module_free(m);
     fsdp_ctx_free(ctx);
 }
 

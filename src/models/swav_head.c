@@ -42,10 +42,27 @@ static enum fsdp_status head_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     float *o = out->data;
     const float *zd = z.data;
     for (int64_t i = 0; i < N; i++) memcpy(o + i * W, zd + i * D, (size_t)D * sizeof(float));
+    /* [Note: prototypes' input in their dtype] A prototype layer computing
+     * in 16 bits keeps a 16-bit copy of z for its backward: made by the layer
+     * itself it would lie above the mark each head releases its scores to,
+     * and be overwritten before backward (a bf16 head in a bf16 unit trained
+     * on freed bytes). So z goes to it already rounded to its dtype ([Note:
+     * 16-bit hand-off]), one copy per dtype made below the marks, which the
+     * layer keeps as its saved copy: the same values it would round. */
+    struct fsdp_tensor z16[2] = {{0}, {0}}; /* BF16, F16 */
+    for (int j = 0; j < c->n_heads; j++) {
+        enum fsdp_dtype dt = fsdp__input_dtype(H->protos[j]);
+        struct fsdp_tensor *t = dt == FSDP_BF16 ? &z16[0] : dt == FSDP_F16 ? &z16[1] : NULL;
+        if (!t || t->data) continue;
+        FSDP_TRY(fsdp__tensor_prepare(ctx, t, dt, 2, z.shape, "SwAV head's 16-bit embedding"));
+        if (!fsdp__measuring) fsdp__cvt_from_f32(dt, zd, t->data, (size_t)(N * D));
+    }
     for (int j = 0; j < c->n_heads; j++) {
         struct fsdp_tensor s = {0};
+        enum fsdp_dtype dt = fsdp__input_dtype(H->protos[j]);
+        const struct fsdp_tensor *zin = dt == FSDP_BF16 ? &z16[0] : dt == FSDP_F16 ? &z16[1] : &z;
         size_t mark = fsdp_arena_mark(ctx);
-        FSDP_TRY(fsdp_module_forward(H->protos[j], ctx, &z, &s));
+        FSDP_TRY(fsdp_module_forward(H->protos[j], ctx, zin, &s));
         const float *sd = s.data;
         for (int64_t i = 0; i < N; i++) memcpy(o + i * W + D + j * K, sd + i * K, (size_t)K * sizeof(float));
         /* a prototype layer saves its input (z), not its output: the scores
