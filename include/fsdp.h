@@ -659,7 +659,7 @@ const char *fsdp_comm_tag(const struct fsdp_comm *c);
 enum fsdp_status fsdp_module_allreduce(struct fsdp_ctx *ctx, struct fsdp_module *m, void *buf, size_t count,
                                        enum fsdp_dtype dt, enum fsdp_red_op op);
 
-/* ---- SwAV's head (src/models/swav_head.c) ------------------------------ */
+/* ---- SwAV's head and model (src/models/swav_head.c) -------------------- */
 
 /* L2Norm, type "L2Norm": each row of an (N, D) input divided by its norm,
  * y = x / max(||x||, eps) (torch.nn.functional.normalize with dim 1). */
@@ -686,6 +686,22 @@ struct fsdp_swav_head_config {
 struct fsdp_swav_head_config fsdp_swav_head_config_default(int64_t in_dim);
 enum fsdp_status fsdp_swav_head_create(struct fsdp_ctx *ctx, const char *name, const struct fsdp_swav_head_config *cfg,
                                        struct fsdp_module **out);
+
+/* SwAV's model as VISSL trains it, type "SwAV": `trunk` (any module whose
+ * output is (N, in_dim) features: a ResNet of fsdp_resnet_create, a user's
+ * CNN), then `head` (fsdp_swav_head_create's); forward returns the head's
+ * output. The children keep their names, so the FQNs are "<trunk
+ * name>.<...>" and "<head name>.<...>". With the library's own output
+ * gradient (the loss's gradient written over the model's output) backward
+ * hands the arena back as it passes the head and the trunk's layers ([Note:
+ * backward releases the blocks], src/models/gpt.c). The model takes trunk
+ * and head, also on failure; finalized. */
+enum fsdp_status fsdp_swav_model_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module *trunk,
+                                        struct fsdp_module *head, struct fsdp_module **out);
+/* on: forward stops at the trunk and returns its features (VISSL's feature
+ * evaluation: a kNN, a linear probe); 0: trunk, then head. FSDP_ERR_INVALID
+ * unless m is fsdp_swav_model_create's. */
+enum fsdp_status fsdp_swav_model_set_trunk_only(struct fsdp_ctx *ctx, struct fsdp_module *m, int on);
 
 /* ---- SwAV's loss (src/nn/swav.c) ------------------------------------- */
 

@@ -299,6 +299,22 @@ static enum fsdp_status resnet_build(struct fsdp_ctx *c, int ckpt, struct fsdp_m
     return FSDP_OK;
 }
 
+/* SwAV's model (fsdp_swav_model_create): ResNet-18/8's logits as the
+ * trunk's 10 features, then a head (hidden 16, dimension 8, 12 prototypes);
+ * the trunk's blocks' units. */
+static enum fsdp_status swav_build(struct fsdp_ctx *c, int ckpt, struct fsdp_module **out) {
+    struct fsdp_module *trunk, *head;
+    TRY(resnet_build(c, ckpt, &trunk));
+    snprintf(trunk->name, sizeof trunk->name, "trunk");
+    struct fsdp_swav_head_config hc = {10, 16, 8, 12, 1};
+    enum fsdp_status st = fsdp_swav_head_create(c, "head", &hc, &head);
+    if (st != FSDP_OK) {
+        fsdp_module_free(trunk);
+        return st;
+    }
+    return fsdp_swav_model_create(c, "", trunk, head, out);
+}
+
 /* One step: forward, cross-entropy, backward, AdamW (the step of
  * fsdp-train's image task, and of a user's loop). */
 static enum fsdp_status case_step(struct fsdp_ctx *c, struct fsdp_model *fm, int step, void *ud) {
@@ -397,15 +413,17 @@ static void check_resnet(enum fsdp_dtype prec, int ckpt) {
     check_case(&k, 1, prec, ckpt);
 }
 
-/* [Note: backward releases the blocks] in ResNet and its Sequentials: with
+/* [Note: backward releases the blocks] in ResNet and its Sequentials (and
+ * in SwAV's model around one, swav 1): with
  * the loss's gradient over the output (the library's, as fsdp-train's image
  * task passes it) backward moves each layer's input gradient down to where
  * the layer's forward began and hands the rest back, so the plan (equal to
  * the real run's figures) holds fewer activation bytes than with a gradient
  * of the caller's, where nothing may be released; the training is the same
  * bits either way. */
-static void check_resnet_release(enum fsdp_dtype prec, int ckpt) {
-    struct model_case own = {.name = "ResNet-18/8", .build = resnet_build, .unit_type = "BasicBlock", .B = 8};
+static void check_resnet_release(enum fsdp_dtype prec, int ckpt, int swav) {
+    struct model_case own = {.name = swav ? "SwAV ResNet-18/8" : "ResNet-18/8",
+                             .build = swav ? swav_build : resnet_build, .unit_type = "BasicBlock", .B = 8};
     struct model_case lib = own;
     lib.inplace = 1;
     check_case(&own, 1, prec, ckpt);
@@ -426,9 +444,11 @@ TEST(plan_equals_measured_resnet) { check_resnet(FSDP_F32, 0); }
 TEST(plan_equals_measured_resnet_checkpointed) { check_resnet(FSDP_F32, 1); }
 TEST(plan_equals_measured_resnet_bf16) { check_resnet(FSDP_BF16, 0); }
 TEST(plan_equals_measured_resnet_bf16_checkpointed) { check_resnet(FSDP_BF16, 1); }
-TEST(resnet_backward_releases) { check_resnet_release(FSDP_F32, 0); }
-TEST(resnet_backward_releases_bf16) { check_resnet_release(FSDP_BF16, 0); }
-TEST(resnet_backward_releases_checkpointed) { check_resnet_release(FSDP_F32, 1); }
+TEST(resnet_backward_releases) { check_resnet_release(FSDP_F32, 0, 0); }
+TEST(resnet_backward_releases_bf16) { check_resnet_release(FSDP_BF16, 0, 0); }
+TEST(resnet_backward_releases_checkpointed) { check_resnet_release(FSDP_F32, 1, 0); }
+TEST(swav_backward_releases) { check_resnet_release(FSDP_F32, 0, 1); }
+TEST(swav_backward_releases_bf16) { check_resnet_release(FSDP_BF16, 0, 1); }
 
 /* The plan leaves the model as it was: a batch norm's running statistics
  * (updated by a training forward) and the compute dtypes. */

@@ -8,7 +8,8 @@
  * not depend on its batch, and the buffers stay put), the cifar stem's and
  * the width's shapes and parameter counts (torchvision's published counts
  * for the presets), zero_init_residual, the wrap policy's units, and bad
- * configs and inputs named in one message.
+ * configs and inputs named in one message. And SwAV's model: a trunk, then
+ * the head.
  */
 #include "fsdp.h"
 #include "harness.h"
@@ -319,6 +320,64 @@ TEST(resnet_without_fc_is_the_trunk) {
     free(x);
     fsdp_module_free(full);
     fsdp_module_free(trunk);
+    fsdp_ctx_free(ctx);
+}
+
+/* fsdp_swav_model_create: forward is the trunk, then the head, and with
+ * trunk_only the trunk's features alone; backward is the head's, then the
+ * trunk's, with the same bits as the children run by hand; misuse named. */
+TEST(swav_model_is_trunk_then_head) {
+    rng_seed(13);
+    struct fsdp_ctx *ctx = make_ctx();
+    struct fsdp_resnet_config ct = config(FSDP_RESNET18, 1, 0, FSDP_RESNET_STEM_CIFAR, 4);
+    struct fsdp_swav_head_config hc = {32, 0, 5, 7, 1};
+    struct fsdp_module *trunk, *head, *m;
+    ASSERT_OK(fsdp_resnet_create(ctx, &ct, &trunk), ctx);
+    snprintf(trunk->name, sizeof trunk->name, "trunk");
+    ASSERT_OK(fsdp_swav_head_create(ctx, "heads", &hc, &head), ctx);
+    ASSERT_OK(fsdp_swav_model_create(ctx, "", trunk, head, &m), ctx);
+    CHECK(fsdp_module_find_param(m, "trunk.conv1.weight") != NULL);
+    CHECK(fsdp_module_find_param(m, "heads.prototypes0.weight") != NULL);
+    ASSERT_OK(fsdp_module_materialize(ctx, m, 4), ctx);
+    ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
+    enum { N = 3, S = 8, F = 32, WD = 5 + 7 };
+    float *x = random_images(N * S * S);
+    struct fsdp_tensor in = image_tensor(x, N, 1, S, S), y = {0}, yf = {0}, yt = {0}, yh = {0};
+    fsdp_arena_reset(ctx);
+    CHECK_INT_EQ(fsdp_module_backward(m, ctx, &in, NULL), FSDP_ERR_STATE);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "backward without forward");
+    ASSERT_OK(fsdp_module_forward(m, ctx, &in, &y), ctx);
+    CHECK(y.ndim == 2 && y.shape[0] == N && y.shape[1] == WD);
+    ASSERT_OK(fsdp_swav_model_set_trunk_only(ctx, m, 1), ctx);
+    ASSERT_OK(fsdp_module_forward(m, ctx, &in, &yf), ctx);
+    ASSERT_OK(fsdp_module_forward(trunk, ctx, &in, &yt), ctx);
+    ASSERT_OK(fsdp_module_forward(head, ctx, &yt, &yh), ctx);
+    CHECK(yf.ndim == 2 && yf.shape[1] == F);
+    CHECK(memcmp(yf.data, yt.data, (size_t)(N * F) * sizeof(float)) == 0);
+    CHECK(memcmp(y.data, yh.data, (size_t)(N * WD) * sizeof(float)) == 0);
+    /* backward through the model against the children by hand, each after its own forward */
+    float g[N * WD];
+    for (int i = 0; i < N * WD; i++) g[i] = 0.05f * (float)(i % 9) - 0.2f;
+    struct fsdp_tensor tg = {g, FSDP_F32, 2, {N, WD}, FSDP_LAYOUT_PLAIN}, dm = {0}, dh = {0}, dt = {0};
+    ASSERT_OK(fsdp_swav_model_set_trunk_only(ctx, m, 0), ctx);
+    ASSERT_OK(fsdp_module_forward(m, ctx, &in, &y), ctx);
+    ASSERT_OK(fsdp_module_backward(m, ctx, &tg, &dm), ctx);
+    ASSERT_OK(fsdp_module_forward(trunk, ctx, &in, &yt), ctx);
+    ASSERT_OK(fsdp_module_forward(head, ctx, &yt, &yh), ctx);
+    ASSERT_OK(fsdp_module_backward(head, ctx, &tg, &dh), ctx);
+    ASSERT_OK(fsdp_module_backward(trunk, ctx, &dh, &dt), ctx);
+    CHECK(dm.ndim == 4 && dm.shape[0] == N);
+    CHECK(memcmp(dm.data, dt.data, (size_t)(N * S * S) * sizeof(float)) == 0);
+    /* misuse */
+    CHECK_INT_EQ(fsdp_swav_model_set_trunk_only(ctx, trunk, 1), FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "'trunk' is not a SwAV model");
+    struct fsdp_module *t2, *m2 = NULL;
+    ASSERT_OK(fsdp_resnet_create(ctx, &ct, &t2), ctx);
+    CHECK_INT_EQ(fsdp_swav_model_create(ctx, "x", t2, NULL, &m2), FSDP_ERR_INVALID); /* t2 freed */
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "the head is NULL");
+    CHECK(m2 == NULL);
+    free(x);
+    fsdp_module_free(m);
     fsdp_ctx_free(ctx);
 }
 

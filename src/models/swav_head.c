@@ -182,3 +182,103 @@ enum fsdp_status fsdp_swav_head_create(struct fsdp_ctx *ctx, const char *name, c
     *out = m;
     return FSDP_OK;
 }
+
+/* ---- The model: trunk, then head ---- */
+
+struct swav_model {
+    struct fsdp_module *trunk, *head; /* children */
+    size_t marks[2];                  /* the arena's mark before the trunk's and the head's forward */
+    int ndim;
+    int64_t shape[FSDP_MAX_DIMS];     /* of the last input */
+    int trunk_only, ran;              /* ran: 0 none, 1 the trunk, 2 both */
+};
+
+static enum fsdp_status model_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
+                                      struct fsdp_tensor *out) {
+    struct swav_model *S = m->impl;
+    FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 0, 0));
+    S->ran = 0;
+    S->ndim = in->ndim;
+    memcpy(S->shape, in->shape, sizeof S->shape);
+    S->marks[0] = fsdp_arena_mark(ctx);
+    if (S->trunk_only) {
+        FSDP_TRY(fsdp_module_forward(S->trunk, ctx, in, out));
+        S->ran = 1;
+        return FSDP_OK;
+    }
+    struct fsdp_tensor f = {0};
+    FSDP_TRY(fsdp_module_forward(S->trunk, ctx, in, &f));
+    S->marks[1] = fsdp_arena_mark(ctx);
+    FSDP_TRY(fsdp_module_forward(S->head, ctx, &f, out));
+    S->ran = 2;
+    return FSDP_OK;
+}
+
+/* [Note: backward releases the blocks] (src/models/gpt.c) as Sequential's
+ * (src/nn/resblock.c): handed the library's dead output gradient, the head's
+ * input gradient moves down to where the head's forward began and the trunk
+ * gets it dead in turn, so a ResNet trunk releases its layers as it passes
+ * them. */
+static enum fsdp_status model_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
+                                       struct fsdp_tensor *din) {
+    struct swav_model *S = m->impl;
+    if (!S->ran) return fsdp__err(ctx, FSDP_ERR_STATE, "SwAV model '%s': backward without forward", fsdp__mname(m));
+    int release = fsdp__dout_dead(ctx, m, dout) && (!din || !din->data), handed = release;
+    if (din && !release)
+        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, S->ndim, S->shape, "SwAV model input gradient"));
+    size_t mark = fsdp_arena_mark(ctx);
+    struct fsdp_tensor df = *dout;
+    enum fsdp_status st = FSDP_OK;
+    if (S->ran == 2) {
+        memset(&df, 0, sizeof df);
+        st = fsdp__backward_releasing(ctx, S->head, dout, &df, S->marks[1], &release);
+    }
+    if (st == FSDP_OK) st = fsdp__backward_releasing(ctx, S->trunk, &df, din, S->marks[0], &release);
+    if (handed) fsdp__dout_dead_hand(ctx, NULL, NULL); /* din may lie above mark: nothing released */
+    else fsdp_arena_release(ctx, mark);
+    return st;
+}
+
+static void model_destroy(struct fsdp_module *m) { free(m->impl); }
+
+static const struct fsdp_module_ops model_ops = {"SwAV", model_forward, model_backward, model_destroy};
+
+enum fsdp_status fsdp_swav_model_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module *trunk,
+                                        struct fsdp_module *head, struct fsdp_module **out) {
+    struct fsdp_module *m = NULL;
+    enum fsdp_status st = trunk && head ? FSDP_OK
+                                        : fsdp__err(ctx, FSDP_ERR_INVALID, "SwAV model '%s': %s is NULL", name,
+                                                    trunk ? "the head" : "the trunk");
+    struct swav_model *S = NULL;
+    if (st == FSDP_OK) st = fsdp_module_create(ctx, &model_ops, name, &m);
+    if (st == FSDP_OK && !(S = fsdp__zalloc(1, sizeof *S)))
+        st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating SwAV model '%s'", name);
+    if (st != FSDP_OK) { /* the model takes trunk and head, also on failure */
+        if (m) fsdp_module_free(m);
+        if (trunk) fsdp_module_free(trunk);
+        if (head) fsdp_module_free(head);
+        return st;
+    }
+    m->impl = S;
+    struct fsdp_module *t = trunk;
+    st = fsdp__adopt(ctx, m, FSDP_OK, &t, &S->trunk);
+    t = head;
+    if (st == FSDP_OK) st = fsdp__adopt(ctx, m, FSDP_OK, &t, &S->head);
+    else fsdp_module_free(head);
+    if (st == FSDP_OK) st = fsdp_module_finalize(ctx, m);
+    if (st != FSDP_OK) {
+        fsdp_module_free(m);
+        return st;
+    }
+    *out = m;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_swav_model_set_trunk_only(struct fsdp_ctx *ctx, struct fsdp_module *m, int on) {
+    if (!m || m->ops != &model_ops)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "set_trunk_only: module '%s' is not a SwAV model",
+                         m ? fsdp__mname(m) : "(null)");
+    struct swav_model *S = m->impl;
+    S->trunk_only = on != 0;
+    return FSDP_OK;
+}

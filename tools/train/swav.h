@@ -8,11 +8,6 @@
 
 #include "task.h"
 
-struct swav_root {
-    struct fsdp_module *trunk, *head;
-    int trunk_only; /* forward stops at the trunk (kNN features) */
-};
-
 struct swav {
     char arch[16];
     struct fsdp_resnet_config rc; /* a ResNet trunk */
@@ -28,8 +23,7 @@ struct swav {
     int64_t W; /* output width D + H K */
     float *xg, *xs, *og, *os, *sc, *dsc, *dg, *ds;
     float *codes; /* (H, 2, Bl, K) this step's codes of the global crops, per head */
-    struct fsdp_module *root_m, *head;
-    struct swav_root *R;
+    struct fsdp_module *root_m, *trunk, *head; /* fsdp_swav_model_create's, its children */
     struct fsdp_optim *opt;
     int proto_group; /* optimizer group of the frozen prototypes, 0: none */
     int frozen;

@@ -153,16 +153,16 @@ static enum fsdp_status precise_bn(struct task *t, struct fsdp_ctx *ctx, struct 
                                    const struct opts *o, int64_t n, struct bn_saved *s) {
     struct swav *k = t->impl;
     size_t bytes = 0;
-    fsdp_module_foreach_buffer(k->R->trunk, buffer_bytes, &bytes);
+    fsdp_module_foreach_buffer(k->trunk, buffer_bytes, &bytes);
     *s = (struct bn_saved){malloc(bytes + 1), 0, 0};
     if (!s->data) fail_rank("out of memory for --eval-precise-bn's copy of the trunk's buffers");
-    fsdp_module_foreach_buffer(k->R->trunk, save_buffer, s);
-    fsdp_batchnorm_reset_stats(k->R->trunk, NULL);
-    fsdp_batchnorm_set_cumulative(k->R->trunk, 1, NULL);
+    fsdp_module_foreach_buffer(k->trunk, save_buffer, s);
+    fsdp_batchnorm_reset_stats(k->trunk, NULL);
+    fsdp_batchnorm_set_cumulative(k->trunk, 1, NULL);
     fsdp_module_set_training(t->root, 1);
     enum fsdp_status st = features(t, ctx, fm, o, k->train, n < k->ti.count ? n : k->ti.count, 0, 0, NULL);
     fsdp_module_set_training(t->root, 0);
-    fsdp_batchnorm_set_cumulative(k->R->trunk, 0, NULL);
+    fsdp_batchnorm_set_cumulative(k->trunk, 0, NULL);
     return st;
 }
 
@@ -170,7 +170,7 @@ static void restore_bn(struct task *t, struct bn_saved *s) {
     struct swav *k = t->impl;
     if (!s->data) return;
     s->n = 0, s->restore = 1;
-    fsdp_module_foreach_buffer(k->R->trunk, save_buffer, s);
+    fsdp_module_foreach_buffer(k->trunk, save_buffer, s);
     free(s->data);
     s->data = NULL;
 }
@@ -233,11 +233,11 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
     for (int64_t i = 0; i < ntr; i++) ytr[i] = fsdp_images_label(k->train, i);
     for (int64_t i = 0; i < nt; i++) yte[i] = fsdp_images_label(k->test, i);
     fsdp_module_set_training(t->root, 0);
-    k->R->trunk_only = 1;
+    if (fsdp_swav_model_set_trunk_only(ctx, t->root, 1) != FSDP_OK) fail_rank("evaluation: %s", fsdp_errmsg(ctx));
     struct bn_saved saved = {0};
     enum fsdp_status st = FSDP_OK;
     if (!raw && o->eval_precise_bn > 0) { /* through the deepest layer read */
-        if (pbn_ok) st = fsdp_resnet_set_feature_map(ctx, k->R->trunk, pbn);
+        if (pbn_ok) st = fsdp_resnet_set_feature_map(ctx, k->trunk, pbn);
         if (st == FSDP_OK) st = precise_bn(t, ctx, fm, o, o->eval_precise_bn, &saved);
     }
     double best_k = NAN, best_p = NAN; /* the chosen layers' held-out figures */
@@ -249,7 +249,7 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
         float *tr = malloc((size_t)(ntr * F) * sizeof(float)), *te = malloc((size_t)(nt * F) * sizeof(float));
         float *bank = malloc((size_t)(nb * F + 1) * sizeof(float)), *ten = malloc((size_t)(nt * F) * sizeof(float));
         if (!tr || !te || !bank || !ten) fail_rank("out of memory for the evaluation");
-        if (!raw && pbn_ok) st = fsdp_resnet_set_feature_map(ctx, k->R->trunk, ml);
+        if (!raw && pbn_ok) st = fsdp_resnet_set_feature_map(ctx, k->trunk, ml);
         if (st == FSDP_OK) st = features(t, ctx, fm, o, k->train, ntr, raw, ml, tr);
         if (st == FSDP_OK) st = features(t, ctx, fm, o, k->test, nt, raw, ml, te);
         double kacc = NAN, kheld = NAN, pacc = NAN, pheld = NAN;
@@ -275,8 +275,8 @@ static enum fsdp_status evaluate(struct task *t, struct fsdp_ctx *ctx, struct fs
         free(tr), free(te), free(bank), free(ten);
     }
     restore_bn(t, &saved);
-    if (!raw && pbn_ok) (void)fsdp_resnet_set_feature_map(ctx, k->R->trunk, 0); /* a ResNet: it took the layer */
-    k->R->trunk_only = 0;
+    if (!raw && pbn_ok) (void)fsdp_resnet_set_feature_map(ctx, k->trunk, 0); /* a ResNet: it took the layer */
+    (void)fsdp_swav_model_set_trunk_only(ctx, t->root, 0); /* the root is a SwAV model: it took 1 above */
     fsdp_module_set_training(t->root, 1);
     *count = nt;
     free(ytr), free(yte);

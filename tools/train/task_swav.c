@@ -5,8 +5,10 @@
  * an IDX image set, as VISSL trains SwAV, and a kNN evaluation of the
  * trunk's features.
  *
- * Model: root "SwAV" = trunk (FQNs "trunk.*") then head ("head.*"); its
- * output is the head's [z, scores_0, ...]. Units (--wrap block): each
+ * Model: fsdp_swav_model_create's root "SwAV" = trunk (FQNs "trunk.*") then
+ * head ("head.*"); its output is the head's [z, scores_0, ...]; each
+ * backward takes SwAV's gradient written over that output, so the model
+ * hands the arena back as it passes the head and the trunk's layers. Units (--wrap block): each
  * residual block (each layer of the CNN), the head, and each
  * head.prototypes<j> an fp32 unit of its own inside it (mixed precision
  * FULL); sync batch norm when the world is larger than one. After sharding
@@ -52,30 +54,6 @@
 #define QUEUE_MAX_BATCHES 64 /* SwAV: 3840 rows with batches of 256, 15 */
 #define HEAD_SEED 0x5357415648454144ull /* the head's re-initialisation */
 
-/* ---- The root module: trunk then head ---- */
-
-static enum fsdp_status root_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
-                                     struct fsdp_tensor *out) {
-    struct swav_root *R = m->impl;
-    if (R->trunk_only) return fsdp_module_forward(R->trunk, ctx, in, out);
-    struct fsdp_tensor f = {0};
-    TRY(fsdp_module_forward(R->trunk, ctx, in, &f));
-    return fsdp_module_forward(R->head, ctx, &f, out);
-}
-
-static enum fsdp_status root_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
-                                      struct fsdp_tensor *din) {
-    struct swav_root *R = m->impl;
-    struct fsdp_tensor df = {0};
-    TRY(fsdp_module_backward(R->head, ctx, dout, &df));
-    return fsdp_module_backward(R->trunk, ctx, &df, din);
-}
-
-static void root_destroy(struct fsdp_module *m) { free(m->impl); }
-
-static const struct fsdp_module_ops root_ops = {"SwAV", root_forward, root_backward, root_destroy};
-
-
 /* --wrap block: a unit per residual block (per layer of the CNN), the head,
  * and each prototype layer an fp32 unit inside it (VISSL's FSDP SwAV). */
 static enum fsdp_wrap swav_wrap(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr) {
@@ -109,28 +87,8 @@ static enum fsdp_status build(struct fsdp_ctx *ctx, struct swav *k, struct fsdp_
         fsdp_module_free(trunk);
         return st;
     }
-    struct swav_root *R = calloc(1, sizeof *R);
-    if (!R || (st = fsdp_module_create(ctx, &root_ops, "", &root)) != FSDP_OK) {
-        free(R);
-        fsdp_module_free(trunk);
-        fsdp_module_free(head);
-        return st != FSDP_OK ? st : FSDP_ERR_NOMEM;
-    }
-    root->impl = R;
-    R->trunk = trunk;
-    R->head = head;
-    if ((st = fsdp_module_add_child(ctx, root, trunk)) != FSDP_OK) {
-        fsdp_module_free(trunk);
-        fsdp_module_free(head);
-    } else if ((st = fsdp_module_add_child(ctx, root, head)) != FSDP_OK) {
-        fsdp_module_free(head);
-    }
-    if (st == FSDP_OK) st = fsdp_module_finalize(ctx, root);
-    if (st != FSDP_OK) {
-        fsdp_module_free(root);
-        return st;
-    }
-    k->R = R;
+    TRY(fsdp_swav_model_create(ctx, "", trunk, head, &root)); /* it takes trunk and head */
+    k->trunk = trunk;
     k->head = head;
     *out = root;
     return FSDP_OK;
@@ -494,8 +452,12 @@ static enum fsdp_status user_loss(struct fsdp_ctx *ctx, const struct fsdp_tensor
     return FSDP_OK;
 }
 
+/* The gradient is written over the model's output (the library's then, and
+ * dead once taken: backward hands the arena back as it passes the head and
+ * the trunk's layers, [Note: backward releases the blocks]); the output's
+ * values were copied out before. */
 static enum fsdp_status loss_backward(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct swav *k,
-                                      const struct fsdp_tensor *out, const float *grad, double value, float *dbuf) {
+                                      const struct fsdp_tensor *out, const float *grad, double value) {
     struct fsdp_loss L = {0};
     L.kind = FSDP_LOSS_USER;
     L.fn = user_loss;
@@ -503,7 +465,6 @@ static enum fsdp_status loss_backward(struct fsdp_ctx *ctx, struct fsdp_model *f
     k->loss_value = value;
     struct fsdp_tensor d = *out, tg = *out;
     tg.data = (void *)grad;
-    d.data = dbuf;
     TRY(fsdp_model_loss(ctx, fm, &L, out, &tg, 1, NULL, &d));
     return fsdp_model_backward(ctx, fm, &d);
 }
@@ -584,7 +545,7 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
     double loss_g = 0;
     TRY(crop_terms(ctx, k, Bl, V, 0, k->og, k->dg, &loss_g));
     if (k->L && (int64_t)step * o->batch / n >= o->queue_start_epoch) TRY(queue_push(ctx, k));
-    TRY(loss_backward(ctx, fm, k, &outg, k->dg, loss_g, k->og));
+    TRY(loss_backward(ctx, fm, k, &outg, k->dg, loss_g));
     if (V) { /* --bn-stats-crops global: the small crops leave the running statistics alone */
         int global_only = !strcmp(o->bn_stats_crops, "global");
         if (global_only) fsdp_batchnorm_set_update_stats(t->root, 0, NULL);
@@ -594,7 +555,7 @@ static enum fsdp_status swav_step(struct task *t, struct fsdp_ctx *ctx, struct f
         memcpy(k->os, outs.data, (size_t)(V * Bl * W) * sizeof(float));
         double loss_s = 0;
         TRY(crop_terms(ctx, k, Bl, V, 1, k->os, k->ds, &loss_s));
-        TRY(loss_backward(ctx, fm, k, &outs, k->ds, loss_s, k->os));
+        TRY(loss_backward(ctx, fm, k, &outs, k->ds, loss_s));
     }
     TRY(fsdp_model_optim_step(ctx, fm, lr, o->clip, r));
     char hx[24];
