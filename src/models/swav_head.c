@@ -186,60 +186,29 @@ enum fsdp_status fsdp_swav_head_create(struct fsdp_ctx *ctx, const char *name, c
 /* ---- The model: trunk, then head ---- */
 
 struct swav_model {
-    struct fsdp_module *trunk, *head; /* children */
-    size_t marks[2];                  /* the arena's mark before the trunk's and the head's forward */
-    int ndim;
-    int64_t shape[FSDP_MAX_DIMS];     /* of the last input */
-    int trunk_only, ran;              /* ran: 0 none, 1 the trunk, 2 both */
+    struct fsdp__chain chain; /* children trunk, head ([Note: backward releases the blocks]
+                                 as Sequential's: a ResNet trunk releases its layers too) */
+    int trunk_only;
 };
 
 static enum fsdp_status model_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
                                       struct fsdp_tensor *out) {
     struct swav_model *S = m->impl;
     FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 0, 0));
-    S->ran = 0;
-    S->ndim = in->ndim;
-    memcpy(S->shape, in->shape, sizeof S->shape);
-    S->marks[0] = fsdp_arena_mark(ctx);
-    if (S->trunk_only) {
-        FSDP_TRY(fsdp_module_forward(S->trunk, ctx, in, out));
-        S->ran = 1;
-        return FSDP_OK;
-    }
-    struct fsdp_tensor f = {0};
-    FSDP_TRY(fsdp_module_forward(S->trunk, ctx, in, &f));
-    S->marks[1] = fsdp_arena_mark(ctx);
-    FSDP_TRY(fsdp_module_forward(S->head, ctx, &f, out));
-    S->ran = 2;
-    return FSDP_OK;
+    return fsdp__chain_forward(m, ctx, &S->chain, S->trunk_only ? 1 : 2, in, out);
 }
 
-/* [Note: backward releases the blocks] (src/models/gpt.c) as Sequential's
- * (src/nn/resblock.c): handed the library's dead output gradient, the head's
- * input gradient moves down to where the head's forward began and the trunk
- * gets it dead in turn, so a ResNet trunk releases its layers as it passes
- * them. */
 static enum fsdp_status model_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
                                        struct fsdp_tensor *din) {
     struct swav_model *S = m->impl;
-    if (!S->ran) return fsdp__err(ctx, FSDP_ERR_STATE, "SwAV model '%s': backward without forward", fsdp__mname(m));
-    int release = fsdp__dout_dead(ctx, m, dout) && (!din || !din->data), handed = release;
-    if (din && !release)
-        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, S->ndim, S->shape, "SwAV model input gradient"));
-    size_t mark = fsdp_arena_mark(ctx);
-    struct fsdp_tensor df = *dout;
-    enum fsdp_status st = FSDP_OK;
-    if (S->ran == 2) {
-        memset(&df, 0, sizeof df);
-        st = fsdp__backward_releasing(ctx, S->head, dout, &df, S->marks[1], &release);
-    }
-    if (st == FSDP_OK) st = fsdp__backward_releasing(ctx, S->trunk, &df, din, S->marks[0], &release);
-    if (handed) fsdp__dout_dead_hand(ctx, NULL, NULL); /* din may lie above mark: nothing released */
-    else fsdp_arena_release(ctx, mark);
-    return st;
+    return fsdp__chain_backward(m, ctx, &S->chain, dout, din);
 }
 
-static void model_destroy(struct fsdp_module *m) { free(m->impl); }
+static void model_destroy(struct fsdp_module *m) {
+    struct swav_model *S = m->impl;
+    if (S) free(S->chain.marks);
+    free(S);
+}
 
 static const struct fsdp_module_ops model_ops = {"SwAV", model_forward, model_backward, model_destroy};
 
@@ -261,9 +230,9 @@ enum fsdp_status fsdp_swav_model_create(struct fsdp_ctx *ctx, const char *name, 
     }
     m->impl = S;
     struct fsdp_module *t = trunk;
-    st = fsdp__adopt(ctx, m, FSDP_OK, &t, &S->trunk);
+    st = fsdp__adopt(ctx, m, FSDP_OK, &t, NULL);
     t = head;
-    if (st == FSDP_OK) st = fsdp__adopt(ctx, m, FSDP_OK, &t, &S->head);
+    if (st == FSDP_OK) st = fsdp__adopt(ctx, m, FSDP_OK, &t, NULL);
     else fsdp_module_free(head);
     if (st == FSDP_OK) st = fsdp_module_finalize(ctx, m);
     if (st != FSDP_OK) {

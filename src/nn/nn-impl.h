@@ -241,6 +241,21 @@ void fsdp__release_to(struct fsdp_ctx *ctx, int *release, size_t mark, struct fs
  * into din, then fsdp__release_to(din). */
 enum fsdp_status fsdp__backward_releasing(struct fsdp_ctx *ctx, struct fsdp_module *c, const struct fsdp_tensor *dout,
                                           struct fsdp_tensor *din, size_t mark, int *release);
+/* A module that runs its first n children in order, each one's output the
+ * next one's input (Sequential; SwAV's model, trunk then head), and whose
+ * backward releases as it passes them. (resblock.c) */
+struct fsdp__chain {
+    int ndim;
+    int64_t shape[FSDP_MAX_DIMS]; /* of the last input */
+    size_t *marks;                /* (n_children) the arena's mark before each child's forward */
+    int ran;                      /* children the last forward ran, 0: none */
+};
+enum fsdp_status fsdp__chain_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, struct fsdp__chain *c, int n,
+                                     const struct fsdp_tensor *in, struct fsdp_tensor *out);
+/* The backward of the children the last forward ran, the last one first:
+ * FSDP_ERR_STATE naming m without a forward. */
+enum fsdp_status fsdp__chain_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, struct fsdp__chain *c,
+                                      const struct fsdp_tensor *dout, struct fsdp_tensor *din);
 
 /* ---- Tensors ---- */
 /* Sets t's dtype and shape, and its layout to PLAIN (a module writing

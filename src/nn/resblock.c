@@ -39,48 +39,41 @@ enum fsdp_status fsdp__backward_releasing(struct fsdp_ctx *ctx, struct fsdp_modu
 }
 
 
-struct sequential {
-    int ndim;
-    int64_t shape[FSDP_MAX_DIMS]; /* of the last input */
-    size_t *marks;                /* (n_children) the arena's mark before each child's forward */
-};
-
-static enum fsdp_status seq_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
-                                    struct fsdp_tensor *out) {
-    struct sequential *S = m->impl;
-    if (!m->n_children) return fsdp__err(ctx, FSDP_ERR_STATE, "Sequential '%s' is empty", fsdp__mname(m));
-    FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 0, 0));
-    if (!S->marks && !(S->marks = calloc((size_t)m->n_children, sizeof *S->marks)))
-        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for Sequential '%s'", fsdp__mname(m));
-    S->ndim = in->ndim;
-    memcpy(S->shape, in->shape, sizeof S->shape);
+enum fsdp_status fsdp__chain_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, struct fsdp__chain *c, int n,
+                                     const struct fsdp_tensor *in, struct fsdp_tensor *out) {
+    c->ran = 0;
+    if (!c->marks && !(c->marks = calloc((size_t)m->n_children, sizeof *c->marks)))
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for %s '%s'", m->ops->type, fsdp__mname(m));
+    c->ndim = in->ndim;
+    memcpy(c->shape, in->shape, sizeof c->shape);
     struct fsdp_tensor cur = *in;
-    for (int i = 0; i < m->n_children; i++) {
+    for (int i = 0; i < n; i++) {
         struct fsdp_tensor next = {0};
-        struct fsdp_tensor *dst = i + 1 == m->n_children ? out : &next;
-        S->marks[i] = fsdp_arena_mark(ctx);
+        struct fsdp_tensor *dst = i + 1 == n ? out : &next;
+        c->marks[i] = fsdp_arena_mark(ctx);
         FSDP_TRY(fsdp_module_forward(m->children[i], ctx, &cur, dst));
         cur = *dst;
     }
+    c->ran = n;
     return FSDP_OK;
 }
 
-static enum fsdp_status seq_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
-                                     struct fsdp_tensor *din) {
-    struct sequential *S = m->impl;
-    if (!S->ndim) return fsdp__err(ctx, FSDP_ERR_STATE, "Sequential '%s': backward without forward", fsdp__mname(m));
+enum fsdp_status fsdp__chain_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, struct fsdp__chain *c,
+                                      const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
+    if (!c->ran)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "%s '%s': backward without forward", m->ops->type, fsdp__mname(m));
     /* [Note: backward releases the blocks] (src/models/gpt.c) with a dead gradient: each child's
      * input gradient moves down to where the child's forward began, the rest above goes back; the
      * first child makes din itself, for the same move */
     int release = fsdp__dout_dead(ctx, m, dout) && (!din || !din->data), handed = release;
     if (din && !release)
-        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, S->ndim, S->shape, "Sequential input gradient"));
+        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, c->ndim, c->shape, "input gradient"));
     size_t mark = fsdp_arena_mark(ctx);
     struct fsdp_tensor cur = *dout;
     enum fsdp_status st = FSDP_OK;
-    for (int i = m->n_children - 1; i >= 0 && st == FSDP_OK; i--) {
+    for (int i = c->ran - 1; i >= 0 && st == FSDP_OK; i--) {
         struct fsdp_tensor prev = {0}, *dst = i == 0 ? din : &prev;
-        st = fsdp__backward_releasing(ctx, m->children[i], &cur, dst, S->marks[i], &release);
+        st = fsdp__backward_releasing(ctx, m->children[i], &cur, dst, c->marks[i], &release);
         cur = prev;
     }
     if (handed) fsdp__dout_dead_hand(ctx, NULL, NULL); /* din may lie above mark: nothing released */
@@ -88,10 +81,22 @@ static enum fsdp_status seq_backward(struct fsdp_module *m, struct fsdp_ctx *ctx
     return st;
 }
 
+static enum fsdp_status seq_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
+                                    struct fsdp_tensor *out) {
+    if (!m->n_children) return fsdp__err(ctx, FSDP_ERR_STATE, "Sequential '%s' is empty", fsdp__mname(m));
+    FSDP_TRY(fsdp__check_input_any(ctx, m, in, FSDP_F32, 0, 0));
+    return fsdp__chain_forward(m, ctx, m->impl, m->n_children, in, out);
+}
+
+static enum fsdp_status seq_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *dout,
+                                     struct fsdp_tensor *din) {
+    return fsdp__chain_backward(m, ctx, m->impl, dout, din);
+}
+
 static void seq_destroy(struct fsdp_module *m) {
-    struct sequential *S = m->impl;
-    if (S) free(S->marks);
-    free(S);
+    struct fsdp__chain *c = m->impl;
+    if (c) free(c->marks);
+    free(c);
 }
 
 static const struct fsdp_module_ops seq_ops = {"Sequential", seq_forward, seq_backward, seq_destroy};
@@ -99,7 +104,7 @@ static const struct fsdp_module_ops seq_ops = {"Sequential", seq_forward, seq_ba
 enum fsdp_status fsdp_sequential_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out) {
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, &seq_ops, name, &m));
-    if (!(m->impl = fsdp__zalloc(1, sizeof(struct sequential)))) {
+    if (!(m->impl = fsdp__zalloc(1, sizeof(struct fsdp__chain)))) {
         fsdp_module_free(m);
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory creating Sequential '%s'", name);
     }
