@@ -1651,7 +1651,8 @@ enum fsdp_status fsdp_optim_group_set(struct fsdp_optim *opt, int group,
  * same way on every rank, e.g. from a fixed seed); without, edits are
  * discarded. rank0_only: only rank 0's parameters get values (others stay
  * shapes only); it cannot be combined with writeback. Nesting, calling it
- * from inside a forward or backward, and running the model while summoned
+ * from inside a forward or backward, and running the model, an optimizer
+ * step, fsdp_model_init_params or a checkpoint's save or load while summoned
  * are FSDP_ERR_STATE. Nothing needs resetting afterwards (no
  * _reset_lazy_init): units keep no state derived from parameter values,
  * and the summoned buffers are separate from the units' own, so the next

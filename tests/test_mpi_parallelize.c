@@ -620,7 +620,9 @@ TEST(summon_full_params_writeback_and_rank0_only) {
 /* [Note: summoned in place]: on one rank a summon with write-back edits the
  * shard itself and fsdp_model_get_param reads it, neither leaving a pooled
  * copy behind (the pool keeps what it hands out); edits land and a summon
- * without write-back still discards its own. */
+ * without write-back still discards its own. An optimizer step, init and a
+ * checkpoint wait for the summon's end (they would see the edits at once
+ * here, and have them written over at the end elsewhere). */
 TEST(summon_one_rank_in_place) {
     struct fsdp_ctx *c = get_ctx();
     struct fsdp_wrap_policy wp = {wrap_block_and_mlp, NULL};
@@ -638,6 +640,14 @@ TEST(summon_one_rank_in_place) {
     ASSERT_OK(fsdp_summon_full_params(c, fm, NULL, 1, 0), c);
     ASSERT(p->data != NULL);
     for (int64_t i = 0; i < p->numel; i++) p->data[i] = (float)(i % 13);
+    /* what reads or writes the shards waits for the summon's end, at any world size */
+    struct fsdp_step_result res;
+    CHECK_INT_EQ(fsdp_model_optim_step(c, fm, 1e-3f, 1.0f, &res), FSDP_ERR_STATE);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "optimizer step while the parameters are summoned");
+    CHECK_INT_EQ(fsdp_model_init_params(c, fm, 1), FSDP_ERR_STATE);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "init_params while the parameters are summoned");
+    CHECK_INT_EQ(fsdp_model_save_full(c, fm, "/nonexistent/never-written.safetensors"), FSDP_ERR_STATE);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "summoned");
     ASSERT_OK(fsdp_summon_end(c, fm), c);
     CHECK_OK(fsdp_model_get_param(c, fm, p->fqn, buf), c);
     fsdp_mem_get(c, &m1);

@@ -480,6 +480,12 @@ const char *const *fsdp__ckpt_state_names(const struct fsdp_optim *opt, int *k);
 /* Every rank returns the first failing rank's status and message. COLLECTIVE. */
 enum fsdp_status fsdp__ckpt_agree(struct fsdp_ctx *ctx, enum fsdp_status st);
 enum fsdp_status fsdp__ckpt_check_idle(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *what);
+/* FSDP_ERR_STATE naming `what` while fsdp_summon_full_params is open: what
+ * reads or writes the shards (an optimizer step, init, a checkpoint's save or
+ * load) would see the summoned edits at once where the shard itself is
+ * summoned ([Note: summoned in place], parallelize.c), and have them written
+ * over at fsdp_summon_end elsewhere. */
+enum fsdp_status fsdp__check_unsummoned(struct fsdp_ctx *ctx, const struct fsdp_model *fm, const char *what);
 /* Rank's overlap [s, e) (flat) with parameter j of u; returns 0 if none. */
 int fsdp__ckpt_overlap(const struct fsdp__unit *u, int rank, int j, int64_t *s, int64_t *e);
 char *fsdp__path_join(const char *dir, const char *name); /* malloc'd */

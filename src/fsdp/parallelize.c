@@ -585,6 +585,11 @@ enum fsdp_status fsdp_summon_full_params(struct fsdp_ctx *ctx, struct fsdp_model
     return FSDP_OK;
 }
 
+enum fsdp_status fsdp__check_unsummoned(struct fsdp_ctx *ctx, const struct fsdp_model *fm, const char *what) {
+    if (!fm->summon_active) return FSDP_OK;
+    return fsdp__err(ctx, FSDP_ERR_STATE, "%s while the parameters are summoned: call fsdp_summon_end first", what);
+}
+
 enum fsdp_status fsdp_summon_end(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
     if (!fm->summon_active)
         return fsdp__err(ctx, FSDP_ERR_STATE, "summon_end without fsdp_summon_full_params");

@@ -709,6 +709,7 @@ static double comm_wait_total(const struct fsdp_model *fm) {
 
 enum fsdp_status fsdp_model_optim_step(struct fsdp_ctx *ctx, struct fsdp_model *fm, float lr, float clip,
                                        struct fsdp_step_result *res) {
+    FSDP_TRY(fsdp__check_unsummoned(ctx, fm, "optimizer step"));
     if (!fm->optim)
         return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: no optimizer attached (fsdp_model_attach_optim)");
     struct fsdp__step *sp = &fm->step;
@@ -790,6 +791,7 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
                                              const int32_t *inputs, const int32_t *targets, int B, int T,
                                              int accum, enum fsdp_grad_accum mode, float lr, float clip,
                                              struct fsdp_step_result *res) {
+    FSDP_TRY(fsdp__check_unsummoned(ctx, fm, "optimizer step"));
     if (!fm->optim)
         return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: no optimizer attached (fsdp_model_attach_optim)");
     if (accum < 1 || (mode != FSDP_ACCUM_REDUCE_EACH && mode != FSDP_ACCUM_NO_SYNC))

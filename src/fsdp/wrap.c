@@ -377,6 +377,7 @@ void fsdp__model_shards_written(struct fsdp_model *fm) {
 /* ---- Initialisation after sharding ---- */
 
 enum fsdp_status fsdp_model_init_params(struct fsdp_ctx *ctx, struct fsdp_model *fm, uint64_t seed) {
+    FSDP_TRY(fsdp__check_unsummoned(ctx, fm, "init_params"));
     fsdp__model_shards_written(fm);
     for (int i = 0; i < fm->n_units; i++) {
         struct fsdp__unit *u = &fm->units[i];

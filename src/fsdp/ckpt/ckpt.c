@@ -70,6 +70,7 @@ enum fsdp_status fsdp__ckpt_agree(struct fsdp_ctx *ctx, enum fsdp_status st) {
 }
 
 enum fsdp_status fsdp__ckpt_check_idle(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *what) {
+    FSDP_TRY(fsdp__check_unsummoned(ctx, fm, what));
     for (int i = 0; i < fm->n_units; i++)
         if (fm->units[i].state_ != UNIT_SHARDED)
             return fsdp__err(ctx, FSDP_ERR_STATE, "%s: unit '%s' is gathered or failed (state %d)", what,
