@@ -66,8 +66,9 @@ enum fsdp_status fsdp__chain_backward(struct fsdp_module *m, struct fsdp_ctx *ct
      * input gradient moves down to where the child's forward began, the rest above goes back; the
      * first child makes din itself, for the same move */
     int release = fsdp__dout_dead(ctx, m, dout) && (!din || !din->data), handed = release;
-    if (din && !release)
-        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, c->ndim, c->shape, "input gradient"));
+    char what[64];
+    snprintf(what, sizeof what, "%s input gradient", m->ops->type);
+    if (din && !release) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, c->ndim, c->shape, what));
     size_t mark = fsdp_arena_mark(ctx);
     struct fsdp_tensor cur = *dout;
     enum fsdp_status st = FSDP_OK;
