@@ -28,6 +28,11 @@ struct swav_head {
 
 static int64_t out_width(const struct fsdp_swav_head_config *c) { return c->out_dim + c->n_heads * c->n_prototypes; }
 
+/* The head's 16-bit copy of z for dtype dt (of two: BF16, F16), NULL for fp32. */
+static struct fsdp_tensor *z16_slot(struct fsdp_tensor *z16, enum fsdp_dtype dt) {
+    return dt == FSDP_BF16 ? &z16[0] : dt == FSDP_F16 ? &z16[1] : NULL;
+}
+
 static enum fsdp_status head_forward(struct fsdp_module *m, struct fsdp_ctx *ctx, const struct fsdp_tensor *in,
                                      struct fsdp_tensor *out) {
     struct swav_head *H = m->impl;
@@ -52,15 +57,15 @@ static enum fsdp_status head_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
     struct fsdp_tensor z16[2] = {{0}, {0}}; /* BF16, F16 */
     for (int j = 0; j < c->n_heads; j++) {
         enum fsdp_dtype dt = fsdp__input_dtype(H->protos[j]);
-        struct fsdp_tensor *t = dt == FSDP_BF16 ? &z16[0] : dt == FSDP_F16 ? &z16[1] : NULL;
+        struct fsdp_tensor *t = z16_slot(z16, dt);
         if (!t || t->data) continue;
         FSDP_TRY(fsdp__tensor_prepare(ctx, t, dt, 2, z.shape, "SwAV head's 16-bit embedding"));
         if (!fsdp__measuring) fsdp__cvt_from_f32(dt, zd, t->data, (size_t)(N * D));
     }
     for (int j = 0; j < c->n_heads; j++) {
         struct fsdp_tensor s = {0};
-        enum fsdp_dtype dt = fsdp__input_dtype(H->protos[j]);
-        const struct fsdp_tensor *zin = dt == FSDP_BF16 ? &z16[0] : dt == FSDP_F16 ? &z16[1] : &z;
+        const struct fsdp_tensor *zin = z16_slot(z16, fsdp__input_dtype(H->protos[j]));
+        if (!zin) zin = &z;
         size_t mark = fsdp_arena_mark(ctx);
         FSDP_TRY(fsdp_module_forward(H->protos[j], ctx, zin, &s));
         const float *sd = s.data;
@@ -186,8 +191,9 @@ enum fsdp_status fsdp_swav_head_create(struct fsdp_ctx *ctx, const char *name, c
 /* ---- The model: trunk, then head ---- */
 
 struct swav_model {
-    struct fsdp__chain chain; /* children trunk, head ([Note: backward releases the blocks]
-                                 as Sequential's: a ResNet trunk releases its layers too) */
+    struct fsdp__chain chain; /* first: freed as one (fsdp__chain_free); children trunk, head
+                                 ([Note: backward releases the blocks] as Sequential's: a
+                                 ResNet trunk releases its layers too) */
     int trunk_only;
 };
 
@@ -206,8 +212,7 @@ static enum fsdp_status model_backward(struct fsdp_module *m, struct fsdp_ctx *c
 
 static void model_destroy(struct fsdp_module *m) {
     struct swav_model *S = m->impl;
-    if (S) free(S->chain.marks);
-    free(S);
+    fsdp__chain_free(S ? &S->chain : NULL);
 }
 
 static const struct fsdp_module_ops model_ops = {"SwAV", model_forward, model_backward, model_destroy};

@@ -256,6 +256,8 @@ enum fsdp_status fsdp__chain_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
  * FSDP_ERR_STATE naming m without a forward. */
 enum fsdp_status fsdp__chain_backward(struct fsdp_module *m, struct fsdp_ctx *ctx, struct fsdp__chain *c,
                                       const struct fsdp_tensor *dout, struct fsdp_tensor *din);
+/* Frees c (allocated with the module) and its marks. */
+void fsdp__chain_free(struct fsdp__chain *c);
 
 /* ---- Tensors ---- */
 /* Sets t's dtype and shape, and its layout to PLAIN (a module writing

@@ -66,9 +66,11 @@ enum fsdp_status fsdp__chain_backward(struct fsdp_module *m, struct fsdp_ctx *ct
      * input gradient moves down to where the child's forward began, the rest above goes back; the
      * first child makes din itself, for the same move */
     int release = fsdp__dout_dead(ctx, m, dout) && (!din || !din->data), handed = release;
-    char what[64];
-    snprintf(what, sizeof what, "%s input gradient", m->ops->type);
-    if (din && !release) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, c->ndim, c->shape, what));
+    if (din && !release) {
+        char what[64];
+        snprintf(what, sizeof what, "%s input gradient", m->ops->type);
+        FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, c->ndim, c->shape, what));
+    }
     size_t mark = fsdp_arena_mark(ctx);
     struct fsdp_tensor cur = *dout;
     enum fsdp_status st = FSDP_OK;
@@ -94,11 +96,12 @@ static enum fsdp_status seq_backward(struct fsdp_module *m, struct fsdp_ctx *ctx
     return fsdp__chain_backward(m, ctx, m->impl, dout, din);
 }
 
-static void seq_destroy(struct fsdp_module *m) {
-    struct fsdp__chain *c = m->impl;
+void fsdp__chain_free(struct fsdp__chain *c) {
     if (c) free(c->marks);
     free(c);
 }
+
+static void seq_destroy(struct fsdp_module *m) { fsdp__chain_free(m->impl); }
 
 static const struct fsdp_module_ops seq_ops = {"Sequential", seq_forward, seq_backward, seq_destroy};
 
