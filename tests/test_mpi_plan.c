@@ -590,6 +590,82 @@ TEST(plan_lends_gradient_shards) {
     CHECK(a[1] > 0 && (a[4] != 0 || a[5] != 0 || a[6] != 0));
 }
 
+/* [Note: LayerNorm outputs rebuilt] (src/nn/block.c): a GPT whose Blocks
+ * keep no LayerNorm output (each rebuilt in backward in the window GPT
+ * lends) trains to the same bits as one that keeps them (FSDP_LN_REBUILD=0),
+ * in fp32 and bf16: losses, norms and gradients of the LayerNorms and of
+ * c_attn and c_fc, whose weight gradients read the rebuilt outputs (a missed
+ * rebuild hands c_attn ln_2's output). Blocks checkpointed (1) or their
+ * attention (2) re-run their forwards into the window; with Block 1 an fp32
+ * unit (mp -1) its outputs are fp32 in a bf16 model. The plans equal the
+ * runs, and where nothing is checkpointed the rebuilding plan keeps fewer
+ * activation bytes. */
+static void ln_rebuild_run(int rebuild, enum fsdp_dtype prec, int ckpt, int mp, double out[12],
+                           struct fsdp_mem_plan *plan) {
+    struct fsdp_ctx *c = get_ctx();
+    if (!rebuild) setenv("FSDP_LN_REBUILD", "0", 1);
+    struct fsdp_gpt_config cfg;
+    fsdp_gpt_config_preset("tiny", &cfg);
+    struct fsdp_shard_opts so = fsdp_shard_opts_default();
+    so.precision = prec;
+    so.mixed_precision = mp < 0 ? FSDP_MP_DEFAULT : (enum fsdp_mixed_precision)mp;
+    if (mp < 0) so.wrap = wrap_block1_fp32;
+    struct run r;
+    struct fsdp_mem_stats m0;
+    measure_from(c, &m0);
+    ASSERT_OK(setup_opts(c, &cfg, ckpt, 2, 64, &so, &r, plan), c);
+    int32_t in[2 * 64], tg[2 * 64];
+    for (int i = 0; i < 2 * 64; i++)
+        in[i] = (i * 41 + 7 * fsdp_ctx_rank(c)) % cfg.vocab_size, tg[i] = (i * 23 + 9) % cfg.vocab_size;
+    for (int s = 0; s < 2; s++) {
+        struct fsdp_step_result res;
+        ASSERT_OK(fsdp_model_train_step(c, r.fm, in, tg, 2, 64, 1e-3f, 1.0f, &res), c);
+        out[2 * s] = res.loss;
+        out[2 * s + 1] = res.grad_norm;
+    }
+    char what[80];
+    snprintf(what, sizeof what, "%s ckpt %d mp %d, LayerNorm outputs %s", fsdp_dtype_name(prec), ckpt, mp,
+             rebuild ? "rebuilt" : "kept");
+    check_equal(c, plan, &m0, what);
+    static const char *const names[4] = {"transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_fc.weight",
+                                         "transformer.h.0.ln_1.weight", "transformer.h.1.ln_2.bias"};
+    for (int k = 0; k < 4; k++) {
+        int64_t n = fsdp_module_find_param(r.gpt, names[k])->numel;
+        float *g = malloc(sizeof(float) * (size_t)n);
+        ASSERT(g != NULL);
+        ASSERT_OK(fsdp_model_get_grad(c, r.fm, names[k], g), c);
+        double sum = 0, asum = 0;
+        for (int64_t i = 0; i < n; i++) sum += g[i] * (double)(i % 7 + 1), asum += fabs(g[i]);
+        out[4 + 2 * k] = sum;
+        out[5 + 2 * k] = asum;
+        free(g);
+    }
+    run_free(&r);
+    unsetenv("FSDP_LN_REBUILD");
+}
+
+static void check_ln_rebuild(enum fsdp_dtype prec, int ckpt, int mp) {
+    double a[12], b[12];
+    struct fsdp_mem_plan pa, pb;
+    ln_rebuild_run(1, prec, ckpt, mp, a, &pa);
+    ln_rebuild_run(0, prec, ckpt, mp, b, &pb);
+    for (int i = 0; i < 12; i++)
+        if (memcmp(&a[i], &b[i], sizeof a[i]) != 0) TEST_FAILF("value %d: rebuilt %.9g, kept %.9g", i, a[i], b[i]);
+    for (int i = 4; i < 12; i += 2) CHECK(a[i + 1] > 0);
+    if (ckpt == 0) {
+        if (!(pa.act < pb.act)) TEST_FAILF("activations rebuilt %zu bytes, kept %zu", pa.act, pb.act);
+    } else {
+        CHECK(pa.act <= pb.act);
+    }
+}
+
+TEST(layernorm_outputs_rebuilt) { check_ln_rebuild(FSDP_F32, 0, FSDP_MP_DEFAULT); }
+TEST(layernorm_outputs_rebuilt_checkpointed) { check_ln_rebuild(FSDP_F32, 1, FSDP_MP_DEFAULT); }
+TEST(layernorm_outputs_rebuilt_bf16) { check_ln_rebuild(FSDP_BF16, 0, FSDP_MP_DEFAULT); }
+TEST(layernorm_outputs_rebuilt_bf16_checkpointed) { check_ln_rebuild(FSDP_BF16, 1, FSDP_MP_DEFAULT); }
+TEST(layernorm_outputs_rebuilt_bf16_attention_checkpointed) { check_ln_rebuild(FSDP_BF16, 2, FSDP_MP_DEFAULT); }
+TEST(layernorm_outputs_rebuilt_bf16_fp32_unit) { check_ln_rebuild(FSDP_BF16, 0, -1); }
+
 /* The arena lends a model's gradient shards until its optimizer step; another
  * model's forward on the same context in between resets the arena, and the
  * shards move to the first model's own buffers: its step is the same bits. */
@@ -671,13 +747,15 @@ TEST(plan_bf16_against_fp32) {
        fp32's at one rank (no pooled 16-bit copy at a shard group of one, [Note: 16-bit values from
        the shard]; the gradient shards in the pages backward released, [Note: gradient shards born
        in backward]: 0.831 without them), 0.739 at two, 0.708 at three, 0.689 at four (4 x 256 tokens
-       per rank).
+       per rank). Rebuilding the LayerNorms' outputs in backward ([Note: LayerNorm outputs rebuilt])
+       takes twice as much off fp32's peak as off bf16's (72 and 36 MiB): activations 0.486, the
+       total 0.819 at one rank, 0.747 at two, 0.715 at three, 0.697 at four.
        An arena growing in chunks (a machine that refuses the span) strands more in bf16's first
        step. */
     if (arena_span_expected()) {
         if ((double)p16.act > 0.49 * (double)p32.act)
             TEST_FAILF("bf16 activations %zu bytes > 0.49 x fp32's %zu", p16.act, p32.act);
-        static const double most_at[4] = {0.815, 0.75, 0.72, 0.70};
+        static const double most_at[4] = {0.82, 0.75, 0.72, 0.70};
         double most = most_at[(world < 4 ? world : 4) - 1];
         if ((double)p16.total > most * (double)p32.total)
             TEST_FAILF("bf16 plan %zu bytes > %.3f x fp32's %zu", p16.total, most, p32.total);

@@ -71,7 +71,48 @@ enum fsdp_status fsdp__mlp_create(struct fsdp_ctx *ctx, const char *name, int64_
 struct block {
     int64_t C;
     struct fsdp_module *ln_1, *attn, *ln_2, *mlp; /* children */
+    void *window; /* [Note: LayerNorm outputs rebuilt]: lent by the model, or NULL */
+    size_t window_bytes;
 };
+
+/* [Note: LayerNorm outputs rebuilt] A Block's LayerNorms hand their outputs
+ * to c_attn and c_fc (in 16 bits on the 16-bit path: [Note: 16-bit
+ * hand-off], precision.c), which keep them for their weight gradients. Each
+ * output is a function of what the LayerNorm keeps for its own backward
+ * anyway (its fp32 input, the rows' means and deviations), so the Block
+ * keeps neither: both LayerNorms write their outputs into a window the model
+ * lends the Block (fsdp__block_set_window), the consumers keep pointers into
+ * it as they would into tensors of their own, and the Block's backward writes
+ * each output there again just before its consumer's backward reads it
+ * (fsdp__layernorm_rebuild runs the forward's own row loop: the same bits):
+ * ln_2's before the MLP's backward, then ln_1's before the attention's. GPT
+ * lends block l the buffer of its gradient stream that the block's backward
+ * writes its input gradient into ([Note: backward releases the blocks],
+ * gpt.c; fp32 (B, T, C)), which nothing reads through the forward and which
+ * in the backward is free until ln_1's backward writes it, after the
+ * attention's backward, the window's last reader: the window costs nothing.
+ * GPT-2 at 4 x 256 tokens keeps 24 x 3 MiB less at the step's peak in fp32
+ * (ln_f's backward), 24 x 1.5 in bf16 (the lm_head's forward), for two passes
+ * over a LayerNorm's input a Block in backward, within the noise of the
+ * step's time (bench/README.md: the dW products read the operand from a
+ * window in cache). A checkpointed Block or attention re-runs its forward
+ * into the same window before the rebuild. A LayerNorm that is a unit of its
+ * own (whose parameters could be resharded before the rebuild) is not lent
+ * the window, nor is any under FSDP_LN_REBUILD=0, which keeps the outputs
+ * (tests/test_mpi_plan.c checks the same bits either way). */
+void fsdp__block_set_window(struct fsdp_module *m, void *window, size_t bytes) {
+    struct block *K = m->impl;
+    K->window = window;
+    K->window_bytes = window ? bytes : 0;
+}
+
+/* ln's next forward writes its output (n elements of dt) into the window where
+ * it fits */
+static void lend(struct block *K, struct fsdp_module *ln, enum fsdp_dtype dt, int64_t n) {
+    if (K->window && (size_t)n * fsdp_dtype_size(dt) <= K->window_bytes && !ln->priv->hooks &&
+        fsdp__env_checked("FSDP_LN_REBUILD", 1))
+        fsdp__layernorm_write_into(ln, K->window);
+}
 
 static void add_into(float *dst, const float *src, int64_t n) {
 #pragma omp parallel for simd schedule(static)
@@ -86,10 +127,12 @@ static enum fsdp_status block_forward(struct fsdp_module *m, struct fsdp_ctx *ct
     struct fsdp_tensor a = {0}, x1 = {0}, c = {0};     /* (B, T, C) each */
     a.dtype = fsdp__input_dtype(K->attn);
     c.dtype = fsdp__input_dtype(K->mlp);
+    lend(K, K->ln_1, a.dtype, n); /* [Note: LayerNorm outputs rebuilt] */
     FSDP_TRY(fsdp_module_forward(K->ln_1, ctx, in, &a)); /* ln_1 saves x: never written */
     FSDP_TRY(fsdp_module_forward(K->attn, ctx, &a, &x1));
     add_into(x1.data, in->data, n);                       /* x1 = x + attn(ln_1(x)) */
-    FSDP_TRY(fsdp_module_forward(K->ln_2, ctx, &x1, &c)); /* ln_2 saves x1 */
+    lend(K, K->ln_2, c.dtype, n);
+    FSDP_TRY(fsdp_module_forward(K->ln_2, ctx, &x1, &c)); /* ln_2 saves x1; c may overwrite a */
     FSDP_TRY(fsdp_module_forward(K->mlp, ctx, &c, out));
     add_into(out->data, x1.data, n);                      /* out = x1 + mlp(ln_2(x1)) */
     return FSDP_OK;
@@ -106,8 +149,11 @@ static enum fsdp_status block_backward(struct fsdp_module *m, struct fsdp_ctx *c
     if (din) FSDP_TRY(fsdp__tensor_prepare(ctx, din, FSDP_F32, 3, dout->shape, "Block input gradient"));
     size_t mark = fsdp_arena_mark(ctx);
     struct fsdp_tensor dc = {0}, dx1 = {0}; /* (B, T, C) each */
-    enum fsdp_status st = fsdp_module_backward(K->mlp, ctx, dout, &dc);
+    /* [Note: LayerNorm outputs rebuilt]: each just before its reader's backward */
+    enum fsdp_status st = fsdp__layernorm_rebuild(K->ln_2, ctx);
+    if (st == FSDP_OK) st = fsdp_module_backward(K->mlp, ctx, dout, &dc);
     if (st == FSDP_OK) st = fsdp_module_backward(K->ln_2, ctx, &dc, &dx1);
+    if (st == FSDP_OK) st = fsdp__layernorm_rebuild(K->ln_1, ctx);
     if (st == FSDP_OK) {
         add_into(dx1.data, dout->data, n);
         struct fsdp_tensor da = dc;             /* reuses dc's buffer */

@@ -3,7 +3,9 @@
  * y = (x - mean) * rstd * weight + bias, per row of x (N, C). Saves x, the
  * row means and the reciprocal standard deviations (arena) for backward.
  * Writes y in 16 bits when asked ([Note: 16-bit hand-off]): each row is
- * computed in fp32 as always, then rounded.
+ * computed in fp32 as always, then rounded. Into a buffer lent for it, the
+ * output can be written there again later, the same bits ([Note: LayerNorm
+ * outputs rebuilt], block.c).
  */
 #include "nn/nn-impl.h"
 
@@ -18,7 +20,17 @@ struct layernorm {
     const float *x;                   /* (N, C) saved input, borrowed from the arena */
     float *mean, *rstd;               /* (N) each, in the arena */
     int64_t n;
+    void *into;                       /* a buffer lent for the next forward's output, or NULL */
+    void *lent;                       /* the last forward's output where it was lent, else NULL */
+    enum fsdp_dtype odt;              /* the last forward's output dtype */
 };
+
+/* y = (x - mu) * r * w + b over one row: forward and fsdp__layernorm_rebuild
+ * run this one loop, so a rebuilt output is the forward's bits */
+static void affine_row(const float *xi, float mu, float r, const float *w, const float *b, float *yi, int64_t C) {
+#pragma omp simd
+    for (int64_t c = 0; c < C; c++) yi[c] = (xi[c] - mu) * r * w[c] + b[c];
+}
 
 static enum fsdp_status layernorm_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                           const struct fsdp_tensor *in, struct fsdp_tensor *out) {
@@ -30,6 +42,9 @@ static enum fsdp_status layernorm_forward(struct fsdp_module *m, struct fsdp_ctx
     float *mean = fsdp__scratch(ctx, 2 * N, "LayerNorm statistics");
     if (!mean) return FSDP_ERR_NOMEM;
     enum fsdp_dtype odt = fsdp__wanted_dtype(out);
+    if (L->into) out->data = L->into; /* the lender sized it */
+    L->lent = L->into;
+    L->into = NULL;
     FSDP_TRY(fsdp__tensor_prepare(ctx, out, odt, in->ndim, in->shape, "LayerNorm output"));
     float *rows = NULL; /* a row per thread, rounded into out (16-bit output) */
     size_t mark = fsdp_arena_mark(ctx);
@@ -49,8 +64,7 @@ static enum fsdp_status layernorm_forward(struct fsdp_module *m, struct fsdp_ctx
 #pragma omp simd reduction(+ : v)
         for (int64_t c = 0; c < C; c++) v += (xi[c] - mu) * (xi[c] - mu);
         float r = 1.0f / sqrtf(v / (float)C + LN_EPS);
-#pragma omp simd
-        for (int64_t c = 0; c < C; c++) yi[c] = (xi[c] - mu) * r * w[c] + b[c];
+        affine_row(xi, mu, r, w, b, yi, C);
         if (rows) fsdp__cvt_from_f32(odt, yi, (uint16_t *)out->data + i * C, (size_t)C);
         mean[i] = mu;
         rstd[i] = r;
@@ -60,6 +74,33 @@ static enum fsdp_status layernorm_forward(struct fsdp_module *m, struct fsdp_ctx
     L->mean = mean;
     L->rstd = rstd;
     L->n = N;
+    L->odt = odt;
+    return FSDP_OK;
+}
+
+void fsdp__layernorm_write_into(struct fsdp_module *m, void *y) { ((struct layernorm *)m->impl)->into = y; }
+
+enum fsdp_status fsdp__layernorm_rebuild(struct fsdp_module *m, struct fsdp_ctx *ctx) {
+    struct layernorm *L = m->impl;
+    if (!L->lent) return FSDP_OK;
+    FSDP_TRY(fsdp__param_ready(ctx, L->weight, 0));
+    FSDP_TRY(fsdp__param_ready(ctx, L->bias, 0));
+    int64_t C = L->dim, N = L->n;
+    enum fsdp_dtype dt = L->odt;
+    size_t mark = fsdp_arena_mark(ctx);
+    float *rows = NULL; /* a row per thread, as the forward's */
+    if (dt != FSDP_F32 &&
+        !(rows = fsdp__scratch(ctx, (int64_t)omp_get_max_threads() * C, "LayerNorm rows (rebuilt output)")))
+        return FSDP_ERR_NOMEM;
+    const float *x = L->x, *mean = L->mean, *rstd = L->rstd, *w = fsdp__pdata(L->weight), *b = fsdp__pdata(L->bias);
+    void *y = L->lent;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++) {
+        float *yi = rows ? rows + (int64_t)omp_get_thread_num() * C : (float *)y + i * C;
+        affine_row(x + i * C, mean[i], rstd[i], w, b, yi, C);
+        if (rows) fsdp__cvt_from_f32(dt, yi, (uint16_t *)y + i * C, (size_t)C);
+    }
+    fsdp_arena_release(ctx, mark);
     return FSDP_OK;
 }
 

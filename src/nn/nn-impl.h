@@ -374,6 +374,12 @@ enum fsdp_status fsdp__embedding_create(struct fsdp_ctx *ctx, const char *name, 
 /* LayerNorm over the last dimension (dim), eps 1e-5; weight and bias (dim). */
 enum fsdp_status fsdp__layernorm_create(struct fsdp_ctx *ctx, const char *name, int64_t dim,
                                         struct fsdp_module **out_m);
+/* [Note: LayerNorm outputs rebuilt] (block.c): the next forward writes its
+ * output at y (room for its input's elements in the dtype asked) instead of
+ * a fresh arena tensor; rebuild writes the last forward's output there again
+ * from what that forward saved, the same bits (nothing where it was not lent). */
+void fsdp__layernorm_write_into(struct fsdp_module *m, void *y);
+enum fsdp_status fsdp__layernorm_rebuild(struct fsdp_module *m, struct fsdp_ctx *ctx);
 /* GELU, tanh approximation (GPT-2); no parameters. Backward may run in place
  * (din->data == dout->data). */
 enum fsdp_status fsdp__gelu_create(struct fsdp_ctx *ctx, const char *name, struct fsdp_module **out_m);
@@ -387,6 +393,11 @@ enum fsdp_status fsdp__mlp_create(struct fsdp_ctx *ctx, const char *name, int64_
 /* Pre-LN transformer block on (B, T, C): ln_1, attn, ln_2, mlp. */
 enum fsdp_status fsdp__block_create(struct fsdp_ctx *ctx, const char *name, int64_t C, int n_head,
                                     float proj_std, struct fsdp_module **out_m);
+/* Lends a Block the buffer (bytes long, or NULL) its next forward writes its
+ * LayerNorms' outputs into and its backward rebuilds them in ([Note:
+ * LayerNorm outputs rebuilt]): free from that forward to the Block's
+ * backward but for the Block's own use, and in that backward until ln_1's. */
+void fsdp__block_set_window(struct fsdp_module *m, void *window, size_t bytes);
 /* A container that exists for naming (forward/backward: FSDP_ERR_UNSUPPORTED),
  * of type "ModuleList" if is_list, else "Module". */
 enum fsdp_status fsdp__container_create(struct fsdp_ctx *ctx, const char *name, int is_list,
