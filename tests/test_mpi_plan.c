@@ -590,6 +590,14 @@ TEST(plan_lends_gradient_shards) {
     CHECK(a[1] > 0 && (a[4] != 0 || a[5] != 0 || a[6] != 0));
 }
 
+/* Units per Block, and each Block's LayerNorms units of their own. */
+static enum fsdp_wrap wrap_block_and_ln(struct fsdp_module *m, void *ud, struct fsdp_unit_overrides *ovr) {
+    (void)ud;
+    (void)ovr;
+    int ln_in_block = !strcmp(m->ops->type, "LayerNorm") && m->parent && !strcmp(m->parent->ops->type, "Block");
+    return ln_in_block || !strcmp(m->ops->type, "Block") ? FSDP_WRAP_UNIT : FSDP_WRAP_SKIP;
+}
+
 /* [Note: LayerNorm outputs rebuilt] (src/nn/block.c): a GPT whose Blocks
  * keep no LayerNorm output (each rebuilt in backward in the window GPT
  * lends) trains to the same bits as one that keeps them (FSDP_LN_REBUILD=0),
@@ -597,9 +605,11 @@ TEST(plan_lends_gradient_shards) {
  * c_attn and c_fc, whose weight gradients read the rebuilt outputs (a missed
  * rebuild hands c_attn ln_2's output). Blocks checkpointed (1) or their
  * attention (2) re-run their forwards into the window; with Block 1 an fp32
- * unit (mp -1) its outputs are fp32 in a bf16 model. The plans equal the
- * runs, and where nothing is checkpointed the rebuilding plan keeps fewer
- * activation bytes. */
+ * unit (mp -1) its outputs are fp32 in a bf16 model; LayerNorms that are
+ * units of their own (mp -2; resharded after their forward) keep their
+ * outputs. The plans equal the runs, and where nothing is checkpointed the
+ * rebuilding plan keeps fewer activation bytes (the same where nothing is
+ * lent). */
 static void ln_rebuild_run(int rebuild, enum fsdp_dtype prec, int ckpt, int mp, double out[12],
                            struct fsdp_mem_plan *plan) {
     struct fsdp_ctx *c = get_ctx();
@@ -609,7 +619,7 @@ static void ln_rebuild_run(int rebuild, enum fsdp_dtype prec, int ckpt, int mp, 
     struct fsdp_shard_opts so = fsdp_shard_opts_default();
     so.precision = prec;
     so.mixed_precision = mp < 0 ? FSDP_MP_DEFAULT : (enum fsdp_mixed_precision)mp;
-    if (mp < 0) so.wrap = wrap_block1_fp32;
+    if (mp < 0) so.wrap = mp == -1 ? wrap_block1_fp32 : wrap_block_and_ln;
     struct run r;
     struct fsdp_mem_stats m0;
     measure_from(c, &m0);
@@ -652,7 +662,10 @@ static void check_ln_rebuild(enum fsdp_dtype prec, int ckpt, int mp) {
     for (int i = 0; i < 12; i++)
         if (memcmp(&a[i], &b[i], sizeof a[i]) != 0) TEST_FAILF("value %d: rebuilt %.9g, kept %.9g", i, a[i], b[i]);
     for (int i = 4; i < 12; i += 2) CHECK(a[i + 1] > 0);
-    if (ckpt == 0) {
+    if (mp == -2) {
+        CHECK_INT_EQ(pa.act, pb.act);
+        CHECK_INT_EQ(pa.total, pb.total);
+    } else if (ckpt == 0) {
         if (!(pa.act < pb.act)) TEST_FAILF("activations rebuilt %zu bytes, kept %zu", pa.act, pb.act);
     } else {
         CHECK(pa.act <= pb.act);
@@ -665,6 +678,7 @@ TEST(layernorm_outputs_rebuilt_bf16) { check_ln_rebuild(FSDP_BF16, 0, FSDP_MP_DE
 TEST(layernorm_outputs_rebuilt_bf16_checkpointed) { check_ln_rebuild(FSDP_BF16, 1, FSDP_MP_DEFAULT); }
 TEST(layernorm_outputs_rebuilt_bf16_attention_checkpointed) { check_ln_rebuild(FSDP_BF16, 2, FSDP_MP_DEFAULT); }
 TEST(layernorm_outputs_rebuilt_bf16_fp32_unit) { check_ln_rebuild(FSDP_BF16, 0, -1); }
+TEST(layernorm_outputs_kept_by_layernorm_units) { check_ln_rebuild(FSDP_BF16, 0, -2); }
 
 /* The arena lends a model's gradient shards until its optimizer step; another
  * model's forward on the same context in between resets the arena, and the

@@ -97,7 +97,8 @@ struct block {
  * step's time (bench/README.md: the dW products read the operand from a
  * window in cache). A checkpointed Block or attention re-runs its forward
  * into the same window before the rebuild. A LayerNorm that is a unit of its
- * own (whose parameters could be resharded before the rebuild) is not lent
+ * own (whose parameters could be resharded before the rebuild) or is
+ * checkpointed itself (its output is copied out of the window) is not lent
  * the window, nor is any under FSDP_LN_REBUILD=0, which keeps the outputs
  * (tests/test_mpi_plan.c checks the same bits either way). */
 void fsdp__block_set_window(struct fsdp_module *m, void *window, size_t bytes) {
@@ -109,7 +110,7 @@ void fsdp__block_set_window(struct fsdp_module *m, void *window, size_t bytes) {
 /* ln's next forward writes its output (n elements of dt) into the window where
  * it fits */
 static void lend(struct block *K, struct fsdp_module *ln, enum fsdp_dtype dt, int64_t n) {
-    if (K->window && (size_t)n * fsdp_dtype_size(dt) <= K->window_bytes && !ln->priv->hooks &&
+    if (K->window && (size_t)n * fsdp_dtype_size(dt) <= K->window_bytes && !ln->priv->hooks && !ln->checkpoint &&
         fsdp__env_checked("FSDP_LN_REBUILD", 1))
         fsdp__layernorm_write_into(ln, K->window);
 }
