@@ -71,7 +71,7 @@ enum fsdp_status fsdp__mlp_create(struct fsdp_ctx *ctx, const char *name, int64_
 struct block {
     int64_t C;
     struct fsdp_module *ln_1, *attn, *ln_2, *mlp; /* children */
-    void *window; /* [Note: LayerNorm outputs rebuilt]: lent by the model, or NULL */
+    void *window; /* (window_bytes) bytes lent by the model, or NULL ([Note: LayerNorm outputs rebuilt]) */
     size_t window_bytes;
 };
 

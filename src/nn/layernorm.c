@@ -20,8 +20,9 @@ struct layernorm {
     const float *x;                   /* (N, C) saved input, borrowed from the arena */
     float *mean, *rstd;               /* (N) each, in the arena */
     int64_t n;
-    void *into;                       /* a buffer lent for the next forward's output, or NULL */
-    void *lent;                       /* the last forward's output where it was lent, else NULL */
+    void *into;                       /* (N, C) lent for the next forward's output, or NULL */
+    void *lent;                       /* (N, C) in odt: the last forward's output where it was
+                                         lent, else NULL */
     enum fsdp_dtype odt;              /* the last forward's output dtype */
 };
 
