@@ -66,15 +66,14 @@ static enum fsdp_status gpt_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     int64_t gshape[3] = {B, T, C};
     for (int k = 0; k < 2 && m->training; k++)
         FSDP_TRY(fsdp__tensor_prepare(ctx, &G->grad[k], FSDP_F32, 3, gshape, "GPT gradient stream"));
-    /* block l's backward writes its input gradient into grad[(n_layer - 1 - l) % 2] (the ping-pong
-       below): its window until then ([Note: LayerNorm outputs rebuilt], block.c) */
-    for (int l = 0; l < G->cfg.n_layer; l++) {
-        const struct fsdp_tensor *w = &G->grad[(G->cfg.n_layer - 1 - l) % 2];
-        fsdp__block_set_window(G->h[l], w->data, w->data ? (size_t)(B * T * C) * sizeof(float) : 0);
-    }
+    int lend = m->training && fsdp__env_checked("FSDP_LN_REBUILD", 1);
     /* blocks: each output is a fresh buffer (each block's ln_1 saved its input) */
     for (int l = 0; l < G->cfg.n_layer; l++) {
         struct fsdp_tensor y = {0};
+        /* block l's backward writes its input gradient into grad[(n_layer - 1 - l) % 2] (the
+           ping-pong below): its window until then ([Note: LayerNorm outputs rebuilt], block.c) */
+        const struct fsdp_tensor *w = &G->grad[(G->cfg.n_layer - 1 - l) % 2];
+        fsdp__block_set_window(G->h[l], lend ? w->data : NULL, lend ? (size_t)(B * T * C) * sizeof(float) : 0);
         G->marks[l] = fsdp_arena_mark(ctx);
         FSDP_TRY(fsdp_module_forward(G->h[l], ctx, &x, &y));
         x = y;

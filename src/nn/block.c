@@ -99,19 +99,18 @@ struct block {
  * into the same window before the rebuild. A LayerNorm that is a unit of its
  * own (whose parameters could be resharded before the rebuild) or is
  * checkpointed itself (its output is copied out of the window) is not lent
- * the window, nor is any under FSDP_LN_REBUILD=0, which keeps the outputs
+ * the window; GPT lends none under FSDP_LN_REBUILD=0, which keeps the outputs
  * (tests/test_mpi_plan.c checks the same bits either way). */
 void fsdp__block_set_window(struct fsdp_module *m, void *window, size_t bytes) {
     struct block *K = m->impl;
     K->window = window;
-    K->window_bytes = window ? bytes : 0;
+    K->window_bytes = bytes;
 }
 
 /* ln's next forward writes its output (n elements of dt) into the window where
  * it fits */
 static void lend(struct block *K, struct fsdp_module *ln, enum fsdp_dtype dt, int64_t n) {
-    if (K->window && (size_t)n * fsdp_dtype_size(dt) <= K->window_bytes && !ln->priv->hooks && !ln->checkpoint &&
-        fsdp__env_checked("FSDP_LN_REBUILD", 1))
+    if (K->window && (size_t)n * fsdp_dtype_size(dt) <= K->window_bytes && !ln->priv->hooks && !ln->checkpoint)
         fsdp__layernorm_write_into(ln, K->window);
 }
 

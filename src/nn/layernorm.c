@@ -26,16 +26,28 @@ struct layernorm {
     enum fsdp_dtype odt;              /* the last forward's output dtype */
 };
 
-/* y = (x - mu) * r * w + b over one row: forward and fsdp__layernorm_rebuild
- * run this one loop, so a rebuilt output is the forward's bits */
-static void affine_row(const float *xi, float mu, float r, const float *w, const float *b, float *yi, int64_t C) {
+/* Row i of y (N, C) = (x_i - mu) * r * w + b, in dt: fp32 in place, 16-bit
+ * through the calling thread's fp32 row of rows (a row per thread). Forward
+ * and fsdp__layernorm_rebuild write their rows with this one loop, so a
+ * rebuilt output is the forward's bits. */
+static void write_row(const float *xi, float mu, float r, const float *w, const float *b, float *rows,
+                      enum fsdp_dtype dt, void *y, int64_t i, int64_t C) {
+    float *yi = rows ? rows + (int64_t)omp_get_thread_num() * C : (float *)y + i * C;
 #pragma omp simd
     for (int64_t c = 0; c < C; c++) yi[c] = (xi[c] - mu) * r * w[c] + b[c];
+    if (rows) fsdp__cvt_from_f32(dt, yi, (uint16_t *)y + i * C, (size_t)C);
+}
+
+/* write_row's rows for an output in dt (arena scratch), NULL for fp32 */
+static float *thread_rows(struct fsdp_ctx *ctx, enum fsdp_dtype dt, int64_t C) {
+    return dt == FSDP_F32 ? NULL : fsdp__scratch(ctx, (int64_t)omp_get_max_threads() * C, "LayerNorm rows");
 }
 
 static enum fsdp_status layernorm_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                           const struct fsdp_tensor *in, struct fsdp_tensor *out) {
     struct layernorm *L = m->impl;
+    void *into = L->into; /* taken first: a forward that fails leaves no lent buffer behind */
+    L->into = L->lent = NULL;
     FSDP_TRY(fsdp__check_input(ctx, m, in, FSDP_F32, 0, L->dim));
     FSDP_TRY(fsdp__param_ready(ctx, L->weight, 0));
     FSDP_TRY(fsdp__param_ready(ctx, L->bias, 0));
@@ -43,21 +55,16 @@ static enum fsdp_status layernorm_forward(struct fsdp_module *m, struct fsdp_ctx
     float *mean = fsdp__scratch(ctx, 2 * N, "LayerNorm statistics");
     if (!mean) return FSDP_ERR_NOMEM;
     enum fsdp_dtype odt = fsdp__wanted_dtype(out);
-    if (L->into) out->data = L->into; /* the lender sized it */
-    L->lent = L->into;
-    L->into = NULL;
+    if (into) out->data = into; /* the lender sized it */
     FSDP_TRY(fsdp__tensor_prepare(ctx, out, odt, in->ndim, in->shape, "LayerNorm output"));
-    float *rows = NULL; /* a row per thread, rounded into out (16-bit output) */
     size_t mark = fsdp_arena_mark(ctx);
-    if (odt != FSDP_F32 && !(rows = fsdp__scratch(ctx, (int64_t)omp_get_max_threads() * C, "LayerNorm rows")))
-        return FSDP_ERR_NOMEM;
+    float *rows = thread_rows(ctx, odt, C);
+    if (odt != FSDP_F32 && !rows) return FSDP_ERR_NOMEM;
     float *rstd = mean + N;
     const float *x = in->data, *w = fsdp__pdata(L->weight), *b = fsdp__pdata(L->bias);
-    float *y = out->data; /* (N, C) in fp32, or 16-bit elements (rows) */
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++) {
         const float *xi = x + i * C;
-        float *yi = rows ? rows + (int64_t)omp_get_thread_num() * C : y + i * C;
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
         for (int64_t c = 0; c < C; c++) s += xi[c];
@@ -65,8 +72,7 @@ static enum fsdp_status layernorm_forward(struct fsdp_module *m, struct fsdp_ctx
 #pragma omp simd reduction(+ : v)
         for (int64_t c = 0; c < C; c++) v += (xi[c] - mu) * (xi[c] - mu);
         float r = 1.0f / sqrtf(v / (float)C + LN_EPS);
-        affine_row(xi, mu, r, w, b, yi, C);
-        if (rows) fsdp__cvt_from_f32(odt, yi, (uint16_t *)out->data + i * C, (size_t)C);
+        write_row(xi, mu, r, w, b, rows, odt, out->data, i, C);
         mean[i] = mu;
         rstd[i] = r;
     }
@@ -76,6 +82,7 @@ static enum fsdp_status layernorm_forward(struct fsdp_module *m, struct fsdp_ctx
     L->rstd = rstd;
     L->n = N;
     L->odt = odt;
+    L->lent = into;
     return FSDP_OK;
 }
 
@@ -87,20 +94,13 @@ enum fsdp_status fsdp__layernorm_rebuild(struct fsdp_module *m, struct fsdp_ctx 
     FSDP_TRY(fsdp__param_ready(ctx, L->weight, 0));
     FSDP_TRY(fsdp__param_ready(ctx, L->bias, 0));
     int64_t C = L->dim, N = L->n;
-    enum fsdp_dtype dt = L->odt;
     size_t mark = fsdp_arena_mark(ctx);
-    float *rows = NULL; /* a row per thread, as the forward's */
-    if (dt != FSDP_F32 &&
-        !(rows = fsdp__scratch(ctx, (int64_t)omp_get_max_threads() * C, "LayerNorm rows (rebuilt output)")))
-        return FSDP_ERR_NOMEM;
+    float *rows = thread_rows(ctx, L->odt, C);
+    if (L->odt != FSDP_F32 && !rows) return FSDP_ERR_NOMEM;
     const float *x = L->x, *mean = L->mean, *rstd = L->rstd, *w = fsdp__pdata(L->weight), *b = fsdp__pdata(L->bias);
-    void *y = L->lent;
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++) {
-        float *yi = rows ? rows + (int64_t)omp_get_thread_num() * C : (float *)y + i * C;
-        affine_row(x + i * C, mean[i], rstd[i], w, b, yi, C);
-        if (rows) fsdp__cvt_from_f32(dt, yi, (uint16_t *)y + i * C, (size_t)C);
-    }
+    for (int64_t i = 0; i < (fsdp__measuring ? 0 : N); i++)
+        write_row(x + i * C, mean[i], rstd[i], w, b, rows, L->odt, L->lent, i, C);
     fsdp_arena_release(ctx, mark);
     return FSDP_OK;
 }
