@@ -342,6 +342,32 @@ enum fsdp_status fsdp_module_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
 enum fsdp_status fsdp_module_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                       const struct fsdp_tensor *dout, struct fsdp_tensor *din);
 
+/* Time by module ([Note: module profile], src/nn/profile.c). Between start and
+ * stop, every dispatch above adds to one entry per module path, its numeric
+ * parts folded to '*' ("transformer.h.*.attn.c_attn": the layers of a stack
+ * share an entry, their calls counted): the module's self time (its own
+ * forward or backward less its children's dispatches) and its FSDP hooks'
+ * time (the gather and its casts, the reduce-scatter, waits for them). A
+ * checkpointed module's recompute is part of its backward, its children's
+ * forwards in it count as their forward calls. The optimizer step
+ * and anything else outside the dispatchers is not in them. One thread per
+ * context, as the dispatchers. */
+struct fsdp_profile_entry {
+    const char *path, *type; /* folded FQN ("(root)" for the root), ops->type */
+    long fwd_calls, bwd_calls;
+    double fwd_s, bwd_s; /* self time, seconds */
+    double hooks_s;      /* the module's pre- and post-hooks, forward and backward */
+};
+/* on: collect from now (after a pause, adding to the entries); 0: pause. */
+void fsdp_profile_enable(struct fsdp_ctx *ctx, int on);
+void fsdp_profile_clear(struct fsdp_ctx *ctx); /* no entries; collecting or not as before */
+/* The entries in order of first call (*n of them; valid until the next call
+ * that collects, a clear or fsdp_ctx_free). */
+const struct fsdp_profile_entry *fsdp_profile_entries(const struct fsdp_ctx *ctx, int *n);
+/* A table of the entries, the most time first: calls and milliseconds per
+ * step over `steps` steps (0: totals). */
+void fsdp_profile_print(const struct fsdp_ctx *ctx, FILE *f, int steps);
+
 /* The activation arena: memory for outputs and saved activations of one step.
  * Returned memory is 64-byte aligned and valid until fsdp_arena_reset. */
 void *fsdp_arena_alloc(struct fsdp_ctx *ctx, size_t bytes);

@@ -48,6 +48,15 @@ if grep -q -- "--beta2 X .*default 0.95" "$tmp/help" && grep -q -- "--eps X .*de
    && grep -q -- "--nproc" "$tmp/help" && grep -q -- "--log FILE" "$tmp/help"; then ok "--help lists flags with defaults"
 else bad "--help lists flags with defaults" "$(head -3 "$tmp/help")"; fi
 
+# ---- --profile: rank 0's time by module over the timed steps ----
+if timeout -k 5 120 "$TRAIN" --model tiny --data synthetic --batch 4 --seq 16 --steps 3 --threads 1 --sample 0 \
+     --nproc 2 --profile > "$tmp/prof" 2>&1 \
+   && [ "$(grep -c '^time by module (rank 0, 2 timed steps' "$tmp/prof")" = 1 ] \
+   && grep -qE '^transformer\.h\.\*\.attn\.c_attn +Linear +2\.0 +2\.0 ' "$tmp/prof" && grep -qE '^lm_head +Linear +1\.0 +1\.0 ' "$tmp/prof" \
+   && grep -qE '^transformer\.h\.\* +Block +2\.0 +2\.0 ' "$tmp/prof" && grep -q '^total ' "$tmp/prof"; then
+  ok "--profile prints one table, layers folded and calls per step"
+else bad "--profile prints one table, layers folded and calls per step" "$(tail -20 "$tmp/prof")"; fi
+
 # ---- bad input, on two ranks ----
 printf 'hello world, a small text file\n' > "$tmp/text.txt"
 python3 - "$tmp" <<'EOF'

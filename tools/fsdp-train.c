@@ -335,9 +335,11 @@ int main(int argc, char **argv) {
         struct fsdp_step_result r;
         struct fsdp_comm_stats cs0, cs1;
         fsdp_model_comm_stats(fm, &cs0); /* all groups of the strategy */
+        if (o.profile) fsdp_profile_enable(ctx, step > 0); /* the timed steps only */
         double t0 = now_s();
         enum fsdp_status st = task.ops->step(&task, ctx, fm, &o, step, lr, &r);
         double dt = now_s() - t0;
+        if (o.profile) fsdp_profile_enable(ctx, 0); /* not the evaluation */
         fsdp_model_comm_stats(fm, &cs1);
         struct comm_delta cd = {0};
         comm_delta_add(&cd, &cs0, &cs1);
@@ -449,6 +451,11 @@ int main(int argc, char **argv) {
                        timed ? (double)comm_total.bytes[k] / 1e6 / timed : 0.0,
                        timed ? comm_total.wait_s[k] * 1e3 / timed : 0.0);
         printf("\n");
+        if (o.profile) {
+            printf("time by module (rank 0, %d timed steps; self time less the children's, FSDP hooks apart):\n",
+                   timed);
+            fsdp_profile_print(ctx, stdout, timed);
+        }
     }
     fsdp_model_free(fm);
     fsdp_optim_free(opt);

@@ -43,6 +43,8 @@ struct fsdp_ctx {
     const struct fsdp_module *dead_for; /* the module dead_dout is handed to: the root, or a
                                         child its releasing parent hands a dead gradient
                                         ([Note: backward releases the blocks], gpt.c) */
+    struct fsdp__profile *prof;      /* time by module, NULL until fsdp_profile_start ([Note:
+                                        module profile], src/nn/profile.c) */
     int recompute;                   /* > 0 while a checkpointed module's forward runs
                                         again inside its backward (module.c): a layer
                                         with state (BatchNorm2d's running statistics)
@@ -100,6 +102,14 @@ struct fsdp__module_priv {
     enum fsdp_layout dout_layout; /* and in which layout: ROWS16 where it takes padded rows (a
                                      Linear; [Note: padded rows], src/fsdp/step.c), else PLAIN */
 };
+
+/* [Note: module profile] (src/nn/profile.c): the dispatchers' frames. push opens one
+ * (0 when the context is not profiling); pop closes it with the clock at the
+ * dispatch's start, after its pre-hooks, after the module and after its
+ * post-hooks. free releases the entries (fsdp__ctx_release). */
+int fsdp__prof_push(struct fsdp_ctx *ctx);
+void fsdp__prof_pop(struct fsdp_ctx *ctx, const struct fsdp_module *m, int frame, int backward, const double t[4]);
+void fsdp__prof_free(struct fsdp_ctx *ctx);
 
 /* ---- Errors ---- */
 /* In a measuring context, prefixes the message with the module whose

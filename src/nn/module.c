@@ -416,19 +416,31 @@ static enum fsdp_status ckpt_backward(struct fsdp_module *m, struct fsdp_ctx *ct
 enum fsdp_status fsdp_module_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                      const struct fsdp_tensor *in, struct fsdp_tensor *out) {
     const struct fsdp_module_hooks *h = m->priv->hooks;
+    double t[4] = {0}; /* [Note: module profile] */
+    int frame = ctx->prof ? fsdp__prof_push(ctx) : 0;
+    if (frame) t[0] = fsdp__now();
     if (h && h->pre_forward) FSDP_TRY(h->pre_forward(m->priv->hook_data, ctx));
+    if (frame) t[1] = fsdp__now();
     enum fsdp_status st = m->checkpoint ? ckpt_forward(m, ctx, in, out) : m->ops->forward(m, ctx, in, out);
     if (st != FSDP_OK) return fsdp__measure_failed(ctx, m, "forward", st);
+    if (frame) t[2] = fsdp__now();
     if (h && h->post_forward) FSDP_TRY(h->post_forward(m->priv->hook_data, ctx));
+    if (frame) t[3] = fsdp__now(), fsdp__prof_pop(ctx, m, frame, 0, t);
     return FSDP_OK;
 }
 
 enum fsdp_status fsdp_module_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                       const struct fsdp_tensor *dout, struct fsdp_tensor *din) {
     const struct fsdp_module_hooks *h = m->priv->hooks;
+    double t[4] = {0}; /* [Note: module profile] */
+    int frame = ctx->prof ? fsdp__prof_push(ctx) : 0;
+    if (frame) t[0] = fsdp__now();
     if (h && h->pre_backward) FSDP_TRY(h->pre_backward(m->priv->hook_data, ctx));
+    if (frame) t[1] = fsdp__now();
     enum fsdp_status st = m->checkpoint ? ckpt_backward(m, ctx, dout, din) : m->ops->backward(m, ctx, dout, din);
     if (st != FSDP_OK) return fsdp__measure_failed(ctx, m, "backward", st);
+    if (frame) t[2] = fsdp__now();
     if (h && h->post_backward) FSDP_TRY(h->post_backward(m->priv->hook_data, ctx));
+    if (frame) t[3] = fsdp__now(), fsdp__prof_pop(ctx, m, frame, 1, t);
     return FSDP_OK;
 }

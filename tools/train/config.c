@@ -152,6 +152,7 @@ static const struct flag flags[] = {
     F("mpi-reduce", K_STR, mpi_reduce, R_NO),
     F("collective-timeout", K_FLOAT, collective_timeout, R_NO),
     F("check-collectives", K_SWITCH, check_collectives, R_NO),
+    F("profile", K_SWITCH, profile, R_NO),
     F("log", K_STR, log_path, R_NO),
     F("sample", K_INT, sample, R_NO),
     F("save-dir", K_STR, save_dir, R_NO),

@@ -197,6 +197,8 @@ static void usage(FILE *f) {
             "                        job naming it (type, sequence number, bytes); 0 = never (default %g)\n"
             "  --check-collectives   compare each collective's sequence number and (type, count, dtype)\n"
             "                        across ranks first; report diverged ranks (default off)\n"
+            "  --profile             time by module over the timed steps (all but the first): rank 0's\n"
+            "                        self time and FSDP hook time per layer, printed at the end\n"
             "  --log FILE            one JSON object per step (default none)\n"
             "  --sample N            tokens to generate at the end for text data; 0 = none (default %d)\n"
             "  --save-dir DIR        save checkpoints as DIR/step-NNNNNNNN (every --save-every steps\n"
@@ -402,6 +404,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         if (!strcmp(a, "--verbose")) { o->verbose = 1; continue; }
         if (!strcmp(a, "--decay-all")) { o->decay_all = 1; continue; }
         if (!strcmp(a, "--check-collectives")) { o->check_collectives = 1; continue; }
+        if (!strcmp(a, "--profile")) { o->profile = 1; continue; }
         if (!strcmp(a, "--dry-run")) { o->dry_run = 1; continue; }
         if (!strcmp(a, "--nesterov")) { o->nesterov = 1; continue; }
         if (!strcmp(a, "--eval-baseline")) { o->eval_baseline = 1; continue; }

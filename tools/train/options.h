@@ -21,6 +21,7 @@ struct opts {
     const char *mpi_reduce; /* --mpi-reduce: NULL (the library's default), ordered or native */
     int decay_all;
     int check_collectives;
+    int profile;                /* --profile: time by module over the timed steps (rank 0's) */
     float collective_timeout;
     uint64_t seed;
     const char *save_dir, *resume, *init_from, *save_full; /* checkpoints */
