@@ -10,7 +10,11 @@
 #  2. fsdp-train on the same step (--batch 4 --seq 256, synthetic data):
 #     fp32 and AMP_BF16, each at 1 rank x 2 threads and 4 ranks x 1 thread;
 #     median of steps 2..STEPS, its forward / backward / update phases, and
-#     measured / limit.
+#     measured / limit; then, at 1 rank x 2 threads, layer by layer: each
+#     layer's time a step in fsdp-train --profile (steps 2..STEPS, its own
+#     forward and backward, FSDP hooks apart) against the limit's classes
+#     that are its work, and the step's time outside the layers (the loss,
+#     the optimizer, the hooks) against the classes outside them.
 # Usage: [ROUNDS=R] bench/step_limit.sh [STEPS]   (default 6 steps, 1 round)
 #   Then issue 19's targets, each against this round's own probes: fp32 1 x 2
 #   >= 0.88 of the fp32 GEMM rate (or within 5% of its limit where that is
@@ -37,7 +41,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 run() { # dir name nproc threads precision
   "$BUILD/fsdp-train" --model "$MODEL" --data synthetic --batch "$B" --seq "$SEQ" --steps "$STEPS" --warmup 1 \
-    --threads "$4" --nproc "$3" --precision "$5" --sample 0 --log "$1/$2.jsonl" > "$1/$2.out" 2>&1 ||
+    --threads "$4" --nproc "$3" --precision "$5" --sample 0 --log "$1/$2.jsonl" --profile > "$1/$2.out" 2>&1 ||
     { cat "$1/$2.out"; exit 1; }
 }
 for k in $(seq 1 "$ROUNDS"); do
@@ -80,6 +84,80 @@ for n, x in m.items():
     tf, ff = flushed[n]
     print(f"    against the flushed-cache limit (products at their mean rate on operands from memory): "
           f"{tf:.3f} s = {ff:.3f} of the GEMM rate; measured / that {x['step_ms'] / tf:.3f}")
+# layer by layer at 1 x 2: fsdp-train --profile's self times (ms a step over steps 2..) against
+# the limit's classes that are each layer's work (bench/step_limit.c names them)
+def classes(prec):  # the limit's rows of this configuration: name -> seconds a step
+    rows, on = {}, False
+    for line in open(f"{d}/limit.out"):
+        if line.startswith("== "):
+            on = line.startswith(f"== {prec}, 1 rank x 2 threads")
+        elif on and not line.startswith(("class", "--", "products", "phases", "limit", "product_flops")):
+            f = line.split()
+            k = 0  # the numbers at the end: amount, rate, seconds (and a product's flushed rate, seconds)
+            while k < len(f) and f[-1 - k].replace(".", "", 1).isdigit():
+                k += 1
+            if k in (3, 5):
+                rows[" ".join(f[:-k])] = float(f[-3] if k == 5 else f[-1])
+    return rows
+def profile(name):  # path -> (fwd + bwd self ms, hooks ms) a step
+    out, on = {}, False
+    for line in open(f"{d}/{name}.out"):
+        if line.startswith("time by module"):
+            on = True
+        elif on and line.split() and line.split()[0] not in ("module", "total"):
+            f = line.split()
+            out[f[0]] = (float(f[4]) + float(f[5]), float(f[6]))
+    return out
+layers = (("lm_head", ("lm_head ",)), ("transformer.h.*.mlp.c_fc", ("c_fc ",)),
+          ("transformer.h.*.mlp.c_proj", ("mlp.c_proj ",)), ("transformer.h.*.attn.c_attn", ("c_attn ",)),
+          ("transformer.h.*.attn.c_proj", ("attn.c_proj ",)),
+          ("transformer.h.*.attn", ("attn q", "attn att", "attn dY", "attn dS", "attention y")),
+          ("transformer.h.*.mlp.gelu", ("GELU",)), ("LayerNorms", ("LayerNorm",)),
+          ("transformer.h.*", ("residual adds",)), ("embeddings", ("embeddings",)))
+for p, prec in (("fp32", "fp32"), ("bf16", "AMP_BF16")):
+    n = f"{p}_1x2"
+    try:
+        prof, cls = profile(n), classes(prec)
+    except (OSError, IndexError, ValueError):
+        continue
+    if not prof or not cls:
+        continue
+    steps = [r for r in map(json.loads, open(f"{d}/{n}.jsonl")) if "step" in r][1:]
+    step_ms = statistics.mean(r["step_ms"] for r in steps)
+    print(f"{n} by layer (fsdp-train --profile, ms a step, mean of steps 2..; the limit's classes in ms):")
+    used, mine_all, lim_all = set(), 0.0, 0.0
+    for path, pre in layers:
+        if path == "LayerNorms":
+            mine = sum(v[0] for k, v in prof.items() if k.rsplit(".", 1)[-1] in ("ln_1", "ln_2", "ln_f"))
+        elif path == "embeddings":
+            mine = sum(v[0] for k, v in prof.items() if k.rsplit(".", 1)[-1] in ("wte", "wpe"))
+        else:
+            mine = prof.get(path, (0.0, 0.0))[0]
+        keys = [k for k in cls if k.startswith(pre)]
+        used.update(keys)
+        lt = 1e3 * sum(cls[k] for k in keys)
+        mine_all += mine
+        lim_all += lt
+        print(f"  {path:<30} {mine:9.1f} against {lt:8.1f}" + (f"  = {mine / lt:.2f}" if lt > 0 else ""))
+    rest = sum(v[0] for k, v in prof.items()) - mine_all  # containers: the MLP, the root's own
+    # the Linears' own passes; at one rank the weights' 16-bit rows are made in the Linears too
+    lin = [k for k in cls if k.startswith(("bias column", "Linear casts", "parameter gathers"))]
+    used.update(lin)
+    lt = 1e3 * sum(cls[k] for k in cls if k.startswith(("lm_head ", "c_fc ", "mlp.c_proj ", "c_attn ", "attn.c_proj ")))
+    lt += 1e3 * sum(cls[k] for k in lin)
+    mine = sum(prof.get(pa, (0.0, 0.0))[0] for pa, _ in layers[:5])
+    print(f"  {'the Linears, with their passes':<30} {mine:9.1f} against {lt:8.1f}"
+          + (f"  = {mine / lt:.2f}" if lt > 0 else "")
+          + f"  (the rows above are products only; + {', '.join(k.split(' (')[0] for k in lin)})")
+    hooks = sum(v[1] for v in prof.values())
+    outside = step_ms - sum(v[0] for v in prof.values()) - hooks
+    other = [k for k in cls if k not in used]
+    lo = 1e3 * sum(cls[k] for k in other)
+    print(f"  {'other modules (containers)':<30} {rest:9.1f}")
+    print(f"  {'FSDP hooks (gathers, casts)':<30} {hooks:9.1f}")
+    names = ", ".join(k.split(" (")[0] for k in other)
+    print(f"  {'outside the modules':<30} {outside:9.1f} against {lo:8.1f}  ({names})")
+    print(f"  {'step':<30} {step_ms:9.1f} against {1e3 * sum(cls.values()):8.1f}")
 for p in ("fp32", "bf16"):
     r = m[f"{p}_4x1"]["step_ms"] / m[f"{p}_1x2"]["step_ms"]
     lr = lim[f"{p}_4x1"][0] / lim[f"{p}_1x2"][0]
