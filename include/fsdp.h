@@ -342,12 +342,13 @@ enum fsdp_status fsdp_module_forward(struct fsdp_module *m, struct fsdp_ctx *ctx
 enum fsdp_status fsdp_module_backward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                       const struct fsdp_tensor *dout, struct fsdp_tensor *din);
 
-/* Time by module ([Note: module profile], src/nn/profile.c). Between start and
- * stop, every dispatch above adds to one entry per module path, its numeric
+/* Time by module ([Note: module profile], src/nn/profile.c). While a context
+ * collects, every dispatch above adds to one entry per module path, its numeric
  * parts folded to '*' ("transformer.h.*.attn.c_attn": the layers of a stack
  * share an entry, their calls counted): the module's self time (its own
  * forward or backward less its children's dispatches) and its FSDP hooks'
- * time (the gather and its casts, the reduce-scatter, waits for them). A
+ * time (a unit's pre- and post-hooks: the gather and its casts, the
+ * reduce-scatter, waits for them). A
  * checkpointed module's recompute is part of its backward, its children's
  * forwards in it count as their forward calls. The optimizer step
  * and anything else outside the dispatchers is not in them. One thread per

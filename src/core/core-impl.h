@@ -43,7 +43,7 @@ struct fsdp_ctx {
     const struct fsdp_module *dead_for; /* the module dead_dout is handed to: the root, or a
                                         child its releasing parent hands a dead gradient
                                         ([Note: backward releases the blocks], gpt.c) */
-    struct fsdp__profile *prof;      /* time by module, NULL until fsdp_profile_start ([Note:
+    struct fsdp__profile *prof;      /* time by module, NULL until fsdp_profile_enable ([Note:
                                         module profile], src/nn/profile.c) */
     int recompute;                   /* > 0 while a checkpointed module's forward runs
                                         again inside its backward (module.c): a layer

@@ -17,8 +17,8 @@
  * ckpt_backward, not a dispatch): that is backward self time, and its
  * children's dispatches in it count as their forward calls. A
  * dispatch that fails does not pop its frame; the next one its parent ends
- * pops to the parent's depth, so the stack mends itself. Values cost two
- * clock reads per part; off, the dispatchers test one pointer.
+ * pops to the parent's depth, so the stack mends itself. A dispatch costs
+ * four clock reads while profiling; otherwise the dispatchers test one pointer.
  */
 #include "core/core-impl.h"
 
