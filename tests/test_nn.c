@@ -327,6 +327,107 @@ TEST(fast_expf_against_libm) {
     free(e);
 }
 
+#ifdef __AVX512F__
+/* fsdp__expf16 gives fsdp__expf's bits in every lane ([Note: softmax rows in registers]) */
+TEST(fast_expf16_gives_the_scalar_bits) {
+    enum { N = 400016 };
+    float *x = malloc(N * sizeof(float));
+    ASSERT(x);
+    for (int i = 0; i < N; i++) x[i] = -95.0f + 190.0f * (float)i / (float)(N - 1);
+    x[0] = NAN, x[1] = INFINITY, x[2] = -INFINITY, x[3] = 0.0f, x[4] = -0.0f, x[5] = 1e-30f;
+    for (int i = 0; i < N; i += 16) {
+        float e[16];
+        _mm512_storeu_ps(e, fsdp__expf16(_mm512_loadu_ps(x + i)));
+        for (int l = 0; l < 16; l++) {
+            float one = expf_one(x[i + l]);
+            if (memcmp(&one, &e[l], sizeof one)) {
+                TEST_FAILF("x = %.9g: fsdp__expf16 gives %.9g, fsdp__expf %.9g", x[i + l], e[l], one);
+                i = N;
+                break;
+            }
+        }
+    }
+    free(x);
+}
+#endif
+
+/* The rows the attention runs (on AVX-512 registers where the build has it)
+ * against the loops every build has: softmax and its backward, each row t of
+ * T in {1, 17, 40, 256} (whole vectors, a partial last vector, one lane), with
+ * and without the tail's zeros, to 1e-6 relative (the sums' lane order); the
+ * same zeros past t; a nan in a row's live part makes the whole row nan in
+ * both, one past t changes nothing. */
+TEST(softmax_rows_match_the_loops) {
+    rng_seed(11);
+    const int64_t Ts[4] = {1, 17, 40, 256};
+    for (int k = 0; k < 4; k++) {
+        int64_t T = Ts[k];
+        float *a = malloc((size_t)(T * T) * sizeof(float)), *b = malloc((size_t)(T * T) * sizeof(float));
+        float *da = malloc((size_t)(T * T) * sizeof(float)), *db = malloc((size_t)(T * T) * sizeof(float));
+        ASSERT(a && b && da && db);
+        for (int tail = 0; tail < 2; tail++) {
+            for (int64_t i = 0; i < T * T; i++) a[i] = 4.0f * urand(), da[i] = urand();
+            memcpy(b, a, (size_t)(T * T) * sizeof(float));
+            memcpy(db, da, (size_t)(T * T) * sizeof(float));
+            for (int64_t t = 0; t < T; t++) {
+                fsdp__softmax_row(a + t * T, t, T, tail);
+                fsdp__softmax_row_loops(b + t * T, t, T, tail);
+                fsdp__softmax_bwd_row(a + t * T, da + t * T, t, T, tail);
+                fsdp__softmax_bwd_row_loops(a + t * T, db + t * T, t, T, tail);
+            }
+            double worst = 0.0, worst_d = 0.0;
+            for (int64_t t = 0; t < T; t++) {
+                int64_t n = tail ? T : (t + 16) / 16 * 16 < T ? (t + 16) / 16 * 16 : T;
+                double rs = 0.0;
+                for (int64_t j = 0; j < n; j++) {
+                    float x = a[t * T + j], y = b[t * T + j];
+                    if (j > t && (x != 0.0f || y != 0.0f || da[t * T + j] != 0.0f || db[t * T + j] != 0.0f)) {
+                        TEST_FAILF("T %lld row %lld: lane %lld past t is %g / %g, gradient %g / %g", (long long)T,
+                                   (long long)t, (long long)j, x, y, da[t * T + j], db[t * T + j]);
+                        j = n, t = T;
+                        break;
+                    }
+                    double r = fabs((double)x - y) / fmax(fabs((double)y), 1e-30);
+                    double rd = fabs((double)da[t * T + j] - db[t * T + j]) / fmax(fabs((double)db[t * T + j]), 1e-3);
+                    worst = r > worst ? r : worst;
+                    worst_d = rd > worst_d ? rd : worst_d;
+                    rs += x;
+                }
+                if (t < T && fabs(rs - 1.0) > 1e-5)
+                    TEST_FAILF("T %lld row %lld sums to %.9g", (long long)T, (long long)t, rs);
+            }
+            if (!(worst <= 1e-6 && worst_d <= 1e-5))
+                TEST_FAILF("T %lld tail %d: probabilities %.3g and gradients %.3g relative from the loops'",
+                           (long long)T, tail, worst, worst_d);
+        }
+        /* a nan at (t, t) makes row t nan; one at (t - 1, t) is past row t - 1's edge */
+        if (T > 1) {
+            int64_t t = T - 1;
+            for (int64_t i = 0; i < T * T; i++) a[i] = urand();
+            a[t * T + t] = NAN;
+            a[(t - 1) * T + t] = NAN;
+            memcpy(b, a, (size_t)(T * T) * sizeof(float));
+            fsdp__softmax_row(a + t * T, t, T, 1);
+            fsdp__softmax_row_loops(b + t * T, t, T, 1);
+            fsdp__softmax_row(a + (t - 1) * T, t - 1, T, 1);
+            fsdp__softmax_row_loops(b + (t - 1) * T, t - 1, T, 1);
+            for (int64_t j = 0; j <= t; j++)
+                if (!isnan(a[t * T + j]) || !isnan(b[t * T + j])) {
+                    TEST_FAILF("T %lld: a nan score left p[%lld] = %g / %g", (long long)T, (long long)j, a[t * T + j],
+                               b[t * T + j]);
+                    break;
+                }
+            for (int64_t j = 0; j < T; j++)
+                if (isnan(a[(t - 1) * T + j]) || isnan(b[(t - 1) * T + j])) {
+                    TEST_FAILF("T %lld: a nan past row %lld's edge reached p[%lld]", (long long)T, (long long)(t - 1),
+                               (long long)j);
+                    break;
+                }
+        }
+        free(a), free(b), free(da), free(db);
+    }
+}
+
 /* T = 5 is one block of [Note: causal blocks]; T = 40 is three (edges 16, 32) */
 TEST(gradcheck_attention) { /* softmax: rtol 1e-2, atol 2e-4 */
     rng_seed(5);

@@ -71,14 +71,17 @@ static int64_t whole_vectors(int64_t t, int64_t T) {
  * (fsdp__expf16, the same bits); the max is exact in any order; the sums
  * add 16 lane partials, then the lanes in _mm512_reduce_add_ps's order, so
  * their last bits may differ from the loops' (4e-7 relative at most): the
- * same on every run, and forward and the recompute share this code. */
+ * same on every run, and forward and the recompute share this code. The
+ * loops stay in every build, the rows of a build without AVX-512 and the
+ * reference the registers' are checked against (tests/test_nn.c
+ * softmax_rows_match_the_loops, fast_expf16_gives_the_scalar_bits). */
 
 /* lanes [0, k) of a 16-lane vector, k in [0, 16] and beyond */
 static inline __mmask16 lanes_below(int64_t k) {
     return k >= 16 ? (__mmask16)0xffff : k <= 0 ? (__mmask16)0 : (__mmask16)((1u << k) - 1u);
 }
 
-static void softmax_row(float *row, int64_t t, int64_t T, int tail) {
+static void softmax_row_regs(float *row, int64_t t, int64_t T, int tail) {
     int64_t n = whole_vectors(t, T);
     __m512 mx = _mm512_set1_ps(row[0]);
     for (int64_t j = 0; j < n; j += 16) { /* lanes j + l <= t (< n) */
@@ -100,7 +103,7 @@ static void softmax_row(float *row, int64_t t, int64_t T, int tail) {
     for (int64_t j = n; j < (tail ? T : 0); j++) row[j] = 0.0f;
 }
 
-static void softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T, int tail) {
+static void softmax_bwd_row_regs(const float *a, float *d, int64_t t, int64_t T, int tail) {
     int64_t n = whole_vectors(t, T);
     __m512 dot = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
@@ -116,10 +119,13 @@ static void softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T, int 
     }
     for (int64_t j = n; j < (tail ? T : 0); j++) d[j] = 0.0f;
 }
-#else
+#endif
+
 /* Causal softmax of row t (length T) in place: over j <= t, zeros after
- * (up to whole_vectors(t, T) only when tail is 0). */
-static void softmax_row(float *row, int64_t t, int64_t T, int tail) {
+ * (up to whole_vectors(t, T) only when tail is 0). The loops every build
+ * has: the layer's rows without AVX-512, the reference of the registers'
+ * (tests/test_nn.c) with it. */
+void fsdp__softmax_row_loops(float *row, int64_t t, int64_t T, int tail) {
     int64_t n = whole_vectors(t, T);
     float mx = row[0];
 #pragma omp simd reduction(max : mx)
@@ -140,7 +146,7 @@ static void softmax_row(float *row, int64_t t, int64_t T, int tail) {
 
 /* Softmax backward of row t: d = a * (d - sum_j a_j d_j) over j <= t, zeros
  * after (up to whole_vectors(t, T) only when tail is 0). */
-static void softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T, int tail) {
+void fsdp__softmax_bwd_row_loops(const float *a, float *d, int64_t t, int64_t T, int tail) {
     int64_t n = whole_vectors(t, T);
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -149,7 +155,23 @@ static void softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T, int 
     for (int64_t j = 0; j < n; j++) d[j] = j <= t ? a[j] * (d[j] - dot) : 0.0f;
     for (int64_t j = n; j < (tail ? T : 0); j++) d[j] = 0.0f;
 }
+
+/* The rows the layer runs: on registers where the build has AVX-512 */
+void fsdp__softmax_row(float *row, int64_t t, int64_t T, int tail) {
+#ifdef __AVX512F__
+    softmax_row_regs(row, t, T, tail);
+#else
+    fsdp__softmax_row_loops(row, t, T, tail);
 #endif
+}
+
+void fsdp__softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T, int tail) {
+#ifdef __AVX512F__
+    softmax_bwd_row_regs(a, d, t, T, tail);
+#else
+    fsdp__softmax_bwd_row_loops(a, d, t, T, tail);
+#endif
+}
 
 /* Head-major operand copy: dst (B*nh, T, hs) dense, of the operand dtype od
  * ([Note: widened operands], precision.c), from the columns [col0, col0 +
@@ -282,7 +304,7 @@ static void heads_probs_lp(enum fsdp_dtype lp, enum fsdp_dtype od, const void *q
     fsdp__attention_product(FSDP__ATT_SCORES, od, BH, T, hs, scale, q, hs, T * hs, k, hs, T * hs, att, T, T * T);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < (fsdp__measuring ? 0 : BH * T); r++) {
-        softmax_row(att + r * T, r % T, T, 1);
+        fsdp__softmax_row(att + r * T, r % T, T, 1);
         fsdp__to_operand(lp, od, FSDP_F32, att + r * T, (char *)ab + (size_t)(r * T) * es, (size_t)T);
     }
 }
@@ -319,7 +341,7 @@ static void head_probs_ph(enum fsdp_dtype lp, const void *q, const void *k, int6
                           float *att, uint16_t *ab) {
     fsdp__attention_product(FSDP__ATT_SCORES, lp, 1, T, hs, 1.0f / sqrtf((float)hs), q, ld, 0, k, ld, 0, att, T, 0);
     for (int64_t t = 0; t < T; t++) { /* ab's zeros past whole_vectors were written once (ab_zeroed) */
-        softmax_row(att + t * T, t, T, 0);
+        fsdp__softmax_row(att + t * T, t, T, 0);
         fsdp__cvt_from_f32(lp, att + t * T, ab + t * T, (size_t)whole_vectors(t, T));
     }
 }
@@ -372,7 +394,7 @@ static enum fsdp_status heads_backward_ph(struct fsdp_ctx *ctx, enum fsdp_dtype 
         fsdp__attention_product(FSDP__ATT_SCORES, lp, 1, T, hs, 1.0f, dyh, hs, 0, v, 3 * C, 0, ds, T, 0);
         fsdp__attention_product(FSDP__ATT_COLS, lp, 1, T, hs, 1.0f, a, T, 0, dyh, hs, 0, dv, 3 * C, 0);
         for (int64_t t = 0; t < T; t++) { /* dS, rounded over att's copy */
-            softmax_bwd_row(s + t * T, ds + t * T, t, T, 0);
+            fsdp__softmax_bwd_row(s + t * T, ds + t * T, t, T, 0);
             fsdp__cvt_from_f32(lp, ds + t * T, a + t * T, (size_t)whole_vectors(t, T));
         }
         /* dq = scale dS k;  dk = scale dS^T q */
@@ -442,7 +464,7 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
             const float *k = q + C, *v = q + 2 * C;
             float *s = att + bh * T * T; /* (T, T) */
             fsdp__attention_product(FSDP__ATT_SCORES, FSDP_F32, 1, T, hs, scale, q, 3 * C, 0, k, 3 * C, 0, s, T, 0);
-            for (int64_t t = 0; t < T; t++) softmax_row(s + t * T, t, T, 1);
+            for (int64_t t = 0; t < T; t++) fsdp__softmax_row(s + t * T, t, T, 1);
             fsdp__attention_product(FSDP__ATT_ROWS, FSDP_F32, 1, T, hs, 1.0f, s, T, 0, v, 3 * C, 0,
                                     y_all + b * T * C + h * hs, C, 0);
         }
@@ -486,7 +508,7 @@ static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype 
                                 dh + 2 * n + o, hs, T * hs);
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < (fsdp__measuring ? 0 : g * T); r++) { /* dS, and its rounding over att's in ab */
-            softmax_bwd_row(att + r * T, ds + r * T, r % T, T, 1);
+            fsdp__softmax_bwd_row(att + r * T, ds + r * T, r % T, T, 1);
             fsdp__to_operand(lp, od, FSDP_F32, ds + r * T, ab + (size_t)(r * T) * es, (size_t)T);
         }
         /* dq = scale dS k;  dk = scale dS^T q */
@@ -539,7 +561,7 @@ static enum fsdp_status attention_backward(struct fsdp_module *m, struct fsdp_ct
         float *ds = scratch + (int64_t)omp_get_thread_num() * T * T; /* (T, T) */
         fsdp__attention_product(FSDP__ATT_SCORES, FSDP_F32, 1, T, hs, 1.0f, dY, C, 0, v, 3 * C, 0, ds, T, 0);
         fsdp__attention_product(FSDP__ATT_COLS, FSDP_F32, 1, T, hs, 1.0f, att, T, 0, dY, C, 0, dv, 3 * C, 0);
-        for (int64_t t = 0; t < T; t++) softmax_bwd_row(att + t * T, ds + t * T, t, T, 1);
+        for (int64_t t = 0; t < T; t++) fsdp__softmax_bwd_row(att + t * T, ds + t * T, t, T, 1);
         fsdp__attention_product(FSDP__ATT_ROWS, FSDP_F32, 1, T, hs, scale, ds, T, 0, k, 3 * C, 0, dq, 3 * C, 0);
         fsdp__attention_product(FSDP__ATT_COLS, FSDP_F32, 1, T, hs, scale, ds, T, 0, q, 3 * C, 0, dk, 3 * C, 0);
     }

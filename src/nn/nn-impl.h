@@ -385,6 +385,14 @@ static inline __m512 fsdp__expf16(__m512 x0) {
 }
 #endif
 
+/* Causal softmax row t of T in place over j <= t, and its backward (d = a (d - sum a d)),
+ * zeros past t up to the row's whole vectors, to T where tail: the rows the attention
+ * runs ([Note: softmax rows in registers], attention.c) and the loops every build has. */
+void fsdp__softmax_row(float *row, int64_t t, int64_t T, int tail);
+void fsdp__softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T, int tail);
+void fsdp__softmax_row_loops(float *row, int64_t t, int64_t T, int tail);
+void fsdp__softmax_bwd_row_loops(const float *a, float *d, int64_t t, int64_t T, int tail);
+
 /* ---- Layers (linear.c, embedding.c, layernorm.c, gelu.c, attention.c, block.c) ---- */
 /* Each constructor returns *out_m to the caller, who owns it until
  * fsdp_module_add_child hands it to a parent. */
