@@ -103,14 +103,6 @@ struct fsdp__module_priv {
                                      Linear; [Note: padded rows], src/fsdp/step.c), else PLAIN */
 };
 
-/* [Note: module profile] (src/nn/profile.c): the dispatchers' frames. push opens one
- * (0 when the context is not profiling); pop closes it with the clock at the
- * dispatch's start, after its pre-hooks, after the module and after its
- * post-hooks. free releases the entries (fsdp__ctx_release). */
-int fsdp__prof_push(struct fsdp_ctx *ctx);
-void fsdp__prof_pop(struct fsdp_ctx *ctx, const struct fsdp_module *m, int frame, int backward, const double t[4]);
-void fsdp__prof_free(struct fsdp_ctx *ctx);
-
 /* ---- Errors ---- */
 /* In a measuring context, prefixes the message with the module whose
  * `pass` ("forward", "backward") failed (the innermost; once); returns st. */

@@ -71,7 +71,6 @@ enum fsdp_status fsdp__ctx_alloc(struct fsdp_ctx **out) {
 void fsdp__ctx_release(struct fsdp_ctx *ctx) {
     if (!ctx) return;
     fsdp__arena_free_all(ctx);
-    fsdp__prof_free(ctx);
     free(ctx);
 }
 

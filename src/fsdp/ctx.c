@@ -5,6 +5,7 @@
  */
 #include "core/core-impl.h"
 #include "comm/comm-impl.h"
+#include "nn/nn-impl.h"
 
 #include <omp.h>
 #include <unistd.h>
@@ -45,6 +46,7 @@ enum fsdp_status fsdp_ctx_create(const struct fsdp_ctx_opts *opts, struct fsdp_c
 void fsdp_ctx_free(struct fsdp_ctx *ctx) {
     if (!ctx) return;
     fsdp__comm_free(ctx->comm);
+    fsdp__prof_free(ctx); /* [Note: module profile] (src/nn) */
     fsdp__ctx_release(ctx);
 }
 

@@ -7,7 +7,7 @@
  * parameter (tied_to != NULL) never has storage of its own and is skipped by
  * traversals (PyTorch's named_parameters dedup).
  */
-#include "core/core-impl.h"
+#include "nn/nn-impl.h"
 
 #include <string.h>
 

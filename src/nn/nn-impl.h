@@ -385,6 +385,14 @@ static inline __m512 fsdp__expf16(__m512 x0) {
 }
 #endif
 
+/* [Note: module profile] (src/nn/profile.c): the dispatchers' frames. push opens one
+ * (0 when the context is not profiling); pop closes it with the clock at the
+ * dispatch's start, after its pre-hooks, after the module and after its
+ * post-hooks. free releases the entries (fsdp_ctx_free). */
+int fsdp__prof_push(struct fsdp_ctx *ctx);
+void fsdp__prof_pop(struct fsdp_ctx *ctx, const struct fsdp_module *m, int frame, int backward, const double t[4]);
+void fsdp__prof_free(struct fsdp_ctx *ctx);
+
 /* Causal softmax row t of T in place over j <= t, and its backward (d = a (d - sum a d)),
  * zeros past t up to the row's whole vectors, to T where tail: the rows the attention
  * runs ([Note: softmax rows in registers], attention.c) and the loops every build has. */

@@ -20,7 +20,7 @@
  * pops to the parent's depth, so the stack mends itself. A dispatch costs
  * four clock reads while profiling; otherwise the dispatchers test one pointer.
  */
-#include "core/core-impl.h"
+#include "nn/nn-impl.h"
 
 #include <string.h>
 
@@ -30,8 +30,7 @@ struct fsdp__profile {
     int on;
     int depth;                      /* frames in use */
     double child[PROF_DEPTH + 1];   /* each open frame's children's time */
-    struct fsdp_profile_entry *e;   /* entries, in order of first call */
-    char **paths;                   /* their folded paths (owned) */
+    struct fsdp_profile_entry *e;   /* entries, in order of first call; each path owned */
     int n, cap;
 };
 
@@ -57,24 +56,20 @@ static struct fsdp_profile_entry *entry(struct fsdp__profile *P, const struct fs
     char path[512];
     fold(m->fqn ? m->fqn : m->name, path, sizeof path);
     for (int i = P->n - 1; i >= 0; i--) /* the latest first: a stack's layers come in runs */
-        if (P->e[i].type == m->ops->type && !strcmp(P->paths[i], path)) return &P->e[i];
+        if (P->e[i].type == m->ops->type && !strcmp(P->e[i].path, path)) return &P->e[i];
     if (P->n == P->cap) {
         int cap = P->cap ? 2 * P->cap : 32;
         struct fsdp_profile_entry *e = fsdp__realloc(P->e, (size_t)cap * sizeof *e);
         if (!e) return NULL;
         P->e = e;
-        char **paths = fsdp__realloc(P->paths, (size_t)cap * sizeof *paths);
-        if (!paths) return NULL;
-        P->paths = paths;
         P->cap = cap;
     }
     char *copy = fsdp__strdup(path);
     if (!copy) return NULL;
-    struct fsdp_profile_entry *e = &P->e[P->n];
+    struct fsdp_profile_entry *e = &P->e[P->n++];
     memset(e, 0, sizeof *e);
-    P->paths[P->n++] = copy;
+    e->path = copy;
     e->type = m->ops->type;
-    for (int i = 0; i < P->n; i++) P->e[i].path = P->paths[i]; /* e may have moved */
     return e;
 }
 
@@ -100,7 +95,7 @@ void fsdp__prof_pop(struct fsdp_ctx *ctx, const struct fsdp_module *m, int frame
 }
 
 static void clear(struct fsdp__profile *P) {
-    for (int i = 0; i < P->n; i++) free(P->paths[i]);
+    for (int i = 0; i < P->n; i++) free((char *)(uintptr_t)P->e[i].path);
     P->n = 0;
     P->depth = 0;
     P->child[0] = 0.0;
@@ -162,7 +157,6 @@ void fsdp__prof_free(struct fsdp_ctx *ctx) {
     if (!ctx || !ctx->prof) return;
     clear(ctx->prof);
     free(ctx->prof->e);
-    free(ctx->prof->paths);
     free(ctx->prof);
     ctx->prof = NULL;
 }
