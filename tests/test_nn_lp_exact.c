@@ -247,9 +247,14 @@ static double rel_l2(const float *a, const double *b, int64_t n) {
 /* CausalSelfAttention in 16 bits, in double: every 16-bit operand rounded
  * where the layer rounds it (x, the weights, qkv, the probabilities, the
  * heads' y, dout, the heads' dY unless round_dy is 0, dS, dqkv); the
- * softmax and its backward on the unrounded probabilities. Fills out (N, C),
- * dx (N, C), dwa (3C, C), dba (3C), dwp (C, C), dbp (C), N = B T. */
-static void attention_reference(enum fsdp_dtype dt, int64_t B, int64_t T, int64_t C, int nh, const float *x,
+ * softmax and its backward on the unrounded probabilities. With at F32
+ * (c_attn an fp32 module under the 16-bit attention) c_attn multiplies the
+ * unrounded x and W and answers qkv in fp32, which the heads round, and its
+ * backward takes dqkv unrounded. Fills out (N, C), dx (N, C), dwa (3C, C),
+ * dba (3C), dwp (C, C), dbp (C), N = B T. */
+static double rda(enum fsdp_dtype at, enum fsdp_dtype dt, double x) { return at == FSDP_F32 ? (double)(float)x : rd(dt, x); }
+
+static void attention_reference(enum fsdp_dtype dt, enum fsdp_dtype at, int64_t B, int64_t T, int64_t C, int nh, const float *x,
                                 const float *wa, const float *ba, const float *wp, const float *bp,
                                 const float *dout, int round_dy, double *out, double *dx, double *dwa,
                                 double *dba, double *dwp, double *dbp) {
@@ -258,10 +263,10 @@ static void attention_reference(enum fsdp_dtype dt, int64_t B, int64_t T, int64_
     double *qkv = calloc((size_t)(N * C3), sizeof(double)), *y = calloc((size_t)(N * C), sizeof(double));
     double *p = calloc((size_t)(B * nh * T * T), sizeof(double)), *dy = calloc((size_t)(N * C), sizeof(double));
     double *dqkv = calloc((size_t)(N * C3), sizeof(double));
-    for (int64_t r = 0; r < N; r++) /* c_attn, handed off in 16 bits */
+    for (int64_t r = 0; r < N; r++) /* c_attn, handed off in 16 bits (or in fp32, then rounded by the heads) */
         for (int64_t j = 0; j < C3; j++) {
             double s = ba[j];
-            for (int64_t c = 0; c < C; c++) s += rd(dt, x[r * C + c]) * rd(dt, wa[j * C + c]);
+            for (int64_t c = 0; c < C; c++) s += rda(at, dt, x[r * C + c]) * rda(at, dt, wa[j * C + c]);
             qkv[r * C3 + j] = rd(dt, s);
         }
     for (int64_t b = 0; b < B; b++)
@@ -327,11 +332,11 @@ static void attention_reference(enum fsdp_dtype dt, int64_t B, int64_t T, int64_
     for (int64_t i = 0; i < N * C; i++) dx[i] = 0;
     for (int64_t r = 0; r < N; r++)
         for (int64_t j = 0; j < C3; j++) { /* c_attn's backward */
-            double g = rd(dt, dqkv[r * C3 + j]);
+            double g = rda(at, dt, dqkv[r * C3 + j]);
             dba[j] += (float)dqkv[r * C3 + j];
             for (int64_t c = 0; c < C; c++) {
-                dwa[j * C + c] += g * rd(dt, x[r * C + c]);
-                dx[r * C + c] += g * rd(dt, wa[j * C + c]);
+                dwa[j * C + c] += g * rda(at, dt, x[r * C + c]);
+                dx[r * C + c] += g * rda(at, dt, wa[j * C + c]);
             }
         }
     free(qkv), free(y), free(p), free(dy), free(dqkv);
@@ -347,14 +352,15 @@ static void attention_reference(enum fsdp_dtype dt, int64_t B, int64_t T, int64_
  * reference's fall on either side of a bf16 rounding midpoint becomes likely,
  * and one such flip moves dx by about 1e-5 (1.1e-7 in the -O2 build, 1.3e-5
  * in the sanitizer build, whose sums run in another order; f16 5e-6 and
- * 7e-6). */
+ * 7e-6). Twice more at T = 40 with c_attn an fp32 module: qkv comes to the
+ * heads in fp32, and they round it to their 16-bit operands. */
 TEST(attention_16bit_is_the_rounded_reference) {
     rng_seed(43);
-    const int64_t B = 2, C = 32, Ts[2] = {12, 40};
+    const int64_t B = 2, C = 32, Ts[3] = {12, 40, 40};
     const int nh = 2;
     const enum fsdp_dtype dts[2] = {FSDP_BF16, FSDP_F16};
-    for (int d = 0; d < 4; d++) {
-        enum fsdp_dtype dt = dts[d % 2];
+    for (int d = 0; d < 6; d++) { /* the last two: c_attn an fp32 module, qkv handed to the heads in fp32 */
+        enum fsdp_dtype dt = dts[d % 2], at = d >= 4 ? FSDP_F32 : dt;
         int64_t T = Ts[d / 2];
         struct fsdp_ctx *ctx = make_ctx();
         struct fsdp_module *m;
@@ -371,6 +377,8 @@ TEST(attention_16bit_is_the_rounded_reference) {
         float *x = malloc((size_t)(N * C) * sizeof(float)), *dout = malloc((size_t)(N * C) * sizeof(float));
         for (int64_t i = 0; i < N * C; i++) x[i] = urand(), dout[i] = urand();
         ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, dt), ctx);
+        ASSERT(m->n_children == 2 && !strcmp(m->children[0]->name, "c_attn"));
+        ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m->children[0], at), ctx);
         ASSERT_OK(fsdp_module_zero_grad(ctx, m), ctx);
         struct fsdp_tensor in = {x, FSDP_F32, 3, {B, T, C}, FSDP_LAYOUT_PLAIN}, out = {0}, din = {0};
         ASSERT_OK(fsdp_module_forward(m, ctx, &in, &out), ctx);
@@ -381,7 +389,7 @@ TEST(attention_16bit_is_the_rounded_reference) {
         const int64_t n[6] = {N * C, N * C, 3 * C * C, 3 * C, C * C, C};
         for (int r = 0; r < 2; r++) {
             for (int i = 0; i < 6; i++) ref[r][i] = malloc((size_t)n[i] * sizeof(double));
-            attention_reference(dt, B, T, C, nh, x, wa->data, ba->data, wp->data, bp->data, dout, r, ref[r][0],
+            attention_reference(dt, at, B, T, C, nh, x, wa->data, ba->data, wp->data, bp->data, dout, r, ref[r][0],
                                 ref[r][1], ref[r][2], ref[r][3], ref[r][4], ref[r][5]);
         }
         const float *got[6] = {out.data, din.data, wa->grad, ba->grad, wp->grad, bp->grad};
@@ -397,8 +405,8 @@ TEST(attention_16bit_is_the_rounded_reference) {
             moved = e0 > moved ? e0 : moved;
             free(r0);
         }
-        fprintf(stderr, "  %s attention, T %lld: worst relative L2 %.2e from the rounded reference; dY unrounded "
-                "moves it %.2e\n", fsdp_dtype_name(dt), (long long)T, worst, moved);
+        fprintf(stderr, "  %s attention%s, T %lld: worst relative L2 %.2e from the rounded reference; dY unrounded "
+                "moves it %.2e\n", fsdp_dtype_name(dt), at == dt ? "" : " (c_attn fp32)", (long long)T, worst, moved);
         CHECK(moved > 1e-4); /* the check sees the heads' dY rounding */
         for (int r = 0; r < 2; r++)
             for (int i = 0; i < 6; i++) free(ref[r][i]);

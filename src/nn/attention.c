@@ -23,7 +23,8 @@
  * bits (below) and the backward makes its head-major copies again rather
  * than keeping them alive. All 16-bit scratch is released before the layer
  * returns. Where 2-D bf16 products run on oneDNN's gemm-based kernel the
- * heads instead run one by one as in fp32, on strided views ([Note: heads
+ * heads instead run one by one as in fp32, on strided views, and where the
+ * products are widened, one by one on fp32 copies of each head ([Note: heads
  * one by one]).
  * [Note: recomputed probabilities] On the 16-bit path the backward
  * recomputes att from the saved 16-bit qkv (heads_probs_lp: the same batched
@@ -320,48 +321,92 @@ static void heads_probs_lp(enum fsdp_dtype lp, enum fsdp_dtype od, const void *q
  * heads of 64, 2 threads, mean of 35) timed one layer's heads at 3.0 ms
  * forward and 6.2 backward against 3.5 and 7.5 for [Note: batched heads],
  * with the same bits (the kernel sums each K = 64 or T-long dot product
- * alike in both). Elsewhere (AMX, whose kernels oneDNN takes for dense
- * operands; bf16 widened; fp16; qkv handed in fp32) the batched path stays. */
+ * alike in both). Where the products are widened ([Note: widened operands]:
+ * no 16-bit kernels for lp), the heads run one by one too, on fp32's
+ * per-head products: each thread makes its head's q, k and v as fp32
+ * holding the values lp rounds them to (widened from a 16-bit qkv, rounded
+ * from an fp32 one) in its own scratch, and the probabilities and dS are
+ * rounded in fp32 (GPT-2 widened, by `--profile`: the attention layers 54
+ * -> 35-41 ms a step forward, 111-114 -> 66-74 backward, bench/README.md
+ * 2026-12-06).
+ * Elsewhere (AMX, whose kernels oneDNN takes for dense operands; native
+ * fp16; qkv handed in fp32 to native kernels) the batched path stays. */
 static int per_head(enum fsdp_dtype lp, enum fsdp_dtype qdt) {
+    if (fsdp__operand_dtype(lp) == FSDP_F32) return 1; /* widened */
     return lp == FSDP_BF16 && qdt == lp && fsdp__gemm_lp_gemm_based(lp);
 }
 
-/* Zeroes the 16-bit (T, T) scratch of each of nthr threads (stride per
- * thread), once per layer call: every head then writes each row t only up
- * to whole_vectors(t, T), so the zeros past it, which the causal blocks'
- * products read up to their edge, stay ([Note: whole vectors]). */
-static void ab_zeroed(uint16_t *ab, int64_t nthr, int64_t T, int64_t per) {
-    for (int64_t i = 0; i < (fsdp__measuring ? 0 : nthr); i++) memset(ab + i * per, 0, (size_t)(T * T) * sizeof *ab);
+/* Zeroes the (T, T) operand scratch (es bytes an element) of each of nthr
+ * threads (per elements a thread), once per layer call: every head then
+ * writes each row t only up to whole_vectors(t, T), so the zeros past it,
+ * which the causal blocks' products read up to their edge, stay ([Note:
+ * whole vectors]). */
+static void ab_zeroed(void *ab, size_t es, int64_t nthr, int64_t T, int64_t per) {
+    for (int64_t i = 0; i < (fsdp__measuring ? 0 : nthr); i++)
+        memset((char *)ab + (size_t)(i * per) * es, 0, (size_t)(T * T) * es);
+}
+
+/* Whether a head's q, k, v are read in place from qkv (16-bit, multiplied
+ * as they are), or made first (head_operands). */
+static int head_in_place(enum fsdp_dtype lp, enum fsdp_dtype od, enum fsdp_dtype qdt) { return qdt == lp && od == lp; }
+
+/* One head's q, k, v (T, hs each, row stride 3C in qkv of dtype qdt) as the
+ * operands the products take (od): in place where they are those already
+ * (head_in_place: *q.. point into qkv, *ld = 3C), else made in own (3 T hs
+ * elements of od, dense: *ld = hs), holding the values lp rounds them to. */
+static void head_operands(enum fsdp_dtype lp, enum fsdp_dtype od, enum fsdp_dtype qdt, const void *qkv, int64_t C,
+                          int64_t T, int64_t hs, void *own, const void **q, const void **k, const void **v,
+                          int64_t *ld) {
+    size_t qs = fsdp_dtype_size(qdt), es = fsdp_dtype_size(od);
+    const char *src = qkv;
+    *ld = 3 * C;
+    *q = src, *k = src + (size_t)C * qs, *v = src + (size_t)(2 * C) * qs;
+    if (head_in_place(lp, od, qdt)) return;
+    for (int part = 0; part < 3; part++)
+        for (int64_t t = 0; t < T; t++)
+            fsdp__to_operand(lp, od, qdt, src + (size_t)(t * 3 * C + part * C) * qs,
+                             (char *)own + (size_t)((part * T + t) * hs) * es, (size_t)hs);
+    *ld = hs;
+    *q = own, *k = (char *)own + (size_t)(T * hs) * es, *v = (char *)own + (size_t)(2 * T * hs) * es;
 }
 
 /* One head's probabilities: att (T, T) = softmax(scale q k^T) and ab, its
- * rounding to lp; q and k (T, hs) in lp, row stride ld. Forward and the
- * backward's recompute both run this ([Note: recomputed probabilities]). */
-static void head_probs_ph(enum fsdp_dtype lp, const void *q, const void *k, int64_t ld, int64_t T, int64_t hs,
-                          float *att, uint16_t *ab) {
-    fsdp__attention_product(FSDP__ATT_SCORES, lp, 1, T, hs, 1.0f / sqrtf((float)hs), q, ld, 0, k, ld, 0, att, T, 0);
+ * rounding to lp as operands of dtype od; q and k (T, hs) of od, row stride
+ * ld. Forward and the backward's recompute both run this ([Note: recomputed
+ * probabilities]). */
+static void head_probs_ph(enum fsdp_dtype lp, enum fsdp_dtype od, const void *q, const void *k, int64_t ld,
+                          int64_t T, int64_t hs, float *att, void *ab) {
+    size_t es = fsdp_dtype_size(od);
+    fsdp__attention_product(FSDP__ATT_SCORES, od, 1, T, hs, 1.0f / sqrtf((float)hs), q, ld, 0, k, ld, 0, att, T, 0);
     for (int64_t t = 0; t < T; t++) { /* ab's zeros past whole_vectors were written once (ab_zeroed) */
         fsdp__softmax_row(att + t * T, t, T, 0);
-        fsdp__cvt_from_f32(lp, att + t * T, ab + t * T, (size_t)whole_vectors(t, T));
+        fsdp__to_operand(lp, od, FSDP_F32, att + t * T, (char *)ab + (size_t)(t * T) * es,
+                         (size_t)whole_vectors(t, T));
     }
 }
 
-static enum fsdp_status heads_forward_ph(struct fsdp_ctx *ctx, enum fsdp_dtype lp, const uint16_t *qkv, int64_t B,
-                                         int64_t T, int64_t nh, int64_t hs, enum fsdp_dtype ydt, void *y) {
+static enum fsdp_status heads_forward_ph(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
+                                         const void *qkv, int64_t B, int64_t T, int64_t nh, int64_t hs,
+                                         enum fsdp_dtype ydt, void *y) {
     int64_t C = nh * hs, nthr = omp_get_max_threads();
-    size_t mark = fsdp_arena_mark(ctx), ys = fsdp_dtype_size(ydt);
+    enum fsdp_dtype od = fsdp__operand_dtype(lp);
+    int64_t per = T * T + (head_in_place(lp, od, qdt) ? 0 : 3 * T * hs); /* ab; the head's operands */
+    size_t mark = fsdp_arena_mark(ctx), ys = fsdp_dtype_size(ydt), es = fsdp_dtype_size(od),
+           qs = fsdp_dtype_size(qdt);
     float *att = fsdp_arena_alloc(ctx, (size_t)(nthr * (T * T + T * hs)) * sizeof(float)); /* att, then yh */
-    uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(nthr * T * T) * sizeof(uint16_t));
+    char *ab = fsdp_arena_alloc(ctx, (size_t)(nthr * per) * es);
     if (!att || !ab) return lp_nomem(ctx, lp);
-    ab_zeroed(ab, nthr, T, T * T);
+    ab_zeroed(ab, es, nthr, T, per);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < (fsdp__measuring ? 0 : B * nh); bh++) {
-        int64_t b = bh / nh, h = bh % nh, me = omp_get_thread_num();
-        const uint16_t *q = qkv + b * T * 3 * C + h * hs, *k = q + C, *v = q + 2 * C; /* (T, hs), stride 3C */
+        int64_t b = bh / nh, h = bh % nh, me = omp_get_thread_num(), ld;
         float *s = att + me * (T * T + T * hs), *yh = s + T * T;
-        uint16_t *a = ab + me * T * T;
-        head_probs_ph(lp, q, k, 3 * C, T, hs, s, a);
-        fsdp__attention_product(FSDP__ATT_ROWS, lp, 1, T, hs, 1.0f, a, T, 0, v, 3 * C, 0, yh, hs, 0);
+        char *a = ab + (size_t)(me * per) * es;
+        const void *q, *k, *v;
+        head_operands(lp, od, qdt, (const char *)qkv + (size_t)(b * T * 3 * C + h * hs) * qs, C, T, hs,
+                      a + (size_t)(T * T) * es, &q, &k, &v, &ld);
+        head_probs_ph(lp, od, q, k, ld, T, hs, s, a);
+        fsdp__attention_product(FSDP__ATT_ROWS, od, 1, T, hs, 1.0f, a, T, 0, v, ld, 0, yh, hs, 0);
         for (int64_t t = 0; t < T; t++)
             fsdp__cvt_from_f32(ydt, yh + t * hs, (char *)y + (size_t)((b * T + t) * C + h * hs) * ys, (size_t)hs);
     }
@@ -371,35 +416,40 @@ static enum fsdp_status heads_forward_ph(struct fsdp_ctx *ctx, enum fsdp_dtype l
 
 /* The backward of heads_forward_ph: dqkv (B, T, 3C) fp32, every element
  * written by one head's products straight into its columns. */
-static enum fsdp_status heads_backward_ph(struct fsdp_ctx *ctx, enum fsdp_dtype lp, const uint16_t *qkv,
-                                          const float *dy, int64_t B, int64_t T, int64_t nh, int64_t hs,
-                                          float *dqkv) {
+static enum fsdp_status heads_backward_ph(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
+                                          const void *qkv, const float *dy, int64_t B, int64_t T, int64_t nh,
+                                          int64_t hs, float *dqkv) {
     int64_t C = nh * hs, nthr = omp_get_max_threads();
-    size_t mark = fsdp_arena_mark(ctx);
+    enum fsdp_dtype od = fsdp__operand_dtype(lp);
+    int64_t per = T * T + T * hs + (head_in_place(lp, od, qdt) ? 0 : 3 * T * hs); /* att, dS; dY; q k v */
+    size_t mark = fsdp_arena_mark(ctx), es = fsdp_dtype_size(od), qs = fsdp_dtype_size(qdt);
     float *att = fsdp_arena_alloc(ctx, (size_t)(nthr * 2 * T * T) * sizeof(float)); /* att and dS */
-    uint16_t *ab = fsdp_arena_alloc(ctx, (size_t)(nthr * (T * T + T * hs)) * sizeof(uint16_t)); /* att, dS; dY */
+    char *ab = fsdp_arena_alloc(ctx, (size_t)(nthr * per) * es);
     if (!att || !ab) return lp_nomem(ctx, lp);
-    ab_zeroed(ab, nthr, T, T * T + T * hs);
+    ab_zeroed(ab, es, nthr, T, per);
     float scale = 1.0f / sqrtf((float)hs);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < (fsdp__measuring ? 0 : B * nh); bh++) {
-        int64_t b = bh / nh, h = bh % nh, me = omp_get_thread_num();
-        const uint16_t *q = qkv + b * T * 3 * C + h * hs, *k = q + C, *v = q + 2 * C; /* (T, hs), stride 3C */
+        int64_t b = bh / nh, h = bh % nh, me = omp_get_thread_num(), ld;
         float *dq = dqkv + b * T * 3 * C + h * hs, *dk = dq + C, *dv = dq + 2 * C;
         float *s = att + me * 2 * T * T, *ds = s + T * T;
-        uint16_t *a = ab + me * (T * T + T * hs), *dyh = a + T * T;
-        for (int64_t t = 0; t < T; t++) fsdp__cvt_from_f32(lp, dy + (b * T + t) * C + h * hs, dyh + t * hs, (size_t)hs);
-        head_probs_ph(lp, q, k, 3 * C, T, hs, s, a);
+        char *a = ab + (size_t)(me * per) * es, *dyh = a + (size_t)(T * T) * es;
+        const void *q, *k, *v;
+        head_operands(lp, od, qdt, (const char *)qkv + (size_t)(b * T * 3 * C + h * hs) * qs, C, T, hs,
+                      dyh + (size_t)(T * hs) * es, &q, &k, &v, &ld);
+        for (int64_t t = 0; t < T; t++)
+            fsdp__to_operand(lp, od, FSDP_F32, dy + (b * T + t) * C + h * hs, dyh + (size_t)(t * hs) * es, (size_t)hs);
+        head_probs_ph(lp, od, q, k, ld, T, hs, s, a);
         /* datt = dY v^T;  dv = att^T dY */
-        fsdp__attention_product(FSDP__ATT_SCORES, lp, 1, T, hs, 1.0f, dyh, hs, 0, v, 3 * C, 0, ds, T, 0);
-        fsdp__attention_product(FSDP__ATT_COLS, lp, 1, T, hs, 1.0f, a, T, 0, dyh, hs, 0, dv, 3 * C, 0);
+        fsdp__attention_product(FSDP__ATT_SCORES, od, 1, T, hs, 1.0f, dyh, hs, 0, v, ld, 0, ds, T, 0);
+        fsdp__attention_product(FSDP__ATT_COLS, od, 1, T, hs, 1.0f, a, T, 0, dyh, hs, 0, dv, 3 * C, 0);
         for (int64_t t = 0; t < T; t++) { /* dS, rounded over att's copy */
             fsdp__softmax_bwd_row(s + t * T, ds + t * T, t, T, 0);
-            fsdp__cvt_from_f32(lp, ds + t * T, a + t * T, (size_t)whole_vectors(t, T));
+            fsdp__to_operand(lp, od, FSDP_F32, ds + t * T, a + (size_t)(t * T) * es, (size_t)whole_vectors(t, T));
         }
         /* dq = scale dS k;  dk = scale dS^T q */
-        fsdp__attention_product(FSDP__ATT_ROWS, lp, 1, T, hs, scale, a, T, 0, k, 3 * C, 0, dq, 3 * C, 0);
-        fsdp__attention_product(FSDP__ATT_COLS, lp, 1, T, hs, scale, a, T, 0, q, 3 * C, 0, dk, 3 * C, 0);
+        fsdp__attention_product(FSDP__ATT_ROWS, od, 1, T, hs, scale, a, T, 0, k, ld, 0, dq, 3 * C, 0);
+        fsdp__attention_product(FSDP__ATT_COLS, od, 1, T, hs, scale, a, T, 0, q, ld, 0, dk, 3 * C, 0);
     }
     fsdp_arena_release(ctx, mark);
     return FSDP_OK;
@@ -410,7 +460,7 @@ static enum fsdp_status heads_backward_ph(struct fsdp_ctx *ctx, enum fsdp_dtype 
 static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
                                          const void *qkv, int64_t B, int64_t T, int64_t nh, int64_t hs,
                                          enum fsdp_dtype ydt, void *y) {
-    if (per_head(lp, qdt)) return heads_forward_ph(ctx, lp, qkv, B, T, nh, hs, ydt, y);
+    if (per_head(lp, qdt)) return heads_forward_ph(ctx, lp, qdt, qkv, B, T, nh, hs, ydt, y);
     int64_t C = nh * hs, BH = B * nh, G = fsdp__attention_head_group(BH, T), n = BH * T * hs;
     enum fsdp_dtype od = fsdp__operand_dtype(lp); /* [Note: widened operands] */
     size_t es = fsdp_dtype_size(od), mark = fsdp_arena_mark(ctx);
@@ -483,7 +533,7 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
 static enum fsdp_status heads_backward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype lp, enum fsdp_dtype qdt,
                                           const void *qkv, const float *dy, int64_t B, int64_t T, int64_t nh,
                                           int64_t hs, float *dqkv) {
-    if (per_head(lp, qdt)) return heads_backward_ph(ctx, lp, qkv, dy, B, T, nh, hs, dqkv);
+    if (per_head(lp, qdt)) return heads_backward_ph(ctx, lp, qdt, qkv, dy, B, T, nh, hs, dqkv);
     int64_t C = nh * hs, BH = B * nh, n = BH * T * hs, G = fsdp__attention_head_group(BH, T);
     enum fsdp_dtype od = fsdp__operand_dtype(lp); /* [Note: widened operands] */
     size_t es = fsdp_dtype_size(od), mark = fsdp_arena_mark(ctx);

@@ -180,9 +180,9 @@ enum fsdp_dtype fsdp__input_dtype(const struct fsdp_module *m) {
  * layer makes its operands in fp32 instead, holding the values lp rounds
  * them to (fsdp__operand_dtype: F32), and multiplies them with fp32's
  * products: the same exact products of the same values, with fp32 scratch
- * twice the size. Attention makes its head-major copies, probabilities and
- * dS so (attention.c); Linear's widened backward its dy, x and W ([Note:
- * widened backward], linear.c). */
+ * twice the size. Attention makes each head's q, k, v, probabilities and
+ * dS so ([Note: heads one by one], attention.c); Linear's widened backward
+ * its dy, x and W ([Note: widened backward], linear.c). */
 enum fsdp_dtype fsdp__operand_dtype(enum fsdp_dtype lp) { return fsdp_gemm_native(lp) ? lp : FSDP_F32; }
 
 void fsdp__to_operand(enum fsdp_dtype lp, enum fsdp_dtype od, enum fsdp_dtype sdt, const void *src, void *dst,
