@@ -178,6 +178,39 @@ static float *widened_input(struct fsdp_ctx *ctx, enum fsdp_dtype lp, const void
     return x;
 }
 
+/* [Note: widened backward]'s whole products: where the blocks of output
+ * columns would cut dx = dy W's sums (K = O) into several products, each
+ * re-reading and re-writing the fp32 dx, but dy's fp32 values fit whole
+ * beside the larger of W's and x's, the backward runs in two phases in the
+ * same budget: dy widened whole, then W beside it for dx (one product over
+ * all of K), W released, then x beside it for dW (one product). GPT-2's
+ * mlp.c_proj (O 768, I 3072, N 1024) took three blocks of 256; now its
+ * widened backward takes 304-324 ms a step instead of 330-367 (`--profile`,
+ * bench/README.md 2026-12-06). */
+static int backward_whole_fits(int64_t N, int64_t I, int64_t O) {
+    int64_t big = O * I > N * I ? O * I : N * I;
+    return N * O + big <= ROUND_SCRATCH / (int64_t)sizeof(float);
+}
+
+static enum fsdp_status backward_widened_whole(struct fsdp_ctx *ctx, enum fsdp_dtype lp, int64_t N, int64_t I,
+                                               int64_t O, const void *dy, enum fsdp_dtype ddt, int64_t ldy,
+                                               const void *xl, struct fsdp_param *weight, float *dx) {
+    float *dyw = fsdp__scratch(ctx, N * O, "Linear output gradient (widened)");
+    if (!dyw) return FSDP_ERR_NOMEM;
+    widen_cols(lp, ddt, dy, ldy, N, 0, O, dyw);
+    size_t mark = fsdp_arena_mark(ctx);
+    float *w = fsdp__scratch(ctx, O * I, "Linear weight (widened)");
+    if (!w) return FSDP_ERR_NOMEM;
+    fsdp__prows(weight, I, 0, O, lp, FSDP_F32, w); /* W rounded to lp, in fp32 */
+    fsdp__sgemm(0, 0, N, I, O, 1.0f, dyw, O, w, I, 0.0f, dx, I);
+    fsdp_arena_release(ctx, mark);
+    float *x = widened_input(ctx, lp, xl, N, I);
+    if (!x) return FSDP_ERR_NOMEM;
+    float beta, *dw = fsdp__pgrad_first(weight, &beta); /* [Note: unset gradients] */
+    fsdp__sgemm(1, 0, O, I, N, 1.0f, dyw, O, x, I, beta, dw, I);
+    return FSDP_OK;
+}
+
 /* weight's dW (O, I) += dy^T x (= when unset) and, with dx, dx (N, I) = dy W,
  * on the fp32 values of the 16-bit operands ([Note: widened backward]): dy
  * (N, O) of dtype ddt with row stride ldy, x (N, I) and W (O, I) in lp. */
@@ -187,6 +220,8 @@ static enum fsdp_status backward_widened(struct fsdp_ctx *ctx, enum fsdp_dtype l
     int64_t per = N + (dx ? I : 0); /* fp32 values a column of the block takes */
     /* x widened whole, in the budget */
     int64_t nc = block_cols((ROUND_SCRATCH / (int64_t)sizeof(float) - N * I) / per, WIDEN_MIN_COLS, O);
+    if (dx && nc < O && backward_whole_fits(N, I, O))
+        return backward_widened_whole(ctx, lp, N, I, O, dy, ddt, ldy, xl, weight, dx);
     float *x = widened_input(ctx, lp, xl, N, I);
     float *dyw = x ? fsdp__scratch(ctx, N * nc, "Linear output gradient (widened)") : NULL;
     float *w = dyw && dx ? fsdp__scratch(ctx, nc * I, "Linear weight (widened)") : NULL;
