@@ -124,10 +124,10 @@ int fsdp__shm_pid_alive(int32_t pid) {
 /* Fails the progress thread (s->failed) because rank `peer` died during q. */
 int fsdp__shm_fail_dead(struct shm_state *s, struct fsdp_comm *c, int peer, const struct shm_req *q) {
     snprintf(s->fail_msg, sizeof s->fail_msg,
-             "shm: rank %d (pid %d) died during %s #%llu (%zu elements of %s); rank %d "
+             "shm: rank %d (pid %d) died during %s #%llu (%zu elements of %s%s%s); rank %d "
              "cannot go on, the job must end",
              peer, (int)s->ctl[peer].pid, fsdp__coll_name(q->base.coll), (unsigned long long)q->seq,
-             q->count, fsdp_dtype_name(q->dt), c->rank);
+             q->count, fsdp_dtype_name(q->dt), q->tag[0] ? ", tag " : "", q->tag, c->rank);
     fprintf(stderr, "fsdp: rank %d: %s\n", c->rank, s->fail_msg);
     fflush(stderr);
     s->failed = 1;
@@ -139,9 +139,9 @@ int fsdp__shm_fail_aborted(struct shm_state *s, struct fsdp_comm *c, uint32_t ab
                            const struct shm_req *q) {
     snprintf(s->fail_msg, sizeof s->fail_msg,
              "shm: rank %u aborted the job while rank %d waited on rank %d in %s #%llu "
-             "(%zu elements of %s)",
+             "(%zu elements of %s%s%s)",
              ab - 1, c->rank, peer, fsdp__coll_name(q->base.coll),
-             (unsigned long long)q->seq, q->count, fsdp_dtype_name(q->dt));
+             (unsigned long long)q->seq, q->count, fsdp_dtype_name(q->dt), q->tag[0] ? ", tag " : "", q->tag);
     s->failed = 1;
     return -1;
 }

@@ -78,9 +78,10 @@ static int cma_read(struct shm_state *s, struct fsdp_comm *c, const struct shm_r
             if (err == ESRCH || !fsdp__shm_pid_alive(s->peer_pid[peer])) return fsdp__shm_fail_dead(s, c, peer, q);
             snprintf(s->fail_msg, sizeof s->fail_msg,
                      "shm: rank %d cannot read rank %d's buffer (process_vm_readv: %s) in %s #%llu "
-                     "(%zu elements of %s)",
+                     "(%zu elements of %s%s%s)",
                      c->rank, peer, strerror(err), fsdp__coll_name(q->base.coll),
-                     (unsigned long long)q->seq, q->count, fsdp_dtype_name(q->dt));
+                     (unsigned long long)q->seq, q->count, fsdp_dtype_name(q->dt), q->tag[0] ? ", tag " : "",
+                     q->tag);
             fprintf(stderr, "fsdp: %s\n", s->fail_msg);
             fflush(stderr);
             s->failed = 1;
