@@ -23,12 +23,13 @@ for run in 1 2 2-staged; do
     --max 8388608 --fault-coll $([ $coll = allgather ] && echo ag || echo rs) > "$tmp/kill.out" 2>&1
   rc=$?
   ms=$((($(date +%s%N) - t0) / 1000000))
+  check="allgather #5 \([0-9]+ elements of I32, [0-9]+ bytes, tag schedule check of $coll #6" # see below
   if [ $rc -eq 0 ]; then bad "kill rank $victim in $coll$path: job ends" "exit 0"
   elif [ $rc -eq 124 ]; then bad "kill rank $victim in $coll$path: job ends" "still running after 60 s"
   elif [ $ms -gt 30000 ]; then bad "kill rank $victim in $coll$path: job ends within 30 s" "took $ms ms"
   # the survivors may have finished #5 with the victim's data before it died: then they find it
   # dead in the next one, or in that one's schedule check (an all-gather of the fingerprints)
-  elif ! grep -qE "shm: rank $victim \(pid [0-9]+\) died during ($coll #[56] \(|allgather #5 \([0-9]+ elements of I32, tag schedule check of $coll #6)" "$tmp/kill.out"; then
+  elif ! grep -qE "shm: rank $victim \(pid [0-9]+\) died during ($coll #[56] \(|$check)" "$tmp/kill.out"; then
     bad "kill rank $victim in $coll$path: a survivor names the dead rank" "$(grep -v '^---' "$tmp/kill.out" | head -8)"
   else ok "kill rank $victim in $coll$path: named and ended in $ms ms (exit $rc)"; fi
 done

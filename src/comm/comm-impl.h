@@ -197,6 +197,10 @@ size_t fsdp__comm_mpi_req_bytes(void);
 size_t fsdp__comm_shm_req_bytes(void);
 /* The name of a collective ("allgather", ...), for messages. */
 const char *fsdp__coll_name(enum fsdp_coll coll);
+/* A request as the backends' failure messages name it, into buf (n bytes):
+ * "allgather #5 (17 elements of I32, 68 bytes, tag T)"; returns buf. */
+const char *fsdp__coll_what(enum fsdp_coll coll, uint64_t seq, size_t count, enum fsdp_dtype dt, const char *tag,
+                            char *buf, size_t n);
 
 /* ---- Reductions in rank order (shm.c, [Note: reduction order]); mpi.c's
  * ordered reductions use the same steps, so both backends give the same bits ---- */

@@ -221,6 +221,13 @@ const char *fsdp__coll_name(enum fsdp_coll coll) {
     return "?";
 }
 
+const char *fsdp__coll_what(enum fsdp_coll coll, uint64_t seq, size_t count, enum fsdp_dtype dt, const char *tag,
+                            char *buf, size_t n) {
+    snprintf(buf, n, "%s #%llu (%zu elements of %s, %zu bytes%s%s)", fsdp__coll_name(coll), (unsigned long long)seq,
+             count, fsdp_dtype_name(dt), count * fsdp_dtype_size(dt), tag[0] ? ", tag " : "", tag);
+    return buf;
+}
+
 /* ---- Queries ---- */
 
 int fsdp_comm_rank(const struct fsdp_comm *c) { return c ? c->rank : 0; }

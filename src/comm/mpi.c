@@ -483,23 +483,19 @@ static enum fsdp_status mpi_wait(struct fsdp_comm *c, struct fsdp_comm_req *req)
         }
     } while (again);
     enum fsdp_status st = FSDP_OK;
-    char lost[320], silence[320];
+    char lost[320], silence[320], named[160];
     if (timed_out == 2 && fsdp__peers_lost(lost, sizeof lost)) {
-        st = fsdp__err(c->ctx, FSDP_ERR_COMM,
-                       "%s #%llu (%zu elements of %s, %zu bytes%s%s) cannot complete: %s; rank %d waited %.1f s",
-                       fsdp__coll_name(q->base.coll), (unsigned long long)q->seq, q->count,
-                       fsdp_dtype_name(q->count_dt), q->count * fsdp_dtype_size(q->count_dt),
-                       q->tag[0] ? ", tag " : "", q->tag, lost, c->rank, fsdp__now() - q->t_start);
+        st = fsdp__err(c->ctx, FSDP_ERR_COMM, "%s cannot complete: %s; rank %d waited %.1f s",
+                       fsdp__coll_what(q->base.coll, q->seq, q->count, q->count_dt, q->tag, named, sizeof named), lost,
+                       c->rank, fsdp__now() - q->t_start);
         return st; /* q stays, as on a timeout */
     }
     if (timed_out) {
         fsdp__peers_silence(silence, sizeof silence);
-        st = fsdp__err(c->ctx, FSDP_ERR_COMM,
-                       "collective timeout: rank %d waited %.1f s (limit %g s) in %s #%llu (%zu elements "
-                       "of %s, %zu bytes%s%s)%s%s", c->rank, fsdp__now() - q->t_start, c->timeout_s,
-                       fsdp__coll_name(q->base.coll), (unsigned long long)q->seq, q->count,
-                       fsdp_dtype_name(q->count_dt), q->count * fsdp_dtype_size(q->count_dt),
-                       q->tag[0] ? ", tag " : "", q->tag, silence[0] ? "; peer watch: " : "", silence);
+        st = fsdp__err(c->ctx, FSDP_ERR_COMM, "collective timeout: rank %d waited %.1f s (limit %g s) in %s%s%s",
+                       c->rank, fsdp__now() - q->t_start, c->timeout_s,
+                       fsdp__coll_what(q->base.coll, q->seq, q->count, q->count_dt, q->tag, named, sizeof named),
+                       silence[0] ? "; peer watch: " : "", silence);
         fprintf(stderr, "fsdp: %s\n", fsdp_errmsg(c->ctx));
         fflush(stderr);
         /* q stays allocated (and with the progress thread, if it was): MPI may

@@ -114,6 +114,8 @@ struct shm_state {
 void fsdp__shm_store_wake(_Atomic uint32_t *w, _Atomic uint32_t *waiters, uint32_t v);
 /* 0 if process pid is gone (or a zombie); pids not visible here count as alive. */
 int fsdp__shm_pid_alive(int32_t pid);
+/* q as the failure messages name it (fsdp__coll_what), into buf; returns buf. */
+const char *fsdp__shm_req_what(const struct shm_req *q, char *buf, size_t n);
 /* Fail the progress thread (returns -1) naming a dead peer / an aborted job. */
 int fsdp__shm_fail_dead(struct shm_state *s, struct fsdp_comm *c, int peer, const struct shm_req *q);
 int fsdp__shm_fail_aborted(struct shm_state *s, struct fsdp_comm *c, uint32_t ab, int peer,

@@ -121,13 +121,16 @@ int fsdp__shm_pid_alive(int32_t pid) {
     return !(p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X'));
 }
 
+const char *fsdp__shm_req_what(const struct shm_req *q, char *buf, size_t n) {
+    return fsdp__coll_what(q->base.coll, q->seq, q->count, q->dt, q->tag, buf, n);
+}
+
 /* Fails the progress thread (s->failed) because rank `peer` died during q. */
 int fsdp__shm_fail_dead(struct shm_state *s, struct fsdp_comm *c, int peer, const struct shm_req *q) {
+    char what[160];
     snprintf(s->fail_msg, sizeof s->fail_msg,
-             "shm: rank %d (pid %d) died during %s #%llu (%zu elements of %s%s%s); rank %d "
-             "cannot go on, the job must end",
-             peer, (int)s->ctl[peer].pid, fsdp__coll_name(q->base.coll), (unsigned long long)q->seq,
-             q->count, fsdp_dtype_name(q->dt), q->tag[0] ? ", tag " : "", q->tag, c->rank);
+             "shm: rank %d (pid %d) died during %s; rank %d cannot go on, the job must end", peer,
+             (int)s->ctl[peer].pid, fsdp__shm_req_what(q, what, sizeof what), c->rank);
     fprintf(stderr, "fsdp: rank %d: %s\n", c->rank, s->fail_msg);
     fflush(stderr);
     s->failed = 1;
@@ -137,11 +140,9 @@ int fsdp__shm_fail_dead(struct shm_state *s, struct fsdp_comm *c, int peer, cons
 /* ... because rank ab - 1 set the abort flag. */
 int fsdp__shm_fail_aborted(struct shm_state *s, struct fsdp_comm *c, uint32_t ab, int peer,
                            const struct shm_req *q) {
-    snprintf(s->fail_msg, sizeof s->fail_msg,
-             "shm: rank %u aborted the job while rank %d waited on rank %d in %s #%llu "
-             "(%zu elements of %s%s%s)",
-             ab - 1, c->rank, peer, fsdp__coll_name(q->base.coll),
-             (unsigned long long)q->seq, q->count, fsdp_dtype_name(q->dt), q->tag[0] ? ", tag " : "", q->tag);
+    char what[160];
+    snprintf(s->fail_msg, sizeof s->fail_msg, "shm: rank %u aborted the job while rank %d waited on rank %d in %s",
+             ab - 1, c->rank, peer, fsdp__shm_req_what(q, what, sizeof what));
     s->failed = 1;
     return -1;
 }
@@ -172,12 +173,10 @@ int fsdp__shm_wait_ge(struct shm_state *s, struct fsdp_comm *c, _Atomic uint32_t
         if (t - last_check < 0.05) continue;
         last_check = t;
         if (c->timeout_s > 0 && t - q->t_start > c->timeout_s) {
+            char what[160];
             snprintf(s->fail_msg, sizeof s->fail_msg,
-                     "collective timeout: rank %d waited %.1f s (limit %g s) on rank %d in %s #%llu "
-                     "(%zu elements of %s, %zu bytes%s%s)",
-                     c->rank, t - q->t_start, c->timeout_s, peer, fsdp__coll_name(q->base.coll),
-                     (unsigned long long)q->seq, q->count, fsdp_dtype_name(q->dt),
-                     q->count * fsdp_dtype_size(q->dt), q->tag[0] ? ", tag " : "", q->tag);
+                     "collective timeout: rank %d waited %.1f s (limit %g s) on rank %d in %s", c->rank,
+                     t - q->t_start, c->timeout_s, peer, fsdp__shm_req_what(q, what, sizeof what));
             fprintf(stderr, "fsdp: %s\n", s->fail_msg);
             fflush(stderr);
             s->failed = 1;

@@ -76,12 +76,10 @@ static int cma_read(struct shm_state *s, struct fsdp_comm *c, const struct shm_r
         if (got <= 0) {
             int err = got < 0 ? errno : EFAULT;
             if (err == ESRCH || !fsdp__shm_pid_alive(s->peer_pid[peer])) return fsdp__shm_fail_dead(s, c, peer, q);
+            char what[160];
             snprintf(s->fail_msg, sizeof s->fail_msg,
-                     "shm: rank %d cannot read rank %d's buffer (process_vm_readv: %s) in %s #%llu "
-                     "(%zu elements of %s%s%s)",
-                     c->rank, peer, strerror(err), fsdp__coll_name(q->base.coll),
-                     (unsigned long long)q->seq, q->count, fsdp_dtype_name(q->dt), q->tag[0] ? ", tag " : "",
-                     q->tag);
+                     "shm: rank %d cannot read rank %d's buffer (process_vm_readv: %s) in %s", c->rank, peer,
+                     strerror(err), fsdp__shm_req_what(q, what, sizeof what));
             fprintf(stderr, "fsdp: %s\n", s->fail_msg);
             fflush(stderr);
             s->failed = 1;
