@@ -117,6 +117,40 @@ static inline int test_find_file(const char *name, char *out, size_t cap) {
     return 0;
 }
 
+/* A reference script's path, tests/<name>, in script: 1 where
+ * /usr/bin/python3 imports `modules` (a comma-separated list) and the
+ * script is found; else the test is skipped saying which (test_skip) and 0:
+ * the caller returns. */
+static inline int test_python_ref(const char *modules, const char *name, char *script, size_t cap) {
+    char cmd[256], why[256];
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 -c 'import %s' >/dev/null 2>&1", modules);
+    if (system(cmd) != 0) {
+        snprintf(why, sizeof why, "/usr/bin/python3 cannot import %s", modules);
+        test_skip(why);
+        return 0;
+    }
+    if (!test_find_file(name, script, cap)) {
+        snprintf(why, sizeof why, "tests/%s not found", name);
+        test_skip(why);
+        return 0;
+    }
+    return 1;
+}
+
+/* Runs /usr/bin/python3 script dir: on success dir is removed; else the
+ * test fails naming the command and its status, and dir is kept. */
+static inline void test_run_python_ref(const char *script, const char *dir) {
+    char cmd[8600];
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 '%s' '%s'", script, dir);
+    fflush(NULL);
+    int rc = system(cmd);
+    if (rc != 0) TEST_FAILF("%s exited with status %d (data kept in %s)", cmd, rc, dir);
+    else {
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+        CHECK(system(cmd) == 0);
+    }
+}
+
 /* Writes bytes to dir/name; 1 on success. */
 static inline int test_write_file(const char *dir, const char *name, const void *data, size_t bytes) {
     char path[1024];

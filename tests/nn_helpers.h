@@ -3,7 +3,9 @@
  * xorshift stream (rng_seed, rng_next, urand in [-1, 1), irand in [0, n))
  * a context on the self communicator (make_ctx, aborts on failure) and an
  * fp32 input of uniform values in malloc'd memory (make_input: it survives
- * fsdp_arena_reset).
+ * fsdp_arena_reset), a module's parameters made uniform (randomize_params),
+ * a standalone layer finalized with values (prepare) and a 2-layer GPT
+ * configuration (small_gpt).
  * Include after fsdp.h and harness.h.
  */
 #ifndef FSDP_TEST_NN_HELPERS_H
@@ -43,6 +45,29 @@ static inline struct fsdp_tensor make_input(int ndim, const int64_t *shape, floa
     for (int64_t i = 0; i < n; i++) x[i] = offset + scale * urand();
     t.data = x;
     return t;
+}
+
+/* Replaces initial values by uniform(-scale, scale) (LayerNorm weights: 1 +
+ * that), so checks do not depend on a special point such as zero biases. */
+static inline int randomize_one(struct fsdp_param *p, void *ud) {
+    float s = *(float *)ud;
+    for (int64_t i = 0; i < p->numel; i++) p->data[i] = (p->init.kind == FSDP_INIT_ONES ? 1.0f : 0.0f) + s * urand();
+    return 0;
+}
+static inline void randomize_params(struct fsdp_module *m, float scale) {
+    fsdp_module_foreach_param(m, randomize_one, &scale);
+}
+
+/* Finalizes a standalone layer (FQNs from its own name) and gives it values. */
+static inline void prepare(struct fsdp_ctx *ctx, struct fsdp_module *m, float scale) {
+    if (fsdp_module_finalize(ctx, m) != FSDP_OK || fsdp_module_materialize(ctx, m, 7) != FSDP_OK) abort();
+    if (scale > 0) randomize_params(m, scale);
+}
+
+/* a 2-layer GPT small enough for finite differences */
+static inline struct fsdp_gpt_config small_gpt(void) {
+    struct fsdp_gpt_config c = {2, 2, 16, 24, 8}; /* n_layer, n_head, n_embd, vocab, block */
+    return c;
 }
 
 #endif

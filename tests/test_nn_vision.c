@@ -608,15 +608,8 @@ static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, st
 }
 
 TEST(vision_layers_match_pytorch) {
-    if (system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
-        test_skip("/usr/bin/python3 cannot import torch");
-        return;
-    }
     char script[4200];
-    if (!test_find_file("torch_vision_ref.py", script, sizeof script)) {
-        test_skip("tests/torch_vision_ref.py not found");
-        return;
-    }
+    if (!test_python_ref("torch", "torch_vision_ref.py", script, sizeof script)) return;
     rng_seed(7);
     struct fsdp_ctx *ctx = make_ctx();
     char dir[] = "/tmp/fsdp_torch_vision_XXXXXX";
@@ -728,15 +721,7 @@ TEST(vision_layers_match_pytorch) {
     fsdp_module_free(m);
     fprintf(js, "]\n");
     CHECK(fclose(js) == 0);
-    char cmd[8600];
-    snprintf(cmd, sizeof cmd, "/usr/bin/python3 '%s' '%s'", script, dir);
-    fflush(NULL);
-    int rc = system(cmd);
-    if (rc != 0) TEST_FAILF("%s exited with status %d (data kept in %s)", cmd, rc, dir);
-    else {
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-        CHECK(system(cmd) == 0);
-    }
+    test_run_python_ref(script, dir);
     fsdp_ctx_free(ctx);
 }
 

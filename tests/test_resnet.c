@@ -173,15 +173,8 @@ static void ref_case(FILE *js, const char *dir, int id, struct fsdp_ctx *ctx, co
 
 /* Writes the cases, runs the script; with_data: the numeric cases, else names and FLOPs only. */
 static void run_reference(int with_data) {
-    if (system("/usr/bin/python3 -c 'import torch, torchvision' >/dev/null 2>&1") != 0) {
-        test_skip("/usr/bin/python3 cannot import torch and torchvision");
-        return;
-    }
     char script[4200];
-    if (!test_find_file("torchvision_resnet_ref.py", script, sizeof script)) {
-        test_skip("tests/torchvision_resnet_ref.py not found");
-        return;
-    }
+    if (!test_python_ref("torch, torchvision", "torchvision_resnet_ref.py", script, sizeof script)) return;
     rng_seed(5);
     struct fsdp_ctx *ctx = make_ctx();
     char dir[] = "/tmp/fsdp_torch_resnet_XXXXXX";
@@ -214,15 +207,7 @@ static void run_reference(int with_data) {
     }
     fprintf(js, "\n]\n");
     CHECK(fclose(js) == 0);
-    char cmd[8600];
-    snprintf(cmd, sizeof cmd, "/usr/bin/python3 '%s' '%s'", script, dir);
-    fflush(NULL);
-    int rc = system(cmd);
-    if (rc != 0) TEST_FAILF("%s exited with status %d (data kept in %s)", cmd, rc, dir);
-    else {
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-        CHECK(system(cmd) == 0);
-    }
+    test_run_python_ref(script, dir);
     fsdp_ctx_free(ctx);
 }
 

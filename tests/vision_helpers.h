@@ -1,8 +1,8 @@
 /*
  * vision_helpers.h - what the vision layer tests share (test_nn_vision.c,
  * test_nn_batchnorm.c, test_nn_vision_lp.c): tie-free inputs
- * (make_distinct; make_input is nn_helpers.h's), finalize + materialize + random weights
- * (prepare) and a Conv2d with every option (conv_with).
+ * (make_distinct; make_input and prepare, finalize + materialize + random
+ * weights, are nn_helpers.h's) and a Conv2d with every option (conv_with).
  * Include after fsdp.h, harness.h and nn_helpers.h (and plist.h, for the
  * files that list a module's parameters).
  */
@@ -25,16 +25,6 @@ static inline struct fsdp_tensor make_distinct(int ndim, const int64_t *shape, f
         x[j] = v;
     }
     return t;
-}
-
-static inline int randomize_one(struct fsdp_param *p, void *ud) {
-    float s = *(float *)ud;
-    for (int64_t i = 0; i < p->numel; i++) p->data[i] = (p->init.kind == FSDP_INIT_ONES ? 1.0f : 0.0f) + s * urand();
-    return 0;
-}
-static inline void prepare(struct fsdp_ctx *ctx, struct fsdp_module *m, float scale) {
-    if (fsdp_module_finalize(ctx, m) != FSDP_OK || fsdp_module_materialize(ctx, m, 7) != FSDP_OK) abort();
-    if (scale > 0) fsdp_module_foreach_param(m, randomize_one, &scale);
 }
 
 static inline struct fsdp_module *conv_with(struct fsdp_ctx *ctx, const char *name, int64_t in, int64_t out, int kh, int kw,
