@@ -210,6 +210,16 @@ TEST(array_forms_match_scalar_bits) {
         if (y[i] != fsdp__f32_to_bf16(x[i]) && bad++ < 5)
             TEST_FAILF("bf16 array 0x%08x: 0x%04x vs scalar 0x%04x", bits_of(x[i]), y[i], fsdp__f32_to_bf16(x[i]));
     CHECK_INT_EQ(bad, 0);
+    /* every length to 80, from an odd start: each mix of the vector loop and the scalar tail */
+    for (size_t len = 1; len <= 80; len++) {
+        for (size_t i = 0; i < len; i++) y[i] = 0xdead;
+        fsdp__cvt_f32_to_bf16(x + 3 * 4095 + 1, y, len);
+        for (size_t i = 0; i < len; i++)
+            if (y[i] != fsdp__f32_to_bf16(x[3 * 4095 + 1 + i]) && bad++ < 5)
+                TEST_FAILF("bf16 array of %zu, element %zu: 0x%04x vs scalar 0x%04x", len, i, y[i],
+                           fsdp__f32_to_bf16(x[3 * 4095 + 1 + i]));
+    }
+    CHECK_INT_EQ(bad, 0);
     fsdp__cvt_f32_to_f16(x, y, n);
     bad = 0;
     for (size_t i = 0; i < n; i++)
