@@ -5,7 +5,7 @@
  * fp32 input of uniform values in malloc'd memory (make_input: it survives
  * fsdp_arena_reset), a module's parameters made uniform (randomize_params),
  * a standalone layer finalized with values (prepare) and a 2-layer GPT
- * configuration (small_gpt).
+ * (small_gpt, small_gpt_model).
  * Include after fsdp.h and harness.h.
  */
 #ifndef FSDP_TEST_NN_HELPERS_H
@@ -68,6 +68,20 @@ static inline void prepare(struct fsdp_ctx *ctx, struct fsdp_module *m, float sc
 static inline struct fsdp_gpt_config small_gpt(void) {
     struct fsdp_gpt_config c = {2, 2, 16, 24, 8}; /* n_layer, n_head, n_embd, vocab, block */
     return c;
+}
+
+/* small_gpt's model with values (initialised from seed, then uniform in
+ * +-0.3, randomize_params), or NULL (ctx's error says why) */
+static inline struct fsdp_module *small_gpt_model(struct fsdp_ctx *ctx, uint64_t seed) {
+    struct fsdp_gpt_config cfg = small_gpt();
+    struct fsdp_module *m = NULL;
+    if (fsdp_gpt_create(ctx, &cfg, &m) != FSDP_OK) return NULL;
+    if (fsdp_module_materialize(ctx, m, seed) != FSDP_OK) {
+        fsdp_module_free(m);
+        return NULL;
+    }
+    randomize_params(m, 0.3f);
+    return m;
 }
 
 #endif
