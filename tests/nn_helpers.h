@@ -71,17 +71,18 @@ static inline struct fsdp_gpt_config small_gpt(void) {
 }
 
 /* small_gpt's model with values (initialised from seed, then uniform in
- * +-0.3, randomize_params), or NULL (ctx's error says why) */
-static inline struct fsdp_module *small_gpt_model(struct fsdp_ctx *ctx, uint64_t seed) {
+ * +-0.3, randomize_params) in *out; a failure's status (ctx's error says
+ * why) with nothing made, for ASSERT_OK */
+static inline enum fsdp_status small_gpt_model(struct fsdp_ctx *ctx, uint64_t seed, struct fsdp_module **out) {
     struct fsdp_gpt_config cfg = small_gpt();
-    struct fsdp_module *m = NULL;
-    if (fsdp_gpt_create(ctx, &cfg, &m) != FSDP_OK) return NULL;
-    if (fsdp_module_materialize(ctx, m, seed) != FSDP_OK) {
-        fsdp_module_free(m);
-        return NULL;
+    enum fsdp_status st = fsdp_gpt_create(ctx, &cfg, out);
+    if (st != FSDP_OK) return st;
+    if ((st = fsdp_module_materialize(ctx, *out, seed)) != FSDP_OK) {
+        fsdp_module_free(*out);
+        return st;
     }
-    randomize_params(m, 0.3f);
-    return m;
+    randomize_params(*out, 0.3f);
+    return FSDP_OK;
 }
 
 #endif

@@ -480,11 +480,8 @@ TEST(gradcheck_gpt_cross_entropy) { /* mean CE of the whole GPT; rtol 2e-2, atol
     rng_seed(8);
     struct fsdp_ctx *ctx = make_ctx();
     struct fsdp_gpt_config cfg = small_gpt();
-    struct fsdp_module *m = small_gpt_model(ctx, 11);
-    if (!m) {
-        TEST_FAILF("small_gpt_model: %s", fsdp_errmsg(ctx));
-        return;
-    }
+    struct fsdp_module *m;
+    ASSERT_OK(small_gpt_model(ctx, 11, &m), ctx);
     int64_t shape[2] = {2, 6};
     struct fsdp_tensor tok = make_ids(2, shape, cfg.vocab_size);
     int32_t targets[12];

@@ -104,11 +104,8 @@ TEST(gpt_tied_gradient_is_sum_of_paths) {
     rng_seed(10);
     struct fsdp_ctx *ctx = make_ctx();
     struct fsdp_gpt_config cfg = small_gpt();
-    struct fsdp_module *m = small_gpt_model(ctx, 5);
-    if (!m) {
-        TEST_FAILF("small_gpt_model: %s", fsdp_errmsg(ctx));
-        return;
-    }
+    struct fsdp_module *m;
+    ASSERT_OK(small_gpt_model(ctx, 5, &m), ctx);
     struct fsdp_param *wte = fsdp_module_find_param(m, "transformer.wte.weight");
     struct fsdp_param *lm = fsdp_module_find_param(m, "lm_head.weight");
     ASSERT(wte && lm);
