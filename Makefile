@@ -23,6 +23,8 @@ DEP_LIBS   := -ldnnl $(MPI_LIBS) $(shell pkg-config --libs libcjson 2>/dev/null 
 CFLAGS   += -std=c11 -D_GNU_SOURCE -fPIC -fopenmp -fno-math-errno $(OPT) $(ARCH) -g $(WARN) $(SAN) \
             -Iinclude -Isrc $(DEP_CFLAGS)
 LDFLAGS  += -fopenmp $(SAN)
+# objects the sanitized builds link into every executable (make asan: [Note: plugins kept loaded])
+SAN_OBJ  ?=
 
 LIB_SRC  := $(wildcard src/core/*.c src/nn/*.c src/comm/*.c src/io/*.c src/optim/*.c src/fsdp/*.c \
                       src/data/*.c src/models/*.c src/fsdp/ckpt/*.c)
@@ -55,26 +57,27 @@ $(BUILD)/libfsdp.a: $(LIB_OBJ)
 $(BUILD)/libfsdp.so: $(LIB_OBJ)
 	$(CC) -shared -o $@ $^ $(LDFLAGS) $(DEP_LIBS)
 
-$(BUILD)/%: $(BUILD)/tools/%.o $(BUILD)/libfsdp.a
-	$(CC) -o $@ $< $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
+$(BUILD)/%: $(BUILD)/tools/%.o $(BUILD)/libfsdp.a $(SAN_OBJ)
+	$(CC) -o $@ $< $(SAN_OBJ) $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
 
-$(BUILD)/fsdp-train: $(BUILD)/tools/fsdp-train.o $(TRAIN_OBJ) $(BUILD)/libfsdp.a
+$(BUILD)/fsdp-train: $(BUILD)/tools/fsdp-train.o $(TRAIN_OBJ) $(BUILD)/libfsdp.a $(SAN_OBJ)
 	$(CC) -o $@ $(filter %.o,$^) $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
 
-$(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/libfsdp.a
-	$(CC) -o $@ $< $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
+$(BUILD)/tests/%: $(BUILD)/tests/%.o $(BUILD)/libfsdp.a $(SAN_OBJ)
+	$(CC) -o $@ $< $(SAN_OBJ) $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
 
-$(BUILD)/examples/%: $(BUILD)/examples/%.o $(BUILD)/libfsdp.a
-	$(CC) -o $@ $< $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
+$(BUILD)/examples/%: $(BUILD)/examples/%.o $(BUILD)/libfsdp.a $(SAN_OBJ)
+	$(CC) -o $@ $< $(SAN_OBJ) $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
 
-$(BUILD)/bench/%: $(BUILD)/bench/%.o $(BUILD)/libfsdp.a
-	$(CC) -o $@ $< $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
+$(BUILD)/bench/%: $(BUILD)/bench/%.o $(BUILD)/libfsdp.a $(SAN_OBJ)
+	$(CC) -o $@ $< $(SAN_OBJ) $(BUILD)/libfsdp.a $(LDFLAGS) $(DEP_LIBS)
 
 test: all
 	BUILD=$(BUILD) tests/run.sh
 
 asan:
-	$(MAKE) BUILD=build-asan SAN="-fsanitize=address,undefined -fno-omit-frame-pointer" OPT=-O1
+	$(MAKE) BUILD=build-asan SAN="-fsanitize=address,undefined -fno-omit-frame-pointer" OPT=-O1 \
+	    SAN_OBJ=build-asan/tests/lsan_keep_plugins.o
 
 ubsan:
 	$(MAKE) BUILD=build-ubsan SAN="-fsanitize=undefined -fno-sanitize-recover=undefined" OPT=-O1
