@@ -23,7 +23,10 @@
 #   products are widened to fp32 (no bf16 kernels on the CPU, or
 #   FSDP_GEMM_BF16=widen), the two bf16 targets are the issue's for such CPUs
 #   instead: AMP_BF16 1 x 2 no slower than fp32 (fp32 step / bf16 step >= 1),
-#   printed with the limits' own ratio. This VM's figures move
+#   printed with the limits' own ratio. The rate targets are also given against
+#   the GEMM probes run just before and after each 1 x 2 run (*_near: the mean
+#   of the two, of the run's precision), as the VM's speed drifts over the
+#   minutes between the round's first probes and its runs. This VM's figures move
 #   10-20% between runs minutes apart, so ROUNDS=R repeats the whole (probes,
 #   limits and the four runs) R times and also prints each figure's median
 #   over the rounds and whether a majority of the rounds met it.
@@ -37,6 +40,7 @@ B=${B:-4}
 SEQ=${SEQ:-256}
 SECS=${SECS:-0.2}
 ROUNDS=${ROUNDS:-1}
+SEQ_ROWS=$((B * SEQ > 1024 ? 1024 : B * SEQ)) # the probes' rows, as step_limit's (1024 at most)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 run() { # dir name nproc threads precision
@@ -48,8 +52,10 @@ for k in $(seq 1 "$ROUNDS"); do
   d="$tmp/r$k"; mkdir "$d"
   [ "$ROUNDS" = 1 ] || echo "== round $k of $ROUNDS ($(date -u +%H:%M:%S) UTC) =="
   "$BUILD/bench/step_limit" "$MODEL" "$B" "$SEQ" 2 4 "$SECS" | tee "$d/limit.out"
-  run "$d" fp32_1x2 1 2 FP32
-  run "$d" bf16_1x2 1 2 AMP_BF16
+  # the GEMM probes again just before, between and just after the two 1 x 2 runs: the VM's
+  # speed drifts over the minutes between the first probes and the runs
+  probe() { "$BUILD/bench/gemm_rate" 2 all "$SEQ_ROWS" > "$d/probe$1.out" || exit 1; }
+  probe 0; run "$d" fp32_1x2 1 2 FP32; probe 1; run "$d" bf16_1x2 1 2 AMP_BF16; probe 2
   run "$d" fp32_4x1 4 1 FP32
   run "$d" bf16_4x1 4 1 AMP_BF16
   echo
@@ -70,6 +76,9 @@ for line in open(f"{d}/limit.out"):
         ph[f[1]] = [float(x) for x in f[2:5]]
     if f[:1] in (["gemm_gflops"], ["gemm_bf16_gflops"]):
         probe[f[0]] = float(f[1])
+near = []  # the probes just before, between and after the 1 x 2 runs: {name: GFLOP/s}
+for k in range(3):
+    near.append({f[0]: float(f[1]) for f in map(str.split, open(f"{d}/probe{k}.out")) if f[:1] in (["gemm_gflops"], ["gemm_bf16_gflops"])})
 def med(name):  # the log's step lines, without the first step
     rows = [r for r in map(json.loads, open(f"{d}/{name}.jsonl")) if "step" in r][1:]
     return {k: statistics.median(r[k] for r in rows) / 1e3 for k in ("step_ms", "forward_ms", "backward_ms", "update_ms")}
@@ -174,6 +183,19 @@ sp = m["fp32_1x2"]["step_ms"] / m["bf16_1x2"]["step_ms"]
 ask = 1.0 if widened else 0.85 * probe["gemm_bf16_gflops"] / probe["gemm_gflops"]
 out["widened_vs_fp32" if widened else "speedup"] = (sp, ask, sp >= ask,
                                                     f"limits' ratio {lim['fp32_1x2'][0] / lim['bf16_1x2'][0]:.3f}")
+# the same rates against the mean of the two probes run just before and after the step's own run
+# (fp32: probes 0 and 1; AMP_BF16: 1 and 2), of its precision; the limit stays the first probes'
+for p, want, key, k0 in (("fp32", 0.88, "gemm_gflops", 0), ("bf16", 0.78, "gemm_bf16_gflops", 1)):
+    if widened and p == "bf16":
+        continue
+    pr = (near[k0][key] + near[k0 + 1][key]) / 2
+    rate = out[f"{p}_rate"][0] * probe[key] / pr  # model FLOP/s a step over pr
+    out[f"{p}_rate_near"] = (rate, want, rate >= want,
+                             f"probes {near[k0][key]:.1f} and {near[k0 + 1][key]:.1f} GFLOP/s around its run, "
+                             f"the round's first {probe[key]:.1f}")
+if not widened:  # the probes' ratio between the two runs
+    ask = 0.85 * near[1]["gemm_bf16_gflops"] / near[1]["gemm_gflops"]
+    out["speedup_near"] = (sp, ask, sp >= ask, "0.85 x the ratio of the probes between the two runs")
 for p in ("fp32", "bf16"):
     r = m[f"{p}_4x1"]["step_ms"] / m[f"{p}_1x2"]["step_ms"]
     out[f"{p}_4x1"] = (r, 1.15, r <= 1.15, f"limits' ratio {lim[f'{p}_4x1'][0] / lim[f'{p}_1x2'][0]:.3f}")
