@@ -48,14 +48,16 @@ run() { # dir name nproc threads precision
     --threads "$4" --nproc "$3" --precision "$5" --sample 0 --log "$1/$2.jsonl" --profile > "$1/$2.out" 2>&1 ||
     { cat "$1/$2.out"; exit 1; }
 }
+probe() { # dir k: both GEMM probes (fp32, bf16; 2 threads) into dir/probe<k>.out
+  "$BUILD/bench/gemm_rate" 2 all "$SEQ_ROWS" > "$1/probe$2.out" || { cat "$1/probe$2.out"; exit 1; }
+}
 for k in $(seq 1 "$ROUNDS"); do
   d="$tmp/r$k"; mkdir "$d"
   [ "$ROUNDS" = 1 ] || echo "== round $k of $ROUNDS ($(date -u +%H:%M:%S) UTC) =="
   "$BUILD/bench/step_limit" "$MODEL" "$B" "$SEQ" 2 4 "$SECS" | tee "$d/limit.out"
   # the GEMM probes again just before, between and just after the two 1 x 2 runs: the VM's
   # speed drifts over the minutes between the first probes and the runs
-  probe() { "$BUILD/bench/gemm_rate" 2 all "$SEQ_ROWS" > "$d/probe$1.out" || exit 1; }
-  probe 0; run "$d" fp32_1x2 1 2 FP32; probe 1; run "$d" bf16_1x2 1 2 AMP_BF16; probe 2
+  probe "$d" 0; run "$d" fp32_1x2 1 2 FP32; probe "$d" 1; run "$d" bf16_1x2 1 2 AMP_BF16; probe "$d" 2
   run "$d" fp32_4x1 4 1 FP32
   run "$d" bf16_4x1 4 1 AMP_BF16
   echo
