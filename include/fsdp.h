@@ -398,6 +398,20 @@ enum fsdp_status fsdp_gpt_create(struct fsdp_ctx *ctx, const struct fsdp_gpt_con
 /* Forward FLOPs per token (matmuls, 2 per multiply-add), for FLOP/s figures;
  * a training step costs 3x this per token. */
 double fsdp_gpt_flops_per_token(const struct fsdp_gpt_config *cfg, int T);
+/* Decoding with a cache of keys and values: gives every attention layer of
+ * the GPT `root` room for cap positions (1..block_size) of B sequences
+ * (2 * B * cap * n_embd floats a layer, allocated here; B = cap = 0 frees
+ * it, as does freeing the module). Then each forward of root, which must run
+ * in eval mode (fsdp_module_set_training(root, 0); a train-mode forward is
+ * FSDP_ERR_STATE), takes tokens (B, n) at the positions after those it has
+ * run so far (0 first), reads the earlier positions' keys and values from
+ * the cache and adds its own, and gives only the logits of each sequence's
+ * last position, (B, 1, vocab): generation's n = 1 steps cost one row each.
+ * Positions past cap are FSDP_ERR_INVALID (call again to start over). The
+ * logits agree with a full forward's last row to rounding (the products sum
+ * in another order). Not a GPT, or other sizes: FSDP_ERR_INVALID.
+ * COLLECTIVE: no (its forwards are). */
+enum fsdp_status fsdp_gpt_set_cache(struct fsdp_ctx *ctx, struct fsdp_module *root, int B, int cap);
 
 /* Softmax cross-entropy over logits (N, V) with targets (N): returns the mean
  * loss; if dlogits is non-NULL writes d(mean loss * scale)/dlogits there

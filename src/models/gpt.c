@@ -33,6 +33,7 @@ struct gpt {
     size_t *marks;                                  /* (n_layer + 1) arena marks before each block's
                                                        forward and before ln_f's */
     int64_t B, T;
+    int64_t cache_B, cache_cap, cache_len; /* fsdp_gpt_set_cache's, and the positions decoded */
 };
 
 static enum fsdp_status gpt_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
@@ -43,12 +44,26 @@ static enum fsdp_status gpt_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
     if (T > G->cfg.block_size)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "GPT: sequence length T %lld exceeds block_size %d",
                          (long long)T, G->cfg.block_size);
+    int64_t at = 0; /* the first position */
+    G->B = G->T = 0;
+    if (G->cache_cap) { /* [Note: decoding cache] (attention.c): positions at..at+T-1 only */
+        if (m->training)
+            return fsdp__err(ctx, FSDP_ERR_STATE, "GPT: a decoding cache is set (fsdp_gpt_set_cache): its "
+                             "forwards run in eval mode; free it (a cap of 0) to train");
+        if (B != G->cache_B || G->cache_len + T > G->cache_cap)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "GPT: positions %lld..%lld of %lld sequences do not fit the "
+                             "decoding cache of %lld positions of %lld sequences (fsdp_gpt_set_cache starts over)",
+                             (long long)G->cache_len, (long long)(G->cache_len + T - 1), (long long)B,
+                             (long long)G->cache_cap, (long long)G->cache_B);
+        at = G->cache_len;
+        for (int l = 0; l < G->cfg.n_layer; l++) fsdp__attention_cache_at(fsdp__block_attention(G->h[l]), at);
+    }
     /* positions (T) */
     memset(&G->pos, 0, sizeof G->pos);
     int64_t tshape[1] = {T};
     FSDP_TRY(fsdp__tensor_prepare(ctx, &G->pos, FSDP_I32, 1, tshape, "GPT positions"));
     int32_t *pos = G->pos.data;
-    for (int64_t t = 0; t < T; t++) pos[t] = (int32_t)t;
+    for (int64_t t = 0; t < T; t++) pos[t] = (int32_t)(at + t);
     /* x (B, T, C) = wte(tokens) + wpe(pos) */
     struct fsdp_tensor x = {0}, pe = {0};
     FSDP_TRY(fsdp_module_forward(G->wte, ctx, in, &x));
@@ -79,12 +94,24 @@ static enum fsdp_status gpt_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
         x = y;
     }
     G->marks[G->cfg.n_layer] = fsdp_arena_mark(ctx);
+    if (G->cache_cap && T > 1) { /* decoding: the logits of each sequence's last position only */
+        struct fsdp_tensor xl = {0};
+        int64_t lshape[3] = {B, 1, C};
+        FSDP_TRY(fsdp__tensor_prepare(ctx, &xl, FSDP_F32, 3, lshape, "GPT last positions"));
+        for (int64_t b = 0; b < (fsdp__measuring ? 0 : B); b++)
+            memcpy((float *)xl.data + b * C, (const float *)x.data + (b * T + T - 1) * C, (size_t)C * sizeof(float));
+        x = xl;
+    }
     struct fsdp_tensor xf = {0};
     xf.dtype = fsdp__input_dtype(G->lm_head); /* [Note: 16-bit hand-off] */
     FSDP_TRY(fsdp_module_forward(G->ln_f, ctx, &x, &xf));
     FSDP_TRY(fsdp_module_forward(G->lm_head, ctx, &xf, out)); /* (B, T, V) */
     m->priv->dout_dtype = G->lm_head->priv->dout_dtype; /* dlogits go to lm_head as they come */
     m->priv->dout_layout = G->lm_head->priv->dout_layout;
+    if (G->cache_cap) { /* nothing for a backward */
+        G->cache_len += T;
+        return FSDP_OK;
+    }
     G->B = B;
     G->T = T;
     return FSDP_OK;
@@ -186,6 +213,28 @@ static enum fsdp_status gpt_build(struct fsdp_ctx *ctx, struct fsdp_module *root
     /* weight tying (nanoGPT: lm_head.weight is wte.weight); both are (V, C) */
     G->lm_head->params[0]->tied_to = G->wte->params[0];
     return fsdp_module_finalize(ctx, root);
+}
+
+enum fsdp_status fsdp_gpt_set_cache(struct fsdp_ctx *ctx, struct fsdp_module *root, int B, int cap) {
+    if (!root || root->ops != &gpt_ops)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "fsdp_gpt_set_cache: module '%s' is not a GPT (fsdp_gpt_create)",
+                         root ? fsdp__mname(root) : "(null)");
+    struct gpt *G = root->impl;
+    if (B < 0 || cap < 0 || cap > G->cfg.block_size || (cap > 0) != (B > 0))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "fsdp_gpt_set_cache: %d sequences of %d positions: both positive "
+                         "(positions at most block_size %d), or both 0 to free the cache", B, cap,
+                         G->cfg.block_size);
+    G->cache_B = G->cache_cap = G->cache_len = 0;
+    enum fsdp_status st = FSDP_OK;
+    for (int l = 0; l < G->cfg.n_layer && st == FSDP_OK; l++)
+        st = fsdp__attention_set_cache(ctx, fsdp__block_attention(G->h[l]), B, cap);
+    if (st != FSDP_OK) { /* none half made */
+        for (int l = 0; l < G->cfg.n_layer; l++) fsdp__attention_set_cache(ctx, fsdp__block_attention(G->h[l]), 0, 0);
+        return st;
+    }
+    G->cache_B = B;
+    G->cache_cap = cap;
+    return FSDP_OK;
 }
 
 enum fsdp_status fsdp_gpt_create(struct fsdp_ctx *ctx, const struct fsdp_gpt_config *cfg,

@@ -273,6 +273,8 @@ struct attention {
     enum fsdp_dtype lp;                  /* compute dtype of the last forward */
     float *att;                          /* (B, nh, T, T) saved probabilities, arena (fp32 path) */
     int64_t B, T;
+    float *kc, *vc;        /* [Note: decoding cache]: keys, values (cB, nh, cap, hs), or NULL */
+    int64_t cB, cap, at;   /* its sequences, positions, and the next forward's first position */
 };
 
 /* [Note: head groups]
@@ -484,6 +486,95 @@ static enum fsdp_status heads_forward_lp(struct fsdp_ctx *ctx, enum fsdp_dtype l
     return FSDP_OK;
 }
 
+/* [Note: decoding cache] Generating a token after a prefix of T ran the
+ * whole prefix through the model again: GPT-2 sampling 120 tokens after
+ * training took 5-11 s, nearly all of it rows whose outputs were known.
+ * With a cache (fsdp_gpt_set_cache, src/models/gpt.c) an eval-mode forward
+ * takes only the new positions at..at+n-1: c_attn makes their q, k and v,
+ * k and v go into the cache at their positions, and each new query attends
+ * over the cache's keys 0..its own position, one head at a time on its
+ * thread. The values are those the full forward multiplies: q, k and v as
+ * the heads' operands hold them (fsdp__to_operand: rounded to lp on the
+ * 16-bit path) and on that path the probabilities rounded to lp, the
+ * softmax the same rows' code; the dot products and sums run in fp32 in
+ * another order than the GEMMs', so the logits agree with the full
+ * forward's to rounding (tests/test_mpi_decode.c), not bit for bit.
+ * Nothing is saved for a backward (none may follow: eval mode). */
+enum fsdp_status fsdp__attention_set_cache(struct fsdp_ctx *ctx, struct fsdp_module *m, int64_t B, int64_t cap) {
+    struct attention *A = m->impl;
+    free(A->kc);
+    A->kc = A->vc = NULL;
+    A->cB = A->cap = A->at = 0;
+    if (B <= 0 || cap <= 0) return FSDP_OK;
+    size_t n = (size_t)(B * cap * A->C);
+    A->kc = fsdp__malloc(2 * n * sizeof(float));
+    if (!A->kc)
+        return fsdp__err(ctx, FSDP_ERR_NOMEM, "CausalSelfAttention '%s': out of memory for a decoding cache of "
+                         "%lld x %lld positions (%.1f MiB)", fsdp__mname(m), (long long)B, (long long)cap,
+                         (double)(2 * n * sizeof(float)) / 1048576.0);
+    A->vc = A->kc + n;
+    A->cB = B;
+    A->cap = cap;
+    return FSDP_OK;
+}
+
+void fsdp__attention_cache_at(struct fsdp_module *m, int64_t at) { ((struct attention *)m->impl)->at = at; }
+
+/* y (B, n, C) of dtype ydt: the heads of positions at..at+n-1 from qkv (B, n,
+ * 3C) of dtype qdt over the cache, which takes their k and v ([Note:
+ * decoding cache]) */
+static enum fsdp_status heads_decode(struct fsdp_ctx *ctx, struct attention *A, enum fsdp_dtype lp,
+                                     enum fsdp_dtype qdt, const void *qkv, int64_t B, int64_t n,
+                                     enum fsdp_dtype ydt, void *y) {
+    int64_t C = A->C, nh = A->n_head, hs = C / nh, at = A->at, cap = A->cap;
+    int64_t row = (at + n + 15) / 16 * 16; /* a score row: room for whole_vectors */
+    size_t qs = fsdp_dtype_size(qdt);
+    float *q = fsdp__scratch(ctx, B * n * C, "attention queries (decoding)");
+    float *s = q ? fsdp__scratch(ctx, B * nh * row, "attention scores (decoding)") : NULL;
+    float *yf = s ? (ydt == FSDP_F32 ? (float *)y : fsdp__scratch(ctx, B * n * C, "attention heads (decoding)"))
+                  : NULL;
+    if (!yf) return FSDP_ERR_NOMEM;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < (fsdp__measuring ? 0 : B * n); r++) { /* the rows' operands; k, v into the cache */
+        int64_t b = r / n, t = r % n;
+        const char *src = (const char *)qkv + (size_t)(r * 3 * C) * qs;
+        fsdp__to_operand(lp, FSDP_F32, qdt, src, q + r * C, (size_t)C);
+        for (int64_t h = 0; h < nh; h++) {
+            size_t o = (size_t)(((b * nh + h) * cap + at + t) * hs);
+            fsdp__to_operand(lp, FSDP_F32, qdt, src + (size_t)(C + h * hs) * qs, A->kc + o, (size_t)hs);
+            fsdp__to_operand(lp, FSDP_F32, qdt, src + (size_t)(2 * C + h * hs) * qs, A->vc + o, (size_t)hs);
+        }
+    }
+    float scale = 1.0f / sqrtf((float)hs);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t bh = 0; bh < (fsdp__measuring ? 0 : B * nh); bh++) {
+        int64_t b = bh / nh, h = bh % nh;
+        const float *kh = A->kc + (size_t)(bh * cap * hs), *vh = A->vc + (size_t)(bh * cap * hs);
+        float *sr = s + bh * row;
+        for (int64_t t = 0; t < n; t++) {
+            const float *qr = q + (b * n + t) * C + h * hs;
+            int64_t len = at + t + 1;
+            for (int64_t j = 0; j < len; j++) {
+                float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+                for (int64_t e = 0; e < hs; e++) d += qr[e] * kh[j * hs + e];
+                sr[j] = scale * d;
+            }
+            fsdp__softmax_row(sr, len - 1, row, 0);
+            if (lp != FSDP_F32) fsdp__cvt_round(lp, sr, sr, (size_t)len); /* the probabilities as operands */
+            float *yr = yf + (b * n + t) * C + h * hs;
+            for (int64_t e = 0; e < hs; e++) yr[e] = 0.0f;
+            for (int64_t j = 0; j < len; j++) {
+                float p = sr[j];
+#pragma omp simd
+                for (int64_t e = 0; e < hs; e++) yr[e] += p * vh[j * hs + e];
+            }
+        }
+    }
+    if (ydt != FSDP_F32) fsdp__cvt_from_f32(ydt, yf, y, (size_t)(B * n * C));
+    return FSDP_OK;
+}
+
 static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx *ctx,
                                           const struct fsdp_tensor *in, struct fsdp_tensor *out) {
     struct attention *A = m->impl;
@@ -494,6 +585,23 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
     struct fsdp_tensor qkv = {0};
     qkv.dtype = lp; /* asked in 16 bits on the 16-bit path; c_attn may still answer fp32 */
     FSDP_TRY(fsdp_module_forward(A->c_attn, ctx, in, &qkv)); /* (B, T, 3C) */
+    A->qkv = NULL; /* no backward until this forward has ended */
+    if (A->kc) { /* [Note: decoding cache] */
+        if (m->training)
+            return fsdp__err(ctx, FSDP_ERR_STATE, "CausalSelfAttention '%s': a decoding cache is set, and a "
+                             "train-mode forward cannot use it (eval mode, or free the cache)", fsdp__mname(m));
+        if (B != A->cB || A->at + T > A->cap)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "CausalSelfAttention '%s': positions %lld..%lld of %lld "
+                             "sequences do not fit its decoding cache of %lld positions of %lld", fsdp__mname(m),
+                             (long long)A->at, (long long)(A->at + T - 1), (long long)B, (long long)A->cap,
+                             (long long)A->cB);
+        struct fsdp_tensor y = {0};
+        int64_t yshape[3] = {B, T, C};
+        enum fsdp_dtype ydt = lp != FSDP_F32 ? fsdp__linear_input_dtype(A->c_proj) : FSDP_F32;
+        FSDP_TRY(fsdp__tensor_prepare(ctx, &y, ydt, 3, yshape, "attention heads output"));
+        FSDP_TRY(heads_decode(ctx, A, lp, qkv.dtype, qkv.data, B, T, ydt, y.data));
+        return fsdp_module_forward(A->c_proj, ctx, &y, out);
+    }
     float *att = NULL; /* fp32: kept for backward; 16-bit: recomputed there */
     if (lp == FSDP_F32 && !(att = fsdp__scratch(ctx, B * nh * T * T, "attention probabilities")))
         return FSDP_ERR_NOMEM;
@@ -618,7 +726,11 @@ static enum fsdp_status attention_backward(struct fsdp_module *m, struct fsdp_ct
     return fsdp_module_backward(A->c_attn, ctx, &dqkv, din);
 }
 
-static void attention_destroy(struct fsdp_module *m) { free(m->impl); }
+static void attention_destroy(struct fsdp_module *m) {
+    struct attention *A = m->impl;
+    if (A) free(A->kc);
+    free(A);
+}
 
 static const struct fsdp_module_ops attention_ops = {"CausalSelfAttention", attention_forward,
                                                      attention_backward, attention_destroy};

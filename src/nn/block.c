@@ -167,6 +167,8 @@ static enum fsdp_status block_backward(struct fsdp_module *m, struct fsdp_ctx *c
 
 static const struct fsdp_module_ops block_ops = {"Block", block_forward, block_backward, composite_destroy};
 
+struct fsdp_module *fsdp__block_attention(struct fsdp_module *m) { return ((struct block *)m->impl)->attn; }
+
 enum fsdp_status fsdp__block_create(struct fsdp_ctx *ctx, const char *name, int64_t C, int n_head,
                                     float proj_std, struct fsdp_module **out_m) {
     struct fsdp_module *m, *c;

@@ -429,9 +429,16 @@ enum fsdp_status fsdp__attention_create(struct fsdp_ctx *ctx, const char *name, 
 /* MLP: c_fc Linear(C, 4C), gelu, c_proj Linear(4C, C) (std proj_std). */
 enum fsdp_status fsdp__mlp_create(struct fsdp_ctx *ctx, const char *name, int64_t C, float proj_std,
                                   struct fsdp_module **out_m);
+/* [Note: decoding cache] (attention.c): a cache of keys and values for cap
+ * positions of B sequences (either 0: none, freed), which every eval-mode
+ * forward then reads and extends, its first position set by cache_at. */
+enum fsdp_status fsdp__attention_set_cache(struct fsdp_ctx *ctx, struct fsdp_module *m, int64_t B, int64_t cap);
+void fsdp__attention_cache_at(struct fsdp_module *m, int64_t at);
 /* Pre-LN transformer block on (B, T, C): ln_1, attn, ln_2, mlp. */
 enum fsdp_status fsdp__block_create(struct fsdp_ctx *ctx, const char *name, int64_t C, int n_head,
                                     float proj_std, struct fsdp_module **out_m);
+/* A Block's attention (its child attn). */
+struct fsdp_module *fsdp__block_attention(struct fsdp_module *m);
 /* Lends a Block the buffer (bytes long, or NULL) its next forward writes its
  * LayerNorms' outputs into and its backward rebuilds them in ([Note:
  * LayerNorm outputs rebuilt]): free from that forward to the Block's

@@ -195,10 +195,13 @@ static void tok_summary_note(struct task *t, char *buf, size_t cap) {
 
 /* Generates n tokens after a newline, temperature 1 sampling with the counter
  * RNG on rank 0, broadcast so every rank feeds the same context. Tokens are
- * bytes, or with a tokenizer (bpe, may be NULL) its ids, decoded at the end. */
-static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_gpt_config *cfg,
-                     int n, uint64_t seed, struct fsdp_bpe *bpe) {
-    int T = cfg->block_size;
+ * bytes, or with a tokenizer (bpe, may be NULL) its ids, decoded at the end.
+ * The model runs in eval mode with a decoding cache (fsdp_gpt_set_cache): each
+ * token costs one position's forward while the context fits block_size; past
+ * it, each token runs the last block_size tokens whole. */
+static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_module *root,
+                     const struct fsdp_gpt_config *cfg, int n, uint64_t seed, struct fsdp_bpe *bpe) {
+    int T = cfg->block_size, cap = n < T ? n : T; /* positions the cache serves: the newline and n - 1 tokens */
     int32_t *ctxbuf = calloc((size_t)T, sizeof(int32_t));
     int32_t *ids = calloc((size_t)n, sizeof(int32_t));
     char *text = calloc((size_t)n + 1, 1);
@@ -206,17 +209,21 @@ static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct f
     size_t one;
     ctxbuf[0] = '\n';
     if (bpe && (fsdp_bpe_encode(bpe, "\n", 1, ctxbuf, &one) != FSDP_OK || one != 1)) ctxbuf[0] = 0;
+    fsdp_module_set_training(root, 0);
+    if (fsdp_gpt_set_cache(ctx, root, 1, cap) != FSDP_OK) fail_rank("sampling: %s", fsdp_errmsg(ctx));
     for (int i = 0; i < n; i++) {
-        float *logits;
-        int t0 = len > T ? len - T : 0, tl = len - t0;
+        int cached = len <= cap, t0 = cached ? len - 1 : len - T, tl = len - t0;
+        if (!cached && len == cap + 1 && fsdp_gpt_set_cache(ctx, root, 0, 0) != FSDP_OK)
+            fail_rank("sampling: %s", fsdp_errmsg(ctx));
         int32_t *window = calloc((size_t)tl, sizeof(int32_t));
         for (int j = 0; j < tl; j++) window[j] = ctxbuf[(t0 + j) % T];
-        if (fsdp_model_forward(ctx, fm, window, 1, tl, &logits) != FSDP_OK)
-            fail_rank("sampling: %s", fsdp_errmsg(ctx));
+        struct fsdp_tensor x = {window, FSDP_I32, 2, {1, tl}, FSDP_LAYOUT_PLAIN}, y = {0};
+        if (fsdp_model_forward_tensor(ctx, fm, &x, &y) != FSDP_OK) fail_rank("sampling: %s", fsdp_errmsg(ctx));
         free(window);
+        const float *logits = y.data; /* (1, 1, V) cached, else (1, tl, V) */
         int32_t next = 0;
         if (fsdp_ctx_rank(ctx) == 0) {
-            const float *l = logits + (size_t)(tl - 1) * (size_t)cfg->vocab_size;
+            const float *l = logits + (size_t)(y.shape[1] - 1) * (size_t)cfg->vocab_size;
             double mx = l[0], z = 0;
             for (int v = 1; v < cfg->vocab_size; v++) mx = l[v] > mx ? l[v] : mx;
             for (int v = 0; v < cfg->vocab_size; v++) z += exp(l[v] - mx);
@@ -247,6 +254,8 @@ static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct f
     } else if (fsdp_ctx_rank(ctx) == 0) {
         printf("--- sample ---\n%s\n--------------\n", text);
     }
+    if (fsdp_gpt_set_cache(ctx, root, 0, 0) != FSDP_OK) fail_rank("sampling: %s", fsdp_errmsg(ctx));
+    fsdp_module_set_training(root, 1);
     free(ctxbuf);
     free(ids);
     free(text);
@@ -255,7 +264,7 @@ static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct f
 static void tok_finish(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o) {
     struct tokens *k = t->impl;
     if (o->sample > 0 && (fsdp_data_is_text(k->data) || k->bpe) && o->steps > 0)
-        generate(ctx, fm, &k->cfg, o->sample, o->seed, k->bpe);
+        generate(ctx, fm, t->root, &k->cfg, o->sample, o->seed, k->bpe);
 }
 
 static void tok_free(struct task *t) {
