@@ -1795,6 +1795,12 @@ enum fsdp_status fsdp_ckpt_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
  * file), else refused.
  * COLLECTIVE: no. */
 enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir);
+/* Whether path is a checkpoint a writer of this library made: a folder
+ * whose meta.json is ours (it opens with its seal), or a safetensors file
+ * carrying our checksums; not whether it is whole (fsdp_ckpt_describe
+ * verifies). A file or folder of someone else's that only bears a
+ * checkpoint's name is not. COLLECTIVE: no. */
+int fsdp_ckpt_is_ours(const char *path);
 /* Reads only meta.json (e.g. the model config before building the model).
  * COLLECTIVE: no. */
 enum fsdp_status fsdp_ckpt_read_meta(struct fsdp_ctx *ctx, const char *dir, struct fsdp_ckpt_meta *meta);

@@ -437,6 +437,8 @@ struct fsdp__meta_buffer {
 struct fsdp__meta_file {
     char *name;
     uint64_t bytes;
+    int has_header_crc;  /* [Note: files of one save] (absent in older checkpoints) */
+    uint32_t header_crc; /* CRC-32C of the file's first data_start bytes: its header */
 };
 struct fsdp__meta {
     char *dir;

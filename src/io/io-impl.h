@@ -119,8 +119,9 @@ enum fsdp_status fsdp__st_writer_write(struct fsdp__st_writer *w, const void *da
 enum fsdp_status fsdp__st_writer_commit(struct fsdp__st_writer *w); /* frees w */
 void fsdp__st_writer_abort(struct fsdp__st_writer *w);              /* frees w; NULL ok */
 /* 1 if path is a regular file this writer made (its header carries our
- * checksums: [Note: replace only our own files]), else 0. */
-int fsdp__st_written_by_us(const char *path);
+ * checksums: [Note: replace only our own files]), or with allow_empty an
+ * empty one (a crashed writer's ".tmp"), else 0. */
+int fsdp__st_written_by_us(const char *path, int allow_empty);
 /* Byte offset of tensor i's data in the file, as the writer lays it out. */
 uint64_t fsdp__st_writer_data_start(const struct fsdp__st_writer *w);
 

@@ -180,7 +180,7 @@ static int written_by_us(const char *path, int allow_empty) {
     return ok;
 }
 
-int fsdp__st_written_by_us(const char *path) { return written_by_us(path, 0); }
+int fsdp__st_written_by_us(const char *path, int allow_empty) { return written_by_us(path, allow_empty); }
 
 static enum fsdp_status check_replaceable(struct fsdp_ctx *ctx, const char *path, int is_tmp) {
     struct stat sb;

@@ -151,7 +151,9 @@ enum fsdp_status fsdp__meta_check_seal(struct fsdp_ctx *ctx, const char *path, c
 
 /* [Note: only our own files] A checkpoint writer deletes or replaces only
  * what a checkpoint writer makes: meta.json, rank-NNNNN-of-NNNNN.safetensors
- * and their ".tmp" names, in the target folder and in its ".tmp" sibling.
+ * and their ".tmp" names, in the target folder and in its ".tmp" sibling,
+ * and only when they hold what it writes (owned_file: a user's file of
+ * such a name is the user's).
  * Before anything is written, rank 0 refuses a target that is not a folder,
  * or a folder (or .tmp sibling) holding anything else, naming it; so an
  * existing --save-dir, a folder of notes or a regular file given as the
@@ -170,8 +172,29 @@ static int owned_name(const char *name) {
     return 1;
 }
 
+/* Whether dir/name (at path) is a file a checkpoint writer made: by its name
+ * (owned_name), and by what it holds, as a user's file of such a name is
+ * not ours: a meta.json opens with its seal's field ([Note: sealed
+ * meta.json]), a rank file is a safetensors file carrying our checksums
+ * ([Note: replace only our own files], st_write.c); a ".tmp" one may also be
+ * empty, or a meta.json.tmp cut short within the seal's field. */
+static int owned_file(const char *path, const char *name) {
+    if (!owned_name(name)) return 0;
+    size_t n = strlen(name);
+    int tmp = n > 4 && !strcmp(name + n - 4, ".tmp");
+    if (strncmp(name, FSDP__META_NAME, strlen(FSDP__META_NAME))) return fsdp__st_written_by_us(path, tmp);
+    char head[sizeof SEAL_PREFIX] = "";
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    struct stat sb;
+    ssize_t r = fd >= 0 && fstat(fd, &sb) == 0 && S_ISREG(sb.st_mode) ? pread(fd, head, sizeof head - 1, 0) : -1;
+    if (fd >= 0) close(fd);
+    if (r < 0) return 0;
+    return r == (ssize_t)sizeof head - 1 ? !memcmp(head, SEAL_PREFIX, sizeof head - 1)
+                                         : tmp && !memcmp(head, SEAL_PREFIX, (size_t)r);
+}
+
 /* OK if dir does not exist, or is a folder holding only our regular files. */
-static enum fsdp_status check_owned_dir(struct fsdp_ctx *ctx, const char *dir, const char *role) {
+static enum fsdp_status check_owned_dir(struct fsdp_ctx *ctx, const char *dir, const char *role, int removing) {
     struct stat sb;
     if (lstat(dir, &sb) != 0) {
         if (errno == ENOENT) return FSDP_OK;
@@ -190,19 +213,21 @@ static enum fsdp_status check_owned_dir(struct fsdp_ctx *ctx, const char *dir, c
         struct stat fb;
         int regular = (size_t)snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < sizeof p && lstat(p, &fb) == 0 &&
                       S_ISREG(fb.st_mode);
-        if (!owned_name(e->d_name) || !regular)
-            st = fsdp__err(ctx, FSDP_ERR_INVALID,
-                           "%s: holds '%s', which no checkpoint writer made: refusing to write the checkpoint "
-                           "there (%s; name a new or empty folder, or move '%s' away)",
-                           dir, e->d_name, role, e->d_name);
+        if (!regular || !owned_file(p, e->d_name))
+            st = removing ? fsdp__err(ctx, FSDP_ERR_INVALID, "%s: holds '%s', which no checkpoint writer made: not "
+                                      "removing the folder", dir, e->d_name)
+                          : fsdp__err(ctx, FSDP_ERR_INVALID,
+                                      "%s: holds '%s', which no checkpoint writer made: refusing to write the "
+                                      "checkpoint there (%s; name a new or empty folder, or move '%s' away)",
+                                      dir, e->d_name, role, e->d_name);
     }
     closedir(d);
     return st;
 }
 
 enum fsdp_status fsdp__ckpt_check_target(struct fsdp_ctx *ctx, const char *dir, const char *tmpdir) {
-    FSDP_TRY(check_owned_dir(ctx, dir, "the checkpoint folder"));
-    return check_owned_dir(ctx, tmpdir, "the unfinished save's folder");
+    FSDP_TRY(check_owned_dir(ctx, dir, "the checkpoint folder", 0));
+    return check_owned_dir(ctx, tmpdir, "the unfinished save's folder", 0);
 }
 
 /* Removes the files of ours from a flat folder, then the folder if empty. */
@@ -211,25 +236,34 @@ static void remove_owned(const char *dir) {
     if (!d) return;
     struct dirent *e;
     while ((e = readdir(d))) {
-        if (!owned_name(e->d_name)) continue;
         char p[PATH_MAX];
-        if ((size_t)snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < sizeof p) unlink(p);
+        if ((size_t)snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < sizeof p && owned_file(p, e->d_name)) unlink(p);
     }
     closedir(d);
     rmdir(dir);
 }
 
+int fsdp_ckpt_is_ours(const char *path) {
+    struct stat sb;
+    if (!path || lstat(path, &sb) != 0) return 0;
+    if (S_ISREG(sb.st_mode)) return fsdp__st_written_by_us(path, 0);
+    char meta[PATH_MAX];
+    if (!S_ISDIR(sb.st_mode) || (size_t)snprintf(meta, sizeof meta, "%s/%s", path, FSDP__META_NAME) >= sizeof meta)
+        return 0;
+    return lstat(meta, &sb) == 0 && S_ISREG(sb.st_mode) && owned_file(meta, FSDP__META_NAME);
+}
+
 enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir) {
     struct stat sb;
     if (dir && lstat(dir, &sb) == 0 && S_ISREG(sb.st_mode)) { /* a full file (fsdp_model_save_full) */
-        if (!fsdp__st_written_by_us(dir))
+        if (!fsdp__st_written_by_us(dir, 0))
             return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: was not written by fsdp.c: not removing it", dir);
         if (unlink(dir) != 0) return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot remove: %s", dir, strerror(errno));
         return FSDP_OK;
     }
     if (!dir || stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
         return fsdp__err(ctx, FSDP_ERR_IO, "%s: not a checkpoint folder", dir ? dir : "(null)");
-    FSDP_TRY(check_owned_dir(ctx, dir, "removing a checkpoint"));
+    FSDP_TRY(check_owned_dir(ctx, dir, "", 1));
     remove_owned(dir);
     if (rmdir(dir) != 0 && errno != ENOENT)
         return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot remove: %s", dir, strerror(errno));
@@ -249,9 +283,9 @@ enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, co
                 fsdp__ckpt_rank_file_name(name, sizeof name, r, nfiles);
                 keep = !strcmp(e->d_name, name);
             }
-            if (keep) continue;
             char p[PATH_MAX];
-            if ((size_t)snprintf(p, sizeof p, "%s/%s", tmpdir, e->d_name) < sizeof p) unlink(p);
+            if (!keep && (size_t)snprintf(p, sizeof p, "%s/%s", tmpdir, e->d_name) < sizeof p && owned_file(p, e->d_name))
+                unlink(p);
         }
         closedir(d);
     }

@@ -198,8 +198,16 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
         for (int i = 0; i < mt->n_files; i++)
             if (!strcmp(mt->files[i].name, nm->valuestring))
                 return BAD("%s: files[%d] and files[%d] are both '%s'", mpath, i, mt->n_files, nm->valuestring);
+        const cJSON *hc = cJSON_GetObjectItemCaseSensitive(e, "header_crc32c");
+        unsigned hv = 0;
+        int hn = -1;
+        if (hc && !(cJSON_IsString(hc) && strlen(hc->valuestring) == 8 && sscanf(hc->valuestring, "%8x%n", &hv, &hn) == 1 &&
+                    hn == 8))
+            return BAD("%s: files[%d]: \"header_crc32c\" is not 8 hex digits", mpath, mt->n_files);
         if (!(mt->files[mt->n_files].name = fsdp__strdup(nm->valuestring)))
             return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        mt->files[mt->n_files].has_header_crc = hc != NULL;
+        mt->files[mt->n_files].header_crc = hv;
         mt->files[mt->n_files++].bytes = (uint64_t)b;
     }
     const cJSON *ps = cJSON_GetObjectItemCaseSensitive(root, "params");
@@ -435,8 +443,11 @@ enum fsdp_status fsdp__meta_format(struct fsdp_ctx *ctx, const char *name, const
     ok = ok && (fl = cJSON_AddArrayToObject(root, "files"));
     for (int r = 0; r < mt->n_files && ok; r++) {
         cJSON *fo = cJSON_CreateObject();
+        char hex[9];
+        snprintf(hex, sizeof hex, "%08x", mt->files[r].header_crc);
         ok = push(fl, fo) && cJSON_AddStringToObject(fo, "name", mt->files[r].name) &&
-             cJSON_AddNumberToObject(fo, "bytes", (double)mt->files[r].bytes);
+             cJSON_AddNumberToObject(fo, "bytes", (double)mt->files[r].bytes) &&
+             (!mt->files[r].has_header_crc || cJSON_AddStringToObject(fo, "header_crc32c", hex));
     }
     ok = ok && (ps = cJSON_AddArrayToObject(root, "params"));
     for (int i = 0; i < mt->n_params && ok; i++) ok = add_param(ps, &mt->params[i]);
