@@ -3,7 +3,9 @@
 # make ([Note: only our own files], src/fsdp/ckpt/ckpt.c and src/io/st_write.c):
 # every writer (fsdp-ckpt to-sharded and to-full, fsdp-train --save-dir,
 # --save-full and --keep-last) is pointed at a target that already holds foreign
-# files, a regular file, an existing --save-dir, or a foreign ".tmp" sibling.
+# files, a regular file, an existing --save-dir, or a foreign ".tmp" sibling,
+# or files that only bear a checkpoint's names; and a rank file of another
+# save, which verify and --resume name ([Note: files of one save]).
 # Each must exit non-zero (the trainer on every rank) naming the file, and
 # leave every foreign byte where it was; replacing our own output still works.
 # Prints "N passed, N failed" at the end.
@@ -97,6 +99,37 @@ rm -rf q && train --steps 1 --save-dir q > o 2>&1 && echo "mine" > q/step-000000
 if [ $rc -eq 0 ] && intact q/step-00000001/extra.txt mine && [ -f q/step-00000003/meta.json ] &&
    [ ! -e q/step-00000002 ] && grep -q "extra.txt" o; then ok keep_last_keeps_foreign
 else bad keep_last_keeps_foreign "exit $rc" "$(ls -R q)" "$(tail -3 o)"; fi
+
+# 10b. files named as a checkpoint's but not ours (a meta.json without its seal, a rank file
+#      without our checksums) are the user's: --keep-last keeps them, a save does not write over them
+mkdir -p kl/step-00000000 && echo '{"my":"settings"}' > kl/step-00000000/meta.json &&
+  echo userbin > kl/step-00000000/rank-00000-of-00001.safetensors
+train --steps 2 --save-dir kl --save-every 1 --keep-last 1 > o 2>&1; rc=$?
+if [ $rc -eq 0 ] && intact kl/step-00000000/meta.json '{"my":"settings"}' &&
+   intact kl/step-00000000/rank-00000-of-00001.safetensors userbin && [ -f kl/step-00000002/meta.json ]; then
+  ok keep_last_keeps_lookalikes
+else bad keep_last_keeps_lookalikes "exit $rc" "$(ls -R kl)"; fi
+mkdir -p kl2/step-00000001 && echo userrank > kl2/step-00000001/rank-00000-of-00002.safetensors
+train --nproc 2 --steps 1 --save-dir kl2 > o 2>&1; rc=$?
+refused save_over_lookalike "holds 'rank-00000-of-00002.safetensors', which no checkpoint writer made" o $rc &&
+  { intact kl2/step-00000001/rank-00000-of-00002.safetensors userrank && ok save_over_lookalike ||
+    bad save_over_lookalike "$(ls -R kl2)"; }
+mkdir -p kl3 && echo "my lock notes" > kl3/.lock
+train --steps 1 --save-dir kl3 > o 2>&1; rc=$?
+refused save_dir_foreign_lock "holds '.lock', which fsdp-train did not write" o $rc &&
+  { intact kl3/.lock "my lock notes" && ok save_dir_foreign_lock || bad save_dir_foreign_lock "$(cat kl3/.lock)"; }
+
+# 10c. a rank file of another save is named before any of it is read ([Note: files of one save])
+train --nproc 2 --steps 4 --save-dir mx --save-every 2 > o 2>&1 || bad "setup: two saves" "$(tail -3 o)"
+cp -r mx/step-00000004 mixed && cp mx/step-00000002/rank-00001-of-00002.safetensors mixed/
+"$CKPT" verify mixed > o 2>&1; rc=$?
+refused verify_mixed_saves "mixed/rank-00001-of-00002.safetensors: not the file this checkpoint's meta.json was saved with" o $rc &&
+  ok verify_mixed_saves
+train --nproc 2 --steps 5 --override steps --resume mixed > o 2>&1; rc=$?
+refused resume_mixed_saves "rank-00001-of-00002.safetensors: not the file this checkpoint's meta.json was saved with" o $rc &&
+  ! grep -q "^step" o && ok resume_mixed_saves
+"$CKPT" verify mx/step-00000004 > o 2>&1 && ok verify_one_save || bad verify_one_save "$(tail -2 o)"
+
 # 11. fsdp-tokenize: an existing OUT (or OUT.tmp) that is not a token file, and a --decode
 #     OUT, are refused; its own earlier output is replaced
 mkdir tok && python3 - tok <<'PY'

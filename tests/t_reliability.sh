@@ -7,7 +7,8 @@
 # message naming the step and the unit, at 1 and 2 ranks; and what probing
 # as a user and as an adversary found: a FIFO for every path read, config
 # values past their bounds, damaged or short data, a data file truncated
-# mid-run, output paths checked before step 1, two jobs on one --save-dir,
+# mid-run, output paths checked before step 1 (--log replacing only a log,
+# no run saving over another's checkpoints), two jobs on one --save-dir,
 # a resume with nothing left to train, fsdp-ckpt verify against the model
 # config, SIGKILL of mpirun, --comm self with 2 ranks, small flag checks.
 # Prints "N passed, N failed" at the end.
@@ -194,6 +195,44 @@ out_case --save-dir "$tmp/no/such" "--save-dir '$tmp/no/such': the folder '$tmp/
 out_case --save-dir "$tmp/huge.json" "--save-dir '$tmp/huge.json' exists and is not a folder"
 out_case --log "$tmp/no/such.jsonl" "--log '$tmp/no/such.jsonl': the folder '$tmp/no' does not exist"
 [ ! -e "$tmp/no" ] && ok "the refused output paths created nothing" || bad "refused output paths created $tmp/no"
+
+# ---- --log replaces only a log of fsdp-train ([Note: a log is replaced only by a log]) ----
+echo precious > "$tmp/user.txt"
+ln -s user.txt "$tmp/link.jsonl"
+mkfifo "$tmp/log.fifo"
+out_case --log "$tmp/user.txt" "--log '$tmp/user.txt' exists and is not a log of fsdp-train"
+out_case --log "$tmp/link.jsonl" "--log '$tmp/link.jsonl' is a symbolic link"
+out_case --log "$tmp/log.fifo" "--log '$tmp/log.fifo' is not a regular file"
+out_case --log /dev/full "--log '/dev/full' is not a regular file"
+[ "$(cat "$tmp/user.txt")" = precious ] && ok "--log left the user's file alone" || bad "--log wrote the user's file"
+for k in 1 2; do timeout -k 5 60 "$TRAIN" "${tiny[@]}" --log "$tmp/again.jsonl" > /dev/null 2>&1 || echo "exit $?" > "$tmp/again.rc"; done
+[ ! -e "$tmp/again.rc" ] && [ "$(wc -l < "$tmp/again.jsonl")" -eq 3 ] && ok "a second run replaces its own --log" ||
+  bad "--log over a log" "$(cat "$tmp/again.rc" 2> /dev/null)" "$(wc -l < "$tmp/again.jsonl")"
+if [ -f /proc/version ] && [ ! -s /proc/version ]; then # a regular file whose writes fail
+  timeout -k 5 60 "$TRAIN" "${tiny[@]}" --log /proc/version > /dev/null 2> "$tmp/lw"
+  rc=$?
+  [ $rc -ne 0 ] && grep -q -- "--log: writing '/proc/version' failed" "$tmp/lw" && ok "a --log write that fails ends the run (exit $rc)" ||
+    bad "--log write failure" "exit $rc" "$(head -2 "$tmp/lw")"
+fi
+
+# ---- another run's checkpoints in --save-dir are never replaced ([Note: no run replaces another's checkpoints]) ----
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --save-dir "$tmp/runa" --save-every 1 > /dev/null 2>&1
+sum_a=$(cat "$tmp"/runa/step-*/* | md5sum)
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --seed 7 --save-dir "$tmp/runa" --save-every 1 > "$tmp/rb" 2> "$tmp/rbe"
+rc=$?
+if [ $rc -eq 1 ] && grep -qF -- "--save-dir '$tmp/runa' holds $tmp/runa/step-00000002, a checkpoint after this run's start (step 0)" "$tmp/rbe" &&
+   ! grep -q "^step" "$tmp/rb" && [ "$(cat "$tmp"/runa/step-*/* | md5sum)" = "$sum_a" ]; then
+  ok "a fresh run is refused a --save-dir holding another run's checkpoints, which stay as they were"
+else bad "fresh run over another's checkpoints" "exit $rc" "$(head -2 "$tmp/rbe")"; fi
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --steps 3 --override steps --resume "$tmp/runa" --save-dir "$tmp/runa" > "$tmp/rc3" 2>&1
+rc=$?
+[ $rc -eq 0 ] && [ -f "$tmp/runa/step-00000003/meta.json" ] && ok "the run resumed from its newest checkpoint saves into its --save-dir" ||
+  bad "resume into the same --save-dir" "exit $rc" "$(grep -i error "$tmp/rc3" | head -2)"
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --steps 3 --override steps --resume "$tmp/runa/step-00000001" --save-dir "$tmp/runa" > /dev/null 2> "$tmp/rc4"
+rc=$?
+[ $rc -eq 1 ] && grep -qF "holds $tmp/runa/step-00000003, a checkpoint after this run's start (step 1)" "$tmp/rc4" &&
+  ok "resuming an older checkpoint into a --save-dir with newer ones is refused" ||
+  bad "resume of an older checkpoint" "exit $rc" "$(head -2 "$tmp/rc4")"
 
 # ---- two jobs on one --save-dir: the second stops at once, naming the first ----
 "$TRAIN" --model tiny --steps 100000 --seq 32 --batch 4 --sample 0 --threads 1 --save-dir "$tmp/shared" \

@@ -81,12 +81,19 @@ l2=$("$TRAIN" "${common[@]}" --steps 1 --init-from "$tmp/conv.safetensors" --log
 if [ -n "$l1" ] && python3 -c 'import json,sys; a,b=(json.loads(x) for x in sys.argv[1:]); assert a["loss"]==b["loss"] and a["grad_norm"]==b["grad_norm"]' "$l1" "$l2"; then
   ok "the full checkpoint holds the weights the sharded one does (the same first step from either)"
 else bad "full and sharded checkpoints hold the same weights" "$l1" "$l2"; fi
-printf 'not a checkpoint\n' > "$tmp/full/step-00000001.safetensors"
-if "$TRAIN" "${common[@]}" --steps 6 --save-dir "$tmp/full" --save-every 2 --keep-last 1 --state-dict-type full > "$tmp/o" 2>&1 \
-   && [ "$(ls "$tmp/full" | grep -c 'step-.*safetensors$')" -eq 2 ] && [ -f "$tmp/full/step-00000006.safetensors" ] \
-   && [ "$(cat "$tmp/full/step-00000001.safetensors")" = "not a checkpoint" ] && grep -q "keeping" "$tmp/o"; then
-  ok "--keep-last 1 prunes full files it wrote and keeps a foreign one, saying so"
-else bad "--keep-last with full files" "$(ls "$tmp/full")" "$(grep -i keep "$tmp/o")"; fi
+mkdir "$tmp/full2" && printf 'not a checkpoint\n' > "$tmp/full2/step-00000001.safetensors"
+if "$TRAIN" "${common[@]}" --steps 6 --save-dir "$tmp/full2" --save-every 2 --keep-last 1 --state-dict-type full > "$tmp/o" 2>&1 \
+   && [ "$(ls "$tmp/full2" | grep -c 'step-.*safetensors$')" -eq 2 ] && [ -f "$tmp/full2/step-00000006.safetensors" ] \
+   && [ "$(cat "$tmp/full2/step-00000001.safetensors")" = "not a checkpoint" ]; then
+  ok "--keep-last 1 prunes full files it wrote and leaves a foreign one of such a name alone"
+else bad "--keep-last with full files" "$(ls "$tmp/full2")" "$(grep -i keep "$tmp/o")"; fi
+# a fresh run into the folder of another's full files: refused before step 1, the files as they were
+sum=$(cat "$tmp"/full/step-*.safetensors | md5sum)
+"$TRAIN" "${common[@]}" --steps 6 --save-dir "$tmp/full" --save-every 2 --state-dict-type full > "$tmp/o" 2>&1
+rc=$?
+[ $rc -eq 1 ] && grep -q "holds $tmp/full/step-00000004.safetensors, a checkpoint after this run's start" "$tmp/o" &&
+  ! grep -q "^step" "$tmp/o" && [ "$(cat "$tmp"/full/step-*.safetensors | md5sum)" = "$sum" ] &&
+  ok "a fresh run does not save over another run's full files" || bad "fresh run over full files" "exit $rc" "$(grep error "$tmp/o")"
 # --init-from a sharded folder takes its weights only: another optimizer starts from zero state
 l3=$("$TRAIN" "${common[@]}" --steps 1 --optim sgd --init-from "$tmp/sharded/step-00000004" --log "$tmp/i3.jsonl" > "$tmp/o" 2>&1 && grep -m1 '"step"' "$tmp/i3.jsonl")
 l4=$("$TRAIN" "${common[@]}" --steps 1 --optim sgd --init-from "$tmp/conv.safetensors" --log "$tmp/i4.jsonl" > /dev/null 2>&1 && grep -m1 '"step"' "$tmp/i4.jsonl")

@@ -249,7 +249,7 @@ int main(int argc, char **argv) {
     if (task.train_flops_per_item > 0 && !nothing_left && !o.dry_run) mfu_peak_measure(ctx, &o, 0.2, &peak);
     if (o.dry_run && o.net_gbps > 0 && rank == 0) scaleout_print(ctx, &o, root, &task, pworld);
     memory_plan(ctx, g_task, &o, root, pworld);
-    check_outputs(ctx, &o);
+    check_outputs(ctx, &o, resume_dir ? (long)ck.step : 0);
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     oo.kind = !strcmp(o.optim, "sgd") ? FSDP_OPTIM_SGD : !strcmp(o.optim, "lars") ? FSDP_OPTIM_LARS : FSDP_OPTIM_ADAMW;
     oo.trust_coefficient = o.lars_eta;
@@ -314,9 +314,10 @@ int main(int argc, char **argv) {
     if (peak.flops > 0 && rank == 0) printf("MFU peak: %.1f GFLOP/s (%s)\n", peak.flops / 1e9, peak.how);
 
     FILE *logf = NULL;
-    if (o.log_path && rank == 0 && !(logf = fopen(o.log_path, "w")))
+    if (o.log_path && rank == 0 && !(logf = open_log(o.log_path)))
         fail_rank("--log: cannot open '%s': %s", o.log_path, strerror(errno));
-    if (logf) fprintf(logf, "{\"config\": %s}\n", cfg_json); /* the first line */
+    if (logf) fprintf(logf, "{\"config\": %s}\n", cfg_json); /* the first line ([Note: a log is replaced only by a log]) */
+    log_flush(logf, o.log_path);
     free(cfg_json);
 
     struct fsdp_lr_sched sched = {!strcmp(o.schedule, "cosine") ? FSDP_LR_COSINE : FSDP_LR_CONSTANT, o.lr,
@@ -393,6 +394,7 @@ int main(int argc, char **argv) {
                     fprintf(logf, "%s\"%s\": {\"ms\": %.3f, \"bytes\": %llu}", k ? ", " : "", coll_names[k],
                             cd.wait_s[k] * 1e3, (unsigned long long)cd.bytes[k]);
                 fprintf(logf, "}}\n");
+                log_flush(logf, o.log_path);
             }
         }
         if (o.save_dir && ((o.save_every && (step + 1) % o.save_every == 0) || step + 1 == steps))
@@ -400,7 +402,7 @@ int main(int argc, char **argv) {
     }
     if (o.save_dir && nothing_left) save_ckpt(ctx, fm, &o, &task, start_step, tty);
     if (tty && rank == 0) printf("\n");
-    if (logf) fclose(logf);
+    if (logf && fclose(logf) != 0) fail_rank("--log: writing '%s' failed: %s", o.log_path, strerror(errno));
 
     if (o.save_full) {
         double t0 = now_s();

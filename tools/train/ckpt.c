@@ -25,7 +25,8 @@
 
 static const char *ckpt_suffix(int full) { return full ? ".safetensors" : ""; }
 
-/* The step numbers of the complete checkpoints of one kind in dir, ascending; returns the count. */
+/* The step numbers of the complete checkpoints of one kind in dir (ours:
+ * fsdp_ckpt_is_ours), ascending; returns the count. */
 static int list_ckpts(const char *dir, int full, long **steps) {
     *steps = NULL;
     DIR *d = opendir(dir);
@@ -37,10 +38,11 @@ static int list_ckpts(const char *dir, int full, long **steps) {
         if (strncmp(e->d_name, "step-", 5)) continue;
         long st = strtol(e->d_name + 5, &end, 10);
         if (strcmp(end, ckpt_suffix(full)) || end == e->d_name + 5) continue; /* skips step-N.tmp and step-N.old */
-        char meta[4096];
+        char path[4096];
         struct stat sb;
-        snprintf(meta, sizeof meta, full ? "%s/%s" : "%s/%s/meta.json", dir, e->d_name);
-        if (stat(meta, &sb) != 0 || (full && !S_ISREG(sb.st_mode))) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        if (stat(path, &sb) != 0 || (full ? !S_ISREG(sb.st_mode) : !S_ISDIR(sb.st_mode))) continue;
+        if (!fsdp_ckpt_is_ours(path)) continue; /* a user's that bears the name; a folder without meta.json */
         long *ns = realloc(*steps, (size_t)(n + 1) * sizeof **steps);
         if (!ns) break;
         *steps = ns;
@@ -157,13 +159,95 @@ static int check_out_file(const char *flag, const char *path, char *err, size_t 
     return 0;
 }
 
+/* [Note: a log is replaced only by a log] --log FILE is rewritten from its
+ * first line. A path that exists must be a regular file (not a link, a FIFO,
+ * which would block the open, or a device) and be empty or a log of
+ * fsdp-train (its first line the config record, LOG_FIRST): any other file,
+ * the --data file given again by mistake among them, is the user's. */
+#define LOG_FIRST "{\"config\": "
+
+static int check_log_file(const char *path, char *err, size_t n) {
+    struct stat sb;
+    if (lstat(path, &sb) != 0) return 0; /* a new file (its folder: check_out_file) */
+    if (S_ISLNK(sb.st_mode)) return snprintf(err, n, "--log '%s' is a symbolic link; give the file itself", path), 1;
+    if (S_ISDIR(sb.st_mode)) return 0; /* check_out_file names it */
+    if (!S_ISREG(sb.st_mode)) return snprintf(err, n, "--log '%s' is not a regular file", path), 1;
+    if (sb.st_size == 0) return 0;
+    char head[sizeof LOG_FIRST] = "";
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    ssize_t r = fd >= 0 ? pread(fd, head, sizeof head - 1, 0) : -1;
+    if (fd >= 0) close(fd);
+    if (r != (ssize_t)sizeof head - 1 || memcmp(head, LOG_FIRST, sizeof head - 1) != 0)
+        return snprintf(err, n, "--log '%s' exists and is not a log of fsdp-train (its first line is not "
+                        "%s...}); give another path or remove it", path, LOG_FIRST), 1;
+    return 0;
+}
+
+FILE *open_log(const char *path) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+    struct stat sb;
+    if (fd >= 0 && (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode))) {
+        close(fd);
+        errno = EINVAL; /* checked before step 1: replaced since */
+        return NULL;
+    }
+    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!f && fd >= 0) close(fd);
+    return f;
+}
+
+void log_flush(FILE *f, const char *path) {
+    if (f && (fflush(f) != 0 || ferror(f))) fail_rank("--log: writing '%s' failed: %s", path, strerror(errno));
+}
+
+/* [Note: no run replaces another's checkpoints] A run saves step-N for
+ * steps after the one it starts from; a complete checkpoint of the same name
+ * already in --save-dir belongs to another run (or to this run's future,
+ * resumed from an older step) and would be replaced, then maybe removed by
+ * --keep-last: refused before step 1, as Composer's save_overwrite does by
+ * default. */
+static int check_save_steps(const char *dir, long start, char *err, size_t n) {
+    for (int full = 0; full < 2; full++) {
+        long *steps;
+        int k = list_ckpts(dir, full, &steps);
+        long last = k ? steps[k - 1] : -1;
+        free(steps);
+        if (last > start) {
+            char p[4096];
+            ckpt_path(p, sizeof p, dir, last, full);
+            return snprintf(err, n, "--save-dir '%s' holds %s, a checkpoint after this run's start (step %ld) "
+                            "that its saves could replace: resume from it (--resume %s), give another "
+                            "--save-dir, or remove it", dir, p, start, dir), 1;
+        }
+    }
+    return 0;
+}
+
+/* Whether DIR/.lock is absent or a lock file of ours: a regular file, empty
+ * or one line "pid N on HOST" (a user's .lock is not rewritten). */
+static int lock_ours(const char *lock) {
+    struct stat sb;
+    if (lstat(lock, &sb) != 0) return errno == ENOENT;
+    if (!S_ISREG(sb.st_mode) || sb.st_size > 320) return 0;
+    if (sb.st_size == 0) return 1;
+    char line[322] = "";
+    int fd = open(lock, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    ssize_t r = fd >= 0 ? pread(fd, line, sizeof line - 1, 0) : -1;
+    if (fd >= 0) close(fd);
+    if (r != sb.st_size || line[r - 1] != '\n' || strncmp(line, "pid ", 4)) return 0;
+    char *p = line + 4;
+    while (*p >= '0' && *p <= '9') p++;
+    return p > line + 4 && !strncmp(p, " on ", 4) && strchr(p, '\n') == line + r - 1;
+}
+
 /* --save-dir: an existing writable folder, or one level to create; then its lock. */
-static int check_save_dir(const char *dir, char *err, size_t n) {
+static int check_save_dir(const char *dir, long start, char *err, size_t n) {
     struct stat sb;
     if (stat(dir, &sb) == 0) {
         if (!S_ISDIR(sb.st_mode)) return snprintf(err, n, "--save-dir '%s' exists and is not a folder", dir), 1;
         if (access(dir, W_OK | X_OK) != 0)
             return snprintf(err, n, "--save-dir '%s': cannot write in it: %s", dir, strerror(errno)), 1;
+        if (check_save_steps(dir, start, err, n)) return 1;
     } else {
         char parent[4096];
         dir_of(dir, parent, sizeof parent);
@@ -174,7 +258,10 @@ static int check_save_dir(const char *dir, char *err, size_t n) {
     }
     char lock[4096];
     snprintf(lock, sizeof lock, "%s/.lock", dir);
-    int fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (!lock_ours(lock))
+        return snprintf(err, n, "--save-dir '%s' holds '.lock', which fsdp-train did not write (it holds \"pid N on "
+                        "HOST\" or nothing): give another --save-dir or move it away", dir), 1;
+    int fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
     if (fd < 0) return snprintf(err, n, "--save-dir: cannot open its lock file '%s': %s", lock, strerror(errno)), 1;
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
         int e = errno;
@@ -199,13 +286,14 @@ static int check_save_dir(const char *dir, char *err, size_t n) {
 
 /* Every rank: rank 0 checks --log, --save-full and --save-dir (and takes the
  * lock), and all ranks end alike on a failure. */
-void check_outputs(struct fsdp_ctx *ctx, const struct opts *o) {
+void check_outputs(struct fsdp_ctx *ctx, const struct opts *o, long start) {
     char err[8192] = "";
     int bad = 0;
     if (fsdp_ctx_rank(ctx) == 0) {
-        bad = (o->log_path && check_out_file("--log", o->log_path, err, sizeof err)) ||
+        bad = (o->log_path && (check_log_file(o->log_path, err, sizeof err) ||
+                               check_out_file("--log", o->log_path, err, sizeof err))) ||
               (o->save_full && check_out_file("--save-full", o->save_full, err, sizeof err)) ||
-              (o->save_dir && check_save_dir(o->save_dir, err, sizeof err));
+              (o->save_dir && check_save_dir(o->save_dir, start, err, sizeof err));
     }
     int32_t v = bad;
     if (fsdp_comm_broadcast(fsdp_ctx_comm(ctx), &v, 1, FSDP_I32, 0) != FSDP_OK) fail_rank("%s", fsdp_errmsg(ctx));
