@@ -7,7 +7,8 @@
 # decode(encode(x)) == x, also for bytes that are not UTF-8; a tokenizer.json
 # written from the same files gives the same ids; the character classes
 # agree with JavaScript's wherever Python's Unicode knows the character; bad
-# tokenizer directories fail with one line naming the file and the problem.
+# tokenizer directories fail with one line naming the file and the problem;
+# a FIFO as the input or a tokenizer file is refused.
 # Without node/npm (or the registry) it reports itself skipped.
 . "$(dirname "$0")/lib.sh"
 TOK="$BUILD/fsdp-tokenize"
@@ -114,6 +115,32 @@ printf '{"ab\xffc": 50257, ' | cat - <(tail -c +2 "$GPT2/encoder.json") > "$tmp/
 one_line "non-UTF-8 encoder.json key named" "d3/encoder.json': key \"ab\\xFFc\" is not valid UTF-8" \
   "$TOK" --tokenizer "$tmp/d3" "$tmp/prose.txt" "$tmp/x.bin"
 [ ! -e "$tmp/x.bin" ] && [ ! -e "$tmp/x.bin.tmp" ] && ok "no output file after a failure" || bad "output left after a failure"
+
+# -- a FIFO as the input or as a tokenizer's file is refused at once, naming it (the
+#    open used to wait for a writer); fsdp-train --tokenizer reads the same files
+mkfifo "$tmp/fifo"
+mkdir -p "$tmp/fe" "$tmp/fv" "$tmp/fh"
+mkfifo "$tmp/fe/encoder.json" "$tmp/fv/vocab.bpe" "$tmp/fh/tokenizer.json"
+cp "$GPT2/vocab.bpe" "$tmp/fe/"
+cp "$GPT2/encoder.json" "$tmp/fv/"
+fifo_case() { # NAME WANT CMD...: exit 1 within the timeout, WANT in the output
+  local name=$1 want=$2; shift 2
+  timeout -k 2 15 "$@" > "$tmp/out" 2>&1; local rc=$?
+  if [ "$rc" -eq 1 ] && grep -qF -- "$want" "$tmp/out"; then ok "$name: a FIFO is refused"
+  else bad "$name: a FIFO (exit $rc)" "$(grep -v '^config:' "$tmp/out" | head -3)"; fi
+}
+fifo_case "input" "'$tmp/fifo' is not a regular file" "$TOK" --tokenizer "$GPT2" "$tmp/fifo" "$tmp/f.bin"
+fifo_case "--decode input" "'$tmp/fifo' is not a regular file" "$TOK" --tokenizer "$GPT2" --decode "$tmp/fifo" "$tmp/f.txt"
+for f in fe/encoder.json fv/vocab.bpe fh/tokenizer.json; do
+  fifo_case "$f" "--tokenizer: $tmp/$f: not a regular file (a FIFO)" \
+    "$TOK" --tokenizer "$tmp/${f%/*}" "$tmp/prose.txt" "$tmp/f.bin"
+done
+fifo_case "fsdp-train --tokenizer (encoder.json)" "--tokenizer: $tmp/fe/encoder.json: not a regular file (a FIFO)" \
+  "$TRAIN" --model tiny --steps 1 --data "$tmp/prose.txt" --tokenizer "$tmp/fe"
+fifo_case "fsdp-train --tokenizer (the text --data)" "--data: $tmp/fifo: not a regular file (a FIFO)" \
+  "$TRAIN" --model gpt2 --steps 1 --data "$tmp/fifo" --tokenizer "$GPT2"
+[ ! -e "$tmp/f.bin" ] && [ ! -e "$tmp/f.bin.tmp" ] && [ ! -e "$tmp/f.txt" ] && ok "no output file after a FIFO" \
+  || bad "output left after a FIFO"
 
 # -- the progress bar on a terminal (script(1) gives one), for inputs of 4 MiB and more
 if command -v script > /dev/null; then

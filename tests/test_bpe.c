@@ -4,7 +4,8 @@
  * the pre-tokenizer's pieces on chosen strings, both merge algorithms against
  * a plain transcription of GPT-2's bpe() on a random vocabulary whose merge
  * ranks are shuffled, round trips of arbitrary bytes, cut points, the token
- * source, and one clear message for each kind of bad file.
+ * source, and one clear message for each kind of bad file (a FIFO refused
+ * at once).
  * `test_bpe --classes OUT` writes the class of every code point (one byte
  * each, as tests/bpe_ref.js does) for t_bpe.sh to compare with JavaScript's.
  */
@@ -335,6 +336,62 @@ TEST(token_source_from_text) {
     snprintf(p, sizeof p, "%s/t.txt", dir);
     remove(p);
     rmdir(dir);
+    fsdp__ctx_release(ctx);
+}
+
+/* A FIFO as a tokenizer file or as the text is refused at once, naming it
+ * ([Note: regular files only]): the open used to wait for a writer, so the
+ * alarm fails the test instead of the harness's timeout. */
+TEST(fifo_refused_not_waited_on) {
+    struct fsdp_ctx *ctx;
+    ASSERT_OK(fsdp__ctx_alloc(&ctx), NULL);
+    static struct synth v;
+    synth_make(&v, 5, 50, 0);
+    char dir[] = "/tmp/fsdp_bpe_XXXXXX", p[300], q[400];
+    ASSERT(mkdtemp(dir));
+    alarm(10);
+    static const char *const names[][2] = {{"encoder.json", "vocab.bpe"}, {"vocab.bpe", "encoder.json"}};
+    struct fsdp_bpe *b = NULL;
+    for (int i = 0; i < 2; i++) { /* one of GPT-2's two files a FIFO, the other real */
+        snprintf(p, sizeof p, "%s/%s", dir, names[i][0]);
+        ASSERT(mkfifo(p, 0600) == 0);
+        snprintf(q, sizeof q, "%s/%s", dir, names[i][1]);
+        write_file(q, i ? v.enc : v.bpe);
+        CHECK_INT_EQ(fsdp_bpe_open(ctx, dir, &b), FSDP_ERR_IO);
+        snprintf(q, sizeof q, "%s: not a regular file (a FIFO)", p);
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), q);
+        CHECK(b == NULL);
+        remove(p);
+        snprintf(p, sizeof p, "%s/%s", dir, names[i][1]);
+        remove(p);
+    }
+    snprintf(p, sizeof p, "%s/encoder.json", dir);
+    write_file(p, v.enc);
+    snprintf(p, sizeof p, "%s/vocab.bpe", dir);
+    write_file(p, v.bpe);
+    ASSERT_OK(fsdp_bpe_open(ctx, dir, &b), ctx);
+    snprintf(p, sizeof p, "%s/t.txt", dir);
+    ASSERT(mkfifo(p, 0600) == 0);
+    struct fsdp_data *d = NULL;
+    CHECK_INT_EQ(fsdp_data_open_bpe(ctx, p, b, v.n, &d), FSDP_ERR_IO);
+    snprintf(q, sizeof q, "%s: not a regular file (a FIFO)", p);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), q);
+    CHECK(d == NULL);
+    fsdp_bpe_free(b);
+    static const char *const all[] = {"t.txt", "encoder.json", "vocab.bpe"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(p, sizeof p, "%s/%s", dir, all[i]);
+        remove(p);
+    }
+    /* tokenizer.json alone */
+    snprintf(p, sizeof p, "%s/tokenizer.json", dir);
+    ASSERT(mkfifo(p, 0600) == 0);
+    CHECK_INT_EQ(fsdp_bpe_open(ctx, dir, &b), FSDP_ERR_IO);
+    snprintf(q, sizeof q, "%s: not a regular file (a FIFO)", p);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), q);
+    remove(p);
+    rmdir(dir);
+    alarm(0);
     fsdp__ctx_release(ctx);
 }
 

@@ -11,6 +11,7 @@
  * (fsdp_bpe_split), with a progress bar on a terminal for inputs of 4 MiB
  * and more. OUT is written as OUT.tmp and renamed when complete; an existing OUT or
  * OUT.tmp that is not a token file (and any existing --decode output) is refused.
+ * IN and the tokenizer's files must be regular files (a FIFO is refused, not waited on).
  * Exit: 0 done, 1 failure (one line naming the file), 2 usage.
  */
 #include <errno.h>
@@ -61,6 +62,22 @@ static void progress(size_t done, size_t total, double t0) {
     fflush(stderr);
 }
 
+/* Opens path to read, refusing a FIFO, a socket or a device at once instead
+ * of waiting in open() for a writer that may never come (the library's
+ * [Note: regular files only], core/file.c): O_NONBLOCK, fstat, then blocking
+ * again. Returns the descriptor; *size (unless NULL) is the file's length. */
+static int open_regular(const char *path, size_t *size) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    if (fd < 0) die("cannot open '%s': %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) die("cannot read '%s': %s", path, strerror(errno));
+    if (!S_ISREG(sb.st_mode)) die("'%s' is not a regular file", path);
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) die("cannot read '%s': %s", path, strerror(errno));
+    if (size) *size = (size_t)sb.st_size;
+    return fd;
+}
+
 /* A writer replaces only what it made: an existing `path` must be, when
  * token_file, an llm.c token file (what this tool writes) or, for OUT.tmp,
  * empty (a crashed run's); any other existing file, and any existing
@@ -85,8 +102,8 @@ static void check_replaceable(const char *path, int token_file, int may_be_empty
 
 /* --decode: an llm.c token file back to bytes. */
 static int decode_file(struct fsdp_ctx *ctx, struct fsdp_bpe *bpe, const char *in, const char *out) {
-    FILE *f = fopen(in, "rb");
-    if (!f) die("cannot open '%s': %s", in, strerror(errno));
+    FILE *f = fdopen(open_regular(in, NULL), "rb");
+    if (!f) die("cannot read '%s': %s", in, strerror(errno));
     int32_t h[256];
     if (fread(h, sizeof h, 1, f) != 1 || h[0] != 20240520 || h[1] != 1 || h[2] < 0)
         die("'%s' is not an llm.c token file (magic 20240520, version 1)", in);
@@ -153,11 +170,8 @@ int main(int argc, char **argv) {
             fsdp_bpe_vocab_size(bpe));
     if (decode) return decode_file(ctx, bpe, in, out);
 
-    int fd = open(in, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) die("cannot open '%s': %s", in, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) die("'%s' is not a regular file", in);
-    size_t n = (size_t)sb.st_size;
+    size_t n;
+    int fd = open_regular(in, &n);
     const uint8_t *text = NULL;
     if (n) {
         void *m = mmap(NULL, n, PROT_READ, MAP_PRIVATE, fd, 0);

@@ -10,7 +10,6 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -454,17 +453,14 @@ enum fsdp_status fsdp__bpe_from_hf(struct fsdp_ctx *ctx, const char *name, const
     return FSDP_OK;
 }
 
-/* Reads a whole file into memory from fsdp__alloc. */
+/* Reads a whole file into memory from fsdp__alloc. A FIFO or a device is
+ * refused at once, not waited on ([Note: regular files only], core/file.c). */
 static enum fsdp_status slurp(struct fsdp_ctx *ctx, const char *path, uint8_t **buf, size_t *len) {
     *buf = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return fsdp__err(ctx, FSDP_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        close(fd);
-        return fsdp__err(ctx, FSDP_ERR_IO, "'%s' is not a readable regular file", path);
-    }
-    size_t n = (size_t)sb.st_size, got = 0;
+    int fd;
+    uint64_t size;
+    FSDP_TRY(fsdp__open_regular(ctx, NULL, path, &fd, &size));
+    size_t n = (size_t)size, got = 0;
     uint8_t *p = fsdp__alloc(ctx, n + 1, FSDP_MEM_OTHER, path);
     if (!p) {
         close(fd);
