@@ -8,7 +8,8 @@
 # written from the same files gives the same ids; the character classes
 # agree with JavaScript's wherever Python's Unicode knows the character; bad
 # tokenizer directories fail with one line naming the file and the problem;
-# a FIFO as the input or a tokenizer file is refused.
+# an output that is the input, and a FIFO as the input or a tokenizer file,
+# are refused.
 # Without node/npm (or the registry) it reports itself skipped.
 . "$(dirname "$0")/lib.sh"
 TOK="$BUILD/fsdp-tokenize"
@@ -115,6 +116,25 @@ printf '{"ab\xffc": 50257, ' | cat - <(tail -c +2 "$GPT2/encoder.json") > "$tmp/
 one_line "non-UTF-8 encoder.json key named" "d3/encoder.json': key \"ab\\xFFc\" is not valid UTF-8" \
   "$TOK" --tokenizer "$tmp/d3" "$tmp/prose.txt" "$tmp/x.bin"
 [ ! -e "$tmp/x.bin" ] && [ ! -e "$tmp/x.bin.tmp" ] && ok "no output file after a failure" || bad "output left after a failure"
+
+# -- an output that is the input (the same name, a symlink, a hard link, or OUT.tmp) is
+#    refused before anything is written; the input stays as it was
+cp "$tmp/varied.bin" "$tmp/in.bin"
+cp "$tmp/varied.bin" "$tmp/o.bin.tmp"
+ln -s in.bin "$tmp/sym.bin"
+ln "$tmp/in.bin" "$tmp/hard.bin"
+same="are the same file: refusing to write the output over the input"
+one_line "input == output refused" "'$tmp/in.bin' and '$tmp/in.bin' $same" "$TOK" --tokenizer "$GPT2" "$tmp/in.bin" "$tmp/in.bin"
+one_line "output a symlink to the input refused" "'$tmp/in.bin' and '$tmp/sym.bin' $same" \
+  "$TOK" --tokenizer "$GPT2" "$tmp/in.bin" "$tmp/sym.bin"
+one_line "output a hard link of the input refused" "'$tmp/hard.bin' and '$tmp/in.bin' $same" \
+  "$TOK" --tokenizer "$GPT2" "$tmp/hard.bin" "$tmp/in.bin"
+one_line "OUT.tmp the input refused" "'$tmp/o.bin.tmp' and '$tmp/o.bin.tmp' (where '$tmp/o.bin' is written before" \
+  "$TOK" --tokenizer "$GPT2" "$tmp/o.bin.tmp" "$tmp/o.bin"
+one_line "--decode input == output refused" "'$tmp/in.bin' and '$tmp/in.bin' $same" \
+  "$TOK" --tokenizer "$GPT2" --decode "$tmp/in.bin" "$tmp/in.bin"
+cmp -s "$tmp/in.bin" "$tmp/varied.bin" && cmp -s "$tmp/o.bin.tmp" "$tmp/varied.bin" && [ ! -e "$tmp/o.bin" ] \
+  && ok "the input is left as it was" || bad "the input was changed"
 
 # -- a FIFO as the input or as a tokenizer's file is refused at once, naming it (the
 #    open used to wait for a writer); fsdp-train --tokenizer reads the same files

@@ -10,8 +10,9 @@
  * Face). The input is read in chunks cut where encoding is unaffected
  * (fsdp_bpe_split), with a progress bar on a terminal for inputs of 4 MiB
  * and more. OUT is written as OUT.tmp and renamed when complete; an existing OUT or
- * OUT.tmp that is not a token file (and any existing --decode output) is refused.
- * IN and the tokenizer's files must be regular files (a FIFO is refused, not waited on).
+ * OUT.tmp that is not a token file (and any existing --decode output) is refused,
+ * as is an OUT or OUT.tmp that is IN itself (by another name or a link). IN and
+ * the tokenizer's files must be regular files (a FIFO is refused, not waited on).
  * Exit: 0 done, 1 failure (one line naming the file), 2 usage.
  */
 #include <errno.h>
@@ -76,6 +77,19 @@ static int open_regular(const char *path, size_t *size) {
     if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) die("cannot read '%s': %s", path, strerror(errno));
     if (size) *size = (size_t)sb.st_size;
     return fd;
+}
+
+/* Refuses a path the output is written to (OUT, or OUT.tmp for OUT) that
+ * names the input file: the same name, a symlink to it or a hard link (the
+ * same device and inode), before anything is written; writing it would
+ * replace the input with its own encoding. A path that does not exist yet
+ * names no file. */
+static void refuse_same_file(const char *in, const char *path, const char *out) {
+    struct stat si, so;
+    if (stat(in, &si) != 0 || stat(path, &so) != 0 || si.st_dev != so.st_dev || si.st_ino != so.st_ino) return;
+    if (path == out) die("'%s' and '%s' are the same file: refusing to write the output over the input", in, out);
+    die("'%s' and '%s' (where '%s' is written before it is renamed) are the same file: refusing to write "
+        "the output over the input", in, path, out);
 }
 
 /* A writer replaces only what it made: an existing `path` must be, when
@@ -159,6 +173,12 @@ int main(int argc, char **argv) {
         fprintf(stderr, "fsdp-tokenize: need --tokenizer DIR, IN.txt and OUT.bin\n%s", usage_text);
         return 2;
     }
+    size_t tl = strlen(out) + 5;
+    char *tmp = malloc(tl);
+    if (!tmp) die("out of memory");
+    snprintf(tmp, tl, "%s.tmp", out);
+    refuse_same_file(in, out, out);
+    if (!decode) refuse_same_file(in, tmp, out);
     struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
     co.comm = FSDP_COMM_SELF;
     struct fsdp_ctx *ctx;
@@ -168,7 +188,10 @@ int main(int argc, char **argv) {
     if (fsdp_bpe_vocab_size(bpe) > 65536)
         die("--tokenizer '%s': %d ids do not fit the 16-bit tokens of an llm.c file", dir,
             fsdp_bpe_vocab_size(bpe));
-    if (decode) return decode_file(ctx, bpe, in, out);
+    if (decode) {
+        free(tmp);
+        return decode_file(ctx, bpe, in, out);
+    }
 
     size_t n;
     int fd = open_regular(in, &n);
@@ -181,9 +204,6 @@ int main(int argc, char **argv) {
     }
     close(fd);
 
-    size_t tl = strlen(out) + 5;
-    char *tmp = malloc(tl);
-    snprintf(tmp, tl, "%s.tmp", out);
     check_replaceable(out, 1, 0);
     check_replaceable(tmp, 1, 1);
     FILE *f = fopen(tmp, "wb");
