@@ -9,7 +9,7 @@
 # agree with JavaScript's wherever Python's Unicode knows the character; bad
 # tokenizer directories fail with one line naming the file and the problem;
 # an output that is the input, and a FIFO as the input or a tokenizer file,
-# are refused.
+# are refused; a run that fails midway leaves no partial output.
 # Without node/npm (or the registry) it reports itself skipped.
 . "$(dirname "$0")/lib.sh"
 TOK="$BUILD/fsdp-tokenize"
@@ -161,6 +161,24 @@ fifo_case "fsdp-train --tokenizer (the text --data)" "--data: $tmp/fifo: not a r
   "$TRAIN" --model gpt2 --steps 1 --data "$tmp/fifo" --tokenizer "$GPT2"
 [ ! -e "$tmp/f.bin" ] && [ ! -e "$tmp/f.bin.tmp" ] && [ ! -e "$tmp/f.txt" ] && ok "no output file after a FIFO" \
   || bad "output left after a FIFO"
+
+# -- a run that fails midway removes the output it was writing, so a rerun is not refused:
+#    a truncated token file; a full disk (a file size limit, EFBIG, with SIGXFSZ ignored)
+head -c $((1024 + 2 * 1000)) "$tmp/varied.bin" > "$tmp/cut.bin"
+one_line "--decode of a truncated token file fails" "'$tmp/cut.bin': the header says" \
+  "$TOK" --tokenizer "$GPT2" --decode "$tmp/cut.bin" "$tmp/cut.txt"
+[ ! -e "$tmp/cut.txt" ] && ok "--decode: no partial output after a truncated input" || bad "--decode left a partial output"
+(trap '' XFSZ; ulimit -f 64; exec "$TOK" --tokenizer "$GPT2" --decode "$tmp/varied.bin" "$tmp/full.txt") 2> "$tmp/err"
+rc=$?
+[ "$rc" -eq 1 ] && grep -qF "cannot write '$tmp/full.txt'" "$tmp/err" && [ ! -e "$tmp/full.txt" ] \
+  && ok "--decode: no partial output after a failed write" || bad "--decode on a full disk (exit $rc)" "$(head -2 "$tmp/err")"
+(trap '' XFSZ; ulimit -f 64; exec "$TOK" --quiet --tokenizer "$GPT2" "$tmp/varied.txt" "$tmp/full.bin") 2> "$tmp/err"
+rc=$?
+[ "$rc" -eq 1 ] && grep -qF "cannot write '$tmp/full.bin.tmp'" "$tmp/err" && [ ! -e "$tmp/full.bin" ] && [ ! -e "$tmp/full.bin.tmp" ] \
+  && ok "encode: no partial OUT.tmp after a failed write" || bad "encode on a full disk (exit $rc)" "$(head -2 "$tmp/err")"
+if "$TOK" --tokenizer "$GPT2" --decode "$tmp/varied.bin" "$tmp/full.txt" && cmp -s "$tmp/full.txt" "$tmp/varied.txt"; then
+  ok "--decode: a rerun after a failure writes the output"
+else bad "--decode rerun after a failure"; fi
 
 # -- the progress bar on a terminal (script(1) gives one), for inputs of 4 MiB and more
 if command -v script > /dev/null; then

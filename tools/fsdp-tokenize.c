@@ -13,10 +13,12 @@
  * OUT.tmp that is not a token file (and any existing --decode output) is refused,
  * as is an OUT or OUT.tmp that is IN itself (by another name or a link). IN and
  * the tokenizer's files must be regular files (a FIFO is refused, not waited on).
+ * A failed run removes the file it was writing ([Note: what a failed run leaves]).
  * Exit: 0 done, 1 failure (one line naming the file), 2 usage.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +39,22 @@ static const char *usage_text =
     "  vocab.bpe, or tokenizer.json) into the llm.c token file OUT.bin, or decodes one.\n"
     "  --quiet   no progress bar and no summary line\n";
 
+/* [Note: what a failed run leaves]
+ * A writer deletes only what it made. `made` is the file this run is writing:
+ * the --decode output, which it created (O_EXCL), or OUT.tmp, which it created
+ * or took over as a crashed run's. die() and SIGINT, SIGTERM or SIGHUP remove
+ * it, so that a failed run (a truncated input, a full disk) leaves no partial
+ * output for a rerun to refuse as not ours. It is cleared once the output is
+ * complete; OUT, once renamed into place, is never removed. */
+static const char *volatile made;
+
+static void on_signal(int sig) {
+    const char *p = made;
+    if (p) unlink(p);
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
 static _Noreturn void die(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -44,6 +62,9 @@ static _Noreturn void die(const char *fmt, ...) {
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
     va_end(ap);
+    const char *p = made;
+    made = NULL;
+    if (p) unlink(p);
     exit(1);
 }
 
@@ -122,8 +143,12 @@ static int decode_file(struct fsdp_ctx *ctx, struct fsdp_bpe *bpe, const char *i
     if (fread(h, sizeof h, 1, f) != 1 || h[0] != 20240520 || h[1] != 1 || h[2] < 0)
         die("'%s' is not an llm.c token file (magic 20240520, version 1)", in);
     check_replaceable(out, 0, 0);
-    FILE *o = fopen(out, "wb");
-    if (!o) die("cannot create '%s': %s", out, strerror(errno));
+    /* O_EXCL: the file is this run's to remove on failure ([Note: what a failed run leaves]) */
+    int ofd = open(out, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (ofd < 0) die("cannot create '%s': %s", out, strerror(errno));
+    made = out;
+    FILE *o = fdopen(ofd, "wb");
+    if (!o) die("cannot write '%s': %s", out, strerror(errno));
     uint16_t t;
     for (int32_t i = 0; i < h[2]; i++) {
         if (fread(&t, 2, 1, f) != 1) die("'%s': the header says %d tokens, the file ends at %d", in, h[2], i);
@@ -133,6 +158,7 @@ static int decode_file(struct fsdp_ctx *ctx, struct fsdp_bpe *bpe, const char *i
         if (fwrite(s, 1, len, o) != len) die("cannot write '%s': %s", out, strerror(errno));
     }
     if (fclose(o) != 0) die("cannot write '%s': %s", out, strerror(errno));
+    made = NULL;
     fclose(f);
     fsdp_bpe_free(bpe);
     fsdp_ctx_free(ctx);
@@ -179,6 +205,11 @@ int main(int argc, char **argv) {
     snprintf(tmp, tl, "%s.tmp", out);
     refuse_same_file(in, out, out);
     if (!decode) refuse_same_file(in, tmp, out);
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
     struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
     co.comm = FSDP_COMM_SELF;
     struct fsdp_ctx *ctx;
@@ -208,6 +239,7 @@ int main(int argc, char **argv) {
     check_replaceable(tmp, 1, 1);
     FILE *f = fopen(tmp, "wb");
     if (!f) die("cannot create '%s': %s", tmp, strerror(errno));
+    made = tmp;
     int32_t header[256] = {20240520, 1, 0};
     if (fwrite(header, sizeof header, 1, f) != 1) die("cannot write '%s': %s", tmp, strerror(errno));
 
@@ -246,6 +278,7 @@ int main(int argc, char **argv) {
         fsync(fileno(f)) != 0 || fclose(f) != 0)
         die("cannot write '%s': %s", tmp, strerror(errno));
     if (rename(tmp, out) != 0) die("cannot rename '%s' to '%s': %s", tmp, out, strerror(errno));
+    made = NULL;
     if (!quiet)
         printf("%s: %zu bytes -> %zu tokens (%.2f bytes/token) in %.2f s, %.1f MB/s -> %s\n", in, n, ntok,
                ntok ? (double)n / (double)ntok : 0.0, dt, dt > 0 ? (double)n / 1e6 / dt : 0.0, out);
