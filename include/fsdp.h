@@ -384,7 +384,10 @@ struct fsdp_gpt_config {
 
 /* Presets: tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl. */
 enum fsdp_status fsdp_gpt_config_preset(const char *name, struct fsdp_gpt_config *cfg);
-/* Reads {"n_layer":..,"n_head":..,"n_embd":..,"vocab_size":..,"block_size":..}. */
+/* Reads {"n_layer":..,"n_head":..,"n_embd":..,"vocab_size":..,"block_size":..}:
+ * the one JSON object of the file, with nothing but white space after it (a
+ * second object, other bytes or a NUL byte is FSDP_ERR_FORMAT naming the
+ * file and the byte offset). */
 enum fsdp_status fsdp_gpt_config_load(struct fsdp_ctx *ctx, const char *path,
                                       struct fsdp_gpt_config *cfg);
 /* Every field positive and at most: n_layer 4096, n_head 4096, n_embd 131072,
@@ -959,8 +962,9 @@ enum fsdp_status fsdp_resnet_config_preset(const char *name, struct fsdp_resnet_
  * "zero_init_residual": false}: arch is required, the others default to
  * the preset's values (in_chans 3, num_classes 1000, imagenet, width 64,
  * false). An unknown or repeated key, a wrong type, or a value out of range
- * is one error naming the file and the key; *cfg is written only on
- * success. COLLECTIVE: no. */
+ * is one error naming the file and the key, and anything after the object
+ * but white space (junk, a second object, a NUL byte) one naming the file
+ * and the byte offset; *cfg is written only on success. COLLECTIVE: no. */
 enum fsdp_status fsdp_resnet_config_load(struct fsdp_ctx *ctx, const char *path, struct fsdp_resnet_config *cfg);
 /* The same from len bytes of JSON text (need not be NUL-terminated); its
  * messages name `path` as the file. */

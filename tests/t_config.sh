@@ -2,7 +2,8 @@
 # t_config.sh - fsdp-train's run configuration: --config FILE with the command
 # line taking precedence; the resolved configuration printed, first in --log
 # and in meta.json, and given back as --config it reruns the same run; bad
-# config files are one line naming the file and the key; --resume restores
+# config files are one line naming the file and the key (or the byte: one
+# JSON value per file, --config and --model-config alike); --resume restores
 # the schedule, optimizer and fp16 loss scale (AMP_FP16 resumes bit-exactly),
 # refuses a flag that disagrees (naming both values) unless --override names
 # it. Prints "N passed, N failed".
@@ -76,6 +77,26 @@ cfg_error "a number for a switch" '{"decay-all": 1}' "--config .*bad.json: key \
 cfg_error "a value out of range" '{"lr": 50}' "--config .*bad.json: --lr: '50' is not a number in"
 cfg_error "not a JSON object" '[1, 2]' "--config .*bad.json: not a JSON object"
 cfg_error "a nested --config" '{"config": "x.json"}' "--config .*bad.json: key \"config\": not allowed"
+cfg_error "bytes after the object" '{"steps": 1} junk' "--config .*bad.json: bytes after the JSON value at byte 13"
+cfg_error "a second object" '{"steps": 1}
+{"lr": 1e-3}' "--config .*bad.json: bytes after the JSON value at byte 13 \(line 2"
+# a NUL byte ends the text for cJSON: what follows it would go unread
+printf '{"steps": 1}\n\0\1' > "$tmp/nul.json"
+timeout -k 5 60 "$TRAIN" --config "$tmp/nul.json" > "$tmp/out" 2> "$tmp/err"; rc=$?
+[ $rc = 2 ] && grep -q -- "--config .*nul.json: a NUL byte at byte 13" "$tmp/err" && ok "--config: bytes after a NUL byte" ||
+  bad "--config: bytes after a NUL byte" "exit $rc" "$(head -2 "$tmp/err")"
+# --model-config, a GPT's or an image model's, reads the same way: refused before any data is read
+printf '{"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 256, "block_size": 64} {}' > "$tmp/g2.json"
+printf '{"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 256, "block_size": 64}\0' > "$tmp/gnul.json"
+printf '{"arch": "cnn", "in_chans": 1, "num_classes": 10} junk' > "$tmp/ijunk.json"
+for c in "g2.json:bytes after the JSON value at byte 79" "gnul.json:a NUL byte at byte 78" \
+         "ijunk.json:bytes after the JSON value at byte 50"; do
+  f=${c%%:*} want=${c#*:}
+  timeout -k 5 60 "$TRAIN" --model-config "$tmp/$f" --batch 2 --seq 32 --steps 2 --sample 0 > "$tmp/out" 2> "$tmp/err"; rc=$?
+  if [ $rc != 0 ] && [ $rc -lt 124 ] && grep -q "model config '.*$f': $want" "$tmp/err" && ! grep -q "^step" "$tmp/out"
+  then ok "--model-config $f: refused, naming the file and the byte ($want)"
+  else bad "--model-config $f" "exit $rc" "$(head -2 "$tmp/err")"; fi
+done
 timeout -k 5 60 "$TRAIN" --config "$tmp/no/such.json" > "$tmp/out" 2> "$tmp/err"; rc=$?
 [ $rc = 2 ] && grep -q -- "--config .*no/such.json: cannot read it" "$tmp/err" && ok "a missing config file" ||
   bad "a missing config file" "exit $rc" "$(head -2 "$tmp/err")"

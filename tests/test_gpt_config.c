@@ -6,6 +6,7 @@
 #include "fsdp.h"
 #include "harness.h"
 #include "nn_helpers.h"
+#include "models/models-impl.h"
 #include "nn/nn-impl.h"
 
 TEST(config_presets_and_flops) {
@@ -111,6 +112,42 @@ TEST(config_load_json) {
         CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "cfg.json");
         CHECK(memcmp(&before, &c, sizeof c) == 0); /* untouched on failure */
     }
+    /* one object, then only white space: junk, a second object or a NUL byte
+     * after it is refused naming the file and the byte (cJSON alone stops at
+     * the end of the first value, or at the NUL) */
+    static const char good[] = "{\"n_layer\": 2, \"n_head\": 2, \"n_embd\": 32, \"vocab_size\": 256, "
+                               "\"block_size\": 64}";
+    struct {
+        const char *tail, *needle;
+        size_t len;
+    } after[] = {
+        {" junk", "bytes after the JSON value at byte 79", 5},
+        {"\n{\"n_layer\": 3}", "bytes after the JSON value at byte 79", 15},
+        {"\n\0", "a NUL byte at byte 79", 2},
+        {"\0\1", "a NUL byte at byte 78", 2},
+    };
+    CHECK_INT_EQ((int)strlen(good), 78);
+    for (size_t i = 0; i < sizeof after / sizeof after[0]; i++) {
+        char path[512], buf[256];
+        snprintf(path, sizeof path, "%s/cfg.json", dir);
+        memcpy(buf, good, sizeof good - 1);
+        memcpy(buf + sizeof good - 1, after[i].tail, after[i].len);
+        FILE *f = fopen(path, "wb");
+        ASSERT(f && fwrite(buf, 1, sizeof good - 1 + after[i].len, f) == sizeof good - 1 + after[i].len);
+        fclose(f);
+        struct fsdp_gpt_config before = c;
+        CHECK_INT_EQ(fsdp_gpt_config_load(ctx, path, &c), FSDP_ERR_FORMAT);
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), after[i].needle);
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "cfg.json");
+        CHECK(memcmp(&before, &c, sizeof c) == 0);
+        /* the in-memory reader (the fuzz target's) checks alike */
+        CHECK_INT_EQ(fsdp__gpt_config_parse(ctx, "mem.json", buf, sizeof good - 1 + after[i].len, &c),
+                     FSDP_ERR_FORMAT);
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), after[i].needle);
+    }
+    ASSERT_OK(load_text(ctx, dir, "\n {\"n_layer\": 2, \"n_head\": 2, \"n_embd\": 32, \"vocab_size\": 256, "
+                                  "\"block_size\": 64} \r\n\t\n", &c), ctx); /* white space around it is fine */
+    CHECK(c.n_layer == 2 && c.n_embd == 32);
     char missing[600];
     snprintf(missing, sizeof missing, "%s/no/such/config.json", dir);
     CHECK_INT_EQ(fsdp_gpt_config_load(ctx, missing, &c), FSDP_ERR_IO);

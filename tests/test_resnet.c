@@ -653,11 +653,12 @@ TEST(resnet_wrap_policy_unit_per_block) {
 
 /* ---- bad configs ---- */
 
-static void check_bad_file(struct fsdp_ctx *ctx, const char *text, const char *needle) {
+/* The file of len bytes text (NUL bytes allowed) is refused with a message naming it and needle. */
+static void check_bad_bytes(struct fsdp_ctx *ctx, const char *text, size_t len, const char *needle) {
     char path[] = "/tmp/fsdp_resnet_cfg_XXXXXX";
     int fd = mkstemp(path);
     ASSERT(fd >= 0);
-    ASSERT((size_t)write(fd, text, strlen(text)) == strlen(text));
+    ASSERT((size_t)write(fd, text, len) == len);
     close(fd);
     struct fsdp_resnet_config c = config(FSDP_RESNET34, 2, 2, FSDP_RESNET_STEM_CIFAR, 2), c0 = c;
     enum fsdp_status st = fsdp_resnet_config_load(ctx, path, &c);
@@ -667,6 +668,10 @@ static void check_bad_file(struct fsdp_ctx *ctx, const char *text, const char *n
     if (strchr(msg, '\n')) TEST_FAILF("%s: message '%s' is not one line", text, msg);
     CHECK(memcmp(&c, &c0, sizeof c) == 0); /* untouched */
     unlink(path);
+}
+
+static void check_bad_file(struct fsdp_ctx *ctx, const char *text, const char *needle) {
+    check_bad_bytes(ctx, text, strlen(text), needle);
 }
 
 TEST(resnet_config_load_and_bad_configs) {
@@ -716,6 +721,11 @@ TEST(resnet_config_load_and_bad_configs) {
     check_bad_file(ctx, "{\"arch\": \"resnet18\", \"arch\": \"resnet18\"}", "twice");
     check_bad_file(ctx, "{\"arch\": \"resnet18\",", "JSON");
     check_bad_file(ctx, "[1]", "object");
+    /* nothing but white space after the object: cJSON alone stops at its end or at a NUL */
+    check_bad_file(ctx, "{\"arch\": \"resnet18\"} junk", "bytes after the JSON value at byte 21");
+    check_bad_file(ctx, "{\"arch\": \"resnet18\"}\n{\"arch\": \"resnet50\"}", "bytes after the JSON value at byte 21");
+    check_bad_bytes(ctx, "{\"arch\": \"resnet18\"}\n\0", 22, "a NUL byte at byte 21");
+    check_bad_bytes(ctx, "{\"arch\": \"resnet18\"}\0\1", 22, "a NUL byte at byte 20");
     CHECK_INT_EQ(fsdp_resnet_config_load(ctx, "/nonexistent/resnet.json", &c), FSDP_ERR_IO);
     CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "/nonexistent/resnet.json");
     /* the validator and the constructor name the field */

@@ -9,6 +9,16 @@
 
 #include "core/core-impl.h"
 
+/* ---- JSON files (json.c) ---- */
+struct cJSON;
+/* Parses text[0..len), the file `name` read as `what` ("model config"), as
+ * one JSON value followed by nothing but JSON white space: invalid JSON, a
+ * NUL byte, or bytes after the value (a second object, junk) are
+ * FSDP_ERR_FORMAT naming `what`, the file and the byte offset. text is
+ * borrowed; *out is returned to the caller to cJSON_Delete. COLLECTIVE: no. */
+enum fsdp_status fsdp__json_parse(struct fsdp_ctx *ctx, const char *what, const char *name, const char *text,
+                                  size_t len, struct cJSON **out);
+
 /* ---- Token sources (data.c) ---- */
 /* fsdp_data_open on the bytes buf[0..len) as if they were the file `name`
  * (the name picks the format as in [Note: telling token files apart] and

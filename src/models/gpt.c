@@ -15,6 +15,7 @@
  * Init as GPT-2: weights N(0, 0.02), c_proj weights N(0, 0.02 / sqrt(2 L)),
  * biases 0, LayerNorm weight 1 / bias 0.
  */
+#include "io/io-impl.h"
 #include "models/models-impl.h"
 #include "nn/nn-impl.h"
 
@@ -350,28 +351,24 @@ static enum fsdp_status config_parse(struct fsdp_ctx *ctx, const char *path, con
     return FSDP_OK;
 }
 
-/* Parses the NUL-terminated text buf; *cfg is written only on success. */
-static enum fsdp_status config_parse_text(struct fsdp_ctx *ctx, const char *path, const char *buf,
+/* Parses text[0..len) (fsdp__json_parse: one JSON object, nothing after
+ * it); *cfg is written only on success. */
+static enum fsdp_status config_parse_text(struct fsdp_ctx *ctx, const char *path, const char *text, size_t len,
                                           struct fsdp_gpt_config *cfg) {
-    cJSON *root = cJSON_Parse(buf);
-    enum fsdp_status st;
-    if (!root) {
-        const char *at = cJSON_GetErrorPtr();
-        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s': invalid JSON near byte %lld", path,
-                       at ? (long long)(at - buf) : -1LL);
-    } else {
-        struct fsdp_gpt_config tmp;
-        st = config_parse(ctx, path, root, &tmp);
-        if (st == FSDP_OK) *cfg = tmp;
-    }
+    cJSON *root;
+    FSDP_TRY(fsdp__json_parse(ctx, "model config", path, text, len, &root));
+    struct fsdp_gpt_config tmp;
+    enum fsdp_status st = config_parse(ctx, path, root, &tmp);
+    if (st == FSDP_OK) *cfg = tmp;
     cJSON_Delete(root);
     return st;
 }
 
 enum fsdp_status fsdp_gpt_config_load(struct fsdp_ctx *ctx, const char *path, struct fsdp_gpt_config *cfg) {
     char *buf;
-    FSDP_TRY(fsdp__read_file(ctx, "model config", path, CONFIG_MAX_BYTES, &buf, NULL));
-    enum fsdp_status st = config_parse_text(ctx, path, buf, cfg);
+    size_t len;
+    FSDP_TRY(fsdp__read_file(ctx, "model config", path, CONFIG_MAX_BYTES, &buf, &len));
+    enum fsdp_status st = config_parse_text(ctx, path, buf, len, cfg);
     free(buf);
     return st;
 }
@@ -381,11 +378,5 @@ enum fsdp_status fsdp__gpt_config_parse(struct fsdp_ctx *ctx, const char *name, 
     if (len > CONFIG_MAX_BYTES)
         return fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s' is larger than %d bytes", name,
                          CONFIG_MAX_BYTES);
-    char *buf = fsdp__malloc(len + 1);
-    if (!buf) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory reading model config '%s'", name);
-    if (len) memcpy(buf, text, len);
-    buf[len] = '\0';
-    enum fsdp_status st = config_parse_text(ctx, name, buf, cfg);
-    free(buf);
-    return st;
+    return config_parse_text(ctx, name, text, len, cfg);
 }

@@ -21,6 +21,7 @@
  * Invariant: children[] below holds exactly the modules of the tree, in
  * the order the forward runs them (maxpool NULL for the cifar stem).
  */
+#include "io/io-impl.h"
 #include "models/models-impl.h"
 #include "nn/nn-impl.h"
 
@@ -394,18 +395,11 @@ static enum fsdp_status config_parse(struct fsdp_ctx *ctx, const char *path, con
 
 enum fsdp_status fsdp_resnet_config_parse(struct fsdp_ctx *ctx, const char *path, const char *text, size_t len,
                                           struct fsdp_resnet_config *cfg) {
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
-    enum fsdp_status st;
-    if (!root) {
-        const char *at = cJSON_GetErrorPtr();
-        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "model config '%s': invalid JSON near byte %lld", path,
-                       at && at >= text && at <= text + len ? (long long)(at - text) : -1LL);
-    } else {
-        struct fsdp_resnet_config tmp;
-        st = config_parse(ctx, path, root, &tmp);
-        if (st == FSDP_OK) *cfg = tmp;
-    }
+    cJSON *root; /* one JSON object, nothing after it */
+    FSDP_TRY(fsdp__json_parse(ctx, "model config", path, text, len, &root));
+    struct fsdp_resnet_config tmp;
+    enum fsdp_status st = config_parse(ctx, path, root, &tmp);
+    if (st == FSDP_OK) *cfg = tmp;
     cJSON_Delete(root);
     return st;
 }

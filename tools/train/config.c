@@ -312,7 +312,7 @@ static int to_arg(const struct flag *f, const cJSON *v, char *b, size_t n, const
     return -1;
 }
 
-static char *read_file(const char *path, const char **why) {
+static char *read_file(const char *path, size_t *len, const char **why) {
     struct stat sb; /* a FIFO would block the open */
     if (stat(path, &sb) != 0) return *why = strerror(errno), NULL;
     if (!S_ISREG(sb.st_mode)) return *why = "not a regular file", NULL;
@@ -320,11 +320,35 @@ static char *read_file(const char *path, const char **why) {
     FILE *fp = fopen(path, "rb");
     if (!fp) return *why = strerror(errno), NULL;
     char *buf = malloc((size_t)sb.st_size + 1);
-    size_t len = buf ? fread(buf, 1, (size_t)sb.st_size, fp) : 0;
+    *len = buf ? fread(buf, 1, (size_t)sb.st_size, fp) : 0;
     fclose(fp);
     if (!buf) return *why = "out of memory", NULL;
-    buf[len] = 0;
+    buf[*len] = 0;
     return buf;
+}
+
+cJSON *config_read_json(const char *path, char *err, size_t n) {
+    const char *why = "";
+    size_t len;
+    char *text = read_file(path, &len, &why);
+    if (!text) return snprintf(err, n, "cannot read it: %s", why), NULL;
+    size_t nul = strlen(text); /* cJSON would stop there: the rest would go unread */
+    const char *end = NULL;
+    cJSON *root = nul < len ? NULL : cJSON_ParseWithLengthOpts(text, len, &end, 0);
+    if (root)
+        while (end < text + len && (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r')) end++;
+    size_t at = nul < len ? nul : end && end >= text && end <= text + len ? (size_t)(end - text) : 0;
+    long line = 1;
+    for (size_t i = 0; i < at; i++) line += text[i] == '\n';
+    if (nul < len) snprintf(err, n, "a NUL byte at byte %zu (line %ld)", at, line);
+    else if (!root) snprintf(err, n, "invalid JSON near byte %zu (line %ld)", at, line);
+    else if (at < len) snprintf(err, n, "bytes after the JSON value at byte %zu (line %ld; one value per file)", at, line);
+    if (root && at < len) {
+        cJSON_Delete(root);
+        root = NULL;
+    }
+    free(text);
+    return root;
 }
 
 /* argv being built: each string is borrowed (argv's) or owned by the list
@@ -396,16 +420,10 @@ void config_argv(int argc, char **argv, int *nargc, char ***nargv) {
         }
     }
     if (!path) return;
-    const char *why = "";
-    char *text = read_file(path, &why);
-    if (!text) usage_error("--config %s: cannot read it: %s", path, why);
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithOpts(text, &end, 1);
-    if (!cJSON_IsObject(root)) {
-        long line = 1;
-        for (const char *p = text; end && p < end && *p; p++) line += *p == '\n';
-        usage_error("--config %s: not a JSON object%s (line %ld)", path, root ? "" : ": bad JSON", line);
-    }
+    char err[160];
+    cJSON *root = config_read_json(path, err, sizeof err);
+    if (!root) usage_error("--config %s: %s", path, err);
+    if (!cJSON_IsObject(root)) usage_error("--config %s: not a JSON object", path);
     struct args a = {0};
     args_add(&a, argv[0]);
     for (const cJSON *e = root->child; e; e = e->next) {
@@ -422,7 +440,6 @@ void config_argv(int argc, char **argv, int *nargc, char ***nargv) {
         add_flag(&a, f, e, "--config", path, e->string);
     }
     cJSON_Delete(root);
-    free(text);
     g_cfg_end = a.n;
     g_cfg_name = path;
     for (int i = 1; i < argc; i++) args_add(&a, argv[i]);

@@ -15,6 +15,14 @@
  * file, an unknown key or a value of the wrong type is a usage error naming
  * the file and the key. Every rank reads the file alike. */
 void config_argv(int argc, char **argv, int *nargc, char ***nargv);
+/* Reads the JSON file path (a regular file of at most 1 MiB: --config, an
+ * image model's --model-config) as one JSON value followed by nothing but
+ * white space, as the library reads a GPT's model config: a NUL byte, a
+ * second value or other bytes after it are refused (cJSON alone stops at
+ * the end of the first value, or at a NUL). Returns the value, for the
+ * caller to cJSON_Delete, or NULL with a message in err naming the byte
+ * offset and its line (the caller names the flag and the file). */
+struct cJSON *config_read_json(const char *path, char *err, size_t n);
 /* The resolved configuration, one JSON object keyed by the flags' long names
  * (null: unset); returned to the caller to free. */
 char *config_json(const struct opts *o);

@@ -15,6 +15,7 @@
  * norm uses its running statistics), so the result is the same at any world
  * size, up to the rounding of the loss sum.
  */
+#include "config.h"
 #include "task.h"
 
 #include <cjson/cJSON.h>
@@ -22,7 +23,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 /* The model: arch "cnn" (built here) or a ResNet (src/models). */
 struct img_cfg {
@@ -185,35 +185,12 @@ static int cfg_parse(const cJSON *j, struct img_cfg *c, char *err, size_t n) {
     return 0;
 }
 
-static char *read_text(const char *path) {
-    struct stat sb; /* a FIFO would block the open: the config loaders refuse it, naming it */
-    if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) return NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    char *buf = NULL;
-    size_t len = 0, cap = 0;
-    for (;;) {
-        if (len + 4096 + 1 > cap) {
-            char *nb = realloc(buf, cap = 2 * cap + 8192);
-            if (!nb) break;
-            buf = nb;
-        }
-        size_t r = fread(buf + len, 1, 4096, f);
-        len += r;
-        if (r < 4096) break;
-    }
-    fclose(f);
-    if (buf) buf[len] = 0;
-    return buf;
-}
-
 int task_is_images(const struct opts *o, const struct fsdp_ckpt_meta *ck) {
     if (o->model_config) { /* an "arch" key makes it an image model */
-        char *txt = read_text(o->model_config);
-        cJSON *j = txt ? cJSON_Parse(txt) : NULL;
+        char err[160]; /* a file it cannot read goes to the GPT's loader, which names the problem */
+        cJSON *j = config_read_json(o->model_config, err, sizeof err);
         int r = cJSON_IsObject(j) && cJSON_GetObjectItemCaseSensitive(j, "arch") != NULL;
         cJSON_Delete(j);
-        free(txt);
         return r;
     }
     if (o->model) return !strcmp(o->model, "cnn") || !strncmp(o->model, "resnet", 6);
@@ -439,11 +416,9 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
     char err[256];
     int preset = 0; /* --model NAME: in_chans and num_classes follow the data */
     if (o->model_config) {
-        char *txt = read_text(o->model_config);
-        cJSON *j = txt ? cJSON_Parse(txt) : NULL;
-        int bad = cfg_parse(j, &k->cfg, err, sizeof err);
+        cJSON *j = config_read_json(o->model_config, err, sizeof err);
+        int bad = !j || cfg_parse(j, &k->cfg, err, sizeof err);
         cJSON_Delete(j);
-        free(txt);
         if (bad) fail_input("--model-config %s: %s", o->model_config, err);
         k->cfg_source = o->model_config;
     } else if (o->model) {
