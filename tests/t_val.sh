@@ -3,8 +3,9 @@
 # (eval mode, sharded). The loss of given parameters is the 1-rank value at 1
 # to 4 ranks (the same global batches, sums added in sequence order); training
 # with evaluation is bit-identical to training without; a token file and the
-# same text read as bytes evaluate alike; a bad --val-data is one line naming
-# the file. Prints "N passed, N failed".
+# same text read as bytes evaluate alike; --eval-batches reads at most the
+# whole file once; a bad --val-data (one shorter than an evaluation batch:
+# at startup) is one line naming the file. Prints "N passed, N failed".
 . "$(dirname "$0")/lib.sh"
 export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 
@@ -72,6 +73,14 @@ if same_bits "$tmp/n.jsonl" "$tmp/v.jsonl" && [ "$(grep -c '"eval_loss"' "$tmp/v
   ok "evaluating after every step leaves the training bit-identical (2 ranks, losses, grad and param norms)"
 else bad "eval changes training" "$(paste <(grep -o '"loss": [^,]*' "$tmp/n.jsonl") <(grep -o '"loss": [^,]*' "$tmp/v.jsonl"))"; fi
 
+# ---- --eval-batches past the end of the file: what the file holds, each token once (as an image
+# model's test split) ----
+if "$TRAIN" "${common[@]}" --steps 1 --val-data "$tmp/val.txt" --eval-batch 10 --eval-batches 50 --log "$tmp/over.jsonl" \
+     > "$tmp/over" 2>&1 && [ "$(field "$tmp/over.jsonl" eval_tokens)" = 2880 ] && # 9 batches of 10 x 32 in 3000 tokens
+   grep -q "^held-out data: .*val.txt, 3000 tokens; each evaluation: all 9 (--eval-batches 50: the file holds 9) batches of 10 x 32 tokens" "$tmp/over"
+then ok "--eval-batches 50 over a file of 9 batches evaluates the 9 once (2880 tokens) and says so"
+else bad "--eval-batches past the end" "$(grep -E '^held|^eval' "$tmp/over")"; fi
+
 # ---- --eval-batches is the image model's too: the first N test batches ----
 if "$TRAIN" --model cnn --steps 1 --batch 8 --threads 1 --eval-batch 100 --eval-batches 2 --log "$tmp/img.jsonl" \
      > "$tmp/img" 2>&1 && [ "$(field "$tmp/img.jsonl" eval_images)" = 200 ]; then
@@ -90,6 +99,12 @@ val_error "--val-data with a token id over the vocabulary, 2 ranks" \
   "--val-data: '.*bigtok.bin': token 300 at position 70 is >= vocab_size 256" --nproc 2 --val-data "$tmp/bigtok.bin"
 val_error "--val-data shorter than a sequence" "--val-data: '.*short.txt' has 9 tokens" --val-data "$tmp/short.txt"
 val_error "--val-data missing" "--val-data: .*no/such" --val-data "$tmp/no/such"
+# fewer tokens than one evaluation batch: refused at startup (a flag error: exit 2), not evaluated as 0 batches
+timeout -k 5 60 "$TRAIN" "${common[@]}" --steps 2 --val-data "$tmp/val.txt" --eval-batch 100 > "$tmp/out" 2> "$tmp/err"; rc=$?
+if [ $rc = 2 ] && [ "$(grep -c fsdp-train "$tmp/err")" = 1 ] && ! grep -q "^step" "$tmp/out" &&
+   grep -q -- "--val-data .*val.txt: 3000 tokens, fewer than one evaluation batch needs: 100 sequences (--eval-batch) x 32 tokens (--seq) + 1 = 3201 tokens" "$tmp/err"
+then ok "--val-data of 3000 tokens with --eval-batch 100 x --seq 32: refused before step 1 (exit 2)"
+else bad "--val-data shorter than an evaluation batch" "exit $rc" "$(head -3 "$tmp/err")"; fi
 val_error "--eval-every without --val-data" "--eval-every, --eval-batch and --eval-batches need --val-data" --eval-every 2
 val_error "--val-data for an image model" "--val-data is for a GPT" --model cnn --data fashion-mnist --val-data "$tmp/val.txt"
 

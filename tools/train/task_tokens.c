@@ -17,6 +17,11 @@
  * so the loss is the 1-rank value at any world size whenever a sequence's
  * logits do not depend on the sequences beside it. Evaluation reads nothing
  * training reads and draws no random numbers: training goes on bit for bit.
+ * An evaluation reads only whole batches of the file, never wrapping: the
+ * file holds F = floor((ntok - 1) / T / EB) of them, and F = 0 (fewer than
+ * EB T + 1 tokens) is refused at startup; --eval-batches N reads min(N, F)
+ * (as an image model reads at most its whole test split), so no token is
+ * counted twice.
  */
 #include "task.h"
 
@@ -34,6 +39,17 @@ struct tokens {
     int32_t *inputs, *targets;
     int Bl, T;
 };
+
+/* The whole evaluation batches of --val-data ([Note: held-out batches]). */
+static int64_t val_batches_held(const struct tokens *k, const struct opts *o) {
+    return (int64_t)((fsdp_data_ntokens(k->val) - 1) / (size_t)o->seq) / task_eval_batch(o);
+}
+
+/* The batches one evaluation runs: --eval-batches N, at most what the file holds; 0: all of them. */
+static int64_t val_batches(const struct tokens *k, const struct opts *o) {
+    int64_t held = val_batches_held(k, o);
+    return o->eval_batches && o->eval_batches < held ? o->eval_batches : held;
+}
 
 /* Opens the token source dn for `flag` (--data, --val-data): a token file, a
  * text file as bytes, or with --tokenizer a text file BPE-encoded. */
@@ -79,7 +95,15 @@ static void tok_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o)
                      fsdp_bpe_vocab_size(k->bpe), k->cfg.vocab_size);
     }
     open_tokens(k, ctx, o, "--data", dn);
-    if (o->val_data) open_tokens(k, ctx, o, "--val-data", o->val_data);
+    if (o->val_data) {
+        open_tokens(k, ctx, o, "--val-data", o->val_data);
+        int64_t EB = task_eval_batch(o);
+        if (val_batches_held(k, o) < 1)
+            fail_input("--val-data %s: %zu tokens, fewer than one evaluation batch needs: %lld sequences "
+                       "(--eval-batch%s) x %d tokens (--seq) + 1 = %lld tokens", o->val_data,
+                       fsdp_data_ntokens(k->val), (long long)EB, o->eval_batch ? "" : ", default --batch", o->seq,
+                       (long long)(EB * o->seq + 1));
+    }
     if (fsdp_gpt_create(ctx, &k->cfg, &t->root) != FSDP_OK) fail_all("%s", fsdp_errmsg(ctx));
     k->Bl = o->batch / fsdp_ctx_world(ctx);
     k->T = o->seq;
@@ -106,10 +130,11 @@ static void tok_describe_data(struct task *t, struct fsdp_ctx *ctx, const struct
         printf("data: %s, %zu tokens, loss floor %.3f nats/token\n", k->data_name, fsdp_data_ntokens(k->data), floor_);
     else printf("data: %s, %zu tokens\n", k->data_name, fsdp_data_ntokens(k->data));
     if (k->val) {
-        int64_t EB = task_eval_batch(o);
+        int64_t EB = task_eval_batch(o), nb = val_batches(k, o);
         printf("held-out data: %s, %zu tokens; each evaluation: ", o->val_data, fsdp_data_ntokens(k->val));
-        if (o->eval_batches) printf("%d", o->eval_batches);
-        else printf("all %lld", (long long)(int64_t)((fsdp_data_ntokens(k->val) - 1) / (size_t)k->T) / EB);
+        if (o->eval_batches && o->eval_batches > nb) printf("all %lld (--eval-batches %d: the file holds %lld)",
+                                                           (long long)nb, o->eval_batches, (long long)nb);
+        else printf(o->eval_batches ? "%lld" : "all %lld", (long long)nb);
         printf(" batches of %lld x %d tokens\n", (long long)EB, k->T);
     }
 }
@@ -132,11 +157,7 @@ static enum fsdp_status tok_eval(struct task *t, struct fsdp_ctx *ctx, struct fs
     struct tokens *k = t->impl;
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx), T = k->T, V = k->cfg.vocab_size;
     int64_t EB = task_eval_batch(o), cap = (EB + world - 1) / world;
-    int64_t nb = o->eval_batches;
-    if (nb == 0) { /* the whole set once (at least one batch) */
-        nb = (int64_t)((fsdp_data_ntokens(k->val) - 1) / (size_t)T) / EB;
-        if (nb < 1) nb = 1;
-    }
+    int64_t nb = val_batches(k, o); /* at least one: tok_open checked */
     int32_t *in = malloc((size_t)(cap * T) * sizeof(int32_t)), *tg = malloc((size_t)(cap * T) * sizeof(int32_t));
     int64_t *mine = calloc((size_t)cap, sizeof(int64_t)), *all = calloc((size_t)(cap * world), sizeof(int64_t));
     if (!in || !tg || !mine || !all) fail_rank("out of memory for evaluation");
