@@ -174,6 +174,21 @@ echo '{"arch":"resnet9","in_chans":1}' > "$tmp/arch.json"
 echo '{"arch":"cnn","in_chans":1,"colour":true}' > "$tmp/key.json"
 expect_input "1-channel images into in_chans 3" "1 channel.*in_chans is 3.*rgb.json" -- --nproc 2 --model-config "$tmp/rgb.json" --steps 1
 expect_input "labels >= num_classes" "labels-idx1-ubyte.*num_classes|num_classes.*labels-idx1-ubyte" -- --nproc 2 --model-config "$tmp/five.json" --steps 1
+# num_classes from the training labels (0..2 here): a test label past them is refused as a config's would be
+python3 - "$tmp" <<'EOF'
+import os, random, struct, sys
+d = sys.argv[1] + "/badtest"; os.makedirs(d, exist_ok=True); r = random.Random(5)
+for name, labels in (("train", [i % 3 for i in range(12)]), ("t10k", [0, 1, 255, 2])):
+    with open(f"{d}/{name}-images-idx3-ubyte", "wb") as f:
+        f.write(struct.pack(">IIII", 0x803, len(labels), 8, 8) + bytes(r.randrange(256) for _ in range(64 * len(labels))))
+    with open(f"{d}/{name}-labels-idx1-ubyte", "wb") as f:
+        f.write(struct.pack(">II", 0x801, len(labels)) + bytes(labels))
+EOF
+expect_input "a test label past the training labels' classes" \
+  "t10k-labels-idx1-ubyte': label 255 of image 2 is not below num_classes 3 \(num_classes follows the training labels\)" \
+  -- --model cnn --data "$tmp/badtest" --batch 4 --steps 1 --eval-batches 0
+expect_input "the same for --task swav" "t10k-labels-idx1-ubyte': label 255 of image 2 is not below num_classes 3" \
+  -- --task swav --model cnn --data "$tmp/badtest" --batch 4 --steps 1
 expect_input "unknown arch in a config" "arch.json.*unknown arch 'resnet9'" -- --nproc 2 --model-config "$tmp/arch.json" --steps 1
 expect_input "unknown key in a config" "key.json.*colour" -- --model-config "$tmp/key.json" --steps 1
 expect_input "unknown image model" "--model.*resnet9" -- --model resnet9 --steps 1

@@ -111,12 +111,15 @@ static inline int64_t task_eval_images(const struct opts *o, int64_t n) {
 
 /* Shared by the image tasks (task_images.c): the small CNN (num_classes 0:
  * no fc, the output is the pooled features (N, 2 width)); the data set's
- * two splits, checked alike (exit 2 naming --data); normalisation of the
- * flags' mean and std into bo; image i of im as normalised CHW. */
+ * two splits, checked alike (exit 2 naming --data): every label of both
+ * below num_classes, or, num_classes 0, the classes of the training labels
+ * (their largest + 1, bytes: at most 256), which the test labels must then
+ * be below; returns the num_classes used; normalisation of the flags' mean
+ * and std into bo; image i of im as normalised CHW. */
 enum fsdp_status task_cnn_create(struct fsdp_ctx *ctx, int in_chans, int width, int num_classes,
                                  struct fsdp_module **out);
-void task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const char *name, int num_classes,
-                           struct fsdp_images **train, struct fsdp_images **test);
+int task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const char *name, int num_classes,
+                          struct fsdp_images **train, struct fsdp_images **test);
 void task_images_norm(const struct opts *o, struct fsdp_image_batch_opts *bo);
 void task_load_image(const struct fsdp_images *im, const struct fsdp_image_batch_opts *bo, int64_t i, float *dst);
 /* arch names one of the library's ResNets (fsdp_resnet_config_preset takes it). */

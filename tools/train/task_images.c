@@ -197,19 +197,31 @@ int task_is_images(const struct opts *o, const struct fsdp_ckpt_meta *ck) {
     return ck && ck->model_json[0];
 }
 
-void task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const char *name, int num_classes,
-                           struct fsdp_images **train, struct fsdp_images **test) {
-    if (fsdp_images_open(ctx, name, FSDP_SPLIT_TRAIN, num_classes, train) != FSDP_OK ||
-        fsdp_images_open(ctx, name, FSDP_SPLIT_TEST, num_classes, test) != FSDP_OK)
+int task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const char *name, int num_classes,
+                          struct fsdp_images **train, struct fsdp_images **test) {
+    if (fsdp_images_open(ctx, name, FSDP_SPLIT_TRAIN, num_classes ? num_classes : 256, train) != FSDP_OK)
         fail_input("--data: %s", fsdp_errmsg(ctx));
     struct fsdp_images_info ti, vi;
     fsdp_images_info(*train, &ti);
+    const char *inferred = "";
+    if (!num_classes) { /* the training labels' classes: the test labels are checked against them as a config's */
+        int32_t mx = 0;
+        for (int64_t i = 0; i < ti.count; i++) {
+            int32_t y = fsdp_images_label(*train, i);
+            if (y > mx) mx = y;
+        }
+        num_classes = mx + 1;
+        inferred = " (num_classes follows the training labels)";
+    }
+    if (fsdp_images_open(ctx, name, FSDP_SPLIT_TEST, num_classes, test) != FSDP_OK)
+        fail_input("--data: %s%s", fsdp_errmsg(ctx), inferred);
     fsdp_images_info(*test, &vi);
     if (vi.channels != ti.channels || vi.height != ti.height || vi.width != ti.width)
         fail_input("--data %s: the test images are %dx%dx%d, the training images %dx%dx%d", name, vi.channels,
                    vi.height, vi.width, ti.channels, ti.height, ti.width);
     if ((o->n_mean > 1 && o->n_mean != ti.channels) || (o->n_std > 1 && o->n_std != ti.channels))
         fail_input("--mean / --std: give one value or one per channel (the images have %d channels)", ti.channels);
+    return num_classes;
 }
 
 /* ---- The task ---- */
@@ -437,18 +449,12 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
     if (o->tokenizer) fail_input("--tokenizer is for a GPT's text data, not an image model");
     if (o->val_data) fail_input("--val-data is for a GPT's tokens; an image model evaluates on its data's test split");
     k->data_name = o->data ? o->data : IMAGE_DATA_DEFAULT;
-    /* the data: labels below num_classes (a preset takes the data's classes) */
-    int nc = preset ? 256 : k->cfg.num_classes; /* labels are bytes */
-    task_images_open_data(ctx, o, k->data_name, nc, &k->train, &k->test);
+    /* the data: labels below num_classes (a preset takes the training labels' classes) */
+    int nc = task_images_open_data(ctx, o, k->data_name, preset ? 0 : k->cfg.num_classes, &k->train, &k->test);
     fsdp_images_info(k->train, &k->ti);
     if (preset) {
-        int mx = 0;
-        for (int64_t i = 0; i < k->ti.count; i++) {
-            int32_t y = fsdp_images_label(k->train, i);
-            if (y > mx) mx = y;
-        }
         k->cfg.in_chans = k->ti.channels;
-        k->cfg.num_classes = mx + 1;
+        k->cfg.num_classes = nc;
     }
     if (k->ti.channels != k->cfg.in_chans)
         fail_input("--data %s: the images have %d channel%s, but the model's in_chans is %d (%s)", k->data_name,

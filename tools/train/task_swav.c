@@ -653,14 +653,9 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
     if (o->tokenizer) fail_input("--tokenizer is for a GPT's text data, not --task swav");
     if (o->val_data) fail_input("--val-data is for a GPT's tokens; --task swav evaluates on its data's test split");
     k->data_name = o->data ? o->data : IMAGE_DATA_DEFAULT;
-    task_images_open_data(ctx, o, k->data_name, 256, &k->train, &k->test);
+    /* the classes of the training labels (the kNN's and the probe's), the test labels below them */
+    k->n_classes = task_images_open_data(ctx, o, k->data_name, 0, &k->train, &k->test);
     fsdp_images_info(k->train, &k->ti);
-    int mx = 0;
-    for (int64_t i = 0; i < k->ti.count; i++) {
-        int32_t y = fsdp_images_label(k->train, i);
-        if (y > mx) mx = y;
-    }
-    k->n_classes = mx + 1;
     /* the trunk: --model cnn | resnet18/34/50, or a ResNet --model-config, else the checkpoint's */
     int from_ck = !o->model && !o->model_config && ck && ck_trunk(ctx, k, ck, resume_dir);
     if (from_ck) {
