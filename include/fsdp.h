@@ -1815,6 +1815,13 @@ enum fsdp_status fsdp_ckpt_read_meta(struct fsdp_ctx *ctx, const char *dir, stru
  * their FQNs), written by rank 0 while units are gathered one at a time
  * (rank 0 holds one unit beyond its shards). COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path);
+/* The check every full-file writer (fsdp_model_save_full, fsdp_ckpt_to_full)
+ * runs before writing `path`, on its own, for a caller that wants to know
+ * before the work that produces the file (fsdp-train checks --save-full
+ * before step 1): `path` and `path.tmp` are each absent or a file fsdp.c
+ * wrote; otherwise FSDP_ERR_INVALID naming it (a file of someone else's, a
+ * device such as /dev/null, a folder). Creates nothing. COLLECTIVE: no. */
+enum fsdp_status fsdp_ckpt_check_full_target(struct fsdp_ctx *ctx, const char *path);
 /* Loads a full safetensors file: ours, or Hugging Face GPT-2 names
  * ("h.0.attn.c_attn.weight", with or without "transformer.") whose Conv1D
  * weights are (in, out) and get transposed; attn.bias / attn.masked_bias

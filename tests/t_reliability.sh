@@ -7,10 +7,11 @@
 # message naming the step and the unit, at 1 and 2 ranks; and what probing
 # as a user and as an adversary found: a FIFO for every path read, config
 # values past their bounds, damaged or short data, a data file truncated
-# mid-run, output paths checked before step 1 (--log replacing only a log,
-# no run saving over another's checkpoints), two jobs on one --save-dir,
-# a resume with nothing left to train, fsdp-ckpt verify against the model
-# config, SIGKILL of mpirun, --comm self with 2 ranks, small flag checks.
+# mid-run, output paths checked before step 1 (--save-full with the writer's
+# own check, --log replacing only a log, no run saving over another's
+# checkpoints), two jobs on one --save-dir, a resume with nothing left to
+# train, fsdp-ckpt verify against the model config, SIGKILL of mpirun,
+# --comm self with 2 ranks, small flag checks.
 # Prints "N passed, N failed" at the end.
 . "$(dirname "$0")/lib.sh"
 
@@ -195,6 +196,16 @@ out_case --save-dir "$tmp/no/such" "--save-dir '$tmp/no/such': the folder '$tmp/
 out_case --save-dir "$tmp/huge.json" "--save-dir '$tmp/huge.json' exists and is not a folder"
 out_case --log "$tmp/no/such.jsonl" "--log '$tmp/no/such.jsonl': the folder '$tmp/no' does not exist"
 [ ! -e "$tmp/no" ] && ok "the refused output paths created nothing" || bad "refused output paths created $tmp/no"
+# --save-full onto a file fsdp.c did not write (or a device): the writer's own check, before step 1
+echo "notes" > "$tmp/foreign.safetensors"
+out_case --save-full "$tmp/foreign.safetensors" "--save-full: $tmp/foreign.safetensors: exists and was not written by fsdp.c"
+out_case --save-full /dev/null "--save-full: /dev/null: exists and is not a regular file"
+[ "$(cat "$tmp/foreign.safetensors")" = notes ] && ok "the refused --save-full file is left as it was" ||
+  bad "the refused --save-full file changed"
+if timeout -k 5 60 "$TRAIN" "${tiny[@]}" --save-full "$tmp/own.safetensors" > "$tmp/of1" 2>&1 &&
+   timeout -k 5 60 "$TRAIN" "${tiny[@]}" --save-full "$tmp/own.safetensors" > "$tmp/of2" 2>&1; then
+  ok "--save-full over a file fsdp.c wrote passes the same check and is replaced"
+else bad "--save-full over our own file" "$(tail -2 "$tmp/of2")"; fi
 
 # ---- --log replaces only a log of fsdp-train ([Note: a log is replaced only by a log]) ----
 echo precious > "$tmp/user.txt"

@@ -197,6 +197,16 @@ static enum fsdp_status check_replaceable(struct fsdp_ctx *ctx, const char *path
     return FSDP_OK;
 }
 
+enum fsdp_status fsdp__st_check_target(struct fsdp_ctx *ctx, const char *path) {
+    char *tmp = fsdp__malloc(strlen(path) + 5);
+    if (!tmp) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
+    sprintf(tmp, "%s.tmp", path);
+    enum fsdp_status st = check_replaceable(ctx, path, 0);
+    if (st == FSDP_OK) st = check_replaceable(ctx, tmp, 1);
+    free(tmp);
+    return st;
+}
+
 enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, int n,
                                       const struct fsdp__st_desc *desc, int n_meta,
                                       const char *const *meta_kv, struct fsdp__st_writer **out) {
@@ -236,8 +246,7 @@ enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, in
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
     }
     sprintf(w->tmp, "%s.tmp", path);
-    enum fsdp_status chk = check_replaceable(ctx, path, 0);
-    if (chk == FSDP_OK) chk = check_replaceable(ctx, w->tmp, 1);
+    enum fsdp_status chk = fsdp__st_check_target(ctx, path);
     if (chk != FSDP_OK) {
         writer_free(w);
         return chk;

@@ -124,11 +124,12 @@ void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o
 
 /* ---- Output locations, checked before step 1 ([Note: output preflight]) ----
  * A bad --save-full used to fail after all the training, a bad --save-dir at
- * the first save. Rank 0 checks every output location before any step and
- * creates nothing but what the flags name: the --save-dir folder (one level,
- * as the first save would) and its lock file DIR/.lock, which it holds with
- * flock for the whole run so that a second job on the same folder stops at
- * once, naming the first one's pid. The lock file stays (removing it would
+ * the first save. Rank 0 checks every output location before any step (for
+ * --save-full also with the writer's own check, which refuses a file fsdp.c
+ * did not write) and creates nothing but what the flags name: the
+ * --save-dir folder (one level, as the first save would) and its lock file
+ * DIR/.lock, which it holds with flock for the whole run so that a second
+ * job on the same folder stops at once, naming the first one's pid. The lock file stays (removing it would
  * let a third job lock a new file while a second still waits on the old). */
 
 static int g_lock_fd = -1; /* DIR/.lock, held until exit */
@@ -240,6 +241,17 @@ static int lock_ours(const char *lock) {
     return p > line + 4 && !strncmp(p, " on ", 4) && strchr(p, '\n') == line + r - 1;
 }
 
+
+/* --save-full: a writable place (check_out_file), and a path the full-file
+ * writer will replace: the check fsdp_model_save_full itself runs at the
+ * end, so the two cannot disagree. */
+static int check_save_full(struct fsdp_ctx *ctx, const char *path, char *err, size_t n) {
+    if (check_out_file("--save-full", path, err, n)) return 1;
+    if (fsdp_ckpt_check_full_target(ctx, path) != FSDP_OK)
+        return snprintf(err, n, "--save-full: %s", fsdp_errmsg(ctx)), 1;
+    return 0;
+}
+
 /* --save-dir: an existing writable folder, or one level to create; then its lock. */
 static int check_save_dir(const char *dir, long start, char *err, size_t n) {
     struct stat sb;
@@ -292,7 +304,7 @@ void check_outputs(struct fsdp_ctx *ctx, const struct opts *o, long start) {
     if (fsdp_ctx_rank(ctx) == 0) {
         bad = (o->log_path && (check_log_file(o->log_path, err, sizeof err) ||
                                check_out_file("--log", o->log_path, err, sizeof err))) ||
-              (o->save_full && check_out_file("--save-full", o->save_full, err, sizeof err)) ||
+              (o->save_full && check_save_full(ctx, o->save_full, err, sizeof err)) ||
               (o->save_dir && check_save_dir(o->save_dir, start, err, sizeof err));
     }
     int32_t v = bad;

@@ -18,6 +18,11 @@ static int n_model_params(const struct fsdp_model *fm) {
     return n;
 }
 
+enum fsdp_status fsdp_ckpt_check_full_target(struct fsdp_ctx *ctx, const char *path) {
+    if (!path || !path[0]) return fsdp__err(ctx, FSDP_ERR_INVALID, "full checkpoint: no file name");
+    return fsdp__st_check_target(ctx, path); /* the writer's own check (fsdp__st_writer_open) */
+}
+
 enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path) {
     enum fsdp_status st = fsdp__ckpt_agree(ctx, fsdp__ckpt_check_idle(ctx, fm, "save_full"));
     if (st != FSDP_OK) return st;
