@@ -1779,7 +1779,9 @@ struct fsdp_ckpt_meta {
  * writer made: a `dir` (or dir.tmp) that is not a folder, or holds any other
  * file or folder, and a full file `path` (or path.tmp) that fsdp.c did not
  * write, are refused with FSDP_ERR_INVALID naming them, before anything is
- * written. COLLECTIVE: yes (three small agreements on success). */
+ * written. A save that fails (a full disk) removes what it made itself (the
+ * ranks' files, and dir.tmp if it created it) and returns the error; the
+ * previous `dir` stays. COLLECTIVE: yes (three small agreements on success). */
 enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
                                 const struct fsdp_ckpt_meta *meta);
 /* Loads a sharded checkpoint saved at any world size into fm (same model,

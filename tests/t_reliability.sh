@@ -9,9 +9,10 @@
 # values past their bounds, damaged or short data, a data file truncated
 # mid-run, output paths checked before step 1 (--save-full with the writer's
 # own check, --log replacing only a log, no run saving over another's
-# checkpoints), two jobs on one --save-dir, a resume with nothing left to
-# train, fsdp-ckpt verify against the model config, SIGKILL of mpirun,
-# --comm self with 2 ranks, small flag checks.
+# checkpoints), two jobs on one --save-dir, a save that runs out of space
+# removing what it made, a resume with nothing left to train, fsdp-ckpt
+# verify against the model config, SIGKILL of mpirun, --comm self with 2
+# ranks, small flag checks.
 # Prints "N passed, N failed" at the end.
 . "$(dirname "$0")/lib.sh"
 
@@ -244,6 +245,26 @@ rc=$?
 [ $rc -eq 1 ] && grep -qF "holds $tmp/runa/step-00000003, a checkpoint after this run's start (step 1)" "$tmp/rc4" &&
   ok "resuming an older checkpoint into a --save-dir with newer ones is refused" ||
   bad "resume of an older checkpoint" "exit $rc" "$(head -2 "$tmp/rc4")"
+
+# ---- a save that fails (no space left) removes what it made, and only that ----
+# a 300 KiB tmpfs cannot hold the tiny model's checkpoint; skipped where mount is not allowed
+mkdir "$tmp/small"
+if mount -t tmpfs -o size=300k tmpfs "$tmp/small" 2> "$tmp/mnt"; then
+  trap 'umount "$tmp/small"; rm -rf "$tmp"' EXIT
+  mkdir -p "$tmp/small/c3/step-00000002.tmp" # a crashed save's folder: not this save's to remove
+  for c in "1 c1" "2 c2" "1 c3"; do
+    read -r n d <<< "$c"
+    timeout -k 5 120 "$TRAIN" "${tiny[@]}" --nproc $n --save-dir "$tmp/small/$d" > "$tmp/sp" 2> "$tmp/spe"; rc=$?
+    left=$(cd "$tmp/small/$d" && ls -A | tr '\n' ' ')
+    want=".lock "; [ $d = c3 ] && want=".lock step-00000002.tmp "
+    if [ $rc -ne 0 ] && [ $rc -lt 124 ] && grep -q "saving $tmp/small/$d/step-00000002: .*No space left on device" "$tmp/spe" &&
+       [ "$left" = "$want" ] && { [ $d != c3 ] || [ -z "$(ls -A "$tmp/small/c3/step-00000002.tmp")" ]; }; then
+      ok "a save that runs out of space at $n rank(s) fails naming it and leaves only '$want'in --save-dir $d"
+    else bad "out of space at $n rank(s), $d" "exit $rc, left: $left" "$(grep -m2 error "$tmp/spe")"; fi
+  done
+  umount "$tmp/small"
+  trap 'rm -rf "$tmp"' EXIT
+else echo "skip: out-of-space save: cannot mount a tmpfs here ($(head -1 "$tmp/mnt"))"; fi
 
 # ---- two jobs on one --save-dir: the second stops at once, naming the first ----
 "$TRAIN" --model tiny --steps 100000 --seq 32 --batch 4 --sample 0 --threads 1 --save-dir "$tmp/shared" \

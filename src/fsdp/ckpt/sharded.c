@@ -223,6 +223,31 @@ static enum fsdp_status write_meta(struct fsdp_ctx *ctx, struct fsdp_model *fm, 
     return st;
 }
 
+/* [Note: a failed save leaves nothing of its own] A save that fails (a full
+ * disk, a rank that could not write) removes what it made itself: each
+ * rank's own rank file in dir.tmp, then, once every rank has (a barrier),
+ * dir.tmp if this save created it and it is empty. A dir.tmp that was there
+ * before (a crashed save's, [Note: only our own files]) stays, and so does
+ * anything another writer put there. A dir.tmp holding meta.json is left
+ * alone: past the commit's swap it is the previous checkpoint, which the
+ * commit removes only once the new one is in place. COLLECTIVE: yes (every
+ * rank has the failure from the agreement). */
+static void discard_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *tmpdir, int made, int wrote) {
+    char *mpath = fsdp__path_join(tmpdir, FSDP__META_NAME);
+    struct stat sb;
+    if (!mpath || stat(mpath, &sb) == 0) made = wrote = 0;
+    free(mpath);
+    if (wrote) {
+        char name[64];
+        fsdp__ckpt_rank_file_name(name, sizeof name, fm->shard_rank, fm->shard_size);
+        char *path = fsdp__path_join(tmpdir, name);
+        if (path) unlink(path);
+        free(path);
+    }
+    if (ctx->world > 1) (void)fsdp_comm_barrier(ctx->comm); /* every rank file gone before the rmdir */
+    if (made) rmdir(tmpdir); /* fails, leaving it, if anything else is in it */
+}
+
 enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
                                 const struct fsdp_ckpt_meta *meta) {
     struct fsdp_ckpt_meta zero = {0};
@@ -235,18 +260,23 @@ enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
     /* rank 0 looks before anyone writes: [Note: only our own files] */
     if (st == FSDP_OK && ctx->rank == 0) st = fsdp__ckpt_check_target(ctx, dir, tmpdir);
     st = fsdp__ckpt_agree(ctx, st);
+    int made = 0, wrote = 0; /* this rank created tmpdir; wrote its rank file there */
     if (st == FSDP_OK) {
-        if (mkdir(tmpdir, 0755) != 0 && errno != EEXIST)
-            st = fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot create: %s", tmpdir, strerror(errno));
+        if (mkdir(tmpdir, 0755) == 0) made = 1;
+        else if (errno != EEXIST) st = fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot create: %s", tmpdir, strerror(errno));
     }
-    if (st == FSDP_OK && fm->rep_rank == 0) st = save_rank_file(ctx, fm, tmpdir); /* replicas are equal */
+    if (st == FSDP_OK && fm->rep_rank == 0) /* replicas are equal */
+        wrote = (st = save_rank_file(ctx, fm, tmpdir)) == FSDP_OK;
     st = fsdp__ckpt_agree(ctx, st);
-    if (st != FSDP_OK) return st;
-    if (ctx->rank == 0) {
-        st = write_meta(ctx, fm, tmpdir, meta);
-        if (st == FSDP_OK) st = fsdp__ckpt_commit_dir(ctx, dir, tmpdir, fm->shard_size);
+    if (st == FSDP_OK) {
+        if (ctx->rank == 0) {
+            st = write_meta(ctx, fm, tmpdir, meta);
+            if (st == FSDP_OK) st = fsdp__ckpt_commit_dir(ctx, dir, tmpdir, fm->shard_size);
+        }
+        st = fsdp__ckpt_agree(ctx, st);
     }
-    return fsdp__ckpt_agree(ctx, st);
+    if (st != FSDP_OK) discard_save(ctx, fm, tmpdir, made, wrote);
+    return st;
 }
 
 /* ---- Sharded load ---- */
