@@ -164,16 +164,26 @@ static int written_by_us(const char *path, int allow_empty) {
         else if (pread(fd, lenb, 8, 0) == 8) {
             uint64_t n = 0;
             for (int i = 7; i >= 0; i--) n = n << 8 | lenb[i];
-            char *h = n <= (uint64_t)64 << 20 && n + 8 <= (uint64_t)sb.st_size ? fsdp__malloc((size_t)n + 1) : NULL;
-            if (h && pread(fd, h, (size_t)n, 8) == (ssize_t)n) {
-                h[n] = 0;
-                cJSON *root = cJSON_Parse(h);
-                cJSON *meta = cJSON_GetObjectItemCaseSensitive(root, "__metadata__");
-                for (cJSON *e = meta ? meta->child : NULL; e && !ok; e = e->next)
-                    ok = e->string && !strncmp(e->string, FSDP__ST_CRC_KEY, strlen(FSDP__ST_CRC_KEY));
-                cJSON_Delete(root);
+            /* the header holds one of our checksum keys, "fsdp.crc32c.<name>"; scanned a block at
+               a time, allocating nothing (a check that runs out of memory would call the file a
+               stranger's) */
+            static const char key[] = "\"" FSDP__ST_CRC_KEY;
+            const size_t k = sizeof key - 1;
+            char blk[4096];
+            size_t have = 0; /* bytes of blk kept from the last block: the tail a key may straddle */
+            for (uint64_t at = 0; !ok && n <= (uint64_t)64 << 20 && n + 8 <= (uint64_t)sb.st_size && at < n;) {
+                size_t want = sizeof blk - have;
+                if (want > n - at) want = (size_t)(n - at);
+                ssize_t r = pread(fd, blk + have, want, (off_t)(8 + at));
+                if (r <= 0) break;
+                at += (uint64_t)r;
+                have += (size_t)r;
+                ok = memmem(blk, have, key, k) != NULL;
+                if (have >= k) {
+                    memmove(blk, blk + have - (k - 1), k - 1);
+                    have = k - 1;
+                }
             }
-            free(h);
         }
     }
     close(fd);
