@@ -290,6 +290,17 @@ if [ $rc -eq 0 ] && grep -q "nothing left to train: $tmp/shared/step-00000002 is
 else bad "--resume with nothing left" "exit $rc" "$(head -3 "$tmp/nl")"; fi
 
 # ---- smaller flag checks ----
+flag_case() { # WANT-EXIT PATTERN ARGS...: fsdp-train ARGS exits WANT-EXIT naming PATTERN
+  local want=$1 pat=$2; shift 2
+  timeout 60 "$TRAIN" "$@" > /dev/null 2> "$tmp/fc"
+  local rc=$?
+  [ $rc -eq "$want" ] && grep -qF -- "$pat" "$tmp/fc" && ok "fsdp-train $*: exit $rc naming it" ||
+    bad "fsdp-train $*" "exit $rc" "$(head -2 "$tmp/fc")"
+}
+flag_case 2 "unknown flag '--bogus'" "${tiny[@]}" --bogus
+flag_case 2 "--steps needs a value" "${tiny[@]}" --steps
+flag_case 2 "'--steps=3': give the value as the next argument ('--steps 3')" "${tiny[@]}" --steps=3
+flag_case 1 "--resume: '$tmp/no-such-ckpt': No such file or directory" "${tiny[@]}" --resume "$tmp/no-such-ckpt"
 timeout 60 "$TRAIN" "${tiny[@]}" --lr 1e-3 --min-lr 1e-2 > /dev/null 2> "$tmp/ml"
 rc=$?
 [ $rc -eq 2 ] && grep -q -- "--min-lr 0.01 is above --lr 0.001" "$tmp/ml" && ok "--min-lr above --lr is a usage error" ||

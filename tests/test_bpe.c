@@ -440,7 +440,10 @@ TEST(bad_vocabularies_named) {
     CHECK_INT_EQ(fsdp__bpe_from_gpt2(ctx, "e.json", few, strlen(few), "v.bpe", "", 0, &b), FSDP_ERR_FORMAT);
     CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "'e.json' has 2 entries; byte-level BPE needs at least the 256");
     CHECK_INT_EQ(fsdp__bpe_from_gpt2(ctx, "e.json", "{\"a\":", 5, "v.bpe", "", 0, &b), FSDP_ERR_FORMAT);
-    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "'e.json': not valid JSON");
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "tokenizer file 'e.json': invalid JSON near byte");
+    const char *two = "{\"a\": 0} {\"b\": 1}"; /* nothing may follow the value */
+    CHECK_INT_EQ(fsdp__bpe_from_gpt2(ctx, "e.json", two, strlen(two), "v.bpe", "", 0, &b), FSDP_ERR_FORMAT);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "tokenizer file 'e.json': bytes after the JSON value at byte 9");
     fsdp__ctx_release(ctx);
 }
 

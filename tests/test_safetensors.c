@@ -176,6 +176,11 @@ TEST(headers_that_lie) {
                   "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
                   "\"__metadata__\":{\"fsdp.crc32c.q\":\"12345678\"}}",
                   8, "'q'", "not a tensor");
+    expect_reject(c, /* a flipped byte in x's checksum key: x unchecked beside y */
+                  "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                  "\"y\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]},"
+                  "\"__metadata__\":{\"fsdp.crc32d.x\":\"12345678\",\"fsdp.crc32c.y\":\"12345678\"}}",
+                  16, "'x'", "no checksum");
     expect_reject(c, "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}junk", 8, "after its JSON", NULL);
     expect_reject(c, "{\"x\":{\"dtype\":\"F32\",", 8, "not valid JSON", NULL);
     expect_reject(c, "[1]", 8, "start with '{'", NULL);

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <strings.h>
 #include <time.h>
 #include <unistd.h>
@@ -189,6 +190,8 @@ int main(int argc, char **argv) {
     const char *resume_dir = NULL;
     struct fsdp_ckpt_meta ck = {0};
     if (o.resume) {
+        struct stat rs;
+        if (stat(o.resume, &rs) != 0) fail_all("--resume: '%s': %s", o.resume, strerror(errno));
         if (!(resume_dir = resolve_resume(o.resume, resume_buf, sizeof resume_buf)))
             fail_all("--resume: '%s' is neither a checkpoint (no meta.json) nor a folder holding step-N checkpoints",
                      o.resume);

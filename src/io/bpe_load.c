@@ -319,15 +319,10 @@ static enum fsdp_status bpe_new(struct fsdp_ctx *ctx, struct fsdp_bpe **out) {
     return FSDP_OK;
 }
 
+/* the tokenizer's JSON file: one value, nothing after it (fsdp__json_parse) */
 static enum fsdp_status parse_json(struct fsdp_ctx *ctx, const char *name, const void *buf, size_t len,
                                    cJSON **out) {
-    const char *end = NULL;
-    *out = cJSON_ParseWithLengthOpts(buf, len, &end, 0);
-    if (!*out) {
-        size_t at = end && end >= (const char *)buf ? (size_t)(end - (const char *)buf) : 0;
-        return fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': not valid JSON (near byte %zu)", name, at);
-    }
-    return FSDP_OK;
+    return fsdp__json_parse(ctx, "tokenizer file", name, buf, len, out);
 }
 
 enum fsdp_status fsdp__bpe_from_gpt2(struct fsdp_ctx *ctx, const char *enc_name, const void *enc,

@@ -188,6 +188,10 @@ static const struct flag *find_flag(const char *name) {
     return NULL;
 }
 
+int config_flag_known(const char *name) {
+    return find_flag(name) || !strcmp(name, "--config") || !strcmp(name, "--override");
+}
+
 #define FIELD(o, f, type) ((type *)((char *)(o) + (f)->off))
 #define CFIELD(o, f, type) ((const type *)((const char *)(o) + (f)->off))
 

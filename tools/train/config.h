@@ -23,6 +23,9 @@ void config_argv(int argc, char **argv, int *nargc, char ***nargv);
  * caller to cJSON_Delete, or NULL with a message in err naming the byte
  * offset and its line (the caller names the flag and the file). */
 struct cJSON *config_read_json(const char *path, char *err, size_t n);
+/* Whether name ("--lr") is one of fsdp-train's flags that take a value or a
+ * switch of the table, --config or --override. */
+int config_flag_known(const char *name);
 /* The resolved configuration, one JSON object keyed by the flags' long names
  * (null: unset); returned to the caller to free. */
 char *config_json(const struct opts *o);

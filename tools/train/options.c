@@ -3,6 +3,7 @@
  * the checks between flags that need no model or world.
  */
 #include "options.h"
+#include "config.h"
 
 #include "fsdp.h"
 
@@ -409,7 +410,15 @@ void parse_args(int argc, char **argv, struct opts *o) {
         if (!strcmp(a, "--nesterov")) { o->nesterov = 1; continue; }
         if (!strcmp(a, "--eval-baseline")) { o->eval_baseline = 1; continue; }
         if (strncmp(a, "--", 2) != 0) usage_error("unexpected argument '%s'", a);
-        if (i + 1 >= argc) usage_error("%s needs a value", a);
+        const char *eq = strchr(a, '=');
+        if (eq) { /* --steps=3: the flags take their value as the next argument */
+            char name[64];
+            snprintf(name, sizeof name, "%.*s", (int)(eq - a), a);
+            if (config_flag_known(name))
+                usage_error("'%s': give the value as the next argument ('%s %s')", a, name, eq + 1);
+            usage_error("unknown flag '%s'", a);
+        }
+        if (i + 1 >= argc) usage_error(config_flag_known(a) ? "%s needs a value" : "unknown flag '%s'", a);
         const char *v = argv[++i];
         if (!strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "--model-config")) o->model_config = v;
