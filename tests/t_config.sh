@@ -142,6 +142,13 @@ else bad "--override lr" "$(tail -2 "$tmp/oo4")"; fi
 [ $rc = 2 ] && grep -q -- "--override: 'bogus' is not a flag --resume restores" "$tmp/err" &&
   ok "--override of a flag --resume does not restore" || bad "--override bogus" "exit $rc" "$(head -2 "$tmp/err")"
 
+"$TRAIN" --resume "$tmp/c3" --override steps,,lr > "$tmp/out" 2> "$tmp/err"; rc=$?
+[ $rc = 2 ] && grep -q -- "--override 'steps,,lr': an empty name in the list" "$tmp/err" &&
+  ok "--override with an empty name in its list" || bad "--override steps,,lr" "exit $rc" "$(head -2 "$tmp/err")"
+"$TRAIN" "${const[@]}" --steps 2 --override steps > "$tmp/out" 2> "$tmp/err"; rc=$?
+[ $rc = 2 ] && grep -q -- "--override steps: it names flags --resume restores from a checkpoint; without --resume" "$tmp/err" &&
+  ok "--override without --resume is a usage error" || bad "--override without --resume" "exit $rc" "$(head -2 "$tmp/err")"
+
 # ---- the data and evaluation flags: --resume without --data keeps the checkpoint's file (it once fell back to the
 # synthetic corpus), and without --val-data/--eval-every it goes on evaluating ----
 python3 - "$tmp/tok.bin" <<'PY'

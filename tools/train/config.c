@@ -495,6 +495,9 @@ int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, co
     if (o->override) {
         char *list = strdup(o->override), *save = NULL;
         if (!list) usage_error("out of memory");
+        size_t ol = strlen(o->override);
+        if (!ol || o->override[0] == ',' || o->override[ol - 1] == ',' || strstr(o->override, ",,"))
+            usage_error("--override '%s': an empty name in the list (FLAG[,FLAG...])", o->override);
         for (char *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
             const struct flag *f = find_flag(t);
             if (f && f->restore == R_FILL)

@@ -624,6 +624,9 @@ void parse_args(int argc, char **argv, struct opts *o) {
         usage_error("--step-forward-ms %g is more than --step-compute-ms %g (the step's forward and backward)",
                     (double)o->step_forward_ms, (double)o->step_compute_ms);
     if (o->resume && o->init_from) usage_error("--resume and --init-from exclude each other");
+    if (o->override && !o->resume)
+        usage_error("--override %s: it names flags --resume restores from a checkpoint; without --resume it "
+                    "changes nothing", o->override);
     if (!strcmp(o->init, "rank0") && !o->init_from)
         usage_error("--init rank0 needs --init-from FILE (the weights rank 0 reads and sends)");
     if ((o->save_every || o->keep_last) && !o->save_dir) usage_error("--save-every and --keep-last need --save-dir");
