@@ -80,6 +80,7 @@ struct fsdp__st_file {
     char *path;            /* for messages */
     int fd;                /* -1 when parsed from memory */
     uint64_t file_size, data_start;
+    uint32_t header_crc;   /* fsdp__st_open: CRC-32C of the first data_start bytes ([Note: files of one save]) */
     int n;
     struct fsdp__st_tensor *t; /* (n) sorted by begin */
     int n_meta;

@@ -447,6 +447,7 @@ enum fsdp_status fsdp__st_open(struct fsdp_ctx *ctx, const char *path, struct fs
         return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot read the header: %s", path, strerror(errno));
     }
     enum fsdp_status st = fsdp__safetensors_parse(ctx, path, buf, want, size, out);
+    if (st == FSDP_OK) out->header_crc = fsdp__crc32c(0, buf, want); /* want = data_start once parsed */
     free(buf);
     if (st != FSDP_OK) {
         close(fd);

@@ -586,15 +586,10 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
     qkv.dtype = lp; /* asked in 16 bits on the 16-bit path; c_attn may still answer fp32 */
     FSDP_TRY(fsdp_module_forward(A->c_attn, ctx, in, &qkv)); /* (B, T, 3C) */
     A->qkv = NULL; /* no backward until this forward has ended */
-    if (A->kc) { /* [Note: decoding cache] */
-        if (m->training)
-            return fsdp__err(ctx, FSDP_ERR_STATE, "CausalSelfAttention '%s': a decoding cache is set, and a "
-                             "train-mode forward cannot use it (eval mode, or free the cache)", fsdp__mname(m));
-        if (B != A->cB || A->at + T > A->cap)
-            return fsdp__err(ctx, FSDP_ERR_INVALID, "CausalSelfAttention '%s': positions %lld..%lld of %lld "
-                             "sequences do not fit its decoding cache of %lld positions of %lld", fsdp__mname(m),
-                             (long long)A->at, (long long)(A->at + T - 1), (long long)B, (long long)A->cap,
-                             (long long)A->cB);
+    if (A->kc) { /* [Note: decoding cache]: the GPT checked mode, sequences and positions */
+        FSDP_ASSERT(!m->training && B == A->cB && A->at + T <= A->cap, "attention '%s': positions %lld..%lld of "
+                    "%lld sequences, decoding cache of %lld of %lld", fsdp__mname(m), (long long)A->at,
+                    (long long)(A->at + T - 1), (long long)B, (long long)A->cap, (long long)A->cB);
         struct fsdp_tensor y = {0};
         int64_t yshape[3] = {B, T, C};
         enum fsdp_dtype ydt = lp != FSDP_F32 ? fsdp__linear_input_dtype(A->c_proj) : FSDP_F32;

@@ -129,8 +129,9 @@ void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o
  * did not write) and creates nothing but what the flags name: the
  * --save-dir folder (one level, as the first save would) and its lock file
  * DIR/.lock, which it holds with flock for the whole run so that a second
- * job on the same folder stops at once, naming the first one's pid. The lock file stays (removing it would
- * let a third job lock a new file while a second still waits on the old). */
+ * job on the same folder stops at once, naming the first one's pid. The
+ * lock file stays (removing it would let a third job lock a new file while a
+ * second still waits on the old). */
 
 static int g_lock_fd = -1; /* DIR/.lock, held until exit */
 
@@ -167,6 +168,15 @@ static int check_out_file(const char *flag, const char *path, char *err, size_t 
  * the --data file given again by mistake among them, is the user's. */
 #define LOG_FIRST "{\"config\": "
 
+/* Up to n bytes from the start of the regular file path (never waiting on
+ * a FIFO); the count read, or -1. */
+static ssize_t read_head(const char *path, char *buf, size_t n) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    ssize_t r = fd >= 0 ? pread(fd, buf, n, 0) : -1;
+    if (fd >= 0) close(fd);
+    return r;
+}
+
 static int check_log_file(const char *path, char *err, size_t n) {
     struct stat sb;
     if (lstat(path, &sb) != 0) return 0; /* a new file (its folder: check_out_file) */
@@ -175,10 +185,7 @@ static int check_log_file(const char *path, char *err, size_t n) {
     if (!S_ISREG(sb.st_mode)) return snprintf(err, n, "--log '%s' is not a regular file", path), 1;
     if (sb.st_size == 0) return 0;
     char head[sizeof LOG_FIRST] = "";
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    ssize_t r = fd >= 0 ? pread(fd, head, sizeof head - 1, 0) : -1;
-    if (fd >= 0) close(fd);
-    if (r != (ssize_t)sizeof head - 1 || memcmp(head, LOG_FIRST, sizeof head - 1) != 0)
+    if (read_head(path, head, sizeof head - 1) != (ssize_t)sizeof head - 1 || memcmp(head, LOG_FIRST, sizeof head - 1) != 0)
         return snprintf(err, n, "--log '%s' exists and is not a log of fsdp-train (its first line is not "
                         "%s...}); give another path or remove it", path, LOG_FIRST), 1;
     return 0;
@@ -232,15 +239,12 @@ static int lock_ours(const char *lock) {
     if (!S_ISREG(sb.st_mode) || sb.st_size > 320) return 0;
     if (sb.st_size == 0) return 1;
     char line[322] = "";
-    int fd = open(lock, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    ssize_t r = fd >= 0 ? pread(fd, line, sizeof line - 1, 0) : -1;
-    if (fd >= 0) close(fd);
+    ssize_t r = read_head(lock, line, sizeof line - 1);
     if (r != sb.st_size || line[r - 1] != '\n' || strncmp(line, "pid ", 4)) return 0;
     char *p = line + 4;
     while (*p >= '0' && *p <= '9') p++;
     return p > line + 4 && !strncmp(p, " on ", 4) && strchr(p, '\n') == line + r - 1;
 }
-
 
 /* --save-full: a writable place (check_out_file), and a path the full-file
  * writer will replace: the check fsdp_model_save_full itself runs at the

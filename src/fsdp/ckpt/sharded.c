@@ -112,19 +112,9 @@ static enum fsdp_status save_rank_file(struct fsdp_ctx *ctx, struct fsdp_model *
  * loaded, and the resumed run went elsewhere. Each file's entry also
  * records the CRC-32C of its header, which holds the checksums of all its
  * data ([Note: replace only our own files], st_write.c), and a reader that
- * opens the file compares it: a file of another save is named as such
- * before any of it is read. */
-static enum fsdp_status header_crc(struct fsdp_ctx *ctx, const struct fsdp__st_file *f, uint32_t *crc) {
-    size_t n = (size_t)f->data_start;
-    char *h = fsdp__malloc(n ? n : 1);
-    if (!h) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
-    ssize_t r = pread(f->fd, h, n, 0);
-    if (r == (ssize_t)n) *crc = fsdp__crc32c(0, h, n);
-    free(h);
-    return r == (ssize_t)n ? FSDP_OK : fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot read its header: %s", f->path,
-                                                 r < 0 ? strerror(errno) : "short read");
-}
-
+ * opens the file compares it (fsdp__st_open's header_crc, from the one read
+ * of the header): a file of another save is named as such before any of it
+ * is read. */
 /* meta.json, by rank 0 after every rank file exists: the layout is a pure
  * function of (model, shard group size), and byte ranges come from the
  * files' headers. Its "world" is the number of shards (files). */
@@ -144,7 +134,7 @@ static enum fsdp_status describe(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
         struct fsdp__meta_file *f = &mt->files[mt->n_files++];
         if (!(f->name = fsdp__strdup(name))) return fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
         f->bytes = files[r].file_size;
-        FSDP_TRY(header_crc(ctx, &files[r], &f->header_crc));
+        f->header_crc = files[r].header_crc;
         f->has_header_crc = 1;
     }
     for (int i = 0; i < fm->n_units; i++) {
@@ -293,11 +283,9 @@ enum fsdp_status fsdp__fcache_get(struct fsdp_ctx *ctx, struct fsdp__fcache *c, 
             st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: %llu bytes but meta.json says %llu (truncated or replaced)",
                            path, (unsigned long long)sb.st_size, (unsigned long long)c->mt->files[i].bytes);
         if (st == FSDP_OK) st = fsdp__st_open(ctx, path, &c->f[i]);
-        uint32_t crc = 0;
-        if (st == FSDP_OK && c->mt->files[i].has_header_crc) st = header_crc(ctx, &c->f[i], &crc);
-        if (st == FSDP_OK && c->mt->files[i].has_header_crc && crc != c->mt->files[i].header_crc)
+        if (st == FSDP_OK && c->mt->files[i].has_header_crc && c->f[i].header_crc != c->mt->files[i].header_crc)
             st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: not the file this checkpoint's meta.json was saved with (its "
-                           "header's crc32c %08x, recorded %08x): a file of another save?", path, crc,
+                           "header's crc32c %08x, recorded %08x): a file of another save?", path, c->f[i].header_crc,
                            c->mt->files[i].header_crc);
         if (st != FSDP_OK && c->f[i].fd >= 0) fsdp__st_close(&c->f[i]);
         free(path);
