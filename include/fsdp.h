@@ -1807,6 +1807,14 @@ enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir);
  * verifies). A file or folder of someone else's that only bears a
  * checkpoint's name is not. COLLECTIVE: no. */
 int fsdp_ckpt_is_ours(const char *path);
+/* The check every sharded checkpoint writer (fsdp_ckpt_save,
+ * fsdp_ckpt_from_full_model) runs on rank 0 before writing the folder `dir`,
+ * on its own, for a caller that wants to know before the work that produces
+ * it (fsdp-train checks the steps it will save before step 1): `dir` and
+ * `dir.tmp` are each absent or a folder holding only files a checkpoint
+ * writer made; otherwise FSDP_ERR_INVALID naming the entry (a user's file,
+ * a regular file given as the folder). Creates nothing. COLLECTIVE: no. */
+enum fsdp_status fsdp_ckpt_check_target(struct fsdp_ctx *ctx, const char *dir);
 /* Reads only meta.json (e.g. the model config before building the model).
  * COLLECTIVE: no. */
 enum fsdp_status fsdp_ckpt_read_meta(struct fsdp_ctx *ctx, const char *dir, struct fsdp_ckpt_meta *meta);

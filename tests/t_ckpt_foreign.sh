@@ -81,16 +81,33 @@ train --nproc 2 --steps 1 --save-full t.safetensors > o 2>&1; rc=$?
 refused save_full_foreign "t.safetensors: exists and was not written by fsdp.c" o $rc &&
   { intact t.safetensors thesis && ok save_full_foreign || bad save_full_foreign "$(ls)"; }
 
-# 9. fsdp-train --save-dir whose step folder holds a foreign file, at 2 ranks
+# 9. fsdp-train --save-dir whose step folder holds a foreign file, at 2 ranks: refused
+#    before step 1 (the writer's own check, [Note: output preflight]), not at that save
+no_step() { ! grep -q "^step " "$1"; }
 mkdir -p s/step-00000001 && echo "plot" > s/step-00000001/loss.png
 train --nproc 2 --steps 1 --save-dir s > o 2>&1; rc=$?
 refused save_dir_foreign_step loss.png o $rc &&
-  { intact s/step-00000001/loss.png plot && [ ! -e s/step-00000001/meta.json ] && ok save_dir_foreign_step ||
-    bad save_dir_foreign_step "$(ls -R s)"; }
+  { intact s/step-00000001/loss.png plot && [ ! -e s/step-00000001/meta.json ] && no_step o && ok save_dir_foreign_step ||
+    bad save_dir_foreign_step "$(ls -R s)" "$(grep -c '^step ' o) step lines"; }
 mkdir -p s2/step-00000001.tmp && echo "log" > s2/step-00000001.tmp/run.log
 train --steps 1 --save-dir s2 > o 2>&1; rc=$?
 refused save_dir_foreign_tmp run.log o $rc &&
-  { intact s2/step-00000001.tmp/run.log log && ok save_dir_foreign_tmp || bad save_dir_foreign_tmp "$(ls -R s2)"; }
+  { intact s2/step-00000001.tmp/run.log log && no_step o && ok save_dir_foreign_tmp || bad save_dir_foreign_tmp "$(ls -R s2)"; }
+# 9b. the same at a later save (--save-every), sharded and full: named before step 1; a foreign
+#     step-N at a step the run does not save is left alone and the run saves its own
+mkdir -p s3/step-00000004 && echo "plot" > s3/step-00000004/loss.png
+train --nproc 2 --steps 4 --save-every 2 --save-dir s3 > o 2>&1; rc=$?
+refused save_dir_foreign_later "this run saves step 4 as s3/step-00000004, and s3/step-00000004: holds 'loss.png'" o $rc &&
+  { intact s3/step-00000004/loss.png plot && no_step o && [ ! -e s3/step-00000002 ] && ok save_dir_foreign_later ||
+    bad save_dir_foreign_later "$(ls -R s3)"; }
+mkdir -p s4 && echo "table" > s4/step-00000002.safetensors
+train --steps 3 --save-every 2 --save-dir s4 --state-dict-type full > o 2>&1; rc=$?
+refused save_dir_foreign_full "s4/step-00000002.safetensors: exists and was not written by fsdp.c" o $rc &&
+  { intact s4/step-00000002.safetensors table && no_step o && ok save_dir_foreign_full || bad save_dir_foreign_full "$(ls s4)"; }
+mkdir -p s5 && echo "table" > s5/step-00000001.safetensors
+if train --steps 2 --save-every 2 --save-dir s5 --state-dict-type full > o 2>&1 &&
+   intact s5/step-00000001.safetensors table && [ -f s5/step-00000002.safetensors ]; then ok save_dir_foreign_unsaved_step
+else bad save_dir_foreign_unsaved_step "$(ls s5)" "$(tail -3 o)"; fi
 
 # 10. --keep-last keeps an old checkpoint folder that holds a foreign file (and says so)
 train --steps 3 --save-dir q --save-every 1 --keep-last 1 > o 2>&1 || bad "setup: --keep-last" "$(tail -3 o)"

@@ -252,7 +252,7 @@ int main(int argc, char **argv) {
     if (task.train_flops_per_item > 0 && !nothing_left && !o.dry_run) mfu_peak_measure(ctx, &o, 0.2, &peak);
     if (o.dry_run && o.net_gbps > 0 && rank == 0) scaleout_print(ctx, &o, root, &task, pworld);
     memory_plan(ctx, g_task, &o, root, pworld);
-    check_outputs(ctx, &o, resume_dir ? (long)ck.step : 0);
+    check_outputs(ctx, &o, resume_dir ? (long)ck.step : 0, steps);
     struct fsdp_optim_opts oo = fsdp_optim_opts_default();
     oo.kind = !strcmp(o.optim, "sgd") ? FSDP_OPTIM_SGD : !strcmp(o.optim, "lars") ? FSDP_OPTIM_LARS : FSDP_OPTIM_ADAMW;
     oo.trust_coefficient = o.lars_eta;
@@ -400,7 +400,7 @@ int main(int argc, char **argv) {
                 log_flush(logf, o.log_path);
             }
         }
-        if (o.save_dir && ((o.save_every && (step + 1) % o.save_every == 0) || step + 1 == steps))
+        if (o.save_dir && saves_step(&o, step + 1, steps))
             save_ckpt(ctx, fm, &o, &task, step + 1, tty);
     }
     if (o.save_dir && nothing_left) save_ckpt(ctx, fm, &o, &task, start_step, tty);

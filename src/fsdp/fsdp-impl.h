@@ -496,9 +496,6 @@ void fsdp__ckpt_rank_file_name(char *buf, size_t n, int r, int world);
 enum fsdp_status fsdp__write_durable(struct fsdp_ctx *ctx, const char *path, const char *text);
 /* Rank 0: swaps the finished tmpdir in as dir ([Note: atomic folder]). */
 enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, const char *tmpdir, int nfiles);
-/* OK when dir and tmpdir are absent or hold only a checkpoint writer's files
- * ([Note: only our own files]); else an error naming the foreign entry. */
-enum fsdp_status fsdp__ckpt_check_target(struct fsdp_ctx *ctx, const char *dir, const char *tmpdir);
 const char *fsdp__shape_str(char *buf, size_t n, int ndim, const int64_t *shape);
 
 /* Full files (ckpt/full.c): whether f is Hugging Face GPT-2 rather than ours

@@ -91,6 +91,10 @@ static void prune_ckpts(struct fsdp_ctx *ctx, const char *dir, int keep, int ful
     free(steps);
 }
 
+int saves_step(const struct opts *o, long n, long steps) {
+    return (o->save_every && n % o->save_every == 0) || n == steps;
+}
+
 /* Saves DIR/step-N (every rank), then keeps the newest --keep-last. */
 void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o, struct task *t, int step,
                int tty) {
@@ -125,8 +129,9 @@ void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o
 /* ---- Output locations, checked before step 1 ([Note: output preflight]) ----
  * A bad --save-full used to fail after all the training, a bad --save-dir at
  * the first save. Rank 0 checks every output location before any step (for
- * --save-full also with the writer's own check, which refuses a file fsdp.c
- * did not write) and creates nothing but what the flags name: the
+ * --save-full, and for the steps --save-dir will hold, also with the
+ * writer's own check, which refuses a file fsdp.c did not write) and
+ * creates nothing but what the flags name: the
  * --save-dir folder (one level, as the first save would) and its lock file
  * DIR/.lock, which it holds with flock for the whole run so that a second
  * job on the same folder stops at once, naming the first one's pid. The
@@ -231,6 +236,31 @@ static int check_save_steps(const char *dir, long start, char *err, size_t n) {
     return 0;
 }
 
+/* What a save would refuse, refused before step 1: a step-N (or its .tmp)
+ * in dir, at a step n in (start, steps] this run saves, that is not a
+ * checkpoint of ours (a user's folder or file bearing the name) stopped the
+ * run at that save, after the training up to it. Each such entry is put to
+ * the writer's own check (fsdp_ckpt_check_target or
+ * fsdp_ckpt_check_full_target, by --state-dict-type). */
+static int check_save_targets(struct fsdp_ctx *ctx, const char *dir, const struct opts *o, long start, long steps,
+                              char *err, size_t n) {
+    int full = !strcmp(o->state_dict_type, "full"), bad = 0;
+    DIR *d = opendir(dir);
+    if (!d) return 0; /* check_save_dir made it, or names it */
+    struct dirent *e;
+    while (!bad && (e = readdir(d))) {
+        char *end, p[4096];
+        if (strncmp(e->d_name, "step-", 5)) continue;
+        long st = strtol(e->d_name + 5, &end, 10);
+        if (end == e->d_name + 5 || st <= start || st > steps || !saves_step(o, st, steps)) continue;
+        ckpt_path(p, sizeof p, dir, st, full);
+        if ((full ? fsdp_ckpt_check_full_target(ctx, p) : fsdp_ckpt_check_target(ctx, p)) != FSDP_OK)
+            bad = snprintf(err, n, "--save-dir: this run saves step %ld as %s, and %s", st, p, fsdp_errmsg(ctx)) > 0;
+    }
+    closedir(d);
+    return bad;
+}
+
 /* Whether DIR/.lock is absent or a lock file of ours: a regular file, empty
  * or one line "pid N on HOST" (a user's .lock is not rewritten). */
 static int lock_ours(const char *lock) {
@@ -257,13 +287,14 @@ static int check_save_full(struct fsdp_ctx *ctx, const char *path, char *err, si
 }
 
 /* --save-dir: an existing writable folder, or one level to create; then its lock. */
-static int check_save_dir(const char *dir, long start, char *err, size_t n) {
+static int check_save_dir(struct fsdp_ctx *ctx, const char *dir, const struct opts *o, long start, long steps,
+                          char *err, size_t n) {
     struct stat sb;
     if (stat(dir, &sb) == 0) {
         if (!S_ISDIR(sb.st_mode)) return snprintf(err, n, "--save-dir '%s' exists and is not a folder", dir), 1;
         if (access(dir, W_OK | X_OK) != 0)
             return snprintf(err, n, "--save-dir '%s': cannot write in it: %s", dir, strerror(errno)), 1;
-        if (check_save_steps(dir, start, err, n)) return 1;
+        if (check_save_steps(dir, start, err, n) || check_save_targets(ctx, dir, o, start, steps, err, n)) return 1;
     } else {
         char parent[4096];
         dir_of(dir, parent, sizeof parent);
@@ -302,14 +333,14 @@ static int check_save_dir(const char *dir, long start, char *err, size_t n) {
 
 /* Every rank: rank 0 checks --log, --save-full and --save-dir (and takes the
  * lock), and all ranks end alike on a failure. */
-void check_outputs(struct fsdp_ctx *ctx, const struct opts *o, long start) {
+void check_outputs(struct fsdp_ctx *ctx, const struct opts *o, long start, long steps) {
     char err[8192] = "";
     int bad = 0;
     if (fsdp_ctx_rank(ctx) == 0) {
         bad = (o->log_path && (check_log_file(o->log_path, err, sizeof err) ||
                                check_out_file("--log", o->log_path, err, sizeof err))) ||
               (o->save_full && check_save_full(ctx, o->save_full, err, sizeof err)) ||
-              (o->save_dir && check_save_dir(o->save_dir, start, err, sizeof err));
+              (o->save_dir && check_save_dir(ctx, o->save_dir, o, start, steps, err, sizeof err));
     }
     int32_t v = bad;
     if (fsdp_comm_broadcast(fsdp_ctx_comm(ctx), &v, 1, FSDP_I32, 0) != FSDP_OK) fail_rank("%s", fsdp_errmsg(ctx));

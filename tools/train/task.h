@@ -191,17 +191,21 @@ void launcher_check(void);
 /* Checkpoint folders and output paths (ckpt.c). resolve_resume: --resume
  * DIR as a checkpoint (DIR itself, else its newest step-N, written into buf;
  * NULL: none). save_ckpt: every rank saves --save-dir/step-N, then rank 0
- * keeps the newest --keep-last. COLLECTIVE. check_outputs: rank 0 checks
- * --log, --save-full and --save-dir (no checkpoint there after step `start`,
- * the resumed one) and locks --save-dir ([Note: output preflight]); every
- * rank ends alike on a failure. COLLECTIVE. open_log: --log for writing, a
+ * keeps the newest --keep-last; saves_step: whether a run of `steps` steps
+ * saves after step n (every --save-every and the last). COLLECTIVE.
+ * check_outputs: rank 0 checks --log, --save-full and --save-dir (no
+ * checkpoint there after step `start`, the resumed one, and nothing at a
+ * step this run saves that its writer would refuse) and locks --save-dir
+ * ([Note: output preflight]); every rank ends alike on a failure.
+ * COLLECTIVE. open_log: --log for writing, a
  * regular file only, never through a link (NULL and errno on failure);
  * log_flush: writes out what it holds (f may be NULL), a failure ends the
  * rank naming the file (a full disk, /dev/full) instead of losing lines. */
 const char *resolve_resume(const char *dir, char *buf, size_t n);
 void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o, struct task *t, int step,
                int tty);
-void check_outputs(struct fsdp_ctx *ctx, const struct opts *o, long start);
+int saves_step(const struct opts *o, long n, long steps);
+void check_outputs(struct fsdp_ctx *ctx, const struct opts *o, long start, long steps);
 FILE *open_log(const char *path);
 void log_flush(FILE *f, const char *path);
 

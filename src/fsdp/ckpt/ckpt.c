@@ -225,7 +225,11 @@ static enum fsdp_status check_owned_dir(struct fsdp_ctx *ctx, const char *dir, c
     return st;
 }
 
-enum fsdp_status fsdp__ckpt_check_target(struct fsdp_ctx *ctx, const char *dir, const char *tmpdir) {
+enum fsdp_status fsdp_ckpt_check_target(struct fsdp_ctx *ctx, const char *dir) {
+    char tmpdir[PATH_MAX];
+    if (!dir || !dir[0] || strlen(dir) > PATH_MAX - 64)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "checkpoint: bad folder name");
+    snprintf(tmpdir, sizeof tmpdir, "%s.tmp", dir);
     FSDP_TRY(check_owned_dir(ctx, dir, "the checkpoint folder", 0));
     return check_owned_dir(ctx, tmpdir, "the unfinished save's folder", 0);
 }

@@ -346,7 +346,7 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
     if (st == FSDP_OK && config) st = check_model(ctx, path, config, ot, nt);
     char tmpdir[PATH_MAX];
     snprintf(tmpdir, sizeof tmpdir, "%s.tmp", dir);
-    if (st == FSDP_OK) st = fsdp__ckpt_check_target(ctx, dir, tmpdir); /* [Note: only our own files] */
+    if (st == FSDP_OK) st = fsdp_ckpt_check_target(ctx, dir); /* [Note: only our own files] */
     if (st == FSDP_OK && mkdir(tmpdir, 0755) != 0 && errno != EEXIST)
         st = fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot create: %s", tmpdir, strerror(errno));
     /* tensor i's piece r: elements [numel*r/n, numel*(r+1)/n) */

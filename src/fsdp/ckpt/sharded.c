@@ -248,7 +248,7 @@ enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
         st = fsdp__err(ctx, FSDP_ERR_INVALID, "ckpt_save: bad folder name");
     if (st == FSDP_OK) snprintf(tmpdir, sizeof tmpdir, "%s.tmp", dir);
     /* rank 0 looks before anyone writes: [Note: only our own files] */
-    if (st == FSDP_OK && ctx->rank == 0) st = fsdp__ckpt_check_target(ctx, dir, tmpdir);
+    if (st == FSDP_OK && ctx->rank == 0) st = fsdp_ckpt_check_target(ctx, dir);
     st = fsdp__ckpt_agree(ctx, st);
     int made = 0, wrote = 0; /* this rank created tmpdir; wrote its rank file there */
     if (st == FSDP_OK) {
