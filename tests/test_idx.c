@@ -328,6 +328,17 @@ TEST(idx_rejects_bad_files) {
     expect_bad(ctx, bad, lab, 3, bad, "truncated: 30 of 120 data bytes");
     put(bad, b, 6, 0); /* plain, cut in the header */
     expect_bad(ctx, bad, lab, 3, bad, "truncated in its header");
+    /* an absurd item count is named with the whole shape, not as the later
+     * dimension at which the product overflows; a zero dimension by its index */
+    uint32_t huge[3] = {2147483647u, 28, 28}, empty[3] = {N, 0, W};
+    o = header(b, 0x08, 3, huge);
+    put(bad, b, o, 1);
+    char want[128];
+    snprintf(want, sizeof want, "announces 2147483647 x 28 x 28 = %.0f bytes", 2147483647.0 * 28 * 28);
+    expect_bad(ctx, bad, lab, 3, bad, want);
+    o = header(b, 0x08, 3, empty);
+    put(bad, b, o, 1);
+    expect_bad(ctx, bad, lab, 3, bad, "dimension 1 is 0");
     /* overlong: a valid file plus a byte */
     static uint8_t big[16 + N * H * W + 1];
     o = header(big, 0x08, 3, dims3);

@@ -148,16 +148,27 @@ static enum fsdp_status idx_parse(struct fsdp_ctx *ctx, const char *name, const 
         goto out;
     }
     int64_t bytes = 1;
+    double product = 1.0;
+    char shape[80] = "";
     for (int d = 0; d < *ndim; d++) {
         const uint8_t *p = h + 4 + 4 * d;
         dims[d] = (int64_t)((uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3]);
-        if (dims[d] <= 0 || dims[d] > IDX_MAX_BYTES / bytes) {
-            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': dimension %d is %lld (empty or too large)", name, d,
-                           (long long)dims[d]);
+        if (dims[d] == 0) {
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': dimension %d is 0 (an empty file)", name, d);
             goto out;
         }
-        bytes *= dims[d];
+        product *= (double)dims[d];
+        size_t o = strlen(shape);
+        snprintf(shape + o, sizeof shape - o, "%s%lld", d ? " x " : "", (long long)dims[d]);
     }
+    /* the whole shape named: the first dimension (the item count) is the one a
+     * damaged header usually makes absurd, while the product only overflows later */
+    if (product > (double)IDX_MAX_BYTES) {
+        st = fsdp__err(ctx, FSDP_ERR_FORMAT, "'%s': its header announces %s = %.0f bytes, more than the %lld "
+                       "an IDX file is read with", name, shape, product, (long long)IDX_MAX_BYTES);
+        goto out;
+    }
+    for (int d = 0; d < *ndim; d++) bytes *= dims[d];
     /* [Note: IDX bytes]: no allocation the input cannot fill */
     double room = b.gz ? (double)DEFLATE_MAX_RATIO * (double)len + 64.0 : (double)(len - b.pos);
     if ((double)bytes > room) {
