@@ -441,6 +441,14 @@ TEST(bad_vocabularies_named) {
     CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "'e.json' has 2 entries; byte-level BPE needs at least the 256");
     CHECK_INT_EQ(fsdp__bpe_from_gpt2(ctx, "e.json", "{\"a\":", 5, "v.bpe", "", 0, &b), FSDP_ERR_FORMAT);
     CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "tokenizer file 'e.json': invalid JSON near byte");
+    /* a merges file with no merge (empty, or only its #version line) */
+    static const char *const no_merges[] = {"", "#version: 0.2\n", "#version: 0.2\n\n"};
+    for (int k = 0; k < 3; k++) {
+        CHECK_INT_EQ(fsdp__bpe_from_gpt2(ctx, "encoder.json", v.enc, strlen(v.enc), "vocab.bpe", no_merges[k],
+                                         strlen(no_merges[k]), &b), FSDP_ERR_FORMAT);
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "'vocab.bpe' holds no merges");
+        CHECK(b == NULL);
+    }
     const char *two = "{\"a\": 0} {\"b\": 1}"; /* nothing may follow the value */
     CHECK_INT_EQ(fsdp__bpe_from_gpt2(ctx, "e.json", two, strlen(two), "v.bpe", "", 0, &b), FSDP_ERR_FORMAT);
     CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "tokenizer file 'e.json': bytes after the JSON value at byte 9");

@@ -307,6 +307,9 @@ static enum fsdp_status read_merges_txt(struct fsdp_bpe *b, const struct vocab_b
         FSDP_TRY(add_merge(b, vb, where, s + p, (size_t)(sp - (s + p)), sp + 1, (size_t)(s + e - sp - 1)));
         p = next;
     }
+    if (b->n_merges == 0) /* an empty or cut file: every token beyond the bytes would be unreachable */
+        return fsdp__err(b->ctx, FSDP_ERR_FORMAT, "'%s' holds no merges (%zu bytes, %zu lines): a merges file lists "
+                         "one merge a line after its #version line", name, n, lineno);
     return FSDP_OK;
 }
 
