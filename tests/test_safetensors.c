@@ -163,7 +163,13 @@ TEST(headers_that_lie) {
                   "\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
                   8, X, "twice");
     expect_reject(c, "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},\"__metadata__\":{\"k\":1}}", 8,
-                  "__metadata__", "'k'");
+                  "__metadata__", "\"k\"");
+    /* names and strings of a damaged header never reach a message raw: a
+     * control character in a tensor name is refused, shown escaped */
+    expect_reject(c, "{\"x\\u001b[2J\\n\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8,
+                  "holds a control character", "\"x\\x1B[2J\\x0A\"");
+    expect_reject(c, "{\"x\":{\"dtype\":\"F\\u00073\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, X,
+                  "unknown dtype \"F\\x073\"");
     expect_reject(c,
                   "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
                   "\"__metadata__\":{\"fsdp.crc32c.x\":\"12zz5678\"}}",
@@ -175,7 +181,7 @@ TEST(headers_that_lie) {
     expect_reject(c,
                   "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
                   "\"__metadata__\":{\"fsdp.crc32c.q\":\"12345678\"}}",
-                  8, "'q'", "not a tensor");
+                  8, "\"q\"", "not a tensor");
     expect_reject(c, /* a flipped byte in x's checksum key: x unchecked beside y */
                   "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
                   "\"y\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]},"

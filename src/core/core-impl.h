@@ -214,6 +214,10 @@ void *fsdp__malloc(size_t n);
 void *fsdp__zalloc(size_t n, size_t size);
 void *fsdp__realloc(void *p, size_t n);
 char *fsdp__strdup(const char *s);
+/* Bytes of outside data (a file's names and keys) for a message, in buf:
+ * printable ASCII as it is, every other byte, '"' and '\\' as \xNN, cut
+ * with "..." after 40 bytes. Returns buf. */
+const char *fsdp__shown(const void *s, size_t n, char *buf, size_t cap);
 /* Routes cJSON's allocations through fsdp__malloc (once per process; every
  * context creation calls it). */
 void fsdp__json_hooks(void);

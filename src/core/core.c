@@ -360,6 +360,22 @@ char *fsdp__strdup(const char *s) {
     return d;
 }
 
+const char *fsdp__shown(const void *v, size_t n, char *buf, size_t cap) {
+    const uint8_t *s = v;
+    size_t o = 0;
+    for (size_t i = 0; i < n && o + 8 < cap; i++) {
+        if (i >= 40) {
+            memcpy(buf + o, "...", 3);
+            o += 3;
+            break;
+        }
+        if (s[i] >= 0x20 && s[i] < 0x7F && s[i] != '"' && s[i] != '\\') buf[o++] = (char)s[i];
+        else o += (size_t)snprintf(buf + o, cap - o, "\\x%02X", s[i]);
+    }
+    buf[o] = 0;
+    return buf;
+}
+
 static void *json_malloc(size_t n) { return fsdp__malloc(n); }
 
 static void json_hooks_once(void) {

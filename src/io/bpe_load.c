@@ -58,23 +58,6 @@ void fsdp_bpe_free(struct fsdp_bpe *b) {
     fsdp__free(ctx, b);
 }
 
-/* Writes s[0..n) for a message: printable ASCII as is, the rest \xNN, cut at ~40. */
-static const char *shown(const void *v, size_t n, char *buf, size_t cap) {
-    const uint8_t *s = v;
-    size_t o = 0;
-    for (size_t i = 0; i < n && o + 8 < cap; i++) {
-        if (i >= 40) {
-            memcpy(buf + o, "...", 3);
-            o += 3;
-            break;
-        }
-        if (s[i] >= 0x20 && s[i] < 0x7F && s[i] != '"' && s[i] != '\\') buf[o++] = (char)s[i];
-        else o += (size_t)snprintf(buf + o, cap - o, "\\x%02X", s[i]);
-    }
-    buf[o] = 0;
-    return buf;
-}
-
 /* A symbol string (UTF-8 of byte symbols) -> bytes in out (n bytes, at most
  * the string's length). Returns 0, or -1 with a reason in why. */
 static int sym_decode(const uint8_t *s, size_t n, uint8_t *out, size_t *olen, char *why, size_t cap) {
@@ -129,7 +112,7 @@ static enum fsdp_status read_vocab(struct fsdp_bpe *b, const char *what, const c
         if (!cJSON_IsNumber(e) || v < 0 || v > BPE_MAX_ID || v != (double)(int32_t)v)
             return fsdp__err(ctx, FSDP_ERR_FORMAT,
                              "%s: key \"%s\": the id must be a whole number in [0, %d]", what,
-                             shown(e->string, strlen(e->string), buf, sizeof buf), BPE_MAX_ID);
+                             fsdp__shown(e->string, strlen(e->string), buf, sizeof buf), BPE_MAX_ID);
         if ((int32_t)v > max_id) max_id = (int32_t)v;
         n_keys++;
         total += strlen(e->string);
@@ -164,7 +147,7 @@ static enum fsdp_status read_vocab(struct fsdp_bpe *b, const char *what, const c
         }
         if (sym_decode((const uint8_t *)e->string, kl, tmp + o, &bl, why, sizeof why)) {
             st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: key \"%s\" %s", what,
-                           shown(e->string, kl, buf, sizeof buf), why);
+                           fsdp__shown(e->string, kl, buf, sizeof buf), why);
             goto out;
         }
         if (b->tok_has[id]) {
@@ -176,8 +159,8 @@ static enum fsdp_status read_vocab(struct fsdp_bpe *b, const char *what, const c
                 else sp[l++] = (char)(0xC0 | (c >> 6)), sp[l++] = (char)(0x80 | (c & 0x3F));
             }
             st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: keys \"%s\" and \"%s\" both have id %d", what,
-                           shown(sp, l, b2, sizeof b2),
-                           shown(e->string, kl, buf, sizeof buf), (int)id);
+                           fsdp__shown(sp, l, b2, sizeof b2),
+                           fsdp__shown(e->string, kl, buf, sizeof buf), (int)id);
             goto out;
         }
         b->tok_has[id] = 1;
@@ -201,7 +184,7 @@ static enum fsdp_status read_vocab(struct fsdp_bpe *b, const char *what, const c
         size_t n = len[id];
         if (vocab_lookup(b, vb, s, n) >= 0) {
             st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: the key \"%s\" appears twice", what,
-                           shown(s, n, buf, sizeof buf));
+                           fsdp__shown(s, n, buf, sizeof buf));
             goto out;
         }
         uint32_t mask = vb->cap - 1, i = (uint32_t)hash_bytes(s, n) & mask;
@@ -252,13 +235,13 @@ static enum fsdp_status add_merge(struct fsdp_bpe *b, const struct vocab_build *
     for (int k = 0; k < 2; k++) {
         if (sym_decode(sides[k], lens[k], tmp, &a, why, sizeof why)) {
             st = fsdp__err(b->ctx, FSDP_ERR_FORMAT, "%s: the symbol \"%s\" %s", where,
-                           shown(sides[k], lens[k], buf, sizeof buf), why);
+                           fsdp__shown(sides[k], lens[k], buf, sizeof buf), why);
             goto out;
         }
         ids[k] = vocab_lookup(b, vb, tmp, a);
         if (ids[k] < 0) {
             st = fsdp__err(b->ctx, FSDP_ERR_FORMAT, "%s: the symbol \"%s\" is not in the vocabulary",
-                           where, shown(sides[k], lens[k], buf, sizeof buf));
+                           where, fsdp__shown(sides[k], lens[k], buf, sizeof buf));
             goto out;
         }
     }
@@ -268,7 +251,7 @@ static enum fsdp_status add_merge(struct fsdp_bpe *b, const struct vocab_build *
     if (id < 0) {
         char b2[200];
         st = fsdp__err(b->ctx, FSDP_ERR_FORMAT, "%s: the merge \"%s\" + \"%s\" is not in the vocabulary",
-                       where, shown(l, ln, buf, sizeof buf), shown(r, rn, b2, sizeof b2));
+                       where, fsdp__shown(l, ln, buf, sizeof buf), fsdp__shown(r, rn, b2, sizeof b2));
         goto out;
     }
     uint64_t key = (uint64_t)(uint32_t)ids[0] << 32 | (uint32_t)ids[1];
@@ -303,7 +286,7 @@ static enum fsdp_status read_merges_txt(struct fsdp_bpe *b, const struct vocab_b
         if (!sp || sp == s + p || sp + 1 == s + e || memchr(sp + 1, ' ', (size_t)(s + e - sp - 1)))
             return fsdp__err(b->ctx, FSDP_ERR_FORMAT,
                              "%s: expected two symbols separated by one space, got \"%s\"", where,
-                             shown(s + p, e - p, buf, sizeof buf));
+                             fsdp__shown(s + p, e - p, buf, sizeof buf));
         FSDP_TRY(add_merge(b, vb, where, s + p, (size_t)(sp - (s + p)), sp + 1, (size_t)(s + e - sp - 1)));
         p = next;
     }
@@ -425,7 +408,7 @@ enum fsdp_status fsdp__bpe_from_hf(struct fsdp_ctx *ctx, const char *name, const
             } else {
                 st = fsdp__err(ctx, FSDP_ERR_FORMAT,
                                "%s: expected two symbols separated by one space, got \"%s\"", what,
-                               shown(s, strlen(s), buf2, sizeof buf2));
+                               fsdp__shown(s, strlen(s), buf2, sizeof buf2));
                 break;
             }
         } else if (cJSON_IsArray(e) && cJSON_GetArraySize(e) == 2 && cJSON_IsString(e->child) &&

@@ -203,14 +203,19 @@ static enum fsdp_status parse_tensor(struct fsdp_ctx *ctx, const char *name, con
     if (!tn[0]) return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: a tensor has an empty name", name);
     if (strlen(tn) > 4096)
         return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: a tensor name is longer than 4096 bytes", name);
+    char shown[200];
+    for (const char *c = tn; *c; c++) /* every later message prints the name as it is */
+        if ((unsigned char)*c < 0x20 || *c == 0x7F)
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: the tensor name \"%s\" holds a control character "
+                             "(a damaged header?)", name, fsdp__shown(tn, strlen(tn), shown, sizeof shown));
     if (!cJSON_IsObject(e))
         return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': entry is not a JSON object", name, tn);
     int n_fields = 0;
     for (const cJSON *k = e->child; k; k = k->next) {
         n_fields++;
         if (strcmp(k->string, "dtype") && strcmp(k->string, "shape") && strcmp(k->string, "data_offsets"))
-            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': unknown field '%s'", name, tn,
-                             k->string);
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': unknown field \"%s\"", name, tn,
+                             fsdp__shown(k->string, strlen(k->string), shown, sizeof shown));
     }
     const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
     const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
@@ -225,7 +230,8 @@ static enum fsdp_status parse_tensor(struct fsdp_ctx *ctx, const char *name, con
         return fsdp__err(ctx, st, "%s: tensor '%s': dtype %s is not supported (F32 BF16 F16 I32 U16 U8)",
                          name, tn, dt->valuestring);
     if (st != FSDP_OK)
-        return fsdp__err(ctx, st, "%s: tensor '%s': unknown dtype '%.32s'", name, tn, dt->valuestring);
+        return fsdp__err(ctx, st, "%s: tensor '%s': unknown dtype \"%s\"", name, tn,
+                         fsdp__shown(dt->valuestring, strlen(dt->valuestring), shown, sizeof shown));
     if (!cJSON_IsArray(sh))
         return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': shape is not an array", name, tn);
     int nd = cJSON_GetArraySize(sh);
@@ -338,15 +344,17 @@ static enum fsdp_status parse_json(struct fsdp_ctx *ctx, const char *name, const
     f->meta_key = fsdp__zalloc((size_t)nm + 1, sizeof(char *));
     f->meta_val = fsdp__zalloc((size_t)nm + 1, sizeof(char *));
     if (!f->meta_key || !f->meta_val) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", name);
+    char shown[200];
     for (const cJSON *e = meta->child; e; e = e->next) {
         if (!cJSON_IsString(e))
-            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: __metadata__ value of '%s' is not a string", name,
-                             e->string);
+            return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: __metadata__ value of \"%s\" is not a string", name,
+                             fsdp__shown(e->string, strlen(e->string), shown, sizeof shown));
         if (!strncmp(e->string, FSDP__ST_CRC_KEY, strlen(FSDP__ST_CRC_KEY))) {
             int i = fsdp__st_find(f, e->string + strlen(FSDP__ST_CRC_KEY));
             if (i < 0)
-                return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: checksum for '%s', which is not a tensor here",
-                                 name, e->string + strlen(FSDP__ST_CRC_KEY));
+                return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: checksum for \"%s\", which is not a tensor here",
+                                 name, fsdp__shown(e->string + strlen(FSDP__ST_CRC_KEY),
+                                                   strlen(e->string + strlen(FSDP__ST_CRC_KEY)), shown, sizeof shown));
             if (f->t[i].crc)
                 return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s': two checksums", name, f->t[i].name);
             FSDP_TRY(parse_crc(ctx, name, &f->t[i], e->valuestring));
