@@ -446,9 +446,18 @@ TEST(bad_vocabularies_named) {
     for (int k = 0; k < 3; k++) {
         CHECK_INT_EQ(fsdp__bpe_from_gpt2(ctx, "encoder.json", v.enc, strlen(v.enc), "vocab.bpe", no_merges[k],
                                          strlen(no_merges[k]), &b), FSDP_ERR_FORMAT);
-        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "'vocab.bpe' holds no merges");
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "'vocab.bpe' holds no merges, so none of the");
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "tokens of more than one byte in 'encoder.json' can be made");
         CHECK(b == NULL);
     }
+    /* the 256 bytes alone (and a special token) need no merges */
+    static struct synth bytes;
+    synth_make(&bytes, 3, 0, 0);
+    cat3(enc, sizeof enc, "{\"<|endoftext|>\": 256, ", bytes.enc + 1, "");
+    CHECK_OK(fsdp__bpe_from_gpt2(ctx, "encoder.json", enc, strlen(enc), "vocab.bpe", bytes.bpe, strlen(bytes.bpe), &b),
+             ctx);
+    fsdp_bpe_free(b);
+    b = NULL;
     const char *two = "{\"a\": 0} {\"b\": 1}"; /* nothing may follow the value */
     CHECK_INT_EQ(fsdp__bpe_from_gpt2(ctx, "e.json", two, strlen(two), "v.bpe", "", 0, &b), FSDP_ERR_FORMAT);
     CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "tokenizer file 'e.json': bytes after the JSON value at byte 9");
@@ -512,6 +521,11 @@ TEST(hugging_face_tokenizer_json) {
     struct fsdp_bpe *b = NULL;
     CHECK_INT_EQ(fsdp__bpe_from_hf(ctx, "tokenizer.json", js, strlen(js), &b), FSDP_ERR_FORMAT);
     CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "'tokenizer.json': model.merges[1]: expected two symbols separated by one space, got \"ab\"");
+    /* no merges beside a vocabulary of words: none of them could be made */
+    cat3(js, sizeof js, "{\"model\": {\"vocab\": ", v.enc, ", \"merges\": []}}");
+    CHECK_INT_EQ(fsdp__bpe_from_hf(ctx, "tokenizer.json", js, strlen(js), &b), FSDP_ERR_FORMAT);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "'tokenizer.json': model.merges holds no merges, so none of the");
+    CHECK(b == NULL);
     fsdp_bpe_free(ref);
     fsdp__ctx_release(ctx);
 }

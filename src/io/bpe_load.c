@@ -290,10 +290,26 @@ static enum fsdp_status read_merges_txt(struct fsdp_bpe *b, const struct vocab_b
         FSDP_TRY(add_merge(b, vb, where, s + p, (size_t)(sp - (s + p)), sp + 1, (size_t)(s + e - sp - 1)));
         p = next;
     }
-    if (b->n_merges == 0) /* an empty or cut file: every token beyond the bytes would be unreachable */
-        return fsdp__err(b->ctx, FSDP_ERR_FORMAT, "'%s' holds no merges (%zu bytes, %zu lines): a merges file lists "
-                         "one merge a line after its #version line", name, n, lineno);
     return FSDP_OK;
+}
+
+/* A merges file without a single merge beside a vocabulary of words (an
+ * empty vocab.bpe, or one cut after its #version line) left every token of
+ * more than one byte unreachable: text was encoded byte by byte. Refused;
+ * a vocabulary of the bytes alone (and special tokens, "<|...|>") needs no
+ * merges. */
+static enum fsdp_status check_reachable(const struct fsdp_bpe *b, const char *merges, const char *vocab) {
+    if (b->n_merges > 0) return FSDP_OK;
+    int32_t words = 0;
+    for (int32_t id = 0; id < b->n_ids; id++) {
+        const uint8_t *t = b->tok_bytes + b->tok_off[id];
+        uint32_t len = b->tok_off[id + 1] - b->tok_off[id];
+        int special = len >= 4 && !memcmp(t, "<|", 2) && !memcmp(t + len - 2, "|>", 2);
+        words += b->tok_has[id] && len > 1 && !special;
+    }
+    if (!words) return FSDP_OK;
+    return fsdp__err(b->ctx, FSDP_ERR_FORMAT, "%s holds no merges, so none of the %d tokens of more than one byte in "
+                     "%s can be made: an empty or cut merges file?", merges, (int)words, vocab);
 }
 
 static enum fsdp_status bpe_new(struct fsdp_ctx *ctx, struct fsdp_bpe **out) {
@@ -325,6 +341,9 @@ enum fsdp_status fsdp__bpe_from_gpt2(struct fsdp_ctx *ctx, const char *enc_name,
     if (st == FSDP_OK) st = read_vocab(b, what, js, &vb);
     cJSON_Delete(js);
     if (st == FSDP_OK) st = read_merges_txt(b, &vb, bpe_name, merges, merges_len);
+    char mw[560];
+    snprintf(mw, sizeof mw, "'%s'", bpe_name);
+    if (st == FSDP_OK) st = check_reachable(b, mw, what);
     fsdp__free(ctx, vb.slot);
     if (st != FSDP_OK) {
         fsdp_bpe_free(b);
@@ -424,6 +443,9 @@ enum fsdp_status fsdp__bpe_from_hf(struct fsdp_ctx *ctx, const char *name, const
         }
         st = add_merge(b, &vb, what, (const uint8_t *)l, ln, (const uint8_t *)r, rn);
     }
+    snprintf(what, sizeof what, "'%s': model.merges", name);
+    snprintf(buf2, sizeof buf2, "its model.vocab");
+    if (st == FSDP_OK) st = check_reachable(b, what, buf2);
     cJSON_Delete(js);
     fsdp__free(ctx, vb.slot);
     if (st != FSDP_OK) {
