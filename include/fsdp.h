@@ -1840,7 +1840,9 @@ enum fsdp_status fsdp_ckpt_check_full_target(struct fsdp_ctx *ctx, const char *p
  * from a PyTorch state dict), whole, in their own dtype; a non-persistent
  * buffer's tensor in the file is skipped. Every rank reads only its own
  * ranges (and every buffer); rank0_only: rank 0 reads each unit and
- * broadcasts it, then the buffers. COLLECTIVE: yes. */
+ * broadcasts it, then the buffers. A parameter value that is NaN or
+ * infinite is FSDP_ERR_FORMAT naming the file, the tensor and the element
+ * (a training step never writes one). COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_load_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path,
                                       int rank0_only);
 
@@ -1878,7 +1880,9 @@ enum fsdp_status fsdp_ckpt_to_full(struct fsdp_ctx *ctx, const char *dir, const 
  * left out), as fsdp_model_load_full reads them. Buffers (the tensors our
  * "fsdp.buffers" key lists; in a file without that key, I64 tensors and
  * names ending in running_mean, running_var or num_batches_tracked) go
- * whole into file 0, F32 or I64. */
+ * whole into file 0, F32 or I64. A parameter value that is NaN or infinite
+ * is refused as fsdp_model_load_full refuses it; a conversion that fails
+ * removes the files and the folder it made. */
 enum fsdp_status fsdp_ckpt_from_full(struct fsdp_ctx *ctx, const char *path, const char *dir, int n_files);
 /* The same, for the GPT of `config` (NULL: as above): the file must hold
  * exactly that model's parameters with its shapes (else an error naming the

@@ -85,6 +85,15 @@ elif cmd == 'to-hf':         # our full file -> Hugging Face GPT-2 style (bare n
             items.append((name.replace('c_attn.bias', 'bias'), [1, 1, 4, 4], bytes(64)))
     items.append(('lm_head.weight', t['transformer.wte.weight'][0], t['transformer.wte.weight'][1]))
     write_st(sys.argv[3], items, {'format': 'pt'})
+elif cmd == 'poke':          # a crc-less file with element IDX of tensor NAME set to VALUE (nan, inf, -inf)
+    t, meta = read_st(sys.argv[2])
+    name, idx, val = sys.argv[4], int(sys.argv[5]), float(sys.argv[6])
+    items = []
+    for k, (shape, data) in t.items():
+        if k == name:
+            a = array.array('f'); a.frombytes(data); a[idx] = val; data = a.tobytes()
+        items.append((k, shape, data))
+    write_st(sys.argv[3], items, {'format': 'pt'})
 elif cmd == 'same':          # sharded folder holds exactly the tensors of a full file (ours)
     t, _ = read_st(sys.argv[3])
     m, a = assemble(sys.argv[2])
@@ -162,6 +171,18 @@ out=$("$CKPT" to-sharded "$tmp/plain-lm.st" "$tmp/x0" --model tiny 2>&1); rc=$?
 out=$(train --steps 1 --resume "$tmp/sh-plain-3" 2>&1); rc=$?
 [ $rc -ne 0 ] && grep -q "holds no model config" <<< "$out" && ok "--resume of a folder without a model config asks for model flags" ||
   bad "resume without config" "exit $rc" "$(tail -2 <<< "$out")"
+
+# ---- a weight that is not finite is named at the load or the conversion, not at step 1 ----
+py poke "$tmp/plain.st" "$tmp/nan.st" transformer.h.1.mlp.c_fc.weight 5 nan
+out=$(train --model tiny --steps 1 --init-from "$tmp/nan.st" 2>&1); rc=$?
+if [ $rc -ne 0 ] && grep -q "nan.st: tensor 'transformer.h.1.mlp.c_fc.weight' holds NaN at element 5 of parameter 'transformer.h.1.mlp.c_fc.weight'" <<< "$out" &&
+   ! grep -q "^step " <<< "$out"; then ok "--init-from a file with a NaN weight names the file, the tensor and the element"
+else bad "--init-from NaN" "exit $rc" "$(tail -2 <<< "$out")"; fi
+py poke "$tmp/hf.st" "$tmp/hf-inf.st" h.0.attn.c_attn.weight 7 inf
+out=$("$CKPT" to-sharded "$tmp/hf-inf.st" "$tmp/x4" 2 2>&1); rc=$?
+if [ $rc -eq 1 ] && grep -q "hf-inf.st: tensor 'h.0.attn.c_attn.weight' holds +inf at element [0-9]* of parameter 'transformer.h.0.attn.c_attn.weight'" <<< "$out" &&
+   [ ! -e "$tmp/x4" ] && [ ! -e "$tmp/x4.tmp" ]; then ok "to-sharded of an HF file with an infinite weight names it and leaves nothing"
+else bad "to-sharded inf" "exit $rc" "$out" "$(ls -d "$tmp"/x4* 2>&1)"; fi
 
 # ---- to-sharded --model checks the file against the model ----
 out=$("$CKPT" to-sharded "$tmp/hf.st" "$tmp/x1" --model small 2>&1); rc=$?

@@ -488,6 +488,12 @@ enum fsdp_status fsdp__ckpt_check_idle(struct fsdp_ctx *ctx, struct fsdp_model *
  * summoned ([Note: summoned in place], parallelize.c), and have them written
  * over at fsdp_summon_end elsewhere. */
 enum fsdp_status fsdp__check_unsummoned(struct fsdp_ctx *ctx, const struct fsdp_model *fm, const char *what);
+/* OK when v[0..n) (elements [first, first + n) of parameter `param`, read
+ * from tensor `tensor` of the file `path`) are all finite; else
+ * FSDP_ERR_FORMAT naming the file, the tensor, the value and its element
+ * ([Note: finite weights on load], ckpt.c). */
+enum fsdp_status fsdp__ckpt_finite(struct fsdp_ctx *ctx, const char *path, const char *tensor, const char *param,
+                                   const float *v, int64_t n, int64_t first);
 /* Rank's overlap [s, e) (flat) with parameter j of u; returns 0 if none. */
 int fsdp__ckpt_overlap(const struct fsdp__unit *u, int rank, int j, int64_t *s, int64_t *e);
 char *fsdp__path_join(const char *dir, const char *name); /* malloc'd */

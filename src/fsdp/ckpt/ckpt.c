@@ -33,6 +33,7 @@
 #include <cJSON.h>
 #include <dirent.h>
 #include <errno.h>
+#include <math.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <string.h>
@@ -52,6 +53,29 @@ const char *const *fsdp__ckpt_state_names(const struct fsdp_optim *opt, int *k) 
 }
 
 /* ---- Agreement: every rank returns the first failing rank's status and message ---- */
+
+/* [Note: finite weights on load] A training step never writes a
+ * non-finite value into a weight (a step whose update is not finite is
+ * skipped, src/fsdp/step.c), so a NaN or an infinity in a weight read from
+ * a file is damage (or a foreign writer's diverged run). Our own files'
+ * checksums catch damage, but a file without them (Hugging Face's, a
+ * conversion of one) loaded it unnoticed, and the run then stopped at step
+ * 1 on a non-finite gradient, naming a unit and no file. The full-file
+ * load and the conversion to a sharded checkpoint check every parameter
+ * value they read (one pass over values just read, in cache; buffers and
+ * optimizer state are not weights and are not checked). */
+enum fsdp_status fsdp__ckpt_finite(struct fsdp_ctx *ctx, const char *path, const char *tensor, const char *param,
+                                   const float *v, int64_t n, int64_t first) {
+    int bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < n; i++) bad |= !(v[i] - v[i] == 0.0f); /* NaN or an infinity */
+    if (!bad) return FSDP_OK;
+    int64_t i = 0;
+    while (v[i] - v[i] == 0.0f) i++;
+    return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s' holds %s at element %lld of parameter '%s': a "
+                     "model's weights must be finite (a damaged file, or one written from a run that diverged)",
+                     path, tensor, isnan(v[i]) ? "NaN" : v[i] > 0 ? "+inf" : "-inf", (long long)(first + i), param);
+}
 
 enum fsdp_status fsdp__ckpt_agree(struct fsdp_ctx *ctx, enum fsdp_status st) {
     if (ctx->world == 1) return st;

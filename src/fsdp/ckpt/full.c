@@ -221,7 +221,10 @@ static enum fsdp_status map_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
 /* Elements [s, e) of parameter p (our layout) from its tensor into dst. */
 static enum fsdp_status read_param_range(struct fsdp_ctx *ctx, const struct fsdp__st_file *f, struct src sr,
                                          const struct fsdp_param *p, int64_t s, int64_t e, float *dst) {
-    if (!sr.transpose) return fsdp__st_read(ctx, f, sr.ti, (uint64_t)s * 4, (uint64_t)e * 4, dst);
+    if (!sr.transpose) {
+        FSDP_TRY(fsdp__st_read(ctx, f, sr.ti, (uint64_t)s * 4, (uint64_t)e * 4, dst));
+        return fsdp__ckpt_finite(ctx, f->path, f->t[sr.ti].name, p->fqn, dst, e - s, s);
+    }
     /* (in, out) stored: read it whole (one tensor at a time) and pick */
     int64_t out_ = p->shape[0], in_ = p->shape[1];
     float *tmp = fsdp__malloc((size_t)p->numel * sizeof(float) + 1);
@@ -232,6 +235,7 @@ static enum fsdp_status read_param_range(struct fsdp_ctx *ctx, const struct fsdp
         dst[x - s] = tmp[i * out_ + o];
     }
     free(tmp);
+    if (st == FSDP_OK) st = fsdp__ckpt_finite(ctx, f->path, f->t[sr.ti].name, p->fqn, dst, e - s, s);
     return st;
 }
 

@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <string.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
 /* ---- Offline: describe, verify, convert ---- */
@@ -347,7 +348,8 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
     char tmpdir[PATH_MAX];
     snprintf(tmpdir, sizeof tmpdir, "%s.tmp", dir);
     if (st == FSDP_OK) st = fsdp_ckpt_check_target(ctx, dir); /* [Note: only our own files] */
-    if (st == FSDP_OK && mkdir(tmpdir, 0755) != 0 && errno != EEXIST)
+    int made = 0, wrote = 0; /* this conversion created tmpdir; rank files 0..wrote-1 it wrote there */
+    if (st == FSDP_OK && !(made = mkdir(tmpdir, 0755) == 0) && errno != EEXIST)
         st = fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot create: %s", tmpdir, strerror(errno));
     /* tensor i's piece r: elements [numel*r/n, numel*(r+1)/n) */
     struct fsdp__st_desc *desc = fsdp__zalloc((size_t)f.n + 1, sizeof *desc);
@@ -405,12 +407,14 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
             }
             buf = nb;
             st = read_out(ctx, &f, &ot[i], s, e, buf, &tbuf, &tbuf_ti);
+            if (st == FSDP_OK) st = fsdp__ckpt_finite(ctx, path, f.t[ot[i].ti].name, ot[i].fqn, buf, e - s, s);
             if (st == FSDP_OK) st = fsdp__st_writer_write(w, buf, (size_t)(e - s) * sizeof(float));
         }
         if (w) {
             if (st == FSDP_OK) st = fsdp__st_writer_commit(w);
             else fsdp__st_writer_abort(w);
         }
+        if (st == FSDP_OK) wrote = r + 1;
         struct fsdp__st_file g;
         if (st == FSDP_OK) st = fsdp__st_open(ctx, fpath, &g);
         if (st == FSDP_OK) {
@@ -447,6 +451,16 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
     fsdp__meta_free(&mt);
     if (st == FSDP_OK) st = fsdp__write_durable(ctx, mpath, text);
     if (st == FSDP_OK) st = fsdp__ckpt_commit_dir(ctx, dir, tmpdir, n_files);
+    else { /* [Note: a failed save leaves nothing of its own] (sharded.c): the rank files it wrote, its folder */
+        for (int r = 0; r < wrote; r++) {
+            char name[64];
+            fsdp__ckpt_rank_file_name(name, sizeof name, r, n_files);
+            char *fp = fsdp__path_join(tmpdir, name);
+            if (fp) unlink(fp);
+            free(fp);
+        }
+        if (made) rmdir(tmpdir); /* fails, leaving it, if anything else is in it */
+    }
     free(mpath);
     free(text);
     free(desc);
