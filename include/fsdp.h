@@ -1363,6 +1363,16 @@ int64_t fsdp_model_skipped_steps(const struct fsdp_model *fm);
 
 /* ---- Data (src/io) ---------------------------------------------------- */
 
+/* Opens `path` to read without ever waiting on it: a FIFO, a socket or a
+ * device is refused at once (an open of a FIFO waits for a writer that may
+ * never come), not opened ([Note: regular files only], src/core/file.c).
+ * Returns a descriptor (O_CLOEXEC, blocking; the caller closes it) and the
+ * file's size in *size (may be NULL), or -1 with errno set: by open() or
+ * fstat(), or EINVAL with *kind (may be NULL) naming what the path is
+ * instead ("a directory", "a FIFO", ...). Every reader of the library
+ * opens through it, and tools that read files can. COLLECTIVE: no. */
+int fsdp_open_regular(const char *path, uint64_t *size, const char **kind);
+
 struct fsdp_data;
 
 /* Opens a token source: an llm.c token file (256 int32 header, magic

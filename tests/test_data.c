@@ -9,7 +9,10 @@
 #include "fsdp.h"
 #include "harness.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 static struct fsdp_ctx *new_ctx(void) {
     struct fsdp_ctx_opts co = fsdp_ctx_opts_default();
@@ -182,6 +185,39 @@ TEST(data_open_errors_io) {
     CHECK_INT_EQ(fsdp_data_open(c, p, 256, NULL), FSDP_ERR_INVALID);
     tmp_end();
     fsdp_ctx_free(c);
+}
+
+/* fsdp_open_regular: what every reader of the library and the tools open with */
+TEST(open_regular_refuses_at_once) {
+    tmp_begin();
+    const char *p = write_file("seven.txt", "1234567", 7);
+    uint64_t size = 99;
+    const char *kind = "x";
+    int fd = fsdp_open_regular(p, &size, &kind);
+    CHECK(fd >= 0);
+    CHECK_INT_EQ(size, 7);
+    CHECK(kind == NULL);
+    CHECK((fcntl(fd, F_GETFL) & O_NONBLOCK) == 0); /* blocking again */
+    CHECK((fcntl(fd, F_GETFD) & FD_CLOEXEC) != 0);
+    close(fd);
+    errno = 0;
+    CHECK_INT_EQ(fsdp_open_regular(tmpdir, &size, &kind), -1);
+    CHECK_INT_EQ(errno, EINVAL);
+    CHECK_STR_CONTAINS(kind ? kind : "(null)", "a directory");
+    char fifo[200];
+    snprintf(fifo, sizeof fifo, "%s/fifo", tmpdir);
+    ASSERT(mkfifo(fifo, 0600) == 0);
+    CHECK_INT_EQ(fsdp_open_regular(fifo, NULL, &kind), -1); /* at once: no writer ever comes */
+    CHECK_STR_CONTAINS(kind ? kind : "(null)", "a FIFO");
+    unlink(fifo);
+    char missing[200];
+    snprintf(missing, sizeof missing, "%s/nope", tmpdir);
+    CHECK_INT_EQ(fsdp_open_regular(missing, NULL, &kind), -1);
+    CHECK_INT_EQ(errno, ENOENT);
+    CHECK(kind == NULL);
+    CHECK_INT_EQ(fsdp_open_regular("/dev/null", NULL, NULL), -1);
+    CHECK_INT_EQ(errno, EINVAL);
+    tmp_end();
 }
 
 TEST(data_open_errors_format) {

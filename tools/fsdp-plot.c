@@ -30,6 +30,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "fsdp.h"
+
 #define MARKER "<!-- fsdp-plot: curves of fsdp-train logs -->"
 
 /* The series a log may hold, by its key. */
@@ -109,14 +111,11 @@ static void run_push(struct run *r, const double *vals) {
 }
 
 static void read_log(struct run *r) {
-    /* O_NONBLOCK: a FIFO is refused at once instead of waiting for a writer */
-    int fd = open(r->path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    const char *kind;
+    int fd = fsdp_open_regular(r->path, NULL, &kind); /* a FIFO is refused at once, not waited on */
+    if (fd < 0 && kind && !strcmp(kind, "a directory")) die("'%s' is a folder, not a log file", r->path);
+    if (fd < 0 && kind) die("'%s' is not a regular file (%s)", r->path, kind);
     if (fd < 0) die("cannot open '%s': %s", r->path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) die("cannot read '%s': %s", r->path, strerror(errno));
-    if (S_ISDIR(sb.st_mode)) die("'%s' is a folder, not a log file", r->path);
-    if (!S_ISREG(sb.st_mode)) die("'%s' is not a regular file", r->path);
-    if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) die("cannot read '%s': %s", r->path, strerror(errno));
     FILE *f = fdopen(fd, "r");
     if (!f) die("cannot read '%s': %s", r->path, strerror(errno));
     char *line = NULL;

@@ -84,19 +84,16 @@ static void progress(size_t done, size_t total, double t0) {
     fflush(stderr);
 }
 
-/* Opens path to read, refusing a FIFO, a socket or a device at once instead
- * of waiting in open() for a writer that may never come (the library's
- * [Note: regular files only], core/file.c): O_NONBLOCK, fstat, then blocking
- * again. Returns the descriptor; *size (unless NULL) is the file's length. */
+/* Opens path to read, refusing a FIFO, a socket or a device at once
+ * (fsdp_open_regular). Returns the descriptor; *size (unless NULL) is the
+ * file's length. */
 static int open_regular(const char *path, size_t *size) {
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    uint64_t n;
+    const char *kind;
+    int fd = fsdp_open_regular(path, &n, &kind);
+    if (fd < 0 && kind) die("'%s' is not a regular file (%s)", path, kind);
     if (fd < 0) die("cannot open '%s': %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) die("cannot read '%s': %s", path, strerror(errno));
-    if (!S_ISREG(sb.st_mode)) die("'%s' is not a regular file", path);
-    int fl = fcntl(fd, F_GETFL);
-    if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) die("cannot read '%s': %s", path, strerror(errno));
-    if (size) *size = (size_t)sb.st_size;
+    if (size) *size = (size_t)n;
     return fd;
 }
 

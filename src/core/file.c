@@ -6,7 +6,9 @@
  * read of a character device may never end, so every reader opens with
  * O_NONBLOCK (which returns at once for all of these), refuses what fstat
  * says is not a regular file, naming the path and what it is, and only then
- * makes the descriptor blocking again.
+ * makes the descriptor blocking again. fsdp_open_regular (public: the tools
+ * open their inputs with it too) is that open; fsdp__open_regular words its
+ * failures for the context.
  */
 #include "core/core-impl.h"
 
@@ -21,34 +23,39 @@ static const char *file_kind(mode_t m) {
            : S_ISCHR(m) ? "a character device" : S_ISBLK(m) ? "a block device" : "not a plain file";
 }
 
+int fsdp_open_regular(const char *path, uint64_t *size, const char **kind) {
+    if (kind) *kind = NULL;
+    if (size) *size = 0;
+    int f = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY), e = 0;
+    struct stat sb;
+    if (f < 0) return -1;
+    if (fstat(f, &sb) != 0) {
+        e = errno;
+    } else if (!S_ISREG(sb.st_mode)) {
+        if (kind) *kind = file_kind(sb.st_mode);
+        e = EINVAL;
+    } else {
+        int fl = fcntl(f, F_GETFL);
+        if (fl < 0 || fcntl(f, F_SETFL, fl & ~O_NONBLOCK) != 0) e = errno;
+    }
+    if (e) {
+        close(f);
+        errno = e;
+        return -1;
+    }
+    if (size) *size = (uint64_t)sb.st_size;
+    return f;
+}
+
 enum fsdp_status fsdp__open_regular(struct fsdp_ctx *ctx, const char *what, const char *path, int *fd,
                                     uint64_t *size) {
-    *fd = -1;
-    if (size) *size = 0;
-    const char *sp = what ? " '" : "", *ep = what ? "'" : "";
+    const char *sp = what ? " '" : "", *ep = what ? "'" : "", *kind;
     if (!what) what = "";
-    int f = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-    if (f < 0) return fsdp__err(ctx, FSDP_ERR_IO, "%s%s%s%s: cannot open: %s", what, sp, path, ep, strerror(errno));
-    struct stat sb;
-    if (fstat(f, &sb) != 0) {
-        int e = errno;
-        close(f);
-        return fsdp__err(ctx, FSDP_ERR_IO, "%s%s%s%s: cannot stat: %s", what, sp, path, ep, strerror(e));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(f);
-        return fsdp__err(ctx, FSDP_ERR_IO, "%s%s%s%s: not a regular file (%s)", what, sp, path, ep,
-                         file_kind(sb.st_mode));
-    }
-    int fl = fcntl(f, F_GETFL);
-    if (fl < 0 || fcntl(f, F_SETFL, fl & ~O_NONBLOCK) != 0) {
-        int e = errno;
-        close(f);
-        return fsdp__err(ctx, FSDP_ERR_IO, "%s%s%s%s: cannot make blocking: %s", what, sp, path, ep, strerror(e));
-    }
-    *fd = f;
-    if (size) *size = (uint64_t)sb.st_size;
-    return FSDP_OK;
+    *fd = fsdp_open_regular(path, size, &kind);
+    if (*fd >= 0) return FSDP_OK;
+    if (kind)
+        return fsdp__err(ctx, FSDP_ERR_IO, "%s%s%s%s: not a regular file (%s)", what, sp, path, ep, kind);
+    return fsdp__err(ctx, FSDP_ERR_IO, "%s%s%s%s: cannot open: %s", what, sp, path, ep, strerror(errno));
 }
 
 enum fsdp_status fsdp__read_file(struct fsdp_ctx *ctx, const char *what, const char *path, size_t max,
