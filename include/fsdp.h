@@ -1705,10 +1705,14 @@ enum fsdp_status fsdp_optim_group_set(struct fsdp_optim *opt, int group,
  * rank's edits of its own copy land in its shard at fsdp_summon_end (edit the
  * same way on every rank, e.g. from a fixed seed); without, edits are
  * discarded. rank0_only: only rank 0's parameters get values (others stay
- * shapes only); it cannot be combined with writeback. Nesting, calling it
- * from inside a forward or backward, and running the model, an optimizer
- * step, fsdp_model_init_params or a checkpoint's save or load while summoned
- * are FSDP_ERR_STATE. Nothing needs resetting afterwards (no
+ * shapes only); it cannot be combined with writeback. An eval-mode forward
+ * (fsdp_module_set_training 0) may run while summoned, as torch's does: the
+ * summoned units run on the summoned values without gathering (the same
+ * output bits), e.g. to generate with the whole model on every rank. Nesting,
+ * calling it from inside a forward or backward, and a training-mode forward,
+ * a backward, an optimizer step, fsdp_model_init_params or a checkpoint's
+ * save or load while summoned (or any forward of a rank0_only summon) are
+ * FSDP_ERR_STATE. Nothing needs resetting afterwards (no
  * _reset_lazy_init): units keep no state derived from parameter values,
  * and the summoned buffers are separate from the units' own, so the next
  * forward simply gathers the (written-back) shards. Where a shard holds its

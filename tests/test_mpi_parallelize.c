@@ -665,6 +665,80 @@ TEST(summon_one_rank_in_place) {
     fsdp_module_free(g);
 }
 
+/* [Note: a forward while summoned] (src/fsdp/unit.c): an eval-mode forward
+ * inside fsdp_summon_full_params gives the bits of the same forward outside
+ * it, with no all-gather for the summoned units (a summon of one Block: the
+ * others gather as always); a training-mode forward, and any forward of a
+ * rank0_only summon, are refused naming the summon. */
+static struct fsdp_module *find_module(struct fsdp_module *m, const char *fqn) {
+    if (m->fqn && !strcmp(m->fqn, fqn)) return m;
+    for (int i = 0; i < m->n_children; i++) {
+        struct fsdp_module *f = find_module(m->children[i], fqn);
+        if (f) return f;
+    }
+    return NULL;
+}
+
+static void eval_while_summoned(enum fsdp_dtype prec) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_gpt_config cfg = tiny_cfg();
+    struct fsdp_module *g;
+    struct fsdp_model *fm;
+    struct fsdp_wrap_policy wp = {wrap_block_and_mlp, NULL};
+    struct fsdp_parallel_config pc = fsdp_parallel_config_default();
+    pc.seed = 11;
+    ASSERT_OK(fsdp_gpt_create(c, &cfg, &g), c);
+    ASSERT_OK(fsdp_parallelize_model(c, g, &pc, NULL, prec, &wp, NULL, NULL, &fm), c);
+    fsdp_module_set_training(g, 0);
+    enum { B = 2, T = 12 };
+    int32_t tok[B * T];
+    for (int i = 0; i < B * T; i++) tok[i] = (i * 37 + 5) % cfg.vocab_size;
+    struct fsdp_tensor x = {tok, FSDP_I32, 2, {B, T}, FSDP_LAYOUT_PLAIN}, y = {0};
+    size_t n = (size_t)B * T * (size_t)cfg.vocab_size;
+    float *ref = malloc(n * sizeof(float));
+    ASSERT(ref != NULL);
+    ASSERT_OK(fsdp_model_forward_tensor(c, fm, &x, &y), c);
+    memcpy(ref, y.data, n * sizeof(float));
+    struct fsdp_module *h1 = find_module(g, "transformer.h.1");
+    ASSERT(h1 != NULL);
+    for (int part = 0; part < 2; part++) { /* the whole model, then one Block */
+        struct fsdp_comm_stats s0, s1;
+        ASSERT_OK(fsdp_summon_full_params(c, fm, part ? h1 : NULL, 0, 0), c);
+        fsdp_model_comm_stats(fm, &s0);
+        memset(&y, 0, sizeof y);
+        CHECK_OK(fsdp_model_forward_tensor(c, fm, &x, &y), c);
+        fsdp_model_comm_stats(fm, &s1);
+        if (y.data && memcmp(y.data, ref, n * sizeof(float)))
+            TEST_FAILF("%s, %s summoned: the logits differ from the forward outside the summon",
+                       fsdp_dtype_name(prec), part ? "one Block" : "the whole model");
+        uint64_t gathers = s1.calls[FSDP_COLL_ALLGATHER] - s0.calls[FSDP_COLL_ALLGATHER];
+        if (!part && gathers) TEST_FAILF("%llu all-gathers with every unit summoned", (unsigned long long)gathers);
+        if (part && fsdp_ctx_world(c) > 1 && !gathers) TEST_FAILF("the units not summoned did not gather");
+        CHECK(fsdp_module_find_param(g, "transformer.h.1.mlp.c_fc.weight")->data != NULL); /* still readable */
+        ASSERT_OK(fsdp_summon_end(c, fm), c);
+    }
+    ASSERT_OK(fsdp_summon_full_params(c, fm, NULL, 0, 0), c);
+    fsdp_module_set_training(g, 1);
+    CHECK_INT_EQ(fsdp_model_forward_tensor(c, fm, &x, &y), FSDP_ERR_STATE);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "training mode while its parameters are summoned");
+    fsdp_module_set_training(g, 0);
+    ASSERT_OK(fsdp_summon_end(c, fm), c);
+    ASSERT_OK(fsdp_summon_full_params(c, fm, NULL, 0, 1), c);
+    CHECK_INT_EQ(fsdp_model_forward_tensor(c, fm, &x, &y), FSDP_ERR_STATE);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "summoned on rank 0 only");
+    ASSERT_OK(fsdp_summon_end(c, fm), c);
+    /* and after the summons, the same forward again */
+    memset(&y, 0, sizeof y);
+    CHECK_OK(fsdp_model_forward_tensor(c, fm, &x, &y), c);
+    CHECK(y.data && !memcmp(y.data, ref, n * sizeof(float)));
+    free(ref);
+    fsdp_model_free(fm);
+    fsdp_module_free(g);
+}
+
+TEST(eval_forward_while_summoned_fp32) { eval_while_summoned(FSDP_F32); }
+TEST(eval_forward_while_summoned_bf16) { eval_while_summoned(FSDP_BF16); }
+
 /* ---- misuse ---- */
 
 TEST(config_errors_name_the_option) {

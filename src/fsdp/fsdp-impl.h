@@ -309,6 +309,10 @@ enum fsdp_status fsdp__mp_gather_start(struct fsdp_comm *comm, int rank, struct 
  * shard_lp rounds the values from the shard instead and the others point into it
  * (data_src). */
 void fsdp__mp_gather_finish(struct fsdp__unit *u);
+/* The shard group of one's case of it with the fp32 values at src (the shard,
+ * or a summon's buffer: [Note: a forward while summoned] in unit.c): rounds
+ * them into u->full (or, lazily, points lp_reader parameters at them). */
+void fsdp__mp_finish_from(struct fsdp__unit *u, const float *src);
 /* Narrows buf[0..n) to n 16-bit values of dt at bytes [0, 2n), in place
  * (nothing while measuring). */
 void fsdp__mp_narrow_inplace(enum fsdp_dtype dt, float *buf, int64_t n);

@@ -210,23 +210,23 @@ int64_t fsdp__mp_full_numel(const struct fsdp__unit *u) {
 /* whether u's 16-bit gather leaves the values in the shard (the note above) */
 static int from_shard(const struct fsdp__unit *u) { return u->model->shard_size == 1 && !u->shard_lp; }
 
-static void finish_from_shard(struct fsdp__unit *u) {
+void fsdp__mp_finish_from(struct fsdp__unit *u, const float *src) {
     int lazy = u->gather_lazy;
-    if (!lazy) fsdp__cvt_round(u->param_dtype, u->shard, u->full, (size_t)u->numel_padded);
+    if (!lazy) fsdp__cvt_round(u->param_dtype, src, u->full, (size_t)u->numel_padded);
     int64_t at = 0;
     for (int j = 0; j < u->n_params; j++) {
         struct fsdp_param *p = u->params[j];
         p->priv->data_lp = NULL;
         p->priv->data_lp_dtype = u->param_dtype;
         p->priv->data_stale = lazy && p->priv->lp_reader;
-        p->priv->data_src = p->priv->data_stale ? u->shard + u->offsets[j] : NULL;
+        p->priv->data_src = p->priv->data_stale ? src + u->offsets[j] : NULL;
         if (!lazy) {
             p->data = u->full + u->offsets[j];
         } else if (p->priv->lp_reader) {
             p->data = NULL;
         } else {
             p->data = u->full + at;
-            fsdp__cvt_round(u->param_dtype, u->shard + u->offsets[j], p->data, (size_t)p->numel);
+            fsdp__cvt_round(u->param_dtype, src + u->offsets[j], p->data, (size_t)p->numel);
             at += p->numel;
         }
     }
@@ -236,7 +236,7 @@ static void finish_from_shard(struct fsdp__unit *u) {
 
 void fsdp__mp_gather_finish(struct fsdp__unit *u) {
     if (from_shard(u)) {
-        finish_from_shard(u);
+        fsdp__mp_finish_from(u, u->shard);
         return;
     }
     const uint16_t *stage = u->lp_win      ? u->win_lp

@@ -291,10 +291,16 @@ static enum fsdp_status optim_step_all(struct fsdp_model *fm, float lr, float gr
     return FSDP_OK;
 }
 
-static enum fsdp_status check_idle(struct fsdp_ctx *ctx, struct fsdp_model *fm) {
-    if (fm->summon_active)
-        return fsdp__err(ctx, FSDP_ERR_STATE,
-                         "the model runs while its parameters are summoned: call fsdp_summon_end first");
+/* The model may run: no unit in the error state, and no summon open, but
+ * for an eval-mode forward (`eval`) of a summon on every rank ([Note: a
+ * forward while summoned], unit.c). */
+static enum fsdp_status check_idle(struct fsdp_ctx *ctx, struct fsdp_model *fm, int eval) {
+    if (fm->summon_active && !eval)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "the model runs in training mode while its parameters are summoned: "
+                         "call fsdp_summon_end first (an eval-mode forward may run while summoned)");
+    if (fm->summon_active && fm->summon_rank0_only)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "the model runs while its parameters are summoned on rank 0 only "
+                         "(rank0_only): the other ranks have no values to run on; call fsdp_summon_end first");
     for (int i = 0; i < fm->n_units; i++)
         if (fm->units[i].state_ == UNIT_ERROR)
             return fsdp__err(ctx, FSDP_ERR_STATE, "unit '%s' is in the error state after a failed collective",
@@ -367,7 +373,7 @@ static enum fsdp_status eval_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm
  * (that opens a step if `step`) or an eval one. */
 static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_tensor *in,
                                     struct fsdp_tensor *out, int train, int step, enum fsdp_dtype want) {
-    FSDP_TRY(check_idle(ctx, fm));
+    FSDP_TRY(check_idle(ctx, fm, !train));
     if (!in || !in->data || in->ndim < 1 || in->ndim > FSDP_MAX_DIMS || (unsigned)in->dtype > FSDP_I64)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "forward: the input tensor needs data, a dtype and 1 to %d "
                          "dimensions", FSDP_MAX_DIMS);
@@ -450,7 +456,7 @@ static enum fsdp_status tokens(struct fsdp_ctx *ctx, const int32_t *inputs, int 
 enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const int32_t *inputs,
                                     int B, int T, float **logits) {
     struct fsdp_tensor tok, out;
-    FSDP_TRY(check_idle(ctx, fm));
+    FSDP_TRY(check_idle(ctx, fm, 0));
     FSDP_TRY(tokens(ctx, inputs, B, T, &tok));
     /* a train-mode forward outside any step (the memory and bits it always
      * had), with no backward after it */
@@ -798,7 +804,7 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
         return fsdp__err(ctx, FSDP_ERR_INVALID,
                          "train_step: gradient accumulation (--grad-accum) %d with mode %d: need >= 1 "
                          "micro-batches and REDUCE_EACH or NO_SYNC", accum, (int)mode);
-    FSDP_TRY(check_idle(ctx, fm));
+    FSDP_TRY(check_idle(ctx, fm, 0));
     if (!fm->root->training)
         return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: the model is in eval mode (fsdp_module_set_training)");
     if (fm->step.open)

@@ -217,11 +217,42 @@ void fsdp__model_window_free(struct fsdp_model *fm) {
     free_window(fm, 0);
 }
 
+/* [Note: a forward while summoned] An eval-mode forward may run inside
+ * fsdp_summon_full_params (on every rank: not rank0_only), as a torch
+ * model's forward inside summon_full_params does, e.g. to generate text
+ * with the whole model on each rank: a summoned unit's "gather" takes its
+ * values from the summoned buffer, with no collective, and its reshard
+ * points the parameters back at them (the summon's values stay readable
+ * until fsdp_summon_end). An fp32 unit runs on the summoned buffer itself;
+ * a 16-bit one rounds from it as a shard group of one rounds from its shard
+ * ([Note: 16-bit values from the shard], mixed.c), the values the 16-bit
+ * gather gives: the output's bits are those of the same forward outside the
+ * summon. Units the summon did not reach gather as always. A training-mode
+ * forward, a backward or a step while summoned stay refused (step.c). */
+static void gather_summoned(struct fsdp__unit *u) {
+    if (u->param_dtype == FSDP_F32) {
+        u->full = u->summoned;
+        point_params(u);
+    } else {
+        fsdp__mp_finish_from(u, u->summoned); /* into u->full, gather_start's buffer */
+    }
+    u->state_ = UNIT_UNSHARDED;
+}
+
 /* Starts the all-gather of u's parameters (SHARDED -> GATHERING). */
 static enum fsdp_status unit_gather_start(struct fsdp_ctx *ctx, struct fsdp__unit *u) {
     FSDP_ASSERT(u->state_ == UNIT_SHARDED, "unit %s: gather in state %d", unit_name(u), u->state_);
     int lp = u->param_dtype != FSDP_F32; /* gathers 16-bit (mixed.c) */
     struct fsdp_model *fm = u->model;
+    if (u->summoned && lp) { /* [Note: a forward while summoned] */
+        u->gather_lazy = fm->in_forward || fm->in_backward;
+        u->full_f32 = fsdp__mp_f32_numel(u, u->gather_lazy);
+        if (!(u->full = fsdp__pool_get(fm, u->full_f32 ? u->full_f32 : 1, "full parameters"))) return FSDP_ERR_NOMEM;
+    }
+    if (u->summoned) {
+        gather_summoned(u);
+        return FSDP_OK;
+    }
     if (fm->shard_size == 1 && !lp) { /* the shard is the full buffer: nothing to move */
         u->full = u->shard;
         u->state_ = UNIT_UNSHARDED;
@@ -278,11 +309,11 @@ enum fsdp_status fsdp__unit_reshard(struct fsdp_ctx *ctx, struct fsdp__unit *u) 
         u->prefetched = 0;
         u->model->n_inflight--;
     }
-    for (int j = 0; j < u->n_params; j++)
-        u->params[j]->data = NULL, u->params[j]->priv->data_lp = NULL, u->params[j]->priv->data_src = NULL,
-        u->params[j]->priv->data_stale = 0;
+    for (int j = 0; j < u->n_params; j++) /* a summon's values stay readable ([Note: a forward while summoned]) */
+        u->params[j]->data = u->summoned ? u->summoned + u->offsets[j] : NULL, u->params[j]->priv->data_lp = NULL,
+        u->params[j]->priv->data_src = NULL, u->params[j]->priv->data_stale = 0;
     if (u->full_win) u->full_win = 0;
-    else if (u->full != u->shard) fsdp__pool_put(u->model, u->full);
+    else if (u->full != u->shard && u->full != u->summoned) fsdp__pool_put(u->model, u->full);
     u->full = NULL;
     u->state_ = UNIT_SHARDED;
     return FSDP_OK;
