@@ -20,9 +20,11 @@ expect_error() {
 common=(--model tiny --data synthetic --batch 12 --seq 32 --steps 10 --lr 3e-3 --warmup 2 --threads 1 --sample 0)
 
 # ---- the 1-rank oracle ----
-"$TRAIN" "${common[@]}" --log "$tmp/r1.jsonl" > "$tmp/o1" 2>&1 || bad "1-rank run" "$(tail -5 "$tmp/o1")"
+# (with a sample: at N ranks on the summoned model, [Note: sampling on the summoned model], the same text)
+"$TRAIN" "${common[@]}" --sample 40 --log "$tmp/r1.jsonl" > "$tmp/o1" 2>&1 || bad "1-rank run" "$(tail -5 "$tmp/o1")"
+sample() { sed -n '/^--- sample ---$/,/^--------------$/p' "$1"; }
 for n in 2 3 4; do
-  if ! timeout -k 5 300 "$TRAIN" "${common[@]}" --nproc $n --log "$tmp/r$n.jsonl" > "$tmp/o$n" 2>&1; then
+  if ! timeout -k 5 300 "$TRAIN" "${common[@]}" --sample 40 --nproc $n --log "$tmp/r$n.jsonl" > "$tmp/o$n" 2>&1; then
     bad "$n-rank run" "$(tail -5 "$tmp/o$n")"; continue
   fi
   if msg=$(python3 - "$tmp/r1.jsonl" "$tmp/r$n.jsonl" <<'EOF'
@@ -40,6 +42,10 @@ assert a[-1]["loss"] < a[0]["loss"], "loss did not fall"
 EOF
   2>&1); then ok "$n ranks reproduce the 1-rank run (loss, grad and param norms within 1e-5)"
   else bad "$n ranks reproduce the 1-rank run" "$msg"; fi
+  if [ -n "$(sample "$tmp/o1")" ] && [ "$(sample "$tmp/o$n")" = "$(sample "$tmp/o1")" ] &&
+     grep -q "^sampling on the whole model, summoned on every rank" "$tmp/o$n"; then
+    ok "$n ranks sample the 1-rank text, on the summoned model"
+  else bad "$n-rank sample" "$(sample "$tmp/o1" | head -3)" "$(grep -A3 '^sampling' "$tmp/o$n")"; fi
 done
 
 # ---- help and flags ----

@@ -233,6 +233,12 @@ static void host_memory(struct host_mem *hm, int local) {
              (double)reserve / 1048576.0);
 }
 
+size_t host_free_per_rank(void) {
+    struct host_mem hm = {0};
+    host_memory(&hm, local_ranks());
+    return hm.per_rank;
+}
+
 /* The planner's step and set-up: the task's own, on the measuring context
  * (src/fsdp/plan.c, [Note: measure mode]). */
 struct plan_task {

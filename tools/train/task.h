@@ -167,6 +167,9 @@ void scaleout_print(struct fsdp_ctx *ctx, const struct opts *o, struct fsdp_modu
  * --mem-limit refuses a plan over the limit before any work and hands the
  * limit to the library's allocator. precision_name: --precision as Composer
  * spells it. local_ranks: this host's ranks (Open MPI's local size, else 1).
+ * host_free_per_rank: the host's memory available now (MemAvailable, or its
+ * cgroup's limit) per local rank, less a reserve, as --mem-limit auto
+ * measures it (0: unknown).
  * shard_opts_of: the units, precision and strategy prepare_model asks
  * fsdp_parallelize_model for on `world` ranks, as fsdp_shard_opts (for the
  * planners; from the same config, fsdp_parallel_config_shard_opts). */
@@ -178,6 +181,7 @@ void memory_plan(struct fsdp_ctx *ctx, const struct task *t, const struct opts *
                  int pworld);
 const char *precision_name(const struct opts *o);
 int local_ranks(void);
+size_t host_free_per_rank(void);
 
 /* The job's ranks and their launcher (launch.c). relaunch: --nproc N
  * without mpirun re-runs this program under mpirun (does not return; exit 1

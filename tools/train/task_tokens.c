@@ -214,12 +214,43 @@ static void tok_summary_note(struct task *t, char *buf, size_t cap) {
     if (fl >= 0) snprintf(buf, cap, " (floor %.3f)", fl);
 }
 
+/* [Note: sampling on the summoned model] Each token's forward gathers every
+ * unit, so at N ranks a token all-gathered the whole model. Where the whole
+ * model fits in memory the run has already used, the sample runs inside
+ * fsdp_summon_full_params (without write-back): the units run on the
+ * summoned values and a token costs no collective but the broadcast of its
+ * id ([Note: a forward while summoned], src/fsdp/unit.c; the same logits).
+ * "Fits": the model's fp32 values fit, on every rank, in the host's memory
+ * available now per local rank (as --mem-limit auto measures it, the
+ * training's own memory already taken) and within --mem-limit SIZE; the
+ * training's memory stays as it is (pooled buffers, the arena), so a model
+ * sharded because it does not fit one rank is not summoned, and each of its
+ * tokens gathers as before. COLLECTIVE. */
+static int summon_for_sampling(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_module *root) {
+    if (fsdp_ctx_world(ctx) == 1) return 0; /* the shard is the model: nothing to gather */
+    struct fsdp_mem_stats m;
+    fsdp_mem_get(ctx, &m);
+    size_t need = (size_t)fsdp_module_numel(root) * sizeof(float), limit = fsdp_mem_limit(ctx),
+           avail = host_free_per_rank();
+    int32_t fits = need <= avail && (!limit || m.cur_total + need <= limit), all = 0;
+    if (fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &fits, &all, 1, FSDP_I32, FSDP_MIN) != FSDP_OK)
+        fail_rank("sampling: %s", fsdp_errmsg(ctx));
+    if (fsdp_ctx_rank(ctx) == 0)
+        printf(all ? "sampling on the whole model, summoned on every rank (%.1f MiB each)\n"
+                   : "sampling with each unit gathered per token (the whole model, %.1f MiB, would not fit a rank)\n",
+               (double)need / 1048576.0);
+    if (!all) return 0;
+    if (fsdp_summon_full_params(ctx, fm, root, 0, 0) != FSDP_OK) fail_rank("sampling: %s", fsdp_errmsg(ctx));
+    return 1;
+}
+
 /* Generates n tokens after a newline, temperature 1 sampling with the counter
  * RNG on rank 0, broadcast so every rank feeds the same context. Tokens are
  * bytes, or with a tokenizer (bpe, may be NULL) its ids, decoded at the end.
  * The model runs in eval mode with a decoding cache (fsdp_gpt_set_cache): each
  * token costs one position's forward while the context fits block_size; past
- * it, each token runs the last block_size tokens whole. */
+ * it, each token runs the last block_size tokens whole; on the summoned model
+ * where it fits ([Note: sampling on the summoned model]). */
 static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_module *root,
                      const struct fsdp_gpt_config *cfg, int n, uint64_t seed, struct fsdp_bpe *bpe) {
     int T = cfg->block_size, cap = n < T ? n : T; /* positions the cache serves: the newline and n - 1 tokens */
@@ -231,6 +262,7 @@ static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_mo
     ctxbuf[0] = '\n';
     if (bpe && (fsdp_bpe_encode(bpe, "\n", 1, ctxbuf, &one) != FSDP_OK || one != 1)) ctxbuf[0] = 0;
     fsdp_module_set_training(root, 0);
+    int summoned = summon_for_sampling(ctx, fm, root);
     if (fsdp_gpt_set_cache(ctx, root, 1, cap) != FSDP_OK) fail_rank("sampling: %s", fsdp_errmsg(ctx));
     for (int i = 0; i < n; i++) {
         int cached = len <= cap, t0 = cached ? len - 1 : len - T, tl = len - t0;
@@ -276,6 +308,7 @@ static void generate(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_mo
         printf("--- sample ---\n%s\n--------------\n", text);
     }
     if (fsdp_gpt_set_cache(ctx, root, 0, 0) != FSDP_OK) fail_rank("sampling: %s", fsdp_errmsg(ctx));
+    if (summoned && fsdp_summon_end(ctx, fm) != FSDP_OK) fail_rank("sampling: %s", fsdp_errmsg(ctx));
     fsdp_module_set_training(root, 1);
     free(ctxbuf);
     free(ids);
