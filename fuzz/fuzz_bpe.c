@@ -2,7 +2,8 @@
  * fuzz_bpe.c - libFuzzer target for GPT-2's byte-level BPE (src/io/bpe.c,
  * src/io/bpe_load.c): the vocabulary readers and encode/decode. Byte 0
  * picks what the rest is:
- *   0: an encoder.json (with an empty vocab.bpe)
+ *   0: an encoder.json (with an empty vocab.bpe: refused where it holds
+ *      a token of more than one byte, which no merge could make)
  *   1: a vocab.bpe over a built-in encoder.json
  *   2: a Hugging Face tokenizer.json
  *   3+: text, encoded with a built-in tokenizer (GPT-2-like merges over
