@@ -8,10 +8,15 @@
  *    between neighbours, one fp32 ulp either side of it, the overflow
  *    threshold, subnormals, and a million random fp32 bit patterns;
  *  - the array forms (AVX-512 when built for it) give the scalar forms' bits,
- *    odd lengths included (the scalar tail).
+ *    odd lengths included (the scalar tail), and bf16's with a subnormal in
+ *    any lane, under DAZ too.
  */
 #include "core/core-impl.h"
 #include "harness.h"
+
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 static uint32_t bits_of(float f) {
     uint32_t u;
@@ -258,6 +263,34 @@ TEST(array_forms_match_scalar_bits) {
     free(f);
     free(x);
     free(y);
+}
+
+/* [Note: bf16 rounding instruction] (dtype.c): 64 normal values (ties and
+ * NaNs among them) with a subnormal at each position in turn, and none,
+ * give the scalar form's bits, also with MXCSR's DAZ and FTZ set (the
+ * instruction reads a subnormal as zero either way) */
+TEST(bf16_array_subnormal_at_every_lane) {
+    float x[64];
+    uint16_t y[64];
+    int bad = 0;
+    for (int daz = 0; daz < 2; daz++) {
+#if defined(__SSE__)
+        if (daz) _mm_setcsr(_mm_getcsr() | 0x8040u);
+#else
+        if (daz) break;
+#endif
+        for (int at = -1; at < 64; at++) {
+            for (int i = 0; i < 64; i++) x[i] = float_of(((uint32_t)(i + 1) << 23) | 0x8000u | (uint32_t)i << 16);
+            x[5] = float_of(0x7fa00001u);
+            if (at >= 0) x[at] = float_of(0x00018000u | (uint32_t)at);
+            fsdp__cvt_f32_to_bf16(x, y, 64);
+            for (int i = 0; i < 64; i++)
+                if (y[i] != fsdp__f32_to_bf16(x[i]) && bad++ < 5)
+                    TEST_FAILF("DAZ %d, subnormal at %d: 0x%08x gives 0x%04x, scalar 0x%04x", daz, at,
+                               bits_of(x[i]), y[i], fsdp__f32_to_bf16(x[i]));
+        }
+    }
+    CHECK_INT_EQ(bad, 0);
 }
 
 TEST_MAIN()

@@ -10,8 +10,10 @@
  *    representable in fp32); NaN payloads are kept.
  *  - the array forms give exactly the bits of the scalar forms. With AVX-512
  *    they run 16 lanes at a time (bf16 with integer arithmetic, because
- *    vcvtneps2bf16 flushes subnormals; fp16 with vcvtps2ph/vcvtph2ps, which
- *    round correctly), with AVX2 (and F16C for fp16) 8 or 16 the same way;
+ *    vcvtneps2bf16 flushes subnormals, or with AVX512-BF16 32 lanes by
+ *    vcvtne2ps2bf16 where none is subnormal: [Note: bf16 rounding
+ *    instruction]; fp16 with vcvtps2ph/vcvtph2ps, which round correctly),
+ *    with AVX2 (and F16C for fp16) 8 or 16 the same way;
  *    the scalar forms finish the tail and are the whole of the fallback. Long arrays are split across OpenMP threads (outside a
  *    parallel region; inside one they run on the calling thread).
  */
@@ -85,19 +87,48 @@ float fsdp__f16_to_f32(uint16_t h) {
 /* Block size of the OpenMP split; arrays shorter than two blocks stay serial. */
 #define CVT_BLOCK 16384
 
-static void f32_to_bf16_run(const float *src, uint16_t *dst, size_t n) {
-    size_t i = 0;
 #ifdef __AVX512F__
+/* src[0, 16) to bf16 in dst[0, 16), with integer arithmetic (subnormals kept) */
+static inline void f32_to_bf16_16(const float *src, uint16_t *dst) {
     const __m512i one = _mm512_set1_epi32(1), round = _mm512_set1_epi32(0x7fff);
     const __m512i absmask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
     const __m512i quiet = _mm512_set1_epi32(0x00400000);
-    for (; i + 16 <= n; i += 16) {
-        __m512i u = _mm512_loadu_si512((const void *)(src + i));
-        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absmask), inf);
-        r = _mm512_mask_or_epi32(r, nan, u, quiet); /* NaN lanes: u | quiet bit, truncated */
-        _mm256_storeu_si256((__m256i *)(void *)(dst + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    __m512i u = _mm512_loadu_si512((const void *)src);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absmask), inf);
+    r = _mm512_mask_or_epi32(r, nan, u, quiet); /* NaN lanes: u | quiet bit, truncated */
+    _mm256_storeu_si256((__m256i *)(void *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+#endif
+
+/* [Note: bf16 rounding instruction] vcvtne2ps2bf16 (AVX512-BF16) rounds 32
+ * values in one instruction, to nearest even, overflow to inf, a NaN quieted
+ * and truncated: the scalar form's bits, except that it reads a subnormal
+ * input as zero. So 32 values with no subnormal among them take the
+ * instruction, and any 32 with one take the integer arithmetic. The test
+ * for one is on the bits (exponent 0, mantissa not): vfpclassps reads a
+ * subnormal as zero under MXCSR's DAZ. The integer path alone cost about
+ * twice as long per value, which showed in every 16-bit output written
+ * block by block (GELU's, LayerNorm's rows). */
+static void f32_to_bf16_run(const float *src, uint16_t *dst, size_t n) {
+    size_t i = 0;
+#ifdef __AVX512F__
+#ifdef __AVX512BF16__
+    const __m512i expo = _mm512_set1_epi32(0x7f800000), mant = _mm512_set1_epi32(0x007fffff);
+    for (; i + 32 <= n; i += 32) {
+        __m512i a = _mm512_loadu_si512((const void *)(src + i)), b = _mm512_loadu_si512((const void *)(src + i + 16));
+        __mmask16 sa = _mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(a, expo), a, mant);
+        __mmask16 sb = _mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(b, expo), b, mant);
+        if (sa | sb) { /* a subnormal among them */
+            f32_to_bf16_16(src + i, dst + i);
+            f32_to_bf16_16(src + i + 16, dst + i + 16);
+        } else {
+            __m512bh h = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(b), _mm512_castsi512_ps(a));
+            _mm512_storeu_si512((void *)(dst + i), (__m512i)h);
+        }
     }
+#endif
+    for (; i + 16 <= n; i += 16) f32_to_bf16_16(src + i, dst + i);
 #elif defined(__AVX2__)
     const __m256i one = _mm256_set1_epi32(1), round = _mm256_set1_epi32(0x7fff);
     const __m256i absmask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
