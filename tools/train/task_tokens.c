@@ -216,7 +216,7 @@ static void tok_summary_note(struct task *t, char *buf, size_t cap) {
 
 /* [Note: sampling on the summoned model] Each token's forward gathers every
  * unit, so at N ranks a token all-gathered the whole model. Where the whole
- * model fits in memory the run has already used, the sample runs inside
+ * model fits (below), the sample runs inside
  * fsdp_summon_full_params (without write-back): the units run on the
  * summoned values and a token costs no collective but the broadcast of its
  * id ([Note: a forward while summoned], src/fsdp/unit.c; the same logits).
@@ -227,7 +227,9 @@ static void tok_summary_note(struct task *t, char *buf, size_t cap) {
  * sharded because it does not fit one rank is not summoned, and each of its
  * tokens gathers as before. COLLECTIVE. */
 static int summon_for_sampling(struct fsdp_ctx *ctx, struct fsdp_model *fm, struct fsdp_module *root) {
-    if (fsdp_ctx_world(ctx) == 1) return 0; /* the shard is the model: nothing to gather */
+    struct fsdp_unit_info ui;
+    fsdp_model_unit_info(fm, 0, &ui);
+    if (ui.numel_shard == ui.numel_padded) return 0; /* a shard group of one: its shards are the model */
     struct fsdp_mem_stats m;
     fsdp_mem_get(ctx, &m);
     size_t need = (size_t)fsdp_module_numel(root) * sizeof(float), limit = fsdp_mem_limit(ctx),
