@@ -183,6 +183,14 @@ out=$("$CKPT" to-sharded "$tmp/hf-inf.st" "$tmp/x4" 2 2>&1); rc=$?
 if [ $rc -eq 1 ] && grep -q "hf-inf.st: tensor 'h.0.attn.c_attn.weight' holds +inf at element [0-9]* of parameter 'transformer.h.0.attn.c_attn.weight'" <<< "$out" &&
    [ ! -e "$tmp/x4" ] && [ ! -e "$tmp/x4.tmp" ]; then ok "to-sharded of an HF file with an infinite weight names it and leaves nothing"
 else bad "to-sharded inf" "exit $rc" "$out" "$(ls -d "$tmp"/x4* 2>&1)"; fi
+# a DIR.tmp left by an earlier crashed conversion (our file in it) is not this one's to remove
+mkdir "$tmp/x5.tmp" && cp "$tmp/sh-full-2/rank-00000-of-00002.safetensors" "$tmp/x5.tmp/" &&
+  before=$(md5sum < "$tmp/x5.tmp/rank-00000-of-00002.safetensors")
+out=$("$CKPT" to-sharded "$tmp/hf-inf.st" "$tmp/x5" 2 2>&1); rc=$?
+if [ $rc -eq 1 ] && grep -q "holds +inf" <<< "$out" && [ ! -e "$tmp/x5" ] &&
+   [ "$(md5sum < "$tmp/x5.tmp/rank-00000-of-00002.safetensors")" = "$before" ]; then
+  ok "a failed conversion leaves a DIR.tmp it did not make, and the file in it, as they were"
+else bad "to-sharded inf over a crashed DIR.tmp" "exit $rc" "$out" "$(ls -l "$tmp/x5.tmp" 2>&1)"; fi
 
 # ---- to-sharded --model checks the file against the model ----
 out=$("$CKPT" to-sharded "$tmp/hf.st" "$tmp/x1" --model small 2>&1); rc=$?

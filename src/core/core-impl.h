@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "fsdp.h"
 
@@ -269,7 +270,14 @@ void fsdp__init_fill(struct fsdp_init init, uint64_t seed, const char *fqn, uint
 /* fp32 -> bf16 / fp16 round to nearest even (subnormals kept, overflow to inf,
  * NaN stays NaN, quieted); bf16 / fp16 -> fp32 is exact. */
 uint16_t fsdp__f32_to_bf16(float f);
-float fsdp__bf16_to_f32(uint16_t h);
+/* inline: a loop that widens as it reads vectorizes it (GELU's, [Note: GELU
+ * widening in the loop]); the bits are the top half of the fp32 value */
+static inline float fsdp__bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 uint16_t fsdp__f32_to_f16(float f);
 float fsdp__f16_to_f32(uint16_t h);
 /* The same over arrays of n elements (AVX-512 when built for it; bit-identical

@@ -47,8 +47,6 @@ uint16_t fsdp__f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-float fsdp__bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
-
 uint16_t fsdp__f32_to_f16(float f) {
     uint32_t u = f32_bits(f);
     uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);

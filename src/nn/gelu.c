@@ -26,11 +26,6 @@ static inline float gelu_grad(float v, struct fsdp__exp_range er) {
     return sg + 2.0f * v * sg * (1.0f - sg) * GELU_K * (1.0f + 3.0f * GELU_A * v * v);
 }
 
-/* bf16 h in fp32: its bits are the top half (exact) */
-static inline float bf16_widen(uint16_t h) {
-    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
-    return c.f;
-}
 
 struct gelu {
     const void *x;      /* (n) saved input in xdt, borrowed from the arena */
@@ -61,7 +56,7 @@ static void gelu_run(enum fsdp_dtype xdt, const void *x, int64_t i0, int64_t len
         const uint16_t *h = (const uint16_t *)x + i0;
 #pragma omp simd
         for (int64_t i = 0; i < len; i++) {
-            float v = bf16_widen(h[i]);
+            float v = fsdp__bf16_to_f32(h[i]);
             y[i] = v * gelu_s(v, er);
         }
         return;
@@ -79,7 +74,7 @@ static void gelu_grad_run(enum fsdp_dtype xdt, const void *x, int64_t i0, int64_
     if (xdt == FSDP_BF16) {
         const uint16_t *h = (const uint16_t *)x + i0;
 #pragma omp simd
-        for (int64_t i = 0; i < len; i++) dx[i] = dy[i] * gelu_grad(bf16_widen(h[i]), er);
+        for (int64_t i = 0; i < len; i++) dx[i] = dy[i] * gelu_grad(fsdp__bf16_to_f32(h[i]), er);
         return;
     }
     const float *f = block_in(xdt, x, i0, len, xb);

@@ -173,10 +173,10 @@ static int check_out_file(const char *flag, const char *path, char *err, size_t 
  * the --data file given again by mistake among them, is the user's. */
 #define LOG_FIRST "{\"config\": "
 
-/* Up to n bytes from the start of the regular file path (never waiting on
- * a FIFO); the count read, or -1. */
+/* Up to n bytes from the start of the regular file path (fsdp_open_regular:
+ * never waiting on a FIFO); the count read, or -1. */
 static ssize_t read_head(const char *path, char *buf, size_t n) {
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    int fd = fsdp_open_regular(path, NULL, NULL);
     ssize_t r = fd >= 0 ? pread(fd, buf, n, 0) : -1;
     if (fd >= 0) close(fd);
     return r;

@@ -33,9 +33,9 @@
 #include <cJSON.h>
 #include <dirent.h>
 #include <errno.h>
-#include <math.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <math.h>
 #include <string.h>
 #include <stdio.h> /* renameat2 */
 #include <sys/stat.h>
@@ -52,7 +52,7 @@ const char *const *fsdp__ckpt_state_names(const struct fsdp_optim *opt, int *k) 
     return NULL;
 }
 
-/* ---- Agreement: every rank returns the first failing rank's status and message ---- */
+/* ---- Weights read from a file ---- */
 
 /* [Note: finite weights on load] A training step never writes a
  * non-finite value into a weight (a step whose update is not finite is
@@ -76,6 +76,8 @@ enum fsdp_status fsdp__ckpt_finite(struct fsdp_ctx *ctx, const char *path, const
                      "model's weights must be finite (a damaged file, or one written from a run that diverged)",
                      path, tensor, isnan(v[i]) ? "NaN" : v[i] > 0 ? "+inf" : "-inf", (long long)(first + i), param);
 }
+
+/* ---- Agreement: every rank returns the first failing rank's status and message ---- */
 
 enum fsdp_status fsdp__ckpt_agree(struct fsdp_ctx *ctx, enum fsdp_status st) {
     if (ctx->world == 1) return st;

@@ -8,8 +8,8 @@
 #include <errno.h>
 #include <limits.h>
 #include <string.h>
-#include <unistd.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 /* ---- Offline: describe, verify, convert ---- */
 
