@@ -53,6 +53,23 @@ if grep -qE "; BF16 products (on the CPU's native kernels|widened to fp32 \(no n
    && grep -q "; BF16 products widened to fp32 (no native kernels here)$" "$tmp/w"; then
   ok "AMP_BF16 header names the products' path"
 else bad "AMP_BF16 products' path" "$(grep -h '^precision' "$tmp/b1" "$tmp/w")"; fi
+# [Note: vector paths at run time] (src/core/cpu.c): an AVX2 machine's configuration here, oneDNN
+# and the library's own vector code both capped at AVX2, trains AMP_BF16 as oneDNN alone capped
+# does (the library's code at the CPU's best level): the same conversions' bits, the softmax rows'
+# sums in another lane order (4e-7 relative at most), so losses and norms to 1e-5 relative
+isa=(--steps 3 --precision AMP_BF16 --nproc 2)
+if ONEDNN_MAX_CPU_ISA=AVX2 FSDP_MAX_CPU_ISA=avx2 timeout -k 5 300 "$TRAIN" "${common[@]}" "${isa[@]}" \
+     --log "$tmp/i2.jsonl" > "$tmp/i2" 2>&1 \
+   && ONEDNN_MAX_CPU_ISA=AVX2 timeout -k 5 300 "$TRAIN" "${common[@]}" "${isa[@]}" --log "$tmp/ia.jsonl" > "$tmp/ia" 2>&1 \
+   && msg=$(python3 - "$tmp/i2.jsonl" "$tmp/ia.jsonl" <<'EOF'
+import json, sys
+a, b = ([(r["loss"], r["grad_norm"]) for r in map(json.loads, open(p)) if "step" in r] for p in sys.argv[1:])
+assert len(a) == len(b) == 3, f"{len(a)} vs {len(b)} steps"
+for (la, na), (lb, nb) in zip(a, b):
+    assert abs(la - lb) <= 1e-5 * abs(lb) and abs(na - nb) <= 1e-5 * abs(nb), f"avx2 {a} vs the CPU's level {b}"
+EOF
+); then ok "AMP_BF16 at FSDP_MAX_CPU_ISA=avx2: the losses and norms of the CPU's level"
+else bad "FSDP_MAX_CPU_ISA=avx2" "$msg" "$(tail -3 "$tmp/i2")"; fi
 # [Note: bf16 kernels] (src/nn/gemm_lp.c): where oneDNN only emulates bf16 (an AVX-512 CPU without
 # BF16, here by capping oneDNN's ISA) the products are widened, unless FSDP_GEMM_BF16=matmul asks
 # for oneDNN's bf16 matmul anyway (AVX2 has none: widened either way)

@@ -7,9 +7,11 @@
  *    16-bit values (ties to the even pattern): at every exact midpoint
  *    between neighbours, one fp32 ulp either side of it, the overflow
  *    threshold, subnormals, and a million random fp32 bit patterns;
- *  - the array forms (AVX-512 when built for it) give the scalar forms' bits,
- *    odd lengths included (the scalar tail), and bf16's with a subnormal in
- *    any lane, under DAZ too.
+ *  - the array forms (on the vector path of the level the CPU runs: tests/run.sh
+ *    runs this file at each level the CPU has, by FSDP_MAX_CPU_ISA) give the
+ *    scalar forms' bits, odd lengths included (the scalar tail), and bf16's with
+ *    a subnormal in any lane, under DAZ too;
+ *  - the level is the CPU's best, capped by FSDP_MAX_CPU_ISA.
  */
 #include "core/core-impl.h"
 #include "harness.h"
@@ -174,6 +176,30 @@ TEST(f16_rounding_nearest_even) {
 }
 
 /* ---- arrays against scalars ---- */
+
+/* [Note: vector paths at run time] (src/core/cpu.c): the level the array
+ * forms run at is the CPU's own best, or the one FSDP_MAX_CPU_ISA names when
+ * that is lower, so each of tests/run.sh's runs of this file tests the path
+ * it names. */
+TEST(vector_level_is_the_cpus_capped_by_the_variable) {
+    static const char *const names[] = {"scalar", "avx2", "avx512", "avx512bf16"};
+    enum fsdp__isa cpu = fsdp__cpu_isa_detected(), want = cpu;
+    const char *cap = getenv("FSDP_MAX_CPU_ISA");
+    for (int l = 0; cap && l < 4; l++)
+        if (!strcmp(cap, names[l]) && (enum fsdp__isa)l < cpu) want = (enum fsdp__isa)l;
+    fprintf(stderr, "  the CPU's level %s; FSDP_MAX_CPU_ISA %s; running %s\n", fsdp__isa_name(cpu), cap ? cap : "unset",
+            fsdp__isa_name(fsdp__cpu_isa()));
+    CHECK_INT_EQ(fsdp__cpu_isa(), want);
+    for (int l = 0; l < 4; l++) CHECK_STR_EQ(fsdp__isa_name((enum fsdp__isa)l), names[l]);
+    /* an independent reference: what the compiler's -march (native by default) said of the CPU */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    CHECK_INT_EQ(cpu, FSDP__ISA_AVX512BF16);
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    CHECK(cpu >= FSDP__ISA_AVX512);
+#elif defined(__AVX2__) && defined(__F16C__)
+    CHECK(cpu >= FSDP__ISA_AVX2);
+#endif
+}
 
 TEST(array_forms_match_scalar_bits) {
     const size_t n16 = 65536 + 7; /* odd: exercises the scalar tail */

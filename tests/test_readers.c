@@ -133,6 +133,8 @@ TEST(env_values_taken_in_full_or_refused) {
         {"FSDP_COLLECTIVE_TIMEOUT", "30s", "FSDP_COLLECTIVE_TIMEOUT='30s': expected a number"},
         {"FSDP_GEMM_BF16", "fast", "FSDP_GEMM_BF16='fast': expected one of: auto, widen, matmul, gemm"},
         {"FSDP_GEMM_BF16", "Widen", "expected one of: auto, widen, matmul, gemm"},
+        {"FSDP_MAX_CPU_ISA", "avx512_bf16", "FSDP_MAX_CPU_ISA='avx512_bf16': expected one of: auto, scalar, avx2, avx512, "
+                                            "avx512bf16"},
         {"FSDP_FAULT", "sideways:1:3", "FSDP_FAULT='sideways:1:3': expected POINT:RANK:STEP"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
@@ -142,7 +144,7 @@ TEST(env_values_taken_in_full_or_refused) {
         enum fsdp_status st = FSDP_ERR_INVALID;
         ctx->errmsg[0] = 0;
         if (!strcmp(bad[i].name, "FSDP_COLLECTIVE_TIMEOUT")) st = fsdp__env_real(ctx, bad[i].name, -1, &rv);
-        else if (!strcmp(bad[i].name, "FSDP_GEMM_BF16")) st = fsdp__env_word(ctx, bad[i].name, 0, &wv);
+        else if (!strcmp(bad[i].name, "FSDP_GEMM_BF16") || !strcmp(bad[i].name, "FSDP_MAX_CPU_ISA")) st = fsdp__env_word(ctx, bad[i].name, 0, &wv);
         else if (strcmp(bad[i].name, "FSDP_FAULT")) st = fsdp__env_int(ctx, bad[i].name, 0, &iv);
         else snprintf(ctx->errmsg, sizeof ctx->errmsg, "%s", bad[i].msg); /* no typed reader */
         if (st != FSDP_ERR_INVALID) TEST_FAILF("%s='%s': the reader said %s", bad[i].name, bad[i].value, fsdp_status_str(st));

@@ -10,6 +10,7 @@
 #ifndef FSDP_CORE_IMPL_H
 #define FSDP_CORE_IMPL_H
 
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -266,6 +267,25 @@ float fsdp__init_value(struct fsdp_init init, uint64_t seed, const char *fqn, ui
 void fsdp__init_fill(struct fsdp_init init, uint64_t seed, const char *fqn, uint64_t start,
                      float *dst, size_t n);
 
+/* ---- The CPU's vector paths (cpu.c, [Note: vector paths at run time]) ---- */
+enum fsdp__isa { FSDP__ISA_SCALAR, FSDP__ISA_AVX2, FSDP__ISA_AVX512, FSDP__ISA_AVX512BF16 };
+/* the level the library's own vector paths run at: the CPU's best, capped by
+ * FSDP_MAX_CPU_ISA; the same value on every call (inline: the conversions
+ * and softmax rows ask it per row) */
+extern _Atomic int fsdp__isa_level; /* -1 until fsdp__cpu_isa_init */
+enum fsdp__isa fsdp__cpu_isa_init(void);
+static inline enum fsdp__isa fsdp__cpu_isa(void) {
+    int l = atomic_load_explicit(&fsdp__isa_level, memory_order_relaxed);
+    return l >= 0 ? (enum fsdp__isa)l : fsdp__cpu_isa_init();
+}
+/* the CPU's best level, whatever the cap */
+enum fsdp__isa fsdp__cpu_isa_detected(void);
+const char *fsdp__isa_name(enum fsdp__isa isa);
+/* the function attributes of each level's paths (x86-64 builds only) */
+#define FSDP__TARGET_AVX2 __attribute__((target("avx2,f16c,fma")))
+#define FSDP__TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+#define FSDP__TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma")))
+
 /* ---- Dtype conversion (dtype.c) ---- */
 /* fp32 -> bf16 / fp16 round to nearest even (subnormals kept, overflow to inf,
  * NaN stays NaN, quieted); bf16 / fp16 -> fp32 is exact. */
@@ -280,7 +300,7 @@ static inline float fsdp__bf16_to_f32(uint16_t h) {
 }
 uint16_t fsdp__f32_to_f16(float f);
 float fsdp__f16_to_f32(uint16_t h);
-/* The same over arrays of n elements (AVX-512 when built for it; bit-identical
+/* The same over arrays of n elements (the CPU's vector paths, bit-identical
  * to the scalar forms); src and dst must not overlap. */
 void fsdp__cvt_f32_to_bf16(const float *src, uint16_t *dst, size_t n);
 void fsdp__cvt_bf16_to_f32(const uint16_t *src, float *dst, size_t n);

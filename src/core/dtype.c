@@ -8,21 +8,24 @@
  *    bits kept (as the x86 conversion instructions do).
  *  - bf16/fp16 -> fp32 is exact (every value, subnormals included, is
  *    representable in fp32); NaN payloads are kept.
- *  - the array forms give exactly the bits of the scalar forms. With AVX-512
- *    they run 16 lanes at a time (bf16 with integer arithmetic, because
- *    vcvtneps2bf16 flushes subnormals, or with AVX512-BF16 32 lanes by
- *    vcvtne2ps2bf16 where none is subnormal: [Note: bf16 rounding
- *    instruction]; fp16 with vcvtps2ph/vcvtph2ps, which round correctly),
- *    with AVX2 (and F16C for fp16) 8 or 16 the same way;
- *    the scalar forms finish the tail and are the whole of the fallback. Long arrays are split across OpenMP threads (outside a
- *    parallel region; inside one they run on the calling thread).
+ *  - the array forms give exactly the bits of the scalar forms, on the
+ *    vector path of the level the CPU runs ([Note: vector paths at run
+ *    time], cpu.c). With AVX-512 they run 16 lanes at a time (bf16 with
+ *    integer arithmetic, because vcvtneps2bf16 flushes subnormals, or with
+ *    AVX512-BF16 32 lanes by vcvtne2ps2bf16 where none is subnormal: [Note:
+ *    bf16 rounding instruction]; fp16 with vcvtps2ph/vcvtph2ps, which round
+ *    correctly), with AVX2 and F16C 8 or 16 the same way; the scalar forms
+ *    finish the tail and are the whole of the scalar level. Long arrays are
+ *    split across OpenMP threads (outside a parallel region; inside one they
+ *    run on the calling thread).
  */
 #include "core/core-impl.h"
 
 #include <omp.h>
 #include <string.h>
 
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#if defined(__x86_64__) || defined(__i386__)
+#define FSDP_X86 1
 #include <immintrin.h>
 #endif
 
@@ -85,9 +88,12 @@ float fsdp__f16_to_f32(uint16_t h) {
 /* Block size of the OpenMP split; arrays shorter than two blocks stay serial. */
 #define CVT_BLOCK 16384
 
-#ifdef __AVX512F__
+/* Each vector path below handles a prefix of the array and returns its
+ * length; the scalar forms finish it. Which path runs is fsdp__cpu_isa()'s
+ * ([Note: vector paths at run time], cpu.c): every x86-64 build has them all. */
+#ifdef FSDP_X86
 /* src[0, 16) to bf16 in dst[0, 16), with integer arithmetic (subnormals kept) */
-static inline void f32_to_bf16_16(const float *src, uint16_t *dst) {
+FSDP__TARGET_AVX512 static inline void f32_to_bf16_16(const float *src, uint16_t *dst) {
     const __m512i one = _mm512_set1_epi32(1), round = _mm512_set1_epi32(0x7fff);
     const __m512i absmask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
     const __m512i quiet = _mm512_set1_epi32(0x00400000);
@@ -97,7 +103,12 @@ static inline void f32_to_bf16_16(const float *src, uint16_t *dst) {
     r = _mm512_mask_or_epi32(r, nan, u, quiet); /* NaN lanes: u | quiet bit, truncated */
     _mm256_storeu_si256((__m256i *)(void *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
-#endif
+
+FSDP__TARGET_AVX512 static size_t f32_to_bf16_avx512(const float *src, uint16_t *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) f32_to_bf16_16(src + i, dst + i);
+    return i;
+}
 
 /* [Note: bf16 rounding instruction] vcvtne2ps2bf16 (AVX512-BF16) rounds 32
  * values in one instruction, to nearest even, overflow to inf, a NaN quieted
@@ -108,10 +119,8 @@ static inline void f32_to_bf16_16(const float *src, uint16_t *dst) {
  * subnormal as zero under MXCSR's DAZ. The integer path alone cost about
  * twice as long per value, which showed in every 16-bit output written
  * block by block (GELU's, LayerNorm's rows). */
-static void f32_to_bf16_run(const float *src, uint16_t *dst, size_t n) {
+FSDP__TARGET_AVX512BF16 static size_t f32_to_bf16_avx512bf16(const float *src, uint16_t *dst, size_t n) {
     size_t i = 0;
-#ifdef __AVX512F__
-#ifdef __AVX512BF16__
     const __m512i expo = _mm512_set1_epi32(0x7f800000), mant = _mm512_set1_epi32(0x007fffff);
     for (; i + 32 <= n; i += 32) {
         __m512i a = _mm512_loadu_si512((const void *)(src + i)), b = _mm512_loadu_si512((const void *)(src + i + 16));
@@ -125,9 +134,12 @@ static void f32_to_bf16_run(const float *src, uint16_t *dst, size_t n) {
             _mm512_storeu_si512((void *)(dst + i), (__m512i)h);
         }
     }
-#endif
     for (; i + 16 <= n; i += 16) f32_to_bf16_16(src + i, dst + i);
-#elif defined(__AVX2__)
+    return i;
+}
+
+FSDP__TARGET_AVX2 static size_t f32_to_bf16_avx2(const float *src, uint16_t *dst, size_t n) {
+    size_t i = 0;
     const __m256i one = _mm256_set1_epi32(1), round = _mm256_set1_epi32(0x7fff);
     const __m256i absmask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
     const __m256i quiet = _mm256_set1_epi32(0x00400000);
@@ -145,52 +157,130 @@ static void f32_to_bf16_run(const float *src, uint16_t *dst, size_t n) {
         __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xd8);
         _mm256_storeu_si256((__m256i *)(void *)(dst + i), p);
     }
-#endif
-    for (; i < n; i++) dst[i] = fsdp__f32_to_bf16(src[i]);
+    return i;
 }
 
-static void bf16_to_f32_run(const uint16_t *src, float *dst, size_t n) {
+FSDP__TARGET_AVX512 static size_t bf16_to_f32_avx512(const uint16_t *src, float *dst, size_t n) {
     size_t i = 0;
-#ifdef __AVX512F__
     for (; i + 16 <= n; i += 16) {
         __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(src + i)));
         _mm512_storeu_si512((void *)(dst + i), _mm512_slli_epi32(h, 16));
     }
-#elif defined(__AVX2__)
+    return i;
+}
+
+FSDP__TARGET_AVX2 static size_t bf16_to_f32_avx2(const uint16_t *src, float *dst, size_t n) {
+    size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(src + i)));
         _mm256_storeu_si256((__m256i *)(void *)(dst + i), _mm256_slli_epi32(h, 16));
     }
-#endif
-    for (; i < n; i++) dst[i] = fsdp__bf16_to_f32(src[i]);
+    return i;
 }
 
-static void f32_to_f16_run(const float *src, uint16_t *dst, size_t n) {
+FSDP__TARGET_AVX512 static size_t f32_to_f16_avx512(const float *src, uint16_t *dst, size_t n) {
     size_t i = 0;
-#ifdef __AVX512F__
     for (; i + 16 <= n; i += 16) {
         __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm256_storeu_si256((__m256i *)(void *)(dst + i), h);
     }
-#elif defined(__F16C__)
+    return i;
+}
+
+FSDP__TARGET_AVX2 static size_t f32_to_f16_avx2(const float *src, uint16_t *dst, size_t n) {
+    size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm_storeu_si128((__m128i *)(void *)(dst + i), h);
     }
+    return i;
+}
+
+FSDP__TARGET_AVX512 static size_t f16_to_f32_avx512(const uint16_t *src, float *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(src + i))));
+    return i;
+}
+
+FSDP__TARGET_AVX2 static size_t f16_to_f32_avx2(const uint16_t *src, float *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(src + i))));
+    return i;
+}
+
+/* bf16 rounding in place of the two casts: the bits f32_to_bf16_run keeps,
+ * with the low 16 cleared (NaN: quieted, truncated), in one pass */
+FSDP__TARGET_AVX512 static size_t bf16_round_avx512(const float *src, float *dst, size_t n) {
+    size_t i = 0;
+    const __m512i one = _mm512_set1_epi32(1), round = _mm512_set1_epi32(0x7fff);
+    const __m512i absmask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i quiet = _mm512_set1_epi32(0x00400000), high = _mm512_set1_epi32((int)0xffff0000u);
+    for (; i + 16 <= n; i += 16) {
+        __m512i u = _mm512_loadu_si512((const void *)(src + i));
+        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absmask), inf);
+        r = _mm512_mask_or_epi32(r, nan, u, quiet);
+        _mm512_storeu_si512((void *)(dst + i), _mm512_and_si512(r, high));
+    }
+    return i;
+}
+
+FSDP__TARGET_AVX2 static size_t bf16_round_avx2(const float *src, float *dst, size_t n) {
+    size_t i = 0;
+    const __m256i one = _mm256_set1_epi32(1), round = _mm256_set1_epi32(0x7fff);
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i quiet = _mm256_set1_epi32(0x00400000), high = _mm256_set1_epi32((int)0xffff0000u);
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_loadu_si256((const __m256i *)(const void *)(src + i));
+        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absmask), inf);
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(u, quiet), nan);
+        _mm256_storeu_si256((__m256i *)(void *)(dst + i), _mm256_and_si256(r, high));
+    }
+    return i;
+}
+
+/* The vector prefix of an array form: the path of the level the CPU runs,
+ * isa = fsdp__cpu_isa() (vbf16 at AVX512BF16, v512 at AVX512, v2 at AVX2). */
+#define VECTOR_PREFIX(isa, vbf16, v512, v2, src, dst, n)               \
+    ((isa) == FSDP__ISA_AVX512BF16 ? (vbf16)((src), (dst), (n))        \
+     : (isa) == FSDP__ISA_AVX512   ? (v512)((src), (dst), (n))         \
+     : (isa) == FSDP__ISA_AVX2     ? (v2)((src), (dst), (n))           \
+                                   : (size_t)0)
+#else
+#define VECTOR_PREFIX(isa, vbf16, v512, v2, src, dst, n) ((void)(isa), (size_t)0)
 #endif
+
+static void f32_to_bf16_run(const float *src, uint16_t *dst, size_t n) {
+    enum fsdp__isa isa = fsdp__cpu_isa();
+    size_t i = VECTOR_PREFIX(isa, f32_to_bf16_avx512bf16, f32_to_bf16_avx512, f32_to_bf16_avx2, src, dst, n);
+    for (; i < n; i++) dst[i] = fsdp__f32_to_bf16(src[i]);
+}
+
+static void bf16_to_f32_run(const uint16_t *src, float *dst, size_t n) {
+    enum fsdp__isa isa = fsdp__cpu_isa();
+    size_t i = VECTOR_PREFIX(isa, bf16_to_f32_avx512, bf16_to_f32_avx512, bf16_to_f32_avx2, src, dst, n);
+    for (; i < n; i++) dst[i] = fsdp__bf16_to_f32(src[i]);
+}
+
+static void f32_to_f16_run(const float *src, uint16_t *dst, size_t n) {
+    enum fsdp__isa isa = fsdp__cpu_isa();
+    size_t i = VECTOR_PREFIX(isa, f32_to_f16_avx512, f32_to_f16_avx512, f32_to_f16_avx2, src, dst, n);
     for (; i < n; i++) dst[i] = fsdp__f32_to_f16(src[i]);
 }
 
 static void f16_to_f32_run(const uint16_t *src, float *dst, size_t n) {
-    size_t i = 0;
-#ifdef __AVX512F__
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(src + i))));
-#elif defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(src + i))));
-#endif
+    enum fsdp__isa isa = fsdp__cpu_isa();
+    size_t i = VECTOR_PREFIX(isa, f16_to_f32_avx512, f16_to_f32_avx512, f16_to_f32_avx2, src, dst, n);
     for (; i < n; i++) dst[i] = fsdp__f16_to_f32(src[i]);
+}
+
+static void bf16_round_run(const float *src, float *dst, size_t n) {
+    enum fsdp__isa isa = fsdp__cpu_isa();
+    size_t i = VECTOR_PREFIX(isa, bf16_round_avx512, bf16_round_avx512, bf16_round_avx2, src, dst, n);
+    for (; i < n; i++) dst[i] = fsdp__bf16_to_f32(fsdp__f32_to_bf16(src[i]));
 }
 
 /* Runs fn over [0, n) in CVT_BLOCK pieces, in parallel when n is large and
@@ -245,36 +335,6 @@ static void round_via(void (*down)(const float *, uint16_t *, size_t), void (*up
         down(src + i, h, len);
         up(h, dst + i, len);
     }
-}
-
-/* bf16 rounding in place of the two casts: the bits f32_to_bf16_run keeps,
- * with the low 16 cleared (NaN: quieted, truncated), in one pass */
-static void bf16_round_run(const float *src, float *dst, size_t n) {
-    size_t i = 0;
-#ifdef __AVX512F__
-    const __m512i one = _mm512_set1_epi32(1), round = _mm512_set1_epi32(0x7fff);
-    const __m512i absmask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-    const __m512i quiet = _mm512_set1_epi32(0x00400000), high = _mm512_set1_epi32((int)0xffff0000u);
-    for (; i + 16 <= n; i += 16) {
-        __m512i u = _mm512_loadu_si512((const void *)(src + i));
-        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absmask), inf);
-        r = _mm512_mask_or_epi32(r, nan, u, quiet);
-        _mm512_storeu_si512((void *)(dst + i), _mm512_and_si512(r, high));
-    }
-#elif defined(__AVX2__)
-    const __m256i one = _mm256_set1_epi32(1), round = _mm256_set1_epi32(0x7fff);
-    const __m256i absmask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
-    const __m256i quiet = _mm256_set1_epi32(0x00400000), high = _mm256_set1_epi32((int)0xffff0000u);
-    for (; i + 8 <= n; i += 8) {
-        __m256i u = _mm256_loadu_si256((const __m256i *)(const void *)(src + i));
-        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
-        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absmask), inf);
-        r = _mm256_blendv_epi8(r, _mm256_or_si256(u, quiet), nan);
-        _mm256_storeu_si256((__m256i *)(void *)(dst + i), _mm256_and_si256(r, high));
-    }
-#endif
-    for (; i < n; i++) dst[i] = fsdp__bf16_to_f32(fsdp__f32_to_bf16(src[i]));
 }
 
 static void f16_round_run(const float *src, float *dst, size_t n) { round_via(f32_to_f16_run, f16_to_f32_run, src, dst, n); }

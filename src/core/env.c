@@ -40,6 +40,8 @@ struct env_var {
 static const char *const gemm_bf16_words[] = {"auto", "widen", "matmul", "gemm", NULL}; /* gemm_lp.c's MM_* */
 static const char *const mpi_reduce_words[] = {"native", "ordered", NULL};
 static const char *const vision_layout_words[] = {"blocked", "plain", NULL};
+/* after auto, cpu.c's levels in order (enum fsdp__isa + 1) */
+static const char *const cpu_isa_words[] = {"auto", "scalar", "avx2", "avx512", "avx512bf16", NULL};
 
 static const struct env_var vars[] = {
     {"FSDP_SHM_SLOT", ENV_INT, 4096, (long long)1 << 30, 0, 0, NULL, NULL, NULL},
@@ -55,6 +57,7 @@ static const struct env_var vars[] = {
     {"FSDP_CHECK_COLLECTIVES", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},
     {"FSDP_COLLECTIVE_TIMEOUT", ENV_REAL, 0, 0, 0, 1e9, NULL, NULL, NULL},
     {"FSDP_GEMM_BF16", ENV_WORD, 0, 0, 0, 0, gemm_bf16_words, NULL, NULL},
+    {"FSDP_MAX_CPU_ISA", ENV_WORD, 0, 0, 0, 0, cpu_isa_words, NULL, NULL},
     {"FSDP_VISION_LAYOUT", ENV_WORD, 0, 0, 0, 0, vision_layout_words, NULL, NULL},
     {"FSDP_WIDEN_SCRATCH", ENV_INT, 4096, (long long)1 << 40, 0, 0, NULL, NULL, NULL},
     {"FSDP_CHECK_LP_COPY", ENV_INT, 0, 1, 0, 0, NULL, NULL, NULL},

@@ -61,7 +61,7 @@ static int64_t whole_vectors(int64_t t, int64_t T) {
     return n < T ? n : T;
 }
 
-#ifdef __AVX512F__
+#if defined(__x86_64__) || defined(__i386__)
 /* [Note: softmax rows in registers] The loops below, written for the
  * compiler's vectoriser, ran each row's max and sum through the stack (its
  * reductions store and reload the partial vector every iteration) and built
@@ -73,16 +73,17 @@ static int64_t whole_vectors(int64_t t, int64_t T) {
  * add 16 lane partials, then the lanes in _mm512_reduce_add_ps's order, so
  * their last bits may differ from the loops' (4e-7 relative at most): the
  * same on every run, and forward and the recompute share this code. The
- * loops stay in every build, the rows of a build without AVX-512 and the
- * reference the registers' are checked against (tests/test_nn.c
+ * loops stay in every build, the rows of a CPU run below the AVX512 level
+ * ([Note: vector paths at run time]) and the reference the registers' are
+ * checked against (tests/test_nn.c
  * softmax_rows_match_the_loops, fast_expf16_gives_the_scalar_bits). */
 
 /* lanes [0, k) of a 16-lane vector, k in [0, 16] and beyond */
-static inline __mmask16 lanes_below(int64_t k) {
+FSDP__TARGET_AVX512 static inline __mmask16 lanes_below(int64_t k) {
     return k >= 16 ? (__mmask16)0xffff : k <= 0 ? (__mmask16)0 : (__mmask16)((1u << k) - 1u);
 }
 
-static void softmax_row_regs(float *row, int64_t t, int64_t T, int tail) {
+FSDP__TARGET_AVX512 static void softmax_row_regs(float *row, int64_t t, int64_t T, int tail) {
     int64_t n = whole_vectors(t, T);
     __m512 mx = _mm512_set1_ps(row[0]);
     for (int64_t j = 0; j < n; j += 16) { /* lanes j + l <= t (< n) */
@@ -104,7 +105,7 @@ static void softmax_row_regs(float *row, int64_t t, int64_t T, int tail) {
     for (int64_t j = n; j < (tail ? T : 0); j++) row[j] = 0.0f;
 }
 
-static void softmax_bwd_row_regs(const float *a, float *d, int64_t t, int64_t T, int tail) {
+FSDP__TARGET_AVX512 static void softmax_bwd_row_regs(const float *a, float *d, int64_t t, int64_t T, int tail) {
     int64_t n = whole_vectors(t, T);
     __m512 dot = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
@@ -157,21 +158,25 @@ void fsdp__softmax_bwd_row_loops(const float *a, float *d, int64_t t, int64_t T,
     for (int64_t j = n; j < (tail ? T : 0); j++) d[j] = 0.0f;
 }
 
-/* The rows the layer runs: on registers where the build has AVX-512 */
+/* The rows the layer runs: on registers where the CPU runs AVX-512 */
 void fsdp__softmax_row(float *row, int64_t t, int64_t T, int tail) {
-#ifdef __AVX512F__
-    softmax_row_regs(row, t, T, tail);
-#else
-    fsdp__softmax_row_loops(row, t, T, tail);
+#if defined(__x86_64__) || defined(__i386__)
+    if (fsdp__cpu_isa() >= FSDP__ISA_AVX512) {
+        softmax_row_regs(row, t, T, tail);
+        return;
+    }
 #endif
+    fsdp__softmax_row_loops(row, t, T, tail);
 }
 
 void fsdp__softmax_bwd_row(const float *a, float *d, int64_t t, int64_t T, int tail) {
-#ifdef __AVX512F__
-    softmax_bwd_row_regs(a, d, t, T, tail);
-#else
-    fsdp__softmax_bwd_row_loops(a, d, t, T, tail);
+#if defined(__x86_64__) || defined(__i386__)
+    if (fsdp__cpu_isa() >= FSDP__ISA_AVX512) {
+        softmax_bwd_row_regs(a, d, t, T, tail);
+        return;
+    }
 #endif
+    fsdp__softmax_bwd_row_loops(a, d, t, T, tail);
 }
 
 /* Head-major operand copy: dst (B*nh, T, hs) dense, of the operand dtype od

@@ -362,11 +362,12 @@ static inline float fsdp__expf(float x0, struct fsdp__exp_range r) {
     return x0 != x0 ? x0 : p * scale;
 }
 
-#ifdef __AVX512F__
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 /* fsdp__expf on 16 lanes: the same operations in the same order, so each
- * lane gives the scalar call's bits (nan stays nan). */
-static inline __m512 fsdp__expf16(__m512 x0) {
+ * lane gives the scalar call's bits (nan stays nan). AVX-512 code: for the
+ * paths fsdp__cpu_isa() chooses ([Note: vector paths at run time]). */
+FSDP__TARGET_AVX512 static inline __m512 fsdp__expf16(__m512 x0) {
     __m512 x = _mm512_min_ps(_mm512_max_ps(x0, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     const __m512 magic = _mm512_set1_ps(12582912.0f);
     __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), magic), magic);
