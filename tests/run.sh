@@ -63,6 +63,15 @@ run_one() { # $1 = name, rest = command
   rm -f "$out"
 }
 
+# The library's own vector paths at each level below the CPU's ([Note: vector paths at run
+# time], src/core/cpu.c): the conversions, the softmax rows and the 16-bit layers over them,
+# shm's copies and sums.
+# A level above the CPU's runs the CPU's (the test prints which).
+every_level() { # name command...
+  local name=$1; shift
+  for isa in scalar avx2 avx512; do run_one "$name (FSDP_MAX_CPU_ISA=$isa)" env FSDP_MAX_CPU_ISA=$isa "$@"; done
+}
+
 for t in "$BUILD"/tests/test_*; do
   [ -x "$t" ] || continue
   name=$(basename "$t")
@@ -77,12 +86,16 @@ for t in "$BUILD"/tests/test_*; do
       case "$BUILD" in *asan*|*tsan*) ranks=$sanitized ;; esac
       for n in ${TEST_RANKS:-$ranks}; do
         run_one "$name -np $n" mpirun -np "$n" --oversubscribe "$t"
-      done ;;
+      done
+      # shm's streaming copies and sums (src/comm/shm.c) at each level, uneven shares
+      [ "$name" = test_mpi_comm ] && every_level "$name -np 3" mpirun -np 3 --oversubscribe "$t" ;;
     test_gemm_lp|test_nn_bf16|test_nn_lp_exact|test_nn_vision_lp) # and once more with bf16 products widened to fp32, the
       # path of CPUs without native bf16 kernels (src/nn/gemm_lp.c, src/nn/conv.c), and on each of
       # oneDNN's two bf16 matmuls where it has them ([Note: bf16 kernels]; widened where it has none)
       run_one "$name" "$t"
-      for how in widen matmul gemm; do run_one "$name (FSDP_GEMM_BF16=$how)" env FSDP_GEMM_BF16=$how "$t"; done ;;
+      for how in widen matmul gemm; do run_one "$name (FSDP_GEMM_BF16=$how)" env FSDP_GEMM_BF16=$how "$t"; done
+      [ "$name" = test_nn_bf16 ] && every_level "$name" "$t" ;;
+    test_dtype|test_nn) run_one "$name" "$t"; every_level "$name" "$t" ;;
     *) run_one "$name" "$t" ;;
   esac
 done

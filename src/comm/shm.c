@@ -76,7 +76,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#if defined(__AVX__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 #include <linux/futex.h>
@@ -224,47 +224,62 @@ static void round_end(struct shm_state *s, struct fsdp_comm *c) {
 
 /* ---- Reductions (see [Note: reduction order]) ---- */
 
-/* memcpy with streaming (non-temporal) stores in AVX-512 or AVX builds, for
+/* memcpy with streaming (non-temporal) stores on CPUs with AVX-512 or AVX2
+ * (the level fsdp__cpu_isa() runs, [Note: vector paths at run time]), for
  * destinations much larger than L2 (a gathered all-gather buffer): the
  * stores skip reading dst's lines first and do not evict the caches; about
  * twice glibc's memcpy rate at 32 MiB on the AVX-512 machines here, 1.7x for
- * two threads at once on an AVX2 one (bench/README.md). Else a memcpy. */
+ * two threads at once on an AVX2 one (bench/README.md). Else a memcpy. Each
+ * vector path streams whole 64-byte lines from dst's first line boundary
+ * and returns the bytes it copied past that boundary. */
+#if defined(__x86_64__) || defined(__i386__)
+FSDP__TARGET_AVX512 static size_t copy_nt_avx512(unsigned char *d, const unsigned char *p, size_t n) {
+    size_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        __m512i x0 = _mm512_loadu_si512(p + i), x1 = _mm512_loadu_si512(p + i + 64);
+        __m512i x2 = _mm512_loadu_si512(p + i + 128), x3 = _mm512_loadu_si512(p + i + 192);
+        _mm512_stream_si512((__m512i *)(void *)(d + i), x0);
+        _mm512_stream_si512((__m512i *)(void *)(d + i + 64), x1);
+        _mm512_stream_si512((__m512i *)(void *)(d + i + 128), x2);
+        _mm512_stream_si512((__m512i *)(void *)(d + i + 192), x3);
+    }
+    for (; i + 64 <= n; i += 64) _mm512_stream_si512((__m512i *)(void *)(d + i), _mm512_loadu_si512(p + i));
+    return i;
+}
+
+FSDP__TARGET_AVX2 static size_t copy_nt_avx2(unsigned char *d, const unsigned char *p, size_t n) {
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)(p + i));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(const void *)(p + i + 32));
+        __m256i x2 = _mm256_loadu_si256((const __m256i *)(const void *)(p + i + 64));
+        __m256i x3 = _mm256_loadu_si256((const __m256i *)(const void *)(p + i + 96));
+        _mm256_stream_si256((__m256i *)(void *)(d + i), x0);
+        _mm256_stream_si256((__m256i *)(void *)(d + i + 32), x1);
+        _mm256_stream_si256((__m256i *)(void *)(d + i + 64), x2);
+        _mm256_stream_si256((__m256i *)(void *)(d + i + 96), x3);
+    }
+    return i;
+}
+#endif
+
 static void copy_nt(void *dst, const void *src, size_t n) {
-#if defined(__AVX512F__) || defined(__AVX__)
-    unsigned char *d = dst;
-    const unsigned char *p = src;
-    size_t head = (64 - ((uintptr_t)d & 63)) & 63;
-    if (head > n) head = n;
-    memcpy(d, p, head);
-    d += head, p += head, n -= head;
-#if defined(__AVX512F__)
-    for (; n >= 256; n -= 256, d += 256, p += 256) {
-        __m512i x0 = _mm512_loadu_si512(p), x1 = _mm512_loadu_si512(p + 64);
-        __m512i x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
-        _mm512_stream_si512((__m512i *)(void *)d, x0);
-        _mm512_stream_si512((__m512i *)(void *)(d + 64), x1);
-        _mm512_stream_si512((__m512i *)(void *)(d + 128), x2);
-        _mm512_stream_si512((__m512i *)(void *)(d + 192), x3);
-    }
-    for (; n >= 64; n -= 64, d += 64, p += 64)
-        _mm512_stream_si512((__m512i *)(void *)d, _mm512_loadu_si512(p));
-#else
-    for (; n >= 128; n -= 128, d += 128, p += 128) {
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)p);
-        __m256i x1 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 32));
-        __m256i x2 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 64));
-        __m256i x3 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 96));
-        _mm256_stream_si256((__m256i *)(void *)d, x0);
-        _mm256_stream_si256((__m256i *)(void *)(d + 32), x1);
-        _mm256_stream_si256((__m256i *)(void *)(d + 64), x2);
-        _mm256_stream_si256((__m256i *)(void *)(d + 96), x3);
+#if defined(__x86_64__) || defined(__i386__)
+    enum fsdp__isa isa = fsdp__cpu_isa();
+    if (isa >= FSDP__ISA_AVX2) {
+        unsigned char *d = dst;
+        const unsigned char *p = src;
+        size_t head = (64 - ((uintptr_t)d & 63)) & 63;
+        if (head > n) head = n;
+        memcpy(d, p, head);
+        d += head, p += head, n -= head;
+        size_t done = isa >= FSDP__ISA_AVX512 ? copy_nt_avx512(d, p, n) : copy_nt_avx2(d, p, n);
+        memcpy(d + done, p + done, n - done);
+        _mm_sfence(); /* before the progress thread tells anyone the data is there */
+        return;
     }
 #endif
-    memcpy(d, p, n);
-    _mm_sfence(); /* before the progress thread tells anyone the data is there */
-#else
     memcpy(dst, src, n);
-#endif
 }
 
 /* A copy into the user's buffer of a collective moving `total` bytes per
@@ -274,16 +289,14 @@ void fsdp__shm_copy_out(void *dst, const void *src, size_t n, size_t total) {
     else memcpy(dst, src, n);
 }
 
-/* dst = a + b, n floats, each sum one IEEE single addition as in the scalar
- * loop (bit-identical; a may be dst), times `scale` unless it is 1 (one
- * more rounding, as a pass x *= scale after it: [Note: averaging
- * reductions]). nt: stream the stores past the caches (a final result not
- * read again soon; saves reading dst's lines first). */
-void fsdp__shm_add_f32(float *dst, const float *a, const float *b, size_t n, int nt, float scale) {
+/* fsdp__shm_add_f32's vector paths: elements [0, return) of dst, from an
+ * i0 at which dst is aligned to the vector when nt */
+#define ADD1(i) (sc ? (a[i] + b[i]) * scale : a[i] + b[i])
+#if defined(__x86_64__) || defined(__i386__)
+FSDP__TARGET_AVX512 static size_t add_f32_avx512(float *dst, const float *a, const float *b, size_t n, int nt,
+                                                  float scale) {
     size_t i = 0;
     const int sc = scale != 1.0f;
-#define ADD1(i) (sc ? (a[i] + b[i]) * scale : a[i] + b[i])
-#if defined(__AVX512F__)
     const __m512 vs = _mm512_set1_ps(scale);
 #define ADDV(i) (sc ? _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(a + (i)), _mm512_loadu_ps(b + (i))), vs) \
                     : _mm512_add_ps(_mm512_loadu_ps(a + (i)), _mm512_loadu_ps(b + (i))))
@@ -294,7 +307,14 @@ void fsdp__shm_add_f32(float *dst, const float *a, const float *b, size_t n, int
     } else {
         for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, ADDV(i));
     }
-#elif defined(__AVX__)
+#undef ADDV
+    return i;
+}
+
+FSDP__TARGET_AVX2 static size_t add_f32_avx2(float *dst, const float *a, const float *b, size_t n, int nt,
+                                              float scale) {
+    size_t i = 0;
+    const int sc = scale != 1.0f;
     const __m256 vs = _mm256_set1_ps(scale);
 #define ADDV(i) (sc ? _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(a + (i)), _mm256_loadu_ps(b + (i))), vs) \
                     : _mm256_add_ps(_mm256_loadu_ps(a + (i)), _mm256_loadu_ps(b + (i))))
@@ -305,13 +325,30 @@ void fsdp__shm_add_f32(float *dst, const float *a, const float *b, size_t n, int
     } else {
         for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, ADDV(i));
     }
+#undef ADDV
+    return i;
+}
+#endif
+
+/* dst = a + b, n floats, each sum one IEEE single addition as in the scalar
+ * loop (bit-identical; a may be dst), times `scale` unless it is 1 (one
+ * more rounding, as a pass x *= scale after it: [Note: averaging
+ * reductions]). nt: stream the stores past the caches (a final result not
+ * read again soon; saves reading dst's lines first), on the vector paths. */
+void fsdp__shm_add_f32(float *dst, const float *a, const float *b, size_t n, int nt, float scale) {
+    size_t i = 0;
+    const int sc = scale != 1.0f;
+#if defined(__x86_64__) || defined(__i386__)
+    enum fsdp__isa isa = fsdp__cpu_isa();
+    i = isa >= FSDP__ISA_AVX512 ? add_f32_avx512(dst, a, b, n, nt, scale)
+        : isa >= FSDP__ISA_AVX2 ? add_f32_avx2(dst, a, b, n, nt, scale)
+                                : 0;
 #else
     (void)nt;
 #endif
     for (; i < n; i++) dst[i] = ADD1(i);
-#undef ADD1
-#undef ADDV
 }
+#undef ADD1
 
 /* dst = src (first contribution) or dst op= src, n elements of dt (not BF16/F16). */
 void fsdp__shm_reduce_into(void *dst, const void *src, size_t n, enum fsdp_dtype dt, enum fsdp_red_op op,
