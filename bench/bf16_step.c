@@ -172,8 +172,9 @@ int main(int argc, char **argv) {
     if (do32) r32 = run(ctx, &cfg, FSDP_F32, steps, B, T, data);
     if (do16) r16 = run(ctx, &cfg, FSDP_BF16, steps, B, T, data);
     printf("model %s, batch %d x %d, 1 rank x %d threads, median of steps 2..%d, bf16 mixed_precision %s, bf16 "
-           "products %s\n", model, B, T, threads, steps, mp,
-           fsdp_gemm_native(FSDP_BF16) ? "native" : "widened to fp32 (no native bf16 kernels on this CPU)");
+           "products %s, the library's vector paths %s\n", model, B, T, threads, steps, mp,
+           fsdp_gemm_native(FSDP_BF16) ? "native" : "widened to fp32 (no native bf16 kernels on this CPU)",
+           fsdp__isa_name(fsdp__cpu_isa()));
     const struct result *rs[2] = {&r32, &r16};
     const char *names[2] = {"fp32", "bf16"};
     for (int i = 0; i < 2; i++)

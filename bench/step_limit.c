@@ -565,6 +565,8 @@ int main(int argc, char **argv) {
     printf("model FLOPs a step (6 N_matmul + 12 L T C per token): %.1f GFLOP\n", model_flops / 1e9);
     int native = fsdp_gemm_native(FSDP_BF16);
     printf("bf16 products: %s\n", native ? "native kernels (oneDNN)" : "widened to fp32 (no native bf16 here)");
+    printf("the library's vector paths: %s (the CPU's best: %s; FSDP_MAX_CPU_ISA caps them)\n",
+           fsdp__isa_name(fsdp__cpu_isa()), fsdp__isa_name(fsdp__cpu_isa_detected()));
 
     /* the plain rates (fsdp_gemm_rate: M x 768 x 3072 at the global rows) */
     double r32 = 0, r16 = 0;
