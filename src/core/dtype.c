@@ -253,35 +253,25 @@ FSDP__TARGET_AVX2 static size_t bf16_round_avx2(const float *src, float *dst, si
 #define VECTOR_PREFIX(isa, vbf16, v512, v2, src, dst, n) ((void)(isa), (size_t)0)
 #endif
 
-static void f32_to_bf16_run(const float *src, uint16_t *dst, size_t n) {
-    enum fsdp__isa isa = fsdp__cpu_isa();
-    size_t i = VECTOR_PREFIX(isa, f32_to_bf16_avx512bf16, f32_to_bf16_avx512, f32_to_bf16_avx2, src, dst, n);
-    for (; i < n; i++) dst[i] = fsdp__f32_to_bf16(src[i]);
-}
-
-static void bf16_to_f32_run(const uint16_t *src, float *dst, size_t n) {
-    enum fsdp__isa isa = fsdp__cpu_isa();
-    size_t i = VECTOR_PREFIX(isa, bf16_to_f32_avx512, bf16_to_f32_avx512, bf16_to_f32_avx2, src, dst, n);
-    for (; i < n; i++) dst[i] = fsdp__bf16_to_f32(src[i]);
-}
-
-static void f32_to_f16_run(const float *src, uint16_t *dst, size_t n) {
-    enum fsdp__isa isa = fsdp__cpu_isa();
-    size_t i = VECTOR_PREFIX(isa, f32_to_f16_avx512, f32_to_f16_avx512, f32_to_f16_avx2, src, dst, n);
-    for (; i < n; i++) dst[i] = fsdp__f32_to_f16(src[i]);
-}
-
-static void f16_to_f32_run(const uint16_t *src, float *dst, size_t n) {
-    enum fsdp__isa isa = fsdp__cpu_isa();
-    size_t i = VECTOR_PREFIX(isa, f16_to_f32_avx512, f16_to_f32_avx512, f16_to_f32_avx2, src, dst, n);
-    for (; i < n; i++) dst[i] = fsdp__f16_to_f32(src[i]);
-}
-
-static void bf16_round_run(const float *src, float *dst, size_t n) {
-    enum fsdp__isa isa = fsdp__cpu_isa();
-    size_t i = VECTOR_PREFIX(isa, bf16_round_avx512, bf16_round_avx512, bf16_round_avx2, src, dst, n);
-    for (; i < n; i++) dst[i] = fsdp__bf16_to_f32(fsdp__f32_to_bf16(src[i]));
-}
+/* An array form: the vector prefix of the CPU's level, then the scalar form
+ * (one, of element i) for the rest */
+#define ARRAY_FORM(name, S, D, vbf16, v512, v2, one)                    \
+    static void name(const S *src, D *dst, size_t n) {                  \
+        enum fsdp__isa isa = fsdp__cpu_isa();                           \
+        size_t i = VECTOR_PREFIX(isa, vbf16, v512, v2, src, dst, n);    \
+        for (; i < n; i++) dst[i] = (one);                              \
+    }
+ARRAY_FORM(f32_to_bf16_run, float, uint16_t, f32_to_bf16_avx512bf16, f32_to_bf16_avx512, f32_to_bf16_avx2,
+           fsdp__f32_to_bf16(src[i]))
+ARRAY_FORM(bf16_to_f32_run, uint16_t, float, bf16_to_f32_avx512, bf16_to_f32_avx512, bf16_to_f32_avx2,
+           fsdp__bf16_to_f32(src[i]))
+ARRAY_FORM(f32_to_f16_run, float, uint16_t, f32_to_f16_avx512, f32_to_f16_avx512, f32_to_f16_avx2,
+           fsdp__f32_to_f16(src[i]))
+ARRAY_FORM(f16_to_f32_run, uint16_t, float, f16_to_f32_avx512, f16_to_f32_avx512, f16_to_f32_avx2,
+           fsdp__f16_to_f32(src[i]))
+/* bf16 rounding in fp32: the bits the two casts give, in one pass */
+ARRAY_FORM(bf16_round_run, float, float, bf16_round_avx512, bf16_round_avx512, bf16_round_avx2,
+           fsdp__bf16_to_f32(fsdp__f32_to_bf16(src[i])))
 
 /* Runs fn over [0, n) in CVT_BLOCK pieces, in parallel when n is large and
  * the caller is not already inside a parallel region. A short array, or a
