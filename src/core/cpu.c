@@ -7,18 +7,20 @@
  * library is compiled is tested only on the machines that build it: the AVX2
  * conversions only where the build had no AVX-512, the integer bf16 rounding
  * only where it had no AVX512-BF16. So the hand-written vector paths (the
- * 16-bit conversions of dtype.c, the softmax rows of attention.c) are all
- * compiled in every x86-64 build, each function with the target it needs,
- * and the one to run is chosen here, once, from what the CPU reports (cpuid,
- * and xgetbv for the registers the OS saves): the best level the CPU has,
- * or the lower one FSDP_MAX_CPU_ISA names (scalar, avx2, avx512, avx512bf16;
- * as oneDNN's ONEDNN_MAX_CPU_ISA caps its kernels). The conversions give
- * the same bits at every level (the scalar forms are the reference:
- * tests/test_dtype.c); the softmax rows' sums add in another lane order on
- * AVX-512 registers than in the loops (4e-7 relative at most, [Note: softmax
- * rows in registers]). tests/run.sh runs the tests of those paths once at
- * each level below the CPU's. The compiler's own code (loops it vectorises) is what the build's
- * -march made, and oneDNN chooses its kernels itself.
+ * 16-bit conversions of dtype.c, the softmax rows of attention.c, shm's
+ * streaming copies and sums) are all compiled in every x86-64 build, each
+ * function with the target it needs, and the one to run is chosen here,
+ * once, from what the CPU reports (cpuid, and xgetbv for the registers the
+ * OS saves): the best level the CPU has, or the lower one FSDP_MAX_CPU_ISA
+ * names (scalar, avx2, avx512, avx512bf16; as oneDNN's ONEDNN_MAX_CPU_ISA
+ * caps its kernels). The conversions and shm's sums give the same bits at
+ * every level (the scalar forms are the reference: tests/test_dtype.c,
+ * tests/test_mpi_comm.c); the softmax rows' sums add in another lane order
+ * on AVX-512 registers than in the loops (4e-7 relative at most, [Note:
+ * softmax rows in registers]). tests/run.sh runs the tests of those paths
+ * once at each level below the CPU's. The compiler's own code (the loops it
+ * vectorises) is what the build's -march made, and oneDNN chooses its
+ * kernels itself.
  * Levels: AVX2 asks AVX2 and F16C with the OS saving the YMM registers;
  * AVX512 asks AVX-512 F, BW and VL with the OS saving the ZMM and mask
  * registers; AVX512BF16 asks AVX512 and AVX512-BF16.
