@@ -65,7 +65,7 @@ run_one() { # $1 = name, rest = command
 
 # The library's own vector paths at each level below the CPU's ([Note: vector paths at run
 # time], src/core/cpu.c): the conversions, the softmax rows and the 16-bit layers over them,
-# shm's copies and sums.
+# shm's copies and sums, the CRC-32C of checkpoint files.
 # A level above the CPU's runs the CPU's (the test prints which).
 every_level() { # name command...
   local name=$1; shift
@@ -95,7 +95,7 @@ for t in "$BUILD"/tests/test_*; do
       run_one "$name" "$t"
       for how in widen matmul gemm; do run_one "$name (FSDP_GEMM_BF16=$how)" env FSDP_GEMM_BF16=$how "$t"; done
       [ "$name" = test_nn_bf16 ] && every_level "$name" "$t" ;;
-    test_dtype|test_nn) run_one "$name" "$t"; every_level "$name" "$t" ;;
+    test_dtype|test_nn|test_safetensors) run_one "$name" "$t"; every_level "$name" "$t" ;;
     *) run_one "$name" "$t" ;;
   esac
 done

@@ -196,7 +196,7 @@ TEST(vector_level_is_the_cpus_capped_by_the_variable) {
     CHECK_INT_EQ(cpu, FSDP__ISA_AVX512BF16);
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     CHECK(cpu >= FSDP__ISA_AVX512);
-#elif defined(__AVX2__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__SSE4_2__)
     CHECK(cpu >= FSDP__ISA_AVX2);
 #endif
 }

@@ -283,6 +283,7 @@ enum fsdp__isa fsdp__cpu_isa_detected(void);
 const char *fsdp__isa_name(enum fsdp__isa isa);
 /* the function attributes of each level's paths (x86-64 builds only) */
 #define FSDP__TARGET_AVX2 __attribute__((target("avx2,f16c")))
+#define FSDP__TARGET_SSE42 __attribute__((target("sse4.2"))) /* the crc32 instruction, in AVX2's level */
 #define FSDP__TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
 #define FSDP__TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
 

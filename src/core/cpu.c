@@ -8,22 +8,23 @@
  * conversions only where the build had no AVX-512, the integer bf16 rounding
  * only where it had no AVX512-BF16. So the hand-written vector paths (the
  * 16-bit conversions of dtype.c, the softmax rows of attention.c, shm's
- * streaming copies and sums) are all compiled in every x86-64 build, each
- * function with the target it needs, and the one to run is chosen here,
- * once, from what the CPU reports (cpuid, and xgetbv for the registers the
- * OS saves): the best level the CPU has, or the lower one FSDP_MAX_CPU_ISA
- * names (scalar, avx2, avx512, avx512bf16; as oneDNN's ONEDNN_MAX_CPU_ISA
- * caps its kernels). The conversions and shm's sums give the same bits at
- * every level (the scalar forms are the reference: tests/test_dtype.c,
- * tests/test_mpi_comm.c); the softmax rows' sums add in another lane order
+ * streaming copies and sums, the CRC-32C of checkpoint files) are all
+ * compiled in every x86-64 build, each function with the target it needs,
+ * and the one to run is chosen here, once, from what the CPU reports (cpuid,
+ * and xgetbv for the registers the OS saves): the best level the CPU has, or
+ * the lower one FSDP_MAX_CPU_ISA names (scalar, avx2, avx512, avx512bf16; as
+ * oneDNN's ONEDNN_MAX_CPU_ISA caps its kernels). The conversions, shm's sums
+ * and the CRC give the same bits at every level (the scalar forms are the
+ * reference: tests/test_dtype.c, tests/test_mpi_comm.c,
+ * tests/test_safetensors.c); the softmax rows' sums add in another lane order
  * on AVX-512 registers than in the loops (4e-7 relative at most, [Note:
  * softmax rows in registers]). tests/run.sh runs the tests of those paths
  * once at each level below the CPU's. The compiler's own code (the loops it
  * vectorises) is what the build's -march made, and oneDNN chooses its
- * kernels itself.
- * Levels: AVX2 asks AVX2 and F16C with the OS saving the YMM registers;
- * AVX512 asks AVX-512 F, BW and VL with the OS saving the ZMM and mask
- * registers; AVX512BF16 asks AVX512 and AVX512-BF16.
+ * kernels itself. A context created with verbose >= 1 says the level on rank 0.
+ * Levels: AVX2 asks AVX2, F16C and SSE4.2 (the crc32 instruction) with the OS
+ * saving the YMM registers; AVX512 asks AVX-512 F, BW and VL with the OS
+ * saving the ZMM and mask registers; AVX512BF16 asks AVX512 and AVX512-BF16.
  */
 #include "core/core-impl.h"
 
@@ -40,13 +41,13 @@ static uint64_t xcr0(void) {
 static enum fsdp__isa detect(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return FSDP__ISA_SCALAR;
-    int osxsave = (c >> 27) & 1, f16c = (c >> 29) & 1;
+    int osxsave = (c >> 27) & 1, f16c = (c >> 29) & 1, sse42 = (c >> 20) & 1;
     if (!osxsave) return FSDP__ISA_SCALAR;
     uint64_t x = xcr0();
     int ymm = (x & 0x6) == 0x6, zmm = (x & 0xe6) == 0xe6; /* SSE, AVX; opmask, ZMM_Hi256, Hi16_ZMM */
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return FSDP__ISA_SCALAR;
     int avx2 = (b >> 5) & 1, f = (b >> 16) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
-    if (!(ymm && avx2 && f16c)) return FSDP__ISA_SCALAR;
+    if (!(ymm && avx2 && f16c && sse42)) return FSDP__ISA_SCALAR;
     if (!(zmm && f && bw && vl)) return FSDP__ISA_AVX2;
     unsigned max7 = a;
     if (max7 >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1)) return FSDP__ISA_AVX512BF16;

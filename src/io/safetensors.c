@@ -25,7 +25,8 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#if defined(__SSE4_2__)
+#include <pthread.h>
+#if defined(__x86_64__)
 #include <nmmintrin.h>
 #endif
 
@@ -36,19 +37,31 @@
 
 /* ---- CRC-32C (Castagnoli) ---- */
 
-#if !defined(__SSE4_2__)
+/* [Note: CRC-32C paths] The crc32 instruction (SSE4.2) where the CPU's
+ * level has it (AVX2 and up: [Note: vector paths at run time], cpu.c), a
+ * table a byte at a time elsewhere and at FSDP_MAX_CPU_ISA=scalar: the same
+ * checksum (tests/test_safetensors.c, run at every level). */
+#define CRC32C_POLY 0x82F63B78u
+
 static uint32_t crc_table[256];
+static pthread_once_t crc_table_once = PTHREAD_ONCE_INIT;
 
 static void crc_init_table(void) {
     for (uint32_t i = 0; i < 256; i++) {
         uint32_t c = i;
-        for (int k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        for (int k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ CRC32C_POLY : c >> 1;
         crc_table[i] = c;
     }
 }
-#endif
 
-#if defined(__SSE4_2__)
+static uint32_t crc_bytes(uint32_t crc, const uint8_t *p, size_t n) {
+    pthread_once(&crc_table_once, crc_init_table);
+    crc = ~crc;
+    for (; n; n--, p++) crc = crc_table[(crc ^ *p) & 0xff] ^ (crc >> 8);
+    return ~crc;
+}
+
+#if defined(__x86_64__)
 /* [Note: three-way CRC] The crc32 instruction has a latency of 3 cycles and
  * a throughput of 1, so one dependent chain runs at a third of its speed.
  * Blocks of 3 x CRC3_LANE bytes are checksummed as three independent chains
@@ -56,7 +69,6 @@ static void crc_init_table(void) {
  * zlib's crc32_combine; P reflected, the inversions cancel), where the
  * multiplier for |B| = CRC3_LANE is computed once. */
 #define CRC3_LANE 4096
-#define CRC32C_POLY 0x82F63B78u
 
 /* a * b mod P, bit-reflected (zlib's multmodp). */
 static uint32_t crc_multmodp(uint32_t a, uint32_t b) {
@@ -79,11 +91,8 @@ static uint32_t crc_x8nmodp(uint64_t n) {
         if (n & 1) r = crc_multmodp(r, sq);
     return r;
 }
-#endif
 
-uint32_t fsdp__crc32c(uint32_t crc, const void *buf, size_t n) {
-    const uint8_t *p = buf;
-#if defined(__SSE4_2__)
+FSDP__TARGET_SSE42 static uint32_t crc_sse42(uint32_t crc, const uint8_t *p, size_t n) {
     static uint32_t lane_shift; /* x^(8 CRC3_LANE) mod P; racing first callers store the same value */
     if (n >= 3 * CRC3_LANE) {
         uint32_t k = __atomic_load_n(&lane_shift, __ATOMIC_RELAXED);
@@ -115,12 +124,15 @@ uint32_t fsdp__crc32c(uint32_t crc, const void *buf, size_t n) {
     }
     crc = (uint32_t)c;
     for (; n; n--, p++) crc = _mm_crc32_u8(crc, *p);
-#else
-    crc = ~crc;
-    if (!crc_table[1]) crc_init_table();
-    for (; n; n--, p++) crc = crc_table[(crc ^ *p) & 0xff] ^ (crc >> 8);
-#endif
     return ~crc;
+}
+#endif
+
+uint32_t fsdp__crc32c(uint32_t crc, const void *buf, size_t n) {
+#if defined(__x86_64__)
+    if (fsdp__cpu_isa() >= FSDP__ISA_AVX2) return crc_sse42(crc, buf, n);
+#endif
+    return crc_bytes(crc, buf, n);
 }
 
 /* ---- dtypes ---- */
