@@ -56,10 +56,12 @@ else bad "AMP_BF16 products' path" "$(grep -h '^precision' "$tmp/b1" "$tmp/w")";
 # [Note: vector paths at run time] (src/core/cpu.c): an AVX2 machine's configuration here, oneDNN
 # and the library's own vector code both capped at AVX2, trains AMP_BF16 as oneDNN alone capped
 # does (the library's code at the CPU's best level): the same conversions' bits, the softmax rows'
-# sums in another lane order (4e-7 relative at most), so losses and norms to 1e-5 relative
+# sums in another lane order (4e-7 relative at most), so losses and norms to 1e-5 relative; the
+# capped run's verbose log names the level its own paths ran at
 isa=(--steps 3 --precision AMP_BF16 --nproc 2)
 if ONEDNN_MAX_CPU_ISA=AVX2 FSDP_MAX_CPU_ISA=avx2 timeout -k 5 300 "$TRAIN" "${common[@]}" "${isa[@]}" \
-     --log "$tmp/i2.jsonl" > "$tmp/i2" 2>&1 \
+     --log "$tmp/i2.jsonl" --verbose > "$tmp/i2" 2>&1 \
+   && grep -qE "fsdp: the library's vector paths: avx2( |$)" "$tmp/i2" \
    && ONEDNN_MAX_CPU_ISA=AVX2 timeout -k 5 300 "$TRAIN" "${common[@]}" "${isa[@]}" --log "$tmp/ia.jsonl" > "$tmp/ia" 2>&1 \
    && msg=$(python3 - "$tmp/i2.jsonl" "$tmp/ia.jsonl" <<'EOF'
 import json, sys

@@ -39,6 +39,12 @@ enum fsdp_status fsdp_ctx_create(const struct fsdp_ctx_opts *opts, struct fsdp_c
     ctx->rank = fsdp_comm_rank(ctx->comm);
     ctx->world = fsdp_comm_size(ctx->comm);
     fsdp__global_rank = ctx->rank;
+    if (ctx->rank == 0) { /* [Note: vector paths at run time] */
+        enum fsdp__isa l = fsdp__cpu_isa(), cpu = fsdp__cpu_isa_detected();
+        fsdp__log(ctx, 1, "fsdp: the library's vector paths: %s%s%s%s", fsdp__isa_name(l),
+                  l != cpu ? " (the CPU's: " : "", l != cpu ? fsdp__isa_name(cpu) : "",
+                  l != cpu ? "; FSDP_MAX_CPU_ISA caps them)" : "");
+    }
     *out = ctx;
     return FSDP_OK;
 }
