@@ -201,6 +201,21 @@ TEST(vector_level_is_the_cpus_capped_by_the_variable) {
 #endif
 }
 
+/* A cap above the CPU's level runs the CPU's (tests/run.sh stops its level runs at the CPU's, so
+ * the case is checked here: the harness forks each test, the level is recomputed under each cap). */
+TEST(a_cap_above_the_cpus_level_runs_the_cpus) {
+    static const char *const names[] = {"scalar", "avx2", "avx512", "avx512bf16"};
+    enum fsdp__isa cpu = fsdp__cpu_isa_detected();
+    for (int l = 0; l < 4; l++) {
+        setenv("FSDP_MAX_CPU_ISA", names[l], 1);
+        atomic_store(&fsdp__isa_level, -1);
+        CHECK_INT_EQ(fsdp__cpu_isa(), (enum fsdp__isa)l < cpu ? (enum fsdp__isa)l : cpu);
+    }
+    setenv("FSDP_MAX_CPU_ISA", "auto", 1);
+    atomic_store(&fsdp__isa_level, -1);
+    CHECK_INT_EQ(fsdp__cpu_isa(), cpu);
+}
+
 TEST(array_forms_match_scalar_bits) {
     const size_t n16 = 65536 + 7; /* odd: exercises the scalar tail */
     uint16_t *h = malloc(n16 * sizeof *h), *h2 = malloc(n16 * sizeof *h2);
