@@ -63,7 +63,7 @@ run_one() { # $1 = name, rest = command
   rm -f "$out"
 }
 
-# The library's own vector paths at each level below the CPU's ([Note: vector paths at run
+# The library's own vector paths at each level up to the CPU's ([Note: vector paths at run
 # time], src/core/cpu.c): the conversions, the softmax rows and the 16-bit layers over them,
 # shm's copies and sums, the CRC-32C of checkpoint files.
 # A level above the CPU's would run the CPU's again (the default run's): the levels stop at the

@@ -19,7 +19,7 @@
  * tests/test_safetensors.c); the softmax rows' sums add in another lane order
  * on AVX-512 registers than in the loops (4e-7 relative at most, [Note:
  * softmax rows in registers]). tests/run.sh runs the tests of those paths
- * once at each level below the CPU's. The compiler's own code (the loops it
+ * once at each level up to the CPU's. The compiler's own code (the loops it
  * vectorises) is what the build's -march made, and oneDNN chooses its
  * kernels itself. A context created with verbose >= 1 says the level on rank 0.
  * Levels: AVX2 asks AVX2, F16C and SSE4.2 (the crc32 instruction) with the OS
