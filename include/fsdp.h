@@ -1809,7 +1809,9 @@ enum fsdp_status fsdp_ckpt_save(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
  * COLLECTIVE: yes (every rank returns the same status and message). */
 enum fsdp_status fsdp_ckpt_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *dir,
                                 struct fsdp_ckpt_meta *meta);
-/* Removes a checkpoint folder: its meta.json and rank files, then the folder.
+/* Removes a checkpoint folder: its rank files, then its meta.json (so a removal
+ * cut short still reads as a checkpoint, and removing it again finishes), then
+ * the folder.
  * Refuses (removing nothing) when `dir` holds anything else, naming it. A
  * regular file `dir` is removed when a checkpoint writer made it (a full
  * file), else refused.

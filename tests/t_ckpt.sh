@@ -248,6 +248,20 @@ train --nproc 2 --steps 5 --override steps --resume "$tmp/k" > "$tmp/o" 2>&1 || 
 train --steps 6 --save-dir "$tmp/kl" --save-every 2 --keep-last 2 > /dev/null 2>&1
 [ "$(ls "$tmp/kl" | tr '\n' ' ')" = "step-00000004 step-00000006 " ] && ok "--keep-last 2 keeps the newest two" ||
   bad "--keep-last" "$(ls "$tmp/kl")"
+# a removal killed between the rank files and meta.json ([Note: removal order]): the old folder
+# still reads as a checkpoint, and the next run's --keep-last removes what is left of it
+FSDP_FAULT=ckpt-remove:0:2 train --steps 2 --save-dir "$tmp/kk" --save-every 1 --keep-last 1 > "$tmp/o" 2>&1
+rc=$? kk1="$(ls -a "$tmp/kk/step-00000001" 2>&1 | tr '\n' ' ')"
+train --steps 3 --override steps --resume "$tmp/kk" --save-dir "$tmp/kk" --save-every 1 --keep-last 1 > "$tmp/o2" 2>&1
+rc2=$?
+if [ $rc -ne 0 ] && grep -q "raises SIGKILL at ckpt-remove" "$tmp/o" && [ "$kk1" = ". .. meta.json " ] &&
+   [ $rc2 -eq 0 ] && grep -q "resumed from .*step-00000002" "$tmp/o2" &&
+   [ "$(ls "$tmp/kk" | tr '\n' ' ')" = "step-00000003 " ]; then
+  ok "a --keep-last removal killed before meta.json is finished by the next run"
+else
+  bad "--keep-last killed mid-removal" "exit $rc, step-1 holds: $kk1" "$(tail -2 "$tmp/o")" "exit $rc2" \
+    "$(tail -3 "$tmp/o2")" "$(ls "$tmp/kk")"
+fi
 
 # ---- corruption and truncation of a sharded checkpoint ----
 good="$tmp/s2/step-00000006"

@@ -227,7 +227,8 @@ void fsdp__json_hooks(void);
 /* ---- Fault injection (fault.c, [Note: fault injection]) ---- */
 /* Env FSDP_FAULT=POINT:RANK:STEP[:kill|stop]: the named rank raises SIGKILL
  * (or SIGSTOP) on itself at the first call with this `point` ("forward",
- * "backward", "reduce-scatter", "ckpt-save") once fsdp__fault_step >= STEP.
+ * "backward", "reduce-scatter", "ckpt-save", "ckpt-remove") once
+ * fsdp__fault_step >= STEP.
  * `where` (may be NULL) is printed with it, e.g. the unit. */
 void fsdp__fault_point(const char *point, const char *where);
 /* Training steps started in this process (fsdp_model_train_step counts them). */

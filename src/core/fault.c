@@ -10,7 +10,8 @@
  * FSDP_FAULT=POINT:RANK:STEP[:ACTION]
  *   POINT  forward (a unit's pre-forward hook), backward (its pre-backward
  *          hook), reduce-scatter (after the start, before the wait), ckpt-save
- *          (the checkpoint writer's crash points, see fsdp__ckpt_crash_point)
+ *          (the checkpoint writer's crash points, see fsdp__ckpt_crash_point),
+ *          ckpt-remove (fsdp_ckpt_remove, its rank files gone, meta.json not)
  *   RANK   the global rank that faults
  *   STEP   fires at the first hit of POINT once this process has started its
  *          STEP-th training step (fsdp_model_train_step calls, from 1; 0 = at
@@ -29,7 +30,7 @@
 
 long fsdp__fault_step;
 
-static const char *const points[] = {"forward", "backward", "reduce-scatter", "ckpt-save"};
+static const char *const points[] = {"forward", "backward", "reduce-scatter", "ckpt-save", "ckpt-remove"};
 
 static struct {
     int parsed, on, fired;

@@ -20,9 +20,12 @@
  *
  * [Note: atomic folder] Every rank writes its file into dir.tmp (tmp name,
  * fsync, rename); the ranks agree that all succeeded; rank 0 writes
- * meta.json the same way, fsyncs, renames dir -> dir.old, dir.tmp -> dir,
- * removes dir.old and fsyncs the parent. A folder without meta.json is never
- * a checkpoint, so a crash at any point leaves the previous one loadable.
+ * meta.json the same way, fsyncs, renames dir.tmp -> dir (over an existing
+ * dir: exchanges the two, then removes the old one, now named dir.tmp, which a
+ * save of that step cleans if a crash leaves it) and fsyncs the parent. A
+ * folder without meta.json is never a checkpoint, so a crash at any point
+ * leaves the previous one loadable; removal takes meta.json last ([Note:
+ * removal order]).
  * Only files a checkpoint writer makes are ever replaced or removed
  * ([Note: only our own files]).
  */
@@ -260,14 +263,17 @@ enum fsdp_status fsdp_ckpt_check_target(struct fsdp_ctx *ctx, const char *dir) {
     return check_owned_dir(ctx, tmpdir, "the unfinished save's folder", 0);
 }
 
-/* Removes the files of ours from a flat folder, then the folder if empty. */
-static void remove_owned(const char *dir) {
+/* Removes the files of ours from a flat folder but `keep` (a name, or NULL),
+ * then the folder if that left it empty. */
+static void remove_owned(const char *dir, const char *keep) {
     DIR *d = opendir(dir);
     if (!d) return;
     struct dirent *e;
     while ((e = readdir(d))) {
         char p[PATH_MAX];
-        if ((size_t)snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < sizeof p && owned_file(p, e->d_name)) unlink(p);
+        if ((!keep || strcmp(e->d_name, keep)) && (size_t)snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < sizeof p &&
+            owned_file(p, e->d_name))
+            unlink(p);
     }
     closedir(d);
     rmdir(dir);
@@ -294,10 +300,23 @@ enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir) {
     if (!dir || stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
         return fsdp__err(ctx, FSDP_ERR_IO, "%s: not a checkpoint folder", dir ? dir : "(null)");
     FSDP_TRY(check_owned_dir(ctx, dir, "", 1));
-    remove_owned(dir);
+    /* [Note: removal order] meta.json goes last, after the rank files' unlinks
+     * are on disk: a removal cut short (a kill, a power loss) leaves a folder
+     * that still reads as a checkpoint, so the next --keep-last finds it and
+     * removes the rest, where meta.json gone first would leave its rank files
+     * behind in a folder nothing lists, for good. Such a folder's load fails
+     * naming the missing file; --keep-last never removes the newest one. */
+    remove_owned(dir, FSDP__META_NAME);
+    char meta[PATH_MAX];
+    if ((size_t)snprintf(meta, sizeof meta, "%s/%s", dir, FSDP__META_NAME) >= sizeof meta)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: path too long", dir);
+    FSDP_TRY(fsdp__fsync_dir(ctx, meta)); /* the folder itself: meta.json's parent */
+    fsdp__fault_point("ckpt-remove", dir);
+    if (unlink(meta) != 0 && errno != ENOENT)
+        return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot remove: %s", meta, strerror(errno));
     if (rmdir(dir) != 0 && errno != ENOENT)
         return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot remove: %s", dir, strerror(errno));
-    return FSDP_OK;
+    return fsdp__fsync_dir(ctx, dir); /* its parent */
 }
 
 /* Rank 0: removes files of dir.tmp that this save did not write (a crashed
@@ -331,7 +350,7 @@ enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, co
         if (renameat2(AT_FDCWD, tmpdir, AT_FDCWD, dir, RENAME_EXCHANGE) != 0)
             return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot swap in %s: %s", dir, tmpdir, strerror(errno));
         FSDP_TRY(fsdp__fsync_dir(ctx, dir));
-        remove_owned(tmpdir);
+        remove_owned(tmpdir, NULL);
         return FSDP_OK;
     }
     if (rename(tmpdir, dir) != 0)
