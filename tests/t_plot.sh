@@ -2,7 +2,8 @@
 # t_plot.sh - fsdp-plot: logs of known curves are drawn where the data says
 # (the SVG rendered by headless Chromium, the PNG read back by
 # tests/plot_check.py against each panel's data-* mapping); a real
-# fsdp-train --log plots; bad input gives one line and a non-zero exit;
+# fsdp-train --log plots, and one a resumed run appended to plots as two
+# parts; bad input gives one line and a non-zero exit;
 # -o never replaces a file fsdp-plot did not write. Chromium comes with
 # scripts/install-deps.sh --with-torch; without it the rendering checks are
 # skipped, saying so. Prints "N passed, N failed".
@@ -61,6 +62,29 @@ if "$TRAIN" --model tiny --data synthetic --batch 4 --seq 16 --steps 4 --threads
    && for f in loss lr grad_norm tokens_per_s peak_rss_mb mfu; do grep -q "data-field=\"$f\"" "$tmp/real.svg" || exit 1; done; then
   ok "an fsdp-train --log plots with panels for loss, lr, grad_norm, tokens/s, peak memory and MFU"
 else bad "an fsdp-train --log plots" "$(tail -3 "$tmp/train")" "$(head -3 "$tmp/out")"; fi
+
+# ---- a resumed run appends to its --log; each part is its own line ----
+# run 4 steps saving at 2 and 4, then resume the step-2 checkpoint into the same log: the log keeps
+# the first run's lines, then the resumed run's config record and steps 3, 4 (the same losses:
+# resuming reproduces the run), and the plot draws each series as two polylines, not one that
+# runs back from step 4 to step 3
+if "$TRAIN" --model tiny --data synthetic --batch 4 --seq 16 --steps 4 --threads 1 --sample 0 --log "$tmp/rs.jsonl" \
+     --save-dir "$tmp/rsck" --save-every 2 > "$tmp/train" 2>&1 &&
+   "$TRAIN" --resume "$tmp/rsck/step-00000002" --threads 1 --log "$tmp/rs.jsonl" > "$tmp/train2" 2>&1 &&
+   grep -q "appending to .*rs.jsonl after its earlier lines (the run resumed at step 2)" "$tmp/train2" &&
+   python3 - "$tmp/rs.jsonl" <<'PY' &&
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+assert ["config" in r for r in rows] == [True] + [False] * 4 + [True] + [False] * 2, rows
+steps = [r for r in rows if "step" in r]
+assert [r["step"] for r in steps] == [1, 2, 3, 4, 3, 4], [r["step"] for r in steps]
+assert [r["loss"] for r in steps[2:4]] == [r["loss"] for r in steps[4:]], steps
+PY
+   "$PLOT" "$tmp/rs.jsonl" -o "$tmp/rs.svg" > "$tmp/out" 2>&1 &&
+   [ "$(grep -c 'data-series="loss"' "$tmp/rs.svg")" -eq $((2 * $(grep -c 'data-series="loss"' "$tmp/real.svg"))) ]
+then ok "a resumed run appends to its --log, and each part plots as its own line"
+else bad "a resumed run appends to its --log" "$(tail -2 "$tmp/train2")" "$(cat "$tmp/rs.jsonl" 2>&1 | cut -c1-80)" \
+  "$(grep -c 'data-series="loss"' "$tmp/rs.svg" "$tmp/real.svg" 2>&1)"; fi
 
 # ---- bad input: one line, non-zero exit, no output file ----
 expect_fail() { # NAME PATTERN ARGS...

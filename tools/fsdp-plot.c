@@ -8,7 +8,9 @@
  *
  * A log line is a JSON object; the lines with a numeric "step" are steps,
  * others (a configuration line) are skipped; a null value (a skipped step's
- * loss) breaks the curve. Every panel states its mapping in data-*
+ * loss) breaks the curve, and so does a configuration line after steps (a
+ * resumed run appends its own to the log, then steps from its checkpoint's
+ * on: each part is its own line, the later drawn over the earlier). Every panel states its mapping in data-*
  * attributes: the plot area in SVG units (data-x0 left, data-x1 right,
  * data-y0 top, data-y1 bottom) and the data range it spans (data-xmin,
  * data-xmax at x0, x1; data-ymin, data-ymax at y1, y0), so that a reader of
@@ -40,11 +42,13 @@ static const char *const key_names[K_N] = {"step",         "tokens",       "loss
                                            "lr",           "grad_norm",    "tokens_per_s", "images_per_s",
                                            "peak_rss_mb",  "mfu",          "eval_acc"};
 
-/* One run: n steps, each key's value per step (NAN: absent or null). */
+/* One run: n steps, each key's value per step (NAN: absent or null), and
+ * whether a step is the first after a configuration line that follows steps. */
 struct run {
     const char *path, *label;
     int n, cap;
     double *v[K_N];
+    unsigned char *resumed;
 };
 
 /* A panel: y series (primary solid, secondary dashed with markers) against key x. */
@@ -97,7 +101,7 @@ static void usage(FILE *f) {
             "Exit status: 0 ok, 1 a bad log or output, 2 usage.\n");
 }
 
-static void run_push(struct run *r, const double *vals) {
+static void run_push(struct run *r, const double *vals, int resumed) {
     if (r->n == r->cap) {
         r->cap = r->cap ? 2 * r->cap : 256;
         for (int k = 0; k < K_N; k++) {
@@ -105,8 +109,12 @@ static void run_push(struct run *r, const double *vals) {
             if (!p) die("out of memory reading '%s'", r->path);
             r->v[k] = p;
         }
+        unsigned char *q = realloc(r->resumed, (size_t)r->cap);
+        if (!q) die("out of memory reading '%s'", r->path);
+        r->resumed = q;
     }
     for (int k = 0; k < K_N; k++) r->v[k][r->n] = vals[k];
+    r->resumed[r->n] = (unsigned char)resumed;
     r->n++;
 }
 
@@ -122,6 +130,7 @@ static void read_log(struct run *r) {
     size_t cap = 0;
     ssize_t len;
     long lineno = 0;
+    int resumed = 0; /* a configuration line after steps: the next step starts a part */
     while ((len = getline(&line, &cap, f)) >= 0) {
         lineno++;
         if ((size_t)len != strlen(line)) die("%s:%ld: not a JSON object (holds a NUL byte)", r->path, lineno);
@@ -140,10 +149,13 @@ static void read_log(struct run *r) {
                 cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key_names[k]);
                 vals[k] = cJSON_IsNumber(it) && isfinite(it->valuedouble) ? it->valuedouble : NAN;
             }
-            run_push(r, vals);
+            run_push(r, vals, resumed);
+            resumed = 0;
         } else if (s && !cJSON_IsNull(s)) {
             cJSON_Delete(o);
             die("%s:%ld: \"step\" is not a number", r->path, lineno);
+        } else if (cJSON_GetObjectItemCaseSensitive(o, "config")) {
+            resumed = r->n > 0;
         }
         cJSON_Delete(o);
     }
@@ -225,13 +237,18 @@ static void range_of(const struct run *runs, int nr, enum key k, enum key with, 
         }
 }
 
-/* One series of one run: polylines broken at absent values (connect: joined
- * across them, for sparse series such as eval_loss), markers when sparse. */
+/* One series of one run: polylines broken at absent values (dashed: joined
+ * across them, for sparse series such as eval_loss) and, every series, where
+ * a resumed part starts; markers when sparse. */
 static void draw_series(FILE *f, const struct run *r, enum key xk, enum key yk, const char *color, int dashed,
                         double x0, double x1, double y0, double y1, const struct axis *ax, const struct axis *ay) {
     int open = 0, npts = 0;
     for (int j = 0; j < r->n; j++) {
         double x = r->v[xk][j], y = r->v[yk][j];
+        if (open && r->resumed[j]) {
+            fputs("\"/>\n", f);
+            open = 0;
+        }
         if (isnan(x) || isnan(y)) {
             if (open && !dashed) {
                 fputs("\"/>\n", f);
@@ -417,8 +434,10 @@ int main(int argc, char **argv) {
     if (rename(tmp, out) != 0) die("-o '%s': cannot rename '%s' to it: %s", out, tmp, strerror(errno));
     g_out_tmp = NULL;
     printf("wrote %s: %d panel%s, %d run%s\n", out, np, np == 1 ? "" : "s", nr, nr == 1 ? "" : "s");
-    for (int i = 0; i < nr; i++)
+    for (int i = 0; i < nr; i++) {
         for (int k = 0; k < K_N; k++) free(runs[i].v[k]);
+        free(runs[i].resumed);
+    }
     free(runs);
     return 0;
 }

@@ -317,9 +317,13 @@ int main(int argc, char **argv) {
     if (peak.flops > 0 && rank == 0) printf("MFU peak: %.1f GFLOP/s (%s)\n", peak.flops / 1e9, peak.how);
 
     FILE *logf = NULL;
-    if (o.log_path && rank == 0 && !(logf = open_log(o.log_path)))
+    if (o.log_path && rank == 0 && !(logf = open_log(o.log_path, resume_dir != NULL)))
         fail_rank("--log: cannot open '%s': %s", o.log_path, strerror(errno));
-    if (logf) fprintf(logf, "{\"config\": %s}\n", cfg_json); /* the first line ([Note: a log is replaced only by a log]) */
+    struct stat log_sb;
+    if (logf && resume_dir && fstat(fileno(logf), &log_sb) == 0 && log_sb.st_size > 0)
+        printf("--log: appending to %s after its earlier lines (the run resumed at step %d)\n", o.log_path, start_step);
+    /* the run's first line ([Note: a log is replaced only by a log]) */
+    if (logf) fprintf(logf, "{\"config\": %s}\n", cfg_json);
     log_flush(logf, o.log_path);
     free(cfg_json);
 

@@ -167,10 +167,14 @@ static int check_out_file(const char *flag, const char *path, char *err, size_t 
 }
 
 /* [Note: a log is replaced only by a log] --log FILE is rewritten from its
- * first line. A path that exists must be a regular file (not a link, a FIFO,
- * which would block the open, or a device) and be empty or a log of
- * fsdp-train (its first line the config record, LOG_FIRST): any other file,
- * the --data file given again by mistake among them, is the user's. */
+ * first line, or, by a run that resumes a checkpoint, appended to: the
+ * resumed run's config record, then its steps, after the earlier run's lines
+ * (which a resume into the same --log would otherwise lose; readers take a
+ * config record as the start of a run). A path that exists must be a regular
+ * file (not a link, a FIFO, which would block the open, or a device) and be
+ * empty or a log of fsdp-train (its first line the config record, LOG_FIRST):
+ * any other file, the --data file given again by mistake among them, is the
+ * user's. */
 #define LOG_FIRST "{\"config\": "
 
 /* Up to n bytes from the start of the regular file path (fsdp_open_regular:
@@ -196,8 +200,8 @@ static int check_log_file(const char *path, char *err, size_t n) {
     return 0;
 }
 
-FILE *open_log(const char *path) {
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+FILE *open_log(const char *path, int append) {
+    int fd = open(path, O_WRONLY | O_CREAT | (append ? O_APPEND : O_TRUNC) | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
     struct stat sb;
     if (fd >= 0 && (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode))) {
         close(fd);

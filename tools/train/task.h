@@ -201,8 +201,9 @@ void launcher_check(void);
  * checkpoint there after step `start`, the resumed one, and nothing at a
  * step this run saves that its writer would refuse) and locks --save-dir
  * ([Note: output preflight]); every rank ends alike on a failure.
- * COLLECTIVE. open_log: --log for writing, a
- * regular file only, never through a link (NULL and errno on failure);
+ * COLLECTIVE. open_log: --log for writing (appending: after its lines, for
+ * a resumed run), a regular file only, never through a link (NULL and errno
+ * on failure);
  * log_flush: writes out what it holds (f may be NULL), a failure ends the
  * rank naming the file (a full disk, /dev/full) instead of losing lines. */
 const char *resolve_resume(const char *dir, char *buf, size_t n);
@@ -210,7 +211,7 @@ void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o
                int tty);
 int saves_step(const struct opts *o, long n, long steps);
 void check_outputs(struct fsdp_ctx *ctx, const struct opts *o, long start, long steps);
-FILE *open_log(const char *path);
+FILE *open_log(const char *path, int append);
 void log_flush(FILE *f, const char *path);
 
 /* fsdp-train.c's error exits and clock, for the tasks. */
