@@ -263,6 +263,33 @@ else
     "$(tail -3 "$tmp/o2")" "$(ls "$tmp/kk")"
 fi
 
+# --autoresume (Composer's autoresume): one command line starts the job and, after it is killed,
+# continues it from --save-dir's newest checkpoint, the log appended to; the resumed steps are the
+# uninterrupted run's
+ar=(--steps 4 --save-dir "$tmp/ar" --save-every 2 --autoresume --log "$tmp/ar.jsonl")
+FSDP_FAULT=forward:0:3 train "${ar[@]}" > "$tmp/o1" 2>&1; rc1=$?
+train "${ar[@]}" > "$tmp/o2" 2>&1; rc2=$?
+cp "$tmp/ar.jsonl" "$tmp/ar2.jsonl"
+train "${ar[@]}" > "$tmp/o3" 2>&1; rc3=$?
+train --steps 4 --log "$tmp/ar_ref.jsonl" > /dev/null 2>&1
+if [ $rc1 -ne 0 ] && grep -q "autoresume: no checkpoint in .*ar yet: starting afresh" "$tmp/o1" &&
+   [ $rc2 -eq 0 ] && grep -q "autoresume: continuing from .*ar/step-00000002" "$tmp/o2" &&
+   [ $rc3 -eq 0 ] && grep -q "nothing left to train" "$tmp/o3" &&
+   python3 - "$tmp/ar2.jsonl" "$tmp/ar_ref.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+ref = {r["step"]: r["loss"] for r in map(json.loads, open(sys.argv[2])) if "step" in r}
+steps = [r["step"] if "step" in r else "config" for r in rows]
+assert steps[:3] == ["config", 1, 2] and steps[-3:] == ["config", 3, 4], steps
+assert all(r["loss"] == ref[r["step"]] for r in rows if "step" in r), (rows, ref)
+PY
+then ok "--autoresume starts the job, continues it after a kill with the uninterrupted run's losses, and stops when done"
+else bad "--autoresume" "exits $rc1 $rc2 $rc3" "$(grep autoresume "$tmp/o1" "$tmp/o2")" "$(tail -2 "$tmp/o2")" \
+  "$(tail -2 "$tmp/o3")"; fi
+"$TRAIN" --model tiny --data synthetic --steps 2 --autoresume > "$tmp/o" 2>&1; rc=$?
+[ $rc -eq 2 ] && grep -q -- "--autoresume needs --save-dir" "$tmp/o" && ok "--autoresume without --save-dir: usage error" ||
+  bad "--autoresume without --save-dir" "exit $rc" "$(head -2 "$tmp/o")"
+
 # ---- corruption and truncation of a sharded checkpoint ----
 good="$tmp/s2/step-00000006"
 rankf="$good/rank-00001-of-00002.safetensors"

@@ -185,6 +185,32 @@ int main(int argc, char **argv) {
         fprintf(stderr, "fsdp-train: warning: --threads %d is more than the %ld CPUs of this host: the threads will "
                 "take turns on the cores (slower, same results)\n", o.threads, cpus);
 
+    /* --autoresume (Composer's autoresume): --save-dir's newest complete
+     * checkpoint, when it holds one, replaces --resume and --init-from; every
+     * rank must find the same one (a --save-dir each host keeps its own copy
+     * of would not), which the ranks check before any of them loads */
+    char auto_buf[4096];
+    int autoresumed = 0; /* resuming --save-dir's own newest checkpoint */
+    if (o.autoresume) {
+        const char *found = resolve_resume(o.save_dir, auto_buf, sizeof auto_buf);
+        uint32_t h = 2166136261u; /* FNV-1a of the path found: equal on every rank, or they differ */
+        for (const char *s = found; s && *s; s++) h = (h ^ (unsigned char)*s) * 16777619u;
+        int32_t mine[2] = {found != NULL, (int32_t)(h >> 1)}, lo[2], hi[2];
+        if (fsdp_comm_allreduce(fsdp_ctx_comm(ctx), mine, lo, 2, FSDP_I32, FSDP_MIN) != FSDP_OK ||
+            fsdp_comm_allreduce(fsdp_ctx_comm(ctx), mine, hi, 2, FSDP_I32, FSDP_MAX) != FSDP_OK)
+            fail_rank("%s", fsdp_errmsg(ctx));
+        if (lo[0] != hi[0] || lo[1] != hi[1])
+            fail_all("--autoresume: the ranks find different checkpoints in --save-dir '%s' (this rank: %s): give "
+                     "every rank the same folder", o.save_dir, found ? found : "none");
+        if (found && rank == 0)
+            printf("autoresume: continuing from %s%s\n", found, o.resume ? " (not --resume's)"
+                                                              : o.init_from ? " (not --init-from)" : "");
+        else if (rank == 0)
+            printf("autoresume: no checkpoint in %s yet: %s\n", o.save_dir,
+                   o.resume ? "continuing from --resume" : o.init_from ? "starting from --init-from" : "starting afresh");
+        if (found) o.resume = found, o.init_from = NULL, autoresumed = 1;
+    }
+
     /* --resume: meta.json first, for its model config */
     char resume_buf[4096];
     const char *resume_dir = NULL;
@@ -225,7 +251,8 @@ int main(int argc, char **argv) {
     if (nothing_left && rank == 0)
         printf("nothing left to train: %s is at step %lld and --steps is %d (give --steps above %lld and "
                "--override steps to train further)\n", resume_dir, (long long)ck.step, steps, (long long)ck.step);
-    if (nothing_left && !o.save_full && !o.save_dir) {
+    /* (--save-dir's newest is the checkpoint loaded: --autoresume saves it not again) */
+    if (nothing_left && !o.save_full && (!o.save_dir || autoresumed)) {
         task.ops->free(&task);
         fsdp_ctx_free(ctx);
         return 0;
@@ -407,7 +434,7 @@ int main(int argc, char **argv) {
         if (o.save_dir && saves_step(&o, step + 1, steps))
             save_ckpt(ctx, fm, &o, &task, step + 1, tty);
     }
-    if (o.save_dir && nothing_left) save_ckpt(ctx, fm, &o, &task, start_step, tty);
+    if (o.save_dir && nothing_left && !autoresumed) save_ckpt(ctx, fm, &o, &task, start_step, tty);
     if (tty && rank == 0) printf("\n");
     if (logf && fclose(logf) != 0) fail_rank("--log: writing '%s' failed: %s", o.log_path, strerror(errno));
 

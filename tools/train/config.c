@@ -159,6 +159,7 @@ static const struct flag flags[] = {
     F("save-every", K_INT, save_every, R_NO),
     F("keep-last", K_INT, keep_last, R_NO),
     F("resume", K_STR, resume, R_NO),
+    F("autoresume", K_SWITCH, autoresume, R_NO),
     F("save-full", K_STR, save_full, R_NO),
     F("state-dict-type", K_STR, state_dict_type, R_NO),
     F("init-from", K_STR, init_from, R_NO),

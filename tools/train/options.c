@@ -213,6 +213,10 @@ static void usage(FILE *f) {
             "                        inference) (default sharded)\n"
             "  --resume DIR          continue from a checkpoint folder, or the newest one in a\n"
             "                        --save-dir (saved at any world size)\n"
+            "  --autoresume          (Composer's autoresume) continue from the newest checkpoint in\n"
+            "                        --save-dir when it holds one (--resume and --init-from are then\n"
+            "                        not used), else start as without it: the same command line\n"
+            "                        starts a job and restarts it after a failure\n"
             "  --save-full FILE      at the end, write the parameters as one safetensors file\n"
             "  --init-from FILE      initial weights from a safetensors file (ours, or Hugging Face\n"
             "                        GPT-2 model.safetensors)\n"
@@ -407,6 +411,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         if (!strcmp(a, "--check-collectives")) { o->check_collectives = 1; continue; }
         if (!strcmp(a, "--profile")) { o->profile = 1; continue; }
         if (!strcmp(a, "--dry-run")) { o->dry_run = 1; continue; }
+        if (!strcmp(a, "--autoresume")) { o->autoresume = 1; continue; }
         if (!strcmp(a, "--nesterov")) { o->nesterov = 1; continue; }
         if (!strcmp(a, "--eval-baseline")) { o->eval_baseline = 1; continue; }
         if (strncmp(a, "--", 2) != 0) usage_error("unexpected argument '%s'", a);
@@ -624,9 +629,14 @@ void parse_args(int argc, char **argv, struct opts *o) {
         usage_error("--step-forward-ms %g is more than --step-compute-ms %g (the step's forward and backward)",
                     (double)o->step_forward_ms, (double)o->step_compute_ms);
     if (o->resume && o->init_from) usage_error("--resume and --init-from exclude each other");
-    if (o->override && !o->resume)
+    if (o->override && !o->resume && !o->autoresume)
         usage_error("--override %s: it names flags --resume restores from a checkpoint; without --resume it "
                     "changes nothing", o->override);
+    if (o->autoresume && !o->save_dir)
+        usage_error("--autoresume needs --save-dir (the folder it resumes from and the run saves into)");
+    if (o->autoresume && !strcmp(o->state_dict_type, "full"))
+        usage_error("--autoresume needs --state-dict-type sharded: a full checkpoint holds no optimizer state or "
+                    "data position to resume");
     if (!strcmp(o->init, "rank0") && !o->init_from)
         usage_error("--init rank0 needs --init-from FILE (the weights rank 0 reads and sends)");
     if ((o->save_every || o->keep_last) && !o->save_dir) usage_error("--save-every and --keep-last need --save-dir");

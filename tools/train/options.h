@@ -26,6 +26,7 @@ struct opts {
     uint64_t seed;
     const char *save_dir, *resume, *init_from, *save_full; /* checkpoints */
     int save_every, keep_last;
+    int autoresume;             /* --autoresume: --save-dir's newest checkpoint when it holds one */
     const char *state_dict_type; /* --state-dict-type sharded | full: what --save-dir saves */
     float peak_gflops;          /* --peak-gflops X per rank for MFU; 0 = measure (train/mfu.c) */
     int dry_run;                /* --dry-run: print the memory plan and stop */
