@@ -290,6 +290,28 @@ else bad "--autoresume" "exits $rc1 $rc2 $rc3" "$(grep autoresume "$tmp/o1" "$tm
 [ $rc -eq 2 ] && grep -q -- "--autoresume needs --save-dir" "$tmp/o" && ok "--autoresume without --save-dir: usage error" ||
   bad "--autoresume without --save-dir" "exit $rc" "$(head -2 "$tmp/o")"
 
+# SIGUSR1 ([Note: stop on SIGUSR1] in tools/fsdp-train.c), sent to the launcher as a batch system
+# would: both ranks stop after the same step, save it, exit 3; the same command with --autoresume
+# then continues from it
+"$TRAIN" "${common[@]}" --nproc 2 --steps 100000 --save-dir "$tmp/su" --save-every 100000 --log "$tmp/su.jsonl" \
+  > "$tmp/o" 2>&1 & # not through train's timeout: the signal is for fsdp-train's launcher itself
+pid=$!
+for _ in $(seq 600); do grep -q "^step" "$tmp/o" && break; sleep 0.1; done
+(sleep 120 && kill -9 $pid) > /dev/null 2>&1 & guard=$! # a run that ignored the signal ends
+kill -USR1 $pid 2> /dev/null; wait $pid; rc=$?
+pkill -P $guard 2> /dev/null; kill $guard 2> /dev/null
+n=$(ls "$tmp/su" 2> /dev/null | sed -n 's/^step-0*\([0-9][0-9]*\)$/\1/p')
+logged=$(python3 -c 'import json, sys; print([json.loads(l)["step"] for l in open(sys.argv[1]) if "\"step\"" in l][-1])' \
+  "$tmp/su.jsonl" 2> /dev/null)
+if [ $rc -eq 3 ] && [ -n "$n" ] && [ "$n" = "$logged" ] && [ -f "$tmp/su/step-$(printf %08d "$n")/meta.json" ] &&
+   grep -q "stopping after step $n of 100000 on SIGUSR1" "$tmp/o" &&
+   train --nproc 2 --steps $((n + 2)) --override steps --save-dir "$tmp/su" --save-every 100000 --autoresume \
+     --log "$tmp/su.jsonl" > "$tmp/o2" 2>&1 && grep -q "autoresume: continuing from .*step-$(printf %08d "$n")" "$tmp/o2" &&
+   [ -f "$tmp/su/step-$(printf %08d $((n + 2)))/meta.json" ]; then
+  ok "SIGUSR1 stops both ranks after step $n with its checkpoint (exit 3), and --autoresume continues"
+else bad "SIGUSR1" "exit $rc, checkpoint step '$n', last logged step '$logged'" "$(grep -v '^step' "$tmp/o" | tail -3)" \
+  "$(tail -2 "$tmp/o2" 2> /dev/null)"; fi
+
 # ---- corruption and truncation of a sharded checkpoint ----
 good="$tmp/s2/step-00000006"
 rankf="$good/rank-00001-of-00002.safetensors"

@@ -11,12 +11,25 @@
  * Errors that every rank detects alike (flags, config, data) end the job
  * with one message from rank 0 and exit code 1 (2 for usage, and for an
  * image model's bad config or data: fail_input); an error on one rank
- * alone aborts the whole job so that no peer waits forever.
+ * alone aborts the whole job so that no peer waits forever. A run stopped
+ * early by SIGUSR1 exits 3 ([Note: stop on SIGUSR1]).
+ *
+ * [Note: stop on SIGUSR1] A batch system's warning before it preempts or
+ * ends a job (Slurm's --signal=USR1@T; mpirun passes SIGUSR1 on to every
+ * rank) makes the run stop at a step boundary with a checkpoint instead of
+ * losing the steps since the last one: the handler only sets a flag; the
+ * per-step all-reduce (the peak RSS's) carries it, so every rank sees it
+ * after the same step, saves to --save-dir (when it has one and did not just
+ * save) and ends with status 3 (not 0: the run did not reach --steps;
+ * --resume, or the same command with --autoresume, continues it). Nothing
+ * runs that belongs to the end of a run (--save-full, the task's final
+ * evaluation).
  */
 #include "fsdp.h"
 
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -146,7 +159,18 @@ static float lr_at(const struct opts *o, const struct fsdp_lr_sched *s, int64_t 
     return (float)lr;
 }
 
+static volatile sig_atomic_t g_stop_asked; /* [Note: stop on SIGUSR1] */
+static void on_stop_signal(int sig) {
+    (void)sig;
+    g_stop_asked = 1;
+}
+
 int main(int argc, char **argv) {
+    struct sigaction stop_sa = {0}; /* from the start: a SIGUSR1 during setup stops after the first step */
+    stop_sa.sa_handler = on_stop_signal;
+    stop_sa.sa_flags = SA_RESTART;
+    sigemptyset(&stop_sa.sa_mask);
+    sigaction(SIGUSR1, &stop_sa, NULL);
     struct opts o = opts_default();
     int cargc;
     char **cargv; /* --config's flags, then argv's */
@@ -360,7 +384,7 @@ int main(int argc, char **argv) {
     int tty = tty_env ? atoi(tty_env) : isatty(STDOUT_FILENO);
     double total_s = 0, first_loss = 0, last_loss = 0;
     struct eval_result ev = {NAN, NAN, 0};
-    int timed = 0, skipped = 0, evaluated = 0;
+    int timed = 0, skipped = 0, evaluated = 0, stopped = 0;
     struct comm_delta comm_total = {0}; /* over the timed steps (all but the first) */
     if (task.ops->before_train && task.ops->before_train(&task, ctx, fm, &o) != FSDP_OK)
         fail_rank("before the first step: %s", fsdp_errmsg(ctx));
@@ -391,9 +415,11 @@ int main(int argc, char **argv) {
                 fail_rank("step %d: evaluation: %s", step + 1, fsdp_errmsg(ctx));
             evaluated = 1;
         }
-        float rss = (float)((double)fsdp_peak_rss_bytes() / 1048576.0), rss_max = rss;
-        if (fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &rss, &rss_max, 1, FSDP_F32, FSDP_MAX) != FSDP_OK)
+        /* the peak RSS over the ranks, and whether one was asked to stop */
+        float mine[2] = {(float)((double)fsdp_peak_rss_bytes() / 1048576.0), g_stop_asked ? 1.0f : 0.0f}, most[2];
+        if (fsdp_comm_allreduce(fsdp_ctx_comm(ctx), mine, most, 2, FSDP_F32, FSDP_MAX) != FSDP_OK)
             fail_rank("%s", fsdp_errmsg(ctx));
+        float rss_max = most[0];
         double tps = task.items_per_step / dt;
         if (rank == 0) {
             if (tty) progress(step + 1, steps, r.loss, dt * 1e3, tps, task.item);
@@ -431,19 +457,29 @@ int main(int argc, char **argv) {
                 log_flush(logf, o.log_path);
             }
         }
-        if (o.save_dir && saves_step(&o, step + 1, steps))
+        int stop = most[1] > 0.0f && step + 1 < steps;
+        if (o.save_dir && (saves_step(&o, step + 1, steps) || stop))
             save_ckpt(ctx, fm, &o, &task, step + 1, tty);
+        if (stop) {
+            if (tty && rank == 0) printf("\n");
+            if (rank == 0)
+                printf("stopping after step %d of %d on SIGUSR1: %s\n", step + 1, steps,
+                       o.save_dir ? "--resume, or this command with --autoresume, continues from its checkpoint"
+                                  : "nothing saved (no --save-dir)");
+            stopped = 1;
+            break;
+        }
     }
     if (o.save_dir && nothing_left && !autoresumed) save_ckpt(ctx, fm, &o, &task, start_step, tty);
-    if (tty && rank == 0) printf("\n");
+    if (tty && rank == 0 && !stopped) printf("\n");
     if (logf && fclose(logf) != 0) fail_rank("--log: writing '%s' failed: %s", o.log_path, strerror(errno));
 
-    if (o.save_full) {
+    if (o.save_full && !stopped) {
         double t0 = now_s();
         if (fsdp_model_save_full(ctx, fm, o.save_full) != FSDP_OK) fail_all("--save-full: %s", fsdp_errmsg(ctx));
         if (rank == 0) printf("saved %s in %.2f s\n", o.save_full, now_s() - t0);
     }
-    if (task.ops->finish && !nothing_left) task.ops->finish(&task, ctx, fm, &o);
+    if (task.ops->finish && !nothing_left && !stopped) task.ops->finish(&task, ctx, fm, &o);
 
     float rss = (float)((double)fsdp_peak_rss_bytes() / 1048576.0), rss_max = rss;
     fsdp_comm_allreduce(fsdp_ctx_comm(ctx), &rss, &rss_max, 1, FSDP_F32, FSDP_MAX);
@@ -499,5 +535,5 @@ int main(int argc, char **argv) {
     task.ops->free(&task);
     fsdp_ctx_free(ctx);
     config_release();
-    return 0;
+    return stopped ? 3 : 0;
 }
