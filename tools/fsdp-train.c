@@ -275,7 +275,7 @@ int main(int argc, char **argv) {
     if (nothing_left && rank == 0)
         printf("nothing left to train: %s is at step %lld and --steps is %d (give --steps above %lld and "
                "--override steps to train further)\n", resume_dir, (long long)ck.step, steps, (long long)ck.step);
-    /* (--save-dir's newest is the checkpoint loaded: --autoresume saves it not again) */
+    /* --autoresume loaded --save-dir's newest checkpoint: it does not save that again */
     if (nothing_left && !o.save_full && (!o.save_dir || autoresumed)) {
         task.ops->free(&task);
         fsdp_ctx_free(ctx);
