@@ -209,31 +209,12 @@ int main(int argc, char **argv) {
         fprintf(stderr, "fsdp-train: warning: --threads %d is more than the %ld CPUs of this host: the threads will "
                 "take turns on the cores (slower, same results)\n", o.threads, cpus);
 
-    /* --autoresume (Composer's autoresume): --save-dir's newest complete
-     * checkpoint, when it holds one, replaces --resume and --init-from; every
-     * rank must find the same one (a --save-dir each host keeps its own copy
-     * of would not), which the ranks check before any of them loads */
+    /* --autoresume: --save-dir's newest checkpoint, when it holds one, in
+     * place of --resume and --init-from */
     char auto_buf[4096];
-    int autoresumed = 0; /* resuming --save-dir's own newest checkpoint */
-    if (o.autoresume) {
-        const char *found = resolve_resume(o.save_dir, auto_buf, sizeof auto_buf);
-        uint32_t h = 2166136261u; /* FNV-1a of the path found: equal on every rank, or they differ */
-        for (const char *s = found; s && *s; s++) h = (h ^ (unsigned char)*s) * 16777619u;
-        int32_t mine[2] = {found != NULL, (int32_t)(h >> 1)}, lo[2], hi[2];
-        if (fsdp_comm_allreduce(fsdp_ctx_comm(ctx), mine, lo, 2, FSDP_I32, FSDP_MIN) != FSDP_OK ||
-            fsdp_comm_allreduce(fsdp_ctx_comm(ctx), mine, hi, 2, FSDP_I32, FSDP_MAX) != FSDP_OK)
-            fail_rank("%s", fsdp_errmsg(ctx));
-        if (lo[0] != hi[0] || lo[1] != hi[1])
-            fail_all("--autoresume: the ranks find different checkpoints in --save-dir '%s' (this rank: %s): give "
-                     "every rank the same folder", o.save_dir, found ? found : "none");
-        if (found && rank == 0)
-            printf("autoresume: continuing from %s%s\n", found, o.resume ? " (not --resume's)"
-                                                              : o.init_from ? " (not --init-from)" : "");
-        else if (rank == 0)
-            printf("autoresume: no checkpoint in %s yet: %s\n", o.save_dir,
-                   o.resume ? "continuing from --resume" : o.init_from ? "starting from --init-from" : "starting afresh");
-        if (found) o.resume = found, o.init_from = NULL, autoresumed = 1;
-    }
+    const char *auto_found = o.autoresume ? resolve_autoresume(ctx, &o, auto_buf, sizeof auto_buf) : NULL;
+    int autoresumed = auto_found != NULL; /* resuming --save-dir's own newest checkpoint */
+    if (autoresumed) o.resume = auto_found, o.init_from = NULL;
 
     /* --resume: meta.json first, for its model config */
     char resume_buf[4096];

@@ -1,7 +1,7 @@
 /*
  * ckpt.c - fsdp-train's checkpoint folders and output locations: where
- * --resume finds a checkpoint, saving DIR/step-N every --save-every steps
- * and keeping the newest --keep-last, and the check of every output path
+ * --resume and --autoresume find a checkpoint, saving DIR/step-N every
+ * --save-every steps and keeping the newest --keep-last, and the check of every output path
  * before step 1, with the lock on --save-dir ([Note: output preflight]).
  * The library writes and reads the checkpoints themselves (src/fsdp/ckpt/).
  * Part of fsdp-train (tools/fsdp-train.c runs the job; task.h declares these).
@@ -75,6 +75,27 @@ const char *resolve_resume(const char *dir, char *buf, size_t n) {
     ckpt_path(buf, n, dir, steps[k - 1], 0);
     free(steps);
     return buf;
+}
+
+const char *resolve_autoresume(struct fsdp_ctx *ctx, const struct opts *o, char *buf, size_t n) {
+    const char *found = resolve_resume(o->save_dir, buf, n);
+    uint32_t h = 2166136261u; /* FNV-1a of the path found: equal on every rank, or they differ */
+    for (const char *s = found; s && *s; s++) h = (h ^ (unsigned char)*s) * 16777619u;
+    int32_t mine[2] = {found != NULL, (int32_t)(h >> 1)}, lo[2], hi[2];
+    if (fsdp_comm_allreduce(fsdp_ctx_comm(ctx), mine, lo, 2, FSDP_I32, FSDP_MIN) != FSDP_OK ||
+        fsdp_comm_allreduce(fsdp_ctx_comm(ctx), mine, hi, 2, FSDP_I32, FSDP_MAX) != FSDP_OK)
+        fail_rank("%s", fsdp_errmsg(ctx));
+    if (lo[0] != hi[0] || lo[1] != hi[1])
+        fail_all("--autoresume: the ranks find different checkpoints in --save-dir '%s' (this rank: %s): give "
+                 "every rank the same folder", o->save_dir, found ? found : "none");
+    if (fsdp_ctx_rank(ctx) != 0) return found;
+    if (found)
+        printf("autoresume: continuing from %s%s\n", found,
+               o->resume ? " (not --resume's)" : o->init_from ? " (not --init-from)" : "");
+    else
+        printf("autoresume: no checkpoint in %s yet: %s\n", o->save_dir,
+               o->resume ? "continuing from --resume" : o->init_from ? "starting from --init-from" : "starting afresh");
+    return found;
 }
 
 /* Keeps the newest `keep` checkpoints of dir (rank 0 only). */

@@ -207,6 +207,12 @@ void launcher_check(void);
  * log_flush: writes out what it holds (f may be NULL), a failure ends the
  * rank naming the file (a full disk, /dev/full) instead of losing lines. */
 const char *resolve_resume(const char *dir, char *buf, size_t n);
+/* --autoresume (Composer's autoresume): --save-dir's newest complete
+ * checkpoint (into buf), or NULL when it holds none; every rank must find the
+ * same one (a --save-dir each host keeps its own copy of would not), which
+ * the ranks check before any of them loads: a difference ends the job naming
+ * the folder. Rank 0 says which. COLLECTIVE. */
+const char *resolve_autoresume(struct fsdp_ctx *ctx, const struct opts *o, char *buf, size_t n);
 void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o, struct task *t, int step,
                int tty);
 int saves_step(const struct opts *o, long n, long steps);
