@@ -2,7 +2,8 @@
 # t_ckpt_foreign.sh - no checkpoint writer deletes or replaces a file it did not
 # make ([Note: only our own files], src/fsdp/ckpt/ckpt.c and src/io/st_write.c):
 # every writer (fsdp-ckpt to-sharded and to-full, fsdp-train --save-dir,
-# --save-full and --keep-last) is pointed at a target that already holds foreign
+# --save-full, --keep-last and the save SIGUSR1 asks for; --autoresume's
+# search) is pointed at a target that already holds foreign
 # files, a regular file, an existing --save-dir, or a foreign ".tmp" sibling,
 # or files that only bear a checkpoint's names; and a rank file of another
 # save, which verify and --resume name ([Note: files of one save]).
@@ -135,6 +136,30 @@ mkdir -p kl3 && echo "my lock notes" > kl3/.lock
 train --steps 1 --save-dir kl3 > o 2>&1; rc=$?
 refused save_dir_foreign_lock "holds '.lock', which fsdp-train did not write" o $rc &&
   { intact kl3/.lock "my lock notes" && ok save_dir_foreign_lock || bad save_dir_foreign_lock "$(cat kl3/.lock)"; }
+
+# 10d. the trainer's own choices of where to save or resume: a save that SIGUSR1 asks for (at a
+#      step no --save-every named, so the preflight did not look there) refuses a step folder of
+#      the user's and names it; --autoresume does not take a lookalike folder for a checkpoint
+for k in $(seq 1 200); do d=su/$(printf step-%08d "$k"); mkdir -p "$d" && echo "notes $k" > "$d/notes.txt"; done
+"$TRAIN" "${common[@]}" --steps 100000 --save-dir su --save-every 100000 --log su.jsonl > o 2>&1 &
+pid=$! # signalled once the log's first line is out (flushed just before step 1; stdout is buffered)
+for _ in $(seq 1200); do [ -s su.jsonl ] && break; sleep 0.05; done
+(sleep 120 && kill -9 $pid) > /dev/null 2>&1 & guard=$!
+kill -USR1 $pid 2> /dev/null; wait $pid; rc=$?
+pkill -P $guard 2> /dev/null; kill $guard 2> /dev/null
+n=$(sed -n 's/^stopping after step \([0-9]*\) .*/\1/p' o)
+if refused sigusr1_save_foreign "notes.txt', which no checkpoint writer made" o $rc; then
+  bad_left=0
+  for k in $(seq 1 200); do intact "su/$(printf step-%08d "$k")/notes.txt" "notes $k" || bad_left=1; done
+  [ $bad_left -eq 0 ] && [ -z "$n" ] && ok sigusr1_save_foreign ||
+    bad sigusr1_save_foreign "notes changed: $bad_left; stopped at '$n'" "$(ls -R su | head -8)"
+fi
+mkdir -p ar/step-00000009 && echo '{"my":"settings"}' > ar/step-00000009/meta.json
+train --steps 2 --save-dir ar --autoresume > o 2>&1; rc=$?
+if [ $rc -eq 0 ] && grep -q "autoresume: no checkpoint in ar yet: starting afresh" o &&
+   intact ar/step-00000009/meta.json '{"my":"settings"}' && [ -f ar/step-00000002/meta.json ]; then
+  ok autoresume_skips_lookalike
+else bad autoresume_skips_lookalike "exit $rc" "$(grep autoresume o)" "$(ls -R ar)"; fi
 
 # 10c. a rank file of another save is named before any of it is read ([Note: files of one save])
 train --nproc 2 --steps 4 --save-dir mx --save-every 2 > o 2>&1 || bad "setup: two saves" "$(tail -3 o)"
