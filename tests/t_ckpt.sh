@@ -286,6 +286,22 @@ PY
 then ok "--autoresume starts the job, continues it after a kill with the uninterrupted run's losses, and stops when done"
 else bad "--autoresume" "exits $rc1 $rc2 $rc3" "$(grep autoresume "$tmp/o1" "$tmp/o2")" "$(tail -2 "$tmp/o2")" \
   "$(tail -2 "$tmp/o3")"; fi
+# --autoresume where the ranks see different --save-dir contents (each host's own disk; here each
+# rank its own working folder under one mpirun and a relative --save-dir): every rank stops naming
+# the folder before any loads, the checkpoint one of them found is left as it was
+T=$(realpath "$TRAIN")
+mkdir -p "$tmp/host0" "$tmp/host1"
+(cd "$tmp/host0" && timeout -k 5 120 "$T" "${common[@]}" --steps 2 --save-dir ck) > "$tmp/o" 2>&1
+sum0=$(cat "$tmp/host0/ck/step-00000002"/* 2> /dev/null | md5sum)
+hr=("$T" "${common[@]}" --steps 4 --save-dir ck --autoresume)
+timeout -k 5 120 mpirun --oversubscribe -np 1 --wdir "$tmp/host0" "${hr[@]}" : -np 1 --wdir "$tmp/host1" "${hr[@]}" \
+  > "$tmp/o2" 2>&1; rc=$?
+if [ -f "$tmp/host0/ck/step-00000002/meta.json" ] && [ $rc -ne 0 ] && [ $rc -ne 124 ] &&
+   grep -q "the ranks find different checkpoints in --save-dir 'ck'" "$tmp/o2" &&
+   [ "$(cat "$tmp/host0/ck/step-00000002"/* | md5sum)" = "$sum0" ] && [ -z "$(ls -A "$tmp/host1/ck" 2> /dev/null)" ] &&
+   ! grep -q "^step" "$tmp/o2"; then
+  ok "--autoresume with a checkpoint on one host's --save-dir only: every rank stops naming the folder"
+else bad "--autoresume, ranks disagreeing" "exit $rc" "$(tail -4 "$tmp/o2")" "$(ls "$tmp/host0/ck" "$tmp/host1/ck" 2>&1)"; fi
 "$TRAIN" --model tiny --data synthetic --steps 2 --autoresume > "$tmp/o" 2>&1; rc=$?
 [ $rc -eq 2 ] && grep -q -- "--autoresume needs --save-dir" "$tmp/o" && ok "--autoresume without --save-dir: usage error" ||
   bad "--autoresume without --save-dir" "exit $rc" "$(head -2 "$tmp/o")"
