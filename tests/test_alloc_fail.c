@@ -116,6 +116,9 @@ TEST(every_allocation_of_a_step_fails_cleanly) {
         if (left != 0) TEST_FAILF("allocation %ld of %ld: %lld accounted bytes not returned", k, n, left);
     }
     fprintf(stderr, "  %d of them have a fallback (the step succeeds, same values)\n", fallbacks);
+    /* the failures reached the step: most have no fallback (a hook that
+     * stopped failing would let every step succeed) */
+    if (!(fallbacks <= n / 2)) TEST_FAILF("%d of %ld failed allocations let the step succeed", fallbacks, n);
 #if defined(__SANITIZE_ADDRESS__)
     CHECK(__lsan_do_recoverable_leak_check() == 0);
 #endif
@@ -174,11 +177,13 @@ TEST(every_allocation_of_a_plan_fails_cleanly) {
     long n = fsdp__alloc_count;
     fprintf(stderr, "  a plan makes %ld library allocations\n", n);
     ASSERT(n >= 10);
+    long failed = 0;
     for (long k = 1; k <= n; k++) {
         fsdp__alloc_count = 0;
         fsdp__alloc_fail_at = k;
         enum fsdp_status st = plan_tiny(c, gpt, &p);
         fsdp__alloc_fail_at = 0;
+        failed += st == FSDP_ERR_NOMEM;
         if (st != FSDP_OK && st != FSDP_ERR_NOMEM)
             TEST_FAILF("allocation %ld of %ld: got %s (%s), expected out of memory", k, n, fsdp_status_str(st),
                        fsdp_errmsg(c));
@@ -192,6 +197,7 @@ TEST(every_allocation_of_a_plan_fails_cleanly) {
         if (p.total != ref.total || p.act != ref.act || p.full != ref.full)
             TEST_FAILF("allocation %ld of %ld: the next plan gives %zu bytes, not %zu", k, n, p.total, ref.total);
     }
+    if (!(failed > n / 2)) TEST_FAILF("only %ld of %ld failed allocations failed the plan", failed, n);
     fsdp_module_free(gpt);
     fsdp_ctx_free(c);
 #if defined(__SANITIZE_ADDRESS__)

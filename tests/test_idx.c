@@ -113,7 +113,11 @@ TEST(idx_reads_plain_and_gzip) {
         CHECK_INT_EQ(fsdp_images_label(tr, i), i % 3);
         const uint8_t *p = fsdp_images_pixels(tr, i);
         for (int k = 0; k < H * W; k++) CHECK_INT_EQ(p[k], pixel(i, k));
-        if (i < N - 3) CHECK_INT_EQ(fsdp_images_pixels(te, i)[5], pixel(i, 5));
+    }
+    for (int i = 0; i < N - 3; i++) { /* the gzip'd split, every byte */
+        CHECK_INT_EQ(fsdp_images_label(te, i), i % 3);
+        const uint8_t *p = fsdp_images_pixels(te, i);
+        for (int k = 0; k < H * W; k++) CHECK_INT_EQ(p[k], pixel(i, k));
     }
     fsdp_images_free(tr);
     fsdp_images_free(te);
@@ -175,9 +179,16 @@ TEST(image_batch_exact_definition) { /* no shuffle, no augmentation: step s is i
             for (int k = 0; k < H * W; k++) CHECK(x[j * H * W + k] == ((float)pixel(i, k) / 255.0f - 0.25f) / 0.5f);
         }
     }
-    /* a rank's share: rank 1 of 3 takes [4/3, 8/3) = position 1 of the batch */
+    /* a rank's share: rank 1 of 3 takes [4/3, 8/3) = position 1 of the batch,
+     * one image: image 9 of step 2, nothing written past it */
+    for (int j = 0; j < B; j++) y[j] = -1;
+    for (int k = 0; k < B * H * W; k++) x[k] = -7.0f;
     ASSERT_OK(fsdp_images_batch(ctx, im, &o, 2, B, 1, 3, x, y), ctx);
-    CHECK_INT_EQ(y[0], (2 * B + 1) % N % 3);
+    int i9 = (2 * B + 1) % N;
+    CHECK_INT_EQ(y[0], i9 % 3);
+    for (int k = 0; k < H * W; k++) CHECK(x[k] == ((float)pixel(i9, k) / 255.0f - 0.25f) / 0.5f);
+    CHECK_INT_EQ(y[1], -1);
+    CHECK(x[H * W] == -7.0f);
     CHECK(fsdp_images_batch(ctx, im, &o, 0, B, 3, 3, x, y) == FSDP_ERR_INVALID);
     fsdp_images_free(im);
     remove_dir(dir);

@@ -291,7 +291,7 @@ TEST(reshard_after_forward_off_keeps_buffers) {
     struct fsdp_ctx *c = get_ctx();
     struct fsdp_gpt_config cfg = tiny_cfg();
     size_t peak[2];
-    double loss[2];
+    double loss[2], gnorm[2], pnorm[2]; /* the backward and the update as well as the forward */
     for (int k = 0; k < 2; k++) {
         struct fsdp_module *g;
         ASSERT_OK(fsdp_gpt_create(c, &cfg, &g), c);
@@ -315,6 +315,8 @@ TEST(reshard_after_forward_off_keeps_buffers) {
         fsdp_mem_get(c, &m1);
         peak[k] = m1.peak[FSDP_MEM_FULL];
         loss[k] = res.loss;
+        gnorm[k] = res.grad_norm;
+        pnorm[k] = res.param_norm;
         (void)m0;
         fsdp_model_free(fm);
         fsdp_optim_free(opt);
@@ -322,6 +324,8 @@ TEST(reshard_after_forward_off_keeps_buffers) {
     }
     if (fsdp_ctx_world(c) > 1) CHECK(peak[1] > peak[0]); /* a world of one gathers nothing */
     CHECK_NEAR(loss[1], loss[0], 0, 0);
+    CHECK_NEAR(gnorm[1], gnorm[0], 0, 0);
+    CHECK_NEAR(pnorm[1], pnorm[0], 0, 0);
 }
 
 /* Misuse gives errors, not crashes. */

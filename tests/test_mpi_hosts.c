@@ -64,6 +64,7 @@ TEST(hosts_auto_split) {
     struct fsdp_comm *host = NULL, *across = NULL;
     CHECK_OK(fsdp_comm_split(w, rank / L, rank, &host), c);
     CHECK_OK(fsdp_comm_split(w, rank % L, rank, &across), c);
+    CHECK(host && across); /* both colours are >= 0: a communicator each */
     if (host) CHECK_STR_EQ(fsdp_comm_backend(host), L > 1 ? "shm" : "self");
     if (across) CHECK_STR_EQ(fsdp_comm_backend(across), H > 1 ? "mpi" : "self");
     if (host) CHECK_INT_EQ(fsdp_comm_size(host), L);
@@ -163,6 +164,7 @@ TEST(hosts_ordered_reductions) {
     struct fsdp_comm *host = NULL, *across = NULL;
     CHECK_OK(fsdp_comm_split(w, rank / L, rank, &host), c);
     CHECK_OK(fsdp_comm_split(w, rank % L, rank, &across), c);
+    CHECK(host && across); /* both colours are >= 0: a communicator each */
     const size_t ns[] = {3, 1001, 40009}; /* MPI: all-gather path, then the two-step all-reduce */
     const enum fsdp_dtype dts[] = {FSDP_F32, FSDP_BF16};
     struct fsdp_comm *comms[] = {w, host, across};

@@ -24,6 +24,7 @@ struct run {
     struct fsdp_module *root;
     struct fsdp_optim *opt;
     struct fsdp_model *fm;
+    double gnorm[8]; /* each step's gradient norm (steps 0..7) */
 };
 
 static enum fsdp_status prepare(struct fsdp_ctx *c, struct run *r, enum fsdp_sharding sh, int overlap,
@@ -64,6 +65,7 @@ static enum fsdp_status train(struct fsdp_ctx *c, struct run *r, int step0, int 
         toy_batch(s, B, T, V, rank, world, in, tg);
         struct fsdp_step_result res;
         FSDP_TRY(fsdp_model_train_step(c, r->fm, in, tg, Bl, T, 0.05f, 1.0f, &res));
+        if (s < 8) r->gnorm[s] = res.grad_norm;
     }
     return FSDP_OK;
 }
@@ -79,7 +81,9 @@ static struct fsdp_ctx *self_ctx(void) {
 
 static const char *const param_names[] = {"embed.weight", "norm.weight", "norm.bias", "head.weight", "head.bias"};
 
-/* every parameter and buffer of a against b (the world-of-one run) */
+/* every parameter and buffer of a against b (the world-of-one run), and the
+ * gradient norms of the steps both ran (an update of AdamW, clipped or not,
+ * hardly shows a gradient's scale) */
 static void compare_runs(struct run *a, struct fsdp_ctx *ca, struct run *b, struct fsdp_ctx *cb, double tol) {
     float x[V * C], y[V * C];
     for (int i = 0; i < 5; i++) {
@@ -97,6 +101,11 @@ static void compare_runs(struct run *a, struct fsdp_ctx *ca, struct run *b, stru
     }
     CHECK_INT_EQ(*(int64_t *)fsdp_module_find_buffer(a->root, "norm.num_batches_tracked")->data,
                  *(int64_t *)fsdp_module_find_buffer(b->root, "norm.num_batches_tracked")->data);
+    for (int s = 0; s < 8; s++) {
+        if (a->gnorm[s] == 0 && b->gnorm[s] == 0) continue; /* a step neither ran */
+        if (!(fabs(a->gnorm[s] - b->gnorm[s]) <= tol * (1 + b->gnorm[s])))
+            TEST_FAILF("step %d's gradient norm %.9g differs from the world of one's %.9g", s, a->gnorm[s], b->gnorm[s]);
+    }
 }
 
 static void check_syncnorm(enum fsdp_sharding sh, int overlap, int hybrid_group) {

@@ -168,10 +168,22 @@ static void check_training(const struct fsdp_wrap_policy *wp, const struct fsdp_
     for (int s = 0; s < steps; s++) {
         fsdp_data_batch(data, s, B, T, 0, 1, gin, gtg);
         fsdp_data_batch(data, s, B, T, rank, world, lin, ltg);
-        double want = ref_step(&r, c, gin, gtg, B, T, 1e-3f, 0.0f, NULL);
+        double want[3];
+        ref_step(&r, c, gin, gtg, B, T, 1e-3f, 0.0f, want);
         struct fsdp_step_result got;
         ASSERT_OK(fsdp_model_train_step(c, fm, lin, ltg, B / world, T, 1e-3f, 0.0f, &got), c);
-        CHECK_NEAR(got.loss, want, 1e-5, 0);
+        CHECK_NEAR(got.loss, want[0], 1e-5, 0);
+        /* AdamW's update is blind to a gradient's scale: the norm and the
+         * gradients themselves catch one summed twice or over the ranks */
+        CHECK_NEAR(got.grad_norm, want[1], 1e-5, 0);
+        for (int i = 0; s == 0 && i < r.n; i++) {
+            float *gbuf = malloc((size_t)r.p[i]->numel * sizeof(float));
+            CHECK_OK(fsdp_model_get_grad(c, fm, r.p[i]->fqn, gbuf), c);
+            double mx, md = max_abs_diff(gbuf, r.p[i]->grad, r.p[i]->numel, &mx);
+            if (!(mx > 0) || !(md <= 1e-5 * mx + 1e-9))
+                TEST_FAILF("%s's gradient differs from the 1-rank run's: max diff %g (max %g)", r.p[i]->fqn, md, mx);
+            free(gbuf);
+        }
     }
     for (int i = 0; i < r.n; i++) {
         float *buf = malloc((size_t)r.p[i]->numel * sizeof(float));
@@ -215,7 +227,7 @@ TEST(train_checkpointed_nested_matches_unsharded) {
 TEST(override_reshard_after_forward_applies) {
     struct fsdp_ctx *c = get_ctx();
     size_t peak[2];
-    double loss[2];
+    double loss[2], gnorm[2], pnorm[2]; /* the backward and the update as well as the forward */
     for (int k = 0; k < 2; k++) {
         struct fsdp_wrap_policy wp = {k ? wrap_override_h1 : fsdp_wrap_by_type, (void *)"Block"};
         struct fsdp_parallel_config pc = fsdp_parallel_config_default();
@@ -241,12 +253,16 @@ TEST(override_reshard_after_forward_applies) {
         fsdp_mem_get(c, &m);
         peak[k] = m.peak[FSDP_MEM_FULL];
         loss[k] = res.loss;
+        gnorm[k] = res.grad_norm;
+        pnorm[k] = res.param_norm;
         fsdp_model_free(fm);
         fsdp_optim_free(opt);
         fsdp_module_free(g);
     }
     if (fsdp_ctx_world(c) > 1) CHECK(peak[1] > peak[0]);
     CHECK_NEAR(loss[1], loss[0], 0, 0);
+    CHECK_NEAR(gnorm[1], gnorm[0], 0, 0);
+    CHECK_NEAR(pnorm[1], pnorm[0], 0, 0);
 }
 
 /* Gradients with and without checkpointing have the same bits; the arena's
