@@ -101,8 +101,9 @@ _Noreturn void fail_input(const char *fmt, ...) {
 
 static const struct task *g_task; /* what this run trains */
 
+/* a double's every bit (17 digits): tests compare runs' logs for the same bits */
 static const char *json_num(char *buf, size_t cap, double x) {
-    if (isfinite(x)) snprintf(buf, cap, "%.9g", x);
+    if (isfinite(x)) snprintf(buf, cap, "%.17g", x);
     else snprintf(buf, cap, "null");
     return buf;
 }
@@ -415,7 +416,7 @@ int main(int argc, char **argv) {
             if (logf) {
                 char jl[32], jg[32]; /* a skipped step's norm is inf or nan: null in JSON */
                 fprintf(logf,
-                        "{\"step\": %d, \"loss\": %s, \"lr\": %.9g, \"grad_norm\": %s, \"param_norm\": %.9g, "
+                        "{\"step\": %d, \"loss\": %s, \"lr\": %.9g, \"grad_norm\": %s, \"param_norm\": %.17g, "
                         "\"step_ms\": %.3f, \"forward_ms\": %.3f, \"backward_ms\": %.3f, \"update_ms\": %.3f, "
                         "\"%s\": %.1f, \"peak_rss_mb\": %.1f, \"comm_ms\": %.3f, \"exposed_comm_ms\": %.3f, "
                         "\"comm_bytes\": %llu, "
