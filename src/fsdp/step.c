@@ -132,13 +132,10 @@ enum fsdp_status fsdp_model_grad_norm(struct fsdp_ctx *ctx, struct fsdp_model *f
         const struct fsdp__unit *u = &fm->units[i];
         const float *x = u->grad_shard;
         if (!x) continue; /* none since the last step: zeros */
-        double s = 0.0;
-        /* simd: independent partial sums per lane (a single chain of double
-         * adds is latency-bound at about a third of memory speed); the
-         * grouping depends only on the team size, so a run repeats its bits */
-#pragma omp parallel for simd reduction(+ : s) schedule(static)
-        for (int64_t j = 0; j < u->numel_shard; j++) s += (double)x[j] * (double)x[j];
-        local += s;
+        /* fsdp__sumsq's fixed chunks: the same bits at any thread count (an
+         * OpenMP reduction's grouping follows the team's size, so a run
+         * resumed with other --threads reported a norm an ulp apart) */
+        local += fsdp__sumsq(x, u->numel_shard);
     }
     double s;
     FSDP_TRY(group_total(ctx, fm, local, &s));
