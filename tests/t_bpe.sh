@@ -33,6 +33,7 @@ ids() { python3 -c 'import sys; d=open(sys.argv[1],"rb").read(); print(len(d[102
 out=$(python3 - "$tmp/cls.c" "$tmp/cls.js" <<'EOF'
 import sys, unicodedata
 a, b = open(sys.argv[1], "rb").read(), open(sys.argv[2], "rb").read()
+assert len(a) == len(b) == 0x110000, (len(a), len(b))  # a class for every code point
 diff = [cp for cp, (x, y) in enumerate(zip(a, b)) if x != y]
 bad = [cp for cp in diff if unicodedata.category(chr(cp)) != "Cn"]
 newer = len(diff) - len(bad)
@@ -115,7 +116,7 @@ cp "$GPT2/vocab.bpe" "$tmp/d3/"
 printf '{"ab\xffc": 50257, ' | cat - <(tail -c +2 "$GPT2/encoder.json") > "$tmp/d3/encoder.json"
 one_line "non-UTF-8 encoder.json key named" "d3/encoder.json': key \"ab\\xFFc\" is not valid UTF-8" \
   "$TOK" --tokenizer "$tmp/d3" "$tmp/prose.txt" "$tmp/x.bin"
-[ ! -e "$tmp/x.bin" ] && [ ! -e "$tmp/x.bin.tmp" ] && ok "no output file after a failure" || bad "output left after a failure"
+[ ! -e "$tmp/x.bin" ] && [ ! -e "$tmp/x.bin.tmp" ] && ok "a tokenizer refused writes no output file" || bad "output left after a refused tokenizer"
 
 # -- an output that is the input (the same name, a symlink, a hard link, or OUT.tmp) is
 #    refused before anything is written; the input stays as it was
@@ -197,10 +198,10 @@ echo '{"n_layer":1,"n_head":2,"n_embd":32,"vocab_size":50304,"block_size":32}' >
 head -c 60000 "$tmp/prose.txt" > "$tmp/small.txt"
 "$TOK" --quiet --tokenizer "$GPT2" "$tmp/small.txt" "$tmp/small.bin"
 train=("$TRAIN" --model-config "$tmp/m.json" --steps 3 --batch 2 --seq 32 --sample 12 --threads 1)
-OMP_NUM_THREADS=1 "${train[@]}" --data "$tmp/small.txt" --tokenizer "$GPT2" --log "$tmp/a.jsonl" > "$tmp/a.out" 2>&1
-OMP_NUM_THREADS=1 "${train[@]}" --data "$tmp/small.bin" --tokenizer "$GPT2" --log "$tmp/b.jsonl" > "$tmp/b.out" 2>&1
+OMP_NUM_THREADS=1 "${train[@]}" --data "$tmp/small.txt" --tokenizer "$GPT2" --log "$tmp/a.jsonl" > "$tmp/a.out" 2>&1; ra=$?
+OMP_NUM_THREADS=1 "${train[@]}" --data "$tmp/small.bin" --tokenizer "$GPT2" --log "$tmp/b.jsonl" > "$tmp/b.out" 2>&1; rb=$?
 n=$(ids "$tmp/small.bin")
-if grep -q "data: $tmp/small.txt, $n tokens" "$tmp/a.out" && same_bits "$tmp/a.jsonl" "$tmp/b.jsonl"; then
+if [ $ra -eq 0 ] && [ $rb -eq 0 ] && grep -q "data: $tmp/small.txt, $n tokens" "$tmp/a.out" && same_bits "$tmp/a.jsonl" "$tmp/b.jsonl"; then
   ok "fsdp-train --tokenizer: text --data trains as its token file ($n tokens)"
 else
   bad "fsdp-train --tokenizer on text" "$(grep -E 'data:|error|fsdp-train' "$tmp/a.out" | head -3)"

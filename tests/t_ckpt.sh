@@ -238,7 +238,9 @@ for k in 1 40 84 85 86 87 88; do
     bad "crash at $k: previous checkpoint not loadable" "$(tail -3 "$tmp/o")"; cf=1
   fi
 done
-FSDP_CKPT_CRASH_AT=30 train --nproc 2 --steps 8 --override steps --resume "$tmp/k" --save-dir "$tmp/k" > /dev/null 2>&1
+FSDP_CKPT_CRASH_AT=30 train --nproc 2 --steps 8 --override steps --resume "$tmp/k" --save-dir "$tmp/k" > "$tmp/o" 2>&1
+rc=$?
+[ $rc -eq 86 ] || { bad "2-rank crash: exit $rc, expected 86" "$(tail -2 "$tmp/o")"; cf=1; }
 "$CKPT" verify "$tmp/k/step-00000004" > /dev/null 2>&1 || { bad "2-rank crash: step-4 damaged"; cf=1; }
 [ -f "$tmp/k/step-00000008/meta.json" ] && { bad "2-rank crash left a complete-looking step-8"; cf=1; }
 train --nproc 2 --steps 5 --override steps --resume "$tmp/k" > "$tmp/o" 2>&1 || { bad "2-rank crash: resume" "$(tail -3 "$tmp/o")"; cf=1; }

@@ -169,7 +169,7 @@ refused verify_mixed_saves "mixed/rank-00001-of-00002.safetensors: not the file 
   ok verify_mixed_saves
 train --nproc 2 --steps 5 --override steps --resume mixed > o 2>&1; rc=$?
 refused resume_mixed_saves "rank-00001-of-00002.safetensors: not the file this checkpoint's meta.json was saved with" o $rc &&
-  ! grep -q "^step" o && ok resume_mixed_saves
+  { ! grep -q "^step" o && ok resume_mixed_saves || bad resume_mixed_saves "a step ran" "$(grep "^step" o | head -2)"; }
 "$CKPT" verify mx/step-00000004 > o 2>&1 && ok verify_one_save || bad verify_one_save "$(tail -2 o)"
 
 # 11. fsdp-tokenize: an existing OUT (or OUT.tmp) that is not a token file, and a --decode

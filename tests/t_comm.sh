@@ -11,6 +11,18 @@
 BW="$(cd "$BUILD" && pwd)/bench/comm_bw"
 export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 
+# a segment has a name only during a job's handshake (other jobs may be in
+# theirs right now): one whose creator (fsdp-shm-PID-...) is gone was leaked.
+# Looked for after each job: the next job's rank 0 sweeps such segments away
+leaked=""
+scan_leaked() {
+  local f pid
+  for f in $(ls /dev/shm | grep '^fsdp-shm-'); do
+    pid=${f#fsdp-shm-}; pid=${pid%%-*}
+    kill -0 "$pid" 2> /dev/null || leaked="$leaked $f"
+  done
+}
+
 # ---- a dead peer is detected, named, and ends the job ----
 # (2.8 MB blocks: shm's single-copy path where permitted, for all-gathers too
 # with FSDP_SHM_CMA=2; "staged" forces the slot path with FSDP_SHM_CMA=0)
@@ -22,6 +34,7 @@ for run in 1 2 2-staged; do
   timeout -k 5 60 mpirun -np 3 --oversubscribe --bind-to none -x FSDP_SHM_CMA=$cma "$BW" --kill-rank $victim \
     --max 8388608 --fault-coll $([ $coll = allgather ] && echo ag || echo rs) > "$tmp/kill.out" 2>&1
   rc=$?
+  scan_leaked
   ms=$((($(date +%s%N) - t0) / 1000000))
   check="allgather #5 \([0-9]+ elements of I32, [0-9]+ bytes, tag schedule check of $coll #6" # see below
   if [ $rc -eq 0 ]; then bad "kill rank $victim in $coll$path: job ends" "exit 0"
@@ -36,13 +49,7 @@ done
 sleep 1
 if pgrep -f "$BW --kill-rank" > /dev/null; then bad "no comm_bw left behind" "$(pgrep -fa "$BW --kill-rank")"
 else ok "no comm_bw left behind"; fi
-# a segment has a name only during a job's handshake (other jobs may be in
-# theirs right now): one whose creator (fsdp-shm-PID-...) is gone was leaked
-leaked=""
-for f in $(ls /dev/shm | grep '^fsdp-shm-'); do
-  pid=${f#fsdp-shm-}; pid=${pid%%-*}
-  kill -0 "$pid" 2> /dev/null || leaked="$leaked $f"
-done
+scan_leaked
 if [ -n "$leaked" ]; then bad "no shm segment left behind" "$leaked"
 else ok "no shm segment left behind"; fi
 

@@ -60,27 +60,42 @@ if run hyb4.off 4 --sharding HYBRID_SHARD --shard-group 2 --overlap off && bits 
 else bad "HYBRID_SHARD --shard-group 2 --overlap off" "${msg:-}" "$(tail -3 "$tmp/hyb4.off.out")"; fi
 
 # ---- gradient accumulation: the losses of the whole batch ----
+# rs_times NAME BASE: each step's reduce-scatter bytes in NAME's log over BASE's
+rs_times() {
+  python3 - "$tmp/$1.json" "$tmp/$2.json" <<'EOF'
+import json, sys
+def rs(p):
+    return [r["comm"]["reduce_scatter"]["bytes"] for r in map(json.loads, open(p)) if "step" in r]
+a, b = rs(sys.argv[1]), rs(sys.argv[2])
+assert a and b and b[0] > 0 and len(set(a)) == 1, (a, b)
+print(a[0] / b[0])
+EOF
+}
 for m in reduce no_sync; do
+  want=$([ $m = reduce ] && echo 2.0 || echo 1.0) # a reduction per micro-batch, or one per step
   if run "acc.$m" 2 --grad-accum 2 --accum-mode $m && msg=$(same "acc.$m" ref 1e-5 2>&1) \
-     && grep -q "2 micro-batches of 3 x 32 tokens per rank per step ($m)" "$tmp/acc.$m.out"; then
-    ok "--grad-accum 2 --accum-mode $m"
-  else bad "--grad-accum 2 --accum-mode $m" "${msg:-}" "$(tail -3 "$tmp/acc.$m.out")"; fi
+     && grep -q "2 micro-batches of 3 x 32 tokens per rank per step ($m)" "$tmp/acc.$m.out" \
+     && times=$(rs_times "acc.$m" FULL_SHARD.2) && [ "$times" = "$want" ]; then
+    ok "--grad-accum 2 --accum-mode $m (the reduce-scatters' bytes $want x a step's)"
+  else bad "--grad-accum 2 --accum-mode $m" "${msg:-}" "reduce-scatter bytes ${times:-?} x, want $want" \
+    "$(tail -3 "$tmp/acc.$m.out")"; fi
 done
 
 # ---- overlap: bit-identical, exposed communication logged ----
-run ov.on 2 --overlap on --max-inflight 3
-run ov.off 2 --overlap off
-if bits ov.on ov.off; then
+if run ov.on 2 --overlap on --max-inflight 3 && run ov.off 2 --overlap off && bits ov.on ov.off; then
   ok "--overlap on and off give the same bits"
-else bad "--overlap on and off" "$(tail -3 "$tmp/ov.on.out")"; fi
-if grep -q '"exposed_comm_ms": [0-9.]*' "$tmp/ov.on.json" && grep -q "exposed comm .* ms/step" "$tmp/ov.on.out"; then
+else bad "--overlap on and off" "$(tail -3 "$tmp/ov.on.out")" "$(tail -3 "$tmp/ov.off.out")"; fi
+# every step's exposed wait lies within its communication time, which 2 ranks have
+if python3 - "$tmp/ov.on.json" <<'EOF' && grep -q "exposed comm .* ms/step" "$tmp/ov.on.out"; then
+import json, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r]
+assert rows and all(0 <= r["exposed_comm_ms"] <= r["comm_ms"] and r["comm_ms"] > 0 for r in rows), rows
+EOF
   ok "exposed communication in the JSON log and the summary"
 else bad "exposed communication" "$(head -c 400 "$tmp/ov.on.json")"; fi
 
 # ---- the shards' 16-bit copy: the same bits, 2 bytes a parameter more in the plan ----
-run lp.on 2 --precision AMP_BF16 --lp-shard-copy on
-run lp.off 2 --precision AMP_BF16
-if bits lp.on lp.off; then
+if run lp.on 2 --precision AMP_BF16 --lp-shard-copy on && run lp.off 2 --precision AMP_BF16 && bits lp.on lp.off; then
   ok "AMP_BF16 with --lp-shard-copy on and off gives the same bits"
 else bad "--lp-shard-copy on and off" "$(tail -3 "$tmp/lp.on.out")" "$(tail -3 "$tmp/lp.off.out")"; fi
 params() { # the plan's params column (MiB) of rank 0 for fsdp-train's dry run with these flags

@@ -13,7 +13,7 @@
 
 PY=/usr/bin/python3
 if ! $PY -c 'import torch, torchvision, numpy' > /dev/null 2>&1; then
-  echo "skip: $PY cannot import torch, torchvision and numpy"; echo "0 passed, 0 failed"; exit 0
+  echo "skip: $PY cannot import torch, torchvision and numpy"; echo "0 passed, 0 failed, 1 skipped"; exit 0
 fi
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 $PY tests/torchvision_init_ref.py write "$tmp" > "$tmp/oref" 2>&1 || { bad "PyTorch reference" "$(tail -3 "$tmp/oref")"; finish; }
