@@ -221,6 +221,8 @@ static void grad_lend_run(int lend, int world, double out[7], struct fsdp_mem_pl
     if (!lend) setenv("FSDP_GRAD_LEND", "0", 1);
     struct fsdp_gpt_config cfg;
     fsdp_gpt_config_preset("tiny", &cfg);
+    float g[32]; /* ln_2.weight has n_embd elements */
+    ASSERT(cfg.n_embd <= (int)(sizeof g / sizeof g[0]));
     struct run r;
     struct fsdp_mem_stats m0;
     measure_from(c, &m0);
@@ -235,9 +237,8 @@ static void grad_lend_run(int lend, int world, double out[7], struct fsdp_mem_pl
         out[2 * s + 1] = res.grad_norm;
     }
     check_equal(c, plan, &m0, lend ? "lent gradients" : "own gradients");
-    float g[64];
     ASSERT_OK(fsdp_model_get_grad(c, r.fm, "transformer.h.1.ln_2.weight", g), c); /* readable after the step */
-    out[4] = g[0], out[5] = g[7], out[6] = g[63];
+    out[4] = g[0], out[5] = g[7], out[6] = g[cfg.n_embd - 1];
     struct fsdp_unit_info root;
     fsdp_model_unit_info(r.fm, 0, &root);
     *root_bytes = (size_t)root.numel_shard * sizeof(float);

@@ -390,6 +390,8 @@ TEST(fp16_trains_close_to_fp32) {
             CHECK_NEAR(h[s].loss, f[s].loss, 1e-2, 0);
             CHECK_NEAR(h[s].grad_norm, f[s].grad_norm, 5e-2, 0); /* unscaled */
         }
+        if (h[5].loss == f[5].loss) /* fp16 really ran */
+            TEST_FAILF("fp16 %s: the last loss is fp32's", m ? "PURE" : "DEFAULT");
     }
 }
 

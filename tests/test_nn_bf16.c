@@ -701,6 +701,7 @@ TEST(bf16_training_follows_fp32_loss_curve) { /* measured 1e-4; |bf16 - fp32| <=
     }
     CHECK(l32[STEPS - 1] < l32[0] - 0.3); /* it did learn */
     CHECK(l16[STEPS - 1] < l16[0] - 0.3);
+    CHECK(l16[STEPS - 1] != l32[STEPS - 1]); /* bf16 really ran: its rounding shows */
     fprintf(stderr, "  loss fp32 %.4f -> %.4f, bf16 %.4f -> %.4f, worst relative gap %.2e\n", l32[0],
             l32[STEPS - 1], l16[0], l16[STEPS - 1], worst);
 }

@@ -589,6 +589,18 @@ TEST(resnet_stems_widths_and_counts) {
     fsdp_ctx_free(ctx);
 }
 
+/* Counts m's subtree's Conv2d, BatchNorm2d and Linear layers into n[0..2],
+ * and into c[0..2] those of compute dtype dt. */
+static void count_layers(const struct fsdp_module *m, enum fsdp_dtype dt, int n[3], int c[3]) {
+    static const char *const types[3] = {"Conv2d", "BatchNorm2d", "Linear"};
+    for (int t = 0; t < 3; t++)
+        if (!strcmp(m->ops->type, types[t])) {
+            n[t]++;
+            c[t] += m->compute_dtype == dt;
+        }
+    for (int i = 0; i < m->n_children; i++) count_layers(m->children[i], dt, n, c);
+}
+
 TEST(resnet_bf16_compute_close_to_fp32) { /* the compute dtype reaches every conv and fc below the root */
     rng_seed(6);
     struct fsdp_ctx *ctx = make_ctx();
@@ -601,6 +613,13 @@ TEST(resnet_bf16_compute_close_to_fp32) { /* the compute dtype reaches every con
     struct fsdp_tensor in = image_tensor(x, 4, 3, 16, 16), y32 = {0}, y16 = {0};
     ASSERT_OK(fsdp_module_forward(m, ctx, &in, &y32), ctx);
     ASSERT_OK(fsdp_module_set_compute_dtype(ctx, m, FSDP_BF16), ctx);
+    /* ResNet-18: the stem, 16 block convs and 3 downsamples, a BN each, one fc */
+    int n[3] = {0}, in16[3] = {0};
+    count_layers(m, FSDP_BF16, n, in16);
+    CHECK_INT_EQ(n[0], 20);
+    CHECK_INT_EQ(n[1], 20);
+    CHECK_INT_EQ(n[2], 1);
+    for (int t = 0; t < 3; t++) CHECK_INT_EQ(in16[t], n[t]);
     ASSERT_OK(fsdp_module_forward(m, ctx, &in, &y16), ctx);
     double mx = 0, diff = 0;
     for (int i = 0; i < 40; i++) {
