@@ -5,8 +5,9 @@
 # --save-full, --keep-last and the save SIGUSR1 asks for; --autoresume's
 # search) is pointed at a target that already holds foreign
 # files, a regular file, an existing --save-dir, or a foreign ".tmp" sibling,
-# or files that only bear a checkpoint's names; and a rank file of another
-# save, which verify and --resume name ([Note: files of one save]).
+# or files that only bear a checkpoint's names, or a checkpoint's rank file
+# for a full file; and a rank file of another save, which verify and --resume
+# name ([Note: files of one save]).
 # Each must exit non-zero (the trainer on every rank) naming the file, and
 # leave every foreign byte where it was; replacing our own output still works.
 # Prints "N passed, N failed" at the end.
@@ -81,6 +82,18 @@ echo "thesis" > t.safetensors
 train --nproc 2 --steps 1 --save-full t.safetensors > o 2>&1; rc=$?
 refused save_full_foreign "t.safetensors: exists and was not written by fsdp.c" o $rc &&
   { intact t.safetensors thesis && ok save_full_foreign || bad save_full_foreign "$(ls)"; }
+
+# 8b. a full file saved over a checkpoint's rank file (ours, but another kind: the checkpoint would
+# lose its shard), by fsdp-ckpt to-full and by fsdp-train --save-full before step 1: refused
+train --steps 1 --save-dir rk > o 2>&1 || bad "setup: a checkpoint" "$(tail -3 o)"
+rf=rk/step-00000001/rank-00000-of-00001.safetensors
+sum=$(md5sum < $rf)
+"$CKPT" to-full rk/step-00000001 $rf > o 2>&1; rc=$?
+train --steps 1 --save-full $rf > o2 2>&1; rc2=$?
+refused to_full_over_rank_file "$rf: exists and is another kind of fsdp.c file" o $rc &&
+  refused save_full_over_rank_file "$rf: exists and is another kind of fsdp.c file" o2 $rc2 &&
+  { [ "$(md5sum < $rf)" = "$sum" ] && ! grep -q "^step" o2 && "$CKPT" verify rk/step-00000001 > o3 2>&1 &&
+    ok full_over_rank_file || bad full_over_rank_file "$(tail -2 o3)"; }
 
 # 9. fsdp-train --save-dir whose step folder holds a foreign file, at 2 ranks: refused
 #    before step 1 (the writer's own check, [Note: output preflight]), not at that save

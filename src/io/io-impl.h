@@ -123,10 +123,11 @@ struct fsdp__st_desc {
 };
 struct fsdp__st_writer;
 /* The check fsdp__st_writer_open runs before it writes anything: `path` and
- * `path.tmp` are each absent or a file this writer made ([Note: replace
- * only our own files]); otherwise FSDP_ERR_INVALID (or FSDP_ERR_IO) naming
- * the file. For callers that check an output path long before writing it. */
-enum fsdp_status fsdp__st_check_target(struct fsdp_ctx *ctx, const char *path);
+ * `path.tmp` are each absent or a file this writer made, `path` with the
+ * metadata key `mark` (NULL: any) where it exists ([Note: replace only our
+ * own files]); otherwise FSDP_ERR_INVALID (or FSDP_ERR_IO) naming the file.
+ * For callers that check an output path long before writing it. */
+enum fsdp_status fsdp__st_check_target(struct fsdp_ctx *ctx, const char *path, const char *mark);
 enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, int n,
                                       const struct fsdp__st_desc *desc, int n_meta,
                                       const char *const *meta_kv, struct fsdp__st_writer **out);

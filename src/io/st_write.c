@@ -152,8 +152,35 @@ static void writer_free(struct fsdp__st_writer *w) {
  * ahead only when each is absent or a safetensors file this writer made
  * (its header carries our per-chunk checksums; a ".tmp" may also be empty,
  * or cut short after the header: a crashed save's), and otherwise refuses,
- * naming the file. */
-static int written_by_us(const char *path, int allow_empty) {
+ * naming the file. An existing `path` must also be of the kind being
+ * written, its header holding the writer's mark (the first "fsdp." key of
+ * its metadata: a full file's layout, a checkpoint rank file's rank): a full
+ * file saved over a checkpoint's rank file would leave that checkpoint
+ * without its shard. */
+
+/* Whether the header of path holds the quoted key `key` (a block at a time,
+ * allocating nothing: a check that runs out of memory would call the file a
+ * stranger's). */
+static int header_has(int fd, uint64_t n, uint64_t size, const char *key, size_t k) {
+    char blk[4096];
+    size_t have = 0; /* bytes of blk kept from the last block: the tail a key may straddle */
+    for (uint64_t at = 0; n <= (uint64_t)64 << 20 && n + 8 <= size && at < n;) {
+        size_t want = sizeof blk - have;
+        if (want > n - at) want = (size_t)(n - at);
+        ssize_t r = pread(fd, blk + have, want, (off_t)(8 + at));
+        if (r <= 0) break;
+        at += (uint64_t)r;
+        have += (size_t)r;
+        if (memmem(blk, have, key, k)) return 1;
+        if (have >= k) {
+            memmove(blk, blk + have - (k - 1), k - 1);
+            have = k - 1;
+        }
+    }
+    return 0;
+}
+
+static int written_by_us(const char *path, int allow_empty, const char *mark) {
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) return 0;
     struct stat sb;
@@ -164,35 +191,21 @@ static int written_by_us(const char *path, int allow_empty) {
         else if (pread(fd, lenb, 8, 0) == 8) {
             uint64_t n = 0;
             for (int i = 7; i >= 0; i--) n = n << 8 | lenb[i];
-            /* the header holds one of our checksum keys, "fsdp.crc32c.<name>"; scanned a block at
-               a time, allocating nothing (a check that runs out of memory would call the file a
-               stranger's) */
+            /* one of our checksum keys, "fsdp.crc32c.<name>", and the mark as a key */
             static const char key[] = "\"" FSDP__ST_CRC_KEY;
-            const size_t k = sizeof key - 1;
-            char blk[4096];
-            size_t have = 0; /* bytes of blk kept from the last block: the tail a key may straddle */
-            for (uint64_t at = 0; !ok && n <= (uint64_t)64 << 20 && n + 8 <= (uint64_t)sb.st_size && at < n;) {
-                size_t want = sizeof blk - have;
-                if (want > n - at) want = (size_t)(n - at);
-                ssize_t r = pread(fd, blk + have, want, (off_t)(8 + at));
-                if (r <= 0) break;
-                at += (uint64_t)r;
-                have += (size_t)r;
-                ok = memmem(blk, have, key, k) != NULL;
-                if (have >= k) {
-                    memmove(blk, blk + have - (k - 1), k - 1);
-                    have = k - 1;
-                }
-            }
+            ok = header_has(fd, n, (uint64_t)sb.st_size, key, sizeof key - 1);
+            char mk[64];
+            if (ok && mark && (size_t)snprintf(mk, sizeof mk, "\"%s\"", mark) < sizeof mk)
+                ok = header_has(fd, n, (uint64_t)sb.st_size, mk, strlen(mk));
         }
     }
     close(fd);
     return ok;
 }
 
-int fsdp__st_written_by_us(const char *path, int allow_empty) { return written_by_us(path, allow_empty); }
+int fsdp__st_written_by_us(const char *path, int allow_empty) { return written_by_us(path, allow_empty, NULL); }
 
-static enum fsdp_status check_replaceable(struct fsdp_ctx *ctx, const char *path, int is_tmp) {
+static enum fsdp_status check_replaceable(struct fsdp_ctx *ctx, const char *path, int is_tmp, const char *mark) {
     struct stat sb;
     if (lstat(path, &sb) != 0) {
         if (errno == ENOENT) return FSDP_OK;
@@ -200,19 +213,23 @@ static enum fsdp_status check_replaceable(struct fsdp_ctx *ctx, const char *path
     }
     if (!S_ISREG(sb.st_mode))
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: exists and is not a regular file: refusing to replace it", path);
-    if (!written_by_us(path, is_tmp))
+    if (!written_by_us(path, is_tmp, NULL))
         return fsdp__err(ctx, FSDP_ERR_INVALID,
                          "%s: exists and was not written by fsdp.c: refusing to replace it (choose another name, "
                          "or move it away)", path);
+    if (mark && !written_by_us(path, 0, mark))
+        return fsdp__err(ctx, FSDP_ERR_INVALID,
+                         "%s: exists and is another kind of fsdp.c file (its metadata has no \"%s\", e.g. a "
+                         "checkpoint's rank file): refusing to replace it (choose another name)", path, mark);
     return FSDP_OK;
 }
 
-enum fsdp_status fsdp__st_check_target(struct fsdp_ctx *ctx, const char *path) {
+enum fsdp_status fsdp__st_check_target(struct fsdp_ctx *ctx, const char *path, const char *mark) {
     char *tmp = fsdp__malloc(strlen(path) + 5);
     if (!tmp) return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
     sprintf(tmp, "%s.tmp", path);
-    enum fsdp_status st = check_replaceable(ctx, path, 0);
-    if (st == FSDP_OK) st = check_replaceable(ctx, tmp, 1);
+    enum fsdp_status st = check_replaceable(ctx, path, 0, mark);
+    if (st == FSDP_OK) st = check_replaceable(ctx, tmp, 1, NULL);
     free(tmp);
     return st;
 }
@@ -256,7 +273,10 @@ enum fsdp_status fsdp__st_writer_open(struct fsdp_ctx *ctx, const char *path, in
         return fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory", path);
     }
     sprintf(w->tmp, "%s.tmp", path);
-    enum fsdp_status chk = fsdp__st_check_target(ctx, path);
+    const char *mark = NULL; /* the first "fsdp." key: the kind of file ([Note: replace only our own files]) */
+    for (int i = 0; !mark && i < n_meta; i++)
+        if (!strncmp(meta_kv[2 * i], "fsdp.", 5)) mark = meta_kv[2 * i];
+    enum fsdp_status chk = fsdp__st_check_target(ctx, path, mark);
     if (chk != FSDP_OK) {
         writer_free(w);
         return chk;
@@ -406,9 +426,11 @@ enum fsdp_status fsdp__st_writer_commit(struct fsdp__st_writer *w) {
     if (st == FSDP_OK && fsync(w->fd) != 0)
         st = fsdp__err(ctx, FSDP_ERR_IO, "%s: fsync failed: %s", w->tmp, strerror(errno));
     if (st == FSDP_OK) fsdp__ckpt_crash_point("safetensors before rename");
-    if (st == FSDP_OK && close(w->fd) != 0)
-        st = fsdp__err(ctx, FSDP_ERR_IO, "%s: close failed: %s", w->tmp, strerror(errno));
-    else if (st == FSDP_OK) w->fd = -1;
+    if (st == FSDP_OK) { /* the descriptor is gone even when close fails: never closed twice */
+        int rc = close(w->fd);
+        w->fd = -1;
+        if (rc != 0) st = fsdp__err(ctx, FSDP_ERR_IO, "%s: close failed: %s", w->tmp, strerror(errno));
+    }
     if (st == FSDP_OK && rename(w->tmp, w->path) != 0)
         st = fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot rename to %s: %s", w->tmp, w->path, strerror(errno));
     if (st == FSDP_OK) st = fsdp__fsync_dir(ctx, w->path);

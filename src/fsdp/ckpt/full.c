@@ -20,7 +20,7 @@ static int n_model_params(const struct fsdp_model *fm) {
 
 enum fsdp_status fsdp_ckpt_check_full_target(struct fsdp_ctx *ctx, const char *path) {
     if (!path || !path[0]) return fsdp__err(ctx, FSDP_ERR_INVALID, "full checkpoint: no file name");
-    return fsdp__st_check_target(ctx, path); /* the writer's own check (fsdp__st_writer_open) */
+    return fsdp__st_check_target(ctx, path, FSDP__LAYOUT_KEY); /* the writer's own check (fsdp__st_writer_open) */
 }
 
 enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path) {
