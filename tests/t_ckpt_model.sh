@@ -194,13 +194,17 @@ else bad "to-sharded inf over a crashed DIR.tmp" "exit $rc" "$out" "$(ls -l "$tm
 
 # ---- to-sharded --model checks the file against the model ----
 out=$("$CKPT" to-sharded "$tmp/hf.st" "$tmp/x1" --model small 2>&1); rc=$?
-if [ $rc -eq 1 ] && grep -qE -- "--model small: .*hf.st: parameter 'transformer\.[a-z_.0-9]+' has shape \[[0-9, ]+\].*, the model \(n_layer .*\) needs \[" <<< "$out" && [ ! -e "$tmp/x1" ]; then
+if [ $rc -eq 1 ] && grep -qE -- "hf.st: parameter 'transformer\.[a-z_.0-9]+' has shape \[[0-9, ]+\].*, the model \(n_layer .*\) needs \[.*\(to-sharded with --model small\)" <<< "$out" && [ ! -e "$tmp/x1" ]; then
   ok "to-sharded --model small of a tiny file: names the flag, the parameter and both shapes; writes nothing"
 else bad "to-sharded --model mismatch" "exit $rc" "$out"; fi
 out=$("$CKPT" to-sharded "$tmp/hf-short.st" "$tmp/x2" 2 --model tiny 2>&1); rc=$?
 if [ $rc -eq 1 ] && grep -q "parameter 'transformer.h.1.mlp.c_fc.bias' of the model (n_layer 2 .*) is not in the file" <<< "$out"; then
   ok "to-sharded --model of a file lacking a parameter names it"
 else bad "to-sharded missing parameter" "exit $rc" "$out"; fi
+# a file that cannot be read is the file's error, not the model flag's
+out=$("$CKPT" to-sharded "$tmp/no-such.st" "$tmp/x6" --model tiny 2>&1); rc=$?
+[ $rc -eq 1 ] && grep -q "^fsdp-ckpt: error: $tmp/no-such.st: cannot open" <<< "$out" &&
+  ok "to-sharded --model of a missing file names the file first" || bad "to-sharded missing file" "exit $rc" "$out"
 out=$("$CKPT" to-sharded "$tmp/hf.st" "$tmp/x3" 2 --model 2>&1); rc=$?
 [ $rc -eq 2 ] && ok "to-sharded: --model without a value is a usage error" || bad "to-sharded usage" "exit $rc" "$out"
 

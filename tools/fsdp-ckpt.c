@@ -77,11 +77,15 @@ int main(int argc, char **argv) {
             fsdp_ctx_free(ctx);
             return 2;
         }
-        if (flag && !strcmp(flag, "--model-config")) st = fsdp_gpt_config_load(ctx, arg, &cfg);
-        if (st == FSDP_OK) st = fsdp_ckpt_from_full_model(ctx, argv[2], argv[3], (int)n, flag ? &cfg : NULL);
-        if (st == FSDP_OK) printf("wrote %s (%ld files%s%s)\n", argv[3], n, flag ? ", model " : "", flag ? arg : "");
-        if (st != FSDP_OK && flag) {
+        if (flag && !strcmp(flag, "--model-config") && (st = fsdp_gpt_config_load(ctx, arg, &cfg)) != FSDP_OK) {
             fprintf(stderr, "fsdp-ckpt: error: %s %s: %s\n", flag, arg, fsdp_errmsg(ctx));
+            fsdp_ctx_free(ctx);
+            return 1;
+        }
+        st = fsdp_ckpt_from_full_model(ctx, argv[2], argv[3], (int)n, flag ? &cfg : NULL);
+        if (st == FSDP_OK) printf("wrote %s (%ld files%s%s)\n", argv[3], n, flag ? ", model " : "", flag ? arg : "");
+        if (st != FSDP_OK && flag) { /* the file's or the folder's error, or the model's: the model named after */
+            fprintf(stderr, "fsdp-ckpt: error: %s (to-sharded with %s %s)\n", fsdp_errmsg(ctx), flag, arg);
             fsdp_ctx_free(ctx);
             return 1;
         }
