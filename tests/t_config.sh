@@ -148,6 +148,9 @@ else bad "--override lr" "$(tail -2 "$tmp/oo4")"; fi
 "$TRAIN" "${const[@]}" --steps 2 --override steps > "$tmp/out" 2> "$tmp/err"; rc=$?
 [ $rc = 2 ] && grep -q -- "--override steps: it names flags --resume restores from a checkpoint; without --resume" "$tmp/err" &&
   ok "--override without --resume is a usage error" || bad "--override without --resume" "exit $rc" "$(head -2 "$tmp/err")"
+"$TRAIN" --task swav --model cnn --knn-train 0 --steps 1 > "$tmp/out" 2> "$tmp/err"; rc=$?
+[ $rc = 2 ] && grep -q -- "--knn-train 0 needs --probe-epochs 0" "$tmp/err" &&
+  ok "--knn-train 0 with the linear probe on is a usage error" || bad "--knn-train 0" "exit $rc" "$(head -2 "$tmp/err")"
 
 # ---- the data and evaluation flags: --resume without --data keeps the checkpoint's file (it once fell back to the
 # synthetic corpus), and without --val-data/--eval-every it goes on evaluating ----

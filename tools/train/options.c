@@ -642,6 +642,8 @@ void parse_args(int argc, char **argv, struct opts *o) {
         usage_error("--init rank0 needs --init-from FILE (the weights rank 0 reads and sends)");
     if ((o->save_every || o->keep_last) && !o->save_dir) usage_error("--save-every and --keep-last need --save-dir");
     if (o->epochs && o->steps_given) usage_error("--epochs and --steps exclude each other");
+    if (!o->knn_train && o->probe_epochs) /* a kNN over an empty bank would report NaN */
+        usage_error("--knn-train 0 needs --probe-epochs 0 (both: no evaluation); the kNN bank needs an image");
     if (!strcmp(o->schedule, "step") && !o->n_lr_steps) usage_error("--lr-schedule step needs --lr-steps A,B,...");
     if (o->n_lr_steps && strcmp(o->schedule, "step")) usage_error("--lr-steps needs --lr-schedule step");
     if (o->nesterov && (strcmp(o->optim, "sgd") || !(o->momentum > 0)))
