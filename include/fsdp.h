@@ -1112,7 +1112,9 @@ struct fsdp_step_result {
  * layer's product to the loss (a bf16 module's output is bf16 under FSDP2
  * and autocast as well): the cross-entropy widens each row to fp32, and the
  * split calls, which return F32 logits, give the same bits once those are
- * rounded to it ([Note: 16-bit model output], src/fsdp/step.c).
+ * rounded to it ([Note: 16-bit model output], src/fsdp/step.c). A target
+ * id outside the vocabulary fails the step on every rank before its
+ * backward, the ranks without one naming the first rank that had one.
  * COLLECTIVE: yes. */
 enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                        const int32_t *inputs, const int32_t *targets, int B, int T,
@@ -1264,8 +1266,10 @@ struct fsdp_loss {                /* all zero: cross-entropy, no smoothing, noth
  * is only returned). A target whose dtype or shape does not fit out (the
  * same on every rank, so every rank fails alike), a class id outside
  * [0, C) (only the ranks holding it fail: agree on the status before the
- * next collective), a smoothing outside [0, 1] or a USER kind without fn is
- * FSDP_ERR_INVALID naming it. COLLECTIVE: no (yes with `ignore`). */
+ * next collective; with `ignore` at world > 1 every rank fails, the others
+ * naming the first rank that did), a smoothing outside [0, 1] or a USER kind
+ * without fn is FSDP_ERR_INVALID naming it. COLLECTIVE: no (yes with
+ * `ignore`). */
 enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_loss *loss,
                                  const struct fsdp_tensor *out, const struct fsdp_tensor *target, int accum,
                                  double *value, struct fsdp_tensor *dout);
@@ -1813,8 +1817,9 @@ enum fsdp_status fsdp_ckpt_load(struct fsdp_ctx *ctx, struct fsdp_model *fm, con
  * cut short still reads as a checkpoint, and removing it again finishes), then
  * the folder.
  * Refuses (removing nothing) when `dir` holds anything else, naming it. A
- * regular file `dir` is removed when a checkpoint writer made it (a full
- * file), else refused.
+ * rank file that cannot be removed fails naming it, with meta.json left in
+ * place. A regular file `dir` is removed when a checkpoint writer made it (a
+ * full file), else refused.
  * COLLECTIVE: no. */
 enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir);
 /* Whether path is a checkpoint a writer of this library made: a folder

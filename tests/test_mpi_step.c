@@ -15,7 +15,10 @@
  *    the global batch, loss gradients written out here) under every strategy,
  *    overlap on and off, accumulation in both modes, AC and AMP_BF16;
  *  - an eval forward gives the train forward's output and keeps no
- *    activations; bad input is a named error on every rank.
+ *    activations; bad input is a named error on every rank; a class id out
+ *    of range on one rank fails the loss (with ignore_index) and the token
+ *    train step on every rank; a forward that fails before the model runs
+ *    ends the step it opened.
  */
 #include "core/core-impl.h"
 #include "fsdp.h"
@@ -744,6 +747,112 @@ TEST(bad_input_is_a_named_error) {
     fsdp_model_free(fm);
     fsdp_optim_free(opt);
     fsdp_module_free(root);
+}
+
+/* A class id out of range on one rank only. With `ignore` the loss's
+ * all-reduce of the row counts carries the failure: every rank fails (the
+ * others naming that rank) and none waits in it ([Note: agreed loss check],
+ * src/fsdp/step.c); the step goes on with good targets. */
+TEST(bad_class_id_on_one_rank_fails_the_ignore_loss_on_every_rank) {
+    struct fsdp_ctx *c = get_ctx();
+    int rank = rank_of(c), world = world_of(c), Bl = NB / world, bad = world - 1;
+    struct fsdp_module *root;
+    struct fsdp_optim *opt;
+    struct fsdp_model *fm = regressor_model(c, FSDP_FULL_SHARD, &root, &opt);
+    float x[NB * NIN], yreg[NB * NREG], ycls[NB * NCLS];
+    batch(0, x, yreg, ycls);
+    struct fsdp_tensor in = {x + rank * Bl * NIN, FSDP_F32, 4, {Bl, IC, IH, IW}, FSDP_LAYOUT_PLAIN}, out = {0},
+                       dout = {0};
+    int32_t ids[NB];
+    for (int b = 0; b < Bl; b++) ids[b] = b == 1 ? -100 : b % NREG; /* the output's NREG columns as classes */
+    if (rank == bad) ids[0] = NREG;
+    struct fsdp_tensor tg = {ids, FSDP_I32, 1, {Bl}, FSDP_LAYOUT_PLAIN};
+    struct fsdp_loss ce = {.ignore = 1, .ignore_index = -100};
+    ASSERT_OK(fsdp_model_forward_tensor(c, fm, &in, &out), c);
+    CHECK_INT_EQ(fsdp_model_loss(c, fm, &ce, &out, &tg, 1, NULL, &dout), FSDP_ERR_INVALID);
+    char want[96];
+    if (rank == bad) snprintf(want, sizeof want, "target %d at row 0 is outside [0, %d)", NREG, NREG);
+    else snprintf(want, sizeof want, "the loss's check failed on rank %d (1 of %d ranks", bad, world);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), want);
+    ids[0] = 0;
+    struct fsdp_step_result r;
+    ASSERT_OK(fsdp_model_loss(c, fm, &ce, &out, &tg, 1, NULL, &dout), c);
+    ASSERT_OK(fsdp_model_backward(c, fm, &dout), c);
+    ASSERT_OK(fsdp_model_optim_step(c, fm, 1e-2f, 1.0f, &r), c);
+    CHECK(isfinite(r.loss) && r.loss > 0);
+    fsdp_model_free(fm);
+    fsdp_optim_free(opt);
+    fsdp_module_free(root);
+}
+
+/* The tiny GPT, sharded, with AdamW attached (*g: its root). */
+static struct fsdp_model *tiny_gpt(struct fsdp_ctx *c, struct fsdp_module **g, struct fsdp_optim **opt) {
+    struct fsdp_gpt_config cfg;
+    fsdp_gpt_config_preset("tiny", &cfg);
+    struct fsdp_optim_opts oo = fsdp_optim_opts_default();
+    struct fsdp_model *fm;
+    if (fsdp_gpt_create(c, &cfg, g) != FSDP_OK || fsdp_fully_shard(c, *g, NULL, &fm) != FSDP_OK ||
+        fsdp_model_init_params(c, fm, 3) != FSDP_OK || fsdp_optim_create(c, &oo, opt) != FSDP_OK ||
+        fsdp_model_attach_optim(c, fm, *opt) != FSDP_OK)
+        abort();
+    return fm;
+}
+
+/* The token train step: a target id outside the vocabulary on one rank
+ * fails the step on every rank before backward, the others naming that
+ * rank ([Note: agreed loss check], src/fsdp/step.c); the next step trains. */
+TEST(bad_token_target_on_one_rank_fails_the_step_on_every_rank) {
+    struct fsdp_ctx *c = get_ctx();
+    int rank = rank_of(c), world = world_of(c), bad = world - 1;
+    struct fsdp_module *g;
+    struct fsdp_optim *opt;
+    struct fsdp_model *fm = tiny_gpt(c, &g, &opt);
+    int32_t t[2 * 8], tg[2 * 8];
+    for (int i = 0; i < 2 * 8; i++) t[i] = tg[i] = (i * 31 + 7) % 256;
+    if (rank == bad) tg[5] = 256;
+    struct fsdp_step_result r;
+    CHECK_INT_EQ(fsdp_model_train_step(c, fm, t, tg, 2, 8, 1e-3f, 1.0f, &r), FSDP_ERR_INVALID);
+    char want[96];
+    if (rank == bad) snprintf(want, sizeof want, "target 256 at row 5 is outside [0, 256)");
+    else snprintf(want, sizeof want, "the loss of micro-batch 0 failed on rank %d", bad);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), want);
+    tg[5] = 0;
+    CHECK_OK(fsdp_model_train_step(c, fm, t, tg, 2, 8, 1e-3f, 1.0f, &r), c);
+    CHECK(isfinite(r.loss) && r.loss > 0);
+    fsdp_model_free(fm);
+    fsdp_optim_free(opt);
+    fsdp_module_free(g);
+}
+
+/* A train-mode forward that fails before the model runs (its input's copy
+ * into the arena over the memory limit) ends the step it opened ([Note: the
+ * split step], src/fsdp/step.c): the token train step, which refuses an open
+ * split step, runs after it. */
+TEST(failed_forward_ends_the_step_it_opened) {
+    struct fsdp_ctx *c = get_ctx();
+    struct fsdp_module *g;
+    struct fsdp_optim *opt;
+    struct fsdp_model *fm = tiny_gpt(c, &g, &opt);
+    struct fsdp_mem_stats m;
+    fsdp_mem_get(c, &m);
+    /* more than the arena holds now plus 8 MiB, under a limit of 1 MiB more than in use */
+    int64_t rows = (int64_t)((m.cur[FSDP_MEM_ACT] + ((size_t)8 << 20)) / (8 * sizeof(int32_t)));
+    int32_t *big = calloc((size_t)rows * 8, sizeof *big);
+    ASSERT(big != NULL);
+    size_t limit0 = fsdp_mem_limit(c);
+    fsdp_mem_set_limit(c, m.cur_total + ((size_t)1 << 20));
+    struct fsdp_tensor in = {big, FSDP_I32, 2, {rows, 8}, FSDP_LAYOUT_PLAIN}, out = {0};
+    CHECK_INT_EQ(fsdp_model_forward_tensor(c, fm, &in, &out), FSDP_ERR_NOMEM);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "memory limit");
+    fsdp_mem_set_limit(c, limit0);
+    free(big);
+    int32_t t[2 * 8];
+    for (int i = 0; i < 2 * 8; i++) t[i] = (i * 31 + 7) % 256;
+    struct fsdp_step_result r;
+    CHECK_OK(fsdp_model_train_step(c, fm, t, t, 2, 8, 1e-3f, 1.0f, &r), c);
+    fsdp_model_free(fm);
+    fsdp_optim_free(opt);
+    fsdp_module_free(g);
 }
 
 /* The GPT refuses float images naming itself; its token train step refuses eval mode and an open split step. */

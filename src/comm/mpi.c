@@ -548,7 +548,9 @@ enum fsdp_status fsdp__comm_mpi_local_size(struct fsdp_comm *c, int *local) {
     mpi_leave();
     free(all);
     if (rc != MPI_SUCCESS) return mpi_fail(c->ctx, c->rank, c->size, rc, "MPI_Comm_split_type");
-    if (!all && n > 0) return FSDP_ERR_NOMEM;
+    if (!all && n > 0)
+        return fsdp__err(c->ctx, FSDP_ERR_NOMEM, "rank %d: out of memory for the hostnames of the %d ranks sharing "
+                         "its memory (%zu bytes)", c->rank, n, (size_t)n * FSDP_HOST_MAX);
     *local = same;
     return FSDP_OK;
 }

@@ -388,13 +388,21 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
         fm->step.loss_scale = fsdp__scaler_scale(fm); /* 1 without loss scaling */
     }
     double t0 = fsdp__now();
-    if (mid_step) FSDP_TRY(fsdp__model_grads_keep(ctx, fm)); /* the arena's lent ones move out first */
-    else fsdp__model_grads_none(ctx, fm);
-    fsdp_arena_reset(ctx);
     struct fsdp_tensor x = *in;
     size_t bytes = (size_t)fsdp_tensor_numel(in) * fsdp_dtype_size(in->dtype);
-    x.data = fsdp_arena_alloc(ctx, bytes);
-    if (!x.data) return FSDP_ERR_NOMEM; /* the arena named it (a limit, or the allocation) */
+    /* the arena's lent gradient shards move out first */
+    enum fsdp_status st = mid_step ? fsdp__model_grads_keep(ctx, fm) : FSDP_OK;
+    if (!mid_step) fsdp__model_grads_none(ctx, fm);
+    if (st == FSDP_OK) {
+        fsdp_arena_reset(ctx);
+        x.data = fsdp_arena_alloc(ctx, bytes);
+        if (!x.data) st = FSDP_ERR_NOMEM; /* the arena named it (a limit, or the allocation) */
+    }
+    if (st != FSDP_OK && train) { /* as a failed forward below: the step ends here ([Note: the split step]) */
+        fsdp__model_reshard_all(ctx, fm);
+        step_abandon(fm);
+    }
+    if (st != FSDP_OK) return st;
     memcpy(x.data, in->data, bytes);
     memset(out, 0, sizeof *out);
     if (want != FSDP_F32) { /* [Note: 16-bit model output] */
@@ -402,7 +410,6 @@ static enum fsdp_status run_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
         out->layout = FSDP_LAYOUT_ROWS16;
     }
     ctx->errmsg[0] = '\0'; /* a module failing without a message gets one below */
-    enum fsdp_status st;
     if (train) {
         fm->in_forward = 1;
         fm->win_pass = step; /* [Note: shared window] (unit.c) */
@@ -464,14 +471,48 @@ enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
 
 /* ---- Loss ---- */
 
+/* [Note: agreed loss check]
+ * A class id outside [0, C) fails the loss check only on the ranks whose
+ * targets hold it. With `ignore` at world > 1 the loss's mean is over the
+ * global micro-batch's rows, counted by an all-reduce that every rank must
+ * enter: so a rank whose check failed enters it too, a flag added to its row
+ * count, and every rank fails, naming the first failing rank (which keeps
+ * its own message, naming the row); an early return there would leave the
+ * others waiting in the all-reduce. The composed step agrees on its loss's
+ * status the same way before backward's collectives (loss_agree). */
+
+/* With `ignore` at world > 1: *all = the row count over the ranks, or an
+ * error on every rank if check_st failed on any. COLLECTIVE: yes. */
+static enum fsdp_status loss_count_agree(struct fsdp_ctx *ctx, enum fsdp_status check_st, int64_t count,
+                                         int64_t *all) {
+    int64_t mine[2] = {check_st == FSDP_OK ? count : 0, check_st != FSDP_OK}, sum[2] = {0, 0};
+    enum fsdp_status st = fsdp_comm_allreduce(ctx->comm, mine, sum, 2, FSDP_I64, FSDP_SUM);
+    if (st != FSDP_OK) return check_st != FSDP_OK ? check_st : st;
+    if (!sum[1]) {
+        *all = sum[0];
+        return check_st; /* FSDP_OK: its failure would have been counted */
+    }
+    int32_t me = check_st != FSDP_OK ? ctx->rank : ctx->world, first = me; /* every rank takes this branch */
+    st = fsdp_comm_allreduce(ctx->comm, &me, &first, 1, FSDP_I32, FSDP_MIN);
+    if (check_st != FSDP_OK) return check_st;
+    if (st != FSDP_OK) return st;
+    return fsdp__err(ctx, FSDP_ERR_INVALID, "cross-entropy: the loss's check failed on rank %d (%lld of %d ranks; "
+                     "its error says why): no rank has a loss, the mean over the rows not ignored needs them all",
+                     first, (long long)sum[1], ctx->world);
+}
+
 enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct fsdp_loss *loss,
                                  const struct fsdp_tensor *out, const struct fsdp_tensor *target, int accum,
                                  double *value, struct fsdp_tensor *dout) {
     static const struct fsdp_loss ce = {0};
     if (!loss) loss = &ce;
     if (accum < 1) return fsdp__err(ctx, FSDP_ERR_INVALID, "loss: accum %d must be >= 1", accum);
-    int64_t count;
-    FSDP_TRY(fsdp__loss_check(ctx, loss, out, target, &count));
+    int64_t count = 0, all = 0;
+    enum fsdp_status check_st = fsdp__loss_check(ctx, loss, out, target, &count);
+    /* rows left after the ignored ones differ across ranks: the mean is the global batch's */
+    int count_all = loss->kind == FSDP_LOSS_CROSS_ENTROPY && loss->ignore && ctx->world > 1;
+    if (count_all) FSDP_TRY(loss_count_agree(ctx, check_st, count, &all)); /* [Note: agreed loss check] */
+    else FSDP_TRY(check_st);
     double t0 = fsdp__now();
     float scale = (fm->step.fwd_pending ? fm->step.loss_scale : fsdp__scaler_scale(fm)) / (float)accum;
     int64_t C = out->shape[out->ndim - 1], N = fsdp_tensor_numel(out) / C;
@@ -511,14 +552,7 @@ enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
         if (scale != 1.0f)
             for (int64_t i = 0; i < N * C; i++) ((float *)g.data)[i] *= scale;
     } else {
-        double world = 1.0, n = (double)count;
-        if (loss->kind == FSDP_LOSS_CROSS_ENTROPY && loss->ignore && ctx->world > 1) {
-            /* rows left after the ignored ones differ across ranks: the mean is the global batch's */
-            int64_t all = 0;
-            FSDP_TRY(fsdp_comm_allreduce(ctx->comm, &count, &all, 1, FSDP_I64, FSDP_SUM));
-            world = (double)ctx->world;
-            n = (double)all;
-        }
+        double world = count_all ? (double)ctx->world : 1.0, n = (double)(count_all ? all : count);
         double sum;
         float g = n > 0 ? (float)(world * (double)scale / n) : 0.0f;
         fsdp__loss_builtin(loss, out, target, g, &sum, d);
@@ -789,6 +823,20 @@ enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *
  * fsdp_model_backward take the 16-bit output this step makes. */
 static enum fsdp_dtype output_dtype(const struct fsdp_model *fm) { return fm->root->compute_dtype; }
 
+/* The composed step's loss status over the ranks, before backward's
+ * collectives: a target id out of range fails the loss on the ranks holding
+ * it only ([Note: agreed loss check]). COLLECTIVE: yes. */
+static enum fsdp_status loss_agree(struct fsdp_ctx *ctx, enum fsdp_status loss_st, int k) {
+    int32_t me = loss_st != FSDP_OK ? ctx->rank : ctx->world, first = me;
+    enum fsdp_status st = fsdp_comm_allreduce(ctx->comm, &me, &first, 1, FSDP_I32, FSDP_MIN);
+    if (loss_st != FSDP_OK) return loss_st;
+    if (st != FSDP_OK) return st;
+    if (first < ctx->world)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "train_step: the loss of micro-batch %d failed on rank %d (its error "
+                         "says why, e.g. a target id outside the vocabulary)", k, first);
+    return FSDP_OK;
+}
+
 /* The composition of the split step ([Note: the split step]). */
 enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                              const int32_t *inputs, const int32_t *targets, int B, int T,
@@ -817,6 +865,7 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
         if (st != FSDP_OK) break;
         st = tokens(ctx, targets + (size_t)k * (size_t)N, B, T, &tg);
         if (st == FSDP_OK) st = fsdp_model_loss(ctx, fm, NULL, &logits, &tg, accum, NULL, &logits);
+        if (ctx->world > 1) st = loss_agree(ctx, st, k); /* [Note: agreed loss check] */
         fm->step.sync_off = mode == FSDP_ACCUM_NO_SYNC && k < accum - 1;
         if (st == FSDP_OK) st = fsdp_model_backward(ctx, fm, &logits);
     }

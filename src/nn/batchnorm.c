@@ -271,8 +271,9 @@ static enum fsdp_status gather_doubles(struct fsdp_ctx *ctx, struct fsdp_module 
     enum fsdp_status st = fsdp_comm_allgather(c, send, recv, (size_t)(2 * n), FSDP_F32);
     if (st != FSDP_OK) {
         fsdp_arena_release(ctx, mark);
-        return fsdp__err(ctx, st, "SyncBatchNorm '%s': all-gather of statistics failed: %s", fsdp__mname(m),
-                         fsdp_errmsg(ctx));
+        char cause[sizeof ctx->errmsg]; /* the cause is ctx's message: formatting it into itself overlaps */
+        snprintf(cause, sizeof cause, "%s", fsdp_errmsg(ctx));
+        return fsdp__err(ctx, st, "SyncBatchNorm '%s': all-gather of statistics failed: %s", fsdp__mname(m), cause);
     }
     for (int64_t i = 0; i < world * n; i++) out[i] = (double)recv[2 * i] + (double)recv[2 * i + 1];
     fsdp_arena_release(ctx, mark);

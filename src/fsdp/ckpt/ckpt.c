@@ -264,19 +264,34 @@ enum fsdp_status fsdp_ckpt_check_target(struct fsdp_ctx *ctx, const char *dir) {
 }
 
 /* Removes the files of ours from a flat folder but `keep` (a name, or NULL),
- * then the folder if that left it empty. */
-static void remove_owned(const char *dir, const char *keep) {
+ * then the folder if that left it empty. Goes through every entry, and
+ * returns the first that stays, naming it: one of ours that unlink refused,
+ * or one that owned_file does not take for ours (the callers checked the
+ * folder first, so it appeared or changed since, or cannot be read), refused
+ * in check_owned_dir's words. ctx may be NULL (best effort: no message). */
+static enum fsdp_status remove_owned(struct fsdp_ctx *ctx, const char *dir, const char *keep) {
     DIR *d = opendir(dir);
-    if (!d) return;
+    if (!d)
+        return errno == ENOENT ? FSDP_OK : fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot list: %s", dir, strerror(errno));
+    enum fsdp_status st = FSDP_OK;
     struct dirent *e;
     while ((e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || (keep && !strcmp(e->d_name, keep))) continue;
         char p[PATH_MAX];
-        if ((!keep || strcmp(e->d_name, keep)) && (size_t)snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < sizeof p &&
-            owned_file(p, e->d_name))
-            unlink(p);
+        struct stat sb;
+        int fits = (size_t)snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < sizeof p;
+        int ours = fits && owned_file(p, e->d_name);
+        if (ours && unlink(p) == 0) continue;
+        int gone = ours ? errno == ENOENT : fits && lstat(p, &sb) != 0 && errno == ENOENT; /* removed meanwhile */
+        if (gone || st != FSDP_OK) continue;
+        st = ours ? fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot remove: %s", p, strerror(errno))
+                  : fsdp__err(ctx, FSDP_ERR_INVALID,
+                              "%s: holds '%s', which no checkpoint writer made: not removing the folder", dir,
+                              e->d_name);
     }
     closedir(d);
     rmdir(dir);
+    return st;
 }
 
 int fsdp_ckpt_is_ours(const char *path) {
@@ -305,8 +320,10 @@ enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir) {
      * that still reads as a checkpoint, so the next --keep-last finds it and
      * removes the rest, where meta.json gone first would leave its rank files
      * behind in a folder nothing lists, for good. Such a folder's load fails
-     * naming the missing file; --keep-last never removes the newest one. */
-    remove_owned(dir, FSDP__META_NAME);
+     * naming the missing file; --keep-last never removes the newest one.
+     * So a rank file that stays (unlink refused, or no longer ours) keeps
+     * meta.json too. */
+    FSDP_TRY(remove_owned(ctx, dir, FSDP__META_NAME));
     char meta[PATH_MAX];
     if ((size_t)snprintf(meta, sizeof meta, "%s/%s", dir, FSDP__META_NAME) >= sizeof meta)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: path too long", dir);
@@ -350,7 +367,7 @@ enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, co
         if (renameat2(AT_FDCWD, tmpdir, AT_FDCWD, dir, RENAME_EXCHANGE) != 0)
             return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot swap in %s: %s", dir, tmpdir, strerror(errno));
         FSDP_TRY(fsdp__fsync_dir(ctx, dir));
-        remove_owned(tmpdir, NULL);
+        (void)remove_owned(NULL, tmpdir, NULL); /* best effort: what stays is cleaned as after a crash */
         return FSDP_OK;
     }
     if (rename(tmpdir, dir) != 0)

@@ -387,14 +387,17 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
         char *fpath = fsdp__path_join(tmpdir, name);
         const char *kv[] = {"format", "pt"};
         struct fsdp__st_writer *w = NULL;
-        st = fpath ? fsdp__st_writer_open(ctx, fpath, n, desc, 1, kv, &w) : fsdp__err(ctx, FSDP_ERR_NOMEM, "oom");
+        st = fpath ? fsdp__st_writer_open(ctx, fpath, n, desc, 1, kv, &w)
+                   : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory for the path of %s/%s", tmpdir, name);
         for (int i = 0; i < nt && st == FSDP_OK; i++) {
             int64_t numel = f.t[ot[i].ti].numel, s = numel * r / n_files, e = numel * (r + 1) / n_files;
             if (ot[i].buffer) { /* whole, in file 0 */
                 if (r) continue;
                 size_t bytes = (size_t)(f.t[ot[i].ti].end - f.t[ot[i].ti].begin);
                 void *bb = fsdp__malloc(bytes + 1);
-                st = bb ? fsdp__st_read(ctx, &f, ot[i].ti, 0, bytes, bb) : fsdp__err(ctx, FSDP_ERR_NOMEM, "oom");
+                st = bb ? fsdp__st_read(ctx, &f, ot[i].ti, 0, bytes, bb)
+                        : fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory for buffer '%s' (%zu bytes)", path,
+                                    ot[i].fqn, bytes);
                 if (st == FSDP_OK) st = fsdp__st_writer_write(w, bb, bytes);
                 free(bb);
                 continue;
@@ -402,7 +405,8 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
             if (s >= e) continue;
             float *nb = fsdp__realloc(buf, (size_t)(e - s) * sizeof(float));
             if (!nb) {
-                st = fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+                st = fsdp__err(ctx, FSDP_ERR_NOMEM, "%s: out of memory for %lld floats of '%s'", path,
+                               (long long)(e - s), ot[i].fqn);
                 break;
             }
             buf = nb;
