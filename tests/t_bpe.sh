@@ -9,7 +9,8 @@
 # agree with JavaScript's wherever Python's Unicode knows the character; bad
 # tokenizer directories fail with one line naming the file and the problem;
 # an output that is the input, and a FIFO as the input or a tokenizer file,
-# are refused; a run that fails midway leaves no partial output.
+# are refused; a token file whose size is not its header's count is refused
+# (as fsdp-train --data refuses it); a run that fails midway leaves no partial output.
 # Without node/npm (or the registry) it reports itself skipped.
 . "$(dirname "$0")/lib.sh"
 TOK="$BUILD/fsdp-tokenize"
@@ -166,9 +167,18 @@ fifo_case "fsdp-train --tokenizer (the text --data)" "--data: $tmp/fifo: not a r
 # -- a run that fails midway removes the output it was writing, so a rerun is not refused:
 #    a truncated token file; a full disk (a file size limit, EFBIG, with SIGXFSZ ignored)
 head -c $((1024 + 2 * 1000)) "$tmp/varied.bin" > "$tmp/cut.bin"
-one_line "--decode of a truncated token file fails" "'$tmp/cut.bin': the header says" \
+one_line "--decode of a truncated token file fails" "'$tmp/cut.bin': llm.c header says" \
   "$TOK" --tokenizer "$GPT2" --decode "$tmp/cut.bin" "$tmp/cut.txt"
 [ ! -e "$tmp/cut.txt" ] && ok "--decode: no partial output after a truncated input" || bad "--decode left a partial output"
+# bytes past the header's count: refused as fsdp-train --data refuses them (they were left out of the text
+# without a word), before any output
+cat "$tmp/varied.bin" > "$tmp/long.bin"
+printf 'AB' >> "$tmp/long.bin"
+n_long=$(ids "$tmp/varied.bin")
+one_line "--decode of a token file longer than its header's count fails" \
+  "'$tmp/long.bin': llm.c header says $n_long tokens ($((1024 + 2 * n_long)) bytes in all) but the file has $((1026 + 2 * n_long)) bytes" \
+  "$TOK" --tokenizer "$GPT2" --decode "$tmp/long.bin" "$tmp/long.txt"
+[ ! -e "$tmp/long.txt" ] && ok "--decode: no output for a token file longer than its count" || bad "--decode wrote $tmp/long.txt"
 (trap '' XFSZ; ulimit -f 64; exec "$TOK" --tokenizer "$GPT2" --decode "$tmp/varied.bin" "$tmp/full.txt") 2> "$tmp/err"
 rc=$?
 [ "$rc" -eq 1 ] && grep -qF "cannot write '$tmp/full.txt'" "$tmp/err" && [ ! -e "$tmp/full.txt" ] \

@@ -77,6 +77,9 @@ cfg_error "a number for a switch" '{"decay-all": 1}' "--config .*bad.json: key \
 cfg_error "a value out of range" '{"lr": 50}' "--config .*bad.json: --lr: '50' is not a number in"
 cfg_error "not a JSON object" '[1, 2]' "--config .*bad.json: not a JSON object"
 cfg_error "a nested --config" '{"config": "x.json"}' "--config .*bad.json: key \"config\": not allowed"
+# "task": "images" with no model key: a usage error naming the flags that give one (it crashed)
+cfg_error "task images without a model" '{"task": "images", "threads": 1}' \
+  "--task images needs --model cnn\|resnet18.*, --model-config FILE or --resume"
 cfg_error "bytes after the object" '{"steps": 1} junk' "--config .*bad.json: bytes after the JSON value at byte 13"
 cfg_error "a second object" '{"steps": 1}
 {"lr": 1e-3}' "--config .*bad.json: bytes after the JSON value at byte 13 \(line 2"

@@ -3,7 +3,8 @@
 # (the SVG rendered by headless Chromium, the PNG read back by
 # tests/plot_check.py against each panel's data-* mapping); a real
 # fsdp-train --log plots, and one a resumed run appended to plots as two
-# parts; bad input gives one line and a non-zero exit;
+# parts; values no double arithmetic can step through (denormals, +-1e308)
+# plot on finite axes in bounded time; bad input gives one line and a non-zero exit;
 # -o never replaces a file fsdp-plot did not write. Chromium comes with
 # scripts/install-deps.sh --with-torch; without it the rendering checks are
 # skipped, saying so. Prints "N passed, N failed".
@@ -85,6 +86,31 @@ PY
 then ok "a resumed run appends to its --log, and each part plots as its own line"
 else bad "a resumed run appends to its --log" "$(tail -2 "$tmp/train2")" "$(cat "$tmp/rs.jsonl" 2>&1 | cut -c1-80)" \
   "$(grep -c 'data-series="loss"' "$tmp/rs.svg" "$tmp/real.svg" 2>&1)"; fi
+
+# ---- value ranges a double's arithmetic cannot step through: a finite axis, in bounded time ----
+# (a span of denormals made the tick step 0, one of -1e308..1e308 made it inf: the tick loops wrote forever;
+# each run here is capped at 1 MiB of output and 30 s, in a folder of its own)
+mkdir -p "$tmp/range"
+printf '{"step": 1, "loss": 0}\n{"step": 2, "loss": 5e-324}\n' > "$tmp/range/denormal.jsonl"
+printf '{"step": 1, "loss": 5e-324}\n' > "$tmp/range/one_denormal.jsonl"
+printf '{"step": 1, "loss": -1e308}\n{"step": 2, "loss": 1e308}\n' > "$tmp/range/huge.jsonl"
+printf '{"step": 1e308, "loss": 1}\n{"step": -1e308, "loss": 2}\n' > "$tmp/range/huge_step.jsonl"
+# tokens and loss never on one step: the loss-against-tokens panel has no point to range over
+printf '{"step": 1, "tokens": 100, "loss": null}\n{"step": 2, "loss": 1}\n' > "$tmp/range/apart.jsonl"
+for n in denormal one_denormal huge huge_step apart; do
+  (ulimit -f 1024; timeout -k 5 30 "$PLOT" "$tmp/range/$n.jsonl" -o "$tmp/range/$n.svg") > "$tmp/out" 2>&1; rc=$?
+  if [ $rc -eq 0 ] && msg=$(python3 - "$tmp/range/$n.svg" <<'EOF' 2>&1
+import math, sys, xml.etree.ElementTree as E
+panels = [g for g in E.parse(sys.argv[1]).iter("{http://www.w3.org/2000/svg}g") if g.get("class") == "panel"]
+assert panels, "no panel"
+for g in panels:
+    lim = [float(g.get("data-" + k)) for k in ("xmin", "xmax", "ymin", "ymax")]
+    assert all(math.isfinite(v) for v in lim) and lim[0] < lim[1] and lim[2] < lim[3], f"{g.get('data-field')}: {lim}"
+EOF
+  ); then ok "$n.jsonl plots on finite axes (exit 0, $(stat -c %s "$tmp/range/$n.svg") bytes)"
+  else bad "$n.jsonl plots on finite axes" "exit $rc$([ $rc -ge 124 ] && echo ': killed, it wrote past 1 MiB or ran past 30 s')" \
+    "${msg:-}" "$(head -2 "$tmp/out")"; fi
+done
 
 # ---- bad input: one line, non-zero exit, no output file ----
 expect_fail() { # NAME PATTERN ARGS...

@@ -208,6 +208,36 @@ if timeout -k 5 60 "$TRAIN" "${tiny[@]}" --save-full "$tmp/own.safetensors" > "$
   ok "--save-full over a file fsdp.c wrote passes the same check and is replaced"
 else bad "--save-full over our own file" "$(tail -2 "$tmp/of2")"; fi
 
+# ---- the outputs apart: one file for two flags passed each check alone, trained, then the save
+# refused the log the run had written and the model was lost ----
+outs_case() { # NAME PATTERN FLAGS...
+  local name=$1 pat=$2; shift 2
+  timeout -k 5 60 "$TRAIN" "${tiny[@]}" "$@" > "$tmp/oc" 2> "$tmp/oce"
+  local rc=$?
+  if [ $rc -eq 1 ] && grep -qF -- "$pat" "$tmp/oce" && ! grep -q "^step" "$tmp/oc"; then ok "$name: refused before step 1"
+  else bad "$name before step 1" "exit $rc" "$(head -3 "$tmp/oce")"; fi
+}
+outs_case "--log and --save-full one file" "--log '$tmp/same.out' and --save-full '$tmp/same.out' are the same file" \
+  --log "$tmp/same.out" --save-full "$tmp/same.out"
+outs_case "--log and --save-full one file by two names" \
+  "--log '$tmp/same.out' and --save-full '$tmp/./same.out' are the same file" --log "$tmp/same.out" --save-full "$tmp/./same.out"
+[ ! -e "$tmp/same.out" ] && ok "the refused pair created no file" || bad "the refused pair created $tmp/same.out"
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --log "$tmp/prev.jsonl" > /dev/null 2>&1 && cp "$tmp/prev.jsonl" "$tmp/prev.copy"
+outs_case "--log and --save-full on an existing log" "--log '$tmp/prev.jsonl' and --save-full '$tmp/./prev.jsonl' are the same" \
+  --log "$tmp/prev.jsonl" --save-full "$tmp/./prev.jsonl"
+cmp -s "$tmp/prev.jsonl" "$tmp/prev.copy" && ok "the existing log is left as it was" || bad "the existing log changed"
+mkdir "$tmp/sd" # an existing --save-dir (a fresh one: its folder does not exist for --log)
+outs_case "--log under a checkpoint's name in --save-dir" \
+  "--log '$tmp/sd/step-00000002' is in --save-dir '$tmp/sd' under a name its checkpoints use" \
+  --save-dir "$tmp/sd" --log "$tmp/sd/step-00000002"
+outs_case "--log as --save-dir's lock file" "--log '$tmp/sd/.lock' is in --save-dir '$tmp/sd' under a name its checkpoints use" \
+  --save-dir "$tmp/sd" --log "$tmp/sd/.lock"
+outs_case "--save-full under a checkpoint's name in --save-dir" \
+  "--save-full '$tmp/sd/step-00000002.safetensors' is in --save-dir '$tmp/sd' under a name its checkpoints use" \
+  --save-dir "$tmp/sd" --state-dict-type full --save-full "$tmp/sd/step-00000002.safetensors"
+outs_case "--log and --save-dir one path" "--log '$tmp/sd2' and --save-dir '$tmp/sd2' are the same file" \
+  --log "$tmp/sd2" --save-dir "$tmp/sd2"
+
 # ---- --log replaces only a log of fsdp-train ([Note: a log is replaced only by a log]) ----
 echo precious > "$tmp/user.txt"
 ln -s user.txt "$tmp/link.jsonl"

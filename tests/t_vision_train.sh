@@ -193,6 +193,15 @@ expect_input "unknown arch in a config" "arch.json.*unknown arch 'resnet9'" -- -
 expect_input "unknown key in a config" "key.json.*colour" -- --model-config "$tmp/key.json" --steps 1
 expect_input "unknown image model" "--model.*resnet9" -- --model resnet9 --steps 1
 expect_input "missing image folder" "no/such" -- --model cnn --data "$tmp/no/such" --steps 1
+# no model flag and no checkpoint: there is no default image model (it crashed, reading a checkpoint's model)
+expect_input "--task images without --model, --model-config or --resume" \
+  "--task images needs --model cnn\|resnet18.*, --model-config FILE or --resume" -- --nproc 2 --task images --threads 1
+# --epochs x steps per epoch past the largest --steps (it wrapped to a negative step count and exited 0)
+expect_input "--epochs past the largest --steps" \
+  "--epochs 1048576 x 60000 steps per epoch \(60000 images of --data fashion-mnist in batches of 1\) is 62914560000 steps, more than .*\(1073741824, the largest --steps\)" \
+  -- --model cnn --data fashion-mnist --batch 1 --epochs 1048576 --threads 1
+expect_input "the same for --task swav" "--epochs 1048576 x 30000 steps per epoch .* is 31457280000 steps" \
+  -- --task swav --model cnn --data fashion-mnist --batch 2 --epochs 1048576 --threads 1
 # --dry-run and --mem-limit plan image models as the GPT, activations included (measured in
 # measure mode; tests/test_mpi_plan.c checks plan == run to the byte), and checkpointing lowers them
 dry() { timeout 120 "$TRAIN" --model resnet18 --data fashion-mnist --batch 32 --nproc 2 --dry-run "$@" > "$tmp/dry" 2>&1; }

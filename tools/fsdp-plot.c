@@ -171,12 +171,27 @@ static void read_log(struct run *r) {
 struct axis {
     double lo, hi, step; /* lo and hi are multiples of step */
 };
+/* nice_axis gives 5 to 7 ticks; the tick loops stop here whatever the axis
+ * ([Note: finite axes]) */
+#define TICKS_MAX 64
+
+/* [Note: finite axes] A span of denormals (0 and 5e-324) made the tick
+ * step 0, one from -1e308 to 1e308 made it inf, and the tick loops never
+ * ended. An axis spans at least AXIS_TINY, so that its step and ticks are
+ * normal doubles (a narrower span is drawn as one value), and ends within
+ * +-AXIS_HUGE, so that hi - lo and a value's place on the plot stay finite
+ * (a value past it, a diverged loss, runs off the plot and is clipped). */
+#define AXIS_TINY 1e-290
+#define AXIS_HUGE 1e300
 
 static void nice_axis(double lo, double hi, struct axis *a) {
-    if (!(hi > lo)) { /* one value (or none): a range around it */
-        double d = fabs(lo) > 0 ? fabs(lo) * 0.1 : 1.0;
-        lo -= d;
-        hi += d;
+    lo = fmin(fmax(lo, -AXIS_HUGE), AXIS_HUGE); /* also no value at all: lo +inf, hi -inf */
+    hi = fmin(fmax(hi, -AXIS_HUGE), AXIS_HUGE);
+    if (!(hi - lo >= AXIS_TINY)) { /* one value (or none): a range around it */
+        double mid = lo <= hi ? lo / 2 + hi / 2 : 0, d = fabs(mid) * 0.1; /* lo > hi: no value */
+        if (!(d >= AXIS_TINY)) d = 1.0;
+        lo = mid - d;
+        hi = mid + d;
     }
     double raw = (hi - lo) / 5.0, p = pow(10.0, floor(log10(raw))), f = raw / p;
     double step = (f <= 1.0 ? 1.0 : f <= 2.0 ? 2.0 : f <= 5.0 ? 5.0 : 10.0) * p;
@@ -194,6 +209,11 @@ static void tick_label(char *buf, size_t cap, double v, double step) {
     }
     const char *suf = "";
     double av = fabs(v) > fabs(step) ? fabs(v) : fabs(step);
+    if (av >= 1e15) { /* up to 1e300 ([Note: finite axes]): its fixed digits would not fit buf */
+        int sig = (int)(floor(log10(av)) - floor(log10(step)));
+        snprintf(buf, cap, "%.*e", sig < 0 ? 0 : sig > 16 ? 16 : sig, v);
+        return;
+    }
     if (av >= 1e4) {
         double d = av >= 1e9 ? 1e9 : av >= 1e6 ? 1e6 : 1e3;
         suf = d == 1e9 ? "G" : d == 1e6 ? "M" : "k";
@@ -299,7 +319,7 @@ static void draw_panel(FILE *f, const struct panel_def *d, const struct run *run
     fputs("</text>\n", f);
     /* grid and ticks */
     char lab[64];
-    for (int i = 0;; i++) {
+    for (int i = 0; i <= TICKS_MAX; i++) {
         double v = ax.lo + i * ax.step;
         if (v > ax.hi + ax.step * 1e-6) break;
         double px = x0 + (v - ax.lo) / (ax.hi - ax.lo) * PW;
@@ -308,7 +328,7 @@ static void draw_panel(FILE *f, const struct panel_def *d, const struct run *run
         fprintf(f, "<line class=\"tick\" x1=\"%.2f\" y1=\"%.2f\" x2=\"%.2f\" y2=\"%.2f\"/>", px, y1, px, y1 + 5);
         fprintf(f, "<text class=\"xt\" x=\"%.2f\" y=\"%.2f\">%s</text>\n", px, y1 + 18, lab);
     }
-    for (int i = 0;; i++) {
+    for (int i = 0; i <= TICKS_MAX; i++) {
         double v = ay.lo + i * ay.step;
         if (v > ay.hi + ay.step * 1e-6) break;
         double py = y1 - (v - ay.lo) / (ay.hi - ay.lo) * PH;

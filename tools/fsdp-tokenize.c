@@ -134,11 +134,17 @@ static void check_replaceable(const char *path, int token_file, int may_be_empty
 
 /* --decode: an llm.c token file back to bytes. */
 static int decode_file(struct fsdp_ctx *ctx, struct fsdp_bpe *bpe, const char *in, const char *out) {
-    FILE *f = fdopen(open_regular(in, NULL), "rb");
+    size_t bytes;
+    FILE *f = fdopen(open_regular(in, &bytes), "rb");
     if (!f) die("cannot read '%s': %s", in, strerror(errno));
     int32_t h[256];
     if (fread(h, sizeof h, 1, f) != 1 || h[0] != 20240520 || h[1] != 1 || h[2] < 0)
         die("'%s' is not an llm.c token file (magic 20240520, version 1)", in);
+    /* the size fsdp-train --data requires (src/io/data.c): bytes past the
+     * header's count were once left out of the text without a word */
+    size_t want = sizeof h + 2 * (size_t)h[2];
+    if (bytes != want)
+        die("'%s': llm.c header says %d tokens (%zu bytes in all) but the file has %zu bytes", in, h[2], want, bytes);
     check_replaceable(out, 0, 0);
     /* O_EXCL: the file is this run's to remove on failure ([Note: what a failed run leaves]) */
     int ofd = open(out, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);

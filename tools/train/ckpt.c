@@ -356,13 +356,60 @@ static int check_save_dir(struct fsdp_ctx *ctx, const char *dir, const struct op
     return 0;
 }
 
+/* Whether paths a and b name one file: the same inode where both exist (a
+ * hard link, "./x" for "x"), else the same name in the same folder. */
+static int same_file(const char *a, const char *b) {
+    struct stat sa, sb;
+    int ea = stat(a, &sa) == 0, eb = stat(b, &sb) == 0;
+    if (ea || eb) return ea && eb && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+    char da[4096], db[4096];
+    dir_of(a, da, sizeof da);
+    dir_of(b, db, sizeof db);
+    const char *na = strrchr(a, '/'), *nb = strrchr(b, '/');
+    na = na ? na + 1 : a;
+    nb = nb ? nb + 1 : b;
+    return !strcmp(na, nb) && stat(da, &sa) == 0 && stat(db, &sb) == 0 && sa.st_dev == sb.st_dev &&
+           sa.st_ino == sb.st_ino;
+}
+
+/* A file path in --save-dir under a name the checkpoints use (step-N, its
+ * .tmp and .old, the .lock): a save or --keep-last would replace or remove
+ * it, or the log would be written into the lock. */
+static int in_ckpt_names(const char *path, const char *dir) {
+    char pd[4096];
+    dir_of(path, pd, sizeof pd);
+    const char *name = strrchr(path, '/');
+    name = name ? name + 1 : path;
+    int ours = !strcmp(name, ".lock") || (!strncmp(name, "step-", 5) && name[5] >= '0' && name[5] <= '9');
+    return ours && same_file(pd, dir);
+}
+
+/* The outputs apart, checked first: --log and --save-full as one file
+ * passed each check alone, trained, then the save refused the log the run
+ * had written, and the model was lost. */
+static int check_outputs_apart(const struct opts *o, char *err, size_t n) {
+    const char *flag[3] = {"--log", "--save-full", "--save-dir"};
+    const char *path[3] = {o->log_path, o->save_full, o->save_dir};
+    for (int i = 0; i < 3; i++)
+        for (int j = i + 1; j < 3; j++)
+            if (path[i] && path[j] && same_file(path[i], path[j]))
+                return snprintf(err, n, "%s '%s' and %s '%s' are the same file; give each its own path", flag[i],
+                                path[i], flag[j], path[j]), 1;
+    for (int i = 0; i < 2 && o->save_dir; i++)
+        if (path[i] && in_ckpt_names(path[i], o->save_dir))
+            return snprintf(err, n, "%s '%s' is in --save-dir '%s' under a name its checkpoints use (step-N, "
+                            ".lock); give another name or folder", flag[i], path[i], o->save_dir), 1;
+    return 0;
+}
+
 /* Every rank: rank 0 checks --log, --save-full and --save-dir (and takes the
  * lock), and all ranks end alike on a failure. */
 void check_outputs(struct fsdp_ctx *ctx, const struct opts *o, long start, long steps) {
     char err[8192] = "";
     int bad = 0;
     if (fsdp_ctx_rank(ctx) == 0) {
-        bad = (o->log_path && (check_log_file(o->log_path, err, sizeof err) ||
+        bad = check_outputs_apart(o, err, sizeof err) ||
+              (o->log_path && (check_log_file(o->log_path, err, sizeof err) ||
                                check_out_file("--log", o->log_path, err, sizeof err))) ||
               (o->save_full && check_save_full(ctx, o->save_full, err, sizeof err)) ||
               (o->save_dir && check_save_dir(ctx, o->save_dir, o, start, steps, err, sizeof err));

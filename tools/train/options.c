@@ -495,7 +495,7 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--keep-last")) o->keep_last = (int)parse_int(a, v, 0, 1 << 20);
         else if (!strcmp(a, "--batch")) o->batch = (int)parse_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--seq")) o->seq = (int)parse_int(a, v, 1, 1 << 20);
-        else if (!strcmp(a, "--steps")) { o->steps = (int)parse_int(a, v, 0, 1 << 30); o->steps_given = 1; }
+        else if (!strcmp(a, "--steps")) { o->steps = (int)parse_int(a, v, 0, STEPS_MAX); o->steps_given = 1; }
         else if (!strcmp(a, "--epochs")) o->epochs = (int)parse_int(a, v, 1, 1 << 20);
         else if (!strcmp(a, "--eval-every")) o->eval_every = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--eval-batch")) o->eval_batch = (int)parse_int(a, v, 1, 1 << 20);

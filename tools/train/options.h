@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #define EVAL_LAYERS_MAX 4 /* --eval-layer: layer1..layer4, each at most once */
+#define STEPS_MAX (1 << 30) /* --steps, and the steps --epochs makes: a step count fits an int */
 
 struct opts {
     const char *model, *model_config, *data, *log_path;

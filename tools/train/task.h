@@ -124,6 +124,9 @@ void task_images_norm(const struct opts *o, struct fsdp_image_batch_opts *bo);
 void task_load_image(const struct fsdp_images *im, const struct fsdp_image_batch_opts *bo, int64_t i, float *dst);
 /* arch names one of the library's ResNets (fsdp_resnet_config_preset takes it). */
 int task_is_resnet(const char *arch);
+/* The run's steps: --steps, or --epochs x the batches of count training
+ * images (the last one partial); exit 2 when that is past STEPS_MAX. */
+int task_epoch_steps(const struct opts *o, int64_t count, const char *data);
 
 /* eval.c: an evaluation's figures on the terminal (the line after step
  * `step`), in a --log line (JSON members `"k": v, `) and in the summary. */

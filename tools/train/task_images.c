@@ -49,6 +49,17 @@ int task_is_resnet(const char *arch) {
     return arch && fsdp_resnet_config_preset(arch, &c) == FSDP_OK;
 }
 
+int task_epoch_steps(const struct opts *o, int64_t count, const char *data) {
+    if (!o->epochs) return o->steps;
+    int64_t per_epoch = (count + o->batch - 1) / o->batch;
+    /* compared by division: the product in an int once wrapped to a negative step count */
+    if (per_epoch > STEPS_MAX / o->epochs)
+        fail_input("--epochs %d x %lld steps per epoch (%lld images of --data %s in batches of %d) is %lld steps, "
+                   "more than the most a run takes (%d, the largest --steps)", o->epochs, (long long)per_epoch,
+                   (long long)count, data, o->batch, (long long)o->epochs * per_epoch, STEPS_MAX);
+    return (int)(o->epochs * per_epoch);
+}
+
 /* ---- The small CNN ----
  * layer1 = Sequential(0: Conv2d(in, w, 3, padding 1, no bias), 1: BatchNorm2d(w),
  *                     2: ReLU, 3: MaxPool2d(2)),
@@ -440,6 +451,10 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
         k->cfg_source = "--model";
         preset = 1;
     } else {
+        /* no model flag and no checkpoint (--task images, from the flags or a --config file) */
+        if (!ck)
+            fail_input("--task images needs --model cnn|resnet18|resnet34|resnet50, --model-config FILE or --resume "
+                       "CHECKPOINT (there is no default image model)");
         cJSON *j = cJSON_Parse(ck->model_json);
         int bad = cfg_parse(j, &k->cfg, err, sizeof err);
         cJSON_Delete(j);
@@ -488,5 +503,5 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
     t->items_per_step = o->batch;
     t->train_flops_per_item = 0; /* set by img_open for a ResNet */
     t->seq = 1;
-    t->steps = o->epochs ? (int)((int64_t)o->epochs * ((k->ti.count + o->batch - 1) / o->batch)) : o->steps;
+    t->steps = task_epoch_steps(o, k->ti.count, k->data_name);
 }

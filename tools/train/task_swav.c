@@ -732,5 +732,5 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
     t->items_per_step = o->batch;
     t->train_flops_per_item = 0;
     t->seq = 1;
-    t->steps = o->epochs ? (int)((int64_t)o->epochs * ((k->ti.count + o->batch - 1) / o->batch)) : o->steps;
+    t->steps = task_epoch_steps(o, k->ti.count, k->data_name);
 }
