@@ -504,7 +504,9 @@ char *fsdp__path_join(const char *dir, const char *name); /* malloc'd */
 void fsdp__ckpt_rank_file_name(char *buf, size_t n, int r, int world);
 /* Writes text to path via path.tmp + fsync + rename. */
 enum fsdp_status fsdp__write_durable(struct fsdp_ctx *ctx, const char *path, const char *text);
-/* Rank 0: swaps the finished tmpdir in as dir ([Note: atomic folder]). */
+/* Rank 0: swaps the finished tmpdir in as dir ([Note: atomic folder]). A
+ * failure before the swap removes tmpdir's meta.json (the save's own), so a
+ * tmpdir still holding one after a failure is the previous checkpoint. */
 enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, const char *tmpdir, int nfiles);
 const char *fsdp__shape_str(char *buf, size_t n, int ndim, const int64_t *shape);
 

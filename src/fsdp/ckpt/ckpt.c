@@ -338,6 +338,16 @@ enum fsdp_status fsdp_ckpt_remove(struct fsdp_ctx *ctx, const char *dir) {
 
 /* Rank 0: removes files of dir.tmp that this save did not write (a crashed
  * save at another world size), then swaps dir.tmp into place. */
+/* A commit that failed before its swap or rename: tmpdir's meta.json is this
+ * save's own, and without it the caller's cleanup ([Note: a failed save
+ * leaves nothing of its own], sharded.c) takes the rank files it wrote
+ * instead of keeping them as the previous checkpoint. */
+static enum fsdp_status not_swapped(const char *tmpdir, enum fsdp_status st) {
+    char p[PATH_MAX];
+    if ((size_t)snprintf(p, sizeof p, "%s/%s", tmpdir, FSDP__META_NAME) < sizeof p) unlink(p);
+    return st;
+}
+
 enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, const char *tmpdir, int nfiles) {
     DIR *d = opendir(tmpdir);
     if (d) {
@@ -355,23 +365,26 @@ enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, co
         }
         closedir(d);
     }
-    FSDP_TRY(fsdp__fsync_dir(ctx, tmpdir)); /* fsyncs the parent of tmpdir... */
+    enum fsdp_status st = fsdp__fsync_dir(ctx, tmpdir); /* fsyncs the parent of tmpdir... */
     char self[PATH_MAX];
     snprintf(self, sizeof self, "%s/.", tmpdir);
-    FSDP_TRY(fsdp__fsync_dir(ctx, self)); /* ...and tmpdir itself */
+    if (st == FSDP_OK) st = fsdp__fsync_dir(ctx, self); /* ...and tmpdir itself */
+    if (st != FSDP_OK) return not_swapped(tmpdir, st);
     fsdp__ckpt_crash_point("before folder rename");
     struct stat sb;
     if (stat(dir, &sb) == 0) {
         /* replace an existing checkpoint: swap the two folders atomically,
          * then remove the old one (now under the tmp name) */
         if (renameat2(AT_FDCWD, tmpdir, AT_FDCWD, dir, RENAME_EXCHANGE) != 0)
-            return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot swap in %s: %s", dir, tmpdir, strerror(errno));
+            return not_swapped(tmpdir, fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot swap in %s: %s", dir, tmpdir,
+                                                 strerror(errno)));
         FSDP_TRY(fsdp__fsync_dir(ctx, dir));
         (void)remove_owned(NULL, tmpdir, NULL); /* best effort: what stays is cleaned as after a crash */
         return FSDP_OK;
     }
     if (rename(tmpdir, dir) != 0)
-        return fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot rename to %s: %s", tmpdir, dir, strerror(errno));
+        return not_swapped(tmpdir, fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot rename to %s: %s", tmpdir, dir,
+                                             strerror(errno)));
     return fsdp__fsync_dir(ctx, dir);
 }
 const char *fsdp__shape_str(char *buf, size_t n, int ndim, const int64_t *shape) {

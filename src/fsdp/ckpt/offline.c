@@ -454,8 +454,12 @@ enum fsdp_status fsdp_ckpt_from_full_model(struct fsdp_ctx *ctx, const char *pat
     if (st == FSDP_OK) st = fsdp__meta_format(ctx, mpath, &mt, &text);
     fsdp__meta_free(&mt);
     if (st == FSDP_OK) st = fsdp__write_durable(ctx, mpath, text);
-    if (st == FSDP_OK) st = fsdp__ckpt_commit_dir(ctx, dir, tmpdir, n_files);
-    else { /* [Note: a failed save leaves nothing of its own] (sharded.c): the rank files it wrote, its folder */
+    int committing = st == FSDP_OK;
+    if (committing) st = fsdp__ckpt_commit_dir(ctx, dir, tmpdir, n_files);
+    /* a commit that failed with meta.json still in tmpdir did swap: tmpdir is the previous checkpoint */
+    struct stat msb;
+    if (st != FSDP_OK && (!committing || stat(mpath, &msb) != 0)) {
+        /* [Note: a failed save leaves nothing of its own] (sharded.c): the rank files it wrote, its folder */
         for (int r = 0; r < wrote; r++) {
             char name[64];
             fsdp__ckpt_rank_file_name(name, sizeof name, r, n_files);
