@@ -481,6 +481,14 @@ enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm,
  * others waiting in the all-reduce. The composed step agrees on its loss's
  * status the same way before backward's collectives (loss_agree). */
 
+/* *first = the lowest rank whose st failed, or the world size if none.
+ * COLLECTIVE: yes. */
+static enum fsdp_status first_failed(struct fsdp_ctx *ctx, enum fsdp_status st, int32_t *first) {
+    int32_t me = st != FSDP_OK ? ctx->rank : ctx->world;
+    *first = me;
+    return fsdp_comm_allreduce(ctx->comm, &me, first, 1, FSDP_I32, FSDP_MIN);
+}
+
 /* With `ignore` at world > 1: *all = the row count over the ranks, or an
  * error on every rank if check_st failed on any. COLLECTIVE: yes. */
 static enum fsdp_status loss_count_agree(struct fsdp_ctx *ctx, enum fsdp_status check_st, int64_t count,
@@ -492,8 +500,8 @@ static enum fsdp_status loss_count_agree(struct fsdp_ctx *ctx, enum fsdp_status 
         *all = sum[0];
         return check_st; /* FSDP_OK: its failure would have been counted */
     }
-    int32_t me = check_st != FSDP_OK ? ctx->rank : ctx->world, first = me; /* every rank takes this branch */
-    st = fsdp_comm_allreduce(ctx->comm, &me, &first, 1, FSDP_I32, FSDP_MIN);
+    int32_t first;
+    st = first_failed(ctx, check_st, &first); /* every rank takes this branch */
     if (check_st != FSDP_OK) return check_st;
     if (st != FSDP_OK) return st;
     return fsdp__err(ctx, FSDP_ERR_INVALID, "cross-entropy: the loss's check failed on rank %d (%lld of %d ranks; "
@@ -827,8 +835,8 @@ static enum fsdp_dtype output_dtype(const struct fsdp_model *fm) { return fm->ro
  * collectives: a target id out of range fails the loss on the ranks holding
  * it only ([Note: agreed loss check]). COLLECTIVE: yes. */
 static enum fsdp_status loss_agree(struct fsdp_ctx *ctx, enum fsdp_status loss_st, int k) {
-    int32_t me = loss_st != FSDP_OK ? ctx->rank : ctx->world, first = me;
-    enum fsdp_status st = fsdp_comm_allreduce(ctx->comm, &me, &first, 1, FSDP_I32, FSDP_MIN);
+    int32_t first;
+    enum fsdp_status st = first_failed(ctx, loss_st, &first);
     if (loss_st != FSDP_OK) return loss_st;
     if (st != FSDP_OK) return st;
     if (first < ctx->world)
