@@ -6,7 +6,8 @@
 # JSON value per file, --config and --model-config alike); --resume restores
 # the schedule, optimizer and fp16 loss scale (AMP_FP16 resumes bit-exactly),
 # refuses a flag that disagrees (naming both values) unless --override names
-# it. Prints "N passed, N failed".
+# it; a flag the run would not read (another task's, or one only another setting reads) is
+# refused, on the command line and in --config away from its default. Prints "N passed, N failed".
 . "$(dirname "$0")/lib.sh"
 export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 
@@ -21,7 +22,7 @@ for r in map(json.loads, open(sys.argv[1])):
 # ---- precedence: the command line over the file over the defaults ----
 cat > "$tmp/run.json" <<'EOF'
 {"model": "tiny", "lr": 2e-3, "steps": 3, "warmup": 1, "seq": 32, "batch": 4, "sample": 0, "threads": 1,
- "lr_schedule": "constant", "decay-all": true, "shuffle": "off", "beta2": 0.99}
+ "lr_schedule": "constant", "decay-all": true, "beta2": 0.99}
 EOF
 if "$TRAIN" --config "$tmp/run.json" --steps 2 --beta2 0.9 --log "$tmp/p.jsonl" > "$tmp/p" 2>&1 &&
    [ "$(cfgof "$tmp/p.jsonl" lr)" = 0.002 ] && [ "$(cfgof "$tmp/p.jsonl" steps)" = 2 ] &&
@@ -154,6 +155,43 @@ else bad "--override lr" "$(tail -2 "$tmp/oo4")"; fi
 "$TRAIN" --task swav --model cnn --knn-train 0 --steps 1 > "$tmp/out" 2> "$tmp/err"; rc=$?
 [ $rc = 2 ] && grep -q -- "--knn-train 0 needs --probe-epochs 0" "$tmp/err" &&
   ok "--knn-train 0 with the linear probe on is a usage error" || bad "--knn-train 0" "exit $rc" "$(head -2 "$tmp/err")"
+
+# ---- a flag the run would not read is refused, not ignored ([Note: flags a run does not read]) ----
+# not_read NAME PATTERN -- ARGS...: exit 2 with PATTERN on stderr, before any step
+not_read() {
+  local name=$1 pat=$2; shift 3
+  "$TRAIN" "$@" > "$tmp/out" 2> "$tmp/err"; local rc=$?
+  if [ $rc = 2 ] && grep -q -- "$pat" "$tmp/err" && ! grep -q '^step' "$tmp/out"; then ok "refused: $name"
+  else bad "refused: $name" "exit $rc" "$(head -2 "$tmp/err")"; fi
+}
+not_read "an image flag on a GPT" "^fsdp-train: --augment crop-flip: this run's task, tokens (a GPT on token data), does not read it; it applies to --task images" \
+  -- --model tiny --steps 1 --augment crop-flip
+not_read "a SwAV flag on a classifier" "^fsdp-train: --knn-train 50: this run's task, images, does not read it; it applies to --task swav" \
+  -- --model cnn --steps 1 --knn-train 50
+not_read "a GPT flag on SwAV" "^fsdp-train: --seq 32: this run's task, swav, does not read it; it applies to --task tokens" \
+  -- --task swav --model cnn --steps 1 --seq 32
+not_read "an image and SwAV flag on a GPT" "^fsdp-train: --sync-bn on: .* it applies to --task images or swav" \
+  -- --model tiny --steps 1 --sync-bn on
+not_read "--momentum with AdamW" "^fsdp-train: --momentum 0.9: this run does not read it; it applies with --optim sgd or lars" \
+  -- --model tiny --steps 1 --momentum 0.9
+not_read "--loss-scale-init without AMP_FP16" "^fsdp-train: --loss-scale-init 1024: .* applies with --precision AMP_FP16" \
+  -- --model tiny --steps 1 --precision AMP_BF16 --loss-scale-init 1024
+not_read "--lp-shard-copy in FP32" "^fsdp-train: --lp-shard-copy on: .* applies with --precision AMP_BF16 or AMP_FP16" \
+  -- --model tiny --steps 1 --lp-shard-copy on
+not_read "--shm-gbps without the scale-out plan" "^fsdp-train: --shm-gbps 10: .* applies with --dry-run --net-gbps X" \
+  -- --model tiny --dry-run --shm-gbps 10
+not_read "--accum-mode without accumulation" "^fsdp-train: --accum-mode no_sync: .* applies with --grad-accum above 1" \
+  -- --model tiny --steps 1 --accum-mode no_sync
+printf '{"model": "tiny", "steps": 1, "eval-baseline": true}' > "$tmp/nr.json"
+not_read "a --config key set away from its default" "^fsdp-train: --config $tmp/nr.json: --eval-baseline: this run's task, tokens" \
+  -- --config "$tmp/nr.json"
+# the same flags where the run reads them, and a GPT's config file holding an image flag at its default
+printf '{"model": "tiny", "steps": 1, "augment": "crop-flip", "sample": 0}' > "$tmp/nr2.json"
+if "$TRAIN" --config "$tmp/nr2.json" --optim sgd --momentum 0.9 --precision AMP_FP16 --loss-scale-init 1024 \
+     --grad-accum 2 --accum-mode no_sync > "$tmp/out" 2> "$tmp/err" &&
+   "$TRAIN" --model cnn --steps 1 --augment none --sync-bn on > "$tmp/out2" 2> "$tmp/err2"; then
+  ok "the same flags where the run reads them, and a config file's image flag at its default on a GPT, are taken"
+else bad "flags the run reads" "$(head -2 "$tmp/err")" "$(head -2 "$tmp/err2")"; fi
 
 # ---- the data and evaluation flags: --resume without --data keeps the checkpoint's file (it once fell back to the
 # synthetic corpus), and without --val-data/--eval-every it goes on evaluating ----

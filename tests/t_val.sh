@@ -91,7 +91,7 @@ else bad "image model --eval-batches" "$(tail -2 "$tmp/img")"; fi
 val_error() { # NAME PATTERN ARGS...
   local name=$1 pat=$2; shift 2
   timeout -k 5 60 "$TRAIN" "${common[@]}" --steps 2 "$@" > "$tmp/out" 2> "$tmp/err"; local rc=$?
-  local lines; lines=$(grep -c "fsdp-train" "$tmp/err")
+  local lines; lines=$(grep -c "^fsdp-train:" "$tmp/err") # one error line (a usage error adds the --help hint)
   if [ $rc -ne 0 ] && [ $rc -lt 124 ] && [ "$lines" = 1 ] && grep -qE -- "$pat" "$tmp/err"; then ok "$name (exit $rc)"
   else bad "$name" "exit $rc" "$(head -3 "$tmp/err")"; fi
 }
@@ -106,6 +106,9 @@ if [ $rc = 2 ] && [ "$(grep -c fsdp-train "$tmp/err")" = 1 ] && ! grep -q "^step
 then ok "--val-data of 3000 tokens with --eval-batch 100 x --seq 32: refused before step 1 (exit 2)"
 else bad "--val-data shorter than an evaluation batch" "exit $rc" "$(head -3 "$tmp/err")"; fi
 val_error "--eval-every without --val-data" "--eval-every, --eval-batch and --eval-batches need --val-data" --eval-every 2
-val_error "--val-data for an image model" "--val-data is for a GPT" --model cnn --data fashion-mnist --val-data "$tmp/val.txt"
+# an image model evaluates on its data's test split and reads no --val-data: refused, not ignored
+common=(--threads 1) # (not the GPT's: --seq would be refused first, for the same reason)
+val_error "--val-data for an image model" "--val-data .*val.txt: this run's task, images, does not read it; it applies to --task tokens" \
+  --model cnn --data fashion-mnist --val-data "$tmp/val.txt"
 
 finish

@@ -240,8 +240,12 @@ int main(int argc, char **argv) {
     memset(&task, 0, sizeof task);
     g_task = &task;
     if (!o.task && resume_dir && strstr(ck.model_json, "\"task\":\"swav\"")) o.task = "swav"; /* the checkpoint's task */
-    if (o.task && !strcmp(o.task, "swav")) task_swav_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
-    else if (o.task ? !strcmp(o.task, "images") : task_is_images(&o, resume_dir ? &ck : NULL)) task_images_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
+    int kind = o.task && !strcmp(o.task, "swav") ? TASK_SWAV
+               : (o.task ? !strcmp(o.task, "images") : task_is_images(&o, resume_dir ? &ck : NULL)) ? TASK_IMAGES
+                                                                                                   : TASK_TOKENS;
+    config_check_read(&o, kind); /* [Note: flags a run does not read] */
+    if (kind == TASK_SWAV) task_swav_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
+    else if (kind == TASK_IMAGES) task_images_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
     else task_tokens_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
     int steps = task.steps;
     if (!strcmp(o.ac, "attn") && !task.ac_attn_type) fail_input("--ac attn: this model has no attention (give --ac blocks or every:K)");

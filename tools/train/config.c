@@ -63,23 +63,45 @@ struct flag {
     size_t off, aux;   /* the field in struct opts; K_INTS / K_FLOATS: the count's */
     int restore;       /* enum restore */
     const char *alias; /* another spelling of the flag, or NULL */
+    /* [Note: flags a run does not read]: the tasks that read it (TASK_*; 0: every
+     * task), and where only some runs read it, which (applies) and what they
+     * are given (when) */
+    int tasks;
+    int (*applies)(const struct opts *o);
+    const char *when;
 };
 
-#define F(name, kind, field, restore) {name, kind, offsetof(struct opts, field), 0, restore, NULL}
-#define FN(name, kind, field, count, restore) \
-    {name, kind, offsetof(struct opts, field), offsetof(struct opts, count), restore, NULL}
+static int optim_momentum(const struct opts *o) { return strcmp(o->optim, "adamw") != 0; }
+static int optim_adamw(const struct opts *o) { return !strcmp(o->optim, "adamw"); }
+static int optim_lars(const struct opts *o) { return !strcmp(o->optim, "lars"); }
+static int amp(const struct opts *o) { return strcasecmp(o->precision, "FP32") != 0; }
+static int amp_fp16(const struct opts *o) { return !strcasecmp(o->precision, "AMP_FP16"); }
+static int scaleout(const struct opts *o) { return o->net_gbps > 0; }
+static int accumulating(const struct opts *o) { return o->grad_accum > 1; }
+
+#define FL(name, kind, field, count, restore, tasks, applies, when) \
+    {name, kind, offsetof(struct opts, field), count, restore, NULL, tasks, applies, when}
+#define F(name, kind, field, restore) FL(name, kind, field, 0, restore, 0, NULL, NULL)
+#define FN(name, kind, field, count, restore) FL(name, kind, field, offsetof(struct opts, count), restore, 0, NULL, NULL)
+/* read by the tasks in mask only */
+#define FT(name, kind, field, restore, mask) FL(name, kind, field, 0, restore, mask, NULL, NULL)
+#define FNT(name, kind, field, count, restore, mask) \
+    FL(name, kind, field, offsetof(struct opts, count), restore, mask, NULL, NULL)
+/* read only where applies(o) */
+#define FA(name, kind, field, restore, applies, when) FL(name, kind, field, 0, restore, 0, applies, when)
+#define T_IMG (TASK_IMAGES | TASK_SWAV)
 
 static const struct flag flags[] = {
     F("model", K_STR, model, R_NO),
     F("model-config", K_STR, model_config, R_NO),
     F("task", K_STR, task, R_NO),
     F("data", K_STR, data, R_FILL),
-    F("val-data", K_STR, val_data, R_FILL),
-    F("tokenizer", K_STR, tokenizer, R_FILL),
+    FT("val-data", K_STR, val_data, R_FILL, TASK_TOKENS),
+    FT("tokenizer", K_STR, tokenizer, R_FILL, TASK_TOKENS),
     F("batch", K_INT, batch, R_AGREE),
-    F("seq", K_INT, seq, R_AGREE),
+    FT("seq", K_INT, seq, R_AGREE, TASK_TOKENS),
     F("steps", K_INT, steps, R_AGREE),
-    F("epochs", K_INT0, epochs, R_AGREE),
+    FT("epochs", K_INT0, epochs, R_AGREE, T_IMG),
     F("eval-every", K_INT, eval_every, R_FILL),
     F("eval-batch", K_INT0, eval_batch, R_FILL),
     F("eval-batches", K_INT, eval_batches, R_FILL),
@@ -89,54 +111,54 @@ static const struct flag flags[] = {
     F("lr-schedule", K_STR, schedule, R_AGREE),
     FN("lr-steps", K_INTS, lr_steps, n_lr_steps, R_AGREE),
     F("optim", K_STR, optim, R_AGREE),
-    {"lars-eta", K_FLOAT, offsetof(struct opts, lars_eta), 0, R_AGREE, "trust-coefficient"},
-    F("beta1", K_FLOAT, beta1, R_AGREE),
-    F("beta2", K_FLOAT, beta2, R_AGREE),
-    F("eps", K_FLOAT, eps, R_AGREE),
-    F("momentum", K_FLOAT, momentum, R_AGREE),
+    {"lars-eta", K_FLOAT, offsetof(struct opts, lars_eta), 0, R_AGREE, "trust-coefficient", 0, optim_lars, "--optim lars"},
+    FA("beta1", K_FLOAT, beta1, R_AGREE, optim_adamw, "--optim adamw"),
+    FA("beta2", K_FLOAT, beta2, R_AGREE, optim_adamw, "--optim adamw"),
+    FA("eps", K_FLOAT, eps, R_AGREE, optim_adamw, "--optim adamw"),
+    FA("momentum", K_FLOAT, momentum, R_AGREE, optim_momentum, "--optim sgd or lars"),
     F("nesterov", K_SWITCH, nesterov, R_AGREE),
     F("weight-decay", K_FLOAT, weight_decay, R_AGREE),
     F("decay-all", K_SWITCH, decay_all, R_AGREE),
     F("clip", K_FLOAT, clip, R_AGREE),
     F("grad-accum", K_INT, grad_accum, R_AGREE),
-    F("accum-mode", K_STR, accum_mode, R_NO),
+    FA("accum-mode", K_STR, accum_mode, R_NO, accumulating, "--grad-accum above 1"),
     F("precision", K_STR, precision, R_AGREE),
-    F("mixed-precision", K_STR, mixed_precision, R_AGREE),
-    F("lp-shard-copy", K_ONOFF, lp_shard_copy, R_NO),
-    F("loss-scale-init", K_DOUBLE, loss_scale_init, R_AGREE),
-    F("loss-scale-growth-interval", K_INT, loss_scale_growth, R_AGREE),
-    F("label-smoothing", K_FLOAT, label_smoothing, R_AGREE),
-    F("augment", K_STR, augment, R_AGREE),
-    F("crop-padding", K_INT, crop_padding, R_AGREE),
-    F("shuffle", K_ONOFF, shuffle, R_AGREE),
-    FN("mean", K_FLOATS, mean, n_mean, R_AGREE),
-    FN("std", K_FLOATS, std, n_std, R_AGREE),
-    F("sync-bn", K_ONOFF, sync_bn, R_NO),
-    F("swav-hidden", K_INT, swav_hidden, R_AGREE),
-    F("swav-dim", K_INT, swav_dim, R_AGREE),
-    F("nmb-prototypes", K_INT, nmb_prototypes, R_AGREE),
-    F("nmb-heads", K_INT, nmb_heads, R_AGREE),
-    F("crops-global-size", K_INT, crops_global_size, R_AGREE),
-    F("crops-small", K_INT, crops_small, R_AGREE),
-    F("crops-small-size", K_INT, crops_small_size, R_AGREE),
-    F("crops-global-scale", K_PAIR, crops_global_scale, R_AGREE),
-    F("crops-small-scale", K_PAIR, crops_small_scale, R_AGREE),
-    F("freeze-prototypes-iters", K_INT, freeze_prototypes_iters, R_AGREE),
-    F("swav-temperature", K_FLOAT, swav_temperature, R_AGREE),
-    F("swav-epsilon", K_FLOAT, swav_epsilon, R_AGREE),
-    F("sinkhorn-iters", K_INT, sinkhorn_iters, R_AGREE),
-    F("crops-jitter", K_FLOAT, crops_jitter, R_AGREE),
-    F("bn-stats-crops", K_STR, bn_stats_crops, R_AGREE),
-    F("queue-length", K_INT, queue_length, R_AGREE),
-    F("queue-start-epoch", K_INT, queue_start_epoch, R_AGREE),
-    F("knn-train", K_INT, knn_train, R_FILL),
-    F("probe-train", K_INT, probe_train, R_FILL),
-    F("probe-epochs", K_INT, probe_epochs, R_FILL),
-    FN("probe-wd", K_FLOATS, probe_wd, n_probe_wd, R_FILL),
-    F("eval-pool", K_INT, eval_pool, R_FILL),
-    FN("eval-layer", K_INTS, eval_layer, n_eval_layer, R_FILL),
-    F("eval-precise-bn", K_INT, eval_precise_bn, R_FILL),
-    F("eval-baseline", K_SWITCH, eval_baseline, R_NO),
+    FA("mixed-precision", K_STR, mixed_precision, R_AGREE, amp, "--precision AMP_BF16 or AMP_FP16"),
+    FA("lp-shard-copy", K_ONOFF, lp_shard_copy, R_NO, amp, "--precision AMP_BF16 or AMP_FP16"),
+    FA("loss-scale-init", K_DOUBLE, loss_scale_init, R_AGREE, amp_fp16, "--precision AMP_FP16"),
+    FA("loss-scale-growth-interval", K_INT, loss_scale_growth, R_AGREE, amp_fp16, "--precision AMP_FP16"),
+    FT("label-smoothing", K_FLOAT, label_smoothing, R_AGREE, TASK_IMAGES),
+    FT("augment", K_STR, augment, R_AGREE, TASK_IMAGES),
+    FT("crop-padding", K_INT, crop_padding, R_AGREE, TASK_IMAGES),
+    FT("shuffle", K_ONOFF, shuffle, R_AGREE, T_IMG),
+    FNT("mean", K_FLOATS, mean, n_mean, R_AGREE, TASK_IMAGES),
+    FNT("std", K_FLOATS, std, n_std, R_AGREE, TASK_IMAGES),
+    FT("sync-bn", K_ONOFF, sync_bn, R_NO, T_IMG),
+    FT("swav-hidden", K_INT, swav_hidden, R_AGREE, TASK_SWAV),
+    FT("swav-dim", K_INT, swav_dim, R_AGREE, TASK_SWAV),
+    FT("nmb-prototypes", K_INT, nmb_prototypes, R_AGREE, TASK_SWAV),
+    FT("nmb-heads", K_INT, nmb_heads, R_AGREE, TASK_SWAV),
+    FT("crops-global-size", K_INT, crops_global_size, R_AGREE, TASK_SWAV),
+    FT("crops-small", K_INT, crops_small, R_AGREE, TASK_SWAV),
+    FT("crops-small-size", K_INT, crops_small_size, R_AGREE, TASK_SWAV),
+    FT("crops-global-scale", K_PAIR, crops_global_scale, R_AGREE, TASK_SWAV),
+    FT("crops-small-scale", K_PAIR, crops_small_scale, R_AGREE, TASK_SWAV),
+    FT("freeze-prototypes-iters", K_INT, freeze_prototypes_iters, R_AGREE, TASK_SWAV),
+    FT("swav-temperature", K_FLOAT, swav_temperature, R_AGREE, TASK_SWAV),
+    FT("swav-epsilon", K_FLOAT, swav_epsilon, R_AGREE, TASK_SWAV),
+    FT("sinkhorn-iters", K_INT, sinkhorn_iters, R_AGREE, TASK_SWAV),
+    FT("crops-jitter", K_FLOAT, crops_jitter, R_AGREE, TASK_SWAV),
+    FT("bn-stats-crops", K_STR, bn_stats_crops, R_AGREE, TASK_SWAV),
+    FT("queue-length", K_INT, queue_length, R_AGREE, TASK_SWAV),
+    FT("queue-start-epoch", K_INT, queue_start_epoch, R_AGREE, TASK_SWAV),
+    FT("knn-train", K_INT, knn_train, R_FILL, TASK_SWAV),
+    FT("probe-train", K_INT, probe_train, R_FILL, TASK_SWAV),
+    FT("probe-epochs", K_INT, probe_epochs, R_FILL, TASK_SWAV),
+    FNT("probe-wd", K_FLOATS, probe_wd, n_probe_wd, R_FILL, TASK_SWAV),
+    FT("eval-pool", K_INT, eval_pool, R_FILL, TASK_SWAV),
+    FNT("eval-layer", K_INTS, eval_layer, n_eval_layer, R_FILL, TASK_SWAV),
+    FT("eval-precise-bn", K_INT, eval_precise_bn, R_FILL, TASK_SWAV),
+    FT("eval-baseline", K_SWITCH, eval_baseline, R_NO, TASK_SWAV),
     F("seed", K_U64, seed, R_NO), /* --resume takes the checkpoint's seed itself (meta.json's "seed") */
     F("wrap", K_STR, wrap, R_NO),
     F("ac", K_STR, ac, R_NO),
@@ -154,7 +176,7 @@ static const struct flag flags[] = {
     F("check-collectives", K_SWITCH, check_collectives, R_NO),
     F("profile", K_SWITCH, profile, R_NO),
     F("log", K_STR, log_path, R_NO),
-    F("sample", K_INT, sample, R_NO),
+    FT("sample", K_INT, sample, R_NO, TASK_TOKENS),
     F("save-dir", K_STR, save_dir, R_NO),
     F("save-every", K_INT, save_every, R_NO),
     F("keep-last", K_INT, keep_last, R_NO),
@@ -168,10 +190,10 @@ static const struct flag flags[] = {
     F("hosts", K_INT0, hosts, R_NO),
     F("ranks-per-host", K_INT0, ranks_per_host, R_NO),
     F("net-gbps", K_FLOAT0, net_gbps, R_NO),
-    F("net-latency-us", K_FLOAT, net_latency_us, R_NO),
-    F("shm-gbps", K_FLOAT, shm_gbps, R_NO),
-    F("step-compute-ms", K_FLOAT0, step_compute_ms, R_NO),
-    F("step-forward-ms", K_FLOAT0, step_forward_ms, R_NO),
+    FA("net-latency-us", K_FLOAT, net_latency_us, R_NO, scaleout, "--dry-run --net-gbps X"),
+    FA("shm-gbps", K_FLOAT, shm_gbps, R_NO, scaleout, "--dry-run --net-gbps X"),
+    FA("step-compute-ms", K_FLOAT0, step_compute_ms, R_NO, scaleout, "--dry-run --net-gbps X"),
+    FA("step-forward-ms", K_FLOAT0, step_forward_ms, R_NO, scaleout, "--dry-run --net-gbps X"),
     F("peak-gflops", K_FLOAT0, peak_gflops, R_NO),
     F("verbose", K_SWITCH, verbose, R_NO),
 };
@@ -406,23 +428,32 @@ static int add_flag(struct args *a, const struct flag *f, const cJSON *v, const 
     return 1;
 }
 
+/* The flag at argv[*i] (NULL for a word that names none) and *i moved past
+ * its value: the flags not in the table (--config, --override) take one, and
+ * no value is ever read as a flag of its own. */
+static const struct flag *arg_flag(char **argv, int *i) {
+    const struct flag *f = strncmp(argv[*i], "--", 2) ? NULL : find_flag(argv[*i]);
+    if (!f || f->kind != K_SWITCH) ++*i;
+    return f;
+}
+
 static int g_cfg_end = 1;       /* argv[1, g_cfg_end) came from --config */
+static int g_cl_argc;           /* the command line (config_argv's argv) */
+static char **g_cl_argv;
 static struct args g_config_args; /* config_argv's argv */
 static struct args g_resume_args; /* config_resume's argv */
 static const char *g_cfg_name;  /* its file */
 
 void config_argv(int argc, char **argv, int *nargc, char ***nargv) {
-    *nargc = argc;
-    *nargv = argv;
+    *nargc = g_cl_argc = argc;
+    *nargv = g_cl_argv = argv;
     const char *path = NULL;
     for (int i = 1; i + 1 < argc; i++) {
-        const struct flag *f = strncmp(argv[i], "--", 2) ? NULL : find_flag(argv[i]);
         if (!strcmp(argv[i], "--config")) {
             if (path) usage_error("--config is given twice ('%s' and '%s')", path, argv[i + 1]);
-            path = argv[++i];
-        } else if (!f || f->kind != K_SWITCH) {
-            i++; /* a value: never a flag of its own */
+            path = argv[i + 1];
         }
+        arg_flag(argv, &i);
     }
     if (!path) return;
     char err[160];
@@ -482,6 +513,13 @@ static void current_text(const struct flag *f, const struct opts *o, char *b, si
     cJSON_Delete(v);
 }
 
+/* Whether two canonical texts of f's value are the same value (a switch's
+ * "false" is unset; strings ignore case). */
+static int same_text(const struct flag *f, const char *a, const char *b) {
+    if (f->kind == K_SWITCH) return !strcmp(a[0] && strcmp(a, "false") ? "true" : "", b[0] && strcmp(b, "false") ? "true" : "");
+    return f->kind == K_STR ? !strcasecmp(a, b) : !strcmp(a, b);
+}
+
 int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, const char *ck_dir) {
     if (!ck_json || !ck_json[0]) return 0;
     cJSON *ck = cJSON_Parse(ck_json);
@@ -489,9 +527,8 @@ int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, co
     /* the flags given (argv = --config's, then the command line's) and the ones --override names */
     char given[N_FLAGS] = {0}, over[N_FLAGS] = {0};
     for (int i = 1; i < argc; i++) {
-        const struct flag *f = strncmp(argv[i], "--", 2) ? NULL : find_flag(argv[i]);
+        const struct flag *f = arg_flag(argv, &i);
         if (f) given[f - flags] = 1;
-        if (!f || f->kind != K_SWITCH) i++;
     }
     if (o->override) {
         char *list = strdup(o->override), *save = NULL;
@@ -535,10 +572,7 @@ int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, co
             int r = to_arg(f, v, theirs, sizeof theirs, &want);
             if (r < 0) usage_error("--resume %s: its train_config: key \"%s\": expected %s", ck_dir, f->name, want);
             if (r == 0) theirs[0] = 0;
-            if (f->kind == K_SWITCH && !strcmp(theirs, "false")) theirs[0] = 0;
-            if (f->kind == K_SWITCH && !strcmp(mine, "false")) mine[0] = 0;
-            int same = f->kind == K_STR ? !strcasecmp(mine, theirs) : !strcmp(mine, theirs);
-            if (!same)
+            if (!same_text(f, mine, theirs))
                 usage_error("--%s %s disagrees with the checkpoint %s, saved with --%s %s: leave --%s out to "
                             "continue with the checkpoint's value, or give --override %s to use yours",
                             f->name, mine[0] ? mine : "(unset)", ck_dir, f->name, theirs[0] ? theirs : "(unset)",
@@ -555,4 +589,52 @@ int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, co
     parse_args(a.n, a.v, o);
     g_resume_args = a; /* the options point into it */
     return restored;
+}
+
+/* [Note: flags a run does not read]
+ * A flag that the run's task never reads (--augment on a GPT, --knn-train on
+ * a classifier), or that only other settings read (--momentum with AdamW,
+ * --loss-scale-init without AMP_FP16, --shm-gbps without the scale-out plan),
+ * would be ignored without a word, and the user would believe it took
+ * effect. The flags table says who reads each flag (tasks, applies); one
+ * given on the command line is refused, and a --config key only when its
+ * value is not the default: a log's first line, given back as --config,
+ * holds every key with the defaults of the ones its run did not read. */
+static void check_one(const struct flag *f, const struct opts *o, int task, const char *value, const char *origin) {
+    static const char *const names[] = {"tokens (a GPT on token data)", "images", "swav"};
+    char readers[64] = "";
+    size_t at = 0;
+    if (f->tasks && !(f->tasks & task)) {
+        for (int k = 0; k < 3; k++)
+            if (f->tasks & (1 << k))
+                at += (size_t)snprintf(readers + at, sizeof readers - at, "%s%.*s", at ? " or " : "--task ",
+                                       (int)strcspn(names[k], " "), names[k]);
+        int me = task == TASK_TOKENS ? 0 : task == TASK_IMAGES ? 1 : 2;
+        usage_error("%s--%s%s%s: this run's task, %s, does not read it; it applies to %s (leave it out)", origin,
+                    f->name, value ? " " : "", value ? value : "", names[me], readers);
+    }
+    if (f->applies && !f->applies(o))
+        usage_error("%s--%s%s%s: this run does not read it; it applies with %s (leave it out)", origin, f->name,
+                    value ? " " : "", value ? value : "", f->when);
+}
+
+void config_check_read(const struct opts *o, int task) {
+    for (int i = 1; i < g_cl_argc; i++) {
+        int at = i;
+        const struct flag *f = arg_flag(g_cl_argv, &i);
+        if (f) check_one(f, o, task, f->kind == K_SWITCH || at + 1 >= g_cl_argc ? NULL : g_cl_argv[at + 1], "");
+    }
+    struct opts def = opts_default();
+    char origin[1100];
+    for (int i = 1; i < g_cfg_end; i++) {
+        int at = i;
+        const struct flag *f = arg_flag(g_config_args.v, &i);
+        const char *v = f && f->kind != K_SWITCH ? g_config_args.v[at + 1] : "true";
+        char d[4096];
+        if (!f) continue;
+        current_text(f, &def, d, sizeof d);
+        if (same_text(f, v, d)) continue;
+        snprintf(origin, sizeof origin, "--config %s: ", g_cfg_name);
+        check_one(f, o, task, f->kind == K_SWITCH ? NULL : v, origin);
+    }
 }

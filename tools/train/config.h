@@ -36,6 +36,15 @@ char *config_json(const struct opts *o);
  * parsed again from the checkpoint's values and argv. Returns the number of
  * flags taken from the checkpoint. Every rank computes the same. */
 int config_resume(struct opts *o, int argc, char **argv, const char *ck_json, const char *ck_dir);
+/* The tasks (task.h), for config_check_read. */
+enum { TASK_TOKENS = 1, TASK_IMAGES = 2, TASK_SWAV = 4 };
+/* Refuses a flag this run would not read ([Note: flags a run does not
+ * read]): one given on the command line, or a --config key whose value is
+ * not the flag's default, that the run's task (TASK_*) does not read or that
+ * only other settings read (e.g. --momentum with --optim adamw): a usage
+ * error naming the flag, where it came from and what reads it. A
+ * checkpoint's restored flags are not checked (its run had this task). */
+void config_check_read(const struct opts *o, int task);
 /* The run is over: frees the argv config_argv and config_resume built (the
  * options and config_argv's *nargv point into them; neither is used after). */
 void config_release(void);

@@ -461,8 +461,6 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
         if (bad) fail_input("--resume %s: its meta.json's \"model\": %s", resume_dir, err);
         k->cfg_source = resume_dir;
     }
-    if (o->tokenizer) fail_input("--tokenizer is for a GPT's text data, not an image model");
-    if (o->val_data) fail_input("--val-data is for a GPT's tokens; an image model evaluates on its data's test split");
     k->data_name = o->data ? o->data : IMAGE_DATA_DEFAULT;
     /* the data: labels below num_classes (a preset takes the training labels' classes) */
     int nc = task_images_open_data(ctx, o, k->data_name, preset ? 0 : k->cfg.num_classes, &k->train, &k->test);

@@ -650,8 +650,6 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
     struct swav *k = calloc(1, sizeof *k);
     if (!k) fail_rank("out of memory");
     t->impl = k; /* reachable from here on, so an error exit leaks nothing */
-    if (o->tokenizer) fail_input("--tokenizer is for a GPT's text data, not --task swav");
-    if (o->val_data) fail_input("--val-data is for a GPT's tokens; --task swav evaluates on its data's test split");
     k->data_name = o->data ? o->data : IMAGE_DATA_DEFAULT;
     /* the classes of the training labels (the kNN's and the probe's), the test labels below them */
     k->n_classes = task_images_open_data(ctx, o, k->data_name, 0, &k->train, &k->test);

@@ -376,7 +376,6 @@ void task_tokens_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
                  resume_dir);
     }
     if (o->seq > cfg.block_size) fail_all("--seq %d is longer than the model's block_size %d", o->seq, cfg.block_size);
-    if (o->epochs) fail_all("--epochs is for image models; give --steps for a GPT");
     if (!o->val_data && (o->eval_every || o->eval_batch || o->eval_batches))
         fail_input("--eval-every, --eval-batch and --eval-batches need --val-data FILE (a GPT's held-out tokens)");
     k->cfg = cfg;
