@@ -8,7 +8,8 @@
 #  - full <-> sharded round trips are lossless; the safetensors output obeys
 #    the format (checked by the Python reader); --init-from takes our file and
 #    a Hugging Face GPT-2 style file (HF names, Conv1D transposed, buffers);
-#  - a save killed at several points leaves the previous checkpoint loadable;
+#  - a save killed at several points leaves the previous checkpoint loadable; one whose commit
+#    fails (FSDP_FAULT ckpt-commit:...:fail) leaves nothing of its own;
 #  - truncations and byte corruptions are rejected with a clear message.
 # Prints "N passed, N failed" at the end.
 . "$(dirname "$0")/lib.sh"
@@ -264,6 +265,40 @@ else
   bad "--keep-last killed mid-removal" "exit $rc, step-1 holds: $kk1" "$(tail -2 "$tmp/o")" "exit $rc2" \
     "$(tail -3 "$tmp/o2")" "$(ls "$tmp/kk")"
 fi
+
+# a commit that fails (rank 0 moving the complete step-2 folder into place; FSDP_FAULT's fail acts as
+# the rename's I/O error): every rank stops naming the folder, the save's own files are gone (no
+# step-2, no step-00000002.tmp), step-1 stays, and a resume from it reaches the uninterrupted
+# run's loss
+train --nproc 2 --steps 3 --log "$tmp/cf_ref.jsonl" > /dev/null 2>&1
+FSDP_FAULT=ckpt-commit:0:2:fail train --nproc 2 --steps 3 --save-dir "$tmp/cf" --save-every 1 > "$tmp/o" 2>&1; rc=$?
+cf1=$(ls -a "$tmp/cf" 2>&1 | tr '\n' ' ')
+train --nproc 2 --steps 3 --resume "$tmp/cf" --log "$tmp/cf.jsonl" > "$tmp/o2" 2>&1; rc2=$?
+if [ $rc -ne 0 ] && grep -q "FSDP_FAULT: rank 0 fails at ckpt-commit" "$tmp/o" &&
+   grep -q "cf/step-00000002: cannot move .*step-00000002.tmp into place: Input/output error" "$tmp/o" &&
+   [ "$cf1" = ". .. .lock step-00000001 " ] && [ -f "$tmp/cf/step-00000001/meta.json" ] &&
+   [ $rc2 -eq 0 ] && grep -q "resumed from .*cf/step-00000001" "$tmp/o2" &&
+   [ "$(sed -nE 's/.*"step": 3, "loss": ([^,]*),.*/\1/p' "$tmp/cf.jsonl")" = \
+     "$(sed -nE 's/.*"step": 3, "loss": ([^,]*),.*/\1/p' "$tmp/cf_ref.jsonl")" ] &&
+   [ -n "$(sed -nE 's/.*"step": 3, "loss": ([^,]*),.*/\1/p' "$tmp/cf_ref.jsonl")" ]; then
+  ok "a failed commit leaves no file of its own and the previous checkpoint as it was; resuming gives the same step 3"
+else
+  bad "a failed commit" "exit $rc; the folder holds: $cf1" "$(grep -E 'fsdp|error|cannot' "$tmp/o" | head -4)" "exit $rc2" \
+    "$(tail -2 "$tmp/o2")"
+fi
+
+# the same for fsdp-ckpt to-sharded (its commit is the library's): into a new folder, nothing stays;
+# over an existing checkpoint, that checkpoint stays as it was, byte for byte
+"$CKPT" to-full "$tmp/cf/step-00000001" "$tmp/cf.safetensors" > /dev/null 2>&1
+sum1=$(cd "$tmp/cf/step-00000001" && md5sum * 2>&1)
+FSDP_FAULT=ckpt-commit:0:0:fail "$CKPT" to-sharded "$tmp/cf.safetensors" "$tmp/cfo" 2 > "$tmp/o" 2>&1; rc=$?
+FSDP_FAULT=ckpt-commit:0:0:fail "$CKPT" to-sharded "$tmp/cf.safetensors" "$tmp/cf/step-00000001" 2 > "$tmp/o2" 2>&1; rc2=$?
+if [ $rc = 1 ] && [ $rc2 = 1 ] && grep -q "cfo: cannot move .*cfo.tmp into place" "$tmp/o" &&
+   grep -q "step-00000001: cannot move .*step-00000001.tmp into place" "$tmp/o2" &&
+   [ "$(ls -a "$tmp" | grep -c '^cfo')" = 0 ] && [ "$(ls -a "$tmp/cf" | tr '\n' ' ')" = ". .. .lock step-00000001 " ] &&
+   [ "$(cd "$tmp/cf/step-00000001" && md5sum * 2>&1)" = "$sum1" ] && [ -n "$sum1" ]; then
+  ok "fsdp-ckpt to-sharded whose commit fails: nothing of its own stays, the checkpoint it would replace stays as it was"
+else bad "to-sharded with a failed commit" "exits $rc $rc2" "$(tail -1 "$tmp/o")" "$(tail -1 "$tmp/o2")" "$(ls -a "$tmp" "$tmp/cf")"; fi
 
 # --autoresume (Composer's autoresume): one command line starts the job and, after it is killed,
 # continues it from --save-dir's newest checkpoint, the log appended to; the resumed steps are the

@@ -99,5 +99,12 @@ rc=$?
 if [ $rc -eq 2 ] && grep -q "FSDP_FAULT='sideways:1:3': expected POINT:RANK:STEP" "$tmp/m.out"; then
   ok "a malformed FSDP_FAULT is refused (exit $rc)"
 else bad "malformed FSDP_FAULT" "exit $rc" "$(head -3 "$tmp/m.out")"; fi
+# fail is an action only where the caller takes an error (ckpt-commit): elsewhere it would do nothing
+FSDP_FAULT=forward:1:3:fail timeout -k 5 60 "$TRAIN" --model tiny --steps 1 --batch 4 --seq 32 --sample 0 \
+  > "$tmp/m.out" 2>&1
+rc=$?
+if [ $rc -eq 2 ] && grep -q "FSDP_FAULT='forward:1:3:fail': expected .*(fail: ckpt-commit only)" "$tmp/m.out"; then
+  ok "FSDP_FAULT's fail at a point that cannot fail is refused (exit $rc)"
+else bad "FSDP_FAULT forward:...:fail" "exit $rc" "$(head -3 "$tmp/m.out")"; fi
 
 finish

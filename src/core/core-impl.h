@@ -225,12 +225,13 @@ const char *fsdp__shown(const void *s, size_t n, char *buf, size_t cap);
 void fsdp__json_hooks(void);
 
 /* ---- Fault injection (fault.c, [Note: fault injection]) ---- */
-/* Env FSDP_FAULT=POINT:RANK:STEP[:kill|stop]: the named rank raises SIGKILL
- * (or SIGSTOP) on itself at the first call with this `point` ("forward",
- * "backward", "reduce-scatter", "ckpt-save", "ckpt-remove") once
- * fsdp__fault_step >= STEP.
+/* Env FSDP_FAULT=POINT:RANK:STEP[:kill|stop|fail]: the named rank raises
+ * SIGKILL (or SIGSTOP) on itself at the first call with this `point`
+ * ("forward", "backward", "reduce-scatter", "ckpt-save", "ckpt-remove",
+ * "ckpt-commit") once fsdp__fault_step >= STEP; with fail (ckpt-commit only)
+ * it returns 1 instead, and the caller fails as on an I/O error (0 otherwise).
  * `where` (may be NULL) is printed with it, e.g. the unit. */
-void fsdp__fault_point(const char *point, const char *where);
+int fsdp__fault_point(const char *point, const char *where);
 /* Training steps started in this process (fsdp_model_train_step counts them). */
 extern long fsdp__fault_step;
 

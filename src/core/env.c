@@ -69,7 +69,8 @@ static const struct env_var vars[] = {
     {"FSDP_INJECT_OVERFLOW_RANK", ENV_INT, 0, INT32_MAX, 0, 0, NULL, NULL, NULL},
     {"FSDP_CKPT_CRASH_AT", ENV_INT, 0, INT32_MAX, 0, 0, NULL, NULL, NULL},
     {"FSDP_FAULT", ENV_SPEC, 0, 0, 0, 0, NULL, fsdp__fault_spec_ok,
-     "POINT:RANK:STEP[:kill|stop], POINT one of forward, backward, reduce-scatter, ckpt-save, ckpt-remove"},
+     "POINT:RANK:STEP[:kill|stop|fail], POINT one of forward, backward, reduce-scatter, ckpt-save, ckpt-remove, "
+     "ckpt-commit (fail: ckpt-commit only)"},
 };
 
 static const struct env_var *find(const char *name) {

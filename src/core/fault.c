@@ -11,13 +11,16 @@
  *   POINT  forward (a unit's pre-forward hook), backward (its pre-backward
  *          hook), reduce-scatter (after the start, before the wait), ckpt-save
  *          (the checkpoint writer's crash points, see fsdp__ckpt_crash_point),
- *          ckpt-remove (fsdp_ckpt_remove, its rank files gone, meta.json not)
+ *          ckpt-remove (fsdp_ckpt_remove, its rank files gone, meta.json not),
+ *          ckpt-commit (rank 0's swap of a save's complete folder into place)
  *   RANK   the global rank that faults
  *   STEP   fires at the first hit of POINT once this process has started its
  *          STEP-th training step (fsdp_model_train_step calls, from 1; 0 = at
  *          once), so ckpt-save:1:4 hits the save that follows step 4
- *   ACTION kill (SIGKILL, the default: the process vanishes as in an OOM kill)
- *          or stop (SIGSTOP: a stalled rank, for the watchdog)
+ *   ACTION kill (SIGKILL, the default: the process vanishes as in an OOM kill),
+ *          stop (SIGSTOP: a stalled rank, for the watchdog) or fail (the
+ *          point's operation fails as a full disk or an I/O error would make
+ *          it; only where the caller takes an error: ckpt-commit)
  * The rank prints one line naming the point before it raises the signal.
  * The checkpoint writer's crash points (fsdp__ckpt_crash_point, io/) are this
  * mechanism's ckpt-save point; their FSDP_CKPT_CRASH_AT=k (the k-th crash
@@ -30,7 +33,9 @@
 
 long fsdp__fault_step;
 
-static const char *const points[] = {"forward", "backward", "reduce-scatter", "ckpt-save", "ckpt-remove"};
+static const char *const points[] = {"forward", "backward", "reduce-scatter", "ckpt-save", "ckpt-remove",
+                                     "ckpt-commit"};
+#define FAIL_SIG (-1) /* ACTION fail: no signal, fsdp__fault_point returns 1 */
 
 static struct {
     int parsed, on, fired;
@@ -46,6 +51,7 @@ static int parse_spec(const char *e, char point[32], int *rank, long *step, int 
     int known = 0;
     for (size_t i = 0; n >= 1 && i < sizeof points / sizeof *points; i++) known |= !strcmp(point, points[i]);
     *sig = !strcmp(action, "kill") ? SIGKILL : !strcmp(action, "stop") ? SIGSTOP : 0;
+    if (!strcmp(action, "fail") && !strcmp(point, "ckpt-commit")) *sig = FAIL_SIG;
     return n >= 3 && known && *sig && *rank >= 0 && *step >= 0;
 }
 
@@ -62,15 +68,17 @@ static void parse(void) {
     F.on = parse_spec(getenv("FSDP_FAULT"), F.point, &F.rank, &F.step, &F.sig);
 }
 
-void fsdp__fault_point(const char *point, const char *where) {
+int fsdp__fault_point(const char *point, const char *where) {
     if (!F.parsed) parse();
     if (!F.on || F.fired || fsdp__measuring || fsdp__global_rank != F.rank || fsdp__fault_step < F.step ||
         strcmp(point, F.point) != 0)
-        return;
+        return 0;
     F.fired = 1;
-    fprintf(stderr, "fsdp: FSDP_FAULT: rank %d raises %s at %s (step %ld%s%s)\n", fsdp__global_rank,
-            F.sig == SIGKILL ? "SIGKILL" : "SIGSTOP", point, fsdp__fault_step, where ? ", " : "",
-            where ? where : "");
+    fprintf(stderr, "fsdp: FSDP_FAULT: rank %d %s at %s (step %ld%s%s)\n", fsdp__global_rank,
+            F.sig == SIGKILL ? "raises SIGKILL" : F.sig == SIGSTOP ? "raises SIGSTOP" : "fails", point,
+            fsdp__fault_step, where ? ", " : "", where ? where : "");
     fflush(NULL);
+    if (F.sig == FAIL_SIG) return 1;
     raise(F.sig);
+    return 0;
 }

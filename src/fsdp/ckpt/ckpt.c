@@ -371,6 +371,9 @@ enum fsdp_status fsdp__ckpt_commit_dir(struct fsdp_ctx *ctx, const char *dir, co
     if (st == FSDP_OK) st = fsdp__fsync_dir(ctx, self); /* ...and tmpdir itself */
     if (st != FSDP_OK) return not_swapped(tmpdir, st);
     fsdp__ckpt_crash_point("before folder rename");
+    if (fsdp__fault_point("ckpt-commit", dir)) /* FSDP_FAULT=ckpt-commit:0:STEP:fail, as a rename's EIO */
+        return not_swapped(tmpdir, fsdp__err(ctx, FSDP_ERR_IO, "%s: cannot move %s into place: %s (FSDP_FAULT)", dir,
+                                             tmpdir, strerror(EIO)));
     struct stat sb;
     if (stat(dir, &sb) == 0) {
         /* replace an existing checkpoint: swap the two folders atomically,
