@@ -15,7 +15,7 @@
 . "$(dirname "$0")/lib.sh"
 CKPT="$BUILD/fsdp-ckpt"
 
-common=(--model tiny --data synthetic --batch 12 --seq 32 --lr 3e-3 --warmup 2 --threads 1 --sample 0)
+common=(--model tiny --data synthetic --batch 12 --seq 32 --lr 3e-3 --warmup 2 --threads 1 --sample 0 "${PEAK[@]}")
 train() { timeout -k 5 120 "$TRAIN" "${common[@]}" "$@"; }
 
 # The independent reader: Python's standard library only.
@@ -70,14 +70,30 @@ def assemble(ckdir):
             out[p['fqn'] + suffix] = bytes(buf)
     return m, out
 
-cmd = sys.argv[1]
-if cmd == 'same':            # two sharded folders hold identical params and optimizer state
-    (ma, a), (mb, b) = assemble(sys.argv[2]), assemble(sys.argv[3])
+def same(dir_a, dir_b):
+    """Two sharded folders hold identical params and optimizer state."""
+    (ma, a), (mb, b) = assemble(dir_a), assemble(dir_b)
     assert a.keys() == b.keys(), 'different tensors'
     diff = [k for k in a if a[k] != b[k]]
     assert not diff, f'{len(diff)} tensors differ, e.g. {diff[0]}'
     assert ma['optim_step'] == mb['optim_step'] and ma['step'] == mb['step']
-    print(f'{len(a)} tensors identical')
+    return f'{len(a)} tensors identical'
+
+def losses(path, after):
+    """(step, loss, param_norm) of a --log file's steps after a given one."""
+    rows = (json.loads(l) for l in open(path))
+    return [(j['step'], j['loss'], j['param_norm']) for j in rows if 'step' in j and j['step'] > after]
+
+def close(a, b):
+    """Two runs' losses (lists of losses) within 1e-5."""
+    assert len(a) == len(b) and len(a) > 0, f'{len(a)} vs {len(b)} steps'
+    worst = max(abs(x - y) for x, y in zip(a, b))
+    assert worst <= 1e-5, f'loss differs by {worst}'
+    return f'max loss difference {worst:.2e}'
+
+cmd = sys.argv[1]
+if cmd == 'same':            # two sharded folders hold identical params and optimizer state
+    print(same(sys.argv[2], sys.argv[3]))
 elif cmd == 'full-matches':  # a full safetensors file equals a sharded folder's parameters
     t, meta = read_st(sys.argv[3])
     m, a = assemble(sys.argv[2])
@@ -123,17 +139,23 @@ elif cmd == 'reseal':        # recompute meta.json's crc32c (Castagnoli) after a
             crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
     open(path, 'w').write(body[:len(pre)] + '%08x' % (crc ^ 0xffffffff) + body[len(pre) + 8:])
 elif cmd == 'losses':        # steps and losses of a --log file from a given step on
-    for l in open(sys.argv[2]):
-        j = json.loads(l)
-        if 'step' in j and j['step'] > int(sys.argv[3]):
-            print(j['step'], repr(j['loss']), repr(j['param_norm']))
-elif cmd == 'close':         # two loss lists within 1e-5
-    a = [l.split() for l in open(sys.argv[2])]
-    b = [l.split() for l in open(sys.argv[3])]
-    assert len(a) == len(b) and len(a) > 0, f'{len(a)} vs {len(b)} steps'
-    worst = max(abs(float(x[1]) - float(y[1])) for x, y in zip(a, b))
-    assert worst <= 1e-5, f'loss differs by {worst}'
-    print(f'max loss difference {worst:.2e}')
+    for step, loss, pnorm in losses(sys.argv[2], int(sys.argv[3])):
+        print(step, repr(loss), repr(pnorm))
+elif cmd == 'reshard':       # reshard TMP LOADED CONTINUED: the resharding checks of the pairs NM listed
+    # (saved at N, loaded at M) in one process: LOADED's state against the saved one, CONTINUED's
+    # losses after step 6 against 1 -> 1's; a failure is a line "load|continue<TAB>name<TAB>detail"
+    t, failed = sys.argv[2], False
+    for nm in sys.argv[3].split():
+        try:
+            same(f'{t}/s{nm[0]}/step-00000006', f'{t}/r{nm}/step-00000006')
+        except Exception as e:
+            print(f'load\tload {nm[0]} -> {nm[1]}: state differs\t{type(e).__name__}: {e}'); failed = True
+    for nm in sys.argv[4].split():
+        try:
+            close([l for _, l, _ in losses(f'{t}/c11.jsonl', 6)], [l for _, l, _ in losses(f'{t}/c{nm}.jsonl', 6)])
+        except Exception as e:
+            print(f'continue\tcontinue {nm[0]} -> {nm[1]} vs 1 -> 1\t{type(e).__name__}: {e}'); failed = True
+    sys.exit(failed)
 EOF
 py() { python3 "$tmp/st.py" "$@"; }
 
@@ -154,30 +176,26 @@ else bad "exact resume: step-20 checkpoints" "$msg"; fi
 # keeps 1-4, as tests/run.sh does for the MPI tests)
 worlds="1 2 3 4"
 case "$BUILD" in *asan*|*tsan*) worlds="1 2 3" ;; esac
-for n in $worlds; do
-  train --nproc $n --steps 6 --save-dir "$tmp/s$n" > "$tmp/o" 2>&1 || bad "save at $n" "$(tail -3 "$tmp/o")"
-done
-rf=0 rc=0
+for n in $worlds; do spawn s$n train --nproc $n --steps 6 --save-dir "$tmp/s$n" > "$tmp/os$n" 2>&1; done # at once
+for n in $worlds; do reap s$n || bad "save at $n" "$(tail -3 "$tmp/os$n")"; done
+rf=0 rc=0 loaded="" continued=""
 for n in $worlds; do
   for m in $worlds; do
-    # zero steps: load at M and save again at M
-    if ! train --nproc $m --steps 6 --resume "$tmp/s$n" --save-dir "$tmp/r$n$m" > "$tmp/o" 2>&1; then
-      bad "load $n -> $m" "$(tail -3 "$tmp/o")"; rf=1; continue
-    fi
-    if ! msg=$(py same "$tmp/s$n/step-00000006" "$tmp/r$n$m/step-00000006" 2>&1); then
-      bad "load $n -> $m: state differs" "$msg"; rf=1
-    fi
-    if ! train --nproc $m --steps 9 --override steps --resume "$tmp/s$n" --log "$tmp/c$n$m.jsonl" > "$tmp/o" 2>&1; then
-      bad "continue $n -> $m" "$(tail -3 "$tmp/o")"; rc=1; continue
-    fi
-    py losses "$tmp/c$n$m.jsonl" 6 | awk '{print $1, $2}' > "$tmp/l$n$m"
+    # zero steps: load at M and save again at M; beside it (at once: both only read the
+    # checkpoint), 3 steps on from it at M
+    spawn load train --nproc $m --steps 6 --resume "$tmp/s$n" --save-dir "$tmp/r$n$m" > "$tmp/ol" 2>&1
+    spawn cont train --nproc $m --steps 9 --override steps --resume "$tmp/s$n" --log "$tmp/c$n$m.jsonl" > "$tmp/oc" 2>&1
+    if reap load; then loaded="$loaded $n$m"; else bad "load $n -> $m" "$(tail -3 "$tmp/ol")"; rf=1; fi
+    if reap cont; then continued="$continued $n$m"; else bad "continue $n -> $m" "$(tail -3 "$tmp/oc")"; rc=1; fi
   done
 done
+# every pair's state and losses read in one process, not a python3 start per pair and check (48)
+if ! out=$(py reshard "$tmp" "$loaded" "$continued" 2>&1); then
+  while IFS=$'\t' read -r what name detail; do
+    bad "${name:-resharding: the reader failed}" "${detail:-$what}"; [ "$what" = continue ] && rc=1 || rf=1
+  done <<< "${out:-$'load\tresharding: the reader failed\tno output'}"
+fi
 [ $rf -eq 0 ] && ok "resharding: saved at N, loaded at M (N, M in $worlds): parameters and AdamW state identical"
-for n in $worlds; do for m in $worlds; do
-  [ -f "$tmp/l$n$m" ] || continue
-  if ! msg=$(py close "$tmp/l11" "$tmp/l$n$m" 2>&1); then bad "continue $n -> $m vs 1 -> 1" "$msg"; rc=1; fi
-done; done
 [ $rc -eq 0 ] && ok "resharding: continued training at every (N, M) within 1e-5 of the 1-rank continuation"
 
 # ---- full <-> sharded ----
@@ -199,19 +217,28 @@ train --nproc 3 --steps 20 --resume "$src" --save-full "$tmp/full3.safetensors" 
 # --init-from: ours and Hugging Face style give the same first loss, at 1 and 3 ranks
 py to-hf "$tmp/full.safetensors" "$tmp/hf.safetensors"
 py to-hf "$tmp/full.safetensors" "$tmp/hf2.safetensors" transformer.
-train --steps 1 --log "$tmp/fresh.jsonl" > /dev/null 2>&1
+# (the nine runs at once)
+spawn fresh train --steps 1 --log "$tmp/fresh.jsonl" > /dev/null 2>&1
+for f in full hf hf2; do
+  for n in 1 3; do
+    spawn i$f$n train --nproc $n --steps 1 --init-from "$tmp/$f.safetensors" --log "$tmp/i$f$n.jsonl" > "$tmp/oi$f$n" 2>&1
+  done
+done
+spawn i0 train --nproc 3 --steps 1 --init-from "$tmp/hf.safetensors" --init rank0 --log "$tmp/i0.jsonl" > "$tmp/oi0" 2>&1
+spawn rs train --steps 1 --resume "$tmp/sh3" --log "$tmp/rs.jsonl" > "$tmp/ors" 2>&1
 declare -A first
 for f in full hf hf2; do
   for n in 1 3; do
-    if train --nproc $n --steps 1 --init-from "$tmp/$f.safetensors" --log "$tmp/i$f$n.jsonl" > "$tmp/o" 2>&1; then
+    if reap i$f$n; then
       first[$f$n]=$(py losses "$tmp/i$f$n.jsonl" 0 | awk '{print $2}')
-    else bad "--init-from $f at $n ranks" "$(tail -3 "$tmp/o")"; fi
+    else bad "--init-from $f at $n ranks" "$(tail -3 "$tmp/oi$f$n")"; fi
   done
 done
+reap fresh
 freshloss=$(py losses "$tmp/fresh.jsonl" 0 | awk '{print $2}')
-train --nproc 3 --steps 1 --init-from "$tmp/hf.safetensors" --init rank0 --log "$tmp/i0.jsonl" > "$tmp/o" 2>&1
+reap i0
 first[hf03]=$(py losses "$tmp/i0.jsonl" 0 | awk '{print $2}')
-train --steps 1 --resume "$tmp/sh3" --log "$tmp/rs.jsonl" > "$tmp/o" 2>&1
+reap rs
 rsloss=$(py losses "$tmp/rs.jsonl" 0 | awk '{print $2}')
 near() { python3 -c "import sys; sys.exit(not abs(float(sys.argv[1]) - float(sys.argv[2])) <= 1e-5)" "$1" "$2"; }
 if [ -n "${first[full1]:-}" ] && [ "${first[full1]}" = "${first[hf1]:-}" ] && [ "${first[full1]}" = "${first[hf21]:-}" ] &&
@@ -219,11 +246,12 @@ if [ -n "${first[full1]:-}" ] && [ "${first[full1]}" = "${first[hf1]:-}" ] && [ 
    near "${first[full1]}" "${first[full3]}" && [ "${first[full1]}" = "$rsloss" ] && [ "${first[full1]}" != "$freshloss" ]; then
   ok "--init-from: our file and HF names (with and without transformer.), at 1 and 3 ranks, and read on rank 0 only (--init rank0): first loss ${first[full1]} (fresh init $freshloss)"
 else bad "--init-from" "full1=${first[full1]:-} hf1=${first[hf1]:-} hf21=${first[hf21]:-} full3=${first[full3]:-} hf3=${first[hf3]:-} hf23=${first[hf23]:-} hf03=${first[hf03]:-} resume=$rsloss fresh=$freshloss"; fi
-grep -q "no optimizer state" "$tmp/o" && ok "resume from a converted folder says it has no optimizer state" ||
-  bad "resume from converted folder" "$(tail -3 "$tmp/o")"
+grep -q "no optimizer state" "$tmp/ors" && ok "resume from a converted folder says it has no optimizer state" ||
+  bad "resume from converted folder" "$(tail -3 "$tmp/ors")"
 
 # ---- a save killed part-way leaves the previous checkpoint loadable ----
-train --steps 4 --save-dir "$tmp/k" > /dev/null 2>&1
+# (its log is also the uninterrupted run --autoresume below must reproduce)
+train --steps 4 --save-dir "$tmp/k" --log "$tmp/k.jsonl" > /dev/null 2>&1
 cf=0 crashed=0
 for k in 1 40 84 85 86 87 88; do
   FSDP_CKPT_CRASH_AT=$k train --steps 8 --override steps --resume "$tmp/k" --save-dir "$tmp/k" > "$tmp/o" 2>&1
@@ -302,17 +330,16 @@ else bad "to-sharded with a failed commit" "exits $rc $rc2" "$(tail -1 "$tmp/o")
 
 # --autoresume (Composer's autoresume): one command line starts the job and, after it is killed,
 # continues it from --save-dir's newest checkpoint, the log appended to; the resumed steps are the
-# uninterrupted run's
+# uninterrupted run's (the 4 steps that saved $tmp/k above)
 ar=(--steps 4 --save-dir "$tmp/ar" --save-every 2 --autoresume --log "$tmp/ar.jsonl")
 FSDP_FAULT=forward:0:3 train "${ar[@]}" > "$tmp/o1" 2>&1; rc1=$?
 train "${ar[@]}" > "$tmp/o2" 2>&1; rc2=$?
 cp "$tmp/ar.jsonl" "$tmp/ar2.jsonl"
 train "${ar[@]}" > "$tmp/o3" 2>&1; rc3=$?
-train --steps 4 --log "$tmp/ar_ref.jsonl" > /dev/null 2>&1
 if [ $rc1 -ne 0 ] && grep -q "autoresume: no checkpoint in .*ar yet: starting afresh" "$tmp/o1" &&
    [ $rc2 -eq 0 ] && grep -q "autoresume: continuing from .*ar/step-00000002" "$tmp/o2" &&
    [ $rc3 -eq 0 ] && grep -q "nothing left to train" "$tmp/o3" &&
-   python3 - "$tmp/ar2.jsonl" "$tmp/ar_ref.jsonl" <<'PY'
+   python3 - "$tmp/ar2.jsonl" "$tmp/k.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 ref = {r["step"]: r["loss"] for r in map(json.loads, open(sys.argv[2])) if "step" in r}
@@ -392,12 +419,26 @@ done
 [ $sf -eq 0 ] && ok "$n truncations and data corruptions of a rank file rejected, naming the file/tensor"
 
 # the trainer refuses them with a clear message and a non-zero exit, on every world size
-expect_resume_error() { # NAME PATTERN NPROC
-  local out; out=$(train --nproc $3 --steps 8 --override steps --resume "$tmp/bad" 2>&1); local rc=$?
-  if [ $rc -eq 0 ]; then bad "$1" "exit 0"
-  elif [ $rc -ge 124 ]; then bad "$1" "hung or killed (exit $rc)"
-  elif ! grep -qE -- "$2" <<< "$out"; then bad "$1" "lacks /$2/:" "$(tail -2 <<< "$out")"
-  else ok "$1 (exit $rc)"; fi
+# expect_resume_error NAME PATTERN NPROC: starts a resume from $tmp/bad (moved to a folder of its
+# own); resume_errors_checked waits for them and checks each (the runs at once: those of several
+# ranks spend their time waiting on the launcher, not on a core)
+resumes=()
+expect_resume_error() {
+  local i=${#resumes[@]}
+  resumes+=("$1"$'\t'"$2")
+  mv "$tmp/bad" "$tmp/bad$i"
+  spawn err$i train --nproc $3 --steps 8 --override steps --resume "$tmp/bad$i" > "$tmp/oerr$i" 2>&1
+}
+resume_errors_checked() {
+  local i name pat rc out
+  for i in "${!resumes[@]}"; do
+    name=${resumes[$i]%%$'\t'*} pat=${resumes[$i]#*$'\t'}
+    reap err$i; rc=$?; out=$(cat "$tmp/oerr$i")
+    if [ $rc -eq 0 ]; then bad "$name" "exit 0"
+    elif [ $rc -ge 124 ]; then bad "$name" "hung or killed (exit $rc)"
+    elif ! grep -qE -- "$pat" <<< "$out"; then bad "$name" "lacks /$pat/:" "$(tail -2 <<< "$out")"
+    else ok "$name (exit $rc)"; fi
+  done
 }
 rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"
 printf '\x5a' | dd of="$tmp/bad/rank-00000-of-00002.safetensors" bs=1 seek=$((size - 100)) conv=notrunc 2> /dev/null
@@ -410,8 +451,10 @@ rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"; rm "$tmp/bad/meta.json"
 expect_resume_error "resume: folder without meta.json" "not a checkpoint folder|no meta.json" 2
 rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"; sed -i 's/"end":\t2048/"end":\t2047/' "$tmp/bad/meta.json"
 expect_resume_error "resume: an edited meta.json" "meta.json: checksum mismatch" 2
+rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"; sed -i 's/"end":\t2048/"end":\t2047/' "$tmp/bad/meta.json"
 py reseal "$tmp/bad/meta.json"
 expect_resume_error "resume: meta.json (resealed) whose ranges do not tile" "gap|cover|do not fit" 2
+resume_errors_checked
 out=$(train --model small --steps 8 --resume "$tmp/sh3" 2>&1); rc=$? # converted: no model_config (t_ckpt_model.sh)
 [ $rc -ne 0 ] && grep -q "checkpoint shape" <<< "$out" && ok "resume into a different model names the parameter and shapes" ||
   bad "model mismatch" "$(tail -2 <<< "$out")"

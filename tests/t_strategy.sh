@@ -12,7 +12,7 @@
 
 run() { # run NAME NPROC FLAGS...: a short tiny-model run logging JSON to $tmp/NAME.json
   local name=$1 n=$2; shift 2
-  timeout -k 5 180 "$TRAIN" --model tiny --steps 3 --batch 12 --seq 32 --threads 1 --sample 0 --nproc "$n" \
+  timeout -k 5 180 "$TRAIN" --model tiny --steps 3 --batch 12 --seq 32 --threads 1 --sample 0 "${PEAK[@]}" --nproc "$n" \
     --log "$tmp/$name.json" "$@" > "$tmp/$name.out" 2>&1
 }
 
@@ -43,18 +43,22 @@ bits() { same_bits "$tmp/$1.json" "$tmp/$2.json"; }
 if run ref 1; then ok "1-rank reference"; else bad "1-rank reference" "$(tail -5 "$tmp/ref.out")"; fi
 
 # ---- every strategy reproduces the 1-rank run ----
+# (a strategy's two runs at once, as the pairs below)
 for s in FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD; do
+  for n in 2 3; do spawn "$s.$n" run "$s.$n" $n --sharding $s; done
   for n in 2 3; do
-    if run "$s.$n" $n --sharding $s && msg=$(same "$s.$n" ref 1e-5 2>&1); then ok "$s at $n ranks"
+    if reap "$s.$n" && msg=$(same "$s.$n" ref 1e-5 2>&1); then ok "$s at $n ranks"
     else bad "$s at $n ranks" "${msg:-}" "$(tail -3 "$tmp/$s.$n.out")"; fi
   done
 done
-if run hyb4 4 --sharding HYBRID_SHARD --shard-group 2 && msg=$(same hyb4 ref 1e-5 2>&1) \
+spawn hyb4 run hyb4 4 --sharding HYBRID_SHARD --shard-group 2
+spawn hyb4.off run hyb4.off 4 --sharding HYBRID_SHARD --shard-group 2 --overlap off
+if reap hyb4 && msg=$(same hyb4 ref 1e-5 2>&1) \
    && grep -q "sharding: HYBRID_SHARD (groups of 2 ranks, 2 replicas)" "$tmp/hyb4.out"; then
   ok "HYBRID_SHARD --shard-group 2 at 4 ranks"
 else bad "HYBRID_SHARD --shard-group 2 at 4 ranks" "${msg:-}" "$(tail -3 "$tmp/hyb4.out")"; fi
 # the replica all-reduces pipelined (overlap, the default) or waited at once
-if run hyb4.off 4 --sharding HYBRID_SHARD --shard-group 2 --overlap off && bits hyb4 hyb4.off \
+if reap hyb4.off && bits hyb4 hyb4.off \
    && msg=$(same hyb4.off ref 1e-5 2>&1); then
   ok "HYBRID_SHARD --shard-group 2 at 4 ranks: --overlap off gives the same bits"
 else bad "HYBRID_SHARD --shard-group 2 --overlap off" "${msg:-}" "$(tail -3 "$tmp/hyb4.off.out")"; fi
@@ -71,9 +75,10 @@ assert a and b and b[0] > 0 and len(set(a)) == 1, (a, b)
 print(a[0] / b[0])
 EOF
 }
+for m in reduce no_sync; do spawn "acc.$m" run "acc.$m" 2 --grad-accum 2 --accum-mode $m; done
 for m in reduce no_sync; do
   want=$([ $m = reduce ] && echo 2.0 || echo 1.0) # a reduction per micro-batch, or one per step
-  if run "acc.$m" 2 --grad-accum 2 --accum-mode $m && msg=$(same "acc.$m" ref 1e-5 2>&1) \
+  if reap "acc.$m" && msg=$(same "acc.$m" ref 1e-5 2>&1) \
      && grep -q "2 micro-batches of 3 x 32 tokens per rank per step ($m)" "$tmp/acc.$m.out" \
      && times=$(rs_times "acc.$m" FULL_SHARD.2) && [ "$times" = "$want" ]; then
     ok "--grad-accum 2 --accum-mode $m (the reduce-scatters' bytes $want x a step's)"
@@ -95,7 +100,11 @@ EOF
 else bad "exposed communication" "$(head -c 400 "$tmp/ov.on.json")"; fi
 
 # ---- the shards' 16-bit copy: the same bits, 2 bytes a parameter more in the plan ----
-if run lp.on 2 --precision AMP_BF16 --lp-shard-copy on && run lp.off 2 --precision AMP_BF16 && bits lp.on lp.off; then
+spawn lp.on run lp.on 2 --precision AMP_BF16 --lp-shard-copy on
+spawn lp.off run lp.off 2 --precision AMP_BF16
+reap lp.on; r_on=$?
+reap lp.off; r_off=$?
+if [ $r_on -eq 0 ] && [ $r_off -eq 0 ] && bits lp.on lp.off; then
   ok "AMP_BF16 with --lp-shard-copy on and off gives the same bits"
 else bad "--lp-shard-copy on and off" "$(tail -3 "$tmp/lp.on.out")" "$(tail -3 "$tmp/lp.off.out")"; fi
 params() { # the plan's params column (MiB) of rank 0 for fsdp-train's dry run with these flags
@@ -110,28 +119,32 @@ if [ $rc -eq 2 ] && grep -q "^fsdp-train: --lp-shard-copy: 'yes' is not on or of
 else bad "bad --lp-shard-copy (exit $rc)" "$(cat "$tmp/e0")"; fi
 
 # ---- checkpoint: HYBRID_SHARD save, NO_SHARD resume at another world size ----
+# (the 4-step run saves at step 2 on its way, the resume's start)
 ck="$tmp/ck"
-if run ck.save 4 --sharding HYBRID_SHARD --shard-group 2 --steps 2 --save-dir "$ck" --lr-schedule constant \
-   && run ck.full 4 --sharding HYBRID_SHARD --shard-group 2 --steps 4 --lr-schedule constant \
-   && run ck.resume 2 --sharding NO_SHARD --steps 4 --override steps --resume "$ck" --lr-schedule constant \
+if run ck.full 4 --sharding HYBRID_SHARD --shard-group 2 --steps 4 --save-dir "$ck" --save-every 2 --lr-schedule constant \
+   && run ck.resume 2 --sharding NO_SHARD --steps 4 --override steps --resume "$ck/step-00000002" --lr-schedule constant \
    && [ "$(ls "$ck"/step-00000002 | grep -c '\.safetensors$')" = 2 ] \
    && msg=$(same ck.resume ck.full 1e-5 common 2>&1); then
   ok "HYBRID_SHARD checkpoint (2 shard files) resumes under NO_SHARD at 2 ranks"
 else bad "hybrid checkpoint resume" "${msg:-}" "$(ls "$ck"/* 2>&1 | head -5)" "$(tail -3 "$tmp/ck.resume.out")"; fi
 
 # ---- errors name the flag ----
+# (the three runs of several ranks at once: they spend their time waiting on the launcher)
+spawn e2 run e2 4 --sharding HYBRID_SHARD --shard-group 3
+spawn e3 run e3 2 --shard-group 2
+spawn e4 run e4 2 --grad-accum 4
 "$TRAIN" --model tiny --sharding ZERO3 > "$tmp/e1" 2>&1; rc=$?
 if [ $rc -eq 2 ] && grep -q "^fsdp-train: --sharding: 'ZERO3' is not FULL_SHARD" "$tmp/e1"; then ok "bad --sharding"
 else bad "bad --sharding (exit $rc)" "$(cat "$tmp/e1")"; fi
-run e2 4 --sharding HYBRID_SHARD --shard-group 3; rc=$?
+reap e2; rc=$?
 if [ $rc -ne 0 ] && grep -q "error: --shard-group 3 does not divide the world of 4 ranks" "$tmp/e2.out"; then
   ok "--shard-group not dividing the world"
 else bad "--shard-group 3 at 4 ranks (exit $rc)" "$(head -3 "$tmp/e2.out")"; fi
-run e3 2 --shard-group 2; rc=$?
+reap e3; rc=$?
 if [ $rc -ne 0 ] && grep -q "error: --shard-group 2 needs --sharding HYBRID_SHARD" "$tmp/e3.out"; then
   ok "--shard-group without HYBRID_SHARD"
 else bad "--shard-group without HYBRID_SHARD (exit $rc)" "$(head -3 "$tmp/e3.out")"; fi
-run e4 2 --grad-accum 4; rc=$?
+reap e4; rc=$?
 if [ $rc -ne 0 ] && grep -q "error: --grad-accum 4 does not divide the per-rank batch of 6" "$tmp/e4.out"; then
   ok "--grad-accum not dividing the batch"
 else bad "--grad-accum 4 (exit $rc)" "$(head -3 "$tmp/e4.out")"; fi

@@ -38,11 +38,13 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 
 common=(--task swav --model cnn --data fashion-mnist --batch 12 --steps 5 --swav-hidden 32 --swav-dim 16
         --nmb-prototypes 20 --crops-small 2 --knn-train 300 --probe-train 1000 --threads 1 --optim sgd --momentum 0.9 --lr 0.003
-        --clip 0 --warmup 0 --comm shm --seed 7)
+        --clip 0 --warmup 0 --comm shm --seed 7 "${PEAK[@]}")
 # (no clipping: the world-size check must see the gradients' scale)
 # sanitized builds evaluate on the first 2000 test images (--eval-batches), not all 10000: the
 # evaluations' forwards were most of this script's time under ASan (9 of CI's minutes); the
-# ResNet-18 runs from (4) on do in every build (ev8), the small CNN's read all 10000 in the plain one
+# ResNet-18 runs from (4) on do in every build (ev8), and so do the small CNN's whose figures are
+# only checked to be sane (first); in the plain build, the world sizes' runs (1) and the evaluation
+# of their checkpoint read all 10000
 first=(--eval-batches 25 --eval-batch 80) # the first 25 x 80 test images
 export T_SWAV_R8_IMAGES=$((25 * 80))       # the test images each evaluation reads; accuracies agree within 5 of them
 ev=() T_SWAV_IMAGES=10000
@@ -50,14 +52,17 @@ case "$BUILD" in *asan*|*tsan*) ev=("${first[@]}") T_SWAV_IMAGES=$T_SWAV_R8_IMAG
 export T_SWAV_IMAGES
 common+=("${ev[@]}")
 ev8=("${first[@]}")
+# the runs whose checks read no accuracy evaluate nothing (no kNN bank, no probe epochs: no
+# evaluation), or only a little where they check that an evaluation ran
+noeval=(--knn-train 0 --probe-epochs 0)
 
 # ---- (1) world sizes agree; (2) prototypes agree and have unit rows ----
+# (the three runs at once)
 for n in 1 2 3; do
-  if ! timeout -k 5 120 "$TRAIN" "${common[@]}" --nproc $n --log "$tmp/r$n.jsonl" --save-full "$tmp/m$n.safetensors" \
-       > "$tmp/o$n" 2>&1; then
-    bad "$n-rank run" "$(tail -5 "$tmp/o$n")"
-  fi
+  spawn r$n timeout -k 5 120 "$TRAIN" "${common[@]}" --nproc $n --log "$tmp/r$n.jsonl" --save-full "$tmp/m$n.safetensors" \
+    > "$tmp/o$n" 2>&1
 done
+for n in 1 2 3; do reap r$n || bad "$n-rank run" "$(tail -5 "$tmp/o$n")"; done
 for n in 2 3; do
   if msg=$(python3 - "$tmp/r1.jsonl" "$tmp/r$n.jsonl" <<'EOF' 2>&1
 import os, json, sys
@@ -76,8 +81,8 @@ EOF
 done
 # --bn-stats-crops global: the same training (batch statistics), the running statistics from the
 # global crops' forward alone (num_batches_tracked counts one forward a step, not two)
-timeout -k 5 120 "$TRAIN" "${common[@]}" --bn-stats-crops global --log "$tmp/bg.jsonl" --save-full "$tmp/bg.safetensors" \
-  > "$tmp/obg" 2>&1 || bad "--bn-stats-crops global" "$(tail -3 "$tmp/obg")"
+timeout -k 5 120 "$TRAIN" "${common[@]}" "${noeval[@]}" --bn-stats-crops global --log "$tmp/bg.jsonl" \
+  --save-full "$tmp/bg.safetensors" > "$tmp/obg" 2>&1 || bad "--bn-stats-crops global" "$(tail -3 "$tmp/obg")"
 if msg=$(python3 - "$tmp/r1.jsonl" "$tmp/bg.jsonl" "$tmp/m1.safetensors" "$tmp/bg.safetensors" <<'EOF' 2>&1
 import json, struct, sys
 def read_st(path):
@@ -126,8 +131,8 @@ EOF
 ); then ok "batch norm counts each resolution once per step (the recompute does not)"; else bad "batch norm recompute" "$msg"; fi
 
 # resuming (the checkpoint names its task: no --task needed) reproduces the uninterrupted run
-"$TRAIN" "${common[@]}" --save-every 3 --save-dir "$tmp/ck" --eval-every 0 > "$tmp/oc" 2>&1 || bad "save" "$(tail -3 "$tmp/oc")"
-if "$TRAIN" "${common[@]:2}" --resume "$tmp/ck/step-00000003" --log "$tmp/res.jsonl" > "$tmp/orr" 2>&1 &&
+"$TRAIN" "${common[@]}" --save-every 3 --save-dir "$tmp/ck" "${noeval[@]}" > "$tmp/oc" 2>&1 || bad "save" "$(tail -3 "$tmp/oc")"
+if "$TRAIN" "${common[@]:2}" "${noeval[@]}" --resume "$tmp/ck/step-00000003" --log "$tmp/res.jsonl" > "$tmp/orr" 2>&1 &&
    msg=$(python3 - "$tmp/r1.jsonl" "$tmp/res.jsonl" <<'EOF' 2>&1
 import json, sys
 a = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r][3:]
@@ -156,7 +161,8 @@ EOF
 else bad "--steps 0 --eval-baseline" "${msg:-$(tail -5 "$tmp/oe")}"; fi
 
 # ---- (3) frozen prototypes ----
-if timeout -k 5 120 "$TRAIN" "${common[@]}" --nproc 2 --freeze-prototypes-iters 3 --log "$tmp/f.jsonl" > "$tmp/of" 2>&1 &&
+if timeout -k 5 120 "$TRAIN" "${common[@]}" "${noeval[@]}" --nproc 2 --freeze-prototypes-iters 3 --log "$tmp/f.jsonl" \
+     > "$tmp/of" 2>&1 &&
    msg=$(python3 - "$tmp/f.jsonl" "$tmp/of" <<'EOF' 2>&1
 import json, re, sys
 rows = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r]
@@ -172,10 +178,11 @@ else bad "frozen prototypes" "${msg:-$(tail -5 "$tmp/of")}"; fi
 
 # ---- (4) ResNet-18 trunk, LARS, 2 heads, bf16 ----
 echo '{"arch":"resnet18","in_chans":1,"stem":"cifar","width":8}' > "$tmp/r8.json"
-if timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" "${ev8[@]}" --data fashion-mnist --batch 8 --steps 2 \
-     --swav-hidden 16 --swav-dim 8 --nmb-prototypes 10 --nmb-heads 2 --crops-global-size 16 --crops-small 1 \
-     --crops-small-size 8 --knn-train 50 --probe-train 500 --threads 1 --optim lars --momentum 0.9 --lr 0.1 --precision AMP_BF16 \
-     --nproc 2 --comm shm --verbose --log "$tmp/rn.jsonl" > "$tmp/orn" 2>&1 &&
+# (one batch of test images: the check reads that an evaluation ran, not its figures)
+if timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" --eval-batches 1 --eval-batch 80 --data fashion-mnist \
+     --batch 8 --steps 2 --swav-hidden 16 --swav-dim 8 --nmb-prototypes 10 --nmb-heads 2 --crops-global-size 16 \
+     --crops-small 1 --crops-small-size 8 --knn-train 50 --probe-train 500 --threads 1 --optim lars --momentum 0.9 --lr 0.1 \
+     --precision AMP_BF16 --nproc 2 --comm shm --verbose "${PEAK[@]}" --log "$tmp/rn.jsonl" > "$tmp/orn" 2>&1 &&
    msg=$(python3 - "$tmp/rn.jsonl" "$tmp/orn" <<'EOF' 2>&1
 import json, math, re, sys
 rows = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r]
@@ -189,19 +196,30 @@ EOF
    ); then ok "ResNet-18 trunk with LARS, 2 heads, bf16 (prototypes fp32 units) at 2 ranks"
 else bad "ResNet-18 trunk" "${msg:-$(tail -5 "$tmp/orn")}"; fi
 
-# ---- (10) --eval-pool 2: kNN and probe on layer4's map pooled to 2 x 2 (4 x 64 features), the
-# same at 1 and 2 ranks; the 1-rank training is the one without the flag (the evaluation only reads)
+# ---- (10) --eval-pool 2 and (11) --eval-precise-bn 200 on the ResNet-18 trunk: the same 2 steps
+# with each flag at 1 and 2 ranks, and at 1 rank with neither (pb0, evaluating after each step), the
+# run both compare with
+r8=(--task swav --model-config "$tmp/r8.json" "${ev8[@]}" --data fashion-mnist --batch 8 --steps 2 --swav-hidden 16
+    --swav-dim 8 --nmb-prototypes 10 --crops-global-size 16 --crops-small 1 --crops-small-size 8 --knn-train 200
+    --probe-train 500 --threads 1 --optim lars --momentum 0.9 --lr 0.1 --comm shm "${PEAK[@]}")
+# (the five runs at once: none reads another's files)
+# (10): kNN and probe on layer4's map pooled to 2 x 2 (4 x 64 features), the same at 1 and 2 ranks;
+# the training is pb0's (the evaluation only reads); the untrained trunk's pooled probe at 1 rank
 for n in 1 2; do
-  timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" "${ev8[@]}" --data fashion-mnist --batch 8 --steps 2 \
-    --swav-hidden 16 --swav-dim 8 --nmb-prototypes 10 --crops-global-size 16 --crops-small 1 --crops-small-size 8 \
-    --knn-train 200 --probe-train 500 --threads 1 --optim lars --momentum 0.9 --lr 0.1 --comm shm --nproc $n \
-    --eval-pool 2 --eval-baseline --log "$tmp/ep$n.jsonl" > "$tmp/oep$n" 2>&1 || bad "--eval-pool 2 at $n ranks" "$(tail -5 "$tmp/oep$n")"
+  f=(--nproc $n); [ $n = 1 ] && f+=(--eval-baseline)
+  spawn ep$n timeout -k 5 120 "$TRAIN" "${r8[@]}" "${f[@]}" --eval-pool 2 --log "$tmp/ep$n.jsonl" > "$tmp/oep$n" 2>&1
 done
-timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" "${ev8[@]}" --data fashion-mnist --batch 8 --steps 2 \
-  --swav-hidden 16 --swav-dim 8 --nmb-prototypes 10 --crops-global-size 16 --crops-small 1 --crops-small-size 8 \
-  --knn-train 200 --probe-train 500 --threads 1 --optim lars --momentum 0.9 --lr 0.1 --comm shm \
-  --log "$tmp/ep0.jsonl" > "$tmp/oep0" 2>&1 || bad "the run without --eval-pool" "$(tail -5 "$tmp/oep0")"
-if msg=$(python3 - "$tmp/ep1.jsonl" "$tmp/ep2.jsonl" "$tmp/ep0.jsonl" "$tmp/oep1" <<'EOF' 2>&1
+# (11): the evaluations read the trunk with batch norm statistics of 200 whole training images, at 1
+# and 2 ranks alike; the training's own statistics come back after each evaluation (here after
+# step 1 and 2), so the losses and the saved model are the run's without it
+for n in 0 1 2; do
+  f=(); [ $n = 0 ] || f=(--eval-precise-bn 200 --nproc $n)
+  spawn pb$n timeout -k 5 120 "$TRAIN" "${r8[@]}" --eval-every 1 "${f[@]}" --save-full "$tmp/pb$n.safetensors" \
+    --log "$tmp/pb$n.jsonl" > "$tmp/opb$n" 2>&1
+done
+for n in 1 2; do reap ep$n || bad "--eval-pool 2 at $n ranks" "$(tail -5 "$tmp/oep$n")"; done
+for n in 0 1 2; do reap pb$n || bad "--eval-precise-bn at $n ranks" "$(tail -5 "$tmp/opb$n")"; done
+if msg=$(python3 - "$tmp/ep1.jsonl" "$tmp/ep2.jsonl" "$tmp/pb0.jsonl" "$tmp/oep1" <<'EOF' 2>&1
 import os, json, sys
 TOL = 5.5 / int(os.environ["T_SWAV_R8_IMAGES"])  # five test images
 a, b, c = ([r for r in map(json.loads, open(f)) if "step" in r] for f in sys.argv[1:4])
@@ -214,18 +232,6 @@ assert "features: 256 (layer4's map pooled to 2 x 2)" in open(sys.argv[4]).read(
 EOF
 ); then ok "--eval-pool 2: the kNN and probe read the 2 x 2 pooled map (256 features), the same at 1 and 2 ranks"
 else bad "--eval-pool 2" "$msg"; fi
-
-# ---- (11) --eval-precise-bn 200: the evaluations read the trunk with batch norm statistics of 200
-# whole training images, at 1 and 2 ranks alike; the training's own statistics come back after each
-# evaluation (here after step 1 and 2), so the losses and the saved model are the run's without it
-for n in 0 1 2; do
-  f=(); [ $n = 0 ] || f=(--eval-precise-bn 200 --nproc $n)
-  timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" "${ev8[@]}" --data fashion-mnist --batch 8 --steps 2 \
-    --swav-hidden 16 --swav-dim 8 --nmb-prototypes 10 --crops-global-size 16 --crops-small 1 --crops-small-size 8 \
-    --knn-train 200 --probe-train 500 --threads 1 --optim lars --momentum 0.9 --lr 0.1 --comm shm --eval-every 1 \
-    "${f[@]}" --save-full "$tmp/pb$n.safetensors" --log "$tmp/pb$n.jsonl" > "$tmp/opb$n" 2>&1 ||
-    bad "--eval-precise-bn at $n ranks" "$(tail -5 "$tmp/opb$n")"
-done
 if msg=$(python3 - "$tmp/pb0.jsonl" "$tmp/pb1.jsonl" "$tmp/pb2.jsonl" "$tmp/opb1" <<'EOF' 2>&1
 import os, json, sys
 TOL = 5.5 / int(os.environ["T_SWAV_R8_IMAGES"])  # five test images
@@ -242,15 +248,17 @@ else bad "--eval-precise-bn" "${msg:-the saved models differ: the running statis
 
 # ---- (12) --eval-layer 3,4: each evaluation reads layer3's and layer4's maps and reports, for the
 # kNN and the probe apart, the layer that did best on held-out training images; the figure of the
-# layer chosen is that layer's read alone (--eval-layer 3, --eval-layer 4), at 1 and 2 ranks alike
+# layer chosen is that layer's read alone (--eval-layer 3, --eval-layer 4), at 1 and 2 ranks alike;
+# the untrained trunk's layers chosen too (--eval-baseline, read of the 1-rank run with both layers);
+# the four runs at once
 for v in 3 4 34 34n2; do
-  case $v in 3|4) f=(--eval-layer "$v") ;; 34) f=(--eval-layer 3,4) ;; *) f=(--eval-layer 3,4 --nproc 2) ;; esac
-  timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" "${ev8[@]}" --data fashion-mnist --batch 8 --steps 1 \
-    --swav-hidden 16 --swav-dim 8 --nmb-prototypes 10 --crops-global-size 16 --crops-small 1 --crops-small-size 8 \
+  case $v in 3|4) f=(--eval-layer "$v") ;; 34) f=(--eval-layer 3,4 --eval-baseline) ;; *) f=(--eval-layer 3,4 --nproc 2) ;; esac
+  spawn el$v timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" "${ev8[@]}" --data fashion-mnist --batch 8 \
+    --steps 1 --swav-hidden 16 --swav-dim 8 --nmb-prototypes 10 --crops-global-size 16 --crops-small 1 --crops-small-size 8 \
     --knn-train 300 --probe-train 600 --threads 1 --optim lars --momentum 0.9 --lr 0.1 --comm shm --eval-pool 2 \
-    --eval-precise-bn 100 --eval-baseline "${f[@]}" --log "$tmp/el$v.jsonl" > "$tmp/oel$v" 2>&1 ||
-    bad "--eval-layer ${f[1]}" "$(tail -5 "$tmp/oel$v")"
+    --eval-precise-bn 100 "${PEAK[@]}" "${f[@]}" --log "$tmp/el$v.jsonl" > "$tmp/oel$v" 2>&1
 done
+for v in 3 4 34 34n2; do reap el$v || bad "--eval-layer $v" "$(tail -5 "$tmp/oel$v")"; done
 if msg=$(python3 - "$tmp" <<'EOF' 2>&1
 import os, json, sys
 TOL = 5.5 / int(os.environ["T_SWAV_R8_IMAGES"])  # five test images
@@ -277,7 +285,8 @@ else bad "--eval-layer 3,4" "$msg"; fi
 
 # ---- (5) one resolution ----
 # (and --eval-baseline: the untrained trunk's and raw pixels' kNN and probe in the first log line)
-if timeout -k 5 60 "$TRAIN" "${common[@]}" --crops-small 0 --steps 2 --eval-baseline --log "$tmp/g.jsonl" > "$tmp/og" 2>&1 &&
+if timeout -k 5 60 "$TRAIN" "${common[@]}" "${first[@]}" --crops-small 0 --steps 2 --eval-baseline --log "$tmp/g.jsonl" \
+     > "$tmp/og" 2>&1 &&
    [ "$(grep -c '"step"' "$tmp/g.jsonl")" = 2 ]; then ok "global crops only"
 else bad "global crops only" "$(tail -5 "$tmp/og")"; fi
 if msg=$(python3 - "$tmp/g.jsonl" "$tmp/og" <<'EOF' 2>&1
@@ -294,12 +303,14 @@ if timeout -k 5 60 "$TRAIN" "${common[@]}" --crops-small 0 --steps 1 --eval-batc
    grep -q "^eval: knn_acc .*(150 test images)" "$tmp/oeb"; then ok "--eval-batches 3 --eval-batch 50: 150 test images"
 else bad "--eval-batches" "$(tail -3 "$tmp/oeb")"; fi
 # --probe-wd with candidates: the probe is trained again on all its images with the weight decay
-# the held-out sixth chose, so its accuracy is the one of a run given that weight decay alone
+# the held-out sixth chose, so its accuracy is the one of a run given that weight decay alone (the
+# three runs at once)
 for w in 1e-4 1 1e-4,1; do
-  timeout -k 5 60 "$TRAIN" "${common[@]}" --crops-small 0 --steps 2 --probe-wd $w --log "$tmp/w$w.jsonl" > "$tmp/ow" 2>&1 ||
-    bad "--probe-wd $w: the run" "$(tail -3 "$tmp/ow")"
+  spawn "w$w" timeout -k 5 60 "$TRAIN" "${common[@]}" "${first[@]}" --crops-small 0 --steps 2 --probe-wd $w \
+    --log "$tmp/w$w.jsonl" > "$tmp/ow$w" 2>&1
 done
-if msg=$(python3 - "$tmp/w1e-4.jsonl" "$tmp/w1.jsonl" "$tmp/w1e-4,1.jsonl" "$tmp/ow" <<'EOF' 2>&1
+for w in 1e-4 1 1e-4,1; do reap "w$w" || bad "--probe-wd $w: the run" "$(tail -3 "$tmp/ow$w")"; done
+if msg=$(python3 - "$tmp/w1e-4.jsonl" "$tmp/w1.jsonl" "$tmp/w1e-4,1.jsonl" "$tmp/ow1e-4,1" <<'EOF' 2>&1
 import json, sys
 last = lambda f: [json.loads(l) for l in open(f) if '"probe_acc"' in l][-1]
 a, b, c = (last(f) for f in sys.argv[1:4])
@@ -316,11 +327,13 @@ else bad "--probe-wd 1e-4,1" "$msg"; fi
 
 # ---- (7) the queue: 2 batches, filled from the first step, in the codes from step 3 ----
 # 1 rank (saving at step 3) and 3 ranks; resumed from the 1-rank checkpoint at 1 and 3 ranks
-q=(--queue-length 24 --queue-start-epoch 0 --eval-every 0)
-timeout -k 5 120 "$TRAIN" "${common[@]}" "${q[@]}" --save-every 3 --save-dir "$tmp/qck" --log "$tmp/q1.jsonl" \
-  > "$tmp/oq1" 2>&1 || bad "1-rank run with a queue" "$(tail -5 "$tmp/oq1")"
-timeout -k 5 120 "$TRAIN" "${common[@]}" "${q[@]}" --nproc 3 --log "$tmp/q3.jsonl" > "$tmp/oq3" 2>&1 ||
-  bad "3-rank run with a queue" "$(tail -5 "$tmp/oq3")"
+q=(--queue-length 24 --queue-start-epoch 0 "${noeval[@]}")
+# (the two runs at once, and the two resumed ones below)
+spawn q1 timeout -k 5 120 "$TRAIN" "${common[@]}" "${q[@]}" --save-every 3 --save-dir "$tmp/qck" --log "$tmp/q1.jsonl" \
+  > "$tmp/oq1" 2>&1
+spawn q3 timeout -k 5 120 "$TRAIN" "${common[@]}" "${q[@]}" --nproc 3 --log "$tmp/q3.jsonl" > "$tmp/oq3" 2>&1
+reap q1 || bad "1-rank run with a queue" "$(tail -5 "$tmp/oq1")"
+reap q3 || bad "3-rank run with a queue" "$(tail -5 "$tmp/oq3")"
 if msg=$(python3 - "$tmp/r1.jsonl" "$tmp/q1.jsonl" "$tmp/q3.jsonl" <<'EOF' 2>&1
 import json, sys
 r, q1, q3 = [[r for r in map(json.loads, open(p)) if "step" in r] for p in sys.argv[1:]]
@@ -335,9 +348,10 @@ EOF
 ); then ok "the queue: 3 ranks reproduce the 1-rank losses (1e-5) once it is in the codes"
 else bad "the queue at 1 and 3 ranks" "$msg"; fi
 for n in 1 3; do
-  timeout -k 5 120 "$TRAIN" "${common[@]:2}" "${q[@]}" --nproc $n --resume "$tmp/qck/step-00000003" \
-    --log "$tmp/qres$n.jsonl" > "$tmp/oqr$n" 2>&1 || bad "resume at $n ranks with a queue" "$(tail -3 "$tmp/oqr$n")"
+  spawn qres$n timeout -k 5 120 "$TRAIN" "${common[@]:2}" "${q[@]}" --nproc $n --resume "$tmp/qck/step-00000003" \
+    --log "$tmp/qres$n.jsonl" > "$tmp/oqr$n" 2>&1
 done
+for n in 1 3; do reap qres$n || bad "resume at $n ranks with a queue" "$(tail -3 "$tmp/oqr$n")"; done
 if msg=$(python3 - "$tmp/q1.jsonl" "$tmp/qres1.jsonl" "$tmp/qres3.jsonl" <<'EOF' 2>&1
 import json, sys
 a, b, c = [[r for r in map(json.loads, open(p)) if "step" in r] for p in sys.argv[1:]]
@@ -373,15 +387,26 @@ EOF
 else bad "the queue flags in the configuration" "$msg"; fi
 
 # ---- (6) bad input ----
+# expect_input NAME PATTERN -- ARGS...: starts fsdp-train ARGS, which must exit 2 within 60 s with one
+# line on stderr matching PATTERN; inputs_checked waits for them and checks each (the runs at once:
+# those of several ranks spend their second or two waiting on the launcher, not on a core)
+inputs=()
 expect_input() {
-  local name=$1 pat=$2; shift 3
-  timeout -k 5 60 "$TRAIN" "$@" > "$tmp/out" 2> "$tmp/err"
-  local rc=$?
-  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then bad "$name" "hung (killed by timeout)"
-  elif [ $rc -ne 2 ]; then bad "$name" "exit $rc, expected 2" "$(head -3 "$tmp/err")"
-  elif [ "$(grep -c '^fsdp-train:' "$tmp/err")" != 1 ] || ! grep -qE -- "$pat" "$tmp/err"; then
-    bad "$name" "stderr is not one line matching /$pat/:" "$(head -5 "$tmp/err")"
-  else ok "$name (exit 2, one line)"; fi
+  local i=${#inputs[@]}
+  inputs+=("$1"$'\t'"$2"); shift 3
+  spawn in$i timeout -k 5 60 "$TRAIN" "$@" > "$tmp/in$i.out" 2> "$tmp/in$i.err"
+}
+inputs_checked() {
+  local i name pat rc err
+  for i in "${!inputs[@]}"; do
+    name=${inputs[$i]%%$'\t'*} pat=${inputs[$i]#*$'\t'} err="$tmp/in$i.err"
+    reap in$i; rc=$?
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then bad "$name" "hung (killed by timeout)"
+    elif [ $rc -ne 2 ]; then bad "$name" "exit $rc, expected 2" "$(head -3 "$err")"
+    elif [ "$(grep -c '^fsdp-train:' "$err")" != 1 ] || ! grep -qE -- "$pat" "$err"; then
+      bad "$name" "stderr is not one line matching /$pat/:" "$(head -5 "$err")"
+    else ok "$name (exit 2, one line)"; fi
+  done
 }
 expect_input "global crop larger than the image" "--crops-global-size 40.*28x28" -- "${common[@]}" --nproc 2 --crops-global-size 40
 expect_input "small crop larger than the image" "--crops-small-size 30" -- "${common[@]}" --crops-small-size 30
@@ -394,4 +419,5 @@ expect_input "--eval-pool with the cnn trunk" "--eval-pool 2: the cnn trunk" -- 
 expect_input "--eval-layer with the cnn trunk" "--eval-layer: the cnn trunk" -- "${common[@]}" --eval-layer 3
 expect_input "--eval-layer outside 1..4" "--eval-layer: '3,5'" -- "${common[@]}" --eval-layer 3,5
 expect_input "a trunk that is not one" "--model.*small" -- --task swav --model small --steps 1
+inputs_checked
 finish

@@ -31,12 +31,16 @@ EOF
 }
 
 common=(--model cnn --data fashion-mnist --batch 12 --steps 10 --optim sgd --lr 0.05 --momentum 0.9 --nesterov
-        --warmup 2 --threads 1 --augment none --shuffle off --sync-bn on --sharding FULL_SHARD --eval-batch 400)
+        --warmup 2 --threads 1 --augment none --shuffle off --sync-bn on --sharding FULL_SHARD --eval-batch 400 "${PEAK[@]}")
 
 # ---- (1) 2 and 3 ranks reproduce the 1-rank run; (2) the evaluation too ----
-"$TRAIN" "${common[@]}" --log "$tmp/r1.jsonl" > "$tmp/o1" 2>&1 || bad "1-rank run" "$(tail -5 "$tmp/o1")"
+# (the three runs at once)
+for n in 1 2 3; do
+  spawn r$n timeout -k 5 120 "$TRAIN" "${common[@]}" --nproc $n --log "$tmp/r$n.jsonl" > "$tmp/o$n" 2>&1
+done
+reap r1 || bad "1-rank run" "$(tail -5 "$tmp/o1")"
 for n in 2 3; do
-  if ! timeout -k 5 120 "$TRAIN" "${common[@]}" --nproc $n --log "$tmp/r$n.jsonl" > "$tmp/o$n" 2>&1; then
+  if ! reap r$n; then
     bad "$n-rank run" "$(tail -5 "$tmp/o$n")"; continue
   fi
   # (the gradient norm only within 1e-4: a max-pool or ReLU tie decided differently by the last bit
@@ -58,9 +62,12 @@ EOF
   else bad "$n ranks: the final evaluation" "$msg"; fi
 done
 # a last evaluation batch smaller than the world: 10000 = 1111 x 9 + 1 (ranks 0 and 1 hold no image of it)
-ev=(--model cnn --batch 9 --steps 1 --threads 1 --augment none --shuffle off)
-"$TRAIN" "${ev[@]}" --log "$tmp/e1.jsonl" > "$tmp/oe1" 2>&1 || bad "1-rank run, batch 9" "$(tail -3 "$tmp/oe1")"
-if timeout -k 5 120 "$TRAIN" "${ev[@]}" --nproc 3 --log "$tmp/e3.jsonl" > "$tmp/oe3" 2>&1 &&
+ev=(--model cnn --batch 9 --steps 1 --threads 1 --augment none --shuffle off "${PEAK[@]}")
+# (the two runs at once)
+spawn e1 timeout -k 5 120 "$TRAIN" "${ev[@]}" --log "$tmp/e1.jsonl" > "$tmp/oe1" 2>&1
+spawn e3 timeout -k 5 120 "$TRAIN" "${ev[@]}" --nproc 3 --log "$tmp/e3.jsonl" > "$tmp/oe3" 2>&1
+reap e1 || bad "1-rank run, batch 9" "$(tail -3 "$tmp/oe1")"
+if reap e3 &&
    msg=$(compare "$tmp/e1.jsonl" "$tmp/e3.jsonl" 1e-5 loss eval_loss eval_acc 2>&1) &&
    [ "$(grep -c '"eval_images": 10000,' "$tmp/e3.jsonl")" = 1 ] &&
    [ "$(grep -c '"eval_images": 10000,' "$tmp/e1.jsonl")" = 1 ]; then
@@ -68,19 +75,20 @@ if timeout -k 5 120 "$TRAIN" "${ev[@]}" --nproc 3 --log "$tmp/e3.jsonl" > "$tmp/
 else bad "3 ranks, last partial evaluation batch" "${msg:-}" "$(tail -3 "$tmp/oe3")"; fi
 
 # ---- a ResNet-18 (width 8): 2 ranks reproduce 1 rank; (3) resumed from its checkpoint without model flags,
-# bit for bit, batch-norm buffers included (the final evaluation uses the running statistics) ----
+# bit for bit, batch-norm buffers included (the final evaluation uses the running statistics); the 2-rank
+# run saves at step 3 on its way to step 6, the resume's start ----
 echo '{"arch":"resnet18","in_chans":1,"num_classes":10,"stem":"imagenet","width":8}' > "$tmp/r18.json"
 rn=(--batch 8 --threads 1 --optim sgd --lr 0.05 --momentum 0.9 --warmup 1
-    --lr-schedule constant --eval-batch 400 --eval-batches 3)
+    --lr-schedule constant --eval-batch 400 --eval-batches 3 "${PEAK[@]}")
 "$TRAIN" --model-config "$tmp/r18.json" "${rn[@]}" --steps 6 --log "$tmp/rn1.jsonl" > "$tmp/orn1" 2>&1 ||
   bad "ResNet-18, 1 rank" "$(tail -3 "$tmp/orn1")"
-if timeout -k 5 120 "$TRAIN" --model-config "$tmp/r18.json" "${rn[@]}" --steps 6 --nproc 2 --log "$tmp/rn2.jsonl" > "$tmp/orn2" 2>&1 &&
+if timeout -k 5 120 "$TRAIN" --model-config "$tmp/r18.json" "${rn[@]}" --steps 6 --nproc 2 --save-dir "$tmp/rck" --save-every 3 \
+     --log "$tmp/rn2.jsonl" > "$tmp/orn2" 2>&1 &&
    msg=$(compare "$tmp/rn1.jsonl" "$tmp/rn2.jsonl" 1e-5 loss param_norm 2>&1); then
   ok "ResNet-18 (a unit per BasicBlock, SyncBatchNorm, shuffled and augmented data): 2 ranks reproduce the 1-rank losses within 1e-5"
 else bad "ResNet-18 at 2 ranks" "${msg:-}" "$(tail -3 "$tmp/orn2")"; fi
-timeout -k 5 120 "$TRAIN" --model-config "$tmp/r18.json" "${rn[@]}" --steps 3 --nproc 2 --save-dir "$tmp/rck" > "$tmp/orn3" 2>&1 ||
-  bad "ResNet-18, first half" "$(tail -3 "$tmp/orn3")"
-if timeout -k 5 120 "$TRAIN" "${rn[@]}" --steps 6 --override steps --nproc 2 --resume "$tmp/rck" --log "$tmp/rn4.jsonl" > "$tmp/orn4" 2>&1 &&
+if timeout -k 5 120 "$TRAIN" "${rn[@]}" --steps 6 --override steps --nproc 2 --resume "$tmp/rck/step-00000003" \
+     --log "$tmp/rn4.jsonl" > "$tmp/orn4" 2>&1 &&
    grep -q "model: resnet18" "$tmp/orn4"; then
   tail -n 3 "$tmp/rn2.jsonl" > "$tmp/rn2_tail.jsonl"
   if same_bits "$tmp/rn2_tail.jsonl" "$tmp/rn4.jsonl" &&
@@ -94,14 +102,19 @@ if timeout -k 5 120 "$TRAIN" "${rn[@]}" --steps 6 --override steps --nproc 2 --r
 else bad "ResNet-18 resumed without model flags" "$(tail -3 "$tmp/orn4")"; fi
 
 # ---- blocked activations (nChw16c between the layers, [Note: blocked activations] in src/nn/conv.c): the
-# same bits as plain NCHW, both stems, fp32 and AMP_BF16, 2 ranks with checkpointed blocks ----
+# same bits as plain NCHW, both stems, fp32 and AMP_BF16, 2 ranks with checkpointed blocks; the evaluation
+# one batch of 200 test images (its loss compared bit for bit, the accuracy not read); the two layouts' runs
+# at once ----
 for stem in imagenet cifar; do
   echo "{\"arch\":\"resnet18\",\"in_chans\":1,\"num_classes\":10,\"stem\":\"$stem\",\"width\":16}" > "$tmp/w16.json"
   for prec in FP32 AMP_BF16; do
     lay=(--model-config "$tmp/w16.json" --batch 8 --steps 3 --threads 1 --nproc 2 --precision $prec --ac blocks
-         --optim sgd --lr 0.05 --momentum 0.9 --eval-batch 1000 --eval-batches 1)
-    if timeout -k 5 120 "$TRAIN" "${lay[@]}" --log "$tmp/lb.jsonl" > "$tmp/olb" 2>&1 &&
-       FSDP_VISION_LAYOUT=plain timeout -k 5 120 "$TRAIN" "${lay[@]}" --log "$tmp/lp.jsonl" > "$tmp/olp" 2>&1 &&
+         --optim sgd --lr 0.05 --momentum 0.9 --eval-batch 200 --eval-batches 1 "${PEAK[@]}")
+    spawn lb timeout -k 5 120 "$TRAIN" "${lay[@]}" --log "$tmp/lb.jsonl" > "$tmp/olb" 2>&1
+    spawn lp env FSDP_VISION_LAYOUT=plain timeout -k 5 120 "$TRAIN" "${lay[@]}" --log "$tmp/lp.jsonl" > "$tmp/olp" 2>&1
+    reap lb; rb=$?
+    reap lp; rp=$?
+    if [ $rb -eq 0 ] && [ $rp -eq 0 ] &&
        same_bits "$tmp/lp.jsonl" "$tmp/lb.jsonl" &&
        python3 -c 'import json,sys; a,b=(json.loads(open(f).readlines()[-1]) for f in sys.argv[1:3]); sys.exit(not (a["eval_loss"]==b["eval_loss"]))' \
          "$tmp/lp.jsonl" "$tmp/lb.jsonl"; then
@@ -112,7 +125,7 @@ done
 
 # ---- other strategies, 16-bit compute, checkpointing and accumulation run for image models too ----
 if timeout -k 5 120 "$TRAIN" --model cnn --batch 16 --steps 2 --threads 1 --nproc 2 --sharding HYBRID_SHARD --shard-group 1 \
-     --precision AMP_BF16 --ac blocks --grad-accum 2 --accum-mode no_sync --eval-batch 1000 --eval-batches 1 \
+     --precision AMP_BF16 --ac blocks --grad-accum 2 --accum-mode no_sync --eval-batch 1000 --eval-batches 1 "${PEAK[@]}" \
      --log "$tmp/mix.jsonl" \
      > "$tmp/omix" 2>&1 &&
    python3 -c 'import json,math,sys; a=[r for r in map(json.loads, open(sys.argv[1])) if "step" in r]; sys.exit(not (len(a)==2 and all(math.isfinite(x["loss"]) for x in a) and a[-1]["precision"]=="AMP_BF16"))' "$tmp/mix.jsonl"; then
@@ -124,7 +137,7 @@ else bad "HYBRID_SHARD + AMP_BF16 + --ac blocks + --grad-accum" "$(tail -3 "$tmp
 ACC_MIN=${ACC_MIN:-0.70} # measured: 0.7694 (--threads 1, 18 s on a busy 2-core box)
 t0=$SECONDS
 if "$TRAIN" --model cnn --batch 64 --steps 300 --threads 1 --optim sgd --lr 0.4 --momentum 0.9 --nesterov \
-     --weight-decay 5e-4 --warmup 30 --augment none --eval-batch 1000 --log "$tmp/acc.jsonl" > "$tmp/oacc" 2>&1; then
+     --weight-decay 5e-4 --warmup 30 --augment none --eval-batch 1000 "${PEAK[@]}" --log "$tmp/acc.jsonl" > "$tmp/oacc" 2>&1; then
   acc=$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readlines()[-1])["eval_acc"])' "$tmp/acc.jsonl")
   if python3 -c "import sys; sys.exit(not $acc >= $ACC_MIN)"; then
     ok "the small CNN reaches test accuracy $acc >= $ACC_MIN after 300 steps of 64 ($((SECONDS - t0)) s)"
@@ -144,7 +157,7 @@ def write(name, n):
 write("train", 50); write("t10k", 7)
 EOF
 if "$TRAIN" --model cnn --data "$tmp/tiny" --epochs 2 --batch 16 --threads 1 --warmup 0 --lr 0.1 \
-     --lr-schedule step --lr-steps 3,6 --log "$tmp/tiny.jsonl" > "$tmp/otiny" 2>&1 &&
+     --lr-schedule step --lr-steps 3,6 "${PEAK[@]}" --log "$tmp/tiny.jsonl" > "$tmp/otiny" 2>&1 &&
    msg=$(python3 - "$tmp/tiny.jsonl" <<'EOF' 2>&1
 import json, sys
 a = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r]
@@ -157,16 +170,26 @@ EOF
 else bad "--data DIR, --epochs, step schedule" "${msg:-}" "$(tail -3 "$tmp/otiny")"; fi
 
 # ---- (5) bad input: one line, exit 2, every rank ----
-# expect_input NAME PATTERN -- ARGS...: exit 2 within 60 s, one error line on stderr matching PATTERN
+# expect_input NAME PATTERN -- ARGS...: starts fsdp-train ARGS, which must exit 2 within 60 s with one
+# error line on stderr matching PATTERN; inputs_checked waits for them and checks each (the runs at
+# once: those of several ranks spend their second or two waiting on the launcher, not on a core)
+inputs=()
 expect_input() {
-  local name=$1 pat=$2; shift 3
-  timeout -k 5 60 "$TRAIN" "$@" > "$tmp/out" 2> "$tmp/err"
-  local rc=$?
-  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then bad "$name" "hung (killed by timeout)"
-  elif [ $rc -ne 2 ]; then bad "$name" "exit $rc, expected 2" "$(head -3 "$tmp/err")"
-  elif [ "$(grep -c 'fsdp-train' "$tmp/err")" != 1 ] || ! grep -qE -- "$pat" "$tmp/err"; then
-    bad "$name" "stderr is not one line matching /$pat/:" "$(head -5 "$tmp/err")"
-  else ok "$name (exit 2, one line)"; fi
+  local i=${#inputs[@]}
+  inputs+=("$1"$'\t'"$2"); shift 3
+  spawn in$i timeout -k 5 60 "$TRAIN" "$@" > "$tmp/in$i.out" 2> "$tmp/in$i.err"
+}
+inputs_checked() {
+  local i name pat rc err
+  for i in "${!inputs[@]}"; do
+    name=${inputs[$i]%%$'\t'*} pat=${inputs[$i]#*$'\t'} err="$tmp/in$i.err"
+    reap in$i; rc=$?
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then bad "$name" "hung (killed by timeout)"
+    elif [ $rc -ne 2 ]; then bad "$name" "exit $rc, expected 2" "$(head -3 "$err")"
+    elif [ "$(grep -c 'fsdp-train' "$err")" != 1 ] || ! grep -qE -- "$pat" "$err"; then
+      bad "$name" "stderr is not one line matching /$pat/:" "$(head -5 "$err")"
+    else ok "$name (exit 2, one line)"; fi
+  done
 }
 echo '{"arch":"cnn","in_chans":3,"num_classes":10}' > "$tmp/rgb.json"
 echo '{"arch":"cnn","in_chans":1,"num_classes":5}' > "$tmp/five.json"
@@ -202,6 +225,7 @@ expect_input "--epochs past the largest --steps" \
   -- --model cnn --data fashion-mnist --batch 1 --epochs 1048576 --threads 1
 expect_input "the same for --task swav" "--epochs 1048576 x 30000 steps per epoch .* is 31457280000 steps" \
   -- --task swav --model cnn --data fashion-mnist --batch 2 --epochs 1048576 --threads 1
+inputs_checked
 # --dry-run and --mem-limit plan image models as the GPT, activations included (measured in
 # measure mode; tests/test_mpi_plan.c checks plan == run to the byte), and checkpointing lowers them
 dry() { timeout 120 "$TRAIN" --model resnet18 --data fashion-mnist --batch 32 --nproc 2 --dry-run "$@" > "$tmp/dry" 2>&1; }
