@@ -187,7 +187,10 @@ if timeout -k 5 120 "$TRAIN" --task swav --model-config "$tmp/r8.json" --eval-ba
 import json, math, re, sys
 rows = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r]
 assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
-assert "knn_acc" in rows[-1] and all(r["proto_ranks_agree"] == 1 for r in rows)
+# an evaluation ran: its accuracies are numbers (a kNN over no image would log null)
+ev = rows[-1]
+assert all(isinstance(ev.get(k), float) and 0 <= ev[k] <= 1 for k in ("knn_acc", "probe_acc")), ev
+assert all(r["proto_ranks_agree"] == 1 for r in rows)
 out = open(sys.argv[2]).read()
 for j in (0, 1):
     assert re.search(rf"unit \d+ 'head\.prototypes{j}' \(Linear\).*precision FULL \(param F32, reduce F32, compute F32\)", out), \
