@@ -7,6 +7,9 @@
 #   spawn NAME CMD..   run CMD in the background (redirect its output): independent runs at
 #                      once, on the two cores the suite is sized for, most runs using one
 #   reap NAME          wait for it: CMD's exit code
+#   expect_input NAME PATTERN -- ARGS..  start fsdp-train ARGS (spawned), which must fail on bad
+#                      input: exit 2 within 60 s, one "fsdp-train:" line on stderr matching PATTERN
+#   inputs_checked     wait for the expect_input runs and check each
 #   ok NAME            count a passed check
 #   bad NAME [LINE..]  count a failed check, printing the lines as detail
 #   finish             print "N passed, N failed" and exit non-zero on failures
@@ -39,6 +42,26 @@ spawn() {
   "${@:2}" & spawned[$1]=$!
 }
 reap() { wait "${spawned[$1]}"; }
+inputs=()
+expect_input() { # (the runs at once: those of several ranks spend their second or two waiting on the
+  # launcher, not on a core)
+  local i=${#inputs[@]}
+  inputs+=("$1"$'\t'"$2"); shift 3
+  spawn in$i timeout -k 5 60 "$TRAIN" "$@" > "$tmp/in$i.out" 2> "$tmp/in$i.err"
+}
+inputs_checked() {
+  local i name pat rc err
+  for i in "${!inputs[@]}"; do
+    name=${inputs[$i]%%$'\t'*} pat=${inputs[$i]#*$'\t'} err="$tmp/in$i.err"
+    reap in$i; rc=$?
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then bad "$name" "hung (killed by timeout)"
+    elif [ $rc -ne 2 ]; then bad "$name" "exit $rc, expected 2" "$(head -3 "$err")"
+    elif [ "$(grep -c '^fsdp-train:' "$err")" != 1 ] || ! grep -qE -- "$pat" "$err"; then
+      bad "$name" "stderr is not one line matching /$pat/:" "$(head -5 "$err")"
+    else ok "$name (exit 2, one line)"; fi
+  done
+  inputs=()
+}
 finish() { echo "$pass passed, $fail failed"; [ "$fail" -eq 0 ]; exit; }
 # LOG's configuration (its first line) with KEY=JSON values replaced, as a --config file on stdout
 config_again() {

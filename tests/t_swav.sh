@@ -390,27 +390,6 @@ EOF
 else bad "the queue flags in the configuration" "$msg"; fi
 
 # ---- (6) bad input ----
-# expect_input NAME PATTERN -- ARGS...: starts fsdp-train ARGS, which must exit 2 within 60 s with one
-# line on stderr matching PATTERN; inputs_checked waits for them and checks each (the runs at once:
-# those of several ranks spend their second or two waiting on the launcher, not on a core)
-inputs=()
-expect_input() {
-  local i=${#inputs[@]}
-  inputs+=("$1"$'\t'"$2"); shift 3
-  spawn in$i timeout -k 5 60 "$TRAIN" "$@" > "$tmp/in$i.out" 2> "$tmp/in$i.err"
-}
-inputs_checked() {
-  local i name pat rc err
-  for i in "${!inputs[@]}"; do
-    name=${inputs[$i]%%$'\t'*} pat=${inputs[$i]#*$'\t'} err="$tmp/in$i.err"
-    reap in$i; rc=$?
-    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then bad "$name" "hung (killed by timeout)"
-    elif [ $rc -ne 2 ]; then bad "$name" "exit $rc, expected 2" "$(head -3 "$err")"
-    elif [ "$(grep -c '^fsdp-train:' "$err")" != 1 ] || ! grep -qE -- "$pat" "$err"; then
-      bad "$name" "stderr is not one line matching /$pat/:" "$(head -5 "$err")"
-    else ok "$name (exit 2, one line)"; fi
-  done
-}
 expect_input "global crop larger than the image" "--crops-global-size 40.*28x28" -- "${common[@]}" --nproc 2 --crops-global-size 40
 expect_input "small crop larger than the image" "--crops-small-size 30" -- "${common[@]}" --crops-small-size 30
 expect_input "no prototype heads" "--nmb-heads" -- "${common[@]}" --nmb-heads 0

@@ -32,8 +32,8 @@ for cfg in "1 none" "1 blocks" "2 blocks"; do
   else bad "$name: 3 steps from torchvision's resnet18 match PyTorch" "${msg:-}" "$(tail -3 "$tmp/o-$n-$ac")"; fi
 done
 
-# expect_input NAME PATTERN -- ARGS...: exit 2 within 60 s, one error line on stderr matching PATTERN
-expect_input() {
+# expect_load_error NAME PATTERN -- ARGS...: exit 1 or 2 within 60 s, one error line on stderr matching PATTERN
+expect_load_error() {
   local name=$1 pat=$2; shift 3
   timeout -k 5 60 "$TRAIN" "$@" > "$tmp/out" 2> "$tmp/err"
   local rc=$?
@@ -44,10 +44,10 @@ expect_input() {
   else ok "$name (exit $rc, one line)"; fi
 }
 short=(--model-config "$tmp/r18.json" --data "$tmp/data" --batch 8 --steps 1 --threads 1)
-expect_input "a buffer missing from the file" "missing.safetensors.*'layer1.0.bn2.running_var' is not in the file" -- \
+expect_load_error "a buffer missing from the file" "missing.safetensors.*'layer1.0.bn2.running_var' is not in the file" -- \
   "${short[@]}" --nproc 2 --init-from "$tmp/missing.safetensors"
-expect_input "a parameter missing from the file" "noparam.safetensors: parameter 'layer2.0.downsample.0.weight' is not in the file$" -- \
+expect_load_error "a parameter missing from the file" "noparam.safetensors: parameter 'layer2.0.downsample.0.weight' is not in the file$" -- \
   "${short[@]}" --init-from "$tmp/noparam.safetensors"
-expect_input "a parameter of the wrong shape" "shape.safetensors.*'fc.weight' has shape \[10, 256\].*\[10, 512\]" -- \
+expect_load_error "a parameter of the wrong shape" "shape.safetensors.*'fc.weight' has shape \[10, 256\].*\[10, 512\]" -- \
   "${short[@]}" --init-from "$tmp/shape.safetensors"
 finish

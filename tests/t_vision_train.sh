@@ -170,27 +170,6 @@ EOF
 else bad "--data DIR, --epochs, step schedule" "${msg:-}" "$(tail -3 "$tmp/otiny")"; fi
 
 # ---- (5) bad input: one line, exit 2, every rank ----
-# expect_input NAME PATTERN -- ARGS...: starts fsdp-train ARGS, which must exit 2 within 60 s with one
-# error line on stderr matching PATTERN; inputs_checked waits for them and checks each (the runs at
-# once: those of several ranks spend their second or two waiting on the launcher, not on a core)
-inputs=()
-expect_input() {
-  local i=${#inputs[@]}
-  inputs+=("$1"$'\t'"$2"); shift 3
-  spawn in$i timeout -k 5 60 "$TRAIN" "$@" > "$tmp/in$i.out" 2> "$tmp/in$i.err"
-}
-inputs_checked() {
-  local i name pat rc err
-  for i in "${!inputs[@]}"; do
-    name=${inputs[$i]%%$'\t'*} pat=${inputs[$i]#*$'\t'} err="$tmp/in$i.err"
-    reap in$i; rc=$?
-    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then bad "$name" "hung (killed by timeout)"
-    elif [ $rc -ne 2 ]; then bad "$name" "exit $rc, expected 2" "$(head -3 "$err")"
-    elif [ "$(grep -c 'fsdp-train' "$err")" != 1 ] || ! grep -qE -- "$pat" "$err"; then
-      bad "$name" "stderr is not one line matching /$pat/:" "$(head -5 "$err")"
-    else ok "$name (exit 2, one line)"; fi
-  done
-}
 echo '{"arch":"cnn","in_chans":3,"num_classes":10}' > "$tmp/rgb.json"
 echo '{"arch":"cnn","in_chans":1,"num_classes":5}' > "$tmp/five.json"
 echo '{"arch":"resnet9","in_chans":1}' > "$tmp/arch.json"
