@@ -340,6 +340,11 @@ void *fsdp__mp_grad_recv(struct fsdp__unit *u);
 void fsdp__mp_grad_land(struct fsdp__unit *u, const void *recv);
 /* "DEFAULT", "PURE", "FULL" (the plan's text). */
 const char *fsdp__mp_name(enum fsdp_mixed_precision mp);
+/* The composed step's loss status over the ranks (loss.c, [Note: agreed
+ * loss check]): loss_st, or an error naming the first rank whose loss
+ * failed (micro-batch k). COLLECTIVE: yes. */
+enum fsdp_status fsdp__loss_agree(struct fsdp_ctx *ctx, enum fsdp_status loss_st, int k);
+
 /* The train step's loss scaling (step.c): the factor the loss gradient is
  * multiplied by (1 when disabled). */
 float fsdp__scaler_scale(const struct fsdp_model *fm);
