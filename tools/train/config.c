@@ -629,9 +629,9 @@ void config_check_read(const struct opts *o, int task) {
     for (int i = 1; i < g_cfg_end; i++) {
         int at = i;
         const struct flag *f = arg_flag(g_config_args.v, &i);
-        const char *v = f && f->kind != K_SWITCH ? g_config_args.v[at + 1] : "true";
-        char d[4096];
         if (!f) continue;
+        const char *v = f->kind != K_SWITCH ? g_config_args.v[at + 1] : "true";
+        char d[4096];
         current_text(f, &def, d, sizeof d);
         if (same_text(f, v, d)) continue;
         snprintf(origin, sizeof origin, "--config %s: ", g_cfg_name);
