@@ -107,8 +107,9 @@ timeout -k 5 60 "$TRAIN" --config "$tmp/no/such.json" > "$tmp/out" 2> "$tmp/err"
 
 # ---- --resume restores the schedule, the optimizer and the fp16 loss scale ----
 # AMP_FP16 with a loss scale that grows every 2 clean steps and an overflow injected at step 2
-amp=(--model tiny --data synthetic --batch 8 --seq 32 --lr 3e-3 --min-lr 1e-4 --warmup 2 --beta2 0.98 --clip 0.5
-     --weight-decay 0.05 --threads 1 --sample 0 --precision AMP_FP16 --loss-scale-growth-interval 2)
+fp16=(--model tiny --data synthetic --batch 8 --seq 32 --lr 3e-3 --warmup 2 --beta2 0.98 --clip 0.5
+      --weight-decay 0.05 --threads 1 --sample 0 --precision AMP_FP16 --loss-scale-growth-interval 2)
+amp=("${fp16[@]}" --min-lr 1e-4)
 FSDP_INJECT_OVERFLOW_STEP=1 "$TRAIN" "${amp[@]}" --steps 6 --save-every 3 --save-dir "$tmp/a" --log "$tmp/a.jsonl" \
   > "$tmp/oa" 2>&1 || bad "6 AMP_FP16 steps" "$(tail -3 "$tmp/oa")"
 if "$TRAIN" --resume "$tmp/a/step-00000003" --save-dir "$tmp/b" --log "$tmp/b.jsonl" > "$tmp/ob" 2>&1 &&
@@ -119,7 +120,7 @@ then ok "AMP_FP16: --resume with no schedule flags continues the 6-step run bit 
 else bad "AMP_FP16 resume without flags" "$(paste <(steps_after "$tmp/a.jsonl" 3) <(steps_after "$tmp/b.jsonl" 3))" "$(grep -E '^resume|error' "$tmp/ob")"; fi
 
 # 3 steps, then 3 more: --steps disagrees with the checkpoint until --override names it
-const=("${amp[@]}" --lr-schedule constant)
+const=("${fp16[@]}" --lr-schedule constant)
 FSDP_INJECT_OVERFLOW_STEP=1 "$TRAIN" "${const[@]}" --steps 6 --log "$tmp/c6.jsonl" > "$tmp/oc6" 2>&1 ||
   bad "6 steps, constant" "$(tail -3 "$tmp/oc6")"
 FSDP_INJECT_OVERFLOW_STEP=1 "$TRAIN" "${const[@]}" --steps 3 --save-dir "$tmp/c3" > "$tmp/oc3" 2>&1 ||
@@ -182,6 +183,10 @@ not_read "--shm-gbps without the scale-out plan" "^fsdp-train: --shm-gbps 10: .*
   -- --model tiny --dry-run --shm-gbps 10
 not_read "--accum-mode without accumulation" "^fsdp-train: --accum-mode no_sync: .* applies with --grad-accum above 1" \
   -- --model tiny --steps 1 --accum-mode no_sync
+not_read "--min-lr without the cosine schedule" "^fsdp-train: --min-lr 0: .* applies with --lr-schedule cosine" \
+  -- --model tiny --steps 1 --lr-schedule constant --min-lr 0
+not_read "--max-inflight with overlap off" "^fsdp-train: --max-inflight 3: .* applies with --overlap on" \
+  -- --model tiny --steps 1 --overlap off --max-inflight 3
 printf '{"model": "tiny", "steps": 1, "eval-baseline": true}' > "$tmp/nr.json"
 not_read "a --config key set away from its default" "^fsdp-train: --config $tmp/nr.json: --eval-baseline: this run's task, tokens" \
   -- --config "$tmp/nr.json"
@@ -192,6 +197,13 @@ if "$TRAIN" --config "$tmp/nr2.json" --optim sgd --momentum 0.9 --precision AMP_
    "$TRAIN" --model cnn --steps 1 --augment none --sync-bn on > "$tmp/out2" 2> "$tmp/err2"; then
   ok "the same flags where the run reads them, and a config file's image flag at its default on a GPT, are taken"
 else bad "flags the run reads" "$(head -2 "$tmp/err")" "$(head -2 "$tmp/err2")"; fi
+# a default that follows another flag (--min-lr: --lr / 10) is written out resolved; a log's config given back is taken
+"$TRAIN" --model tiny --steps 1 --lr 1e-3 --lr-schedule constant --overlap off --log "$tmp/nr3.jsonl" > "$tmp/out" 2>&1 ||
+  bad "a constant-schedule run" "$(tail -2 "$tmp/out")"
+config_again "$tmp/nr3.jsonl" log=null > "$tmp/nr3.json"
+if python3 -c 'import sys; assert abs(float(sys.argv[1]) - 1e-4) < 1e-9' "$(cfgof "$tmp/nr3.jsonl" min-lr)" && "$TRAIN" --config "$tmp/nr3.json" > "$tmp/out" 2> "$tmp/err"; then
+  ok "a constant-schedule run's logged configuration (min-lr at --lr / 10, max-inflight at its default) runs again as --config"
+else bad "a constant-schedule run's configuration as --config" "$(cfgof "$tmp/nr3.jsonl" min-lr)" "$(head -2 "$tmp/err")"; fi
 
 # ---- the data and evaluation flags: --resume without --data keeps the checkpoint's file (it once fell back to the
 # synthetic corpus), and without --val-data/--eval-every it goes on evaluating ----

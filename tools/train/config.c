@@ -78,6 +78,8 @@ static int amp(const struct opts *o) { return strcasecmp(o->precision, "FP32") !
 static int amp_fp16(const struct opts *o) { return !strcasecmp(o->precision, "AMP_FP16"); }
 static int scaleout(const struct opts *o) { return o->net_gbps > 0; }
 static int accumulating(const struct opts *o) { return o->grad_accum > 1; }
+static int cosine(const struct opts *o) { return !strcmp(o->schedule, "cosine"); }
+static int prefetching(const struct opts *o) { return o->overlap != 0; }
 
 #define FL(name, kind, field, count, restore, tasks, applies, when) \
     {name, kind, offsetof(struct opts, field), count, restore, NULL, tasks, applies, when}
@@ -106,7 +108,7 @@ static const struct flag flags[] = {
     F("eval-batch", K_INT0, eval_batch, R_FILL),
     F("eval-batches", K_INT, eval_batches, R_FILL),
     F("lr", K_FLOAT, lr, R_AGREE),
-    F("min-lr", K_FLOAT, min_lr, R_AGREE),
+    FA("min-lr", K_FLOAT, min_lr, R_AGREE, cosine, "--lr-schedule cosine"),
     F("warmup", K_INT, warmup, R_AGREE),
     F("lr-schedule", K_STR, schedule, R_AGREE),
     FN("lr-steps", K_INTS, lr_steps, n_lr_steps, R_AGREE),
@@ -166,7 +168,7 @@ static const struct flag flags[] = {
     F("sharding", K_STR, sharding, R_NO),
     F("shard-group", K_INT0, shard_group, R_NO),
     F("overlap", K_ONOFF, overlap, R_NO),
-    F("max-inflight", K_INT, max_inflight, R_NO),
+    FA("max-inflight", K_INT, max_inflight, R_NO, prefetching, "--overlap on"),
     F("init", K_STR, init, R_NO),
     F("threads", K_INT, threads, R_NO),
     F("nproc", K_INT0, nproc, R_NO),
@@ -625,6 +627,8 @@ void config_check_read(const struct opts *o, int task) {
         if (f) check_one(f, o, task, f->kind == K_SWITCH || at + 1 >= g_cl_argc ? NULL : g_cl_argv[at + 1], "");
     }
     struct opts def = opts_default();
+    def.lr = o->lr; /* the defaults that follow another flag, as this run has it */
+    opts_derive(&def);
     char origin[1100];
     for (int i = 1; i < g_cfg_end; i++) {
         int at = i;

@@ -15,6 +15,10 @@
 #include <strings.h>
 
 
+void opts_derive(struct opts *o) {
+    if (o->min_lr < 0) o->min_lr = o->lr / 10;
+}
+
 struct opts opts_default(void) {
     struct opts o = {0};
     o.model = NULL; /* MODEL_DEFAULT, or the checkpoint's with --resume */
@@ -239,8 +243,8 @@ static void usage(FILE *f) {
             "                        unsharded gradients, reduce once: less communication) (default reduce)\n"
             "  --overlap on|off      prefetch the next units' all-gathers (forward and backward) and\n"
             "                        run reduce-scatters asynchronously; same results (default on)\n"
-            "  --max-inflight N      units gathered or gathering at once, the computing one included;\n"
-            "                        bounds the full buffers (default 2)\n"
+            "  --max-inflight N      with --overlap on: units gathered or gathering at once, the\n"
+            "                        computing one included; bounds the full buffers (default 2)\n"
             "  --init S              deferred (each rank initialises its shards; with --init-from each\n"
             "                        rank reads its own ranges) | rank0 (rank 0 reads --init-from and\n"
             "                        sends it unit by unit: Composer's load_monolith_rank0_only; the\n"
@@ -600,8 +604,8 @@ void parse_args(int argc, char **argv, struct opts *o) {
     }
     g_arg = 0;
     parse_mem_limit(o);
-    if (o->min_lr < 0) o->min_lr = o->lr / 10;
-    else if (o->min_lr > o->lr)
+    opts_derive(o);
+    if (o->min_lr > o->lr)
         usage_error("--min-lr %g is above --lr %g (the cosine floor must not exceed the peak)", (double)o->min_lr,
                     (double)o->lr);
     /* a self world has one rank: N of them would be N independent jobs

@@ -101,6 +101,10 @@ struct opts {
 
 /* The defaults (--help prints them). */
 struct opts opts_default(void);
+/* Sets the defaults that follow another flag (--min-lr: --lr / 10) where o
+ * left them unset; parse_args does it, and config_check_read for the
+ * defaults a --config value is compared with. */
+void opts_derive(struct opts *o);
 /* Parses argv into o (which holds the defaults); --help prints and exits 0. */
 void parse_args(int argc, char **argv, struct opts *o);
 /* Usage errors about argv[i] name where it came from: for i in [1, ck_end)
