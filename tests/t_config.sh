@@ -187,6 +187,11 @@ not_read "--min-lr without the cosine schedule" "^fsdp-train: --min-lr 0: .* app
   -- --model tiny --steps 1 --lr-schedule constant --min-lr 0
 not_read "--max-inflight with overlap off" "^fsdp-train: --max-inflight 3: .* applies with --overlap on" \
   -- --model tiny --steps 1 --overlap off --max-inflight 3
+# under --nproc the check comes before the launch: the one line, not the launcher's banner after it
+not_read "--augment on a GPT under --nproc 2" "^fsdp-train: --augment crop-flip: this run's task, tokens" \
+  -- --model tiny --steps 1 --nproc 2 --augment crop-flip
+[ "$(wc -l < "$tmp/err")" = 2 ] && ! grep -qi 'mpirun\|prterun\|non-zero' "$tmp/err" &&
+  ok "--nproc 2: the refusal is the one usage line, before any rank starts" || bad "refusal under --nproc 2" "$(cat "$tmp/err")"
 printf '{"model": "tiny", "steps": 1, "eval-baseline": true}' > "$tmp/nr.json"
 not_read "a --config key set away from its default" "^fsdp-train: --config $tmp/nr.json: --eval-baseline: this run's task, tokens" \
   -- --config "$tmp/nr.json"

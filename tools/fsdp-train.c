@@ -160,6 +160,13 @@ static float lr_at(const struct opts *o, const struct fsdp_lr_sched *s, int64_t 
     return (float)lr;
 }
 
+/* The run's task (TASK_*): --task, else the model (--model-config's "arch",
+ * --model) or the checkpoint ck's (NULL: none). */
+static int task_kind(const struct opts *o, const struct fsdp_ckpt_meta *ck) {
+    if (o->task) return !strcmp(o->task, "swav") ? TASK_SWAV : !strcmp(o->task, "images") ? TASK_IMAGES : TASK_TOKENS;
+    return task_is_images(o, ck) ? TASK_IMAGES : TASK_TOKENS;
+}
+
 static volatile sig_atomic_t g_stop_asked; /* [Note: stop on SIGUSR1] */
 static void on_stop_signal(int sig) {
     (void)sig;
@@ -180,6 +187,9 @@ int main(int argc, char **argv) {
     char env_msg[768];
     if (fsdp_env_check(env_msg, sizeof env_msg) != FSDP_OK) fail_input("%s", env_msg);
     int under_mpi = getenv("OMPI_COMM_WORLD_SIZE") != NULL;
+    /* the task is known before the launch unless a checkpoint names it: its flags
+     * are checked here, so that a refused one is the one line, not the launcher's too */
+    if (!o.resume && !o.autoresume) config_check_read(&o, task_kind(&o, NULL));
     if (o.nproc > 1 && !under_mpi && !o.dry_run) relaunch(argc, argv, o.nproc); /* a plan needs no ranks */
     if (under_mpi) launcher_watch_start();
 
@@ -240,9 +250,7 @@ int main(int argc, char **argv) {
     memset(&task, 0, sizeof task);
     g_task = &task;
     if (!o.task && resume_dir && strstr(ck.model_json, "\"task\":\"swav\"")) o.task = "swav"; /* the checkpoint's task */
-    int kind = o.task && !strcmp(o.task, "swav") ? TASK_SWAV
-               : (o.task ? !strcmp(o.task, "images") : task_is_images(&o, resume_dir ? &ck : NULL)) ? TASK_IMAGES
-                                                                                                   : TASK_TOKENS;
+    int kind = task_kind(&o, resume_dir ? &ck : NULL);
     config_check_read(&o, kind); /* [Note: flags a run does not read] */
     if (kind == TASK_SWAV) task_swav_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
     else if (kind == TASK_IMAGES) task_images_create(ctx, &o, resume_dir ? &ck : NULL, resume_dir, &task);
