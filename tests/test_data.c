@@ -377,6 +377,16 @@ TEST(data_batch_wraps) {
         CHECK(!memcmp(in, rin, sizeof rin) && !memcmp(tg, rtg, sizeof rtg));
     }
     free(all);
+    /* bad arguments are errors on the open's context (they were assertions that ended the process) */
+    struct { int64_t step; int B, T, rank, world; int32_t *in; const char *text; } bad[] = {
+        {-1, 3, 4, 0, 1, in, "step -1"}, {0, 0, 4, 0, 1, in, "B 0"}, {0, 3, 0, 0, 1, in, "T 0"},
+        {0, 3, 4, 5, 2, in, "rank 5 of 2"}, {0, 3, 4, 0, 0, in, "rank 0 of 0"}, {0, 3, 4, 0, 1, NULL, "inputs is NULL"}};
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        CHECK_INT_EQ(fsdp_data_batch(d, bad[k].step, bad[k].B, bad[k].T, bad[k].rank, bad[k].world, bad[k].in, tg),
+                     FSDP_ERR_INVALID);
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), bad[k].text);
+    }
+    CHECK_INT_EQ(fsdp_data_batch(NULL, 0, 3, 4, 0, 1, in, tg), FSDP_ERR_INVALID);
     fsdp_data_free(d);
     tmp_end();
     fsdp_ctx_free(c);

@@ -190,6 +190,14 @@ TEST(image_batch_exact_definition) { /* no shuffle, no augmentation: step s is i
     CHECK_INT_EQ(y[1], -1);
     CHECK(x[H * W] == -7.0f);
     CHECK(fsdp_images_batch(ctx, im, &o, 0, B, 3, 3, x, y) == FSDP_ERR_INVALID);
+    /* a step whose positions step * B + j pass 2^63 (they wrapped negative and read outside the set) */
+    for (int shuffle = 0; shuffle < 2; shuffle++) {
+        o.shuffle = shuffle;
+        CHECK(fsdp_images_batch(ctx, im, &o, INT64_MAX / 2, B, 0, 1, x, y) == FSDP_ERR_INVALID);
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "puts its positions past 2^63");
+    }
+    CHECK(fsdp_images_batch(ctx, im, &o, 0, B, 0, 1, x, NULL) == FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "labels is NULL");
     fsdp_images_free(im);
     remove_dir(dir);
     fsdp_ctx_free(ctx);
@@ -762,6 +770,11 @@ TEST(random_resized_crop_values) {
     struct fsdp_crop_box outside = {5, 0, 2, 2};
     CHECK_INT_EQ(fsdp_images_resized_crop(ctx, im, 1, &outside, 4, 4, out), FSDP_ERR_INVALID);
     CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "not inside");
+    struct fsdp_crop_box wraps[2] = {{INT32_MAX, 0, 10, 1}, {0, INT32_MAX - 1, 1, 5}}; /* top + height wrapped int */
+    for (int k = 0; k < 2; k++) {
+        CHECK_INT_EQ(fsdp_images_resized_crop(ctx, im, 1, &wraps[k], 4, 4, out), FSDP_ERR_INVALID);
+        CHECK_STR_CONTAINS(fsdp_errmsg(ctx), "not inside");
+    }
     CHECK_INT_EQ(fsdp_images_random_resized_crop(ctx, im, 1, 0, 4, 0, 4, 4, 0.1f, 1.0f, out), FSDP_ERR_INVALID);
     CHECK_INT_EQ(fsdp_images_random_resized_crop(ctx, im, 1, 0, 0, 0, 0, 4, 0.1f, 1.0f, out), FSDP_ERR_INVALID);
     CHECK_INT_EQ(fsdp_images_random_resized_crop(ctx, im, 1, 0, 0, 0, 4, 4, 0.5f, 0.2f, out), FSDP_ERR_INVALID);

@@ -627,8 +627,11 @@ static enum fsdp_status check_scale(struct fsdp_ctx *ctx, float lo, float hi) {
 enum fsdp_status fsdp_images_resized_crop(struct fsdp_ctx *ctx, const struct fsdp_images *im, int64_t idx,
                                           const struct fsdp_crop_box *box, int out_h, int out_w, float *dst) {
     FSDP_TRY(check_crop_args(ctx, im, idx, out_h, out_w));
-    if (box->top < 0 || box->left < 0 || box->height < 1 || box->width < 1 || box->top + box->height > im->height ||
-        box->left + box->width > im->width)
+    if (!box)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "resized crop: the box is NULL");
+    /* in 64 bits: a top or left near INT_MAX plus the size would wrap in int */
+    if (box->top < 0 || box->left < 0 || box->height < 1 || box->width < 1 ||
+        (int64_t)box->top + box->height > im->height || (int64_t)box->left + box->width > im->width)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "resized crop: box %dx%d at (%d, %d) is not inside the %dx%d image",
                          box->height, box->width, box->top, box->left, im->height, im->width);
     resized_crop(im, idx, box, out_h, out_w, dst);
@@ -671,10 +674,16 @@ static enum fsdp_status make_perm(struct fsdp_ctx *ctx, struct fsdp_images *im, 
 
 enum fsdp_status fsdp_images_batch(struct fsdp_ctx *ctx, struct fsdp_images *im, const struct fsdp_image_batch_opts *o,
                                    int64_t step, int64_t B, int rank, int world, float *x, int32_t *labels) {
+    if (!im || !o || !x || !labels)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "image batch: %s is NULL",
+                         !im ? "the images" : !o ? "the options" : !x ? "x" : "labels");
     if (B <= 0 || world < 1 || rank < 0 || rank >= world || step < 0 || o->crop_padding < 0 ||
         o->crop_padding > 65536)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "image batch: step %lld, B %lld, rank %d of %d, crop padding %d",
                          (long long)step, (long long)B, rank, world, o->crop_padding);
+    if (B > INT64_MAX / world || step > (INT64_MAX - B) / B) /* positions step * B + j, and rank * B, in int64 */
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "image batch: step %lld of %lld images puts its positions past 2^63",
+                         (long long)step, (long long)B);
     int C = im->channels, H = im->height, W = im->width, P = o->crop_padding;
     if (o->resized_crop) {
         if (P > 0)

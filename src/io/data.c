@@ -317,11 +317,13 @@ static enum fsdp_status file_tokens(const struct fsdp_data *d, size_t pos, size_
 
 enum fsdp_status fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int rank, int world,
                                  int32_t *inputs, int32_t *targets) {
-    FSDP_ASSERT(d != NULL, "data is NULL");
-    FSDP_ASSERT(step >= 0 && B > 0 && T > 0, "step %lld, B %d, T %d", (long long)step, B, T);
-    FSDP_ASSERT(world > 0 && rank >= 0 && rank < world, "rank %d of world %d", rank, world);
+    if (!d) return FSDP_ERR_INVALID; /* no context to say it on */
+    if (step < 0 || B <= 0 || T <= 0 || world <= 0 || rank < 0 || rank >= world)
+        return fsdp__err(d->ctx, FSDP_ERR_INVALID, "token batch: step %lld, B %d, T %d, rank %d of %d (step >= 0, "
+                         "B and T > 0, 0 <= rank < world)", (long long)step, B, T, rank, world);
     int64_t lo = (int64_t)rank * B / world, hi = (int64_t)(rank + 1) * B / world;
-    FSDP_ASSERT(hi == lo || (inputs && targets), "inputs or targets is NULL");
+    if (hi > lo && (!inputs || !targets))
+        return fsdp__err(d->ctx, FSDP_ERR_INVALID, "token batch: %s is NULL", !inputs ? "inputs" : "targets");
     const unsigned __int128 n = d->ntok; /* (step*B + i)*T can pass 2^63 on long runs */
     for (int64_t i = lo; i < hi; i++) {
         size_t pos = (size_t)((((unsigned __int128)step * (unsigned)B + (uint64_t)i) * (unsigned)T) % n);
