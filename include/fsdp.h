@@ -295,10 +295,14 @@ enum fsdp_status fsdp_module_create(struct fsdp_ctx *ctx, const struct fsdp_modu
                                     const char *name, struct fsdp_module **out);
 /* Frees the module, its children and parameters. fsdp_module_free(NULL) is a no-op. */
 void fsdp_module_free(struct fsdp_module *m);
-/* Adds child (ownership passes to parent). */
+/* Adds child (ownership passes to parent). A child that already has a
+ * parent, or that is parent itself or one of its ancestors, is
+ * FSDP_ERR_INVALID. */
 enum fsdp_status fsdp_module_add_child(struct fsdp_ctx *ctx, struct fsdp_module *parent,
                                        struct fsdp_module *child);
-/* Declares a parameter (shapes only; no storage). *out is borrowed (owned by m). */
+/* Declares a parameter (shapes only; no storage). *out is borrowed (owned by m).
+ * A shape of more than 2^48 elements is FSDP_ERR_INVALID (so are a unit's
+ * parameters together, at fsdp_fully_shard). */
 enum fsdp_status fsdp_module_add_param(struct fsdp_ctx *ctx, struct fsdp_module *m, const char *name,
                                        int ndim, const int64_t *shape, struct fsdp_init init,
                                        int no_decay, struct fsdp_param **out);
@@ -1168,7 +1172,8 @@ struct fsdp_comm_plan {
 /* Plans the communication of one training step of `root` (shapes only,
  * not sharded) under opts (strategy, overlap, max_inflight, precision) on
  * the world and links of `net`: bytes from the algorithms the backends run,
- * time from the prefetch schedule. Allocates no shard. COLLECTIVE: no. */
+ * time from the prefetch schedule. Allocates no shard. A world of more than
+ * 2^20 ranks is FSDP_ERR_INVALID (as for the memory plans). COLLECTIVE: no. */
 enum fsdp_status fsdp_plan_comm(struct fsdp_ctx *ctx, struct fsdp_module *root, const struct fsdp_shard_opts *opts,
                                 const struct fsdp_net_model *net, struct fsdp_comm_plan *out);
 
@@ -1299,10 +1304,12 @@ void fsdp_model_set_grad_sync(struct fsdp_model *fm, int on);
 /* Ends the step: the step's loss averaged over the ranks, the global
  * gradient norm, fp16 loss scaling (an overflow skips the update on every
  * rank: res->skipped), clipping to `clip` (<= 0: none) and the optimizer
- * update with `lr` on every shard; res gets what fsdp_model_train_step
- * reports. A non-finite loss or norm without loss scaling is
- * FSDP_ERR_NUMERIC naming the first unit (backward order) holding inf or
- * nan. Without a backward in the step, or after a backward with gradient
+ * update with `lr` on every shard; res (NULL: none) gets what
+ * fsdp_model_train_step reports. An lr that is not finite or is below 0, or
+ * a clip that is NaN, is FSDP_ERR_INVALID before any work (the step stays
+ * open, to be ended with good values). A non-finite loss or norm without
+ * loss scaling is FSDP_ERR_NUMERIC naming the first unit (backward order)
+ * holding inf or nan. Without a backward in the step, or after a backward with gradient
  * sync off, it is FSDP_ERR_STATE. */
 enum fsdp_status fsdp_model_optim_step(struct fsdp_ctx *ctx, struct fsdp_model *fm, float lr, float clip,
                                        struct fsdp_step_result *res);
@@ -1398,8 +1405,10 @@ double fsdp_data_loss_floor(const struct fsdp_data *d);
  * T+1 tokens starting at (step*B + i)*T, wrapping at the end; rank r takes
  * sequences [r*B/world, (r+1)*B/world). inputs/targets are (B/world, T).
  * A file's tokens are read from the file at each call: a file that shrank or
- * changed since the open is FSDP_ERR_IO / FSDP_ERR_FORMAT naming it (the
- * message is on the context given to the open). COLLECTIVE: no. */
+ * changed since the open is FSDP_ERR_IO / FSDP_ERR_FORMAT naming it, and a
+ * step below 0, a B or T below 1, a rank outside the world or a NULL buffer
+ * is FSDP_ERR_INVALID (the message is on the context given to the open; d
+ * NULL is FSDP_ERR_INVALID with none). COLLECTIVE: no. */
 enum fsdp_status fsdp_data_batch(const struct fsdp_data *d, int64_t step, int B, int T, int rank, int world,
                                  int32_t *inputs, int32_t *targets);
 
@@ -1951,7 +1960,7 @@ struct fsdp_mem_plan {
  * real code happens and is counted, for any model, user modules included.
  * The step reads no values: give inputs of the real shapes (zeros do). */
 struct fsdp_plan_opts {
-    int world, rank;             /* the run planned (default 1, 0) */
+    int world, rank;             /* the run planned (default 1, 0); world at most 2^20 */
     int threads;                 /* compute threads per rank while measuring (0: as now); the
                                     layers' per-thread scratch depends on it */
     struct fsdp_optim_opts optim; /* the optimizer attached (default fsdp_optim_opts_default) */

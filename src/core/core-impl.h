@@ -154,6 +154,12 @@ void fsdp__log(const struct fsdp_ctx *ctx, int level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 /* ---- Accounted allocation ---- */
+/* The most elements a parameter, and a unit's parameters together, may hold
+ * (2^48: 1 PiB of fp32): every byte count the library forms from them (a
+ * shard with its optimizer state, a 16-bit copy, a unit's offsets) then fits
+ * in 64 bits with room, and a shape that would wrap one is refused where it
+ * is declared. */
+#define FSDP__MAX_NUMEL ((int64_t)1 << 48)
 /* Set while a measured step runs ([Note: measure mode], src/fsdp/plan.c):
  * the kernels (GEMM, oneDNN primitives), the layers' element-wise loops,
  * the optimizer update, initialisation and the precision casts skip their

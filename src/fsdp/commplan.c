@@ -97,15 +97,18 @@ static void wait_until(struct sim *s, double done) {
 
 enum fsdp_status fsdp_plan_comm(struct fsdp_ctx *ctx, struct fsdp_module *root, const struct fsdp_shard_opts *opts,
                                 const struct fsdp_net_model *net, struct fsdp_comm_plan *out) {
-    if (!ctx || !root || !opts || !net || !out) return FSDP_ERR_INVALID;
+    if (!ctx) return FSDP_ERR_INVALID; /* no context to say it on */
+    if (!root || !opts || !net || !out)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "comm plan: %s is NULL",
+                         !root ? "the model" : !opts ? "the shard options" : !net ? "the network model" : "the output");
     memset(out, 0, sizeof *out);
     int H = net->hosts, R = net->ranks_per_host;
-    if (H < 1 || R < 1 || !(net->net_gbps > 0) || !(net->net_latency_us >= 0) || !(net->compute_ms >= 0) ||
+    if (H < 1 || R < 1 || (int64_t)H * R > FSDP__PLAN_MAX_WORLD || !(net->net_gbps > 0) || !(net->net_latency_us >= 0) || !(net->compute_ms >= 0) ||
         !(net->shm_gbps >= 0) || !(net->forward_ms >= 0) || net->forward_ms > net->compute_ms)
         return fsdp__err(ctx, FSDP_ERR_INVALID,
                          "comm plan: %d hosts x %d ranks, %g Gbit/s, %g us, %g ms of compute (%g ms forward): "
-                         "not a world and link (hosts, ranks, bandwidth > 0, latency and compute >= 0, the "
-                         "forward within the compute)",
+                         "not a world and link (hosts, ranks, bandwidth > 0, at most 2^20 ranks in all, latency "
+                         "and compute >= 0, the forward within the compute)",
                          H, R, net->net_gbps, net->net_latency_us, net->compute_ms, net->forward_ms);
     int W = H * R;
     struct fsdp_shard_opts so = *opts;

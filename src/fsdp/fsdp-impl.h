@@ -17,6 +17,10 @@
 
 #include "core/core-impl.h"
 
+/* The largest world a plan (fsdp_plan_memory_run, fsdp_plan_comm) lays a
+ * model out for: 2^20 ranks; its per-rank tables stay small and quick. */
+#define FSDP__PLAN_MAX_WORLD (1 << 20)
+
 enum fsdp__unit_state { UNIT_SHARDED, UNIT_GATHERING, UNIT_UNSHARDED, UNIT_ERROR };
 enum fsdp__unit_phase { PHASE_IDLE, PHASE_FORWARD, PHASE_PRE_BACKWARD, PHASE_POST_BACKWARD };
 

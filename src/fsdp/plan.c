@@ -254,8 +254,9 @@ enum fsdp_status fsdp_plan_memory_run(struct fsdp_ctx *ctx, struct fsdp_module *
                                       const struct fsdp_plan_opts *po, struct fsdp_mem_plan *out) {
     if (!root || !po || !out || !po->step)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "plan: root, options, a step function and the output are required");
-    if (po->world < 1 || po->rank < 0 || po->rank >= po->world || po->steps < 1 || po->threads < 0)
-        return fsdp__err(ctx, FSDP_ERR_INVALID, "plan: rank %d of world %d, %d steps, %d threads are not valid",
+    if (po->world < 1 || po->world > FSDP__PLAN_MAX_WORLD || po->rank < 0 || po->rank >= po->world || po->steps < 1 ||
+        po->threads < 0)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "plan: rank %d of world %d (at most 2^20), %d steps, %d threads are not valid",
                          po->rank, po->world, po->steps, po->threads);
     struct fsdp_param *q = NULL;
     if (fsdp_module_foreach_param(root, has_storage, &q))
@@ -318,11 +319,11 @@ enum fsdp_status fsdp_plan_memory_accum(struct fsdp_ctx *ctx, struct fsdp_module
                                         const struct fsdp_shard_opts *opts, int world, int rank,
                                         int optim_state, int B_local, int T, int threads, int accum,
                                         enum fsdp_grad_accum mode, struct fsdp_mem_plan *out) {
-    if (world < 1 || rank < 0 || rank >= world || optim_state < 0 || optim_state > 2 || B_local < 1 || T < 1 ||
-        accum < 1)
+    if (world < 1 || world > FSDP__PLAN_MAX_WORLD || rank < 0 || rank >= world || optim_state < 0 || optim_state > 2 ||
+        B_local < 1 || T < 1 || accum < 1)
         return fsdp__err(ctx, FSDP_ERR_INVALID,
-                         "plan: world %d, rank %d, optimizer state %d, batch (%d, %d), %d micro-batches are "
-                         "not valid", world, rank, optim_state, B_local, T, accum);
+                         "plan: world %d (at most 2^20), rank %d, optimizer state %d, batch (%d, %d), %d "
+                         "micro-batches are not valid", world, rank, optim_state, B_local, T, accum);
     struct fsdp_plan_opts po = fsdp_plan_opts_default();
     po.world = world;
     po.rank = rank;

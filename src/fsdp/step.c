@@ -460,6 +460,7 @@ static enum fsdp_status tokens(struct fsdp_ctx *ctx, const int32_t *inputs, int 
 enum fsdp_status fsdp_model_forward(struct fsdp_ctx *ctx, struct fsdp_model *fm, const int32_t *inputs,
                                     int B, int T, float **logits) {
     struct fsdp_tensor tok, out;
+    if (!logits) return fsdp__err(ctx, FSDP_ERR_INVALID, "fsdp_model_forward: logits is NULL");
     FSDP_TRY(check_idle(ctx, fm, 0));
     FSDP_TRY(tokens(ctx, inputs, B, T, &tok));
     /* a train-mode forward outside any step (the memory and bits it always
@@ -649,8 +650,20 @@ static double comm_wait_total(const struct fsdp_model *fm) {
  * (fm->step.n_backward, .reduced) and fsdp_model_set_grad_sync, so a custom
  * loop gets the same reductions. */
 
+/* The update's learning rate and clipping threshold, checked before any
+ * work (every rank passes the same, so every rank refuses alike). */
+static enum fsdp_status check_update(struct fsdp_ctx *ctx, float lr, float clip) {
+    if (!(lr >= 0.0f) || !isfinite(lr) || isnan(clip))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "optimizer step: lr %g, clip %g (the learning rate finite and >= 0; "
+                         "clip a number, <= 0 for none)", (double)lr, (double)clip);
+    return FSDP_OK;
+}
+
 enum fsdp_status fsdp_model_optim_step(struct fsdp_ctx *ctx, struct fsdp_model *fm, float lr, float clip,
                                        struct fsdp_step_result *res) {
+    struct fsdp_step_result unread;
+    if (!res) res = &unread; /* nothing to report to */
+    FSDP_TRY(check_update(ctx, lr, clip));
     FSDP_TRY(fsdp__check_unsummoned(ctx, fm, "optimizer step"));
     if (!fm->optim)
         return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: no optimizer attached (fsdp_model_attach_optim)");
@@ -733,6 +746,7 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
                                              const int32_t *inputs, const int32_t *targets, int B, int T,
                                              int accum, enum fsdp_grad_accum mode, float lr, float clip,
                                              struct fsdp_step_result *res) {
+    FSDP_TRY(check_update(ctx, lr, clip));
     FSDP_TRY(fsdp__check_unsummoned(ctx, fm, "optimizer step"));
     if (!fm->optim)
         return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: no optimizer attached (fsdp_model_attach_optim)");
@@ -772,6 +786,9 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
 static enum fsdp_status read_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *fqn,
                                   int grads, float *dst) {
     int j;
+    if (!fqn || !dst)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "reading a %s: %s is NULL", grads ? "gradient" : "parameter",
+                         !fqn ? "the name" : "the destination");
     struct fsdp__unit *u = fsdp__model_unit_of(fm, fqn, &j);
     if (!u) return fsdp__err(ctx, FSDP_ERR_INVALID, "no parameter named '%s' in the sharded model", fqn);
     /* a backward run on a module below the root leaves its last reduction in flight */

@@ -188,10 +188,11 @@ static void hoist_tied(struct assign_args *a, struct fsdp_module *m) {
     for (int i = 0; i < m->n_children; i++) hoist_tied(a, m->children[i]);
 }
 
-
-
 static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_shard_opts *o) {
     struct fsdp_ctx *ctx = fm->ctx;
+    if (o->max_inflight < 0)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "shard options: max_inflight %d (units gathered at once: 1 or more, "
+                         "0 for the default 2)", o->max_inflight);
     struct plan pl = {0};
     enum fsdp_status st = collect_units(ctx, fm->root, 1, o, &pl);
     if (st != FSDP_OK) {
@@ -246,9 +247,14 @@ static enum fsdp_status build_units(struct fsdp_model *fm, const struct fsdp_sha
             u->param_fqns[u->n_params] = a.visit[j]->fqn;
             u->offsets[u->n_params] = off;
             a.visit[j]->priv->unit = u;
-            off += a.visit[j]->numel;
+            off += a.visit[j]->numel; /* each at most FSDP__MAX_NUMEL: no wrap before the check below */
             u->n_params++;
+            if (off > FSDP__MAX_NUMEL && a.st == FSDP_OK)
+                a.st = fsdp__err(ctx, FSDP_ERR_INVALID, "unit '%s': its parameters hold more than 2^48 elements "
+                                 "(at '%s'); wrap them in smaller units", u->module->fqn[0] ? u->module->fqn : "(root)",
+                                 a.visit[j]->fqn);
         }
+        if (a.st != FSDP_OK) break;
         u->numel_full = off;
         u->numel_shard = (off + world - 1) / world;
         u->numel_padded = u->numel_shard * world;

@@ -591,8 +591,11 @@ static enum fsdp_status attention_forward(struct fsdp_module *m, struct fsdp_ctx
     qkv.dtype = lp; /* asked in 16 bits on the 16-bit path; c_attn may still answer fp32 */
     FSDP_TRY(fsdp_module_forward(A->c_attn, ctx, in, &qkv)); /* (B, T, 3C) */
     A->qkv = NULL; /* no backward until this forward has ended */
-    if (A->kc) { /* [Note: decoding cache]: the GPT checked mode, sequences and positions */
-        FSDP_ASSERT(!m->training && B == A->cB && A->at + T <= A->cap, "attention '%s': positions %lld..%lld of "
+    if (A->kc) { /* [Note: decoding cache]: the GPT checked its own mode, sequences and positions */
+        if (m->training) /* a Block set back to train mode below an eval GPT (fsdp_module_set_training) */
+            return fsdp__err(ctx, FSDP_ERR_STATE, "attention '%s': a decoding cache is set (fsdp_gpt_set_cache), "
+                             "so its forwards run in eval mode, but this module is in train mode", fsdp__mname(m));
+        FSDP_ASSERT(B == A->cB && A->at + T <= A->cap, "attention '%s': positions %lld..%lld of "
                     "%lld sequences, decoding cache of %lld of %lld", fsdp__mname(m), (long long)A->at,
                     (long long)(A->at + T - 1), (long long)B, (long long)A->cap, (long long)A->cB);
         struct fsdp_tensor y = {0};

@@ -550,10 +550,11 @@ struct fsdp_batchnorm_opts fsdp_batchnorm_opts_default(int64_t num_features) {
 
 enum fsdp_status fsdp_batchnorm2d_create(struct fsdp_ctx *ctx, const char *name, const struct fsdp_batchnorm_opts *opts,
                                          struct fsdp_module **out_m) {
-    if (opts->num_features <= 0 || !(opts->eps > 0.0f) || !(opts->momentum >= 0.0f && opts->momentum <= 1.0f))
+    if (opts->num_features <= 0 || !(opts->eps > 0.0f) || !isfinite(opts->eps) ||
+        !(opts->momentum >= 0.0f && opts->momentum <= 1.0f))
         return fsdp__err(ctx, FSDP_ERR_INVALID, "BatchNorm2d '%s': num_features %lld must be positive, eps %g "
-                         "positive, momentum %g in [0, 1]", name, (long long)opts->num_features, (double)opts->eps,
-                         (double)opts->momentum);
+                         "positive and finite, momentum %g in [0, 1]", name, (long long)opts->num_features,
+                         (double)opts->eps, (double)opts->momentum);
     struct fsdp_module *m;
     FSDP_TRY(fsdp_module_create(ctx, &bn_ops, name, &m));
     struct bn *B = fsdp__zalloc(1, sizeof *B);

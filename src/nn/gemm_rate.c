@@ -20,6 +20,7 @@ static int cmp_d(const void *a, const void *b) {
 }
 
 enum fsdp_status fsdp_gemm_rate(struct fsdp_ctx *ctx, enum fsdp_dtype dt, int64_t M, double seconds, double *gflops) {
+    if (!gflops) return fsdp__err(ctx, FSDP_ERR_INVALID, "gemm rate: gflops is NULL");
     *gflops = 0;
     if (dt != FSDP_F32 && dt != FSDP_BF16 && dt != FSDP_F16)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "gemm rate: dtype %s is not F32, BF16 or F16", fsdp_dtype_name(dt));

@@ -68,6 +68,15 @@ void fsdp_module_free(struct fsdp_module *m) {
 
 enum fsdp_status fsdp_module_add_child(struct fsdp_ctx *ctx, struct fsdp_module *parent,
                                        struct fsdp_module *child) {
+    if (!parent || !child)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "fsdp_module_add_child: %s is NULL", parent ? "child" : "parent");
+    if (child->parent)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "module '%s' already has a parent, '%s': a module is the child of "
+                         "one module only", child->name, child->parent->name);
+    for (const struct fsdp_module *a = parent; a; a = a->parent)
+        if (a == child)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "module '%s' cannot be a child of '%s': it is %s", child->name,
+                             parent->name, a == parent ? "the same module" : "one of its ancestors");
     for (int i = 0; i < parent->n_children; i++)
         if (strcmp(parent->children[i]->name, child->name) == 0)
             return fsdp__err(ctx, FSDP_ERR_INVALID, "module '%s' already has a child named '%s'",
@@ -83,6 +92,9 @@ enum fsdp_status fsdp_module_add_child(struct fsdp_ctx *ctx, struct fsdp_module 
 enum fsdp_status fsdp_module_add_param(struct fsdp_ctx *ctx, struct fsdp_module *m, const char *name,
                                        int ndim, const int64_t *shape, struct fsdp_init init,
                                        int no_decay, struct fsdp_param **out) {
+    if (!m || !name || !shape)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "fsdp_module_add_param: %s is NULL",
+                         !m ? "the module" : !name ? "the name" : "the shape");
     if (ndim < 1 || ndim > FSDP_MAX_DIMS || strlen(name) >= sizeof((struct fsdp_param *)0)->name)
         return fsdp__err(ctx, FSDP_ERR_INVALID, "parameter '%s' of module '%s': bad name or rank %d",
                          name, m->name, ndim);
@@ -91,9 +103,9 @@ enum fsdp_status fsdp_module_add_param(struct fsdp_ctx *ctx, struct fsdp_module 
         if (shape[i] <= 0)
             return fsdp__err(ctx, FSDP_ERR_INVALID, "parameter '%s' of module '%s': dim %d is %lld",
                              name, m->name, i, (long long)shape[i]);
-        if (__builtin_mul_overflow(numel, shape[i], &numel))
-            return fsdp__err(ctx, FSDP_ERR_INVALID, "parameter '%s' of module '%s': %d-d shape overflows "
-                             "int64 elements", name, m->name, ndim);
+        if (__builtin_mul_overflow(numel, shape[i], &numel) || numel > FSDP__MAX_NUMEL)
+            return fsdp__err(ctx, FSDP_ERR_INVALID, "parameter '%s' of module '%s': its %d-d shape holds more "
+                             "than 2^48 elements", name, m->name, ndim);
     }
     for (int i = 0; i < m->n_params; i++)
         if (strcmp(m->params[i]->name, name) == 0)

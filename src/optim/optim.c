@@ -39,6 +39,7 @@ struct fsdp_optim {
 
 struct fsdp_optim_opts fsdp_optim_opts_default(void) {
     struct fsdp_optim_opts o;
+    memset(&o, 0, sizeof o); /* every field, the ones set below and any other (nesterov: off) */
     o.kind = FSDP_OPTIM_ADAMW;
     o.beta1 = 0.9f;
     o.beta2 = 0.95f;

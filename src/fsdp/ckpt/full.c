@@ -24,7 +24,10 @@ enum fsdp_status fsdp_ckpt_check_full_target(struct fsdp_ctx *ctx, const char *p
 }
 
 enum fsdp_status fsdp_model_save_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, const char *path) {
-    enum fsdp_status st = fsdp__ckpt_agree(ctx, fsdp__ckpt_check_idle(ctx, fm, "save_full"));
+    enum fsdp_status st = fsdp__ckpt_check_idle(ctx, fm, "save_full");
+    if (st == FSDP_OK && (!path || !path[0]))
+        st = fsdp__err(ctx, FSDP_ERR_INVALID, "save_full: %s path", path ? "an empty" : "a NULL");
+    st = fsdp__ckpt_agree(ctx, st);
     if (st != FSDP_OK) return st;
     struct fsdp__st_writer *w = NULL;
     struct fsdp__st_desc *desc = NULL;

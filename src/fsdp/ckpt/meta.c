@@ -387,9 +387,38 @@ static int add_buffer(cJSON *bufs, const struct fsdp__meta_buffer *b) {
            cJSON_AddNumberToObject(bo, "file", b->file) && add_bytes(bo, b->b0, b->b1);
 }
 
+/* What meta_parse would refuse in m, said into why (n bytes); 0 when none: a
+ * save writes nothing its own load cannot read. */
+static int meta_refused(const struct fsdp_ckpt_meta *m, char *why, size_t n) {
+    const int64_t most = INT64_C(1) << 52;
+    if (m->step < 0 || m->step > most || m->data_step < 0 || m->data_step > most || m->optim_step < 0 ||
+        m->optim_step > most)
+        return snprintf(why, n, "step %lld, data_step %lld, optim_step %lld (each 0 to 2^52)", (long long)m->step,
+                        (long long)m->data_step, (long long)m->optim_step), 1;
+    const int c[5] = {m->config.n_layer, m->config.n_head, m->config.n_embd, m->config.vocab_size,
+                      m->config.block_size};
+    const char *names[5] = {"n_layer", "n_head", "n_embd", "vocab_size", "block_size"};
+    for (int i = 0; i < 5 && m->has_config; i++)
+        if (c[i] < 1 || c[i] > 1 << 30) return snprintf(why, n, "config.%s is %d (1 to 2^30)", names[i], c[i]), 1;
+    if (!memchr(m->model_json, 0, sizeof m->model_json) || !memchr(m->train_config, 0, sizeof m->train_config))
+        return snprintf(why, n, "%s does not end within its %zu bytes",
+                        !memchr(m->model_json, 0, sizeof m->model_json) ? "model_json" : "train_config",
+                        !memchr(m->model_json, 0, sizeof m->model_json) ? sizeof m->model_json
+                                                                         : sizeof m->train_config), 1;
+    if (m->has_loss_scale && (!(m->loss_scale > 0 && m->loss_scale < 1e300) || m->loss_scale_growth_tracker < 0 ||
+                              m->loss_scale_growth_tracker > most || m->loss_scale_skipped < 0 ||
+                              m->loss_scale_skipped > most))
+        return snprintf(why, n, "loss scale %g, growth tracker %lld, skipped %lld", m->loss_scale,
+                        (long long)m->loss_scale_growth_tracker, (long long)m->loss_scale_skipped), 1;
+    return 0;
+}
+
 enum fsdp_status fsdp__meta_format(struct fsdp_ctx *ctx, const char *name, const struct fsdp__meta *mt, char **out) {
     *out = NULL;
     const struct fsdp_ckpt_meta *m = &mt->m;
+    char why[256];
+    if (meta_refused(m, why, sizeof why))
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "%s: checkpoint meta: %s", name, why);
     cJSON *root = cJSON_CreateObject(), *sn = NULL, *fl = NULL, *ps = NULL, *bs = NULL;
     char seed[32];
     snprintf(seed, sizeof seed, "%llu", (unsigned long long)m->seed);

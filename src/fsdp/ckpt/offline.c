@@ -57,6 +57,8 @@ static enum fsdp_status verify_dir(struct fsdp_ctx *ctx, struct fsdp__meta *mt, 
 
 enum fsdp_status fsdp_ckpt_describe(struct fsdp_ctx *ctx, const char *path, int verify, FILE *out) {
     struct stat sb;
+    if (!path || !out)
+        return fsdp__err(ctx, FSDP_ERR_INVALID, "describe: %s is NULL", !path ? "the path" : "the output stream");
     if (stat(path, &sb) != 0) return fsdp__err(ctx, FSDP_ERR_IO, "%s: %s", path, strerror(errno));
     char sh[96];
     if (S_ISDIR(sb.st_mode)) {
