@@ -427,6 +427,32 @@ if [ $rc -eq 2 ] && grep -q -- "--comm self is a world of one rank, but 2 ranks 
    ! grep -q "^step" "$tmp/s1"; then ok "--nproc 2 --comm self is a usage error"
 else bad "--nproc 2 --comm self" "exit $rc" "$(head -3 "$tmp/s1e")"; fi
 
+# ---- an input one host lacks ([Note: setup agreement]): every rank ends at once, the failing rank's message
+# printed (it waited 300 s in the next collective, and rank 1's message was never printed) ----
+mkdir -p "$tmp/h0" "$tmp/h1" "$tmp/h0/ck" "$tmp/h1/ck"
+head -c 20000 /dev/urandom > "$tmp/h0/d.txt"
+one=(--model tiny --seq 32 --batch 4 --steps 2 --threads 1 --sample 0 --collective-timeout 60)
+mpmd() { # mpmd OUT ARGS...: rank 0 in $tmp/h0, rank 1 in $tmp/h1, the same command line
+  local out=$1 exe; shift
+  exe=$(readlink -f "$TRAIN")
+  timeout -k 5 120 mpirun --oversubscribe -np 1 -wdir "$tmp/h0" "$exe" "$@" : -np 1 -wdir "$tmp/h1" "$exe" "$@" \
+    > "$out" 2>&1
+}
+mpmd "$tmp/m1" "${one[@]}" --data d.txt; rc=$?
+if [ $rc = 1 ] && grep -q "error: rank 1 (1 of 2 ranks failed here, the others did not): --data: .*d.txt" "$tmp/m1" &&
+   ! grep -q "collective timeout" "$tmp/m1" && ! grep -q "^step" "$tmp/m1"; then
+  ok "--data missing on one host: every rank exits 1 before any step, rank 1's message naming the file"
+else bad "--data missing on one host" "exit $rc" "$(grep -v '^ *$' "$tmp/m1" | head -4)"; fi
+# a --resume folder whose newest checkpoint differs between the hosts
+timeout -k 5 120 "$TRAIN" "${one[@]}" --nproc 2 --save-dir "$tmp/h0/ck" --save-every 1 > "$tmp/m2" 2>&1 ||
+  bad "2 steps saved" "$(tail -2 "$tmp/m2")"
+cp -r "$tmp/h0/ck/step-00000001" "$tmp/h1/ck/"
+mpmd "$tmp/m3" --threads 1 --sample 0 --collective-timeout 60 --resume ck --steps 4 --override steps; rc=$?
+if [ $rc = 2 ] && grep -q "error: --resume ck/step-00000002: the ranks found different checkpoints there (step 2 on rank 0, step 1 on rank 1)" "$tmp/m3" &&
+   ! grep -q "^step" "$tmp/m3"; then
+  ok "--resume of a folder whose newest checkpoint differs between hosts: every rank exits 2 before any step, naming both"
+else bad "--resume of different checkpoints" "exit $rc" "$(grep -v '^ *$' "$tmp/m3" | head -4)"; fi
+
 # ---- non-finite values: SGD at lr 10 diverges to nan (at step 10 today) ----
 div=(--model tiny --steps 30 --lr 10 --optim sgd --clip 0 --warmup 0 --lr-schedule constant --batch 4 --seq 32
      --sample 0 --threads 1)

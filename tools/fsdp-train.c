@@ -75,13 +75,77 @@ static void comm_delta_add(struct comm_delta *d, const struct fsdp_comm_stats *a
 static const char *const coll_names[FSDP_COLL_COUNT] = {"allgather", "reduce_scatter", "allreduce",
                                                         "broadcast", "barrier"};
 
-/* An error every rank detects alike: rank 0 reports, all finish cleanly. */
-static _Noreturn void fail_all_v(int code, const char *fmt, va_list ap) {
-    if (!g_ctx || fsdp_ctx_rank(g_ctx) == 0) {
-        fprintf(stderr, "fsdp-train: error: ");
-        vfprintf(stderr, fmt, ap);
-        fprintf(stderr, "\n");
+/* [Note: setup agreement]
+ * Setup reads files each host keeps its own copy of (--data, --val-data,
+ * --model-config, --tokenizer, an image folder, a --resume folder): one rank
+ * may fail where the others do not. A rank that exited alone left the others
+ * in their next collective until the watchdog ended them (300 s), and its
+ * message was printed only if it was rank 0. So from the context's creation
+ * until the task has opened its data, an error exit (fail_all, fail_input)
+ * first meets the other ranks in one all-gather of every rank's exit code (0:
+ * none) and checkpoint step; the ranks without an error meet it in
+ * setup_agree, called before setup's first collective and after the task's
+ * open, with no other collective between. The lowest failing rank prints its
+ * message (naming itself when some ranks did not fail), and every rank exits
+ * with that rank's code; ranks that resumed different steps of one --resume
+ * stop alike, naming them. */
+static int g_setup_open; /* inside the window above */
+
+static _Noreturn void setup_exit(int code) {
+    g_setup_open = 0;
+    fsdp_ctx_free(g_ctx);
+    exit(code);
+}
+
+/* Collective over the world: code 0 (no error) or this rank's exit code and
+ * message; resume_step: the --resume checkpoint's step, or -1. Returns only
+ * when no rank failed and every rank resumed the same step. */
+static void setup_meet(int code, const char *msg, int64_t resume_step, const char *resume_dir) {
+    int world = fsdp_ctx_world(g_ctx), rank = fsdp_ctx_rank(g_ctx);
+    int64_t mine[2] = {code, resume_step}, *all = calloc((size_t)world * 2, sizeof *all);
+    if (!all || fsdp_comm_allgather(fsdp_ctx_comm(g_ctx), mine, all, 2, FSDP_I64) != FSDP_OK) {
+        fprintf(stderr, "fsdp-train: rank %d: error: %s%s%s\n", rank, code ? msg : "", code ? "; then " : "",
+                all ? fsdp_errmsg(g_ctx) : "out of memory agreeing on setup");
+        fsdp_ctx_abort(g_ctx, code ? code : 1);
     }
+    int first = -1, failed = 0, other = -1;
+    for (int r = 0; r < world; r++) {
+        if (all[2 * r]) failed++, first = first < 0 ? r : first;
+        if (all[2 * r + 1] != all[1] && other < 0) other = r;
+    }
+    if (first < 0 && other < 0) {
+        free(all);
+        return;
+    }
+    if (first >= 0) {
+        int c = (int)all[2 * first];
+        if (rank == first && failed == world) fprintf(stderr, "fsdp-train: error: %s\n", msg);
+        else if (rank == first)
+            fprintf(stderr, "fsdp-train: error: rank %d (%d of %d ranks failed here, the others did not): %s\n", rank,
+                    failed, world, msg);
+        free(all);
+        setup_exit(c);
+    }
+    if (rank == 0)
+        fprintf(stderr, "fsdp-train: error: --resume %s: the ranks found different checkpoints there (step %lld on "
+                "rank 0, step %lld on rank %d): give every rank the same checkpoint\n", resume_dir,
+                (long long)all[1], (long long)all[2 * other + 1], other);
+    free(all);
+    setup_exit(2);
+}
+
+/* Where the ranks without an error meet ([Note: setup agreement]). */
+static void setup_agree(int64_t resume_step, const char *resume_dir) {
+    if (g_ctx && fsdp_ctx_world(g_ctx) > 1) setup_meet(0, NULL, resume_step, resume_dir);
+}
+
+/* An error every rank detects alike: rank 0 reports, all finish cleanly; in
+ * setup, any rank's error ends every rank ([Note: setup agreement]). */
+static _Noreturn void fail_all_v(int code, const char *fmt, va_list ap) {
+    char msg[8192];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    if (g_setup_open && g_ctx && fsdp_ctx_world(g_ctx) > 1) setup_meet(code, msg, -1, NULL);
+    if (!g_ctx || fsdp_ctx_rank(g_ctx) == 0) fprintf(stderr, "fsdp-train: error: %s\n", msg);
     fsdp_ctx_free(g_ctx);
     exit(code);
 }
@@ -210,6 +274,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     struct fsdp_ctx *ctx = g_ctx;
+    g_setup_open = 1; /* [Note: setup agreement] */
     int rank = fsdp_ctx_rank(ctx), world = fsdp_ctx_world(ctx);
     fsdp_comm_set_timeout(fsdp_ctx_comm(ctx), o.collective_timeout);
     if (o.check_collectives) fsdp_comm_set_check(fsdp_ctx_comm(ctx), 1);
@@ -223,6 +288,7 @@ int main(int argc, char **argv) {
     /* --autoresume: --save-dir's newest checkpoint, when it holds one, in
      * place of --resume and --init-from */
     char auto_buf[4096];
+    if (o.autoresume) setup_agree(-1, NULL); /* its search agrees across the ranks: a collective */
     const char *auto_found = o.autoresume ? resolve_autoresume(ctx, &o, auto_buf, sizeof auto_buf) : NULL;
     int autoresumed = auto_found != NULL; /* resuming --save-dir's own newest checkpoint */
     if (autoresumed) o.resume = auto_found, o.init_from = NULL;
@@ -290,6 +356,8 @@ int main(int argc, char **argv) {
 
     /* data and the model (shapes only), shards, optimizer */
     task.ops->open(&task, ctx, &o);
+    setup_agree(resume_dir ? ck.step : -1, resume_dir); /* before the first collective */
+    g_setup_open = 0;
     struct fsdp_module *root = task.root;
     /* MFU's peak: a short GEMM probe on every rank (or --peak-gflops), before
      * --mem-limit caps the allocator and before the model's memory exists */
