@@ -327,6 +327,21 @@ if [ $rc = 1 ] && [ $rc2 = 1 ] && grep -q "cfo: cannot move .*cfo.tmp into place
    [ "$(cd "$tmp/cf/step-00000001" && md5sum * 2>&1)" = "$sum1" ] && [ -n "$sum1" ]; then
   ok "fsdp-ckpt to-sharded whose commit fails: nothing of its own stays, the checkpoint it would replace stays as it was"
 else bad "to-sharded with a failed commit" "exits $rc $rc2" "$(tail -1 "$tmp/o")" "$(tail -1 "$tmp/o2")" "$(ls -a "$tmp" "$tmp/cf")"; fi
+# a rank file of a checkpoint is no full file: to-sharded refused it as its only input (it wrote the rank's
+# flat shards as a model's parameters, over the checkpoint it came from)
+rf=$(ls "$tmp/cf/step-00000001"/rank-*.safetensors | head -1)
+"$CKPT" to-sharded "$rf" "$tmp/cf/step-00000001" 2 > "$tmp/o" 2>&1; rc=$?
+if [ $rc != 0 ] && grep -q "rank-.*: a rank file of a sharded checkpoint (rank 0 of [0-9]*), not a full file" "$tmp/o" &&
+   [ "$(cd "$tmp/cf/step-00000001" && md5sum * 2>&1)" = "$sum1" ]; then
+  ok "fsdp-ckpt to-sharded of a checkpoint's rank file: refused naming it, the checkpoint as it was"
+else bad "to-sharded of a rank file" "exit $rc" "$(tail -2 "$tmp/o")"; fi
+# a checkpoint folder renamed by hand (step-9, not step-00000009) is not one of the save's: it was
+# listed as step-00000009, which --resume then could not open
+mkdir "$tmp/ren" && cp -r "$tmp/cf/step-00000001" "$tmp/ren/" && cp -r "$tmp/cf/step-00000001" "$tmp/ren/step-9"
+"$TRAIN" --resume "$tmp/ren" --steps 1 --override steps > "$tmp/o" 2>&1; rc=$?
+if [ $rc = 0 ] && grep -q "nothing left to train: .*ren/step-00000001 is at step 1" "$tmp/o" && ! grep -q 'step-00000009' "$tmp/o"
+then ok "--resume of a folder holding a hand-renamed step-9: the writer's own step-00000001 is the newest"
+else bad "--resume beside a renamed checkpoint" "exit $rc" "$(tail -2 "$tmp/o")"; fi
 
 # --autoresume (Composer's autoresume): one command line starts the job and, after it is killed,
 # continues it from --save-dir's newest checkpoint, the log appended to; the resumed steps are the

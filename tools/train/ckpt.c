@@ -6,6 +6,7 @@
  * The library writes and reads the checkpoints themselves (src/fsdp/ckpt/).
  * Part of fsdp-train (tools/fsdp-train.c runs the job; task.h declares these).
  */
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -25,6 +26,10 @@
 
 static const char *ckpt_suffix(int full) { return full ? ".safetensors" : ""; }
 
+static void ckpt_path(char *buf, size_t n, const char *dir, long step, int full) {
+    snprintf(buf, n, "%s/step-%08ld%s", dir, step, ckpt_suffix(full));
+}
+
 /* The step numbers of the complete checkpoints of one kind in dir (ours:
  * fsdp_ckpt_is_ours), ascending; returns the count. */
 static int list_ckpts(const char *dir, int full, long **steps) {
@@ -35,12 +40,15 @@ static int list_ckpts(const char *dir, int full, long **steps) {
     struct dirent *e;
     while ((e = readdir(d))) {
         char *end;
-        if (strncmp(e->d_name, "step-", 5)) continue;
+        if (strncmp(e->d_name, "step-", 5) || !isdigit((unsigned char)e->d_name[5])) continue;
         long st = strtol(e->d_name + 5, &end, 10);
-        if (strcmp(end, ckpt_suffix(full)) || end == e->d_name + 5) continue; /* skips step-N.tmp and step-N.old */
-        char path[4096];
-        struct stat sb;
+        if (strcmp(end, ckpt_suffix(full))) continue; /* skips step-N.tmp and step-N.old */
+        char path[4096], named[4096];
+        /* only the names the writer makes (ckpt_path): a step-9 renamed by hand is not step-00000009 */
+        ckpt_path(named, sizeof named, dir, st, full);
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        if (strcmp(path, named)) continue;
+        struct stat sb;
         if (stat(path, &sb) != 0 || (full ? !S_ISREG(sb.st_mode) : !S_ISDIR(sb.st_mode))) continue;
         if (!fsdp_ckpt_is_ours(path)) continue; /* a user's that bears the name; a folder without meta.json */
         long *ns = realloc(*steps, (size_t)(n + 1) * sizeof **steps);
@@ -52,10 +60,6 @@ static int list_ckpts(const char *dir, int full, long **steps) {
     }
     closedir(d);
     return n;
-}
-
-static void ckpt_path(char *buf, size_t n, const char *dir, long step, int full) {
-    snprintf(buf, n, "%s/step-%08ld%s", dir, step, ckpt_suffix(full));
 }
 
 /* --resume DIR: DIR itself if it holds meta.json, else its newest checkpoint. */

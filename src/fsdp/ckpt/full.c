@@ -128,6 +128,10 @@ int fsdp__hf_ignorable(const char *k) {
 enum fsdp_status fsdp__full_is_hf(struct fsdp_ctx *ctx, const struct fsdp__st_file *f, int *hf) {
     const char *layout = fsdp__st_meta(f, FSDP__LAYOUT_KEY);
     *hf = 0;
+    if (fsdp__st_meta(f, "fsdp.rank")) /* its tensors are one rank's flat shards, not the model's */
+        return fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: a rank file of a sharded checkpoint (rank %s of %s), not a full "
+                         "file: give its folder (fsdp-ckpt to-full converts it)", f->path, fsdp__st_meta(f, "fsdp.rank"),
+                         fsdp__st_meta(f, "fsdp.world") ? fsdp__st_meta(f, "fsdp.world") : "?");
     if (layout)
         return strcmp(layout, "out,in") ? fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: unknown %s '%s'", f->path,
                                                     FSDP__LAYOUT_KEY, layout)
