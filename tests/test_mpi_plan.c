@@ -543,6 +543,11 @@ TEST(parse_size) {
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "'1.5Q' is not a memory size");
     CHECK_INT_EQ(fsdp_mem_parse_size(c, "-1G", &v), FSDP_ERR_INVALID);
     CHECK_INT_EQ(fsdp_mem_parse_size(c, "", &v), FSDP_ERR_INVALID);
+    const char *not_sizes[] = {"0x10", "1e3", " 5G", "+5G", "0x1p4K"}; /* strtod reads each; none is a size */
+    for (int k = 0; k < 5; k++) {
+        CHECK_INT_EQ(fsdp_mem_parse_size(c, not_sizes[k], &v), FSDP_ERR_INVALID);
+        CHECK_STR_CONTAINS(fsdp_errmsg(c), "is not a memory size");
+    }
 }
 
 TEST_MAIN()

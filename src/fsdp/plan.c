@@ -49,6 +49,8 @@ enum fsdp_status fsdp_mem_parse_size(struct fsdp_ctx *ctx, const char *text, siz
     char *end;
     errno = 0;
     double v = strtod(text, &end);
+    /* a plain decimal: strtod's hex, exponents, spaces and signs are no sizes */
+    int plain = end != text && strspn(text, "0123456789.") == (size_t)(end - text);
     double mul = 1;
     if (end != text && *end) {
         switch (toupper((unsigned char)*end)) {
@@ -62,7 +64,7 @@ enum fsdp_status fsdp_mem_parse_size(struct fsdp_ctx *ctx, const char *text, siz
         if (*end == 'i' || *end == 'I') end++;
         if (*end == 'b' || *end == 'B') end++;
     }
-    if (end == text || *end || errno || mul == 0 || !(v >= 0) || !isfinite(v) || v * mul >= 1.8e19)
+    if (!plain || *end || errno || mul == 0 || !(v >= 0) || !isfinite(v) || v * mul >= 1.8e19)
         return fsdp__err(ctx, FSDP_ERR_INVALID,
                          "'%s' is not a memory size (a number with an optional K, M, G or T suffix, "
                          "e.g. 1.5G)", text);

@@ -334,7 +334,8 @@ enum fsdp_status fsdp_module_materialize(struct fsdp_ctx *ctx, struct fsdp_modul
 static int zero_grad_one(struct fsdp_param *p, void *ud) {
     struct materialize_args *a = ud;
     if (!p->priv->owns_data) {
-        a->st = fsdp__err(a->ctx, FSDP_ERR_STATE, "parameter '%s' is not materialized", p->fqn);
+        a->st = fsdp__err(a->ctx, FSDP_ERR_STATE, "parameter '%s' is not materialized%s", p->fqn ? p->fqn : p->name,
+                          p->fqn ? "" : " (nor finalized: fsdp_module_finalize, then fsdp_module_materialize)");
         return 1;
     }
     if (!p->grad) {
