@@ -84,6 +84,8 @@ cfg_error "task images without a model" '{"task": "images", "threads": 1}' \
 cfg_error "bytes after the object" '{"steps": 1} junk' "--config .*bad.json: bytes after the JSON value at byte 13"
 cfg_error "a second object" '{"steps": 1}
 {"lr": 1e-3}' "--config .*bad.json: bytes after the JSON value at byte 13 \(line 2"
+cfg_error "a NUL escaped in a string (\"a\\u0000b\" was read as \"a\")" '{"data": "a\u0000b"}' \
+  "--config .*bad.json: a NUL \(.u0000\) at byte 11"
 # a NUL byte ends the text for cJSON: what follows it would go unread
 printf '{"steps": 1}\n\0\1' > "$tmp/nul.json"
 timeout -k 5 60 "$TRAIN" --config "$tmp/nul.json" > "$tmp/out" 2> "$tmp/err"; rc=$?
@@ -150,6 +152,10 @@ else bad "--override lr" "$(tail -2 "$tmp/oo4")"; fi
 "$TRAIN" --resume "$tmp/c3" --override steps,,lr > "$tmp/out" 2> "$tmp/err"; rc=$?
 [ $rc = 2 ] && grep -q -- "--override 'steps,,lr': an empty name in the list" "$tmp/err" &&
   ok "--override with an empty name in its list" || bad "--override steps,,lr" "exit $rc" "$(head -2 "$tmp/err")"
+"$TRAIN" --resume "$tmp/c3" --steps 4 --override steps --seq 16 --override seq > "$tmp/out" 2> "$tmp/err"; rc=$?
+[ $rc = 2 ] && grep -q -- "--override is given twice ('steps' and 'seq'): give one list (--override steps,seq)" "$tmp/err" &&
+  ok "--override given twice is a usage error naming both (the second replaced the first)" ||
+  bad "--override twice" "exit $rc" "$(head -2 "$tmp/err")"
 "$TRAIN" "${const[@]}" --steps 2 --override steps > "$tmp/out" 2> "$tmp/err"; rc=$?
 [ $rc = 2 ] && grep -q -- "--override steps: it names flags --resume restores from a checkpoint; without --resume" "$tmp/err" &&
   ok "--override without --resume is a usage error" || bad "--override without --resume" "exit $rc" "$(head -2 "$tmp/err")"
@@ -187,6 +193,10 @@ not_read "--min-lr without the cosine schedule" "^fsdp-train: --min-lr 0: .* app
   -- --model tiny --steps 1 --lr-schedule constant --min-lr 0
 not_read "--max-inflight with overlap off" "^fsdp-train: --max-inflight 3: .* applies with --overlap on" \
   -- --model tiny --steps 1 --overlap off --max-inflight 3
+not_read "--state-dict-type without --save-dir" "^fsdp-train: --state-dict-type full: .* applies with --save-dir DIR" \
+  -- --model tiny --steps 1 --state-dict-type full
+not_read "--mpi-reduce with --comm shm" "^fsdp-train: --mpi-reduce native: .* applies with --comm auto or mpi" \
+  -- --model tiny --steps 1 --comm shm --mpi-reduce native
 # under --nproc the check comes before the launch: the one line, not the launcher's banner after it
 not_read "--augment on a GPT under --nproc 2" "^fsdp-train: --augment crop-flip: this run's task, tokens" \
   -- --model tiny --steps 1 --nproc 2 --augment crop-flip

@@ -78,6 +78,8 @@ static int amp(const struct opts *o) { return strcasecmp(o->precision, "FP32") !
 static int amp_fp16(const struct opts *o) { return !strcasecmp(o->precision, "AMP_FP16"); }
 static int scaleout(const struct opts *o) { return o->net_gbps > 0; }
 static int accumulating(const struct opts *o) { return o->grad_accum > 1; }
+static int saving(const struct opts *o) { return o->save_dir != NULL; }
+static int mpi_possible(const struct opts *o) { return strcmp(o->comm, "shm") && strcmp(o->comm, "self"); }
 static int cosine(const struct opts *o) { return !strcmp(o->schedule, "cosine"); }
 static int prefetching(const struct opts *o) { return o->overlap != 0; }
 
@@ -173,7 +175,7 @@ static const struct flag flags[] = {
     F("threads", K_INT, threads, R_NO),
     F("nproc", K_INT0, nproc, R_NO),
     F("comm", K_STR, comm, R_NO),
-    F("mpi-reduce", K_STR, mpi_reduce, R_NO),
+    FA("mpi-reduce", K_STR, mpi_reduce, R_NO, mpi_possible, "--comm auto or mpi"),
     F("collective-timeout", K_FLOAT, collective_timeout, R_NO),
     F("check-collectives", K_SWITCH, check_collectives, R_NO),
     F("profile", K_SWITCH, profile, R_NO),
@@ -185,7 +187,7 @@ static const struct flag flags[] = {
     F("resume", K_STR, resume, R_NO),
     F("autoresume", K_SWITCH, autoresume, R_NO),
     F("save-full", K_STR, save_full, R_NO),
-    F("state-dict-type", K_STR, state_dict_type, R_NO),
+    FA("state-dict-type", K_STR, state_dict_type, R_NO, saving, "--save-dir DIR"),
     F("init-from", K_STR, init_from, R_NO),
     F("mem-limit", K_STR, mem_limit, R_NO),
     F("dry-run", K_SWITCH, dry_run, R_NO),
@@ -362,6 +364,8 @@ cJSON *config_read_json(const char *path, char *err, size_t n) {
     char *text = read_file(path, &len, &why);
     if (!text) return snprintf(err, n, "cannot read it: %s", why), NULL;
     size_t nul = strlen(text); /* cJSON would stop there: the rest would go unread */
+    const char *esc = strstr(text, "\\u0000"); /* a string would end there alike ("a\u0000b" read as "a") */
+    if (esc && (size_t)(esc - text) < nul) nul = (size_t)(esc - text);
     const char *end = NULL;
     cJSON *root = nul < len ? NULL : cJSON_ParseWithLengthOpts(text, len, &end, 0);
     if (root)
@@ -369,7 +373,9 @@ cJSON *config_read_json(const char *path, char *err, size_t n) {
     size_t at = nul < len ? nul : end && end >= text && end <= text + len ? (size_t)(end - text) : 0;
     long line = 1;
     for (size_t i = 0; i < at; i++) line += text[i] == '\n';
-    if (nul < len) snprintf(err, n, "a NUL byte at byte %zu (line %ld)", at, line);
+    if (nul < len)
+        snprintf(err, n, "a NUL %s at byte %zu (line %ld)", esc && at == (size_t)(esc - text) ? "(\\u0000)" : "byte",
+                 at, line);
     else if (!root) snprintf(err, n, "invalid JSON near byte %zu (line %ld)", at, line);
     else if (at < len) snprintf(err, n, "bytes after the JSON value at byte %zu (line %ld; one value per file)", at, line);
     if (root && at < len) {

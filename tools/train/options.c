@@ -506,7 +506,12 @@ void parse_args(int argc, char **argv, struct opts *o) {
         else if (!strcmp(a, "--eval-batches")) o->eval_batches = (int)parse_int(a, v, 0, 1 << 30);
         else if (!strcmp(a, "--val-data")) o->val_data = v;
         else if (!strcmp(a, "--config")) o->config = v; /* read by config_argv before the flags */
-        else if (!strcmp(a, "--override")) o->override = v;
+        else if (!strcmp(a, "--override")) {
+            if (o->override) /* a second list would replace the first */
+                usage_error("--override is given twice ('%s' and '%s'): give one list (--override %s,%s)", o->override,
+                            v, o->override, v);
+            o->override = v;
+        }
         else if (!strcmp(a, "--label-smoothing")) o->label_smoothing = parse_float(a, v, 0, 1);
         else if (!strcmp(a, "--crop-padding")) o->crop_padding = (int)parse_int(a, v, 1, 1 << 12);
         else if (!strcmp(a, "--lr-steps"))
