@@ -243,6 +243,11 @@ echo precious > "$tmp/user.txt"
 ln -s user.txt "$tmp/link.jsonl"
 mkfifo "$tmp/log.fifo"
 out_case --log "$tmp/user.txt" "--log '$tmp/user.txt' exists and is not a log of fsdp-train"
+printf '{"config": {"x": 1}}\nimportant line\n' > "$tmp/other.jsonl" # another program's JSON lines, opening alike
+cp "$tmp/other.jsonl" "$tmp/other.copy"
+out_case --log "$tmp/other.jsonl" "--log '$tmp/other.jsonl' exists and is not a log of fsdp-train"
+cmp -s "$tmp/other.jsonl" "$tmp/other.copy" && ok "--log left another program's {\"config\": ...} lines alone" ||
+  bad "--log replaced another program's JSON lines"
 out_case --log "$tmp/link.jsonl" "--log '$tmp/link.jsonl' is a symbolic link"
 out_case --log "$tmp/log.fifo" "--log '$tmp/log.fifo' is not a regular file"
 out_case --log /dev/full "--log '/dev/full' is not a regular file"
@@ -275,6 +280,13 @@ rc=$?
 [ $rc -eq 1 ] && grep -qF "holds $tmp/runa/step-00000003, a checkpoint after this run's start (step 1)" "$tmp/rc4" &&
   ok "resuming an older checkpoint into a --save-dir with newer ones is refused" ||
   bad "resume of an older checkpoint" "exit $rc" "$(head -2 "$tmp/rc4")"
+sum_1=$(cat "$tmp"/runa/step-00000001/* | md5sum)
+timeout -k 5 60 "$TRAIN" "${tiny[@]}" --steps 3 --override steps --resume "$tmp/runa/step-00000001" \
+  --save-dir "$tmp/runa/step-00000001" > /dev/null 2> "$tmp/rc5"; rc=$?
+if [ $rc -eq 1 ] && grep -qF -- "--save-dir '$tmp/runa/step-00000001' is itself a checkpoint (it holds meta.json)" "$tmp/rc5" &&
+   [ "$(ls -A "$tmp/runa/step-00000001" | grep -c 'step-\|lock')" = 0 ] && [ "$(cat "$tmp"/runa/step-00000001/* | md5sum)" = "$sum_1" ]
+then ok "a --save-dir that is itself a checkpoint is refused, the checkpoint as it was"
+else bad "--save-dir a checkpoint" "exit $rc" "$(head -2 "$tmp/rc5")"; fi
 
 # ---- a save that fails (no space left) removes what it made, and only that ----
 # a 300 KiB tmpfs cannot hold the tiny model's checkpoint; skipped where mount is not allowed
@@ -443,6 +455,12 @@ if [ $rc = 1 ] && grep -q "error: rank 1 (1 of 2 ranks failed here, the others d
    ! grep -q "collective timeout" "$tmp/m1" && ! grep -q "^step" "$tmp/m1"; then
   ok "--data missing on one host: every rank exits 1 before any step, rank 1's message naming the file"
 else bad "--data missing on one host" "exit $rc" "$(grep -v '^ *$' "$tmp/m1" | head -4)"; fi
+# a --save-dir only rank 0's host has: refused before step 1 (a run trained to its end, then could not save)
+mkdir -p "$tmp/h0/par" && head -c 20000 /dev/urandom > "$tmp/h1/d.txt"
+mpmd "$tmp/m4" "${one[@]}" --data d.txt --save-dir par/sd; rc=$?
+if [ $rc = 1 ] && grep -q "error: rank 1 (1 of 2 ranks failed here, the others did not): --save-dir 'par/sd' is not a folder on this rank's host" "$tmp/m4" &&
+   ! grep -q "^step" "$tmp/m4"; then ok "--save-dir missing on rank 1's host: every rank exits 1 before step 1, naming it"
+else bad "--save-dir missing on one host" "exit $rc" "$(grep -v '^ *$' "$tmp/m4" | head -4)"; fi
 # a --resume folder whose newest checkpoint differs between the hosts
 timeout -k 5 120 "$TRAIN" "${one[@]}" --nproc 2 --save-dir "$tmp/h0/ck" --save-every 1 > "$tmp/m2" 2>&1 ||
   bad "2 steps saved" "$(tail -2 "$tmp/m2")"

@@ -139,6 +139,11 @@ static void setup_agree(int64_t resume_step, const char *resume_dir) {
     if (g_ctx && fsdp_ctx_world(g_ctx) > 1) setup_meet(0, NULL, resume_step, resume_dir);
 }
 
+void agree_or_fail(int code, const char *msg) {
+    if (g_ctx && fsdp_ctx_world(g_ctx) > 1) setup_meet(code, msg, -1, NULL);
+    else if (code) fail_all("%s", msg);
+}
+
 /* An error every rank detects alike: rank 0 reports, all finish cleanly; in
  * setup, any rank's error ends every rank ([Note: setup agreement]). */
 static _Noreturn void fail_all_v(int code, const char *fmt, va_list ap) {

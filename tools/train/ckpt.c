@@ -17,6 +17,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
+
 #include "config.h"
 #include "task.h"
 
@@ -197,9 +199,10 @@ static int check_out_file(const char *flag, const char *path, char *err, size_t 
  * (which a resume into the same --log would otherwise lose; readers take a
  * config record as the start of a run). A path that exists must be a regular
  * file (not a link, a FIFO, which would block the open, or a device) and be
- * empty or a log of fsdp-train (its first line the config record, LOG_FIRST):
- * any other file, the --data file given again by mistake among them, is the
- * user's. */
+ * empty or a log of fsdp-train (its first line the config record, LOG_FIRST
+ * and an object of the run configuration's keys: is_train_log): any other
+ * file, the --data file given again by mistake or another program's JSON
+ * lines opening with a "config" record among them, is the user's. */
 #define LOG_FIRST "{\"config\": "
 
 /* Up to n bytes from the start of the regular file path (fsdp_open_regular:
@@ -211,6 +214,28 @@ static ssize_t read_head(const char *path, char *buf, size_t n) {
     return r;
 }
 
+/* Whether path's first line is fsdp-train's config record: LOG_FIRST, then
+ * an object whose keys are all flags of the run configuration, "steps" and
+ * "lr" among them (a user's JSON-lines file that opens with another
+ * {"config": ...} record is the user's). */
+static int is_train_log(const char *path) {
+    enum { CAP = 1 << 16 }; /* a config record is a few KiB */
+    char *head = malloc(CAP + 1);
+    ssize_t got = head ? read_head(path, head, CAP) : -1;
+    int ours = 0;
+    if (got > (ssize_t)strlen(LOG_FIRST) && !memcmp(head, LOG_FIRST, strlen(LOG_FIRST))) {
+        char *nl = memchr(head, '\n', (size_t)got);
+        cJSON *j = nl ? cJSON_ParseWithLength(head, (size_t)(nl - head)) : NULL;
+        const cJSON *c = cJSON_GetObjectItemCaseSensitive(j, "config"), *e;
+        ours = cJSON_IsObject(c) && cJSON_GetArraySize(j) == 1 && cJSON_GetObjectItemCaseSensitive(c, "steps") &&
+               cJSON_GetObjectItemCaseSensitive(c, "lr");
+        cJSON_ArrayForEach(e, c) if (ours && !config_flag_known(e->string)) ours = 0;
+        cJSON_Delete(j);
+    }
+    free(head);
+    return ours;
+}
+
 static int check_log_file(const char *path, char *err, size_t n) {
     struct stat sb;
     if (lstat(path, &sb) != 0) return 0; /* a new file (its folder: check_out_file) */
@@ -218,10 +243,9 @@ static int check_log_file(const char *path, char *err, size_t n) {
     if (S_ISDIR(sb.st_mode)) return 0; /* check_out_file names it */
     if (!S_ISREG(sb.st_mode)) return snprintf(err, n, "--log '%s' is not a regular file", path), 1;
     if (sb.st_size == 0) return 0;
-    char head[sizeof LOG_FIRST] = "";
-    if (read_head(path, head, sizeof head - 1) != (ssize_t)sizeof head - 1 || memcmp(head, LOG_FIRST, sizeof head - 1) != 0)
+    if (!is_train_log(path))
         return snprintf(err, n, "--log '%s' exists and is not a log of fsdp-train (its first line is not "
-                        "%s...}); give another path or remove it", path, LOG_FIRST), 1;
+                        "%s...}, fsdp-train's configuration); give another path or remove it", path, LOG_FIRST), 1;
     return 0;
 }
 
@@ -323,6 +347,9 @@ static int check_save_dir(struct fsdp_ctx *ctx, const char *dir, const struct op
         if (!S_ISDIR(sb.st_mode)) return snprintf(err, n, "--save-dir '%s' exists and is not a folder", dir), 1;
         if (access(dir, W_OK | X_OK) != 0)
             return snprintf(err, n, "--save-dir '%s': cannot write in it: %s", dir, strerror(errno)), 1;
+        if (fsdp_ckpt_is_ours(dir)) /* step-N and .lock inside a checkpoint, which its loader never reads */
+            return snprintf(err, n, "--save-dir '%s' is itself a checkpoint (it holds meta.json): give the folder "
+                            "its step-N checkpoints go in, e.g. the one holding it", dir), 1;
         if (check_save_steps(dir, start, err, n) || check_save_targets(ctx, dir, o, start, steps, err, n)) return 1;
     } else {
         char parent[4096];
@@ -421,4 +448,17 @@ void check_outputs(struct fsdp_ctx *ctx, const struct opts *o, long start, long 
     int32_t v = bad;
     if (fsdp_comm_broadcast(fsdp_ctx_comm(ctx), &v, 1, FSDP_I32, 0) != FSDP_OK) fail_rank("%s", fsdp_errmsg(ctx));
     if (v) fail_all("%s", err); /* rank 0 prints it */
+    /* every rank writes its own file into --save-dir: on its host too it must be a folder it can write in
+     * (checked by rank 0 alone, a run on hosts without a shared --save-dir trained to its end, then lost it) */
+    if (o->save_dir && fsdp_ctx_world(ctx) > 1) {
+        struct stat sb;
+        int mine = 0;
+        if (fsdp_ctx_rank(ctx) != 0 && (stat(o->save_dir, &sb) != 0 || !S_ISDIR(sb.st_mode)))
+            mine = 1, snprintf(err, sizeof err, "--save-dir '%s' is not a folder on this rank's host (every rank writes "
+                               "its file there: give a folder the ranks share)", o->save_dir);
+        else if (fsdp_ctx_rank(ctx) != 0 && access(o->save_dir, W_OK | X_OK) != 0)
+            mine = 1, snprintf(err, sizeof err, "--save-dir '%s': cannot write in it on this rank's host: %s",
+                               o->save_dir, strerror(errno));
+        agree_or_fail(mine, err);
+    }
 }

@@ -227,6 +227,10 @@ void log_flush(FILE *f, const char *path);
 _Noreturn void fail_all(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 _Noreturn void fail_input(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 _Noreturn void fail_rank(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* COLLECTIVE: code 0 (this rank is fine) or this rank's exit code and msg;
+ * returns where no rank failed, else every rank exits with the lowest failing
+ * rank's code, that rank printing its msg ([Note: setup agreement]). */
+void agree_or_fail(int code, const char *msg);
 double now_s(void);
 
 #endif
