@@ -335,6 +335,14 @@ if [ $rc != 0 ] && grep -q "rank-.*: a rank file of a sharded checkpoint (rank 0
    [ "$(cd "$tmp/cf/step-00000001" && md5sum * 2>&1)" = "$sum1" ]; then
   ok "fsdp-ckpt to-sharded of a checkpoint's rank file: refused naming it, the checkpoint as it was"
 else bad "to-sharded of a rank file" "exit $rc" "$(tail -2 "$tmp/o")"; fi
+# a command line fsdp-ckpt cannot read says what is wrong (it said "bad command line"), and --help is help anywhere
+"$CKPT" bogus x > /dev/null 2> "$tmp/e1"; rc1=$?
+"$CKPT" to-full "$tmp/cf/step-00000001" > /dev/null 2> "$tmp/e2"; rc2=$?
+"$CKPT" list --help > "$tmp/h" 2>&1; rc3=$?
+if [ $rc1 = 2 ] && grep -q "unknown command 'bogus' (list, verify, to-full, to-sharded)" "$tmp/e1" && [ $rc2 = 2 ] &&
+   grep -q "to-full takes DIR OUT.safetensors; 1 argument given" "$tmp/e2" && [ $rc3 = 0 ] && grep -q 'to-sharded' "$tmp/h"
+then ok "fsdp-ckpt: an unknown command and a missing argument are named; --help after a command is help"
+else bad "fsdp-ckpt usage errors" "exits $rc1 $rc2 $rc3" "$(head -1 "$tmp/e1")" "$(head -1 "$tmp/e2")" "$(head -1 "$tmp/h")"; fi
 # a checkpoint folder renamed by hand (step-9, not step-00000009) is not one of the save's: it was
 # listed as step-00000009, which --resume then could not open
 mkdir "$tmp/ren" && cp -r "$tmp/cf/step-00000001" "$tmp/ren/" && cp -r "$tmp/cf/step-00000001" "$tmp/ren/step-9"
@@ -469,6 +477,9 @@ expect_resume_error "resume: an edited meta.json" "meta.json: checksum mismatch"
 rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"; sed -i 's/"end":\t2048/"end":\t2047/' "$tmp/bad/meta.json"
 py reseal "$tmp/bad/meta.json"
 expect_resume_error "resume: meta.json (resealed) whose ranges do not tile" "gap|cover|do not fit" 2
+rm -rf "$tmp/bad"; cp -r "$good" "$tmp/bad"; sed -i -E 's/"seed":\t"[0-9]+"/"seed":\t"-1"/' "$tmp/bad/meta.json"
+py reseal "$tmp/bad/meta.json" # strtoull read "-1" as 2^64 - 1
+expect_resume_error "resume: meta.json (resealed) with the seed \"-1\"" '"seed" is not a decimal string' 1
 resume_errors_checked
 out=$(train --model small --steps 8 --resume "$tmp/sh3" 2>&1); rc=$? # converted: no model_config (t_ckpt_model.sh)
 [ $rc -ne 0 ] && grep -q "checkpoint shape" <<< "$out" && ok "resume into a different model names the parameter and shapes" ||

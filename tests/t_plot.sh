@@ -130,6 +130,12 @@ expect_fail "a missing log" "cannot open '.*nothere.jsonl'" "$tmp/nothere.jsonl"
 expect_fail "a line that is not JSON names file:line" "broken.jsonl:3: not a JSON object" "$tmp/a.jsonl" "$tmp/broken.jsonl" -o "$tmp/bad.svg"
 expect_fail "a log with no steps" "nosteps.jsonl: no steps" "$tmp/nosteps.jsonl" -o "$tmp/bad.svg"
 expect_fail "a step that is not a number" "badstep.jsonl:1: \"step\" is not a number" "$tmp/badstep.jsonl" -o "$tmp/bad.svg"
+printf '{"step": 1, "loss": 1} {"x": 1}\n' > "$tmp/two.jsonl"
+printf '{"step": 1, "loss": "x"}\n' > "$tmp/strloss.jsonl"
+expect_fail "two objects on one line (the second went unread)" "two.jsonl:1: not a JSON object \(or more than one\)" \
+  "$tmp/two.jsonl" -o "$tmp/bad.svg"
+expect_fail "a value that is not a number (it was plotted as missing)" "strloss.jsonl:1: \"loss\" is not a number" \
+  "$tmp/strloss.jsonl" -o "$tmp/bad.svg"
 expect_fail "a folder as a log" "is a folder" "$tmp" -o "$tmp/bad.svg"
 mkfifo "$tmp/fifo.jsonl"
 expect_fail "a FIFO as a log is refused at once" "fifo.jsonl' is not a regular file" "$tmp/fifo.jsonl" -o "$tmp/bad.svg"

@@ -29,7 +29,9 @@ static void usage(FILE *f) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+    int help = 0; /* anywhere: `fsdp-ckpt list --help` read --help as a path */
+    for (int i = 1; i < argc; i++) help |= !strcmp(argv[i], "--help") || !strcmp(argv[i], "-h");
+    if (argc < 2 || help) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
@@ -89,8 +91,12 @@ int main(int argc, char **argv) {
             fsdp_ctx_free(ctx);
             return 1;
         }
-    } else {
-        fprintf(stderr, "fsdp-ckpt: bad command line\n");
+    } else { /* what is wrong: the command, or its arguments */
+        int known = !strcmp(cmd, "list") || !strcmp(cmd, "verify") || !strcmp(cmd, "to-full") || !strcmp(cmd, "to-sharded");
+        const char *want = !strcmp(cmd, "to-full") ? "DIR OUT.safetensors" : !strcmp(cmd, "to-sharded")
+                           ? "FULL.safetensors DIR [N] [--model NAME | --model-config FILE]" : "PATH";
+        if (!known) fprintf(stderr, "fsdp-ckpt: unknown command '%s' (list, verify, to-full, to-sharded)\n", cmd);
+        else fprintf(stderr, "fsdp-ckpt: %s takes %s; %d argument%s given\n", cmd, want, argc - 2, argc == 3 ? "" : "s");
         usage(stderr);
         fsdp_ctx_free(ctx);
         return 2;

@@ -137,16 +137,20 @@ static void read_log(struct run *r) {
         const char *p = line;
         while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n') p++;
         if (!*p) continue; /* a blank line */
-        cJSON *o = cJSON_Parse(line);
+        cJSON *o = cJSON_ParseWithOpts(line, NULL, 1); /* one object a line: nothing after it */
         if (!o || !cJSON_IsObject(o)) {
             cJSON_Delete(o);
-            die("%s:%ld: not a JSON object", r->path, lineno);
+            die("%s:%ld: not a JSON object%s", r->path, lineno, o ? "" : " (or more than one)");
         }
         cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
         if (cJSON_IsNumber(s)) {
             double vals[K_N];
             for (int k = 0; k < K_N; k++) {
                 cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key_names[k]);
+                if (it && !cJSON_IsNumber(it) && !cJSON_IsNull(it)) { /* null: a value that was not finite */
+                    cJSON_Delete(o);
+                    die("%s:%ld: \"%s\" is not a number", r->path, lineno, key_names[k]);
+                }
                 vals[k] = cJSON_IsNumber(it) && isfinite(it->valuedouble) ? it->valuedouble : NAN;
             }
             run_push(r, vals, resumed);
@@ -381,8 +385,8 @@ int main(int argc, char **argv) {
             free(runs);
             return 0;
         } else if (!strcmp(argv[i], "-o") || !strcmp(argv[i], "--output")) {
-            if (i + 1 >= argc) {
-                fprintf(stderr, "fsdp-plot: %s needs a file name\n", argv[i]);
+            if (i + 1 >= argc || !argv[i + 1][0]) {
+                fprintf(stderr, "fsdp-plot: %s needs a file name%s\n", argv[i], i + 1 < argc ? " (it is empty)" : "");
                 free(runs);
                 return 2;
             }

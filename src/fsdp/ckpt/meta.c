@@ -10,6 +10,7 @@
 #include "io/io-impl.h"
 
 #include <cJSON.h>
+#include <ctype.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -130,7 +131,8 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
     mt->m.optim_step = ostep;
     const cJSON *seed = cJSON_GetObjectItemCaseSensitive(root, "seed");
     char *end;
-    if (!cJSON_IsString(seed) || !(mt->m.seed = strtoull(seed->valuestring, &end, 10), *end == 0 && end != seed->valuestring))
+    if (!cJSON_IsString(seed) || !isdigit((unsigned char)seed->valuestring[0]) || /* strtoull takes "-1" as 2^64 - 1 */
+        !(errno = 0, mt->m.seed = strtoull(seed->valuestring, &end, 10), *end == 0 && errno == 0))
         return BAD("%s: \"seed\" is not a decimal string", mpath);
     const cJSON *cfg = cJSON_GetObjectItemCaseSensitive(root, "model_config");
     if (cfg) {
