@@ -470,6 +470,12 @@ if [ $rc = 2 ] && grep -q "error: --resume ck/step-00000002: the ranks found dif
    ! grep -q "^step" "$tmp/m3"; then
   ok "--resume of a folder whose newest checkpoint differs between hosts: every rank exits 2 before any step, naming both"
 else bad "--resume of different checkpoints" "exit $rc" "$(grep -v '^ *$' "$tmp/m3" | head -4)"; fi
+# the same where rank 0's checkpoint has nothing left to train (it returned alone, rank 1 waited)
+mpmd "$tmp/m5" --threads 1 --sample 0 --collective-timeout 60 --resume ck; rc=$?
+if [ $rc = 2 ] && grep -q "the ranks found different checkpoints there (step 2 on rank 0, step 1 on rank 1)" "$tmp/m5" &&
+   ! grep -q "^step\|nothing left" "$tmp/m5"; then
+  ok "--resume where one rank's checkpoint has nothing left to train: every rank exits 2, naming both steps"
+else bad "--resume with nothing left on one rank" "exit $rc" "$(grep -v '^ *$' "$tmp/m5" | head -4)"; fi
 
 # ---- non-finite values: SGD at lr 10 diverges to nan (at step 10 today) ----
 div=(--model tiny --steps 30 --lr 10 --optim sgd --clip 0 --warmup 0 --lr-schedule constant --batch 4 --seq 32

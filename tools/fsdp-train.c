@@ -84,8 +84,8 @@ static const char *const coll_names[FSDP_COLL_COUNT] = {"allgather", "reduce_sca
  * until the task has opened its data, an error exit (fail_all, fail_input)
  * first meets the other ranks in one all-gather of every rank's exit code (0:
  * none) and checkpoint step; the ranks without an error meet it in
- * setup_agree, called before setup's first collective and after the task's
- * open, with no other collective between. The lowest failing rank prints its
+ * setup_agree, called before setup's first collective, once the checkpoint
+ * is read and after the task's open, with no other collective between. The lowest failing rank prints its
  * message (naming itself when some ranks did not fail), and every rank exits
  * with that rank's code; ranks that resumed different steps of one --resume
  * stop alike, naming them. */
@@ -336,6 +336,8 @@ int main(int argc, char **argv) {
 
     /* --resume at or past the last step: nothing to train; --save-dir and --save-full
      * still write the loaded model (saving at another world size reshards) */
+    /* the ranks resumed one step (else none may return here alone) */
+    setup_agree(resume_dir ? ck.step : -1, resume_dir);
     int nothing_left = resume_dir && ck.step >= steps;
     if (nothing_left && rank == 0)
         printf("nothing left to train: %s is at step %lld and --steps is %d (give --steps above %lld and "
@@ -361,7 +363,7 @@ int main(int argc, char **argv) {
 
     /* data and the model (shapes only), shards, optimizer */
     task.ops->open(&task, ctx, &o);
-    setup_agree(resume_dir ? ck.step : -1, resume_dir); /* before the first collective */
+    setup_agree(-1, NULL); /* before the first collective */
     g_setup_open = 0;
     struct fsdp_module *root = task.root;
     /* MFU's peak: a short GEMM probe on every rank (or --peak-gflops), before
