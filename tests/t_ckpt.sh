@@ -343,6 +343,9 @@ if [ $rc1 = 2 ] && grep -q "unknown command 'bogus' (list, verify, to-full, to-s
    grep -q "to-full takes DIR OUT.safetensors; 1 argument given" "$tmp/e2" && [ $rc3 = 0 ] && grep -q 'to-sharded' "$tmp/h"
 then ok "fsdp-ckpt: an unknown command and a missing argument are named; --help after a command is help"
 else bad "fsdp-ckpt usage errors" "exits $rc1 $rc2 $rc3" "$(head -1 "$tmp/e1")" "$(head -1 "$tmp/e2")" "$(head -1 "$tmp/h")"; fi
+"$CKPT" list "$tmp/cf" > /dev/null 2> "$tmp/e4"; rc=$?
+[ $rc = 1 ] && grep -q "cf: no meta.json: a folder of checkpoints, not one; give one of them, e.g. .*cf/step-00000001" "$tmp/e4" &&
+  ok "fsdp-ckpt list of a --save-dir names a checkpoint in it" || bad "fsdp-ckpt list of a save folder" "exit $rc" "$(cat "$tmp/e4")"
 # a checkpoint folder renamed by hand (step-9, not step-00000009) is not one of the save's: it was
 # listed as step-00000009, which --resume then could not open
 mkdir "$tmp/ren" && cp -r "$tmp/cf/step-00000001" "$tmp/ren/" && cp -r "$tmp/cf/step-00000001" "$tmp/ren/step-9"

@@ -11,6 +11,7 @@
 
 #include <cJSON.h>
 #include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -308,8 +309,19 @@ enum fsdp_status fsdp__meta_load(struct fsdp_ctx *ctx, const char *dir, struct f
         return st;
     }
     if (stat(mpath, &sb) != 0) {
-        st = fsdp__err(ctx, FSDP_ERR_IO,
-                       "%s: no %s: not a complete checkpoint (an interrupted save never has one)", dir, FSDP__META_NAME);
+        char newest[256] = ""; /* a folder of checkpoints (fsdp-train's --save-dir) names one of them */
+        DIR *d = opendir(dir);
+        for (struct dirent *e; d && (e = readdir(d));)
+            if (!strncmp(e->d_name, "step-", 5) && !strchr(e->d_name, '.') && strlen(e->d_name) < sizeof newest &&
+                strcmp(e->d_name, newest) > 0)
+                snprintf(newest, sizeof newest, "%s", e->d_name);
+        if (d) closedir(d);
+        if (newest[0])
+            st = fsdp__err(ctx, FSDP_ERR_IO, "%s: no %s: a folder of checkpoints, not one; give one of them, e.g. %s/%s",
+                           dir, FSDP__META_NAME, dir, newest);
+        else
+            st = fsdp__err(ctx, FSDP_ERR_IO, "%s: no %s: not a complete checkpoint (an interrupted save never has one)",
+                           dir, FSDP__META_NAME);
         free(mpath);
         return st;
     }
