@@ -68,6 +68,11 @@ elif cmd == 'plain-lm':        # as plain, plus a tied lm_head.weight (nanoGPT's
     items = [(k, s, d) for k, (s, d) in t.items()]
     items.append(('lm_head.weight',) + t['transformer.wte.weight'])
     write_st(sys.argv[3], items, {'format': 'pt'})
+elif cmd == 'plain-dup':       # as plain, plus 'ln_f.bias' beside 'transformer.ln_f.bias': one parameter twice
+    t, _ = read_st(sys.argv[2])
+    items = [(k, s, d) for k, (s, d) in t.items()]
+    items.append(('ln_f.bias',) + t['transformer.ln_f.bias'])
+    write_st(sys.argv[3], items, {'format': 'pt'})
 elif cmd == 'to-hf':         # our full file -> Hugging Face GPT-2 style (bare names), optionally dropping a tensor
     t, _ = read_st(sys.argv[2])
     drop = sys.argv[4] if len(sys.argv) > 4 else None
@@ -168,6 +173,11 @@ out=$("$CKPT" to-sharded "$tmp/plain-lm.st" "$tmp/x0" --model tiny 2>&1); rc=$?
 [ $rc -eq 1 ] && grep -q "tensor 'lm_head.weight' is no parameter of the model" <<< "$out" &&
   ok "our layout with an extra lm_head.weight is not taken for HF: the extra tensor is named" ||
   bad "plain + lm_head" "exit $rc" "$out"
+py plain-dup "$tmp/full.st" "$tmp/plain-dup.st"
+out=$(train --model tiny --steps 1 --init-from "$tmp/plain-dup.st" 2>&1); rc=$?
+[ $rc -ne 0 ] && grep -q "plain-dup.st: tensors 'transformer.ln_f.bias' and 'ln_f.bias' name one parameter; keep one" <<< "$out" &&
+  ok "--init-from a file naming one parameter twice (with and without 'transformer.') says so" ||
+  bad "a parameter named twice" "exit $rc" "$(tail -2 <<< "$out")"
 out=$(train --steps 1 --resume "$tmp/sh-plain-3" 2>&1); rc=$?
 [ $rc -ne 0 ] && grep -q "holds no model config" <<< "$out" && ok "--resume of a folder without a model config asks for model flags" ||
   bad "resume without config" "exit $rc" "$(tail -2 <<< "$out")"

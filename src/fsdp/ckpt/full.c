@@ -217,10 +217,21 @@ static enum fsdp_status map_full(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
         const struct fsdp_buffer *b = fsdp_module_find_buffer(fm->root, f->t[i].name);
         if (b && !b->persistent) used[i] = 1;
     }
-    for (int i = 0; i < f->n && st == FSDP_OK; i++)
-        if (!used[i] && (ours || !fsdp__hf_ignorable(f->t[i].name)))
-            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s' matches no parameter or buffer of the model",
-                           f->path, f->t[i].name);
+    for (int i = 0; i < f->n && st == FSDP_OK; i++) {
+        if (used[i] || (!ours && fsdp__hf_ignorable(f->t[i].name))) continue;
+        /* 'ln_f.bias' beside 'transformer.ln_f.bias': one parameter named twice, not an unknown one */
+        char other[512];
+        const char *nm = f->t[i].name;
+        snprintf(other, sizeof other, "%s%s", strncmp(nm, "transformer.", 12) ? "transformer." : "",
+                 strncmp(nm, "transformer.", 12) ? nm : nm + 12);
+        int twin = strcmp(other, nm) ? fsdp__st_find(f, other) : -1;
+        if (twin >= 0 && used[twin])
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensors '%s' and '%s' name one parameter; keep one", f->path,
+                           f->t[twin].name, nm);
+        else
+            st = fsdp__err(ctx, FSDP_ERR_FORMAT, "%s: tensor '%s' matches no parameter or buffer of the model", f->path,
+                           nm);
+    }
     free(used);
     return st;
 }
