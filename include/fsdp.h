@@ -893,8 +893,10 @@ struct fsdp_model;
  * (zero-filled; call fsdp_model_init_params). Parameters must not be
  * materialized. Tied parameters land in one unit. *out is returned to the
  * caller; root stays owned by the caller and must outlive *out.
- * COLLECTIVE: no (pure layout; every rank computes the same), except for
- * HYBRID_SHARD, which splits the communicator into shard and replica groups. */
+ * COLLECTIVE: yes: HYBRID_SHARD splits the communicator into shard and
+ * replica groups, and on the shm backend the shards' shared window
+ * ([Note: shared window], src/fsdp/unit.c) is made by every rank at once
+ * (ranks that lay out different models fail alike there, naming both sizes). */
 enum fsdp_status fsdp_fully_shard(struct fsdp_ctx *ctx, struct fsdp_module *root,
                                   const struct fsdp_shard_opts *opts, struct fsdp_model **out);
 void fsdp_model_free(struct fsdp_model *fm);

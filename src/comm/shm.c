@@ -534,6 +534,31 @@ static size_t slot_bytes(int world, long long v) {
     return (b + 63) & ~(size_t)63;
 }
 
+/* The inner MPI communicator of c, with c's watchdog and schedule check:
+ * the handshakes and windows run collectives on it, and a peer that went
+ * another way must end there as it would on c, not wait without a limit. */
+static struct fsdp_comm *inner(struct fsdp_comm *c) {
+    struct fsdp_comm *m = ((struct shm_state *)c->state)->mpi;
+    m->timeout_s = c->timeout_s;
+    m->check = c->check;
+    return m;
+}
+
+/* One size on every rank before a segment is made: ranks that differ
+ * (another model or sharding on one of them) would map past the end of rank
+ * 0's segment and die of SIGBUS at the first touch, or one would skip the
+ * window the others make. FSDP_ERR_INVALID on every rank, naming both.
+ * COLLECTIVE: yes (the inner communicator). */
+static enum fsdp_status agree_size(struct fsdp_comm *c, size_t bytes, const char *what) {
+    int64_t mine[2] = {(int64_t)bytes, -(int64_t)bytes}, least[2];
+    FSDP_TRY(fsdp_comm_allreduce(inner(c), mine, least, 2, FSDP_I64, FSDP_MIN));
+    if (least[0] != -least[1])
+        return fsdp__err(c->ctx, FSDP_ERR_INVALID, "comm shm: the ranks ask for %s of different sizes (%lld bytes on "
+                         "one, %lld on another; this rank %zu): do they build the same model with the same options?",
+                         what, (long long)least[0], (long long)-least[1], bytes);
+    return FSDP_OK;
+}
+
 /* A segment of `bytes` that every rank maps: rank 0 creates and reserves it
  * (posix_fallocate: a full /dev/shm fails here, not with a SIGBUS later)
  * under a fresh name, which it broadcasts over the inner MPI communicator;
@@ -544,8 +569,7 @@ static size_t slot_bytes(int world, long long v) {
  * or named, the message set where `quiet` is 0. */
 static enum fsdp_status shared_segment(struct fsdp_comm *c, size_t bytes, const char *what, int quiet,
                                        unsigned char **map, char name[SHM_NAME_MAX]) {
-    struct shm_state *s = c->state;
-    struct fsdp_comm *m = s->mpi;
+    struct fsdp_comm *m = inner(c);
     int32_t err = 0;
     *map = NULL;
     memset(name, 0, SHM_NAME_MAX);
@@ -606,6 +630,7 @@ static enum fsdp_status attach(struct fsdp_comm *c, struct shm_state *s) {
     char name[SHM_NAME_MAX];
     size_t ctl_off = 4096, data_off = (ctl_off + (size_t)c->size * sizeof(struct shm_ctl) + 4095) & ~(size_t)4095;
     s->map_bytes = data_off + (size_t)c->size * SHM_NBUF * s->slot;
+    FSDP_TRY(agree_size(c, s->map_bytes, "the segment (FSDP_SHM_SLOT alike on every rank?)"));
     FSDP_TRY(shared_segment(c, s->map_bytes, "the segment", 0, &s->map, name));
     s->hdr = (struct shm_header *)s->map;
     s->ctl = (struct shm_ctl *)(s->map + ctl_off);
@@ -619,7 +644,7 @@ static enum fsdp_status attach(struct fsdp_comm *c, struct shm_state *s) {
     s->probe = SHM_MAGIC ^ (uint64_t)getpid();
     s->ctl[c->rank].probe_addr = (uint64_t)(uintptr_t)&s->probe;
     /* posix_fallocate zeroed the counters; everyone has mapped and written its pid */
-    enum fsdp_status st = fsdp_comm_barrier(s->mpi);
+    enum fsdp_status st = fsdp_comm_barrier(inner(c));
     if (c->rank == 0) shm_unlink(name);
     if (st != FSDP_OK) return st;
     s->peer_pid = fsdp__calloc(c->ctx, (size_t)c->size * sizeof(int32_t), FSDP_MEM_OTHER, "shm peer pids");
@@ -671,6 +696,7 @@ static enum fsdp_status shm_window(struct fsdp_comm *c, size_t bytes, void **bas
     char name[SHM_NAME_MAX];
     unsigned char *map;
     *base = NULL;
+    FSDP_TRY(agree_size(c, bytes, "a shared window"));
     if (bytes > s->window_max) return FSDP_OK;
     enum fsdp_status st = shared_segment(c, bytes, "a shared window", 1, &map, name);
     if (st == FSDP_ERR_IO) {
@@ -684,7 +710,7 @@ static enum fsdp_status shm_window(struct fsdp_comm *c, size_t bytes, void **bas
 #ifdef MADV_HUGEPAGE
     if (s->window_huge) (void)madvise(map, bytes, MADV_HUGEPAGE); /* a hint: refused is fine */
 #endif
-    st = fsdp_comm_barrier(s->mpi); /* every rank has it mapped */
+    st = fsdp_comm_barrier(inner(c)); /* every rank has it mapped */
     if (c->rank == 0) shm_unlink(name);
     if (st != FSDP_OK) {
         munmap(map, bytes);
