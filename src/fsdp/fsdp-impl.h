@@ -348,6 +348,10 @@ const char *fsdp__mp_name(enum fsdp_mixed_precision mp);
  * loss check]): loss_st, or an error naming the first rank whose loss
  * failed (micro-batch k). COLLECTIVE: yes. */
 enum fsdp_status fsdp__loss_agree(struct fsdp_ctx *ctx, enum fsdp_status loss_st, int k);
+/* st over the ranks (loss.c): this rank's own error where st failed, else an
+ * error naming the first rank whose st failed, else FSDP_OK ([Note: agreed
+ * preconditions], step.c). COLLECTIVE: yes. */
+enum fsdp_status fsdp__status_agree(struct fsdp_ctx *ctx, enum fsdp_status st, const char *what);
 
 /* The train step's loss scaling (step.c): the factor the loss gradient is
  * multiplied by (1 when disabled). */

@@ -25,7 +25,13 @@
 static enum fsdp_status first_failed(struct fsdp_ctx *ctx, enum fsdp_status st, int32_t *first) {
     int32_t me = st != FSDP_OK ? ctx->rank : ctx->world;
     *first = me;
-    return fsdp_comm_allreduce(ctx->comm, &me, first, 1, FSDP_I32, FSDP_MIN);
+    enum fsdp_status cs = fsdp_comm_allreduce(ctx->comm, &me, first, 1, FSDP_I32, FSDP_MIN);
+    /* a rank outside [0, world], or a failure named on a rank that did not fail, is no answer to this
+     * all-reduce: the peers met it from another collective (their schedule went another way) */
+    if (cs == FSDP_OK && (*first < 0 || *first > ctx->world || (*first == ctx->rank && st == FSDP_OK)))
+        return fsdp__err(ctx, FSDP_ERR_COMM, "the ranks' collectives diverged: the agreement on the loss met another "
+                         "collective of the peers (got %d; fsdp_comm_set_check names both sides)", (int)*first);
+    return cs;
 }
 
 /* With `ignore` at world > 1: *all = the row count over the ranks, or an
@@ -108,6 +114,17 @@ enum fsdp_status fsdp_model_loss(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
     if (fm->step.fwd_pending) fm->step.loss += (float)v / (float)accum; /* not an eval forward's */
     if (value) *value = v;
     fm->step.fwd_s += fsdp__now() - t0;
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp__status_agree(struct fsdp_ctx *ctx, enum fsdp_status st, const char *what) {
+    int32_t first;
+    enum fsdp_status cs = first_failed(ctx, st, &first);
+    if (st != FSDP_OK) return st;
+    if (cs != FSDP_OK) return cs;
+    if (first < ctx->world)
+        return fsdp__err(ctx, FSDP_ERR_STATE, "%s: refused on rank %d (its error says why), so on every rank", what,
+                         first);
     return FSDP_OK;
 }
 

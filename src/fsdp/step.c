@@ -659,20 +659,31 @@ static enum fsdp_status check_update(struct fsdp_ctx *ctx, float lr, float clip)
     return FSDP_OK;
 }
 
-enum fsdp_status fsdp_model_optim_step(struct fsdp_ctx *ctx, struct fsdp_model *fm, float lr, float clip,
-                                       struct fsdp_step_result *res) {
-    struct fsdp_step_result unread;
-    if (!res) res = &unread; /* nothing to report to */
+/* What the optimizer step needs of this rank's model and values. */
+static enum fsdp_status optim_ready(struct fsdp_ctx *ctx, struct fsdp_model *fm, float lr, float clip) {
     FSDP_TRY(check_update(ctx, lr, clip));
     FSDP_TRY(fsdp__check_unsummoned(ctx, fm, "optimizer step"));
     if (!fm->optim)
         return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: no optimizer attached (fsdp_model_attach_optim)");
-    struct fsdp__step *sp = &fm->step;
-    if (!sp->n_backward)
+    if (!fm->step.n_backward)
         return fsdp__err(ctx, FSDP_ERR_STATE, "optimizer step without a backward since the last one");
-    if (sp->unsynced && ctx->world > 1)
+    if (fm->step.unsynced && ctx->world > 1)
         return fsdp__err(ctx, FSDP_ERR_STATE, "optimizer step after a backward with gradient sync off: the "
                          "step's last backward must reduce (fsdp_model_set_grad_sync(fm, 1))");
+    return FSDP_OK;
+}
+
+/* The optimizer step; `agree`: its preconditions agreed over the ranks
+ * first ([Note: agreed preconditions]), which the composed step did before
+ * its forward. */
+static enum fsdp_status optim_step(struct fsdp_ctx *ctx, struct fsdp_model *fm, float lr, float clip,
+                                   struct fsdp_step_result *res, int agree) {
+    struct fsdp_step_result unread;
+    if (!res) res = &unread; /* nothing to report to */
+    enum fsdp_status ready = optim_ready(ctx, fm, lr, clip);
+    if (agree && ctx->world > 1) ready = fsdp__status_agree(ctx, ready, "optimizer step");
+    FSDP_TRY(ready);
+    struct fsdp__step *sp = &fm->step;
     double t2 = fsdp__now();
     float local_loss = sp->loss, loss_scale = sp->loss_scale;
     double w0 = sp->w0, fwd_s = sp->fwd_s, bwd_s = sp->bwd_s;
@@ -718,6 +729,11 @@ enum fsdp_status fsdp_model_optim_step(struct fsdp_ctx *ctx, struct fsdp_model *
     return st;
 }
 
+enum fsdp_status fsdp_model_optim_step(struct fsdp_ctx *ctx, struct fsdp_model *fm, float lr, float clip,
+                                       struct fsdp_step_result *res) {
+    return optim_step(ctx, fm, lr, clip, res, 1);
+}
+
 enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *fm,
                                        const int32_t *inputs, const int32_t *targets, int B, int T,
                                        float lr, float clip, struct fsdp_step_result *res) {
@@ -742,10 +758,16 @@ enum fsdp_status fsdp_model_train_step(struct fsdp_ctx *ctx, struct fsdp_model *
 static enum fsdp_dtype output_dtype(const struct fsdp_model *fm) { return fm->root->compute_dtype; }
 
 /* The composition of the split step ([Note: the split step]). */
-enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_model *fm,
-                                             const int32_t *inputs, const int32_t *targets, int B, int T,
-                                             int accum, enum fsdp_grad_accum mode, float lr, float clip,
-                                             struct fsdp_step_result *res) {
+/* [Note: agreed preconditions] A step that one rank refuses before its
+ * first collective (a NaN learning rate, no optimizer attached, a unit left
+ * gathered on that rank alone) left the others in the step's first
+ * collective, ended only by a watchdog (none by default). So the composed
+ * step agrees on its preconditions over the ranks before its forward, and
+ * fsdp_model_optim_step on its own before the losses' all-gather: one 4-byte
+ * all-reduce at world > 1; every rank then refuses alike, the ranks whose own
+ * checks passed naming the first that failed. */
+static enum fsdp_status train_ready(struct fsdp_ctx *ctx, struct fsdp_model *fm, int accum,
+                                    enum fsdp_grad_accum mode, float lr, float clip) {
     FSDP_TRY(check_update(ctx, lr, clip));
     FSDP_TRY(fsdp__check_unsummoned(ctx, fm, "optimizer step"));
     if (!fm->optim)
@@ -760,6 +782,16 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
     if (fm->step.open)
         return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: a step of separate forward/backward calls is open "
                          "(end it with fsdp_model_optim_step)");
+    return FSDP_OK;
+}
+
+enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_model *fm,
+                                             const int32_t *inputs, const int32_t *targets, int B, int T,
+                                             int accum, enum fsdp_grad_accum mode, float lr, float clip,
+                                             struct fsdp_step_result *res) {
+    enum fsdp_status ready = train_ready(ctx, fm, accum, mode, lr, clip);
+    if (ctx->world > 1) ready = fsdp__status_agree(ctx, ready, "train_step"); /* [Note: agreed preconditions] */
+    FSDP_TRY(ready);
     int sync_off = fm->step.sync_off;
     enum fsdp_status st = FSDP_OK;
     for (int k = 0; k < accum && st == FSDP_OK; k++) {
@@ -775,7 +807,7 @@ enum fsdp_status fsdp_model_train_step_accum(struct fsdp_ctx *ctx, struct fsdp_m
         if (st == FSDP_OK) st = fsdp_model_backward(ctx, fm, &logits);
     }
     fm->step.sync_off = sync_off;
-    if (st == FSDP_OK) return fsdp_model_optim_step(ctx, fm, lr, clip, res);
+    if (st == FSDP_OK) return optim_step(ctx, fm, lr, clip, res, 0); /* agreed above */
     fsdp__model_reshard_all(ctx, fm); /* a failed loss leaves the forward's units gathered */
     step_abandon(fm);
     return st;
