@@ -659,12 +659,18 @@ static enum fsdp_status check_update(struct fsdp_ctx *ctx, float lr, float clip)
     return FSDP_OK;
 }
 
-/* What the optimizer step needs of this rank's model and values. */
-static enum fsdp_status optim_ready(struct fsdp_ctx *ctx, struct fsdp_model *fm, float lr, float clip) {
+/* What any update needs: good values, no summon, an optimizer. */
+static enum fsdp_status update_ready(struct fsdp_ctx *ctx, struct fsdp_model *fm, float lr, float clip) {
     FSDP_TRY(check_update(ctx, lr, clip));
     FSDP_TRY(fsdp__check_unsummoned(ctx, fm, "optimizer step"));
     if (!fm->optim)
         return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: no optimizer attached (fsdp_model_attach_optim)");
+    return FSDP_OK;
+}
+
+/* What the optimizer step needs of this rank's model and values. */
+static enum fsdp_status optim_ready(struct fsdp_ctx *ctx, struct fsdp_model *fm, float lr, float clip) {
+    FSDP_TRY(update_ready(ctx, fm, lr, clip));
     if (!fm->step.n_backward)
         return fsdp__err(ctx, FSDP_ERR_STATE, "optimizer step without a backward since the last one");
     if (fm->step.unsynced && ctx->world > 1)
@@ -768,10 +774,7 @@ static enum fsdp_dtype output_dtype(const struct fsdp_model *fm) { return fm->ro
  * checks passed naming the first that failed. */
 static enum fsdp_status train_ready(struct fsdp_ctx *ctx, struct fsdp_model *fm, int accum,
                                     enum fsdp_grad_accum mode, float lr, float clip) {
-    FSDP_TRY(check_update(ctx, lr, clip));
-    FSDP_TRY(fsdp__check_unsummoned(ctx, fm, "optimizer step"));
-    if (!fm->optim)
-        return fsdp__err(ctx, FSDP_ERR_STATE, "train_step: no optimizer attached (fsdp_model_attach_optim)");
+    FSDP_TRY(update_ready(ctx, fm, lr, clip));
     if (accum < 1 || (mode != FSDP_ACCUM_REDUCE_EACH && mode != FSDP_ACCUM_NO_SYNC))
         return fsdp__err(ctx, FSDP_ERR_INVALID,
                          "train_step: gradient accumulation (--grad-accum) %d with mode %d: need >= 1 "

@@ -115,6 +115,12 @@ static enum fsdp_status parse_buffers(struct fsdp_ctx *ctx, const char *mpath, c
     return st;
 }
 
+/* The ranges meta.json's numbers may take: the reader refuses others, and
+ * the writer (meta_refused) will not write them. */
+#define META_COUNT_MAX (INT64_C(1) << 52) /* steps, counters, byte offsets: exact in a double */
+#define META_CONFIG_MAX (1 << 30)        /* each field of model_config, at least 1 */
+static const char *const config_names[5] = {"n_layer", "n_head", "n_embd", "vocab_size", "block_size"};
+
 static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, const cJSON *root, struct fsdp__meta *mt) {
     enum fsdp_status st = FSDP_OK;
     const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(root, "format");
@@ -123,8 +129,8 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
     int64_t v, world, step, dstep, ostep;
     if (!get_int(root, "version", 1, 1, &v)) return BAD("%s: unsupported \"version\" (want 1)", mpath);
     if (!get_int(root, "world", 1, 1 << 20, &world)) return BAD("%s: \"world\" is missing or invalid", mpath);
-    if (!get_int(root, "step", 0, INT64_C(1) << 52, &step) || !get_int(root, "data_step", 0, INT64_C(1) << 52, &dstep) ||
-        !get_int(root, "optim_step", 0, INT64_C(1) << 52, &ostep))
+    if (!get_int(root, "step", 0, META_COUNT_MAX, &step) || !get_int(root, "data_step", 0, META_COUNT_MAX, &dstep) ||
+        !get_int(root, "optim_step", 0, META_COUNT_MAX, &ostep))
         return BAD("%s: \"step\", \"data_step\" or \"optim_step\" is missing or invalid", mpath);
     mt->m.world = (int)world;
     mt->m.step = step;
@@ -138,10 +144,9 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
     const cJSON *cfg = cJSON_GetObjectItemCaseSensitive(root, "model_config");
     if (cfg) {
         int64_t x[5];
-        const char *names[5] = {"n_layer", "n_head", "n_embd", "vocab_size", "block_size"};
         for (int i = 0; i < 5; i++)
-            if (!get_int(cfg, names[i], 1, 1 << 30, &x[i]))
-                return BAD("%s: model_config.%s is missing or invalid", mpath, names[i]);
+            if (!get_int(cfg, config_names[i], 1, META_CONFIG_MAX, &x[i]))
+                return BAD("%s: model_config.%s is missing or invalid", mpath, config_names[i]);
         mt->m.config = (struct fsdp_gpt_config){(int)x[0], (int)x[1], (int)x[2], (int)x[3], (int)x[4]};
         mt->m.has_config = 1;
     }
@@ -170,7 +175,7 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
         const cJSON *sc = cJSON_GetObjectItemCaseSensitive(ls, "scale");
         int64_t gt, sk;
         if (!cJSON_IsNumber(sc) || !(sc->valuedouble > 0 && sc->valuedouble < 1e300) ||
-            !get_int(ls, "growth_tracker", 0, INT64_C(1) << 52, &gt) || !get_int(ls, "skipped", 0, INT64_C(1) << 52, &sk))
+            !get_int(ls, "growth_tracker", 0, META_COUNT_MAX, &gt) || !get_int(ls, "skipped", 0, META_COUNT_MAX, &sk))
             return BAD("%s: \"loss_scale\" needs a positive \"scale\", \"growth_tracker\" and \"skipped\"", mpath);
         mt->m.has_loss_scale = 1;
         mt->m.loss_scale = sc->valuedouble;
@@ -196,7 +201,7 @@ static enum fsdp_status meta_parse(struct fsdp_ctx *ctx, const char *mpath, cons
         int64_t b;
         if (!cJSON_IsString(nm) || strchr(nm->valuestring, '/') || !nm->valuestring[0] ||
             !strcmp(nm->valuestring, ".") || !strcmp(nm->valuestring, "..") ||
-            !get_int(e, "bytes", 8, INT64_C(1) << 52, &b))
+            !get_int(e, "bytes", 8, META_COUNT_MAX, &b))
             return BAD("%s: files[%d] needs a plain \"name\" and \"bytes\"", mpath, mt->n_files);
         for (int i = 0; i < mt->n_files; i++)
             if (!strcmp(mt->files[i].name, nm->valuestring))
@@ -404,16 +409,16 @@ static int add_buffer(cJSON *bufs, const struct fsdp__meta_buffer *b) {
 /* What meta_parse would refuse in m, said into why (n bytes); 0 when none: a
  * save writes nothing its own load cannot read. */
 static int meta_refused(const struct fsdp_ckpt_meta *m, char *why, size_t n) {
-    const int64_t most = INT64_C(1) << 52;
+    const int64_t most = META_COUNT_MAX;
     if (m->step < 0 || m->step > most || m->data_step < 0 || m->data_step > most || m->optim_step < 0 ||
         m->optim_step > most)
         return snprintf(why, n, "step %lld, data_step %lld, optim_step %lld (each 0 to 2^52)", (long long)m->step,
                         (long long)m->data_step, (long long)m->optim_step), 1;
     const int c[5] = {m->config.n_layer, m->config.n_head, m->config.n_embd, m->config.vocab_size,
                       m->config.block_size};
-    const char *names[5] = {"n_layer", "n_head", "n_embd", "vocab_size", "block_size"};
     for (int i = 0; i < 5 && m->has_config; i++)
-        if (c[i] < 1 || c[i] > 1 << 30) return snprintf(why, n, "config.%s is %d (1 to 2^30)", names[i], c[i]), 1;
+        if (c[i] < 1 || c[i] > META_CONFIG_MAX)
+            return snprintf(why, n, "config.%s is %d (1 to 2^30)", config_names[i], c[i]), 1;
     if (!memchr(m->model_json, 0, sizeof m->model_json) || !memchr(m->train_config, 0, sizeof m->train_config))
         return snprintf(why, n, "%s does not end within its %zu bytes",
                         !memchr(m->model_json, 0, sizeof m->model_json) ? "model_json" : "train_config",
