@@ -12,7 +12,8 @@
 # checkpoints), two jobs on one --save-dir, a save that runs out of space
 # removing what it made, a resume with nothing left to train, fsdp-ckpt
 # verify against the model config, SIGKILL of mpirun, --comm self with 2
-# ranks, small flag checks.
+# ranks, an input, a --save-dir or a checkpoint that differs between two
+# hosts (ranks in two folders), small flag checks.
 # Prints "N passed, N failed" at the end.
 . "$(dirname "$0")/lib.sh"
 
@@ -461,6 +462,20 @@ mpmd "$tmp/m4" "${one[@]}" --data d.txt --save-dir par/sd; rc=$?
 if [ $rc = 1 ] && grep -q "error: rank 1 (1 of 2 ranks failed here, the others did not): --save-dir 'par/sd' is not a folder on this rank's host" "$tmp/m4" &&
    ! grep -q "^step" "$tmp/m4"; then ok "--save-dir missing on rank 1's host: every rank exits 1 before step 1, naming it"
 else bad "--save-dir missing on one host" "exit $rc" "$(grep -v '^ *$' "$tmp/m4" | head -4)"; fi
+# a --save-dir of one name on each host's own disk: refused before step 1 (the first save failed, after
+# --save-every steps of training, naming a rank file rank 0 could not open); one folder reached by two
+# paths (a link on one host) is one folder and trains
+mkdir -p "$tmp/h1/par/sd" && echo "pid 1 on elsewhere" > "$tmp/h1/par/sd/.lock"
+mpmd "$tmp/m6" "${one[@]}" --data d.txt --save-dir par/sd --save-every 1; rc=$?
+if [ $rc = 1 ] && grep -q "error: rank 1 (1 of 2 ranks failed here, the others did not): --save-dir 'par/sd' on this rank's host is not the folder rank 0 locked (its .lock holds \"pid 1 on elsewhere\", rank 0 wrote \"pid [0-9]* on .*\"): every rank writes its file there, so the ranks must share one folder" "$tmp/m6" &&
+   ! grep -q "^step" "$tmp/m6" && [ ! -e "$tmp/h0/par/sd/step-00000001" ] &&
+   [ "$(cat "$tmp/h1/par/sd/.lock")" = "pid 1 on elsewhere" ]; then
+  ok "--save-dir on each host's own disk: every rank exits 1 before step 1, naming both locks; rank 1's lock untouched"
+else bad "--save-dir not shared" "exit $rc" "$(grep -v '^ *$' "$tmp/m6" | head -4)"; fi
+rm -rf "$tmp/h1/par/sd" && ln -s "$tmp/h0/par/sd" "$tmp/h1/par/sd"
+mpmd "$tmp/m7" "${one[@]}" --data d.txt --save-dir par/sd --save-every 1; rc=$?
+if [ $rc = 0 ] && [ -e "$tmp/h0/par/sd/step-00000002/meta.json" ]; then ok "--save-dir shared through a link on one host: trains and saves"
+else bad "--save-dir shared through a link" "exit $rc" "$(grep -v '^ *$' "$tmp/m7" | tail -4)"; fi
 # a --resume folder whose newest checkpoint differs between the hosts
 timeout -k 5 120 "$TRAIN" "${one[@]}" --nproc 2 --save-dir "$tmp/h0/ck" --save-every 1 > "$tmp/m2" 2>&1 ||
   bad "2 steps saved" "$(tail -2 "$tmp/m2")"

@@ -6,12 +6,18 @@
  * ([Note: agreed preconditions], src/fsdp/step.c; the other ranks waited in
  * the step's first collective), and the same step with good values then runs
  * on all; ranks that lay out different models refuse the shm backend's shared
- * window alike, naming both sizes (the larger rank died of SIGBUS).
+ * window alike, naming both sizes (the larger rank died of SIGBUS); ranks
+ * that save a checkpoint into folders they do not share (each host's own
+ * disk) all fail naming that, and leave nothing behind (rank 0 named a rank
+ * file it could not open).
  */
 #include "fsdp.h"
 #include "harness.h"
 
+#include <dirent.h>
 #include <math.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include "mpi_harness.h"
 
@@ -94,6 +100,32 @@ TEST(different_models_refuse_the_shared_window_alike) {
     CHECK_OK(fsdp_model_train_step(s, r.fm, in, in, 2, 8, 1e-3f, 1.0f, &res), s);
     run_close(&r);
     fsdp_ctx_free(s);
+}
+
+/* the entries of folder d, "." and ".." aside */
+static int entries(const char *d) {
+    DIR *dd = opendir(d);
+    int n = 0;
+    for (struct dirent *e; dd && (e = readdir(dd));) n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    if (dd) closedir(dd);
+    return dd ? n : -1;
+}
+
+TEST(a_save_into_folders_the_ranks_do_not_share_is_named_and_leaves_nothing) {
+    struct fsdp_ctx *c = get_ctx();
+    if (fsdp_ctx_world(c) < 2) SKIP("a world of one");
+    char base[] = "/tmp/fsdp_misuse_XXXXXX", ck[64];
+    ASSERT(mkdtemp(base) != NULL); /* each rank its own: each host's own disk */
+    snprintf(ck, sizeof ck, "%s/ck", base);
+    struct run r;
+    ASSERT_OK(run_open(c, 0, &r), c);
+    enum fsdp_status st = fsdp_ckpt_save(c, r.fm, ck, NULL);
+    CHECK_INT_EQ(st, FSDP_ERR_INVALID);
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "rank 1 wrote its file, but not into");
+    CHECK_STR_CONTAINS(fsdp_errmsg(c), "the ranks do not share the checkpoint folder");
+    CHECK_INT_EQ(entries(base), 0); /* no ck, no ck.tmp on any rank */
+    rmdir(base);
+    run_close(&r);
 }
 
 TEST_MAIN()

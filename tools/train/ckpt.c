@@ -165,7 +165,8 @@ void save_ckpt(struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o
  * lock file stays (removing it would let a third job lock a new file while a
  * second still waits on the old). */
 
-static int g_lock_fd = -1; /* DIR/.lock, held until exit */
+static int g_lock_fd = -1;      /* DIR/.lock, held until exit */
+static char g_lock_line[320];   /* what rank 0 wrote into it */
 
 /* The folder holding path: "." for a bare name. */
 static void dir_of(const char *path, char *buf, size_t n) {
@@ -382,7 +383,9 @@ static int check_save_dir(struct fsdp_ctx *ctx, const char *dir, const struct op
     gethostname(host, sizeof host - 1);
     host[sizeof host - 1] = 0;
     int len = snprintf(line, sizeof line, "pid %ld on %s\n", (long)getpid(), host);
-    if (ftruncate(fd, 0) != 0 || pwrite(fd, line, (size_t)len, 0) != len) { /* only informs the other job */ }
+    /* it informs another job, and the other ranks compare it (check_outputs): on their hosts too */
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, line, (size_t)len, 0) != len || fsync(fd) != 0) line[0] = 0;
+    snprintf(g_lock_line, sizeof g_lock_line, "%s", line);
     g_lock_fd = fd;
     return 0;
 }
@@ -459,6 +462,26 @@ void check_outputs(struct fsdp_ctx *ctx, const struct opts *o, long start, long 
         else if (fsdp_ctx_rank(ctx) != 0 && access(o->save_dir, W_OK | X_OK) != 0)
             mine = 1, snprintf(err, sizeof err, "--save-dir '%s': cannot write in it on this rank's host: %s",
                                o->save_dir, strerror(errno));
+        agree_or_fail(mine, err);
+        /* ... and the one rank 0 locked: a folder of the same name on each host's own disk passed the
+         * checks above, then the first save failed (after --save-every steps of training) */
+        char line[sizeof g_lock_line], seen[sizeof g_lock_line] = "";
+        snprintf(line, sizeof line, "%s", g_lock_line);
+        if (fsdp_comm_broadcast(fsdp_ctx_comm(ctx), line, sizeof line, FSDP_U8, 0) != FSDP_OK)
+            fail_rank("%s", fsdp_errmsg(ctx));
+        line[sizeof line - 1] = 0;
+        char lock[4096];
+        snprintf(lock, sizeof lock, "%s/.lock", o->save_dir);
+        ssize_t r = fsdp_ctx_rank(ctx) != 0 && line[0] ? read_head(lock, seen, sizeof seen - 1) : 0;
+        seen[r > 0 ? r : 0] = 0;
+        mine = fsdp_ctx_rank(ctx) != 0 && line[0] && strcmp(seen, line);
+        line[strcspn(line, "\n")] = 0;
+        seen[strcspn(seen, "\n")] = 0;
+        if (mine)
+            snprintf(err, sizeof err, "--save-dir '%s' on this rank's host is not the folder rank 0 locked (its .lock "
+                     "holds %s%s%s, rank 0 wrote \"%s\"): every rank writes its file there, so the ranks must share "
+                     "one folder, on a file system all hosts see", o->save_dir, seen[0] ? "\"" : "nothing",
+                     seen, seen[0] ? "\"" : "", line);
         agree_or_fail(mine, err);
     }
 }

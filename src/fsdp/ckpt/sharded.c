@@ -107,6 +107,16 @@ static enum fsdp_status save_rank_file(struct fsdp_ctx *ctx, struct fsdp_model *
     return st;
 }
 
+/* Rank r's file is not in rank 0's tmpdir although every rank wrote its own
+ * (they agreed so first): the ranks wrote into different folders, each host
+ * its own disk or each rank its own path (reported as a file rank 0 could not
+ * open before). */
+static enum fsdp_status not_shared(struct fsdp_ctx *ctx, const char *tmpdir, int r) {
+    return fsdp__err(ctx, FSDP_ERR_INVALID, "ckpt_save: rank %d wrote its file, but not into %s, which rank 0 "
+                     "wrote into: the ranks do not share the checkpoint folder (another path on each rank, or "
+                     "each host's own disk); give every rank one folder on a file system they all see", r, tmpdir);
+}
+
 /* [Note: files of one save] meta.json's sizes alone let a rank file of
  * another save of the same model and world (a copy gone wrong) pass: it
  * loaded, and the resumed run went elsewhere. Each file's entry also
@@ -128,7 +138,10 @@ static enum fsdp_status describe(struct fsdp_ctx *ctx, struct fsdp_model *fm, co
         char name[64];
         fsdp__ckpt_rank_file_name(name, sizeof name, r, world);
         char *path = fsdp__path_join(tmpdir, name);
-        enum fsdp_status st = path ? fsdp__st_open(ctx, path, &files[r]) : fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory");
+        struct stat sb;
+        enum fsdp_status st = !path ? fsdp__err(ctx, FSDP_ERR_NOMEM, "out of memory")
+                              : r > 0 && lstat(path, &sb) != 0 && errno == ENOENT ? not_shared(ctx, tmpdir, r)
+                                                                                  : fsdp__st_open(ctx, path, &files[r]);
         free(path);
         FSDP_TRY(st);
         struct fsdp__meta_file *f = &mt->files[mt->n_files++];
