@@ -9,7 +9,11 @@
  * window alike, naming both sizes (the larger rank died of SIGBUS); ranks
  * that save a checkpoint into folders they do not share (each host's own
  * disk) all fail naming that, and leave nothing behind (rank 0 named a rank
- * file it could not open).
+ * file it could not open); on the shm backend with the schedule check off,
+ * collectives the last rank starts differently (another count, op or dtype,
+ * a size that takes the single-copy path, one collective more) fail on every
+ * rank naming both sides ([Note: collective ids], src/comm/shm.c; they
+ * completed with wrong data).
  */
 #include "fsdp.h"
 #include "harness.h"
@@ -126,6 +130,42 @@ TEST(a_save_into_folders_the_ranks_do_not_share_is_named_and_leaves_nothing) {
     CHECK_INT_EQ(entries(base), 0); /* no ck, no ck.tmp on any rank */
     rmdir(base);
     run_close(&r);
+}
+
+TEST(different_collectives_on_shm_fail_on_every_rank_naming_both) {
+    struct fsdp_ctx *c = get_ctx();
+    int rank = fsdp_ctx_rank(c), world = fsdp_ctx_world(c);
+    if (world < 2) SKIP("a world of one");
+    int last = rank == world - 1;
+    const char *names[5] = {"count", "op", "dtype", "path", "one more"};
+    for (int k = 0; k < 5; k++) {
+        struct fsdp_ctx *s = shm_ctx_window(NULL);
+        ASSERT(s != NULL);
+        struct fsdp_comm *m = fsdp_ctx_comm(s);
+        fsdp_comm_set_check(m, 0);
+        fsdp_comm_set_timeout(m, 30); /* a regression times out (the case of another path hung) */
+        size_t n = 40000; /* per rank: 160 KB of F32, past the single-copy threshold */
+        float *in = calloc(n * (size_t)world, sizeof *in), *out = calloc(n * (size_t)world, sizeof *out);
+        ASSERT(in && out);
+        enum fsdp_status st = FSDP_OK;
+        switch (k) {
+        case 0: st = fsdp_comm_allgather(m, in, out, last ? 5 : 4, FSDP_F32); break;
+        case 1: st = fsdp_comm_allreduce(m, in, out, 8, FSDP_F32, last ? FSDP_MAX : FSDP_SUM); break;
+        case 2: st = fsdp_comm_allgather(m, in, out, 8, last ? FSDP_BF16 : FSDP_F32); break;
+        case 3: st = fsdp_comm_reduce_scatter(m, in, out, last ? n : 8, FSDP_F32, FSDP_SUM); break;
+        case 4:
+            if (rank == 0) st = fsdp_comm_barrier(m);
+            if (st == FSDP_OK) st = fsdp_comm_allreduce(m, in, out, 8, FSDP_F32, FSDP_SUM);
+            break;
+        }
+        if (st != FSDP_ERR_COMM || !strstr(fsdp_errmsg(s), "the ranks run different collectives"))
+            printf("case '%s' on rank %d: status %d, %s\n", names[k], rank, (int)st, fsdp_errmsg(s));
+        CHECK_INT_EQ(st, FSDP_ERR_COMM);
+        CHECK_STR_CONTAINS(fsdp_errmsg(s), "the ranks run different collectives");
+        free(in);
+        free(out);
+        fsdp_ctx_free(s);
+    }
 }
 
 TEST_MAIN()

@@ -34,6 +34,15 @@ struct shm_header {
     _Atomic uint32_t aborted; /* 1 + the rank that aborted the job, or 0 */
 };
 
+/* What a rank runs ([Note: collective ids] in shm.c): written by its owner
+ * before the counter that publishes it, read by the peers after it. */
+struct shm_coll_id {
+    _Alignas(64) _Atomic uint64_t req; /* the request's number on this communicator (1-based; 0: being written) */
+    _Atomic uint64_t count;
+    _Atomic uint64_t desc; /* type | dtype << 8 | op << 16 | root << 32 */
+    char tag[40];          /* for the message only */
+};
+
 struct shm_ctl {
     _Atomic uint32_t posted;   /* rounds whose contribution this rank has put in its slot */
     _Atomic uint32_t posted_waiters;
@@ -53,6 +62,9 @@ struct shm_ctl {
     _Atomic uint32_t xdone;    /* single-copy collectives this rank has finished reading */
     _Atomic uint32_t xdone_waiters;
     char pad4[56];
+    struct shm_coll_id rid[SHM_NBUF]; /* the collective of this rank's round in each buffer */
+    struct shm_coll_id xid;           /* ... of its published single-copy buffer */
+    struct shm_coll_id cur;           /* ... it runs now */
 };
 
 struct shm_req {
@@ -66,11 +78,12 @@ struct shm_req {
     float scale;      /* the fp32 cross-memory reduce-scatter's last addition: (a + b) * scale */
     int root;
     uint64_t seq;     /* 1-based number of this collective on this communicator */
+    uint64_t req;     /* 1-based number of this request (the schedule check's exchanges count) */
     double t_start;   /* when it was started (the watchdog's clock) */
     char tag[64];     /* c->tag at the start */
     int done;         /* under mu */
     enum fsdp_status st;
-    char err[256];
+    char err[512];
 };
 
 struct shm_state {
@@ -84,6 +97,7 @@ struct shm_state {
     float *acc;            /* (2, slot / 8) fp32: accumulators and a conversion
                               buffer for BF16/F16 reductions (slot bytes) */
     uint32_t round;        /* progress thread only */
+    uint64_t nreq;         /* requests started (the compute thread's) */
     pthread_t thread;
     int thread_started;
     pthread_mutex_t mu;
@@ -93,7 +107,7 @@ struct shm_state {
     int failed;                  /* progress thread: a peer died or aborted */
     int32_t *peer_pid;           /* (world) pids to watch; 0 where not visible from here
                                     (another PID namespace): never declared dead */
-    char fail_msg[256];          /* progress thread: why */
+    char fail_msg[512];          /* progress thread: why */
     /* single copy (see [Note: single copy]) */
     int cma;                     /* every rank can process_vm_readv every other, and uses it
                                     for: 0 nothing, 1 reduce-scatters, 2 also all-gathers
@@ -120,6 +134,12 @@ const char *fsdp__shm_req_what(const struct shm_req *q, char *buf, size_t n);
 int fsdp__shm_fail_dead(struct shm_state *s, struct fsdp_comm *c, int peer, const struct shm_req *q);
 int fsdp__shm_fail_aborted(struct shm_state *s, struct fsdp_comm *c, uint32_t ab, int peer,
                            const struct shm_req *q);
+/* [Note: collective ids]: publishes q in id; compares rank peer's id with q
+ * (0, or -1 naming both with the failure recorded); `now`: the peer's
+ * current one, compared only where it is the same request. */
+void fsdp__shm_id_set(struct shm_coll_id *id, const struct shm_req *q);
+int fsdp__shm_id_check(struct shm_state *s, struct fsdp_comm *c, const struct shm_coll_id *id, int peer,
+                       const struct shm_req *q, int now);
 /* Waits until *w >= target (mod 2^32) set by rank peer: spin, then futex; the
  * watchdog and dead-peer checks apply. 0, or -1 with the failure recorded. */
 int fsdp__shm_wait_ge(struct shm_state *s, struct fsdp_comm *c, _Atomic uint32_t *w, _Atomic uint32_t *waiters,

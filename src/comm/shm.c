@@ -31,6 +31,24 @@
  * read the previous one. Counters are 32-bit (futex words) and compared
  * modulo 2^32.
  *
+ * [Note: collective ids]
+ * Rounds pair collectives by their order alone: ranks that started different
+ * ones (an all-gather of 4 elements against one of 5, F32 against BF16, SUM
+ * against MAX, one rank's extra collective: an evaluation run on rank 0 only)
+ * completed them with wrong data, silently, unless the schedule check was on
+ * ([Note: schedule check] in comm.c). So each rank publishes what its round
+ * holds (ctl.rid, by buffer) before the counter that posts it, and what its
+ * single-copy buffer is for (ctl.xid) before its address: the request's
+ * number, type, count, dtype, op and root. A reader compares them with its
+ * own request after each wait, before it reads any data, and fails naming
+ * both. Collectives whose sizes chose different paths (the slots on one
+ * rank, single copy on the other) wait on different counters and would meet
+ * only the watchdog: a rank that waits long also compares the peer's current
+ * request (ctl.cur), where it has the same number. Requests are numbered by
+ * the backend (the schedule check's own exchanges count too), so equal
+ * schedules have equal numbers; the cost is three stores per round and per
+ * start, and three loads per wait.
+ *
  * [Note: single copy] (shm_cma.c): where the kernel allows it, readers copy
  * straight from the owner's buffer with process_vm_readv instead of through
  * the slots.
@@ -144,6 +162,63 @@ int fsdp__shm_fail_aborted(struct shm_state *s, struct fsdp_comm *c, uint32_t ab
     return -1;
 }
 
+/* ---- Collective ids ([Note: collective ids]) ---- */
+
+static uint64_t id_desc(const struct shm_req *q) {
+    return (uint64_t)q->base.coll | (uint64_t)q->dt << 8 | (uint64_t)q->op << 16 | (uint64_t)(uint32_t)q->root << 32;
+}
+
+void fsdp__shm_id_set(struct shm_coll_id *id, const struct shm_req *q) {
+    atomic_store_explicit(&id->req, 0, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
+    atomic_store_explicit(&id->count, q->count, memory_order_relaxed);
+    atomic_store_explicit(&id->desc, id_desc(q), memory_order_relaxed);
+    memcpy(id->tag, q->tag, sizeof id->tag - 1);
+    id->tag[sizeof id->tag - 1] = '\0';
+    atomic_store_explicit(&id->req, q->req, memory_order_release);
+}
+
+static void id_describe(uint64_t req, uint64_t count, uint64_t desc, const char *tag, char *buf, size_t n) {
+    enum fsdp_coll coll = (enum fsdp_coll)(desc & 0xff);
+    unsigned dt = (unsigned)(desc >> 8 & 0xff), op = (unsigned)(desc >> 16 & 0xff);
+    int root = (int)(uint32_t)(desc >> 32);
+    static const char *const ops[] = {"sum", "max", "min"}; /* an average runs as a sum (enqueue) */
+    char what[96] = "barrier";
+    if (coll != FSDP_COLL_BARRIER)
+        snprintf(what, sizeof what, "%s of %llu x %s", (unsigned)coll < FSDP_COLL_COUNT ? fsdp__coll_name(coll) : "?",
+                 (unsigned long long)count, dt <= (unsigned)FSDP_I64 ? fsdp_dtype_name((enum fsdp_dtype)dt) : "?");
+    char how[32] = "";
+    if (coll == FSDP_COLL_REDUCE_SCATTER || coll == FSDP_COLL_ALLREDUCE)
+        snprintf(how, sizeof how, ", %s", op < 3 ? ops[op] : "?");
+    if (coll == FSDP_COLL_BROADCAST) snprintf(how, sizeof how, " from rank %d", root);
+    snprintf(buf, n, "%s%s (request %llu%s%.40s)", what, how, (unsigned long long)req, tag[0] ? ", tag " : "", tag);
+}
+
+int fsdp__shm_id_check(struct shm_state *s, struct fsdp_comm *c, const struct shm_coll_id *id, int peer,
+                       const struct shm_req *q, int now) {
+    struct shm_coll_id *w = (struct shm_coll_id *)id;
+    uint64_t req = atomic_load_explicit(&w->req, memory_order_acquire);
+    if (now && req != q->req) return 0; /* the peer is elsewhere: not comparable */
+    uint64_t count = atomic_load_explicit(&w->count, memory_order_relaxed);
+    uint64_t desc = atomic_load_explicit(&w->desc, memory_order_relaxed);
+    char tag[sizeof id->tag];
+    memcpy(tag, id->tag, sizeof tag);
+    tag[sizeof tag - 1] = '\0';
+    atomic_thread_fence(memory_order_acquire);
+    if (now && atomic_load_explicit(&w->req, memory_order_relaxed) != req) return 0; /* rewritten meanwhile */
+    if (req == q->req && count == q->count && desc == id_desc(q)) return 0;
+    char mine[160], theirs[160];
+    id_describe(q->req, q->count, id_desc(q), q->tag, mine, sizeof mine);
+    id_describe(req, count, desc, tag, theirs, sizeof theirs);
+    snprintf(s->fail_msg, sizeof s->fail_msg,
+             "shm: the ranks run different collectives: rank %d %s, rank %d %s; every rank must start the same "
+             "collectives in the same order", c->rank, mine, peer, theirs);
+    fprintf(stderr, "fsdp: %s\n", s->fail_msg);
+    fflush(stderr);
+    s->failed = 1;
+    return -1;
+}
+
 /* Waits until *w >= target (mod 2^32), w being a counter of rank `peer`.
  * Returns 0, or -1 (with s->failed set) if the peer died or the job is being
  * aborted. */
@@ -182,6 +257,7 @@ int fsdp__shm_wait_ge(struct shm_state *s, struct fsdp_comm *c, _Atomic uint32_t
         uint32_t ab = atomic_load(&s->hdr->aborted);
         if (ab) return fsdp__shm_fail_aborted(s, c, ab, peer, q);
         if (!fsdp__shm_pid_alive(s->peer_pid[peer])) return fsdp__shm_fail_dead(s, c, peer, q);
+        if (fsdp__shm_id_check(s, c, &s->ctl[peer].cur, peer, q, 1)) return -1; /* waiting elsewhere? */
     }
 }
 
@@ -203,14 +279,16 @@ static int round_begin(struct shm_state *s, struct fsdp_comm *c, const struct sh
     return 0;
 }
 
-static void round_post(struct shm_state *s, struct fsdp_comm *c) {
+static void round_post(struct shm_state *s, struct fsdp_comm *c, const struct shm_req *q) {
     struct shm_ctl *me = &s->ctl[c->rank];
+    fsdp__shm_id_set(&me->rid[s->round % SHM_NBUF], q); /* [Note: collective ids] */
     fsdp__shm_store_wake(&me->posted, &me->posted_waiters, s->round + 1u);
 }
 
 static int round_wait_peer(struct shm_state *s, struct fsdp_comm *c, int k, const struct shm_req *q) {
     if (k == c->rank) return 0;
-    return fsdp__shm_wait_ge(s, c, &s->ctl[k].posted, &s->ctl[k].posted_waiters, s->round + 1u, k, q);
+    if (fsdp__shm_wait_ge(s, c, &s->ctl[k].posted, &s->ctl[k].posted_waiters, s->round + 1u, k, q)) return -1;
+    return fsdp__shm_id_check(s, c, &s->ctl[k].rid[s->round % SHM_NBUF], k, q, 0);
 }
 
 static void round_end(struct shm_state *s, struct fsdp_comm *c) {
@@ -232,7 +310,7 @@ static int run_allgather(struct shm_state *s, struct fsdp_comm *c, struct shm_re
         if (round_begin(s, c, q)) return -1;
         unsigned char *my = slot_at(s, c->rank, s->round);
         memcpy(my, mine + off, n);
-        round_post(s, c);
+        round_post(s, c, q);
         /* out of place: this rank's own block from its slot, still in cache */
         if (q->send) fsdp__shm_copy_out(recv + (size_t)c->rank * bytes + off, my, n, bytes);
         for (int j = 1; j < c->size; j++) {
@@ -258,7 +336,7 @@ static int run_reduce_scatter(struct shm_state *s, struct fsdp_comm *c, struct s
         unsigned char *my = slot_at(s, c->rank, s->round);
         for (size_t k = 0; k < W; k++)
             if ((int)k != c->rank) memcpy(my + k * per * esz, send + (k * q->count + off) * esz, n * esz);
-        round_post(s, c);
+        round_post(s, c, q);
         for (int k = 0; k < c->size; k++) {
             if (round_wait_peer(s, c, k, q)) return -1;
             const unsigned char *src = k == c->rank
@@ -284,7 +362,7 @@ static int run_allreduce(struct shm_state *s, struct fsdp_comm *c, struct shm_re
         size_t n = q->count - off < per ? q->count - off : per;
         if (round_begin(s, c, q)) return -1;
         memcpy(slot_at(s, c->rank, s->round), in + off * esz, n * esz);
-        round_post(s, c);
+        round_post(s, c, q);
         /* every contribution from the slots, this rank's too: recv may be the input */
         for (int k = 0; k < c->size; k++) {
             if (round_wait_peer(s, c, k, q)) return -1;
@@ -305,7 +383,7 @@ static int run_broadcast(struct shm_state *s, struct fsdp_comm *c, struct shm_re
         size_t n = bytes - off < s->slot ? bytes - off : s->slot;
         if (round_begin(s, c, q)) return -1;
         if (c->rank == q->root) memcpy(slot_at(s, c->rank, s->round), buf + off, n);
-        round_post(s, c);
+        round_post(s, c, q);
         if (c->rank != q->root) {
             if (round_wait_peer(s, c, q->root, q)) return -1;
             memcpy(buf + off, slot_at(s, q->root, s->round), n);
@@ -317,7 +395,7 @@ static int run_broadcast(struct shm_state *s, struct fsdp_comm *c, struct shm_re
 
 static int run_barrier(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
     if (round_begin(s, c, q)) return -1;
-    round_post(s, c);
+    round_post(s, c, q);
     for (int k = 0; k < c->size; k++)
         if (round_wait_peer(s, c, k, q)) return -1;
     round_end(s, c);
@@ -338,6 +416,7 @@ int fsdp__shm_rs_f32_cma(const struct shm_state *s, const struct shm_req *q) {
 static void run_one(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
     int rc = -1;
     if (!s->failed) {
+        fsdp__shm_id_set(&s->ctl[c->rank].cur, q);
         int x = cma_level(s, q) >= 1, xg = cma_level(s, q) >= 2;
         switch (q->base.coll) {
         case FSDP_COLL_ALLGATHER: rc = xg ? fsdp__shm_allgather_cma(s, c, q) : run_allgather(s, c, q); break;
@@ -401,6 +480,7 @@ static enum fsdp_status enqueue(struct fsdp_comm *c, enum fsdp_coll coll, const 
     q->base.scaled = op == FSDP_AVG && fsdp__shm_rs_f32_cma(s, q);
     q->scale = q->base.scaled ? 1.0f / (float)c->size : 1.0f;
     q->seq = c->seq;
+    q->req = ++s->nreq;
     q->t_start = fsdp__now();
     memcpy(q->tag, c->tag, sizeof q->tag);
     q->st = FSDP_OK;

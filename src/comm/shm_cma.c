@@ -93,9 +93,10 @@ static int cma_read(struct shm_state *s, struct fsdp_comm *c, const struct shm_r
 }
 
 /* Step 1: publishes this rank's buffer for the next single-copy collective. */
-static void x_post(struct shm_state *s, struct fsdp_comm *c, const void *addr) {
+static void x_post(struct shm_state *s, struct fsdp_comm *c, const struct shm_req *q, const void *addr) {
     struct shm_ctl *me = &s->ctl[c->rank];
     s->xop++;
+    fsdp__shm_id_set(&me->xid, q); /* [Note: collective ids] in shm.c */
     atomic_store_explicit(&me->xaddr, (uint64_t)(uintptr_t)addr, memory_order_relaxed);
     fsdp__shm_store_wake(&me->xposted, &me->xposted_waiters, s->xop); /* releases xaddr */
 }
@@ -104,7 +105,7 @@ static void x_post(struct shm_state *s, struct fsdp_comm *c, const void *addr) {
 static int x_peer(struct shm_state *s, struct fsdp_comm *c, int k, const struct shm_req *q) {
     if (fsdp__shm_wait_ge(s, c, &s->ctl[k].xposted, &s->ctl[k].xposted_waiters, s->xop, k, q)) return -1;
     s->xpeer[k] = atomic_load_explicit(&s->ctl[k].xaddr, memory_order_relaxed);
-    return 0;
+    return fsdp__shm_id_check(s, c, &s->ctl[k].xid, k, q, 0);
 }
 
 /* Step 3: this rank has read all it needs; if the peers read this rank's
@@ -124,7 +125,7 @@ int fsdp__shm_allgather_cma(struct shm_state *s, struct fsdp_comm *c, struct shm
     size_t bytes = q->count * fsdp_dtype_size(q->dt);
     unsigned char *recv = q->recv;
     const unsigned char *mine = q->send ? q->send : recv + (size_t)c->rank * bytes;
-    x_post(s, c, mine);
+    x_post(s, c, q, mine);
     if (q->send) fsdp__shm_copy_out(recv + (size_t)c->rank * bytes, q->send, bytes, bytes);
     for (int j = 1; j < c->size; j++) {
         int k = (c->rank + j) % c->size; /* spread the readers over the owners */
@@ -177,7 +178,7 @@ int fsdp__shm_reduce_scatter_cma(struct shm_state *s, struct fsdp_comm *c, struc
     if (low && per > s->slot / 8) per = s->slot / 8;
     const unsigned char *send = q->send;
     unsigned char *recv = q->recv;
-    x_post(s, c, send);
+    x_post(s, c, q, send);
     for (int k = 0; k < c->size; k++)
         if (k != me && x_peer(s, c, k, q)) return -1;
     if (fsdp__shm_rs_f32_cma(s, q)) return reduce_scatter_f32_cma(s, c, q);
@@ -205,7 +206,7 @@ int fsdp__shm_reduce_scatter_cma(struct shm_state *s, struct fsdp_comm *c, struc
 
 int fsdp__shm_broadcast_cma(struct shm_state *s, struct fsdp_comm *c, struct shm_req *q) {
     size_t bytes = q->count * fsdp_dtype_size(q->dt);
-    x_post(s, c, q->recv);
+    x_post(s, c, q, q->recv);
     if (c->rank != q->root &&
         (x_peer(s, c, q->root, q) || cma_read(s, c, q, q->root, q->recv, s->xpeer[q->root], bytes)))
         return -1;
