@@ -213,9 +213,7 @@ int fsdp__shm_id_check(struct shm_state *s, struct fsdp_comm *c, const struct sh
     snprintf(s->fail_msg, sizeof s->fail_msg,
              "shm: the ranks run different collectives: rank %d %s, rank %d %s; every rank must start the same "
              "collectives in the same order", c->rank, mine, peer, theirs);
-    fprintf(stderr, "fsdp: %s\n", s->fail_msg);
-    fflush(stderr);
-    s->failed = 1;
+    s->failed = 1; /* the request's error carries it to the caller */
     return -1;
 }
 
