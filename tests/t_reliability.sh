@@ -457,7 +457,21 @@ if [ $rc = 1 ] && grep -q "error: rank 1 (1 of 2 ranks failed here, the others d
   ok "--data missing on one host: every rank exits 1 before any step, rank 1's message naming the file"
 else bad "--data missing on one host" "exit $rc" "$(grep -v '^ *$' "$tmp/m1" | head -4)"; fi
 # a --save-dir only rank 0's host has: refused before step 1 (a run trained to its end, then could not save)
-mkdir -p "$tmp/h0/par" && head -c 20000 /dev/urandom > "$tmp/h1/d.txt"
+# a --data or --val-data whose copies differ between the hosts ([Note: the same data on every rank]): every rank
+# ends before step 1 naming the file (another size of --val-data ran different collectives at the first
+# evaluation: Open MPI aborted; another --data trained on batches no one asked for, silently)
+head -c 20000 /dev/urandom > "$tmp/h1/d.txt"
+mpmd "$tmp/m8" "${one[@]}" --data d.txt; rc=$?
+if [ $rc = 1 ] && grep -q "error: --data 'd.txt': the ranks do not read the same data (20000 tokens on rank 0 and on rank 1, but other contents)" "$tmp/m8" &&
+   ! grep -q "^step" "$tmp/m8"; then ok "--data of one size but other contents on rank 1's host: every rank exits 1 before step 1, naming it"
+else bad "--data differing between hosts" "exit $rc" "$(grep -v '^ *$' "$tmp/m8" | head -4)"; fi
+cp "$tmp/h0/d.txt" "$tmp/h1/d.txt"
+head -c 3000 /dev/urandom > "$tmp/h0/v.txt" && head -c 6000 /dev/urandom > "$tmp/h1/v.txt"
+mpmd "$tmp/m9" "${one[@]}" --data d.txt --val-data v.txt --eval-every 1 --comm mpi; rc=$?
+if [ $rc = 1 ] && grep -q "error: --val-data 'v.txt': the ranks do not read the same data (3000 tokens on rank 0, 6000 on rank 1)" "$tmp/m9" &&
+   ! grep -q "^step\|MPI_ERR" "$tmp/m9"; then ok "--val-data of another size on rank 1's host (Open MPI): every rank exits 1 before step 1, naming both counts"
+else bad "--val-data differing between hosts" "exit $rc" "$(grep -v '^ *$' "$tmp/m9" | head -4)"; fi
+mkdir -p "$tmp/h0/par"
 mpmd "$tmp/m4" "${one[@]}" --data d.txt --save-dir par/sd; rc=$?
 if [ $rc = 1 ] && grep -q "error: rank 1 (1 of 2 ranks failed here, the others did not): --save-dir 'par/sd' is not a folder on this rank's host" "$tmp/m4" &&
    ! grep -q "^step" "$tmp/m4"; then ok "--save-dir missing on rank 1's host: every rank exits 1 before step 1, naming it"

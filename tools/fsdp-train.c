@@ -38,6 +38,7 @@
 #include <strings.h>
 #include <time.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "train/config.h"
 #include "train/mfu.h"
@@ -142,6 +143,96 @@ static void setup_agree(int64_t resume_step, const char *resume_dir) {
 void agree_or_fail(int code, const char *msg) {
     if (g_ctx && fsdp_ctx_world(g_ctx) > 1) setup_meet(code, msg, -1, NULL);
     else if (code) fail_all("%s", msg);
+}
+
+/* [Note: the same data on every rank]
+ * Every rank reads a whole data file (or image set) and takes its part of
+ * each global batch, so every host needs the same copy. A --val-data of
+ * another size on one host gave it another number of evaluation batches:
+ * the ranks ran different collectives at the first evaluation (Open MPI
+ * aborted; shm named the collectives, not the file); a --data of another
+ * size or contents trained on batches no one asked for, silently. So after
+ * the setup agreement the ranks compare what each task's open recorded (a
+ * count, and a CRC-32 of three 1 MiB samples of a file or of three images),
+ * and a difference ends every rank naming the flag, the file and both
+ * counts. */
+static uint32_t crc_file_samples(const char *path, int64_t *size) {
+    FILE *f = fopen(path, "rb");
+    struct stat sb;
+    uint32_t crc = 0;
+    *size = 0;
+    if (!f || fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        if (f) fclose(f);
+        return 0;
+    }
+    *size = (int64_t)sb.st_size;
+    static unsigned char buf[1 << 20];
+    int64_t at[3] = {0, *size / 2, *size > (int64_t)sizeof buf ? *size - (int64_t)sizeof buf : 0};
+    for (int k = 0; k < 3; k++) {
+        size_t got = fseeko(f, (off_t)at[k], SEEK_SET) == 0 ? fread(buf, 1, sizeof buf, f) : 0;
+        crc = (uint32_t)crc32(crc, buf, (uInt)got);
+    }
+    fclose(f);
+    return crc;
+}
+
+static struct task_input *input_add(struct task *t, const char *flag, const char *name, const char *unit,
+                                    int64_t count) {
+    if (t->n_inputs == (int)(sizeof t->inputs / sizeof t->inputs[0])) return NULL;
+    struct task_input *in = &t->inputs[t->n_inputs++];
+    in->flag = flag;
+    snprintf(in->name, sizeof in->name, "%s", name);
+    in->unit = unit;
+    in->count = count;
+    in->crc = 0;
+    return in;
+}
+
+void task_input_file(struct task *t, const char *flag, const char *path, const char *unit, int64_t count) {
+    struct task_input *in = input_add(t, flag, path, unit, count);
+    int64_t size;
+    if (in) in->crc = crc_file_samples(path, &size) ^ (uint32_t)size ^ (uint32_t)((uint64_t)size >> 32);
+}
+
+void task_input_images(struct task *t, const char *flag, const char *name, const struct fsdp_images *im) {
+    struct fsdp_images_info ii;
+    fsdp_images_info(im, &ii);
+    struct task_input *in = input_add(t, flag, name, "images", ii.count);
+    if (!in || ii.count <= 0) return;
+    int64_t pick[3] = {0, ii.count / 2, ii.count - 1};
+    for (int k = 0; k < 3; k++) {
+        int32_t y = fsdp_images_label(im, pick[k]);
+        in->crc = (uint32_t)crc32(in->crc, fsdp_images_pixels(im, pick[k]),
+                                  (uInt)((size_t)ii.height * (size_t)ii.width * (size_t)ii.channels));
+        in->crc = (uint32_t)crc32(in->crc, (const unsigned char *)&y, sizeof y);
+    }
+}
+
+/* Every rank, after the setup agreement: the ranks' inputs against rank 0's. */
+static void agree_inputs(struct fsdp_ctx *ctx, const struct task *t) {
+    int world = fsdp_ctx_world(ctx), n = t->n_inputs;
+    if (world == 1 || n == 0) return;
+    int64_t mine[2 * 4], *all = calloc((size_t)world * 2 * (size_t)n, sizeof *all);
+    for (int i = 0; i < n; i++) mine[2 * i] = t->inputs[i].count, mine[2 * i + 1] = t->inputs[i].crc;
+    if (!all || fsdp_comm_allgather(fsdp_ctx_comm(ctx), mine, all, 2 * (size_t)n, FSDP_I64) != FSDP_OK)
+        fail_rank("comparing the ranks' data: %s", all ? fsdp_errmsg(ctx) : "out of memory");
+    for (int i = 0; i < n; i++)
+        for (int r = 1; r < world; r++) {
+            const int64_t *a = all + 2 * i, *b = all + (size_t)r * 2 * (size_t)n + 2 * i;
+            if (a[0] == b[0] && a[1] == b[1]) continue;
+            const struct task_input *in = &t->inputs[i];
+            char how[160];
+            if (a[0] != b[0])
+                snprintf(how, sizeof how, "%lld %s on rank 0, %lld on rank %d", (long long)a[0], in->unit,
+                         (long long)b[0], r);
+            else
+                snprintf(how, sizeof how, "%lld %s on rank 0 and on rank %d, but other contents", (long long)a[0],
+                         in->unit, r);
+            free(all);
+            fail_all("%s '%s': the ranks do not read the same data (%s): every rank reads it whole and takes its "
+                     "part of each batch, so every host needs the same copy", in->flag, in->name, how);
+        }
+    free(all);
 }
 
 /* An error every rank detects alike: rank 0 reports, all finish cleanly; in
@@ -365,6 +456,7 @@ int main(int argc, char **argv) {
     task.ops->open(&task, ctx, &o);
     setup_agree(-1, NULL); /* before the first collective */
     g_setup_open = 0;
+    agree_inputs(ctx, &task); /* [Note: the same data on every rank] */
     struct fsdp_module *root = task.root;
     /* MFU's peak: a short GEMM probe on every rank (or --peak-gflops), before
      * --mem-limit caps the allocator and before the model's memory exists */

@@ -58,6 +58,16 @@ struct task_ops {
     enum fsdp_status (*before_train)(struct task *t, struct fsdp_ctx *ctx, struct fsdp_model *fm, const struct opts *o);
 };
 
+/* An input every rank reads whole, taking its part of each batch: the ranks
+ * must read the same one ([Note: the same data on every rank], fsdp-train.c). */
+struct task_input {
+    const char *flag; /* "--data", "--val-data" */
+    char name[200];   /* the path, or a data set's name and split */
+    const char *unit; /* what count counts: "tokens", "images" */
+    int64_t count;
+    uint32_t crc;     /* CRC-32 of samples of its contents */
+};
+
 struct task {
     const struct task_ops *ops;
     struct fsdp_module *root;   /* the model, shapes only until sharded; freed by fsdp-train */
@@ -77,8 +87,15 @@ struct task {
     char log_extra[1024];       /* after a step: JSON members (`"k": v, `) for the --log line
                                    (an evaluation may append its own) */
     char eval_note[96];         /* after the accuracy in the evaluation's lines (e.g. "  probe_acc 90.1%") */
+    struct task_input inputs[4]; /* what open read, compared across the ranks */
+    int n_inputs;
     void *impl;
 };
+
+/* Records an input of t (open): a file by its size and samples of its bytes,
+ * or an image set by its images' pixels and labels. */
+void task_input_file(struct task *t, const char *flag, const char *path, const char *unit, int64_t count);
+void task_input_images(struct task *t, const char *flag, const char *name, const struct fsdp_images *im);
 
 /* Which task a run is: 1 for an image model (--model cnn/resnet*, a
  * --model-config with an "arch" key, or a checkpoint whose meta holds
@@ -118,8 +135,8 @@ static inline int64_t task_eval_images(const struct opts *o, int64_t n) {
  * and std into bo; image i of im as normalised CHW. */
 enum fsdp_status task_cnn_create(struct fsdp_ctx *ctx, int in_chans, int width, int num_classes,
                                  struct fsdp_module **out);
-int task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const char *name, int num_classes,
-                          struct fsdp_images **train, struct fsdp_images **test);
+int task_images_open_data(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, const char *name,
+                          int num_classes, struct fsdp_images **train, struct fsdp_images **test);
 void task_images_norm(const struct opts *o, struct fsdp_image_batch_opts *bo);
 void task_load_image(const struct fsdp_images *im, const struct fsdp_image_batch_opts *bo, int64_t i, float *dst);
 /* arch names one of the library's ResNets (fsdp_resnet_config_preset takes it). */

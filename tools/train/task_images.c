@@ -208,8 +208,8 @@ int task_is_images(const struct opts *o, const struct fsdp_ckpt_meta *ck) {
     return ck && ck->model_json[0];
 }
 
-int task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const char *name, int num_classes,
-                          struct fsdp_images **train, struct fsdp_images **test) {
+int task_images_open_data(struct task *t, struct fsdp_ctx *ctx, const struct opts *o, const char *name,
+                          int num_classes, struct fsdp_images **train, struct fsdp_images **test) {
     if (fsdp_images_open(ctx, name, FSDP_SPLIT_TRAIN, num_classes ? num_classes : 256, train) != FSDP_OK)
         fail_input("--data: %s", fsdp_errmsg(ctx));
     struct fsdp_images_info ti, vi;
@@ -232,6 +232,11 @@ int task_images_open_data(struct fsdp_ctx *ctx, const struct opts *o, const char
                    vi.height, vi.width, ti.channels, ti.height, ti.width);
     if ((o->n_mean > 1 && o->n_mean != ti.channels) || (o->n_std > 1 && o->n_std != ti.channels))
         fail_input("--mean / --std: give one value or one per channel (the images have %d channels)", ti.channels);
+    char split[sizeof t->inputs[0].name];
+    snprintf(split, sizeof split, "%s (training images)", name);
+    task_input_images(t, "--data", split, *train);
+    snprintf(split, sizeof split, "%s (test images)", name);
+    task_input_images(t, "--data", split, *test);
     return num_classes;
 }
 
@@ -463,7 +468,7 @@ void task_images_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_
     }
     k->data_name = o->data ? o->data : IMAGE_DATA_DEFAULT;
     /* the data: labels below num_classes (a preset takes the training labels' classes) */
-    int nc = task_images_open_data(ctx, o, k->data_name, preset ? 0 : k->cfg.num_classes, &k->train, &k->test);
+    int nc = task_images_open_data(t, ctx, o, k->data_name, preset ? 0 : k->cfg.num_classes, &k->train, &k->test);
     fsdp_images_info(k->train, &k->ti);
     if (preset) {
         k->cfg.in_chans = k->ti.channels;

@@ -652,7 +652,7 @@ void task_swav_create(struct fsdp_ctx *ctx, struct opts *o, const struct fsdp_ck
     t->impl = k; /* reachable from here on, so an error exit leaks nothing */
     k->data_name = o->data ? o->data : IMAGE_DATA_DEFAULT;
     /* the classes of the training labels (the kNN's and the probe's), the test labels below them */
-    k->n_classes = task_images_open_data(ctx, o, k->data_name, 0, &k->train, &k->test);
+    k->n_classes = task_images_open_data(t, ctx, o, k->data_name, 0, &k->train, &k->test);
     fsdp_images_info(k->train, &k->ti);
     /* the trunk: --model cnn | resnet18/34/50, or a ResNet --model-config, else the checkpoint's */
     int from_ck = !o->model && !o->model_config && ck && ck_trunk(ctx, k, ck, resume_dir);

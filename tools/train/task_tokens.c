@@ -53,8 +53,8 @@ static int64_t val_batches(const struct tokens *k, const struct opts *o) {
 
 /* Opens the token source dn for `flag` (--data, --val-data): a token file, a
  * text file as bytes, or with --tokenizer a text file BPE-encoded. */
-static struct fsdp_data *open_tokens(struct tokens *k, struct fsdp_ctx *ctx, const struct opts *o, const char *flag,
-                                     const char *dn) {
+static struct fsdp_data *open_tokens(struct task *t, struct tokens *k, struct fsdp_ctx *ctx, const struct opts *o,
+                                     const char *flag, const char *dn) {
     struct fsdp_data *d = NULL;
     enum fsdp_status st = !strcmp(dn, "synthetic") ? fsdp_data_synthetic(ctx, o->seed, (size_t)1 << 22, &d)
                                                    : fsdp_data_open(ctx, dn, k->cfg.vocab_size, &d);
@@ -79,6 +79,7 @@ static struct fsdp_data *open_tokens(struct tokens *k, struct fsdp_ctx *ctx, con
     if (fsdp_data_is_text(d) && k->cfg.vocab_size < 256)
         fail_all("%s: '%s' is byte-level text, which needs vocab_size >= 256, the model has %d", flag, dn,
                  k->cfg.vocab_size);
+    if (strcmp(dn, "synthetic")) task_input_file(t, flag, dn, "tokens", (int64_t)fsdp_data_ntokens(d));
     return d;
 }
 
@@ -94,9 +95,9 @@ static void tok_open(struct task *t, struct fsdp_ctx *ctx, const struct opts *o)
             fail_all("--tokenizer '%s': its %d ids do not fit the model's vocab_size %d", o->tokenizer,
                      fsdp_bpe_vocab_size(k->bpe), k->cfg.vocab_size);
     }
-    open_tokens(k, ctx, o, "--data", dn);
+    open_tokens(t, k, ctx, o, "--data", dn);
     if (o->val_data) {
-        open_tokens(k, ctx, o, "--val-data", o->val_data);
+        open_tokens(t, k, ctx, o, "--val-data", o->val_data);
         int64_t EB = task_eval_batch(o);
         if (val_batches_held(k, o) < 1)
             fail_input("--val-data %s: %zu tokens, fewer than one evaluation batch needs: %lld sequences "
