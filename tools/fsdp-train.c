@@ -90,8 +90,35 @@ static const char *const coll_names[FSDP_COLL_COUNT] = {"allgather", "reduce_sca
  * is read and after the task's open, with no other collective between. The lowest failing rank prints its
  * message (naming itself when some ranks did not fail), and every rank exits
  * with that rank's code; ranks that resumed different steps of one --resume
- * stop alike, naming them. */
+ * stop alike, naming them, and so do ranks that read different copies of the
+ * data ([Note: the same data on every rank]). */
 static int g_setup_open; /* inside the window above */
+static const struct task *g_task; /* what this run trains */
+
+#define TASK_INPUTS_MAX ((int)(sizeof g_task->inputs / sizeof g_task->inputs[0]))
+#define MEET_N (2 + 2 * TASK_INPUTS_MAX) /* a meeting's record: code, resume step, the task's inputs */
+
+/* Whether a rank's inputs differ from rank 0's in all (MEET_N per rank,
+ * [Note: the same data on every rank]); if so, what to print into buf. */
+static int inputs_differ(const int64_t *all, int world, char *buf, size_t n) {
+    for (int i = 0; g_task && i < g_task->n_inputs; i++)
+        for (int r = 1; r < world; r++) {
+            const int64_t *a = all + 2 + 2 * i, *b = all + (size_t)r * MEET_N + 2 + 2 * i;
+            if (a[0] == b[0] && a[1] == b[1]) continue;
+            const struct task_input *in = &g_task->inputs[i];
+            char how[160];
+            if (a[0] != b[0])
+                snprintf(how, sizeof how, "%lld %s on rank 0, %lld on rank %d", (long long)a[0], in->unit,
+                         (long long)b[0], r);
+            else
+                snprintf(how, sizeof how, "%lld %s on rank 0 and on rank %d, but other contents", (long long)a[0],
+                         in->unit, r);
+            snprintf(buf, n, "%s '%s': the ranks do not read the same data (%s): every rank reads it whole and takes "
+                     "its part of each batch, so every host needs the same copy", in->flag, in->name, how);
+            return 1;
+        }
+    return 0;
+}
 
 static _Noreturn void setup_exit(int code) {
     g_setup_open = 0;
@@ -100,27 +127,32 @@ static _Noreturn void setup_exit(int code) {
 }
 
 /* Collective over the world: code 0 (no error) or this rank's exit code and
- * message; resume_step: the --resume checkpoint's step, or -1. Returns only
- * when no rank failed and every rank resumed the same step. */
+ * message; resume_step: the --resume checkpoint's step, or -1; the task's
+ * inputs so far. Returns only when no rank failed, every rank resumed the
+ * same step and read the same data. */
 static void setup_meet(int code, const char *msg, int64_t resume_step, const char *resume_dir) {
     int world = fsdp_ctx_world(g_ctx), rank = fsdp_ctx_rank(g_ctx);
-    int64_t mine[2] = {code, resume_step}, *all = calloc((size_t)world * 2, sizeof *all);
-    if (!all || fsdp_comm_allgather(fsdp_ctx_comm(g_ctx), mine, all, 2, FSDP_I64) != FSDP_OK) {
+    int64_t mine[MEET_N] = {code, resume_step}, *all = calloc((size_t)world * MEET_N, sizeof *all);
+    for (int i = 0; g_task && i < g_task->n_inputs; i++) /* zeros until the task's open recorded them */
+        mine[2 + 2 * i] = g_task->inputs[i].count, mine[3 + 2 * i] = g_task->inputs[i].crc;
+    if (!all || fsdp_comm_allgather(fsdp_ctx_comm(g_ctx), mine, all, MEET_N, FSDP_I64) != FSDP_OK) {
         fprintf(stderr, "fsdp-train: rank %d: error: %s%s%s\n", rank, code ? msg : "", code ? "; then " : "",
                 all ? fsdp_errmsg(g_ctx) : "out of memory agreeing on setup");
         fsdp_ctx_abort(g_ctx, code ? code : 1);
     }
     int first = -1, failed = 0, other = -1;
     for (int r = 0; r < world; r++) {
-        if (all[2 * r]) failed++, first = first < 0 ? r : first;
-        if (all[2 * r + 1] != all[1] && other < 0) other = r;
+        if (all[(size_t)r * MEET_N]) failed++, first = first < 0 ? r : first;
+        if (all[(size_t)r * MEET_N + 1] != all[1] && other < 0) other = r;
     }
-    if (first < 0 && other < 0) {
+    char differ[1024];
+    int data = first < 0 && other < 0 && inputs_differ(all, world, differ, sizeof differ);
+    if (first < 0 && other < 0 && !data) {
         free(all);
         return;
     }
     if (first >= 0) {
-        int c = (int)all[2 * first];
+        int c = (int)all[(size_t)first * MEET_N];
         if (rank == first && failed == world) fprintf(stderr, "fsdp-train: error: %s\n", msg);
         else if (rank == first)
             fprintf(stderr, "fsdp-train: error: rank %d (%d of %d ranks failed here, the others did not): %s\n", rank,
@@ -128,12 +160,13 @@ static void setup_meet(int code, const char *msg, int64_t resume_step, const cha
         free(all);
         setup_exit(c);
     }
-    if (rank == 0)
+    if (rank == 0 && data) fprintf(stderr, "fsdp-train: error: %s\n", differ);
+    else if (rank == 0)
         fprintf(stderr, "fsdp-train: error: --resume %s: the ranks found different checkpoints there (step %lld on "
                 "rank 0, step %lld on rank %d): give every rank the same checkpoint\n", resume_dir,
-                (long long)all[1], (long long)all[2 * other + 1], other);
+                (long long)all[1], (long long)all[(size_t)other * MEET_N + 1], other);
     free(all);
-    setup_exit(2);
+    setup_exit(data ? 1 : 2);
 }
 
 /* Where the ranks without an error meet ([Note: setup agreement]). */
@@ -152,11 +185,11 @@ void agree_or_fail(int code, const char *msg) {
  * another size on one host gave it another number of evaluation batches:
  * the ranks ran different collectives at the first evaluation (Open MPI
  * aborted; shm named the collectives, not the file); a --data of another
- * size or contents trained on batches no one asked for, silently. So after
- * the setup agreement the ranks compare what each task's open recorded (a
- * count, and a CRC-32 of three 1 MiB samples of a file or of three images),
- * and a difference ends every rank naming the flag, the file and both
- * counts. */
+ * size or contents trained on batches no one asked for, silently. So each
+ * task's open records its inputs (a count, and a CRC-32 of three 1 MiB
+ * samples of a file or of three images), the setup agreement's record
+ * carries them (setup_meet: the last meeting follows the open), and a
+ * difference ends every rank naming the flag, the file and both counts. */
 static uint32_t crc_file_samples(const char *path, int64_t *size) {
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC); /* a FIFO put there since would not block */
     struct stat sb;
@@ -209,33 +242,6 @@ void task_input_images(struct task *t, const char *flag, const char *name, const
     }
 }
 
-/* Every rank, after the setup agreement: the ranks' inputs against rank 0's. */
-static void agree_inputs(struct fsdp_ctx *ctx, const struct task *t) {
-    int world = fsdp_ctx_world(ctx), n = t->n_inputs;
-    if (world == 1 || n == 0) return;
-    int64_t mine[2 * 4], *all = calloc((size_t)world * 2 * (size_t)n, sizeof *all);
-    for (int i = 0; i < n; i++) mine[2 * i] = t->inputs[i].count, mine[2 * i + 1] = t->inputs[i].crc;
-    if (!all || fsdp_comm_allgather(fsdp_ctx_comm(ctx), mine, all, 2 * (size_t)n, FSDP_I64) != FSDP_OK)
-        fail_rank("comparing the ranks' data: %s", all ? fsdp_errmsg(ctx) : "out of memory");
-    for (int i = 0; i < n; i++)
-        for (int r = 1; r < world; r++) {
-            const int64_t *a = all + 2 * i, *b = all + (size_t)r * 2 * (size_t)n + 2 * i;
-            if (a[0] == b[0] && a[1] == b[1]) continue;
-            const struct task_input *in = &t->inputs[i];
-            char how[160];
-            if (a[0] != b[0])
-                snprintf(how, sizeof how, "%lld %s on rank 0, %lld on rank %d", (long long)a[0], in->unit,
-                         (long long)b[0], r);
-            else
-                snprintf(how, sizeof how, "%lld %s on rank 0 and on rank %d, but other contents", (long long)a[0],
-                         in->unit, r);
-            free(all);
-            fail_all("%s '%s': the ranks do not read the same data (%s): every rank reads it whole and takes its "
-                     "part of each batch, so every host needs the same copy", in->flag, in->name, how);
-        }
-    free(all);
-}
-
 /* An error every rank detects alike: rank 0 reports, all finish cleanly; in
  * setup, any rank's error ends every rank ([Note: setup agreement]). */
 static _Noreturn void fail_all_v(int code, const char *fmt, va_list ap) {
@@ -260,7 +266,6 @@ _Noreturn void fail_input(const char *fmt, ...) {
     fail_all_v(2, fmt, ap);
 }
 
-static const struct task *g_task; /* what this run trains */
 
 /* a double's every bit (17 digits): tests compare runs' logs for the same bits */
 static const char *json_num(char *buf, size_t cap, double x) {
@@ -457,7 +462,6 @@ int main(int argc, char **argv) {
     task.ops->open(&task, ctx, &o);
     setup_agree(-1, NULL); /* before the first collective */
     g_setup_open = 0;
-    agree_inputs(ctx, &task); /* [Note: the same data on every rank] */
     struct fsdp_module *root = task.root;
     /* MFU's peak: a short GEMM probe on every rank (or --peak-gflops), before
      * --mem-limit caps the allocator and before the model's memory exists */

@@ -138,7 +138,7 @@ int fsdp__shm_fail_aborted(struct shm_state *s, struct fsdp_comm *c, uint32_t ab
  * (0, or -1 naming both with the failure recorded); `now`: the peer's
  * current one, compared only where it is the same request. */
 void fsdp__shm_id_set(struct shm_coll_id *id, const struct shm_req *q);
-int fsdp__shm_id_check(struct shm_state *s, struct fsdp_comm *c, const struct shm_coll_id *id, int peer,
+int fsdp__shm_id_check(struct shm_state *s, struct fsdp_comm *c, struct shm_coll_id *w, int peer,
                        const struct shm_req *q, int now);
 /* Waits until *w >= target (mod 2^32) set by rank peer: spin, then futex; the
  * watchdog and dead-peer checks apply. 0, or -1 with the failure recorded. */

@@ -194,15 +194,14 @@ static void id_describe(uint64_t req, uint64_t count, uint64_t desc, const char 
     snprintf(buf, n, "%s%s (request %llu%s%.40s)", what, how, (unsigned long long)req, tag[0] ? ", tag " : "", tag);
 }
 
-int fsdp__shm_id_check(struct shm_state *s, struct fsdp_comm *c, const struct shm_coll_id *id, int peer,
+int fsdp__shm_id_check(struct shm_state *s, struct fsdp_comm *c, struct shm_coll_id *w, int peer,
                        const struct shm_req *q, int now) {
-    struct shm_coll_id *w = (struct shm_coll_id *)id;
     uint64_t req = atomic_load_explicit(&w->req, memory_order_acquire);
     if (now && req != q->req) return 0; /* the peer is elsewhere: not comparable */
     uint64_t count = atomic_load_explicit(&w->count, memory_order_relaxed);
     uint64_t desc = atomic_load_explicit(&w->desc, memory_order_relaxed);
-    char tag[sizeof id->tag];
-    memcpy(tag, id->tag, sizeof tag);
+    char tag[sizeof w->tag];
+    memcpy(tag, w->tag, sizeof tag);
     tag[sizeof tag - 1] = '\0';
     atomic_thread_fence(memory_order_acquire);
     if (now && atomic_load_explicit(&w->req, memory_order_relaxed) != req) return 0; /* rewritten meanwhile */
