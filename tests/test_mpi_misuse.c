@@ -21,6 +21,7 @@
 #include <dirent.h>
 #include <math.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "mpi_harness.h"
@@ -121,13 +122,34 @@ TEST(a_save_into_folders_the_ranks_do_not_share_is_named_and_leaves_nothing) {
     char base[] = "/tmp/fsdp_misuse_XXXXXX", ck[64];
     ASSERT(mkdtemp(base) != NULL); /* each rank its own: each host's own disk */
     snprintf(ck, sizeof ck, "%s/ck", base);
+    /* the last rank's host already holds ck.tmp with a file of someone else's: it stays */
+    int last = fsdp_ctx_rank(c) == fsdp_ctx_world(c) - 1;
+    char tmpdir[80], notes[96];
+    snprintf(tmpdir, sizeof tmpdir, "%s.tmp", ck);
+    snprintf(notes, sizeof notes, "%s/notes.txt", tmpdir);
+    if (last) {
+        ASSERT(mkdir(tmpdir, 0755) == 0);
+        FILE *f = fopen(notes, "w");
+        ASSERT(f && fputs("mine\n", f) >= 0 && fclose(f) == 0);
+    }
     struct run r;
     ASSERT_OK(run_open(c, 0, &r), c);
     enum fsdp_status st = fsdp_ckpt_save(c, r.fm, ck, NULL);
     CHECK_INT_EQ(st, FSDP_ERR_INVALID);
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "rank 1 wrote its file, but not into");
     CHECK_STR_CONTAINS(fsdp_errmsg(c), "the ranks do not share the checkpoint folder");
-    CHECK_INT_EQ(entries(base), 0); /* no ck, no ck.tmp on any rank */
+    /* no ck and no ck.tmp of this save on any rank; the last rank's own ck.tmp keeps only the notes */
+    CHECK_INT_EQ(entries(base), last ? 1 : 0);
+    if (last) {
+        CHECK_INT_EQ(entries(tmpdir), 1);
+        char got[16] = "";
+        FILE *f = fopen(notes, "r");
+        CHECK(f && fgets(got, sizeof got, f));
+        if (f) fclose(f);
+        CHECK_STR_EQ(got, "mine\n");
+        unlink(notes);
+        rmdir(tmpdir);
+    }
     rmdir(base);
     run_close(&r);
 }
